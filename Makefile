@@ -1,0 +1,32 @@
+# make up    — run the system locally on the embedded default (tiny synthetic checkpoint)
+# make test  — create .venv if missing, install, run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# torch first, pinned to the CPU wheel these machines carry; the project's range admits a GPU user's build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install up test bench clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(VENV)/bin/expertmesh up
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/mxfp4.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,401 @@
+"""Model configuration, presets and the arithmetic derived from them (parameters, bytes, KV).
+
+`ModelConfig` describes the reference architecture: a stack of Kimi Delta Attention (KDA) and gated DSA
+(MLA + lightning indexer + top-k sparse attention) layers, each followed by a dense SwiGLU MLP (the first
+`first_k_dense` layers) or a Mixture-of-Experts block (sigmoid gate with a selection-only correction bias,
+group-limited top-k, renormalised weights × routed scaling, routed experts in MXFP4, shared experts).
+
+Presets: `tiny` (tests), `small` (CPU benchmarks), `full-2.8t` (planning and memory arithmetic only).
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LayerType = Literal["kda", "dsa"]
+MXFP4_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
+MXFP4_BITS_PER_WEIGHT = 4 + 8 / MXFP4_BLOCK  # 4.25
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MoEConfig(_Strict):
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0)
+    top_k: int = Field(gt=0)
+    expert_intermediate_size: int = Field(gt=0, description="width of one routed (and shared) expert's SwiGLU")
+    n_group: int = Field(1, gt=0, description="expert groups for group-limited routing")
+    topk_group: int = Field(1, gt=0, description="groups a token may route into")
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    norm_topk_prob: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        if self.top_k > self.n_routed_experts:
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds moe.n_routed_experts={self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"moe.n_routed_experts={self.n_routed_experts} is not divisible by moe.n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"moe.topk_group={self.topk_group} exceeds moe.n_group={self.n_group}")
+        reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+        if self.top_k > reachable:
+            raise ValueError(
+                f"moe.top_k={self.top_k} exceeds the {reachable} experts reachable through "
+                f"moe.topk_group={self.topk_group} of moe.n_group={self.n_group} groups")
+        if self.expert_intermediate_size % MXFP4_BLOCK:
+            raise ValueError(
+                f"moe.expert_intermediate_size={self.expert_intermediate_size} must be a multiple of the "
+                f"MXFP4 block size {MXFP4_BLOCK}")
+        return self
+
+
+class MLAConfig(_Strict):
+    """Multi-head latent attention (the attention of DSA layers)."""
+    n_heads: int = Field(gt=0)
+    q_lora_rank: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "MLAConfig":
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        return self
+
+
+class IndexerConfig(_Strict):
+    """The DSA lightning indexer: per-head ReLU(q·k) scores weighted per head and summed."""
+    n_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    index_topk: int = Field(2048, gt=0, description="past tokens each query attends to")
+
+
+class KDAConfig(_Strict):
+    """Kimi Delta Attention: gated delta rule with a per-channel forget gate and a short causal conv."""
+    n_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    conv_kernel_size: int = Field(4, gt=0)
+    gate_low_rank: int = Field(gt=0, description="rank of the forget-gate and output-gate projections")
+
+
+class RopeConfig(_Strict):
+    theta: float = Field(50_000.0, gt=0)
+
+
+class ThinkingBudgets(_Strict):
+    """Reasoning-token limits per thinking tier."""
+    low: int = Field(gt=0)
+    high: int = Field(gt=0)
+    max: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ThinkingBudgets":
+        if not self.low <= self.high <= self.max:
+            raise ValueError(
+                f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}")
+        return self
+
+    def limit(self, tier: str) -> int:
+        if tier not in ("low", "high", "max"):
+            raise ValueError(f"thinking tier {tier!r}: expected one of low, high, max")
+        return getattr(self, tier)
+
+
+class ModelConfig(_Strict):
+    name: str
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    layer_types: tuple[LayerType, ...] = Field(min_length=1)
+    first_k_dense: int = Field(ge=0, description="leading layers with a dense MLP instead of MoE")
+    dense_intermediate_size: int = Field(gt=0)
+    moe: MoEConfig
+    mla: MLAConfig
+    indexer: IndexerConfig
+    kda: KDAConfig
+    rope: RopeConfig = RopeConfig()
+    thinking: ThinkingBudgets
+    max_context: int = Field(gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.hidden_size % MXFP4_BLOCK:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}")
+        if self.first_k_dense > self.n_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} exceeds the {self.n_layers} layers")
+        return self
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def n_kda_layers(self) -> int:
+        return sum(t == "kda" for t in self.layer_types)
+
+    @property
+    def n_dsa_layers(self) -> int:
+        return sum(t == "dsa" for t in self.layer_types)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense, self.n_layers))
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_k_dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense
+
+    @property
+    def n_logical_experts(self) -> int:
+        """(layer, expert) pairs: the units the planner places."""
+        return self.n_moe_layers * self.moe.n_routed_experts
+
+    # ------------------------------------------------------------------ parameter counts
+    def _kda_layer_params(self) -> int:
+        h, a = self.hidden_size, self.kda
+        inner = a.n_heads * a.head_dim
+        qkv = 3 * h * inner + 3 * inner * a.conv_kernel_size           # projections + depthwise convs
+        forget = h * a.gate_low_rank + a.gate_low_rank * inner + a.n_heads + inner  # low-rank g, A_log, dt_bias
+        beta = h * a.n_heads
+        out_gate = h * a.gate_low_rank + a.gate_low_rank * inner
+        return qkv + forget + beta + out_gate + a.head_dim + inner * h  # + output norm + o_proj
+
+    def _dsa_layer_params(self) -> int:
+        h, m, ix = self.hidden_size, self.mla, self.indexer
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+            + m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        gate = h * m.n_heads * m.v_head_dim                     # gated attention output
+        out = m.n_heads * m.v_head_dim * h
+        indexer = m.q_lora_rank * ix.n_heads * ix.head_dim + h * ix.head_dim + h * ix.n_heads
+        return q + kv + gate + out + indexer
+
+    def attention_params(self, layer: int) -> int:
+        return self._kda_layer_params() if self.layer_types[layer] == "kda" else self._dsa_layer_params()
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe.expert_intermediate_size
+
+    def ffn_params(self, layer: int, active_only: bool = False) -> int:
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 3 * h * self.dense_intermediate_size
+        routed = (self.moe.top_k if active_only else self.moe.n_routed_experts) * self.expert_params
+        shared = self.moe.n_shared_experts * self.expert_params
+        router = self.moe.n_routed_experts * h + self.moe.n_routed_experts  # gate weight + correction bias
+        return routed + shared + router
+
+    @property
+    def embedding_params(self) -> int:
+        n = self.vocab_size * self.hidden_size
+        return n if self.tie_word_embeddings else 2 * n
+
+    def _layers_params(self, active_only: bool) -> int:
+        return sum(self.attention_params(i) + self.ffn_params(i, active_only) + 2 * self.hidden_size
+                   for i in range(self.n_layers))
+
+    @cached_property
+    def total_params(self) -> int:
+        return self.embedding_params + self.hidden_size + self._layers_params(active_only=False)
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters touched per token: everything but the routed experts not chosen."""
+        return self.embedding_params + self.hidden_size + self._layers_params(active_only=True)
+
+    @property
+    def routed_expert_params(self) -> int:
+        return self.n_logical_experts * self.expert_params
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def expert_bytes_mxfp4(self) -> int:
+        """Bytes of one routed expert in MXFP4: K/2 bytes of nibbles + K/32 bytes of scales per row."""
+        h, i = self.hidden_size, self.moe.expert_intermediate_size
+        gate_up = 2 * i * (h // 2 + h // MXFP4_BLOCK)
+        down = h * (i // 2 + i // MXFP4_BLOCK)
+        return gate_up + down
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return self.n_logical_experts * self.expert_bytes_mxfp4
+
+    @property
+    def dense_bytes_bf16(self) -> int:
+        """Everything but the routed experts, stored in bf16."""
+        return 2 * (self.total_params - self.routed_expert_params)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.routed_expert_bytes + self.dense_bytes_bf16
+
+    def kv_bytes_per_token(self, layer_type: LayerType, dtype_bytes: int = 2) -> int:
+        """KV cache bytes one token adds to one layer: DSA keeps the MLA latent (c_kv ‖ k_rope) and the
+        indexer key; KDA keeps a fixed-size state instead, so it adds nothing per token."""
+        if layer_type == "kda":
+            return 0
+        return dtype_bytes * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + self.indexer.head_dim)
+
+    def kv_bytes_per_token_all_layers(self, dtype_bytes: int = 2) -> int:
+        return self.n_dsa_layers * self.kv_bytes_per_token("dsa", dtype_bytes)
+
+    @property
+    def recurrent_state_bytes_per_sequence(self) -> int:
+        """KDA state (fp32 [H, K, V]) plus the short-conv tails (bf16, kernel-1 steps of q, k, v) over all KDA layers."""
+        a = self.kda
+        inner = a.n_heads * a.head_dim
+        state = 4 * a.n_heads * a.head_dim * a.head_dim
+        conv = 2 * 3 * inner * (a.conv_kernel_size - 1)
+        return self.n_kda_layers * (state + conv)
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(figure, value) rows for `expertmesh model describe`."""
+        gib = 1024 ** 3
+        rows = [
+            ("preset", self.name),
+            ("layers", f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA; "
+                       f"{self.first_k_dense} dense, {self.n_moe_layers} MoE)"),
+            ("hidden size", f"{self.hidden_size}"),
+            ("routed experts / layer", f"{self.moe.n_routed_experts} (top-{self.moe.top_k}, "
+                                       f"{self.moe.n_shared_experts} shared, width {self.moe.expert_intermediate_size})"),
+            ("total parameters", _human(self.total_params)),
+            ("active parameters / token", _human(self.active_params)),
+            ("routed expert parameters", _human(self.routed_expert_params)),
+            ("expert weights (MXFP4, 4.25 bit)", f"{self.routed_expert_bytes / gib:,.1f} GiB"),
+            ("other weights (bf16)", f"{self.dense_bytes_bf16 / gib:,.1f} GiB"),
+            ("checkpoint total", f"{self.checkpoint_bytes / gib:,.1f} GiB ({self.checkpoint_bytes / 1e12:.2f} TB)"),
+            ("DSA index top-k", f"{self.indexer.index_topk}"),
+            ("max context", f"{self.max_context:,} tokens"),
+            ("KV bytes / token / DSA layer (bf16)", f"{self.kv_bytes_per_token('dsa'):,}"),
+            ("KV bytes / token / KDA layer", f"{self.kv_bytes_per_token('kda')}"),
+            ("KV bytes / token, all layers", f"{self.kv_bytes_per_token_all_layers():,}"),
+            ("KV at max context / sequence", f"{self.kv_bytes_per_token_all_layers() * self.max_context / gib:,.2f} GiB"),
+            ("recurrent state / sequence", f"{self.recurrent_state_bytes_per_sequence / 2**20:,.2f} MiB"),
+            ("thinking budgets (low/high/max)", f"{self.thinking.low}/{self.thinking.high}/{self.thinking.max}"),
+        ]
+        return rows
+
+
+def _human(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f}{unit} ({n:,})"
+    return f"{n:,}"
+
+
+def interleaved_layer_types(n_layers: int, n_dsa: int) -> tuple[LayerType, ...]:
+    """Spread `n_dsa` DSA layers evenly through `n_layers`, the last layer always DSA (the KDA:DSA ≈ 3:1
+    hybrid of Kimi Linear): layer i is DSA when floor((i+1)·n_dsa/n_layers) steps up."""
+    types: list[LayerType] = []
+    for i in range(n_layers):
+        steps_up = (i + 1) * n_dsa // n_layers > i * n_dsa // n_layers
+        types.append("dsa" if steps_up else "kda")
+    return tuple(types)
+
+
+def _tiny() -> ModelConfig:
+    """Tests: four layers (KDA, DSA, KDA, DSA; layer 0 dense), 16 experts top-4 in 4 groups so placement and
+    replicas matter, DSA top-k 16 (far below test prompt lengths), thinking tiers of a few dozen tokens."""
+    from expertmesh.tokenizer import VOCAB_SIZE
+    return ModelConfig(
+        name="tiny", vocab_size=VOCAB_SIZE, hidden_size=64,
+        layer_types=("kda", "dsa", "kda", "dsa"), first_k_dense=1, dense_intermediate_size=128,
+        moe=MoEConfig(n_routed_experts=16, n_shared_experts=1, top_k=4, expert_intermediate_size=32,
+                      n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        mla=MLAConfig(n_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16),
+        indexer=IndexerConfig(n_heads=2, head_dim=16, index_topk=16),
+        kda=KDAConfig(n_heads=2, head_dim=16, conv_kernel_size=4, gate_low_rank=16),
+        thinking=ThinkingBudgets(low=8, high=24, max=48),
+        max_context=4096, init_std=0.08,
+    )
+
+
+def _small() -> ModelConfig:
+    """CPU benchmarks: 8 layers (6 KDA + 2 DSA), hidden 1024, 32 experts top-4 of width 512."""
+    from expertmesh.tokenizer import VOCAB_SIZE
+    return ModelConfig(
+        name="small", vocab_size=VOCAB_SIZE, hidden_size=1024,
+        layer_types=interleaved_layer_types(8, 2), first_k_dense=1, dense_intermediate_size=2816,
+        moe=MoEConfig(n_routed_experts=32, n_shared_experts=1, top_k=4, expert_intermediate_size=512,
+                      n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        mla=MLAConfig(n_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                      v_head_dim=64),
+        indexer=IndexerConfig(n_heads=4, head_dim=64, index_topk=256),
+        kda=KDAConfig(n_heads=8, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
+        thinking=ThinkingBudgets(low=64, high=256, max=1024),
+        max_context=32768,
+    )
+
+
+def _full_2_8t() -> ModelConfig:
+    """The reference architecture at its published figures; used for planning and memory arithmetic only.
+
+    Published: 93 layers = 69 KDA + 24 DSA, 2.8T total / 104B active parameters, DSA top-k 2,048 over MLA latent
+    KV, 1,048,576-token context, routed experts in MXFP4.
+
+    Assumed (the public record leaves them open; chosen to reproduce the totals, in the style of DeepSeek-V3 /
+    Kimi K2 / Kimi Linear):
+      - hidden size 7168, vocabulary 163,840 (untied embeddings), first 3 layers dense (SwiGLU width 18,432);
+      - DSA layers placed evenly, the last layer DSA (KDA:DSA ≈ 3:1);
+      - MoE: 624 routed experts per layer (8 groups of 78) of SwiGLU width 2,304, top-16 within the top-4
+        groups, 2 shared experts of the same width, routed scaling 2.5;
+      - MLA: 64 heads, q LoRA rank 1,536, KV LoRA rank 512, nope/rope/v head dims 128/64/128, gated output;
+      - indexer: 32 heads × 128 dims;
+      - KDA: 64 heads × 128 dims, short conv 4, low-rank gates of rank 128;
+      - thinking budgets 4,096 / 32,768 / 131,072 reasoning tokens.
+    """
+    from expertmesh.tokenizer import VOCAB_SIZE  # noqa: F401  (keeps the import graph the same for all presets)
+    return ModelConfig(
+        name="full-2.8t", vocab_size=163_840, hidden_size=7168,
+        layer_types=interleaved_layer_types(93, 24), first_k_dense=3, dense_intermediate_size=18_432,
+        moe=MoEConfig(n_routed_experts=624, n_shared_experts=2, top_k=16, expert_intermediate_size=2304,
+                      n_group=8, topk_group=4, routed_scaling_factor=2.5),
+        mla=MLAConfig(n_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128),
+        indexer=IndexerConfig(n_heads=32, head_dim=128, index_topk=2048),
+        kda=KDAConfig(n_heads=64, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
+        thinking=ThinkingBudgets(low=4096, high=32_768, max=131_072),
+        max_context=1_048_576,
+    )
+
+
+_PRESET_BUILDERS = {"tiny": _tiny, "small": _small, "full-2.8t": _full_2_8t}
+PRESET_NAMES = tuple(_PRESET_BUILDERS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A preset by name (`tiny`, `small`, `full-2.8t`)."""
+    try:
+        return _PRESET_BUILDERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}: expected one of {', '.join(PRESET_NAMES)}") from None
+
+
+def load_config(path) -> ModelConfig:
+    """Read a `config.json` (as written by `ModelConfig.model_dump_json`)."""
+    import json
+    from pathlib import Path
+    text = Path(path).read_text()
+    try:
+        return ModelConfig.model_validate(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -1,0 +1,47 @@
+import torch
+import pytest
+
+from expertmesh.model import SamplingParams
+from expertmesh.sampling import Sampler
+from expertmesh.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+
+def test_byte_round_trip_and_specials():
+    tok = ByteTokenizer()
+    text = "héllo, wörld ✓ <|eos|>"
+    ids = tok.encode(text)
+    assert max(ids) < 256 and tok.decode(ids) == text      # special-token text stays plain bytes
+    assert tok.decode([tok.bos_id] + ids + [tok.eos_id]) == text
+    assert tok.decode([tok.think_start_id], skip_special=False) == "<|think|>"
+    assert len({tok.eos_id, tok.bos_id, tok.think_end_id, tok.tool_call_start_id}) == 4
+    assert all(256 <= i < VOCAB_SIZE for i in tok.id_to_special)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([VOCAB_SIZE])
+
+
+def test_greedy_picks_argmax_lowest_on_ties():
+    s = Sampler(SamplingParams(temperature=0.0))
+    logits = torch.tensor([0.1, 3.0, 3.0, -1.0])
+    assert s.sample(logits) == 1
+
+
+def test_seeded_sampling_is_reproducible_and_respects_top_k_top_p():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.8, top_k=5, seed=42)
+    a = [Sampler(params).sample(logits) for _ in range(3)]
+    s1, s2 = Sampler(params), Sampler(params)
+    seq1 = [s1.sample(logits) for _ in range(50)]
+    seq2 = [s2.sample(logits) for _ in range(50)]
+    assert seq1 == seq2 and len(set(a)) == 1
+    allowed = set(torch.topk(logits, 5).indices.tolist())
+    assert set(seq1) <= allowed and len(set(seq1)) > 1
+    # top_p tiny → only the single most likely token survives
+    s = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=0))
+    assert {s.sample(logits) for _ in range(20)} == {int(torch.argmax(logits))}
+
+
+@pytest.mark.parametrize("field, value, needle", [("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"),
+                                                  ("top_k", -2, "top_k")])
+def test_bad_sampling_params(field, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        Sampler(SamplingParams(**{field: value}))
