@@ -22,12 +22,37 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
     return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])]), m
 
 
+MAX_ROWS = 1024           # rows per GEMM call: keeps every call inside the checked set of shapes
+POINTWISE_WIDTH = 64     # pad rows to whole SIMD vectors (AVX-512 fp32 = 16 lanes; 64 covers every ISA)
+POINTWISE_GRAIN = 16384  # elements per call, below ATen's parallel grain (32768): one thread, no chunk tails
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose output rows do not depend on how many other rows are in `x` (x [..., K], weight [N, K])."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda:  # GPU path: batch invariance there is the kernels' job, not padding's
         return F.linear(x, weight, bias)
-    padded, m = pad_rows(flat)
-    out = F.linear(padded, weight, bias)[:m]
+    outs = []
+    for s in range(0, max(flat.shape[0], 1), MAX_ROWS):
+        padded, m = pad_rows(flat[s:s + MAX_ROWS])
+        outs.append(F.linear(padded, weight, bias)[:m])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(*lead, weight.shape[0])
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply an elementwise function (sigmoid, silu, softplus, rsqrt, exp, ...) so that each element goes
+    through the same code path whatever the batch: ATen runs SIMD on whole vectors and a scalar loop — which
+    rounds transcendental functions differently — on the tail of each thread's chunk. Rows are padded to whole
+    vectors and processed in single-threaded chunks, so no element of a real row is ever in a tail."""
+    if x.is_cuda or x.numel() == 0:
+        return fn(x)
+    lead, d = x.shape[:-1], x.shape[-1] if x.dim() else 1
+    flat = x.reshape(-1, d)
+    width = -(-d // POINTWISE_WIDTH) * POINTWISE_WIDTH
+    if width != d:
+        flat = torch.cat([flat, flat.new_zeros(flat.shape[0], width - d)], dim=1)
+    rows = max(1, POINTWISE_GRAIN // width)
+    out = torch.cat([fn(flat[s:s + rows]) for s in range(0, flat.shape[0], rows)])
+    return out[:, :d].reshape(*lead, d) if x.dim() else out[0, 0]

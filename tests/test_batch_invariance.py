@@ -23,3 +23,32 @@ def test_linear_matches_plain_matmul_closely():
     out = linear(x, w)
     assert out.shape == (7, 3, 32)
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_pointwise_rows_do_not_depend_on_batch():
+    import torch.nn.functional as F
+    from expertmesh.kernels.batch_invariant import pointwise
+    gen = torch.Generator().manual_seed(2)
+    torch.set_num_threads(2)
+    for fn in (torch.sigmoid, F.silu, F.softplus, torch.rsqrt, torch.exp):
+        for d in (1, 2, 7, 16, 33, 100):
+            row = torch.rand(1, d, generator=gen) * 4 + 0.1
+            alone = pointwise(fn, row)[0]
+            torch.testing.assert_close(alone, fn(row)[0], rtol=1e-6, atol=1e-7)
+            for m in (2, 5, 17, 300, 2000):
+                batch = torch.rand(m, d, generator=gen) * 4 + 0.1
+                batch[m - 1] = row[0]
+                assert torch.equal(pointwise(fn, batch)[m - 1], alone), (fn, d, m)
+
+
+def test_model_rows_do_not_depend_on_the_other_sequences():
+    """Two sequences stepped together give bitwise the logits each gives alone."""
+    from expertmesh.config import preset
+    from expertmesh.model import Segment, Transformer, init_random_
+    model = init_random_(Transformer(preset("tiny")), seed=1)
+    a, b = list(range(1, 30)), list(range(100, 107))
+    alone_a = model.step(a, model.new_cache())
+    alone_b = model.step(b, model.new_cache())
+    ca, cb = model.new_cache(), model.new_cache()
+    together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
+    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)

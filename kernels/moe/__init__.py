@@ -1,0 +1,70 @@
+"""Routed-expert MoE over MXFP4 weights: per-(token, slot) expert outputs and the canonical combine.
+
+`moe_expert_outputs` picks the Triton grouped kernel for CUDA tensors and the grouped PyTorch path
+otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is imported
+only when first chosen. `moe_combine` is one elementwise loop in rank order, the same on every device.
+Contracts and the batch-invariance notes: `expertmesh.kernels.moe.naive`.
+"""
+from __future__ import annotations
+
+import torch
+
+from expertmesh.kernels.backend import resolve
+from expertmesh.kernels.moe.grouped import (
+    dequant_cache,
+    moe_expert_outputs_dense,
+    set_dequant_cache_bytes,
+)
+from expertmesh.kernels.moe.grouped import moe_expert_outputs as moe_expert_outputs_grouped
+from expertmesh.kernels.moe.naive import (
+    check_combine_inputs,
+    check_moe_inputs,
+    moe_combine,
+    moe_reference,
+)
+from expertmesh.kernels.moe.naive import moe_expert_outputs as moe_expert_outputs_reference
+
+__all__ = [
+    "moe_expert_outputs",
+    "moe_combine",
+    "moe_forward",
+    "moe_reference",
+    "moe_expert_outputs_reference",
+    "moe_expert_outputs_grouped",
+    "moe_expert_outputs_dense",
+    "check_moe_inputs",
+    "check_combine_inputs",
+    "dequant_cache",
+    "set_dequant_cache_bytes",
+]
+
+
+def moe_expert_outputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T,H], topk_ids int64 [T,K] (local ids, -1 = skip) → unweighted expert outputs [T,K,H] in x.dtype."""
+    if resolve(x, w13_blocks) == "triton":
+        from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
+        return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
+    return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+) -> torch.Tensor:
+    """x [T,H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T,H] in x.dtype (dispatching path)."""
+    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales),
+                       topk_weights)

@@ -1,0 +1,246 @@
+"""Routed-expert MoE over MXFP4 weights: the input contract, the batch-invariant building blocks, the reference.
+
+One shard of E experts (gpt-oss-like layout, gate and up CONCATENATED along the rows):
+    w13_blocks uint8 [E, 2I, H/2], w13_scales uint8 [E, 2I, H/32]   rows 0..I-1 = gate, I..2I-1 = up
+    w2_blocks  uint8 [E, H, I/2],  w2_scales  uint8 [E, H, I/32]
+    expert_e(x) = W2_e · (silu(W_gate,e · x) ⊙ (W_up,e · x)), in fp32 from the dequantised weights.
+
+`moe_expert_outputs(x [T,H], topk_ids [T,K])` → [T,K,H] in x.dtype: the UNWEIGHTED output of expert
+topk_ids[t,k] (a LOCAL index in [0,E), or -1: not on this shard → exactly 0) for token t.
+`moe_combine(outputs [T,K,H], topk_weights [T,K])` → [T,H]: Σ_k w[t,k]·out[t,k] in fp32, in rank order k = 0..K-1.
+
+Batch invariance (DESIGN.md, "Determinism"): a token's rows must be bitwise the same whatever other tokens
+share the call. Two things on torch 2.13 CPU depend on the batch and are pinned here:
+  - MKL sgemm picks its kernel by the row count (1 row → gemv, others → differently blocked gemms), so row i of
+    x @ W^T changes in the last bits with M. `invariant_linear` pads the rows to a multiple of ROW_TILE (16)
+    and calls with at most MAX_ROWS (1024) rows, a finite set of shapes on which every row's result was
+    checked to be independent of M and of its position (all M = 1..1024, the `small` and `tiny` sizes).
+  - Vectorised elementwise kernels (silu) run the SIMD body on most elements and a scalar loop on the tail
+    (and on thread-chunk tails); the two round differently (~4% of silu values). `swiglu` applies silu on
+    chunks of rows whose element count is a multiple of 32 (I is a multiple of 32) and < 32768 (ATen's
+    parallel grain), so every element goes through the same single-threaded SIMD body.
+The reference below and the grouped fast path use both, so they agree bitwise with each other too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from expertmesh.kernels.batch_invariant import ROW_TILE
+from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
+
+MAX_ROWS = 1024          # rows per GEMM call (a multiple of ROW_TILE)
+_ELEMENTWISE_GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an elementwise op runs on one thread
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ",".join(str(s) for s in t.shape) + "]"
+
+
+@dataclass(frozen=True)
+class MoEShapes:
+    T: int   # tokens
+    K: int   # top-k slots per token
+    E: int   # experts on this shard
+    H: int   # hidden size
+    I: int   # expert intermediate size
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype | None, shape: tuple[int, ...] | None, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, found {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, found {t.dtype}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape [{','.join(map(str, shape))}], found {_shape(t)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device} (as x), found {t.device}")
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> MoEShapes:
+    """Check the contract of `moe_expert_outputs`; raise ValueError naming the tensor, expected vs found.
+
+    x floating [T, H] with H a multiple of 32; topk_ids int64 [T, K] with values in [-1, E) (checked: one
+    host sync); weights uint8 as in the module docstring with I a multiple of 32; out (optional) [T, K, H]
+    contiguous, x's dtype; one device.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, found {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"x: expected a floating-point dtype, found {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected rank 2 [T,H], found rank {x.dim()} {_shape(x)}")
+    T, H = x.shape
+    if H == 0 or H % 32:
+        raise ValueError(f"x: hidden size H={H} must be a positive multiple of 32 (MXFP4 blocks), shape {_shape(x)}")
+    dev = x.device
+    if not isinstance(topk_ids, torch.Tensor):
+        raise ValueError(f"topk_ids: expected a torch.Tensor, found {type(topk_ids).__name__}")
+    if topk_ids.dtype != torch.int64:
+        raise ValueError(f"topk_ids: expected dtype torch.int64, found {topk_ids.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected shape [{T},K] (T as x), found {_shape(topk_ids)}")
+    _check_tensor("topk_ids", topk_ids, None, None, dev)
+    K = topk_ids.shape[1]
+    _check_tensor("w13_blocks", w13_blocks, torch.uint8, None, dev)
+    if w13_blocks.dim() != 3 or w13_blocks.shape[1] % 2 or w13_blocks.shape[2] != H // 2:
+        raise ValueError(f"w13_blocks: expected shape [E,2I,{H // 2}] (H/2 = {H // 2}, 2I even), "
+                         f"found {_shape(w13_blocks)}")
+    E, I = w13_blocks.shape[0], w13_blocks.shape[1] // 2
+    if I == 0 or I % 32:
+        raise ValueError(f"w13_blocks: intermediate size I={I} (rows / 2) must be a positive multiple of 32, "
+                         f"found shape {_shape(w13_blocks)}")
+    _check_tensor("w13_scales", w13_scales, torch.uint8, (E, 2 * I, H // 32), dev)
+    _check_tensor("w2_blocks", w2_blocks, torch.uint8, (E, H, I // 2), dev)
+    _check_tensor("w2_scales", w2_scales, torch.uint8, (E, H, I // 32), dev)
+    if out is not None:
+        _check_tensor("out", out, x.dtype, (T, K, H), dev)
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, found strides {tuple(out.stride())}")
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(f"topk_ids: expected values in [-1, {E}) (local expert ids, -1 = not on this "
+                             f"shard), found min {lo} max {hi}")
+    return MoEShapes(T=T, K=K, E=E, H=H, I=I)
+
+
+def check_combine_inputs(outputs: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """outputs floating [T, K, H]; topk_weights floating [T, K]; out (optional) contiguous [T, H] outputs.dtype."""
+    if not isinstance(outputs, torch.Tensor):
+        raise ValueError(f"outputs: expected a torch.Tensor, found {type(outputs).__name__}")
+    if outputs.dtype not in _FLOATS:
+        raise ValueError(f"outputs: expected a floating-point dtype, found {outputs.dtype}")
+    if outputs.dim() != 3:
+        raise ValueError(f"outputs: expected rank 3 [T,K,H], found rank {outputs.dim()} {_shape(outputs)}")
+    T, K, H = outputs.shape
+    if not isinstance(topk_weights, torch.Tensor):
+        raise ValueError(f"topk_weights: expected a torch.Tensor, found {type(topk_weights).__name__}")
+    if topk_weights.dtype not in _FLOATS:
+        raise ValueError(f"topk_weights: expected a floating-point dtype, found {topk_weights.dtype}")
+    _check_tensor("topk_weights", topk_weights, None, (T, K), outputs.device)
+    if out is not None:
+        _check_tensor("out", out, outputs.dtype, (T, H), outputs.device)
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, found strides {tuple(out.stride())}")
+
+
+# ------------------------------------------------------------------------------ batch-invariant building blocks
+def invariant_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [M, Kd] fp32 @ w [N, Kd]^T → [M, N] fp32, each row's bits independent of the other rows and of M.
+
+    CPU: rows go through F.linear in calls of a multiple of ROW_TILE rows, at most MAX_ROWS (zero-padded).
+    Other devices: plain F.linear (batch invariance there is the Triton kernels' job)."""
+    if not a.is_cpu:
+        return F.linear(a, w)
+    M = a.shape[0]
+    out = a.new_empty(M, w.shape[0])
+    for s in range(0, M, MAX_ROWS):
+        chunk = a[s:s + MAX_ROWS]
+        m = chunk.shape[0]
+        padded = -(-m // ROW_TILE) * ROW_TILE
+        if padded != m:
+            chunk = torch.cat([chunk, chunk.new_zeros(padded - m, chunk.shape[1])])
+        out[s:s + m] = F.linear(chunk, w)[:m]
+    return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] fp32 (gate | up) → silu(gate) ⊙ up [M, I], each element through the same SIMD path."""
+    M, two_i = gate_up.shape
+    I = two_i // 2
+    if not gate_up.is_cpu:
+        return F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    gate = gate_up[:, :I].contiguous()
+    rows = 1
+    while rows < ROW_TILE and 2 * rows * I < _ELEMENTWISE_GRAIN:
+        rows *= 2                          # 1, 2, 4, 8 or 16 rows: a power of two, so chunks tile ROW_TILE
+    act = torch.empty_like(gate)
+    whole = M - M % rows
+    for s in range(0, whole, rows):        # rows·I elements: a multiple of 32 and < the grain (or one row)
+        act[s:s + rows] = F.silu(gate[s:s + rows])
+    if whole < M:                          # the last partial chunk: pad it to `rows` rows
+        tail = torch.cat([gate[whole:], gate.new_zeros(rows - (M - whole), I)])
+        act[whole:] = F.silu(tail)[:M - whole]
+    return act * gate_up[:, I:]            # IEEE multiply: the same bits on every path
+
+
+def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """xe [M, H] fp32 rows, w13 [2I, H], w2 [H, I] fp32 → W2 · (silu(gate) ⊙ up) [M, H] fp32, batch-invariant."""
+    return invariant_linear(swiglu(invariant_linear(xe, w13)), w2)
+
+
+# ------------------------------------------------------------------------------------------------- reference
+def moe_expert_outputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: for each expert, find its (token, k) slots, dequantise its weights, run the MLP on those rows.
+
+    x [T, H] floating; topk_ids int64 [T, K] local ids in [-1, E) → [T, K, H] in x.dtype (into `out` if given);
+    slots with id -1 are exactly 0. fp32 throughout, one rounding to x.dtype at the end.
+    """
+    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in range(s.E):
+        t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)   # [2I, H]
+        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)      # [H, I]
+        result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2)
+    if out is None:
+        return result.to(x.dtype)
+    out.copy_(result)
+    return out
+
+
+def moe_combine(
+    outputs: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """outputs [T, K, H] + topk_weights [T, K] → Σ_k w[t,k] · outputs[t,k] [T, H] in outputs.dtype.
+
+    The one canonical order: fp32, k = 0, 1, …, K-1, each step a separate multiply then add (no fused or
+    reordered reduction), so a token's sum depends only on its own rows. K = 0 gives zeros."""
+    check_combine_inputs(outputs, topk_weights, out)
+    T, K, H = outputs.shape
+    acc = torch.zeros(T, H, dtype=torch.float32, device=outputs.device)
+    w = topk_weights.float()
+    for k in range(K):
+        acc = acc + outputs[:, k].float() * w[:, k:k + 1]
+    if out is None:
+        return acc.to(outputs.dtype)
+    out.copy_(acc)
+    return out
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T, H] in x.dtype (reference path)."""
+    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales),
+                       topk_weights)
