@@ -1,0 +1,336 @@
+"""Checkpoints: safetensors shards + `config.json`, routed experts in MXFP4 (gpt-oss layout), the rest bf16.
+
+Layout of a checkpoint directory:
+  config.json                        the ModelConfig
+  model.safetensors.index.json       {"metadata": {...}, "weight_map": {tensor name: shard file}}
+  model-embed.safetensors            embed.weight, norm.weight, lm_head.weight
+  model-layers-00000-00000.safetensors   one file per group of layers (default: one layer per file), so a
+                                     worker opens only the files of the layers its plan gives it
+
+Routed experts of layer L: `layers.L.moe.experts.gate_up.blocks` uint8 [E, 2I, H/2] (two E2M1 codes per byte,
+even element in the low nibble), `...gate_up.scales` uint8 [E, 2I, H/32] (E8M0, bias 127), and the same for
+`down` ([E, H, I/2], [E, H, I/32]). Every other tensor is bf16 under its module path.
+
+The loader checks every name, dtype and shape against the config and names the file, the tensor, what it
+expected and what it found.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from expertmesh.config import ModelConfig, load_config
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+FORMAT = "expertmesh-mxfp4"
+FORMAT_VERSION = 1
+_EXPERT_BUFFERS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
+                torch.int64: "I64", torch.int32: "I32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what the config says it should hold."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layer: int | None          # None: embedding / final norm / head
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def checkpoint_name(module_name: str) -> str:
+    """Module state-dict name → checkpoint name (experts' `gate_up_blocks` → `gate_up.blocks`)."""
+    for buf in _EXPERT_BUFFERS:
+        if module_name.endswith("." + buf):
+            proj, kind = buf.rsplit("_", 1)
+            return module_name[: -len(buf)] + f"{proj}.{kind}"
+    return module_name
+
+
+def module_name(ckpt_name: str) -> str:
+    for buf in _EXPERT_BUFFERS:
+        proj, kind = buf.rsplit("_", 1)
+        if ckpt_name.endswith(f".{proj}.{kind}"):
+            return ckpt_name[: -len(f"{proj}.{kind}")] + buf
+    return ckpt_name
+
+
+def _layer_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".moe.experts." in name
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor a checkpoint of `cfg` holds, from the model built on the meta device (no memory)."""
+    from expertmesh.model import Transformer
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    specs: dict[str, TensorSpec] = {}
+    for name, t in model.state_dict().items():
+        ck = checkpoint_name(name)
+        dtype = torch.uint8 if is_routed_expert(ck) else torch.bfloat16
+        specs[ck] = TensorSpec(ck, dtype, tuple(t.shape), _layer_of(ck))
+    return specs
+
+
+def shard_file_of(spec: TensorSpec, layers_per_shard: int) -> str:
+    if spec.layer is None:
+        return "model-embed.safetensors"
+    first = spec.layer // layers_per_shard * layers_per_shard
+    return f"model-layers-{first:05d}-{first + layers_per_shard - 1:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def save_checkpoint(model, out_dir: str | os.PathLike, *, layers_per_shard: int = 1, progress: bool = False) -> Path:
+    """Write `model` (a Transformer) as a checkpoint directory; returns its path."""
+    cfg: ModelConfig = model.cfg
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = expected_tensors(cfg)
+    state = {checkpoint_name(k): v for k, v in model.state_dict().items()}
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    for name, spec in specs.items():
+        t = state[name]
+        t = t.to(torch.uint8) if spec.dtype == torch.uint8 else t.to(torch.bfloat16)
+        by_file.setdefault(shard_file_of(spec, layers_per_shard), {})[name] = t.contiguous()
+    files = sorted(by_file)
+    iterator: Iterable[str] = files
+    if progress:
+        from tqdm import tqdm
+        iterator = tqdm(files, desc="writing shards", unit="file")
+    for fname in iterator:
+        save_file(by_file[fname], str(out / fname), metadata={"format": FORMAT})
+    index = {
+        "metadata": {"format": FORMAT, "format_version": FORMAT_VERSION, "model": cfg.name,
+                     "layers_per_shard": layers_per_shard,
+                     "total_size": sum(s.nbytes for s in specs.values())},
+        "weight_map": {name: shard_file_of(spec, layers_per_shard) for name, spec in sorted(specs.items())},
+    }
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
+    (out / CONFIG_FILE).write_text(cfg.model_dump_json(indent=1) + "\n")
+    return out
+
+
+def create_checkpoint(cfg: ModelConfig, out_dir, *, seed: int = 0, layers_per_shard: int = 1,
+                      progress: bool = False) -> Path:
+    """A synthetic checkpoint: seeded random weights, experts quantised to MXFP4."""
+    from expertmesh.model import Transformer, init_random_
+    model = init_random_(Transformer(cfg), seed)
+    return save_checkpoint(model, out_dir, layers_per_shard=layers_per_shard, progress=progress)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+class Checkpoint:
+    """A validated view of a checkpoint directory. Opening it checks the config, the index, every file's
+    header and every tensor's name, dtype and shape; tensors are read lazily (memory-mapped)."""
+
+    def __init__(self, path: str | os.PathLike, expect_config: ModelConfig | None = None):
+        self.path = Path(path)
+        cfg_path = self.path / CONFIG_FILE
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory")
+        if not cfg_path.exists():
+            raise CheckpointError(f"{cfg_path}: missing (a checkpoint needs its config.json)")
+        try:
+            self.cfg = load_config(cfg_path)
+        except ValueError as e:
+            raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
+        if expect_config is not None and expect_config != self.cfg:
+            diff = _config_diff(expect_config.model_dump(), self.cfg.model_dump())
+            raise CheckpointError(f"{cfg_path}: config does not match the expected one ({diff})")
+        index_path = self.path / INDEX_FILE
+        if not index_path.exists():
+            raise CheckpointError(f"{index_path}: missing")
+        try:
+            index = json.loads(index_path.read_text())
+            self.weight_map: dict[str, str] = dict(index["weight_map"])
+            self.metadata = dict(index.get("metadata", {}))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid index ({e!r})") from None
+        self.specs = expected_tensors(self.cfg)
+        self._validate()
+
+    def _validate(self) -> None:
+        missing = sorted(set(self.specs) - set(self.weight_map))
+        if missing:
+            raise CheckpointError(
+                f"{self.path / INDEX_FILE}: tensor {missing[0]!r} missing from the index"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        unexpected = sorted(set(self.weight_map) - set(self.specs))
+        if unexpected:
+            raise CheckpointError(f"{self.path / INDEX_FILE}: unexpected tensor {unexpected[0]!r} "
+                                  f"(not part of a {self.cfg.name!r} model)")
+        by_file: dict[str, list[str]] = {}
+        for name, fname in self.weight_map.items():
+            by_file.setdefault(fname, []).append(name)
+        for fname, names in sorted(by_file.items()):
+            fpath = self.path / fname
+            if not fpath.exists():
+                raise CheckpointError(f"{fpath}: missing (holds {names[0]!r} and {len(names) - 1} more)")
+            header = _read_header(fpath)
+            for name in sorted(names):
+                spec = self.specs[name]
+                if name not in header:
+                    raise CheckpointError(f"{fpath}: tensor {name!r} missing (the index says it is here)")
+                dtype, shape = header[name]
+                if dtype != _DTYPE_NAMES[spec.dtype]:
+                    raise CheckpointError(f"{fpath}: tensor {name!r} has dtype {dtype}, "
+                                          f"expected {_DTYPE_NAMES[spec.dtype]}")
+                if tuple(shape) != spec.shape:
+                    raise CheckpointError(f"{fpath}: tensor {name!r} has shape {list(shape)}, "
+                                          f"expected {list(spec.shape)}")
+
+    # ---------------------------------------------------------------- tensors
+    def _open(self, fname: str):
+        return safe_open(str(self.path / fname), framework="pt")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not in checkpoint {self.path}")
+        with self._open(self.weight_map[name]) as f:
+            return f.get_tensor(name)
+
+    def expert_slice(self, name: str, expert_ids: list[int]) -> torch.Tensor:
+        """Rows `expert_ids` of an [E, ...] routed-expert tensor, read without loading the other experts."""
+        n_experts = self.specs[name].shape[0]
+        for e in expert_ids:
+            if not 0 <= e < n_experts:
+                raise CheckpointError(f"expert {e} out of range for {name!r} ([0, {n_experts}))")
+        with self._open(self.weight_map[name]) as f:
+            sl = f.get_slice(name)
+            parts = [sl[e: e + 1] for e in expert_ids]
+        spec = self.specs[name]
+        return torch.cat(parts) if parts else torch.empty((0,) + spec.shape[1:], dtype=spec.dtype)
+
+    def load_dense_state(self, *, float_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every tensor except the routed experts, as module state-dict names, floats cast to `float_dtype`."""
+        out = {}
+        by_file: dict[str, list[str]] = {}
+        for name in self.specs:
+            if not is_routed_expert(name):
+                by_file.setdefault(self.weight_map[name], []).append(name)
+        for fname, names in by_file.items():
+            with self._open(fname) as f:
+                for name in names:
+                    out[module_name(name)] = f.get_tensor(name).to(float_dtype)
+        return out
+
+    def load_model(self, *, experts: bool = True, dense_attention: bool = False):
+        """The whole reference Transformer (fp32). `experts=False` leaves routed experts empty (attention workers)."""
+        from expertmesh.model import Transformer, RoutedExperts
+        model = Transformer(self.cfg, dense_attention=dense_attention)
+        state = self.load_dense_state()
+        for layer in model.layers:
+            if layer.is_moe:
+                if experts:
+                    for buf in _EXPERT_BUFFERS:
+                        mname = f"layers.{layer.index}.moe.experts.{buf}"
+                        state[mname] = self.tensor(checkpoint_name(mname))
+                else:
+                    layer.moe.experts = RoutedExperts(self.cfg, expert_ids=[])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        real_missing = [m for m in missing if experts or ".moe.experts." not in m]
+        if real_missing or unexpected:
+            raise CheckpointError(f"{self.path}: state mismatch: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+        return model.eval()
+
+    def load_experts(self, layer: int, expert_ids: list[int]):
+        """A `RoutedExperts` module holding only `expert_ids` of `layer` (an expert worker's shard)."""
+        from expertmesh.model import RoutedExperts
+        if not self.cfg.is_moe_layer(layer):
+            raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
+        mod = RoutedExperts(self.cfg, expert_ids=sorted(expert_ids))
+        for buf in _EXPERT_BUFFERS:
+            name = checkpoint_name(f"layers.{layer}.moe.experts.{buf}")
+            setattr(mod, buf, self.expert_slice(name, sorted(expert_ids)))
+        return mod
+
+    def files(self) -> list[Path]:
+        return sorted({self.path / f for f in self.weight_map.values()})
+
+
+def _read_header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Parse a safetensors header and check the file is as long as its header says."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated (no safetensors header)")
+        n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated (header of {n} bytes, file has {size - 8} after the length)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    end = 0
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = (info["dtype"], info["shape"])
+        end = max(end, info["data_offsets"][1])
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
+    return out
+
+
+def _config_diff(a: dict, b: dict, prefix: str = "") -> str:
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            d = _config_diff(va, vb, f"{prefix}{key}.")
+            if d:
+                return d
+        elif va != vb:
+            return f"{prefix}{key}: expected {va!r}, found {vb!r}"
+    return ""
+
+
+# ----------------------------------------------------------------------------------------------- inspect
+def inspect_checkpoint(path) -> dict:
+    """Figures for `expertmesh checkpoint inspect`: counts, bytes, bits per expert weight, per-layer summary."""
+    ck = Checkpoint(path)
+    specs = ck.specs
+    tensor_bytes = sum(s.nbytes for s in specs.values())
+    file_bytes = sum(p.stat().st_size for p in ck.files())
+    block_bytes = sum(s.nbytes for n, s in specs.items() if n.endswith(".blocks"))
+    scale_bytes = sum(s.nbytes for n, s in specs.items() if n.endswith(".scales"))
+    expert_weights = 2 * block_bytes  # two E2M1 values per byte
+    layers = []
+    for i, kind in enumerate(ck.cfg.layer_types):
+        mine = [s for s in specs.values() if s.layer == i]
+        layers.append({
+            "layer": i, "type": kind, "ffn": "moe" if ck.cfg.is_moe_layer(i) else "dense",
+            "tensors": len(mine), "bytes": sum(s.nbytes for s in mine),
+            "expert_bytes": sum(s.nbytes for s in mine if is_routed_expert(s.name)),
+            "file": shard_file_of(mine[0], ck.metadata.get("layers_per_shard", 1)) if mine else "",
+        })
+    return {
+        "path": str(ck.path), "model": ck.cfg.name, "files": len(ck.files()), "tensors": len(specs),
+        "tensor_bytes": tensor_bytes, "file_bytes": file_bytes, "file_overhead_bytes": file_bytes - tensor_bytes,
+        "expert_weights": expert_weights, "expert_bytes": block_bytes + scale_bytes,
+        "bits_per_expert_weight": 8 * (block_bytes + scale_bytes) / expert_weights if expert_weights else 0.0,
+        "other_bytes": tensor_bytes - block_bytes - scale_bytes, "layers": layers,
+    }

@@ -1,0 +1,186 @@
+"""The `expertmesh` command line: one entry point, subcommands import what they need lazily."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"
+
+
+def _table(rows: list[tuple[str, str]], headers: tuple[str, str] = ("figure", "value")) -> str:
+    width = max(len(headers[0]), *(len(r[0]) for r in rows))
+    lines = [f"{headers[0]:<{width}}  {headers[1]}", f"{'-' * width}  {'-' * max(len(headers[1]), 5)}"]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- model
+def cmd_model_describe(args) -> int:
+    from expertmesh.config import preset
+    cfg = preset(args.preset)
+    if args.json:
+        print(json.dumps({"config": cfg.model_dump(), "total_params": cfg.total_params,
+                          "active_params": cfg.active_params, "routed_expert_bytes": cfg.routed_expert_bytes,
+                          "dense_bytes_bf16": cfg.dense_bytes_bf16,
+                          "kv_bytes_per_token": {t: cfg.kv_bytes_per_token(t) for t in ("kda", "dsa")},
+                          "recurrent_state_bytes_per_sequence": cfg.recurrent_state_bytes_per_sequence}, indent=1))
+    else:
+        print(_table(cfg.describe()))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def default_checkpoint(preset_name: str, seed: int = 0) -> Path:
+    """The synthetic checkpoint for a preset, created on first use under ~/.cache/expertmesh."""
+    from expertmesh.checkpoint import INDEX_FILE, create_checkpoint
+    from expertmesh.config import preset
+    path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}"
+    if not (path / INDEX_FILE).exists():
+        print(f"creating synthetic {preset_name} checkpoint in {path} ...", file=sys.stderr)
+        create_checkpoint(preset(preset_name), path, seed=seed, progress=True)
+    return path
+
+
+def cmd_checkpoint_create(args) -> int:
+    from expertmesh.checkpoint import create_checkpoint
+    from expertmesh.config import preset
+    cfg = preset(args.preset)
+    out = create_checkpoint(cfg, args.out, seed=args.seed, layers_per_shard=args.layers_per_shard, progress=True)
+    print(f"wrote {cfg.name} checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def cmd_checkpoint_inspect(args) -> int:
+    from expertmesh.checkpoint import inspect_checkpoint
+    info = inspect_checkpoint(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    mib = 2 ** 20
+    print(_table([
+        ("checkpoint", info["path"]), ("model", info["model"]), ("files", str(info["files"])),
+        ("tensors", str(info["tensors"])),
+        ("tensor bytes", f"{info['tensor_bytes']:,} ({info['tensor_bytes'] / mib:.2f} MiB)"),
+        ("expert weights", f"{info['expert_weights']:,} in {info['expert_bytes']:,} bytes"),
+        ("bits per expert weight", f"{info['bits_per_expert_weight']:.4f}"),
+        ("other (bf16) bytes", f"{info['other_bytes']:,}"),
+        ("file overhead bytes", f"{info['file_overhead_bytes']:,} (headers, beyond tensor data)"),
+    ]))
+    print()
+    print(f"{'layer':>5}  {'type':4}  {'ffn':5}  {'tensors':>7}  {'bytes':>12}  {'expert bytes':>12}  file")
+    for row in info["layers"]:
+        print(f"{row['layer']:>5}  {row['type']:4}  {row['ffn']:5}  {row['tensors']:>7}  {row['bytes']:>12,}  "
+              f"{row['expert_bytes']:>12,}  {row['file']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.model import SamplingParams, generate
+    from expertmesh.tokenizer import ByteTokenizer
+    path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
+    model = Checkpoint(path).load_model(dense_attention=args.dense)
+    tok = ByteTokenizer()
+    prompt = [tok.bos_id] + tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop_token_ids=(tok.eos_id,))
+    out = generate(model, prompt, params)
+    if args.ids:
+        print(" ".join(map(str, out.tokens)))
+    else:
+        print(tok.decode(out.tokens))
+    print(f"[{len(out.tokens)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expertmesh", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model presets").add_subparsers(dest="model_command", required=True)
+    d = model.add_parser("describe", help="print a preset's derived figures")
+    d.add_argument("preset", help="tiny, small or full-2.8t")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_model_describe)
+
+    ck = sub.add_parser("checkpoint", help="create / inspect checkpoints").add_subparsers(
+        dest="checkpoint_command", required=True)
+    c = ck.add_parser("create", help="write a synthetic (seeded random, MXFP4) checkpoint")
+    c.add_argument("--preset", default="tiny")
+    c.add_argument("--out", required=True)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--layers-per-shard", type=int, default=1)
+    c.set_defaults(func=cmd_checkpoint_create)
+    i = ck.add_parser("inspect", help="validate a checkpoint and print its figures")
+    i.add_argument("dir")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_checkpoint_inspect)
+
+    g = sub.add_parser("generate", help="generate with the single-process reference model")
+    g.add_argument("prompt")
+    g.add_argument("--preset", default="tiny", help="synthetic checkpoint to use when --checkpoint is not given")
+    g.add_argument("--checkpoint")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dense", action="store_true", help="turn DSA sparsity off (attend to every past token)")
+    g.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="run router + workers locally as processes (the embedded default)")
+    from expertmesh import up as up_mod
+    up_mod.add_arguments(u)
+    u.set_defaults(func=up_mod.run_up)
+
+    ch = sub.add_parser("chat", help="chat with a running router (streams; interactive without a prompt)")
+    from expertmesh import chat_cli
+    chat_cli.add_arguments(ch)
+    ch.set_defaults(func=chat_cli.run)
+
+    r = sub.add_parser("router", help="the router process (pod entrypoint)")
+    from expertmesh.router import server as router_server
+    router_server.add_arguments(r)
+    r.set_defaults(func=router_server.run)
+
+    w = sub.add_parser("worker", help="an attention / expert worker process (pod entrypoint)", add_help=False)
+    w.add_argument("worker_args", nargs=argparse.REMAINDER)
+    w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(a.worker_args))
+
+    try:
+        from expertmesh.operator import plan_cli
+    except ImportError:
+        plan_cli = None
+    if plan_cli is not None:
+        pl = sub.add_parser("plan", help="offline expert placement for a preset and a cluster shape")
+        plan_cli.add_arguments(pl)
+        pl.set_defaults(func=plan_cli.run)
+    return p
+
+
+def _set_threads() -> None:
+    import os
+    n = os.environ.get("EXPERTMESH_TORCH_THREADS")
+    if n:
+        import torch
+        torch.set_num_threads(int(n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    _set_threads()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"expertmesh: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""The single-process reference model: KDA + gated-DSA attention, MoE with MXFP4 routed experts.
+
+Plain PyTorch, fp32 by default. Every op a token goes through either works row by row through
+`kernels.batch_invariant.linear` (projections, gate, shared experts, LM head) or per sequence (attention, conv,
+recurrent state), so a sequence gets the same numbers alone or in any batch — the distributed engine reuses
+these modules piece by piece (attention workers: `Layer.attention_block` / `Layer.route`; expert workers:
+`RoutedExperts`; router: `combine_moe`) and must produce the same greedy tokens.
+
+Shapes: N tokens of a step (all sequences' new tokens concatenated), H hidden, E routed experts, K top-k.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.config import ModelConfig
+from expertmesh.kernels import dsa as dsa_ops
+from expertmesh.kernels import kda as kda_ops
+from expertmesh.kernels import moe as moe_ops
+from expertmesh.kernels.batch_invariant import linear, pointwise
+
+# A KDA prefill of at least this many tokens runs the chunked form, shorter ones the recurrent form.
+# The rule depends only on the token count, so every deployment makes the same choice.
+KDA_CHUNKED_MIN_TOKENS = 2
+
+
+# ----------------------------------------------------------------------------------------------- small ops
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A bias-free projection through the batch-invariant matmul."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on the last dim (rotate-half form). x [T, ..., D], positions [T] absolute."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]          # [T, D/2]
+    cos = angles.cos().to(torch.float32).repeat(1, 2)                         # [T, D]
+    sin = angles.sin().to(torch.float32).repeat(1, 2)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP (dense layers and shared experts); gate and up concatenated like the routed experts."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = Linear(hidden, 2 * intermediate)
+        self.down = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(pointwise(F.silu, gate) * up)
+
+
+# ----------------------------------------------------------------------------------------------- caches
+@dataclass
+class DSACache:
+    """One sequence's DSA-layer cache: MLA latent entries (c_kv ‖ roped k) and indexer keys, in token order."""
+    latent: torch.Tensor   # [L, kv_lora + rope]
+    index_k: torch.Tensor  # [L, Di]
+
+    def append(self, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        self.latent = torch.cat([self.latent, latent])
+        self.index_k = torch.cat([self.index_k, index_k])
+
+
+@dataclass
+class KDACache:
+    """One sequence's KDA-layer state: the recurrent state and the short convolutions' last inputs."""
+    state: torch.Tensor    # [nH, Dk, Dv] fp32
+    conv: torch.Tensor     # [kernel - 1, 3 · nH · D]: q, k, v projections before the conv
+
+
+@dataclass
+class SequenceCache:
+    """Everything a sequence keeps between steps: one entry per layer and the number of tokens seen."""
+    layers: list
+    length: int = 0
+
+
+@dataclass
+class Segment:
+    """One sequence's run of tokens inside a step's flat batch: rows [start, start + length), cache positions
+    cache.length .. cache.length + length - 1."""
+    start: int
+    length: int
+    cache: SequenceCache
+
+
+# ----------------------------------------------------------------------------------------------- attention
+class KDAttention(nn.Module):
+    """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normalised q/k, per-channel forget gate in log
+    space (−exp(A_log)·softplus(f(x) + dt_bias)), sigmoid β, gated RMS-normalised output."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a, h = cfg.kda, cfg.hidden_size
+        self.n_heads, self.head_dim, self.kernel = a.n_heads, a.head_dim, a.conv_kernel_size
+        inner = a.n_heads * a.head_dim
+        self.inner = inner
+        self.q_proj, self.k_proj, self.v_proj = Linear(h, inner), Linear(h, inner), Linear(h, inner)
+        self.q_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
+        self.k_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
+        self.v_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
+        self.f_a, self.f_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner)
+        self.A_log = nn.Parameter(torch.empty(a.n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(inner))
+        self.b_proj = Linear(h, a.n_heads)
+        self.g_a, self.g_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner)
+        self.o_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps)
+        self.o_proj = Linear(inner, h)
+
+    def new_cache(self) -> KDACache:
+        return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim),
+                        conv=torch.zeros(self.kernel - 1, 3 * self.inner))
+
+    def _short_conv(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
+        """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner] → [T, 3·inner]; updates cache."""
+        weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])        # [3·inner, kernel]
+        window = torch.cat([cache.conv, x])                                # [kernel-1+T, 3·inner]
+        t = x.shape[0]
+        out = torch.zeros_like(x)
+        for tap in range(self.kernel):                                     # fixed order: kernel taps
+            out = out + window[tap: tap + t] * weight[:, tap]
+        cache.conv = window[t:].clone() if self.kernel > 1 else cache.conv
+        return F.silu(out)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
+        n, nh, d = x.shape[0], self.n_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3·inner]
+        g = -self.A_log.float().exp().repeat_interleave(d) * pointwise(F.softplus, self.f_b(self.f_a(x)) + self.dt_bias)
+        beta = pointwise(torch.sigmoid, self.b_proj(x))                            # [N, nH]
+        out_gate = pointwise(torch.sigmoid, self.g_b(self.g_a(x)))                 # [N, inner]
+        o = x.new_empty(n, nh, d)
+        for seg in segments:
+            rows = slice(seg.start, seg.start + seg.length)
+            cache: KDACache = seg.cache.layers[layer]
+            q, k, v = self._short_conv(qkv[rows], cache).split(self.inner, dim=-1)
+            q = F.normalize(q.view(-1, nh, d), dim=-1)[None]                        # [1, T, nH, D]
+            k = F.normalize(k.view(-1, nh, d), dim=-1)[None]
+            v = v.view(-1, nh, d)[None]
+            kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
+            out, state = kda(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None],
+                             initial_state=cache.state[None], output_final_state=True)
+            cache.state = state[0]
+            o[rows] = out[0]
+        o = self.o_norm(o).reshape(n, self.inner) * out_gate
+        return self.o_proj(o)
+
+
+class DSAttention(nn.Module):
+    """Gated DSA: MLA (low-rank q, shared latent KV with a decoupled RoPE key) whose queries each attend only
+    to the `index_topk` past tokens the lightning indexer scores highest; sigmoid-gated output.
+    Attention runs in the absorbed form over the latent cache (q_nope·W_uk against c_kv, output through W_uv)."""
+
+    def __init__(self, cfg: ModelConfig, dense: bool = False):
+        super().__init__()
+        m, ix, h = cfg.mla, cfg.indexer, cfg.hidden_size
+        self.m, self.ix, self.theta, self.dense = m, ix, cfg.rope.theta, dense
+        self.qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        self.q_a, self.q_a_norm = Linear(h, m.q_lora_rank), RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b = Linear(m.q_lora_rank, m.n_heads * self.qk_dim)
+        self.kv_a = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b = Linear(m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim))
+        self.gate = Linear(h, m.n_heads * m.v_head_dim)
+        self.o_proj = Linear(m.n_heads * m.v_head_dim, h)
+        self.index_q = Linear(m.q_lora_rank, ix.n_heads * ix.head_dim)
+        self.index_k = Linear(h, ix.head_dim)
+        self.index_w = Linear(h, ix.n_heads)
+
+    def new_cache(self) -> DSACache:
+        return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim),
+                        index_k=torch.zeros(0, self.ix.head_dim))
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
+        m, ix = self.m, self.ix
+        n = x.shape[0]
+        q_lat = self.q_a_norm(self.q_a(x))                                          # [N, q_lora]
+        q = self.q_b(q_lat).view(n, m.n_heads, self.qk_dim)
+        kv = self.kv_a(x)
+        c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])                              # [N, kv_lora]
+        k_pe = kv[:, m.kv_lora_rank:]                                               # [N, rope]
+        index_q = self.index_q(q_lat).view(n, ix.n_heads, ix.head_dim)
+        index_k = self.index_k(x)                                                   # [N, Di]
+        index_w = self.index_w(x) * ix.n_heads ** -0.5                              # [N, Hi]
+        gate = pointwise(torch.sigmoid, self.gate(x))                               # [N, nH·v]
+        w_kvb = self.kv_b.weight.view(m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim:]  # [nH, nope|v, kv_lora]
+        topk = 1 << 62 if self.dense else ix.index_topk
+        o = x.new_empty(n, m.n_heads, m.v_head_dim)
+        for seg in segments:
+            rows = slice(seg.start, seg.start + seg.length)
+            cache: DSACache = seg.cache.layers[layer]
+            pos = torch.arange(seg.cache.length, seg.cache.length + seg.length)
+            q_nope, q_pe = q[rows, :, : m.qk_nope_head_dim], rope(q[rows, :, m.qk_nope_head_dim:], pos, self.theta)
+            cache.append(torch.cat([c_kv[rows], rope(k_pe[rows], pos, self.theta)], dim=-1), index_k[rows])
+            q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)                      # [T, nH, kv_lora]
+            q_full = torch.cat([q_abs, q_pe], dim=-1)[None]                         # [1, T, nH, kv_lora+rope]
+            o_lat = dsa_ops.dsa_prefill(q_full, cache.latent[None], index_q[rows][None], cache.index_k[None],
+                                        index_w[rows][None], topk, causal=True, scale=self.qk_dim ** -0.5,
+                                        v_dim=m.kv_lora_rank)[0]                    # [T, nH, kv_lora]
+            o[rows] = torch.einsum("thc,hvc->thv", o_lat, w_uv)
+        return self.o_proj(o.reshape(n, -1) * gate)
+
+
+# ----------------------------------------------------------------------------------------------- MoE
+def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg: ModelConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid gating with group-limited top-k (DeepSeek-V3 style).
+
+    scores_logits [N, E] → (topk_ids [N, K] int64, topk_weights [N, K] fp32). The correction bias steers
+    selection only; weights are the unbiased sigmoid scores, renormalised over the K chosen when
+    `norm_topk_prob`, times `routed_scaling_factor`. Ties go to the lower expert id (torch.topk, stable input).
+    """
+    moe = cfg.moe
+    scores = pointwise(torch.sigmoid, scores_logits.float())                       # [N, E]
+    choice = scores + correction_bias.float()
+    if moe.n_group > 1:
+        grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
+        keep = group_score.topk(moe.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    topk_ids = choice.topk(moe.top_k, dim=-1).indices                              # [N, K], best first
+    weights = scores.gather(1, topk_ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_ids, weights * moe.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """A layer's routed experts (all of them, or the shard an expert worker holds) in MXFP4.
+
+    Buffers follow the checkpoint layout: gate_up blocks [E, 2I, H/2] + scales [E, 2I, H/32], down blocks
+    [E, H, I/2] + scales [E, H, I/32]. `expert_ids` lists which global experts the rows are."""
+
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
+        ids = list(range(cfg.moe.n_routed_experts)) if expert_ids is None else list(expert_ids)
+        e = len(ids)
+        self.n_global = cfg.moe.n_routed_experts
+        self.register_buffer("expert_ids", torch.tensor(ids, dtype=torch.int64), persistent=False)
+        self.register_buffer("gate_up_blocks", torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8))
+        self.register_buffer("gate_up_scales", torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8))
+        self.register_buffer("down_blocks", torch.zeros(e, h, i // 2, dtype=torch.uint8))
+        self.register_buffer("down_scales", torch.zeros(e, h, i // 32, dtype=torch.uint8))
+        local = torch.full((self.n_global,), -1, dtype=torch.int64)
+        local[torch.tensor(ids, dtype=torch.int64)] = torch.arange(e)
+        self.register_buffer("global_to_local", local, persistent=False)
+
+    def forward(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """h [N, H], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, H] unweighted outputs (0 where
+        the expert is not held here or the id is −1)."""
+        local = torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
+        return moe_ops.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
+                                          self.down_blocks, self.down_scales)
+
+
+def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+    """The one canonical MoE combine: x + (shared + Σ_k w_k·routed_k, summed in top-k rank order).
+    x, shared_out [N, H]; routed [N, K, H]; weights [N, K]."""
+    return x + (shared_out.float() + moe_ops.moe_combine(routed.float(), weights.float())).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, h = cfg.moe.n_routed_experts, cfg.hidden_size
+        self.router = Linear(h, e)
+        self.router_bias = nn.Parameter(torch.zeros(e))   # selection-only correction bias
+        self.shared = (SwiGLU(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size)
+                       if cfg.moe.n_shared_experts else None)
+        self.experts = RoutedExperts(cfg)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h = ffn_norm(x) [N, H] → (topk_ids [N, K], topk_weights [N, K], shared_out [N, H])."""
+        ids, weights = route_tokens(self.router(h), self.router_bias, self.cfg)
+        shared = self.shared(h) if self.shared is not None else torch.zeros_like(h)
+        return ids, weights, shared
+
+
+# ----------------------------------------------------------------------------------------------- the model
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dense_attention: bool = False):
+        super().__init__()
+        self.index, self.kind = index, cfg.layer_types[index]
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = KDAttention(cfg) if self.kind == "kda" else DSAttention(cfg, dense=dense_attention)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(index)
+        if self.is_moe:
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
+
+    def attention_block(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x), segments, self.index)
+
+    def dense_block(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.ffn_norm(x))
+
+    def route(self, x: torch.Tensor):
+        """→ (h [N, H] the experts' input, topk_ids, topk_weights, shared_out)."""
+        h = self.ffn_norm(x)
+        return (h, *self.moe.route(h))
+
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = self.attention_block(x, segments)
+        if not self.is_moe:
+            return self.dense_block(x)
+        h, ids, weights, shared = self.route(x)
+        return combine_moe(x, shared, self.moe.experts(h, ids), weights)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dense_attention: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i, dense_attention) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache(layers=[layer.attn.new_cache() for layer in self.layers])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """tokens [N] (the new tokens of every segment, concatenated) → logits [N, V]; advances the caches."""
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, segments)
+        for seg in segments:
+            seg.cache.length += seg.length
+        return self.logits(x)
+
+    @torch.no_grad()
+    def step(self, token_ids: list[int], cache: SequenceCache) -> torch.Tensor:
+        """One sequence: feed `token_ids` after what `cache` has seen → logits [len, V]."""
+        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        return self.forward(tokens, [Segment(0, len(token_ids), cache)])
+
+
+# ----------------------------------------------------------------------------------------------- init
+@torch.no_grad()
+def init_random_(model: Transformer, seed: int) -> Transformer:
+    """Seeded random weights with scales that keep activations O(1) through the stack."""
+    from expertmesh.kernels.mxfp4 import quantize_mxfp4
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(seed)
+    std = cfg.init_std
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 16.0, generator=gen)))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.empty_like(p).uniform_(-4.0, -1.0, generator=gen))  # softplus → slow-ish decay
+        elif name.endswith("router_bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
+        elif name.endswith("_conv"):
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    for layer in model.layers:
+        if not layer.is_moe:
+            continue
+        ex = layer.moe.experts
+        e = ex.gate_up_blocks.shape[0]
+        h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
+        gate_up = torch.randn(e, 2 * i, h, generator=gen) * std
+        down = torch.randn(e, h, i, generator=gen) * std
+        ex.gate_up_blocks, ex.gate_up_scales = quantize_mxfp4(gate_up)
+        ex.down_blocks, ex.down_scales = quantize_mxfp4(down)
+    # bf16 storage is the checkpoint format: round once so a model made here equals one loaded from disk
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@dataclass
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: float = 0.0      # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 → off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], params: SamplingParams,
+             prefill_chunk: int | None = None) -> Generation:
+    """Prefill the prompt (in chunks of `prefill_chunk` tokens when given), then decode token by token."""
+    from expertmesh.sampling import Sampler
+    if not prompt:
+        raise ValueError("prompt: expected at least one token")
+    cache = model.new_cache()
+    chunk = prefill_chunk or len(prompt)
+    logits = None
+    for start in range(0, len(prompt), chunk):
+        logits = model.step(prompt[start: start + chunk], cache)
+    sampler = Sampler(params)
+    out = Generation()
+    for _ in range(params.max_tokens):
+        token = sampler.sample(logits[-1])
+        out.tokens.append(token)
+        if token in params.stop_token_ids:
+            out.finish_reason = "stop"
+            break
+        if cache.length >= model.cfg.max_context:
+            break
+        logits = model.step([token], cache)
+    return out
