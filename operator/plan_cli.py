@@ -1,0 +1,154 @@
+"""`expertmesh plan`: offline expert placement for a preset and a cluster shape.
+
+    expertmesh plan --preset full-2.8t --expert-pods 16 --gpus-per-pod 8 --gpu-memory-gib 141 \\
+        [--reserve-gib X] [--redundant-experts R] [--loads FILE.npy|FILE.json] [--previous PLAN.json] [--json OUT]
+
+Prints, side by side, the plans without and with the R redundant slots per layer, made for uniform loads and for
+the given loads (or Zipf-skewed synthetic ones): shards and bytes per GPU, physical vs logical experts, replicas,
+the expected imbalance of each under both loads, and the planning time. `--json` writes the plan for the given
+loads (uniform without `--loads`) with R redundant slots. A cluster too small exits 2 with the reason on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GIB = 2 ** 30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from expertmesh.config import PRESET_NAMES
+    p.add_argument("--preset", choices=PRESET_NAMES, default="full-2.8t", help="model preset (default full-2.8t)")
+    p.add_argument("--expert-pods", type=int, required=True, metavar="N", help="expert worker pods")
+    p.add_argument("--gpus-per-pod", type=int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
+    p.add_argument("--gpu-memory-gib", type=float, default=141.0, metavar="GIB", help="memory per GPU (default 141)")
+    p.add_argument("--reserve-gib", type=float, default=0.0, metavar="GIB",
+                   help="per-GPU memory kept for activations and buffers, not experts (default 0)")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                   help="redundant expert slots per layer, all pods together (default 0)")
+    p.add_argument("--loads", type=Path, metavar="FILE",
+                   help="tokens per (MoE layer, expert): .npy or .json [layers][experts]")
+    p.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the synthetic skew without --loads")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic skew")
+    p.add_argument("--previous", type=Path, metavar="PLAN", help="plan in force: report (and minimise) moved shards")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write the plan (given loads, R redundant) as JSON")
+
+
+def read_loads(path: Path) -> np.ndarray:
+    """A loads file: .npy (any numeric array) or .json (nested lists [layers][experts])."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            return np.load(path, allow_pickle=False)
+        if suffix == ".json":
+            return np.asarray(json.loads(path.read_text()), dtype=np.float64)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--loads {path}: cannot read it ({e})") from None
+    raise ValueError(f"--loads {path}: expected a .npy or .json file, found {suffix or 'no suffix'}")
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _unit(n_bytes: float) -> tuple[str, int]:
+    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n_bytes >= size:
+            return unit, size
+    return "B", 1
+
+
+def run(args) -> int:
+    from expertmesh.config import preset
+    from expertmesh.operator.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
+    from expertmesh.plan import PlacementPlan
+
+    try:
+        cfg = preset(args.preset)
+        shape = ClusterShape(pods=args.expert_pods, gpus_per_pod=args.gpus_per_pod,
+                             gpu_memory_bytes=int(args.gpu_memory_gib * GIB), reserve_bytes=int(args.reserve_gib * GIB))
+        if args.loads is not None:
+            skewed, skew_name = read_loads(args.loads), "given loads"
+        else:
+            skewed, skew_name = zipf_loads(cfg, s=args.zipf_s, seed=args.seed), f"zipf s={args.zipf_s:g}"
+        previous = None
+        if args.previous is not None:
+            try:
+                previous = PlacementPlan.from_json(args.previous.read_text())
+            except OSError as e:
+                raise ValueError(f"--previous {args.previous}: cannot read it ({e})") from None
+        uniform = np.ones((cfg.n_moe_layers, cfg.moe.n_routed_experts))
+        R = args.redundant_experts
+        columns = [("uniform", None, 0), (skew_name, skewed, 0)]
+        if R > 0:
+            columns = [("uniform", None, 0), ("uniform", None, R), (skew_name, skewed, 0), (skew_name, skewed, R)]
+        results = []
+        for name, loads, r in columns:
+            t0 = time.perf_counter()
+            plan = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous)
+            seconds = time.perf_counter() - t0
+            results.append((f"{name}, r={r}", plan, seconds, imbalance(plan, uniform), imbalance(plan, skewed)))
+    except PlanError as e:
+        print(f"expertmesh plan: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"expertmesh plan: {e}", file=sys.stderr)
+        return 2
+
+    main = results[-1 if args.loads is not None else (1 if R > 0 else 0)]
+    B = cfg.expert_bytes_mxfp4
+    print(f"expertmesh plan: {cfg.name} ({cfg.n_moe_layers} MoE layers x {cfg.moe.n_routed_experts} experts, "
+          f"{B / _unit(B)[1]:,.1f} {_unit(B)[0]} each in MXFP4) on {shape.pods} pods x {shape.gpus_per_pod} GPUs x "
+          f"{args.gpu_memory_gib:g} GiB (reserve {args.reserve_gib:g} GiB/GPU: {main[1].figures.slots_per_gpu:,} "
+          f"expert slots/GPU)")
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label, fn):
+        rows.append((label, [fn(res) for res in results]))
+    row("logical experts", lambda res: f"{res[1].figures.logical_experts:,}")
+    row("physical experts", lambda res: f"{res[1].figures.physical_experts:,}")
+    row("redundant / layer (asked)", lambda res: f"{res[1].figures.redundant_per_layer} "
+                                                  f"({res[1].figures.redundant_requested})")
+    row("max replicas of an expert", lambda res: f"{int(res[1].replica_counts().max())}")
+    row("shards/GPU min/mean/max", lambda res: f"{res[1].figures.shards_per_gpu_min}/"
+                                               f"{res[1].figures.shards_per_gpu_mean:.1f}/{res[1].figures.shards_per_gpu_max}")
+    unit, size = _unit(max(res[1].figures.bytes_per_gpu_max for res in results))
+    row(f"{unit}/GPU min/mean/max", lambda res: f"{res[1].figures.bytes_per_gpu_min / size:.2f}/"
+                                                f"{res[1].figures.bytes_per_gpu_mean / size:.2f}/"
+                                                f"{res[1].figures.bytes_per_gpu_max / size:.2f}")
+    row("imbalance uniform (mean/worst)", lambda res: f"{_fmt(res[3].mean)}/{_fmt(res[3].worst)}")
+    row(f"imbalance {skew_name} (mean/worst)", lambda res: f"{_fmt(res[4].mean)}/{_fmt(res[4].worst)}")
+    if previous is not None:
+        row("moved shards (vs --previous)", lambda res: f"{res[1].figures.moved_shards:,}")
+    row("planning time (ms)", lambda res: f"{res[2] * 1000:.0f}")
+    headers = [res[0] + (" *" if res is main and args.json else "") for res in results]
+    width0 = max(len(label) for label, _ in rows)
+    widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(headers)]
+    print(f"{'plan (loads, redundant/layer)':<{width0}}  " + "  ".join(f"{h:>{w}}" for h, w in zip(headers, widths)))
+    print("-" * width0 + "  " + "  ".join("-" * w for w in widths))
+    for label, cells in rows:
+        print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+    print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
+    notes = [(res[0], n) for res in results for n in res[1].notes]
+    for name, note in notes:
+        print(f"note ({name}): {note}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(main[1].to_json())
+        print(f"wrote plan {main[1].plan_hash()} ({main[0]}) to {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="expertmesh plan", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
