@@ -23,7 +23,8 @@ up: install
 	$(VENV)/bin/expertmesh up
 
 test: install
-	$(PY) -m pytest -q
+	scripts/install-tools.sh
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q
 
 bench: install
 	$(PY) bench/mxfp4.py

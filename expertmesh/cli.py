@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     router_server.add_arguments(r)
     r.set_defaults(func=router_server.run)
 
-    w = sub.add_parser("worker", help="an attention / expert worker process (pod entrypoint)", add_help=False)
-    w.add_argument("worker_args", nargs=argparse.REMAINDER)
-    w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(a.worker_args))
+    w = sub.add_parser("worker", help="an attention / expert worker process (pod entrypoint); "
+                                      "`expertmesh worker --help` for its flags")
+    w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(["--help"]))
 
     try:
         from expertmesh.operator import plan_cli
@@ -173,6 +173,10 @@ def _set_threads() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _set_threads()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:
+        from expertmesh.worker.server import main as worker_main   # the worker parses its own flags
+        return int(worker_main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

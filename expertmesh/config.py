@@ -268,7 +268,6 @@ class ModelConfig(_Strict):
 
     def describe(self) -> list[tuple[str, str]]:
         """(figure, value) rows for `expertmesh model describe`."""
-        gib = 1024 ** 3
         rows = [
             ("preset", self.name),
             ("layers", f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA; "
@@ -279,19 +278,26 @@ class ModelConfig(_Strict):
             ("total parameters", _human(self.total_params)),
             ("active parameters / token", _human(self.active_params)),
             ("routed expert parameters", _human(self.routed_expert_params)),
-            ("expert weights (MXFP4, 4.25 bit)", f"{self.routed_expert_bytes / gib:,.1f} GiB"),
-            ("other weights (bf16)", f"{self.dense_bytes_bf16 / gib:,.1f} GiB"),
-            ("checkpoint total", f"{self.checkpoint_bytes / gib:,.1f} GiB ({self.checkpoint_bytes / 1e12:.2f} TB)"),
+            ("expert weights (MXFP4, 4.25 bit)", _bytes(self.routed_expert_bytes)),
+            ("other weights (bf16)", _bytes(self.dense_bytes_bf16)),
+            ("checkpoint total", f"{_bytes(self.checkpoint_bytes)} ({self.checkpoint_bytes / 1e12:.3f} TB)"),
             ("DSA index top-k", f"{self.indexer.index_topk}"),
             ("max context", f"{self.max_context:,} tokens"),
             ("KV bytes / token / DSA layer (bf16)", f"{self.kv_bytes_per_token('dsa'):,}"),
             ("KV bytes / token / KDA layer", f"{self.kv_bytes_per_token('kda')}"),
             ("KV bytes / token, all layers", f"{self.kv_bytes_per_token_all_layers():,}"),
-            ("KV at max context / sequence", f"{self.kv_bytes_per_token_all_layers() * self.max_context / gib:,.2f} GiB"),
-            ("recurrent state / sequence", f"{self.recurrent_state_bytes_per_sequence / 2**20:,.2f} MiB"),
+            ("KV at max context / sequence", _bytes(self.kv_bytes_per_token_all_layers() * self.max_context)),
+            ("recurrent state / sequence", _bytes(self.recurrent_state_bytes_per_sequence)),
             ("thinking budgets (low/high/max)", f"{self.thinking.low}/{self.thinking.high}/{self.thinking.max}"),
         ]
         return rows
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,} B"
 
 
 def _human(n: int) -> str:

@@ -126,7 +126,7 @@ def test_config_mismatch(copy):
         Checkpoint(copy, expect_config=preset("tiny"))
     cfg["moe"]["top_k"] = 99
     (copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"invalid model config.*top_k=99"):
+    with pytest.raises(CheckpointError, match=r"(?s)invalid model config.*top_k=99"):
         Checkpoint(copy)
 
 

@@ -1,0 +1,218 @@
+"""`expertmesh up`: the whole system on this machine — N attention workers, M expert workers and the router
+as separate processes on loopback, with a placement plan computed for them.
+
+Each child prints `READY ...` once serving; `up` waits for all of them, prints where the router listens and
+serves until Ctrl-C / SIGTERM, then stops the router first (no new requests), then the workers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    args: list[str] = field(default_factory=list)
+    address: str = ""
+    lines: list[str] = field(default_factory=list)
+
+
+class LocalCluster:
+    """Starts and stops the processes of a local deployment. Usable from tests as a context manager."""
+
+    def __init__(self, checkpoint: str | Path, *, attention_workers: int = 1, expert_workers: int = 1,
+                 redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051,
+                 host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
+                 prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
+                 router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None):
+        self.checkpoint = str(checkpoint)
+        self.n_attention, self.n_expert = attention_workers, expert_workers
+        self.redundant = redundant_experts
+        self.http_port, self.grpc_port, self.host = http_port, grpc_port, host
+        self.threads, self.kv_blocks, self.block_size, self.prefill_chunk = threads, kv_blocks, block_size, prefill_chunk
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="expertmesh-up-"))
+        self.extra_env = extra_env or {}
+        self.router_args = router_args or []
+        self.echo = echo
+        self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
+        self.children: list[Child] = []
+        self.router: Child | None = None
+        self.plan_path = self.run_dir / "plan.json"
+
+    # ------------------------------------------------------------------ processes
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
+                    "EXPERTMESH_TORCH_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"})
+        env.update(self.extra_env)    # OTEL_* and friends pass through from os.environ as well
+        return env
+
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
+        cmd = [sys.executable, "-m", "expertmesh.cli", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**self._env(), **(env or {})}, start_new_session=True)
+        child = Child(name, proc, list(args))
+        threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
+        self.children.append(child)
+        return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process (fault tests)."""
+        c = self.child(name)
+        c.proc.kill()
+        c.proc.wait()
+
+    def restart(self, name: str, timeout: float = 120.0, env: dict | None = None) -> Child:
+        """Start a stopped process again with the same arguments (same port)."""
+        old = self.child(name)
+        if old.proc.poll() is None:
+            self.kill(name)
+        self.children.remove(old)
+        new = self._spawn(name, old.args, env)
+        if old is self.router:
+            self.router = new
+        self._wait_ready([new], timeout)
+        return new
+
+    def _pump(self, child: Child) -> None:
+        for line in child.proc.stdout:
+            line = line.rstrip("\n")
+            child.lines.append(line)
+            if line.startswith("READY "):
+                child.address = line.split()[-1]
+            if self.echo:
+                print(f"[{child.name}] {line}", file=sys.stderr)
+
+    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for c in children:
+            while not c.address:
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}:\n" + "\n".join(c.lines[-30:]))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{c.name} not ready after {timeout:.0f}s:\n" + "\n".join(c.lines[-30:]))
+                time.sleep(0.05)
+
+    def start(self, timeout: float = 120.0) -> "LocalCluster":
+        from expertmesh.checkpoint import Checkpoint
+        from expertmesh.router.local import make_placement
+        cfg = Checkpoint(self.checkpoint).cfg
+        plan = make_placement(cfg, self.n_expert, self.redundant)
+        self.plan_path.write_text(plan.to_json())
+        common = ["--checkpoint", self.checkpoint, "--host", self.host]
+        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common,
+                                                    "--port", str(free_port(self.host)), "--name", f"attention-{i}",
+                                                    "--kv-blocks", str(self.kv_blocks),
+                                                    "--block-size", str(self.block_size)])
+                     for i in range(self.n_attention)]
+        experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common,
+                                               "--port", str(free_port(self.host)), "--name", f"expert-{i}",
+                                               "--plan", str(self.plan_path), "--ordinal", str(i)],
+                               self.worker_env.get(f"expert-{i}"))
+                   for i in range(self.n_expert)]
+        try:
+            self._wait_ready(attention + experts, timeout)
+            self.router = self._spawn("router", [
+                "router", *common, "--plan", str(self.plan_path),
+                "--attention", ",".join(c.address for c in attention),
+                "--experts", ",".join(c.address for c in experts),
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                "--prefill-chunk", str(self.prefill_chunk), *self.router_args])
+            self._wait_ready([self.router], timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def workers(self) -> list[Child]:
+        return [c for c in self.children if c is not self.router]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the router first (it stops taking requests and drains), then every worker at once."""
+        waves = [[self.router] if self.router else [], [c for c in self.children if c is not self.router]]
+        for wave in waves:
+            for c in wave:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for c in wave:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+def run_up(args) -> int:
+    from expertmesh.cli import default_checkpoint
+    checkpoint = args.checkpoint or str(default_checkpoint(args.preset))
+    cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
+                           redundant_experts=args.redundant_experts, http_port=args.http_port,
+                           grpc_port=args.grpc_port, host=args.host, threads=args.threads,
+                           prefill_chunk=args.prefill_chunk, echo=args.verbose)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting {args.attention_workers} attention + {args.expert_workers} expert workers "
+          f"from {checkpoint} ...", flush=True)
+    cluster.start()
+    print(f"expertmesh up: HTTP {cluster.http_url}  (OpenAI-compatible: {cluster.http_url}/v1)\n"
+          f"               gRPC {args.host}:{args.grpc_port}\n"
+          f"               plan {cluster.plan_path}\n"
+          f"Ctrl-C to stop.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = [c for c in cluster.children if c.proc.poll() is not None]
+            if dead:
+                print(f"{dead[0].name} exited ({dead[0].proc.returncode}); shutting down:\n"
+                      + "\n".join(dead[0].lines[-20:]), file=sys.stderr)
+                cluster.stop()
+                return 1
+    finally:
+        cluster.stop()
+    print("expertmesh up: stopped", flush=True)
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
+    p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
+    p.add_argument("--attention-workers", type=int, default=1)
+    p.add_argument("--expert-workers", type=int, default=2)
+    p.add_argument("--redundant-experts", type=int, default=0, help="extra replicas of hot experts per layer")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--prefill-chunk", type=int, default=16)
+    p.add_argument("--verbose", action="store_true", help="echo every process's output")

@@ -1,0 +1,483 @@
+"""OpenAI chat completions and Anthropic messages over the engine, sharing one chat run.
+
+A chat run renders the conversation with the chat template, submits it with a thinking-budget token
+filter, and turns the generated tokens into reasoning / content / tool-call events as they arrive.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Header
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from expertmesh.chat import (ChatError, Message, ThinkingBudget, ToolCall, parse_output, render,
+                             tier_from_request)
+from expertmesh.model import SamplingParams
+from expertmesh.router.engine import Engine, Request
+from expertmesh.router.http import APIError, error_from_exception, iterate_events
+from expertmesh.router.tracing import RequestSpan
+from expertmesh.tokenizer import ByteTokenizer
+
+
+# ----------------------------------------------------------------------------------------------- the run
+@dataclass
+class ChatRun:
+    engine: Engine
+    tok: ByteTokenizer
+    prompt: list[int]
+    budget: ThinkingBudget
+    thinking: bool
+    tier: str
+    req: Request | None = None
+    salt: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    span: RequestSpan | None = None
+
+    def start(self, params: SamplingParams, api: str) -> None:
+        self.span = RequestSpan("chat", self.engine.model_name, max_tokens=params.max_tokens,
+                                temperature=params.temperature, api=api, tier=self.tier if self.thinking else None)
+        try:
+            with self.span.current():
+                self.req = self.engine.submit(self.prompt, params, token_filter=self.budget)
+        except Exception as e:
+            self.span.finish(input_tokens=len(self.prompt), output_tokens=0, finish_reason=None, error=e)
+            raise error_from_exception(e)
+
+    def fail(self, error: Exception) -> None:
+        if self.span is not None:
+            self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output) if self.req else 0,
+                             finish_reason=None, error=error)
+
+    async def events(self):
+        """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back."""
+        t = self.tok
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        phase = "reasoning" if self.thinking else "content"
+        in_call = False
+        async for token in iterate_events(self.req):
+            if token in (t.end_id, t.eos_id):
+                break
+            if phase == "reasoning":
+                if token == t.think_end_id:
+                    tail = decoder.decode(b"", final=True)
+                    if tail:
+                        yield "reasoning", tail
+                    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                    phase = "content"
+                elif token < 256:
+                    text = decoder.decode(bytes([token]))
+                    if text:
+                        yield "reasoning", text
+                continue
+            if token == t.tool_call_start_id:
+                in_call = True
+            elif token == t.tool_call_end_id:
+                in_call = False
+            elif token < 256 and not in_call:
+                text = decoder.decode(bytes([token]))
+                if text:
+                    yield "content", text
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield phase, tail
+
+    async def wait(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def result(self):
+        return parse_output(self.req.output, self.tok, thinking=self.thinking, salt=self.salt)
+
+    def finish_reason(self, parsed) -> str:
+        if parsed.tool_calls:
+            return "tool_calls"
+        out = self.req.output
+        if out and out[-1] in (self.tok.end_id, self.tok.eos_id):
+            return "stop"
+        return "length"
+
+    def record(self, parsed=None) -> None:
+        """Count this run's reasoning tokens and close its span, once, when it is over."""
+        if getattr(self, "_recorded", False):
+            return
+        self._recorded = True
+        reasoning = self.budget.reasoning_tokens if self.thinking else 0
+        self.engine.metrics.reasoning_tokens.inc(reasoning)
+        if self.span is not None:
+            self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output),
+                             finish_reason=self.finish_reason(parsed) if parsed is not None else None,
+                             reasoning_tokens=reasoning, cached_tokens=self.req.cached_tokens)
+
+    def usage_counts(self, parsed) -> dict:
+        self.record(parsed)
+        return {"prompt": len(self.prompt), "completion": len(self.req.output), "cached": self.req.cached_tokens,
+                "reasoning": self.budget.reasoning_tokens if self.thinking else 0}
+
+
+def start_chat(engine: Engine, tok: ByteTokenizer, messages: list[Message], tools, *, tier: str, thinking: bool,
+               max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai") -> ChatRun:
+    try:
+        prompt = render(messages, tok, tools=tools, thinking=thinking)
+    except ChatError as e:
+        raise APIError(400, str(e), param="messages")
+    limit = engine.cfg.thinking.limit(tier) if thinking else None
+    run = ChatRun(engine, tok, prompt, ThinkingBudget(tok, limit, thinking), thinking, tier)
+    if max_tokens <= 0:
+        raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
+    run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             stop_token_ids=(tok.end_id, tok.eos_id)), api)
+    return run
+
+
+def _text(content) -> str:
+    """OpenAI content: a string or a list of {type: text, text} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise APIError(400, f"content[{i}]: only text parts are supported", param="messages")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise APIError(400, "content: expected a string or a list of text parts", param="messages")
+
+
+# ----------------------------------------------------------------------------------------------- OpenAI
+class ChatBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[dict] = Field(min_length=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    reasoning_effort: str | None = None
+    thinking_budget: str | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+def openai_messages(raw: list[dict]) -> list[Message]:
+    out = []
+    for i, m in enumerate(raw):
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role: {role!r} is not one of system, user, assistant, tool",
+                           param=f"messages[{i}].role")
+        calls = []
+        for j, c in enumerate(m.get("tool_calls") or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not c.get("id"):
+                raise APIError(400, f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, function: "
+                                    f"{{name, arguments}}}}", param=f"messages[{i}].tool_calls[{j}]")
+            args = fn.get("arguments", "{}")
+            calls.append(ToolCall(str(c["id"]), fn["name"], args if isinstance(args, str) else json.dumps(args)))
+        try:
+            content = _text(m.get("content"))
+        except APIError as e:
+            raise APIError(400, f"messages[{i}].{e.message}", param=f"messages[{i}].content")
+        out.append(Message(role, content, reasoning=m.get("reasoning_content"), tool_calls=calls,
+                           tool_call_id=m.get("tool_call_id")))
+    return out
+
+
+def openai_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, check_key) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/chat/completions")
+    async def chat(body: ChatBody, authorization: str | None = Header(default=None)):
+        check_key(authorization)
+        check_model(body.model)
+        try:
+            tier = tier_from_request(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort)
+        except ChatError as e:
+            raise APIError(400, str(e), param="reasoning_effort" if body.reasoning_effort else "thinking_budget")
+        if body.tool_choice == "none":
+            tools = None
+        else:
+            tools = body.tools
+        max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), 256)
+        run = start_chat(engine, tok, openai_messages(body.messages), tools, tier=tier, thinking=True,
+                         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+
+        def usage(parsed) -> dict:
+            u = run.usage_counts(parsed)
+            return {"prompt_tokens": u["prompt"], "completion_tokens": u["completion"],
+                    "total_tokens": u["prompt"] + u["completion"],
+                    "prompt_tokens_details": {"cached_tokens": u["cached"]},
+                    "completion_tokens_details": {"reasoning_tokens": u["reasoning"]}}
+
+        def tool_calls_json(parsed) -> list[dict]:
+            return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.tool_calls]
+
+        if not body.stream:
+            try:
+                await run.wait()
+            except Exception as e:
+                run.fail(e)
+                raise error_from_exception(e)
+            parsed = run.result()
+            message = {"role": "assistant", "content": parsed.content or None,
+                       "reasoning_content": parsed.reasoning or None}
+            if parsed.tool_calls:
+                message["tool_calls"] = tool_calls_json(parsed)
+            return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                    "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason(parsed),
+                                 "logprobs": None}],
+                    "usage": usage(parsed), "thinking_budget": run.tier}
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(delta: dict, reason: str | None = None) -> str:
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                          "model": name, "choices": [{"index": 0, "delta": delta,
+                                                                      "finish_reason": reason,
+                                                                      "logprobs": None}]}) + "\n\n"
+
+        async def sse():
+            yield chunk({"role": "assistant", "content": ""})
+            sent = ""
+            try:
+                async for kind, text in run.events():
+                    if kind == "content":
+                        sent += text
+                    yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text})
+                parsed = run.result()
+                run.record(parsed)
+                if parsed.content.startswith(sent) and len(parsed.content) > len(sent):
+                    yield chunk({"content": parsed.content[len(sent):]})   # held-back malformed tool call
+                for i, call in enumerate(tool_calls_json(parsed)):
+                    yield chunk({"tool_calls": [{"index": i, **call}]})
+                yield chunk({}, run.finish_reason(parsed))
+                if include_usage:
+                    yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                                 "model": name, "choices": [], "usage": usage(parsed)}) + "\n\n"
+            except Exception as e:
+                run.fail(e)
+                err = error_from_exception(e)
+                yield "data: " + json.dumps({"error": {"message": err.message, "type": err.type,
+                                                       "code": err.code}}) + "\n\n"
+            finally:
+                if run.req is not None and not run.req.done:
+                    engine.cancel(run.req)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return api
+
+
+# ----------------------------------------------------------------------------------------------- Anthropic
+class MessagesBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int
+    messages: list[dict] = Field(min_length=1)
+    system: str | list[dict] | None = None
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
+    stream: bool = False
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop_sequences: list[str] | None = None
+    thinking_budget: str | None = None
+
+
+class AnthropicError(APIError):
+    def response(self) -> JSONResponse:
+        kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+        return JSONResponse(status_code=self.status, content={"type": "error", "error": {
+            "type": kinds.get(self.status, "api_error"), "message": self.message}})
+
+
+def _as_anthropic(e: Exception) -> AnthropicError:
+    err = error_from_exception(e)
+    return AnthropicError(err.status, err.message, err.type, err.param, err.code)
+
+
+def anthropic_messages(body: MessagesBody) -> list[Message]:
+    out: list[Message] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(
+            b.get("text", "") for b in body.system if isinstance(b, dict))
+        out.append(Message("system", system))
+    for i, m in enumerate(body.messages):
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise AnthropicError(400, f"messages.{i}.role: {role!r} is not one of user, assistant")
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise AnthropicError(400, f"messages.{i}.content: expected a string or a list of content blocks")
+        if role == "user":
+            texts = []
+            for j, b in enumerate(blocks):
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "tool_result":
+                    result = b.get("content", "")
+                    if isinstance(result, list):
+                        result = "".join(x.get("text", "") for x in result if isinstance(x, dict))
+                    out.append(Message("tool", str(result), tool_call_id=b.get("tool_use_id")))
+                elif kind == "text":
+                    texts.append(b.get("text", ""))
+                else:
+                    raise AnthropicError(400, f"messages.{i}.content.{j}.type: {kind!r} is not supported in a "
+                                              f"user turn (text, tool_result)")
+            if texts:
+                out.append(Message("user", "".join(texts)))
+        else:
+            msg = Message("assistant")
+            for j, b in enumerate(blocks):
+                kind = b.get("type") if isinstance(b, dict) else None
+                if kind == "thinking":
+                    msg.reasoning = (msg.reasoning or "") + b.get("thinking", "")
+                elif kind == "text":
+                    msg.content += b.get("text", "")
+                elif kind == "tool_use":
+                    msg.tool_calls.append(ToolCall(b.get("id", ""), b.get("name", ""),
+                                                   json.dumps(b.get("input", {}))))
+                else:
+                    raise AnthropicError(400, f"messages.{i}.content.{j}.type: {kind!r} is not supported in an "
+                                              f"assistant turn (text, thinking, tool_use)")
+            out.append(msg)
+    return out
+
+
+def anthropic_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, check_key) -> APIRouter:
+    api = APIRouter()
+
+    @api.post("/v1/messages")
+    async def messages(body: MessagesBody, x_api_key: str | None = Header(default=None),
+                       authorization: str | None = Header(default=None)):
+        try:
+            check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
+            check_model(body.model)
+            thinking = bool(body.thinking and body.thinking.get("type") == "enabled")
+            budget_tokens = body.thinking.get("budget_tokens") if thinking else None
+            tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens,
+                                     budgets=engine.cfg.thinking)
+            msgs = anthropic_messages(body)
+            tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                                       "parameters": t.get("input_schema", {})}}
+                     for t in (body.tools or [])] or None
+            run = start_chat(engine, tok, msgs, tools, tier=tier, thinking=thinking, max_tokens=body.max_tokens,
+                             temperature=body.temperature, top_p=body.top_p, seed=None, api="anthropic")
+        except AnthropicError:
+            raise
+        except Exception as e:
+            raise _as_anthropic(e)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+
+        def stop_reason(parsed) -> str:
+            return {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}[run.finish_reason(parsed)]
+
+        def usage(parsed) -> dict:
+            u = run.usage_counts(parsed)
+            return {"input_tokens": u["prompt"] - u["cached"], "cache_read_input_tokens": u["cached"],
+                    "cache_creation_input_tokens": 0, "output_tokens": u["completion"]}
+
+        def blocks(parsed) -> list[dict]:
+            out = []
+            if thinking:
+                out.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+            if parsed.content or not parsed.tool_calls:
+                out.append({"type": "text", "text": parsed.content})
+            for c in parsed.tool_calls:
+                out.append({"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
+                            "input": json.loads(c.arguments)})
+            return out
+
+        if not body.stream:
+            try:
+                await run.wait()
+            except Exception as e:
+                run.fail(e)
+                raise _as_anthropic(e)
+            parsed = run.result()
+            return {"id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks(parsed),
+                    "stop_reason": stop_reason(parsed), "stop_sequence": None, "usage": usage(parsed)}
+
+        def event(kind: str, data: dict) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        async def sse():
+            yield event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(run.prompt), "output_tokens": 0}}})
+            index, open_kind = -1, None
+            sent = ""
+            try:
+                async for kind, text in run.events():
+                    block = "thinking" if kind == "reasoning" else "text"
+                    if block == "text":
+                        sent += text
+                    if block != open_kind:
+                        if open_kind is not None:
+                            if open_kind == "thinking":
+                                yield event("content_block_delta", {"index": index, "delta": {
+                                    "type": "signature_delta", "signature": ""}})
+                            yield event("content_block_stop", {"index": index})
+                        index += 1
+                        open_kind = block
+                        start = {"type": "thinking", "thinking": "", "signature": ""} if block == "thinking" \
+                            else {"type": "text", "text": ""}
+                        yield event("content_block_start", {"index": index, "content_block": start})
+                    delta = {"type": "thinking_delta", "thinking": text} if block == "thinking" \
+                        else {"type": "text_delta", "text": text}
+                    yield event("content_block_delta", {"index": index, "delta": delta})
+                parsed = run.result()
+                run.record(parsed)
+                rest = parsed.content[len(sent):] if parsed.content.startswith(sent) else ""
+                if rest:                                   # held-back malformed tool call, as text
+                    if open_kind != "text":
+                        if open_kind is not None:
+                            yield event("content_block_stop", {"index": index})
+                        index += 1
+                        open_kind = "text"
+                        yield event("content_block_start", {"index": index,
+                                                            "content_block": {"type": "text", "text": ""}})
+                    yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta",
+                                                                                  "text": rest}})
+                if open_kind is not None:
+                    yield event("content_block_stop", {"index": index})
+                for c in parsed.tool_calls:
+                    index += 1
+                    yield event("content_block_start", {"index": index, "content_block": {
+                        "type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name, "input": {}}})
+                    yield event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": c.arguments}})
+                    yield event("content_block_stop", {"index": index})
+                yield event("message_delta", {"delta": {"stop_reason": stop_reason(parsed), "stop_sequence": None},
+                                              "usage": {"output_tokens": len(run.req.output)}})
+                yield event("message_stop", {})
+            except Exception as e:
+                run.fail(e)
+                err = _as_anthropic(e)
+                yield f"event: error\ndata: {json.dumps({'type': 'error', 'error': {'type': 'api_error', 'message': err.message}})}\n\n"
+            finally:
+                if run.req is not None and not run.req.done:
+                    engine.cancel(run.req)
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return api

@@ -1,0 +1,135 @@
+"""The router's public gRPC service (`expertmesh.v1.Router`): streaming Generate and Chat, model listing.
+
+Status codes: INVALID_ARGUMENT naming the field, UNAUTHENTICATED (metadata `authorization: Bearer KEY` or
+`x-api-key`), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (experts or workers down),
+DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the engine).
+"""
+from __future__ import annotations
+
+import hmac
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from expertmesh.model import SamplingParams
+from expertmesh.protos import router_pb2, router_pb2_grpc
+from expertmesh.router.dispatch import ExpertsUnavailable
+from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
+from expertmesh.tokenizer import ByteTokenizer
+
+
+def _status_for(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, RequestError) or isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, (ExpertsUnavailable, EngineClosed, ConnectionError)):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, engine: Engine, api_key: str | None = None):
+        self.engine = engine
+        self.api_key = api_key
+        self.tok = ByteTokenizer()
+
+    def _auth(self, context) -> None:
+        if self.api_key is None:
+            return
+        md = dict(context.invocation_metadata())
+        given = md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
+
+    def _check_model(self, model: str, context) -> None:
+        if model and model != self.engine.model_name:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} not found; this router serves "
+                                                     f"{self.engine.model_name!r}")
+
+    def _params(self, p, context) -> SamplingParams:
+        params = SamplingParams(
+            max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+            temperature=p.temperature if p.HasField("temperature") else 0.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k if p.HasField("top_k") else 0,
+            seed=p.seed if p.HasField("seed") else None,
+            stop_token_ids=tuple(p.stop_token_ids) or (self.tok.eos_id,))
+        if params.max_tokens <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")
+        if params.temperature < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.temperature={params.temperature}: expected >= 0")
+        if not 0 < params.top_p <= 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.top_p={params.top_p}: expected 0 < top_p <= 1")
+        return params
+
+    def _stream(self, req, context, request_id: str, return_text: bool):
+        """Yield GenerateEvents for an engine request; cancels it when the client goes away."""
+        context.add_callback(lambda: self.engine.cancel(req))
+        remaining = context.time_remaining()
+        index = 0
+        try:
+            for token in req.stream(timeout=remaining if remaining is not None else None):
+                text = self.tok.decode([token]) if return_text else ""
+                yield router_pb2.GenerateEvent(request_id=request_id, token=router_pb2.TokenEvent(
+                    index=index, token_id=token, text=text))
+                index += 1
+        except Exception as e:  # the engine failed the request
+            if type(e).__name__ == "Empty":
+                self.engine.cancel(req)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while generating")
+            context.abort(_status_for(e), str(e))
+        usage = router_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
+                                 cached_tokens=req.cached_tokens, total_tokens=len(req.prompt) + len(req.output))
+        yield router_pb2.GenerateEvent(request_id=request_id, finish=router_pb2.Finish(
+            finish_reason=req.finish_reason or "stop", usage=usage))
+
+    def Generate(self, request, context):
+        self._auth(context)
+        self._check_model(request.model, context)
+        which = request.WhichOneof("prompt")
+        if which is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
+        if which == "text":
+            if not request.text:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text: expected a non-empty string")
+            prompt = [self.tok.bos_id] + self.tok.encode(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+        params = self._params(request.params, context)
+        try:
+            req = self.engine.submit(prompt, params, **({"request_id": request.request_id}
+                                                        if request.request_id else {}))
+        except Exception as e:
+            context.abort(_status_for(e), str(e))
+        yield from self._stream(req, context, req.request_id, request.return_text)
+
+    def ListModels(self, request, context):
+        self._auth(context)
+        cfg = self.engine.cfg
+        return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(
+            id=self.engine.model_name, max_context=cfg.max_context, vocab_size=cfg.vocab_size,
+            owned_by="expertmesh")])
+
+
+def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"))
+    service = RouterService(engine, api_key)
+    router_pb2_grpc.add_RouterServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", "expertmesh.v1.Router"):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"router gRPC: cannot bind {host}:{port}")
+    server.start()
+    server.bound_port = bound
+    server.health = health_servicer
+    return server
+

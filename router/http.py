@@ -1,0 +1,315 @@
+"""The router's HTTP front: OpenAI-compatible completions, model listing, health and metrics.
+
+Errors come back in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the status that
+fits: 400 for a bad body (naming the field), 404 for an unknown model, 429 when the queue is full, 503 when
+the needed experts or workers are unavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import hmac
+import json
+import time
+import uuid
+from fastapi import FastAPI, Header, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from expertmesh.model import SamplingParams
+from expertmesh.router.dispatch import ExpertsUnavailable
+from expertmesh.router.engine import Engine, EngineClosed, QueueFull, Request, RequestError
+from expertmesh.tokenizer import ByteTokenizer
+
+MAX_BODY_BYTES = 4 * 2 ** 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.type, "param": self.param, "code": self.code}})
+
+
+class CompletionBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(default=16)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    echo: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+
+def error_from_exception(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestError):
+        param = str(e).split(":", 1)[0].split("=", 1)[0] if ":" in str(e) or "=" in str(e) else None
+        return APIError(400, str(e), param=param)
+    if isinstance(e, QueueFull):
+        return APIError(429, str(e), "rate_limit_error", code="queue_full")
+    if isinstance(e, (ExpertsUnavailable, EngineClosed, ConnectionError)):
+        return APIError(503, str(e), "service_unavailable", code="unavailable")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+class StopMatcher:
+    """Incremental UTF-8 decoding of byte tokens with stop-string detection."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def feed(self, token: int, tok: ByteTokenizer) -> str:
+        """Add a token; returns the newly safe-to-emit text (held back while it could start a stop string)."""
+        if token < 256:
+            self.text += self.decoder.decode(bytes([token]))
+        for s in self.stops:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+        if self.stopped:
+            out = self.text[self.emitted:]
+            self.emitted = len(self.text)
+            return out
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        safe = max(self.emitted, len(self.text) - hold)
+        out = self.text[self.emitted:safe]
+        self.emitted = safe
+        return out
+
+    def flush(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.decode(b"", final=True)
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+
+async def iterate_events(req: Request):
+    """Async iteration over a request's events, woken by the engine thread."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    req.notify = lambda: loop.call_soon_threadsafe(wake.set)
+    while True:
+        events = req.drain()
+        for kind, value in events:
+            if kind == "token":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+        if not events:
+            await wake.wait()
+            wake.clear()
+
+
+def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    try:   # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
+        app = FastAPI(title="expertmesh router", version="0.1.0",
+                      telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    except TypeError:  # FastAPI releases without built-in telemetry
+        app = FastAPI(title="expertmesh router", version="0.1.0")
+    tok = ByteTokenizer()
+    name = model_name or engine.model_name
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: HTTPRequest, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"loc": [], "msg": "invalid body"}
+        loc = [str(x) for x in err.get("loc", []) if x != "body"]
+        field = ".".join(loc) or None
+        error = APIError(400, f"{field or 'body'}: {err.get('msg')}", param=field)
+        if request.url.path.startswith("/v1/messages"):
+            from expertmesh.router.chat_api import AnthropicError
+            error = AnthropicError(400, error.message, param=field)
+        return error.response()
+
+    def check_key(authorization: str | None) -> None:
+        """Constant-time API-key check (the key never reaches logs or errors)."""
+        if api_key is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    @app.middleware("http")
+    async def _limits(request: HTTPRequest, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            return APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        down_experts = sorted(engine.dispatcher.down)
+        down_attention = sorted(engine.attention_down)
+        status = "ok" if not down_experts and not down_attention else "degraded"
+        return {"status": status, "model": name, "running": engine.num_running(), "waiting": engine.num_waiting(),
+                "expert_workers_down": down_experts, "attention_workers_down": down_attention}
+
+    @app.get("/metrics")
+    async def metrics():
+        from fastapi.responses import Response
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "expertmesh"}]}
+
+    @app.get("/v1/load")
+    async def load():
+        """Per-(layer, expert) token counts since start: what the operator reads to rebalance."""
+        return {"model": name, "moe_layers": engine.cfg.moe_layers, "tokens": engine.load_stats()}
+
+    def check_model(model: str) -> None:
+        if model != name:
+            raise APIError(404, f"model {model!r} not found; this router serves {name!r}", param="model",
+                           code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, authorization: str | None = Header(default=None)):
+        check_key(authorization)
+        check_model(body.model)
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
+            body.prompt = body.prompt[0]
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise APIError(400, "prompt: expected a non-empty string", param="prompt")
+            prompt_ids = [tok.bos_id] + tok.encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            if not prompt_ids:
+                raise APIError(400, "prompt: expected at least one token", param="prompt")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens <= 0:
+            raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                seed=body.seed, stop_token_ids=(tok.eos_id,))
+        from expertmesh.router.tracing import RequestSpan
+        span = RequestSpan("text_completion", name, max_tokens=max_tokens, temperature=body.temperature)
+        try:
+            with span.current():
+                req = engine.submit(prompt_ids, params)
+        except Exception as e:
+            span.finish(input_tokens=len(prompt_ids), output_tokens=0, finish_reason=None, error=e)
+            raise error_from_exception(e)
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+
+        def end_span(error: Exception | None = None) -> None:
+            span.finish(input_tokens=len(prompt_ids), output_tokens=len(req.output),
+                        finish_reason=None if error else finish_reason(), cached_tokens=req.cached_tokens,
+                        error=error)
+        matcher = StopMatcher(stops)
+
+        def usage() -> dict:
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(req.output),
+                    "total_tokens": len(prompt_ids) + len(req.output),
+                    "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+
+        def finish_reason() -> str:
+            return "stop" if matcher.stopped or req.finish_reason == "stop" else "length"
+
+        def chunk(text: str, reason: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+        if not body.stream:
+            try:
+                async for token in iterate_events(req):
+                    matcher.feed(token, tok)
+                    if matcher.stopped:
+                        engine.cancel(req)
+                        break
+            except Exception as e:
+                end_span(e)
+                raise error_from_exception(e)
+            end_span()
+            text = matcher.text if matcher.stopped else matcher.text + matcher.flush()
+            out = chunk(text, finish_reason())
+            out["usage"] = usage()
+            return out
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        async def sse():
+            try:
+                async for token in iterate_events(req):
+                    piece = matcher.feed(token, tok)
+                    if piece:
+                        yield f"data: {json.dumps(chunk(piece, None))}\n\n"
+                    if matcher.stopped:
+                        engine.cancel(req)
+                        break
+                tail = matcher.flush()
+                end_span()
+                yield f"data: {json.dumps(chunk(tail, finish_reason()))}\n\n"
+                if include_usage:
+                    final = chunk("", None)
+                    final["choices"] = []
+                    final["usage"] = usage()
+                    yield f"data: {json.dumps(final)}\n\n"
+            except Exception as e:
+                end_span(e)
+                err = error_from_exception(e)
+                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
+            finally:
+                if not req.done:
+                    engine.cancel(req)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    from expertmesh.router.chat_api import anthropic_router, openai_router
+    app.include_router(openai_router(engine, tok, name, check_model, check_key))
+    app.include_router(anthropic_router(engine, tok, name, check_model, check_key))
+    app.state.engine = engine
+    app.state.tokenizer = tok
+    return app
+
+
+def serve_http(app: FastAPI, host: str, port: int):
+    """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop)."""
+    import threading
+    import uvicorn
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"HTTP server on {host}:{port} did not start")
+        time.sleep(0.02)
+    return server, thread

@@ -1,0 +1,88 @@
+"""The router's KV manager: which attention worker holds each sequence, free blocks per worker, and the
+prefix cache index (token-block hashes → the worker and key of a saved prefix).
+
+Prefixes are saved at multiples of `chunk` tokens (the prefill chunk, itself a multiple of the KV block),
+so a request that reuses one prefills exactly the chunks a fresh run would: same numbers, fewer tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def prefix_hashes(tokens: list[int], chunk: int) -> list[tuple[int, str]]:
+    """(length, hash of tokens[:length]) for every multiple of `chunk` ≤ len(tokens), shortest first.
+    The hash chains chunk by chunk, so equal prefixes hash equal and any difference changes all later ones."""
+    out, h = [], hashlib.sha256(b"expertmesh-prefix-v1")
+    for end in range(chunk, len(tokens) + 1, chunk):
+        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - chunk: end]))
+        out.append((end, h.copy().hexdigest()[:32]))
+    return out
+
+
+@dataclass
+class WorkerKV:
+    index: int
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    sequences: int = 0
+
+
+class KVManager:
+    def __init__(self, workers: list[WorkerKV], chunk: int, max_prefixes_per_worker: int = 256):
+        if any(chunk % w.block_size for w in workers):
+            raise ValueError(f"prefill chunk {chunk} must be a multiple of every worker's KV block size")
+        self.workers = workers
+        self.chunk = chunk
+        self.max_prefixes = max_prefixes_per_worker
+        # key → worker index, in LRU order (oldest first)
+        self.prefixes: OrderedDict[str, int] = OrderedDict()
+        self.prefix_len: dict[str, int] = {}
+
+    def blocks_for(self, worker: int, tokens: int, cached: int = 0) -> int:
+        bs = self.workers[worker].block_size
+        return -(-tokens // bs) - cached // bs
+
+    def lookup(self, tokens: list[int]) -> tuple[int, str, int] | None:
+        """The longest saved prefix of `tokens` that leaves at least one token to compute:
+        (worker, key, length), or None."""
+        best = None
+        for length, key in prefix_hashes(tokens, self.chunk):
+            if length >= len(tokens):
+                break
+            if key in self.prefixes:
+                best = (self.prefixes[key], key, length)
+        if best is not None:
+            self.prefixes.move_to_end(best[1])
+        return best
+
+    def choose_worker(self, needed_blocks: int, exclude: set[int] | frozenset = frozenset()) -> int | None:
+        """The worker with the most free blocks that fits `needed_blocks` (not in `exclude`), or None."""
+        fits = [w for w in self.workers if w.free_blocks >= needed_blocks and w.index not in exclude]
+        if not fits:
+            return None
+        return max(fits, key=lambda w: (w.free_blocks, -w.sequences, -w.index)).index
+
+    def eviction_candidates(self, worker: int) -> list[str]:
+        """Saved prefixes on `worker`, least recently used first."""
+        return [k for k, w in self.prefixes.items() if w == worker]
+
+    def record_prefix(self, worker: int, key: str, length: int) -> list[str]:
+        """Note a saved prefix; returns the keys to drop to stay within the per-worker cap."""
+        self.prefixes[key] = worker
+        self.prefix_len[key] = length
+        self.prefixes.move_to_end(key)
+        mine = self.eviction_candidates(worker)
+        drop = mine[: max(0, len(mine) - self.max_prefixes)]
+        for k in drop:
+            self.forget(k)
+        return drop
+
+    def forget(self, key: str) -> None:
+        self.prefixes.pop(key, None)
+        self.prefix_len.pop(key, None)
+
+    def has(self, key: str) -> bool:
+        return key in self.prefixes

@@ -1,0 +1,44 @@
+"""An in-process deployment: attention and expert workers as objects, called directly (the reference
+transport). Same Engine, same worker classes as the multi-process deployment, no gRPC in between."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.config import ModelConfig
+from expertmesh.router.engine import Engine
+from expertmesh.worker.attention import AttentionWorker
+from expertmesh.worker.expert import ExpertWorker
+
+
+@dataclass
+class StaticPlacement:
+    """A fixed logical → physical map: `table[(layer, expert)]` = worker ordinals holding it."""
+    table: dict[tuple[int, int], list[int]]
+
+    def replicas(self, layer: int, expert: int) -> list[int]:
+        return self.table.get((layer, expert), [])
+
+    def experts_of(self, worker: int) -> list[tuple[int, int]]:
+        return sorted(k for k, ws in self.table.items() if worker in ws)
+
+
+def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None):
+    """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process)."""
+    from expertmesh.operator.planner import ClusterShape, plan_placement
+    per_worker = -(-(cfg.n_logical_experts + redundant_experts * cfg.n_moe_layers) // expert_workers)
+    memory = (per_worker + 1) * cfg.expert_bytes_mxfp4
+    shape = ClusterShape(pods=expert_workers, gpus_per_pod=1, gpu_memory_bytes=memory, reserve_bytes=0)
+    return plan_placement(cfg, shape, redundant_slots=redundant_experts, loads=loads)
+
+
+def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
+                       redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
+                       placement=None, **engine_kw) -> Engine:
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    cfg = ckpt.cfg
+    placement = placement or make_placement(cfg, expert_workers, redundant_experts)
+    attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}")
+                 for i in range(attention_workers)]
+    experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
+    return Engine(cfg, attention, experts, placement, **engine_kw)

@@ -1,0 +1,91 @@
+"""The router's Prometheus metrics (`/metrics`), names prefixed `expertmesh_`.
+
+Counters and histograms are updated by the engine as things happen; gauges that describe current state
+(queue lengths, KV blocks, per-expert load and imbalance) are read from the engine at scrape time.
+"""
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("expertmesh_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("expertmesh_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter("expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("expertmesh_generation_tokens", "Generated tokens", registry=r)
+        self.reasoning_tokens = Counter("expertmesh_reasoning_tokens", "Generated reasoning tokens", registry=r)
+        self.requests = Counter("expertmesh_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.call_seconds = Histogram("expertmesh_worker_call_duration_seconds", "Router→worker call latency",
+                                      ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.call_errors = Counter("expertmesh_worker_call_errors", "Failed router→worker calls",
+                                   ["worker", "method"], registry=r)
+        self.engine = None
+        r.register(_StateCollector(self))
+
+    def bind(self, engine) -> None:
+        self.engine = engine
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def imbalance(counts: np.ndarray) -> float:
+    """max/mean tokens per expert of one layer (1.0 = perfectly even; 0 when the layer saw no tokens)."""
+    mean = counts.mean() if counts.size else 0.0
+    return float(counts.max() / mean) if mean > 0 else 0.0
+
+
+class _StateCollector:
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        eng = self.metrics.engine
+        if eng is None:
+            return
+        running = GaugeMetricFamily("expertmesh_requests_running", "Requests in the running batch")
+        running.add_metric([], eng.num_running())
+        waiting = GaugeMetricFamily("expertmesh_requests_waiting", "Requests waiting for admission")
+        waiting.add_metric([], eng.num_waiting())
+        yield running
+        yield waiting
+        hit = GaugeMetricFamily("expertmesh_prefix_cache_hit_ratio", "Cached / total prompt tokens since start")
+        s = eng.stats
+        hit.add_metric([], s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        yield hit
+        blocks = GaugeMetricFamily("expertmesh_kv_blocks", "KV blocks per attention worker", labels=["worker", "state"])
+        for w in eng.kv.workers:
+            name = getattr(eng.attention[w.index], "name", str(w.index))
+            blocks.add_metric([name, "free"], w.free_blocks)
+            blocks.add_metric([name, "used"], w.total_blocks - w.free_blocks)
+        yield blocks
+        load = CounterMetricFamily("expertmesh_expert_tokens", "Tokens routed per (layer, expert)",
+                                   labels=["layer", "expert"])
+        imb = GaugeMetricFamily("expertmesh_expert_load_imbalance", "max/mean tokens per expert", labels=["layer"])
+        worst = 0.0
+        for layer, counts in eng.load_stats().items():
+            arr = np.asarray(counts)
+            for e, c in enumerate(counts):
+                load.add_metric([str(layer), str(e)], c)
+            value = imbalance(arr)
+            worst = max(worst, value)
+            imb.add_metric([str(layer)], value)
+        yield load
+        yield imb
+        overall = GaugeMetricFamily("expertmesh_expert_load_imbalance_max", "Worst per-layer max/mean expert load")
+        overall.add_metric([], worst)
+        yield overall
+        steps = CounterMetricFamily("expertmesh_scheduler_steps", "Scheduler steps run")
+        steps.add_metric([], s.steps)
+        yield steps

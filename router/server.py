@@ -1,0 +1,84 @@
+"""`expertmesh router`: the router process — engine over remote workers, HTTP front and gRPC service."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from expertmesh.checkpoint import Checkpoint
+
+log = logging.getLogger("expertmesh.router")
+
+
+def load_plan(path: str):
+    from expertmesh.plan import PlacementPlan
+    with open(path) as f:
+        return PlacementPlan.from_json(f.read())
+
+
+def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, **kw):
+    from expertmesh.router.engine import Engine
+    from expertmesh.router.remote import RemoteAttention, RemoteExpert
+    att = [RemoteAttention(a, timeout=timeout) for a in attention]
+    exp = [RemoteExpert(e, timeout=timeout) for e in experts]
+    return Engine(cfg, att, exp, plan, call_timeout=timeout, **kw)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (the router reads only its config)")
+    p.add_argument("--plan", required=True, help="placement plan JSON")
+    p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers")
+    p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--prefill-chunk", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=256)
+    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--call-timeout", type=float, default=30.0)
+    p.add_argument("--api-key", default=None, help="require this API key (default: $EXPERTMESH_API_KEY if set)")
+
+
+def run(args) -> int:
+    import os
+    from expertmesh.router.http import build_app, serve_http
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ckpt_cfg = Checkpoint(args.checkpoint).cfg
+    plan = load_plan(args.plan)
+    engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
+                                 [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
+                                 prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
+                                 max_waiting=args.max_waiting)
+    api_key = args.api_key or os.environ.get("EXPERTMESH_API_KEY")
+    app = build_app(engine, api_key=api_key)
+    http_server, http_thread = serve_http(app, args.host, args.http_port)
+    grpc_server = None
+    try:
+        from expertmesh.router.grpc_service import serve_router_grpc
+        grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key)
+    except ImportError as e:  # the gRPC front is optional until its protos exist
+        log.warning("router gRPC service not started: %s", e)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"READY router {args.host}:{args.http_port}", flush=True)
+    stop.wait()
+    log.info("shutting down: no new requests, finishing in-flight ones")
+    if grpc_server is not None:
+        grpc_server.stop(grace=5)
+    http_server.should_exit = True
+    http_thread.join(timeout=10)
+    engine.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="expertmesh router")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

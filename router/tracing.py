@@ -1,0 +1,102 @@
+"""Spans of one scheduler step: per request a `prefill_chunk` / `decode_step` span under its root span, and —
+on one step in EXPERTMESH_TRACE_LAYER_EVERY — per-layer `attention` / `expert_dispatch` spans with the worker
+calls (and, through gRPC metadata, the workers' server spans) under them."""
+from __future__ import annotations
+
+import contextlib
+
+from opentelemetry import trace
+
+from expertmesh import telemetry
+
+
+class StepTrace:
+    def __init__(self, step_id: int, batches: dict, clients: list):
+        self.spans = []
+        self.detail_ctx = None
+        self.clients = clients
+        items = [(r, toks) for entries in batches.values() for r, toks, _ in entries if r.trace_ctx is not None]
+        if not items or not telemetry.tracing_enabled():
+            return
+        tracer = telemetry.tracer()
+        for req, toks in items:
+            kind = "decode_step" if req.computed >= len(req.prompt) else "prefill_chunk"
+            span = tracer.start_span(kind, context=req.trace_ctx, attributes={
+                "expertmesh.step": step_id, "expertmesh.step.tokens": len(toks),
+                "expertmesh.position": req.computed, "expertmesh.attention_worker": req.worker})
+            self.spans.append(span)
+        recording = [s for s in self.spans if s.is_recording()]
+        if recording and step_id % telemetry.layer_span_every() in (0, 1 % telemetry.layer_span_every()):
+            self.detail_ctx = trace.set_span_in_context(recording[0])
+
+    @contextlib.contextmanager
+    def layer(self, name: str, layer: int):
+        """A per-layer span on detailed steps, the parent of the worker calls made inside it."""
+        if self.detail_ctx is None:
+            yield
+            return
+        span = telemetry.tracer().start_span(name, context=self.detail_ctx, attributes={"expertmesh.layer": layer})
+        ctx = trace.set_span_in_context(span)
+        for c in self.clients:
+            c.trace_parent = ctx
+        try:
+            yield
+        finally:
+            for c in self.clients:
+                c.trace_parent = None
+            span.end()
+
+    def end(self, error: Exception | None = None) -> None:
+        for span in self.spans:
+            if error is not None:
+                span.record_exception(error)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+            span.end()
+
+
+class RequestSpan:
+    """The root span of one API request, named and attributed per the OpenTelemetry GenAI conventions
+    ("{operation} {model}", gen_ai.*), ended when the request is over (streams included)."""
+
+    def __init__(self, operation: str, model: str, *, max_tokens: int | None = None,
+                 temperature: float | None = None, api: str = "openai", tier: str | None = None):
+        self.span = None
+        if not telemetry.tracing_enabled():
+            return
+        from opentelemetry.trace import SpanKind
+        attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
+                 "gen_ai.provider.name": "expertmesh", "gen_ai.system": "expertmesh", "expertmesh.api": api}
+        if max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = max_tokens
+        if temperature is not None:
+            attrs["gen_ai.request.temperature"] = temperature
+        if tier is not None:
+            attrs["expertmesh.thinking.tier"] = tier
+        self.span = telemetry.tracer().start_span(f"{operation} {model}", kind=SpanKind.SERVER, attributes=attrs)
+
+    @contextlib.contextmanager
+    def current(self):
+        if self.span is None:
+            yield
+            return
+        with trace.use_span(self.span, end_on_exit=False):
+            yield
+
+    def finish(self, *, input_tokens: int, output_tokens: int, finish_reason: str | None,
+               reasoning_tokens: int | None = None, cached_tokens: int | None = None,
+               error: Exception | None = None) -> None:
+        if self.span is None:
+            return
+        s, self.span = self.span, None
+        s.set_attribute("gen_ai.usage.input_tokens", input_tokens)
+        s.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        if reasoning_tokens is not None:
+            s.set_attribute("gen_ai.usage.reasoning_tokens", reasoning_tokens)
+        if cached_tokens is not None:
+            s.set_attribute("gen_ai.usage.cached_tokens", cached_tokens)
+        if finish_reason:
+            s.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        if error is not None:
+            s.record_exception(error)
+            s.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+        s.end()

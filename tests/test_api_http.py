@@ -1,0 +1,187 @@
+"""The public HTTP APIs driven by the official openai and anthropic clients (router on loopback, in-process
+workers; tests/test_up.py runs the same clients against the multi-process deployment)."""
+import json
+
+import httpx
+import openai
+import anthropic
+import pytest
+
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.router.http import build_app, serve_http
+from expertmesh.router.local import build_local_engine
+from expertmesh.up import free_port
+
+API_KEY = "sk-test-0123456789"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("api") / "tiny", seed=0))
+    engine = build_local_engine(ck, attention_workers=1, expert_workers=2, prefill_chunk=16, max_waiting=64)
+    port = free_port()
+    srv, thread = serve_http(build_app(engine, api_key=API_KEY), "127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+@pytest.fixture
+def oai(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_models_health_and_completions(server, oai):
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    out = oai.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 6
+    again = oai.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
+    assert again.choices[0].text == out.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+
+
+def test_chat_non_streaming_reasoning_and_usage(server, oai):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there"}],
+                                    max_completion_tokens=40, temperature=0, reasoning_effort="low")
+    limit = preset("tiny").thinking.low
+    details = r.usage.completion_tokens_details
+    assert 0 < details.reasoning_tokens <= limit
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.usage.completion_tokens <= 40 and r.usage.prompt_tokens > 0
+    assert isinstance(getattr(msg, "reasoning_content", None), (str, type(None)))
+
+
+def test_chat_streaming_matches_non_streaming(server, oai):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Stream me"}], max_tokens=30, temperature=0,
+              reasoning_effort="medium")
+    full = oai.chat.completions.create(**kw)
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert content == (full.choices[0].message.content or "")
+    assert reasoning == (getattr(full.choices[0].message, "reasoning_content", None) or "")
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+@pytest.mark.parametrize("effort, tier", [("low", "low"), ("medium", "high"), ("high", "max")])
+def test_budgets_never_exceeded_and_answer_follows(server, oai, effort, tier):
+    limit = preset("tiny").thinking.limit(tier)
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Think hard"}],
+                                    max_tokens=limit + 20, temperature=0, reasoning_effort=effort)
+    assert r.usage.completion_tokens_details.reasoning_tokens <= limit
+    assert r.usage.completion_tokens > r.usage.completion_tokens_details.reasoning_tokens or \
+        r.choices[0].finish_reason == "stop"
+
+
+def test_six_turn_tool_conversation_hits_the_prefix_cache(server, oai):
+    messages = [{"role": "system", "content": "You are a careful weather agent. " * 12},
+                {"role": "user", "content": "What is the weather in Paris, Oslo and Lima?"}]
+    cached_ratios = []
+    for turn in range(6):
+        r = oai.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+        if turn:
+            cached_ratios.append(r.usage.prompt_tokens_details.cached_tokens / r.usage.prompt_tokens)
+        call_id = f"call_turn{turn}"
+        messages.append({"role": "assistant", "content": "", "reasoning_content": f"step {turn}",
+                         "tool_calls": [{"id": call_id, "type": "function",
+                                         "function": {"name": "get_weather",
+                                                      "arguments": json.dumps({"city": f"c{turn}"})}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"{turn} C"})
+    assert min(cached_ratios) >= 0.9, cached_ratios
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model 'nope' not found"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens=0"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "tool", "content": "x", "tool_call_id": "zz"}]}, 400,
+     "messages[0].tool_call_id: 'zz' answers no"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"},
+                                    {"role": "assistant", "content": "", "tool_calls": [
+                                        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                                    {"role": "user", "content": "y"}]}, 400, "tool call 'a' is never answered"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, 400,
+     "reasoning_effort"),
+])
+def test_chat_errors_have_openai_shape(server, body, status, needle):
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and {"message", "type", "param", "code"} <= set(err)
+    ok = httpx.post(server[0] + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200                     # the server keeps serving
+
+
+def test_wrong_api_key_is_401(server):
+    bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert API_KEY not in str(e.value)
+
+
+@pytest.fixture
+def claude(server):
+    return anthropic.Anthropic(base_url=server[0], api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_anthropic_messages_with_thinking_and_tools(server, claude):
+    limit = preset("tiny").thinking.low
+    msg = claude.messages.create(
+        model="tiny", max_tokens=40, thinking={"type": "enabled", "budget_tokens": limit},
+        tools=[{"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}}],
+        messages=[{"role": "user", "content": "Weather in Rome?"},
+                  {"role": "assistant", "content": [{"type": "thinking", "thinking": "call it", "signature": ""},
+                                                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                     "input": {"city": "Rome"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "20 C"}]}])
+    assert msg.role == "assistant" and msg.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert msg.content[0].type == "thinking"
+    assert msg.usage.output_tokens <= 40 and msg.usage.input_tokens > 0
+
+
+def test_anthropic_streaming_events(server, claude):
+    kw = dict(model="tiny", max_tokens=30, thinking={"type": "enabled", "budget_tokens": 8},
+              messages=[{"role": "user", "content": "Stream please"}])
+    with claude.messages.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "message_delta" in kinds
+    assert final.usage.output_tokens <= 30
+
+
+def test_anthropic_errors(server):
+    r = httpx.post(server[0] + "/v1/messages", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+                   headers={"x-api-key": API_KEY})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and "max_tokens" in body["error"]["message"]
+    r = httpx.post(server[0] + "/v1/messages", json={"model": "tiny", "max_tokens": 5,
+                                                     "messages": [{"role": "user", "content": "x"}]},
+                   headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_chat_cli_streams_and_keeps_history(server, capsys, monkeypatch):
+    from expertmesh.cli import main
+    assert main(["chat", "--url", server[0], "--api-key", API_KEY, "--thinking", "low", "--max-tokens", "12",
+                 "Hello"]) == 0
+    err = capsys.readouterr().err
+    assert "prompt (" in err and "reasoning) tokens]" in err
+    # interactive: two turns share history, so the second turn's prompt is served from the prefix cache
+    answers = iter(["first question " * 6, "second", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt="": next(answers))
+    assert main(["chat", "--url", server[0], "--api-key", API_KEY, "--thinking", "low", "--max-tokens", "8"]) == 0
+    lines = [l for l in capsys.readouterr().err.splitlines() if "cached)" in l]
+    assert len(lines) == 2 and "(0 cached)" in lines[0] and "(0 cached)" not in lines[1]

@@ -1,0 +1,113 @@
+"""The router engine over in-process workers: token-exact vs the reference, batching, calls, prefix cache."""
+import random
+
+import pytest
+
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.model import SamplingParams, generate
+from expertmesh.router.engine import QueueFull, RequestError
+from expertmesh.router.local import build_local_engine
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("eng") / "tiny", seed=0))
+
+
+def prompts(n, lo=3, hi=70, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    model = ckpt.load_model()
+    ps = prompts(16)
+    return ps, [generate(model, p, SamplingParams(max_tokens=32), prefill_chunk=CHUNK).tokens for p in ps]
+
+
+@pytest.mark.parametrize("attention, experts, redundant", [(1, 1, 0), (1, 2, 0), (2, 3, 2)])
+def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant):
+    ps, ref = reference
+    eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
+                             prefill_chunk=CHUNK)
+    try:
+        reqs = [eng.submit(p, SamplingParams(max_tokens=32)) for p in ps]
+        out = [r.wait(120).output for r in reqs]
+    finally:
+        eng.close()
+    assert out == ref
+    assert eng.stats.generated_tokens == 16 * 32 and eng.stats.requests_failed == 0
+
+
+def test_batched_equals_alone_and_calls_per_step_are_bounded(ckpt):
+    cfg = ckpt.cfg
+    eng = build_local_engine(ckpt, attention_workers=2, expert_workers=3, prefill_chunk=CHUNK)
+    try:
+        ps = prompts(8, lo=2, hi=60, seed=11)
+        alone = [eng.generate(p, SamplingParams(max_tokens=12)).output for p in ps]
+        eng.stats.max_calls_in_a_step = 0
+        together = [r.wait(60).output for r in [eng.submit(p, SamplingParams(max_tokens=12)) for p in ps]]
+    finally:
+        eng.close()
+    assert together == alone
+    # per step: each attention worker once per MoE layer (+ the first call), each expert worker once per MoE layer
+    bound = (2 + 3) * (cfg.n_moe_layers + 1)
+    assert 0 < eng.stats.max_calls_in_a_step <= bound
+    assert eng.stats.steps < sum(len(p) for p in ps)   # requests really shared steps
+
+
+def test_prefix_cache_prefills_only_the_remainder(ckpt):
+    eng = build_local_engine(ckpt, attention_workers=2, expert_workers=2, prefill_chunk=CHUNK)
+    try:
+        base = prompts(1, lo=160, hi=161, seed=3)[0]
+        first = eng.generate(base, SamplingParams(max_tokens=4))
+        before = eng.stats.prefilled_tokens
+        second_prompt = base[:144] + [7] * 16              # shares 90% of its 160 tokens with the first
+        second = eng.generate(second_prompt, SamplingParams(max_tokens=4))
+        computed = eng.stats.prefilled_tokens - before
+        fresh = build_local_engine(ckpt, attention_workers=1, expert_workers=1, prefill_chunk=CHUNK)
+        try:
+            cold = fresh.generate(second_prompt, SamplingParams(max_tokens=4))
+        finally:
+            fresh.close()
+    finally:
+        eng.close()
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 144 and computed == 16
+    assert second.output == cold.output          # reuse at chunk boundaries computes exactly what a cold run does
+
+
+def test_bad_requests_are_refused_and_engine_keeps_serving(ckpt):
+    eng = build_local_engine(ckpt, max_waiting=2, prefill_chunk=CHUNK)
+    try:
+        with pytest.raises(RequestError, match="prompt: expected at least one token"):
+            eng.submit([], SamplingParams())
+        with pytest.raises(RequestError, match="max_tokens=0"):
+            eng.submit([1, 2], SamplingParams(max_tokens=0))
+        with pytest.raises(RequestError, match="prompt: 5000 tokens, the model's context is 4096"):
+            eng.submit([1] * 5000, SamplingParams())
+        with pytest.raises(RequestError, match="token id 999"):
+            eng.submit([1, 999], SamplingParams())
+        assert len(eng.generate([1, 2, 3], SamplingParams(max_tokens=3)).output) == 3
+    finally:
+        eng.close()
+
+
+def test_queue_bound_answers_at_once(ckpt):
+    eng = build_local_engine(ckpt, max_waiting=1, max_running=1, prefill_chunk=CHUNK)
+    try:
+        reqs, refused = [], 0
+        for p in prompts(6, seed=5):
+            try:
+                reqs.append(eng.submit(p, SamplingParams(max_tokens=8)))
+            except QueueFull as e:
+                assert "waiting queue full" in str(e)
+                refused += 1
+        assert refused >= 1
+        assert all(len(r.wait(60).output) == 8 for r in reqs)
+    finally:
+        eng.close()

@@ -1,0 +1,96 @@
+"""Traces and metrics of the router over in-process workers (tests/test_up.py checks the cross-process tree)."""
+import re
+
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from expertmesh import telemetry
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.router.http import build_app, serve_http
+from expertmesh.router.local import build_local_engine
+from expertmesh.up import free_port
+
+EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("EXPERTMESH_TRACE_LAYER_EVERY", "1")
+    telemetry._extra_processors.append(SimpleSpanProcessor(EXPORTER))
+    telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"}, force=True)
+    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tel") / "tiny", seed=0))
+    engine = build_local_engine(ck, attention_workers=1, expert_workers=2, prefill_chunk=16)
+    port = free_port()
+    srv, thread = serve_http(build_app(engine), "127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_one_request_one_trace_with_the_expected_tree(server):
+    EXPORTER.clear()
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "trace me " * 3}],
+                                       max_tokens=6, temperature=0, reasoning_effort="low")
+    spans = EXPORTER.get_finished_spans()
+    roots = [s for s in spans if s.parent is None]
+    assert len(roots) == 1
+    root = roots[0]
+    assert root.name == "chat tiny" and len({s.context.trace_id for s in spans}) == 1
+    a = root.attributes
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "tiny"
+    assert a["gen_ai.request.max_tokens"] == 6 and a["expertmesh.thinking.tier"] == "low"
+    assert a["gen_ai.usage.input_tokens"] == r.usage.prompt_tokens
+    assert a["gen_ai.usage.output_tokens"] == r.usage.completion_tokens
+    assert a["gen_ai.usage.reasoning_tokens"] == r.usage.completion_tokens_details.reasoning_tokens
+    by_id = {s.context.span_id: s for s in spans}
+    children = [s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id]
+    names = [s.name for s in children]
+    assert names.count("queue") == 1
+    prefill = [s for s in children if s.name == "prefill_chunk"]
+    decode = [s for s in children if s.name == "decode_step"]
+    assert len(prefill) == -(-r.usage.prompt_tokens // 16) and len(decode) == r.usage.completion_tokens - 1
+    layer_spans = [s for s in spans if s.name in ("attention", "expert_dispatch")]
+    assert {by_id[s.parent.span_id].name for s in layer_spans} <= {"prefill_chunk", "decode_step"}
+    dispatch = [s for s in layer_spans if s.name == "expert_dispatch"]
+    assert {s.attributes["expertmesh.layer"] for s in dispatch} == set(preset("tiny").moe_layers)
+    calls = [s for s in spans if s.name == "expert.run"]
+    assert calls and all(by_id[s.parent.span_id].name == "expert_dispatch" for s in calls)
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
+
+
+def test_metrics_agree_with_usage(server):
+    before = httpx.get(server[0] + "/metrics").text
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
+    usages = [client.completions.create(model="tiny", prompt=f"count {i} " * 4, max_tokens=5, temperature=0).usage
+              for i in range(3)]
+    text = httpx.get(server[0] + "/metrics").text
+    gen = _metric(text, "expertmesh_generation_tokens_total") - _metric(before, "expertmesh_generation_tokens_total")
+    prompt = _metric(text, "expertmesh_prompt_tokens_total") - _metric(before, "expertmesh_prompt_tokens_total")
+    assert gen == sum(u.completion_tokens for u in usages)
+    assert prompt == sum(u.prompt_tokens for u in usages)
+    assert _metric(text, "expertmesh_time_to_first_token_seconds_count") >= 3
+    assert _metric(text, "expertmesh_requests_running") == 0
+    assert _metric(text, "expertmesh_kv_blocks", '{state="used",worker="attention-0"}') >= 0
+    routed = sum(float(v) for v in re.findall(r'^expertmesh_expert_tokens_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+    engine = server[1]
+    assert routed == sum(sum(c) for c in engine.load_stats().values()) > 0
+    assert _metric(text, "expertmesh_expert_load_imbalance_max") >= 1.0
+    assert 'expertmesh_worker_call_duration_seconds_count{method="run",worker="expert-0"}' in text

@@ -1,0 +1,93 @@
+"""`expertmesh up`-style deployments: router + workers as real processes on loopback, reached over gRPC."""
+import random
+
+import grpc
+import httpx
+import pytest
+
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.model import SamplingParams, generate
+from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
+from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.up import LocalCluster, free_port
+
+pytestmark = pytest.mark.slow
+N_PROMPTS, N_TOKENS = 16, 32
+EOS = ByteTokenizer().eos_id
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("up") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt_dir):
+    model = Checkpoint(ckpt_dir).load_model()
+    rng = random.Random(42)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 70))] for _ in range(N_PROMPTS)]
+    params = SamplingParams(max_tokens=N_TOKENS, stop_token_ids=(EOS,))
+    return prompts, [generate(model, p, params, prefill_chunk=16).tokens for p in prompts]
+
+
+def grpc_generate(address: str, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], router_pb2.Finish]:
+    with grpc.insecure_channel(address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), params=sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS]), **kw)
+        tokens, finish = [], None
+        for ev in stub.Generate(req, timeout=120):
+            if ev.HasField("token"):
+                tokens.append(ev.token.token_id)
+            else:
+                finish = ev.finish
+        return tokens, finish
+
+
+def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        return [t for t, _ in pool.map(lambda p: grpc_generate(address, p, N_TOKENS), prompts)]
+
+
+@pytest.mark.parametrize("attention, experts, redundant", [(1, 1, 0), (1, 2, 0), (2, 3, 2)])
+def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant):
+    prompts, ref = reference
+    grpc_port = free_port()
+    with LocalCluster(ckpt_dir, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
+                      http_port=free_port(), grpc_port=grpc_port) as cluster:
+        out = run_all(f"127.0.0.1:{grpc_port}", prompts)
+        health = httpx.get(cluster.http_url + "/health").json()
+    assert out == ref
+    assert health["status"] == "ok"
+    # every process stopped cleanly on SIGTERM
+    assert [c.proc.returncode for c in cluster.children] == [0] * len(cluster.children)
+
+
+def test_grpc_errors_and_listing(ckpt_dir):
+    grpc_port = free_port()
+    with LocalCluster(ckpt_dir, attention_workers=1, expert_workers=1, http_port=free_port(),
+                      grpc_port=grpc_port) as cluster:
+        address = f"127.0.0.1:{grpc_port}"
+        with grpc.insecure_channel(address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            models = stub.ListModels(router_pb2.ListModelsRequest(), timeout=10).models
+            assert [m.id for m in models] == ["tiny"] and models[0].max_context == 4096
+            for req, code, needle in [
+                (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT,
+                 "prompt: expected at least one token"),
+                (router_pb2.GenerateRequest(text="hi", params=sampling_pb2.SamplingParams(max_tokens=0)),
+                 grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1] * 5000)),
+                 grpc.StatusCode.INVALID_ARGUMENT, "context is 4096"),
+                (router_pb2.GenerateRequest(model="other", text="hi"), grpc.StatusCode.NOT_FOUND, "not found"),
+            ]:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(req, timeout=10))
+                assert e.value.code() == code and needle in e.value.details()
+        tokens, finish = grpc_generate(address, [1, 2, 3], 4)          # still serving
+        assert len(tokens) == finish.usage.completion_tokens <= 4 and finish.usage.prompt_tokens == 3
+        r = httpx.post(cluster.http_url + "/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 3})
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]

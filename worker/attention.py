@@ -1,0 +1,255 @@
+"""The attention role: embeddings, attention, gating, shared experts, dense layers, LM head and sampling.
+
+A scheduler step for a batch of sequences runs here as a sequence of calls, one per MoE layer:
+  begin_step(tokens)     embed, run layers up to the first MoE layer's gate  → RouteRequest
+  continue_step(delta)   add the combined MoE output (x + (shared + delta)), run on to the next gate
+                         → RouteRequest, or after the last layer: logits, sampling → StepDone
+The router sends the RouteRequest's hidden states to the expert workers and combines their outputs into
+`delta` (model.combine_moe's order). Attention, conv and recurrent state are per sequence; everything else
+works row by row, so a sequence's numbers do not depend on the batch it is in.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.model import SamplingParams, Segment, SequenceCache
+from expertmesh.sampling import Sampler
+from expertmesh.worker.kv import BlockPool, OutOfBlocks, PagedDSACache, PagedSequenceKV
+
+
+class WorkerError(ValueError):
+    """A bad request: names the field and what was expected (→ INVALID_ARGUMENT)."""
+
+
+class NotFound(KeyError):
+    """Unknown sequence / step / prefix (→ NOT_FOUND)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class RouteRequest:
+    step_id: int
+    layer: int
+    hidden: torch.Tensor        # [N, H] the experts' input (ffn_norm(x))
+    topk_ids: torch.Tensor      # [N, K] global expert ids, best first
+    topk_weights: torch.Tensor  # [N, K]
+
+
+@dataclass
+class StepDone:
+    step_id: int
+    tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
+    free_blocks: int
+
+
+@dataclass
+class StepSegment:
+    seq_id: str
+    token_ids: list[int]
+    sample: bool                # sample a token after this segment's last position
+
+
+@dataclass
+class _Sequence:
+    kv: PagedSequenceKV
+    cache: SequenceCache
+    sampler: Sampler
+
+
+@dataclass
+class _Prefix:
+    """A cached prefix: the KV pages and recurrent state after `length` tokens."""
+    kv: PagedSequenceKV
+    kda_states: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    length: int
+
+
+@dataclass
+class _Step:
+    segments: list[Segment]
+    seq_ids: list[str]
+    sample: list[bool]
+    x: torch.Tensor
+    layer: int                          # next layer to run
+    pending: tuple | None = None        # (x, shared_out) of the MoE layer awaiting its delta
+    snapshot_at_end: list = field(default_factory=list)
+
+
+class AttentionWorker:
+    def __init__(self, checkpoint: Checkpoint | str, *, kv_blocks: int = 512, block_size: int = 16,
+                 name: str = "attention-0"):
+        self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        self.cfg = self.ckpt.cfg
+        self.name = name
+        self.model = self.ckpt.load_model(experts=False)
+        self.pool = BlockPool(self.cfg, kv_blocks, block_size)
+        self.sequences: dict[str, _Sequence] = {}
+        self.prefixes: dict[str, _Prefix] = {}
+        self.steps: dict[int, _Step] = {}
+        self.lock = threading.RLock()  # one step at a time touches the model and the pool
+        self.calls = 0
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict:
+        return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
+                "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
+                "sequences": len(self.sequences), "prefixes": len(self.prefixes)}
+
+    # ------------------------------------------------------------------ sequences
+    def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
+                      prefix_key: str | None = None) -> int:
+        """Create a sequence with room for `reserve_tokens` tokens, starting from a cached prefix when given.
+        Returns the number of tokens already cached (0 without a prefix)."""
+        with self.lock:
+            self.calls += 1
+            if seq_id in self.sequences:
+                raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
+            if reserve_tokens <= 0 or reserve_tokens > self.cfg.max_context:
+                raise WorkerError(f"reserve_tokens={reserve_tokens}: expected 1..{self.cfg.max_context}")
+            cache = self.model.new_cache()
+            if prefix_key is not None:
+                prefix = self.prefixes.get(prefix_key)
+                if prefix is None:
+                    raise NotFound(f"prefix_key {prefix_key!r}: no such cached prefix on {self.name}")
+                kv = prefix.kv.fork(prefix.length)
+                for layer, (state, conv) in prefix.kda_states.items():
+                    cache.layers[layer].state = state.clone()
+                    cache.layers[layer].conv = conv.clone()
+                cache.length = prefix.length
+            else:
+                kv = PagedSequenceKV(self.pool)
+            try:
+                kv.reserve(reserve_tokens - kv.length)
+            except OutOfBlocks:
+                kv.free()
+                raise
+            for i, t in enumerate(self.cfg.layer_types):
+                if t == "dsa":
+                    cache.layers[i] = PagedDSACache(kv, i)
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=Sampler(params))
+            return cache.length
+
+    def close_sequence(self, seq_id: str) -> int:
+        with self.lock:
+            self.calls += 1
+            seq = self.sequences.pop(seq_id, None)
+            if seq is None:
+                raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
+            seq.kv.free()
+            return self.pool.free_blocks
+
+    def save_prefix(self, seq_id: str, key: str) -> int:
+        """Keep the sequence's current cache (its pages and recurrent state) as prefix `key`."""
+        with self.lock:
+            seq = self._seq(seq_id)
+            self._save_prefix(seq, key)
+            return self.pool.free_blocks
+
+    def _save_prefix(self, seq: _Sequence, key: str) -> None:
+        if key in self.prefixes:
+            return
+        length = seq.cache.length
+        kv = seq.kv.fork(length)
+        states = {i: (c.state.clone(), c.conv.clone()) for i, c in enumerate(seq.cache.layers)
+                  if self.cfg.layer_types[i] == "kda"}
+        self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=length)
+
+    def drop_prefix(self, key: str) -> int:
+        with self.lock:
+            self.calls += 1
+            prefix = self.prefixes.pop(key, None)
+            if prefix is not None:
+                prefix.kv.free()
+            return self.pool.free_blocks
+
+    def _seq(self, seq_id: str) -> _Sequence:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
+        return seq
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, step_id: int, segments: list[StepSegment],
+                   snapshot_keys: dict[str, str] | None = None) -> RouteRequest | StepDone:
+        """Start a step. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step."""
+        with self.lock:
+            self.calls += 1
+            if step_id in self.steps:
+                raise WorkerError(f"step_id {step_id}: already running")
+            if not segments:
+                raise WorkerError("segments: expected at least one")
+            tokens, segs, start = [], [], 0
+            seen = set()
+            for s in segments:
+                if s.seq_id in seen:
+                    raise WorkerError(f"segments: seq_id {s.seq_id!r} appears twice in one step")
+                seen.add(s.seq_id)
+                seq = self._seq(s.seq_id)
+                if not s.token_ids:
+                    raise WorkerError(f"segments[{s.seq_id}].token_ids: expected at least one token")
+                bad = [t for t in s.token_ids if not 0 <= t < self.cfg.vocab_size]
+                if bad:
+                    raise WorkerError(f"segments[{s.seq_id}].token_ids: id {bad[0]} outside [0, {self.cfg.vocab_size})")
+                if seq.kv.blocks_needed(len(s.token_ids)):
+                    raise WorkerError(f"segments[{s.seq_id}]: {len(s.token_ids)} more tokens exceed the "
+                                      f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence")
+                tokens += s.token_ids
+                segs.append(Segment(start, len(s.token_ids), seq.cache))
+                start += len(s.token_ids)
+            x = self.model.embed(torch.tensor(tokens, dtype=torch.int64))
+            step = _Step(segments=segs, seq_ids=[s.seq_id for s in segments], sample=[s.sample for s in segments],
+                         x=x, layer=0, snapshot_at_end=list((snapshot_keys or {}).items()))
+            self.steps[step_id] = step
+            return self._run(step_id, step)
+
+    def continue_step(self, step_id: int, delta: torch.Tensor) -> RouteRequest | StepDone:
+        with self.lock:
+            self.calls += 1
+            step = self.steps.get(step_id)
+            if step is None or step.pending is None:
+                raise NotFound(f"step_id {step_id}: no step waiting for an MoE output on {self.name}")
+            x, shared = step.pending
+            if tuple(delta.shape) != tuple(x.shape):
+                raise WorkerError(f"delta: expected shape {list(x.shape)}, found {list(delta.shape)}")
+            step.x = x + (shared.float() + delta.float()).to(x.dtype)   # == model.combine_moe
+            step.pending = None
+            return self._run(step_id, step)
+
+    def abort_step(self, step_id: int) -> None:
+        with self.lock:
+            self.steps.pop(step_id, None)
+
+    @torch.no_grad()
+    def _run(self, step_id: int, step: _Step) -> RouteRequest | StepDone:
+        layers = self.model.layers
+        while step.layer < len(layers):
+            layer = layers[step.layer]
+            step.layer += 1
+            step.x = layer.attention_block(step.x, step.segments)
+            if not layer.is_moe:
+                step.x = layer.dense_block(step.x)
+                continue
+            h, ids, weights, shared = layer.route(step.x)
+            step.pending = (step.x, shared)
+            return RouteRequest(step_id, layer.index, h, ids, weights)
+        # all layers done: advance lengths, sample, snapshot
+        del self.steps[step_id]
+        last_rows = [seg.start + seg.length - 1 for seg in step.segments]
+        logits = self.model.logits(step.x[last_rows])
+        out = {}
+        for i, (seg, seq_id, sample) in enumerate(zip(step.segments, step.seq_ids, step.sample)):
+            seg.cache.length += seg.length
+            seq = self.sequences[seq_id]
+            seq.kv.length = seg.cache.length
+            if sample:
+                out[seq_id] = seq.sampler.sample(logits[i])
+        for seq_id, key in step.snapshot_at_end:
+            if seq_id in self.sequences:
+                self._save_prefix(self.sequences[seq_id], key)
+        return StepDone(step_id, out, self.pool.free_blocks)

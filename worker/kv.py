@@ -1,0 +1,125 @@
+"""Paged KV storage of an attention worker: fixed-size token blocks shared by all DSA layers.
+
+One block holds `block_size` consecutive tokens of one sequence in every DSA layer (MLA latent entries and
+indexer keys). Blocks are reference counted so that a cached prefix and the sequences forked from it share
+the full blocks of the prefix; a partly filled block is never shared (it is copied on fork).
+"""
+from __future__ import annotations
+
+import torch
+
+from expertmesh.config import ModelConfig
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block left (the router's admission should have prevented this)."""
+
+
+class BlockPool:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be positive")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.dsa_layers = [i for i, t in enumerate(cfg.layer_types) if t == "dsa"]
+        d_latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        self.latent = {i: torch.zeros(num_blocks, block_size, d_latent) for i in self.dsa_layers}
+        self.index_k = {i: torch.zeros(num_blocks, block_size, cfg.indexer.head_dim) for i in self.dsa_layers}
+        self.refcount = [0] * num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens in use")
+        b = self.free.pop()
+        self.refcount[b] = 1
+        return b
+
+    def retain(self, block: int) -> None:
+        self.refcount[block] += 1
+
+    def release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free.append(block)
+        elif self.refcount[block] < 0:
+            raise RuntimeError(f"KV block {block} released more often than retained")
+
+
+class PagedSequenceKV:
+    """One sequence's block table. `layer_cache(i)` gives the per-layer view the model's DSA attention uses."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.length = 0
+
+    def blocks_needed(self, extra_tokens: int) -> int:
+        total = -(-(self.length + extra_tokens) // self.pool.block_size)
+        return max(0, total - len(self.blocks))
+
+    def reserve(self, extra_tokens: int) -> None:
+        for _ in range(self.blocks_needed(extra_tokens)):
+            self.blocks.append(self.pool.allocate())
+
+    def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        bs = self.pool.block_size
+        for j in range(latent.shape[0]):
+            pos = start + j
+            blk = self.blocks[pos // bs]
+            self.pool.latent[layer][blk, pos % bs] = latent[j]
+            self.pool.index_k[layer][blk, pos % bs] = index_k[j]
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [0, length) of `layer` as contiguous [length, D] tensors (an exact copy of the pages)."""
+        n_blocks = -(-length // self.pool.block_size)
+        idx = torch.tensor(self.blocks[:n_blocks], dtype=torch.int64)
+        lat = self.pool.latent[layer].index_select(0, idx).reshape(-1, self.pool.latent[layer].shape[-1])
+        ik = self.pool.index_k[layer].index_select(0, idx).reshape(-1, self.pool.index_k[layer].shape[-1])
+        return lat[:length], ik[:length]
+
+    def fork(self, length: int) -> "PagedSequenceKV":
+        """A new table sharing this one's first `length` tokens (full blocks shared, a partial block copied)."""
+        bs = self.pool.block_size
+        child = PagedSequenceKV(self.pool)
+        full = length // bs
+        for b in self.blocks[:full]:
+            self.pool.retain(b)
+            child.blocks.append(b)
+        if length % bs:
+            src, dst = self.blocks[full], self.pool.allocate()
+            for layer in self.pool.dsa_layers:
+                self.pool.latent[layer][dst] = self.pool.latent[layer][src]
+                self.pool.index_k[layer][dst] = self.pool.index_k[layer][src]
+            child.blocks.append(dst)
+        child.length = length
+        return child
+
+    def free(self) -> None:
+        for b in self.blocks:
+            self.pool.release(b)
+        self.blocks = []
+        self.length = 0
+
+
+class PagedDSACache:
+    """Drop-in for `model.DSACache` backed by the sequence's pages: append writes, reads gather."""
+
+    def __init__(self, kv: PagedSequenceKV, layer: int):
+        self.kv, self.layer = kv, layer
+        self.length = kv.length
+
+    def append(self, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        self.kv.write(self.layer, self.length, latent, index_k)
+        self.length += latent.shape[0]
+
+    @property
+    def latent(self) -> torch.Tensor:
+        return self.kv.read(self.layer, self.length)[0]
+
+    @property
+    def index_k(self) -> torch.Tensor:
+        return self.kv.read(self.layer, self.length)[1]
