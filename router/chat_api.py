@@ -25,6 +25,48 @@ from expertmesh.tokenizer import ByteTokenizer
 
 
 # ----------------------------------------------------------------------------------------------- the run
+class ChatDecoder:
+    """Generated tokens → ("reasoning" | "content", text) pieces: incremental UTF-8, the thinking section
+    apart from the answer, tool-call markup held back (parse_output turns it into structured calls)."""
+
+    def __init__(self, tok: ByteTokenizer, thinking: bool):
+        self.t = tok
+        self.phase = "reasoning" if thinking else "content"
+        self.in_call = False
+        self.done = False
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> list[tuple[str, str]]:
+        t, out = self.t, []
+        if token in (t.end_id, t.eos_id):
+            self.done = True
+            return out
+        if self.phase == "reasoning":
+            if token == t.think_end_id:
+                tail = self.decoder.decode(b"", final=True)
+                if tail:
+                    out.append(("reasoning", tail))
+                self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                self.phase = "content"
+            elif token < 256:
+                text = self.decoder.decode(bytes([token]))
+                if text:
+                    out.append(("reasoning", text))
+            return out
+        if token == t.tool_call_start_id:
+            self.in_call = True
+        elif token == t.tool_call_end_id:
+            self.in_call = False
+        elif token < 256 and not self.in_call:
+            text = self.decoder.decode(bytes([token]))
+            if text:
+                out.append(("content", text))
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        tail = self.decoder.decode(b"", final=True)
+        return [(self.phase, tail)] if tail else []
+
 @dataclass
 class ChatRun:
     engine: Engine
@@ -54,36 +96,22 @@ class ChatRun:
 
     async def events(self):
         """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back."""
-        t = self.tok
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        phase = "reasoning" if self.thinking else "content"
-        in_call = False
+        decoder = ChatDecoder(self.tok, self.thinking)
         async for token in iterate_events(self.req):
-            if token in (t.end_id, t.eos_id):
-                break
-            if phase == "reasoning":
-                if token == t.think_end_id:
-                    tail = decoder.decode(b"", final=True)
-                    if tail:
-                        yield "reasoning", tail
-                    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                    phase = "content"
-                elif token < 256:
-                    text = decoder.decode(bytes([token]))
-                    if text:
-                        yield "reasoning", text
+            if decoder.done:
                 continue
-            if token == t.tool_call_start_id:
-                in_call = True
-            elif token == t.tool_call_end_id:
-                in_call = False
-            elif token < 256 and not in_call:
-                text = decoder.decode(bytes([token]))
-                if text:
-                    yield "content", text
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            yield phase, tail
+            for ev in decoder.feed(token):
+                yield ev
+        for ev in decoder.flush():
+            yield ev
+
+    def events_sync(self, timeout: float | None = None):
+        """The same events for a blocking caller (the gRPC servicer)."""
+        decoder = ChatDecoder(self.tok, self.thinking)
+        for token in self.req.stream(timeout):
+            if not decoder.done:
+                yield from decoder.feed(token)
+        yield from decoder.flush()
 
     async def wait(self) -> None:
         async for _ in self.events():

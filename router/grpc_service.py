@@ -7,6 +7,7 @@ DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the
 from __future__ import annotations
 
 import hmac
+import json
 from concurrent import futures
 
 import grpc
@@ -14,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expertmesh.model import SamplingParams
-from expertmesh.protos import router_pb2, router_pb2_grpc
+from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
 from expertmesh.tokenizer import ByteTokenizer
@@ -105,6 +106,64 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except Exception as e:
             context.abort(_status_for(e), str(e))
         yield from self._stream(req, context, req.request_id, request.return_text)
+
+    def Chat(self, request, context):
+        """Streaming chat: reasoning and content deltas, structured tool calls, then usage."""
+        from expertmesh.chat import ChatError, Message, ToolCall, tier_from_request
+        from expertmesh.router.chat_api import start_chat
+        from expertmesh.router.http import APIError
+        self._auth(context)
+        self._check_model(request.model, context)
+        codes = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+        try:
+            tier = tier_from_request(thinking_budget=request.thinking_budget or None)
+            messages = [Message(m.role, m.content, reasoning=m.reasoning or None,
+                                tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
+                                tool_call_id=m.tool_call_id or None) for m in request.messages]
+            tools = []
+            for i, t in enumerate(request.tools):
+                try:
+                    params = json.loads(t.parameters_json) if t.parameters_json else {}
+                except ValueError:
+                    raise ChatError(f"tools[{i}].parameters_json: not valid JSON")
+                tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                               "parameters": params}})
+            p = self._params(request.params, context)
+            run = start_chat(self.engine, self.tok, messages, tools or None, tier=tier,
+                             thinking=not request.disable_thinking, max_tokens=p.max_tokens,
+                             temperature=p.temperature, top_p=p.top_p, seed=p.seed, api="grpc")
+        except ChatError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except APIError as e:
+            context.abort(codes.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+        context.add_callback(lambda: self.engine.cancel(run.req))
+        sent = ""
+        try:
+            for kind, text in run.events_sync(timeout=context.time_remaining()):
+                if kind == "reasoning":
+                    yield chat_pb2.ChatEvent(reasoning_delta=text)
+                else:
+                    sent += text
+                    yield chat_pb2.ChatEvent(content_delta=text)
+        except Exception as e:
+            run.fail(e)
+            if type(e).__name__ == "Empty":
+                self.engine.cancel(run.req)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while generating")
+            context.abort(_status_for(e), str(e))
+        parsed = run.result()
+        run.record(parsed)
+        if parsed.content.startswith(sent) and len(parsed.content) > len(sent):
+            yield chat_pb2.ChatEvent(content_delta=parsed.content[len(sent):])
+        for c in parsed.tool_calls:
+            yield chat_pb2.ChatEvent(tool_call=chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments))
+        u = run.usage_counts(parsed)
+        yield chat_pb2.ChatEvent(finish=chat_pb2.ChatFinish(
+            finish_reason=run.finish_reason(parsed), thinking_budget=run.tier if run.thinking else "",
+            usage=chat_pb2.ChatUsage(prompt_tokens=u["prompt"], completion_tokens=u["completion"],
+                                     cached_tokens=u["cached"], reasoning_tokens=u["reasoning"],
+                                     total_tokens=u["prompt"] + u["completion"])))
 
     def ListModels(self, request, context):
         self._auth(context)

@@ -91,3 +91,33 @@ def test_grpc_errors_and_listing(ckpt_dir):
         assert len(tokens) == finish.usage.completion_tokens <= 4 and finish.usage.prompt_tokens == 3
         r = httpx.post(cluster.http_url + "/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 3})
         assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+def test_grpc_chat_streams_reasoning_content_and_usage(ckpt_dir):
+    from expertmesh.protos import chat_pb2
+    grpc_port = free_port()
+    limit = preset("tiny").thinking.low
+    with LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=grpc_port):
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            req = chat_pb2.ChatRequest(
+                messages=[chat_pb2.ChatMessage(role="system", content="be brief"),
+                          chat_pb2.ChatMessage(role="user", content="What is 2+2?")],
+                tools=[chat_pb2.Tool(name="calc", description="calculator", parameters_json='{"type":"object"}')],
+                thinking_budget="low", params=sampling_pb2.SamplingParams(max_tokens=30, temperature=0))
+            events = list(stub.Chat(req, timeout=60))
+            finish = events[-1].finish
+            assert events[-1].HasField("finish") and finish.thinking_budget == "low"
+            reasoning = sum(1 for e in events if e.HasField("reasoning_delta"))
+            assert 0 < finish.usage.reasoning_tokens <= limit and reasoning <= finish.usage.reasoning_tokens
+            assert finish.usage.completion_tokens <= 30 and finish.finish_reason in ("stop", "length", "tool_calls")
+            # the same conversation again: its prompt is served from the prefix cache
+            again = list(stub.Chat(req, timeout=60))[-1].finish
+            assert again.usage.cached_tokens > 0
+            bad = chat_pb2.ChatRequest(messages=[chat_pb2.ChatMessage(role="tool", content="x", tool_call_id="nope")])
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Chat(bad, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'nope' answers no" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Chat(chat_pb2.ChatRequest(messages=req.messages, thinking_budget="huge"), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "thinking_budget" in e.value.details()

@@ -125,6 +125,12 @@ class AttentionWorker:
             else:
                 kv = PagedSequenceKV(self.pool)
             try:
+                sampler = Sampler(params)          # bad params fail before any block is reserved
+            except ValueError as e:
+                if prefix_key is not None:
+                    kv.free()
+                raise WorkerError(f"params: {e}") from None
+            try:
                 kv.reserve(reserve_tokens - kv.length)
             except OutOfBlocks:
                 kv.free()
@@ -132,7 +138,7 @@ class AttentionWorker:
             for i, t in enumerate(self.cfg.layer_types):
                 if t == "dsa":
                     cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=Sampler(params))
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler)
             return cache.length
 
     def close_sequence(self, seq_id: str) -> int:

@@ -1,0 +1,195 @@
+from expertmesh.protos import sampling_pb2 as _sampling_pb2
+from expertmesh.protos import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttentionInfo(_message.Message):
+    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    sequences: int
+    prefixes: int
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ...) -> None: ...
+
+class OpenSequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    params: _sampling_pb2.SamplingParams
+    reserve_tokens: int
+    prefix_key: str
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ...) -> None: ...
+
+class OpenSequenceResponse(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+
+class CloseSequenceRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class SavePrefixRequest(_message.Message):
+    __slots__ = ("seq_id", "key")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    key: str
+    def __init__(self, seq_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class DropPrefixRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class FreeBlocks(_message.Message):
+    __slots__ = ("free_blocks",)
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    def __init__(self, free_blocks: _Optional[int] = ...) -> None: ...
+
+class StepSegment(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "sample")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+
+class SnapshotKey(_message.Message):
+    __slots__ = ("seq_id", "key")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    key: str
+    def __init__(self, seq_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class BeginStepRequest(_message.Message):
+    __slots__ = ("step_id", "segments", "snapshot_keys")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    segments: _containers.RepeatedCompositeFieldContainer[StepSegment]
+    snapshot_keys: _containers.RepeatedCompositeFieldContainer[SnapshotKey]
+    def __init__(self, step_id: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StepSegment, _Mapping]]] = ..., snapshot_keys: _Optional[_Iterable[_Union[SnapshotKey, _Mapping]]] = ...) -> None: ...
+
+class ContinueStepRequest(_message.Message):
+    __slots__ = ("step_id", "delta")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    delta: _tensor_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., delta: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("step_id", "layer", "hidden", "topk_ids", "topk_weights")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    layer: int
+    hidden: _tensor_pb2.Tensor
+    topk_ids: _tensor_pb2.Tensor
+    topk_weights: _tensor_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token: int
+    def __init__(self, seq_id: _Optional[str] = ..., token: _Optional[int] = ...) -> None: ...
+
+class StepDone(_message.Message):
+    __slots__ = ("step_id", "tokens", "free_blocks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    free_blocks: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("route", "done")
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    route: RouteRequest
+    done: StepDone
+    def __init__(self, route: _Optional[_Union[RouteRequest, _Mapping]] = ..., done: _Optional[_Union[StepDone, _Mapping]] = ...) -> None: ...
+
+class AbortStepRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
+class AbortStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExpertKey(_message.Message):
+    __slots__ = ("layer", "expert")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
+
+class ExpertInfo(_message.Message):
+    __slots__ = ("name", "model", "experts")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    experts: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+
+class RunExpertsRequest(_message.Message):
+    __slots__ = ("layer", "hidden", "expert_ids")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    hidden: _tensor_pb2.Tensor
+    expert_ids: _tensor_pb2.Tensor
+    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class RunExpertsResponse(_message.Message):
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: _tensor_pb2.Tensor
+    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,171 @@
+"""gRPC clients of the workers, with the same methods, return types and exceptions as the local objects
+(worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the Engine and the Dispatcher use
+either without knowing which.
+
+Status codes map back to the workers' exceptions (the server sends the local message as the details):
+  INVALID_ARGUMENT → WorkerError / ExpertRequestError,  NOT_FOUND → NotFound / UnknownExpert,
+  RESOURCE_EXHAUSTED → OutOfBlocks (attention),  UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED → WorkerUnavailable,
+  anything else → RemoteError. Every call carries a deadline (`timeout` seconds).
+"""
+from __future__ import annotations
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertmesh.protos import worker_pb2, worker_pb2_grpc
+from expertmesh.tensors import from_proto, sampling_to_proto, to_proto
+from expertmesh.worker.attention import NotFound, RouteRequest, StepDone, StepSegment, WorkerError
+from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
+from expertmesh.worker.kv import OutOfBlocks
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class WorkerUnavailable(ConnectionError):
+    """The worker cannot be reached, is shutting down, or did not answer within the deadline."""
+
+
+class RemoteError(RuntimeError):
+    """Any other failed call (INTERNAL, UNIMPLEMENTED, ...); `code` is the grpc.StatusCode."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class _Client:
+    _errors: dict[grpc.StatusCode, type[Exception]] = {}
+
+    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None,
+                 wait_for_ready: bool = False):
+        """`wait_for_ready`: a call to a worker that is not connected yet waits (up to the deadline) instead of
+        failing at once with WorkerUnavailable."""
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout}: expected a positive number of seconds")
+        self.address, self.timeout, self.name = address, timeout, name or address
+        self.wait_for_ready = wait_for_ready
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> Exception:
+        code, details = e.code(), e.details() or ""
+        if code in _UNAVAILABLE:
+            return WorkerUnavailable(f"{self.name} ({self.address}): {code.name}: {details}")
+        cls = self._errors.get(code)
+        if cls is not None:
+            return cls(details)        # the worker's own message, naming the field
+        return RemoteError(f"{self.name} ({self.address}): {code.name}: {details}", code)
+
+    def health(self, service: str = "") -> str:
+        """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING", "NOT_SERVING", ..."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the channel is connected (raises WorkerUnavailable after `timeout`, default the deadline)."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.timeout if timeout is None else timeout)
+        except grpc.FutureTimeoutError:
+            raise WorkerUnavailable(f"{self.name} ({self.address}): not reachable") from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address!r}, name={self.name!r})"
+
+
+class RemoteAttention(_Client):
+    """An attention worker over gRPC: AttentionWorker's methods (info, open/close_sequence, save/drop_prefix,
+    begin/continue/abort_step)."""
+
+    _errors = {grpc.StatusCode.INVALID_ARGUMENT: WorkerError, grpc.StatusCode.NOT_FOUND: NotFound,
+               grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks}
+
+    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False):
+        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready)
+        self.stub = worker_pb2_grpc.AttentionWorkerStub(self.channel)
+
+    def info(self) -> dict:
+        i = self._call(self.stub.Info, worker_pb2.InfoRequest())
+        return {"name": i.name, "model": i.model, "block_size": i.block_size, "total_blocks": i.total_blocks,
+                "free_blocks": i.free_blocks, "sequences": i.sequences, "prefixes": i.prefixes}
+
+    def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None) -> int:
+        req = worker_pb2.OpenSequenceRequest(seq_id=seq_id, params=sampling_to_proto(params),
+                                             reserve_tokens=reserve_tokens)
+        if prefix_key is not None:
+            req.prefix_key = prefix_key
+        return self._call(self.stub.OpenSequence, req).cached_tokens
+
+    def close_sequence(self, seq_id: str) -> int:
+        return self._call(self.stub.CloseSequence, worker_pb2.CloseSequenceRequest(seq_id=seq_id)).free_blocks
+
+    def save_prefix(self, seq_id: str, key: str) -> int:
+        return self._call(self.stub.SavePrefix, worker_pb2.SavePrefixRequest(seq_id=seq_id, key=key)).free_blocks
+
+    def drop_prefix(self, key: str) -> int:
+        return self._call(self.stub.DropPrefix, worker_pb2.DropPrefixRequest(key=key)).free_blocks
+
+    def begin_step(self, step_id: int, segments: list[StepSegment],
+                   snapshot_keys: dict[str, str] | None = None) -> RouteRequest | StepDone:
+        req = worker_pb2.BeginStepRequest(
+            step_id=step_id,
+            segments=[worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample)
+                      for s in segments],
+            snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k) for s, k in (snapshot_keys or {}).items()])
+        return self._step(self._call(self.stub.BeginStep, req))
+
+    def continue_step(self, step_id: int, delta: torch.Tensor) -> RouteRequest | StepDone:
+        req = worker_pb2.ContinueStepRequest(step_id=step_id, delta=to_proto(delta, "delta"))
+        return self._step(self._call(self.stub.ContinueStep, req))
+
+    def abort_step(self, step_id: int) -> None:
+        self._call(self.stub.AbortStep, worker_pb2.AbortStepRequest(step_id=step_id))
+
+    def _step(self, resp: worker_pb2.StepResponse) -> RouteRequest | StepDone:
+        kind = resp.WhichOneof("result")
+        if kind == "route":
+            r = resp.route
+            return RouteRequest(r.step_id, r.layer, from_proto(r.hidden, "hidden"),
+                                from_proto(r.topk_ids, "topk_ids"), from_proto(r.topk_weights, "topk_weights"))
+        if kind == "done":
+            d = resp.done
+            return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks)
+        raise RemoteError(f"{self.name} ({self.address}): StepResponse with neither route nor done")
+
+
+class RemoteExpert(_Client):
+    """An expert worker over gRPC: ExpertWorker.run, plus info() (name, model, (layer, expert) pairs held)."""
+
+    _errors = {grpc.StatusCode.INVALID_ARGUMENT: ExpertRequestError, grpc.StatusCode.NOT_FOUND: UnknownExpert}
+
+    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False):
+        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready)
+        self.stub = worker_pb2_grpc.ExpertWorkerStub(self.channel)
+
+    def info(self) -> dict:
+        i = self._call(self.stub.Info, worker_pb2.InfoRequest())
+        return {"name": i.name, "model": i.model, "experts": [(k.layer, k.expert) for k in i.experts]}
+
+    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H]; expert_ids [n, K] (−1 = elsewhere) → outputs [P, H], one row per id ≥ 0."""
+        req = worker_pb2.RunExpertsRequest(layer=layer, hidden=to_proto(hidden, "hidden"),
+                                           expert_ids=to_proto(expert_ids, "expert_ids"))
+        return from_proto(self._call(self.stub.RunExperts, req).output, "output")

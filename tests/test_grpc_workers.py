@@ -1,0 +1,407 @@
+"""The gRPC transport: real servers on loopback against the local worker objects (bitwise equal results),
+the tensor codec, status-code mapping, health, reflection, the `expertmesh worker` process and the protos'
+generated code."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertmesh.model import SamplingParams
+from expertmesh.protos import sampling_pb2, tensor_pb2, worker_pb2, worker_pb2_grpc
+from expertmesh.tensors import DTYPES, from_proto, sampling_from_proto, sampling_to_proto, to_proto
+
+KV_BLOCKS, BLOCK_SIZE = 16, 8
+SUBSET = [(1, 0), (1, 1), (1, 5), (2, 3)]     # a partial expert shard
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from expertmesh.checkpoint import Checkpoint, create_checkpoint
+    from expertmesh.config import preset
+    path = tmp_path_factory.mktemp("ckpt")
+    create_checkpoint(preset("tiny"), path, seed=0)
+    return Checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def servers(ckpt):
+    """One 'both' server (all experts) and one expert server holding SUBSET, plus the same objects locally."""
+    from expertmesh.worker.attention import AttentionWorker
+    from expertmesh.worker.expert import ExpertWorker
+    from expertmesh.worker.server import all_experts, serve, shutdown
+    both = serve("both", ckpt, 0, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="w")
+    shard = serve("expert", ckpt, 0, assignment=SUBSET, name="shard")
+    local = {"attention": AttentionWorker(ckpt, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="w"),
+             "expert": ExpertWorker(ckpt, all_experts(ckpt.cfg), name="w"),
+             "shard": ExpertWorker(ckpt, SUBSET, name="shard")}
+    yield {"both": both, "shard": shard, "local": local}
+    shutdown(both, 1.0)
+    shutdown(shard, 1.0)
+
+
+@pytest.fixture(scope="module")
+def clients(servers):
+    from expertmesh.router.remote import RemoteAttention, RemoteExpert
+    addr = f"127.0.0.1:{servers['both'].port}"
+    c = {"attention": RemoteAttention(addr, timeout=30.0, name="w"),
+         "expert": RemoteExpert(addr, timeout=30.0, name="w"),
+         "shard": RemoteExpert(f"127.0.0.1:{servers['shard'].port}", timeout=30.0)}
+    yield c
+    for client in c.values():
+        client.close()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bitwise equality: dtype, shape and every byte."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def same_result(local, remote) -> None:
+    from expertmesh.worker.attention import RouteRequest
+    assert type(local) is type(remote)
+    if isinstance(local, RouteRequest):
+        assert (local.step_id, local.layer) == (remote.step_id, remote.layer)
+        for f in ("hidden", "topk_ids", "topk_weights"):
+            same(getattr(local, f), getattr(remote, f))
+    else:
+        assert local == remote          # StepDone: step_id, tokens (seq → id), free_blocks
+        assert list(local.tokens) == list(remote.tokens)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- tensor codec
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_tensor_round_trip(dtype):
+    g = torch.Generator().manual_seed(7)
+    if dtype.is_floating_point:
+        t = torch.randn(3, 5, 4, generator=g).to(dtype)
+        t[0, 0, 0], t[0, 0, 1], t[0, 0, 2] = float("nan"), float("-inf"), -0.0
+    elif dtype == torch.bool:
+        t = torch.rand(3, 5, 4, generator=g) > 0.5
+    else:
+        lo, hi = (0, 256) if dtype == torch.uint8 else (-2**31, 2**31 - 1)
+        t = torch.randint(lo, hi, (3, 5, 4), generator=g, dtype=torch.int64).to(dtype)
+    for x in (t, t.transpose(0, 2), t[1:, ::2], t[0, 0, 3], t[:0]):   # strided, scalar, empty
+        msg = tensor_pb2.Tensor.FromString(to_proto(x).SerializeToString())
+        assert msg.dtype == next(k for k, v in DTYPES.items() if v == dtype)
+        assert list(msg.shape) == list(x.shape)
+        y = from_proto(msg)
+        same(x, y)
+        y.add_(1) if dtype != torch.bool else y.logical_not_()   # a writable tensor of its own
+
+
+def test_tensor_bytes_are_little_endian_c_order():
+    t = torch.tensor([[1.0, -2.5], [3.0, 0.125]])
+    assert to_proto(t).data == struct.pack("<4f", 1.0, -2.5, 3.0, 0.125)
+    assert to_proto(t.T).data == struct.pack("<4f", 1.0, 3.0, -2.5, 0.125)
+    assert to_proto(torch.tensor([258], dtype=torch.int32)).data == b"\x02\x01\x00\x00"
+    assert to_proto(torch.tensor([1.0], dtype=torch.bfloat16)).data == b"\x80\x3f"
+
+
+def test_tensor_decode_validates():
+    with pytest.raises(ValueError, match=r"delta\.data: expected 24 bytes .* found 20"):
+        from_proto(tensor_pb2.Tensor(dtype="float32", shape=[2, 3], data=b"\0" * 20), "delta")
+    with pytest.raises(ValueError, match=r"hidden\.dtype: expected one of .* found 'float64'"):
+        from_proto(tensor_pb2.Tensor(dtype="float64", shape=[1], data=b"\0" * 8), "hidden")
+    with pytest.raises(ValueError, match=r"x\.shape: expected non-negative"):
+        from_proto(tensor_pb2.Tensor(dtype="uint8", shape=[-1], data=b""), "x")
+    with pytest.raises(ValueError, match=r"out: dtype torch\.float64 cannot go on the wire"):
+        to_proto(torch.zeros(2, dtype=torch.float64), "out")
+    assert from_proto(tensor_pb2.Tensor(dtype="bool", shape=[3], data=b"\x00\x07\x01")).tolist() == [False, True, True]
+
+
+def test_sampling_params_round_trip():
+    p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 3, stop_token_ids=(3, 7))
+    assert sampling_from_proto(sampling_pb2.SamplingParams.FromString(sampling_to_proto(p).SerializeToString())) == p
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()
+    assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()   # unset → defaults
+
+
+# ---------------------------------------------------------------------------------------------- remote == local
+def test_remote_matches_local(servers, clients, ckpt):
+    """Every remote method returns exactly what the local object returns for the same calls."""
+    from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment
+    cfg = ckpt.cfg
+    local, remote = servers["local"]["attention"], clients["attention"]
+    lexp, rexp = servers["local"]["expert"], clients["expert"]
+    both = (local, remote)
+    assert local.info() == remote.info()
+    g = torch.Generator().manual_seed(1)
+    prompt_a = torch.randint(0, cfg.vocab_size, (19,), generator=g).tolist()
+    prompt_b = torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist()
+    greedy = SamplingParams(max_tokens=8)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=20, seed=11, stop_token_ids=(3,))
+    for w in both:
+        assert w.open_sequence("a", greedy, reserve_tokens=32) == 0
+        assert w.open_sequence("b", sampled, reserve_tokens=16) == 0
+    assert local.info() == remote.info()
+
+    def run_step(step_id, segments, snapshots=None):
+        results = [w.begin_step(step_id, segments, snapshots) for w in both]
+        moe_calls = 0
+        while True:
+            same_result(*results)
+            if isinstance(results[0], StepDone):
+                return results[0], moe_calls
+            r: RouteRequest = results[0]
+            n, k = r.topk_ids.shape
+            out = lexp.run(r.layer, r.hidden, r.topk_ids)
+            same(out, rexp.run(r.layer, r.hidden, r.topk_ids))
+            keep = torch.rand(n, k, generator=g) < 0.5          # a partial call: −1 = computed elsewhere
+            part = torch.where(keep, r.topk_ids, torch.full_like(r.topk_ids, -1))
+            same(lexp.run(r.layer, r.hidden, part), rexp.run(r.layer, r.hidden, part))
+            delta = (out.view(n, k, -1) * r.topk_weights[..., None].float()).sum(1)
+            results = [w.continue_step(step_id, delta) for w in both]
+            moe_calls += 1
+
+    done, moe_calls = run_step(1, [StepSegment("a", prompt_a, True), StepSegment("b", prompt_b, True)],
+                               {"a": "prefix-a"})
+    assert moe_calls == len(cfg.moe_layers) and set(done.tokens) == {"a", "b"}
+    toks = dict(done.tokens)
+    for step in range(2, 5):                                       # decode
+        done, _ = run_step(step, [StepSegment(s, [t], True) for s, t in toks.items()])
+        toks = dict(done.tokens)
+    assert local.info() == remote.info() and local.info()["prefixes"] == 1
+
+    assert local.save_prefix("b", "prefix-b") == remote.save_prefix("b", "prefix-b")
+    for w in both:                                                 # start from a cached prefix
+        assert w.open_sequence("c", greedy, reserve_tokens=24, prefix_key="prefix-a") == len(prompt_a)
+    run_step(5, [StepSegment("c", prompt_b[:3], True)])
+    # an aborted step leaves no trace on either side
+    for w in both:
+        assert isinstance(w.begin_step(6, [StepSegment("a", [1], True)]), RouteRequest)
+        assert w.abort_step(6) is None
+    assert local.info() == remote.info()
+    for key in ("prefix-a", "prefix-b", "never-saved"):
+        assert local.drop_prefix(key) == remote.drop_prefix(key)
+    for s in ("a", "b", "c"):
+        assert local.close_sequence(s) == remote.close_sequence(s)
+    assert local.info() == remote.info() and remote.info()["free_blocks"] == KV_BLOCKS
+
+
+def test_expert_info_and_shard(servers, clients, ckpt):
+    shard_local, shard_remote = servers["local"]["shard"], clients["shard"]
+    assert shard_remote.info() == {"name": "shard", "model": "tiny", "experts": sorted(SUBSET)}
+    assert clients["expert"].info()["experts"] == servers["local"]["expert"].assignment
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, ckpt.cfg.hidden_size, generator=g)
+    ids = torch.tensor([[0, -1], [1, 5], [-1, -1], [5, 0], [-1, 1]])
+    out = shard_remote.run(1, hidden, ids)
+    assert out.shape == (6, ckpt.cfg.hidden_size)
+    same(shard_local.run(1, hidden, ids), out)
+    same(shard_local.run(2, hidden[:2], torch.tensor([[3], [3]])), shard_remote.run(2, hidden[:2], torch.tensor([[3], [3]])))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _code(call, *args):
+    with pytest.raises(grpc.RpcError) as e:
+        call(*args, timeout=10)
+    return e.value.code(), e.value.details()
+
+
+def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
+    from expertmesh.worker.attention import NotFound, RouteRequest, StepSegment, WorkerError
+    from expertmesh.worker.kv import OutOfBlocks
+    local, remote = servers["local"]["attention"], clients["attention"]
+    stub = worker_pb2_grpc.AttentionWorkerStub(remote.channel)
+    params = SamplingParams(max_tokens=4)
+
+    def both_raise(exc, call):
+        with pytest.raises(exc) as lerr:
+            call(local)
+        with pytest.raises(exc) as rerr:
+            call(remote)
+        assert str(lerr.value) == str(rerr.value)      # the worker's own message, naming the field
+
+    both_raise(NotFound, lambda w: w.close_sequence("missing"))
+    assert _code(stub.CloseSequence, worker_pb2.CloseSequenceRequest(seq_id="missing"))[0] == grpc.StatusCode.NOT_FOUND
+    both_raise(NotFound, lambda w: w.open_sequence("x", params, reserve_tokens=8, prefix_key="nope"))
+    both_raise(WorkerError, lambda w: w.open_sequence("x", params, reserve_tokens=0))
+    both_raise(OutOfBlocks, lambda w: w.open_sequence("x", params, reserve_tokens=(KV_BLOCKS + 1) * BLOCK_SIZE))
+    req = worker_pb2.OpenSequenceRequest(seq_id="x", params=sampling_to_proto(params), reserve_tokens=10**3)
+    assert _code(stub.OpenSequence, req)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _code(stub.OpenSequence, worker_pb2.OpenSequenceRequest(seq_id="x", reserve_tokens=8)) == \
+        (grpc.StatusCode.INVALID_ARGUMENT, "params: required")
+    both_raise(NotFound, lambda w: w.begin_step(50, [StepSegment("missing", [1], True)]))
+    both_raise(NotFound, lambda w: w.continue_step(51, torch.zeros(1, ckpt.cfg.hidden_size)))
+
+    # a wrong delta shape is INVALID_ARGUMENT and leaves the step waiting for a good one
+    for w in (local, remote):
+        w.open_sequence("e", params, reserve_tokens=8)
+        route = w.begin_step(52, [StepSegment("e", [5, 6, 7], True)])
+        assert isinstance(route, RouteRequest)
+    h = ckpt.cfg.hidden_size
+    both_raise(WorkerError, lambda w: w.continue_step(52, torch.zeros(2, h)))
+    code, details = _code(stub.ContinueStep, worker_pb2.ContinueStepRequest(step_id=52, delta=to_proto(torch.zeros(3, h + 1))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("delta: expected shape [3, 64]")
+    bad = tensor_pb2.Tensor(dtype="float32", shape=[3, h], data=b"\0" * 12)     # data shorter than the shape
+    code, details = _code(stub.ContinueStep, worker_pb2.ContinueStepRequest(step_id=52, delta=bad))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("delta.data: expected 768 bytes")
+    delta = torch.randn(3, h, generator=torch.Generator().manual_seed(3))
+    same_result(local.continue_step(52, delta), remote.continue_step(52, delta))   # still serving the step
+    for w in (local, remote):
+        w.abort_step(52)
+        w.close_sequence("e")
+    assert local.info() == remote.info()
+
+
+def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
+    from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
+    local, remote = servers["local"]["shard"], clients["shard"]
+    stub = worker_pb2_grpc.ExpertWorkerStub(remote.channel)
+    h = ckpt.cfg.hidden_size
+    hidden = torch.randn(2, h, generator=torch.Generator().manual_seed(4))
+    cases = [(UnknownExpert, (1, hidden, torch.tensor([[0, 7], [1, -1]]))),     # expert 7 of layer 1: elsewhere
+             (UnknownExpert, (3, hidden, torch.tensor([[0], [1]]))),            # no experts of layer 3 here
+             (ExpertRequestError, (1, hidden[:, :8], torch.tensor([[0], [1]]))),
+             (ExpertRequestError, (1, hidden, torch.tensor([[0, 99], [1, 0]])))]
+    for exc, args in cases:
+        with pytest.raises(exc) as lerr:
+            local.run(*args)
+        with pytest.raises(exc) as rerr:
+            remote.run(*args)
+        assert str(lerr.value) == str(rerr.value)
+    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.tensor([[7], [0]])))
+    assert _code(stub.RunExperts, req)[0] == grpc.StatusCode.NOT_FOUND
+    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.zeros(2, 1)))
+    assert _code(stub.RunExperts, req) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                           "expert_ids.dtype: expected int64 (or int32), found float32")
+    assert _code(stub.RunExperts, worker_pb2.RunExpertsRequest(layer=1))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    same(local.run(1, hidden, torch.tensor([[5], [0]])), remote.run(1, hidden, torch.tensor([[5], [0]])))
+
+
+def test_unreachable_and_deadline_raise_worker_unavailable(servers):
+    from expertmesh.router.remote import RemoteAttention, RemoteExpert, WorkerUnavailable
+    assert issubclass(WorkerUnavailable, ConnectionError)
+    with RemoteAttention(f"127.0.0.1:{free_port()}", timeout=5.0) as dead:
+        with pytest.raises(WorkerUnavailable, match="UNAVAILABLE"):
+            dead.info()
+
+    class Stuck(worker_pb2_grpc.ExpertWorkerServicer):          # answers after the client's deadline
+        def Info(self, request, context):
+            release.wait(10)
+            return worker_pb2.ExpertInfo()
+
+    release = threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_ExpertWorkerServicer_to_server(Stuck(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with RemoteExpert(f"127.0.0.1:{port}", timeout=0.3) as hurried:
+            with pytest.raises(WorkerUnavailable, match="DEADLINE_EXCEEDED"):
+                hurried.info()
+    finally:
+        release.set()
+        server.stop(None)
+
+
+# ---------------------------------------------------------------------------------------------- health, reflection
+def test_health_serving(servers, clients):
+    from expertmesh.worker.server import ATTENTION_SERVICE, EXPERT_SERVICE
+    for service in ("", ATTENTION_SERVICE, EXPERT_SERVICE):
+        assert clients["attention"].health(service) == "SERVING"
+    assert clients["shard"].health(EXPERT_SERVICE) == "SERVING"
+    stub = health_pb2_grpc.HealthStub(clients["shard"].channel)
+    assert _code(stub.Check, health_pb2.HealthCheckRequest(service=ATTENTION_SERVICE))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_services(servers, clients):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    db = ProtoReflectionDescriptorDatabase(clients["attention"].channel)
+    assert set(db.get_services()) == {"expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker",
+                                      "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
+    assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "SavePrefix", "DropPrefix",
+                                                 "BeginStep", "ContinueStep", "AbortStep"]
+    assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == {
+        "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+def test_shutdown_refuses_new_calls(ckpt):
+    from expertmesh.router.remote import RemoteExpert, WorkerUnavailable
+    from expertmesh.worker.server import serve, shutdown
+    server = serve("expert", ckpt, 0, assignment=[(1, 0)])
+    with RemoteExpert(f"127.0.0.1:{server.port}", timeout=5.0) as c:
+        assert c.health() == "SERVING" and c.info()["experts"] == [(1, 0)]
+        with pytest.raises(OSError, match="cannot listen"):     # the port is taken: fail, never share it
+            serve("expert", ckpt, server.port, assignment=[(1, 0)])
+        shutdown(server, grace=1.0)
+        with pytest.raises(WorkerUnavailable):
+            c.info()
+
+
+# ---------------------------------------------------------------------------------------------- the process
+def test_main_prints_ready_and_exits_0_on_sigterm(ckpt, tmp_path):
+    from expertmesh.router.remote import RemoteExpert
+    cmd = [sys.executable, "-m", "expertmesh.worker.server", "--role", "expert", "--checkpoint", str(ckpt.path),
+           "--port", "0", "--experts", "1:0-2,3:4", "--name", "expert-7"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "EXPERTMESH_TORCH_THREADS": "1"})
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout=50)
+        assert line and line[0].startswith("READY expert 127.0.0.1:"), (line, proc.poll())
+        address = line[0].split()[-1]
+        with RemoteExpert(address, timeout=10.0) as c:
+            assert c.health() == "SERVING"
+            assert c.info() == {"name": "expert-7", "model": "tiny", "experts": [(1, 0), (1, 1), (1, 2), (3, 4)]}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_main_rejects_bad_arguments(ckpt, capsys):
+    from expertmesh.worker.server import main, parse_experts
+    base = ["--checkpoint", str(ckpt.path), "--port", "0"]
+    for argv, needle in [(["--role", "expert", *base], "--experts or --plan"),
+                         (["--role", "expert", *base, "--experts", "1:x"], "--experts: expected LAYER:EXPERT"),
+                         (["--role", "expert", *base, "--plan", "p.json"], "--ordinal: required with --plan"),
+                         (["--role", "both", *base, "--experts", "1:0", "--plan", "p.json", "--ordinal", "0"],
+                          "give one of them")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert parse_experts("1:0, 2:3-5") == [(1, 0), (2, 3), (2, 4), (2, 5)]
+
+
+def test_plan_assignment(ckpt, tmp_path):
+    pytest.importorskip("expertmesh.plan")
+    pytest.importorskip("expertmesh.operator.planner")
+    from expertmesh.router.local import make_placement
+    from expertmesh.worker.server import plan_assignment
+    plan = make_placement(ckpt.cfg, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    for ordinal in (0, 1):
+        assert plan_assignment(str(path), ordinal) == [(int(l), int(e)) for l, e in plan.experts_of(ordinal)]
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "expertmesh.protos.generate", "--check"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,317 @@
+"""`expertmesh worker`: the attention / expert worker objects behind gRPC (`expertmesh.v1`), with the standard
+grpc.health.v1 health service and server reflection.
+
+The servicers only translate: messages → the local objects' arguments, results → messages, and the workers'
+exceptions → status codes (the message, which names the field, goes along as the details):
+  WorkerError / ExpertRequestError / ValueError → INVALID_ARGUMENT,  NotFound / UnknownExpert → NOT_FOUND,
+  OutOfBlocks → RESOURCE_EXHAUSTED,  anything else → INTERNAL (logged with its traceback).
+Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new calls are refused, in-flight ones get `--grace` seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from expertmesh.protos import worker_pb2, worker_pb2_grpc
+from expertmesh.tensors import from_proto, sampling_from_proto, to_proto
+
+log = logging.getLogger("expertmesh.worker")
+
+ROLES = ("attention", "expert", "both")
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+ATTENTION_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["AttentionWorker"].full_name
+EXPERT_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    from expertmesh.worker.attention import NotFound
+    from expertmesh.worker.expert import UnknownExpert
+    from expertmesh.worker.kv import OutOfBlocks
+    if isinstance(exc, (NotFound, UnknownExpert)):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, OutOfBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, ValueError):      # WorkerError, ExpertRequestError, tensor / params decoding
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def _rpc(method):
+    """Run a servicer method; a raised exception becomes the matching status code with its message."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as e:
+            code = _status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+                context.abort(code, f"{type(e).__name__}: {e}")
+            context.abort(code, str(e))
+    return wrapper
+
+
+class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
+    def __init__(self, worker):
+        self.worker = worker
+
+    @_rpc
+    def Info(self, request, context):
+        i = self.worker.info()
+        return worker_pb2.AttentionInfo(name=i["name"], model=i["model"], block_size=i["block_size"],
+                                        total_blocks=i["total_blocks"], free_blocks=i["free_blocks"],
+                                        sequences=i["sequences"], prefixes=i["prefixes"])
+
+    @_rpc
+    def OpenSequence(self, request, context):
+        if not request.HasField("params"):
+            raise ValueError("params: required")
+        cached = self.worker.open_sequence(
+            request.seq_id, sampling_from_proto(request.params), reserve_tokens=request.reserve_tokens,
+            prefix_key=request.prefix_key if request.HasField("prefix_key") else None)
+        return worker_pb2.OpenSequenceResponse(cached_tokens=cached)
+
+    @_rpc
+    def CloseSequence(self, request, context):
+        return worker_pb2.FreeBlocks(free_blocks=self.worker.close_sequence(request.seq_id))
+
+    @_rpc
+    def SavePrefix(self, request, context):
+        return worker_pb2.FreeBlocks(free_blocks=self.worker.save_prefix(request.seq_id, request.key))
+
+    @_rpc
+    def DropPrefix(self, request, context):
+        return worker_pb2.FreeBlocks(free_blocks=self.worker.drop_prefix(request.key))
+
+    @_rpc
+    def BeginStep(self, request, context):
+        from expertmesh.worker.attention import StepSegment
+        segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
+        snapshots = {s.seq_id: s.key for s in request.snapshot_keys} or None
+        return step_to_proto(self.worker.begin_step(request.step_id, segments, snapshots))
+
+    @_rpc
+    def ContinueStep(self, request, context):
+        if not request.HasField("delta"):
+            raise ValueError("delta: required")
+        delta = from_proto(request.delta, "delta")
+        return step_to_proto(self.worker.continue_step(request.step_id, delta))
+
+    @_rpc
+    def AbortStep(self, request, context):
+        self.worker.abort_step(request.step_id)
+        return worker_pb2.AbortStepResponse()
+
+
+def step_to_proto(result) -> worker_pb2.StepResponse:
+    """RouteRequest | StepDone → StepResponse."""
+    from expertmesh.worker.attention import RouteRequest
+    if isinstance(result, RouteRequest):
+        return worker_pb2.StepResponse(route=worker_pb2.RouteRequest(
+            step_id=result.step_id, layer=result.layer, hidden=to_proto(result.hidden, "hidden"),
+            topk_ids=to_proto(result.topk_ids, "topk_ids"), topk_weights=to_proto(result.topk_weights, "topk_weights")))
+    return worker_pb2.StepResponse(done=worker_pb2.StepDone(
+        step_id=result.step_id, free_blocks=result.free_blocks,
+        tokens=[worker_pb2.SampledToken(seq_id=s, token=t) for s, t in result.tokens.items()]))
+
+
+class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
+    def __init__(self, worker):
+        self.worker = worker
+
+    @_rpc
+    def Info(self, request, context):
+        return worker_pb2.ExpertInfo(name=self.worker.name, model=self.worker.cfg.name,
+                                     experts=[worker_pb2.ExpertKey(layer=l, expert=e)
+                                              for l, e in self.worker.assignment])
+
+    @_rpc
+    def RunExperts(self, request, context):
+        for field in ("hidden", "expert_ids"):
+            if not request.HasField(field):
+                raise ValueError(f"{field}: required")
+        hidden = from_proto(request.hidden, "hidden")
+        ids = from_proto(request.expert_ids, "expert_ids")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"expert_ids.dtype: expected int64 (or int32), found {request.expert_ids.dtype}")
+        out = self.worker.run(request.layer, hidden, ids)
+        return worker_pb2.RunExpertsResponse(output=to_proto(out, "output"))
+
+
+# ---------------------------------------------------------------------------------------------- server
+def all_experts(cfg) -> list[tuple[int, int]]:
+    return [(layer, e) for layer in cfg.moe_layers for e in range(cfg.moe.n_routed_experts)]
+
+
+def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
+          block_size: int = 16, name: str | None = None, max_workers: int = 16) -> grpc.Server:
+    """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
+    (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
+    Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
+    workers, or None) and `.role` set."""
+    from expertmesh.checkpoint import Checkpoint
+    from expertmesh.worker.attention import AttentionWorker
+    from expertmesh.worker.expert import ExpertWorker
+
+    if role not in ROLES:
+        raise ValueError(f"role: expected one of {list(ROLES)}, found {role!r}")
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    attention = expert = None
+    if role in ("attention", "both"):
+        attention = AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=name or "attention-0")
+    if role in ("expert", "both"):
+        pairs = all_experts(ckpt.cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
+        expert = ExpertWorker(ckpt, pairs, name=name or "expert-0")
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{role}"),
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],        # a taken port must fail, not be shared
+        maximum_concurrent_rpcs=16 * max_workers)  # the queue of calls waiting for a thread has a bound
+    services = []
+    if attention is not None:
+        worker_pb2_grpc.add_AttentionWorkerServicer_to_server(AttentionServicer(attention), server)
+        services.append(ATTENTION_SERVICE)
+    if expert is not None:
+        worker_pb2_grpc.add_ExpertWorkerServicer_to_server(ExpertServicer(expert), server)
+        services.append(EXPERT_SERVICE)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        services + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"--host/--port {address}: cannot listen ({e})") from None
+    if bound == 0:
+        raise OSError(f"--host/--port {address}: cannot listen (address in use?)")
+    server.start()
+    for s in services + [""]:
+        health_servicer.set(s, health_pb2.HealthCheckResponse.SERVING)
+    server.port, server.role, server.health = bound, role, health_servicer
+    server.attention, server.expert = attention, expert
+    log.info("%s worker serving %s on %s:%d", role, ", ".join(services), host, bound)
+    return server
+
+
+def shutdown(server: grpc.Server, grace: float = 10.0) -> None:
+    """Health NOT_SERVING first (balancers stop sending), then refuse new calls and let in-flight ones finish."""
+    server.health.enter_graceful_shutdown()
+    server.stop(grace).wait()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def parse_experts(spec: str) -> list[tuple[int, int]]:
+    """"L:E,L:E,..." (E may be a range A-B, inclusive) → [(layer, expert), ...]."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        layer, sep, experts = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            lo, _, hi = experts.partition("-")
+            lo_i, hi_i = int(lo), int(hi or lo)
+            layer_i = int(layer)
+            if layer_i < 0 or lo_i < 0 or hi_i < lo_i:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--experts: expected LAYER:EXPERT or LAYER:FIRST-LAST items, found {item!r}") from None
+        out += [(layer_i, e) for e in range(lo_i, hi_i + 1)]
+    if not out:
+        raise ValueError(f"--experts: no LAYER:EXPERT item in {spec!r}")
+    return out
+
+
+def plan_assignment(path: str, ordinal: int) -> list[tuple[int, int]]:
+    try:
+        from expertmesh.plan import PlacementPlan
+    except ImportError as e:
+        raise ValueError(f"--plan: expertmesh.plan is not available ({e}); pass --experts L:E,... instead") from None
+    plan = PlacementPlan.from_json(Path(path).read_text())
+    pairs = [(int(l), int(e)) for l, e in plan.experts_of(ordinal)]
+    if not pairs:   # a spare replica slot (e.g. scaled up before the plan): serve, holding nothing yet
+        log.warning("--ordinal %d: the plan %s assigns no experts to this worker", ordinal, path)
+    return pairs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="expertmesh worker", description="an attention / expert worker (gRPC)")
+    p.add_argument("--role", choices=ROLES, required=True)
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 / [::] in a pod)")
+    p.add_argument("--experts", help="the (layer, expert) pairs held: L:E,L:E,... (E may be FIRST-LAST)")
+    p.add_argument("--plan", help="placement plan JSON; this worker holds experts_of(--ordinal)")
+    p.add_argument("--ordinal", type=int, help="this expert worker's ordinal in --plan")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of the attention role")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
+    p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if os.environ.get("EXPERTMESH_TORCH_THREADS"):
+        import torch
+        torch.set_num_threads(int(os.environ["EXPERTMESH_TORCH_THREADS"]))
+    assignment = None
+    try:
+        if args.experts and args.plan:
+            raise ValueError("--experts and --plan: give one of them, not both")
+        if args.plan:
+            if args.ordinal is None:
+                raise ValueError("--ordinal: required with --plan")
+            assignment = plan_assignment(args.plan, args.ordinal)
+        elif args.experts:
+            assignment = parse_experts(args.experts)
+        elif args.role == "expert":
+            raise ValueError("--experts or --plan/--ordinal: required for --role expert")
+        if args.kv_blocks <= 0 or args.block_size <= 0:
+            raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    name = args.name
+    if name is None and args.role != "both" and args.ordinal is not None:
+        name = f"{args.role}-{args.ordinal}"
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server = serve(args.role, args.checkpoint, args.port, args.host, assignment=assignment,
+                       kv_blocks=args.kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads)
+    except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
+        print(f"expertmesh worker: error: {e}", file=sys.stderr)
+        return 2
+    print(f"READY {args.role} {args.host}:{server.port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", args.grace)
+    shutdown(server, args.grace)
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
