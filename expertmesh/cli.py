@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`expertmesh worker --help` for its flags")
     w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(["--help"]))
 
+    o = sub.add_parser("operator", help="the Kopf operator for MoEDeployment resources")
+    from expertmesh.operator import main as operator_main
+    operator_main.add_arguments(o)
+    o.set_defaults(func=operator_main.run)
+
     try:
         from expertmesh.operator import plan_cli
     except ImportError:

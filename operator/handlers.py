@@ -1,0 +1,448 @@
+"""Kopf handlers for `MoEDeployment`: thin — they read the world, call the pure functions in `manifests.py`,
+and write the results back.
+
+    create / update(spec) / resume → validate → plan (previous plan's shards stay) → apply children
+                                     (owner references via kopf.adopt) → status (kopf's patch.status)
+    pod events (worker/router pods) → readiness counts; a lost expert pod → Degraded, and once it has been
+                                     lost for placement.replanGraceSeconds a re-plan onto the survivors when
+                                     some expert has no live replica left
+    timer (every REBALANCE_TICK)   → Degraded: re-assess (a re-plan may have come due); Ready: every
+                                     placement.rebalanceIntervalSeconds read the router's /v1/load and re-plan
+                                     when the observed imbalance exceeds placement.imbalanceThreshold
+    (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
+     lets the timer stop first)
+
+Errors: a spec that cannot be deployed (bad field, cluster too small) → phase Failed + a condition with the
+message + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
+`kopf.TemporaryError` with exponential backoff.
+
+Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: JSON over the
+official client's configuration and connection pool) and `fetch_load` (the HTTP GET of the router's load).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+import kopf
+
+from expertmesh.operator import manifests as m
+from expertmesh.operator.planner import PlanError
+from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
+                                      resolve_model)
+from expertmesh.plan import PlacementPlan
+
+log = logging.getLogger("expertmesh.operator")
+
+FIELD_MANAGER = "expertmesh-operator"
+PERSISTENCE_PREFIX = "expertmesh.dev"
+API_TIMEOUT = (5.0, 30.0)       # (connect, read) seconds for every Kubernetes call
+LOAD_TIMEOUT = 10.0             # seconds for the router's /v1/load
+REBALANCE_TICK = 15.0           # the timer's period; each resource's own interval is checked against it
+MAX_BACKOFF = 120.0
+
+_PLURALS = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
+            "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods",
+            KIND: PLURAL}
+
+
+# ------------------------------------------------------------------------------------------------ the API edge
+class KubeError(Exception):
+    def __init__(self, status: Optional[int], message: str):
+        super().__init__(f"{status or 'no response'}: {message}")
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying: no response, throttled, conflict, server-side trouble."""
+        return self.status is None or self.status in (408, 409, 429) or self.status >= 500
+
+
+class Kube:
+    """The Kubernetes API calls the operator makes: plain JSON over HTTPS with the official client's
+    configuration (TLS, client certificates, tokens and their refresh hooks) and its urllib3 pool.
+    Blocking: each call runs in a worker thread; every call carries a (connect, read) deadline."""
+
+    def __init__(self, configuration, timeout: tuple[float, float] = API_TIMEOUT):
+        import kubernetes
+        self.conf = configuration
+        self.pool = kubernetes.client.ApiClient(configuration).rest_client.pool_manager
+        self.timeout = timeout
+
+    @classmethod
+    def from_environment(cls) -> "Kube":
+        """Connect as kubectl does: the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config."""
+        import kubernetes
+        conf = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=conf)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=conf)
+        return cls(conf)
+
+    @classmethod
+    def for_url(cls, url: str) -> "Kube":
+        """A plain-HTTP API server without authentication (tests' in-memory emulator)."""
+        import kubernetes
+        conf = kubernetes.client.Configuration()
+        conf.host = url.rstrip("/")
+        conf.verify_ssl = False
+        return cls(conf)
+
+    @staticmethod
+    def path(api_version: str, kind: str, namespace: str, name: Optional[str] = None,
+             subresource: Optional[str] = None) -> str:
+        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        out = f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
+        if name:
+            out += f"/{name}"
+        if subresource:
+            out += f"/{subresource}"
+        return out
+
+    def _headers(self, content_type: str) -> dict:
+        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": FIELD_MANAGER}
+        # newer clients keep the token under "BearerToken", older ones under "authorization" (both refresh)
+        token = self.conf.get_api_key_with_prefix("BearerToken") or self.conf.get_api_key_with_prefix("authorization")
+        if token:
+            headers["Authorization"] = token if " " in token else f"Bearer {token}"
+        elif self.conf.username:
+            import urllib3
+            headers.update(urllib3.util.make_headers(basic_auth=f"{self.conf.username}:{self.conf.password}"))
+        return headers
+
+    def _call(self, method: str, path: str, body=None, query: Optional[dict] = None,
+              content_type: str = "application/json"):
+        import urllib3
+        from urllib.parse import urlencode
+        url = self.conf.host.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
+        try:
+            resp = self.pool.request(method, url, body=None if body is None else json.dumps(body),
+                                     headers=self._headers(content_type), retries=False,
+                                     timeout=urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]))
+        except Exception as e:  # connection refused, TLS, timeouts: no response at all
+            raise KubeError(None, f"{method} {path}: {type(e).__name__}: {e}") from None
+        text = resp.data.decode("utf-8", "replace") if resp.data else ""
+        if not 200 <= resp.status < 300:
+            try:
+                message = json.loads(text).get("message") or text[:300]
+            except (ValueError, AttributeError):
+                message = text[:300]
+            raise KubeError(resp.status, f"{method} {path}: {message}")
+        return json.loads(text) if text else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
+        try:
+            return self._call("GET", self.path(api_version, kind, namespace, name))
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def apply(self, obj: dict) -> dict:
+        """Server-side apply (this operator owns the fields it sets); create when the server does not know the
+        object (an API without server-side apply answers 404)."""
+        meta = obj["metadata"]
+        path = self.path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        try:
+            return self._call("PATCH", path, obj, {"fieldManager": FIELD_MANAGER, "force": "true"},
+                              content_type="application/apply-patch+yaml")
+        except KubeError as e:
+            if e.status != 404:
+                raise
+        return self._call("POST", self.path(obj["apiVersion"], obj["kind"], meta["namespace"]), obj,
+                          {"fieldManager": FIELD_MANAGER})
+
+    def patch_status(self, namespace: str, name: str, status: dict) -> dict:
+        return self._call("PATCH", self.path(API_VERSION, KIND, namespace, name, "status"), {"status": status},
+                          content_type="application/merge-patch+json")
+
+
+async def _fetch_load_http(url: str, timeout: float) -> dict:
+    """GET the router's load statistics (JSON)."""
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        async with session.get(url) as resp:
+            resp.raise_for_status()
+            return await resp.json()
+
+
+@dataclass
+class Deps:
+    """Everything the handlers reach outside the process (given to Kopf as `memo`)."""
+    kube: Kube
+    fetch_load: Callable[[str, float], Awaitable[dict]] = _fetch_load_http
+    load_timeout: float = LOAD_TIMEOUT
+    # per-resource state: one reconciliation at a time per MoEDeployment; plans parsed once per hash;
+    # the last observed load (used when re-planning around a lost pod)
+    locks: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)
+    loads: dict = field(default_factory=dict)
+    last_check: dict = field(default_factory=dict)
+
+    def lock(self, key) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """Keep Kopf's bookkeeping in annotations under our prefix (status stays the CRD's structural status)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PERSISTENCE_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{PERSISTENCE_PREFIX}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.networking.request_timeout = 60.0
+    settings.watching.server_timeout = 300
+    settings.queueing.error_delays = (1, 2, 5, 10, 30, 60)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _backoff(retry: int) -> float:
+    return min(MAX_BACKOFF, 2.0 ** min(retry, 10))
+
+
+async def _kube(deps: Deps, fn, *args, retry: int = 0):
+    """Run a blocking Kube call in a thread; transient failures become kopf.TemporaryError with backoff."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except KubeError as e:
+        if e.transient:
+            raise kopf.TemporaryError(f"Kubernetes API: {e}", delay=_backoff(retry)) from None
+        raise
+
+
+async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> Optional[PlacementPlan]:
+    cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, m.plan_configmap_name(name), retry=retry)
+    text = ((cm or {}).get("data") or {}).get("plan.json")
+    if not text:
+        return None
+    key = (namespace, name, hash(text))
+    if key not in deps.plans:
+        try:
+            deps.plans = {k: v for k, v in deps.plans.items() if k[:2] != (namespace, name)}
+            deps.plans[key] = PlacementPlan.from_json(text)
+        except ValueError as e:
+            log.warning("%s/%s: ignoring the unreadable plan in its ConfigMap: %s", namespace, name, e)
+            return None
+    return deps.plans[key]
+
+
+async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
+                          retry: int = 0) -> tuple[str, dict[str, str]]:
+    """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
+    pod-template hashes per component."""
+    children = m.build_children(name, namespace, spec, cfg, plan)
+    rev, templates = m.revision(children), m.template_hashes(children)
+    kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
+    for child in children:
+        await _kube(deps, deps.kube.apply, child, retry=retry)
+    return rev, templates
+
+
+def _pods(index, namespace: str, name: str) -> list[m.PodInfo]:
+    try:
+        return [p for p in index.get((namespace, name), []) if p is not None]
+    except (AttributeError, TypeError):
+        return []
+
+
+def _changed(current: dict, update: dict) -> bool:
+    return any(current.get(k) != v for k, v in update.items())
+
+
+# ------------------------------------------------------------------------------------------------ reconcile
+async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patch, memo, logger, retry: int = 0,
+                    expertmesh_pods=None, **_: Any) -> None:
+    deps: Deps = memo.deps
+    generation = meta.get("generation")
+    status = dict(status or {})
+    try:
+        parsed = parse_spec(dict(spec))
+        cfg = resolve_model(parsed)
+    except SpecError as e:
+        patch.status.update(m.failed_status(status, str(e), generation, reason="InvalidSpec"))
+        raise kopf.PermanentError(f"invalid spec: {e}") from None
+
+    async with deps.lock((namespace, name)):
+        previous = await _read_plan(deps, namespace, name, retry)
+        try:
+            plan = m.plan_for(parsed, cfg, previous=previous)
+        except PlanError as e:
+            patch.status.update(m.failed_status(status, str(e), generation, reason="ClusterTooSmall"))
+            raise kopf.PermanentError(str(e)) from None
+        try:
+            rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry)
+        except KubeError as e:  # not transient: the API refused a child (e.g. a quota or an admission webhook)
+            patch.status.update(m.failed_status(status, f"applying children: {e}", generation, reason="ApplyFailed"))
+            raise kopf.PermanentError(f"applying children: {e}") from None
+
+        new_plan = plan.plan_hash() != (status.get("placement") or {}).get("planHash")
+        base = dict(status)
+        if rev != status.get("revision") or base.get("phase") in (None, "Pending", "Planning", "Failed"):
+            base["phase"] = "Deploying"  # something changed: pods roll; missing ones are not losses
+        if new_plan:
+            base["placement"] = {}
+        a = m.assess(parsed, plan, _pods(expertmesh_pods, namespace, name), templates)
+        decision = m.decide(name, parsed, plan, base, a, generation)
+        conds = m.set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
+                                m.summarize_plan(plan), generation)
+        lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
+        patch.status.update({
+            **decision.status, "conditions": conds, "observedGeneration": generation, "revision": rev,
+            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg)),
+            "endpoints": m.endpoints(name, namespace, parsed),
+        })
+        logger.info(f"plan {plan.plan_hash()} applied: {m.summarize_plan(plan)}")
+
+
+# ------------------------------------------------------------------------------------------------ pods
+async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
+    """Re-assess one MoEDeployment against its pods; re-plan around lost expert pods when needed."""
+    async with deps.lock((namespace, name)):
+        body = await _kube(deps, deps.kube.get, API_VERSION, KIND, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        status = body.get("status") or {}
+        if status.get("phase") in (None, "Failed"):
+            return  # not reconciled yet, or waiting for a spec fix
+        try:
+            spec = parse_spec(body.get("spec") or {})
+            cfg = resolve_model(spec)
+        except SpecError:
+            return  # the spec handler reports it
+        plan = await _read_plan(deps, namespace, name)
+        if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
+            return  # a reconciliation is writing a new plan right now; its status comes next
+        children = m.build_children(name, namespace, spec, cfg, plan)
+        if m.revision(children) != status.get("revision"):
+            return  # the spec changed and its reconciliation has not finished: its status comes next
+        generation = (body.get("metadata") or {}).get("generation")
+        a = m.assess(spec, plan, _pods(index, namespace, name), m.template_hashes(children))
+        decision = m.decide(name, spec, plan, status, a, generation)
+        update = decision.status
+        if decision.replan_excluding is not None:
+            update = await _replan_around(deps, body, name, namespace, spec, cfg, plan, status, update,
+                                          decision.replan_excluding, generation, logger)
+        if update and _changed(status, update):
+            await _kube(deps, deps.kube.patch_status, namespace, name, update)
+
+
+async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
+                         update: dict, lost: list[int], generation, logger) -> dict:
+    loads = deps.loads.get((namespace, name))
+    try:
+        new = m.replan_around(spec, cfg, plan, lost, loads=loads)
+    except PlanError as e:
+        message = f"expert workers {lost} lost and the survivors cannot hold the model: {e}"
+        conds = m.set_condition(update["conditions"], "Degraded", "True", "InsufficientMemory", message, generation)
+        return {**update, "phase": "Degraded", "message": message, "conditions": conds}
+    if not lost and new.plan_hash() == plan.plan_hash():  # rejoined without moving anything
+        conds = m.set_condition(update["conditions"], "Degraded", "False", "AllReplicasServing", "", generation)
+        return {**update, "phase": "Ready", "message": None, "conditions": conds,
+                "placement": m.placement_status(new)}
+    rev, _ = await _apply_children(deps, body, name, namespace, spec, cfg, new)
+    what = f"re-planned around lost expert workers {lost}" if lost else "re-planned onto every expert worker"
+    logger.info(f"{what}: plan {new.plan_hash()}, {new.figures.moved_shards} shards moved")
+    conds = m.set_condition(update["conditions"], "PlacementReady", "True", "Replanned", m.summarize_plan(new),
+                            generation)
+    if lost:
+        conds = m.set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
+                                f"{what}; rolling out plan {new.plan_hash()}", generation)
+    return {**update, "phase": "Deploying", "message": f"{what}; rolling out plan {new.plan_hash()}",
+            "conditions": conds, "placement": m.placement_status(new, lost_workers=lost), "revision": rev}
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_url(name: str, namespace: str, spec) -> str:
+    return f"http://{m.router_name(name)}.{namespace}.svc:{spec.router.http_port}/v1/load"
+
+
+async def check_load(*, name: str, namespace: str, spec, status, body, patch, memo, logger,
+                     expertmesh_pods=None, **_: Any) -> None:
+    """The timer: re-assess a Degraded deployment (a re-plan may be due once its grace period is over) and
+    read the load of a Ready one every placement.rebalanceIntervalSeconds."""
+    deps: Deps = memo.deps
+    status = dict(status or {})
+    if status.get("phase") == "Degraded":
+        await observe(deps, namespace, name, expertmesh_pods, logger)
+        return
+    if status.get("phase") != "Ready":
+        return  # rebalance only a settled deployment (not while rolling out or failed)
+    try:
+        parsed = parse_spec(dict(spec))
+        cfg = resolve_model(parsed)
+    except SpecError:
+        return
+    key = (namespace, name)
+    now = time.monotonic()
+    if now - deps.last_check.get(key, float("-inf")) < parsed.placement.rebalance_interval_seconds:
+        return
+    deps.last_check[key] = now
+    try:
+        payload = await deps.fetch_load(load_url(name, namespace, parsed), deps.load_timeout)
+        loads = m.parse_load(payload, cfg)
+    except Exception as e:  # the router may be restarting: try again next interval
+        logger.warning(f"reading the router's load failed: {type(e).__name__}: {e}")
+        return
+    deps.loads[key] = loads
+    async with deps.lock(key):
+        plan = await _read_plan(deps, namespace, name)
+        if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
+            return
+        verdict = m.rebalance(parsed, cfg, plan, loads)
+        placement = dict(status.get("placement") or {})
+        placement["observedImbalance"] = round(verdict.observed, 4)
+        update: dict = {"lastRebalanceTime": m.now_rfc3339(), "placement": placement}
+        if verdict.plan is not None:
+            update["revision"], _ = await _apply_children(deps, body, name, namespace, parsed, cfg, verdict.plan)
+            generation = (body.get("metadata") or {}).get("generation")
+            conds = m.set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
+                                    f"{verdict.reason}; {m.summarize_plan(verdict.plan)}", generation)
+            update.update(phase="Deploying", conditions=conds, message=verdict.reason,
+                          placement=m.placement_status(verdict.plan, moved=verdict.moved,
+                                                       observed_imbalance=verdict.observed))
+            logger.info(f"rebalanced: {verdict.reason}, {verdict.moved} shards moved")
+        patch.status.update(update)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+def build_registry(*, rebalance_tick: float = REBALANCE_TICK,
+                   login: Optional[Callable[..., Any]] = None) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler (no module-level state, so tests can run several operators).
+
+    login: Kopf's authentication handler; default `kopf.login_via_client` (as kubectl: the pod's service
+    account in a cluster, else KUBECONFIG / ~/.kube/config)."""
+    reg = kopf.OperatorRegistry()
+    res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=reg)
+    kopf.on.login(id="login", registry=reg)(login or kopf.login_via_client)
+
+    @kopf.on.startup(id="configure", registry=reg)
+    def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_settings(settings)
+
+    @kopf.index("v1", "pods", id="expertmesh_pods", labels=m.POD_MANAGED_LABELS, registry=reg)
+    def expertmesh_pods(namespace: str, body, **_: Any):
+        info = m.pod_info(body)
+        if info is None:
+            return {}
+        return {(namespace, body["metadata"]["labels"][m.LABEL_INSTANCE]): info}
+
+    kopf.on.resume(id="reconcile", **res)(reconcile)
+    kopf.on.create(id="reconcile", **res)(reconcile)
+    kopf.on.update(id="reconcile", field="spec", **res)(reconcile)
+
+    @kopf.on.event("v1", "pods", id="pod_event", labels=m.POD_MANAGED_LABELS, registry=reg)
+    async def pod_event(namespace: str, body, memo, logger, expertmesh_pods, **_: Any) -> None:
+        instance = (body.get("metadata", {}).get("labels") or {}).get(m.LABEL_INSTANCE)
+        if instance:
+            try:
+                await observe(memo.deps, namespace, instance, expertmesh_pods, logger)
+            except kopf.TemporaryError as e:  # event handlers are not retried: the next pod event will be
+                logger.warning(f"observing pods of {instance}: {e}")
+
+    kopf.timer(id="check_load", interval=rebalance_tick, initial_delay=rebalance_tick, **res)(check_load)
+    return reg

@@ -1,0 +1,74 @@
+"""`expertmesh operator`: run the MoEDeployment operator (Kopf) against the current cluster.
+
+Connects as kubectl does (the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config), watches
+one or more namespaces (`--namespace`, repeatable) or the whole cluster, and serves a liveness endpoint
+(`--liveness`, Kopf's health probe: 200 while the operator's watch loops are alive). Runs standalone (one
+replica; the Helm chart's Deployment uses `strategy: Recreate`) unless `--peering` names a KopfPeering.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                   help="watch only this namespace (repeatable; globs allowed); default: the whole cluster")
+    p.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
+                   help=f"liveness endpoint to serve (default {DEFAULT_LIVENESS}; 'none' to disable)")
+    p.add_argument("--peering", default=None, metavar="NAME",
+                   help="KopfPeering name for several operator replicas (default: standalone)")
+    p.add_argument("--rebalance-tick", type=float, default=None, metavar="SECONDS",
+                   help="how often to check whether a resource's rebalance interval has passed (default 15)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def operator_kwargs(args) -> dict:
+    """The `kopf.operator(...)` keyword arguments for parsed CLI arguments (no registry/memo)."""
+    liveness = None if str(args.liveness).lower() in ("", "none", "off") else args.liveness
+    kw: dict = {"liveness_endpoint": liveness}
+    if args.namespace:
+        kw["namespaces"] = list(args.namespace)
+    else:
+        kw["clusterwide"] = True
+    if args.peering:
+        kw["peering_name"] = args.peering
+    else:
+        kw["standalone"] = True
+    return kw
+
+
+def run(args) -> int:
+    import sys
+
+    import kopf
+    import kubernetes
+
+    from expertmesh.operator.handlers import REBALANCE_TICK, Deps, Kube, build_registry
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        deps = Deps(kube=Kube.from_environment())
+    except kubernetes.config.ConfigException as e:
+        print(f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "
+              f"~/.kube/config): {e}", file=sys.stderr)
+        return 2
+    registry = build_registry(rebalance_tick=args.rebalance_tick or REBALANCE_TICK)
+
+    # Kopf handles SIGINT/SIGTERM itself: it stops watching, lets running handlers finish, then returns
+    asyncio.run(kopf.operator(registry=registry, memo=kopf.Memo(deps=deps), **operator_kwargs(args)))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="expertmesh operator", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

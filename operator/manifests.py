@@ -1,0 +1,769 @@
+"""Pure reconciliation logic: spec + placement plan (+ observed pods / load) → child objects and status.
+
+Nothing here talks to Kubernetes: every function takes plain data and returns plain data (dicts in the
+shape of Kubernetes objects), so the handlers stay thin and all of this is unit-testable. Owner
+references are left to the handlers (`kopf.adopt`).
+
+Children of a `MoEDeployment` named N in namespace NS:
+  ConfigMap    N-plan        plan.json (the placement plan) + config.json (the model config)
+  StatefulSet  N-attention   attention workers (+ headless Service N-attention)
+  StatefulSet  N-expert      expert workers, ordinal i holds plan.experts_of(i) (+ headless Service N-expert,
+                             PodDisruptionBudget N-expert)
+  Deployment   N-router      the router (+ Service N-router: http and grpc)
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from expertmesh.operator.planner import PlanError, imbalance, moved_shards, plan_placement
+from expertmesh.operator.spec import GIB, MoEDeploymentSpec
+from expertmesh.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
+
+# ------------------------------------------------------------------------------------------------ constants
+OPERATOR_NAME = "expertmesh-operator"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_VERSION = "app.kubernetes.io/version"
+PLAN_HASH_ANNOTATION = "expertmesh.dev/plan-hash"
+TEMPLATE_HASH_ANNOTATION = "expertmesh.dev/template-hash"  # tells pods of the current template from old ones
+POD_MANAGED_LABELS = {LABEL_NAME: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}  # what the pod watch selects
+
+COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-worker", "expert-worker"
+WORKER_PORT = 50061
+PLAN_DIR = "/etc/expertmesh"
+PLAN_PATH = f"{PLAN_DIR}/plan.json"
+CHECKPOINT_MOUNT = "/mnt/checkpoint"
+GPU_RESOURCE = "nvidia.com/gpu"
+STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
+
+
+def plan_configmap_name(name: str) -> str:
+    return f"{name}-plan"
+
+
+def attention_name(name: str) -> str:
+    return f"{name}-attention"
+
+
+def expert_name(name: str) -> str:
+    return f"{name}-expert"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The immutable subset used in selectors (never the version: that changes on upgrades)."""
+    return {LABEL_NAME: "expertmesh", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
+
+
+def labels(name: str, component: str, spec: MoEDeploymentSpec) -> dict[str, str]:
+    return {**selector_labels(name, component), LABEL_PART_OF: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME,
+            LABEL_VERSION: spec.image.tag[:63]}
+
+
+def selector_string(sel: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(sel.items()))
+
+
+def pod_dns(name: str, namespace: str, statefulset: str, ordinal: int, port: int = WORKER_PORT) -> str:
+    """`<pod>.<headless svc>.<ns>.svc:port` — resolves through the pod's DNS search path on any cluster domain."""
+    return f"{statefulset}-{ordinal}.{statefulset}.{namespace}.svc:{port}"
+
+
+def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec) -> tuple[list[str], list[str]]:
+    """(attention, expert) worker addresses in ordinal order, as the router is given them."""
+    att = [pod_dns(name, namespace, attention_name(name), i) for i in range(spec.attention_workers.replicas)]
+    exp = [pod_dns(name, namespace, expert_name(name), i) for i in range(spec.expert_workers.replicas)]
+    return att, exp
+
+
+def endpoints(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict[str, str]:
+    host = f"{router_name(name)}.{namespace}.svc"
+    return {"http": f"{host}:{spec.router.http_port}", "grpc": f"{host}:{spec.router.grpc_port}"}
+
+
+def checkpoint_path(spec: MoEDeploymentSpec) -> str:
+    ck = spec.model.checkpoint
+    if ck.pvc is not None:
+        sub = ck.pvc.path.strip("/")
+        return f"{CHECKPOINT_MOUNT}/{sub}" if sub else CHECKPOINT_MOUNT
+    return ck.uri  # resolved by the worker itself
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:
+    """The expert workers of a spec as the planner sees them (a CPU pod counts as one device)."""
+    ew = spec.expert_workers
+    return ClusterShape(pods=ew.replicas, gpus_per_pod=ew.devices_per_pod,
+                        gpu_memory_bytes=int(ew.gpu_memory_gib * GIB), reserve_bytes=int(ew.reserve_gib * GIB))
+
+
+def compatible(previous: Optional[PlacementPlan], cfg) -> Optional[PlacementPlan]:
+    """`previous` when it is a plan of this model (so its shards can stay put), else None."""
+    if previous is None:
+        return None
+    same = (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) == \
+        (cfg.name, cfg.moe_layers, cfg.moe.n_routed_experts, cfg.expert_bytes_mxfp4)
+    return previous if same else None
+
+
+def plan_for(spec: MoEDeploymentSpec, cfg, previous: Optional[PlacementPlan] = None, loads=None,
+             reuse: bool = True) -> PlacementPlan:
+    """The plan for a spec on all its expert pods. With a previous plan of this model, the minimal-movement
+    plan (every still-valid shard stays) is preferred; when that is out of balance — expected imbalance above
+    `placement.imbalanceThreshold`, e.g. pods were added and would stay empty — a fresh plan is taken if it
+    balances better (see `choose`). Raises `PlanError` (a ValueError) when the pods cannot hold the model."""
+    shape, r = cluster_shape(spec), spec.expert_workers.redundant_experts
+    previous = compatible(previous, cfg)
+    if previous is None:
+        return plan_placement(cfg, shape, redundant_slots=r, loads=loads)
+    if reuse and loads is None and previous.cluster == shape and previous.figures.redundant_requested == r:
+        return previous  # nothing placement-relevant changed (restart, image bump): keep it, pods stay
+    incremental = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous)
+    if incremental.figures.imbalance <= spec.placement.imbalance_threshold:
+        return incremental
+    fresh = plan_placement(cfg, shape, redundant_slots=r, loads=loads)
+    return choose(incremental, fresh, spec.placement.imbalance_threshold)
+
+
+def choose(incremental: PlacementPlan, fresh: PlacementPlan, threshold: float, loads=None) -> PlacementPlan:
+    """The minimal-movement plan unless it is above `threshold` and the fresh one is better balanced
+    (imbalance under `loads`, else under the loads each plan was made with)."""
+    if loads is None:
+        a, b = incremental.figures.imbalance, fresh.figures.imbalance
+    else:
+        a, b = imbalance(incremental, loads).mean, imbalance(fresh, loads).mean
+    return fresh if a > threshold and b < a else incremental
+
+
+def moved_from(previous: Optional[PlacementPlan], plan: PlacementPlan, cfg) -> int:
+    """Shards `plan` places where `previous` (of the same model) did not have them; 0 without one."""
+    previous = compatible(previous, cfg)
+    return 0 if previous is None else moved_shards(previous, plan)
+
+
+def _spread_figures(figures: PlanFigures, workers, expert_bytes: int) -> PlanFigures:
+    """`figures` with the per-GPU shard/byte minimum and mean recomputed over `workers`."""
+    per_gpu = [len(g.shards) for w in workers for g in w.gpus]
+    mean = sum(per_gpu) / len(per_gpu)
+    return figures.model_copy(update={"shards_per_gpu_min": min(per_gpu), "shards_per_gpu_mean": mean,
+                                      "bytes_per_gpu_min": min(per_gpu) * expert_bytes,
+                                      "bytes_per_gpu_mean": mean * expert_bytes})
+
+
+def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Iterable[int],
+                  loads=None) -> PlacementPlan:
+    """Re-plan onto the expert pods that are not `lost`, moving as little as possible.
+
+    The planner numbers pods 0..P-1 and drops shards of pods past the end, so the lost pods are renumbered to
+    the end of a copy of `plan`, the survivors planned as P' = P - len(lost) pods (everything they hold stays),
+    and the result numbered back: a plan for all P ordinals in which the lost ones hold nothing (the router
+    sends them no tokens; a pod that comes back loads an empty shard until the next re-plan).
+    Raises `PlanError` when the survivors cannot hold the model."""
+    P, G = plan.cluster.pods, plan.cluster.gpus_per_pod
+    lost = sorted({int(o) for o in lost if 0 <= int(o) < P})
+    survivors = [o for o in range(P) if o not in lost]
+    if not lost:  # everyone is back: the balanced choice of plan_for (a returning pod would otherwise stay empty)
+        return plan_for(spec, cfg, previous=plan, loads=loads, reuse=False)
+    if not survivors:
+        raise PlanError(f"all {P} expert workers are lost: no pod left to plan onto")
+    order = survivors + lost  # new index i ← old ordinal order[i]
+    permuted = _with_workers(plan, [plan.workers[o].gpus for o in order], plan.figures)
+    shape = ClusterShape(pods=len(survivors), gpus_per_pod=G, gpu_memory_bytes=plan.cluster.gpu_memory_bytes,
+                         reserve_bytes=plan.cluster.reserve_bytes)
+    compact = plan_placement(cfg, shape, redundant_slots=spec.expert_workers.redundant_experts, loads=loads,
+                             previous=permuted)
+    empty = tuple(GpuPlacement(gpu=g, shards=(), bytes=0) for g in range(G))
+    gpus = [empty] * P
+    for i, o in enumerate(survivors):
+        gpus[o] = compact.workers[i].gpus
+    # the planner's note about shards "on pods that no longer exist" means the lost pods here: say so instead
+    notes = tuple(n for n in compact.notes if "no longer exist" not in n) + (
+        f"expert workers {lost} lost: planned onto the {len(survivors)} survivors {survivors}; the lost "
+        f"ordinals hold no experts",)
+    staged = _with_workers(plan, gpus, compact.figures, notes=notes)
+    figures = _spread_figures(compact.figures, staged.workers, plan.expert_bytes).model_copy(
+        update={"moved_shards": moved_shards(plan, staged), "previous_hash": plan.plan_hash()})
+    return _with_workers(plan, gpus, figures, notes=notes)
+
+
+def _with_workers(plan: PlacementPlan, gpus_by_ordinal, figures: PlanFigures, notes=None) -> PlacementPlan:
+    """A validated copy of `plan` with other per-ordinal GPU placements (and figures/notes)."""
+    return PlacementPlan(
+        model_name=plan.model_name, moe_layers=plan.moe_layers, n_experts=plan.n_experts, top_k=plan.top_k,
+        expert_bytes=plan.expert_bytes, cluster=plan.cluster,
+        workers=tuple(WorkerPlacement(ordinal=o, gpus=tuple(g)) for o, g in enumerate(gpus_by_ordinal)),
+        figures=figures, notes=plan.notes if notes is None else tuple(notes))
+
+
+def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: Optional[int] = None,
+                     observed_imbalance: Optional[float] = None) -> dict[str, Any]:
+    """`status.placement` (camelCase) from a plan's figures."""
+    f = plan.figures
+    out = {
+        "logicalExperts": f.logical_experts,
+        "physicalExperts": f.physical_experts,
+        "imbalance": round(f.imbalance, 4),
+        "bytesPerGpu": f.bytes_per_gpu_max,
+        "planHash": plan.plan_hash(),
+        "movedShards": int(moved if moved is not None else (f.moved_shards or 0)),
+        "lostWorkers": sorted({int(w) for w in lost_workers}),
+    }
+    if observed_imbalance is not None:
+        out["observedImbalance"] = round(float(observed_imbalance), 4)
+    return out
+
+
+def summarize_plan(plan: PlacementPlan) -> str:
+    """One line for the PlacementReady condition's message."""
+    f, c = plan.figures, plan.cluster
+    text = (f"{f.physical_experts} physical experts for {f.logical_experts} logical over {c.pods} expert pods x "
+            f"{c.gpus_per_pod} devices ({f.bytes_per_gpu_max / GIB:.3g} GiB max per device); expected imbalance "
+            f"{f.imbalance:.3f}")
+    if f.moved_shards is not None:
+        text += f"; {f.moved_shards} shards moved"
+    if plan.notes:
+        text += "; " + "; ".join(plan.notes)
+    return text
+
+
+# ------------------------------------------------------------------------------------------------ children
+def _env(spec: MoEDeploymentSpec, service: str, name: str) -> list[dict]:
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    t = spec.telemetry
+    if t.otlp_endpoint:
+        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
+                {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
+                {"name": "OTEL_SERVICE_NAME", "value": service},
+                {"name": "OTEL_RESOURCE_ATTRIBUTES",
+                 "value": f"service.namespace=expertmesh,expertmesh.deployment={name},"
+                          "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
+    return env
+
+
+def _resources(res, gpus: int) -> dict:
+    out = {k: dict(v) for k, v in (("limits", res.limits), ("requests", res.requests)) if v}
+    if gpus:  # GPUs are requested through limits (extended resources: requests default to limits)
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    return out
+
+
+def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    vols = [{"name": "plan", "configMap": {"name": plan_configmap_name(name)}}]
+    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
+    pvc = spec.model.checkpoint.pvc
+    if pvc is not None:
+        vols.append({"name": "checkpoint",
+                     "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}})
+        mounts.append({"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT, "readOnly": pvc.read_only})
+    return vols, mounts
+
+
+def _grpc_probes(port: int) -> dict:
+    return {
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10,
+                         "failureThreshold": STARTUP_SECONDS // 10},
+        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3,
+                          "timeoutSeconds": 5},
+    }
+
+
+def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict,
+              spread: bool = False) -> dict:
+    vols, mounts = _volumes(name, spec)
+    container = {"image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy, "volumeMounts": mounts,
+                 **container}
+    pod: dict[str, Any] = {"containers": [container], "volumes": vols,
+                           "terminationGracePeriodSeconds": 60, "enableServiceLinks": False}
+    sch = spec.scheduling
+    if sch.node_selector:
+        pod["nodeSelector"] = dict(sch.node_selector)
+    if sch.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sch.tolerations]
+    if spread and sch.topology_spread_key:
+        pod["topologySpreadConstraints"] = [{
+            "maxSkew": 1, "topologyKey": sch.topology_spread_key, "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(name, component)}}]
+    return pod
+
+
+def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
+    """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
+    (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
+    fixed = ["expertmesh", "worker", "--role", "expert", "--plan", PLAN_PATH,
+             "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
+    return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
+
+
+def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
+    max_context = spec.kv.max_context or cfg.max_context
+    kv_blocks = math.ceil(max_context / spec.kv.block_size)
+    return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
+            "--port", str(WORKER_PORT), "--name", "$(POD_NAME)",
+            "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size)]
+
+
+def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]:
+    att, exp = worker_addresses(name, namespace, spec)
+    return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
+            "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
+            "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port)]
+
+
+def _meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, **extra) -> dict:
+    return {"name": name, "namespace": namespace, "labels": labels(extra.pop("instance"), component, spec), **extra}
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _stamped(workload: dict) -> dict:
+    """Annotate a workload's pod template with the hash of the template itself: a pod carrying the current
+    hash runs the current spec and plan (pods of an older template are still rolling)."""
+    tmpl = workload["spec"]["template"]
+    tmpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = _hash(tmpl)
+    return workload
+
+
+def template_hashes(children: list[dict]) -> dict[str, str]:
+    """component → the pod-template hash of its workload among `children`."""
+    return {c["metadata"]["labels"][LABEL_COMPONENT]: c["spec"]["template"]["metadata"]["annotations"][
+        TEMPLATE_HASH_ANNOTATION] for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+
+
+def revision(children: list[dict]) -> str:
+    """A hash of every child's desired state (`status.revision`): it changes whenever reconciling changes
+    anything, so a rollout can be told from a loss."""
+    return _hash(children)
+
+
+def plan_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {**_meta(plan_configmap_name(name), namespace, "plan", spec, instance=name),
+                     "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+        "data": {"plan.json": plan.to_json(), "config.json": cfg.model_dump_json(indent=1)},
+    }
+
+
+def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: str, component: str) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(svc, namespace, component, spec, instance=name),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,  # router resolves pods while they load
+                 "selector": selector_labels(name, component),
+                 "ports": [{"name": "grpc", "port": WORKER_PORT, "targetPort": WORKER_PORT, "protocol": "TCP"}]},
+    }
+
+
+def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg) -> dict:
+    aw = spec.attention_workers
+    container = {"name": "attention", "command": ["expertmesh"], "args": attention_worker_args(spec, cfg),
+                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT}],
+                 "env": _env(spec, "expertmesh-attention", name),
+                 "resources": _resources(aw.resources, aw.gpus_per_pod), **_grpc_probes(WORKER_PORT)}
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(attention_name(name), namespace, COMPONENT_ATTENTION, spec, instance=name),
+        "spec": {
+            "serviceName": attention_name(name), "replicas": aw.replicas, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_ATTENTION)},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_ATTENTION, spec)},
+                         "spec": _pod_spec(name, COMPONENT_ATTENTION, spec, container, spread=True)},
+        },
+    })
+
+
+def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
+    ew = spec.expert_workers
+    container = {"name": "expert", "command": expert_worker_command(spec),
+                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT}],
+                 "env": _env(spec, "expertmesh-expert", name),
+                 "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes(WORKER_PORT)}
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name,
+                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
+        "spec": {
+            "serviceName": expert_name(name), "replicas": ew.replicas, "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_EXPERT, spec),
+                                      "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+                         "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True)},
+        },
+    })
+
+
+def expert_pdb(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name),
+        # one at a time: a drained expert pod is re-planned around before the next may go
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)}},
+    }
+
+
+def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
+    r = spec.router
+    env = _env(spec, "expertmesh-router", name)
+    if r.api_key_secret_ref is not None:
+        env.append({"name": "EXPERTMESH_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": r.api_key_secret_ref.name, "key": r.api_key_secret_ref.key}}})
+    container = {
+        "name": "router", "command": ["expertmesh"], "args": router_args(name, namespace, spec),
+        "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
+        "env": env, "resources": _resources(r.resources, 0),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 20,
+                          "failureThreshold": 3, "timeoutSeconds": 5},
+    }
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name,
+                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec),
+                                      # the router routes by the plan: a new plan rolls it too
+                                      "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+                         "spec": _pod_spec(name, COMPONENT_ROUTER, spec, container)},
+        },
+    })
+
+
+def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
+    r = spec.router
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name, COMPONENT_ROUTER),
+                 "ports": [{"name": "http", "port": r.http_port, "targetPort": r.http_port, "protocol": "TCP"},
+                           {"name": "grpc", "port": r.grpc_port, "targetPort": r.grpc_port, "protocol": "TCP"}]},
+    }
+
+
+def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> list[dict]:
+    """Every child object, in apply order (the ConfigMap before the pods that mount it)."""
+    return [
+        plan_configmap(name, namespace, spec, cfg, plan),
+        headless_service(name, namespace, spec, attention_name(name), COMPONENT_ATTENTION),
+        headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
+        attention_statefulset(name, namespace, spec, cfg),
+        expert_statefulset(name, namespace, spec, plan),
+        expert_pdb(name, namespace, spec),
+        router_deployment(name, namespace, spec, plan),
+        router_service(name, namespace, spec),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ conditions
+def now_rfc3339(now: Optional[_dt.datetime] = None) -> str:
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return now.astimezone(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+_CONDITION_ORDER = {"PlacementReady": 0, "WorkersReady": 1, "RouterReady": 2, "Degraded": 3}
+
+
+def set_condition(conditions: Optional[list[dict]], type_: str, status: str, reason: str, message: str = "",
+                  generation: Optional[int] = None, now: Optional[str] = None) -> list[dict]:
+    """A new condition list with `type_` set; its `lastTransitionTime` is kept unless `status` flips."""
+    now = now or now_rfc3339()
+    out, found = [], False
+    for c in conditions or []:
+        c = dict(c)
+        if c.get("type") == type_:
+            found = True
+            keep = c.get("status") == status and c.get("lastTransitionTime")
+            c = {"type": type_, "status": status, "reason": reason, "message": message,
+                 "lastTransitionTime": c["lastTransitionTime"] if keep else now, "observedGeneration": generation}
+        out.append(c)
+    if not found:
+        out.append({"type": type_, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": now, "observedGeneration": generation})
+    return sorted(out, key=lambda c: _CONDITION_ORDER.get(c.get("type"), 99))
+
+
+def condition(status: dict, type_: str) -> Optional[dict]:
+    return next((c for c in (status or {}).get("conditions", []) or [] if c.get("type") == type_), None)
+
+
+def failed_status(status: Optional[dict], message: str, generation: Optional[int], reason: str,
+                  now: Optional[str] = None) -> dict:
+    """Status for a spec that cannot be deployed as written (a bad field, a cluster too small for the model)."""
+    conds = (status or {}).get("conditions", []) or []
+    conds = set_condition(conds, "PlacementReady", "False", reason, message, generation, now)
+    for t in ("WorkersReady", "RouterReady"):
+        conds = set_condition(conds, t, "Unknown", reason, "not deployed: fix the spec", generation, now)
+    conds = set_condition(conds, "Degraded", "False", reason, "", generation, now)
+    return {"phase": "Failed", "message": message, "conditions": conds, "observedGeneration": generation}
+
+
+# ------------------------------------------------------------------------------------------------ pods
+@dataclass(frozen=True)
+class PodInfo:
+    """What the operator needs of one of its pods."""
+    name: str
+    component: str
+    ordinal: Optional[int]  # StatefulSet ordinal (None for router pods)
+    ready: bool
+    template_hash: Optional[str]  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
+    deleting: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.ready and not self.deleting
+
+
+def pod_info(body: dict) -> Optional[PodInfo]:
+    """A PodInfo from a pod object; None when the pod is not one of ours."""
+    meta = body.get("metadata") or {}
+    lab = meta.get("labels") or {}
+    component = lab.get(LABEL_COMPONENT)
+    if component not in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT) or LABEL_INSTANCE not in lab:
+        return None
+    name = meta.get("name", "")
+    ordinal = None
+    if component != COMPONENT_ROUTER:
+        tail = name.rsplit("-", 1)[-1]
+        ordinal = int(tail) if tail.isdigit() else None
+    st = body.get("status") or {}
+    ready = st.get("phase", "Running") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+    return PodInfo(name=name, component=component, ordinal=ordinal, ready=ready,
+                   template_hash=(meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
+                   deleting=bool(meta.get("deletionTimestamp")))
+
+
+@dataclass
+class Assessment:
+    """The pods as observed against the plan in force."""
+    ready: dict[str, int]            # component → live pods (experts: plan-holding ordinals on the current plan)
+    desired: dict[str, int]
+    lost_experts: list[int]          # plan-holding expert ordinals without a live pod on the current plan
+    unserved: list[tuple[int, int]]  # (layer, expert) left without a live replica
+    live_expert_ordinals: set[int]   # ordinals with a live expert pod, on any plan
+
+    @property
+    def rolled_out(self) -> bool:
+        """Every pod the plan needs is live (and the experts are on the current plan)."""
+        return not self.lost_experts and all(self.ready[c] >= self.desired[c]
+                                             for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION))
+
+    @property
+    def ready_workers(self) -> int:
+        return self.ready[COMPONENT_ATTENTION] + self.ready[COMPONENT_EXPERT]
+
+    @property
+    def desired_workers(self) -> int:
+        return self.desired[COMPONENT_ATTENTION] + self.desired[COMPONENT_EXPERT]
+
+
+def plan_ordinals(plan: PlacementPlan) -> list[int]:
+    """Expert ordinals that hold at least one shard."""
+    return [w.ordinal for w in plan.workers if any(g.shards for g in w.gpus)]
+
+
+def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
+           templates: dict[str, str]) -> Assessment:
+    """Count live pods of the current templates (`templates`: component → template hash, see
+    `template_hashes`); find the plan-holding expert pods that are not live on the current template and the
+    experts they leave without a live replica."""
+    pods = list(pods)
+    desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: spec.attention_workers.replicas,
+               COMPONENT_EXPERT: plan.cluster.pods}
+
+    def live(component: str, current: bool = True) -> set:
+        return {p.ordinal if component != COMPONENT_ROUTER else p.name for p in pods
+                if p.component == component and p.live
+                and (not current or p.template_hash == templates.get(component))
+                and (component == COMPONENT_ROUTER or (p.ordinal is not None and p.ordinal < desired[component]))}
+
+    live_exp = live(COMPONENT_EXPERT)
+    holding = plan_ordinals(plan)
+    lost = [o for o in holding if o not in live_exp]
+    unserved = sorted({(layer, e) for o in lost for layer, e in plan.experts_of(o)
+                       if not any(r in live_exp for r in plan.replicas(layer, e))})
+    ready = {COMPONENT_ROUTER: len(live(COMPONENT_ROUTER)), COMPONENT_ATTENTION: len(live(COMPONENT_ATTENTION)),
+             COMPONENT_EXPERT: len([o for o in holding if o in live_exp])}
+    desired[COMPONENT_EXPERT] = len(holding)
+    return Assessment(ready=ready, desired=desired, lost_experts=lost, unserved=unserved,
+                      live_expert_ordinals=live(COMPONENT_EXPERT, current=False))
+
+
+@dataclass
+class Decision:
+    """What the observed pods call for: the status to merge in, and whether to re-plan.
+    `replan_excluding` None: keep the plan; a list: re-plan around these expert ordinals ([] = onto all)."""
+    status: dict
+    replan_excluding: Optional[list[int]] = None
+
+
+def counts_status(a: Assessment, spec: MoEDeploymentSpec, name: str) -> dict:
+    return {
+        "readyWorkers": a.ready_workers, "desiredWorkers": a.desired_workers,
+        "expertWorkers": {"replicas": spec.expert_workers.replicas, "ready": a.ready[COMPONENT_EXPERT],
+                          "selector": selector_string(selector_labels(name, COMPONENT_EXPERT))},
+        "attentionWorkers": {"ready": a.ready[COMPONENT_ATTENTION], "desired": a.desired[COMPONENT_ATTENTION]},
+        "router": {"ready": a.ready[COMPONENT_ROUTER], "desired": a.desired[COMPONENT_ROUTER]},
+    }
+
+
+def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict, a: Assessment,
+           generation: Optional[int], now: Optional[str] = None) -> Decision:
+    """The phase state machine over observed pods.
+
+    Deploying — until every pod the plan needs is live on the current plan (pods starting or rolling are
+      expected, never a reason to re-plan);
+    Ready — everything live; Degraded (ReplannedOntoSurvivors) when the plan routes around lost pods;
+    after Ready/Degraded, a pod the plan needs that is not live → Degraded:
+      its experts all have live replicas elsewhere → reason ReplicasServing (nothing moves);
+      some expert has no live replica → reason ExpertsUnavailable and a re-plan onto the survivors;
+      — but only once the pods have been lost for `placement.replanGraceSeconds` (`status.lostSince` records
+      since when; a restarting pod usually comes back, and a re-plan restarts every expert pod);
+    lost pods all live again → re-plan onto every pod (they rejoin).
+    A Failed resource is left alone (only a spec change gets it out)."""
+    phase = status.get("phase")
+    if phase == "Failed":
+        return Decision(status={})
+    now = now or now_rfc3339()
+    conds = status.get("conditions", []) or []
+    since: dict[int, str] = {}
+    lost_before = sorted((status.get("placement") or {}).get("lostWorkers", []) or [])
+    r_ok = a.ready[COMPONENT_ROUTER] >= a.desired[COMPONENT_ROUTER]
+    conds = set_condition(conds, "RouterReady", "True" if r_ok else "False",
+                          "RouterAvailable" if r_ok else "RouterUnavailable",
+                          f"{a.ready[COMPONENT_ROUTER]}/{a.desired[COMPONENT_ROUTER]} router pods ready",
+                          generation, now)
+    w_ok = not a.lost_experts and a.ready[COMPONENT_ATTENTION] >= a.desired[COMPONENT_ATTENTION]
+    w_msg = (f"{a.ready[COMPONENT_EXPERT]}/{a.desired[COMPONENT_EXPERT]} expert and "
+             f"{a.ready[COMPONENT_ATTENTION]}/{a.desired[COMPONENT_ATTENTION]} attention workers ready")
+    replan: Optional[list[int]] = None
+    if a.rolled_out:
+        conds = set_condition(conds, "WorkersReady", "True", "AllWorkersReady", w_msg, generation, now)
+        if lost_before:
+            new_phase = "Degraded"
+            message = f"the plan routes around lost expert workers {lost_before}"
+            conds = set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors", message, generation, now)
+            if all(o in a.live_expert_ordinals for o in lost_before):
+                replan, message = [], f"expert workers {lost_before} are back: re-planning onto every pod"
+        else:
+            new_phase, message = "Ready", ""
+            conds = set_condition(conds, "Degraded", "False", "AllReplicasServing", "", generation, now)
+    elif phase in ("Ready", "Degraded"):
+        new_phase = "Degraded"
+        conds = set_condition(conds, "WorkersReady", "True" if w_ok else "False",
+                              "AllWorkersReady" if w_ok else "WorkersLost", w_msg, generation, now)
+        before = {int(x["ordinal"]): x["since"] for x in status.get("lostSince") or []}
+        since = {o: before.get(o, now) for o in a.lost_experts}
+        if a.unserved:
+            layer, e = a.unserved[0]
+            reason = "ExpertsUnavailable"
+            newest = max(_parse_time(t) for t in since.values())
+            due = newest + _dt.timedelta(seconds=spec.placement.replan_grace_seconds)
+            message = (f"expert workers {a.lost_experts} lost; {len(a.unserved)} experts have no live replica "
+                       f"(e.g. layer {layer} expert {e}): ")
+            if _parse_time(now) >= due:
+                message += "re-planning onto the surviving workers"
+                replan = sorted(set(lost_before) | set(a.lost_experts))
+            else:
+                message += f"re-planning onto the surviving workers at {now_rfc3339(due)} unless they come back"
+        elif a.lost_experts:
+            reason = "ReplicasServing"
+            message = (f"expert workers {a.lost_experts} lost; every expert they held is served by a replica on "
+                       f"another worker")
+        elif not w_ok:
+            reason, message = "AttentionWorkersUnavailable", w_msg
+        else:
+            reason, message = "RouterUnavailable", "router pods are not ready"
+        conds = set_condition(conds, "Degraded", "True", reason, message, generation, now)
+    else:
+        new_phase = "Deploying"
+        message = f"rolling out revision {status.get('revision') or '?'} (plan {plan.plan_hash()}): {w_msg}"
+        conds = set_condition(conds, "WorkersReady", "False", "PodsStarting", w_msg, generation, now)
+        if lost_before:
+            conds = set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
+                                  f"the plan routes around lost expert workers {lost_before}", generation, now)
+        else:
+            conds = set_condition(conds, "Degraded", "False", "AllReplicasServing", "", generation, now)
+    out = {"phase": new_phase, "conditions": conds, "message": message or None,
+           "lostSince": [{"ordinal": o, "since": since[o]} for o in sorted(since)], **counts_status(a, spec, name)}
+    return Decision(status=out, replan_excluding=replan)
+
+
+def _parse_time(text: str) -> _dt.datetime:
+    return _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+# ------------------------------------------------------------------------------------------------ load
+def parse_load(payload: dict, cfg) -> np.ndarray:
+    """The router's `/v1/load` body — {"moe_layers": [...], "tokens": {layer: [count per expert]}} — as
+    float64 [n_moe_layers, E] in `cfg.moe_layers` order (layers it does not report count 0).
+    Raises ValueError naming what is malformed."""
+    tokens = payload.get("tokens") if isinstance(payload, dict) else None
+    if not isinstance(tokens, dict):
+        raise ValueError(f"load: expected an object with 'tokens' {{layer: [counts]}}, got {str(payload)[:80]!r}")
+    E = cfg.moe.n_routed_experts
+    out = np.zeros((cfg.n_moe_layers, E), dtype=np.float64)
+    for i, layer in enumerate(cfg.moe_layers):
+        row = tokens.get(str(layer), tokens.get(layer))
+        if row is None:
+            continue
+        arr = np.asarray(row, dtype=np.float64)
+        if arr.shape != (E,) or not np.isfinite(arr).all() or (arr < 0).any():
+            raise ValueError(f"load: tokens[{layer}] must be {E} finite counts >= 0, got {str(row)[:80]}")
+        out[i] = arr
+    return out
+
+
+@dataclass
+class Rebalance:
+    """The timer's verdict on observed load: `plan` is the new plan (None: keep the current one)."""
+    observed: float                    # imbalance of the current plan under the observed load
+    plan: Optional[PlacementPlan] = None
+    expected: Optional[float] = None   # imbalance of the new plan under the same load
+    moved: int = 0
+    reason: str = ""
+
+
+def rebalance(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, loads: np.ndarray) -> Rebalance:
+    """Re-plan when the observed imbalance (the planner's max/mean per-GPU load, averaged over layers) exceeds
+    `placement.imbalanceThreshold`. Tries the minimal-movement plan first (previous shards stay); if that does
+    not get under the threshold, a fresh plan, taken only when it is better still."""
+    threshold = spec.placement.imbalance_threshold
+    if not np.asarray(loads).sum() > 0:
+        return Rebalance(observed=1.0, reason="no load observed yet")
+    current = imbalance(plan, loads).mean
+    if current <= threshold:
+        return Rebalance(observed=current, reason=f"imbalance {current:.3f} <= threshold {threshold}")
+    shape = plan.cluster
+    if shape.pods != spec.expert_workers.replicas:
+        return Rebalance(observed=current, reason="the plan's pod count differs from the spec: left to reconcile")
+    r = spec.expert_workers.redundant_experts
+    best = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=plan)
+    if imbalance(best, loads).mean > threshold:
+        best = choose(best, plan_placement(cfg, shape, redundant_slots=r, loads=loads), threshold, loads)
+    best_imb = imbalance(best, loads).mean
+    if best_imb >= current or best.plan_hash() == plan.plan_hash():
+        return Rebalance(observed=current, reason=f"imbalance {current:.3f} > threshold {threshold}, "
+                                                  f"but no plan does better")
+    return Rebalance(observed=current, plan=best, expected=best_imb, moved=moved_shards(plan, best),
+                     reason=f"imbalance {current:.3f} > threshold {threshold}: re-planned to {best_imb:.3f}")

@@ -1,0 +1,318 @@
+"""The `MoEDeployment` custom resource (group `expertmesh.dev`, version `v1alpha1`) as pydantic models.
+
+These models are the single source of truth: the CRD's OpenAPI schema is generated from them
+(`expertmesh.operator.crd`), the operator validates every spec with them, and the status it writes is
+built from them. Field names are camelCase in YAML (aliases) and snake_case in Python.
+
+    apiVersion: expertmesh.dev/v1alpha1
+    kind: MoEDeployment
+    metadata: {name: kimi}
+    spec:
+      model:
+        preset: full-2.8t                      # or `config: {...}` (an inline ModelConfig)
+        checkpoint: {pvc: {claimName: weights, path: /full}, format: expertmesh-mxfp4}
+      expertWorkers: {replicas: 16, gpusPerPod: 8, gpuMemoryGiB: 141, reserveGiB: 24, redundantExperts: 32}
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "expertmesh.dev"
+VERSION = "v1alpha1"
+KIND = "MoEDeployment"
+PLURAL = "moedeployments"
+SINGULAR = "moedeployment"
+SHORT_NAMES = ("moe",)
+API_VERSION = f"{GROUP}/{VERSION}"
+
+GIB = 2 ** 30
+PRESETS = ("tiny", "small", "full-2.8t")
+PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
+CONDITION_TYPES = ("PlacementReady", "WorkersReady", "RouterReady", "Degraded")
+
+# Applied to nested objects with all-default fields so the API server fills their defaults in even when the
+# user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
+_DEFAULT_EMPTY = {"default": {}}
+
+
+class _Spec(BaseModel):
+    """camelCase in YAML, unknown fields rejected (a typo is an error, not silently ignored)."""
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+IntOrString = Union[int, str]  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
+
+
+class Resources(_Spec):
+    """Container resources (the `resources` of a Kubernetes container, without `claims`)."""
+    limits: dict[str, IntOrString] = Field(default_factory=dict)
+    requests: dict[str, IntOrString] = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------ model
+class PVCSource(_Spec):
+    claim_name: str = Field(min_length=1, description="PersistentVolumeClaim holding the checkpoint")
+    path: str = Field("/", description="checkpoint directory inside the volume")
+    read_only: bool = True
+
+
+class CheckpointSource(_Spec):
+    """Where the checkpoint lives: a PVC mounted into every pod, or a URI the worker resolves itself."""
+    pvc: Optional[PVCSource] = None
+    uri: Optional[str] = Field(None, min_length=1, description="e.g. s3://bucket/prefix or a path baked into the image")
+    format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CheckpointSource":
+        if (self.pvc is None) == (self.uri is None):
+            raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
+        return self
+
+
+class ModelSpec(_Spec):
+    preset: Optional[Literal["tiny", "small", "full-2.8t"]] = Field(
+        None, description="a built-in model preset; exclusive with config")
+    config: Optional[dict[str, Any]] = Field(
+        None, description="an inline ModelConfig (as in a checkpoint's config.json); exclusive with preset")
+    checkpoint: CheckpointSource
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "ModelSpec":
+        if (self.preset is None) == (self.config is None):
+            raise ValueError("set exactly one of model.preset and model.config")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class RouterSpec(_Spec):
+    replicas: int = Field(1, ge=1)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(50051, ge=1, le=65535)
+    api_key_secret_ref: Optional[SecretKeyRef] = Field(
+        None, description="Secret key holding the API key clients must present")
+
+    @model_validator(mode="after")
+    def _ports(self) -> "RouterSpec":
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"router.httpPort and router.grpcPort must differ (both {self.http_port})")
+        return self
+
+
+class AttentionWorkersSpec(_Spec):
+    replicas: int = Field(1, ge=1)
+    gpus_per_pod: int = Field(1, ge=0, description="0 runs on CPU (tiny/small presets)")
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+
+
+class ExpertWorkersSpec(_Spec):
+    replicas: int = Field(2, ge=1, description="expert worker pods (StatefulSet ordinals 0..replicas-1)")
+    gpus_per_pod: int = Field(1, ge=0, description="0 runs on CPU; planned as one device per pod")
+    gpu_memory_gib: float = Field(80.0, gt=0, alias="gpuMemoryGiB", description="memory of one device, GiB")
+    reserve_gib: float = Field(8.0, ge=0, alias="reserveGiB",
+                               description="per-device memory kept free for activations and buffers, GiB")
+    redundant_experts: int = Field(0, ge=0, description="extra physical replicas of hot experts, per MoE layer")
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+
+    @model_validator(mode="after")
+    def _reserve(self) -> "ExpertWorkersSpec":
+        if self.reserve_gib >= self.gpu_memory_gib:
+            raise ValueError(f"expertWorkers.reserveGiB={self.reserve_gib} must be below "
+                             f"expertWorkers.gpuMemoryGiB={self.gpu_memory_gib}")
+        return self
+
+    @property
+    def devices_per_pod(self) -> int:
+        return max(1, self.gpus_per_pod)
+
+
+class PlacementSpec(_Spec):
+    strategy: Literal["eplb"] = "eplb"
+    rebalance_interval_seconds: int = Field(300, ge=1, description="how often the router's expert load is read")
+    imbalance_threshold: float = Field(1.25, ge=1.0,
+                                       description="re-plan when max/mean GPU load under observed traffic exceeds this")
+    replan_grace_seconds: int = Field(120, ge=0, description="how long expert pods may be lost before their "
+                                                             "experts are re-planned onto the survivors")
+
+
+class KVSpec(_Spec):
+    max_context: Optional[int] = Field(None, ge=1, description="tokens; default: the model's max_context")
+    block_size: int = Field(16, ge=1, description="tokens per KV page")
+
+
+class ThinkingSpec(_Spec):
+    """Reasoning-token limits per thinking tier; overrides the model's defaults."""
+    low: int = Field(gt=0)
+    high: int = Field(gt=0)
+    max: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "ThinkingSpec":
+        if not self.low <= self.high <= self.max:
+            raise ValueError(f"thinking limits must satisfy low <= high <= max, got "
+                             f"low={self.low} high={self.high} max={self.max}")
+        return self
+
+
+class TelemetrySpec(_Spec):
+    otlp_endpoint: Optional[str] = Field(None, min_length=1, description="e.g. http://otel-collector:4317")
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+
+
+class ImageSpec(_Spec):
+    repository: str = Field("ghcr.io/expertmesh/expertmesh", min_length=1)
+    tag: str = Field("0.1.0", min_length=1)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+
+class Toleration(_Spec):
+    key: Optional[str] = None
+    operator: Optional[Literal["Exists", "Equal"]] = None
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class SchedulingSpec(_Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    topology_spread_key: Optional[str] = Field(
+        None, min_length=1, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
+
+
+class MoEDeploymentSpec(_Spec):
+    model: ModelSpec
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
+    attention_workers: AttentionWorkersSpec = Field(default_factory=AttentionWorkersSpec,
+                                                    json_schema_extra=_DEFAULT_EMPTY)
+    expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=_DEFAULT_EMPTY)
+    kv: KVSpec = Field(default_factory=KVSpec, json_schema_extra=_DEFAULT_EMPTY)
+    thinking: Optional[ThinkingSpec] = None
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=_DEFAULT_EMPTY)
+    image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=_DEFAULT_EMPTY)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
+
+    def to_yaml_dict(self) -> dict:
+        """The spec as it reads in YAML: camelCase, unset optionals left out."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# ------------------------------------------------------------------------------------------------ status
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    type: Literal["PlacementReady", "WorkersReady", "RouterReady", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(description="CamelCase, machine-readable")
+    message: str = ""
+    last_transition_time: str = Field(description="RFC 3339; changes only when status flips")
+    observed_generation: Optional[int] = None
+
+
+class PlacementStatus(_Status):
+    logical_experts: int
+    physical_experts: int
+    imbalance: float = Field(description="expected max/mean per-GPU load under the loads the plan was made with")
+    bytes_per_gpu: int = Field(description="the largest per-GPU expert bytes of the plan")
+    plan_hash: str
+    moved_shards: int = 0
+    lost_workers: list[int] = Field(default_factory=list, description="expert ordinals the plan routes around")
+    observed_imbalance: Optional[float] = Field(None, description="imbalance of the plan under the router's "
+                                                                  "last observed load")
+
+
+class ScaleStatus(_Status):
+    """The expert StatefulSet as the scale subresource reports it."""
+    replicas: int = Field(description="desired expert worker pods")
+    ready: int
+    selector: str = Field(description="label selector of the expert pods (for autoscalers)")
+
+
+class WorkerCounts(_Status):
+    ready: int
+    desired: int
+
+
+class LostWorker(_Status):
+    ordinal: int
+    since: str = Field(description="RFC 3339: when the operator first saw this expert pod lost")
+
+
+class Endpoints(_Status):
+    http: str
+    grpc: str
+
+
+class MoEDeploymentStatus(_Status):
+    phase: Optional[Literal["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]] = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: Optional[int] = None
+    revision: Optional[str] = Field(None, description="hash of the children last applied (changes roll pods)")
+    placement: Optional[PlacementStatus] = None
+    ready_workers: Optional[int] = None
+    desired_workers: Optional[int] = None
+    expert_workers: Optional[ScaleStatus] = None
+    attention_workers: Optional[WorkerCounts] = None
+    router: Optional[WorkerCounts] = None
+    endpoints: Optional[Endpoints] = None
+    lost_since: list[LostWorker] = Field(default_factory=list)
+    last_rebalance_time: Optional[str] = None
+    message: Optional[str] = Field(None, description="why the phase is what it is, when not Ready")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+class SpecError(ValueError):
+    """A spec that cannot be deployed as written; the message names the field(s)."""
+
+
+def format_validation_error(err: ValidationError, root: str = "spec") -> str:
+    """One line per problem, each naming the camelCase field path: `spec.expertWorkers.replicas: ...`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join([root, *(str(p) for p in e["loc"])])
+        msg = e["msg"].removeprefix("Value error, ")
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and \
+            not isinstance(e.get("input"), dict) else ""
+        lines.append(f"{loc}: {msg}{got}")
+    return "; ".join(lines)
+
+
+def parse_spec(spec: dict) -> MoEDeploymentSpec:
+    """Validate a resource's `.spec` (a plain dict, camelCase). Raises SpecError naming the bad fields."""
+    try:
+        return MoEDeploymentSpec.model_validate(dict(spec or {}))
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e)) from None
+
+
+def resolve_model(spec: MoEDeploymentSpec):
+    """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked."""
+    from expertmesh.config import ModelConfig, preset
+    if spec.model.preset is not None:
+        cfg = preset(spec.model.preset)
+    else:
+        try:
+            cfg = ModelConfig.model_validate(spec.model.config)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e, root="spec.model.config")) from None
+    if spec.kv.max_context is not None and spec.kv.max_context > cfg.max_context:
+        raise SpecError(f"spec.kv.maxContext={spec.kv.max_context} exceeds the model's max_context={cfg.max_context}")
+    if spec.thinking is not None:
+        from expertmesh.config import ThinkingBudgets
+        cfg = cfg.model_copy(update={"thinking": ThinkingBudgets(**spec.thinking.model_dump())})
+    return cfg

@@ -1,0 +1,526 @@
+"""The operator running for real (Kopf's reactor, watches, handlers) against kmock's in-memory Kubernetes API.
+
+Wiring (reusable for an e2e test):
+  - `Emulator` = `kmock.KubernetesEmulator` + the API-server behaviour Kopf relies on (uid, resourceVersion,
+    generation, 422 on a failed JSON-patch test, watches that start after the listed resourceVersion);
+    bundled builtin resources + our CRD's resource entry; served over HTTP by `kmock.Server`;
+  - the operator = `kopf.operator(registry=build_registry(login=<ConnectionInfo to the emulator>),
+    memo=kopf.Memo(deps=Deps(kube=Kube.for_url(url), fetch_load=<stub>)), standalone=True, clusterwide=True)`
+    as a task in the test's event loop (the handlers' blocking API calls run in threads, so the loop stays free);
+  - the test plays the cluster's controllers: it creates the pods the StatefulSets/Deployment would create
+    (labels and plan-hash annotation from their templates) and marks them Ready / deletes them.
+Only the router's HTTP load endpoint is stubbed (`fetch_load`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import threading
+import uuid
+
+import kmock
+import kopf
+import numpy as np
+import pytest
+from kmock._internal import enums
+
+from expertmesh.operator import manifests as m
+from expertmesh.operator.handlers import Deps, Kube, build_registry
+from expertmesh.operator.planner import moved_shards, zipf_loads
+from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from expertmesh.plan import PlacementPlan
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
+
+NS = "serving"
+MOE = f"{GROUP}/{VERSION}/{PLURAL}"
+TINY_EXPERT_BYTES = 3264          # one tiny expert in MXFP4
+TINY_EXPERTS = 48                 # 3 MoE layers x 16 experts
+GIB = 2 ** 30
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus what a real API server does that Kopf relies on: uid / creationTimestamp /
+    resourceVersion / generation in metadata, 422 when a JSON-patch `test` fails, list resourceVersions, and
+    watches that start after the listed resourceVersion (no stale replays). Records every write."""
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        self._rv = itertools.count(1)
+        self.last_rv = 0
+        self.writes: list[tuple[str, str]] = []
+        self.failures: dict[tuple[str, str], int] = {}  # (METHOD, path prefix) → how many calls to fail with 503
+
+    def _next_rv(self) -> str:
+        self.last_rv = next(self._rv)
+        return str(self.last_rv)
+
+    async def _handle(self, request):
+        if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
+                                                                enums.action.DELETE):
+            self.writes.append((str(request.method), request.url.path))
+            for (method, prefix), n in list(self.failures.items()):
+                if n > 0 and request.method.value == method and request.url.path.startswith(prefix):
+                    self.failures[(method, prefix)] = n - 1
+                    raise kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="etcd is sad")
+        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.setdefault("generation", 1)
+            if request.namespace:
+                meta.setdefault("namespace", request.namespace)
+            meta["resourceVersion"] = self._next_rv()
+        elif request.resource is not None and request.action == enums.action.UPDATE:
+            key = (request.resource, request.namespace, request.name)
+            obj = self.objects[key] if key in self.objects else None
+            if obj is not None and not obj.deleted:
+                meta = obj.get("metadata", {})
+                gen = meta.get("generation") or 1
+                if isinstance(request.data, list):  # JSON patch
+                    for op in request.data:
+                        if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" \
+                                and op.get("value") != meta.get("resourceVersion"):
+                            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                                        message="the object has been modified")
+                    touches_spec = request.subresource is None and any(
+                        op.get("path", "").startswith("/spec") for op in request.data)
+                    request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_rv()})
+                    if touches_spec:
+                        request.data.append({"op": "add", "path": "/metadata/generation", "value": gen + 1})
+                elif isinstance(request.data, dict):  # merge patch / apply
+                    patch_meta = dict(request.data.get("metadata") or {})
+                    patch_meta["resourceVersion"] = self._next_rv()
+                    if request.subresource is None and "spec" in request.data and \
+                            request.data["spec"] != _plain(obj.get("spec", {})):
+                        patch_meta["generation"] = gen + 1
+                    request.data["metadata"] = patch_meta
+        return await super()._handle(request)
+
+    async def _serve_list(self, request):
+        result = await super()._serve_list(request)
+        result["metadata"]["resourceVersion"] = str(self.last_rv)
+        return result
+
+    async def _serve_watch(self, request):
+        since = request.params.get("resourceVersion", "")
+        async for event in super()._serve_watch(request):
+            if since.isdigit() and isinstance(event, dict):
+                rv = str(event.get("object", {}).get("metadata", {}).get("resourceVersion", ""))
+                if rv.isdigit() and int(rv) <= int(since):
+                    continue
+            yield event
+
+
+def _plain(x):
+    return json.loads(json.dumps(x, default=dict))
+
+
+class Cluster:
+    """The emulator seen from a test: create/patch/delete objects, read them back, play the controllers."""
+
+    def __init__(self, emu: Emulator, deps: Deps):
+        self.emu, self.deps = emu, deps
+
+    def get(self, resource: str, name: str):
+        key = (kmock.resource(resource), NS, name)
+        if key not in self.emu.objects or self.emu.objects[key].deleted:
+            return None
+        return _plain(self.emu.objects[key].raw)
+
+    def moe(self, name: str):
+        return self.get(MOE, name)
+
+    def status(self, name: str) -> dict:
+        return (self.moe(name) or {}).get("status") or {}
+
+    def condition(self, name: str, type_: str) -> dict:
+        return m.condition(self.status(name), type_) or {}
+
+    def plan(self, name: str) -> PlacementPlan:
+        return PlacementPlan.from_json(self.get("v1/configmaps", m.plan_configmap_name(name))["data"]["plan.json"])
+
+    async def _ok(self, resp):
+        async with resp as r:
+            assert r.status < 300, await r.text()
+            return await r.json()
+
+    async def create_moe(self, name: str, spec: dict):
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": spec}
+        return await self._ok(self.emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=body))
+
+    async def patch_moe(self, name: str, patch: dict):
+        return await self._ok(self.emu.patch(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}",
+                                             json=patch, headers={"Content-Type": "application/merge-patch+json"}))
+
+    async def delete_moe(self, name: str):
+        return await self._ok(self.emu.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}"))
+
+    async def put_pod(self, name: str, template: dict, ready: bool = True):
+        meta = template["metadata"]
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": NS, "labels": dict(meta["labels"]),
+                             "annotations": dict(meta.get("annotations", {}))},
+                "spec": template["spec"],
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]}}
+        if self.get("v1/pods", name) is not None:
+            await self.delete_pod(name)
+        return await self._ok(self.emu.post(f"/api/v1/namespaces/{NS}/pods", json=body))
+
+    async def set_ready(self, pod: str, ready: bool):
+        return await self._ok(self.emu.patch(
+            f"/api/v1/namespaces/{NS}/pods/{pod}/status",
+            json={"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}},
+            headers={"Content-Type": "application/merge-patch+json"}))
+
+    async def delete_pod(self, pod: str):
+        return await self._ok(self.emu.delete(f"/api/v1/namespaces/{NS}/pods/{pod}"))
+
+    async def start_pods(self, name: str):
+        """What the StatefulSet / Deployment controllers and kubelets would do: every pod, Ready."""
+        for sts in (m.attention_name(name), m.expert_name(name)):
+            obj = self.get("apps/v1/statefulsets", sts)
+            for i in range(obj["spec"]["replicas"]):
+                await self.put_pod(f"{sts}-{i}", obj["spec"]["template"])
+        dep = self.get("apps/v1/deployments", m.router_name(name))
+        for i in range(dep["spec"]["replicas"]):
+            await self.put_pod(f"{m.router_name(name)}-5d8f9-{i}", dep["spec"]["template"])
+
+
+async def eventually(check, timeout: float = 10.0, what: str = ""):
+    """Poll `check()` until it returns a truthy value; fail with the last value otherwise."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except (KeyError, TypeError, IndexError) as e:
+            last = e
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}: last {last!r}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def operator(fetch_load=None, tick: float = 0.2):
+    async def no_load(url, timeout):
+        raise ConnectionError("no router in this test")
+
+    async with Emulator() as emu, kmock.Server(emu):
+        emu.resources.load_bundled()
+        emu.resources[MOE] = kmock.ResourceInfo(
+            kind=KIND, singular="moedeployment", namespaced=True, shortnames={"moe"},
+            verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
+        url = str(emu.url).rstrip("/")
+        registry = build_registry(rebalance_tick=tick,
+                                  login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True))
+        deps = Deps(kube=Kube.for_url(url), fetch_load=fetch_load or no_load, load_timeout=2.0)
+
+        @kopf.on.startup(id="fast_exit", registry=registry)
+        def _fast_exit(settings: kopf.OperatorSettings, **_):  # idle per-object workers exit quickly on stop
+            settings.queueing.idle_timeout = 0.5
+            settings.queueing.exit_timeout = 0.5
+        # Kopf in its own thread and event loop: on stop it waits for every task its loop started, and the
+        # emulator's connection tasks live in the test's loop
+        stop, ready = threading.Event(), threading.Event()
+        thread = threading.Thread(name="kopf", daemon=True, target=lambda: asyncio.run(kopf.operator(
+            registry=registry, memo=kopf.Memo(deps=deps), standalone=True, clusterwide=True,
+            stop_flag=stop, ready_flag=ready)))
+        thread.start()
+        try:
+            assert await asyncio.to_thread(ready.wait, 10), "the operator did not start"
+            yield Cluster(emu, deps)
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join, 15)
+            assert not thread.is_alive(), "the operator did not stop"
+
+
+def tiny_spec(experts: int = 2, slots_per_pod: int = 48, redundant: int = 0, interval: int = 300,
+              grace: int = 0) -> dict:
+    """tiny on CPU pods, each holding `slots_per_pod` experts (memory given in GiB, as a user would)."""
+    return {
+        "model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/tiny"}}},
+        "router": {"replicas": 1},
+        "attentionWorkers": {"replicas": 1, "gpusPerPod": 0},
+        "expertWorkers": {"replicas": experts, "gpusPerPod": 0, "reserveGiB": 0,
+                          "gpuMemoryGiB": (slots_per_pod * TINY_EXPERT_BYTES + 100) / GIB,
+                          "redundantExperts": redundant},
+        "placement": {"rebalanceIntervalSeconds": interval, "imbalanceThreshold": 1.1,
+                      "replanGraceSeconds": grace},
+    }
+
+
+async def ready_deployment(c: Cluster, name: str, spec: dict) -> dict:
+    await c.create_moe(name, spec)
+    await eventually(lambda: c.status(name).get("phase") == "Deploying", what="phase Deploying")
+    await c.start_pods(name)
+    await eventually(lambda: c.status(name).get("phase") == "Ready", what="phase Ready")
+    return c.status(name)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+async def test_create_applies_children_and_reports_status():
+    async with operator() as c:
+        await c.create_moe("kimi", tiny_spec(experts=2, slots_per_pod=30, redundant=4))
+        await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="Deploying")
+        st = c.status("kimi")
+        plan = c.plan("kimi")
+        moe = c.moe("kimi")
+        uid = moe["metadata"]["uid"]
+        assert st["observedGeneration"] == 1
+        assert st["placement"]["planHash"] == plan.plan_hash()
+        assert st["placement"]["logicalExperts"] == TINY_EXPERTS
+        assert st["placement"]["physicalExperts"] == TINY_EXPERTS + 4 * 3 == plan.figures.physical_experts
+        assert st["endpoints"] == {"http": f"kimi-router.{NS}.svc:8000", "grpc": f"kimi-router.{NS}.svc:50051"}
+        placement = c.condition("kimi", "PlacementReady")
+        assert placement["status"] == "True" and placement["reason"] == "Planned"
+        assert c.condition("kimi", "WorkersReady")["status"] == "False"
+        # every child exists, is owned by the resource (garbage collection) and carries the plan where it matters
+        children = {("v1/configmaps", "kimi-plan"), ("v1/services", "kimi-attention"), ("v1/services", "kimi-expert"),
+                    ("v1/services", "kimi-router"), ("apps/v1/statefulsets", "kimi-attention"),
+                    ("apps/v1/statefulsets", "kimi-expert"), ("apps/v1/deployments", "kimi-router"),
+                    ("policy/v1/poddisruptionbudgets", "kimi-expert")}
+        for res, name in children:
+            obj = c.get(res, name)
+            assert obj is not None, (res, name)
+            refs = obj["metadata"]["ownerReferences"]
+            assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [(KIND, "kimi", uid, True)]
+        sts = c.get("apps/v1/statefulsets", "kimi-expert")
+        assert sts["spec"]["replicas"] == 2
+        assert sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == plan.plan_hash()
+        router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
+        experts_arg = router["args"][router["args"].index("--experts") + 1]
+        assert experts_arg == f"kimi-expert-0.kimi-expert.{NS}.svc:50061,kimi-expert-1.kimi-expert.{NS}.svc:50061"
+
+        await c.start_pods("kimi")
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready")
+        st = c.status("kimi")
+        assert (st["readyWorkers"], st["desiredWorkers"]) == (3, 3)
+        assert st["expertWorkers"]["ready"] == 2 and st["router"] == {"ready": 1, "desired": 1}
+        assert {x["type"]: x["status"] for x in st["conditions"]} == {
+            "PlacementReady": "True", "WorkersReady": "True", "RouterReady": "True", "Degraded": "False"}
+
+
+async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():
+    async with operator() as c:
+        st = await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=30))
+        old = c.plan("kimi")
+        lt_placement = c.condition("kimi", "PlacementReady")["lastTransitionTime"]
+        await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
+        await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
+        new = c.plan("kimi")
+        st = c.status("kimi")
+        assert st["placement"]["planHash"] == new.plan_hash() != old.plan_hash()
+        assert new.cluster.pods == 3 and st["phase"] == "Deploying"
+        # the minimal-movement plan would leave the new pod empty (imbalance 1.5 > 1.1): a balanced plan is taken
+        assert len(new.experts_of(2)) >= 15 and new.figures.imbalance < 1.2  # 16 experts / 3 pods: 1.125
+        assert st["placement"]["movedShards"] == moved_shards(old, new) > 0
+        sts = c.get("apps/v1/statefulsets", "kimi-expert")
+        assert sts["spec"]["replicas"] == 3
+        assert sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == new.plan_hash()
+        router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]
+        assert router["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == new.plan_hash()
+        assert c.condition("kimi", "PlacementReady")["lastTransitionTime"] == lt_placement  # stayed True
+        await c.start_pods("kimi")  # the rollout: pods come back on the new plan
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready on the new plan")
+        assert c.status("kimi")["readyWorkers"] == 4
+
+        await c.delete_moe("kimi")  # Kopf's finalizer is released and the object goes
+        await eventually(lambda: c.moe("kimi") is None, what="deleted")
+
+
+async def test_transient_api_error_is_retried_with_backoff():
+    async with operator() as c:
+        c.emu.failures[("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/kimi-expert")] = 1
+        await c.create_moe("kimi", tiny_spec())
+        await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="Deploying after a retry")
+        assert c.emu.failures[("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/kimi-expert")] == 0
+        assert c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["replicas"] == 2
+        applies = [w for w in c.emu.writes if w[1] == f"/apis/apps/v1/namespaces/{NS}/statefulsets/kimi-expert"]
+        assert len(applies) == 2  # apply → 503 (TemporaryError); after the backoff: apply → 404 → create
+
+
+async def test_kube_errors_map_to_kopf_errors():
+    from expertmesh.operator.handlers import KubeError, _kube
+
+    def fail(status):
+        raise KubeError(status, "boom")
+
+    for status in (None, 409, 429, 500, 503):
+        with pytest.raises(kopf.TemporaryError) as e:
+            await _kube(None, fail, status, retry=3)
+        assert e.value.delay == 8.0
+    with pytest.raises(KubeError):  # a refusal is not retried blindly
+        await _kube(None, fail, 422)
+
+
+async def test_invalid_spec_fails_with_message_without_retry_storm():
+    async with operator() as c:
+        bad = tiny_spec()
+        bad["expertWorkers"]["reserveGiB"] = 1.0   # more than the whole device
+        await c.create_moe("bad", bad)
+        await eventually(lambda: c.status("bad").get("phase") == "Failed", what="Failed")
+        cond = c.condition("bad", "PlacementReady")
+        assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+        assert "expertWorkers.reserveGiB" in cond["message"] and "gpuMemoryGiB" in cond["message"]
+        writes = len([w for w in c.emu.writes if "/bad" in w[1]])
+        await asyncio.sleep(1.5)                      # a retrying handler would patch again within this
+        assert len([w for w in c.emu.writes if "/bad" in w[1]]) == writes
+        assert c.get("apps/v1/statefulsets", "bad-expert") is None
+
+        small = tiny_spec(experts=1, slots_per_pod=40)  # 48 experts do not fit 1 pod of 40 slots
+        await c.create_moe("small", small)
+        await eventually(lambda: c.status("small").get("phase") == "Failed", what="Failed (too small)")
+        cond = c.condition("small", "PlacementReady")
+        assert cond["reason"] == "ClusterTooSmall" and "GiB missing" in cond["message"]
+        assert "2 pods of this shape would fit" in cond["message"]
+
+        # fixing the spec gets it out of Failed
+        await c.patch_moe("small", {"spec": {"expertWorkers": {"replicas": 2}}})
+        await eventually(lambda: c.status("small").get("phase") == "Deploying", what="Deploying after the fix")
+        assert c.condition("small", "PlacementReady")["status"] == "True"
+
+
+async def test_lost_pod_with_replicas_is_degraded_then_recovers():
+    async with operator() as c:
+        # 2 pods, 16 redundant slots per layer: every expert has a replica on each pod
+        await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=48, redundant=16))
+        plan = c.plan("kimi")
+        assert all(len(plan.replicas(layer, e)) == 2 for layer, e in plan.experts_of(0))
+        await c.delete_pod("kimi-expert-1")
+        await eventually(lambda: c.status("kimi").get("phase") == "Degraded", what="Degraded")
+        cond = c.condition("kimi", "Degraded")
+        assert cond["status"] == "True" and cond["reason"] == "ReplicasServing"
+        assert c.plan("kimi").plan_hash() == plan.plan_hash()  # nothing moved
+        assert c.status("kimi")["expertWorkers"]["ready"] == 1
+        # NotReady (not deleted) counts as lost too; back Ready → Ready
+        await c.set_ready("kimi-expert-0", False)
+        await c.put_pod("kimi-expert-1", c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"])
+        await eventually(lambda: c.status("kimi")["expertWorkers"]["ready"] == 1 and
+                         c.condition("kimi", "Degraded")["status"] == "True", what="still degraded")
+        await c.set_ready("kimi-expert-0", True)
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready again")
+
+
+async def test_lost_pod_without_replicas_replans_onto_survivors():
+    async with operator() as c:
+        # 16 experts each, room for 24; a lost pod gets 1 s to come back before its experts are re-planned
+        await ready_deployment(c, "kimi", tiny_spec(experts=3, slots_per_pod=24, grace=1))
+        old = c.plan("kimi")
+        await c.delete_pod("kimi-expert-1")
+        await eventually(lambda: c.condition("kimi", "Degraded").get("reason") == "ExpertsUnavailable",
+                         what="ExpertsUnavailable")
+        assert "unless they come back" in c.condition("kimi", "Degraded")["message"]
+        assert c.plan("kimi").plan_hash() == old.plan_hash() and c.status("kimi")["lostSince"][0]["ordinal"] == 1
+        # the grace period runs out: the timer re-assesses and re-plans
+        await eventually(lambda: c.status("kimi")["placement"]["planHash"] != old.plan_hash(), what="re-plan")
+        new = c.plan("kimi")
+        st = c.status("kimi")
+        assert st["placement"]["planHash"] == new.plan_hash() and st["placement"]["lostWorkers"] == [1]
+        assert new.experts_of(1) == []
+        assert set(new.experts_of(0)) >= set(old.experts_of(0)) and set(new.experts_of(2)) >= set(old.experts_of(2))
+        assert st["placement"]["movedShards"] == len(old.experts_of(1))  # only the lost pod's experts move
+        assert c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
+        assert st["phase"] == "Deploying"
+        assert c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"]["metadata"]["annotations"][
+            m.PLAN_HASH_ANNOTATION] == new.plan_hash()
+        # the survivors roll onto the new plan, the lost pod comes back: it rejoins and all is Ready again
+        await c.start_pods("kimi")
+        await eventually(lambda: c.status("kimi")["placement"]["lostWorkers"] == [], what="rejoined")
+        await c.start_pods("kimi")
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready")
+        assert c.plan("kimi").experts_of(1) != []
+
+
+async def test_lost_pod_without_memory_to_replan_is_degraded_with_reason():
+    async with operator() as c:
+        await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=30))  # one pod cannot hold 48
+        old = c.plan("kimi")
+        await c.delete_pod("kimi-expert-0")
+        await eventually(lambda: c.condition("kimi", "Degraded").get("reason") == "InsufficientMemory",
+                         what="InsufficientMemory")
+        assert c.status("kimi")["phase"] == "Degraded"
+        assert "GiB missing" in c.condition("kimi", "Degraded")["message"]
+        assert c.plan("kimi").plan_hash() == old.plan_hash()
+
+
+async def test_timer_rebalances_on_observed_imbalance():
+    from expertmesh.config import preset
+    cfg = preset("tiny")
+    skew = zipf_loads(cfg, s=1.5, seed=3) * 1000
+    calls = []
+
+    async def fetch(url, timeout):
+        calls.append((url, timeout))
+        return {"model": "tiny", "moe_layers": cfg.moe_layers,
+                "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)}}
+
+    async with operator(fetch_load=fetch, tick=0.2) as c:
+        await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=40, redundant=8, interval=1))
+        old = c.plan("kimi")
+        await eventually(lambda: c.plan("kimi").plan_hash() != old.plan_hash(), timeout=15, what="rebalance")
+        assert calls[0] == (f"http://kimi-router.{NS}.svc:8000/v1/load", 2.0)
+        new = c.plan("kimi")
+        st = await eventually(lambda: c.status("kimi") if c.status("kimi").get("lastRebalanceTime") else None)
+        assert st["placement"]["planHash"] == new.plan_hash()
+        assert st["placement"]["observedImbalance"] > 1.1
+        from expertmesh.operator.planner import imbalance
+        loads = m.parse_load(await fetch("", 0), cfg)
+        assert imbalance(new, loads).mean < imbalance(old, loads).mean
+        assert c.condition("kimi", "PlacementReady")["reason"] == "Rebalanced"
+        assert np.isclose(st["placement"]["observedImbalance"], imbalance(old, loads).mean, atol=1e-4)
+
+
+async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_path):
+    """`expertmesh operator` as a process: kubeconfig login, liveness endpoint, SIGTERM. (Cluster-wide: in
+    namespace-scoped mode Kopf lists /api/v1/namespaces, a path kmock 0.8 cannot parse.)"""
+    import os
+    import signal
+    import socket
+    import sys
+    import urllib.request
+
+    import yaml
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with Emulator() as emu, kmock.Server(emu):
+        emu.resources.load_bundled()
+        emu.resources[MOE] = kmock.ResourceInfo(kind=KIND, namespaced=True, verbs={"get", "list", "watch", "patch"},
+                                                subresources={"status", "scale"})
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+            "clusters": [{"name": "emu", "cluster": {"server": str(emu.url).rstrip("/")}}],
+            "users": [{"name": "u", "user": {"token": "t0ken"}}],
+            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(KUBECONFIG=str(kubeconfig), KUBERNETES_SERVICE_HOST="")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "expertmesh.operator.main",
+            "--liveness", f"http://127.0.0.1:{port}/healthz", env=env, cwd=str(tmp_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            c = Cluster(emu, None)
+            await c.create_moe("kimi", tiny_spec())
+            await eventually(lambda: c.status("kimi").get("phase") == "Deploying", timeout=30, what="Deploying")
+            assert c.get("apps/v1/statefulsets", "kimi-expert") is not None
+
+            def live():
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            assert await asyncio.to_thread(live)
+            auth = {r.headers.get("Authorization") for r in emu if r.headers.get("Authorization")}
+            assert auth == {"Bearer t0ken"}  # Kopf and the operator's own calls both use the kubeconfig's user
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            out, _ = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, out.decode()[-3000:]

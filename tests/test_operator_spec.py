@@ -1,0 +1,408 @@
+"""MoEDeployment spec (pydantic), the generated CRD, the pure child manifests and the pure status logic."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from expertmesh.operator import crd, manifests as m, rbac
+from expertmesh.operator.main import add_arguments, operator_kwargs
+from expertmesh.operator.planner import PlanError, imbalance, zipf_loads
+from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
+
+TINY_EXPERT_BYTES = 3264
+
+
+def tiny(**over) -> dict:
+    spec = {"model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/ckpt/tiny"}}},
+            "attentionWorkers": {"gpusPerPod": 0},
+            "expertWorkers": {"replicas": 2, "gpusPerPod": 0, "reserveGiB": 0,
+                              "gpuMemoryGiB": (30 * TINY_EXPERT_BYTES + 10) / GIB}}
+    for k, v in over.items():
+        spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
+    return spec
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    spec = parse_spec(tiny())
+    cfg = resolve_model(spec)
+    return spec, cfg, m.plan_for(spec, cfg)
+
+
+# ------------------------------------------------------------------------------------------------ spec
+def test_spec_defaults_fill_everything_but_the_model():
+    s = parse_spec({"model": {"preset": "full-2.8t", "checkpoint": {"uri": "s3://b/full"}}})
+    assert (s.router.replicas, s.router.http_port, s.router.grpc_port) == (1, 8000, 50051)
+    assert (s.expert_workers.replicas, s.expert_workers.gpus_per_pod, s.expert_workers.redundant_experts) == (2, 1, 0)
+    assert s.placement.strategy == "eplb" and s.placement.imbalance_threshold == 1.25
+    assert s.kv.block_size == 16 and s.kv.max_context is None and s.thinking is None
+    assert s.telemetry.protocol == "grpc" and s.image.pull_policy == "IfNotPresent"
+    assert s.model.checkpoint.format == "expertmesh-mxfp4"
+    y = s.to_yaml_dict()  # camelCase out, as in YAML
+    assert y["expertWorkers"]["gpuMemoryGiB"] == 80.0 and "gpu_memory_gib" not in y["expertWorkers"]
+    assert parse_spec(y) == s  # round-trips
+
+
+@pytest.mark.parametrize("patch, field, words", [
+    ({"expertWorkers": {"replicas": 0}}, "spec.expertWorkers.replicas", "greater than or equal to 1"),
+    ({"expertWorkers": {"reserveGiB": 1.0}}, "spec.expertWorkers", "reserveGiB=1.0 must be below"),
+    ({"router": {"httpPort": 70000}}, "spec.router.httpPort", "less than or equal to 65535"),
+    ({"router": {"httpPort": 9000, "grpcPort": 9000}}, "spec.router", "must differ"),
+    ({"model": {"preset": "huge", "checkpoint": {"uri": "x"}}}, "spec.model.preset", "'tiny', 'small' or 'full-2.8t'"),
+    ({"model": {"checkpoint": {"uri": "x"}}}, "spec.model", "exactly one of model.preset and model.config"),
+    ({"model": {"preset": "tiny", "checkpoint": {}}}, "spec.model.checkpoint", "exactly one of"),
+    ({"thinking": {"low": 9, "high": 5, "max": 20}}, "spec.thinking", "low <= high <= max"),
+    ({"telemetry": {"protocol": "udp"}}, "spec.telemetry.protocol", "'grpc' or 'http/protobuf'"),
+    ({"expertWorker": {}}, "spec.expertWorker", "Extra inputs are not permitted"),
+])
+def test_spec_errors_name_the_field(patch, field, words):
+    spec = tiny()
+    for k, v in patch.items():
+        spec[k] = v if k == "model" else {**spec.get(k, {}), **v}
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec)
+    assert f"{field}" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_resolve_model_inline_config_and_overrides():
+    from expertmesh.config import preset
+    cfg = preset("tiny").model_dump(mode="json")
+    s = parse_spec({**tiny(), "model": {"config": cfg, "checkpoint": {"uri": "/w"}},
+                    "thinking": {"low": 2, "high": 3, "max": 4}})
+    r = resolve_model(s)
+    assert r.name == "tiny" and (r.thinking.low, r.thinking.max) == (2, 4)
+    bad = dict(cfg, hidden_size=65)
+    with pytest.raises(SpecError, match=r"spec\.model\.config.*hidden_size=65"):
+        resolve_model(parse_spec({**tiny(), "model": {"config": bad, "checkpoint": {"uri": "/w"}}}))
+    with pytest.raises(SpecError, match=r"spec\.kv\.maxContext=9999 exceeds the model's max_context=4096"):
+        resolve_model(parse_spec(tiny(kv={"maxContext": 9999})))
+
+
+# ------------------------------------------------------------------------------------------------ CRD
+def test_committed_crd_is_up_to_date():
+    committed = crd.DEFAULT_PATH.read_text()
+    assert committed == crd.render(), ("stale CRD: regenerate with `python -m expertmesh.operator.crd --out "
+                                       "charts/expertmesh/crds/moedeployments.expertmesh.dev.yaml`")
+    r = subprocess.run([sys.executable, "-m", "expertmesh.operator.crd", "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_crd_check_fails_when_stale(tmp_path):
+    stale = tmp_path / "crd.yaml"
+    stale.write_text(crd.render().replace("imbalanceThreshold", "imbalanceThreshhold"))
+    assert crd.main(["--check", "--out", str(stale)]) == 1
+    assert crd.main(["--out", str(stale)]) == 0 and crd.main(["--check", "--out", str(stale)]) == 0
+
+
+def test_crd_is_structural_with_defaults_columns_and_subresources():
+    doc = yaml.safe_load(crd.DEFAULT_PATH.read_text())
+    assert doc["metadata"]["name"] == "moedeployments.expertmesh.dev"
+    names = doc["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("MoEDeployment", "moedeployments", ["moe"])
+    v = doc["spec"]["versions"][0]
+    assert v["name"] == "v1alpha1" and v["served"] and v["storage"]
+    schema = v["schema"]["openAPIV3Schema"]
+    assert crd.check_structural(schema) == []
+    text = yaml.safe_dump(schema)
+    assert "$ref" not in text and "anyOf" not in text and "definitions" not in text
+    spec = schema["properties"]["spec"]
+    ew = spec["properties"]["expertWorkers"]
+    assert ew["default"] == {} and ew["properties"]["replicas"] == {
+        "type": "integer", "description": "expert worker pods (StatefulSet ordinals 0..replicas-1)",
+        "default": 2, "minimum": 1}
+    assert ew["properties"]["gpuMemoryGiB"]["minimum"] == 0 and ew["properties"]["gpuMemoryGiB"]["exclusiveMinimum"]
+    assert spec["properties"]["model"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"] is True
+    limits = spec["properties"]["router"]["properties"]["resources"]["properties"]["limits"]
+    assert limits["additionalProperties"] == {"x-kubernetes-int-or-string": True}
+    assert spec["properties"]["model"]["properties"]["preset"]["enum"] == ["tiny", "small", "full-2.8t"]
+    assert spec["required"] == ["model"]
+    # preserve-unknown only where free-form data is expected
+    preserved = [p for p, node in _walk(schema) if node.get("x-kubernetes-preserve-unknown-fields")]
+    assert preserved == [".spec.model.config"]
+    assert v["subresources"]["scale"]["specReplicasPath"] == ".spec.expertWorkers.replicas"
+    assert v["subresources"]["scale"]["statusReplicasPath"] == ".status.expertWorkers.ready"
+    assert "status" in v["subresources"]
+    cols = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
+    assert cols == {"Phase": ".status.phase", "Ready": ".status.readyWorkers", "Desired": ".status.desiredWorkers",
+                    "Experts": ".status.placement.physicalExperts", "Imbalance": ".status.placement.imbalance",
+                    "Age": ".metadata.creationTimestamp"}
+    status = schema["properties"]["status"]["properties"]
+    assert status["conditions"]["items"]["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
+    assert status["phase"]["enum"] == ["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]
+
+
+def _walk(node, path=""):
+    yield path, node
+    for k, sub in node.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{k}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_structural_checker_catches_violations():
+    bad = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                                            "b": {"$ref": "#/x"}, "c": {"properties": {}}}}
+    problems = crd.check_structural(bad)
+    assert any(".a: has anyOf" in p for p in problems) and any(".b: has $ref" in p for p in problems)
+    assert any(".c: has no type" in p for p in problems)
+
+
+def test_crd_and_children_validate_against_kubernetes_schemas(tiny_plan):
+    kv = pytest.importorskip("kubernetes_validate")
+    spec, cfg, plan = tiny_plan
+    full = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4317"},
+                           router={"apiKeySecretRef": {"name": "keys", "key": "api"},
+                                   "resources": {"limits": {"cpu": "2", "memory": "4Gi"}}},
+                           scheduling={"nodeSelector": {"pool": "gpu"}, "topologySpreadKey": "kubernetes.io/hostname",
+                                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                        "effect": "NoSchedule"}]},
+                           expertWorkers={"gpusPerPod": 8}))
+    kv.validate(crd.build_crd(), "1.30", strict=True)
+    for child in m.build_children("kimi", "serving", full, cfg, plan):
+        kv.validate(child, "1.30", strict=True)
+
+
+# ------------------------------------------------------------------------------------------------ manifests
+def test_children_names_labels_and_no_owner_refs(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    children = m.build_children("kimi", "serving", spec, cfg, plan)
+    assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
+        ("ConfigMap", "kimi-plan"), ("Service", "kimi-attention"), ("Service", "kimi-expert"),
+        ("StatefulSet", "kimi-attention"), ("StatefulSet", "kimi-expert"), ("PodDisruptionBudget", "kimi-expert"),
+        ("Deployment", "kimi-router"), ("Service", "kimi-router")]
+    for c in children:
+        meta = c["metadata"]
+        assert meta["namespace"] == "serving" and "ownerReferences" not in meta  # left to kopf.adopt
+        lab = meta["labels"]
+        assert lab["app.kubernetes.io/name"] == "expertmesh" and lab["app.kubernetes.io/instance"] == "kimi"
+        assert lab["app.kubernetes.io/managed-by"] == "expertmesh-operator"
+        assert lab["app.kubernetes.io/part-of"] == "expertmesh" and "app.kubernetes.io/component" in lab
+        if c["kind"] in ("StatefulSet", "Deployment"):
+            sel = c["spec"]["selector"]["matchLabels"]
+            assert sel.items() <= c["spec"]["template"]["metadata"]["labels"].items()
+            assert "app.kubernetes.io/version" not in sel  # selectors are immutable: never the version
+    cm = children[0]
+    assert m.PlacementPlan.from_json(cm["data"]["plan.json"]) == plan
+    assert resolve_model(spec).model_dump_json(indent=1) == cm["data"]["config.json"]
+    for svc in children[1:3]:
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4318", "protocol": "http/protobuf"},
+                           router={"apiKeySecretRef": {"name": "keys", "key": "api"}},
+                           expertWorkers={"gpusPerPod": 4}))
+    by = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children("kimi", "serving", spec, cfg, plan)}
+    sts = by[("StatefulSet", "kimi-expert")]
+    assert sts["spec"]["serviceName"] == "kimi-expert" and sts["spec"]["replicas"] == 2
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"][:2] == ["/bin/sh", "-c"]
+    argv = shlex.split(c["command"][2])
+    assert argv[:4] == ["exec", "expertmesh", "worker", "--role"] and argv[4] == "expert"
+    opt = dict(zip(argv[5::2], argv[6::2]))
+    assert opt == {"--plan": "/etc/expertmesh/plan.json", "--checkpoint": "/mnt/checkpoint/ckpt/tiny",
+                   "--host": "0.0.0.0", "--port": "50061", "--ordinal": "${HOSTNAME##*-}", "--name": "$HOSTNAME"}
+    assert c["readinessProbe"]["grpc"] == {"port": 50061} and c["startupProbe"]["grpc"] == {"port": 50061}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+    assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint"}
+    assert {v["name"]: v for v in pod["volumes"]}["checkpoint"]["persistentVolumeClaim"] == {
+        "claimName": "weights", "readOnly": True}
+
+    router = by[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]
+    args = router["args"]
+    opt = dict(zip(args[1::2], args[2::2]))
+    assert args[0] == "router" and opt["--plan"] == "/etc/expertmesh/plan.json"
+    assert opt["--attention"] == "kimi-attention-0.kimi-attention.serving.svc:50061"
+    assert opt["--experts"].split(",") == [f"kimi-expert-{i}.kimi-expert.serving.svc:50061" for i in range(2)]
+    assert (opt["--http-port"], opt["--grpc-port"], opt["--host"]) == ("8000", "50051", "0.0.0.0")
+    env = {e["name"]: e for e in router["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4318"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == "http/protobuf"
+    assert env["EXPERTMESH_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    svc = by[("Service", "kimi-router")]["spec"]["ports"]
+    assert [(p["name"], p["port"]) for p in svc] == [("http", 8000), ("grpc", 50051)]
+    pdb = by[("PodDisruptionBudget", "kimi-expert")]["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"] == sts["spec"]["selector"]
+    att = by[("StatefulSet", "kimi-attention")]["spec"]["template"]["spec"]["containers"][0]
+    assert att["args"][:3] == ["worker", "--role", "attention"] and "nvidia.com/gpu" not in att["resources"].get(
+        "limits", {})
+    assert dict(zip(att["args"][3::2], att["args"][4::2]))["--kv-blocks"] == str(4096 // 16)
+
+
+def test_plan_hash_annotation_changes_with_the_plan(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    spec3 = parse_spec(tiny(expertWorkers={"replicas": 3}))
+    plan3 = m.plan_for(spec3, cfg, previous=plan)
+    assert plan3.plan_hash() != plan.plan_hash()
+
+    def hashes(s, p):
+        ch = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children("kimi", "ns", s, cfg, p)}
+        sts, dep = ch[("StatefulSet", "kimi-expert")], ch[("Deployment", "kimi-router")]
+        return (sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
+                dep["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
+                ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
+                m.template_hashes(list(ch.values()))["expert-worker"])
+
+    a, b = hashes(spec, plan), hashes(spec3, plan3)
+    assert a[:3] == (plan.plan_hash(),) * 3 and b[:3] == (plan3.plan_hash(),) * 3 and a[3] != b[3]
+    # same spec and previous plan → the same plan kept (an operator restart does not roll pods)
+    assert m.plan_for(spec, cfg, previous=plan) is plan
+    same = m.build_children("kimi", "ns", spec, cfg, plan)
+    assert m.revision(same) == m.revision(m.build_children("kimi", "ns", spec, cfg, plan))
+    bumped = parse_spec(tiny(image={"tag": "0.2.0"}))
+    assert m.revision(m.build_children("kimi", "ns", bumped, cfg, plan)) != m.revision(same)
+
+
+def test_too_small_cluster_raises_plan_error_with_missing_memory():
+    spec = parse_spec(tiny(expertWorkers={"replicas": 1}))
+    with pytest.raises(PlanError, match=r"GiB missing; 2 pods of this shape would fit the model"):
+        m.plan_for(spec, resolve_model(spec))
+
+
+# ------------------------------------------------------------------------------------------------ status logic
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:05:00Z"
+
+
+def test_set_condition_keeps_transition_time_unless_status_flips():
+    c = m.set_condition([], "WorkersReady", "False", "PodsStarting", "0/2", 1, NOW)
+    c = m.set_condition(c, "WorkersReady", "False", "PodsStarting", "1/2", 1, LATER)
+    assert c[0]["lastTransitionTime"] == NOW and c[0]["message"] == "1/2"
+    c = m.set_condition(c, "WorkersReady", "True", "AllWorkersReady", "2/2", 2, LATER)
+    assert c[0]["lastTransitionTime"] == LATER and c[0]["observedGeneration"] == 2
+    c = m.set_condition(c, "PlacementReady", "True", "Planned", "", 2, LATER)
+    assert [x["type"] for x in c] == ["PlacementReady", "WorkersReady"]
+
+
+def _pods(spec, children, plan, *, experts=None, ready=True, template=None):
+    th = m.template_hashes(children)
+    pods = [m.PodInfo("kimi-router-a", "router", None, True, th["router"]),
+            m.PodInfo("kimi-attention-0", "attention-worker", 0, True, th["attention-worker"])]
+    for o in (range(plan.cluster.pods) if experts is None else experts):
+        pods.append(m.PodInfo(f"kimi-expert-{o}", "expert-worker", o, ready, template or th["expert-worker"]))
+    return pods, th
+
+
+def test_decide_state_machine(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    children = m.build_children("kimi", "ns", spec, cfg, plan)
+    st = {"phase": "Deploying", "placement": m.placement_status(plan)}
+
+    pods, th = _pods(spec, children, plan, experts=[0])  # still starting: not a loss
+    d = m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW)
+    assert d.status["phase"] == "Deploying" and d.replan_excluding is None
+    pods, th = _pods(spec, children, plan, template="old")  # all up, but on the old template: rolling
+    assert m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW).status["phase"] == "Deploying"
+
+    pods, th = _pods(spec, children, plan)
+    d = m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW)
+    assert d.status["phase"] == "Ready" and (d.status["readyWorkers"], d.status["desiredWorkers"]) == (3, 3)
+    ready = {**st, **d.status}
+    assert d.status["expertWorkers"]["selector"] == (
+        "app.kubernetes.io/component=expert-worker,app.kubernetes.io/instance=kimi,app.kubernetes.io/name=expertmesh")
+
+    pods, th = _pods(spec, children, plan, experts=[0])  # after Ready, no replicas: Degraded, then re-plan
+    d = m.decide("kimi", spec, plan, ready, m.assess(spec, plan, pods, th), 1, LATER)
+    deg = m.condition(d.status, "Degraded")
+    assert d.status["phase"] == "Degraded" and deg["reason"] == "ExpertsUnavailable" and d.replan_excluding is None
+    assert deg["lastTransitionTime"] == LATER and "expert workers [1] lost; 24 experts" in deg["message"]
+    assert "at 2026-01-01T00:07:00Z unless they come back" in deg["message"]  # the 120 s grace period
+    assert d.status["lostSince"] == [{"ordinal": 1, "since": LATER}]
+    assert m.condition(d.status, "WorkersReady")["status"] == "False"
+    degraded = {**ready, **d.status}
+    d = m.decide("kimi", spec, plan, degraded, m.assess(spec, plan, pods, th), 1, "2026-01-01T00:06:59Z")
+    assert d.replan_excluding is None and d.status["lostSince"] == [{"ordinal": 1, "since": LATER}]
+    d = m.decide("kimi", spec, plan, degraded, m.assess(spec, plan, pods, th), 1, "2026-01-01T00:07:00Z")
+    assert d.replan_excluding == [1] and "re-planning onto the surviving workers" in d.status["message"]
+
+    pods, th = _pods(spec, children, plan, experts=[0, 1])  # attention pod NotReady
+    pods = [p if p.component != "attention-worker" else m.PodInfo(p.name, p.component, 0, False, p.template_hash)
+            for p in pods]
+    d = m.decide("kimi", spec, plan, ready, m.assess(spec, plan, pods, th), 1, LATER)
+    assert m.condition(d.status, "Degraded")["reason"] == "AttentionWorkersUnavailable" and d.replan_excluding is None
+
+    failed = {"phase": "Failed"}
+    assert m.decide("kimi", spec, plan, failed, m.assess(spec, plan, pods, th), 1, NOW).status == {}
+
+
+def test_replicas_serving_and_replan_around_lost_pod():
+    spec = parse_spec(tiny(expertWorkers={"replicas": 3, "redundantExperts": 16,
+                                          "gpuMemoryGiB": (40 * TINY_EXPERT_BYTES) / GIB}))
+    cfg = resolve_model(spec)
+    plan = m.plan_for(spec, cfg)
+    children = m.build_children("kimi", "ns", spec, cfg, plan)
+    pods, th = _pods(spec, children, plan, experts=[0, 2])
+    a = m.assess(spec, plan, pods, th)
+    assert a.lost_experts == [1] and a.unserved == []  # every expert has 2 replicas on distinct pods
+    d = m.decide("kimi", spec, plan, {"phase": "Ready"}, a, 1, NOW)
+    assert m.condition(d.status, "Degraded")["reason"] == "ReplicasServing" and d.replan_excluding is None
+
+    new = m.replan_around(spec, cfg, plan, [1])
+    assert new.cluster == plan.cluster and new.experts_of(1) == []
+    for layer, e in plan.experts_of(0):
+        assert 1 not in new.replicas(layer, e)
+    kept = set(plan.experts_of(0)) & set(new.experts_of(0))
+    assert len(kept) == len(plan.experts_of(0))  # survivors keep every shard they had
+    assert new.figures.moved_shards == m.moved_shards(plan, new) and any("lost" in n for n in new.notes)
+    with pytest.raises(PlanError, match="all 3 expert workers are lost"):
+        m.replan_around(spec, cfg, plan, [0, 1, 2])
+
+
+def test_parse_load_and_rebalance():
+    spec = parse_spec(tiny(expertWorkers={"redundantExperts": 4}, placement={"imbalanceThreshold": 1.1}))
+    cfg = resolve_model(spec)
+    plan = m.plan_for(spec, cfg)
+    skew = zipf_loads(cfg, s=1.5, seed=1) * 100
+    payload = {"moe_layers": cfg.moe_layers, "tokens": {str(l): skew[i].tolist() for i, l in enumerate(cfg.moe_layers)}}
+    loads = m.parse_load(payload, cfg)
+    np.testing.assert_allclose(loads, skew)
+    with pytest.raises(ValueError, match=r"tokens\[2\] must be 16 finite counts"):
+        m.parse_load({"tokens": {"2": [1, 2]}}, cfg)
+    with pytest.raises(ValueError, match="expected an object with 'tokens'"):
+        m.parse_load({"moe_layers": []}, cfg)
+    r = m.rebalance(spec, cfg, plan, loads)
+    assert r.plan is not None and r.observed > 1.1 and r.expected < r.observed
+    assert r.observed == pytest.approx(imbalance(plan, loads).mean) and r.moved == m.moved_shards(plan, r.plan)
+    uniform = np.ones_like(loads)
+    assert m.rebalance(spec, cfg, plan, uniform).plan is None  # balanced: nothing to do
+    assert m.rebalance(spec, cfg, plan, 0 * loads).plan is None  # no traffic yet
+
+
+# ------------------------------------------------------------------------------------------------ rbac / cli
+def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    granted = rbac.as_policy_rules()
+    group = {"v1": "", "apps/v1": "apps", "policy/v1": "policy"}
+    from expertmesh.operator.handlers import _PLURALS
+    for child in m.build_children("kimi", "ns", spec, cfg, plan):
+        for verb in ("get", "create", "patch"):
+            assert rbac.allows(granted, group[child["apiVersion"]], _PLURALS[child["kind"]], verb), child["kind"]
+    for verb in ("get", "list", "watch", "patch"):
+        assert rbac.allows(granted, "expertmesh.dev", "moedeployments", verb)
+    assert rbac.allows(granted, "expertmesh.dev", "moedeployments/status", "patch")
+    assert rbac.allows(granted, "", "pods", "watch") and not rbac.allows(granted, "", "pods", "delete")
+    assert not rbac.allows(granted, "", "secrets", "get")
+    assert rbac.missing(granted) == []
+    assert rbac.missing([r for r in granted if r["resources"] != ["pods"]]) == [
+        "core/pods:get", "core/pods:list", "core/pods:watch"]
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in granted)
+
+
+def test_cli_namespace_scoped_or_clusterwide():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    kw = operator_kwargs(p.parse_args([]))
+    assert kw == {"liveness_endpoint": "http://0.0.0.0:8080/healthz", "clusterwide": True, "standalone": True}
+    kw = operator_kwargs(p.parse_args(["-n", "serving", "--namespace", "team-*", "--liveness", "none",
+                                       "--peering", "expertmesh"]))
+    assert kw == {"liveness_endpoint": None, "namespaces": ["serving", "team-*"], "peering_name": "expertmesh"}
