@@ -1,0 +1,242 @@
+"""DSA fast paths in PyTorch (CPU, and any device): blocked prefill and paged decode.
+
+Same results as `naive.py` (module docstring there: the math, tie-breaking, index order). Both paths score
+with `naive.indexer_scores`, whose per-element bits do not depend on the call's shape, so they select exactly
+the reference's top-k; the attention itself is computed differently (a gather of the chosen entries instead of
+a masked dense pass) and agrees to rounding.
+
+- `dsa_prefill`: queries in blocks sized so one block's working set (indexer logits [bq, Hi, n], gathered
+  entries [bq, k, D]) stays under PREFILL_BLOCK_BYTES: memory O(block * Tk), never O(Tq * Tk * H). A causal
+  block only scores the positions its last query can see. When topk covers everything a block can see, the
+  indexer is skipped (it would select all visible positions) and attention runs densely over them.
+- `dsa_decode_paged`: one query per sequence over a paged cache. The indexer walks the pages in chunks of
+  DECODE_CHUNK_TOKENS (the chunk's keys gathered into a cache-sized buffer, one batched GEMM, ReLU, weighted
+  head sum); top-k; then attention over at most topk gathered entries. Cost per token: the indexer pass over
+  the context plus attention over <= topk entries, never dense attention over the whole context.
+"""
+from __future__ import annotations
+
+import torch
+
+from expertmesh.kernels.dsa.naive import (
+    DSAShapes,
+    PagedShapes,
+    check_decode_inputs,
+    check_dsa_inputs,
+    check_indexer_inputs,
+    indexer_scores,
+)
+
+PREFILL_BLOCK_BYTES = 64 << 20   # working-set budget of one query block in dsa_prefill
+DECODE_CHUNK_TOKENS = 8192       # context positions scored per GEMM in the paged indexer (keys ~4 MiB fp32)
+_NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------------------------- top-k
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., N] (-inf = invisible), 1 <= k <= N → [..., k] int64: the k highest positions, ties to the
+    lower position, used positions ascending then -1 for the -inf ones (exactly `topk_indices_reference`).
+
+    torch.topk gives the k-th largest value t but no tie order; the positions > t are all taken, and of the
+    positions == t the lowest ones fill the remaining slots, and a scatter puts the chosen in order (no host
+    sync, so this is the GPU path). On CPU, when no tie straddles the cut, topk's picks are simply sorted."""
+    N = scores.shape[-1]
+    vals, picks = scores.topk(k, dim=-1, sorted=False)
+    thr = vals.amin(dim=-1, keepdim=True)
+    if not scores.is_cuda and bool(((scores >= thr).sum(dim=-1) == k).all()):
+        # No tie straddles the cut (the usual case): topk's own picks are the set; put them in order.
+        picks = picks.masked_fill(vals == _NEG_INF, N).sort(dim=-1).values
+        return picks.masked_fill_(picks == N, -1)
+    above = scores > thr
+    tied = scores == thr
+    need = k - above.sum(dim=-1, keepdim=True)
+    take = above | (tied & (tied.cumsum(dim=-1) <= need))                           # exactly k per row
+    take &= scores != _NEG_INF                                                      # -inf picks: -1 slots
+    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)                            # slot k: discarded
+    pos = torch.arange(N, device=scores.device).expand_as(scores)
+    out = torch.full((*scores.shape[:-1], k + 1), -1, dtype=torch.int64, device=scores.device)
+    return out.scatter_(-1, slot, pos)[..., :k]
+
+
+# --------------------------------------------------------------------------------------------- prefill
+def _visible_positions(q_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Every position < n for each query, -1 where it is in the query's future: q_pos [Tq] → [Tq, n]."""
+    pos = torch.arange(n, device=q_pos.device)
+    return torch.where(pos[None, :] <= q_pos[:, None], pos[None, :], -1)
+
+
+def _attend_gathered(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """q [B,T,H,D], kv [B,Tk,D], idx [B,T,k] (-1 = unused) → [B,T,H,v_dim] fp32 over the gathered entries."""
+    B = q.shape[0]
+    sel = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp_min(0)].float()  # [B,T,k,D]
+    logits = torch.matmul(q.float(), sel.transpose(-1, -2)).mul_(scale)                  # [B,T,H,k]
+    logits.masked_fill_((idx < 0)[:, :, None, :], _NEG_INF)
+    return torch.matmul(torch.softmax(logits, dim=-1), sel[..., :v_dim])
+
+
+def _attend_dense(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float, v_dim: int):
+    """q [B,T,H,D] over all of kv [B,n,D] (causally masked by q_pos [T] if given) → [B,T,H,v_dim] fp32."""
+    kvf = kv.float()
+    logits = torch.matmul(q.float(), kvf.transpose(1, 2)[:, None]).mul_(scale)          # [B,T,H,n]
+    if q_pos is not None:
+        future = torch.arange(kv.shape[1], device=kv.device)[None, :] > q_pos[:, None]  # [T,n]
+        logits.masked_fill_(future[None, :, None, :], _NEG_INF)
+    return torch.matmul(torch.softmax(logits, dim=-1), kvf[:, None, :, :v_dim])
+
+
+def _block_rows(shp: DSAShapes) -> int:
+    k = min(shp.topk, shp.Tk)
+    per_query = 4 * (shp.Hi * shp.Tk + k * (shp.D + shp.H) + shp.H * shp.Tk)
+    return max(1, min(shp.Tq, PREFILL_BLOCK_BYTES // per_query))
+
+
+def lightning_indexer(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor,
+                      causal: bool = True) -> torch.Tensor:
+    """Indexer scores [B,Tq,Tk] fp32, bitwise equal to `lightning_indexer_reference`, computed in query blocks
+    (the [Tq, Hi, Tk] logits never exist at once; with causal, a block skips the positions it cannot see)."""
+    shp = check_indexer_inputs(index_q, index_k, index_weights, causal)
+    B, Tq, Tk = shp.B, shp.Tq, shp.Tk
+    out = torch.full((B, Tq, Tk), _NEG_INF, device=index_q.device)
+    bq = max(1, min(Tq, PREFILL_BLOCK_BYTES // (4 * shp.Hi * Tk)))
+    for i0 in range(0, Tq, bq):
+        i1 = min(Tq, i0 + bq)
+        n = Tk - Tq + i1 if causal else Tk
+        s = indexer_scores(index_q[:, i0:i1], index_k[:, :n], index_weights[:, i0:i1])
+        if causal:
+            q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=s.device)
+            s.masked_fill_(torch.arange(n, device=s.device)[None, :] > q_pos[:, None], _NEG_INF)
+        out[:, i0:i1, :n] = s
+    return out
+
+
+def dsa_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    index_weights: torch.Tensor,
+    topk: int,
+    causal: bool = True,
+    scale: float | None = None,
+    v_dim: int | None = None,
+    return_indices: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """DSA attention for a block of queries (prefill, or prefill continuing a cache when Tq < Tk).
+
+    q [B,Tq,H,D], kv [B,Tk,D], index_q [B,Tq,Hi,Di], index_k [B,Tk,Di], index_weights [B,Tq,Hi] → o
+    [B,Tq,H,v_dim] in q.dtype (+ indices [B,Tq,min(topk,Tk)] int64 with return_indices). Contract, tie-breaking
+    and index order: `naive.dsa_attention_reference`; this computes the same selection and output."""
+    shp = check_dsa_inputs(q, kv, index_q, index_k, index_weights, topk, causal, scale, v_dim, out)
+    B, Tq, Tk = shp.B, shp.Tq, shp.Tk
+    k_all = min(shp.topk, Tk)
+    o = out if out is not None else torch.empty(B, Tq, shp.H, shp.v_dim, dtype=q.dtype, device=q.device)
+    indices = torch.empty(B, Tq, k_all, dtype=torch.int64, device=q.device) if return_indices else None
+    bq = _block_rows(shp)
+    for i0 in range(0, Tq, bq):
+        i1 = min(Tq, i0 + bq)
+        n = Tk - Tq + i1 if causal else Tk                     # positions any query of the block can see
+        q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device) if causal else None
+        if shp.topk >= n:                                       # everything visible is selected
+            o[:, i0:i1] = _attend_dense(q[:, i0:i1], kv[:, :n], q_pos, shp.scale, shp.v_dim)
+            if indices is None:
+                continue
+            idx = (_visible_positions(q_pos, n) if causal else torch.arange(n, device=q.device).expand(i1 - i0, n))
+            idx = idx.expand(B, i1 - i0, n)
+        else:
+            s = indexer_scores(index_q[:, i0:i1], index_k[:, :n], index_weights[:, i0:i1])  # [B,bq,n]
+            if causal:
+                s.masked_fill_(torch.arange(n, device=q.device)[None, :] > q_pos[:, None], _NEG_INF)
+            idx = select_topk(s, shp.topk)                                                  # [B,bq,topk]
+            o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv, idx, shp.scale, shp.v_dim)
+        if indices is not None:
+            indices[:, i0:i1, :idx.shape[-1]] = idx
+            indices[:, i0:i1, idx.shape[-1]:] = -1
+    return (o, indices) if return_indices else o
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k_cache: torch.Tensor,
+                         block_table: torch.Tensor, context_lens: torch.Tensor, n_pages: int | None = None
+                         ) -> torch.Tensor:
+    """Decode indexer over a paged cache: index_q [B,Hi,Di], index_weights [B,Hi], index_k_cache
+    [num_blocks, block_size, Di], block_table [B, max_blocks], context_lens [B] → scores [B, n_pages*block_size]
+    fp32, -inf at positions >= context_lens[b] (n_pages defaults to the pages of the longest context).
+    Each chunk of pages is gathered into a small buffer and scored with one batched GEMM (naive.indexer_scores)."""
+    B = index_q.shape[0]
+    nb, bs, Di = index_k_cache.shape
+    lens = context_lens.long()
+    if n_pages is None:
+        n_pages = -(-int(lens.max()) // bs) if B else 0
+    W = n_pages * bs
+    scores = torch.empty(B, W, device=index_q.device)
+    table = block_table[:, :n_pages].long().clamp(0, nb - 1)  # past a sequence's pages: any valid block, masked
+    per_chunk = max(1, DECODE_CHUNK_TOKENS // bs)
+    iq, iw = index_q[:, None], index_weights[:, None]           # [B,1,Hi,Di], [B,1,Hi]
+    for p0 in range(0, n_pages, per_chunk):
+        pages = table[:, p0:p0 + per_chunk]                     # [B,p]
+        keys = index_k_cache.index_select(0, pages.reshape(-1)).view(B, -1, Di)  # [B,p*bs,Di]
+        scores[:, p0 * bs:p0 * bs + keys.shape[1]] = indexer_scores(iq, keys, iw)[:, 0]
+    return scores.masked_fill_(torch.arange(W, device=scores.device)[None, :] >= lens[:, None], _NEG_INF)
+
+
+def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           indices: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """q [B,H,D] over the entries `indices` [B,k] (logical positions, -1 = unused; at least one used per row)
+    of each sequence's pages → [B,H,v_dim] fp32."""
+    bs, D = kv_cache.shape[1:]
+    safe = indices.clamp_min(0)
+    rows = block_table.long().gather(1, safe // bs) * bs + safe % bs                    # physical rows [B,k]
+    sel = kv_cache.reshape(-1, D)[rows].float()                                         # [B,k,D]
+    logits = torch.bmm(q.float(), sel.transpose(1, 2)).mul_(scale)                      # [B,H,k]
+    logits.masked_fill_((indices < 0)[:, None, :], _NEG_INF)
+    return torch.bmm(torch.softmax(logits, dim=-1), sel[..., :v_dim])
+
+
+def decode_indices(shp: PagedShapes, scores_fn, context_lens: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """The top-k selection of a decode step, [B, min(topk, n_pages*block_size)]: every visible position when
+    topk covers the widest context (no indexer pass), else select_topk of `scores_fn()` [B, W]."""
+    W = n_pages * shp.block_size
+    if shp.topk >= W:
+        pos = torch.arange(W, device=context_lens.device)[None, :]
+        return torch.where(pos < context_lens.long()[:, None], pos, -1)
+    return select_topk(scores_fn(), shp.topk)
+
+
+def pad_indices(idx: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1) if idx.shape[-1] < width else idx
+
+
+def dsa_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    topk: int,
+    scale: float | None = None,
+    v_dim: int | None = None,
+    return_indices: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """One DSA decode step for B sequences over a paged latent cache.
+
+    q [B,H,D]: each sequence's new query, whose own entry is already in the cache at position
+    context_lens[b]-1; kv_cache [num_blocks, block_size, D] latent entries; index_k_cache [num_blocks,
+    block_size, Di] indexer keys; block_table [B, max_blocks] int32: logical page j of sequence b is physical
+    block block_table[b, j]; context_lens [B] int32 (ragged); index_q [B,Hi,Di]; index_weights [B,Hi].
+    → o [B,H,v_dim] in q.dtype, and with return_indices the selected logical positions
+    [B, min(topk, max_blocks*block_size)] int64 (canonical order, -1 = unused). Equals gathering each
+    sequence's pages and calling `dsa_attention_reference` with Tq = 1 (`dsa_decode_paged_reference`)."""
+    shp = check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights,
+                              topk, scale, v_dim, out)
+    o = out if out is not None else torch.empty(shp.B, shp.H, shp.v_dim, dtype=q.dtype, device=q.device)
+    n_pages = -(-int(context_lens.max()) // shp.block_size) if shp.B else 0
+    if shp.B == 0:
+        return (o, torch.empty(0, shp.width, dtype=torch.int64, device=q.device)) if return_indices else o
+    idx = decode_indices(shp, lambda: paged_indexer_scores(index_q, index_weights, index_k_cache, block_table,
+                                                           context_lens, n_pages), context_lens, n_pages)
+    o.copy_(paged_sparse_attention(q, kv_cache, block_table, idx, shp.scale, shp.v_dim))
+    return (o, pad_indices(idx, shp.width)) if return_indices else o
