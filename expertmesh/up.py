@@ -59,7 +59,8 @@ class LocalCluster:
     def _env(self) -> dict:
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
-                    "EXPERTMESH_TORCH_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"})
+                    "EXPERTMESH_TORCH_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
+                    "PYTHONSAFEPATH": "1"})   # the repo's operator/ must never shadow the stdlib module
         env.update(self.extra_env)    # OTEL_* and friends pass through from os.environ as well
         return env
 

@@ -52,8 +52,10 @@ class _Client:
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _call(self, method, request):
+        from expertmesh import telemetry
+        metadata = telemetry.inject_metadata() or None       # W3C traceparent of the current span, if any
         try:
-            return method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready)
+            return method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready, metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e) from None
 

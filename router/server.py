@@ -45,6 +45,8 @@ def run(args) -> int:
     import os
     from expertmesh.router.http import build_app, serve_http
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from expertmesh import telemetry
+    telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     ckpt_cfg = Checkpoint(args.checkpoint).cfg
     plan = load_plan(args.plan)
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -49,17 +50,37 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
 
 
 def _rpc(method):
-    """Run a servicer method; a raised exception becomes the matching status code with its message."""
+    """Run a servicer method; a raised exception becomes the matching status code with its message.
+    Each call is timed and counted (Prometheus) and, when the caller sent a W3C traceparent, recorded as a
+    server span joined to the router's trace."""
     @functools.wraps(method)
     def wrapper(self, request, context):
+        from expertmesh import telemetry
+        from expertmesh.worker.metrics import METRICS
+        start = time.perf_counter()
+        parent = telemetry.extract_context(context.invocation_metadata())
+        span = None
+        if parent is not None:
+            from opentelemetry.trace import SpanKind
+            span = telemetry.tracer().start_span(f"worker.{method.__name__}", context=parent, kind=SpanKind.SERVER,
+                                                 attributes={"rpc.system": "grpc", "rpc.method": method.__name__})
+        code = "OK"
         try:
             return method(self, request, context)
         except Exception as e:
-            code = _status_of(e)
-            if code == grpc.StatusCode.INTERNAL:
+            status = _status_of(e)
+            code = status.name
+            if span is not None:
+                span.record_exception(e)
+            if status == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method.__name__)
-                context.abort(code, f"{type(e).__name__}: {e}")
-            context.abort(code, str(e))
+                context.abort(status, f"{type(e).__name__}: {e}")
+            context.abort(status, str(e))
+        finally:
+            METRICS.calls.labels(method.__name__, code).inc()
+            METRICS.call_seconds.labels(method.__name__).observe(time.perf_counter() - start)
+            if span is not None:
+                span.end()
     return wrapper
 
 
@@ -265,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     return p
 
 
@@ -304,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
+    from expertmesh import telemetry
+    telemetry.setup_tracing("expertmesh-worker", {"expertmesh.role": args.role, "expertmesh.worker": name,
+                                                  "expertmesh.shard": args.ordinal})
+    if args.metrics_port is not None:
+        from expertmesh.worker.metrics import serve_metrics
+        serve_metrics(server, args.host, args.metrics_port)
     print(f"READY {args.role} {args.host}:{server.port}", flush=True)
     while not stop.wait(0.5):
         pass
