@@ -40,7 +40,8 @@ class LocalCluster:
                  redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051,
                  host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
-                 router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None):
+                 router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
+                 tls_dir: str | Path | None = None):
         self.checkpoint = str(checkpoint)
         self.n_attention, self.n_expert = attention_workers, expert_workers
         self.redundant = redundant_experts
@@ -50,6 +51,7 @@ class LocalCluster:
         self.extra_env = extra_env or {}
         self.router_args = router_args or []
         self.echo = echo
+        self.tls_dir = Path(tls_dir) if tls_dir else None   # ca.crt, server.crt/key, client.crt/key: mTLS
         self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
         self.children: list[Child] = []
         self.router: Child | None = None
@@ -120,12 +122,21 @@ class LocalCluster:
         plan = make_placement(cfg, self.n_expert, self.redundant)
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
-        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common,
+        worker_tls, router_tls = [], []
+        if self.tls_dir is not None:
+            d = self.tls_dir
+            worker_tls = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"),
+                          "--tls-client-ca", str(d / "ca.crt")]
+            router_tls = ["--worker-tls-ca", str(d / "ca.crt"), "--worker-tls-cert", str(d / "client.crt"),
+                          "--worker-tls-key", str(d / "client.key"),
+                          "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
+        common_w = common + worker_tls
+        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w,
                                                     "--port", str(free_port(self.host)), "--name", f"attention-{i}",
                                                     "--kv-blocks", str(self.kv_blocks),
                                                     "--block-size", str(self.block_size)])
                      for i in range(self.n_attention)]
-        experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common,
+        experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common_w,
                                                "--port", str(free_port(self.host)), "--name", f"expert-{i}",
                                                "--plan", str(self.plan_path), "--ordinal", str(i)],
                                self.worker_env.get(f"expert-{i}"))
@@ -137,7 +148,7 @@ class LocalCluster:
                 "--attention", ",".join(c.address for c in attention),
                 "--experts", ",".join(c.address for c in experts),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                "--prefill-chunk", str(self.prefill_chunk), *self.router_args])
+                "--prefill-chunk", str(self.prefill_chunk), *router_tls, *self.router_args])
             self._wait_ready([self.router], timeout)
         except BaseException:
             self.stop()
@@ -171,7 +182,8 @@ class LocalCluster:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        scheme = "https" if self.tls_dir is not None else "http"
+        return f"{scheme}://{self.host}:{self.http_port}"
 
 
 def run_up(args) -> int:
@@ -180,7 +192,7 @@ def run_up(args) -> int:
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                            redundant_experts=args.redundant_experts, http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
-                           prefill_chunk=args.prefill_chunk, echo=args.verbose)
+                           prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -217,3 +229,5 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
+    p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
+                                     "with ca.crt, server.crt, server.key, client.crt, client.key")

@@ -47,6 +47,7 @@ MAX_BACKOFF = 120.0
 
 _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
             "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods",
+            "NetworkPolicy": "networkpolicies",
             KIND: PLURAL}
 
 

@@ -460,6 +460,21 @@ def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
     }
 
 
+def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str) -> dict:
+    """Only this deployment's router pods reach the workers' gRPC port (probes come from the kubelet, which
+    NetworkPolicies do not filter)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(f"{name}-{component}-ingress", namespace, component, spec, instance=name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(name, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)}}],
+                         "ports": [{"protocol": "TCP", "port": WORKER_PORT}]}],
+        },
+    }
+
+
 def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> list[dict]:
     """Every child object, in apply order (the ConfigMap before the pods that mount it)."""
     return [
@@ -471,6 +486,8 @@ def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan
         expert_pdb(name, namespace, spec),
         router_deployment(name, namespace, spec, plan),
         router_service(name, namespace, spec),
+        worker_network_policy(name, namespace, spec, COMPONENT_ATTENTION),
+        worker_network_policy(name, namespace, spec, COMPONENT_EXPERT),
     ]
 
 

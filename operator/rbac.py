@@ -33,6 +33,7 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "statefulsets", _CHILD),
     Rule("apps", "deployments", _CHILD),
     Rule("policy", "poddisruptionbudgets", _CHILD),
+    Rule("networking.k8s.io", "networkpolicies", _CHILD),
     # worker pods: watched for readiness and loss (never modified)
     Rule("", "pods", ("get", "list", "watch")),
     # Kopf posts Kubernetes events (core v1) for handler outcomes

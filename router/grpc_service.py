@@ -173,7 +173,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             owned_by="expertmesh")])
 
 
-def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32):
+def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32,
+                      tls=None):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"))
     service = RouterService(engine, api_key)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
@@ -184,7 +185,8 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
     names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls is not None \
+        else server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"router gRPC: cannot bind {host}:{port}")
     server.start()

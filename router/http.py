@@ -299,11 +299,18 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     return app
 
 
-def serve_http(app: FastAPI, host: str, port: int):
-    """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop)."""
+def serve_http(app: FastAPI, host: str, port: int, tls=None):
+    """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop).
+    `tls` (expertmesh.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA."""
+    import ssl
     import threading
     import uvicorn
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    extra = {}
+    if tls is not None:
+        extra = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca:
+            extra.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, **extra)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()

@@ -39,16 +39,19 @@ class _Client:
     _errors: dict[grpc.StatusCode, type[Exception]] = {}
 
     def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None,
-                 wait_for_ready: bool = False):
+                 wait_for_ready: bool = False, tls=None):
         """`wait_for_ready`: a call to a worker that is not connected yet waits (up to the deadline) instead of
         failing at once with WorkerUnavailable."""
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}: expected a positive number of seconds")
         self.address, self.timeout, self.name = address, timeout, name or address
         self.wait_for_ready = wait_for_ready
-        self.channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        if tls is not None:          # expertmesh.tls.ClientTLS: verify the worker, present our certificate
+            self.channel = grpc.secure_channel(address, tls.credentials(), options=options + tls.options())
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _call(self, method, request):
@@ -100,8 +103,9 @@ class RemoteAttention(_Client):
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: WorkerError, grpc.StatusCode.NOT_FOUND: NotFound,
                grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks}
 
-    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False):
-        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready)
+    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False,
+                 tls=None):
+        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready, tls=tls)
         self.stub = worker_pb2_grpc.AttentionWorkerStub(self.channel)
 
     def info(self) -> dict:
@@ -158,8 +162,9 @@ class RemoteExpert(_Client):
 
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: ExpertRequestError, grpc.StatusCode.NOT_FOUND: UnknownExpert}
 
-    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False):
-        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready)
+    def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False,
+                 tls=None):
+        super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready, tls=tls)
         self.stub = worker_pb2_grpc.ExpertWorkerStub(self.channel)
 
     def info(self) -> dict:

@@ -18,11 +18,12 @@ def load_plan(path: str):
         return PlacementPlan.from_json(f.read())
 
 
-def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, **kw):
+def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
+                        **kw):
     from expertmesh.router.engine import Engine
     from expertmesh.router.remote import RemoteAttention, RemoteExpert
-    att = [RemoteAttention(a, timeout=timeout) for a in attention]
-    exp = [RemoteExpert(e, timeout=timeout) for e in experts]
+    att = [RemoteAttention(a, timeout=timeout, tls=tls) for a in attention]
+    exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
     return Engine(cfg, att, exp, plan, call_timeout=timeout, **kw)
 
 
@@ -38,7 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--call-timeout", type=float, default=30.0)
-    p.add_argument("--api-key", default=None, help="require this API key (default: $EXPERTMESH_API_KEY if set)")
+    p.add_argument("--api-key-file", default=None,
+                   help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
+                        "taken from the command line, where `ps` would show them")
+    p.add_argument("--worker-tls-ca", help="connect to workers over TLS, verifying them with this CA (PEM)")
+    p.add_argument("--worker-tls-cert", help="client certificate for mutual TLS with the workers")
+    p.add_argument("--worker-tls-key", help="private key of --worker-tls-cert")
+    p.add_argument("--worker-tls-server-name", help="name expected in the workers' certificates")
+    p.add_argument("--tls-cert", help="serve HTTP (HTTPS) and gRPC over TLS with this certificate")
+    p.add_argument("--tls-key", help="private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="require client certificates on the public endpoints (mutual TLS)")
 
 
 def run(args) -> int:
@@ -49,19 +59,22 @@ def run(args) -> int:
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     ckpt_cfg = Checkpoint(args.checkpoint).cfg
     plan = load_plan(args.plan)
+    from expertmesh.tls import ClientTLS, ServerTLS
+    worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
+                           args.worker_tls_server_name) if args.worker_tls_ca else None
+    public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
+                                 tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting)
-    api_key = args.api_key or os.environ.get("EXPERTMESH_API_KEY")
+    api_key = os.environ.get("EXPERTMESH_API_KEY") or None
+    if args.api_key_file:
+        api_key = open(args.api_key_file).read().strip()
     app = build_app(engine, api_key=api_key)
-    http_server, http_thread = serve_http(app, args.host, args.http_port)
-    grpc_server = None
-    try:
-        from expertmesh.router.grpc_service import serve_router_grpc
-        grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key)
-    except ImportError as e:  # the gRPC front is optional until its protos exist
-        log.warning("router gRPC service not started: %s", e)
+    http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls)
+    from expertmesh.router.grpc_service import serve_router_grpc
+    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -175,7 +175,8 @@ def test_children_names_labels_and_no_owner_refs(tiny_plan):
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
         ("ConfigMap", "kimi-plan"), ("Service", "kimi-attention"), ("Service", "kimi-expert"),
         ("StatefulSet", "kimi-attention"), ("StatefulSet", "kimi-expert"), ("PodDisruptionBudget", "kimi-expert"),
-        ("Deployment", "kimi-router"), ("Service", "kimi-router")]
+        ("Deployment", "kimi-router"), ("Service", "kimi-router"),
+        ("NetworkPolicy", "kimi-attention-worker-ingress"), ("NetworkPolicy", "kimi-expert-worker-ingress")]
     for c in children:
         meta = c["metadata"]
         assert meta["namespace"] == "serving" and "ownerReferences" not in meta  # left to kopf.adopt
@@ -382,7 +383,7 @@ def test_parse_load_and_rebalance():
 def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     spec, cfg, plan = tiny_plan
     granted = rbac.as_policy_rules()
-    group = {"v1": "", "apps/v1": "apps", "policy/v1": "policy"}
+    group = {"v1": "", "apps/v1": "apps", "policy/v1": "policy", "networking.k8s.io/v1": "networking.k8s.io"}
     from expertmesh.operator.handlers import _PLURALS
     for child in m.build_children("kimi", "ns", spec, cfg, plan):
         for verb in ("get", "create", "patch"):
@@ -406,3 +407,20 @@ def test_cli_namespace_scoped_or_clusterwide():
     kw = operator_kwargs(p.parse_args(["-n", "serving", "--namespace", "team-*", "--liveness", "none",
                                        "--peering", "expertmesh"]))
     assert kw == {"liveness_endpoint": None, "namespaces": ["serving", "team-*"], "peering_name": "expertmesh"}
+
+
+def test_only_the_router_reaches_the_workers(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    children = m.build_children("kimi", "serving", spec, cfg, plan)
+    policies = [c for c in children if c["kind"] == "NetworkPolicy"]
+    pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
+            for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+    selected = set()
+    for p in policies:
+        sel = p["spec"]["podSelector"]["matchLabels"]
+        selected |= {n for n, lab in pods.items() if sel.items() <= lab.items()}
+        (rule,) = p["spec"]["ingress"]
+        (source,) = rule["from"]
+        allowed = {n for n, lab in pods.items() if source["podSelector"]["matchLabels"].items() <= lab.items()}
+        assert allowed == {"kimi-router"} and p["spec"]["policyTypes"] == ["Ingress"]
+    assert selected == {"kimi-attention", "kimi-expert"}

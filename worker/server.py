@@ -177,7 +177,7 @@ def all_experts(cfg) -> list[tuple[int, int]]:
 
 
 def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
-          block_size: int = 16, name: str | None = None, max_workers: int = 16) -> grpc.Server:
+          block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
@@ -216,7 +216,8 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
 
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, tls.credentials()) if tls is not None \
+            else server.add_insecure_port(address)
     except RuntimeError as e:
         raise OSError(f"--host/--port {address}: cannot listen ({e})") from None
     if bound == 0:
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     return p
 
 
@@ -309,6 +313,14 @@ def main(argv: list[str] | None = None) -> int:
             assignment = parse_experts(args.experts)
         elif args.role == "expert":
             raise ValueError("--experts or --plan/--ordinal: required for --role expert")
+        tls = None
+        if args.tls_cert or args.tls_key:
+            if not (args.tls_cert and args.tls_key):
+                raise ValueError("--tls-cert and --tls-key: give both")
+            from expertmesh.tls import ServerTLS
+            tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+        elif args.tls_client_ca:
+            raise ValueError("--tls-client-ca: needs --tls-cert and --tls-key")
         if args.kv_blocks <= 0 or args.block_size <= 0:
             raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
     except (ValueError, OSError) as e:
@@ -322,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         server = serve(args.role, args.checkpoint, args.port, args.host, assignment=assignment,
-                       kv_blocks=args.kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads)
+                       kv_blocks=args.kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
+                       tls=tls)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,57 @@
+"""Mutual TLS between router and workers, TLS on the public endpoints; a client without a certificate is refused."""
+import ssl
+import subprocess
+
+import grpc
+import httpx
+import pytest
+
+from expertmesh.checkpoint import create_checkpoint
+from expertmesh.config import preset
+from expertmesh.protos import worker_pb2, worker_pb2_grpc
+from expertmesh.up import LocalCluster, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def make_certs(d):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, with the openssl CLI."""
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=expertmesh-test-ca")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ext in (("server", ["-extfile", "san.cnf"]), ("client", [])):
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=expertmesh-{name}")
+        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", *ext)
+    return d
+
+
+def test_mtls_deployment_serves_and_refuses_clients_without_certificates(tmp_path):
+    ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+    certs = make_certs(tmp_path)
+    with LocalCluster(ck, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=free_port(),
+                      tls_dir=certs) as cluster:
+        assert cluster.http_url.startswith("https://")
+        r = httpx.post(cluster.http_url + "/v1/completions", verify=ssl.create_default_context(cafile=str(certs / "ca.crt")),
+                       json={"model": "tiny", "prompt": "secure", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(httpx.HTTPError):        # plain HTTP to the TLS port fails
+            httpx.get(cluster.http_url.replace("https", "http") + "/health", timeout=5)
+        worker = cluster.child("expert-0").address
+        ca = (certs / "ca.crt").read_bytes()
+        # verifies the server but presents no client certificate → the handshake is refused
+        with grpc.secure_channel(worker, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(worker) as ch:   # no TLS at all → refused too
+            with pytest.raises(grpc.RpcError):
+                worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=(certs / "client.key").read_bytes(),
+                                             certificate_chain=(certs / "client.crt").read_bytes())
+        with grpc.secure_channel(worker, creds) as ch:    # with the client certificate it answers
+            info = worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert info.name == "expert-0"
