@@ -1,6 +1,7 @@
 """End-to-end serving benchmark: decode tokens/s and time to first token at several concurrencies,
 in-process engine vs the multi-process deployment (gRPC on loopback), and the bytes sent per token per layer
-against the minimum (hidden × top-k × dtype size, both ways).
+against the minimum (hidden × top-k × dtype size, both ways), measured from the serialized router↔worker messages (all
+calls, attention and expert, counted by the router's gRPC clients).
 
     python bench/e2e.py [--quick] [--presets tiny,small] [--out bench/results/e2e.json]
 """
@@ -64,7 +65,9 @@ def bench_inprocess(ckpt, concurrencies, prompt_len, max_tokens):
 
 
 def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
+    import re
     import httpx
+    cfg = Checkpoint(ckpt_dir).cfg
     from expertmesh.up import LocalCluster, free_port
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
                            grpc_port=free_port())
@@ -79,22 +82,30 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     yield 1
 
+    def wire_and_tokens():
+        text = client.get("/metrics").text
+        wire = sum(float(m) for m in re.findall(r'^expertmesh_worker_message_bytes_total\{[^}]*\} (\S+)$', text, re.M))
+        toks = sum(float(m) for m in re.findall(r'^expertmesh_(?:prompt|generation)_tokens_total (\S+)$', text, re.M))
+        return wire, toks
+
     try:
         list(submit([1, 2, 3], SamplingParams(max_tokens=2)))
-        return {c: _run(submit, c, prompt_len, max_tokens) for c in concurrencies}
+        out = {}
+        for c in concurrencies:
+            w0, t0 = wire_and_tokens()
+            out[c] = _run(submit, c, prompt_len, max_tokens)
+            w1, t1 = wire_and_tokens()
+            out[c]["wire_bytes_per_token_layer"] = (w1 - w0) / max(1.0, t1 - t0) / cfg.n_moe_layers
+        return out
     finally:
         client.close()
         cluster.stop()
 
 
-def wire_bytes(cfg) -> dict:
-    """Bytes per token per MoE layer the gRPC data path moves, vs the minimum (fp32 tensors on the wire)."""
-    h, k, f = cfg.hidden_size, cfg.moe.top_k, 4
-    minimum = 2 * h * k * f
-    # attention→router: hidden [H] + ids [K] int64 + weights [K] fp32; router→attention: delta [H];
-    # router→experts: hidden [H] once per worker it visits (≤ K) + ids [K] int64; experts→router: [K, H] outputs
-    sent = (h * f + k * 8 + k * 4) + h * f + (k * h * f + k * 8) + k * h * f
-    return {"hidden": h, "top_k": k, "bytes_per_token_layer": sent, "minimum": minimum, "ratio": sent / minimum}
+def wire_minimum(cfg) -> int:
+    """The least a token must move per MoE layer: its hidden state to each of its top-k experts and their
+    outputs back (fp32 on the wire)."""
+    return 2 * cfg.hidden_size * cfg.moe.top_k * 4
 
 
 def main(argv=None) -> int:
@@ -112,9 +123,11 @@ def main(argv=None) -> int:
         max_tokens = 8 if args.quick else 32
         inproc = bench_inprocess(ckpt, concurrencies, 16, max_tokens)
         multi = bench_multiprocess(str(d), concurrencies, 16, max_tokens)
-        wb = wire_bytes(cfg)
+        minimum = wire_minimum(cfg)
         for c in concurrencies:
             a, b = inproc[c], multi[c]
+            wb = {"bytes_per_token_layer": b["wire_bytes_per_token_layer"], "minimum": minimum,
+                  "ratio": b["wire_bytes_per_token_layer"] / minimum}
             rows.append({"preset": name, "concurrency": c, "inproc_tok_s": a["total_tok_s"],
                          "multi_tok_s": b["total_tok_s"], "ratio_multi_over_inproc": b["total_tok_s"] / a["total_tok_s"],
                          "inproc_ttft_ms": a["ttft_p50_ms"], "multi_ttft_ms": b["ttft_p50_ms"],
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['preset']:6} {r['concurrency']:>4} {r['inproc_tok_s']:>12.1f} {r['multi_tok_s']:>11.1f} "
               f"{r['ratio_multi_over_inproc']:>6.2f} {r['inproc_ttft_ms']:>10.1f} {r['multi_ttft_ms']:>10.1f} "
-              f"{r['wire_bytes_per_token_layer']:>16} {r['wire_minimum']:>6} {r['wire_ratio']:>5.2f}")
+              f"{r['wire_bytes_per_token_layer']:>16.0f} {r['wire_minimum']:>6} {r['wire_ratio']:>5.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

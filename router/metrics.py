@@ -86,6 +86,14 @@ class _StateCollector:
         overall = GaugeMetricFamily("expertmesh_expert_load_imbalance_max", "Worst per-layer max/mean expert load")
         overall.add_metric([], worst)
         yield overall
+        wire = CounterMetricFamily("expertmesh_worker_message_bytes", "Serialized bytes of router↔worker messages",
+                                   labels=["worker", "direction"])
+        for c in list(eng.attention) + list(eng.experts):
+            sent = getattr(c, "bytes_sent", None)
+            if isinstance(sent, int):
+                wire.add_metric([c.name, "sent"], sent)
+                wire.add_metric([c.name, "received"], c.bytes_received)
+        yield wire
         steps = CounterMetricFamily("expertmesh_scheduler_steps", "Scheduler steps run")
         steps.add_metric([], s.steps)
         yield steps

@@ -46,6 +46,7 @@ class _Client:
             raise ValueError(f"timeout={timeout}: expected a positive number of seconds")
         self.address, self.timeout, self.name = address, timeout, name or address
         self.wait_for_ready = wait_for_ready
+        self.bytes_sent = self.bytes_received = 0
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         if tls is not None:          # expertmesh.tls.ClientTLS: verify the worker, present our certificate
@@ -58,9 +59,13 @@ class _Client:
         from expertmesh import telemetry
         metadata = telemetry.inject_metadata() or None       # W3C traceparent of the current span, if any
         try:
-            return method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready, metadata=metadata)
+            response = method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready, metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e) from None
+        # serialized message bytes each way (what the data path costs on the wire, before HTTP/2 framing)
+        self.bytes_sent += request.ByteSize()
+        self.bytes_received += response.ByteSize()
+        return response
 
     def _error(self, e: grpc.RpcError) -> Exception:
         code, details = e.code(), e.details() or ""
