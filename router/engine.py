@@ -143,7 +143,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
-                 metrics=None, health_interval: float = 1.0):
+                 metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0):
         from expertmesh.router.instrument import InstrumentedClient
         from expertmesh.router.metrics import RouterMetrics
         self.cfg = cfg
@@ -162,7 +162,7 @@ class Engine:
         self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * (len(attention) + len(experts))),
                                        thread_name_prefix="router-call")
         self.dispatcher = Dispatcher(experts, placement, cfg.moe.n_routed_experts, cfg.moe_layers, pool=self.pool)
-        infos = [a.info() for a in attention]
+        infos = [self._first_info(a, startup_timeout) for a in attention]
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
                              for i, info in enumerate(infos)], chunk=prefill_chunk)
         self.waiting: list[Request] = []
@@ -176,6 +176,18 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
         threading.Thread(target=self._watch_health, name="health", daemon=True).start()
+
+    @staticmethod
+    def _first_info(client, timeout: float) -> dict:
+        """A worker that is still starting (pods start in any order) is waited for, up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return client.info()
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     # ------------------------------------------------------------------ public
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
