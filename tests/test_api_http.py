@@ -1,5 +1,5 @@
-"""The public HTTP APIs driven by the official openai and anthropic clients (router on loopback, in-process
-workers; tests/test_up.py runs the same clients against the multi-process deployment)."""
+"""The public HTTP APIs driven by the official openai and anthropic clients against an `expertmesh up`-style
+multi-process deployment on loopback."""
 import json
 
 import httpx
@@ -7,11 +7,9 @@ import openai
 import anthropic
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
-from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
-from expertmesh.up import free_port
+from expertmesh.up import LocalCluster, free_port
 
 API_KEY = "sk-test-0123456789"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",
@@ -21,14 +19,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("api") / "tiny", seed=0))
-    engine = build_local_engine(ck, attention_workers=1, expert_workers=2, prefill_chunk=16, max_waiting=64)
-    port = free_port()
-    srv, thread = serve_http(build_app(engine, api_key=API_KEY), "127.0.0.1", port)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.close()
+    """`expertmesh up`-style: router + 1 attention + 2 expert workers as processes, the key from the environment."""
+    ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("api") / "tiny", seed=0)
+    cluster = LocalCluster(ck, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=free_port(),
+                           extra_env={"EXPERTMESH_API_KEY": API_KEY}, router_args=["--max-waiting", "64"])
+    with cluster:
+        yield cluster.http_url, cluster
 
 
 @pytest.fixture
@@ -123,11 +119,15 @@ def test_chat_errors_have_openai_shape(server, body, status, needle):
     assert ok.status_code == 200                     # the server keeps serving
 
 
-def test_wrong_api_key_is_401(server):
+def test_wrong_api_key_is_401_and_the_key_is_never_logged(server):
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert API_KEY not in str(e.value)
+    metrics = httpx.get(server[0] + "/metrics").text
+    logs = "\n".join(line for child in server[1].children for line in child.lines)
+    assert API_KEY not in metrics and API_KEY not in logs and "sk-wrong" not in logs
+    assert all(API_KEY not in arg for child in server[1].children for arg in child.args)   # not in `ps` either
 
 
 @pytest.fixture
