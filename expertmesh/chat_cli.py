@@ -63,7 +63,11 @@ def run(args) -> int:
     model = args.model
     if model is None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        model = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        try:
+            model = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            print(f"expertmesh chat: error: --url {args.url}: cannot list the router's models ({e})", file=sys.stderr)
+            return 2
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else None
     while True:
@@ -92,10 +96,11 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
+    from expertmesh.argtypes import positive_int
     p.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the router's first model")
     p.add_argument("--thinking", choices=["low", "high", "max"], default="high")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--system", default=None)
     p.add_argument("--api-key", default=None, help="default: $EXPERTMESH_API_KEY")

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from expertmesh.argtypes import nonnegative_int, positive_int
+
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"
 
 
@@ -112,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = ck.add_parser("create", help="write a synthetic (seeded random, MXFP4) checkpoint")
     c.add_argument("--preset", default="tiny")
     c.add_argument("--out", required=True)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--layers-per-shard", type=int, default=1)
+    c.add_argument("--seed", type=nonnegative_int, default=0)
+    c.add_argument("--layers-per-shard", type=positive_int, default=1)
     c.set_defaults(func=cmd_checkpoint_create)
     i = ck.add_parser("inspect", help="validate a checkpoint and print its figures")
     i.add_argument("dir")
@@ -124,11 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--preset", default="tiny", help="synthetic checkpoint to use when --checkpoint is not given")
     g.add_argument("--checkpoint")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=nonnegative_int, default=0)
     g.add_argument("--dense", action="store_true", help="turn DSA sparsity off (attend to every past token)")
     g.add_argument("--ids", action="store_true", help="print token ids instead of text")
     g.set_defaults(func=cmd_generate)
@@ -186,9 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:      # bad input, unreadable / existing files, unreachable servers
         print(f"expertmesh: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        import httpx
+        if isinstance(e, httpx.HTTPError):
+            print(f"expertmesh: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

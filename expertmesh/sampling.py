@@ -1,7 +1,25 @@
 """Token sampling from one sequence's logits with its own seeded generator (never the global one)."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+MAX_SEED = 2 ** 63 - 1
+
+
+def check_sampling(params) -> None:
+    """Raise ValueError naming the field when sampling parameters are out of range (NaN included)."""
+    t, p, k, seed = params.temperature, params.top_p, params.top_k, params.seed
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"temperature={t}: expected a finite number >= 0")
+    if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+        raise ValueError(f"top_p={p}: expected 0 < top_p <= 1")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"top_k={k}: expected an integer >= 0 (0 turns it off)")
+    if seed is not None and (not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
 
 
 class Sampler:
@@ -10,12 +28,7 @@ class Sampler:
     `params` needs temperature, top_p, top_k and seed attributes (model.SamplingParams or an API request)."""
 
     def __init__(self, params) -> None:
-        if params.temperature < 0:
-            raise ValueError(f"temperature={params.temperature}: expected >= 0")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"top_p={params.top_p}: expected 0 < top_p <= 1")
-        if params.top_k < 0:
-            raise ValueError(f"top_k={params.top_k}: expected >= 0 (0 turns it off)")
+        check_sampling(params)
         self.params = params
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -33,7 +46,9 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            before = sorted_probs.cumsum(-1) - sorted_probs   # mass strictly above each token
-            sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+            before = sorted_probs.double().cumsum(-1) - sorted_probs.double()   # mass strictly above each token
+            drop = before >= p.top_p
+            drop[0] = False                                   # the most likely token always survives
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -38,8 +38,13 @@ class ByteTokenizer:
         raise AttributeError(name)
 
     def encode(self, text: str) -> list[int]:
-        """Plain text only: special-token strings inside `text` stay ordinary bytes (no injection)."""
-        return list(text.encode("utf-8"))
+        """Plain text only: special-token strings inside `text` stay ordinary bytes (no injection).
+        Text that is not valid Unicode (a lone surrogate) raises ValueError saying where."""
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start} "
+                             f"({text[e.start:e.end]!r})") from None
 
     def special(self, token: str) -> int:
         try:

@@ -218,16 +218,17 @@ def run_up(args) -> int:
 
 
 def add_arguments(p) -> None:
+    from expertmesh.argtypes import nonnegative_int, positive_int
     p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
     p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
-    p.add_argument("--attention-workers", type=int, default=1)
-    p.add_argument("--expert-workers", type=int, default=2)
-    p.add_argument("--redundant-experts", type=int, default=0, help="extra replicas of hot experts per layer")
+    p.add_argument("--attention-workers", type=positive_int, default=1)
+    p.add_argument("--expert-workers", type=positive_int, default=2)
+    p.add_argument("--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--prefill-chunk", type=int, default=16)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
+    p.add_argument("--prefill-chunk", type=positive_int, default=16)
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
     p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
                                      "with ca.crt, server.crt, server.key, client.crt, client.key")

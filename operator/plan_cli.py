@@ -18,23 +18,25 @@ from pathlib import Path
 
 import numpy as np
 
+from expertmesh.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+
 GIB = 2 ** 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from expertmesh.config import PRESET_NAMES
     p.add_argument("--preset", choices=PRESET_NAMES, default="full-2.8t", help="model preset (default full-2.8t)")
-    p.add_argument("--expert-pods", type=int, required=True, metavar="N", help="expert worker pods")
-    p.add_argument("--gpus-per-pod", type=int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
-    p.add_argument("--gpu-memory-gib", type=float, default=141.0, metavar="GIB", help="memory per GPU (default 141)")
-    p.add_argument("--reserve-gib", type=float, default=0.0, metavar="GIB",
+    p.add_argument("--expert-pods", type=positive_int, required=True, metavar="N", help="expert worker pods")
+    p.add_argument("--gpus-per-pod", type=positive_int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
+    p.add_argument("--gpu-memory-gib", type=positive_float, default=141.0, metavar="GIB", help="memory per GPU (default 141)")
+    p.add_argument("--reserve-gib", type=nonnegative_float, default=0.0, metavar="GIB",
                    help="per-GPU memory kept for activations and buffers, not experts (default 0)")
-    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+    p.add_argument("--redundant-experts", type=nonnegative_int, default=0, metavar="R",
                    help="redundant expert slots per layer, all pods together (default 0)")
     p.add_argument("--loads", type=Path, metavar="FILE",
                    help="tokens per (MoE layer, expert): .npy or .json [layers][experts]")
     p.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the synthetic skew without --loads")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic skew")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the synthetic skew")
     p.add_argument("--previous", type=Path, metavar="PLAN", help="plan in force: report (and minimise) moved shards")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the plan (given loads, R redundant) as JSON")
 
@@ -47,7 +49,7 @@ def read_loads(path: Path) -> np.ndarray:
             return np.load(path, allow_pickle=False)
         if suffix == ".json":
             return np.asarray(json.loads(path.read_text()), dtype=np.float64)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"--loads {path}: cannot read it ({e})") from None
     raise ValueError(f"--loads {path}: expected a .npy or .json file, found {suffix or 'no suffix'}")
 

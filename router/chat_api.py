@@ -11,15 +11,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from expertmesh.chat import (ChatError, Message, ThinkingBudget, ToolCall, parse_output, render,
                              tier_from_request)
 from expertmesh.model import SamplingParams
-from expertmesh.router.engine import Engine, Request
-from expertmesh.router.http import APIError, error_from_exception, iterate_events
+from expertmesh.router.engine import Engine
+from expertmesh.router.engine import Request as EngineRequest
+from expertmesh.router.http import APIError, cancel_on_disconnect, error_from_exception, iterate_events
 from expertmesh.router.tracing import RequestSpan
 from expertmesh.tokenizer import ByteTokenizer
 
@@ -75,7 +76,7 @@ class ChatRun:
     budget: ThinkingBudget
     thinking: bool
     tier: str
-    req: Request | None = None
+    req: EngineRequest | None = None
     salt: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     span: RequestSpan | None = None
 
@@ -150,8 +151,8 @@ def start_chat(engine: Engine, tok: ByteTokenizer, messages: list[Message], tool
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai") -> ChatRun:
     try:
         prompt = render(messages, tok, tools=tools, thinking=thinking)
-    except ChatError as e:
-        raise APIError(400, str(e), param="messages")
+    except ValueError as e:          # ChatError, or text that is not valid Unicode
+        raise APIError(400, str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages")
     limit = engine.cfg.thinking.limit(tier) if thinking else None
     run = ChatRun(engine, tok, prompt, ThinkingBudget(tok, limit, thinking), thinking, tier)
     if max_tokens <= 0:
@@ -206,18 +207,35 @@ def openai_messages(raw: list[dict]) -> list[Message]:
         if role not in ("system", "user", "assistant", "tool"):
             raise APIError(400, f"messages[{i}].role: {role!r} is not one of system, user, assistant, tool",
                            param=f"messages[{i}].role")
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}]: expected an object", param=f"messages[{i}]")
+        for field_name in ("reasoning_content", "tool_call_id"):
+            if m.get(field_name) is not None and not isinstance(m.get(field_name), str):
+                raise APIError(400, f"messages[{i}].{field_name}: expected a string",
+                               param=f"messages[{i}].{field_name}")
+        raw_calls = m.get("tool_calls")
+        if raw_calls is not None and not isinstance(raw_calls, list):
+            raise APIError(400, f"messages[{i}].tool_calls: expected a list of tool calls",
+                           param=f"messages[{i}].tool_calls")
         calls = []
-        for j, c in enumerate(m.get("tool_calls") or []):
+        for j, c in enumerate(raw_calls or []):
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not c.get("id"):
                 raise APIError(400, f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, function: "
                                     f"{{name, arguments}}}}", param=f"messages[{i}].tool_calls[{j}]")
             args = fn.get("arguments", "{}")
-            calls.append(ToolCall(str(c["id"]), fn["name"], args if isinstance(args, str) else json.dumps(args)))
+            if not isinstance(c["id"], str):
+                raise APIError(400, f"messages[{i}].tool_calls[{j}].id: expected a string",
+                               param=f"messages[{i}].tool_calls[{j}].id")
+            calls.append(ToolCall(c["id"], fn["name"], args if isinstance(args, str) else json.dumps(args)))
         try:
             content = _text(m.get("content"))
+            content.encode("utf-8")
         except APIError as e:
             raise APIError(400, f"messages[{i}].{e.message}", param=f"messages[{i}].content")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"messages[{i}].content: not valid Unicode ({e.reason} at character {e.start})",
+                           param=f"messages[{i}].content")
         out.append(Message(role, content, reasoning=m.get("reasoning_content"), tool_calls=calls,
                            tool_call_id=m.get("tool_call_id")))
     return out
@@ -227,7 +245,7 @@ def openai_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, ch
     api = APIRouter()
 
     @api.post("/v1/chat/completions")
-    async def chat(body: ChatBody, authorization: str | None = Header(default=None)):
+    async def chat(body: ChatBody, http_request: Request, authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
         try:
@@ -256,11 +274,14 @@ def openai_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, ch
                     for c in parsed.tool_calls]
 
         if not body.stream:
+            watcher = cancel_on_disconnect(http_request, engine, run.req)
             try:
                 await run.wait()
             except Exception as e:
                 run.fail(e)
                 raise error_from_exception(e)
+            finally:
+                watcher.cancel()
             parsed = run.result()
             message = {"role": "assistant", "content": parsed.content or None,
                        "reasoning_content": parsed.reasoning or None}
@@ -342,6 +363,13 @@ def _as_anthropic(e: Exception) -> AnthropicError:
     return AnthropicError(err.status, err.message, err.type, err.param, err.code)
 
 
+def _block_text(b: dict, key: str, where: str) -> str:
+    value = b.get(key, "")
+    if not isinstance(value, str):
+        raise AnthropicError(400, f"{where}.{key}: expected a string, found {type(value).__name__}")
+    return value
+
+
 def anthropic_messages(body: MessagesBody) -> list[Message]:
     out: list[Message] = []
     if body.system:
@@ -366,7 +394,7 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
                         result = "".join(x.get("text", "") for x in result if isinstance(x, dict))
                     out.append(Message("tool", str(result), tool_call_id=b.get("tool_use_id")))
                 elif kind == "text":
-                    texts.append(b.get("text", ""))
+                    texts.append(_block_text(b, "text", f"messages.{i}.content.{j}"))
                 else:
                     raise AnthropicError(400, f"messages.{i}.content.{j}.type: {kind!r} is not supported in a "
                                               f"user turn (text, tool_result)")
@@ -377,9 +405,9 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
             for j, b in enumerate(blocks):
                 kind = b.get("type") if isinstance(b, dict) else None
                 if kind == "thinking":
-                    msg.reasoning = (msg.reasoning or "") + b.get("thinking", "")
+                    msg.reasoning = (msg.reasoning or "") + _block_text(b, "thinking", f"messages.{i}.content.{j}")
                 elif kind == "text":
-                    msg.content += b.get("text", "")
+                    msg.content += _block_text(b, "text", f"messages.{i}.content.{j}")
                 elif kind == "tool_use":
                     msg.tool_calls.append(ToolCall(b.get("id", ""), b.get("name", ""),
                                                    json.dumps(b.get("input", {}))))
@@ -401,6 +429,8 @@ def anthropic_router(engine: Engine, tok: ByteTokenizer, name: str, check_model,
             check_model(body.model)
             thinking = bool(body.thinking and body.thinking.get("type") == "enabled")
             budget_tokens = body.thinking.get("budget_tokens") if thinking else None
+            if thinking and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
+                raise AnthropicError(400, f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}")
             tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens,
                                      budgets=engine.cfg.thinking)
             msgs = anthropic_messages(body)

@@ -30,10 +30,11 @@ from expertmesh import telemetry
 from expertmesh.config import ModelConfig
 from expertmesh.kernels.moe import moe_combine
 from expertmesh.model import SamplingParams
+from expertmesh.sampling import check_sampling
 from expertmesh.router.dispatch import Dispatcher, ExpertsUnavailable
 from expertmesh.router.kv import KVManager, WorkerKV, prefix_hashes
 from expertmesh.router.tracing import StepTrace
-from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment
+from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment, WorkerError
 
 log = logging.getLogger("expertmesh.router")
 
@@ -197,9 +198,16 @@ class Engine:
             raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer")
         if len(prompt) >= self.cfg.max_context:
             raise RequestError(f"prompt: {len(prompt)} tokens, the model's context is {self.cfg.max_context}")
+        if len(prompt) + params.max_tokens > self.cfg.max_context:
+            raise RequestError(f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus max_tokens "
+                               f"exceeds the model's context of {self.cfg.max_context} tokens")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
+        try:
+            check_sampling(params)
+        except ValueError as err:
+            raise RequestError(str(err)) from None
         need = self._reserve(prompt, params)
         if all(self.kv.blocks_for(w.index, need) > w.total_blocks for w in self.kv.workers):
             raise RequestError(f"prompt + max_tokens = {need} tokens exceed the KV capacity of every attention worker")
@@ -284,7 +292,8 @@ class Engine:
                 break
             with self.cv:
                 self.waiting.pop(0)
-            self.running.append(req)
+            if not req.done:                 # refused by the worker: already answered with its error
+                self.running.append(req)
 
     def _place(self, req: Request) -> bool:
         """Open the request's sequence on an attention worker; False when nothing fits right now."""
@@ -312,6 +321,9 @@ class Engine:
             try:
                 cached = self.attention[worker].open_sequence(seq_id, req.params, reserve_tokens=reserve,
                                                               prefix_key=key)
+            except WorkerError as e:   # the worker refuses the request itself: it must not block the queue
+                self._fail(req, RequestError(str(e)))
+                return True
             except Exception as e:  # out of blocks or prefix gone: try the next candidate
                 log.debug("open_sequence on %d failed: %s", worker, e)
                 if key is not None:

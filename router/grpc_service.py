@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expertmesh.model import SamplingParams
+from expertmesh.sampling import check_sampling
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
@@ -60,10 +61,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             stop_token_ids=tuple(p.stop_token_ids) or (self.tok.eos_id,))
         if params.max_tokens <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")
-        if params.temperature < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.temperature={params.temperature}: expected >= 0")
-        if not 0 < params.top_p <= 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.top_p={params.top_p}: expected 0 < top_p <= 1")
+        try:
+            check_sampling(params)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.{e}")
         return params
 
     def _stream(self, req, context, request_id: str, return_text: bool):
@@ -96,7 +97,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if which == "text":
             if not request.text:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text: expected a non-empty string")
-            prompt = [self.tok.bos_id] + self.tok.encode(request.text)
+            try:
+                prompt = [self.tok.bos_id] + self.tok.encode(request.text)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.text: {e}")
         else:
             prompt = list(request.token_ids.ids)
         params = self._params(request.params, context)

@@ -15,6 +15,7 @@ import uuid
 from fastapi import FastAPI, Header, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from expertmesh.model import SamplingParams
@@ -61,6 +62,9 @@ class CompletionBody(BaseModel):
 def error_from_exception(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
+    from expertmesh.chat import ChatError
+    if isinstance(e, ChatError):
+        return APIError(400, str(e), param=str(e).split(":", 1)[0] if ":" in str(e) else None)
     if isinstance(e, RequestError):
         param = str(e).split(":", 1)[0].split("=", 1)[0] if ":" in str(e) or "=" in str(e) else None
         return APIError(400, str(e), param=param)
@@ -69,6 +73,65 @@ def error_from_exception(e: Exception) -> APIError:
     if isinstance(e, (ExpertsUnavailable, EngineClosed, ConnectionError)):
         return APIError(503, str(e), "service_unavailable", code="unavailable")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+class BodyLimit:
+    """Pure ASGI middleware bounding request bodies, declared (Content-Length) or streamed (chunked): past the
+    limit the app stops receiving and the client gets 413. (Pure ASGI, not BaseHTTPMiddleware, so that client
+    disconnects still reach the handlers.)"""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, send, size: str) -> None:
+        body = json.dumps({"error": {"message": f"request body of {size} bytes exceeds the limit of {self.limit}",
+                                     "type": "invalid_request_error", "param": None, "code": "body_too_large"}})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send, declared.decode())
+        state = {"total": 0, "too_big": False, "started": False}
+
+        async def limited_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                state["total"] += len(message.get("body", b""))
+                if state["total"] > self.limit:
+                    state["too_big"] = True
+                    return {"type": "http.disconnect"}      # stop reading: the app gives up on the body
+            return message
+
+        async def guarded_send(message):
+            if state["too_big"] and not state["started"]:
+                return                                      # our 413 replaces whatever the app answers
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not state["too_big"]:
+                raise
+        if state["too_big"] and not state["started"]:
+            await self._refuse(send, f"more than {state['total']}")
+
+
+def cancel_on_disconnect(http_request: HTTPRequest, engine: Engine, req: Request) -> "asyncio.Task":
+    """A non-streaming request whose client went away is cancelled, freeing its batch slot and KV."""
+    async def watch():
+        while not req.done:
+            if await http_request.is_disconnected():
+                engine.cancel(req)
+                return
+            await asyncio.sleep(0.25)
+    return asyncio.get_running_loop().create_task(watch())
 
 
 class StopMatcher:
@@ -141,11 +204,34 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     async def _api_error(_, e: APIError):
         return e.response()
 
+    def _shaped(request: HTTPRequest, error: APIError) -> APIError:
+        if request.url.path.startswith("/v1/messages"):
+            from expertmesh.router.chat_api import AnthropicError
+            return AnthropicError(error.status, error.message, error.type, error.param, error.code)
+        return error
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
+        detail = str(e.detail)
+        if e.status_code == 400 and "parsing the body" in detail:
+            detail = ("body: not valid JSON (it could not be decoded: invalid UTF-8, nesting too deep or a "
+                      "number too large)")
+        elif e.status_code == 404:
+            detail = f"{request.method} {request.url.path}: no such endpoint"
+        elif e.status_code == 405:
+            detail = f"{request.method} {request.url.path}: method not allowed"
+        return _shaped(request, APIError(e.status_code, detail)).response()
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: HTTPRequest, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"loc": [], "msg": "invalid body"}
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
         field = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            field = None
+            err = {"msg": f"not valid JSON ({(err.get('ctx') or {}).get('error', 'decode error')})"}
+        elif err.get("type") == "model_attributes_type" and not loc:
+            err = {"msg": "expected a JSON object (send it with Content-Type: application/json)"}
         error = APIError(400, f"{field or 'body'}: {err.get('msg')}", param=field)
         if request.url.path.startswith("/v1/messages"):
             from expertmesh.router.chat_api import AnthropicError
@@ -160,12 +246,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
 
-    @app.middleware("http")
-    async def _limits(request: HTTPRequest, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}").response()
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.get("/health")
     async def health():
@@ -196,7 +277,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
                            code="model_not_found")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, authorization: str | None = Header(default=None)):
+    async def completions(body: CompletionBody, http_request: HTTPRequest,
+                          authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
@@ -206,7 +288,10 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise APIError(400, "prompt: expected a non-empty string", param="prompt")
-            prompt_ids = [tok.bos_id] + tok.encode(body.prompt)
+            try:
+                prompt_ids = [tok.bos_id] + tok.encode(body.prompt)
+            except ValueError as e:
+                raise APIError(400, f"prompt: {e}", param="prompt")
         else:
             prompt_ids = list(body.prompt)
             if not prompt_ids:
@@ -246,6 +331,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
 
         if not body.stream:
+            watcher = cancel_on_disconnect(http_request, engine, req)
             try:
                 async for token in iterate_events(req):
                     matcher.feed(token, tok)
@@ -255,6 +341,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
             except Exception as e:
                 end_span(e)
                 raise error_from_exception(e)
+            finally:
+                watcher.cancel()
             end_span()
             text = matcher.text if matcher.stopped else matcher.text + matcher.flush()
             out = chunk(text, finish_reason())

@@ -201,6 +201,21 @@ def test_paged_decode_matches_reference(case, dtype, monkeypatch):
         assert _rel(o, o_ref) < TOL[dtype]
 
 
+def test_paged_indexer_scores_are_bitwise_the_reference_scores(monkeypatch):
+    """Same arithmetic in the paged, chunked indexer as in the reference: equal bits, hence equal top-k."""
+    lens = [37, 5, 64]
+    _, _, ikc, table, ctx, iq, w = _paged_inputs(lens, 1, 8, 6, 24, 8, 8, seed=11)
+    for chunk in [8, 24, 4096]:
+        monkeypatch.setattr(sparse, "DECODE_CHUNK_TOKENS", chunk)
+        got = paged_indexer_scores(iq, w, ikc, table, ctx)
+        assert got.shape == (3, 64)
+        for b, n in enumerate(lens):
+            pages = table[b, : -(-n // 8)].long()
+            want = lightning_indexer_reference(iq[b][None, None], ikc[pages].reshape(-1, 24)[:n][None],
+                                               w[b][None, None])[0, 0]
+            assert torch.equal(got[b, :n], want) and torch.isinf(got[b, n:]).all()
+
+
 def test_paged_decode_equals_prefill_of_the_last_query():
     """Decode over pages == the contiguous prefill path with Tq = 1 on the same context."""
     lens = [11, 26]

@@ -194,9 +194,11 @@ def check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, i
 
 
 # ------------------------------------------------------------------------------------ indexer arithmetic
-def stable_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def stable_bmm(a: torch.Tensor, b: torch.Tensor, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """a [B, M, K] @ b[B, N, K]^T → [B, M, N] fp32, each element's bits independent of M, N and its offset
-    (rows padded to a multiple of ROW_TILE, at most MAX_ROWS per call; columns padded to MIN_COLS)."""
+    (rows padded to a multiple of ROW_TILE, at most MAX_ROWS per call; columns padded to MIN_COLS).
+    `workspace`, a flat fp32 buffer of at least B * M' * N' elements (padded sizes), receives the product
+    instead of a new allocation when the rows fit one call; the result is then a view into it."""
     a, b = a.float(), b.float()
     Bn, M, K = a.shape
     N = b.shape[1]
@@ -208,32 +210,39 @@ def stable_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if Mp != M:
         a = torch.cat([a, a.new_zeros(Bn, Mp - M, K)], dim=1)
     bt = b.transpose(1, 2)
-    out = torch.cat([torch.bmm(a[:, s:s + MAX_ROWS], bt) for s in range(0, Mp, MAX_ROWS)], dim=1) \
-        if Mp > MAX_ROWS else torch.bmm(a, bt)
+    if Mp > MAX_ROWS:
+        out = torch.cat([torch.bmm(a[:, s:s + MAX_ROWS], bt) for s in range(0, Mp, MAX_ROWS)], dim=1)
+    elif workspace is not None:
+        out = torch.bmm(a, bt, out=workspace[: Bn * Mp * bt.shape[2]].view(Bn, Mp, bt.shape[2]))
+    else:
+        out = torch.bmm(a, bt)
     return out[:, :M, :N]
 
 
-def head_sum(x: torch.Tensor) -> torch.Tensor:
-    """x [..., Hi, N] → [..., N]: the sum over heads in a fixed pairwise order (elementwise adds only)."""
-    while x.shape[-2] > 1:
-        n = x.shape[-2]
+def head_sum_(x: torch.Tensor) -> torch.Tensor:
+    """x [..., Hi, N] → [..., N] (a view of x, which is overwritten): the sum over heads in a fixed pairwise
+    order, by elementwise adds only — x[h] += x[h + half] level by level; an odd head out joins head 0."""
+    n = x.shape[-2]
+    while n > 1:
         half = n // 2
-        y = x[..., :half, :] + x[..., half:2 * half, :]
-        if n % 2:                                      # odd count: the last head joins the first pair
-            y[..., :1, :] += x[..., 2 * half:, :]
-        x = y
+        x[..., :half, :] += x[..., half:2 * half, :]
+        if n % 2:
+            x[..., :1, :] += x[..., 2 * half:n, :]
+        n = half
     return x[..., 0, :]
 
 
-def indexer_scores(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor) -> torch.Tensor:
+def indexer_scores(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor,
+                   workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Unmasked indexer scores: index_q [B,T,Hi,Di], index_k [B,N,Di], index_weights [B,T,Hi] → [B,T,N] fp32,
     sum_h w[b,t,h] * ReLU(index_q[b,t,h] . index_k[b,n]). The one definition of the indexer's arithmetic; the
-    score of (t, n) does not depend on T, N or where the call's rows and columns start."""
+    score of (t, n) does not depend on T, N or where the call's rows and columns start. With a `workspace`
+    (see stable_bmm) the result is a view into it, valid until the workspace is reused."""
     B, T, Hi, Di = index_q.shape
     N = index_k.shape[1]
-    logits = stable_bmm(index_q.reshape(B, T * Hi, Di), index_k).view(B, T, Hi, N)
+    logits = stable_bmm(index_q.reshape(B, T * Hi, Di), index_k, workspace).view(B, T, Hi, N)
     logits.relu_().mul_(index_weights.float()[..., None])
-    return head_sum(logits)
+    return head_sum_(logits)
 
 
 # ------------------------------------------------------------------------------------------- reference

@@ -10,7 +10,7 @@ a masked dense pass) and agrees to rounding.
   block only scores the positions its last query can see. When topk covers everything a block can see, the
   indexer is skipped (it would select all visible positions) and attention runs densely over them.
 - `dsa_decode_paged`: one query per sequence over a paged cache. The indexer walks the pages in chunks of
-  DECODE_CHUNK_TOKENS (the chunk's keys gathered into a cache-sized buffer, one batched GEMM, ReLU, weighted
+  DECODE_CHUNK_TOKENS (the chunk's keys gathered into a reused buffer, one batched GEMM, ReLU, weighted
   head sum); top-k; then attention over at most topk gathered entries. Cost per token: the indexer pass over
   the context plus attention over <= topk entries, never dense attention over the whole context.
 """
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from expertmesh.kernels.batch_invariant import ROW_TILE
 from expertmesh.kernels.dsa.naive import (
+    MIN_COLS,
     DSAShapes,
     PagedShapes,
     check_decode_inputs,
@@ -37,14 +39,13 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [..., N] (-inf = invisible), 1 <= k <= N → [..., k] int64: the k highest positions, ties to the
     lower position, used positions ascending then -1 for the -inf ones (exactly `topk_indices_reference`).
 
-    torch.topk gives the k-th largest value t but no tie order; the positions > t are all taken, and of the
-    positions == t the lowest ones fill the remaining slots, and a scatter puts the chosen in order (no host
-    sync, so this is the GPU path). On CPU, when no tie straddles the cut, topk's picks are simply sorted."""
+    torch.topk gives the k-th largest value t but no tie order. All positions > t are taken, the lowest of
+    those == t fill the remaining slots, and a scatter puts the chosen in order (no host sync: the GPU path).
+    On CPU, when no tie straddles the cut (the usual case), topk's own picks are just sorted."""
     N = scores.shape[-1]
     vals, picks = scores.topk(k, dim=-1, sorted=False)
     thr = vals.amin(dim=-1, keepdim=True)
     if not scores.is_cuda and bool(((scores >= thr).sum(dim=-1) == k).all()):
-        # No tie straddles the cut (the usual case): topk's own picks are the set; put them in order.
         picks = picks.masked_fill(vals == _NEG_INF, N).sort(dim=-1).values
         return picks.masked_fill_(picks == N, -1)
     above = scores > thr
@@ -65,10 +66,12 @@ def _visible_positions(q_pos: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(pos[None, :] <= q_pos[:, None], pos[None, :], -1)
 
 
-def _attend_gathered(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
-    """q [B,T,H,D], kv [B,Tk,D], idx [B,T,k] (-1 = unused) → [B,T,H,v_dim] fp32 over the gathered entries."""
-    B = q.shape[0]
-    sel = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp_min(0)].float()  # [B,T,k,D]
+def _attend_gathered(q: torch.Tensor, kv_rows: torch.Tensor, Tk: int, idx: torch.Tensor, scale: float,
+                     v_dim: int) -> torch.Tensor:
+    """q [B,T,H,D] over kv_rows [B*Tk, D] (kv flattened) at idx [B,T,k] (-1 = unused) → [B,T,H,v_dim] fp32."""
+    B, D = q.shape[0], kv_rows.shape[1]
+    flat = idx.clamp_min(0) + Tk * torch.arange(B, device=kv_rows.device)[:, None, None]
+    sel = kv_rows.index_select(0, flat.reshape(-1)).view(*idx.shape, D).float()         # [B,T,k,D]
     logits = torch.matmul(q.float(), sel.transpose(-1, -2)).mul_(scale)                  # [B,T,H,k]
     logits.masked_fill_((idx < 0)[:, :, None, :], _NEG_INF)
     return torch.matmul(torch.softmax(logits, dim=-1), sel[..., :v_dim])
@@ -133,6 +136,7 @@ def dsa_prefill(
     o = out if out is not None else torch.empty(B, Tq, shp.H, shp.v_dim, dtype=q.dtype, device=q.device)
     indices = torch.empty(B, Tq, k_all, dtype=torch.int64, device=q.device) if return_indices else None
     bq = _block_rows(shp)
+    kv_rows = kv.reshape(B * Tk, shp.D)                         # once: a copy only if kv is a strided view
     for i0 in range(0, Tq, bq):
         i1 = min(Tq, i0 + bq)
         n = Tk - Tq + i1 if causal else Tk                     # positions any query of the block can see
@@ -148,7 +152,7 @@ def dsa_prefill(
             if causal:
                 s.masked_fill_(torch.arange(n, device=q.device)[None, :] > q_pos[:, None], _NEG_INF)
             idx = select_topk(s, shp.topk)                                                  # [B,bq,topk]
-            o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv, idx, shp.scale, shp.v_dim)
+            o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv_rows, Tk, idx, shp.scale, shp.v_dim)
         if indices is not None:
             indices[:, i0:i1, :idx.shape[-1]] = idx
             indices[:, i0:i1, idx.shape[-1]:] = -1
@@ -171,12 +175,17 @@ def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, ind
     W = n_pages * bs
     scores = torch.empty(B, W, device=index_q.device)
     table = block_table[:, :n_pages].long().clamp(0, nb - 1)  # past a sequence's pages: any valid block, masked
-    per_chunk = max(1, DECODE_CHUNK_TOKENS // bs)
+    per_chunk = max(1, min(n_pages, DECODE_CHUNK_TOKENS // bs))
     iq, iw = index_q[:, None], index_weights[:, None]           # [B,1,Hi,Di], [B,1,Hi]
+    # Buffers reused by every chunk: fresh multi-MiB allocations per chunk cost page faults, not just time.
+    keys_buf = index_k_cache.new_empty(B * per_chunk * bs * Di)
+    rows = max(ROW_TILE, -(-index_q.shape[1] // ROW_TILE) * ROW_TILE)
+    logits_buf = torch.empty(B * rows * max(per_chunk * bs, MIN_COLS), device=index_q.device)
     for p0 in range(0, n_pages, per_chunk):
-        pages = table[:, p0:p0 + per_chunk]                     # [B,p]
-        keys = index_k_cache.index_select(0, pages.reshape(-1)).view(B, -1, Di)  # [B,p*bs,Di]
-        scores[:, p0 * bs:p0 * bs + keys.shape[1]] = indexer_scores(iq, keys, iw)[:, 0]
+        pages = table[:, p0:p0 + per_chunk].reshape(-1)         # [B*p]
+        keys = torch.index_select(index_k_cache, 0, pages, out=keys_buf[: pages.numel() * bs * Di].view(-1, bs, Di))
+        keys = keys.view(B, -1, Di)                             # [B,p*bs,Di]
+        scores[:, p0 * bs:p0 * bs + keys.shape[1]] = indexer_scores(iq, keys, iw, logits_buf)[:, 0]
     return scores.masked_fill_(torch.arange(W, device=scores.device)[None, :] >= lens[:, None], _NEG_INF)
 
 
@@ -187,7 +196,7 @@ def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     bs, D = kv_cache.shape[1:]
     safe = indices.clamp_min(0)
     rows = block_table.long().gather(1, safe // bs) * bs + safe % bs                    # physical rows [B,k]
-    sel = kv_cache.reshape(-1, D)[rows].float()                                         # [B,k,D]
+    sel = kv_cache.reshape(-1, D).index_select(0, rows.reshape(-1)).view(*rows.shape, D).float()  # [B,k,D]
     logits = torch.bmm(q.float(), sel.transpose(1, 2)).mul_(scale)                      # [B,H,k]
     logits.masked_fill_((indices < 0)[:, None, :], _NEG_INF)
     return torch.bmm(torch.softmax(logits, dim=-1), sel[..., :v_dim])
