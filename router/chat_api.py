@@ -505,6 +505,11 @@ def anthropic_router(engine: Engine, tok: ByteTokenizer, name: str, check_model,
                     yield event("content_block_delta", {"index": index, "delta": delta})
                 parsed = run.result()
                 run.record(parsed)
+                if index == -1:                 # nothing streamed: still one (empty) block, as Anthropic sends
+                    index, open_kind = 0, "thinking" if thinking else "text"
+                    start = {"type": "thinking", "thinking": "", "signature": ""} if thinking \
+                        else {"type": "text", "text": ""}
+                    yield event("content_block_start", {"index": 0, "content_block": start})
                 rest = parsed.content[len(sent):] if parsed.content.startswith(sent) else ""
                 if rest:                                   # held-back malformed tool call, as text
                     if open_kind != "text":
