@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/tracing.json")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--child", nargs=4, metavar=("CKPT", "MODE", "REQUESTS", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -70,11 +71,14 @@ def main(argv=None) -> int:
     from expertmesh.config import preset
     ckpt = str(create_checkpoint(preset("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0))
     requests, tokens = (4, 16) if args.quick else (8, 48)
-    rows = []
-    for mode, env in MODES.items():
-        out = subprocess.run([sys.executable, __file__, "--child", ckpt, mode, str(requests), str(tokens)],
-                             env={**os.environ, **env}, capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):      # modes interleaved, best of the rounds: the machine is shared and noisy
+        for mode, env in MODES.items():
+            out = subprocess.run([sys.executable, __file__, "--child", ckpt, mode, str(requests), str(tokens)],
+                                 env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            tok_s = json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+            best[mode] = max(best.get(mode, 0.0), tok_s)
+    rows = [{"mode": mode, "tok_s": best[mode]} for mode in MODES]
     base = rows[0]["tok_s"]
     print(f"{'tracing':24} {'tok/s':>8} {'overhead':>9}")
     for r in rows:
