@@ -142,9 +142,9 @@ class KDAttention(nn.Module):
         return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim),
                         conv=torch.zeros(self.kernel - 1, 3 * self.inner))
 
-    def _short_conv(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
-        """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner] → [T, 3·inner]; updates cache."""
-        weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])        # [3·inner, kernel]
+    def _short_conv(self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner], weight [3·inner, kernel]
+        → [T, 3·inner]; updates cache."""
         window = torch.cat([cache.conv, x])                                # [kernel-1+T, 3·inner]
         t = x.shape[0]
         out = torch.zeros_like(x)
@@ -159,11 +159,12 @@ class KDAttention(nn.Module):
         g = -self.A_log.float().exp().repeat_interleave(d) * pointwise(F.softplus, self.f_b(self.f_a(x)) + self.dt_bias)
         beta = pointwise(torch.sigmoid, self.b_proj(x))                            # [N, nH]
         out_gate = pointwise(torch.sigmoid, self.g_b(self.g_a(x)))                 # [N, inner]
+        conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])          # [3·inner, kernel]
         o = x.new_empty(n, nh, d)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: KDACache = seg.cache.layers[layer]
-            q, k, v = self._short_conv(qkv[rows], cache).split(self.inner, dim=-1)
+            q, k, v = self._short_conv(qkv[rows], cache, conv_weight).split(self.inner, dim=-1)
             q = F.normalize(q.view(-1, nh, d), dim=-1)[None]                        # [1, T, nH, D]
             k = F.normalize(k.view(-1, nh, d), dim=-1)[None]
             v = v.view(-1, nh, d)[None]

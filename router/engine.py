@@ -32,7 +32,7 @@ from expertmesh.kernels.moe import moe_combine
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
 from expertmesh.router.dispatch import Dispatcher, ExpertsUnavailable
-from expertmesh.router.kv import KVManager, WorkerKV, prefix_hashes
+from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV
 from expertmesh.router.tracing import StepTrace
 from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment, WorkerError
 
@@ -85,6 +85,7 @@ class Request:
     notify: Callable[[], None] | None = None    # called after each event (wakes an async consumer)
     trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
     queue_span: object | None = None
+    hasher: PrefixHasher | None = None          # hash chain of tokens fed so far (prefix-cache keys)
 
     def _emit(self, kind: str, value) -> None:
         self.events.put((kind, value))
@@ -403,7 +404,9 @@ class Engine:
             for req, toks, _ in items:
                 new_len = req.computed + len(toks)
                 if new_len % self.prefill_chunk == 0 and new_len < self.cfg.max_context:
-                    key = prefix_hashes(req.tokens[:new_len], self.prefill_chunk)[-1][1]
+                    if req.hasher is None or req.hasher.length > new_len:   # new, or replaying after a failover
+                        req.hasher = PrefixHasher(self.prefill_chunk)
+                    key = req.hasher.advance(req.tokens, new_len)
                     if not self.kv.has(key):
                         snapshots.setdefault(w, {})[req.seq_id] = key
                         snapshot_len[key] = new_len

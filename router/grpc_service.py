@@ -23,7 +23,7 @@ from expertmesh.tokenizer import ByteTokenizer
 
 
 def _status_for(e: Exception) -> grpc.StatusCode:
-    if isinstance(e, RequestError) or isinstance(e, ValueError):
+    if isinstance(e, ValueError):          # RequestError, ChatError, decoding
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED

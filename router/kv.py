@@ -11,14 +11,27 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
+class PrefixHasher:
+    """The hash chain of a growing token list, chunk by chunk: equal prefixes hash equal and any difference
+    changes all later keys. Feeding it as a sequence grows costs O(new tokens), not O(length)."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self.length = 0
+        self._h = hashlib.sha256(b"expertmesh-prefix-v1")
+
+    def advance(self, tokens: list[int], upto: int) -> str:
+        """The key of tokens[:upto] (`upto` a multiple of the chunk, ≥ what was hashed so far)."""
+        for end in range(self.length + self.chunk, upto + 1, self.chunk):
+            self._h.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - self.chunk: end]))
+            self.length = end
+        return self._h.hexdigest()[:32]
+
+
 def prefix_hashes(tokens: list[int], chunk: int) -> list[tuple[int, str]]:
-    """(length, hash of tokens[:length]) for every multiple of `chunk` ≤ len(tokens), shortest first.
-    The hash chains chunk by chunk, so equal prefixes hash equal and any difference changes all later ones."""
-    out, h = [], hashlib.sha256(b"expertmesh-prefix-v1")
-    for end in range(chunk, len(tokens) + 1, chunk):
-        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - chunk: end]))
-        out.append((end, h.copy().hexdigest()[:32]))
-    return out
+    """(length, key of tokens[:length]) for every multiple of `chunk` ≤ len(tokens), shortest first."""
+    hasher = PrefixHasher(chunk)
+    return [(end, hasher.advance(tokens, end)) for end in range(chunk, len(tokens) + 1, chunk)]
 
 
 @dataclass

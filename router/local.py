@@ -2,25 +2,11 @@
 transport). Same Engine, same worker classes as the multi-process deployment, no gRPC in between."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.router.engine import Engine
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
-
-
-@dataclass
-class StaticPlacement:
-    """A fixed logical → physical map: `table[(layer, expert)]` = worker ordinals holding it."""
-    table: dict[tuple[int, int], list[int]]
-
-    def replicas(self, layer: int, expert: int) -> list[int]:
-        return self.table.get((layer, expert), [])
-
-    def experts_of(self, worker: int) -> list[tuple[int, int]]:
-        return sorted(k for k, ws in self.table.items() if worker in ws)
 
 
 def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None):

@@ -66,12 +66,12 @@ class PagedSequenceKV:
             self.blocks.append(self.pool.allocate())
 
     def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Tokens start .. start+n-1 of `layer` into their pages (one indexed store per tensor)."""
         bs = self.pool.block_size
-        for j in range(latent.shape[0]):
-            pos = start + j
-            blk = self.blocks[pos // bs]
-            self.pool.latent[layer][blk, pos % bs] = latent[j]
-            self.pool.index_k[layer][blk, pos % bs] = index_k[j]
+        pos = torch.arange(start, start + latent.shape[0])
+        blocks = torch.tensor(self.blocks, dtype=torch.int64)[pos // bs]
+        self.pool.latent[layer][blocks, pos % bs] = latent
+        self.pool.index_k[layer][blocks, pos % bs] = index_k
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [0, length) of `layer` as contiguous [length, D] tensors (an exact copy of the pages)."""
@@ -106,20 +106,28 @@ class PagedSequenceKV:
 
 
 class PagedDSACache:
-    """Drop-in for `model.DSACache` backed by the sequence's pages: append writes, reads gather."""
+    """Drop-in for `model.DSACache` backed by the sequence's pages: append writes, reads gather (once per
+    append: attention reads both tensors right after)."""
 
     def __init__(self, kv: PagedSequenceKV, layer: int):
         self.kv, self.layer = kv, layer
         self.length = kv.length
+        self._view: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def append(self, latent: torch.Tensor, index_k: torch.Tensor) -> None:
         self.kv.write(self.layer, self.length, latent, index_k)
         self.length += latent.shape[0]
+        self._view = None
+
+    def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._view is None:
+            self._view = self.kv.read(self.layer, self.length)
+        return self._view
 
     @property
     def latent(self) -> torch.Tensor:
-        return self.kv.read(self.layer, self.length)[0]
+        return self._read()[0]
 
     @property
     def index_k(self) -> torch.Tensor:
-        return self.kv.read(self.layer, self.length)[1]
+        return self._read()[1]

@@ -10,15 +10,10 @@ topk_ids[t,k] (a LOCAL index in [0,E), or -1: not on this shard → exactly 0) f
 `moe_combine(outputs [T,K,H], topk_weights [T,K])` → [T,H]: Σ_k w[t,k]·out[t,k] in fp32, in rank order k = 0..K-1.
 
 Batch invariance (DESIGN.md, "Determinism"): a token's rows must be bitwise the same whatever other tokens
-share the call. Two things on torch 2.13 CPU depend on the batch and are pinned here:
-  - MKL sgemm picks its kernel by the row count (1 row → gemv, others → differently blocked gemms), so row i of
-    x @ W^T changes in the last bits with M. `invariant_linear` pads the rows to a multiple of ROW_TILE (16)
-    and calls with at most MAX_ROWS (1024) rows, a finite set of shapes on which every row's result was
-    checked to be independent of M and of its position (all M = 1..1024, the `small` and `tiny` sizes).
-  - Vectorised elementwise kernels (silu) run the SIMD body on most elements and a scalar loop on the tail
-    (and on thread-chunk tails); the two round differently (~4% of silu values). `swiglu` applies silu on
-    chunks of rows whose element count is a multiple of 32 (I is a multiple of 32) and < 32768 (ATen's
-    parallel grain), so every element goes through the same single-threaded SIMD body.
+share the call. On torch 2.13 CPU both the GEMM kernel (picked by row count) and the elementwise kernels
+(SIMD body vs scalar tails) depend on the batch; `invariant_linear` and `swiglu` go through
+`kernels/batch_invariant.py` (row-tiled GEMMs, pointwise ops on whole vectors in single-threaded chunks),
+the same helpers the model's dense layers use.
 The reference below and the grouped fast path use both, so they agree bitwise with each other too.
 """
 from __future__ import annotations
@@ -28,11 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from expertmesh.kernels.batch_invariant import ROW_TILE
+from expertmesh.kernels.batch_invariant import linear, pointwise
 from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
 
-MAX_ROWS = 1024          # rows per GEMM call (a multiple of ROW_TILE)
-_ELEMENTWISE_GRAIN = 32768  # at::internal::GRAIN_SIZE: below it an elementwise op runs on one thread
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -138,42 +131,16 @@ def check_combine_inputs(outputs: torch.Tensor, topk_weights: torch.Tensor, out:
 
 # ------------------------------------------------------------------------------ batch-invariant building blocks
 def invariant_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [M, Kd] fp32 @ w [N, Kd]^T → [M, N] fp32, each row's bits independent of the other rows and of M.
-
-    CPU: rows go through F.linear in calls of a multiple of ROW_TILE rows, at most MAX_ROWS (zero-padded).
-    Other devices: plain F.linear (batch invariance there is the Triton kernels' job)."""
-    if not a.is_cpu:
-        return F.linear(a, w)
-    M = a.shape[0]
-    out = a.new_empty(M, w.shape[0])
-    for s in range(0, M, MAX_ROWS):
-        chunk = a[s:s + MAX_ROWS]
-        m = chunk.shape[0]
-        padded = -(-m // ROW_TILE) * ROW_TILE
-        if padded != m:
-            chunk = torch.cat([chunk, chunk.new_zeros(padded - m, chunk.shape[1])])
-        out[s:s + m] = F.linear(chunk, w)[:m]
-    return out
+    """a [M, Kd] fp32 @ w [N, Kd]^T → [M, N] fp32, each row's bits independent of the other rows and of M
+    (`kernels.batch_invariant.linear`: 16-row tiles, at most 1024 rows a call; plain F.linear off the CPU)."""
+    return linear(a, w)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] fp32 (gate | up) → silu(gate) ⊙ up [M, I], each element through the same SIMD path."""
-    M, two_i = gate_up.shape
-    I = two_i // 2
-    if not gate_up.is_cpu:
-        return F.silu(gate_up[:, :I]) * gate_up[:, I:]
-    gate = gate_up[:, :I].contiguous()
-    rows = 1
-    while rows < ROW_TILE and 2 * rows * I < _ELEMENTWISE_GRAIN:
-        rows *= 2                          # 1, 2, 4, 8 or 16 rows: a power of two, so chunks tile ROW_TILE
-    act = torch.empty_like(gate)
-    whole = M - M % rows
-    for s in range(0, whole, rows):        # rows·I elements: a multiple of 32 and < the grain (or one row)
-        act[s:s + rows] = F.silu(gate[s:s + rows])
-    if whole < M:                          # the last partial chunk: pad it to `rows` rows
-        tail = torch.cat([gate[whole:], gate.new_zeros(rows - (M - whole), I)])
-        act[whole:] = F.silu(tail)[:M - whole]
-    return act * gate_up[:, I:]            # IEEE multiply: the same bits on every path
+    """gate_up [M, 2I] fp32 (gate | up) → silu(gate) ⊙ up [M, I], each element through the same SIMD path
+    (`kernels.batch_invariant.pointwise`)."""
+    i = gate_up.shape[1] // 2
+    return pointwise(F.silu, gate_up[:, :i]) * gate_up[:, i:]   # IEEE multiply: the same bits on every path
 
 
 def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
