@@ -1,6 +1,11 @@
-"""Checkpoints: safetensors shards + `config.json`, routed experts in MXFP4 (gpt-oss layout), the rest bf16.
+"""Checkpoints: safetensors shards + `config.json`, routed experts in MXFP4 (gpt-oss layout).
 
-Layout of a checkpoint directory:
+Two layouts load through one `Checkpoint`:
+  - the native layout below (what `expertmesh checkpoint create` writes);
+  - Hugging Face directories of the published relatives (config.json model_type `kimi_linear` or
+    `deepseek_v32`), their names, dtypes and expert layouts mapped by `expertmesh.hf_layout`.
+
+Native layout of a checkpoint directory:
   config.json                        the ModelConfig
   model.safetensors.index.json       {"metadata": {...}, "weight_map": {tensor name: shard file}}
   model-embed.safetensors            embed.weight, norm.weight, lm_head.weight
@@ -9,7 +14,9 @@ Layout of a checkpoint directory:
 
 Routed experts of layer L: `layers.L.moe.experts.gate_up.blocks` uint8 [E, 2I, H/2] (two E2M1 codes per byte,
 even element in the low nibble), `...gate_up.scales` uint8 [E, 2I, H/32] (E8M0, bias 127), and the same for
-`down` ([E, H, I/2], [E, H, I/32]). Every other tensor is bf16 under its module path.
+`down` ([E, H, I/2], [E, H, I/32]). Every other tensor is under its module path in bf16, except those the
+published models keep in fp32 (`model.FP32_PARAMETERS`: routing weights and bias, KDA A_log / dt_bias, the DSA
+indexer's head weights). A tied LM head is stored once, as `embed.weight`.
 
 The loader checks every name, dtype and shape against the config and names the file, the tensor, what it
 expected and what it found.
@@ -31,10 +38,10 @@ from expertmesh.config import ModelConfig, load_config
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 FORMAT = "expertmesh-mxfp4"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: published-math modules (indexer k-norm, conv [D, 1, K], fp32 routing tensors)
 _EXPERT_BUFFERS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
-                torch.int64: "I64", torch.int32: "I32"}
+                torch.int64: "I64", torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class CheckpointError(ValueError):
@@ -81,16 +88,26 @@ def is_routed_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor a checkpoint of `cfg` holds, from the model built on the meta device (no memory)."""
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state-dict tensor of the model for `cfg` and its shape, built on the meta device (no memory). A tied
+    LM head appears once, as embed.weight."""
     from expertmesh.model import Transformer
     with torch.device("meta"):
         model = Transformer(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor a native checkpoint of `cfg` holds, with its stored dtype and shape."""
+    from expertmesh.model import stored_dtype
     specs: dict[str, TensorSpec] = {}
-    for name, t in model.state_dict().items():
+    for name, shape in module_shapes(cfg).items():
         ck = checkpoint_name(name)
-        dtype = torch.uint8 if is_routed_expert(ck) else torch.bfloat16
-        specs[ck] = TensorSpec(ck, dtype, tuple(t.shape), _layer_of(ck))
+        dtype = torch.uint8 if is_routed_expert(ck) else stored_dtype(name)
+        specs[ck] = TensorSpec(ck, dtype, shape, _layer_of(ck))
     return specs
 
 
@@ -111,8 +128,7 @@ def save_checkpoint(model, out_dir: str | os.PathLike, *, layers_per_shard: int 
     state = {checkpoint_name(k): v for k, v in model.state_dict().items()}
     by_file: dict[str, dict[str, torch.Tensor]] = {}
     for name, spec in specs.items():
-        t = state[name]
-        t = t.to(torch.uint8) if spec.dtype == torch.uint8 else t.to(torch.bfloat16)
+        t = state[name].to(spec.dtype)
         by_file.setdefault(shard_file_of(spec, layers_per_shard), {})[name] = t.contiguous()
     files = sorted(by_file)
     iterator: Iterable[str] = files
@@ -152,13 +168,23 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         if not cfg_path.exists():
             raise CheckpointError(f"{cfg_path}: missing (a checkpoint needs its config.json)")
+        self.hf = None          # the Hugging Face layout, when the directory is one
         try:
-            self.cfg = load_config(cfg_path)
-        except ValueError as e:
-            raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        if isinstance(raw, dict) and "model_type" in raw and raw["model_type"] != "expertmesh":
+            self._open_hf(raw)
+        else:
+            try:
+                self.cfg = load_config(cfg_path)
+            except ValueError as e:
+                raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
         if expect_config is not None and expect_config != self.cfg:
             diff = _config_diff(expect_config.model_dump(), self.cfg.model_dump())
             raise CheckpointError(f"{cfg_path}: config does not match the expected one ({diff})")
+        if self.hf is not None:
+            return
         index_path = self.path / INDEX_FILE
         if not index_path.exists():
             raise CheckpointError(f"{index_path}: missing")
@@ -170,6 +196,24 @@ class Checkpoint:
             raise CheckpointError(f"{index_path}: not a valid index ({e!r})") from None
         self.specs = expected_tensors(self.cfg)
         self._validate()
+
+    def _open_hf(self, raw: dict) -> None:
+        from pydantic import ValidationError
+        from expertmesh.hf_layout import HFCheckpointError, HFLayout
+        try:
+            self.hf = HFLayout(self.path, raw)
+        except HFCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise CheckpointError(f"{self.path / CONFIG_FILE}: maps to an invalid model config: "
+                                  f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        self.cfg = self.hf.cfg
+
+    @property
+    def layout(self) -> str:
+        """"expertmesh" (native) or the Hugging Face model_type."""
+        return self.cfg.model_type if self.hf is not None else FORMAT
 
     def _validate(self) -> None:
         missing = sorted(set(self.specs) - set(self.weight_map))
@@ -225,6 +269,9 @@ class Checkpoint:
 
     def load_dense_state(self, *, float_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Every tensor except the routed experts, as module state-dict names, floats cast to `float_dtype`."""
+        if self.hf is not None:
+            shapes = module_shapes(self.cfg)
+            return {name: self.hf.dense(name, shapes[name]).to(float_dtype) for name in self.hf.names}
         out = {}
         by_file: dict[str, list[str]] = {}
         for name in self.specs:
@@ -236,6 +283,16 @@ class Checkpoint:
                     out[module_name(name)] = f.get_tensor(name).to(float_dtype)
         return out
 
+    def _expert_buffers(self, layer: int, expert_ids: list[int]) -> dict[str, torch.Tensor]:
+        n_experts = self.cfg.moe.n_routed_experts
+        for e in expert_ids:
+            if not 0 <= e < n_experts:
+                raise CheckpointError(f"expert {e} out of range for layer {layer} ([0, {n_experts}))")
+        if self.hf is not None:
+            return self.hf.expert_weights(layer, expert_ids)
+        return {buf: self.expert_slice(checkpoint_name(f"layers.{layer}.moe.experts.{buf}"), expert_ids)
+                for buf in _EXPERT_BUFFERS}
+
     def load_model(self, *, experts: bool = True, dense_attention: bool = False):
         """The whole reference Transformer (fp32). `experts=False` leaves routed experts empty (attention workers)."""
         from expertmesh.model import Transformer, RoutedExperts
@@ -244,11 +301,13 @@ class Checkpoint:
         for layer in model.layers:
             if layer.is_moe:
                 if experts:
-                    for buf in _EXPERT_BUFFERS:
-                        mname = f"layers.{layer.index}.moe.experts.{buf}"
-                        state[mname] = self.tensor(checkpoint_name(mname))
+                    ids = list(range(self.cfg.moe.n_routed_experts))
+                    for buf, t in self._expert_buffers(layer.index, ids).items():
+                        state[f"layers.{layer.index}.moe.experts.{buf}"] = t
                 else:
                     layer.moe.experts = RoutedExperts(self.cfg, expert_ids=[])
+        if self.cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed.weight"]
         missing, unexpected = model.load_state_dict(state, strict=False)
         real_missing = [m for m in missing if experts or ".moe.experts." not in m]
         if real_missing or unexpected:
@@ -261,17 +320,18 @@ class Checkpoint:
         if not self.cfg.is_moe_layer(layer):
             raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
         mod = RoutedExperts(self.cfg, expert_ids=sorted(expert_ids))
-        for buf in _EXPERT_BUFFERS:
-            name = checkpoint_name(f"layers.{layer}.moe.experts.{buf}")
-            setattr(mod, buf, self.expert_slice(name, sorted(expert_ids)))
+        for buf, t in self._expert_buffers(layer, sorted(expert_ids)).items():
+            setattr(mod, buf, t)
         return mod
 
     def files(self) -> list[Path]:
+        if self.hf is not None:
+            return list(self.hf.files.files)
         return sorted({self.path / f for f in self.weight_map.values()})
 
 
 def _read_header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """Parse a safetensors header and check the file is as long as its header says."""
+    """Parse a safetensors header and check the file is as long as its header says → {name: (dtype, shape)}."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)

@@ -36,9 +36,9 @@ def cmd_model_describe(args) -> int:
 # ----------------------------------------------------------------------------------------------- checkpoints
 def default_checkpoint(preset_name: str, seed: int = 0) -> Path:
     """The synthetic checkpoint for a preset, created on first use under ~/.cache/expertmesh."""
-    from expertmesh.checkpoint import INDEX_FILE, create_checkpoint
+    from expertmesh.checkpoint import FORMAT_VERSION, INDEX_FILE, create_checkpoint
     from expertmesh.config import preset
-    path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}"
+    path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}-v{FORMAT_VERSION}"
     if not (path / INDEX_FILE).exists():
         print(f"creating synthetic {preset_name} checkpoint in {path} ...", file=sys.stderr)
         create_checkpoint(preset(preset_name), path, seed=seed, progress=True)

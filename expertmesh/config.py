@@ -9,12 +9,16 @@ Presets: `tiny` (tests), `small` (CPU benchmarks), `full-2.8t` (planning and mem
 """
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LayerType = Literal["kda", "dsa"]
+# kda: Kimi Delta Attention; mla: full multi-head latent attention (Kimi Linear's global layers); dsa: MLA whose
+# queries each attend only to the lightning indexer's top-k past tokens (DeepSeek-V3.2).
+LayerType = Literal["kda", "mla", "dsa"]
+ModelType = Literal["expertmesh", "kimi_linear", "deepseek_v32"]
 MXFP4_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
 MXFP4_BITS_PER_WEIGHT = 4 + 8 / MXFP4_BLOCK  # 4.25
 
@@ -56,13 +60,18 @@ class MoEConfig(_Strict):
 
 
 class MLAConfig(_Strict):
-    """Multi-head latent attention (the attention of DSA layers)."""
+    """Multi-head latent attention (the attention of MLA and DSA layers)."""
     n_heads: int = Field(gt=0)
-    q_lora_rank: int = Field(gt=0)
+    q_lora_rank: int | None = Field(gt=0, description="None: one full-rank q projection (Kimi Linear)")
     kv_lora_rank: int = Field(gt=0)
     qk_nope_head_dim: int = Field(gt=0)
     qk_rope_head_dim: int = Field(gt=0)
     v_head_dim: int = Field(gt=0)
+    rope: Literal["interleaved", "half", "none"] = Field(
+        "interleaved", description="layout of the rotary dims: DeepSeek's interleaved pairs, rotate-half, or NoPE "
+                                   "(Kimi Linear: the rope slice of the key is kept but never rotated)")
+    gated_output: bool = Field(False, description="sigmoid gate on the attention output (gated DSA)")
+    norm_eps: float = Field(1e-6, gt=0, description="eps of the q / kv latent RMSNorms (published: 1e-6)")
 
     @model_validator(mode="after")
     def _check(self) -> "MLAConfig":
@@ -72,10 +81,12 @@ class MLAConfig(_Strict):
 
 
 class IndexerConfig(_Strict):
-    """The DSA lightning indexer: per-head ReLU(q·k) scores weighted per head and summed."""
+    """The DSA lightning indexer (DeepSeek-V3.2): q from the query latent, k = LayerNorm(W_k x), both rotated on
+    their first `mla.qk_rope_head_dim` dims (rotate-half layout); score = Σ_h w_h · ReLU(q_h·k) / sqrt(Hi·Di)."""
     n_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     index_topk: int = Field(2048, gt=0, description="past tokens each query attends to")
+    rope: bool = Field(True, description="rotate the first qk_rope_head_dim dims of the indexer q and k")
 
 
 class KDAConfig(_Strict):
@@ -84,10 +95,74 @@ class KDAConfig(_Strict):
     head_dim: int = Field(gt=0)
     conv_kernel_size: int = Field(4, gt=0)
     gate_low_rank: int = Field(gt=0, description="rank of the forget-gate and output-gate projections")
+    conv_bias: bool = Field(False, description="the short convolutions carry a bias")
+    output_gate_bias: bool = Field(False, description="the output gate's up-projection carries a bias")
+
+
+class YarnConfig(_Strict):
+    """YaRN context extension (the `rope_scaling` / `rope_parameters` of type yarn), as DeepSeek-V3 defines it."""
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = Field(None, description="cos/sin scale; None: from factor and the mscales")
+    truncate: bool = True
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 class RopeConfig(_Strict):
     theta: float = Field(50_000.0, gt=0)
+    yarn: YarnConfig | None = None
+
+    def inv_freq(self, dim: int) -> "torch.Tensor":
+        """Inverse frequencies [dim/2] (float64) of a `dim`-wide rotary slice, YaRN-blended when configured:
+        high frequencies kept (extrapolation), low ones divided by `factor` (interpolation), a linear ramp
+        between the correction dims of beta_fast / beta_slow rotations."""
+        import torch
+        base = self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        extrapolated = 1.0 / base
+        y = self.yarn
+        if y is None:
+            return extrapolated
+        interpolated = 1.0 / (y.factor * base)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(self.theta))
+        low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+        if y.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp                                     # 1: extrapolate (high frequency), 0: interpolate
+        return interpolated * (1 - keep) + extrapolated * keep
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor YaRN multiplies cos and sin by (1 without YaRN)."""
+        y = self.yarn
+        if y is None:
+            return 1.0
+        if y.attention_factor is not None:
+            return y.attention_factor
+        if y.mscale and y.mscale_all_dim:
+            return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+        return _yarn_mscale(y.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """DeepSeek-V3's extra attention-logit scale under YaRN: mscale(factor, mscale_all_dim)²."""
+        y = self.yarn
+        if y is None or not y.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(y.factor, y.mscale_all_dim) ** 2
 
 
 class ThinkingBudgets(_Strict):
@@ -111,6 +186,7 @@ class ThinkingBudgets(_Strict):
 
 class ModelConfig(_Strict):
     name: str
+    model_type: ModelType = Field("expertmesh", description="the published family whose math and layout it follows")
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     layer_types: tuple[LayerType, ...] = Field(min_length=1)
@@ -134,6 +210,11 @@ class ModelConfig(_Strict):
                 f"hidden_size={self.hidden_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}")
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds the {self.n_layers} layers")
+        if self.n_dsa_layers and self.mla.q_lora_rank is None:
+            raise ValueError("DSA layers need mla.q_lora_rank: the indexer's queries come from the query latent")
+        if self.n_dsa_layers and self.indexer.rope and self.indexer.head_dim < self.mla.qk_rope_head_dim:
+            raise ValueError(f"indexer.head_dim={self.indexer.head_dim} is narrower than the "
+                             f"mla.qk_rope_head_dim={self.mla.qk_rope_head_dim} dims its RoPE rotates")
         return self
 
     # ------------------------------------------------------------------ structure
@@ -148,6 +229,15 @@ class ModelConfig(_Strict):
     @property
     def n_dsa_layers(self) -> int:
         return sum(t == "dsa" for t in self.layer_types)
+
+    @property
+    def n_mla_layers(self) -> int:
+        return sum(t == "mla" for t in self.layer_types)
+
+    @property
+    def latent_kv_layers(self) -> list[int]:
+        """Layers that keep a per-token latent KV cache (MLA and DSA)."""
+        return [i for i, t in enumerate(self.layer_types) if t != "kda"]
 
     @property
     def moe_layers(self) -> list[int]:
@@ -170,24 +260,29 @@ class ModelConfig(_Strict):
         h, a = self.hidden_size, self.kda
         inner = a.n_heads * a.head_dim
         qkv = 3 * h * inner + 3 * inner * a.conv_kernel_size           # projections + depthwise convs
+        qkv += 3 * inner if a.conv_bias else 0
         forget = h * a.gate_low_rank + a.gate_low_rank * inner + a.n_heads + inner  # low-rank g, A_log, dt_bias
         beta = h * a.n_heads
-        out_gate = h * a.gate_low_rank + a.gate_low_rank * inner
+        out_gate = h * a.gate_low_rank + a.gate_low_rank * inner + (inner if a.output_gate_bias else 0)
         return qkv + forget + beta + out_gate + a.head_dim + inner * h  # + output norm + o_proj
 
-    def _dsa_layer_params(self) -> int:
+    def _latent_layer_params(self, indexed: bool) -> int:
         h, m, ix = self.hidden_size, self.mla, self.indexer
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
+        if m.q_lora_rank is None:
+            q = h * m.n_heads * qk
+        else:
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
             + m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        gate = h * m.n_heads * m.v_head_dim                     # gated attention output
+        gate = h * m.n_heads * m.v_head_dim if m.gated_output else 0
         out = m.n_heads * m.v_head_dim * h
-        indexer = m.q_lora_rank * ix.n_heads * ix.head_dim + h * ix.head_dim + h * ix.n_heads
-        return q + kv + gate + out + indexer
+        indexer = (m.q_lora_rank or 0) * ix.n_heads * ix.head_dim + h * ix.head_dim + 2 * ix.head_dim + h * ix.n_heads
+        return q + kv + gate + out + (indexer if indexed else 0)
 
     def attention_params(self, layer: int) -> int:
-        return self._kda_layer_params() if self.layer_types[layer] == "kda" else self._dsa_layer_params()
+        kind = self.layer_types[layer]
+        return self._kda_layer_params() if kind == "kda" else self._latent_layer_params(indexed=kind == "dsa")
 
     @property
     def expert_params(self) -> int:
@@ -248,14 +343,15 @@ class ModelConfig(_Strict):
         return self.routed_expert_bytes + self.dense_bytes_bf16
 
     def kv_bytes_per_token(self, layer_type: LayerType, dtype_bytes: int = 2) -> int:
-        """KV cache bytes one token adds to one layer: DSA keeps the MLA latent (c_kv ‖ k_rope) and the
+        """KV cache bytes one token adds to one layer: MLA keeps the latent (c_kv ‖ k_rope), DSA also the
         indexer key; KDA keeps a fixed-size state instead, so it adds nothing per token."""
         if layer_type == "kda":
             return 0
-        return dtype_bytes * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + self.indexer.head_dim)
+        index = self.indexer.head_dim if layer_type == "dsa" else 0
+        return dtype_bytes * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim + index)
 
     def kv_bytes_per_token_all_layers(self, dtype_bytes: int = 2) -> int:
-        return self.n_dsa_layers * self.kv_bytes_per_token("dsa", dtype_bytes)
+        return sum(self.kv_bytes_per_token(t, dtype_bytes) for t in self.layer_types)
 
     @property
     def recurrent_state_bytes_per_sequence(self) -> int:
@@ -270,7 +366,8 @@ class ModelConfig(_Strict):
         """(figure, value) rows for `expertmesh model describe`."""
         rows = [
             ("preset", self.name),
-            ("layers", f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA; "
+            ("layers", f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA"
+                       + (f" + {self.n_mla_layers} MLA" if self.n_mla_layers else "") + "; "
                        f"{self.first_k_dense} dense, {self.n_moe_layers} MoE)"),
             ("hidden size", f"{self.hidden_size}"),
             ("routed experts / layer", f"{self.moe.n_routed_experts} (top-{self.moe.top_k}, "
@@ -327,7 +424,7 @@ def _tiny() -> ModelConfig:
         moe=MoEConfig(n_routed_experts=16, n_shared_experts=1, top_k=4, expert_intermediate_size=32,
                       n_group=4, topk_group=2, routed_scaling_factor=2.5),
         mla=MLAConfig(n_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                      v_head_dim=16),
+                      v_head_dim=16, gated_output=True),
         indexer=IndexerConfig(n_heads=2, head_dim=16, index_topk=16),
         kda=KDAConfig(n_heads=2, head_dim=16, conv_kernel_size=4, gate_low_rank=16),
         thinking=ThinkingBudgets(low=8, high=24, max=48),
@@ -344,7 +441,7 @@ def _small() -> ModelConfig:
         moe=MoEConfig(n_routed_experts=32, n_shared_experts=1, top_k=4, expert_intermediate_size=512,
                       n_group=4, topk_group=2, routed_scaling_factor=2.5),
         mla=MLAConfig(n_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                      v_head_dim=64),
+                      v_head_dim=64, gated_output=True),
         indexer=IndexerConfig(n_heads=4, head_dim=64, index_topk=256),
         kda=KDAConfig(n_heads=8, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
         thinking=ThinkingBudgets(low=64, high=256, max=1024),
@@ -376,7 +473,7 @@ def _full_2_8t() -> ModelConfig:
         moe=MoEConfig(n_routed_experts=624, n_shared_experts=2, top_k=16, expert_intermediate_size=2304,
                       n_group=8, topk_group=4, routed_scaling_factor=2.5),
         mla=MLAConfig(n_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128),
+                      v_head_dim=128, gated_output=True),
         indexer=IndexerConfig(n_heads=32, head_dim=128, index_topk=2048),
         kda=KDAConfig(n_heads=64, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
         thinking=ThinkingBudgets(low=4096, high=32_768, max=131_072),
@@ -397,7 +494,8 @@ def preset(name: str) -> ModelConfig:
 
 
 def load_config(path) -> ModelConfig:
-    """Read a `config.json` (as written by `ModelConfig.model_dump_json`)."""
+    """Read an expertmesh `config.json` (as written by `ModelConfig.model_dump_json`); Hugging Face configs are
+    mapped by `expertmesh.hf_layout`."""
     import json
     from pathlib import Path
     text = Path(path).read_text()

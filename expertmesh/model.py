@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.config import ModelConfig
+from expertmesh.config import ModelConfig, RopeConfig
 from expertmesh.kernels import dsa as dsa_ops
 from expertmesh.kernels import kda as kda_ops
 from expertmesh.kernels import moe as moe_ops
@@ -41,55 +41,98 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-class Linear(nn.Module):
-    """A bias-free projection through the batch-invariant matmul."""
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias over the last dim, row by row in fp32 (the DSA indexer's key norm)."""
 
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        normed = centred * pointwise(torch.rsqrt, centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float() + self.bias.float()).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding on the last dim (rotate-half form). x [T, ..., D], positions [T] absolute."""
+class Linear(nn.Module):
+    """A projection through the batch-invariant matmul (bias optional)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, style: str) -> torch.Tensor:
+    """Rotary embedding on the last dim of x [T, ..., D] at absolute `positions` [T].
+
+    style "half": pairs (i, i + D/2) (rotate-half); "interleaved": pairs (2i, 2i+1) as DeepSeek lays them out,
+    written back de-interleaved (rotated evens, then rotated odds) — a fixed permutation of the dims applied to
+    queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged.
+    Angles in float64 (exact at 1M positions); cos/sin scaled by YaRN's attention factor."""
+    if style == "none":
+        return x
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]          # [T, D/2]
-    cos = angles.cos().to(torch.float32).repeat(1, 2)                         # [T, D]
-    sin = angles.sin().to(torch.float32).repeat(1, 2)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d,)
+    angles = positions.to(torch.float64)[:, None] * rope.inv_freq(d)[None, :]    # [T, D/2]
+    factor = rope.attention_factor
+    cos = (angles.cos() * factor).to(torch.float32)
+    sin = (angles.sin() * factor).to(torch.float32)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    xf = x.float()
+    if style == "interleaved":
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) in fp32 (the KDA q/k normalisation as FLA and transformers define it)."""
+    x32 = x.float()
+    return x32 * pointwise(torch.rsqrt, x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP (dense layers and shared experts); gate and up concatenated like the routed experts."""
+    """Dense SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) · up(x))."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up = Linear(hidden, 2 * intermediate)
+        self.gate, self.up = Linear(hidden, intermediate), Linear(hidden, intermediate)
         self.down = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(pointwise(F.silu, gate) * up)
+        return self.down(pointwise(F.silu, self.gate(x)) * self.up(x))
+
+
+class ShortConv(nn.Module):
+    """A depthwise causal convolution's parameters: weight [D, 1, kernel] (the published layout), bias [D]."""
+
+    def __init__(self, dim: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, 1, kernel))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
 
 # ----------------------------------------------------------------------------------------------- caches
 @dataclass
 class DSACache:
-    """One sequence's DSA-layer cache: MLA latent entries (c_kv ‖ roped k) and indexer keys, in token order."""
-    latent: torch.Tensor   # [L, kv_lora + rope]
-    index_k: torch.Tensor  # [L, Di]
+    """One sequence's MLA / DSA-layer cache in token order: latent entries (c_kv ‖ roped k) and, for DSA layers,
+    the indexer keys (None for MLA layers)."""
+    latent: torch.Tensor                 # [L, kv_lora + rope]
+    index_k: torch.Tensor | None = None  # [L, Di]
 
-    def append(self, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+    def append(self, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
         self.latent = torch.cat([self.latent, latent])
-        self.index_k = torch.cat([self.index_k, index_k])
+        if index_k is not None:
+            self.index_k = torch.cat([self.index_k, index_k])
 
 
 @dataclass
@@ -118,7 +161,7 @@ class Segment:
 # ----------------------------------------------------------------------------------------------- attention
 class KDAttention(nn.Module):
     """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normalised q/k, per-channel forget gate in log
-    space (−exp(A_log)·softplus(f(x) + dt_bias)), sigmoid β, gated RMS-normalised output."""
+    space (−exp(A_log)·softplus(f(x) + dt_bias)), sigmoid β, output RMS-normalised and sigmoid-gated."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,14 +170,12 @@ class KDAttention(nn.Module):
         inner = a.n_heads * a.head_dim
         self.inner = inner
         self.q_proj, self.k_proj, self.v_proj = Linear(h, inner), Linear(h, inner), Linear(h, inner)
-        self.q_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
-        self.k_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
-        self.v_conv = nn.Parameter(torch.empty(inner, a.conv_kernel_size))
+        self.q_conv, self.k_conv, self.v_conv = (ShortConv(inner, a.conv_kernel_size, a.conv_bias) for _ in range(3))
         self.f_a, self.f_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner)
         self.A_log = nn.Parameter(torch.empty(a.n_heads))
         self.dt_bias = nn.Parameter(torch.empty(inner))
         self.b_proj = Linear(h, a.n_heads)
-        self.g_a, self.g_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner)
+        self.g_a, self.g_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner, bias=a.output_gate_bias)
         self.o_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps)
         self.o_proj = Linear(inner, h)
 
@@ -142,12 +183,13 @@ class KDAttention(nn.Module):
         return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim),
                         conv=torch.zeros(self.kernel - 1, 3 * self.inner))
 
-    def _short_conv(self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner], weight [3·inner, kernel]
-        → [T, 3·inner]; updates cache."""
+    def _short_conv(self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner], weight [3·inner, kernel],
+        bias [3·inner] or None → SiLU(conv) [T, 3·inner]; updates cache."""
         window = torch.cat([cache.conv, x])                                # [kernel-1+T, 3·inner]
         t = x.shape[0]
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x) if bias is None else bias.to(x.dtype).expand_as(x).clone()
         for tap in range(self.kernel):                                     # fixed order: kernel taps
             out = out + window[tap: tap + t] * weight[:, tap]
         cache.conv = window[t:].clone() if self.kernel > 1 else cache.conv
@@ -156,17 +198,20 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         n, nh, d = x.shape[0], self.n_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3·inner]
-        g = -self.A_log.float().exp().repeat_interleave(d) * pointwise(F.softplus, self.f_b(self.f_a(x)) + self.dt_bias)
+        g = -self.A_log.float().exp().repeat_interleave(d) * pointwise(F.softplus, self.f_b(self.f_a(x)).float()
+                                                                        + self.dt_bias.float())
         beta = pointwise(torch.sigmoid, self.b_proj(x))                            # [N, nH]
         out_gate = pointwise(torch.sigmoid, self.g_b(self.g_a(x)))                 # [N, inner]
-        conv_weight = torch.cat([self.q_conv, self.k_conv, self.v_conv])          # [3·inner, kernel]
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        conv_weight = torch.cat([c.weight[:, 0] for c in convs])                   # [3·inner, kernel]
+        conv_bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
         o = x.new_empty(n, nh, d)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: KDACache = seg.cache.layers[layer]
-            q, k, v = self._short_conv(qkv[rows], cache, conv_weight).split(self.inner, dim=-1)
-            q = F.normalize(q.view(-1, nh, d), dim=-1)[None]                        # [1, T, nH, D]
-            k = F.normalize(k.view(-1, nh, d), dim=-1)[None]
+            q, k, v = self._short_conv(qkv[rows], cache, conv_weight, conv_bias).split(self.inner, dim=-1)
+            q = l2_normalize(q.view(-1, nh, d))[None]                               # [1, T, nH, D]
+            k = l2_normalize(k.view(-1, nh, d))[None]
             v = v.view(-1, nh, d)[None]
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
             out, state = kda(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None],
@@ -177,43 +222,64 @@ class KDAttention(nn.Module):
         return self.o_proj(o)
 
 
-class DSAttention(nn.Module):
-    """Gated DSA: MLA (low-rank q, shared latent KV with a decoupled RoPE key) whose queries each attend only
-    to the `index_topk` past tokens the lightning indexer scores highest; sigmoid-gated output.
-    Attention runs in the absorbed form over the latent cache (q_nope·W_uk against c_kv, output through W_uv)."""
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (MLA: low-rank or full q, one shared latent KV with a decoupled rope key) over
+    the latent cache in the absorbed form (q_nope·W_uk against c_kv, output through W_uv).
 
-    def __init__(self, cfg: ModelConfig, dense: bool = False):
+    `indexed` (DSA layers): each query attends only to the `index_topk` past tokens the lightning indexer
+    scores highest. `mla.gated_output`: a sigmoid gate on the output (gated DSA). RoPE per `mla.rope`."""
+
+    def __init__(self, cfg: ModelConfig, indexed: bool, dense: bool = False):
         super().__init__()
         m, ix, h = cfg.mla, cfg.indexer, cfg.hidden_size
-        self.m, self.ix, self.theta, self.dense = m, ix, cfg.rope.theta, dense
+        self.m, self.ix, self.rope, self.dense, self.indexed = m, ix, cfg.rope, dense, indexed
         self.qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-        self.q_a, self.q_a_norm = Linear(h, m.q_lora_rank), RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b = Linear(m.q_lora_rank, m.n_heads * self.qk_dim)
+        self.scale = self.qk_dim ** -0.5 * cfg.rope.softmax_mscale
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(h, m.n_heads * self.qk_dim)
+        else:
+            self.q_a, self.q_a_norm = Linear(h, m.q_lora_rank), RMSNorm(m.q_lora_rank, m.norm_eps)
+            self.q_b = Linear(m.q_lora_rank, m.n_heads * self.qk_dim)
         self.kv_a = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim)
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.norm_eps)
         self.kv_b = Linear(m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim))
-        self.gate = Linear(h, m.n_heads * m.v_head_dim)
+        self.gate = Linear(h, m.n_heads * m.v_head_dim) if m.gated_output else None
         self.o_proj = Linear(m.n_heads * m.v_head_dim, h)
-        self.index_q = Linear(m.q_lora_rank, ix.n_heads * ix.head_dim)
-        self.index_k = Linear(h, ix.head_dim)
-        self.index_w = Linear(h, ix.n_heads)
+        if indexed:
+            self.index_q = Linear(m.q_lora_rank, ix.n_heads * ix.head_dim)
+            self.index_k = Linear(h, ix.head_dim)
+            self.index_k_norm = LayerNorm(ix.head_dim)
+            self.index_w = Linear(h, ix.n_heads)
 
     def new_cache(self) -> DSACache:
         return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim),
-                        index_k=torch.zeros(0, self.ix.head_dim))
+                        index_k=torch.zeros(0, self.ix.head_dim) if self.indexed else None)
+
+    def _index_rope(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's RoPE: rotate-half on the first qk_rope_head_dim dims of t [T, ..., Di]."""
+        if not self.ix.rope:
+            return t
+        r = self.m.qk_rope_head_dim
+        return torch.cat([rotary(t[..., :r], pos, self.rope, "half"), t[..., r:]], dim=-1)
 
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         m, ix = self.m, self.ix
         n = x.shape[0]
-        q_lat = self.q_a_norm(self.q_a(x))                                          # [N, q_lora]
-        q = self.q_b(q_lat).view(n, m.n_heads, self.qk_dim)
+        if m.q_lora_rank is None:
+            q_lat, q = None, self.q_proj(x)
+        else:
+            q_lat = self.q_a_norm(self.q_a(x))                                      # [N, q_lora]
+            q = self.q_b(q_lat)
+        q = q.view(n, m.n_heads, self.qk_dim)
         kv = self.kv_a(x)
         c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])                              # [N, kv_lora]
         k_pe = kv[:, m.kv_lora_rank:]                                               # [N, rope]
-        index_q = self.index_q(q_lat).view(n, ix.n_heads, ix.head_dim)
-        index_k = self.index_k(x)                                                   # [N, Di]
-        index_w = self.index_w(x) * ix.n_heads ** -0.5                              # [N, Hi]
-        gate = pointwise(torch.sigmoid, self.gate(x))                               # [N, nH·v]
+        if self.indexed:
+            index_q = self.index_q(q_lat).view(n, ix.n_heads, ix.head_dim)
+            index_k = self.index_k_norm(self.index_k(x))                            # [N, Di]
+            # the indexer's softmax scale (Di^-1/2) and head weighting (Hi^-1/2) folded into the weights
+            index_w = self.index_w(x).float() * (ix.n_heads * ix.head_dim) ** -0.5  # [N, Hi]
+        gate = pointwise(torch.sigmoid, self.gate(x)) if self.gate is not None else None  # [N, nH·v]
         w_kvb = self.kv_b.weight.view(m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim:]  # [nH, nope|v, kv_lora]
         topk = 1 << 62 if self.dense else ix.index_topk
@@ -222,15 +288,21 @@ class DSAttention(nn.Module):
             rows = slice(seg.start, seg.start + seg.length)
             cache: DSACache = seg.cache.layers[layer]
             pos = torch.arange(seg.cache.length, seg.cache.length + seg.length)
-            q_nope, q_pe = q[rows, :, : m.qk_nope_head_dim], rope(q[rows, :, m.qk_nope_head_dim:], pos, self.theta)
-            cache.append(torch.cat([c_kv[rows], rope(k_pe[rows], pos, self.theta)], dim=-1), index_k[rows])
+            q_nope = q[rows, :, : m.qk_nope_head_dim]
+            q_pe = rotary(q[rows, :, m.qk_nope_head_dim:], pos, self.rope, m.rope)
+            latent = torch.cat([c_kv[rows], rotary(k_pe[rows], pos, self.rope, m.rope)], dim=-1)
+            cache.append(latent, self._index_rope(index_k[rows], pos) if self.indexed else None)
             q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)                      # [T, nH, kv_lora]
             q_full = torch.cat([q_abs, q_pe], dim=-1)[None]                         # [1, T, nH, kv_lora+rope]
-            o_lat = dsa_ops.dsa_prefill(q_full, cache.latent[None], index_q[rows][None], cache.index_k[None],
-                                        index_w[rows][None], topk, causal=True, scale=self.qk_dim ** -0.5,
-                                        v_dim=m.kv_lora_rank)[0]                    # [T, nH, kv_lora]
+            if self.indexed:
+                o_lat = dsa_ops.dsa_prefill(q_full, cache.latent[None], self._index_rope(index_q[rows], pos)[None],
+                                            cache.index_k[None], index_w[rows][None], topk, causal=True,
+                                            scale=self.scale, v_dim=m.kv_lora_rank)[0]  # [T, nH, kv_lora]
+            else:
+                o_lat = dsa_ops.mla_prefill(q_full, cache.latent[None], scale=self.scale, v_dim=m.kv_lora_rank)[0]
             o[rows] = torch.einsum("thc,hvc->thv", o_lat, w_uv)
-        return self.o_proj(o.reshape(n, -1) * gate)
+        o = o.reshape(n, -1)
+        return self.o_proj(o * gate if gate is not None else o)
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -318,7 +390,8 @@ class Layer(nn.Module):
         super().__init__()
         self.index, self.kind = index, cfg.layer_types[index]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = KDAttention(cfg) if self.kind == "kda" else DSAttention(cfg, dense=dense_attention)
+        self.attn = (KDAttention(cfg) if self.kind == "kda"
+                     else LatentAttention(cfg, indexed=self.kind == "dsa", dense=dense_attention))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -353,6 +426,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i, dense_attention) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight       # one tensor: the checkpoint holds embed.weight only
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(layers=[layer.attn.new_cache() for layer in self.layers])
@@ -378,6 +453,16 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- init
+# Tensors the published models keep in fp32 (routing logits and bias, KDA decay parameters, the indexer's head
+# weights): a bf16 copy would change which expert wins a near-tie. Everything else is stored in bf16.
+FP32_PARAMETERS = ("moe.router.weight", "moe.router_bias", "attn.A_log", "attn.dt_bias", "attn.index_w.weight")
+
+
+def stored_dtype(name: str) -> torch.dtype:
+    """The dtype a native checkpoint stores parameter `name` (a state-dict name, not a routed expert) in."""
+    return torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
+
+
 @torch.no_grad()
 def init_random_(model: Transformer, seed: int) -> Transformer:
     """Seeded random weights with scales that keep activations O(1) through the stack."""
@@ -388,13 +473,15 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif name.endswith("norm.bias"):
+            p.zero_()
         elif name.endswith("A_log"):
             p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 16.0, generator=gen)))
         elif name.endswith("dt_bias"):
             p.copy_(torch.empty_like(p).uniform_(-4.0, -1.0, generator=gen))  # softplus → slow-ish decay
         elif name.endswith("router_bias"):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-        elif name.endswith("_conv"):
+        elif name.endswith("_conv.weight"):
             p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
@@ -408,9 +495,9 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
         down = torch.randn(e, h, i, generator=gen) * std
         ex.gate_up_blocks, ex.gate_up_scales = quantize_mxfp4(gate_up)
         ex.down_blocks, ex.down_scales = quantize_mxfp4(down)
-    # bf16 storage is the checkpoint format: round once so a model made here equals one loaded from disk
-    for p in model.parameters():
-        p.copy_(p.to(torch.bfloat16).float())
+    # round to the stored dtype once, so a model made here equals one loaded from disk
+    for name, p in model.named_parameters():
+        p.copy_(p.to(stored_dtype(name)).float())
     return model
 
 

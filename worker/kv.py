@@ -1,7 +1,7 @@
-"""Paged KV storage of an attention worker: fixed-size token blocks shared by all DSA layers.
+"""Paged KV storage of an attention worker: fixed-size token blocks shared by all MLA / DSA layers.
 
-One block holds `block_size` consecutive tokens of one sequence in every DSA layer (MLA latent entries and
-indexer keys). Blocks are reference counted so that a cached prefix and the sequences forked from it share
+One block holds `block_size` consecutive tokens of one sequence in every latent-KV layer (MLA latent entries,
+and indexer keys in DSA layers). Blocks are reference counted so that a cached prefix and the sequences forked from it share
 the full blocks of the prefix; a partly filled block is never shared (it is copied on fork).
 """
 from __future__ import annotations
@@ -20,10 +20,11 @@ class BlockPool:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be positive")
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.dsa_layers = [i for i, t in enumerate(cfg.layer_types) if t == "dsa"]
+        self.kv_layers = cfg.latent_kv_layers
         d_latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        self.latent = {i: torch.zeros(num_blocks, block_size, d_latent) for i in self.dsa_layers}
-        self.index_k = {i: torch.zeros(num_blocks, block_size, cfg.indexer.head_dim) for i in self.dsa_layers}
+        self.latent = {i: torch.zeros(num_blocks, block_size, d_latent) for i in self.kv_layers}
+        self.index_k = {i: torch.zeros(num_blocks, block_size, cfg.indexer.head_dim)
+                        for i in self.kv_layers if cfg.layer_types[i] == "dsa"}
         self.refcount = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
 
@@ -65,19 +66,23 @@ class PagedSequenceKV:
         for _ in range(self.blocks_needed(extra_tokens)):
             self.blocks.append(self.pool.allocate())
 
-    def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+    def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
         """Tokens start .. start+n-1 of `layer` into their pages (one indexed store per tensor)."""
         bs = self.pool.block_size
         pos = torch.arange(start, start + latent.shape[0])
         blocks = torch.tensor(self.blocks, dtype=torch.int64)[pos // bs]
         self.pool.latent[layer][blocks, pos % bs] = latent
-        self.pool.index_k[layer][blocks, pos % bs] = index_k
+        if index_k is not None:
+            self.pool.index_k[layer][blocks, pos % bs] = index_k
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [0, length) of `layer` as contiguous [length, D] tensors (an exact copy of the pages)."""
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [0, length) of `layer` as contiguous [length, D] tensors (an exact copy of the pages); no
+        indexer keys (None) in an MLA layer."""
         n_blocks = -(-length // self.pool.block_size)
         idx = torch.tensor(self.blocks[:n_blocks], dtype=torch.int64)
         lat = self.pool.latent[layer].index_select(0, idx).reshape(-1, self.pool.latent[layer].shape[-1])
+        if layer not in self.pool.index_k:
+            return lat[:length], None
         ik = self.pool.index_k[layer].index_select(0, idx).reshape(-1, self.pool.index_k[layer].shape[-1])
         return lat[:length], ik[:length]
 
@@ -91,9 +96,10 @@ class PagedSequenceKV:
             child.blocks.append(b)
         if length % bs:
             src, dst = self.blocks[full], self.pool.allocate()
-            for layer in self.pool.dsa_layers:
+            for layer in self.pool.kv_layers:
                 self.pool.latent[layer][dst] = self.pool.latent[layer][src]
-                self.pool.index_k[layer][dst] = self.pool.index_k[layer][src]
+                if layer in self.pool.index_k:
+                    self.pool.index_k[layer][dst] = self.pool.index_k[layer][src]
             child.blocks.append(dst)
         child.length = length
         return child
@@ -114,7 +120,7 @@ class PagedDSACache:
         self.length = kv.length
         self._view: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def append(self, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+    def append(self, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
         self.kv.write(self.layer, self.length, latent, index_k)
         self.length += latent.shape[0]
         self._view = None

@@ -24,6 +24,7 @@ from expertmesh.kernels.dsa.sparse import dsa_decode_paged as dsa_decode_paged_t
 from expertmesh.kernels.dsa.sparse import (
     dsa_prefill,
     lightning_indexer,
+    mla_prefill,
     paged_indexer_scores,
     paged_sparse_attention,
     select_topk,
@@ -31,6 +32,7 @@ from expertmesh.kernels.dsa.sparse import (
 
 __all__ = [
     "dsa_prefill",
+    "mla_prefill",
     "dsa_decode_paged",
     "lightning_indexer",
     "dsa_attention_reference",

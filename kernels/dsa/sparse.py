@@ -159,6 +159,28 @@ def dsa_prefill(
     return (o, indices) if return_indices else o
 
 
+def mla_prefill(q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v_dim: int | None = None
+                ) -> torch.Tensor:
+    """Causal dense attention over the latent (an MLA layer without an indexer), in query blocks.
+
+    q [B,Tq,H,D], kv [B,Tk,D] (the queries are the last Tq positions) → [B,Tq,H,v_dim] in q.dtype; exactly
+    `dsa_prefill` with a top-k that covers every visible position."""
+    B, Tq, H, D = q.shape
+    if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != D or kv.shape[1] < Tq:
+        raise ValueError(f"kv: expected shape [{B}, Tk >= {Tq}, {D}], found {list(kv.shape)}")
+    Tk = kv.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    v_dim = D if v_dim is None else v_dim
+    o = torch.empty(B, Tq, H, v_dim, dtype=q.dtype, device=q.device)
+    bq = max(1, min(Tq, PREFILL_BLOCK_BYTES // (4 * H * Tk)))
+    for i0 in range(0, Tq, bq):
+        i1 = min(Tq, i0 + bq)
+        n = Tk - Tq + i1
+        q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device)
+        o[:, i0:i1] = _attend_dense(q[:, i0:i1], kv[:, :n], q_pos, scale, v_dim)
+    return o
+
+
 # ---------------------------------------------------------------------------------------------- decode
 def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k_cache: torch.Tensor,
                          block_table: torch.Tensor, context_lens: torch.Tensor, n_pages: int | None = None
