@@ -131,7 +131,8 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         global_type = "dsa" if indexed else "mla"
         layer_types = tuple(global_type if t == "full_attention" else "kda" for t in types)
         dense = _dense_prefix(raw, n_layers, default=1)
-        mla_rope = "none"                                           # Kimi Linear's MLA is NoPE
+        # Kimi Linear's MLA is NoPE; the hybrid's DSA layers follow DeepSeek-V3.2 when the config gives RoPE
+        mla_rope = "interleaved" if indexed else "none"
         n_experts = int(_get(raw, "num_experts", "n_routed_experts", "num_local_experts"))
         top_k = int(_get(raw, "num_experts_per_token", "num_experts_per_tok"))
         n_group = int(_get(raw, "num_expert_group", "n_group", default=1))
