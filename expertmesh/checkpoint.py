@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -324,6 +325,18 @@ class Checkpoint:
             setattr(mod, buf, t)
         return mod
 
+    def stored_tensors(self) -> list[tuple[TensorSpec, str, bool]]:
+        """Every tensor in the files as (spec, file name, is a routed expert), whichever the layout."""
+        if self.hf is None:
+            return [(spec, self.weight_map[n], is_routed_expert(n)) for n, spec in self.specs.items()]
+        dtypes = {v: k for k, v in _DTYPE_NAMES.items()}
+        out = []
+        for name, (dtype, shape) in self.hf.files.header.items():
+            m = re.match(r"model\.layers\.(\d+)\.", name)
+            spec = TensorSpec(name, dtypes.get(dtype, torch.uint8), tuple(shape), int(m.group(1)) if m else None)
+            out.append((spec, self.hf.files.file_of[name].name, ".experts." in name))
+        return out
+
     def files(self) -> list[Path]:
         if self.hf is not None:
             return list(self.hf.files.files)
@@ -370,27 +383,28 @@ def _config_diff(a: dict, b: dict, prefix: str = "") -> str:
 
 # ----------------------------------------------------------------------------------------------- inspect
 def inspect_checkpoint(path) -> dict:
-    """Figures for `expertmesh checkpoint inspect`: counts, bytes, bits per expert weight, per-layer summary."""
+    """Figures for `expertmesh checkpoint inspect` (either layout): counts, bytes, bits per expert weight, and a
+    per-layer summary."""
     ck = Checkpoint(path)
-    specs = ck.specs
-    tensor_bytes = sum(s.nbytes for s in specs.values())
+    stored = ck.stored_tensors()
+    tensor_bytes = sum(s.nbytes for s, _, _ in stored)
     file_bytes = sum(p.stat().st_size for p in ck.files())
-    block_bytes = sum(s.nbytes for n, s in specs.items() if n.endswith(".blocks"))
-    scale_bytes = sum(s.nbytes for n, s in specs.items() if n.endswith(".scales"))
-    expert_weights = 2 * block_bytes  # two E2M1 values per byte
+    expert_bytes = sum(s.nbytes for s, _, expert in stored if expert)
+    expert_weights = ck.cfg.routed_expert_params
     layers = []
     for i, kind in enumerate(ck.cfg.layer_types):
-        mine = [s for s in specs.values() if s.layer == i]
+        mine = [(s, f, e) for s, f, e in stored if s.layer == i]
         layers.append({
             "layer": i, "type": kind, "ffn": "moe" if ck.cfg.is_moe_layer(i) else "dense",
-            "tensors": len(mine), "bytes": sum(s.nbytes for s in mine),
-            "expert_bytes": sum(s.nbytes for s in mine if is_routed_expert(s.name)),
-            "file": shard_file_of(mine[0], ck.metadata.get("layers_per_shard", 1)) if mine else "",
+            "tensors": len(mine), "bytes": sum(s.nbytes for s, _, _ in mine),
+            "expert_bytes": sum(s.nbytes for s, _, e in mine if e),
+            "file": ", ".join(sorted({f for _, f, _ in mine})),
         })
     return {
-        "path": str(ck.path), "model": ck.cfg.name, "files": len(ck.files()), "tensors": len(specs),
-        "tensor_bytes": tensor_bytes, "file_bytes": file_bytes, "file_overhead_bytes": file_bytes - tensor_bytes,
-        "expert_weights": expert_weights, "expert_bytes": block_bytes + scale_bytes,
-        "bits_per_expert_weight": 8 * (block_bytes + scale_bytes) / expert_weights if expert_weights else 0.0,
-        "other_bytes": tensor_bytes - block_bytes - scale_bytes, "layers": layers,
+        "path": str(ck.path), "model": ck.cfg.name, "layout": ck.layout, "files": len(ck.files()),
+        "tensors": len(stored), "tensor_bytes": tensor_bytes, "file_bytes": file_bytes,
+        "file_overhead_bytes": file_bytes - tensor_bytes, "expert_weights": expert_weights,
+        "expert_bytes": expert_bytes,
+        "bits_per_expert_weight": 8 * expert_bytes / expert_weights if expert_weights else 0.0,
+        "other_bytes": tensor_bytes - expert_bytes, "layers": layers,
     }

@@ -54,6 +54,14 @@ def cmd_checkpoint_create(args) -> int:
     return 0
 
 
+def cmd_checkpoint_convert(args) -> int:
+    from expertmesh.convert import convert_checkpoint
+    r = convert_checkpoint(args.src, args.out, progress=True)
+    print(f"wrote {r.out}: {r.shards} shards ({r.skipped} already done), read {r.bytes_read / 1e9:.3f} GB, "
+          f"wrote {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s ({r.gb_per_s:.3f} GB/s read)")
+    return 0
+
+
 def cmd_checkpoint_inspect(args) -> int:
     from expertmesh.checkpoint import inspect_checkpoint
     info = inspect_checkpoint(args.dir)
@@ -62,12 +70,13 @@ def cmd_checkpoint_inspect(args) -> int:
         return 0
     mib = 2 ** 20
     print(_table([
-        ("checkpoint", info["path"]), ("model", info["model"]), ("files", str(info["files"])),
+        ("checkpoint", info["path"]), ("model", info["model"]), ("layout", info["layout"]),
+        ("files", str(info["files"])),
         ("tensors", str(info["tensors"])),
         ("tensor bytes", f"{info['tensor_bytes']:,} ({info['tensor_bytes'] / mib:.2f} MiB)"),
         ("expert weights", f"{info['expert_weights']:,} in {info['expert_bytes']:,} bytes"),
         ("bits per expert weight", f"{info['bits_per_expert_weight']:.4f}"),
-        ("other (bf16) bytes", f"{info['other_bytes']:,}"),
+        ("other bytes", f"{info['other_bytes']:,}"),
         ("file overhead bytes", f"{info['file_overhead_bytes']:,} (headers, beyond tensor data)"),
     ]))
     print()
@@ -121,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_checkpoint_inspect)
+    cv = ck.add_parser("convert", help="quantize a Hugging Face directory's routed experts to MXFP4 (streaming, "
+                                       "resumable)")
+    cv.add_argument("src", help="a kimi_linear / deepseek_v32 directory with bf16 / fp32 / FP8 experts")
+    cv.add_argument("--out", required=True, help="output directory (a rerun resumes where it stopped)")
+    cv.set_defaults(func=cmd_checkpoint_convert)
 
     g = sub.add_parser("generate", help="generate with the single-process reference model")
     g.add_argument("prompt")

@@ -423,7 +423,8 @@ class HFLayout:
                 out[f"{ours}_blocks"] = blocks.reshape(len(expert_ids), rows, k // 2)
                 out[f"{ours}_scales"] = scales.reshape(len(expert_ids), rows, k // 32)
             return out
-        parts: dict[str, list[torch.Tensor]] = {"gate_up": [], "down": []}
+        shapes = {"gate_up": (2 * i, h), "down": (h, i)}
+        parts: dict[str, list[torch.Tensor]] = {f"{k}_{kind}": [] for k in shapes for kind in ("blocks", "scales")}
         for x in expert_ids:
             if lay.form == "fused":
                 gate_up = self._read_float(lay.base + "gate_up_proj", x)
@@ -432,11 +433,13 @@ class HFLayout:
                 g, u, d = (lay.base + s.format(e=x) for s in _EXPERT_FORMS[lay.form])
                 gate_up = torch.cat([self._read_float(g), self._read_float(u)])
                 down = self._read_float(d)
-            parts["gate_up"].append(gate_up.float())
-            parts["down"].append(down.float())
-        shapes = {"gate_up": (2 * i, h), "down": (h, i)}
+            for key, w in (("gate_up", gate_up), ("down", down)):
+                blocks, scales = quantize_mxfp4(w.float())          # one expert's float weights at a time
+                parts[f"{key}_blocks"].append(blocks)
+                parts[f"{key}_scales"].append(scales)
         out = {}
-        for key, ws in parts.items():
-            w = torch.stack(ws) if ws else torch.empty(0, *shapes[key])
-            out[f"{key}_blocks"], out[f"{key}_scales"] = quantize_mxfp4(w)
+        for key, packed in parts.items():
+            rows, k = shapes[key.rsplit("_", 1)[0]]
+            width = k // 2 if key.endswith("blocks") else k // MXFP4_BLOCK
+            out[key] = torch.stack(packed) if packed else torch.empty(0, rows, width, dtype=torch.uint8)
         return out

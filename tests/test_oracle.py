@@ -267,3 +267,26 @@ def test_fp8_block_scaled_weights_dequantize(relatives, tmp_path, prompt):
     expected = q.float() * scale.repeat_interleave(64, 0)[:96]        # independent of the loader's code path
     assert torch.equal(got, expected)
     assert (got - w).abs().max() < 0.1 * w.abs().max()              # and it is the weight, to FP8 precision
+
+
+# ----------------------------------------------------------------------------------------------- convert
+def test_convert_to_mxfp4_is_exact_and_resumable(relatives, tmp_path, prompt):
+    """`expertmesh checkpoint convert`: experts become 4.25-bit MXFP4, the model computes bitwise the same
+    logits as the float source, and a rerun after an interrupted shard redoes only what is missing."""
+    from expertmesh.checkpoint import inspect_checkpoint
+    from expertmesh.cli import main
+    _, src = relatives["kimi_linear"]
+    out = tmp_path / "mx"
+    assert main(["checkpoint", "convert", str(src), "--out", str(out)]) == 0
+    info = inspect_checkpoint(out)
+    assert info["bits_per_expert_weight"] == pytest.approx(4.25) and info["layout"] == "kimi_linear"
+    assert inspect_checkpoint(src)["bits_per_expert_weight"] == pytest.approx(32.0)
+    a, b = Checkpoint(src).load_model(), Checkpoint(out).load_model()
+    assert torch.equal(a.step(prompt, a.new_cache()), b.step(prompt, b.new_cache()))
+    shard = out / "model-layer-00002.safetensors"
+    shard.rename(shard.with_suffix(".partial"))                  # as if killed while writing it
+    from expertmesh.convert import convert_checkpoint
+    report = convert_checkpoint(src, out)
+    assert report.skipped == report.shards - 1 and shard.exists()
+    c = Checkpoint(out).load_model()
+    assert torch.equal(a.step(prompt, a.new_cache()), c.step(prompt, c.new_cache()))
