@@ -76,7 +76,8 @@ class ModelSpec(_Spec):
     preset: Optional[Literal["tiny", "small", "full-2.8t"]] = Field(
         None, description="a built-in model preset; exclusive with config")
     config: Optional[dict[str, Any]] = Field(
-        None, description="an inline ModelConfig (as in a checkpoint's config.json); exclusive with preset")
+        None, description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
+                          "a Hugging Face kimi_linear / deepseek_v32 config; exclusive with preset")
     checkpoint: CheckpointSource
 
     @model_validator(mode="after")
@@ -300,11 +301,22 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
+HF_MODEL_TYPES = ("kimi_linear", "deepseek_v32")   # configs mapped by expertmesh.hf_layout
+
+
 def resolve_model(spec: MoEDeploymentSpec):
     """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked."""
     from expertmesh.config import ModelConfig, preset
     if spec.model.preset is not None:
         cfg = preset(spec.model.preset)
+    elif spec.model.config.get("model_type") in HF_MODEL_TYPES:
+        from expertmesh.hf_layout import HFCheckpointError, config_from_hf
+        try:
+            cfg = config_from_hf(spec.model.config, set(), name=spec.model.config.get("name", "model"))
+        except HFCheckpointError as e:
+            raise SpecError(f"spec.model.config: {str(e).removeprefix('config.json: ')}") from None
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e, root="spec.model.config")) from None
     else:
         try:
             cfg = ModelConfig.model_validate(spec.model.config)
