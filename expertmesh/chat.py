@@ -1,6 +1,17 @@
-"""The chat template, tool-call parsing and thinking budgets (pure functions, no I/O).
+"""Chat formats, tool-call parsing and thinking budgets (pure functions, no I/O except `load_chat`).
 
-Rendering (byte tokens + special tokens; `⟨x⟩` = special token):
+A chat format turns messages into prompt ids and generated ids back into reasoning, content and tool calls. Two
+exist: the built-in one below (byte tokenizer, synthetic checkpoints) and a checkpoint's own Jinja chat template
+(`expertmesh.chat_template`). The router sees only what they share:
+
+    fmt.tokenizer, fmt.markers (ChatMarkers), fmt.supports_thinking
+    fmt.render(messages, tools=..., thinking=...) -> RenderedPrompt(ids, phase)
+    fmt.parse_output(tokens, phase=..., salt=...) -> ParsedOutput
+
+`phase` says where generation starts: "reasoning" (the prompt opened the thinking section), "content", or "maybe"
+(a template whose model opens thinking itself: a first generated think-start token starts reasoning).
+
+Built-in rendering (byte tokens + special tokens; `⟨x⟩` = special token):
 
     ⟨bos⟩ [⟨system⟩ system text [⟨tools⟩ tools JSON ⟨/tools⟩] ⟨end⟩]
     ⟨user⟩ text ⟨end⟩
@@ -18,8 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
 
 from expertmesh.tokenizer import ByteTokenizer
+
+Phase = Literal["reasoning", "content", "maybe"]
 
 
 class ChatError(ValueError):
@@ -125,6 +140,32 @@ def render_assistant(m: Message, t: ByteTokenizer) -> list[int]:
     return ids + [t.end_id]
 
 
+@dataclass(frozen=True)
+class ChatMarkers:
+    """The token ids a chat format gives meaning to in generated output."""
+    stop: tuple[int, ...]                 # the answer is over (end of turn, EOS)
+    end_of_turn: int                      # what a stray template token in an answer becomes
+    think_start: int | None = None
+    think_end: int | None = None
+    tool_open: int | None = None          # streaming holds back what lies between tool_open and tool_close
+    tool_close: int | None = None
+    not_in_answer: frozenset[int] = frozenset()   # template tokens that would corrupt the history in an answer
+
+
+def builtin_markers(t: ByteTokenizer) -> ChatMarkers:
+    return ChatMarkers(
+        stop=(t.end_id, t.eos_id), end_of_turn=t.end_id, think_start=t.think_start_id, think_end=t.think_end_id,
+        tool_open=t.tool_call_start_id, tool_close=t.tool_call_end_id,
+        not_in_answer=frozenset((t.think_start_id, t.think_end_id, t.user_id, t.assistant_id, t.system_id,
+                                 t.tool_id, t.bos_id, t.tools_start_id, t.tools_end_id, t.pad_id)))
+
+
+@dataclass
+class RenderedPrompt:
+    ids: list[int]
+    phase: Phase
+
+
 @dataclass
 class ParsedOutput:
     reasoning: str
@@ -134,28 +175,38 @@ class ParsedOutput:
     finished_thinking: bool
 
 
+@dataclass
+class SplitOutput:
+    reasoning_ids: list[int]
+    content_ids: list[int]
+    reasoning_tokens: int        # reasoning text plus the markers the model generated (think start/end)
+    finished_thinking: bool
+
+
+def split_reasoning(tokens: list[int], m: ChatMarkers, phase: Phase) -> SplitOutput:
+    """Generated ids (after the prompt) up to the first stop id, split at the end-of-thinking marker."""
+    body = []
+    for tok in tokens:
+        if tok in m.stop:
+            break
+        body.append(tok)
+    markers = 0
+    if phase == "maybe" and body and body[0] == m.think_start:
+        phase, body, markers = "reasoning", body[1:], 1
+    if phase != "reasoning":
+        return SplitOutput([], body, 0, True)
+    end = body.index(m.think_end) if m.think_end in body else len(body)
+    finished = end < len(body)
+    return SplitOutput(body[:end], body[end + 1:], end + markers + finished, finished)
+
+
 def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, salt: str = "") -> ParsedOutput:
-    """Split generated tokens (after the generation prompt) into reasoning, content and tool calls.
+    """Split generated tokens (after the built-in generation prompt) into reasoning, content and tool calls.
 
     A tool call is `⟨tool_call⟩ name \\n JSON-object ⟨/tool_call⟩`; anything else inside the markers (no name,
     arguments that are not a JSON object, an unclosed call) stays in the content as text."""
-    stop = {t.end_id, t.eos_id}
-    body = []
-    for tok in tokens:
-        if tok in stop:
-            break
-        body.append(tok)
-    reasoning_ids: list[int] = []
-    finished = not thinking
-    i = 0
-    if thinking:
-        while i < len(body) and body[i] != t.think_end_id:
-            reasoning_ids.append(body[i])
-            i += 1
-        if i < len(body):
-            finished = True
-            i += 1
-    content_ids = body[i:]
+    split = split_reasoning(tokens, builtin_markers(t), "reasoning" if thinking else "content")
+    content_ids = split.content_ids
     content, calls = [], []
     j = 0
     while j < len(content_ids):
@@ -168,7 +219,7 @@ def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, 
             if end > 0:
                 raw = t.decode(content_ids[j + 1:end])
                 name, sep, args = raw.partition("\n")
-                if sep and name.strip() and _is_json_object(args):
+                if sep and name.strip() and is_json_object(args):
                     calls.append(ToolCall(tool_call_id(name.strip(), args, len(calls), salt), name.strip(), args))
                     j = end + 1
                     continue
@@ -180,12 +231,11 @@ def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, 
             k += 1
         content.append(t.decode(content_ids[j:k]))
         j = k
-    return ParsedOutput(reasoning=t.decode(reasoning_ids), content="".join(content), tool_calls=calls,
-                        reasoning_tokens=len(reasoning_ids) + (1 if finished and thinking else 0),
-                        finished_thinking=finished)
+    return ParsedOutput(reasoning=t.decode(split.reasoning_ids), content="".join(content), tool_calls=calls,
+                        reasoning_tokens=split.reasoning_tokens, finished_thinking=split.finished_thinking)
 
 
-def _is_json_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
     except (ValueError, TypeError):
@@ -220,34 +270,109 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
     return "high"
 
 
-class ThinkingBudget:
-    """Token filter for the router: counts reasoning tokens and forces ⟨/think⟩ once the tier's limit is
-    reached (the forced token counts as the last reasoning token). Also keeps special tokens that would break
-    the template out of the output: a stray ⟨think⟩ or role token becomes ⟨end⟩."""
 
-    def __init__(self, t: ByteTokenizer, limit: int | None, thinking: bool = True):
-        self.t, self.limit = t, limit
-        self.in_thinking = thinking
+
+class ThinkingBudget:
+    """Token filter for the router: counts reasoning tokens and forces the end-of-thinking token once the tier's
+    limit is reached (the forced token counts as the last reasoning token). Also keeps template tokens that would
+    break the history out of the answer: a stray think or role token becomes the end-of-turn token.
+
+    `markers`: a chat format's ChatMarkers (a ByteTokenizer means the built-in format's)."""
+
+    def __init__(self, markers: ChatMarkers | ByteTokenizer, limit: int | None, thinking: bool = True, *,
+                 phase: Phase | None = None):
+        self.m = builtin_markers(markers) if isinstance(markers, ByteTokenizer) else markers
+        self.limit = limit
+        self.phase: Phase = phase or ("reasoning" if thinking else "content")
         self.reasoning_tokens = 0
         self.forced = False
 
     def __call__(self, _request, token: int) -> int:
-        t = self.t
-        if self.in_thinking:
-            if token == t.think_end_id:
-                self.in_thinking = False
+        m = self.m
+        if self.phase == "maybe":
+            self.phase = "reasoning" if token == m.think_start else "content"
+            if self.phase == "reasoning":
                 self.reasoning_tokens += 1
                 return token
-            if token in (t.end_id, t.eos_id):
+        if self.phase == "reasoning":
+            if token == m.think_end:
+                self.phase = "content"
+                self.reasoning_tokens += 1
+                return token
+            if token in m.stop:
                 return token
             if self.limit is not None and self.reasoning_tokens >= self.limit - 1:
-                self.in_thinking = False
+                self.phase = "content"
                 self.forced = True
                 self.reasoning_tokens += 1
-                return t.think_end_id
+                return m.think_end
             self.reasoning_tokens += 1
             return token
-        if token in (t.think_start_id, t.think_end_id, t.user_id, t.assistant_id, t.system_id, t.tool_id,
-                     t.bos_id, t.tools_start_id, t.tools_end_id, t.pad_id):
-            return t.end_id
+        if token in m.not_in_answer:
+            return m.end_of_turn
         return token
+
+
+# ----------------------------------------------------------------------------------------------- formats
+class ChatFormat(Protocol):
+    """What the router needs of a chat format (BuiltinChat, chat_template.TemplateChat, NoChatTemplate)."""
+    tokenizer: object               # ByteTokenizer | CheckpointTokenizer: the interface in expertmesh.tokenizer
+    markers: ChatMarkers
+    supports_thinking: bool
+
+    def render(self, messages: list[Message], *, tools: list[dict] | None = None,
+               thinking: bool = True) -> RenderedPrompt: ...
+
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput: ...
+
+
+class BuiltinChat:
+    """The built-in format over the byte tokenizer (synthetic checkpoints)."""
+
+    supports_thinking = True
+
+    def __init__(self, tokenizer: ByteTokenizer | None = None):
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.markers = builtin_markers(self.tokenizer)
+
+    def render(self, messages: list[Message], *, tools: list[dict] | None = None,
+               thinking: bool = True) -> RenderedPrompt:
+        return RenderedPrompt(render(messages, self.tokenizer, tools=tools, thinking=thinking),
+                              "reasoning" if thinking else "content")
+
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput:
+        return parse_output(tokens, self.tokenizer, thinking=phase == "reasoning", salt=salt)
+
+
+class NoChatTemplate:
+    """A checkpoint with a tokenizer.json but no chat template: completions work, chat requests are refused."""
+
+    supports_thinking = False
+
+    def __init__(self, tokenizer, directory: Path):
+        self.tokenizer, self.directory = tokenizer, directory
+        self.markers = ChatMarkers(stop=tuple(tokenizer.eos_ids), end_of_turn=tokenizer.eos_ids[0])
+
+    def render(self, messages, *, tools=None, thinking=True) -> RenderedPrompt:
+        raise ChatError(f"messages: this model has no chat template ({self.directory} has neither "
+                        f"chat_template.jinja nor a chat_template in tokenizer_config.json); use /v1/completions")
+
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput:
+        split = split_reasoning(tokens, self.markers, "content")
+        return ParsedOutput("", self.tokenizer.decode(split.content_ids), [], 0, True)
+
+
+def load_chat(checkpoint_dir: str | Path | None = None, *, model_vocab_size: int | None = None) -> ChatFormat:
+    """The chat format of a checkpoint: its tokenizer.json and chat template when it has them, else the built-in
+    format over the byte tokenizer. Errors name the file that cannot be used, or a tokenizer with more ids than
+    the model's embedding has rows."""
+    from expertmesh.tokenizer import TokenizerError, load_tokenizer
+    tokenizer = load_tokenizer(checkpoint_dir)
+    if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
+        where = f"{checkpoint_dir}/tokenizer.json" if not isinstance(tokenizer, ByteTokenizer) else "byte tokenizer"
+        raise TokenizerError(f"{where}: {tokenizer.vocab_size} token ids, but the model's vocab_size is "
+                             f"{model_vocab_size}")
+    if isinstance(tokenizer, ByteTokenizer):
+        return BuiltinChat(tokenizer)
+    from expertmesh.chat_template import load_template_chat
+    return load_template_chat(Path(checkpoint_dir), tokenizer) or NoChatTemplate(tokenizer, Path(checkpoint_dir))

@@ -5,7 +5,6 @@ filter, and turns the generated tokens into reasoning / content / tool-call even
 """
 from __future__ import annotations
 
-import codecs
 import json
 import time
 import uuid
@@ -15,64 +14,63 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from expertmesh.chat import (ChatError, Message, ThinkingBudget, ToolCall, parse_output, render,
-                             tier_from_request)
+from expertmesh.chat import ChatError, ChatFormat, Message, Phase, ThinkingBudget, ToolCall, tier_from_request
 from expertmesh.model import SamplingParams
 from expertmesh.router.engine import Engine
 from expertmesh.router.engine import Request as EngineRequest
 from expertmesh.router.http import APIError, cancel_on_disconnect, error_from_exception, iterate_events
 from expertmesh.router.tracing import RequestSpan
-from expertmesh.tokenizer import ByteTokenizer
 
 
 # ----------------------------------------------------------------------------------------------- the run
 class ChatDecoder:
-    """Generated tokens → ("reasoning" | "content", text) pieces: incremental UTF-8, the thinking section
-    apart from the answer, tool-call markup held back (parse_output turns it into structured calls)."""
+    """Generated tokens → ("reasoning" | "content", text) pieces: incremental detokenization (never half a
+    character), the thinking section apart from the answer, tool-call markup held back (the format's parse_output
+    turns it into structured calls)."""
 
-    def __init__(self, tok: ByteTokenizer, thinking: bool):
-        self.t = tok
-        self.phase = "reasoning" if thinking else "content"
+    def __init__(self, fmt: ChatFormat, phase: Phase):
+        self.tok, self.m = fmt.tokenizer, fmt.markers
+        self.phase = phase
         self.in_call = False
         self.done = False
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = self.tok.stream_decoder()
 
     def feed(self, token: int) -> list[tuple[str, str]]:
-        t, out = self.t, []
-        if token in (t.end_id, t.eos_id):
+        m, out = self.m, []
+        if token in m.stop:
             self.done = True
             return out
+        if self.phase == "maybe":               # the model may open thinking with its first token
+            self.phase = "reasoning" if token == m.think_start else "content"
+            if self.phase == "reasoning":
+                return out
         if self.phase == "reasoning":
-            if token == t.think_end_id:
-                tail = self.decoder.decode(b"", final=True)
-                if tail:
-                    out.append(("reasoning", tail))
-                self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            if token == m.think_end:
+                out += [("reasoning", tail)] if (tail := self.text.flush()) else []
+                self.text = self.tok.stream_decoder()
                 self.phase = "content"
-            elif token < 256:
-                text = self.decoder.decode(bytes([token]))
-                if text:
-                    out.append(("reasoning", text))
+            elif piece := self.text.feed(token):
+                out.append(("reasoning", piece))
             return out
-        if token == t.tool_call_start_id:
+        if token == m.tool_open:
             self.in_call = True
-        elif token == t.tool_call_end_id:
+        elif m.tool_close is not None and token == m.tool_close:
             self.in_call = False
-        elif token < 256 and not self.in_call:
-            text = self.decoder.decode(bytes([token]))
-            if text:
-                out.append(("content", text))
+        elif not self.in_call and (piece := self.text.feed(token)):
+            out.append(("content", piece))
         return out
 
     def flush(self) -> list[tuple[str, str]]:
-        tail = self.decoder.decode(b"", final=True)
+        tail = self.text.flush()
         return [(self.phase, tail)] if tail else []
+
 
 @dataclass
 class ChatRun:
     engine: Engine
-    tok: ByteTokenizer
+    fmt: ChatFormat
     prompt: list[int]
+    phase: Phase
     budget: ThinkingBudget
     thinking: bool
     tier: str
@@ -97,7 +95,7 @@ class ChatRun:
 
     async def events(self):
         """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back."""
-        decoder = ChatDecoder(self.tok, self.thinking)
+        decoder = ChatDecoder(self.fmt, self.phase)
         async for token in iterate_events(self.req):
             if decoder.done:
                 continue
@@ -108,7 +106,7 @@ class ChatRun:
 
     def events_sync(self, timeout: float | None = None):
         """The same events for a blocking caller (the gRPC servicer)."""
-        decoder = ChatDecoder(self.tok, self.thinking)
+        decoder = ChatDecoder(self.fmt, self.phase)
         for token in self.req.stream(timeout):
             if not decoder.done:
                 yield from decoder.feed(token)
@@ -119,13 +117,13 @@ class ChatRun:
             pass
 
     def result(self):
-        return parse_output(self.req.output, self.tok, thinking=self.thinking, salt=self.salt)
+        return self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
 
     def finish_reason(self, parsed) -> str:
         if parsed.tool_calls:
             return "tool_calls"
         out = self.req.output
-        if out and out[-1] in (self.tok.end_id, self.tok.eos_id):
+        if out and out[-1] in self.fmt.markers.stop:
             return "stop"
         return "length"
 
@@ -134,7 +132,7 @@ class ChatRun:
         if getattr(self, "_recorded", False):
             return
         self._recorded = True
-        reasoning = self.budget.reasoning_tokens if self.thinking else 0
+        reasoning = self.budget.reasoning_tokens
         self.engine.metrics.reasoning_tokens.inc(reasoning)
         if self.span is not None:
             self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output),
@@ -144,21 +142,24 @@ class ChatRun:
     def usage_counts(self, parsed) -> dict:
         self.record(parsed)
         return {"prompt": len(self.prompt), "completion": len(self.req.output), "cached": self.req.cached_tokens,
-                "reasoning": self.budget.reasoning_tokens if self.thinking else 0}
+                "reasoning": self.budget.reasoning_tokens}
 
 
-def start_chat(engine: Engine, tok: ByteTokenizer, messages: list[Message], tools, *, tier: str, thinking: bool,
+def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai") -> ChatRun:
+    """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
+    (a template that cannot turn thinking off) gets the low tier's limit."""
     try:
-        prompt = render(messages, tok, tools=tools, thinking=thinking)
+        rendered = fmt.render(messages, tools=tools, thinking=thinking)
     except ValueError as e:          # ChatError, or text that is not valid Unicode
         raise APIError(400, str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages")
-    limit = engine.cfg.thinking.limit(tier) if thinking else None
-    run = ChatRun(engine, tok, prompt, ThinkingBudget(tok, limit, thinking), thinking, tier)
+    limit = engine.cfg.thinking.limit(tier if thinking else "low")
+    run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
+                  thinking, tier)
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             stop_token_ids=(tok.end_id, tok.eos_id)), api)
+                             stop_token_ids=fmt.markers.stop), api)
     return run
 
 
@@ -241,7 +242,7 @@ def openai_messages(raw: list[dict]) -> list[Message]:
     return out
 
 
-def openai_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, check_key) -> APIRouter:
+def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/chat/completions")
@@ -257,7 +258,7 @@ def openai_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, ch
         else:
             tools = body.tools
         max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), 256)
-        run = start_chat(engine, tok, openai_messages(body.messages), tools, tier=tier, thinking=True,
+        run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=True,
                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -418,7 +419,7 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
     return out
 
 
-def anthropic_router(engine: Engine, tok: ByteTokenizer, name: str, check_model, check_key) -> APIRouter:
+def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
     api = APIRouter()
 
     @api.post("/v1/messages")
@@ -437,7 +438,7 @@ def anthropic_router(engine: Engine, tok: ByteTokenizer, name: str, check_model,
             tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                        "parameters": t.get("input_schema", {})}}
                      for t in (body.tools or [])] or None
-            run = start_chat(engine, tok, msgs, tools, tier=tier, thinking=thinking, max_tokens=body.max_tokens,
+            run = start_chat(engine, fmt, msgs, tools, tier=tier, thinking=thinking, max_tokens=body.max_tokens,
                              temperature=body.temperature, top_p=body.top_p, seed=None, api="anthropic")
         except AnthropicError:
             raise

@@ -14,12 +14,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
-from expertmesh.tokenizer import ByteTokenizer
 
 
 def _status_for(e: Exception) -> grpc.StatusCode:
@@ -33,10 +33,11 @@ def _status_for(e: Exception) -> grpc.StatusCode:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, engine: Engine, api_key: str | None = None):
+    def __init__(self, engine: Engine, api_key: str | None = None, chat: ChatFormat | None = None):
         self.engine = engine
         self.api_key = api_key
-        self.tok = ByteTokenizer()
+        self.chat = chat or BuiltinChat()     # the checkpoint's tokenizer and chat format
+        self.tok = self.chat.tokenizer
 
     def _auth(self, context) -> None:
         if self.api_key is None:
@@ -58,7 +59,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             top_p=p.top_p if p.HasField("top_p") else 1.0,
             top_k=p.top_k if p.HasField("top_k") else 0,
             seed=p.seed if p.HasField("seed") else None,
-            stop_token_ids=tuple(p.stop_token_ids) or (self.tok.eos_id,))
+            stop_token_ids=tuple(p.stop_token_ids) or tuple(self.tok.eos_ids))
         if params.max_tokens <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")
         try:
@@ -68,13 +69,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return params
 
     def _stream(self, req, context, request_id: str, return_text: bool):
-        """Yield GenerateEvents for an engine request; cancels it when the client goes away."""
+        """Yield GenerateEvents for an engine request; cancels it when the client goes away. A token's text is what
+        it completes: empty while a character spans several tokens, then the whole character."""
         context.add_callback(lambda: self.engine.cancel(req))
         remaining = context.time_remaining()
         index = 0
+        decoder = self.tok.stream_decoder()
         try:
             for token in req.stream(timeout=remaining if remaining is not None else None):
-                text = self.tok.decode([token]) if return_text else ""
+                text = decoder.feed(token) if return_text else ""
                 yield router_pb2.GenerateEvent(request_id=request_id, token=router_pb2.TokenEvent(
                     index=index, token_id=token, text=text))
                 index += 1
@@ -98,7 +101,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not request.text:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text: expected a non-empty string")
             try:
-                prompt = [self.tok.bos_id] + self.tok.encode(request.text)
+                prompt = self.tok.encode_prompt(request.text)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.text: {e}")
         else:
@@ -134,7 +137,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
                                                                "parameters": params}})
             p = self._params(request.params, context)
-            run = start_chat(self.engine, self.tok, messages, tools or None, tier=tier,
+            run = start_chat(self.engine, self.chat, messages, tools or None, tier=tier,
                              thinking=not request.disable_thinking, max_tokens=p.max_tokens,
                              temperature=p.temperature, top_p=p.top_p, seed=p.seed, api="grpc")
         except ChatError as e:
@@ -178,9 +181,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32,
-                      tls=None):
+                      tls=None, chat: ChatFormat | None = None):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"))
-    service = RouterService(engine, api_key)
+    service = RouterService(engine, api_key, chat)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -7,7 +7,6 @@ the needed experts or workers are unavailable.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hmac
 import json
 import time
@@ -18,10 +17,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, Request, RequestError
-from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.tokenizer import AnyTokenizer
 
 MAX_BODY_BYTES = 4 * 2 ** 20
 
@@ -135,19 +135,20 @@ def cancel_on_disconnect(http_request: HTTPRequest, engine: Engine, req: Request
 
 
 class StopMatcher:
-    """Incremental UTF-8 decoding of byte tokens with stop-string detection."""
+    """Incremental detokenization (never half a character) with stop-string detection."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder = None        # the tokenizer's stream decoder, made with the first token
         self.text = ""
         self.emitted = 0
         self.stopped = False
 
-    def feed(self, token: int, tok: ByteTokenizer) -> str:
+    def feed(self, token: int, tok: AnyTokenizer) -> str:
         """Add a token; returns the newly safe-to-emit text (held back while it could start a stop string)."""
-        if token < 256:
-            self.text += self.decoder.decode(bytes([token]))
+        if self.decoder is None:
+            self.decoder = tok.stream_decoder()
+        self.text += self.decoder.feed(token)
         for s in self.stops:
             i = self.text.find(s)
             if i >= 0:
@@ -164,8 +165,8 @@ class StopMatcher:
         return out
 
     def flush(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
+        if not self.stopped and self.decoder is not None:
+            self.text += self.decoder.flush()
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
@@ -190,13 +191,17 @@ async def iterate_events(req: Request):
             wake.clear()
 
 
-def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
+              chat: ChatFormat | None = None) -> FastAPI:
+    """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat.load_chat(dir)`); default: the
+    built-in format over the byte tokenizer."""
     try:   # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
         app = FastAPI(title="expertmesh router", version="0.1.0",
                       telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     except TypeError:  # FastAPI releases without built-in telemetry
         app = FastAPI(title="expertmesh router", version="0.1.0")
-    tok = ByteTokenizer()
+    chat = chat or BuiltinChat()
+    tok = chat.tokenizer
     name = model_name or engine.model_name
     created = int(time.time())
 
@@ -380,10 +385,11 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     from expertmesh.router.chat_api import anthropic_router, openai_router
-    app.include_router(openai_router(engine, tok, name, check_model, check_key))
-    app.include_router(anthropic_router(engine, tok, name, check_model, check_key))
+    app.include_router(openai_router(engine, chat, name, check_model, check_key))
+    app.include_router(anthropic_router(engine, chat, name, check_model, check_key))
     app.state.engine = engine
     app.state.tokenizer = tok
+    app.state.chat = chat
     return app
 
 

@@ -28,7 +28,8 @@ def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (the router reads only its config)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (the router reads its config, tokenizer.json and chat template)")
     p.add_argument("--plan", required=True, help="placement plan JSON")
     p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers")
     p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
@@ -58,6 +59,8 @@ def run(args) -> int:
     from expertmesh import telemetry
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     ckpt_cfg = Checkpoint(args.checkpoint).cfg
+    from expertmesh.chat import load_chat
+    chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)
     from expertmesh.tls import ClientTLS, ServerTLS
     worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
@@ -71,10 +74,10 @@ def run(args) -> int:
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
-    app = build_app(engine, api_key=api_key)
+    app = build_app(engine, api_key=api_key, chat=chat)
     http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls)
     from expertmesh.router.grpc_service import serve_router_grpc
-    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls)
+    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
