@@ -319,6 +319,7 @@ class ChatFormat(Protocol):
     tokenizer: object               # ByteTokenizer | CheckpointTokenizer: the interface in expertmesh.tokenizer
     markers: ChatMarkers
     supports_thinking: bool
+    trim_whitespace: bool           # parse_output strips the whitespace around reasoning and content
 
     def render(self, messages: list[Message], *, tools: list[dict] | None = None,
                thinking: bool = True) -> RenderedPrompt: ...
@@ -330,6 +331,7 @@ class BuiltinChat:
     """The built-in format over the byte tokenizer (synthetic checkpoints)."""
 
     supports_thinking = True
+    trim_whitespace = False
 
     def __init__(self, tokenizer: ByteTokenizer | None = None):
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -348,6 +350,7 @@ class NoChatTemplate:
     """A checkpoint with a tokenizer.json but no chat template: completions work, chat requests are refused."""
 
     supports_thinking = False
+    trim_whitespace = False
 
     def __init__(self, tokenizer, directory: Path):
         self.tokenizer, self.directory = tokenizer, directory

@@ -259,6 +259,8 @@ def single_token(tok: CheckpointTokenizer, text: str) -> int | None:
 class TemplateChat:
     """A checkpoint's chat template over its tokenizer.json (see the module docstring)."""
 
+    trim_whitespace = True
+
     def __init__(self, tokenizer: CheckpointTokenizer, template: str | dict[str, str], source: Path):
         self.tokenizer, self.source = tokenizer, source
         self.templates = dict(template) if isinstance(template, dict) else {"default": template}
@@ -349,6 +351,9 @@ class TemplateChat:
 
     # --- parsing
     def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput:
+        """Reasoning, content and tool calls of generated ids. Reasoning and content come back without the
+        whitespace around them: templates write their own separators (`<think>\\n` … `\\n</think>\\n\\n`), and a
+        client that sends the answer back unstripped would otherwise get them twice and miss the prefix cache."""
         tok, m = self.tokenizer, self.markers
         split = split_reasoning(tokens, m, phase)
         content_ids, calls, raw = split.content_ids, [], ""
@@ -362,18 +367,25 @@ class TemplateChat:
             for i, (call_id, name, args) in enumerate(found or []):
                 text = json.dumps(args, ensure_ascii=False)
                 calls.append(ToolCall(call_id or tool_call_id(name, text, i, salt), name, text))
-        return ParsedOutput(reasoning=tok.decode(split.reasoning_ids), content=tok.decode(content_ids) + raw,
+        return ParsedOutput(reasoning=tok.decode(split.reasoning_ids).strip(),
+                            content=(tok.decode(content_ids) + raw).strip(),
                             tool_calls=calls, reasoning_tokens=split.reasoning_tokens,
                             finished_thinking=split.finished_thinking)
 
     # --- what the template means, probed at load
     SENTINEL = "PROBE_CONTENT_7f3a"
 
+    def _probe(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.render_text(messages, add_generation_prompt=add_generation_prompt, sanitize=False)
+        except ChatError as e:
+            raise ChatTemplateError(f"{self.source}: the chat template cannot render a plain conversation "
+                                    f"({str(e).split(': ', 2)[-1]})") from None
+
     def _end_of_turn(self) -> int | None:
         """The token the template writes right after an assistant's content, if it is an added token."""
-        text = self.render_text([{"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": self.SENTINEL}],
-                                add_generation_prompt=False, sanitize=False)
+        text = self._probe([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": self.SENTINEL}],
+                           add_generation_prompt=False)
         if self.SENTINEL not in text:
             raise ChatTemplateError(f"{self.source}: the chat template drops an assistant message's content")
         after = self.tokenizer.encode(text.split(self.SENTINEL, 1)[1])
@@ -383,8 +395,8 @@ class TemplateChat:
     def _role_tokens(self) -> set[int]:
         """The added tokens the template writes around a system and a user message and the generation prompt:
         role markers, which never belong inside an answer."""
-        ids = self.tokenizer.encode(self.render_text([{"role": "system", "content": "S"},
-                                                      {"role": "user", "content": "U"}], sanitize=False))
+        ids = self.tokenizer.encode(self._probe([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+                                                add_generation_prompt=True))
         added = self.tokenizer.backend.get_added_tokens_decoder()
         return {i for i in ids if i in added}
 
@@ -415,32 +427,48 @@ def probe_conversation(with_tools: bool) -> list[Message]:
 
 
 def prefix_stability_problem(fmt: TemplateChat) -> str | None:
-    """None when, on the probe conversation, every turn's prompt starts with the previous turn's prompt and output
-    (its rendered assistant message up to the end-of-turn token); else a sentence naming the diverging turn."""
+    """None when each turn of the probe conversation starts with the previous turn's prompt and output; else a
+    sentence naming the first turn that diverges. The output is what the template renders for the assistant
+    message, up to the end of turn; the next turn renders what parse_output made of it, as a client sends it back,
+    so the check covers the whole loop: render → generate → parse → render."""
+    tools = PROBE_TOOLS if fmt.tool_format is not None else None
     try:
-        convo, tools = probe_conversation(True), PROBE_TOOLS
-        fmt.render_ids(template_messages(convo), tools=tools, add_generation_prompt=False)
-    except ChatError:   # a template without tool support: check the plain conversation
-        convo, tools = probe_conversation(False), None
+        fmt.render(probe_conversation(tools is not None), tools=tools)
+    except ChatError:   # a template that refuses tools: check the plain conversation
+        tools = None
     tok, stop = fmt.tokenizer, set(fmt.markers.stop)
-    assistant_at = [i for i, m in enumerate(convo) if m.role == "assistant"]
-    for turn, (at, next_at) in enumerate(zip(assistant_at, assistant_at[1:] + [len(convo)]), start=1):
-        prompt = fmt.render_ids(template_messages(convo[:at]), tools=tools)
-        whole = fmt.render_ids(template_messages(convo[:at + 1]), tools=tools, add_generation_prompt=False)
-        if whole[:len(prompt)] != prompt:
-            i = _first_difference(whole, prompt)
-            return (f"turn {turn}'s assistant message does not start with its own prompt (at token {i}: prompt has "
-                    f"{tok.decode(prompt[i:i + 4], skip_special=False)!r}, the rendered turn "
-                    f"{tok.decode(whole[i:i + 4], skip_special=False)!r})")
-        output = whole[len(prompt):]
-        end = next((k for k, t in enumerate(output) if t in stop), len(output) - 1)
-        expected = prompt + output[:end + 1]
-        following = fmt.render_ids(template_messages(convo[:next_at]), tools=tools)
-        if following[:len(expected)] != expected:
-            i = _first_difference(following, expected)
+    sent: list[Message] = []                 # the conversation as the client sends it back
+    renamed: dict[str, str] = {}             # probe tool-call ids → the ids parse_output gave them
+    expected, turn = None, 0                 # the previous turn's prompt + output
+    for m in probe_conversation(tools is not None) + [None]:
+        if m is not None and m.role != "assistant":
+            sent.append(Message(m.role, m.content, tool_call_id=renamed.get(m.tool_call_id, m.tool_call_id)))
+            continue
+        prompt = fmt.render(sent, tools=tools)
+        if expected is not None and prompt.ids[:len(expected)] != expected:
+            i = _first_difference(prompt.ids, expected)
             return (f"turn {turn + 1}'s prompt does not start with turn {turn}'s prompt and output (at token {i}: "
                     f"expected {tok.decode(expected[i:i + 4], skip_special=False)!r}, rendered "
-                    f"{tok.decode(following[i:i + 4], skip_special=False)!r})")
+                    f"{tok.decode(prompt.ids[i:i + 4], skip_special=False)!r})")
+        if m is None:
+            return None
+        turn += 1
+        whole = fmt.render_ids(template_messages(sent + [m]), tools=tools, add_generation_prompt=False)
+        if whole[:len(prompt.ids)] != prompt.ids:
+            i = _first_difference(whole, prompt.ids)
+            return (f"turn {turn}'s assistant message does not start with its own prompt (at token {i}: prompt has "
+                    f"{tok.decode(prompt.ids[i:i + 4], skip_special=False)!r}, the rendered turn "
+                    f"{tok.decode(whole[i:i + 4], skip_special=False)!r})")
+        output = whole[len(prompt.ids):]
+        output = output[:next((k + 1 for k, t in enumerate(output) if t in stop), len(output))]
+        parsed = fmt.parse_output(output, phase=prompt.phase, salt="probe")
+        if len(parsed.tool_calls) != len(m.tool_calls):
+            return (f"turn {turn}'s tool calls, as the template writes them, do not parse back as "
+                    f"{fmt.tool_format.name} tool calls")
+        renamed.update({a.id: b.id for a, b in zip(m.tool_calls, parsed.tool_calls)})
+        sent.append(Message("assistant", parsed.content, reasoning=parsed.reasoning or None,
+                            tool_calls=parsed.tool_calls))
+        expected = prompt.ids + output
     return None
 
 

@@ -145,15 +145,23 @@ def token_content(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def added_token(value):
+    """A named special token as transformers adds it: a dict keeps its flags, a string is special, not normalized."""
+    from tokenizers import AddedToken
+    if isinstance(value, dict):
+        flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+        return AddedToken(value["content"], special=True, **flags)
+    return AddedToken(value, special=True, normalized=False)
+
+
 class CheckpointTokenizer:
     """A checkpoint's tokenizer.json, set up the way transformers' AutoTokenizer (TokenizersBackend) sets it up,
     so prompts get exactly the ids the model saw in training:
 
     - special tokens named in tokenizer_config.json (bos_token, eos_token, …, additional/extra special tokens)
       are added as special tokens, as transformers adds them;
-    - an explicit `add_bos_token` / `add_eos_token` in tokenizer_config.json replaces tokenizer.json's
-      post-processor with BOS/EOS per those flags (so does transformers); otherwise tokenizer.json's post-processor
-      decides which special tokens `encode_prompt` adds;
+    - tokenizer.json's post-processor alone decides which special tokens `encode_prompt` adds: transformers 5
+      ignores tokenizer_config.json's `add_bos_token` / `add_eos_token` when a tokenizer.json exists;
     - no truncation or padding; `clean_up_tokenization_spaces` only for non-BPE models (as transformers).
 
     EOS ids (generation stops at any): generation_config.json and config.json `eos_token_id` (an id or a list),
@@ -170,44 +178,24 @@ class CheckpointTokenizer:
             raise TokenizerError(f"{path}: not a Hugging Face tokenizers file ({first_line(e)})") from None
         config_path = self.directory / "tokenizer_config.json"
         self.config = read_json(config_path) if config_path.exists() else {}
-        self.named_special = {name: token_content(self.config.get(name)) for name in NAMED_SPECIAL_TOKENS}
+        named = {name: self.config.get(name) for name in NAMED_SPECIAL_TOKENS}
         extra = self.config.get("extra_special_tokens")
         if isinstance(extra, dict):          # model-specific named tokens (e.g. image_token): named, like bos_token
-            self.named_special.update({name: token_content(v) for name, v in extra.items()})
+            named.update(extra)
             extra = None
+        self.named_special = {name: token_content(value) for name, value in named.items()}
         extras = [token_content(v) for v in (extra or self.config.get("additional_special_tokens") or [])]
-        to_add = [self._added_token(self.config.get(name), AddedToken) for name in self.named_special
-                  if self.named_special[name]]
+        to_add = [added_token(value) for value in named.values() if token_content(value)]
         to_add += [AddedToken(t, special=True, normalized=False) for t in extras if t]
         if to_add:
             self.backend.add_special_tokens(to_add)
         self.backend.no_truncation()
         self.backend.no_padding()
         self.backend.encode_special_tokens = False
-        if "add_bos_token" in self.config or "add_eos_token" in self.config or self.backend.post_processor is None:
-            self._set_post_processor(bool(self.config.get("add_bos_token")), bool(self.config.get("add_eos_token")))
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-        self.special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
         self.cleanup_spaces = bool(self.config.get("clean_up_tokenization_spaces")) and \
             type(self.backend.model).__name__ != "BPE"
         self.eos_ids = self._eos_ids()
-
-    def _added_token(self, value, AddedToken):
-        """As transformers builds it: a dict keeps its flags, a string is special and not normalized."""
-        if isinstance(value, dict):
-            flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
-            return AddedToken(value["content"], special=True, **flags)
-        return AddedToken(value, special=True, normalized=False)
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        from tokenizers import processors
-        bos, eos = self.named_special.get("bos_token"), self.named_special.get("eos_token")
-        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        specials = ([(bos, self.backend.token_to_id(bos))] if add_bos else []) + \
-                   ([(eos, self.backend.token_to_id(eos))] if add_eos else [])
-        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -263,14 +251,10 @@ class CheckpointTokenizer:
             raise ValueError(f"{token!r} is not a single token of {self.directory / 'tokenizer.json'}")
         return ids[0]
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.special_ids
-
     def decode(self, ids, *, skip_special: bool = True) -> str:
-        ids = [int(i) for i in ids]
-        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        """As transformers decodes: ids the tokenizer does not have (a model's padded vocabulary rows) are
+        dropped."""
+        ids = [i for i in map(int, ids) if 0 <= i < self.vocab_size]
         text = self.backend.decode(ids, skip_special_tokens=skip_special)
         return _clean_up_spaces(text) if self.cleanup_spaces else text
 
@@ -308,7 +292,7 @@ class TokenStreamDecoder:
         self.read = 0        # ids before this are emitted
 
     def _text(self, ids) -> str:
-        return self.tok.decode([i for i in ids if 0 <= i < self.tok.vocab_size], skip_special=self.skip_special)
+        return self.tok.decode(ids, skip_special=self.skip_special)
 
     def feed(self, token: int) -> str:
         self.ids.append(int(token))

@@ -26,14 +26,28 @@ from expertmesh.router.tracing import RequestSpan
 class ChatDecoder:
     """Generated tokens → ("reasoning" | "content", text) pieces: incremental detokenization (never half a
     character), the thinking section apart from the answer, tool-call markup held back (the format's parse_output
-    turns it into structured calls)."""
+    turns it into structured calls). For a format that strips the whitespace around reasoning and content, the
+    pieces do too: leading whitespace is dropped, trailing whitespace waits for more text."""
 
     def __init__(self, fmt: ChatFormat, phase: Phase):
-        self.tok, self.m = fmt.tokenizer, fmt.markers
+        self.tok, self.m, self.trim = fmt.tokenizer, fmt.markers, fmt.trim_whitespace
         self.phase = phase
         self.in_call = False
         self.done = False
         self.text = self.tok.stream_decoder()
+        self.started, self.held = False, ""      # this section has emitted text; whitespace not yet emitted
+
+    def _emit(self, kind: str, piece: str, out: list) -> None:
+        if not self.trim:
+            out += [(kind, piece)] if piece else []
+            return
+        piece = piece if self.started else piece.lstrip()
+        body = piece.rstrip()
+        if body:
+            out.append((kind, self.held + body))
+            self.held, self.started = "", True
+        if self.started:
+            self.held += piece[len(body):]
 
     def feed(self, token: int) -> list[tuple[str, str]]:
         m, out = self.m, []
@@ -46,23 +60,24 @@ class ChatDecoder:
                 return out
         if self.phase == "reasoning":
             if token == m.think_end:
-                out += [("reasoning", tail)] if (tail := self.text.flush()) else []
+                self._emit("reasoning", self.text.flush(), out)
                 self.text = self.tok.stream_decoder()
-                self.phase = "content"
-            elif piece := self.text.feed(token):
-                out.append(("reasoning", piece))
+                self.phase, self.started, self.held = "content", False, ""
+            else:
+                self._emit("reasoning", self.text.feed(token), out)
             return out
         if token == m.tool_open:
             self.in_call = True
         elif m.tool_close is not None and token == m.tool_close:
             self.in_call = False
-        elif not self.in_call and (piece := self.text.feed(token)):
-            out.append(("content", piece))
+        elif not self.in_call:
+            self._emit("content", self.text.feed(token), out)
         return out
 
     def flush(self) -> list[tuple[str, str]]:
-        tail = self.text.flush()
-        return [(self.phase, tail)] if tail else []
+        out: list = []
+        self._emit(self.phase, self.text.flush(), out)
+        return out
 
 
 @dataclass

@@ -32,6 +32,13 @@ def _status_for(e: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _client_timeout(context) -> float | None:
+    """Seconds left before the client's deadline; None without one (gRPC then reports a time_remaining so large
+    that a queue wait on it overflows)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 10 ** 7 else None
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, engine: Engine, api_key: str | None = None, chat: ChatFormat | None = None):
         self.engine = engine
@@ -72,11 +79,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """Yield GenerateEvents for an engine request; cancels it when the client goes away. A token's text is what
         it completes: empty while a character spans several tokens, then the whole character."""
         context.add_callback(lambda: self.engine.cancel(req))
-        remaining = context.time_remaining()
+        remaining = _client_timeout(context)
         index = 0
         decoder = self.tok.stream_decoder()
         try:
-            for token in req.stream(timeout=remaining if remaining is not None else None):
+            for token in req.stream(timeout=remaining):
                 text = decoder.feed(token) if return_text else ""
                 yield router_pb2.GenerateEvent(request_id=request_id, token=router_pb2.TokenEvent(
                     index=index, token_id=token, text=text))
@@ -147,7 +154,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         context.add_callback(lambda: self.engine.cancel(run.req))
         sent = ""
         try:
-            for kind, text in run.events_sync(timeout=context.time_remaining()):
+            for kind, text in run.events_sync(timeout=_client_timeout(context)):
                 if kind == "reasoning":
                     yield chat_pb2.ChatEvent(reasoning_delta=text)
                 else:
