@@ -52,7 +52,9 @@ def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, ma
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         err.write(f"[{usage['prompt_tokens']} prompt ({cached} cached), {usage['completion_tokens']} completion "
                   f"({details.get('reasoning_tokens', 0)} reasoning) tokens]\n")
-    msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
+    msg = {"role": "assistant", "content": "".join(content)}
+    if reasoning:       # sent back only when there was some: a template may render "" and no reasoning differently
+        msg["reasoning_content"] = "".join(reasoning)
     if calls:
         msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
     return msg

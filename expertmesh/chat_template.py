@@ -5,7 +5,9 @@ Same environment as transformers (sandboxed, trim_blocks + lstrip_blocks, loop c
 (`messages`, `tools`, `documents`, `add_generation_prompt`, `bos_token`/`eos_token`/… from tokenizer_config.json,
 `enable_thinking`, and `thinking` for templates that read that name instead). Messages are OpenAI-shaped: reasoning
 as `reasoning_content` (and `thinking`, as transformers aliases it), tool calls as
-`{id, type: function, function: {name, arguments: dict}}`, tool results with `tool_call_id`.
+`{id, type: function, function: {name, arguments}}` with arguments a dict (the JSON text for a template that only
+renders text, as DeepSeek's concatenate it), tool results with `tool_call_id`. Parsed reasoning and content come
+back without surrounding whitespace: the template writes its own separators when they are sent back.
 
 User-supplied strings are sanitized as `apply_chat_template(..., sanitize_control_tokens=True)` does: a control
 token (`<|im_end|>`, `<think>`, …) typed by a user is tokenized as ordinary text, never as the token.
@@ -121,15 +123,16 @@ def template_variables(text: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(compile_template(text).environment.parse(text)))
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
-    """Messages as a chat template reads them (OpenAI shape, as transformers passes them)."""
+def template_messages(messages: list[Message], *, arguments_as_text: bool = False) -> list[dict]:
+    """Messages as a chat template reads them (OpenAI shape, as transformers passes them). Tool-call arguments
+    are a dict, or the JSON text for templates that concatenate them as strings (DeepSeek's)."""
     out = []
     for m in messages:
         d: dict = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": arguments_value(c.arguments)}}
-                               for c in m.tool_calls]
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments if arguments_as_text else arguments_value(c.arguments)}}
+                for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.reasoning is not None:
@@ -281,6 +284,7 @@ class TemplateChat:
             else (None, None)
         self.tool_format = next((f for f in TOOL_CALL_FORMATS if f.opener in literals
                                  and single_token(tokenizer, f.opener) is not None), None)
+        self.arguments_as_text = self._wants_arguments_as_text()
         end_of_turn = self._end_of_turn()
         stop = tuple(dict.fromkeys(([end_of_turn] if end_of_turn is not None else []) + list(tokenizer.eos_ids)))
         role_tokens = self._role_tokens()
@@ -336,8 +340,11 @@ class TemplateChat:
     def render(self, messages: list[Message], *, tools: list[dict] | None = None,
                thinking: bool = True) -> RenderedPrompt:
         validate_history(messages)
-        ids = self.render_ids(template_messages(messages), tools=tools, thinking=thinking)
+        ids = self.render_ids(self.template_messages(messages), tools=tools, thinking=thinking)
         return RenderedPrompt(ids, self.phase_after(ids))
+
+    def template_messages(self, messages: list[Message]) -> list[dict]:
+        return template_messages(messages, arguments_as_text=self.arguments_as_text)
 
     def phase_after(self, prompt: list[int]) -> Phase:
         """Where generation starts: inside thinking when the prompt's last think marker opens it; otherwise the
@@ -381,6 +388,20 @@ class TemplateChat:
         except ChatError as e:
             raise ChatTemplateError(f"{self.source}: the chat template cannot render a plain conversation "
                                     f"({str(e).split(': ', 2)[-1]})") from None
+
+    def _wants_arguments_as_text(self) -> bool:
+        """Whether tool-call arguments must reach the template as JSON text: true when it renders them from text
+        but not from a dict (a dict would fail to concatenate, or come out as a Python repr)."""
+        def renders(arguments) -> bool:
+            call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            try:
+                text = self.render_text([{"role": "user", "content": "Hi"},
+                                         {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                        tools=PROBE_TOOLS, add_generation_prompt=False, sanitize=False)
+            except ChatError:
+                return False
+            return '"probe_key"' in text
+        return not renders({"probe_key": "probe_value"}) and renders('{"probe_key": "probe_value"}')
 
     def _end_of_turn(self) -> int | None:
         """The token the template writes right after an assistant's content, if it is an added token."""
@@ -453,7 +474,7 @@ def prefix_stability_problem(fmt: TemplateChat) -> str | None:
         if m is None:
             return None
         turn += 1
-        whole = fmt.render_ids(template_messages(sent + [m]), tools=tools, add_generation_prompt=False)
+        whole = fmt.render_ids(fmt.template_messages(sent + [m]), tools=tools, add_generation_prompt=False)
         if whole[:len(prompt.ids)] != prompt.ids:
             i = _first_difference(whole, prompt.ids)
             return (f"turn {turn}'s assistant message does not start with its own prompt (at token {i}: prompt has "

@@ -91,13 +91,13 @@ def cmd_checkpoint_inspect(args) -> int:
 def cmd_generate(args) -> int:
     from expertmesh.checkpoint import Checkpoint
     from expertmesh.model import SamplingParams, generate
-    from expertmesh.tokenizer import ByteTokenizer
+    from expertmesh.tokenizer import load_tokenizer
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
     model = Checkpoint(path).load_model(dense_attention=args.dense)
-    tok = ByteTokenizer()
-    prompt = [tok.bos_id] + tok.encode(args.prompt)
+    tok = load_tokenizer(path)
+    prompt = tok.encode_prompt(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop_token_ids=(tok.eos_id,))
+                            top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(tok.eos_ids))
     out = generate(model, prompt, params)
     if args.ids:
         print(" ".join(map(str, out.tokens)))

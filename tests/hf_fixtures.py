@@ -84,6 +84,34 @@ KIMI = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>' }}{%- endif %}
 """
 
+# DeepSeek V3.1's layout: arguments concatenated as text, the `thinking` variable, fullwidth-bar tokens.
+DEEPSEEK_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>",
+                   "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
+                   "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+DEEPSEEK = r"""
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- message.content }}
+{%- elif message.role == 'user' %}{{- '<｜User｜>' + message.content }}
+{%- elif message.role == 'assistant' %}
+{{- '<｜Assistant｜>' }}
+{%- if message.reasoning_content %}{{- '<think>' + message.reasoning_content + '</think>' }}
+{%- else %}{{- '</think>' }}{%- endif %}
+{{- message.content or '' }}
+{%- if message.tool_calls %}
+{{- '<｜tool▁calls▁begin｜>' }}
+{%- for tool in message.tool_calls %}
+{{- '<｜tool▁call▁begin｜>' + tool.function.name + '<｜tool▁sep｜>' + tool.function.arguments + '<｜tool▁call▁end｜>' }}
+{%- endfor %}
+{{- '<｜tool▁calls▁end｜>' }}
+{%- endif %}
+{{- '<｜end▁of▁sentence｜>' }}
+{%- elif message.role == 'tool' %}{{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<｜Assistant｜>' + ('<think>' if thinking else '</think>') }}{%- endif %}
+"""
+
 
 def build_tokenizer(*, post_processor_bos: bool = True, extra_special: list[str] = ()) -> Tokenizer:
     tk = Tokenizer(models.BPE())

@@ -6,10 +6,10 @@ import logging
 import pytest
 
 from expertmesh.chat import ChatError, Message, NoChatTemplate, ThinkingBudget, load_chat
-from expertmesh.chat_template import ChatTemplateError, TemplateChat, template_messages
+from expertmesh.chat_template import ChatTemplateError, TemplateChat
 from expertmesh.router.chat_api import ChatDecoder, openai_messages
-from hf_fixtures import (CHATML, CHATML_DROPS_OLD_REASONING, CHATML_NO_THINKING, KIMI, KIMI_TOOL_TOKENS,
-                         auto_tokenizer, write_checkpoint)
+from hf_fixtures import (CHATML, CHATML_DROPS_OLD_REASONING, CHATML_NO_THINKING, DEEPSEEK, DEEPSEEK_TOKENS, KIMI,
+                         KIMI_TOOL_TOKENS, auto_tokenizer, write_checkpoint)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                            "parameters": {"type": "object",
@@ -92,7 +92,7 @@ def test_markers_found_in_the_template_and_vocabulary(chatml):
 def generated(fmt, history: list[Message], reply: Message, tools=None) -> list[int]:
     """What the model emits after the prompt for `reply`, per the template: the rendered turn up to end of turn."""
     prompt = fmt.render(history, tools=tools).ids
-    whole = fmt.tokenizer.encode(fmt.render_text(template_messages(history + [reply]), tools=tools,
+    whole = fmt.tokenizer.encode(fmt.render_text(fmt.template_messages(history + [reply]), tools=tools,
                                                  add_generation_prompt=False, sanitize=False))
     assert whole[:len(prompt)] == prompt
     out = whole[len(prompt):]
@@ -148,6 +148,23 @@ def test_kimi_tool_calls_parse_back_with_their_ids(tmp_path):
     assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
         [("functions.get_weather:0", "get_weather", {"city": "Paris"})]
     assert parsed.reasoning == "Call it."
+
+
+def test_deepseek_style_template_gets_text_arguments_and_its_thinking_variable(tmp_path):
+    d = write_checkpoint(tmp_path, template=DEEPSEEK, extra_special=DEEPSEEK_TOKENS,
+                         config={"eos_token": "<｜end▁of▁sentence｜>"})
+    fmt, theirs = load_chat(d), auto_tokenizer(d)
+    assert fmt.tool_format.name == "deepseek_v3.1" and fmt.arguments_as_text and fmt.pass_thinking
+    raw, tools = CONVERSATIONS["tools, calls and results"]
+    for thinking in (True, False):     # the OpenAI messages as they are: arguments as JSON text
+        expected = theirs.apply_chat_template(raw, tools=tools, add_generation_prompt=True, thinking=thinking)
+        assert fmt.render(openai_messages(raw), tools=tools, thinking=thinking).ids == expected["input_ids"]
+    messages = openai_messages(raw)
+    parsed = fmt.parse_output(generated(fmt, messages[:2], messages[2], tools), phase="reasoning")
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "C"}), ("get_weather", {"city": "Oslo", "unit": "C"})]
+    assert parsed.reasoning == "Two cities: two calls." and fmt.markers.stop == (fmt.tokenizer.special(
+        "<｜end▁of▁sentence｜>"),)
 
 
 def test_template_without_think_tokens_has_thinking_off(tmp_path):
