@@ -4,7 +4,7 @@ A chat format turns messages into prompt ids and generated ids back into reasoni
 exist: the built-in one below (byte tokenizer, synthetic checkpoints) and a checkpoint's own Jinja chat template
 (`expertmesh.chat_template`). The router sees only what they share:
 
-    fmt.tokenizer, fmt.markers (ChatMarkers), fmt.supports_thinking
+    fmt.tokenizer, fmt.markers (ChatMarkers), fmt.supports_thinking, fmt.trim_whitespace
     fmt.render(messages, tools=..., thinking=...) -> RenderedPrompt(ids, phase)
     fmt.parse_output(tokens, phase=..., salt=...) -> ParsedOutput
 
@@ -147,7 +147,7 @@ class ChatMarkers:
     end_of_turn: int                      # what a stray template token in an answer becomes
     think_start: int | None = None
     think_end: int | None = None
-    tool_open: int | None = None          # streaming holds back what lies between tool_open and tool_close
+    tool_open: int | None = None          # streaming holds back from tool_open to tool_close (None: to the end)
     tool_close: int | None = None
     not_in_answer: frozenset[int] = frozenset()   # template tokens that would corrupt the history in an answer
 

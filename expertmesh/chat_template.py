@@ -316,19 +316,21 @@ class TemplateChat:
         return re.compile(any_token), re.compile(f"{MARK_START}({any_token}){MARK_END}|[{MARK_START}{MARK_END}]")
 
     def render_text(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, thinking: bool = True, sanitize: bool = True) -> str:
-        """The prompt text (with marks around sanitized user tokens when `sanitize`)."""
+                    add_generation_prompt: bool = True, thinking: bool = True, sanitize: bool = True,
+                    error: type[ValueError] = ChatError) -> str:
+        """The prompt text (with marks around sanitized user tokens when `sanitize`). A template that fails on
+        these messages (its raise_exception, or an error of its own) raises `error`."""
         name = self._pick(tools)
         kwargs = {"enable_thinking": thinking, **({"thinking": thinking} if self.pass_thinking else {})}
         if sanitize:
             control, _ = self._control[name]
             messages, tools = mark_control_tokens(messages, control), mark_control_tokens(tools, control)
         try:
-            return compile_template(self.templates[name]).render(messages=messages, tools=tools, documents=None,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **self.tokenizer.template_tokens, **kwargs)
-        except Exception as e:  # raise_exception(...) in the template, or a template error on this input
-            raise ChatError(f"messages: the chat template ({self.source}) refused them: {_one_line(e)}") from None
+            return compile_template(self.templates[name]).render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.tokenizer.template_tokens, **kwargs)
+        except Exception as e:
+            raise error(f"messages: the chat template ({self.source}) refused them: {_one_line(e)}") from None
 
     def render_ids(self, messages: list[dict], *, tools: list[dict] | None = None,
                    add_generation_prompt: bool = True, thinking: bool = True) -> list[int]:
@@ -383,11 +385,9 @@ class TemplateChat:
     SENTINEL = "PROBE_CONTENT_7f3a"
 
     def _probe(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        try:
-            return self.render_text(messages, add_generation_prompt=add_generation_prompt, sanitize=False)
-        except ChatError as e:
-            raise ChatTemplateError(f"{self.source}: the chat template cannot render a plain conversation "
-                                    f"({str(e).split(': ', 2)[-1]})") from None
+        """A plain conversation every chat template must render: failing it is an error of the template."""
+        return self.render_text(messages, add_generation_prompt=add_generation_prompt, sanitize=False,
+                                error=ChatTemplateError)
 
     def _wants_arguments_as_text(self) -> bool:
         """Whether tool-call arguments must reach the template as JSON text: true when it renders them from text
@@ -533,7 +533,10 @@ def load_template_chat(directory: Path, tokenizer: CheckpointTokenizer) -> Templ
     log.info("chat template %s: thinking %s, tool calls %s", source,
              "on" if fmt.supports_thinking else "off (no think tokens in the template)",
              fmt.tool_format.name if fmt.tool_format else "not recognised (they stay in the content)")
-    problem = prefix_stability_problem(fmt)
+    try:
+        problem = prefix_stability_problem(fmt)
+    except ChatError as e:
+        problem = f"the probe conversation does not render ({e})"
     if problem:
         log.warning("chat template %s breaks multi-turn prefix stability: %s; the prefix cache recomputes from there",
                     source, problem)
