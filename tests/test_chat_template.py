@@ -218,7 +218,7 @@ def test_template_errors_name_the_file(tmp_path):
         fmt.render_ids([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}])
 
 
-def test_tokenizer_without_template_serves_completions_only(tmp_path):
+def test_tokenizer_without_template_refuses_chat_requests(tmp_path):
     fmt = load_chat(write_checkpoint(tmp_path, template=None))
     assert isinstance(fmt, NoChatTemplate)
     with pytest.raises(ChatError, match="has no chat template"):
