@@ -135,9 +135,8 @@ class AttentionWorker:
             except OutOfBlocks:
                 kv.free()
                 raise
-            for i, t in enumerate(self.cfg.layer_types):
-                if t == "dsa":
-                    cache.layers[i] = PagedDSACache(kv, i)
+            for i in self.cfg.latent_kv_layers:
+                cache.layers[i] = PagedDSACache(kv, i)
             self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler)
             return cache.length
 
