@@ -510,6 +510,9 @@ class SamplingParams:
     top_k: int = 0                # 0 → off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
+    logprobs: int | None = None          # of each generated token, with this many top alternatives
+    prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 
 
 MAX_SEED = 2 ** 63 - 1
+MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
 
 
 def check_sampling(params) -> None:
@@ -20,6 +21,10 @@ def check_sampling(params) -> None:
         raise ValueError(f"top_k={k}: expected an integer >= 0 (0 turns it off)")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise ValueError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(params, name, None)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"{name}={n}: expected an integer in [0, {MAX_LOGPROBS}] (top alternatives per token)")
 
 
 class Sampler:

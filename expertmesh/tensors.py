@@ -81,8 +81,9 @@ def sampling_to_proto(params):
     msg = sampling_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                       top_p=params.top_p, top_k=params.top_k,
                                       stop_token_ids=list(params.stop_token_ids))
-    if params.seed is not None:
-        msg.seed = params.seed
+    for f in ("seed", "logprobs", "prompt_logprobs"):
+        if getattr(params, f) is not None:
+            setattr(msg, f, getattr(params, f))
     return msg
 
 
@@ -90,5 +91,6 @@ def sampling_from_proto(msg):
     """expertmesh.v1.SamplingParams → model.SamplingParams; a field left unset takes the dataclass default.
     Values are not range-checked here (the sampler / engine do that, naming the field)."""
     from expertmesh.model import SamplingParams
-    kw = {f: getattr(msg, f) for f in ("max_tokens", "temperature", "top_p", "top_k", "seed") if msg.HasField(f)}
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
+    kw = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
     return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids))

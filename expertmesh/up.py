@@ -7,6 +7,7 @@ serves until Ctrl-C / SIGTERM, then stops the router first (no new requests), th
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,7 +19,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, chosen below the kernel's ephemeral range: a port from that range (what binding
+    port 0 returns) can be taken by any outgoing connection before the child process binds it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

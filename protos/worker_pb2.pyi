@@ -132,15 +132,33 @@ class SampledToken(_message.Message):
     token: int
     def __init__(self, seq_id: _Optional[str] = ..., token: _Optional[int] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("seq_id", "position", "token_ids", "logprobs", "top_ids", "top_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    position: int
+    token_ids: _tensor_pb2.Tensor
+    logprobs: _tensor_pb2.Tensor
+    top_ids: _tensor_pb2.Tensor
+    top_logprobs: _tensor_pb2.Tensor
+    def __init__(self, seq_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
 class StepDone(_message.Message):
-    __slots__ = ("step_id", "tokens", "free_blocks")
+    __slots__ = ("step_id", "tokens", "free_blocks", "logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     free_blocks: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("route", "done")

@@ -34,7 +34,7 @@ from expertmesh.sampling import check_sampling
 from expertmesh.router.dispatch import Dispatcher, ExpertsUnavailable
 from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV
 from expertmesh.router.tracing import StepTrace
-from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment, WorkerError
+from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment, TokenLogprobs, WorkerError
 
 log = logging.getLogger("expertmesh.router")
 
@@ -63,6 +63,24 @@ class EngineClosed(RuntimeError):
 
 
 @dataclass
+class TokenLogprob:
+    """One token's log-probability under the model (before temperature / top-k / top-p) and its position's top
+    alternatives, most likely first."""
+    token: int
+    logprob: float | None          # None: a token forced by the server (thinking budget) outside `top`
+    top: list[tuple[int, float]]
+
+    @staticmethod
+    def entries(run: TokenLogprobs) -> list["TokenLogprob"]:
+        return [TokenLogprob(t, lp, list(zip(ids, lps))) for t, lp, ids, lps in
+                zip(run.token_ids.tolist(), run.logprobs.tolist(), run.top_ids.tolist(), run.top_logprobs.tolist())]
+
+    def forced(self, token: int) -> "TokenLogprob":
+        """The entry for `token` fed instead of this sampled one (same position, same alternatives)."""
+        return TokenLogprob(token, dict(self.top).get(token), self.top)
+
+
+@dataclass
 class Request:
     prompt: list[int]
     params: SamplingParams
@@ -86,6 +104,10 @@ class Request:
     trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
     queue_span: object | None = None
     hasher: PrefixHasher | None = None          # hash chain of tokens fed so far (prefix-cache keys)
+    # params.prompt_logprobs: position (1..len(prompt)-1) → entry; params.logprobs: one entry per output token,
+    # set before the token's event
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def _emit(self, kind: str, value) -> None:
         self.events.put((kind, value))
@@ -195,8 +217,9 @@ class Engine:
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise RequestError("prompt: expected at least one token")
-        if params.max_tokens <= 0:
-            raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer")
+        if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
+            raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer (0 only when scoring "
+                               f"the prompt with prompt_logprobs)")
         if len(prompt) >= self.cfg.max_context:
             raise RequestError(f"prompt: {len(prompt)} tokens, the model's context is {self.cfg.max_context}")
         if len(prompt) + params.max_tokens > self.cfg.max_context:
@@ -299,7 +322,8 @@ class Engine:
     def _place(self, req: Request) -> bool:
         """Open the request's sequence on an attention worker; False when nothing fits right now."""
         reserve = self._reserve(req.prompt, req.params)
-        hit = self.kv.lookup(req.prompt)
+        # scoring the prompt needs every prompt position computed: no cached prefix
+        hit = self.kv.lookup(req.prompt) if req.params.prompt_logprobs is None else None
         candidates: list[tuple[int, str | None, int]] = []
         if hit is not None:
             candidates.append(hit)
@@ -388,7 +412,8 @@ class Engine:
             end = min(len(req.prompt), (req.computed // self.prefill_chunk + 1) * self.prefill_chunk)
             if end - req.computed > budget:
                 break
-            batches.setdefault(req.worker, []).append((req, req.prompt[req.computed:end], end == len(req.prompt)))
+            sample = end == len(req.prompt) and req.params.max_tokens > 0
+            batches.setdefault(req.worker, []).append((req, req.prompt[req.computed:end], sample))
             budget -= end - req.computed
         return batches
 
@@ -440,6 +465,9 @@ class Engine:
             for key in (snapshots.get(w) or {}).values():
                 for stale in self.kv.record_prefix(w, key, snapshot_len[key]):
                     self.kv.workers[w].free_blocks = self.attention[w].drop_prefix(stale)
+            logprobs: dict[str, list[TokenLogprobs]] = {}
+            for run in done.logprobs:
+                logprobs.setdefault(run.seq_id, []).append(run)
             row = 0
             for req, toks, sample in batches[w]:
                 rows = range(row, row + len(toks))
@@ -448,16 +476,26 @@ class Engine:
                 if reason is not None:
                     self._fail(req, ExpertsUnavailable(reason))
                     continue
+                sampled = None
+                for run in logprobs.get(req.seq_id, ()):
+                    for i, entry in enumerate(TokenLogprob.entries(run)):
+                        if run.position + i < len(req.prompt):
+                            req.prompt_logprobs.setdefault(run.position + i, entry)  # a replay scores it again
+                        else:
+                            sampled = entry
                 req.computed += len(toks)
                 if req.computed <= len(req.prompt):
                     self.stats.prefilled_tokens += len(toks)
+                if req.computed == len(req.prompt) and req.params.max_tokens == 0:
+                    self._finish(req, "length")                     # scored the prompt, nothing to generate
+                    continue
                 if sample and req.computed < len(req.tokens):
                     # replaying after a failover: this token was generated before; same schedule, same bits
                     if req.params.temperature == 0 and done.tokens[req.seq_id] != req.tokens[req.computed]:
                         log.warning("request %s: replay diverged at %d", req.request_id, req.computed)
                     continue
                 if sample:
-                    self._accept(req, done.tokens[req.seq_id])
+                    self._accept(req, done.tokens[req.seq_id], sampled)
 
     def _gather(self, futures: dict) -> dict:
         """Results of one call per attention worker; a worker that is unreachable (or past its deadline) is
@@ -533,9 +571,11 @@ class Engine:
             self.stats.attention_calls += len(futures)
         return results
 
-    def _accept(self, req: Request, token: int) -> None:
+    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         if req.token_filter is not None:
             token = req.token_filter(req, token)
+        if logprob is not None:
+            req.logprobs.append(logprob if logprob.token == token else logprob.forced(token))
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.router.dispatch import ExpertsUnavailable
-from expertmesh.router.engine import Engine, EngineClosed, QueueFull, Request, RequestError
+from expertmesh.router.engine import Engine, EngineClosed, QueueFull, Request, RequestError, TokenLogprob
 from expertmesh.tokenizer import AnyTokenizer
 
 MAX_BODY_BYTES = 4 * 2 ** 20
@@ -50,6 +50,7 @@ class CompletionBody(BaseModel):
     stream_options: dict | None = None
     n: int = Field(default=1, ge=1, le=1)
     echo: bool = False
+    logprobs: int | None = None    # range-checked with the sampling parameters (0..MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -170,6 +171,42 @@ class StopMatcher:
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out
+
+
+class CompletionLogprobs:
+    """The legacy completions `logprobs` object, built piece by piece (a stream sends one per chunk): token
+    strings, their log-probabilities (None for the prompt's first token, which nothing predicts), top
+    alternatives (the N most likely plus the chosen token, as OpenAI documents) and character offsets of the
+    token strings, counted from the start of the returned text."""
+
+    def __init__(self, tok: AnyTokenizer, offset: int = 0):
+        self.tok, self.offset = tok, offset
+
+    def _text(self, token: int) -> str:
+        return self.tok.decode([token], skip_special=False)
+
+    def block(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, e in zip(tokens, entries):
+            text = self._text(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            out["token_logprobs"].append(None if e is None else e.logprob)
+            if e is None:
+                out["top_logprobs"].append(None)
+                continue
+            top = {}
+            for t, lp in e.top:
+                top.setdefault(self._text(t), lp)      # two ids with one string: the likelier one's value
+            if e.logprob is not None:
+                top.setdefault(text, e.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+    @staticmethod
+    def join(a: dict, b: dict) -> dict:
+        return {k: a[k] + b[k] for k in a}
 
 
 async def iterate_events(req: Request):
@@ -294,19 +331,30 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
             if not body.prompt:
                 raise APIError(400, "prompt: expected a non-empty string", param="prompt")
             try:
-                prompt_ids = [tok.bos_id] + tok.encode(body.prompt)
+                prompt_ids = tok.encode_prompt(body.prompt)
             except ValueError as e:
                 raise APIError(400, f"prompt: {e}", param="prompt")
+            echo_text = body.prompt
         else:
             prompt_ids = list(body.prompt)
             if not prompt_ids:
                 raise APIError(400, "prompt: expected at least one token", param="prompt")
+            try:
+                echo_text = tok.decode(prompt_ids) if body.echo else ""
+            except ValueError as e:
+                raise APIError(400, f"prompt: {e}", param="prompt")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        if max_tokens <= 0:
-            raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
+        if max_tokens < 0 or (max_tokens == 0 and not body.echo):
+            raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer (0 only with echo: score "
+                                f"the prompt)", param="max_tokens")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        # echo + logprobs scores the prompt too (vLLM's prompt_logprobs); max_tokens=0 with echo only scores
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop_token_ids=(tok.eos_id,))
+                                seed=body.seed, stop_token_ids=tuple(tok.eos_ids), logprobs=body.logprobs,
+                                prompt_logprobs=prompt_logprobs)
         from expertmesh.router.tracing import RequestSpan
         span = RequestSpan("text_completion", name, max_tokens=max_tokens, temperature=body.temperature)
         try:
@@ -331,14 +379,28 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         def finish_reason() -> str:
             return "stop" if matcher.stopped or req.finish_reason == "stop" else "length"
 
-        def chunk(text: str, reason: str | None) -> dict:
+        def chunk(text: str, reason: str | None, logprobs: dict | None = None) -> dict:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+
+        lp = CompletionLogprobs(tok)
+        fed = 0          # output tokens given to the matcher (a stop string ends the text, and the logprobs)
+
+        def echo_logprobs() -> dict | None:
+            if body.logprobs is None:
+                return None
+            return lp.block(prompt_ids, [None] + [req.prompt_logprobs.get(i) for i in range(1, len(prompt_ids))])
+
+        def output_logprobs(start: int) -> dict | None:
+            if body.logprobs is None:
+                return None
+            return lp.block(req.output[start:fed], req.logprobs[start:fed])
 
         if not body.stream:
             watcher = cancel_on_disconnect(http_request, engine, req)
             try:
                 async for token in iterate_events(req):
+                    fed += 1
                     matcher.feed(token, tok)
                     if matcher.stopped:
                         engine.cancel(req)
@@ -350,24 +412,43 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
                 watcher.cancel()
             end_span()
             text = matcher.text if matcher.stopped else matcher.text + matcher.flush()
-            out = chunk(text, finish_reason())
+            logprobs = None
+            if body.echo:
+                text = echo_text + text
+                logprobs = echo_logprobs()
+            if body.logprobs is not None:
+                logprobs = lp.join(logprobs, output_logprobs(0)) if logprobs else output_logprobs(0)
+            out = chunk(text, finish_reason(), logprobs)
             out["usage"] = usage()
             return out
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         async def sse():
+            nonlocal fed
+            sent = 0       # output tokens whose logprobs went out
+            echoed = not body.echo
+
+            def echo_chunk() -> str:      # once the prompt is scored (with the first event)
+                return f"data: {json.dumps(chunk(echo_text, None, echo_logprobs()))}\n\n"
             try:
                 async for token in iterate_events(req):
+                    if not echoed:
+                        echoed = True
+                        yield echo_chunk()
+                    fed += 1
                     piece = matcher.feed(token, tok)
                     if piece:
-                        yield f"data: {json.dumps(chunk(piece, None))}\n\n"
+                        yield f"data: {json.dumps(chunk(piece, None, output_logprobs(sent)))}\n\n"
+                        sent = fed
                     if matcher.stopped:
                         engine.cancel(req)
                         break
+                if not echoed:
+                    yield echo_chunk()
                 tail = matcher.flush()
                 end_span()
-                yield f"data: {json.dumps(chunk(tail, finish_reason()))}\n\n"
+                yield f"data: {json.dumps(chunk(tail, finish_reason(), output_logprobs(sent)))}\n\n"
                 if include_usage:
                     final = chunk("", None)
                     final["choices"] = []

@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.tensors import from_proto, sampling_to_proto, to_proto
-from expertmesh.worker.attention import NotFound, RouteRequest, StepDone, StepSegment, WorkerError
+from expertmesh.worker.attention import (NotFound, RouteRequest, StepDone, StepSegment, TokenLogprobs,
+                                        WorkerError)
 from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
 from expertmesh.worker.kv import OutOfBlocks
 
@@ -158,7 +159,10 @@ class RemoteAttention(_Client):
                                 from_proto(r.topk_ids, "topk_ids"), from_proto(r.topk_weights, "topk_weights"))
         if kind == "done":
             d = resp.done
-            return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks)
+            logprobs = [TokenLogprobs(lp.seq_id, lp.position, from_proto(lp.token_ids, "token_ids"),
+                                      from_proto(lp.logprobs, "logprobs"), from_proto(lp.top_ids, "top_ids"),
+                                      from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
+            return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs)
         raise RemoteError(f"{self.name} ({self.address}): StepResponse with neither route nor done")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -76,15 +75,13 @@ def same_result(local, remote) -> None:
         assert (local.step_id, local.layer) == (remote.step_id, remote.layer)
         for f in ("hidden", "topk_ids", "topk_weights"):
             same(getattr(local, f), getattr(remote, f))
-    else:
-        assert local == remote          # StepDone: step_id, tokens (seq → id), free_blocks
+    else:                               # StepDone: step_id, tokens (seq → id), free_blocks, logprobs
+        assert (local.step_id, local.tokens, local.free_blocks) == (remote.step_id, remote.tokens, remote.free_blocks)
         assert list(local.tokens) == list(remote.tokens)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        assert [(a.seq_id, a.position) for a in local.logprobs] == [(b.seq_id, b.position) for b in remote.logprobs]
+        for a, b in zip(local.logprobs, remote.logprobs):
+            for f in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+                same(getattr(a, f), getattr(b, f))
 
 
 # ---------------------------------------------------------------------------------------------- tensor codec
@@ -129,7 +126,8 @@ def test_tensor_decode_validates():
 
 
 def test_sampling_params_round_trip():
-    p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 3, stop_token_ids=(3, 7))
+    p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 3, stop_token_ids=(3, 7),
+                       logprobs=4, prompt_logprobs=0)
     assert sampling_from_proto(sampling_pb2.SamplingParams.FromString(sampling_to_proto(p).SerializeToString())) == p
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()
     assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()   # unset → defaults
@@ -147,7 +145,7 @@ def test_remote_matches_local(servers, clients, ckpt):
     g = torch.Generator().manual_seed(1)
     prompt_a = torch.randint(0, cfg.vocab_size, (19,), generator=g).tolist()
     prompt_b = torch.randint(0, cfg.vocab_size, (6,), generator=g).tolist()
-    greedy = SamplingParams(max_tokens=8)
+    greedy = SamplingParams(max_tokens=8, logprobs=3, prompt_logprobs=2)       # log-probs travel too
     sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=20, seed=11, stop_token_ids=(3,))
     for w in both:
         assert w.open_sequence("a", greedy, reserve_tokens=32) == 0
@@ -175,6 +173,8 @@ def test_remote_matches_local(servers, clients, ckpt):
     done, moe_calls = run_step(1, [StepSegment("a", prompt_a, True), StepSegment("b", prompt_b, True)],
                                {"a": "prefix-a"})
     assert moe_calls == len(cfg.moe_layers) and set(done.tokens) == {"a", "b"}
+    assert [(lp.seq_id, lp.position, len(lp.token_ids)) for lp in done.logprobs] == [
+        ("a", 1, len(prompt_a) - 1), ("a", len(prompt_a), 1)]
     toks = dict(done.tokens)
     for step in range(2, 5):                                       # decode
         done, _ = run_step(step, [StepSegment(s, [t], True) for s, t in toks.items()])
@@ -291,6 +291,7 @@ def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
 def test_unreachable_and_deadline_raise_worker_unavailable(servers):
     from expertmesh.router.remote import RemoteAttention, RemoteExpert, WorkerUnavailable
     assert issubclass(WorkerUnavailable, ConnectionError)
+    from expertmesh.up import free_port
     with RemoteAttention(f"127.0.0.1:{free_port()}", timeout=5.0) as dead:
         with pytest.raises(WorkerUnavailable, match="UNAVAILABLE"):
             dead.info()

@@ -113,22 +113,34 @@ def test_sparse_selection_is_exercised(relatives, prompt):
 
 
 def test_through_up_matches_transformers(relatives, prompt):
-    """`expertmesh up --checkpoint DIR` on a transformers-saved directory: greedy tokens over gRPC equal
-    transformers' generate (router + attention worker + 2 expert workers as processes)."""
+    """`expertmesh up --checkpoint DIR` on a transformers-saved directory (router + attention worker + 2 expert
+    workers as processes): greedy tokens over gRPC equal transformers' generate, and the prompt log-probs that
+    `/v1/completions` returns (echo + logprobs, max_tokens 0), read with the openai client, equal its logits'."""
+    import openai
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.up import LocalCluster, free_port
     for model_type in ("kimi_linear", "deepseek_v32"):
         hf, path = relatives[model_type]
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:]
-        grpc_port = free_port()
-        with LocalCluster(path, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=grpc_port):
+        with torch.no_grad():
+            ref = prompt_logprobs(hf(torch.tensor([prompt])).logits[0], prompt)
+        grpc_port, http_port = free_port(), free_port()
+        with LocalCluster(path, attention_workers=1, expert_workers=2, http_port=http_port, grpc_port=grpc_port):
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
                 stub = router_pb2_grpc.RouterStub(ch)
                 req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
                                                  params=sampling_pb2.SamplingParams(max_tokens=NEW_TOKENS,
                                                                                     temperature=0.0))
                 got = [ev.token.token_id for ev in stub.Generate(req, timeout=120) if ev.HasField("token")]
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+            name = client.models.list().data[0].id
+            scored = client.completions.create(model=name, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
         assert got == want.tolist(), model_type
+        served = scored.choices[0].logprobs.token_logprobs
+        assert served[0] is None and len(served) == PROMPT_LEN
+        delta = (torch.tensor(served[1:]) - ref).abs().max().item()
+        print(f"{model_type} through up: max |Δ prompt logprob| = {delta:.3g}")
+        assert delta < LOGPROB_TOL, model_type
 
 
 # ----------------------------------------------------------------------------------------------- the hybrid

@@ -15,8 +15,7 @@ def test_byte_round_trip_and_specials():
     assert tok.decode([tok.think_start_id], skip_special=False) == "<|think|>"
     assert len({tok.eos_id, tok.bos_id, tok.think_end_id, tok.tool_call_start_id}) == 4
     assert all(256 <= i < VOCAB_SIZE for i in tok.id_to_special)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        tok.decode([VOCAB_SIZE])
+    assert tok.decode([104, VOCAB_SIZE, 105]) == "hi"      # ids past the vocabulary (padded rows) decode to nothing
 
 
 def test_greedy_picks_argmax_lowest_on_ties():

@@ -42,10 +42,33 @@ class RouteRequest:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of a sequence's tokens at positions `position`, `position + 1`, ... (each under the
+    model's distribution given the tokens before it: log_softmax of the fp32 logits, before temperature / top-k /
+    top-p), with each position's top alternatives."""
+    seq_id: str
+    position: int
+    token_ids: torch.Tensor     # [P] int64
+    logprobs: torch.Tensor      # [P] float32
+    top_ids: torch.Tensor       # [P, N] int64, most likely first
+    top_logprobs: torch.Tensor  # [P, N] float32
+
+    @classmethod
+    def of(cls, seq_id: str, position: int, logprobs: torch.Tensor, token_ids: list[int], n: int) -> "TokenLogprobs":
+        """logprobs [P, V] (log_softmax rows), token_ids [P] the tokens that followed → the tokens' entries."""
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        top = torch.topk(logprobs, n, dim=-1) if n else None
+        return cls(seq_id, position, ids, logprobs.gather(-1, ids[:, None])[:, 0],
+                   top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
+                   top.values if top is not None else torch.empty(len(token_ids), 0))
+
+
+@dataclass
 class StepDone:
     step_id: int
     tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
     free_blocks: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +83,10 @@ class _Sequence:
     kv: PagedSequenceKV
     cache: SequenceCache
     sampler: Sampler
+    params: SamplingParams
+    # prompt_logprobs: the log-probabilities after the last fed token, waiting for the token that follows it
+    # (the next segment's first token: prefill chunks end mid-prompt)
+    pending: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,6 +102,7 @@ class _Step:
     segments: list[Segment]
     seq_ids: list[str]
     sample: list[bool]
+    tokens: list[int]                   # every segment's fed tokens, concatenated
     x: torch.Tensor
     layer: int                          # next layer to run
     pending: tuple | None = None        # (x, shared_out) of the MoE layer awaiting its delta
@@ -137,7 +165,7 @@ class AttentionWorker:
                 raise
             for i in self.cfg.latent_kv_layers:
                 cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler)
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params)
             return cache.length
 
     def close_sequence(self, seq_id: str) -> int:
@@ -209,7 +237,7 @@ class AttentionWorker:
                 start += len(s.token_ids)
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64))
             step = _Step(segments=segs, seq_ids=[s.seq_id for s in segments], sample=[s.sample for s in segments],
-                         x=x, layer=0, snapshot_at_end=list((snapshot_keys or {}).items()))
+                         tokens=tokens, x=x, layer=0, snapshot_at_end=list((snapshot_keys or {}).items()))
             self.steps[step_id] = step
             return self._run(step_id, step)
 
@@ -243,18 +271,44 @@ class AttentionWorker:
             h, ids, weights, shared = layer.route(step.x)
             step.pending = (step.x, shared)
             return RouteRequest(step_id, layer.index, h, ids, weights)
-        # all layers done: advance lengths, sample, snapshot
+        # all layers done: logits (every row of a segment scoring its prompt, else the last), sample, snapshot
         del self.steps[step_id]
-        last_rows = [seg.start + seg.length - 1 for seg in step.segments]
-        logits = self.model.logits(step.x[last_rows])
-        out = {}
-        for i, (seg, seq_id, sample) in enumerate(zip(step.segments, step.seq_ids, step.sample)):
-            seg.cache.length += seg.length
-            seq = self.sequences[seq_id]
-            seq.kv.length = seg.cache.length
+        seqs = [self.sequences[seq_id] for seq_id in step.seq_ids]
+        rows = [list(range(seg.start, seg.start + seg.length)) if seq.params.prompt_logprobs is not None
+                else [seg.start + seg.length - 1] for seg, seq in zip(step.segments, seqs)]
+        logits = self.model.logits(step.x[[r for rs in rows for r in rs]])
+        out, logprobs, first = {}, [], 0
+        for seg, seq_id, seq, sample, rs in zip(step.segments, step.seq_ids, seqs, step.sample, rows):
+            seg_logits = logits[first:first + len(rs)]
+            first += len(rs)
+            fed = step.tokens[seg.start:seg.start + seg.length]
             if sample:
-                out[seq_id] = seq.sampler.sample(logits[i])
+                out[seq_id] = seq.sampler.sample(seg_logits[-1])
+            logprobs += self._logprobs(seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seq_id))
+            seg.cache.length += seg.length
+            seq.kv.length = seg.cache.length
         for seq_id, key in step.snapshot_at_end:
             if seq_id in self.sequences:
                 self._save_prefix(self.sequences[seq_id], key)
-        return StepDone(step_id, out, self.pool.free_blocks)
+        return StepDone(step_id, out, self.pool.free_blocks, logprobs)
+
+    @staticmethod
+    def _logprobs(seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor,
+                  sampled: int | None) -> list[TokenLogprobs]:
+        """Entries for a segment of `fed` tokens at positions start.. whose logits rows are `logits` (all rows
+        when scoring the prompt, else the last): prompt tokens this segment fed (the first one scored by the
+        previous segment's pending row), and the sampled token."""
+        p = seq.params
+        out = []
+        if p.prompt_logprobs is not None:
+            lp = torch.log_softmax(logits, dim=-1)                     # [L, V]
+            scored = lp[:-1] if seq.pending is None else torch.cat([seq.pending[None], lp[:-1]])
+            targets = fed[1:] if seq.pending is None else fed
+            if targets:
+                out.append(TokenLogprobs.of(seq_id, start + len(fed) - len(targets), scored, targets,
+                                            p.prompt_logprobs))
+            seq.pending = lp[-1] if sampled is None else None
+        if sampled is not None and p.logprobs is not None:
+            lp = torch.log_softmax(logits[-1:], dim=-1)
+            out.append(TokenLogprobs.of(seq_id, start + len(fed), lp, [sampled], p.logprobs))
+        return out

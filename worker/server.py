@@ -145,7 +145,11 @@ def step_to_proto(result) -> worker_pb2.StepResponse:
             topk_ids=to_proto(result.topk_ids, "topk_ids"), topk_weights=to_proto(result.topk_weights, "topk_weights")))
     return worker_pb2.StepResponse(done=worker_pb2.StepDone(
         step_id=result.step_id, free_blocks=result.free_blocks,
-        tokens=[worker_pb2.SampledToken(seq_id=s, token=t) for s, t in result.tokens.items()]))
+        tokens=[worker_pb2.SampledToken(seq_id=s, token=t) for s, t in result.tokens.items()],
+        logprobs=[worker_pb2.TokenLogprobs(
+            seq_id=lp.seq_id, position=lp.position, token_ids=to_proto(lp.token_ids, "token_ids"),
+            logprobs=to_proto(lp.logprobs, "logprobs"), top_ids=to_proto(lp.top_ids, "top_ids"),
+            top_logprobs=to_proto(lp.top_logprobs, "top_logprobs")) for lp in result.logprobs]))
 
 
 class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
