@@ -134,6 +134,21 @@ class DSACache:
         if index_k is not None:
             self.index_k = torch.cat([self.index_k, index_k])
 
+    def pages(self) -> "CachePages":
+        """The cache as one page (what the paged decode kernels read; same bits as any paging of it)."""
+        n = self.latent.shape[0]
+        return CachePages(self.latent[None], None if self.index_k is None else self.index_k[None],
+                          torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32))
+
+
+@dataclass
+class CachePages:
+    """A latent cache as the paged decode kernels take it (kernels/dsa: dsa_decode_paged, mla_decode_paged)."""
+    latent: torch.Tensor                 # [num_blocks, block_size, kv_lora + rope]
+    index_k: torch.Tensor | None         # [num_blocks, block_size, Di] (DSA layers)
+    block_table: torch.Tensor            # [1, n_pages] int32
+    context_lens: torch.Tensor           # [1] int32
+
 
 @dataclass
 class KDACache:
@@ -294,7 +309,18 @@ class LatentAttention(nn.Module):
             cache.append(latent, self._index_rope(index_k[rows], pos) if self.indexed else None)
             q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)                      # [T, nH, kv_lora]
             q_full = torch.cat([q_abs, q_pe], dim=-1)[None]                         # [1, T, nH, kv_lora+rope]
-            if self.indexed:
+            if seg.length == 1:
+                # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
+                # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length
+                pg = cache.pages()
+                if self.indexed:
+                    o_lat = dsa_ops.dsa_decode_paged(q_full[0], pg.latent, pg.index_k, pg.block_table,
+                                                     pg.context_lens, self._index_rope(index_q[rows], pos),
+                                                     index_w[rows], topk, scale=self.scale, v_dim=m.kv_lora_rank)
+                else:
+                    o_lat = dsa_ops.mla_decode_paged(q_full[0], pg.latent, pg.block_table, pg.context_lens,
+                                                     scale=self.scale, v_dim=m.kv_lora_rank)
+            elif self.indexed:
                 o_lat = dsa_ops.dsa_prefill(q_full, cache.latent[None], self._index_rope(index_q[rows], pos)[None],
                                             cache.index_k[None], index_w[rows][None], topk, causal=True,
                                             scale=self.scale, v_dim=m.kv_lora_rank)[0]  # [T, nH, kv_lora]

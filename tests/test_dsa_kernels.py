@@ -228,6 +228,34 @@ def test_paged_decode_equals_prefill_of_the_last_query():
         assert _rel(o[b], ob[0, 0]) < 1e-6
 
 
+@pytest.mark.parametrize("topk", [5, 300])          # the indexer selects / topk covers the whole context
+def test_paged_decode_bits_do_not_depend_on_the_page_size(topk):
+    """A sequence's decode output is the same bits whether its cache is pages of 1, 4 or 16 tokens or one
+    contiguous block (what the reference model's DSACache passes), so serving and the reference agree exactly;
+    likewise the dense MLA decode."""
+    from expertmesh.kernels.dsa import mla_decode_paged
+    g = torch.Generator().manual_seed(21)
+    n, H, D, Hi, Di = 101, 2, 24, 3, 8
+    q, kv, ik = torch.randn(1, H, D, generator=g), torch.randn(n, D, generator=g), torch.randn(n, Di, generator=g)
+    iq, w = torch.randn(1, Hi, Di, generator=g), torch.randn(1, Hi, generator=g)
+    lens = torch.tensor([n], dtype=torch.int32)
+    one = torch.zeros(1, 1, dtype=torch.int32)
+    want = dsa_decode_paged_torch(q, kv[None], ik[None], one, lens, iq, w, topk, scale=0.3, v_dim=16)
+    want_mla = mla_decode_paged(q, kv[None], one, lens, scale=0.3, v_dim=16)
+    for bs in (1, 4, 16):
+        pages = -(-n // bs)
+        order = torch.randperm(pages + 2, generator=g)                  # physical blocks in any order
+        kvc, ikc = torch.randn(pages + 2, bs, D, generator=g), torch.randn(pages + 2, bs, Di, generator=g)
+        pos = torch.arange(n)
+        kvc[order[pos // bs], pos % bs], ikc[order[pos // bs], pos % bs] = kv, ik
+        table = order[:pages][None].to(torch.int32)
+        got = dsa_decode_paged_torch(q, kvc, ikc, table, lens, iq, w, topk, scale=0.3, v_dim=16)
+        assert torch.equal(got, want), bs
+        assert torch.equal(mla_decode_paged(q, kvc, table, lens, scale=0.3, v_dim=16), want_mla), bs
+    dense = _dense_causal_attention(q[:, None], kv[None], 0.3, 16)[:, 0]
+    assert _rel(want_mla, dense) < 1e-6
+
+
 # ------------------------------------------------------------------------------- Triton (interpreter)
 def _triton():
     pytest.importorskip("triton")

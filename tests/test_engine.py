@@ -111,3 +111,22 @@ def test_queue_bound_answers_at_once(ckpt):
         assert all(len(r.wait(60).output) == 8 for r in reqs)
     finally:
         eng.close()
+
+
+def test_decode_reads_the_pages_in_place(ckpt, monkeypatch):
+    """Serving decode goes through the paged decode kernels: a sequence's latent cache is gathered whole only by
+    prefill chunks (one read per chunk per MLA/DSA layer), never by a decode step."""
+    from expertmesh.worker.kv import PagedSequenceKV
+    reads = []
+    original = PagedSequenceKV.read
+    monkeypatch.setattr(PagedSequenceKV, "read", lambda self, layer, length: reads.append(length) or
+                        original(self, layer, length))
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        prompt = prompts(1, lo=40, hi=41, seed=5)[0]
+        out = eng.generate(prompt, SamplingParams(max_tokens=12)).output
+    finally:
+        eng.close()
+    assert len(out) == 12
+    chunks = -(-len(prompt) // CHUNK)
+    assert len(reads) == chunks * len(ckpt.cfg.latent_kv_layers) and max(reads) == len(prompt)

@@ -125,6 +125,15 @@ class PagedDSACache:
         self.length += latent.shape[0]
         self._view = None
 
+    def pages(self):
+        """The pool's pages for this layer with the sequence's block table (decode reads them in place)."""
+        from expertmesh.model import CachePages
+        n_blocks = -(-self.length // self.kv.pool.block_size)
+        pool = self.kv.pool
+        return CachePages(pool.latent[self.layer], pool.index_k.get(self.layer),
+                          torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32),
+                          torch.tensor([self.length], dtype=torch.int32))
+
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._view is None:
             self._view = self.kv.read(self.layer, self.length)

@@ -26,6 +26,7 @@ from expertmesh.kernels.dsa.sparse import (
     lightning_indexer,
     mla_prefill,
     paged_indexer_scores,
+    visible_positions,
     paged_sparse_attention,
     select_topk,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "dsa_prefill",
     "mla_prefill",
     "dsa_decode_paged",
+    "mla_decode_paged",
     "lightning_indexer",
     "dsa_attention_reference",
     "dsa_decode_paged_reference",
@@ -74,3 +76,20 @@ def dsa_decode_paged(
 
         return dsa_decode_paged_triton(*args)
     return dsa_decode_paged_torch(*args)
+
+
+def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
+    """Dense MLA decode over a paged cache. Contract: `expertmesh.kernels.dsa.sparse.mla_decode_paged`.
+
+    Triton branch: the paged sparse-attention kernel over every visible position."""
+    if resolve(q) == "triton":
+        from expertmesh.kernels.dsa.triton_dsa import paged_sparse_attention_triton
+
+        D = q.shape[-1]
+        idx = visible_positions(context_lens, block_table.shape[1] * kv_cache.shape[1])   # no host sync
+        return paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, idx,
+                                             D ** -0.5 if scale is None else scale, D if v_dim is None else v_dim)
+    from expertmesh.kernels.dsa.sparse import mla_decode_paged as mla_decode_paged_torch
+
+    return mla_decode_paged_torch(q, kv_cache, block_table, context_lens, scale, v_dim)

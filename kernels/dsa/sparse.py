@@ -224,18 +224,40 @@ def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     return torch.bmm(torch.softmax(logits, dim=-1), sel[..., :v_dim])
 
 
-def decode_indices(shp: PagedShapes, scores_fn, context_lens: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """The top-k selection of a decode step, [B, min(topk, n_pages*block_size)]: every visible position when
-    topk covers the widest context (no indexer pass), else select_topk of `scores_fn()` [B, W]."""
-    W = n_pages * shp.block_size
-    if shp.topk >= W:
-        pos = torch.arange(W, device=context_lens.device)[None, :]
-        return torch.where(pos < context_lens.long()[:, None], pos, -1)
-    return select_topk(scores_fn(), shp.topk)
+def visible_positions(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width]: 0 .. context_lens[b]-1, then -1."""
+    pos = torch.arange(width, device=context_lens.device)[None, :]
+    return torch.where(pos < context_lens.long()[:, None], pos, -1)
+
+
+def decode_indices(shp: PagedShapes, scores_fn, context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """The top-k selection of a decode step over the first `width` positions, [B, min(topk, width)]: every
+    visible position when topk covers them (no indexer pass), else select_topk of `scores_fn()[:, :width]`.
+    The PyTorch path passes the longest context as the width, so a sequence's result does not depend on the
+    page size (paged or one contiguous block: the same bits); the Triton path passes the block table's span
+    (no host sync)."""
+    if shp.topk >= width:
+        return visible_positions(context_lens, width)
+    return select_topk(scores_fn()[:, :width], shp.topk)
 
 
 def pad_indices(idx: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1) if idx.shape[-1] < width else idx
+
+
+def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
+    """Dense MLA decode over a paged latent cache (MLA layers: every past entry, no indexer): q [B,H,D],
+    kv_cache [num_blocks, block_size, D], block_table [B, max_blocks], context_lens [B] → [B,H,v_dim] in
+    q.dtype. The pages are read where they are (one gather of the visible entries), never copied whole."""
+    if q.dim() != 3 or kv_cache.dim() != 3 or kv_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q [B,H,D], kv_cache [num_blocks,block_size,D]: found {list(q.shape)}, "
+                         f"{list(kv_cache.shape)}")
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    v_dim = D if v_dim is None else v_dim
+    idx = visible_positions(context_lens, int(context_lens.max()))
+    return paged_sparse_attention(q, kv_cache, block_table, idx, scale, v_dim).to(q.dtype)
 
 
 def dsa_decode_paged(
@@ -268,6 +290,7 @@ def dsa_decode_paged(
     if shp.B == 0:
         return (o, torch.empty(0, shp.width, dtype=torch.int64, device=q.device)) if return_indices else o
     idx = decode_indices(shp, lambda: paged_indexer_scores(index_q, index_weights, index_k_cache, block_table,
-                                                           context_lens, n_pages), context_lens, n_pages)
+                                                           context_lens, n_pages), context_lens,
+                         int(context_lens.max()))
     o.copy_(paged_sparse_attention(q, kv_cache, block_table, idx, shp.scale, shp.v_dim))
     return (o, pad_indices(idx, shp.width)) if return_indices else o

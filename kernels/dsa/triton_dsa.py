@@ -170,6 +170,6 @@ def dsa_decode_paged_triton(
                               topk, scale, v_dim, out)
     idx = decode_indices(shp, lambda: paged_indexer_scores_triton(index_q, index_weights, index_k_cache,
                                                                   block_table, context_lens),
-                         context_lens, shp.max_blocks)
+                         context_lens, shp.max_blocks * shp.block_size)
     o = paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, idx, shp.scale, shp.v_dim, out=out)
     return (o, pad_indices(idx, shp.width)) if return_indices else o
