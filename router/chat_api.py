@@ -160,14 +160,19 @@ class ChatRun:
                 "reasoning": self.budget.reasoning_tokens}
 
 
+def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool):
+    """The chat format's rendering of a request (what the model is fed), a 400 naming what is wrong."""
+    try:
+        return fmt.render(messages, tools=tools, thinking=thinking)
+    except ValueError as e:          # ChatError, or text that is not valid Unicode
+        raise APIError(400, str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages")
+
+
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai") -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
-    try:
-        rendered = fmt.render(messages, tools=tools, thinking=thinking)
-    except ValueError as e:          # ChatError, or text that is not valid Unicode
-        raise APIError(400, str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages")
+    rendered = render_prompt(fmt, messages, tools, thinking)
     limit = engine.cfg.thinking.limit(tier if thinking else "low")
     run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
                   thinking, tier)
@@ -212,6 +217,24 @@ class ChatBody(BaseModel):
     reasoning_effort: str | None = None
     thinking_budget: str | None = None
     n: int = Field(default=1, ge=1, le=1)
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's `POST /tokenize`: a completions prompt, or a chat conversation rendered as the chat endpoint does."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[dict] | None = Field(default=None, min_length=1)
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 def openai_messages(raw: list[dict]) -> list[Message]:
@@ -259,6 +282,41 @@ def openai_messages(raw: list[dict]) -> list[Message]:
 
 def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
     api = APIRouter()
+    tok = fmt.tokenizer
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeBody, authorization: str | None = Header(default=None)):
+        """The ids /v1/completions (prompt) or /v1/chat/completions (messages, tools) would feed: `count`
+        equals that request's usage.prompt_tokens."""
+        check_key(authorization)
+        if body.model is not None:
+            check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt / messages: expected exactly one of them", param="prompt")
+        if body.messages is not None:
+            if not body.add_generation_prompt:
+                raise APIError(400, "add_generation_prompt: only true is supported (the chat endpoint always adds "
+                                    "it)", param="add_generation_prompt")
+            ids = render_prompt(fmt, openai_messages(body.messages), body.tools, True).ids
+        else:
+            if body.tools is not None:
+                raise APIError(400, "tools: only with messages", param="tools")
+            try:
+                ids = tok.encode_prompt(body.prompt) if body.add_special_tokens else tok.encode(body.prompt)
+            except ValueError as e:
+                raise APIError(400, f"prompt: {e}", param="prompt")
+        strs = [tok.decode([i], skip_special=False) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.cfg.max_context, "tokens": ids, "token_strs": strs}
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeBody, authorization: str | None = Header(default=None)):
+        check_key(authorization)
+        if body.model is not None:
+            check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.cfg.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: id {bad[0]} outside [0, {engine.cfg.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatBody, http_request: Request, authorization: str | None = Header(default=None)):
@@ -350,20 +408,24 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
 
 
 # ----------------------------------------------------------------------------------------------- Anthropic
-class MessagesBody(BaseModel):
+class CountTokensBody(BaseModel):
+    """What decides a messages request's prompt (Anthropic `POST /v1/messages/count_tokens`)."""
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    thinking_budget: str | None = None
+
+
+class MessagesBody(CountTokensBody):
+    max_tokens: int
     stream: bool = False
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop_sequences: list[str] | None = None
-    thinking_budget: str | None = None
 
 
 class AnthropicError(APIError):
@@ -434,8 +496,44 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
     return out
 
 
+@dataclass
+class AnthropicPrompt:
+    messages: list[Message]
+    tools: list[dict] | None
+    thinking: bool
+    tier: str
+
+
+def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
+    """The conversation, tools and thinking of a messages request, as the chat format renders them."""
+    thinking = bool(body.thinking and body.thinking.get("type") == "enabled")
+    budget_tokens = body.thinking.get("budget_tokens") if thinking else None
+    if thinking and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
+        raise AnthropicError(400, f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}")
+    tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens, budgets=budgets)
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                               "parameters": t.get("input_schema", {})}}
+             for t in (body.tools or [])] or None
+    return AnthropicPrompt(anthropic_messages(body), tools, thinking, tier)
+
+
 def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
     api = APIRouter()
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensBody, x_api_key: str | None = Header(default=None),
+                           authorization: str | None = Header(default=None)):
+        """The prompt tokens /v1/messages would feed for this request (= its usage's input_tokens +
+        cache_read_input_tokens)."""
+        try:
+            check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
+            check_model(body.model)
+            p = anthropic_prompt(body, engine.cfg.thinking)
+            return {"input_tokens": len(render_prompt(fmt, p.messages, p.tools, p.thinking).ids)}
+        except AnthropicError:
+            raise
+        except Exception as e:
+            raise _as_anthropic(e)
 
     @api.post("/v1/messages")
     async def messages(body: MessagesBody, x_api_key: str | None = Header(default=None),
@@ -443,18 +541,11 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            thinking = bool(body.thinking and body.thinking.get("type") == "enabled")
-            budget_tokens = body.thinking.get("budget_tokens") if thinking else None
-            if thinking and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
-                raise AnthropicError(400, f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}")
-            tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens,
-                                     budgets=engine.cfg.thinking)
-            msgs = anthropic_messages(body)
-            tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                                       "parameters": t.get("input_schema", {})}}
-                     for t in (body.tools or [])] or None
-            run = start_chat(engine, fmt, msgs, tools, tier=tier, thinking=thinking, max_tokens=body.max_tokens,
-                             temperature=body.temperature, top_p=body.top_p, seed=None, api="anthropic")
+            p = anthropic_prompt(body, engine.cfg.thinking)
+            thinking = p.thinking
+            run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
+                             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,
+                             api="anthropic")
         except AnthropicError:
             raise
         except Exception as e:

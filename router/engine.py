@@ -54,6 +54,15 @@ class RequestError(ValueError):
     """Bad request (→ 400 / INVALID_ARGUMENT), naming the field."""
 
 
+class ContextLengthExceeded(RequestError):
+    """The prompt, or the prompt plus max_tokens, does not fit the model's context (OpenAI's
+    `context_length_exceeded`); carries the counts."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int, param: str):
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens, self.context, self.param = prompt_tokens, max_tokens, context, param
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound (→ 429 / RESOURCE_EXHAUSTED)."""
 
@@ -220,11 +229,14 @@ class Engine:
         if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
             raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer (0 only when scoring "
                                f"the prompt with prompt_logprobs)")
-        if len(prompt) >= self.cfg.max_context:
-            raise RequestError(f"prompt: {len(prompt)} tokens, the model's context is {self.cfg.max_context}")
+        counts = {"prompt_tokens": len(prompt), "max_tokens": params.max_tokens, "context": self.cfg.max_context}
+        if len(prompt) >= self.cfg.max_context and params.max_tokens > 0:
+            raise ContextLengthExceeded(f"prompt: {len(prompt)} tokens, the model's context is {self.cfg.max_context} "
+                                        f"tokens (at least one must remain to generate)", param="prompt", **counts)
         if len(prompt) + params.max_tokens > self.cfg.max_context:
-            raise RequestError(f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus max_tokens "
-                               f"exceeds the model's context of {self.cfg.max_context} tokens")
+            raise ContextLengthExceeded(f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus "
+                                        f"max_tokens exceeds the model's context of {self.cfg.max_context} tokens",
+                                        param="max_tokens", **counts)
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt: token id {bad[0]} outside [0, {self.cfg.vocab_size})")

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.router.dispatch import ExpertsUnavailable
-from expertmesh.router.engine import Engine, EngineClosed, QueueFull, Request, RequestError, TokenLogprob
+from expertmesh.router.engine import (ContextLengthExceeded, Engine, EngineClosed, QueueFull, Request, RequestError,
+                                      TokenLogprob)
 from expertmesh.tokenizer import AnyTokenizer
 
 MAX_BODY_BYTES = 4 * 2 ** 20
@@ -66,6 +67,8 @@ def error_from_exception(e: Exception) -> APIError:
     from expertmesh.chat import ChatError
     if isinstance(e, ChatError):
         return APIError(400, str(e), param=str(e).split(":", 1)[0] if ":" in str(e) else None)
+    if isinstance(e, ContextLengthExceeded):
+        return APIError(400, str(e), param=e.param, code="context_length_exceeded")
     if isinstance(e, RequestError):
         param = str(e).split(":", 1)[0].split("=", 1)[0] if ":" in str(e) or "=" in str(e) else None
         return APIError(400, str(e), param=param)
@@ -306,7 +309,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "expertmesh"}]}
+                                            "owned_by": "expertmesh", "max_model_len": engine.cfg.max_context}]}
 
     @app.get("/v1/load")
     async def load():

@@ -185,3 +185,46 @@ def test_chat_cli_streams_and_keeps_history(server, capsys, monkeypatch):
     assert main(["chat", "--url", server[0], "--api-key", API_KEY, "--thinking", "low", "--max-tokens", "8"]) == 0
     lines = [l for l in capsys.readouterr().err.splitlines() if "cached)" in l]
     assert len(lines) == 2 and "(0 cached)" in lines[0] and "(0 cached)" not in lines[1]
+
+
+# ---------------------------------------------------------------------------------------------- context, tokens
+def test_context_limits_are_reported_and_named(server, oai):
+    model = oai.models.list().data[0]
+    assert model.max_model_len == preset("tiny").max_context
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt=[1] * model.max_model_len, max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert f"{model.max_model_len} tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", max_tokens=model.max_model_len,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+
+
+def test_tokenize_counts_what_the_endpoints_feed(server, oai):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = "Count me, twice: ü ✓"
+    r = httpx.post(server[0] + "/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True},
+                   headers=headers).json()
+    out = oai.completions.create(model="tiny", prompt=text, max_tokens=1, temperature=0)
+    assert r["count"] == len(r["tokens"]) == out.usage.prompt_tokens and r["max_model_len"] == 4096
+    assert "".join(r["token_strs"][1:8]) == text[:7]          # after the BOS token (bytes: ASCII only here)
+    back = httpx.post(server[0] + "/detokenize", json={"tokens": r["tokens"]}, headers=headers).json()
+    assert back["prompt"] == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    r = httpx.post(server[0] + "/tokenize", json={"messages": messages, "tools": TOOLS}, headers=headers).json()
+    chat = oai.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=2)
+    assert r["count"] == chat.usage.prompt_tokens
+    bad = httpx.post(server[0] + "/tokenize", json={"prompt": "x", "add_bos": True}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_bos"
+    bad = httpx.post(server[0] + "/detokenize", json={"tokens": [10 ** 6]}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_anthropic_count_tokens_equals_usage(server, claude):
+    kw = dict(model="tiny", system="You are terse.", thinking={"type": "enabled", "budget_tokens": 8},
+              tools=[{"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}}],
+              messages=[{"role": "user", "content": "Weather in Lima, counted " + "again " * 7}])
+    counted = claude.messages.count_tokens(**kw).input_tokens
+    msg = claude.messages.create(max_tokens=4, **kw)
+    assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 20
