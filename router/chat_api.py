@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from expertmesh.chat import ChatError, ChatFormat, Message, Phase, ThinkingBudget, ToolCall, tier_from_request
 from expertmesh.model import SamplingParams
+from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.engine import Engine
 from expertmesh.router.engine import Request as EngineRequest
 from expertmesh.router.http import APIError, cancel_on_disconnect, error_from_exception, iterate_events
@@ -90,6 +91,7 @@ class ChatRun:
     thinking: bool
     tier: str
     req: EngineRequest | None = None
+    consumed: int = 0            # generated tokens `events()` has decoded so far
     salt: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     span: RequestSpan | None = None
 
@@ -112,6 +114,7 @@ class ChatRun:
         """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back."""
         decoder = ChatDecoder(self.fmt, self.phase)
         async for token in iterate_events(self.req):
+            self.consumed += 1
             if decoder.done:
                 continue
             for ev in decoder.feed(token):
@@ -169,7 +172,8 @@ def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: boo
 
 
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
-               max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai") -> ChatRun:
+               max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai",
+               logprobs: int | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
     rendered = render_prompt(fmt, messages, tools, thinking)
@@ -179,7 +183,7 @@ def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, 
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             stop_token_ids=fmt.markers.stop), api)
+                             stop_token_ids=fmt.markers.stop, logprobs=logprobs), api)
     return run
 
 
@@ -217,6 +221,18 @@ class ChatBody(BaseModel):
     reasoning_effort: str | None = None
     thinking_budget: str | None = None
     n: int = Field(default=1, ge=1, le=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None          # 0..20 (range-checked with the sampling parameters); needs logprobs
+
+
+def chat_logprobs(tok, tokens: list[int], entries) -> dict:
+    """OpenAI chat `logprobs` for generated tokens (all of them: reasoning, content and tool-call markup, as vLLM
+    reports them). A token the server forced (thinking budget) outside the top alternatives has logprob null."""
+    def item(token: int, logprob) -> dict:
+        text = tok.decode([token], skip_special=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                        for t, e in zip(tokens, entries)], "refusal": None}
 
 
 class TokenizeBody(BaseModel):
@@ -331,8 +347,20 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
         else:
             tools = body.tools
         max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), 256)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]",
+                           param="top_logprobs")
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
         run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=True,
-                         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+                         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                         logprobs=n_top)
+
+        def logprobs(start: int, end: int) -> dict | None:
+            if n_top is None:
+                return None
+            return chat_logprobs(fmt.tokenizer, run.req.output[start:end], run.req.logprobs[start:end])
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
 
@@ -363,16 +391,22 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                 message["tool_calls"] = tool_calls_json(parsed)
             return {"id": rid, "object": "chat.completion", "created": created, "model": name,
                     "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason(parsed),
-                                 "logprobs": None}],
+                                 "logprobs": logprobs(0, len(run.req.output))}],
                     "usage": usage(parsed), "thinking_budget": run.tier}
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-        def chunk(delta: dict, reason: str | None = None) -> str:
+        scored = 0      # generated tokens whose logprobs went out in a chunk
+
+        def chunk(delta: dict, reason: str | None = None, upto: int | None = None) -> str:
+            nonlocal scored
+            lp = None
+            if upto is not None and upto > scored:
+                lp, scored = logprobs(scored, upto), upto
             return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                           "model": name, "choices": [{"index": 0, "delta": delta,
                                                                       "finish_reason": reason,
-                                                                      "logprobs": None}]}) + "\n\n"
+                                                                      "logprobs": lp}]}) + "\n\n"
 
         async def sse():
             yield chunk({"role": "assistant", "content": ""})
@@ -381,14 +415,15 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                 async for kind, text in run.events():
                     if kind == "content":
                         sent += text
-                    yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text})
+                    yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text},
+                                upto=run.consumed)
                 parsed = run.result()
                 run.record(parsed)
                 if parsed.content.startswith(sent) and len(parsed.content) > len(sent):
                     yield chunk({"content": parsed.content[len(sent):]})   # held-back malformed tool call
                 for i, call in enumerate(tool_calls_json(parsed)):
                     yield chunk({"tool_calls": [{"index": i, **call}]})
-                yield chunk({}, run.finish_reason(parsed))
+                yield chunk({}, run.finish_reason(parsed), upto=len(run.req.output))
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                  "model": name, "choices": [], "usage": usage(parsed)}) + "\n\n"

@@ -228,3 +228,22 @@ def test_anthropic_count_tokens_equals_usage(server, claude):
     counted = claude.messages.count_tokens(**kw).input_tokens
     msg = claude.messages.create(max_tokens=4, **kw)
     assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 20
+
+
+def test_chat_logprobs_stream_and_not(server, oai):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Say something."}], max_tokens=10, temperature=0,
+              logprobs=True, top_logprobs=3)
+    out = oai.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens > 0
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]   # greedy
+    streamed = [e for c in oai.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert oai.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+    for bad in ({"logprobs": False}, {"top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(**{**kw, **bad})
+        assert e.value.param == "top_logprobs"
