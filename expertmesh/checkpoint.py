@@ -268,12 +268,13 @@ class Checkpoint:
         spec = self.specs[name]
         return torch.cat(parts) if parts else torch.empty((0,) + spec.shape[1:], dtype=spec.dtype)
 
-    def load_dense_state(self, *, float_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Every tensor except the routed experts, as module state-dict names, floats cast to `float_dtype`."""
+    def iter_dense_tensors(self):
+        """(module state-dict name, tensor as stored) of every tensor except the routed experts, one at a time."""
         if self.hf is not None:
             shapes = module_shapes(self.cfg)
-            return {name: self.hf.dense(name, shapes[name]).to(float_dtype) for name in self.hf.names}
-        out = {}
+            for name in self.hf.names:
+                yield name, self.hf.dense(name, shapes[name])
+            return
         by_file: dict[str, list[str]] = {}
         for name in self.specs:
             if not is_routed_expert(name):
@@ -281,8 +282,11 @@ class Checkpoint:
         for fname, names in by_file.items():
             with self._open(fname) as f:
                 for name in names:
-                    out[module_name(name)] = f.get_tensor(name).to(float_dtype)
-        return out
+                    yield module_name(name), f.get_tensor(name)
+
+    def load_dense_state(self, *, float_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every tensor except the routed experts, as module state-dict names, floats cast to `float_dtype`."""
+        return {name: t.to(float_dtype) for name, t in self.iter_dense_tensors()}
 
     def _expert_buffers(self, layer: int, expert_ids: list[int]) -> dict[str, torch.Tensor]:
         n_experts = self.cfg.moe.n_routed_experts
@@ -294,25 +298,39 @@ class Checkpoint:
         return {buf: self.expert_slice(checkpoint_name(f"layers.{layer}.moe.experts.{buf}"), expert_ids)
                 for buf in _EXPERT_BUFFERS}
 
-    def load_model(self, *, experts: bool = True, dense_attention: bool = False):
-        """The whole reference Transformer (fp32). `experts=False` leaves routed experts empty (attention workers)."""
-        from expertmesh.model import Transformer, RoutedExperts
-        model = Transformer(self.cfg, dense_attention=dense_attention)
-        state = self.load_dense_state()
-        for layer in model.layers:
-            if layer.is_moe:
-                if experts:
-                    ids = list(range(self.cfg.moe.n_routed_experts))
-                    for buf, t in self._expert_buffers(layer.index, ids).items():
-                        state[f"layers.{layer.index}.moe.experts.{buf}"] = t
-                else:
-                    layer.moe.experts = RoutedExperts(self.cfg, expert_ids=[])
-        if self.cfg.tie_word_embeddings:
-            state["lm_head.weight"] = state["embed.weight"]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        real_missing = [m for m in missing if experts or ".moe.experts." not in m]
-        if real_missing or unexpected:
-            raise CheckpointError(f"{self.path}: state mismatch: missing {real_missing[:3]}, unexpected {unexpected[:3]}")
+    def load_model(self, *, experts: bool = True, dense_attention: bool = False, device="cpu",
+                   dtype: torch.dtype = torch.float32):
+        """The reference Transformer, on `device` in `dtype` (fp32 by default; `model.FP32_PARAMETERS` always fp32).
+
+        Built on the meta device and given storage only for what it holds, then filled tensor by tensor from the
+        files (one stored tensor in host memory at a time). `experts=False` builds no routed-expert buffers at
+        all (attention workers: each MoE layer's `experts` holds zero experts)."""
+        from expertmesh.model import Transformer, materialize_
+        with torch.device("meta"):
+            model = Transformer(self.cfg, dense_attention=dense_attention, routed_experts=experts)
+        materialize_(model, device, dtype)
+        every = dict(model.named_parameters(remove_duplicate=False))   # a tied head under both names
+        required = set(dict(model.named_parameters()))
+        loaded, unexpected = set(), []
+        with torch.no_grad():
+            for name, t in self.iter_dense_tensors():
+                p = every.get(name)
+                if p is None or tuple(p.shape) != tuple(t.shape):
+                    unexpected.append(name)
+                    continue
+                p.copy_(t)
+                loaded.add(name)
+                if self.cfg.tie_word_embeddings and name == "embed.weight":
+                    loaded.add("lm_head.weight")
+            if experts:
+                ids = list(range(self.cfg.moe.n_routed_experts))
+                for layer in model.layers:
+                    if layer.is_moe:
+                        for buf, t in self._expert_buffers(layer.index, ids).items():
+                            getattr(layer.moe.experts, buf).copy_(t)
+        missing = sorted(required - loaded)
+        if missing or unexpected:
+            raise CheckpointError(f"{self.path}: state mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return model.eval()
 
     def load_experts(self, layer: int, expert_ids: list[int]):
@@ -320,9 +338,12 @@ class Checkpoint:
         from expertmesh.model import RoutedExperts
         if not self.cfg.is_moe_layer(layer):
             raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
-        mod = RoutedExperts(self.cfg, expert_ids=sorted(expert_ids))
-        for buf, t in self._expert_buffers(layer, sorted(expert_ids)).items():
+        ids = sorted(expert_ids)
+        with torch.device("meta"):              # no zero buffers first: the packed tensors are the storage
+            mod = RoutedExperts(self.cfg, expert_ids=ids)
+        for buf, t in self._expert_buffers(layer, ids).items():
             setattr(mod, buf, t)
+        mod.reset_index("cpu")
         return mod
 
     def stored_tensors(self) -> list[tuple[TensorSpec, str, bool]]:

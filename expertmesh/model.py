@@ -66,7 +66,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        # inputs take the weight's dtype: an fp32 weight (FP32_PARAMETERS: routing, indexer head weights) computes
+        # in fp32 under bf16 activations, as the published models do; a no-op on the fp32 reference path
+        y = linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype), self.weight)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
@@ -195,8 +197,11 @@ class KDAttention(nn.Module):
         self.o_proj = Linear(inner, h)
 
     def new_cache(self) -> KDACache:
-        return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim),
-                        conv=torch.zeros(self.kernel - 1, 3 * self.inner))
+        """On the weights' device, in fp32: the recurrent state (the published recurrence's dtype) and the conv
+        tail (so the short conv accumulates in fp32 and q, k, v enter the kernels in fp32 under bf16 weights)."""
+        dev = self.A_log.device
+        return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim, device=dev),
+                        conv=torch.zeros(self.kernel - 1, 3 * self.inner, device=dev))
 
     def _short_conv(self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor, bias: torch.Tensor | None
                     ) -> torch.Tensor:
@@ -368,14 +373,23 @@ class RoutedExperts(nn.Module):
         ids = list(range(cfg.moe.n_routed_experts)) if expert_ids is None else list(expert_ids)
         e = len(ids)
         self.n_global = cfg.moe.n_routed_experts
-        self.register_buffer("expert_ids", torch.tensor(ids, dtype=torch.int64), persistent=False)
+        self.ids = ids
+        self.register_buffer("expert_ids", torch.empty(e, dtype=torch.int64), persistent=False)
         self.register_buffer("gate_up_blocks", torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8))
         self.register_buffer("gate_up_scales", torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8))
         self.register_buffer("down_blocks", torch.zeros(e, h, i // 2, dtype=torch.uint8))
         self.register_buffer("down_scales", torch.zeros(e, h, i // 32, dtype=torch.uint8))
-        local = torch.full((self.n_global,), -1, dtype=torch.int64)
-        local[torch.tensor(ids, dtype=torch.int64)] = torch.arange(e)
-        self.register_buffer("global_to_local", local, persistent=False)
+        self.register_buffer("global_to_local", torch.empty(self.n_global, dtype=torch.int64), persistent=False)
+        self.reset_index()
+
+    def reset_index(self, device: torch.device | str | None = None) -> None:
+        """(Re)write the index tables from `ids` on `device` (default: where they are), e.g. after `to_empty`,
+        which leaves non-persistent buffers unset."""
+        device = self.expert_ids.device if device is None else device
+        local = torch.full((self.n_global,), -1, dtype=torch.int64, device="cpu")
+        local[torch.tensor(self.ids, dtype=torch.int64, device="cpu")] = torch.arange(len(self.ids), device="cpu")
+        self.expert_ids = torch.tensor(self.ids, dtype=torch.int64, device="cpu").to(device)
+        self.global_to_local = local.to(device)
 
     def forward(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """h [N, H], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, H] unweighted outputs (0 where
@@ -393,7 +407,8 @@ def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed: torch.Tensor,
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, routed_experts: bool = True):
+        """`routed_experts=False`: the routed experts are left out (an empty `RoutedExperts`: attention workers)."""
         super().__init__()
         self.cfg = cfg
         e, h = cfg.moe.n_routed_experts, cfg.hidden_size
@@ -401,7 +416,7 @@ class MoE(nn.Module):
         self.router_bias = nn.Parameter(torch.zeros(e))   # selection-only correction bias
         self.shared = (SwiGLU(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size)
                        if cfg.moe.n_shared_experts else None)
-        self.experts = RoutedExperts(cfg)
+        self.experts = RoutedExperts(cfg, None if routed_experts else [])
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h = ffn_norm(x) [N, H] → (topk_ids [N, K], topk_weights [N, K], shared_out [N, H])."""
@@ -412,7 +427,7 @@ class MoE(nn.Module):
 
 # ----------------------------------------------------------------------------------------------- the model
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dense_attention: bool = False):
+    def __init__(self, cfg: ModelConfig, index: int, dense_attention: bool = False, routed_experts: bool = True):
         super().__init__()
         self.index, self.kind = index, cfg.layer_types[index]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -421,7 +436,7 @@ class Layer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
-            self.moe = MoE(cfg)
+            self.moe = MoE(cfg, routed_experts)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
 
@@ -445,11 +460,12 @@ class Layer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dense_attention: bool = False):
+    def __init__(self, cfg: ModelConfig, dense_attention: bool = False, routed_experts: bool = True):
+        """`routed_experts=False` builds no routed-expert buffers (what an attention worker holds)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i, dense_attention) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i, dense_attention, routed_experts) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -487,6 +503,30 @@ FP32_PARAMETERS = ("moe.router.weight", "moe.router_bias", "attn.A_log", "attn.d
 def stored_dtype(name: str) -> torch.dtype:
     """The dtype a native checkpoint stores parameter `name` (a state-dict name, not a routed expert) in."""
     return torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
+
+
+def compute_dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` is held in when the model computes in `dtype`: FP32_PARAMETERS stay fp32."""
+    return torch.float32 if name.endswith(FP32_PARAMETERS) else dtype
+
+
+def materialize_(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Give a model built on the meta device uninitialised storage on `device` (meta: still none), parameters in
+    `dtype` except the FP32_PARAMETERS; the routed experts' index tables rewritten. Load weights afterwards."""
+    new: dict[int, nn.Parameter] = {}       # by the old parameter: a tied one stays one tensor
+    for name, p in model.named_parameters():
+        new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=compute_dtype_of(name, dtype), device=device),
+                                  requires_grad=p.requires_grad)
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[pname] = new[id(p)]
+        for bname, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        if isinstance(mod, RoutedExperts):
+            mod.reset_index()
+    return model
 
 
 @torch.no_grad()

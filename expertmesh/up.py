@@ -60,7 +60,7 @@ class LocalCluster:
                  host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
-                 tls_dir: str | Path | None = None):
+                 tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None):
         self.checkpoint = str(checkpoint)
         self.n_attention, self.n_expert = attention_workers, expert_workers
         self.redundant = redundant_experts
@@ -70,7 +70,9 @@ class LocalCluster:
         self.extra_env = extra_env or {}
         self.router_args = router_args or []
         self.echo = echo
-        self.tls_dir = Path(tls_dir) if tls_dir else None   # ca.crt, server.crt/key, client.crt/key: mTLS
+        self.tls_dir = Path(tls_dir) if tls_dir else None
+        # passed to every worker (None: the worker's default, cuda when torch sees one, else cpu)
+        self.device_args = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])   # ca.crt, server.crt/key, client.crt/key: mTLS
         self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
         self.children: list[Child] = []
         self.router: Child | None = None
@@ -149,7 +151,7 @@ class LocalCluster:
             router_tls = ["--worker-tls-ca", str(d / "ca.crt"), "--worker-tls-cert", str(d / "client.crt"),
                           "--worker-tls-key", str(d / "client.key"),
                           "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
-        common_w = common + worker_tls
+        common_w = common + worker_tls + self.device_args
         attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w,
                                                     "--port", str(free_port(self.host)), "--name", f"attention-{i}",
                                                     "--kv-blocks", str(self.kv_blocks),
@@ -211,7 +213,8 @@ def run_up(args) -> int:
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                            redundant_experts=args.redundant_experts, http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
-                           prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir)
+                           prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
+                           device=args.device, dtype=args.dtype)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -236,6 +239,18 @@ def run_up(args) -> int:
     return 0
 
 
+def _device(value: str) -> str:
+    import argparse
+    from expertmesh.memory import DeviceError, check_device
+    try:
+        kind = check_device(value)
+    except DeviceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if kind == "meta":
+        raise argparse.ArgumentTypeError("--device meta: only for `expertmesh worker --dry-run`")
+    return kind
+
+
 def add_arguments(p) -> None:
     from expertmesh.argtypes import nonnegative_int, positive_int
     p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
@@ -249,5 +264,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     p.add_argument("--prefill-chunk", type=positive_int, default=16)
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
+    p.add_argument("--device", type=_device, default=None,
+                   help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
                                      "with ca.crt, server.crt, server.key, client.crt, client.key")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh.checkpoint import Checkpoint
+from expertmesh.config import ModelConfig
 from expertmesh.model import SamplingParams, Segment, SequenceCache
 from expertmesh.sampling import Sampler
 from expertmesh.worker.kv import BlockPool, OutOfBlocks, PagedDSACache, PagedSequenceKV
@@ -110,18 +111,59 @@ class _Step:
 
 
 class AttentionWorker:
-    def __init__(self, checkpoint: Checkpoint | str, *, kv_blocks: int = 512, block_size: int = 16,
-                 name: str = "attention-0"):
-        self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-        self.cfg = self.ckpt.cfg
+    def __init__(self, checkpoint: Checkpoint | str | ModelConfig, *, kv_blocks: int | None = 512,
+                 block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
+                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None):
+        """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
+        nothing is read); `dtype` default follows the device (memory.compute_dtype). With
+        `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
+        (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`."""
+        from expertmesh import memory
+        if isinstance(checkpoint, ModelConfig):
+            if device != "meta":
+                raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
+            self.ckpt, self.cfg = None, checkpoint
+        else:
+            self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+            self.cfg = self.ckpt.cfg
         self.name = name
-        self.model = self.ckpt.load_model(experts=False)
-        self.pool = BlockPool(self.cfg, kv_blocks, block_size)
+        self.device_kind = memory.check_device(device)
+        self.dtype = memory.compute_dtype(self.device_kind, dtype)
+        self.device = memory.torch_device(self.device_kind)
+        self.device_label = memory.device_label(self.device_kind)
+        if self.ckpt is None:
+            from expertmesh.model import Transformer, materialize_
+            with torch.device("meta"):
+                self.model = materialize_(Transformer(self.cfg, routed_experts=False), "meta", self.dtype).eval()
+        else:
+            self.model = self.ckpt.load_model(experts=False, device=self.device, dtype=self.dtype)
+        if gpu_memory_utilization is not None:
+            if device_memory_bytes is None:
+                if self.device_kind != "cuda":
+                    raise WorkerError("--gpu-memory-utilization: needs --device cuda, or the device's memory "
+                                      "(--device-memory-gib) on --device meta/cpu")
+                device_memory_bytes = torch.cuda.get_device_properties(self.device).total_memory
+            kv_blocks = memory.kv_blocks_for_memory(self.cfg, device_bytes=device_memory_bytes,
+                                                    utilization=gpu_memory_utilization, dtype=self.dtype,
+                                                    block_size=block_size)
+        self.pool = BlockPool(self.cfg, kv_blocks, block_size, device=self.device, dtype=self.dtype)
         self.sequences: dict[str, _Sequence] = {}
         self.prefixes: dict[str, _Prefix] = {}
         self.steps: dict[int, _Step] = {}
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
         self.calls = 0
+
+    def memory(self):
+        """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
+        from expertmesh import memory
+        mem = memory.WorkerMemory()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(
+                ("_blocks", "_scales")))
+        kv = sum(t.numel() * t.element_size() for t in list(self.pool.latent.values()) + list(self.pool.index_k.values()))
+        mem.add(self.device_label, weights=weights, kv=kv,
+                workspace=memory.attention_workspace_bytes(self.cfg, self.dtype))
+        return mem
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict:
@@ -235,7 +277,7 @@ class AttentionWorker:
                 tokens += s.token_ids
                 segs.append(Segment(start, len(s.token_ids), seq.cache))
                 start += len(s.token_ids)
-            x = self.model.embed(torch.tensor(tokens, dtype=torch.int64))
+            x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
             step = _Step(segments=segs, seq_ids=[s.seq_id for s in segments], sample=[s.sample for s in segments],
                          tokens=tokens, x=x, layer=0, snapshot_at_end=list((snapshot_keys or {}).items()))
             self.steps[step_id] = step
@@ -250,6 +292,7 @@ class AttentionWorker:
             x, shared = step.pending
             if tuple(delta.shape) != tuple(x.shape):
                 raise WorkerError(f"delta: expected shape {list(x.shape)}, found {list(delta.shape)}")
+            delta = delta.to(x.device)
             step.x = x + (shared.float() + delta.float()).to(x.dtype)   # == model.combine_moe
             step.pending = None
             return self._run(step_id, step)

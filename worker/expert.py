@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from expertmesh.checkpoint import Checkpoint
+from expertmesh.config import ModelConfig
 
 
 class ExpertRequestError(ValueError):
@@ -27,16 +28,45 @@ class UnknownExpert(KeyError):
 
 
 class ExpertWorker:
-    def __init__(self, checkpoint: Checkpoint | str, assignment: list[tuple[int, int]], name: str = "expert-0"):
-        """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan)."""
-        self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-        self.cfg = self.ckpt.cfg
+    def __init__(self, checkpoint: Checkpoint | str | ModelConfig, assignment: list[tuple[int, int]],
+                 name: str = "expert-0", *, device: str = "cpu", gpu_of: dict[tuple[int, int], int] | None = None,
+                 step_tokens: int | None = None):
+        """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan). `gpu_of`: the
+        plan's GPU index of each pair (default 0): on cuda GPU g's experts live on cuda:g (one process per pod,
+        one device rank per GPU — see expertmesh/memory.py), on cpu all on the one device, on meta nowhere
+        (`checkpoint` may then be a ModelConfig: nothing is read). Experts stay packed in MXFP4 (uint8 blocks +
+        E8M0 scales) and are multiplied from the packed form; calls are cut into pieces of `step_tokens` tokens
+        so the workspace stays within memory.expert_workspace_bytes."""
+        from expertmesh import memory
+        if isinstance(checkpoint, ModelConfig):
+            if device != "meta":
+                raise ExpertRequestError("checkpoint: a model config without weights only builds on --device meta")
+            self.ckpt, self.cfg = None, checkpoint
+        else:
+            self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+            self.cfg = self.ckpt.cfg
         self.name = name
-        by_layer: dict[int, list[int]] = defaultdict(list)
+        self.device_kind = memory.check_device(device)
+        self.step_tokens = step_tokens or memory.STEP_TOKENS
+        by_shard: dict[tuple[int, int], list[int]] = defaultdict(list)      # (layer, gpu) → experts
         for layer, expert in assignment:
-            by_layer[int(layer)].append(int(expert))
-        self.experts = {layer: self.ckpt.load_experts(layer, sorted(set(ids))) for layer, ids in by_layer.items()}
-        self.assignment = sorted((l, e) for l, ids in by_layer.items() for e in set(ids))
+            gpu = 0 if gpu_of is None or self.device_kind == "cpu" else int(gpu_of.get((layer, expert), 0))
+            by_shard[(int(layer), gpu)].append(int(expert))
+        # layer → [(device label, RoutedExperts, {global id: local index} on the host)]
+        self.experts: dict[int, list] = defaultdict(list)
+        for (layer, gpu), ids in sorted(by_shard.items()):
+            ids = sorted(set(ids))
+            dev = memory.torch_device(self.device_kind, gpu)
+            if self.ckpt is None:
+                from expertmesh.model import RoutedExperts
+                with torch.device("meta"):
+                    mod = RoutedExperts(self.cfg, expert_ids=ids)
+            else:
+                mod = self.ckpt.load_experts(layer, ids).to(dev)
+            self.experts[layer].append((memory.device_label(self.device_kind, gpu), mod,
+                                        {e: i for i, e in enumerate(ids)}))
+        self.experts = dict(self.experts)
+        self.assignment = sorted({(l, e) for (l, _), ids in by_shard.items() for e in ids})
         self.lock = threading.Lock()
         self.calls = 0
         self.tokens_computed = 0
@@ -44,8 +74,24 @@ class ExpertWorker:
         self.fault_delay_s = float(os.environ.get("EXPERTMESH_FAULT_DELAY_S", "0") or 0)
 
     def holds(self, layer: int, expert: int) -> bool:
-        mod = self.experts.get(layer)
-        return mod is not None and bool(mod.global_to_local[expert] >= 0)
+        return any(expert in local for _, _, local in self.experts.get(layer, ()))
+
+    def memory(self):
+        """Resident bytes (memory.WorkerMemory) measured from the held tensors, per device; the per-call
+        workspace from memory.expert_workspace_bytes."""
+        from expertmesh import memory
+        mem = memory.WorkerMemory()
+        per_device: dict[str, list] = defaultdict(list)
+        for layer, shards in self.experts.items():
+            for label, mod, _ in shards:
+                per_device[label].append(mod)
+        for label, mods in sorted(per_device.items()):
+            weights = sum(b.numel() * b.element_size() for m in mods for n, b in m.named_buffers()
+                          if n.endswith(("_blocks", "_scales")))
+            shards = sum(len(m.ids) for m in mods)
+            mem.add(label, weights=weights, workspace=memory.expert_workspace_bytes(
+                self.cfg, self.device_kind, layers=len(mods), shards=shards, step_tokens=self.step_tokens))
+        return mem
 
     @torch.no_grad()
     def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -58,21 +104,37 @@ class ExpertWorker:
             raise ExpertRequestError(f"hidden: expected shape [n, {h}], found {list(hidden.shape)}")
         if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0]:
             raise ExpertRequestError(f"expert_ids: expected shape [{hidden.shape[0]}, K], found {list(expert_ids.shape)}")
-        mod = self.experts.get(layer)
-        if mod is None:
+        shards = self.experts.get(layer)
+        if shards is None:
             raise UnknownExpert(f"layer {layer}: {self.name} holds no experts of this layer")
         valid = expert_ids >= 0
-        ids = expert_ids.clamp(min=0)
-        if bool((ids >= self.cfg.moe.n_routed_experts).any()):
-            bad = int(ids.max())
+        if bool((expert_ids >= self.cfg.moe.n_routed_experts).any()):
+            bad = int(expert_ids.max())
             raise ExpertRequestError(f"expert_ids: {bad} outside [0, {self.cfg.moe.n_routed_experts})")
-        local = torch.where(valid, mod.global_to_local[ids], torch.full_like(ids, -1))
-        missing = valid & (local < 0)
+        held = torch.zeros(self.cfg.moe.n_routed_experts, dtype=torch.bool)
+        for _, _, local in shards:
+            held[list(local)] = True
+        missing = valid & ~held[expert_ids.clamp(min=0)]
         if bool(missing.any()):
             e = int(expert_ids[missing][0])
             raise UnknownExpert(f"expert ({layer}, {e}) is not held by {self.name}")
+        n, k = expert_ids.shape
         with self.lock:
             self.calls += 1
             self.tokens_computed += int(valid.sum())
-            out = mod(hidden.float(), torch.where(valid, expert_ids, torch.full_like(expert_ids, -1)))  # [n, K, H]
+            out = torch.zeros(n, k, h, dtype=torch.float32)
+            # every device's pieces are launched before any result is read back, so the devices run at once
+            pending = []
+            for _, mod, local in shards:
+                dev = mod.gate_up_blocks.device
+                mine = valid & torch.isin(expert_ids, torch.tensor(sorted(local), dtype=expert_ids.dtype))
+                if not bool(mine.any()):
+                    continue
+                ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
+                for s in range(0, n, self.step_tokens):
+                    rows = slice(s, min(n, s + self.step_tokens))
+                    res = mod(hidden[rows].float().to(dev), ids[rows].to(dev))        # [t, K, H] fp32
+                    pending.append((rows, mine[rows], res))
+            for rows, mask, res in pending:
+                out[rows][mask] = res.cpu()[mask]
         return out[valid]

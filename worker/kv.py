@@ -16,14 +16,17 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *, device="cpu",
+                 dtype: torch.dtype = torch.float32):
+        """The pool in the worker's dtype (bf16 on GPUs, fp32 on the CPU reference) on its device."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be positive")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_layers = cfg.latent_kv_layers
         d_latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        self.latent = {i: torch.zeros(num_blocks, block_size, d_latent) for i in self.kv_layers}
-        self.index_k = {i: torch.zeros(num_blocks, block_size, cfg.indexer.head_dim)
+        alloc = torch.empty if torch.device(device).type == "meta" else torch.zeros
+        self.latent = {i: alloc(num_blocks, block_size, d_latent, dtype=dtype, device=device) for i in self.kv_layers}
+        self.index_k = {i: alloc(num_blocks, block_size, cfg.indexer.head_dim, dtype=dtype, device=device)
                         for i in self.kv_layers if cfg.layer_types[i] == "dsa"}
         self.refcount = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first

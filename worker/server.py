@@ -180,25 +180,73 @@ def all_experts(cfg) -> list[tuple[int, int]]:
     return [(layer, e) for layer in cfg.moe_layers for e in range(cfg.moe.n_routed_experts)]
 
 
-def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
-          block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None) -> grpc.Server:
-    """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
-    (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
-    Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
-    workers, or None) and `.role` set."""
+def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blocks: int | None = 512,
+                  block_size: int = 16, name: str | None = None, device: str | None = None, dtype=None,
+                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None):
+    """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
+    expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
+    --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held."""
+    from expertmesh import memory
     from expertmesh.checkpoint import Checkpoint
+    from expertmesh.config import ModelConfig
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.expert import ExpertWorker
 
     if role not in ROLES:
         raise ValueError(f"role: expected one of {list(ROLES)}, found {role!r}")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    device = memory.check_device(device)
+    if not isinstance(checkpoint, (Checkpoint, ModelConfig)):
+        checkpoint = Checkpoint(checkpoint)
+    cfg = checkpoint if isinstance(checkpoint, ModelConfig) else checkpoint.cfg
     attention = expert = None
     if role in ("attention", "both"):
-        attention = AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=name or "attention-0")
+        attention = AttentionWorker(checkpoint, kv_blocks=kv_blocks, block_size=block_size,
+                                    name=name or "attention-0", device=device, dtype=dtype,
+                                    gpu_memory_utilization=gpu_memory_utilization,
+                                    device_memory_bytes=device_memory_bytes)
     if role in ("expert", "both"):
-        pairs = all_experts(ckpt.cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
-        expert = ExpertWorker(ckpt, pairs, name=name or "expert-0")
+        pairs = all_experts(cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
+        if device == "cuda" and gpu_of:
+            need, have = max(gpu_of.values()) + 1, torch.cuda.device_count()
+            if need > have:
+                raise ValueError(f"--plan: this worker's experts are placed on {need} GPUs, torch sees {have}")
+        expert = ExpertWorker(checkpoint, pairs, name=name or "expert-0", device=device, gpu_of=gpu_of)
+    return attention, expert
+
+
+def dry_run(attention, expert) -> str:
+    """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device."""
+    from expertmesh.memory import WorkerMemory
+    total = WorkerMemory()
+    for w in (attention, expert):
+        if w is None:
+            continue
+        m = w.memory()
+        for dev, n in m.devices.items():
+            total.devices[dev] = total.devices.get(dev, 0) + n
+        total.weights_bytes += m.weights_bytes
+        total.kv_bytes += m.kv_bytes
+        total.workspace_bytes += m.workspace_bytes
+    extra = {}
+    if attention is not None:
+        extra["kv_blocks"] = attention.pool.num_blocks
+    if expert is not None:
+        extra["experts"] = len(expert.assignment)
+    return total.to_json(**extra)
+
+
+def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
+          block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
+          device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
+          device_memory_bytes: int | None = None) -> grpc.Server:
+    """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
+    (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
+    Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
+    workers, or None) and `.role` set."""
+    attention, expert = build_workers(role, checkpoint, assignment=assignment, gpu_of=gpu_of, kv_blocks=kv_blocks,
+                                      block_size=block_size, name=name, device=device, dtype=dtype,
+                                      gpu_memory_utilization=gpu_memory_utilization,
+                                      device_memory_bytes=device_memory_bytes)
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{role}"),
@@ -265,13 +313,17 @@ def parse_experts(spec: str) -> list[tuple[int, int]]:
     return out
 
 
-def plan_assignment(path: str, ordinal: int) -> list[tuple[int, int]]:
+def plan_assignment(path: str, ordinal: int, gpu_of: dict | None = None) -> list[tuple[int, int]]:
+    """The (layer, expert) pairs of expert worker `ordinal` of the plan at `path`; fills `gpu_of` (when given)
+    with each pair's GPU index in the plan."""
     try:
         from expertmesh.plan import PlacementPlan
     except ImportError as e:
         raise ValueError(f"--plan: expertmesh.plan is not available ({e}); pass --experts L:E,... instead") from None
     plan = PlacementPlan.from_json(Path(path).read_text())
     pairs = [(int(l), int(e)) for l, e in plan.experts_of(ordinal)]
+    if gpu_of is not None:
+        gpu_of.update({(int(l), int(e)): g.gpu for g in plan.workers[ordinal].gpus for l, e in g.shards})
     if not pairs:   # a spare replica slot (e.g. scaled up before the plan): serve, holding nothing yet
         log.warning("--ordinal %d: the plan %s assigns no experts to this worker", ordinal, path)
     return pairs
@@ -280,8 +332,23 @@ def plan_assignment(path: str, ordinal: int) -> list[tuple[int, int]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expertmesh worker", description="an attention / expert worker (gRPC)")
     p.add_argument("--role", choices=ROLES, required=True)
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
+    p.add_argument("--checkpoint", help="checkpoint directory (required, except --dry-run with --preset)")
+    p.add_argument("--preset", help="model preset, for --device meta --dry-run without a checkpoint")
+    p.add_argument("--device", default=None,
+                   help="cuda|cpu|meta (default: cuda when torch sees one, else cpu). cuda: bf16, expert pod's "
+                        "GPU g of the plan on cuda:g; cpu: the fp32 reference; meta: built as on a GPU, no memory "
+                        "(with --dry-run)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and activations (default: bfloat16 on cuda/meta, float32 on cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="attention role: size the KV pool to fill this fraction of the device after weights and "
+                        "workspace (overrides --kv-blocks)")
+    p.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                   help="the device's memory for --gpu-memory-utilization (default: the CUDA device's; needed on meta)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --device meta: build the worker, print one JSON line of resident bytes, exit")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (0: any free port; required unless "
+                                                          "--dry-run)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 / [::] in a pod)")
     p.add_argument("--experts", help="the (layer, expert) pairs held: L:E,L:E,... (E may be FIRST-LAST)")
     p.add_argument("--plan", help="placement plan JSON; this worker holds experts_of(--ordinal)")
@@ -305,14 +372,33 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("EXPERTMESH_TORCH_THREADS"):
         import torch
         torch.set_num_threads(int(os.environ["EXPERTMESH_TORCH_THREADS"]))
-    assignment = None
+    assignment, gpu_of, cfg_only = None, {}, None
     try:
+        from expertmesh import memory
+        device = memory.check_device(args.device)
+        memory.compute_dtype(device, args.dtype)
+        if args.dry_run and device != "meta":
+            raise ValueError(f"--dry-run: needs --device meta (found --device {device})")
+        if device == "meta" and not args.dry_run:
+            raise ValueError("--device meta: only with --dry-run (a meta worker holds no weights to serve)")
+        if args.checkpoint is None:
+            if not (args.dry_run and args.preset):
+                raise ValueError("--checkpoint: required (or --preset with --device meta --dry-run)")
+            from expertmesh.config import preset
+            cfg_only = preset(args.preset)
+        elif args.preset:
+            raise ValueError("--preset: only without --checkpoint (the checkpoint has its config)")
+        if args.port is None and not args.dry_run:
+            raise ValueError("--port: required")
+        if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization: expected a fraction in (0, 1], "
+                             f"found {args.gpu_memory_utilization}")
         if args.experts and args.plan:
             raise ValueError("--experts and --plan: give one of them, not both")
         if args.plan:
             if args.ordinal is None:
                 raise ValueError("--ordinal: required with --plan")
-            assignment = plan_assignment(args.plan, args.ordinal)
+            assignment = plan_assignment(args.plan, args.ordinal, gpu_of)
         elif args.experts:
             assignment = parse_experts(args.experts)
         elif args.role == "expert":
@@ -332,14 +418,31 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name
     if name is None and args.role != "both" and args.ordinal is not None:
         name = f"{args.role}-{args.ordinal}"
+    device_memory = None if args.device_memory_gib is None else int(args.device_memory_gib * 2 ** 30)
+    kv_blocks = None if args.gpu_memory_utilization is not None else args.kv_blocks
+    if args.dry_run:
+        try:
+            from expertmesh.checkpoint import Checkpoint
+            source = cfg_only if cfg_only is not None else Checkpoint(args.checkpoint).cfg
+            attention, expert = build_workers(args.role, source, assignment=assignment, gpu_of=gpu_of or None,
+                                              kv_blocks=kv_blocks, block_size=args.block_size, name=name,
+                                              device="meta", dtype=args.dtype,
+                                              gpu_memory_utilization=args.gpu_memory_utilization,
+                                              device_memory_bytes=device_memory)
+        except ValueError as e:
+            print(f"expertmesh worker: error: {e}", file=sys.stderr)
+            return 2
+        print(dry_run(attention, expert), flush=True)
+        return 0
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         server = serve(args.role, args.checkpoint, args.port, args.host, assignment=assignment,
-                       kv_blocks=args.kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
-                       tls=tls)
+                       kv_blocks=kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
+                       tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
+                       gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
