@@ -136,6 +136,15 @@ def run(args) -> int:
     for label, cells in rows:
         print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
+    from expertmesh import memory
+    plan = main[1]
+    worst = max(range(plan.cluster.pods), key=lambda o: plan.workers[o].bytes)
+    em = memory.plan_expert_memory(cfg, plan, worst)
+    am = memory.attention_memory(cfg, kv_blocks=0, block_size=16)
+    print(f"resident per device (as `expertmesh worker --device meta --dry-run` reports): expert worker {worst} "
+          f"max {max(em.devices.values()) / GIB:.2f} GiB (weights {em.weights_bytes / GIB:.2f} GiB over "
+          f"{len(em.devices)} devices, workspace {em.workspace_bytes / GIB:.2f} GiB); attention worker weights "
+          f"{am.weights_bytes / GIB:.2f} GiB bf16 + workspace {am.workspace_bytes / GIB:.2f} GiB before KV")
     notes = [(res[0], n) for res in results for n in res[1].notes]
     for name, note in notes:
         print(f"note ({name}): {note}")

@@ -290,8 +290,9 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
         raise ValueError(f"redundant_slots: expected an integer >= 0, found {redundant_slots!r}")
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
+    from expertmesh.memory import expert_slot_bytes, expert_workspace_bytes
     arr = check_loads(cfg, loads)
-    L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, cfg.expert_bytes_mxfp4
+    L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)   # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus
     capacity = _check_fits(cfg, shape)
     notes: list[str] = []
@@ -332,6 +333,11 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     layer_ids = np.asarray(cfg.moe_layers, dtype=np.int64)
     pairs = list(zip(layer_ids[rows[:, 1]].tolist(), rows[:, 2].tolist()))
     per_gpu = np.diff(bounds)
+    workspace = expert_workspace_bytes(cfg, "cuda")     # the same figure the workers' --dry-run reports
+    if int(per_gpu.max()) * B + workspace > shape.gpu_memory_bytes:
+        notes.append(f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
+                     f"expert worker's per-device workspace ({workspace / GIB:.3g} GiB, "
+                     f"expertmesh.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve")
     workers = tuple(
         WorkerPlacement(ordinal=p, gpus=tuple(
             GpuPlacement(gpu=g, shards=tuple(pairs[bounds[p * G + g]:bounds[p * G + g + 1]]),
