@@ -81,6 +81,33 @@ class ChatDecoder:
         return out
 
 
+class StopCut:
+    """Stop strings over the content pieces (never the reasoning): text before the first match goes out, a piece
+    that could be the start of a stop string waits for the next one, and after a match nothing more."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
+        self.buf, self.hit = "", None
+
+    def feed(self, kind: str, text: str) -> list[tuple[str, str]]:
+        if kind != "content" or not self.stops:
+            return [(kind, text)]
+        self.buf += text
+        found = [(i, s) for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if found:
+            i, self.hit = min(found)
+            out, self.buf = self.buf[:i], ""
+        else:
+            cut = max(0, len(self.buf) - self.hold)
+            out, self.buf = self.buf[:cut], self.buf[cut:]
+        return [("content", out)] if out else []
+
+    def flush(self) -> list[tuple[str, str]]:
+        out, self.buf = self.buf, ""
+        return [("content", out)] if out else []
+
+
 @dataclass
 class ChatRun:
     engine: Engine
@@ -92,6 +119,8 @@ class ChatRun:
     tier: str
     req: EngineRequest | None = None
     consumed: int = 0            # generated tokens `events()` has decoded so far
+    stops: list[str] = field(default_factory=list)
+    stop_hit: str | None = None  # the stop string that ended the content
     salt: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     span: RequestSpan | None = None
 
@@ -110,34 +139,54 @@ class ChatRun:
             self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output) if self.req else 0,
                              finish_reason=None, error=error)
 
+    def _pieces(self, decoder: ChatDecoder, cut: StopCut, token: int | None) -> list[tuple[str, str]]:
+        """The events of one token (None: the end), through the stop strings; a match cancels the request."""
+        raw = decoder.flush() if token is None else [] if decoder.done else decoder.feed(token)
+        out = [piece for ev in raw for piece in cut.feed(*ev)]
+        if cut.hit is not None and self.stop_hit is None:
+            self.stop_hit = cut.hit
+            self.engine.cancel(self.req)
+        elif token is None:
+            out += cut.flush()
+        return out
+
     async def events(self):
-        """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back."""
-        decoder = ChatDecoder(self.fmt, self.phase)
+        """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back; content ends
+        before the first stop string."""
+        decoder, cut = ChatDecoder(self.fmt, self.phase), StopCut(self.stops)
         async for token in iterate_events(self.req):
             self.consumed += 1
-            if decoder.done:
-                continue
-            for ev in decoder.feed(token):
+            for ev in self._pieces(decoder, cut, token):
                 yield ev
-        for ev in decoder.flush():
+            if self.stop_hit is not None:
+                return
+        for ev in self._pieces(decoder, cut, None):
             yield ev
 
     def events_sync(self, timeout: float | None = None):
         """The same events for a blocking caller (the gRPC servicer)."""
-        decoder = ChatDecoder(self.fmt, self.phase)
+        decoder, cut = ChatDecoder(self.fmt, self.phase), StopCut(self.stops)
         for token in self.req.stream(timeout):
-            if not decoder.done:
-                yield from decoder.feed(token)
-        yield from decoder.flush()
+            yield from self._pieces(decoder, cut, token)
+            if self.stop_hit is not None:
+                return
+        yield from self._pieces(decoder, cut, None)
 
     async def wait(self) -> None:
         async for _ in self.events():
             pass
 
     def result(self):
-        return self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
+        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
+        if self.stop_hit is not None:             # the answer ends before the stop string; nothing after counts
+            at = parsed.content.find(self.stop_hit)
+            parsed.content = parsed.content[:at] if at >= 0 else parsed.content
+            parsed.tool_calls = []
+        return parsed
 
     def finish_reason(self, parsed) -> str:
+        if self.stop_hit is not None:
+            return "stop"
         if parsed.tool_calls:
             return "tool_calls"
         out = self.req.output
@@ -173,13 +222,13 @@ def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: boo
 
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai",
-               logprobs: int | None = None) -> ChatRun:
+               logprobs: int | None = None, stop: list[str] | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
     rendered = render_prompt(fmt, messages, tools, thinking)
     limit = engine.cfg.thinking.limit(tier if thinking else "low")
     run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
-                  thinking, tier)
+                  thinking, tier, stops=list(stop or []))
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -355,7 +404,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=True,
                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                         logprobs=n_top)
+                         logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop)
 
         def logprobs(start: int, end: int) -> dict | None:
             if n_top is None:
@@ -580,7 +629,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
                              max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,
-                             api="anthropic")
+                             api="anthropic", stop=body.stop_sequences)
         except AnthropicError:
             raise
         except Exception as e:
@@ -588,6 +637,8 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         mid = f"msg_{uuid.uuid4().hex[:24]}"
 
         def stop_reason(parsed) -> str:
+            if run.stop_hit is not None:
+                return "stop_sequence"
             return {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}[run.finish_reason(parsed)]
 
         def usage(parsed) -> dict:
@@ -614,7 +665,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                 raise _as_anthropic(e)
             parsed = run.result()
             return {"id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks(parsed),
-                    "stop_reason": stop_reason(parsed), "stop_sequence": None, "usage": usage(parsed)}
+                    "stop_reason": stop_reason(parsed), "stop_sequence": run.stop_hit, "usage": usage(parsed)}
 
         def event(kind: str, data: dict) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
@@ -672,7 +723,8 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                     yield event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta", "partial_json": c.arguments}})
                     yield event("content_block_stop", {"index": index})
-                yield event("message_delta", {"delta": {"stop_reason": stop_reason(parsed), "stop_sequence": None},
+                yield event("message_delta", {"delta": {"stop_reason": stop_reason(parsed),
+                                                        "stop_sequence": run.stop_hit},
                                               "usage": {"output_tokens": len(run.req.output)}})
                 yield event("message_stop", {})
             except Exception as e:

@@ -247,3 +247,34 @@ def test_chat_logprobs_stream_and_not(server, oai):
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(**{**kw, **bad})
         assert e.value.param == "top_logprobs"
+
+
+def test_stop_strings_cut_the_content(server, oai, claude):
+    """A stop string ends the answer before it (finish_reason stop; Anthropic stop_sequence), streamed or not."""
+    base = dict(model="tiny", max_tokens=40, temperature=0, reasoning_effort="low")
+    for i in range(8):                                   # a prompt whose greedy answer has text to cut
+        messages = [{"role": "user", "content": f"Tell me about stop strings, take {i}."}]
+        full = oai.chat.completions.create(messages=messages, **base).choices[0].message.content or ""
+        if len(full) >= 6:
+            break
+    assert len(full) >= 6, full
+    stop = full[3:5]
+    cut = full[:full.find(stop)]
+    out = oai.chat.completions.create(messages=messages, stop=[stop, "never-seen"], **base)
+    assert out.choices[0].message.content == (cut or None) and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        messages=messages, stop=stop, stream=True, **base) if c.choices)
+    assert streamed == cut
+    greedy = {"extra_body": {"temperature": 0}}
+    plain = claude.messages.create(model="tiny", max_tokens=40, messages=messages, **greedy)
+    text = plain.content[0].text
+    assert len(text) >= 4, text
+    stop = text[2:4]
+    msg = claude.messages.create(model="tiny", max_tokens=40, messages=messages, stop_sequences=[stop], **greedy)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[:text.find(stop)]
+    with claude.messages.stream(model="tiny", max_tokens=40, messages=messages, stop_sequences=[stop],
+                                **greedy) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", stop,
+                                                                               text[:text.find(stop)])
