@@ -82,7 +82,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, style: st
     if style == "none":
         return x
     d = x.shape[-1]
-    angles = positions.to(torch.float64)[:, None] * rope.inv_freq(d)[None, :]    # [T, D/2]
+    inv_freq = rope.inv_freq(d).to(device=positions.device, dtype=torch.float64)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]               # [T, D/2]
     factor = rope.attention_factor
     cos = (angles.cos() * factor).to(torch.float32)
     sin = (angles.sin() * factor).to(torch.float32)
@@ -138,9 +139,10 @@ class DSACache:
 
     def pages(self) -> "CachePages":
         """The cache as one page (what the paged decode kernels read; same bits as any paging of it)."""
-        n = self.latent.shape[0]
+        n, dev = self.latent.shape[0], self.latent.device
         return CachePages(self.latent[None], None if self.index_k is None else self.index_k[None],
-                          torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n], dtype=torch.int32))
+                          torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                          torch.tensor([n], dtype=torch.int32, device=dev))
 
 
 @dataclass
@@ -272,8 +274,10 @@ class LatentAttention(nn.Module):
             self.index_w = Linear(h, ix.n_heads)
 
     def new_cache(self) -> DSACache:
-        return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim),
-                        index_k=torch.zeros(0, self.ix.head_dim) if self.indexed else None)
+        """Empty, in the weights' dtype on their device (what the paged pool of a worker holds)."""
+        like = dict(dtype=self.kv_a.weight.dtype, device=self.kv_a.weight.device)
+        return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim, **like),
+                        index_k=torch.zeros(0, self.ix.head_dim, **like) if self.indexed else None)
 
     def _index_rope(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The indexer's RoPE: rotate-half on the first qk_rope_head_dim dims of t [T, ..., Di]."""
@@ -307,7 +311,7 @@ class LatentAttention(nn.Module):
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: DSACache = seg.cache.layers[layer]
-            pos = torch.arange(seg.cache.length, seg.cache.length + seg.length)
+            pos = torch.arange(seg.cache.length, seg.cache.length + seg.length, device=x.device)
             q_nope = q[rows, :, : m.qk_nope_head_dim]
             q_pe = rotary(q[rows, :, m.qk_nope_head_dim:], pos, self.rope, m.rope)
             latent = torch.cat([c_kv[rows], rotary(k_pe[rows], pos, self.rope, m.rope)], dim=-1)
@@ -490,7 +494,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def step(self, token_ids: list[int], cache: SequenceCache) -> torch.Tensor:
         """One sequence: feed `token_ids` after what `cache` has seen → logits [len, V]."""
-        tokens = torch.tensor(token_ids, dtype=torch.int64)
+        tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
         return self.forward(tokens, [Segment(0, len(token_ids), cache)])
 
 

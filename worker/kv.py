@@ -72,8 +72,9 @@ class PagedSequenceKV:
     def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
         """Tokens start .. start+n-1 of `layer` into their pages (one indexed store per tensor)."""
         bs = self.pool.block_size
-        pos = torch.arange(start, start + latent.shape[0])
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)[pos // bs]
+        dev = self.pool.latent[layer].device
+        pos = torch.arange(start, start + latent.shape[0], device=dev)
+        blocks = torch.tensor(self.blocks, dtype=torch.int64, device=dev)[pos // bs]
         self.pool.latent[layer][blocks, pos % bs] = latent
         if index_k is not None:
             self.pool.index_k[layer][blocks, pos % bs] = index_k
@@ -82,7 +83,7 @@ class PagedSequenceKV:
         """Tokens [0, length) of `layer` as contiguous [length, D] tensors (an exact copy of the pages); no
         indexer keys (None) in an MLA layer."""
         n_blocks = -(-length // self.pool.block_size)
-        idx = torch.tensor(self.blocks[:n_blocks], dtype=torch.int64)
+        idx = torch.tensor(self.blocks[:n_blocks], dtype=torch.int64, device=self.pool.latent[layer].device)
         lat = self.pool.latent[layer].index_select(0, idx).reshape(-1, self.pool.latent[layer].shape[-1])
         if layer not in self.pool.index_k:
             return lat[:length], None
@@ -133,9 +134,10 @@ class PagedDSACache:
         from expertmesh.model import CachePages
         n_blocks = -(-self.length // self.kv.pool.block_size)
         pool = self.kv.pool
+        dev = pool.latent[self.layer].device
         return CachePages(pool.latent[self.layer], pool.index_k.get(self.layer),
-                          torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32),
-                          torch.tensor([self.length], dtype=torch.int32))
+                          torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32, device=dev),
+                          torch.tensor([self.length], dtype=torch.int32, device=dev))
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._view is None:
