@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 
+REL_TOL = 2e-2      # bf16 kernels vs their references (relative L2 error); more fails the run
+
+
 def timed(fn, iters: int = 20) -> float:
     """Median seconds per call, CUDA events, after warm-up."""
     for _ in range(3):
@@ -162,7 +165,10 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"device": roof, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
-    return 0
+    bad = [r for r in rows if not r["rel_err"] <= REL_TOL]
+    for r in bad:
+        print(f"FAILED: {r['op']} differs from its PyTorch reference: rel_err {r['rel_err']:.3g} > {REL_TOL}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
