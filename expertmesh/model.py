@@ -580,6 +580,10 @@ class SamplingParams:
     top_k: int = 0                # 0 → off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0            # drop tokens below min_p × the most likely one's probability; 0 → off
+    presence_penalty: float = 0.0     # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0    # ... and this times how often it was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by id
     # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
     logprobs: int | None = None          # of each generated token, with this many top alternatives
     prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
@@ -607,6 +611,7 @@ def generate(model: Transformer, prompt: list[int], params: SamplingParams,
     out = Generation()
     for _ in range(params.max_tokens):
         token = sampler.sample(logits[-1])
+        sampler.observe(token)
         out.tokens.append(token)
         if token in params.stop_token_ids:
             out.finish_reason = "stop"

@@ -21,6 +21,18 @@ def check_sampling(params) -> None:
         raise ValueError(f"top_k={k}: expected an integer >= 0 (0 turns it off)")
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise ValueError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
+    mp = getattr(params, "min_p", 0.0)
+    if not isinstance(mp, (int, float)) or not 0 <= mp <= 1:           # NaN fails both comparisons
+        raise ValueError(f"min_p={mp}: expected 0 <= min_p <= 1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(params, name, 0.0)
+        if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            raise ValueError(f"{name}={v}: expected a number in [-2, 2]")
+    for token, bias in getattr(params, "logit_bias", ()):
+        if not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: token {token!r} is not a token id")
+        if not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias: the bias of token {token} is {bias}, expected a number in [-100, 100]")
     for name in ("logprobs", "prompt_logprobs"):
         n = getattr(params, name, None)
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
@@ -28,20 +40,44 @@ def check_sampling(params) -> None:
 
 
 class Sampler:
-    """Greedy when temperature == 0, else temperature / top-k / top-p sampling from a per-request generator.
+    """One sequence's sampler. The logits are adjusted first — `logit_bias` added, then OpenAI's presence and
+    frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0, else
+    temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
 
-    `params` needs temperature, top_p, top_k and seed attributes (model.SamplingParams or an API request)."""
+    `params`: model.SamplingParams (or anything with its attributes)."""
 
     def __init__(self, params) -> None:
         check_sampling(params)
         self.params = params
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.counts: dict[int, int] = {}          # generated token → times, for the penalties
+
+    def observe(self, token: int) -> None:
+        """A token that became part of the output (sampled or forced): the penalties count it."""
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        bias, presence, frequency = getattr(p, "logit_bias", ()), getattr(p, "presence_penalty", 0.0), \
+            getattr(p, "frequency_penalty", 0.0)
+        if not bias and not (self.counts and (presence or frequency)):
+            return logits
+        logits = logits.clone()
+        v = logits.shape[-1]
+        for token, b in bias:
+            if token < v:
+                logits[token] += b
+        if self.counts and (presence or frequency):
+            ids = torch.tensor([t for t in self.counts if t < v], dtype=torch.int64)
+            n = torch.tensor([self.counts[t] for t in ids.tolist()], dtype=torch.float32)
+            logits[ids] -= presence + frequency * n
+        return logits
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] → a token id. Greedy ties go to the lowest id."""
         p = self.params
-        logits = logits.float()
+        logits = self._adjusted(logits.float())
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature
@@ -49,6 +85,10 @@ class Sampler:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        min_p = getattr(p, "min_p", 0.0)
+        if min_p > 0:
+            probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True, stable=True)
             before = sorted_probs.double().cumsum(-1) - sorted_probs.double()   # mass strictly above each token

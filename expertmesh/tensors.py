@@ -80,7 +80,10 @@ def sampling_to_proto(params):
     from expertmesh.protos import sampling_pb2
     msg = sampling_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
                                       top_p=params.top_p, top_k=params.top_k,
-                                      stop_token_ids=list(params.stop_token_ids))
+                                      stop_token_ids=list(params.stop_token_ids), min_p=params.min_p,
+                                      presence_penalty=params.presence_penalty,
+                                      frequency_penalty=params.frequency_penalty,
+                                      logit_bias=dict(params.logit_bias))
     for f in ("seed", "logprobs", "prompt_logprobs"):
         if getattr(params, f) is not None:
             setattr(msg, f, getattr(params, f))
@@ -91,6 +94,8 @@ def sampling_from_proto(msg):
     """expertmesh.v1.SamplingParams → model.SamplingParams; a field left unset takes the dataclass default.
     Values are not range-checked here (the sampler / engine do that, naming the field)."""
     from expertmesh.model import SamplingParams
-    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs")
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "min_p",
+              "presence_penalty", "frequency_penalty")
     kw = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
-    return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids))
+    return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids),
+                          logit_bias=tuple(sorted(msg.logit_bias.items())))

@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n expertmesh/protos/sampling.proto\x12\rexpertmesh.v1\"\xa8\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x15\n\x08logprobs\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\x03H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n expertmesh/protos/sampling.proto\x12\rexpertmesh.v1\"\xa4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x15\n\x08logprobs\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x08 \x01(\x03H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\t\x88\x01\x01\x12@\n\nlogit_bias\x18\x0c \x03(\x0b\x32,.expertmesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertmesh.protos.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=52
-  _globals['_SAMPLINGPARAMS']._serialized_end=348
+  _globals['_SAMPLINGPARAMS']._serialized_end=600
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=406
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=454
 # @@protoc_insertion_point(module_scope)

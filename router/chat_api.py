@@ -19,7 +19,8 @@ from expertmesh.model import SamplingParams
 from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.engine import Engine
 from expertmesh.router.engine import Request as EngineRequest
-from expertmesh.router.http import APIError, cancel_on_disconnect, error_from_exception, iterate_events
+from expertmesh.router.http import (APIError, SamplingFields, cancel_on_disconnect, error_from_exception,
+                                    iterate_events, refuse_unknown)
 from expertmesh.router.tracing import RequestSpan
 
 
@@ -222,7 +223,7 @@ def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: boo
 
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai",
-               logprobs: int | None = None, stop: list[str] | None = None) -> ChatRun:
+               logprobs: int | None = None, stop: list[str] | None = None, sampling: dict | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
     rendered = render_prompt(fmt, messages, tools, thinking)
@@ -232,7 +233,7 @@ def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, 
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             stop_token_ids=fmt.markers.stop, logprobs=logprobs), api)
+                             stop_token_ids=fmt.markers.stop, logprobs=logprobs, **(sampling or {})), api)
     return run
 
 
@@ -253,7 +254,7 @@ def _text(content) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- OpenAI
-class ChatBody(BaseModel):
+class ChatBody(SamplingFields):
     model_config = ConfigDict(extra="allow")
     model: str
     messages: list[dict] = Field(min_length=1)
@@ -272,6 +273,16 @@ class ChatBody(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool = False
     top_logprobs: int | None = None          # 0..20 (range-checked with the sampling parameters); needs logprobs
+    response_format: dict | None = None
+
+
+def check_tool_choice(choice, tools) -> None:
+    """tool_choice "auto" / "none" (and unset) are honoured; forcing a call ("required", a named function) needs
+    constrained decoding, which this server does not have yet: refused rather than ignored."""
+    if choice in (None, "auto", "none"):
+        return
+    raise APIError(400, f"tool_choice: {choice!r} is not supported yet (only 'auto' and 'none': forcing a tool call "
+                        f"needs constrained decoding)", param="tool_choice")
 
 
 def chat_logprobs(tok, tokens: list[int], entries) -> dict:
@@ -387,6 +398,11 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
     async def chat(body: ChatBody, http_request: Request, authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
+        refuse_unknown(body)
+        check_tool_choice(body.tool_choice, body.tools)
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise APIError(400, f"response_format: type {body.response_format.get('type')!r} is not supported yet "
+                                f"(only 'text'; constrained decoding is not implemented)", param="response_format")
         try:
             tier = tier_from_request(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort)
         except ChatError as e:
@@ -404,7 +420,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=True,
                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                         logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop)
+                         logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
+                         sampling=body.sampling_kwargs())
 
         def logprobs(start: int, end: int) -> dict | None:
             if n_top is None:
@@ -509,6 +526,7 @@ class MessagesBody(CountTokensBody):
     stream: bool = False
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
     stop_sequences: list[str] | None = None
 
 
@@ -595,6 +613,12 @@ def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
     if thinking and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
         raise AnthropicError(400, f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}")
     tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens, budgets=budgets)
+    kind = (body.tool_choice or {}).get("type", "auto")
+    if kind not in ("auto", "none"):
+        raise AnthropicError(400, f"tool_choice.type: {kind!r} is not supported yet (only 'auto' and 'none': forcing "
+                                  f"a tool call needs constrained decoding)", param="tool_choice")
+    if kind == "none":
+        body = body.model_copy(update={"tools": None})
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                "parameters": t.get("input_schema", {})}}
              for t in (body.tools or [])] or None
@@ -612,6 +636,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
+            refuse_unknown(body, AnthropicError)
             p = anthropic_prompt(body, engine.cfg.thinking)
             return {"input_tokens": len(render_prompt(fmt, p.messages, p.tools, p.thinking).ids)}
         except AnthropicError:
@@ -625,11 +650,12 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
+            refuse_unknown(body, AnthropicError)
             p = anthropic_prompt(body, engine.cfg.thinking)
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
                              max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,
-                             api="anthropic", stop=body.stop_sequences)
+                             api="anthropic", stop=body.stop_sequences, sampling={"top_k": body.top_k})
         except AnthropicError:
             raise
         except Exception as e:

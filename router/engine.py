@@ -240,6 +240,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"prompt: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias: token id {bad[0]} outside [0, {self.cfg.vocab_size})")
         try:
             check_sampling(params)
         except ValueError as err:

@@ -6,6 +6,7 @@ DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 from concurrent import futures
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
+from expertmesh.tensors import sampling_from_proto
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
@@ -60,12 +62,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                      f"{self.engine.model_name!r}")
 
     def _params(self, p, context) -> SamplingParams:
-        params = SamplingParams(
-            max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        for name in ("logprobs", "prompt_logprobs"):      # GenerateEvent has no place for them
+            if p.HasField(name):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.{name}: not supported by this gRPC API "
+                                                                f"(use /v1/completions)")
+        params = dataclasses.replace(
+            sampling_from_proto(p), max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
             temperature=p.temperature if p.HasField("temperature") else 0.0,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            top_k=p.top_k if p.HasField("top_k") else 0,
-            seed=p.seed if p.HasField("seed") else None,
             stop_token_ids=tuple(p.stop_token_ids) or tuple(self.tok.eos_ids))
         if params.max_tokens <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")

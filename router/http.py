@@ -38,7 +38,50 @@ class APIError(Exception):
             "message": self.message, "type": self.type, "param": self.param, "code": self.code}})
 
 
-class CompletionBody(BaseModel):
+class SamplingFields(BaseModel):
+    """Sampling parameters beyond OpenAI's core ones (vLLM's names), shared by completions and chat; ranges are
+    checked with the rest (expertmesh.sampling.check_sampling) and answered as a 400 naming the field."""
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_kwargs(self) -> dict:
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias.append((int(key), float(value)))
+            except ValueError:
+                raise APIError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        return {"top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "logit_bias": tuple(sorted(bias))}
+
+
+# Parameters accepted although they change nothing here, each for a stated reason; any other unknown field is a 400.
+NO_OP_PARAMS = {
+    "user": "an end-user id for the provider's abuse monitoring; this server keeps no per-user state",
+    "metadata": "free-form tags the provider stores with a request; this server stores nothing",
+}
+
+
+def refuse_unknown(body: BaseModel, error=None) -> None:
+    """A 400 naming the first field of `body` that this server neither implements nor lists in NO_OP_PARAMS
+    (pydantic keeps unknown fields in model_extra)."""
+    make = error or APIError
+    for key, value in (body.model_extra or {}).items():
+        if key in NO_OP_PARAMS:
+            continue
+        if key == "store" and not value:
+            continue                                  # store: false is what this server does anyway
+        if key == "parallel_tool_calls" and value in (True, None):
+            continue                                  # several calls in one turn are parsed and returned
+        if key == "service_tier" and value in (None, "auto", "default", "standard_only"):
+            continue
+        raise make(400, f"{key}: not supported by this server", param=key)
+
+
+class CompletionBody(SamplingFields):
     model_config = ConfigDict(extra="allow")
     model: str
     prompt: str | list[int] | list[str]
@@ -326,6 +369,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
                           authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
+        refuse_unknown(body)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
@@ -357,7 +401,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
             prompt_logprobs = 0
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop_token_ids=tuple(tok.eos_ids), logprobs=body.logprobs,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, **body.sampling_kwargs())
         from expertmesh.router.tracing import RequestSpan
         span = RequestSpan("text_completion", name, max_tokens=max_tokens, temperature=body.temperature)
         try:

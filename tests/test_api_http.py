@@ -278,3 +278,32 @@ def test_stop_strings_cut_the_content(server, oai, claude):
         final = s.get_final_message()
     assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", stop,
                                                                                text[:text.find(stop)])
+
+
+def test_sampling_parameters_are_honoured_or_refused(server, oai, claude):
+    messages = [{"role": "user", "content": "Repeat after me."}]
+    base = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, reasoning_effort="low")
+    plain = oai.chat.completions.create(**base)
+    biased = oai.chat.completions.create(logit_bias={"120": 100}, **base)       # 'x'
+    assert biased.usage.completion_tokens >= 1 and biased != plain
+    assert "x" * 3 in (biased.choices[0].message.content or "") + (biased.choices[0].message.reasoning_content or "")
+    oai.chat.completions.create(frequency_penalty=1.5, presence_penalty=0.5, user="u-1", **base)
+    oai.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"top_k": 5, "min_p": 0.1})
+    claude.messages.create(model="tiny", max_tokens=3, messages=messages, metadata={"user_id": "u-1"},
+                           extra_body={"top_k": 5})
+    refused = [({"logit_bias": {"120": 101}}, "logit_bias"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+               ({"extra_body": {"min_p": 2}}, "min_p"), ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+               ({"response_format": {"type": "json_object"}}, "response_format"),
+               ({"extra_body": {"guided_json": {}}}, "guided_json"), ({"parallel_tool_calls": False},
+                                                                      "parallel_tool_calls")]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(**{**base, **extra})
+        assert e.value.param == param, (extra, e.value.message)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=3, best_of=2)
+    assert e.value.param == "best_of"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=3, messages=messages, tool_choice={"type": "any"},
+                               tools=[{"name": "f", "input_schema": {"type": "object"}}])
+    assert "tool_choice" in e.value.message

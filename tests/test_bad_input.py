@@ -327,6 +327,11 @@ GRPC_CASES = [
                  id="subnormal-top-p"),
     pytest.param(G(text="hi", params=P(max_tokens=2, temperature=float("nan"))), INVALID, ["temperature"],
                  id="nan-temperature"),
+    pytest.param(G(text="hi", params=P(max_tokens=2, logprobs=1)), INVALID, ["params.logprobs", "not supported"],
+                 id="logprobs-not-on-grpc"),
+    pytest.param(G(text="hi", params=P(max_tokens=2, min_p=3)), INVALID, ["params.min_p=3"], id="min-p-above-1"),
+    pytest.param(G(text="hi", params=P(max_tokens=2, logit_bias={999: 1.0})), INVALID, ["logit_bias", "999"],
+                 id="logit-bias-outside-vocab"),
 ]
 
 

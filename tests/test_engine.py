@@ -130,3 +130,20 @@ def test_decode_reads_the_pages_in_place(ckpt, monkeypatch):
     assert len(out) == 12
     chunks = -(-len(prompt) // CHUNK)
     assert len(reads) == chunks * len(ckpt.cfg.latent_kv_layers) and max(reads) == len(prompt)
+
+
+def test_penalties_and_logit_bias_match_the_reference(ckpt):
+    """The worker counts the generated tokens it is fed, as the reference counts what it samples: token-exact."""
+    params = SamplingParams(max_tokens=24, presence_penalty=0.8, frequency_penalty=1.5, logit_bias=((65, 2.5),))
+    model = ckpt.load_model()
+    ps = prompts(3, seed=9)
+    want = [generate(model, p, params, prefill_chunk=CHUNK).tokens for p in ps]
+    plain = [generate(model, p, SamplingParams(max_tokens=24), prefill_chunk=CHUNK).tokens for p in ps]
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        got = [r.wait(60).output for r in [eng.submit(p, params) for p in ps]]
+        with pytest.raises(RequestError, match="logit_bias: token id 99999"):
+            eng.submit(ps[0], SamplingParams(logit_bias=((99999, 1.0),)))
+    finally:
+        eng.close()
+    assert got == want and want != plain

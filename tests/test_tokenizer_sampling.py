@@ -44,3 +44,34 @@ def test_seeded_sampling_is_reproducible_and_respects_top_k_top_p():
 def test_bad_sampling_params(field, value, needle):
     with pytest.raises(ValueError, match=needle):
         Sampler(SamplingParams(**{field: value}))
+
+
+def test_logit_bias_and_penalties_follow_openais_formula():
+    """logit[t] + bias[t] − presence·[count[t] > 0] − frequency·count[t] (OpenAI's definition), before greedy or
+    temperature; min_p keeps the tokens within min_p of the top probability."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, generator=g)
+    params = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=1.3,
+                            logit_bias=((2, 5.0), (9, -100.0)))
+    s = Sampler(params)
+    for t in [4, 4, 11, 4]:
+        s.observe(t)
+    want = logits.clone()
+    want[2] += 5.0
+    want[9] -= 100.0
+    for t, n in {4: 3, 11: 1}.items():
+        want[t] -= 0.7 + 1.3 * n
+    assert torch.allclose(s._adjusted(logits), want)
+    assert s.sample(logits) == int(torch.argmax(want))
+    top = int(torch.argmax(logits))
+    strict = Sampler(SamplingParams(temperature=1.0, min_p=1.0, seed=1))
+    assert {strict.sample(logits) for _ in range(20)} == {top}
+    forced = Sampler(SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)))
+    assert forced.sample(logits) == 7
+
+
+@pytest.mark.parametrize("field, value", [("min_p", 1.5), ("min_p", float("nan")), ("presence_penalty", 2.5),
+                                          ("frequency_penalty", -3.0), ("logit_bias", ((3, 101.0),))])
+def test_new_sampling_fields_are_range_checked(field, value):
+    with pytest.raises(ValueError, match=field):
+        Sampler(SamplingParams(**{field: value}))

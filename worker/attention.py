@@ -88,6 +88,7 @@ class _Sequence:
     # prompt_logprobs: the log-probabilities after the last fed token, waiting for the token that follows it
     # (the next segment's first token: prefill chunks end mid-prompt)
     pending: torch.Tensor | None = None
+    generating: bool = False     # the prompt is done: fed tokens are output (the penalties count them)
 
 
 @dataclass
@@ -325,8 +326,12 @@ class AttentionWorker:
             seg_logits = logits[first:first + len(rs)]
             first += len(rs)
             fed = step.tokens[seg.start:seg.start + seg.length]
+            if seq.generating:                 # past the prompt, every fed token is output (sampled or forced)
+                for t in fed:
+                    seq.sampler.observe(t)
             if sample:
                 out[seq_id] = seq.sampler.sample(seg_logits[-1])
+                seq.generating = True
             logprobs += self._logprobs(seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seq_id))
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
