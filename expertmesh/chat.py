@@ -258,7 +258,7 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
         return thinking_budget
     if reasoning_effort is not None:
         if reasoning_effort not in _EFFORT_TO_TIER:
-            raise ChatError(f"reasoning_effort: {reasoning_effort!r} is not one of low, medium, high")
+            raise ChatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, minimal, low, medium, high")
         return _EFFORT_TO_TIER[reasoning_effort]
     if budget_tokens is not None:
         if budget_tokens <= 0:

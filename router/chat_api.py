@@ -19,8 +19,8 @@ from expertmesh.model import SamplingParams
 from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.engine import Engine
 from expertmesh.router.engine import Request as EngineRequest
-from expertmesh.router.http import (APIError, SamplingFields, cancel_on_disconnect, error_from_exception,
-                                    iterate_events, refuse_unknown)
+from expertmesh.router.http import (AcceptedNoOps, APIError, SamplingFields, cancel_on_disconnect,
+                                    error_from_exception, iterate_events)
 from expertmesh.router.tracing import RequestSpan
 
 
@@ -255,7 +255,6 @@ def _text(content) -> str:
 
 # ----------------------------------------------------------------------------------------------- OpenAI
 class ChatBody(SamplingFields):
-    model_config = ConfigDict(extra="allow")
     model: str
     messages: list[dict] = Field(min_length=1)
     tools: list[dict] | None = None
@@ -272,8 +271,23 @@ class ChatBody(SamplingFields):
     thinking_budget: str | None = None
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool = False
-    top_logprobs: int | None = None          # 0..20 (range-checked with the sampling parameters); needs logprobs
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)      # needs logprobs
     response_format: dict | None = None
+    chat_template_kwargs: dict | None = None
+
+
+def thinking_wanted(body: ChatBody) -> bool:
+    """Thinking is on unless `reasoning_effort: "none"` or `chat_template_kwargs` turns it off (`enable_thinking`
+    as Qwen / vLLM name it, `thinking` as DeepSeek V3.1 does); other template kwargs are refused."""
+    on = body.reasoning_effort != "none"
+    for key, value in (body.chat_template_kwargs or {}).items():
+        if key not in ("enable_thinking", "thinking") or not isinstance(value, bool):
+            raise APIError(400, f"chat_template_kwargs.{key}: only enable_thinking / thinking (true or false) are "
+                                f"supported", param=f"chat_template_kwargs.{key}")
+        on = on and value
+    if not on and body.thinking_budget is not None:
+        raise APIError(400, "thinking_budget: given while thinking is turned off", param="thinking_budget")
+    return on
 
 
 def check_tool_choice(choice, tools) -> None:
@@ -398,13 +412,14 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
     async def chat(body: ChatBody, http_request: Request, authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
-        refuse_unknown(body)
         check_tool_choice(body.tool_choice, body.tools)
         if body.response_format is not None and body.response_format.get("type") != "text":
             raise APIError(400, f"response_format: type {body.response_format.get('type')!r} is not supported yet "
                                 f"(only 'text'; constrained decoding is not implemented)", param="response_format")
+        thinking = thinking_wanted(body)
         try:
-            tier = tier_from_request(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort)
+            effort = None if body.reasoning_effort == "none" else body.reasoning_effort
+            tier = tier_from_request(thinking_budget=body.thinking_budget, reasoning_effort=effort)
         except ChatError as e:
             raise APIError(400, str(e), param="reasoning_effort" if body.reasoning_effort else "thinking_budget")
         if body.tool_choice == "none":
@@ -418,7 +433,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             raise APIError(400, f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]",
                            param="top_logprobs")
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=True,
+        run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=thinking,
                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                          logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
                          sampling=body.sampling_kwargs())
@@ -509,9 +524,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
 
 
 # ----------------------------------------------------------------------------------------------- Anthropic
-class CountTokensBody(BaseModel):
+class CountTokensBody(AcceptedNoOps):
     """What decides a messages request's prompt (Anthropic `POST /v1/messages/count_tokens`)."""
-    model_config = ConfigDict(extra="allow")
     model: str
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -636,7 +650,6 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            refuse_unknown(body, AnthropicError)
             p = anthropic_prompt(body, engine.cfg.thinking)
             return {"input_tokens": len(render_prompt(fmt, p.messages, p.tools, p.thinking).ids)}
         except AnthropicError:
@@ -650,7 +663,6 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            refuse_unknown(body, AnthropicError)
             p = anthropic_prompt(body, engine.cfg.thinking)
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,

@@ -15,10 +15,13 @@ from fastapi import FastAPI, Header, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
+from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.dispatch import ExpertsUnavailable
 from expertmesh.router.engine import (ContextLengthExceeded, Engine, EngineClosed, QueueFull, Request, RequestError,
                                       TokenLogprob)
@@ -38,51 +41,36 @@ class APIError(Exception):
             "message": self.message, "type": self.type, "param": self.param, "code": self.code}})
 
 
-class SamplingFields(BaseModel):
-    """Sampling parameters beyond OpenAI's core ones (vLLM's names), shared by completions and chat; ranges are
-    checked with the rest (expertmesh.sampling.check_sampling) and answered as a 400 naming the field."""
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+class AcceptedNoOps(BaseModel):
+    """Parameters accepted although they change nothing here, each for a stated reason. Request bodies forbid any
+    other unknown field (a 400 naming it, never silently ignored)."""
+    model_config = ConfigDict(extra="forbid")
+    user: str | None = None                  # an end-user id for a provider's abuse monitoring: no per-user state
+    metadata: dict | None = None             # tags a provider stores with a request: nothing is stored here
+    store: Literal[False] | None = None      # store: false is what this server does anyway
+    parallel_tool_calls: Literal[True] | None = None   # several calls in one turn are parsed and returned
+    service_tier: Literal["auto", "default", "standard_only"] | None = None
+
+
+TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]
+
+
+class SamplingFields(AcceptedNoOps):
+    """Sampling parameters beyond OpenAI's core ones (vLLM's names), shared by completions and chat; the vocabulary
+    and everything else is checked with the rest (expertmesh.sampling.check_sampling), a 400 naming the field."""
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     def sampling_kwargs(self) -> dict:
-        bias = []
-        for key, value in (self.logit_bias or {}).items():
-            try:
-                bias.append((int(key), float(value)))
-            except ValueError:
-                raise APIError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
         return {"top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "logit_bias": tuple(sorted(bias))}
-
-
-# Parameters accepted although they change nothing here, each for a stated reason; any other unknown field is a 400.
-NO_OP_PARAMS = {
-    "user": "an end-user id for the provider's abuse monitoring; this server keeps no per-user state",
-    "metadata": "free-form tags the provider stores with a request; this server stores nothing",
-}
-
-
-def refuse_unknown(body: BaseModel, error=None) -> None:
-    """A 400 naming the first field of `body` that this server neither implements nor lists in NO_OP_PARAMS
-    (pydantic keeps unknown fields in model_extra)."""
-    make = error or APIError
-    for key, value in (body.model_extra or {}).items():
-        if key in NO_OP_PARAMS:
-            continue
-        if key == "store" and not value:
-            continue                                  # store: false is what this server does anyway
-        if key == "parallel_tool_calls" and value in (True, None):
-            continue                                  # several calls in one turn are parsed and returned
-        if key == "service_tier" and value in (None, "auto", "default", "standard_only"):
-            continue
-        raise make(400, f"{key}: not supported by this server", param=key)
+                "frequency_penalty": self.frequency_penalty, "logit_bias": bias}
 
 
 class CompletionBody(SamplingFields):
-    model_config = ConfigDict(extra="allow")
     model: str
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(default=16)
@@ -94,7 +82,7 @@ class CompletionBody(SamplingFields):
     stream_options: dict | None = None
     n: int = Field(default=1, ge=1, le=1)
     echo: bool = False
-    logprobs: int | None = None    # range-checked with the sampling parameters (0..MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -318,6 +306,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         if err.get("type") == "json_invalid":
             field = None
             err = {"msg": f"not valid JSON ({(err.get('ctx') or {}).get('error', 'decode error')})"}
+        elif err.get("type") == "extra_forbidden":
+            err = {"msg": "not supported by this server"}
         elif err.get("type") == "model_attributes_type" and not loc:
             err = {"msg": "expected a JSON object (send it with Content-Type: application/json)"}
         error = APIError(400, f"{field or 'body'}: {err.get('msg')}", param=field)
@@ -369,7 +359,6 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
                           authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
-        refuse_unknown(body)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
