@@ -7,7 +7,8 @@ import torch
 
 
 MAX_SEED = 2 ** 63 - 1
-MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
+MAX_LOGPROBS = 20
+TINY_TEMPERATURE = 1e-30   # below this, temperature sampling is the argmax (logits / T would overflow fp32)          # top alternatives per position (vLLM's default bound)
 
 
 def check_sampling(params) -> None:
@@ -41,8 +42,8 @@ def check_sampling(params) -> None:
 
 class Sampler:
     """One sequence's sampler. The logits are adjusted first — `logit_bias` added, then OpenAI's presence and
-    frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0, else
-    temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
+    frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0 (or below
+    TINY_TEMPERATURE), else temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
 
     `params`: model.SamplingParams (or anything with its attributes)."""
 
@@ -78,7 +79,7 @@ class Sampler:
         """logits [V] → a token id. Greedy ties go to the lowest id."""
         p = self.params
         logits = self._adjusted(logits.float())
-        if p.temperature == 0:
+        if p.temperature < TINY_TEMPERATURE:        # 0, or so small that logits / T overflows fp32: the argmax
             return int(torch.argmax(logits))
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.shape[-1]:

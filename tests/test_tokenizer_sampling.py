@@ -75,3 +75,11 @@ def test_logit_bias_and_penalties_follow_openais_formula():
 def test_new_sampling_fields_are_range_checked(field, value):
     with pytest.raises(ValueError, match=field):
         Sampler(SamplingParams(**{field: value}))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_tiny_temperature_samples_the_argmax(temperature):
+    """Found by the HTTP fuzzer: logits / 1e-300 overflowed to inf and softmax gave NaN (a 500)."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    s = Sampler(SamplingParams(temperature=temperature, seed=0))
+    assert {s.sample(logits) for _ in range(5)} == {int(torch.argmax(logits))}
