@@ -338,7 +338,7 @@ def openai_messages(raw: list[dict]) -> list[Message]:
                            param=f"messages[{i}].role")
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}]: expected an object", param=f"messages[{i}]")
-        for field_name in ("reasoning_content", "tool_call_id"):
+        for field_name in ("reasoning_content", "reasoning", "tool_call_id"):
             if m.get(field_name) is not None and not isinstance(m.get(field_name), str):
                 raise APIError(400, f"messages[{i}].{field_name}: expected a string",
                                param=f"messages[{i}].{field_name}")
@@ -365,7 +365,8 @@ def openai_messages(raw: list[dict]) -> list[Message]:
         except UnicodeEncodeError as e:
             raise APIError(400, f"messages[{i}].content: not valid Unicode ({e.reason} at character {e.start})",
                            param=f"messages[{i}].content")
-        out.append(Message(role, content, reasoning=m.get("reasoning_content"), tool_calls=calls,
+        reasoning = m.get("reasoning_content") if m.get("reasoning_content") is not None else m.get("reasoning")
+        out.append(Message(role, content, reasoning=reasoning, tool_calls=calls,
                            tool_call_id=m.get("tool_call_id")))
     return out
 
@@ -763,7 +764,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                     yield event("content_block_stop", {"index": index})
                 yield event("message_delta", {"delta": {"stop_reason": stop_reason(parsed),
                                                         "stop_sequence": run.stop_hit},
-                                              "usage": {"output_tokens": len(run.req.output)}})
+                                              "usage": usage(parsed)})      # cache reads known by now
                 yield event("message_stop", {})
             except Exception as e:
                 run.fail(e)

@@ -321,3 +321,26 @@ def test_thinking_can_be_turned_off(server, oai):
         oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3,
                                     extra_body={"chat_template_kwargs": {"tools_in_user_message": True}})
     assert e.value.param == "chat_template_kwargs.tools_in_user_message"
+
+
+def test_streamed_anthropic_usage_reports_cache_reads(server, claude):
+    kw = dict(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "cache me " * 12}])
+    claude.messages.create(**kw)                                           # leaves the prompt's prefix cached
+    plain = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert plain.usage.cache_read_input_tokens > 0
+    assert final.usage.cache_read_input_tokens == plain.usage.cache_read_input_tokens
+    assert final.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_history_accepts_the_reasoning_field_name(server, oai):
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet"},
+            {"role": "user", "content": "again"}]
+    a = httpx.post(server[0] + "/tokenize", json={"messages": turn}, headers={"Authorization": f"Bearer {API_KEY}"})
+    turn[1] = {**turn[1], "reasoning_content": turn[1].pop("reasoning")}
+    b = httpx.post(server[0] + "/tokenize", json={"messages": turn}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert a.status_code == 200 and a.json()["tokens"] == b.json()["tokens"]
+    turn[1] = {"role": "assistant", "content": "hello", "reasoning": 5}      # read, hence checked
+    c = httpx.post(server[0] + "/tokenize", json={"messages": turn}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert c.status_code == 400 and c.json()["error"]["param"] == "messages[1].reasoning"
