@@ -7,8 +7,8 @@ import torch
 
 
 MAX_SEED = 2 ** 63 - 1
-MAX_LOGPROBS = 20
-TINY_TEMPERATURE = 1e-30   # below this, temperature sampling is the argmax (logits / T would overflow fp32)          # top alternatives per position (vLLM's default bound)
+MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
+TINY_TEMPERATURE = 1e-30   # below this, temperature sampling is the argmax (logits / T would overflow fp32)
 
 
 def check_sampling(params) -> None:

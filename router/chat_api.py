@@ -223,11 +223,13 @@ def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: boo
 
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai",
-               logprobs: int | None = None, stop: list[str] | None = None, sampling: dict | None = None) -> ChatRun:
+               logprobs: int | None = None, stop: list[str] | None = None, sampling: dict | None = None,
+               thinking_limit: int | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
     rendered = render_prompt(fmt, messages, tools, thinking)
-    limit = engine.cfg.thinking.limit(tier if thinking else "low")
+    limit = thinking_limit if thinking and thinking_limit is not None else \
+        engine.cfg.thinking.limit(tier if thinking else "low")
     run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
                   thinking, tier, stops=list(stop or []))
     if max_tokens <= 0:
@@ -619,15 +621,24 @@ class AnthropicPrompt:
     tools: list[dict] | None
     thinking: bool
     tier: str
+    thinking_limit: int | None = None    # budget_tokens: an exact limit on thinking tokens
+
+
+ADAPTIVE_TIER = "high"   # thinking.type "adaptive": the model decides, within this tier's limit
 
 
 def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
     """The conversation, tools and thinking of a messages request, as the chat format renders them."""
-    thinking = bool(body.thinking and body.thinking.get("type") == "enabled")
-    budget_tokens = body.thinking.get("budget_tokens") if thinking else None
-    if thinking and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
+    kind = (body.thinking or {}).get("type", "disabled")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise AnthropicError(400, f"thinking.type: {kind!r} is not one of enabled, disabled, adaptive",
+                             param="thinking.type")
+    thinking = kind != "disabled"
+    budget_tokens = body.thinking.get("budget_tokens") if kind == "enabled" else None
+    if kind == "enabled" and (not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool)):
         raise AnthropicError(400, f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}")
-    tier = tier_from_request(thinking_budget=body.thinking_budget, budget_tokens=budget_tokens, budgets=budgets)
+    tier = tier_from_request(thinking_budget=body.thinking_budget or (ADAPTIVE_TIER if kind == "adaptive" else None),
+                             budget_tokens=budget_tokens, budgets=budgets)
     kind = (body.tool_choice or {}).get("type", "auto")
     if kind not in ("auto", "none"):
         raise AnthropicError(400, f"tool_choice.type: {kind!r} is not supported yet (only 'auto' and 'none': forcing "
@@ -637,7 +648,8 @@ def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                "parameters": t.get("input_schema", {})}}
              for t in (body.tools or [])] or None
-    return AnthropicPrompt(anthropic_messages(body), tools, thinking, tier)
+    exact = budget_tokens if body.thinking_budget is None else None
+    return AnthropicPrompt(anthropic_messages(body), tools, thinking, tier, exact)
 
 
 def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
@@ -668,7 +680,8 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
                              max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,
-                             api="anthropic", stop=body.stop_sequences, sampling={"top_k": body.top_k})
+                             api="anthropic", stop=body.stop_sequences, sampling={"top_k": body.top_k},
+                             thinking_limit=p.thinking_limit)
         except AnthropicError:
             raise
         except Exception as e:

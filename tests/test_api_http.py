@@ -344,3 +344,27 @@ def test_history_accepts_the_reasoning_field_name(server, oai):
     turn[1] = {"role": "assistant", "content": "hello", "reasoning": 5}      # read, hence checked
     c = httpx.post(server[0] + "/tokenize", json={"messages": turn}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert c.status_code == 400 and c.json()["error"]["param"] == "messages[1].reasoning"
+
+
+def test_anthropic_budget_tokens_is_an_exact_limit(server, claude):
+    """budget_tokens limits thinking tokens exactly (tiers are presets, not a rounding: the router's reasoning-token
+    counter moves by the budget, for a random model that never ends thinking by itself); adaptive thinks within the
+    documented tier; an unknown thinking.type is a 400 naming it."""
+    def reasoning_total() -> float:
+        text = httpx.get(server[0] + "/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("expertmesh_reasoning_tokens_total")))
+    low = preset("tiny").thinking.low
+    for budget in (3, low + 5):
+        before = reasoning_total()
+        msg = claude.messages.create(model="tiny", max_tokens=60, thinking={"type": "enabled", "budget_tokens": budget},
+                                     messages=[{"role": "user", "content": "Think it over."}],
+                                     extra_body={"temperature": 0})
+        assert msg.content[0].type == "thinking" and reasoning_total() - before == budget
+    msg = claude.messages.create(model="tiny", max_tokens=40, thinking={"type": "adaptive"},
+                                 messages=[{"role": "user", "content": "Adapt."}])
+    assert msg.content[0].type == "thinking"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=4, thinking={"type": "sometimes"},
+                               messages=[{"role": "user", "content": "x"}])
+    assert "thinking.type" in e.value.message
