@@ -1,15 +1,19 @@
 """Routed-expert MoE over MXFP4 weights: per-(token, slot) expert outputs and the canonical combine.
 
-`moe_expert_outputs` picks the Triton grouped kernel for CUDA tensors and the grouped PyTorch path
-otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is imported
-only when first chosen. `moe_combine` is one elementwise loop in rank order, the same on every device.
+`moe_expert_outputs` picks the Triton grouped kernel for CUDA tensors; on CPU (backend `auto`) the fused C++
+kernel (`expertmesh.kernels.moe.cpu_kernel`: MXFP4 decoded in registers, built on first use) and, when it cannot
+be built or `EXPERTMESH_CPU_KERNEL=0`, the grouped PyTorch path, which is also what a forced `torch` backend runs
+(`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The reference model and the expert worker both
+call this function, so they run the same kernel. The Triton module is imported only when first chosen.
+`moe_combine` is one elementwise loop in rank order, the same on every device.
 Contracts and the batch-invariance notes: `expertmesh.kernels.moe.naive`.
 """
 from __future__ import annotations
 
 import torch
 
-from expertmesh.kernels.backend import resolve
+from expertmesh.kernels.backend import _configured, resolve
+from expertmesh.kernels.moe import cpu_kernel
 from expertmesh.kernels.moe.grouped import (
     dequant_cache,
     moe_expert_outputs_dense,
@@ -24,6 +28,8 @@ from expertmesh.kernels.moe.naive import (
 )
 from expertmesh.kernels.moe.naive import moe_expert_outputs as moe_expert_outputs_reference
 
+moe_expert_outputs_cpu = cpu_kernel.moe_expert_outputs
+
 __all__ = [
     "moe_expert_outputs",
     "moe_combine",
@@ -32,6 +38,7 @@ __all__ = [
     "moe_expert_outputs_reference",
     "moe_expert_outputs_grouped",
     "moe_expert_outputs_dense",
+    "moe_expert_outputs_cpu",
     "check_moe_inputs",
     "check_combine_inputs",
     "dequant_cache",
@@ -53,6 +60,9 @@ def moe_expert_outputs(
     if resolve(x, w13_blocks) == "triton":
         from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
         return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
+    if x.device.type == "cpu" and w13_blocks.device.type == "cpu" and _configured() == "auto" \
+            and cpu_kernel.available():
+        return cpu_kernel.moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
     return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
 
 

@@ -1,0 +1,373 @@
+// Fused MXFP4 GEMV/GEMM and grouped MoE expert GEMM for CPUs (one translation unit, built on first use by
+// expertmesh/kernels/moe/cpu_kernel.py with torch.utils.cpp_extension.load).
+//
+// Weights stay packed: each 32-block (16 bytes of E2M1 nibbles + one E8M0 scale) is decoded in registers through
+// a 16-entry table and its scale applied once to the block's partial dot product. The table holds TWICE the E2M1
+// values (0, 1, 2, 3, 4, 6, 8, 12 and negatives: small integers, so AVX2 can decode with one byte shuffle) and the
+// scale table 2^(s - 128), half the E8M0 value: (2v)·x is exactly 2·(v·x) and 2^(s-128) halves it back exactly,
+// barring fp32 overflow / underflow. Code 8 (-0) decodes as +0: in this order a zero's sign never reaches a result
+// (every accumulator starts at +0, and +0 + -0 = +0).
+//
+// The reduction order of every output element is fixed (and the same on every ISA path, so AVX-512, AVX2 and the
+// portable loop give the same bits): 16 lanes; lane l of block b takes the element pair (32b + 2l, 32b + 2l + 1):
+//     p = v[2l] * x[2l];  p = fma(v[2l+1], x[2l+1], p);  acc[l] = fma(p, scale_b, acc[l])   for b = 0, 1, ...
+// then acc[l] += acc[l+8], acc[l] += acc[l+4], acc[l] += acc[l+2], acc[l] += acc[l+1]; the result is acc[0].
+// (v: the doubled table value, scale_b: 2^(s_b - 128).) It depends on nothing but the row and the token: not on how many rows or tokens a call has, the tiling, or the
+// thread count (threads split output rows with at::parallel_for). Activations are first rearranged per 32-block
+// to [even elements | odd elements] so the pairs line up with the low/high nibbles.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define EM_X86 1
+#endif
+
+namespace {
+
+alignas(64) const float kE2M1x2[16] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f,
+                                       0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f};
+
+struct ScaleTable {
+  float v[256];
+  ScaleTable() {
+    for (int s = 0; s < 255; ++s) v[s] = std::ldexp(1.0f, s - 128);  // 2^-128 is an fp32 subnormal: exact
+    v[255] = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+const ScaleTable kScale;
+
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// One call computes R weight rows x TM activation rows. w: R row pointers to packed bytes (K/2 each), s: R scale
+// rows (K/32), x: TM rearranged activation rows (K each), y[r*ystride_r + t*ystride_t] = result.
+struct Tile {
+  const uint8_t* w[2];
+  const uint8_t* s[2];
+  const float* x[4];
+  float* y[2][4];
+};
+
+inline void lane_tree(float* a) {  // a[16] -> a[0]
+  for (int h = 8; h >= 1; h >>= 1)
+    for (int l = 0; l < h; ++l) a[l] = a[l] + a[l + h];
+}
+
+template <int R, int TM>
+void tile_portable(const Tile& t, int64_t nblocks) {
+  float acc[R][TM][16];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m)
+      for (int l = 0; l < 16; ++l) acc[r][m][l] = 0.0f;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wb = t.w[r] + 16 * b;
+      const float sc = kScale.v[t.s[r][b]];
+      for (int l = 0; l < 16; ++l) {
+        const float ve = kE2M1x2[wb[l] & 15], vo = kE2M1x2[wb[l] >> 4];
+        for (int m = 0; m < TM; ++m) {
+          const float* xb = t.x[m] + 32 * b;
+          float p = ve * xb[l];
+          p = std::fma(vo, xb[16 + l], p);
+          acc[r][m][l] = std::fma(p, sc, acc[r][m][l]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) {
+      lane_tree(acc[r][m]);
+      *t.y[r][m] = acc[r][m][0];
+    }
+}
+
+#ifdef EM_X86
+constexpr int64_t kPrefetch = 1024;  // bytes ahead on each weight row (software prefetch, one line per 4 blocks)
+
+template <int R, int TM>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Tile& t, int64_t nblocks) {
+  // byte shuffle of the doubled table (as int8), then int8 -> int32 -> fp32 in two halves of 8 lanes
+  const __m128i tab = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i lo4 = _mm_set1_epi8(15);
+  __m256 acc[R][TM][2];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(t.w[r] + 16 * b + kPrefetch), _MM_HINT_T0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.w[r] + 16 * b));
+      const __m256 sc = _mm256_set1_ps(kScale.v[t.s[r][b]]);
+      const __m128i e8 = _mm_shuffle_epi8(tab, _mm_and_si128(bytes, lo4));
+      const __m128i o8 = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(bytes, 4), lo4));
+      const __m256 ve[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e8)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e8, 8)))};
+      const __m256 vo[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(o8)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(o8, 8)))};
+      for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h+7
+        for (int m = 0; m < TM; ++m) {
+          const float* xb = t.x[m] + 32 * b + 8 * h;
+          __m256 p = _mm256_mul_ps(ve[h], _mm256_loadu_ps(xb));
+          p = _mm256_fmadd_ps(vo[h], _mm256_loadu_ps(xb + 16), p);
+          acc[r][m][h] = _mm256_fmadd_ps(p, sc, acc[r][m][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) {
+      const __m256 a8 = _mm256_add_ps(acc[r][m][0], acc[r][m][1]);                          // l + (l+8)
+      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));  // + (l+4)
+      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));                                // + (l+2)
+      const __m128 a1 = _mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1));                            // + (l+1)
+      *t.y[r][m] = _mm_cvtss_f32(a1);
+    }
+}
+
+template <int R, int TM>
+__attribute__((target("avx512f"))) void tile_avx512(const Tile& t, int64_t nblocks) {
+  const __m512 tab = _mm512_loadu_ps(kE2M1x2);
+  const __m512i lo4 = _mm512_set1_epi32(15);
+  __m512 acc[R][TM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wb = t.w[r] + 16 * b;
+      if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch), _MM_HINT_T0);
+      const __m512 sc = _mm512_set1_ps(kScale.v[t.s[r][b]]);
+      const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+      const __m512 ve = _mm512_permutexvar_ps(_mm512_and_si512(code, lo4), tab);
+      const __m512 vo = _mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), tab);
+      for (int m = 0; m < TM; ++m) {
+        const float* xb = t.x[m] + 32 * b;
+        __m512 p = _mm512_mul_ps(ve, _mm512_loadu_ps(xb));
+        p = _mm512_fmadd_ps(vo, _mm512_loadu_ps(xb + 16), p);
+        acc[r][m] = _mm512_fmadd_ps(p, sc, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) {
+      const __m512 a = acc[r][m];
+      const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+      const __m128 a1 = _mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1));
+      *t.y[r][m] = _mm_cvtss_f32(a1);
+    }
+}
+#endif
+
+int64_t resolve_isa(int64_t isa) {
+#ifdef EM_X86
+  static const bool has512 = __builtin_cpu_supports("avx512f");
+  static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == kAuto) return has512 ? kAvx512 : (has2 ? kAvx2 : kPortable);
+  TORCH_CHECK(isa != kAvx512 || has512, "mxfp4 cpu kernel: this CPU has no AVX-512F");
+  TORCH_CHECK(isa != kAvx2 || has2, "mxfp4 cpu kernel: this CPU has no AVX2+FMA");
+  return isa;
+#else
+  TORCH_CHECK(isa == kAuto || isa == kPortable, "mxfp4 cpu kernel: only the portable path exists on this CPU");
+  return kPortable;
+#endif
+}
+
+template <int R, int TM>
+inline void run_tile(int64_t isa, const Tile& t, int64_t nblocks) {
+#ifdef EM_X86
+  if (isa == kAvx512) return tile_avx512<R, TM>(t, nblocks);
+  if (isa == kAvx2) return tile_avx2<R, TM>(t, nblocks);
+#endif
+  tile_portable<R, TM>(t, nblocks);
+}
+
+template <int R>
+inline void run_tile_tm(int64_t isa, int tm, const Tile& t, int64_t nblocks) {
+  switch (tm) {
+    case 1: return run_tile<R, 1>(isa, t, nblocks);
+    case 2: return run_tile<R, 2>(isa, t, nblocks);
+    case 3: return run_tile<R, 3>(isa, t, nblocks);
+    default: return run_tile<R, 4>(isa, t, nblocks);
+  }
+}
+
+// yrow[m][n] = sum_k W[n, k] x_m[k] for weight rows n in [n0, n1), m in [0, M). x: M rearranged rows (K each).
+void gemm_rows(int64_t isa, const uint8_t* wb, const uint8_t* ws, int64_t K, const float* const* x, int64_t M,
+               float* const* yrow, int64_t n0, int64_t n1) {
+  const int64_t nblocks = K / 32;
+  const int tm_max = isa == kAvx2 ? 2 : 4;  // AVX2 has 16 vector registers
+  for (int64_t n = n0; n < n1;) {
+    const int r = (n + 1 < n1) ? 2 : 1;
+    for (int64_t m = 0; m < M;) {
+      const int tm = int(std::min<int64_t>(tm_max, M - m));
+      Tile t;
+      for (int i = 0; i < r; ++i) {
+        t.w[i] = wb + (n + i) * (K / 2);
+        t.s[i] = ws + (n + i) * nblocks;
+        for (int j = 0; j < tm; ++j) t.y[i][j] = yrow[m + j] + n + i;
+      }
+      for (int j = 0; j < tm; ++j) t.x[j] = x[m + j];
+      if (r == 2) run_tile_tm<2>(isa, tm, t, nblocks);
+      else run_tile_tm<1>(isa, tm, t, nblocks);
+      m += tm;
+    }
+    n += r;
+  }
+}
+
+// src[K] -> dst[K]: per 32-block, even elements then odd elements.
+inline void rearrange(const float* src, float* dst, int64_t K) {
+  for (int64_t b = 0; b < K; b += 32)
+    for (int l = 0; l < 16; ++l) {
+      dst[b + l] = src[b + 2 * l];
+      dst[b + 16 + l] = src[b + 2 * l + 1];
+    }
+}
+
+constexpr int64_t kRowChunk = 16;  // weight rows per parallel work item
+
+void check_cpu(const at::Tensor& t, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dt, name, ": unexpected dtype ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+// x [M, K] fp32, blocks [N, K/2], scales [N, K/32] -> out [M, N] fp32 (preallocated).
+void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales, const at::Tensor& out,
+                  int64_t isa) {
+  check_cpu(x, at::kFloat, "x");
+  check_cpu(blocks, at::kByte, "blocks");
+  check_cpu(scales, at::kByte, "scales");
+  check_cpu(out, at::kFloat, "out");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % 32 == 0 && blocks.size(1) * 2 == K && scales.size(0) == N && scales.size(1) * 32 == K,
+              "mxfp4_linear: shapes do not match");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "mxfp4_linear: out shape");
+  if (M == 0 || N == 0) return;
+  isa = resolve_isa(isa);
+  std::vector<float> xr(M * K);
+  std::vector<const float*> xp(M);
+  std::vector<float*> yp(M);
+  const float* xs = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    rearrange(xs + m * K, xr.data() + m * K, K);
+    xp[m] = xr.data() + m * K;
+    yp[m] = y + m * N;
+  }
+  const uint8_t* wb = blocks.data_ptr<uint8_t>();
+  const uint8_t* ws = scales.data_ptr<uint8_t>();
+  const int64_t chunks = (N + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    gemm_rows(isa, wb, ws, K, xp.data(), M, yp.data(), c0 * kRowChunk, std::min(N, c1 * kRowChunk));
+  });
+}
+
+// The grouped expert GEMM: x [T, H] fp32, ids [T, Kt] int64 (local ids, -1 skip), w13 [E, 2I, H/2] (+ scales),
+// w2 [E, H, I/2] (+ scales) -> out [T, Kt, H] fp32 (preallocated; skipped slots written as 0).
+void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w13b, const at::Tensor& w13s,
+                        const at::Tensor& w2b, const at::Tensor& w2s, const at::Tensor& out, int64_t isa) {
+  check_cpu(x, at::kFloat, "x");
+  check_cpu(ids, at::kLong, "topk_ids");
+  check_cpu(w13b, at::kByte, "w13_blocks");
+  check_cpu(w13s, at::kByte, "w13_scales");
+  check_cpu(w2b, at::kByte, "w2_blocks");
+  check_cpu(w2s, at::kByte, "w2_scales");
+  check_cpu(out, at::kFloat, "out");
+  const int64_t T = x.size(0), H = x.size(1), Kt = ids.size(1), E = w13b.size(0), I2 = w13b.size(1), I = I2 / 2;
+  TORCH_CHECK(H % 32 == 0 && I % 32 == 0 && w2b.size(1) == H && w2b.size(2) * 2 == I, "moe: shapes do not match");
+  float* y = out.data_ptr<float>();
+  std::memset(y, 0, sizeof(float) * T * Kt * H);
+  const int64_t S = T * Kt;
+  if (S == 0 || E == 0) return;
+  isa = resolve_isa(isa);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  // Counting sort of the (token, slot) pairs by expert, slot order kept inside each expert.
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(id[i] >= -1 && id[i] < E, "topk_ids: value out of range");
+    if (id[i] >= 0) ++start[id[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int64_t V = start[E];
+  if (V == 0) return;
+  std::vector<int64_t> slot(V);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < S; ++i)
+      if (id[i] >= 0) slot[fill[id[i]]++] = i;
+  }
+  std::vector<int64_t> active;  // experts with rows
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t A = int64_t(active.size());
+
+  const float* xs = x.data_ptr<float>();
+  std::vector<float> xr(V * H), gu(V * I2), act(V * I);
+  std::vector<const float*> xp(V), ap(V);
+  std::vector<float*> gp(V), yp(V);
+  at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      rearrange(xs + (slot[v] / Kt) * H, xr.data() + v * H, H);
+      xp[v] = xr.data() + v * H;
+      ap[v] = act.data() + v * I;
+      gp[v] = gu.data() + v * I2;
+      yp[v] = y + slot[v] * H;
+    }
+  });
+  // Phase 1: gate_up [V, 2I] = W13_e x for every active expert's rows (work items: expert x 16-row chunk).
+  const uint8_t* b13 = w13b.data_ptr<uint8_t>();
+  const uint8_t* s13 = w13s.data_ptr<uint8_t>();
+  const int64_t c1n = (I2 + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, A * c1n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = active[i / c1n], c = i % c1n, v0 = start[e];
+      gemm_rows(isa, b13 + e * I2 * (H / 2), s13 + e * I2 * (H / 32), H, xp.data() + v0, start[e + 1] - v0,
+                gp.data() + v0, c * kRowChunk, std::min(I2, (c + 1) * kRowChunk));
+    }
+  });
+  // SwiGLU, one element at a time (scalar exp: the same bits whatever the batch), then rearranged for phase 2.
+  at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {
+    std::vector<float> tmp(I);
+    for (int64_t v = v0; v < v1; ++v) {
+      const float* g = gu.data() + v * I2;
+      for (int64_t j = 0; j < I; ++j) {
+        const float gj = g[j];
+        const float s = gj / (1.0f + std::exp(-gj));
+        tmp[j] = s * g[I + j];
+      }
+      rearrange(tmp.data(), act.data() + v * I, I);
+    }
+  });
+  // Phase 2: out[slot] = W2_e act.
+  const uint8_t* b2 = w2b.data_ptr<uint8_t>();
+  const uint8_t* s2 = w2s.data_ptr<uint8_t>();
+  const int64_t c2n = (H + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, A * c2n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = active[i / c2n], c = i % c2n, v0 = start[e];
+      gemm_rows(isa, b2 + e * H * (I / 2), s2 + e * H * (I / 32), I, ap.data() + v0, start[e + 1] - v0,
+                yp.data() + v0, c * kRowChunk, std::min(H, (c + 1) * kRowChunk));
+    }
+  });
+}
+
+int64_t best_isa() { return resolve_isa(kAuto); }
+
+}  // namespace
+
+TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
+  m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor scales, Tensor(a!) out, int isa) -> ()", &mxfp4_linear);
+  m.def("moe_expert_outputs(Tensor x, Tensor topk_ids, Tensor w13_blocks, Tensor w13_scales, Tensor w2_blocks, "
+        "Tensor w2_scales, Tensor(a!) out, int isa) -> ()", &moe_expert_outputs);
+  m.def("best_isa() -> int", &best_isa);
+}

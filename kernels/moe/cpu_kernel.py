@@ -1,0 +1,142 @@
+"""The fused CPU MXFP4 kernels (`kernels/moe/cpu/mxfp4_moe.cpp`): the grouped MoE expert GEMM and the dense MXFP4
+GEMV/GEMM it is built from, decoding E2M1 nibbles in registers and scaling each 32-block inside the dot product.
+
+The C++ source is built on first use with `torch.utils.cpp_extension.load` (one translation unit, -O3) into the
+torch extensions directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), once per process; later
+processes load the cached library. Without a compiler (or ninja), or when the build fails, `load()` returns None
+after logging one warning and callers keep the PyTorch path. `EXPERTMESH_CPU_KERNEL=0` turns it off.
+
+Numerics (see the C++ header comment): fp32, each output element reduced in one fixed order (16 lanes over
+element pairs, per-block scale, fixed lane tree) that depends only on its own row and token, so results are
+batch-invariant by construction and the AVX-512, AVX2 and portable paths give the same bits. The order differs
+from the reference's (dequantise, then a BLAS GEMM), so the two agree to fp32 rounding (a relative error of a
+few 1e-7 per dot product), not bitwise. One more difference: a block whose dequantised value overflows fp32
+(scale 0xFD/0xFE with a large code) is inf in the reference; here the scale multiplies the block's partial sum,
+so the result stays finite when the true value is.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
+EXTENSION = "expertmesh_mxfp4_cpu"
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+# -fopenmp: at::parallel_for is inline OpenMP in torch's CPU builds (without it the pragma is ignored and the kernel
+# runs on one thread); the library links libgomp.so.1, the runtime torch itself has loaded.
+CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_tried = False
+_ops = None
+build_seconds: float | None = None   # wall time of this process's load (build, or cached load)
+build_error: str | None = None
+
+
+def enabled() -> bool:
+    """False when `EXPERTMESH_CPU_KERNEL` is 0/off/false/torch."""
+    return os.environ.get("EXPERTMESH_CPU_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
+
+
+def load():
+    """The extension's op namespace (`torch.ops.expertmesh_mxfp4_cpu`), or None when it cannot be built.
+
+    Builds (or loads the cached build) once per process; a failure is logged once and remembered."""
+    global _tried, _ops, build_seconds, build_error
+    if _tried:
+        return _ops
+    with _lock:
+        if _tried:
+            return _ops
+        t0 = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load as cpp_load
+            cpp_load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                     is_python_module=False,
+                     verbose=False)
+            _ops = getattr(torch.ops, EXTENSION)
+            _ops.best_isa()                                   # resolves the ops: fails here, not later
+        except Exception as exc:   # no compiler / ninja, a build error, an unloadable library
+            _ops = None
+            build_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            log.warning("expertmesh: the fused CPU MXFP4 kernel could not be built (%s); using the PyTorch path",
+                        build_error)
+        build_seconds = time.perf_counter() - t0
+        _tried = True
+        return _ops
+
+
+def available() -> bool:
+    """The kernel is enabled and built (building it now if it was not tried yet)."""
+    return enabled() and load() is not None
+
+
+def best_isa() -> str:
+    """The instruction set `isa="auto"` uses on this CPU: avx512, avx2 or portable."""
+    ops = _require()
+    return {v: k for k, v in ISAS.items()}[int(ops.best_isa())]
+
+
+def _require():
+    ops = load()
+    if ops is None:
+        raise RuntimeError(f"the fused CPU MXFP4 kernel is not available ({build_error})")
+    return ops
+
+
+def _isa(isa: str) -> int:
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {', '.join(ISAS)}, found {isa!r}")
+    return ISAS[isa]
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
+    """x [..., K] floating @ W^T with W [N, K] in MXFP4 (blocks uint8 [N, K/2], scales uint8 [N, K/32]) → [..., N]
+    in x.dtype, computed in fp32 with the fixed per-element order (row-batch-invariant). CPU tensors only."""
+    from expertmesh.kernels.mxfp4.naive import check_mxfp4
+    K = check_mxfp4(blocks, scales)
+    if blocks.dim() != 2:
+        raise ValueError(f"blocks: expected rank 2 [N,K/2], found rank {blocks.dim()}")
+    if x.shape[-1] != K:
+        raise ValueError(f"x: expected last dim {K} (as the weight), found {list(x.shape)}")
+    ops = _require()
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, K).float().contiguous()
+    y = torch.empty(xf.shape[0], blocks.shape[0], dtype=torch.float32)
+    ops.mxfp4_linear(xf, blocks.contiguous(), scales.contiguous(), y, _isa(isa))
+    return y.reshape(*lead, blocks.shape[0]).to(x.dtype)
+
+
+def moe_expert_outputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
+    """The fused grouped expert GEMM (CPU). Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
+    from expertmesh.kernels.moe.naive import check_moe_inputs
+    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    ops = _require()
+    code = _isa(isa)
+    target = out if out is not None and out.dtype == torch.float32 else \
+        torch.empty(s.T, s.K, s.H, dtype=torch.float32)
+    ops.moe_expert_outputs(x.float().contiguous(), topk_ids.contiguous(), w13_blocks.contiguous(),
+                           w13_scales.contiguous(), w2_blocks.contiguous(), w2_scales.contiguous(), target, code)
+    if out is None:
+        return target.to(x.dtype)
+    if target is not out:
+        out.copy_(target)
+    return out

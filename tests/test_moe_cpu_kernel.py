@@ -1,0 +1,214 @@
+"""The fused CPU MXFP4 kernels (kernels/moe/cpu/mxfp4_moe.cpp) against the references: exact decode of every code
+and scale byte, fp32-rounding agreement with the naive MoE and dense paths, the same bits on every ISA path,
+batch and thread-count invariance, the dispatcher's choice and the fallback when the build fails.
+
+Tolerances: the kernel reduces each dot product in its own fixed order (16 lanes over element pairs, per-block
+scale), not the BLAS order of the reference, so results agree to fp32 rounding, not bitwise: per element
+|ours − exact| ≤ 1e-5 · Σ_k |w_k x_k| (dense), and relative Frobenius error < 1e-5 (MoE, fp32; 1e-2 bf16 output).
+Decoding is checked bitwise (one-hot activations make each output one dequantised weight).
+Skipped (not failed) only where the extension cannot be built on this machine."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from expertmesh.kernels.backend import use_backend
+from expertmesh.kernels.moe import (
+    cpu_kernel,
+    moe_expert_outputs,
+    moe_expert_outputs_cpu,
+    moe_expert_outputs_grouped,
+    moe_expert_outputs_reference,
+)
+from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not cpu_kernel.enabled():
+        pytest.skip("EXPERTMESH_CPU_KERNEL turns the fused CPU kernel off")
+    if cpu_kernel.load() is None:
+        pytest.skip(f"the fused CPU kernel cannot be built here: {cpu_kernel.build_error}")
+
+
+def _isas() -> list[str]:
+    """portable always; avx2 / avx512 where this CPU has them (the best one is what auto picks)."""
+    best = cpu_kernel.best_isa()
+    return ["portable"] + (["avx2"] if best in ("avx2", "avx512") else []) + (["avx512"] if best == "avx512" else [])
+
+
+def _weights(E: int, H: int, I: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5)
+    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    return (*w13, *w2)
+
+
+def _random_mxfp4(N: int, K: int, gen: torch.Generator, lo: int = 112, hi: int = 136):
+    """Random bytes (every code, −0 included) and scales in [lo, hi)."""
+    blocks = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(lo, hi, (N, K // 32), dtype=torch.uint8, generator=gen)
+    return blocks, scales
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def test_decode_is_exact_for_every_code_and_scale_byte():
+    """One-hot activations: output n is weight (n, k) itself, bitwise (−0 comes out +0), for all 256 scale bytes:
+    subnormal 2^-127, 2^127 (6 · 2^127 overflows to inf, as in the reference) and 0xFF (NaN: as in any matrix
+    product, a NaN weight makes its whole output NaN, whatever x is there)."""
+    K = 64
+    codes = torch.arange(256, dtype=torch.uint8)
+    blocks = codes.repeat_interleave(K // 2).reshape(256, K // 2)            # row n: byte n repeated
+    blocks = blocks.roll(1, 1) ^ torch.arange(K // 2, dtype=torch.uint8)     # every code in every position
+    scales = torch.stack([codes, codes + 128], dim=1).contiguous()           # [256, 2]: all bytes, both blocks
+    want = dequantize_mxfp4(blocks, scales, torch.float32) + 0.0            # [256, K]; + 0.0: −0 → +0
+    want[(scales == 0xFF).any(1)] = float("nan")
+    eye = torch.eye(K)
+    for isa in _isas():
+        got = cpu_kernel.mxfp4_linear(eye, blocks, scales, isa=isa).T        # [256, K]
+        assert torch.equal(got.isnan(), want.isnan()), isa
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), isa
+    assert want.isinf().any() and want.isnan().any() and (want.abs() == 2.0 ** -128).any()
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 1, 32), (1, 37, 96), (3, 64, 64), (5, 33, 160), (9, 7, 1024)])
+def test_dense_matches_exact_within_fp32_rounding(M, N, K):
+    gen = torch.Generator().manual_seed(M * 1000 + N + K)
+    blocks, scales = _random_mxfp4(N, K, gen)
+    x = torch.randn(M, K, generator=gen)
+    w = dequantize_mxfp4(blocks, scales, torch.float64)
+    exact = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T)
+    outs = [cpu_kernel.mxfp4_linear(x, blocks, scales, isa=isa) for isa in _isas()]
+    for got in outs:
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        assert ((got.double() - exact).abs() <= bound).all()
+        assert torch.equal(got, outs[0])                                      # same bits on every ISA path
+    # rows alone = rows in the batch; bf16 input is the same computation on the widened values
+    for m in range(M):
+        assert torch.equal(cpu_kernel.mxfp4_linear(x[m:m + 1], blocks, scales), outs[0][m:m + 1])
+    xb = x.bfloat16()
+    assert torch.equal(cpu_kernel.mxfp4_linear(xb, blocks, scales),
+                       cpu_kernel.mxfp4_linear(xb.float(), blocks, scales).bfloat16())
+
+
+def test_nan_scale_block_poisons_only_its_rows():
+    gen = torch.Generator().manual_seed(3)
+    blocks, scales = _random_mxfp4(9, 128, gen)
+    scales[4, 2] = 0xFF
+    x = torch.randn(2, 128, generator=gen)
+    got = cpu_kernel.mxfp4_linear(x, blocks, scales)
+    assert got[:, 4].isnan().all()
+    assert not got[:, [0, 1, 2, 3, 5, 6, 7, 8]].isnan().any()
+
+
+MOE_CASES = {   # name: (T, K, E, H, I, p_skip)
+    "single_token": (1, 4, 8, 128, 64, 0.0),
+    "odd": (7, 3, 5, 96, 32, 0.2),
+    "skips": (13, 4, 8, 64, 96, 0.4),
+    "many_tokens": (70, 2, 3, 64, 32, 0.1),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_matches_reference(case, dtype):
+    T, K, E, H, I, p_skip = MOE_CASES[case]
+    gen = torch.Generator().manual_seed(200 + list(MOE_CASES).index(case))
+    w = _weights(E, H, I, seed=len(case))
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = torch.randint(0, E, (T, K), generator=gen)
+    ids[torch.rand(T, K, generator=gen) < p_skip] = -1
+    ref = moe_expert_outputs_reference(x, ids, *w)
+    outs = []
+    for isa in _isas():
+        out = torch.full((T, K, H), float("nan"), dtype=dtype)               # poisoned: every element written
+        got = moe_expert_outputs_cpu(x, ids, *w, out=out, isa=isa)
+        assert got is out and got.dtype == dtype
+        assert not got.isnan().any()
+        assert (got[ids == -1] == 0).all() and (got[ids >= 0].abs().sum(-1) > 0).all()
+        assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), isa
+        outs.append(got)
+    for got in outs[1:]:
+        assert torch.equal(got, outs[0])                                      # same bits on every ISA path
+
+
+def test_moe_batch_and_thread_invariance_bitwise():
+    """A token's rows are bitwise the same alone, in batches of 1..64 other tokens, and with 1, 2 or 3 threads."""
+    E, K, H, I = 8, 4, 256, 128
+    w = _weights(E, H, I, seed=5)
+    gen = torch.Generator().manual_seed(13)
+    probes = torch.randn(3, H, generator=gen)
+    probe_ids = torch.randint(-1, E, (3, K), generator=gen)
+    alone = [moe_expert_outputs_cpu(probes[i:i + 1], probe_ids[i:i + 1], *w)[0] for i in range(3)]
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, n_other in ((threads, 1), (threads, 3), (1, 17), (3, 64), (threads, 64)):
+            torch.set_num_threads(n_threads)
+            others = torch.randn(n_other, H, generator=gen)
+            other_ids = torch.randint(-1, E, (n_other, K), generator=gen)
+            for i in range(3):
+                pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
+                x = torch.cat([others[:pos], probes[i:i + 1], others[pos:]])
+                ids = torch.cat([other_ids[:pos], probe_ids[i:i + 1], other_ids[pos:]])
+                assert torch.equal(moe_expert_outputs_cpu(x, ids, *w)[pos], alone[i]), (n_threads, n_other, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dispatcher_uses_the_kernel_on_cpu_and_the_switches_turn_it_off(monkeypatch):
+    T, K, E, H, I = 6, 2, 4, 64, 32
+    w = _weights(E, H, I, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.randint(-1, E, (T, K), generator=gen)
+    fused = moe_expert_outputs_cpu(x, ids, *w)
+    grouped = moe_expert_outputs_grouped(x, ids, *w)
+    assert not torch.equal(fused, grouped)       # different reduction orders: a check that can tell them apart
+    assert torch.equal(moe_expert_outputs(x, ids, *w), fused)
+    with use_backend("torch"):
+        assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+    monkeypatch.setenv("EXPERTMESH_CPU_KERNEL", "0")
+    assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    T, K, E, H, I = 4, 2, 3, 64, 32
+    w = _weights(E, H, I, seed=10)
+    x = torch.randn(T, H)
+    ids = torch.tensor([[0, 1], [2, -1], [1, 0], [-1, -1]])
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernel, "EXTENSION", "expertmesh_mxfp4_cpu_broken_test")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_ops", None)
+    monkeypatch.setattr(cpu_kernel, "build_error", None)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert torch.equal(moe_expert_outputs(x, ids, *w), moe_expert_outputs_grouped(x, ids, *w))
+        assert torch.equal(moe_expert_outputs(x, ids, *w), moe_expert_outputs_grouped(x, ids, *w))
+    warnings = [r for r in caplog.records if r.name == cpu_kernel.__name__]
+    assert len(warnings) == 1 and "PyTorch path" in warnings[0].getMessage()
+    assert cpu_kernel.build_error and not cpu_kernel.available()
+    with pytest.raises(RuntimeError, match="not available"):
+        moe_expert_outputs_cpu(x, ids, *w)
+
+
+def test_bad_inputs_raise_value_error_naming_the_tensor():
+    w = _weights(2, 64, 32, seed=11)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match=r"topk_ids: expected values in \[-1, 2\)"):
+        moe_expert_outputs_cpu(x, torch.full((3, 1), 2), *w)
+    with pytest.raises(ValueError, match=r"x: hidden size H=48"):
+        moe_expert_outputs_cpu(torch.randn(3, 48), torch.zeros(3, 1, dtype=torch.int64), *w)
+    with pytest.raises(ValueError, match=r"x: expected last dim 64"):
+        cpu_kernel.mxfp4_linear(torch.randn(2, 32), w[0][0], w[1][0])
+    with pytest.raises(ValueError, match=r"isa: expected one of"):
+        cpu_kernel.mxfp4_linear(x, w[0][0], w[1][0], isa="neon")
