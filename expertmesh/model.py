@@ -4,7 +4,8 @@ Plain PyTorch, fp32 by default. Every op a token goes through either works row b
 `kernels.batch_invariant.linear` (projections, gate, shared experts, LM head) or per sequence (attention, conv,
 recurrent state), so a sequence gets the same numbers alone or in any batch — the distributed engine reuses
 these modules piece by piece (attention workers: `Layer.attention_block` / `Layer.route`; expert workers:
-`RoutedExperts`; router: `combine_moe`) and must produce the same greedy tokens.
+`RoutedExperts` and the partial sums of kernels/moe/combine.py; attention workers again: the group fold and
+`combine_moe`) and must produce the same greedy tokens.
 
 Shapes: N tokens of a step (all sequences' new tokens concatenated), H hidden, E routed experts, K top-k.
 """
@@ -22,6 +23,7 @@ from expertmesh.kernels import dsa as dsa_ops
 from expertmesh.kernels import kda as kda_ops
 from expertmesh.kernels import moe as moe_ops
 from expertmesh.kernels.batch_invariant import linear, pointwise
+from expertmesh.kernels.moe.combine import grouped_combine
 
 # A KDA prefill of at least this many tokens runs the chunked form, shorter ones the recurrent form.
 # The rule depends only on the token count, so every deployment makes the same choice.
@@ -403,11 +405,18 @@ class RoutedExperts(nn.Module):
                                           self.down_blocks, self.down_scales)
 
 
-def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
-    """The one canonical MoE combine: x + (shared + Σ_k w_k·routed_k, summed in top-k rank order).
-    x, shared_out [N, H]; routed [N, K, H]; weights [N, K]."""
-    return x + (shared_out.float() + moe_ops.moe_combine(routed.float(), weights.float())).to(x.dtype)
+def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed_sum: torch.Tensor) -> torch.Tensor:
+    """x + (shared + routed): x, shared_out [N, H]; routed_sum fp32 [N, H] from kernels/moe/combine.py's
+    canonical grouped order (here, and on an attention worker from its expert exchange)."""
+    return x + (shared_out.float() + routed_sum).to(x.dtype)
+
+
+def routed_sum(cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """routed [N, K, H] expert outputs of ids [N, K] with gate weights [N, K] → fp32 [N, H], the canonical grouped
+    combine (per expert group in ascending expert id, then the groups ascending, each rounded through `dtype`)."""
+    return grouped_combine(routed, ids, weights, n_experts=cfg.moe.n_routed_experts, n_groups=cfg.moe.n_group,
+                           dtype=dtype)
 
 
 class MoE(nn.Module):
@@ -460,7 +469,7 @@ class Layer(nn.Module):
         if not self.is_moe:
             return self.dense_block(x)
         h, ids, weights, shared = self.route(x)
-        return combine_moe(x, shared, self.moe.experts(h, ids), weights)
+        return combine_moe(x, shared, routed_sum(self.moe.cfg, self.moe.experts(h, ids), ids, weights, x.dtype))
 
 
 class Transformer(nn.Module):

@@ -143,16 +143,19 @@ class LocalCluster:
         plan = make_placement(cfg, self.n_expert, self.redundant)
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
-        worker_tls, router_tls = [], []
+        worker_tls, router_tls, exchange_tls = [], [], []
         if self.tls_dir is not None:
             d = self.tls_dir
             worker_tls = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"),
                           "--tls-client-ca", str(d / "ca.crt")]
+            # attention workers call the expert workers directly (the expert exchange): as clients, like the router
+            exchange_tls = ["--expert-tls-ca", str(d / "ca.crt"), "--expert-tls-cert", str(d / "client.crt"),
+                            "--expert-tls-key", str(d / "client.key")]
             router_tls = ["--worker-tls-ca", str(d / "ca.crt"), "--worker-tls-cert", str(d / "client.crt"),
                           "--worker-tls-key", str(d / "client.key"),
                           "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         common_w = common + worker_tls + self.device_args
-        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w,
+        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w, *exchange_tls,
                                                     "--port", str(free_port(self.host)), "--name", f"attention-{i}",
                                                     "--kv-blocks", str(self.kv_blocks),
                                                     "--block-size", str(self.block_size)])

@@ -8,12 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConnectExpertsRequest(_message.Message):
+    __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s")
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    replicas: _tensor_pb2.Tensor
+    call_timeout_s: float
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., moe_layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., call_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ConnectExpertsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExpertLoadResponse(_message.Message):
+    __slots__ = ("moe_layers", "tokens")
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _tensor_pb2.Tensor
+    def __init__(self, moe_layers: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AttentionInfo(_message.Message):
-    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes")
+    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +45,7 @@ class AttentionInfo(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_DOWN_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     block_size: int
@@ -28,7 +53,8 @@ class AttentionInfo(_message.Message):
     free_blocks: int
     sequences: int
     prefixes: int
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ...) -> None: ...
+    experts_down: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
     __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key")
@@ -92,7 +118,7 @@ class SnapshotKey(_message.Message):
     key: str
     def __init__(self, seq_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
-class BeginStepRequest(_message.Message):
+class RunStepRequest(_message.Message):
     __slots__ = ("step_id", "segments", "snapshot_keys")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -101,28 +127,6 @@ class BeginStepRequest(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[StepSegment]
     snapshot_keys: _containers.RepeatedCompositeFieldContainer[SnapshotKey]
     def __init__(self, step_id: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StepSegment, _Mapping]]] = ..., snapshot_keys: _Optional[_Iterable[_Union[SnapshotKey, _Mapping]]] = ...) -> None: ...
-
-class ContinueStepRequest(_message.Message):
-    __slots__ = ("step_id", "delta")
-    STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    DELTA_FIELD_NUMBER: _ClassVar[int]
-    step_id: int
-    delta: _tensor_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., delta: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
-
-class RouteRequest(_message.Message):
-    __slots__ = ("step_id", "layer", "hidden", "topk_ids", "topk_weights")
-    STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
-    TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
-    step_id: int
-    layer: int
-    hidden: _tensor_pb2.Tensor
-    topk_ids: _tensor_pb2.Tensor
-    topk_weights: _tensor_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token")
@@ -148,35 +152,31 @@ class TokenLogprobs(_message.Message):
     top_logprobs: _tensor_pb2.Tensor
     def __init__(self, seq_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
+class SequenceFailure(_message.Message):
+    __slots__ = ("seq_id", "reason")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    reason: str
+    def __init__(self, seq_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class StepDone(_message.Message):
-    __slots__ = ("step_id", "tokens", "free_blocks", "logprobs")
+    __slots__ = ("step_id", "tokens", "free_blocks", "logprobs", "failed", "experts_down", "exchange_bytes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_DOWN_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     free_blocks: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
-
-class StepResponse(_message.Message):
-    __slots__ = ("route", "done")
-    ROUTE_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    route: RouteRequest
-    done: StepDone
-    def __init__(self, route: _Optional[_Union[RouteRequest, _Mapping]] = ..., done: _Optional[_Union[StepDone, _Mapping]] = ...) -> None: ...
-
-class AbortStepRequest(_message.Message):
-    __slots__ = ("step_id",)
-    STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    step_id: int
-    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
-
-class AbortStepResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    failed: _containers.RepeatedCompositeFieldContainer[SequenceFailure]
+    experts_down: _containers.RepeatedScalarFieldContainer[int]
+    exchange_bytes: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SequenceFailure, _Mapping]]] = ..., experts_down: _Optional[_Iterable[int]] = ..., exchange_bytes: _Optional[int] = ...) -> None: ...
 
 class ExpertKey(_message.Message):
     __slots__ = ("layer", "expert")
@@ -197,14 +197,18 @@ class ExpertInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
 
 class RunExpertsRequest(_message.Message):
-    __slots__ = ("layer", "hidden", "expert_ids")
+    __slots__ = ("layer", "hidden", "expert_ids", "weights", "output_dtype")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden: _tensor_pb2.Tensor
     expert_ids: _tensor_pb2.Tensor
-    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    weights: _tensor_pb2.Tensor
+    output_dtype: str
+    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_dtype: _Optional[str] = ...) -> None: ...
 
 class RunExpertsResponse(_message.Message):
     __slots__ = ("output",)

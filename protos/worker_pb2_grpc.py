@@ -60,20 +60,20 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
                 _registered_method=True)
-        self.BeginStep = channel.unary_unary(
-                '/expertmesh.v1.AttentionWorker/BeginStep',
-                request_serializer=expertmesh_dot_protos_dot_worker__pb2.BeginStepRequest.SerializeToString,
-                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.StepResponse.FromString,
+        self.ConnectExperts = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/ConnectExperts',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsResponse.FromString,
                 _registered_method=True)
-        self.ContinueStep = channel.unary_unary(
-                '/expertmesh.v1.AttentionWorker/ContinueStep',
-                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ContinueStepRequest.SerializeToString,
-                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.StepResponse.FromString,
+        self.RunStep = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/RunStep',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.RunStepRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.StepDone.FromString,
                 _registered_method=True)
-        self.AbortStep = channel.unary_unary(
-                '/expertmesh.v1.AttentionWorker/AbortStep',
-                request_serializer=expertmesh_dot_protos_dot_worker__pb2.AbortStepRequest.SerializeToString,
-                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.AbortStepResponse.FromString,
+        self.ExpertLoad = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/ExpertLoad',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.FromString,
                 _registered_method=True)
 
 
@@ -112,22 +112,25 @@ class AttentionWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def BeginStep(self, request, context):
-        """Embed the batch and run up to the first MoE gate (→ route) or, with no MoE layer left, sample (→ done).
+    def ConnectExperts(self, request, context):
+        """The expert workers to dispatch to and who holds what; sent by the router at start and when the worker is
+        taken back. Errors: INVALID_ARGUMENT (a table that does not fit the model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ContinueStep(self, request, context):
-        """Add the combined MoE output of the pending layer and run on to the next gate or the end.
+    def RunStep(self, request, context):
+        """One scheduler step: every layer (with the expert exchange), sampling. Errors: INVALID_ARGUMENT, NOT_FOUND
+        (unknown sequence), FAILED_PRECONDITION (no experts connected yet).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AbortStep(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def ExpertLoad(self, request, context):
+        """Tokens routed per (MoE layer, expert) by this worker since it started (for rebalancing).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -160,20 +163,20 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
             ),
-            'BeginStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.BeginStep,
-                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.BeginStepRequest.FromString,
-                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.StepResponse.SerializeToString,
+            'ConnectExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectExperts,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsResponse.SerializeToString,
             ),
-            'ContinueStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ContinueStep,
-                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ContinueStepRequest.FromString,
-                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.StepResponse.SerializeToString,
+            'RunStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunStep,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.RunStepRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.StepDone.SerializeToString,
             ),
-            'AbortStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortStep,
-                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.AbortStepRequest.FromString,
-                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.AbortStepResponse.SerializeToString,
+            'ExpertLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpertLoad,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -323,7 +326,7 @@ class AttentionWorker:
             _registered_method=True)
 
     @staticmethod
-    def BeginStep(request,
+    def ConnectExperts(request,
             target,
             options=(),
             channel_credentials=None,
@@ -336,9 +339,9 @@ class AttentionWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/expertmesh.v1.AttentionWorker/BeginStep',
-            expertmesh_dot_protos_dot_worker__pb2.BeginStepRequest.SerializeToString,
-            expertmesh_dot_protos_dot_worker__pb2.StepResponse.FromString,
+            '/expertmesh.v1.AttentionWorker/ConnectExperts',
+            expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -350,7 +353,7 @@ class AttentionWorker:
             _registered_method=True)
 
     @staticmethod
-    def ContinueStep(request,
+    def RunStep(request,
             target,
             options=(),
             channel_credentials=None,
@@ -363,9 +366,9 @@ class AttentionWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/expertmesh.v1.AttentionWorker/ContinueStep',
-            expertmesh_dot_protos_dot_worker__pb2.ContinueStepRequest.SerializeToString,
-            expertmesh_dot_protos_dot_worker__pb2.StepResponse.FromString,
+            '/expertmesh.v1.AttentionWorker/RunStep',
+            expertmesh_dot_protos_dot_worker__pb2.RunStepRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.StepDone.FromString,
             options,
             channel_credentials,
             insecure,
@@ -377,7 +380,7 @@ class AttentionWorker:
             _registered_method=True)
 
     @staticmethod
-    def AbortStep(request,
+    def ExpertLoad(request,
             target,
             options=(),
             channel_credentials=None,
@@ -390,9 +393,9 @@ class AttentionWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/expertmesh.v1.AttentionWorker/AbortStep',
-            expertmesh_dot_protos_dot_worker__pb2.AbortStepRequest.SerializeToString,
-            expertmesh_dot_protos_dot_worker__pb2.AbortStepResponse.FromString,
+            '/expertmesh.v1.AttentionWorker/ExpertLoad',
+            expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,14 +1,15 @@
-"""The router's engine: continuous batching over attention and expert workers.
+"""The router's engine: continuous batching over attention workers, which exchange tokens with the expert
+workers themselves.
 
 Each scheduler step:
   1. admit waiting requests at the step boundary (KV must fit: prompt + max_tokens reserved up front; a cached
      prefix pins the request to the worker holding it);
-  2. build each attention worker's batch: every decoding sequence feeds its last token, prefilling sequences
-     feed their next chunk (chunks end at multiples of `prefill_chunk`, so a long prompt never stalls decoding
-     for more than a chunk and cached prefixes line up with fresh runs);
-  3. run the layers in lock step across attention workers: at each MoE layer gather their route requests,
-     dispatch once per expert worker, combine, send each attention worker its delta;
-  4. hand sampled tokens to the requests, finish the ones that stop, save prefixes at chunk multiples.
+  2. plan each attention worker's batch (router/scheduler.py: pure decisions — decode tokens, prefill chunks
+     ending at multiples of `prefill_chunk`, prefixes to save);
+  3. one `run_step` call per attention worker, concurrently: the worker runs every layer, dispatching its
+     tokens to the expert workers directly at each MoE layer (worker/exchange.py), and returns sampled tokens;
+  4. hand sampled tokens to the requests, finish the ones that stop, record saved prefixes.
+The router's traffic is token ids and plan entries — independent of hidden size and layer count.
 Workers are reached through clients with the same methods whether in process or over gRPC.
 """
 from __future__ import annotations
@@ -28,13 +29,13 @@ import torch
 
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
-from expertmesh.kernels.moe import moe_combine
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
-from expertmesh.router.dispatch import Dispatcher, ExpertsUnavailable
-from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV
+from expertmesh.router.kv import KVManager, WorkerKV
+from expertmesh.router.scheduler import plan_snapshots, plan_step
 from expertmesh.router.tracing import StepTrace
-from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment, TokenLogprobs, WorkerError
+from expertmesh.worker.attention import NotConnected, StepDone, StepSegment, TokenLogprobs, WorkerError
+from expertmesh.worker.exchange import ReplicaTable
 
 log = logging.getLogger("expertmesh.router")
 
@@ -61,6 +62,10 @@ class ContextLengthExceeded(RequestError):
     def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int, param: str):
         super().__init__(message)
         self.prompt_tokens, self.max_tokens, self.context, self.param = prompt_tokens, max_tokens, context, param
+
+
+class ExpertsUnavailable(RuntimeError):
+    """Some chosen expert has no live replica (→ UNAVAILABLE / HTTP 503, naming the experts)."""
 
 
 class QueueFull(RuntimeError):
@@ -160,15 +165,14 @@ class Request:
 @dataclass
 class EngineStats:
     steps: int = 0
-    attention_calls: int = 0
-    expert_calls: int = 0
+    attention_calls: int = 0             # router → attention worker step calls
     prompt_tokens: int = 0
     prefilled_tokens: int = 0            # prompt tokens actually computed (cache hits excluded)
     cached_tokens: int = 0
     generated_tokens: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
-    max_calls_in_a_step: int = 0
+    exchange_bytes: int = 0              # attention ↔ expert tensor bytes, as the attention workers report
     recovered: int = 0                   # requests rebuilt on another attention worker
 
 
@@ -194,7 +198,9 @@ class Engine:
         self.call_timeout = call_timeout
         self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * (len(attention) + len(experts))),
                                        thread_name_prefix="router-call")
-        self.dispatcher = Dispatcher(experts, placement, cfg.moe.n_routed_experts, cfg.moe_layers, pool=self.pool)
+        self.expert_clients = [e._client for e in experts]    # what attention workers dispatch to
+        self.replicas = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
+        self.experts_down_by: dict[int, set[int]] = {}       # attention worker → expert workers it sees down
         infos = [self._first_info(a, startup_timeout) for a in attention]
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
                              for i, info in enumerate(infos)], chunk=prefill_chunk)
@@ -206,6 +212,8 @@ class Engine:
         self.cv = threading.Condition()
         self.closed = False
         self.health_interval = health_interval
+        for i in range(len(attention)):
+            self._connect(i)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
         threading.Thread(target=self._watch_health, name="health", daemon=True).start()
@@ -287,8 +295,25 @@ class Engine:
             self._fail(req, EngineClosed("the router is shutting down"))
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def load_stats(self) -> dict:
-        return self.dispatcher.load_stats()
+    def load_stats(self) -> dict[int, list[int]]:
+        """Tokens routed per (MoE layer, expert), summed over the live attention workers (each counts its own)."""
+        total: dict[int, list[int]] = {l: [0] * self.cfg.moe.n_routed_experts for l in self.cfg.moe_layers}
+        for i, a in enumerate(self.attention):
+            if i in self.attention_down:
+                continue
+            try:
+                load = a.expert_load()
+            except Exception as e:
+                log.debug("expert_load from attention worker %d failed: %s", i, e)
+                continue
+            for l, row in load.items():
+                total[l] = [x + y for x, y in zip(total[l], row)]
+        return total
+
+    @property
+    def experts_down(self) -> list[int]:
+        """Expert workers some live attention worker saw down after its last step."""
+        return sorted(set().union(*[d for w, d in self.experts_down_by.items() if w not in self.attention_down]))
 
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -392,134 +417,120 @@ class Engine:
             self._attention_down(worker, e)
 
     def _watch_health(self) -> None:
-        """Probe workers marked down once a second; take them back when they answer SERVING again."""
+        """Probe attention workers marked down once a second; take them back (connected to the expert workers)
+        when they answer SERVING again. Expert workers are probed by the attention workers that use them."""
         while not self.closed:
             time.sleep(self.health_interval)
-            for i, client in enumerate(self.experts):
-                if i in self.dispatcher.down and _serving(client):
-                    log.info("expert worker %d is back", i)
-                    self.dispatcher.mark_up(i)
+            if self.experts_down:      # the attention workers take expert workers back themselves: re-read
+                for i in range(len(self.attention)):
+                    if i not in self.attention_down:
+                        try:
+                            self.experts_down_by[i] = set(self.attention[i].info()["experts_down"])
+                        except Exception:
+                            pass
             for i in list(self.attention_down):
                 if _serving(self.attention[i]):
                     try:
                         self.kv.workers[i].free_blocks = self.attention[i].info()["free_blocks"]
+                        self._connect(i)      # a restarted worker has no expert table
                     except Exception:
                         continue
                     log.info("attention worker %d is back", i)
                     self.attention_down.discard(i)
+
+    def _connect(self, worker: int) -> None:
+        self.attention[worker].connect_experts(self.expert_clients, self.replicas,
+                                               probe_interval=self.health_interval)
 
     def _drop_prefix(self, worker: int, key: str) -> None:
         self.kv.forget(key)
         self.kv.workers[worker].free_blocks = self.attention[worker].drop_prefix(key)
 
     # ------------------------------------------------------------------ one step
-    def _plan_batches(self) -> dict[int, list[tuple[Request, list[int], bool]]]:
-        batches: dict[int, list] = {}
-        budget = self.max_batch_tokens
-        decoding = [r for r in self.running if r.computed >= len(r.prompt)]
-        prefilling = [r for r in self.running if r.computed < len(r.prompt)]
-        for req in decoding:                       # decode first: one token each (the next one not fed yet)
-            batches.setdefault(req.worker, []).append((req, [req.tokens[req.computed]], True))
-            budget -= 1
-        for req in prefilling:
-            if budget <= 0:
-                break
-            end = min(len(req.prompt), (req.computed // self.prefill_chunk + 1) * self.prefill_chunk)
-            if end - req.computed > budget:
-                break
-            sample = end == len(req.prompt) and req.params.max_tokens > 0
-            batches.setdefault(req.worker, []).append((req, req.prompt[req.computed:end], sample))
-            budget -= end - req.computed
-        return batches
-
     def _step(self) -> None:
-        batches = self._plan_batches()
+        batches = plan_step(self.running, max_batch_tokens=self.max_batch_tokens, prefill_chunk=self.prefill_chunk)
         if not batches:
             return
         step_id = next(self.step_ids)
-        calls_before = self.stats.attention_calls + self.stats.expert_calls
-        snapshots: dict[int, dict[str, str]] = {}
-        snapshot_len: dict[str, int] = {}
-        for w, items in batches.items():
-            for req, toks, _ in items:
-                new_len = req.computed + len(toks)
-                if new_len % self.prefill_chunk == 0 and new_len < self.cfg.max_context:
-                    if req.hasher is None or req.hasher.length > new_len:   # new, or replaying after a failover
-                        req.hasher = PrefixHasher(self.prefill_chunk)
-                    key = req.hasher.advance(req.tokens, new_len)
-                    if not self.kv.has(key):
-                        snapshots.setdefault(w, {})[req.seq_id] = key
-                        snapshot_len[key] = new_len
+        snapshots, snapshot_len = plan_snapshots(batches, prefill_chunk=self.prefill_chunk,
+                                                 max_context=self.cfg.max_context, cached=self.kv.has)
         workers = sorted(batches)
-        self._row_failures: dict[tuple[int, int], str] = {}
-        tracing = StepTrace(step_id, batches, self.attention + self.experts)
+        tracing = StepTrace(step_id, {w: [(p.req, p.tokens, p.sample) for p in items]
+                                      for w, items in batches.items()}, self.attention)
         try:
-            results = self._run_layers(step_id, batches, workers, snapshots, tracing)
+            with tracing.layer("step", 0):
+                futures = {w: self.pool.submit(self.attention[w].run_step, step_id,
+                                               [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
+                                               snapshots.get(w))
+                           for w in workers}
+                results = self._gather(futures)
         except Exception as e:
             tracing.end(e)
             for w in workers:
-                try:
-                    self.attention[w].abort_step(step_id)
-                except Exception:
-                    pass
-            for w in workers:
-                for req, _, _ in batches[w]:
-                    self._fail(req, e)
+                for p in batches[w]:
+                    self._fail(p.req, e)
             return
         tracing.end()
         self.stats.steps += 1
-        self.stats.max_calls_in_a_step = max(self.stats.max_calls_in_a_step,
-                                             self.stats.attention_calls + self.stats.expert_calls - calls_before)
+        self.stats.attention_calls += len(workers)
         for w in workers:
             if w not in results:
-                for req, _, _ in batches[w]:
-                    self._recover(req)
+                for p in batches[w]:
+                    self._recover(p.req)
                 continue
             done: StepDone = results[w]
-            self.kv.workers[w].free_blocks = done.free_blocks
-            for key in (snapshots.get(w) or {}).values():
-                for stale in self.kv.record_prefix(w, key, snapshot_len[key]):
-                    self.kv.workers[w].free_blocks = self.attention[w].drop_prefix(stale)
-            logprobs: dict[str, list[TokenLogprobs]] = {}
-            for run in done.logprobs:
-                logprobs.setdefault(run.seq_id, []).append(run)
-            row = 0
-            for req, toks, sample in batches[w]:
-                rows = range(row, row + len(toks))
-                row += len(toks)
-                reason = next((self._row_failures[(w, r)] for r in rows if (w, r) in self._row_failures), None)
-                if reason is not None:
-                    self._fail(req, ExpertsUnavailable(reason))
-                    continue
-                sampled = None
-                for run in logprobs.get(req.seq_id, ()):
-                    for i, entry in enumerate(TokenLogprob.entries(run)):
-                        if run.position + i < len(req.prompt):
-                            req.prompt_logprobs.setdefault(run.position + i, entry)  # a replay scores it again
-                        else:
-                            sampled = entry
-                req.computed += len(toks)
-                if req.computed <= len(req.prompt):
-                    self.stats.prefilled_tokens += len(toks)
-                if req.computed == len(req.prompt) and req.params.max_tokens == 0:
-                    self._finish(req, "length")                     # scored the prompt, nothing to generate
-                    continue
-                if sample and req.computed < len(req.tokens):
-                    # replaying after a failover: this token was generated before; same schedule, same bits
-                    if req.params.temperature == 0 and done.tokens[req.seq_id] != req.tokens[req.computed]:
-                        log.warning("request %s: replay diverged at %d", req.request_id, req.computed)
-                    continue
-                if sample:
-                    self._accept(req, done.tokens[req.seq_id], sampled)
+            self._apply(w, done, batches[w], snapshots.get(w) or {}, snapshot_len)
+
+    def _apply(self, w: int, done: StepDone, batch: list, snapshots: dict[str, str],
+               snapshot_len: dict[str, int]) -> None:
+        """One attention worker's step result → the requests (tokens, log-probs, failures) and the KV index."""
+        self.kv.workers[w].free_blocks = done.free_blocks
+        self.experts_down_by[w] = set(done.experts_down)
+        self.stats.exchange_bytes += done.exchange_bytes
+        for seq_id, key in snapshots.items():
+            if seq_id in done.failed:
+                continue
+            for stale in self.kv.record_prefix(w, key, snapshot_len[key]):
+                self.kv.workers[w].free_blocks = self.attention[w].drop_prefix(stale)
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        for run in done.logprobs:
+            logprobs.setdefault(run.seq_id, []).append(run)
+        for p in batch:
+            req, toks, sample = p.req, p.tokens, p.sample
+            reason = done.failed.get(req.seq_id)
+            if reason is not None:
+                self._fail(req, ExpertsUnavailable(reason))
+                continue
+            sampled = None
+            for run in logprobs.get(req.seq_id, ()):
+                for i, entry in enumerate(TokenLogprob.entries(run)):
+                    if run.position + i < len(req.prompt):
+                        req.prompt_logprobs.setdefault(run.position + i, entry)  # a replay scores it again
+                    else:
+                        sampled = entry
+            req.computed += len(toks)
+            if req.computed <= len(req.prompt):
+                self.stats.prefilled_tokens += len(toks)
+            if req.computed == len(req.prompt) and req.params.max_tokens == 0:
+                self._finish(req, "length")                     # scored the prompt, nothing to generate
+                continue
+            if sample and req.computed < len(req.tokens):
+                # replaying after a failover: this token was generated before; same schedule, same bits
+                if req.params.temperature == 0 and done.tokens[req.seq_id] != req.tokens[req.computed]:
+                    log.warning("request %s: replay diverged at %d", req.request_id, req.computed)
+                continue
+            if sample:
+                self._accept(req, done.tokens[req.seq_id], sampled)
 
     def _gather(self, futures: dict) -> dict:
-        """Results of one call per attention worker; a worker that is unreachable (or past its deadline) is
-        marked down and left out — the step goes on for the others, its sequences are rebuilt elsewhere."""
+        """Results of one call per attention worker; a worker that is unreachable, past its deadline, or has
+        lost its expert table (restarted) is marked down and left out — the step goes on for the others, its
+        sequences are rebuilt elsewhere."""
         results = {}
         for w, f in futures.items():
             try:
                 results[w] = f.result(timeout=self.call_timeout)
-            except ConnectionError as e:
+            except (ConnectionError, NotConnected) as e:
                 self._attention_down(w, e)
         if not results:
             raise ConnectionError("every attention worker in this step failed")
@@ -543,48 +554,6 @@ class Engine:
         with self.cv:
             self.waiting.insert(0, req)
         self.stats.recovered += 1
-
-    def _run_layers(self, step_id, batches, workers, snapshots, tracing) -> dict:
-        """Run one step's layers in lock step across the attention workers; returns their StepDone results."""
-        with tracing.layer("attention", 0):
-            futures = {w: self.pool.submit(self.attention[w].begin_step, step_id,
-                                           [StepSegment(r.seq_id, toks, sample) for r, toks, sample in batches[w]],
-                                           snapshots.get(w))
-                       for w in workers}
-            results = self._gather(futures)
-        self.stats.attention_calls += len(workers)
-        while not all(isinstance(r, StepDone) for r in results.values()):
-            routes: list[tuple[int, RouteRequest]] = [(w, r) for w, r in results.items()]
-            layers = {r.layer for _, r in routes}
-            if len(layers) != 1 or any(isinstance(r, StepDone) for _, r in routes):
-                raise RuntimeError(f"attention workers out of lock step (layers {sorted(layers)})")
-            layer = layers.pop()
-            hidden = torch.cat([r.hidden for _, r in routes])
-            ids = torch.cat([r.topk_ids for _, r in routes])
-            weights = torch.cat([r.topk_weights for _, r in routes])
-            expert_calls_before = sum(self.dispatcher.calls.values())
-            with tracing.layer("expert_dispatch", layer):
-                routed, failed_rows = self.dispatcher.run(layer, hidden, ids)
-            if failed_rows:          # these rows' requests end with the reason; the others go on unaffected
-                start = 0
-                for w, r in routes:
-                    n = r.hidden.shape[0]
-                    for row in range(start, start + n):
-                        if row in failed_rows:
-                            self._row_failures.setdefault((w, row - start), failed_rows[row])
-                    start += n
-            self.stats.expert_calls += sum(self.dispatcher.calls.values()) - expert_calls_before
-            delta = moe_combine(routed, weights.float())       # the one canonical combine order
-            with tracing.layer("attention", layer + 1):
-                futures, start = {}, 0
-                for w, r in routes:
-                    n = r.hidden.shape[0]
-                    futures[w] = self.pool.submit(self.attention[w].continue_step, step_id,
-                                                  delta[start:start + n])
-                    start += n
-                results = self._gather(futures)
-            self.stats.attention_calls += len(futures)
-        return results
 
     def _accept(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         if req.token_filter is not None:

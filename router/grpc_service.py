@@ -20,7 +20,7 @@ from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
 from expertmesh.tensors import sampling_from_proto
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
-from expertmesh.router.dispatch import ExpertsUnavailable
+from expertmesh.router.engine import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
 
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import MAX_LOGPROBS
-from expertmesh.router.dispatch import ExpertsUnavailable
+from expertmesh.router.engine import ExpertsUnavailable
 from expertmesh.router.engine import (ContextLengthExceeded, Engine, EngineClosed, QueueFull, Request, RequestError,
                                       TokenLogprob)
 from expertmesh.tokenizer import AnyTokenizer
@@ -328,7 +328,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
 
     @app.get("/health")
     async def health():
-        down_experts = sorted(engine.dispatcher.down)
+        down_experts = engine.experts_down
         down_attention = sorted(engine.attention_down)
         status = "ok" if not down_experts and not down_attention else "degraded"
         return {"status": status, "model": name, "running": engine.num_running(), "waiting": engine.num_waiting(),

@@ -6,7 +6,7 @@ import time
 
 from expertmesh import telemetry
 
-_TRACED_METHODS = {"begin_step", "continue_step", "run", "open_sequence", "close_sequence"}
+_TRACED_METHODS = {"run_step", "open_sequence", "close_sequence"}
 
 
 class InstrumentedClient:

@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.tensors import from_proto, sampling_to_proto, to_proto
-from expertmesh.worker.attention import (NotFound, RouteRequest, StepDone, StepSegment, TokenLogprobs,
-                                        WorkerError)
+from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
 from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
 from expertmesh.worker.kv import OutOfBlocks
 
@@ -56,11 +55,12 @@ class _Client:
             self.channel = grpc.insecure_channel(address, options=options)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout: float | None = None):
         from expertmesh import telemetry
         metadata = telemetry.inject_metadata() or None       # W3C traceparent of the current span, if any
         try:
-            response = method(request, timeout=self.timeout, wait_for_ready=self.wait_for_ready, metadata=metadata)
+            response = method(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready,
+                              metadata=metadata)
         except grpc.RpcError as e:
             raise self._error(e) from None
         # serialized message bytes each way (what the data path costs on the wire, before HTTP/2 framing)
@@ -104,20 +104,24 @@ class _Client:
 
 class RemoteAttention(_Client):
     """An attention worker over gRPC: AttentionWorker's methods (info, open/close_sequence, save/drop_prefix,
-    begin/continue/abort_step)."""
+    connect_experts, run_step, expert_load)."""
 
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: WorkerError, grpc.StatusCode.NOT_FOUND: NotFound,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks}
+               grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks, grpc.StatusCode.FAILED_PRECONDITION: NotConnected}
 
     def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False,
-                 tls=None):
+                 tls=None, step_timeout: float | None = None):
+        """`step_timeout`: the deadline of RunStep (default `timeout`), which includes the step's expert calls —
+        each with deadline `timeout`, and a hung expert worker costs one before it is failed over."""
         super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready, tls=tls)
+        self.step_timeout = step_timeout or timeout
         self.stub = worker_pb2_grpc.AttentionWorkerStub(self.channel)
 
     def info(self) -> dict:
         i = self._call(self.stub.Info, worker_pb2.InfoRequest())
         return {"name": i.name, "model": i.model, "block_size": i.block_size, "total_blocks": i.total_blocks,
-                "free_blocks": i.free_blocks, "sequences": i.sequences, "prefixes": i.prefixes}
+                "free_blocks": i.free_blocks, "sequences": i.sequences, "prefixes": i.prefixes,
+                "experts_down": list(i.experts_down)}
 
     def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None) -> int:
         req = worker_pb2.OpenSequenceRequest(seq_id=seq_id, params=sampling_to_proto(params),
@@ -135,35 +139,35 @@ class RemoteAttention(_Client):
     def drop_prefix(self, key: str) -> int:
         return self._call(self.stub.DropPrefix, worker_pb2.DropPrefixRequest(key=key)).free_blocks
 
-    def begin_step(self, step_id: int, segments: list[StepSegment],
-                   snapshot_keys: dict[str, str] | None = None) -> RouteRequest | StepDone:
-        req = worker_pb2.BeginStepRequest(
+    def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0) -> None:
+        """Tell the worker to dispatch to these expert workers (RemoteExpert clients: their addresses and
+        deadline go over) by `table` (worker/exchange.ReplicaTable)."""
+        addresses = [getattr(c, "address", None) for c in clients]
+        if None in addresses:
+            raise ValueError("experts: a remote attention worker needs expert workers with addresses")
+        timeout = min(getattr(c, "timeout", self.timeout) for c in clients) if clients else self.timeout
+        self._call(self.stub.ConnectExperts, worker_pb2.ConnectExpertsRequest(
+            addresses=addresses, moe_layers=list(table.moe_layers),
+            replicas=to_proto(torch.from_numpy(table.table), "replicas"), call_timeout_s=timeout))
+
+    def run_step(self, step_id: int, segments: list[StepSegment],
+                 snapshot_keys: dict[str, str] | None = None) -> StepDone:
+        req = worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample)
                       for s in segments],
             snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k) for s, k in (snapshot_keys or {}).items()])
-        return self._step(self._call(self.stub.BeginStep, req))
+        d = self._call(self.stub.RunStep, req, self.step_timeout)
+        logprobs = [TokenLogprobs(lp.seq_id, lp.position, from_proto(lp.token_ids, "token_ids"),
+                                  from_proto(lp.logprobs, "logprobs"), from_proto(lp.top_ids, "top_ids"),
+                                  from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
+        return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs,
+                        {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes)
 
-    def continue_step(self, step_id: int, delta: torch.Tensor) -> RouteRequest | StepDone:
-        req = worker_pb2.ContinueStepRequest(step_id=step_id, delta=to_proto(delta, "delta"))
-        return self._step(self._call(self.stub.ContinueStep, req))
-
-    def abort_step(self, step_id: int) -> None:
-        self._call(self.stub.AbortStep, worker_pb2.AbortStepRequest(step_id=step_id))
-
-    def _step(self, resp: worker_pb2.StepResponse) -> RouteRequest | StepDone:
-        kind = resp.WhichOneof("result")
-        if kind == "route":
-            r = resp.route
-            return RouteRequest(r.step_id, r.layer, from_proto(r.hidden, "hidden"),
-                                from_proto(r.topk_ids, "topk_ids"), from_proto(r.topk_weights, "topk_weights"))
-        if kind == "done":
-            d = resp.done
-            logprobs = [TokenLogprobs(lp.seq_id, lp.position, from_proto(lp.token_ids, "token_ids"),
-                                      from_proto(lp.logprobs, "logprobs"), from_proto(lp.top_ids, "top_ids"),
-                                      from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
-            return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs)
-        raise RemoteError(f"{self.name} ({self.address}): StepResponse with neither route nor done")
+    def expert_load(self) -> dict[int, list[int]]:
+        r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())
+        tokens = from_proto(r.tokens, "tokens").tolist()
+        return {int(l): row for l, row in zip(r.moe_layers, tokens)}
 
 
 class RemoteExpert(_Client):
@@ -180,8 +184,11 @@ class RemoteExpert(_Client):
         i = self._call(self.stub.Info, worker_pb2.InfoRequest())
         return {"name": i.name, "model": i.model, "experts": [(k.layer, k.expert) for k in i.experts]}
 
-    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H]; expert_ids [n, K] (−1 = elsewhere) → outputs [P, H], one row per id ≥ 0."""
+    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ExpertWorker.run over gRPC: → [R, H] per-(row, group) partial sums."""
         req = worker_pb2.RunExpertsRequest(layer=layer, hidden=to_proto(hidden, "hidden"),
-                                           expert_ids=to_proto(expert_ids, "expert_ids"))
+                                           expert_ids=to_proto(expert_ids, "expert_ids"),
+                                           weights=to_proto(weights.float(), "weights"),
+                                           output_dtype=str(out_dtype).removeprefix("torch."))
         return from_proto(self._call(self.stub.RunExperts, req).output, "output")

@@ -22,9 +22,11 @@ def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, 
                         **kw):
     from expertmesh.router.engine import Engine
     from expertmesh.router.remote import RemoteAttention, RemoteExpert
-    att = [RemoteAttention(a, timeout=timeout, tls=tls) for a in attention]
+    # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
+    step_timeout = timeout * (len(experts) + 1)
+    att = [RemoteAttention(a, timeout=timeout, tls=tls, step_timeout=step_timeout) for a in attention]
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
-    return Engine(cfg, att, exp, plan, call_timeout=timeout, **kw)
+    return Engine(cfg, att, exp, plan, call_timeout=step_timeout, **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

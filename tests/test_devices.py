@@ -4,15 +4,15 @@ import subprocess
 import sys
 
 import pytest
+import numpy as np
 import torch
 
 from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.kernels.moe import moe_combine
 from expertmesh.model import SamplingParams
 from expertmesh.worker import server
-from expertmesh.worker.attention import AttentionWorker, RouteRequest, StepSegment
+from expertmesh.worker.attention import AttentionWorker, StepSegment
 from expertmesh.worker.expert import ExpertWorker
 
 GIB = 2 ** 30
@@ -101,17 +101,19 @@ def test_expert_worker_splits_gpus_same_bits(ckpt):
     split = ExpertWorker(ckpt, pairs, device="cpu", gpu_of={p: p[1] % 2 for p in pairs})
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(5, ckpt.cfg.hidden_size, generator=g)
-    ids = torch.randint(0, 16, (5, 4), generator=g)
-    assert torch.equal(one.run(1, hidden, ids), split.run(1, hidden, ids))
+    ids = torch.stack([torch.randperm(16, generator=g)[:4].sort().values for _ in range(5)])
+    w = torch.rand(5, 4, generator=g)
+    assert torch.equal(one.run(1, hidden, ids, w), split.run(1, hidden, ids, w))
 
 
 def _prompt_logprobs(worker, experts, tokens):
+    from expertmesh.worker.exchange import ReplicaTable
+    cfg = worker.cfg
+    table = ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1),
+                                                         dtype=np.int64))
+    worker.connect_experts([experts], table)
     worker.open_sequence("s", SamplingParams(max_tokens=1, prompt_logprobs=0), reserve_tokens=len(tokens) + 1)
-    r = worker.begin_step(1, [StepSegment("s", tokens, True)])
-    while isinstance(r, RouteRequest):
-        n, k = r.topk_ids.shape
-        routed = experts.run(r.layer, r.hidden, r.topk_ids).view(n, k, -1)
-        r = worker.continue_step(1, moe_combine(routed.float(), r.topk_weights.float()))
+    r = worker.run_step(1, [StepSegment("s", tokens, True)])
     return torch.cat([lp.logprobs for lp in r.logprobs])
 
 

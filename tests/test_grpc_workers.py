@@ -45,6 +45,7 @@ def servers(ckpt):
     local = {"attention": AttentionWorker(ckpt, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="w"),
              "expert": ExpertWorker(ckpt, all_experts(ckpt.cfg), name="w"),
              "shard": ExpertWorker(ckpt, SUBSET, name="shard")}
+    local["attention"].connect_experts([local["expert"]], all_on_one(ckpt.cfg))
     yield {"both": both, "shard": shard, "local": local}
     shutdown(both, 1.0)
     shutdown(shard, 1.0)
@@ -57,9 +58,27 @@ def clients(servers):
     c = {"attention": RemoteAttention(addr, timeout=30.0, name="w"),
          "expert": RemoteExpert(addr, timeout=30.0, name="w"),
          "shard": RemoteExpert(f"127.0.0.1:{servers['shard'].port}", timeout=30.0)}
+    # the remote attention worker calls the experts of its own process over gRPC, as it would another pod's
+    c["attention"].connect_experts([c["expert"]], all_on_one(servers["local"]["attention"].cfg))
     yield c
     for client in c.values():
         client.close()
+
+
+def all_on_one(cfg):
+    """A replica table with every expert on expert worker 0."""
+    import numpy as np
+    from expertmesh.worker.exchange import ReplicaTable
+    return ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1), dtype=np.int64))
+
+
+def expert_call(cfg, n, k, seed, held=None):
+    """Random hidden [n, H], ascending expert ids [n, k] with −1 holes (from `held` when given), weights."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(sorted(held) if held is not None else range(cfg.moe.n_routed_experts))
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]].sort().values for _ in range(n)])
+    ids = torch.where(torch.rand(n, k, generator=g) < 0.3, torch.full_like(ids, -1), ids)
+    return torch.randn(n, cfg.hidden_size, generator=g), ids, torch.rand(n, k, generator=g)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -69,14 +88,13 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def same_result(local, remote) -> None:
-    from expertmesh.worker.attention import RouteRequest
+    """StepDone: step_id, tokens (seq → id), free_blocks, failures, log-probs (the exchange bytes differ by design:
+    the remote side counts the same tensors)."""
     assert type(local) is type(remote)
-    if isinstance(local, RouteRequest):
-        assert (local.step_id, local.layer) == (remote.step_id, remote.layer)
-        for f in ("hidden", "topk_ids", "topk_weights"):
-            same(getattr(local, f), getattr(remote, f))
-    else:                               # StepDone: step_id, tokens (seq → id), free_blocks, logprobs
+    if True:
         assert (local.step_id, local.tokens, local.free_blocks) == (remote.step_id, remote.tokens, remote.free_blocks)
+        assert (local.failed, local.experts_down) == (remote.failed, remote.experts_down) == ({}, [])
+        assert local.exchange_bytes == remote.exchange_bytes > 0
         assert list(local.tokens) == list(remote.tokens)
         assert [(a.seq_id, a.position) for a in local.logprobs] == [(b.seq_id, b.position) for b in remote.logprobs]
         for a, b in zip(local.logprobs, remote.logprobs):
@@ -136,7 +154,7 @@ def test_sampling_params_round_trip():
 # ---------------------------------------------------------------------------------------------- remote == local
 def test_remote_matches_local(servers, clients, ckpt):
     """Every remote method returns exactly what the local object returns for the same calls."""
-    from expertmesh.worker.attention import RouteRequest, StepDone, StepSegment
+    from expertmesh.worker.attention import StepSegment
     cfg = ckpt.cfg
     local, remote = servers["local"]["attention"], clients["attention"]
     lexp, rexp = servers["local"]["expert"], clients["expert"]
@@ -153,23 +171,15 @@ def test_remote_matches_local(servers, clients, ckpt):
     assert local.info() == remote.info()
 
     def run_step(step_id, segments, snapshots=None):
-        results = [w.begin_step(step_id, segments, snapshots) for w in both]
-        moe_calls = 0
-        while True:
-            same_result(*results)
-            if isinstance(results[0], StepDone):
-                return results[0], moe_calls
-            r: RouteRequest = results[0]
-            n, k = r.topk_ids.shape
-            out = lexp.run(r.layer, r.hidden, r.topk_ids)
-            same(out, rexp.run(r.layer, r.hidden, r.topk_ids))
-            keep = torch.rand(n, k, generator=g) < 0.5          # a partial call: −1 = computed elsewhere
-            part = torch.where(keep, r.topk_ids, torch.full_like(r.topk_ids, -1))
-            same(lexp.run(r.layer, r.hidden, part), rexp.run(r.layer, r.hidden, part))
-            delta = (out.view(n, k, -1) * r.topk_weights[..., None].float()).sum(1)
-            results = [w.continue_step(step_id, delta) for w in both]
-            moe_calls += 1
+        calls = lexp.calls
+        results = [w.run_step(step_id, segments, snapshots) for w in both]
+        same_result(*results)
+        return results[0], lexp.calls - calls
 
+    h, ids, weights = expert_call(cfg, 7, 4, seed=9)                # the expert call itself: bitwise equal
+    for layer in cfg.moe_layers:
+        same(lexp.run(layer, h, ids, weights), rexp.run(layer, h, ids, weights))
+        same(lexp.run(layer, h, ids, weights, torch.bfloat16), rexp.run(layer, h, ids, weights, torch.bfloat16))
     done, moe_calls = run_step(1, [StepSegment("a", prompt_a, True), StepSegment("b", prompt_b, True)],
                                {"a": "prefix-a"})
     assert moe_calls == len(cfg.moe_layers) and set(done.tokens) == {"a", "b"}
@@ -185,11 +195,7 @@ def test_remote_matches_local(servers, clients, ckpt):
     for w in both:                                                 # start from a cached prefix
         assert w.open_sequence("c", greedy, reserve_tokens=24, prefix_key="prefix-a") == len(prompt_a)
     run_step(5, [StepSegment("c", prompt_b[:3], True)])
-    # an aborted step leaves no trace on either side
-    for w in both:
-        assert isinstance(w.begin_step(6, [StepSegment("a", [1], True)]), RouteRequest)
-        assert w.abort_step(6) is None
-    assert local.info() == remote.info()
+    assert local.expert_load() == remote.expert_load() and sum(local.expert_load()[cfg.moe_layers[0]]) > 0
     for key in ("prefix-a", "prefix-b", "never-saved"):
         assert local.drop_prefix(key) == remote.drop_prefix(key)
     for s in ("a", "b", "c"):
@@ -203,11 +209,13 @@ def test_expert_info_and_shard(servers, clients, ckpt):
     assert clients["expert"].info()["experts"] == servers["local"]["expert"].assignment
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(5, ckpt.cfg.hidden_size, generator=g)
-    ids = torch.tensor([[0, -1], [1, 5], [-1, -1], [5, 0], [-1, 1]])
-    out = shard_remote.run(1, hidden, ids)
-    assert out.shape == (6, ckpt.cfg.hidden_size)
-    same(shard_local.run(1, hidden, ids), out)
-    same(shard_local.run(2, hidden[:2], torch.tensor([[3], [3]])), shard_remote.run(2, hidden[:2], torch.tensor([[3], [3]])))
+    ids = torch.tensor([[0, -1], [1, 5], [-1, -1], [0, 5], [-1, 1]])       # tiny: groups of 4 experts
+    w = torch.rand(5, 2, generator=g)
+    out = shard_remote.run(1, hidden, ids, w)
+    assert out.shape == (6, ckpt.cfg.hidden_size)       # one row per (row, group): {0}, {0, 1}, {}, {0, 1}, {0}
+    same(shard_local.run(1, hidden, ids, w), out)
+    one = torch.tensor([[3], [3]])
+    same(shard_local.run(2, hidden[:2], one, w[:2, :1]), shard_remote.run(2, hidden[:2], one, w[:2, :1]))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -218,7 +226,8 @@ def _code(call, *args):
 
 
 def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
-    from expertmesh.worker.attention import NotFound, RouteRequest, StepSegment, WorkerError
+    from expertmesh.worker.attention import AttentionWorker, NotConnected, NotFound, StepSegment, WorkerError
+    from expertmesh.worker.server import serve, shutdown
     from expertmesh.worker.kv import OutOfBlocks
     local, remote = servers["local"]["attention"], clients["attention"]
     stub = worker_pb2_grpc.AttentionWorkerStub(remote.channel)
@@ -240,27 +249,33 @@ def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
     assert _code(stub.OpenSequence, req)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert _code(stub.OpenSequence, worker_pb2.OpenSequenceRequest(seq_id="x", reserve_tokens=8)) == \
         (grpc.StatusCode.INVALID_ARGUMENT, "params: required")
-    both_raise(NotFound, lambda w: w.begin_step(50, [StepSegment("missing", [1], True)]))
-    both_raise(NotFound, lambda w: w.continue_step(51, torch.zeros(1, ckpt.cfg.hidden_size)))
-
-    # a wrong delta shape is INVALID_ARGUMENT and leaves the step waiting for a good one
+    both_raise(NotFound, lambda w: w.run_step(50, [StepSegment("missing", [1], True)]))
     for w in (local, remote):
         w.open_sequence("e", params, reserve_tokens=8)
-        route = w.begin_step(52, [StepSegment("e", [5, 6, 7], True)])
-        assert isinstance(route, RouteRequest)
-    h = ckpt.cfg.hidden_size
-    both_raise(WorkerError, lambda w: w.continue_step(52, torch.zeros(2, h)))
-    code, details = _code(stub.ContinueStep, worker_pb2.ContinueStepRequest(step_id=52, delta=to_proto(torch.zeros(3, h + 1))))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("delta: expected shape [3, 64]")
-    bad = tensor_pb2.Tensor(dtype="float32", shape=[3, h], data=b"\0" * 12)     # data shorter than the shape
-    code, details = _code(stub.ContinueStep, worker_pb2.ContinueStepRequest(step_id=52, delta=bad))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("delta.data: expected 768 bytes")
-    delta = torch.randn(3, h, generator=torch.Generator().manual_seed(3))
-    same_result(local.continue_step(52, delta), remote.continue_step(52, delta))   # still serving the step
+    both_raise(WorkerError, lambda w: w.run_step(51, [StepSegment("e", [5, 6, 7] * 3, True)]))    # past its reserve
+    both_raise(WorkerError, lambda w: w.run_step(52, [StepSegment("e", [1], True), StepSegment("e", [2], True)]))
     for w in (local, remote):
-        w.abort_step(52)
         w.close_sequence("e")
     assert local.info() == remote.info()
+    # a table that does not fit the model is INVALID_ARGUMENT naming it; a step before any table, FAILED_PRECONDITION
+    import numpy as np
+    from expertmesh.worker.exchange import ReplicaTable
+    bad = ReplicaTable((1,), np.zeros((1, ckpt.cfg.moe.n_routed_experts, 1), dtype=np.int64))
+    both_raise(WorkerError, lambda w: w.connect_experts([clients["expert"]], bad))
+    fresh_local = AttentionWorker(ckpt, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="fresh")
+    fresh = serve("attention", ckpt, 0, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="fresh")
+    try:
+        from expertmesh.router.remote import RemoteAttention
+        with RemoteAttention(f"127.0.0.1:{fresh.port}", timeout=10.0) as fresh_remote:
+            for w in (fresh_local, fresh_remote):
+                w.open_sequence("s", params, reserve_tokens=8)
+            with pytest.raises(NotConnected) as lerr:
+                fresh_local.run_step(1, [StepSegment("s", [1], True)])
+            with pytest.raises(NotConnected) as rerr:
+                fresh_remote.run_step(1, [StepSegment("s", [1], True)])
+            assert str(lerr.value) == str(rerr.value) == "fresh: no expert workers connected yet"
+    finally:
+        shutdown(fresh, 1.0)
 
 
 def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
@@ -269,23 +284,35 @@ def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
     stub = worker_pb2_grpc.ExpertWorkerStub(remote.channel)
     h = ckpt.cfg.hidden_size
     hidden = torch.randn(2, h, generator=torch.Generator().manual_seed(4))
-    cases = [(UnknownExpert, (1, hidden, torch.tensor([[0, 7], [1, -1]]))),     # expert 7 of layer 1: elsewhere
-             (UnknownExpert, (3, hidden, torch.tensor([[0], [1]]))),            # no experts of layer 3 here
-             (ExpertRequestError, (1, hidden[:, :8], torch.tensor([[0], [1]]))),
-             (ExpertRequestError, (1, hidden, torch.tensor([[0, 99], [1, 0]])))]
+    w1, w2 = torch.ones(2, 1), torch.ones(2, 2)
+    cases = [(UnknownExpert, (1, hidden, torch.tensor([[0, 7], [1, -1]]), w2)),     # expert 7 of layer 1: elsewhere
+             (UnknownExpert, (3, hidden, torch.tensor([[0], [1]]), w1)),            # no experts of layer 3 here
+             (ExpertRequestError, (1, hidden[:, :8], torch.tensor([[0], [1]]), w1)),
+             (ExpertRequestError, (1, hidden, torch.tensor([[0, 99], [1, 0]]), w2)),
+             (ExpertRequestError, (1, hidden, torch.tensor([[5, 0], [0, 1]]), w2)),    # not ascending
+             (ExpertRequestError, (1, hidden, torch.tensor([[0, 5], [0, 1]]), w1))]    # weights of another shape
     for exc, args in cases:
         with pytest.raises(exc) as lerr:
             local.run(*args)
         with pytest.raises(exc) as rerr:
             remote.run(*args)
         assert str(lerr.value) == str(rerr.value)
-    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.tensor([[7], [0]])))
+    wp = to_proto(w1)
+    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.tensor([[7], [0]])),
+                                       weights=wp)
     assert _code(stub.RunExperts, req)[0] == grpc.StatusCode.NOT_FOUND
-    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.zeros(2, 1)))
+    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.zeros(2, 1)),
+                                       weights=wp)
     assert _code(stub.RunExperts, req) == (grpc.StatusCode.INVALID_ARGUMENT,
                                            "expert_ids.dtype: expected int64 (or int32), found float32")
+    req = worker_pb2.RunExpertsRequest(layer=1, hidden=to_proto(hidden), expert_ids=to_proto(torch.tensor([[5], [0]])))
+    assert _code(stub.RunExperts, req) == (grpc.StatusCode.INVALID_ARGUMENT, "weights: required")
+    req.weights.CopyFrom(wp)
+    req.output_dtype = "float16"
+    assert _code(stub.RunExperts, req) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                           "output_dtype: expected one of ['bfloat16', 'float32'], found 'float16'")
     assert _code(stub.RunExperts, worker_pb2.RunExpertsRequest(layer=1))[0] == grpc.StatusCode.INVALID_ARGUMENT
-    same(local.run(1, hidden, torch.tensor([[5], [0]])), remote.run(1, hidden, torch.tensor([[5], [0]])))
+    same(local.run(1, hidden, torch.tensor([[5], [0]]), w1), remote.run(1, hidden, torch.tensor([[5], [0]]), w1))
 
 
 def test_unreachable_and_deadline_raise_worker_unavailable(servers):
@@ -333,7 +360,7 @@ def test_reflection_lists_services(servers, clients):
                                       "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
     assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "SavePrefix", "DropPrefix",
-                                                 "BeginStep", "ContinueStep", "AbortStep"]
+                                                 "ConnectExperts", "RunStep", "ExpertLoad"]
     assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == {
         "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
 

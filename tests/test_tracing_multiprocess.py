@@ -92,10 +92,17 @@ def test_one_trace_across_router_and_workers(tmp_path, monkeypatch):
     server_spans = [s for s in trace if s["service"] == "expertmesh-worker"]
     assert {s["resource"]["expertmesh.worker"] for s in server_spans} == {"attention-0", "expert-0", "expert-1"}
     assert {s["resource"]["expertmesh.role"] for s in server_spans} == {"attention", "expert"}
-    for s in server_spans:                       # worker server span ← router client span ← per-layer span
-        client_span = by_id[s["parent"]]
-        assert client_span["service"] == "expertmesh-router" and client_span["name"].split(".")[0] in ("attention", "expert")
-        assert by_id[client_span["parent"]]["name"] in ("attention", "expert_dispatch")
+    for s in server_spans:
+        parent = by_id[s["parent"]]
+        if s["name"] == "worker.RunStep":        # attention worker's step ← router client span ← the step span
+            assert parent["service"] == "expertmesh-router" and parent["name"] == "attention.run_step"
+            assert by_id[parent["parent"]]["name"] == "step"
+        elif s["name"] == "expert_exchange":     # one per MoE layer, inside the attention worker's step
+            assert parent["name"] == "worker.RunStep" and s["resource"]["expertmesh.worker"] == "attention-0"
+        else:                                    # expert call ← the attention worker's exchange of that layer
+            assert s["name"] == "worker.RunExperts" and s["resource"]["expertmesh.role"] == "expert"
+            assert parent["name"] == "expert_exchange" and parent["resource"]["expertmesh.worker"] == "attention-0"
+            assert by_id[parent["parent"]]["name"] == "worker.RunStep"
     names = {s["name"] for s in trace}
-    assert {"queue", "prefill_chunk", "decode_step", "attention", "expert_dispatch", "expert.run",
-            "worker.RunExperts", "worker.BeginStep"} <= names
+    assert {"queue", "prefill_chunk", "decode_step", "step", "attention.run_step", "worker.RunStep",
+            "expert_exchange", "worker.RunExperts"} <= names

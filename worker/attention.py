@@ -1,12 +1,13 @@
-"""The attention role: embeddings, attention, gating, shared experts, dense layers, LM head and sampling.
+"""The attention role: embeddings, attention, gating, shared experts, dense layers, LM head and sampling — and
+the expert exchange: a scheduler step for a batch of sequences is one call, `run_step(segments)`.
 
-A scheduler step for a batch of sequences runs here as a sequence of calls, one per MoE layer:
-  begin_step(tokens)     embed, run layers up to the first MoE layer's gate  → RouteRequest
-  continue_step(delta)   add the combined MoE output (x + (shared + delta)), run on to the next gate
-                         → RouteRequest, or after the last layer: logits, sampling → StepDone
-The router sends the RouteRequest's hidden states to the expert workers and combines their outputs into
-`delta` (model.combine_moe's order). Attention, conv and recurrent state are per sequence; everything else
-works row by row, so a sequence's numbers do not depend on the batch it is in.
+For each layer: attention over the sequences' own KV pages / recurrent state; at an MoE layer, the gate picks
+the experts and `worker/exchange.ExpertExchange` sends the (token, expert) pairs straight to the expert workers
+that hold them (one call per expert worker, concurrently) and folds their pre-reduced answers into the routed
+sum in the canonical order (kernels/moe/combine.py); x + (shared + routed) as `model.combine_moe`. After the
+last layer: logits, sampling, log-probs → StepDone. The router only plans steps and reads sampled tokens; it is
+never in the per-layer path. Attention, conv and recurrent state are per sequence; everything else works row
+by row, so a sequence's numbers do not depend on the batch it is in.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
-from expertmesh.model import SamplingParams, Segment, SequenceCache
+from expertmesh.model import SamplingParams, Segment, SequenceCache, combine_moe
 from expertmesh.sampling import Sampler
 from expertmesh.worker.kv import BlockPool, OutOfBlocks, PagedDSACache, PagedSequenceKV
 
@@ -31,15 +32,6 @@ class NotFound(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-@dataclass
-class RouteRequest:
-    step_id: int
-    layer: int
-    hidden: torch.Tensor        # [N, H] the experts' input (ffn_norm(x))
-    topk_ids: torch.Tensor      # [N, K] global expert ids, best first
-    topk_weights: torch.Tensor  # [N, K]
 
 
 @dataclass
@@ -70,6 +62,13 @@ class StepDone:
     tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
     free_blocks: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)   # seq_id → why (an expert without a live replica)
+    experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
+    exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
+
+
+class NotConnected(RuntimeError):
+    """A step before `connect_experts` (→ FAILED_PRECONDITION): the router connects workers at start."""
 
 
 @dataclass
@@ -97,18 +96,6 @@ class _Prefix:
     kv: PagedSequenceKV
     kda_states: dict[int, tuple[torch.Tensor, torch.Tensor]]
     length: int
-
-
-@dataclass
-class _Step:
-    segments: list[Segment]
-    seq_ids: list[str]
-    sample: list[bool]
-    tokens: list[int]                   # every segment's fed tokens, concatenated
-    x: torch.Tensor
-    layer: int                          # next layer to run
-    pending: tuple | None = None        # (x, shared_out) of the MoE layer awaiting its delta
-    snapshot_at_end: list = field(default_factory=list)
 
 
 class AttentionWorker:
@@ -150,9 +137,9 @@ class AttentionWorker:
         self.pool = BlockPool(self.cfg, kv_blocks, block_size, device=self.device, dtype=self.dtype)
         self.sequences: dict[str, _Sequence] = {}
         self.prefixes: dict[str, _Prefix] = {}
-        self.steps: dict[int, _Step] = {}
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
         self.calls = 0
+        self.exchange = None           # worker/exchange.ExpertExchange, set by connect_experts
 
     def memory(self):
         """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
@@ -170,7 +157,8 @@ class AttentionWorker:
     def info(self) -> dict:
         return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
                 "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
-                "sequences": len(self.sequences), "prefixes": len(self.prefixes)}
+                "sequences": len(self.sequences), "prefixes": len(self.prefixes),
+                "experts_down": sorted(self.exchange.down) if self.exchange is not None else []}
 
     # ------------------------------------------------------------------ sequences
     def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
@@ -250,14 +238,39 @@ class AttentionWorker:
             raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
         return seq
 
+    # ------------------------------------------------------------------ experts
+    def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0) -> None:
+        """Dispatch to these expert workers (plan ordinal order; in process: ExpertWorker objects, remote:
+        RemoteExpert clients) by `table` (worker/exchange.ReplicaTable). Replaces any earlier connection."""
+        from expertmesh.worker.exchange import ExpertExchange
+        moe = self.cfg.moe
+        if list(table.moe_layers) != list(self.cfg.moe_layers) or table.table.shape[1] != moe.n_routed_experts:
+            raise WorkerError(f"replicas: expected a table for MoE layers {self.cfg.moe_layers} x "
+                              f"{moe.n_routed_experts} experts, found {list(table.moe_layers)} x {table.table.shape[1]}")
+        if table.table.size and int(table.table.max()) >= len(clients):
+            raise WorkerError(f"replicas: worker ordinal {int(table.table.max())} but {len(clients)} expert workers")
+        exchange = ExpertExchange(clients, table, n_experts=moe.n_routed_experts, n_groups=moe.n_group,
+                                  probe_interval=probe_interval)
+        with self.lock:
+            old, self.exchange = self.exchange, exchange
+        if old is not None:
+            old.close()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed per (MoE layer, expert) by this worker since it started (for rebalancing)."""
+        return self.exchange.load_stats() if self.exchange is not None else {}
+
     # ------------------------------------------------------------------ steps
-    def begin_step(self, step_id: int, segments: list[StepSegment],
-                   snapshot_keys: dict[str, str] | None = None) -> RouteRequest | StepDone:
-        """Start a step. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step."""
+    @torch.no_grad()
+    def run_step(self, step_id: int, segments: list[StepSegment],
+                 snapshot_keys: dict[str, str] | None = None) -> StepDone:
+        """Run one step for `segments` (each a sequence's next tokens): every layer, the expert exchange, then
+        sampling. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step. Sequences whose
+        experts had no live replica are reported in `failed` (their caches do not advance); the others go on."""
         with self.lock:
             self.calls += 1
-            if step_id in self.steps:
-                raise WorkerError(f"step_id {step_id}: already running")
+            if self.exchange is None and self.cfg.moe_layers:
+                raise NotConnected(f"{self.name}: no expert workers connected yet")
             if not segments:
                 raise WorkerError("segments: expected at least one")
             tokens, segs, start = [], [], 0
@@ -278,67 +291,58 @@ class AttentionWorker:
                 tokens += s.token_ids
                 segs.append(Segment(start, len(s.token_ids), seq.cache))
                 start += len(s.token_ids)
+            bytes_before = self.exchange.bytes_sent + self.exchange.bytes_received if self.exchange else 0
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
-            step = _Step(segments=segs, seq_ids=[s.seq_id for s in segments], sample=[s.sample for s in segments],
-                         tokens=tokens, x=x, layer=0, snapshot_at_end=list((snapshot_keys or {}).items()))
-            self.steps[step_id] = step
-            return self._run(step_id, step)
+            failed_rows: dict[int, str] = {}
+            for layer in self.model.layers:
+                x = layer.attention_block(x, segs)
+                if not layer.is_moe:
+                    x = layer.dense_block(x)
+                    continue
+                h, ids, weights, shared = layer.route(x)
+                routed, failed = self.exchange.moe(layer.index, h, ids, weights)
+                for row, why in failed.items():
+                    failed_rows.setdefault(row, why)
+                x = combine_moe(x, shared, routed.to(x.device))
+            failed = {}
+            for seg, s in zip(segs, segments):
+                why = next((failed_rows[r] for r in range(seg.start, seg.start + seg.length) if r in failed_rows), None)
+                if why is not None:
+                    failed[s.seq_id] = why
+            done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshot_keys or {})
+            if self.exchange is not None:
+                done.experts_down = sorted(self.exchange.down)
+                done.exchange_bytes = self.exchange.bytes_sent + self.exchange.bytes_received - bytes_before
+            return done
 
-    def continue_step(self, step_id: int, delta: torch.Tensor) -> RouteRequest | StepDone:
-        with self.lock:
-            self.calls += 1
-            step = self.steps.get(step_id)
-            if step is None or step.pending is None:
-                raise NotFound(f"step_id {step_id}: no step waiting for an MoE output on {self.name}")
-            x, shared = step.pending
-            if tuple(delta.shape) != tuple(x.shape):
-                raise WorkerError(f"delta: expected shape {list(x.shape)}, found {list(delta.shape)}")
-            delta = delta.to(x.device)
-            step.x = x + (shared.float() + delta.float()).to(x.dtype)   # == model.combine_moe
-            step.pending = None
-            return self._run(step_id, step)
-
-    def abort_step(self, step_id: int) -> None:
-        with self.lock:
-            self.steps.pop(step_id, None)
-
-    @torch.no_grad()
-    def _run(self, step_id: int, step: _Step) -> RouteRequest | StepDone:
-        layers = self.model.layers
-        while step.layer < len(layers):
-            layer = layers[step.layer]
-            step.layer += 1
-            step.x = layer.attention_block(step.x, step.segments)
-            if not layer.is_moe:
-                step.x = layer.dense_block(step.x)
-                continue
-            h, ids, weights, shared = layer.route(step.x)
-            step.pending = (step.x, shared)
-            return RouteRequest(step_id, layer.index, h, ids, weights)
-        # all layers done: logits (every row of a segment scoring its prompt, else the last), sample, snapshot
-        del self.steps[step_id]
-        seqs = [self.sequences[seq_id] for seq_id in step.seq_ids]
-        rows = [list(range(seg.start, seg.start + seg.length)) if seq.params.prompt_logprobs is not None
-                else [seg.start + seg.length - 1] for seg, seq in zip(step.segments, seqs)]
-        logits = self.model.logits(step.x[[r for rs in rows for r in rs]])
+    def _finish_step(self, step_id: int, segs: list[Segment], segments: list[StepSegment], tokens: list[int],
+                     x: torch.Tensor, failed: dict[str, str], snapshot_keys: dict[str, str]) -> StepDone:
+        """Logits (every row of a segment scoring its prompt, else the last), sampling, log-probs, snapshots."""
+        keep = [i for i, s in enumerate(segments) if s.seq_id not in failed]
+        seqs = [self.sequences[segments[i].seq_id] for i in keep]
+        rows = [list(range(segs[i].start, segs[i].start + segs[i].length)) if seq.params.prompt_logprobs is not None
+                else [segs[i].start + segs[i].length - 1] for i, seq in zip(keep, seqs)]
+        flat = [r for rs in rows for r in rs]
+        logits = self.model.logits(x[flat]) if flat else None
         out, logprobs, first = {}, [], 0
-        for seg, seq_id, seq, sample, rs in zip(step.segments, step.seq_ids, seqs, step.sample, rows):
+        for i, seq, rs in zip(keep, seqs, rows):
+            seg, seg_in = segs[i], segments[i]
             seg_logits = logits[first:first + len(rs)]
             first += len(rs)
-            fed = step.tokens[seg.start:seg.start + seg.length]
+            fed = tokens[seg.start:seg.start + seg.length]
             if seq.generating:                 # past the prompt, every fed token is output (sampled or forced)
                 for t in fed:
                     seq.sampler.observe(t)
-            if sample:
-                out[seq_id] = seq.sampler.sample(seg_logits[-1])
+            if seg_in.sample:
+                out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])
                 seq.generating = True
-            logprobs += self._logprobs(seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seq_id))
+            logprobs += self._logprobs(seg_in.seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seg_in.seq_id))
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
-        for seq_id, key in step.snapshot_at_end:
-            if seq_id in self.sequences:
+        for seq_id, key in snapshot_keys.items():
+            if seq_id in self.sequences and seq_id not in failed:
                 self._save_prefix(self.sequences[seq_id], key)
-        return StepDone(step_id, out, self.pool.free_blocks, logprobs)
+        return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed)
 
     @staticmethod
     def _logprobs(seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor,

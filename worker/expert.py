@@ -1,7 +1,9 @@
 """The expert role: holds the (layer, expert) shards its placement assigns and runs them for a batch.
 
-One call per layer per scheduler step carries every (token, expert) pair routed to this worker: the
-tokens' hidden states once each, and for each token the slots (top-k ranks) it wants computed here.
+One call per MoE layer per step from each attention worker carries every (token, expert) pair it routes here:
+the tokens' hidden states once each, their experts here and gate weights. The answer is pre-reduced: one row per
+(token, expert group) — the group's weighted partial sum in the canonical order of kernels/moe/combine.py — so
+a token costs ≤ topk_group rows on the way back instead of top_k.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
+from expertmesh.kernels.moe.combine import group_partials
 
 
 class ExpertRequestError(ValueError):
@@ -94,24 +97,32 @@ class ExpertWorker:
         return mem
 
     @torch.no_grad()
-    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H]; expert_ids [n, K] global ids, −1 for slots computed elsewhere
-        → outputs [P, H] for the P slots ≥ 0, in row-major (token, slot) order."""
+    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """hidden [n, H]; expert_ids [n, K] global ids in ascending order per row, −1 for slots computed elsewhere;
+        weights [n, K] the gate weights → [R, H] in `out_dtype`: per row, per expert group it has slots in
+        (ascending), the group's partial sum P_g (kernels/moe/combine.py: Σ w·y in ascending expert id, fp32)."""
         if self.fault_delay_s:
             time.sleep(self.fault_delay_s)
-        h = self.cfg.hidden_size
+        h, n_experts = self.cfg.hidden_size, self.cfg.moe.n_routed_experts
         if hidden.dim() != 2 or hidden.shape[1] != h:
             raise ExpertRequestError(f"hidden: expected shape [n, {h}], found {list(hidden.shape)}")
         if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0]:
             raise ExpertRequestError(f"expert_ids: expected shape [{hidden.shape[0]}, K], found {list(expert_ids.shape)}")
+        if tuple(weights.shape) != tuple(expert_ids.shape) or not weights.is_floating_point():
+            raise ExpertRequestError(f"weights: expected floating point of shape {list(expert_ids.shape)}, found "
+                                     f"{weights.dtype} {list(weights.shape)}")
         shards = self.experts.get(layer)
         if shards is None:
             raise UnknownExpert(f"layer {layer}: {self.name} holds no experts of this layer")
+        expert_ids = expert_ids.long()
         valid = expert_ids >= 0
-        if bool((expert_ids >= self.cfg.moe.n_routed_experts).any()):
-            bad = int(expert_ids.max())
-            raise ExpertRequestError(f"expert_ids: {bad} outside [0, {self.cfg.moe.n_routed_experts})")
-        held = torch.zeros(self.cfg.moe.n_routed_experts, dtype=torch.bool)
+        if bool((expert_ids >= n_experts).any()) or bool((expert_ids < -1).any()):
+            bad = int(expert_ids.max()) if bool((expert_ids >= n_experts).any()) else int(expert_ids.min())
+            raise ExpertRequestError(f"expert_ids: {bad} outside [0, {n_experts}) (or −1 for elsewhere)")
+        if expert_ids.shape[1] > 1 and bool((valid[:, 1:] & (expert_ids[:, 1:] <= expert_ids[:, :-1])).any()):
+            raise ExpertRequestError("expert_ids: expected each row's ids distinct and in ascending order")
+        held = torch.zeros(n_experts, dtype=torch.bool)
         for _, _, local in shards:
             held[list(local)] = True
         missing = valid & ~held[expert_ids.clamp(min=0)]
@@ -137,4 +148,6 @@ class ExpertWorker:
                     pending.append((rows, mine[rows], res))
             for rows, mask, res in pending:
                 out[rows][mask] = res.cpu()[mask]
-        return out[valid]
+        moe = self.cfg.moe
+        partials = group_partials(out, expert_ids, weights.float(), n_experts // moe.n_group, moe.n_group)
+        return partials.to(out_dtype)

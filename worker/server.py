@@ -32,16 +32,19 @@ log = logging.getLogger("expertmesh.worker")
 
 ROLES = ("attention", "expert", "both")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ATTENTION_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["AttentionWorker"].full_name
 EXPERT_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name
 
 
 def _status_of(exc: Exception) -> grpc.StatusCode:
-    from expertmesh.worker.attention import NotFound
+    from expertmesh.worker.attention import NotConnected, NotFound
     from expertmesh.worker.expert import UnknownExpert
     from expertmesh.worker.kv import OutOfBlocks
     if isinstance(exc, (NotFound, UnknownExpert)):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, NotConnected):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, OutOfBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, ValueError):      # WorkerError, ExpertRequestError, tensor / params decoding
@@ -66,7 +69,11 @@ def _rpc(method):
                                                  attributes={"rpc.system": "grpc", "rpc.method": method.__name__})
         code = "OK"
         try:
-            return method(self, request, context)
+            if span is None:
+                return method(self, request, context)
+            from opentelemetry import trace
+            with trace.use_span(span, end_on_exit=False):   # calls made from here (the expert exchange) join it
+                return method(self, request, context)
         except Exception as e:
             status = _status_of(e)
             code = status.name
@@ -85,15 +92,17 @@ def _rpc(method):
 
 
 class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
-    def __init__(self, worker):
+    def __init__(self, worker, expert_tls=None):
         self.worker = worker
+        self.expert_tls = expert_tls     # expertmesh.tls.ClientTLS for the calls to expert workers
 
     @_rpc
     def Info(self, request, context):
         i = self.worker.info()
         return worker_pb2.AttentionInfo(name=i["name"], model=i["model"], block_size=i["block_size"],
                                         total_blocks=i["total_blocks"], free_blocks=i["free_blocks"],
-                                        sequences=i["sequences"], prefixes=i["prefixes"])
+                                        sequences=i["sequences"], prefixes=i["prefixes"],
+                                        experts_down=i["experts_down"])
 
     @_rpc
     def OpenSequence(self, request, context):
@@ -117,39 +126,53 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         return worker_pb2.FreeBlocks(free_blocks=self.worker.drop_prefix(request.key))
 
     @_rpc
-    def BeginStep(self, request, context):
+    def ConnectExperts(self, request, context):
+        from expertmesh.router.remote import RemoteExpert
+        from expertmesh.worker.exchange import ReplicaTable
+        if not request.HasField("replicas"):
+            raise ValueError("replicas: required")
+        if request.call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s: expected a positive number of seconds, found {request.call_timeout_s}")
+        replicas = from_proto(request.replicas, "replicas")
+        if replicas.dim() != 3 or replicas.dtype != torch.int64:
+            raise ValueError(f"replicas: expected int64 [L, E, R], found {replicas.dtype} {list(replicas.shape)}")
+        table = ReplicaTable(tuple(request.moe_layers), replicas.numpy())
+        clients = [RemoteExpert(a, timeout=request.call_timeout_s, name=f"expert-{i}", tls=self.expert_tls)
+                   for i, a in enumerate(request.addresses)]
+        try:
+            self.worker.connect_experts(clients, table)
+        except Exception:
+            for c in clients:
+                c.close()
+            raise
+        return worker_pb2.ConnectExpertsResponse()
+
+    @_rpc
+    def RunStep(self, request, context):
         from expertmesh.worker.attention import StepSegment
         segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
         snapshots = {s.seq_id: s.key for s in request.snapshot_keys} or None
-        return step_to_proto(self.worker.begin_step(request.step_id, segments, snapshots))
+        return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
 
     @_rpc
-    def ContinueStep(self, request, context):
-        if not request.HasField("delta"):
-            raise ValueError("delta: required")
-        delta = from_proto(request.delta, "delta")
-        return step_to_proto(self.worker.continue_step(request.step_id, delta))
-
-    @_rpc
-    def AbortStep(self, request, context):
-        self.worker.abort_step(request.step_id)
-        return worker_pb2.AbortStepResponse()
+    def ExpertLoad(self, request, context):
+        load = self.worker.expert_load()
+        layers = sorted(load)
+        tokens = torch.tensor([load[l] for l in layers], dtype=torch.int64) if layers else \
+            torch.zeros(0, 0, dtype=torch.int64)
+        return worker_pb2.ExpertLoadResponse(moe_layers=layers, tokens=to_proto(tokens, "tokens"))
 
 
-def step_to_proto(result) -> worker_pb2.StepResponse:
-    """RouteRequest | StepDone → StepResponse."""
-    from expertmesh.worker.attention import RouteRequest
-    if isinstance(result, RouteRequest):
-        return worker_pb2.StepResponse(route=worker_pb2.RouteRequest(
-            step_id=result.step_id, layer=result.layer, hidden=to_proto(result.hidden, "hidden"),
-            topk_ids=to_proto(result.topk_ids, "topk_ids"), topk_weights=to_proto(result.topk_weights, "topk_weights")))
-    return worker_pb2.StepResponse(done=worker_pb2.StepDone(
+def done_to_proto(result) -> worker_pb2.StepDone:
+    return worker_pb2.StepDone(
         step_id=result.step_id, free_blocks=result.free_blocks,
         tokens=[worker_pb2.SampledToken(seq_id=s, token=t) for s, t in result.tokens.items()],
         logprobs=[worker_pb2.TokenLogprobs(
             seq_id=lp.seq_id, position=lp.position, token_ids=to_proto(lp.token_ids, "token_ids"),
             logprobs=to_proto(lp.logprobs, "logprobs"), top_ids=to_proto(lp.top_ids, "top_ids"),
-            top_logprobs=to_proto(lp.top_logprobs, "top_logprobs")) for lp in result.logprobs]))
+            top_logprobs=to_proto(lp.top_logprobs, "top_logprobs")) for lp in result.logprobs],
+        failed=[worker_pb2.SequenceFailure(seq_id=s, reason=r) for s, r in result.failed.items()],
+        experts_down=result.experts_down, exchange_bytes=result.exchange_bytes)
 
 
 class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
@@ -164,14 +187,18 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
 
     @_rpc
     def RunExperts(self, request, context):
-        for field in ("hidden", "expert_ids"):
+        for field in ("hidden", "expert_ids", "weights"):
             if not request.HasField(field):
                 raise ValueError(f"{field}: required")
         hidden = from_proto(request.hidden, "hidden")
         ids = from_proto(request.expert_ids, "expert_ids")
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"expert_ids.dtype: expected int64 (or int32), found {request.expert_ids.dtype}")
-        out = self.worker.run(request.layer, hidden, ids)
+        weights = from_proto(request.weights, "weights")
+        out_dtype = OUTPUT_DTYPES.get(request.output_dtype or "float32")
+        if out_dtype is None:
+            raise ValueError(f"output_dtype: expected one of {sorted(OUTPUT_DTYPES)}, found {request.output_dtype!r}")
+        out = self.worker.run(request.layer, hidden, ids, weights, out_dtype)
         return worker_pb2.RunExpertsResponse(output=to_proto(out, "output"))
 
 
@@ -238,7 +265,7 @@ def dry_run(attention, expert) -> str:
 def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
-          device_memory_bytes: int | None = None) -> grpc.Server:
+          device_memory_bytes: int | None = None, expert_tls=None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
@@ -256,7 +283,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
         maximum_concurrent_rpcs=16 * max_workers)  # the queue of calls waiting for a thread has a bound
     services = []
     if attention is not None:
-        worker_pb2_grpc.add_AttentionWorkerServicer_to_server(AttentionServicer(attention), server)
+        worker_pb2_grpc.add_AttentionWorkerServicer_to_server(AttentionServicer(attention, expert_tls), server)
         services.append(ATTENTION_SERVICE)
     if expert is not None:
         worker_pb2_grpc.add_ExpertWorkerServicer_to_server(ExpertServicer(expert), server)
@@ -362,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--expert-tls-ca", help="attention role: call expert workers over TLS, verifying them with this CA")
+    p.add_argument("--expert-tls-cert", help="client certificate for mutual TLS with the expert workers")
+    p.add_argument("--expert-tls-key", help="private key of --expert-tls-cert")
+    p.add_argument("--expert-tls-server-name", help="name expected in the expert workers' certificates")
     return p
 
 
@@ -411,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
             tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
         elif args.tls_client_ca:
             raise ValueError("--tls-client-ca: needs --tls-cert and --tls-key")
+        expert_tls = None
+        if args.expert_tls_ca:
+            from expertmesh.tls import ClientTLS
+            expert_tls = ClientTLS(args.expert_tls_ca, args.expert_tls_cert, args.expert_tls_key,
+                                   args.expert_tls_server_name)
+        elif args.expert_tls_cert or args.expert_tls_key:
+            raise ValueError("--expert-tls-cert/--expert-tls-key: need --expert-tls-ca")
         if args.kv_blocks <= 0 or args.block_size <= 0:
             raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
     except (ValueError, OSError) as e:
@@ -442,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         server = serve(args.role, args.checkpoint, args.port, args.host, assignment=assignment,
                        kv_blocks=kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
-                       gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory)
+                       gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
+                       expert_tls=expert_tls)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2

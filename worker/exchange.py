@@ -1,0 +1,261 @@
+"""The expert exchange, run by each attention worker at every MoE layer: its (token, slot) pairs go straight to
+the expert workers that hold them, one call per expert worker, concurrently; the answers are combined here.
+
+Who computes what (`assign`): a token's slots are taken per expert group (routing is group-limited, and a
+group-aware plan keeps a group's experts on one pod). When some live expert worker holds all of a token's slots
+in a group, one of them (rotating by token and group, to spread over replicas) gets the whole group and returns
+its pre-reduced partial sum P_g: one row per (token, group) instead of one per slot. Otherwise each slot of the
+group goes alone ("fragments") to a live holder and comes back as its own row; P_g is folded here from the
+fragments in ascending expert id — the same sequence of fp32 operations, so the same bits
+(kernels/moe/combine.py). The routed sum then folds the groups in ascending order. Which worker or replica
+computed what never changes a bit, so greedy tokens are identical across layouts, replicas and failover.
+
+Failures: a call that fails with ConnectionError (unreachable, past its deadline) marks that expert worker down
+and its groups are assigned again among the live replicas in the same step; tokens with an expert that has no
+live replica are reported as failed rows (their requests end with a message naming the experts), the others go
+on. A worker marked down is probed (gRPC health) every `probe_interval` seconds and taken back once it answers.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from expertmesh.kernels.moe.combine import fold_groups, sort_slots
+
+log = logging.getLogger("expertmesh.worker")
+
+
+@dataclass(frozen=True)
+class ReplicaTable:
+    """Which expert workers hold each (MoE layer, expert): `table` int64 [L, E, R] worker ordinals per MoE layer
+    position (the order of `moe_layers`), −1 padding."""
+    moe_layers: tuple[int, ...]
+    table: np.ndarray
+
+    @classmethod
+    def from_placement(cls, placement, moe_layers, n_experts: int) -> "ReplicaTable":
+        rows = [[sorted(placement.replicas(l, e)) for e in range(n_experts)] for l in moe_layers]
+        width = max(1, max(len(r) for layer in rows for r in layer))
+        table = np.full((len(rows), n_experts, width), -1, dtype=np.int64)
+        for i, layer in enumerate(rows):
+            for e, r in enumerate(layer):
+                table[i, e, :len(r)] = r
+        return cls(tuple(int(l) for l in moe_layers), table)
+
+    def holds(self, layer: int, n_workers: int) -> np.ndarray:
+        """bool [W, E]: worker w holds expert e of `layer`."""
+        t = self.table[self.moe_layers.index(layer)]                     # [E, R]
+        out = np.zeros((n_workers, t.shape[0]), dtype=bool)
+        e, r = np.nonzero(t >= 0)
+        out[t[e, r], e] = True
+        return out
+
+
+@dataclass
+class _Call:
+    """One expert worker's share of a layer: request rows, and where each answer row goes."""
+    worker: int
+    rows: np.ndarray            # [n] token index of each request row
+    ids: np.ndarray             # [n, K] ascending per row, −1 = not in this call
+    fragment_k: np.ndarray      # [n] the slot column of a fragment row, −1 for a whole-group row
+    out_token: np.ndarray       # [R] token of each answer row
+    out_group: np.ndarray       # [R] group of each answer row
+    out_k: np.ndarray           # [R] slot column for fragment rows, −1 for whole groups
+
+
+class ExpertExchange:
+    def __init__(self, clients: list, table: ReplicaTable, *, n_experts: int, n_groups: int,
+                 probe_interval: float = 1.0, retries: int = 2):
+        """`clients`: expert workers in plan ordinal order, each with run(layer, hidden, ids, weights, out_dtype)
+        (in process: ExpertWorker; remote: RemoteExpert), and optionally health() for probing."""
+        self.clients = clients
+        self.table = table
+        self.n_experts, self.n_groups = n_experts, n_groups
+        self.group_size = n_experts // n_groups
+        self.retries = retries
+        self.down: set[int] = set()
+        self.last_error: dict[int, str] = {}
+        self.lock = threading.Lock()
+        self.load = {l: np.zeros(n_experts, dtype=np.int64) for l in table.moe_layers}
+        self.calls = 0
+        self.bytes_sent = self.bytes_received = 0
+        self._holds = {l: table.holds(l, len(clients)) for l in table.moe_layers}
+        self.pool = ThreadPoolExecutor(max_workers=max(2, len(clients)), thread_name_prefix="exchange")
+        self.probe_interval = probe_interval
+        self.closed = False
+        if any(hasattr(c, "health") for c in clients):
+            threading.Thread(target=self._probe, name="exchange-probe", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            if hasattr(c, "close"):
+                c.close()
+
+    def mark_down(self, worker: int, error: Exception) -> None:
+        with self.lock:
+            if worker not in self.down:
+                log.warning("expert worker %d marked down: %s", worker, error)
+            self.down.add(worker)
+            self.last_error[worker] = str(error)
+
+    def _probe(self) -> None:
+        while not self.closed:
+            time.sleep(self.probe_interval)
+            for w in sorted(self.down):
+                try:
+                    ok = self.clients[w].health() == "SERVING"
+                except Exception:
+                    ok = False
+                if ok:
+                    log.info("expert worker %d is back", w)
+                    with self.lock:
+                        self.down.discard(w)
+
+    # ------------------------------------------------------------------ who computes what
+    def assign(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
+               ) -> tuple[list[_Call], dict[int, set[int]]]:
+        """ids [N, K] ascending per row; todo bool [N, G] the (token, group) pairs still to compute
+        → (one _Call per expert worker with work, {token: experts without a live holder})."""
+        N, K = ids.shape
+        G, W = self.n_groups, len(self.clients)
+        holds = self._holds[layer].copy()
+        for w in down:
+            holds[w] = False
+        grp = ids // self.group_size                                            # [N, K]
+        live = holds[:, ids]                                                    # [W, N, K]
+        slot_todo = todo[np.arange(N)[:, None], grp]                            # [N, K]
+        in_g = (grp[:, :, None] == np.arange(G)) & slot_todo[:, :, None]        # [N, K, G]
+        need = in_g.sum(1)                                                      # [N, G]
+        have = np.einsum("wnk,nkg->wng", live.astype(np.int32), in_g.astype(np.int32))
+        full = (have == need[None]) & (need[None] > 0)                          # [W, N, G]
+        n_full = full.sum(0)
+        pick = (np.arange(N)[:, None] + np.arange(G)[None, :]) % np.maximum(n_full, 1)
+        whole = np.where(n_full > 0, np.argmax(full & (full.cumsum(0) == pick[None] + 1), axis=0), -1)  # [N, G]
+        # slots of groups no single live worker holds whole: each to one of its own holders
+        frag = slot_todo & (np.take_along_axis(n_full, grp, 1) == 0)            # [N, K]
+        n_live = live.sum(0)                                                    # [N, K]
+        pick_k = (np.arange(N)[:, None] + np.arange(K)[None, :]) % np.maximum(n_live, 1)
+        frag_w = np.where(frag & (n_live > 0), np.argmax(live & (live.cumsum(0) == pick_k[None] + 1), axis=0), -1)
+        missing: dict[int, set[int]] = {}
+        for t, k in zip(*np.nonzero(frag & (n_live == 0))):
+            missing.setdefault(int(t), set()).add(int(ids[t, k]))
+        slot_whole = np.take_along_axis(whole, grp, 1)                          # [N, K] worker of a whole group
+        calls = []
+        for w in range(W):
+            mine = slot_todo & ~frag & (slot_whole == w)                        # [N, K]
+            whole_rows = np.flatnonzero(mine.any(1))
+            ft, fk = np.nonzero(frag_w == w)
+            if not len(whole_rows) and not len(ft):
+                continue
+            rows = np.concatenate([whole_rows, ft])
+            call_ids = np.full((len(rows), K), -1, dtype=np.int64)
+            call_ids[:len(whole_rows)] = np.where(mine[whole_rows], ids[whole_rows], -1)
+            call_ids[len(whole_rows) + np.arange(len(ft)), fk] = ids[ft, fk]
+            # answer rows: per whole row its groups ascending (row-major), then one per fragment
+            gmask = (whole[whole_rows] == w) & todo[whole_rows]                  # [n_whole, G]
+            rr, gg = np.nonzero(gmask)
+            calls.append(_Call(w, rows, call_ids,
+                               np.concatenate([np.full(len(whole_rows), -1), fk]),
+                               np.concatenate([whole_rows[rr], ft]), np.concatenate([gg, grp[ft, fk]]),
+                               np.concatenate([np.full(len(rr), -1), fk])))
+        return calls, missing
+
+    # ------------------------------------------------------------------ one MoE layer
+    def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+            ) -> tuple[torch.Tensor, dict[int, str]]:
+        """hidden [N, H] (the activation dtype: what goes on the wire), topk_ids / topk_weights [N, K]
+        → (routed sum fp32 [N, H] in the canonical order, {token: why it failed})."""
+        from expertmesh import telemetry
+        if not telemetry.tracing_enabled():
+            return self._moe(layer, hidden, topk_ids, topk_weights, None)
+        from opentelemetry import context
+        with telemetry.tracer().start_as_current_span("expert_exchange", attributes={"expertmesh.layer": layer}):
+            return self._moe(layer, hidden, topk_ids, topk_weights, context.get_current())
+
+    def _moe(self, layer, hidden, topk_ids, topk_weights, trace_ctx):
+        N, H = hidden.shape
+        ids_t, w_t = sort_slots(topk_ids.cpu(), topk_weights.cpu().float())
+        ids = ids_t.numpy()
+        G = self.n_groups
+        present = np.zeros((N, G), dtype=bool)
+        present[np.arange(N)[:, None], ids // self.group_size] = True
+        todo = present.copy()
+        partials = torch.zeros(N, G, H, dtype=torch.float32)
+        failed: dict[int, str] = {}
+        host = hidden.cpu()
+        for attempt in range(self.retries + 1):
+            with self.lock:
+                down = set(self.down)
+            calls, missing = self.assign(layer, ids, todo, down)
+            for t, experts in missing.items():
+                failed.setdefault(t, f"experts without a live replica in layer {layer}: {sorted(experts)}")
+                todo[t] = False
+            jobs = [(c, self.pool.submit(self._run, layer, c, host, w_t, hidden.dtype, trace_ctx)) for c in calls]
+            results, lost = [], set()
+            for c, fut in jobs:
+                try:
+                    results.append((c, fut.result()))
+                except ConnectionError as e:     # unreachable / deadline: its groups go to replicas
+                    self.mark_down(c.worker, e)
+                    lost.update(zip(c.out_token.tolist(), c.out_group.tolist()))
+            fragments = []
+            for c, out in results:
+                keep = np.array([(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())],
+                                dtype=bool)
+                whole = keep & (c.out_k < 0)
+                partials[c.out_token[whole], c.out_group[whole]] = out[torch.from_numpy(whole)].float()
+                todo[c.out_token[whole], c.out_group[whole]] = False
+                sel = np.flatnonzero(keep & (c.out_k >= 0))
+                fragments += [(int(c.out_k[i]), int(c.out_token[i]), int(c.out_group[i]), out[i]) for i in sel]
+            for k, t, g, row in sorted(fragments, key=lambda f: f[0]):   # P_g from its slots, ascending id
+                partials[t, g] = partials[t, g] + row.float()
+                todo[t, g] = False
+            if not lost:
+                break
+        for t in np.flatnonzero(todo.any(1)).tolist():
+            failed.setdefault(t, f"expert workers failed for layer {layer}: " + "; ".join(
+                self.last_error.get(w, "") for w in sorted(self.down)))
+        with self.lock:
+            np.add.at(self.load[layer], ids.ravel(), 1)
+        return fold_groups(partials, torch.from_numpy(present), hidden.dtype), failed
+
+    def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+             trace_ctx=None) -> torch.Tensor:
+        if trace_ctx is not None:         # the pool thread joins the step's trace: the call carries traceparent
+            from opentelemetry import context
+            token = context.attach(trace_ctx)
+            try:
+                return self._call(layer, c, hidden, weights, dtype)
+            finally:
+                context.detach(token)
+        return self._call(layer, c, hidden, weights, dtype)
+
+    def _call(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+        rows = torch.from_numpy(c.rows)
+        ids = torch.from_numpy(c.ids)
+        w = torch.where(ids >= 0, weights[rows], torch.zeros(()))
+        # fragments are folded here in fp32; whole-group rows may travel in the activation dtype (the fold
+        # rounds every P_g through it anyway)
+        out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
+        client = self.clients[c.worker]
+        out = client.run(layer, hidden[rows], ids, w, out_dtype)
+        if out.shape[0] != len(c.out_token):
+            raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")
+        with self.lock:
+            self.calls += 1
+            self.bytes_sent += hidden[rows].numel() * hidden.element_size() + ids.numel() * 8 + w.numel() * 4
+            self.bytes_received += out.numel() * out.element_size()
+        return out
+
+    def load_stats(self) -> dict[int, list[int]]:
+        with self.lock:
+            return {l: v.tolist() for l, v in self.load.items()}
