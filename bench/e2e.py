@@ -1,7 +1,16 @@
-"""End-to-end serving benchmark: decode tokens/s and time to first token at several concurrencies,
-in-process engine vs the multi-process deployment (gRPC on loopback), and the bytes sent per token per layer
-against the minimum (hidden × top-k × dtype size, both ways), measured from the serialized router↔worker messages (all
-calls, attention and expert, counted by the router's gRPC clients).
+"""End-to-end serving benchmark: in-process engine vs the multi-process deployment (gRPC on loopback), side by
+side in one run, counting tokens the same way on both sides (one token event each, no stop token, the same
+prompts and max_tokens), and what moves where:
+
+  * router bytes per token — TCP payload bytes on the router's sockets to its workers (`ss -tin`, bytes_sent +
+    bytes_received of the router process's connections to worker ports) and the router's own counter of
+    serialized worker messages, per token fed through the model (prompt + generated);
+  * attention↔expert bytes per token per MoE layer (the attention workers' count of tensor bytes on their expert
+    calls) against the least the exchange could send: the hidden state once and one combined row back
+    (2·H·b), and against the per-slot scheme (hidden to each of top-k experts, a row back from each: 2·H·K·b);
+  * a projection for full-2.8t: 16 expert pods, batch 256 per attention worker, random group-limited routing
+    through the real gate function, rows per token and bytes per step from the exchange's own assignment
+    (worker/exchange.py) on the planner's 16-pod plan, group-aware and not; implied time at 100 / 400 Gb/s.
 
     python bench/e2e.py [--quick] [--presets tiny,small] [--out bench/results/e2e.json]
 """
@@ -9,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +40,7 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def _run(submit, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
-    """`submit(prompt, params)` returns a started request with .stream(); measure TTFT and decode rate."""
+    """`submit(prompt, max_tokens)` yields one item per generated token; measure TTFT and decode rate."""
     prompts = _prompts(concurrency, prompt_len, seed=concurrency)
     ttft, decode_rates, tokens = [], [], 0
     t0 = time.perf_counter()
@@ -37,7 +49,7 @@ def _run(submit, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
         start = time.perf_counter()
         first = None
         n = 0
-        for _ in submit(p, SamplingParams(max_tokens=max_tokens)):
+        for _ in submit(p, max_tokens):
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -50,62 +62,134 @@ def _run(submit, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
             decode_rates.append(b)
             tokens += n
     wall = time.perf_counter() - t0
+    if tokens != concurrency * max_tokens:
+        raise RuntimeError(f"expected {concurrency * max_tokens} tokens, counted {tokens}")
     return {"ttft_p50_ms": 1000 * statistics.median(ttft), "per_seq_tok_s": statistics.mean(decode_rates),
             "total_tok_s": tokens / wall, "tokens": tokens}
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)     # no stop token: exactly max_tokens each
 
 
 def bench_inprocess(ckpt, concurrencies, prompt_len, max_tokens):
     from expertmesh.router.local import build_local_engine
     eng = build_local_engine(ckpt, attention_workers=1, expert_workers=2, max_running=64, max_waiting=256)
+
+    def submit(p, n):
+        return eng.submit(p, _params(n)).stream(300)
     try:
-        _run(lambda p, s: eng.submit(p, s).stream(120), 1, prompt_len, 4)  # warm-up
-        return {c: _run(lambda p, s: eng.submit(p, s).stream(120), c, prompt_len, max_tokens) for c in concurrencies}
+        _run(submit, 1, prompt_len, 4)  # warm-up
+        return {c: _run(submit, c, prompt_len, max_tokens) for c in concurrencies}
     finally:
         eng.close()
 
 
+def _router_tcp_bytes(pid: int, worker_ports: set[int]) -> int:
+    """bytes_sent + bytes_received over the process's established TCP connections to `worker_ports`."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+    total = 0
+    for head, info in zip(*[iter(out.splitlines())] * 2):
+        if f"pid={pid}," not in head:
+            continue
+        peer = head.split()[3] if head.split()[0].isdigit() else head.split()[4]
+        if int(peer.rsplit(":", 1)[1]) not in worker_ports:
+            continue
+        for key in ("bytes_sent", "bytes_received"):
+            m = re.search(rf"\b{key}:(\d+)", info)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
 def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
-    import re
+    import grpc
     import httpx
-    cfg = Checkpoint(ckpt_dir).cfg
+    from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.up import LocalCluster, free_port
+    cfg = Checkpoint(ckpt_dir).cfg
+    grpc_port = free_port()
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
-                           grpc_port=free_port())
+                           grpc_port=grpc_port)
     cluster.start()
     client = httpx.Client(base_url=cluster.http_url, timeout=300)
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = router_pb2_grpc.RouterStub(channel)
+    router = next(c for c in cluster.children if c.name == "router")
+    worker_ports = {int(c.address.rsplit(":", 1)[1]) for c in cluster.children if c.name != "router"}
 
-    def submit(prompt, params):
-        body = {"model": Checkpoint(ckpt_dir).cfg.name, "prompt": prompt, "max_tokens": params.max_tokens,
-                "temperature": 0, "stream": True}
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    yield 1
+    def submit(prompt, n):
+        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
+                                         params=sampling_pb2.SamplingParams(max_tokens=n, temperature=0))
+        for ev in stub.Generate(req, timeout=300):
+            if ev.HasField("token"):
+                yield 1
 
-    def wire_and_tokens():
+    def counters():
         text = client.get("/metrics").text
-        wire = sum(float(m) for m in re.findall(r'^expertmesh_worker_message_bytes_total\{[^}]*\} (\S+)$', text, re.M))
-        toks = sum(float(m) for m in re.findall(r'^expertmesh_(?:prompt|generation)_tokens_total (\S+)$', text, re.M))
-        return wire, toks
+        def total(name):
+            return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        return {"messages": total("expertmesh_worker_message_bytes_total"),
+                "exchange": total("expertmesh_expert_exchange_bytes_total"),
+                "tokens": total("expertmesh_prompt_tokens_total") + total("expertmesh_generation_tokens_total"),
+                "tcp": _router_tcp_bytes(router.proc.pid, worker_ports)}
 
     try:
-        list(submit([1, 2, 3], SamplingParams(max_tokens=2)))
+        list(submit([1, 2, 3], 2))
         out = {}
         for c in concurrencies:
-            w0, t0 = wire_and_tokens()
+            a = counters()
             out[c] = _run(submit, c, prompt_len, max_tokens)
-            w1, t1 = wire_and_tokens()
-            out[c]["wire_bytes_per_token_layer"] = (w1 - w0) / max(1.0, t1 - t0) / cfg.n_moe_layers
+            b = counters()
+            fed = max(1.0, b["tokens"] - a["tokens"])
+            out[c].update(router_tcp_per_token=(b["tcp"] - a["tcp"]) / fed,
+                          router_messages_per_token=(b["messages"] - a["messages"]) / fed,
+                          exchange_per_token_layer=(b["exchange"] - a["exchange"]) / fed / cfg.n_moe_layers)
         return out
     finally:
+        channel.close()
         client.close()
         cluster.stop()
 
 
-def wire_minimum(cfg) -> int:
-    """The least a token must move per MoE layer: its hidden state to each of its top-k experts and their
-    outputs back (fp32 on the wire)."""
-    return 2 * cfg.hidden_size * cfg.moe.top_k * 4
+def exchange_bounds(cfg, dtype_bytes: int = 4) -> tuple[int, int]:
+    """(least, per-slot) bytes per token per MoE layer: the hidden state out once and one row back, vs the hidden
+    state to each of the top-k experts and one row back from each."""
+    h = cfg.hidden_size * dtype_bytes
+    return 2 * h, 2 * h * cfg.moe.top_k
+
+
+def project_full(batch: int = 256, pods: int = 16, seed: int = 0) -> list[dict]:
+    """Bytes per step per attention worker for full-2.8t (bf16 on the wire) from the exchange's own assignment."""
+    import numpy as np
+    import torch
+    from expertmesh.model import route_tokens
+    from expertmesh.operator.planner import ClusterShape, plan_placement
+    from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
+    cfg = preset("full-2.8t")
+    E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.hidden_size
+    G = cfg.moe.combine_groups
+    g = torch.Generator().manual_seed(seed)
+    ids = route_tokens(torch.randn(batch, E, generator=g), torch.zeros(E), cfg)[0].sort(1).values.numpy()
+    rows_out = []
+    for grouped in (True, False):
+        plan = plan_placement(cfg, ClusterShape(pods, 8, 141 * 2 ** 30, 0), 32, group_aware=grouped)
+        layer = cfg.moe_layers[0]
+        table = ReplicaTable.from_placement(plan, [layer], E)
+        ex = ExpertExchange([object()] * pods, table, n_experts=E, n_groups=G)
+        present = np.zeros((batch, G), dtype=bool)
+        present[np.arange(batch)[:, None], ids // (E // G)] = True
+        calls, missing = ex.assign(layer, ids, present, set())
+        ex.pool.shutdown()
+        assert not missing
+        sent_rows = sum(len(c.rows) for c in calls)
+        back_rows = sum(len(c.out_token) for c in calls)
+        per_layer = sent_rows * (H * 2 + K * 12) + back_rows * H * 2      # hidden bf16 + ids int64 + weights fp32
+        step = per_layer * cfg.n_moe_layers
+        rows_out.append({"plan": "group-aware" if grouped else "free", "pods_per_token": sent_rows / batch,
+                         "rows_back_per_token": back_rows / batch, "bytes_per_layer": per_layer,
+                         "bytes_per_step": step, "ms_at_100gbps": step * 8 / 100e9 * 1e3,
+                         "ms_at_400gbps": step * 8 / 400e9 * 1e3, "imbalance": plan.figures.imbalance})
+    return rows_out
 
 
 def main(argv=None) -> int:
@@ -114,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--out", default="bench/results/e2e.json")
     args = p.parse_args(argv)
-    concurrencies = [1, 4] if args.quick else [1, 4, 16, 32]
+    concurrencies = [1, 4] if args.quick else [1, 32]
     rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for name in args.presets.split(","):
         cfg = preset(name)
@@ -123,26 +207,40 @@ def main(argv=None) -> int:
         max_tokens = 8 if args.quick else 32
         inproc = bench_inprocess(ckpt, concurrencies, 16, max_tokens)
         multi = bench_multiprocess(str(d), concurrencies, 16, max_tokens)
-        minimum = wire_minimum(cfg)
+        least, per_slot = exchange_bounds(cfg)
         for c in concurrencies:
             a, b = inproc[c], multi[c]
-            wb = {"bytes_per_token_layer": b["wire_bytes_per_token_layer"], "minimum": minimum,
-                  "ratio": b["wire_bytes_per_token_layer"] / minimum}
             rows.append({"preset": name, "concurrency": c, "inproc_tok_s": a["total_tok_s"],
                          "multi_tok_s": b["total_tok_s"], "ratio_multi_over_inproc": b["total_tok_s"] / a["total_tok_s"],
                          "inproc_ttft_ms": a["ttft_p50_ms"], "multi_ttft_ms": b["ttft_p50_ms"],
-                         "inproc_per_seq_tok_s": a["per_seq_tok_s"], "multi_per_seq_tok_s": b["per_seq_tok_s"],
-                         **{f"wire_{k}": v for k, v in wb.items()}})
-    hdr = f"{'preset':6} {'conc':>4} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} {'TTFT in ms':>10} {'TTFT mp ms':>10} {'wire B/tok/layer':>16} {'min':>6} {'x':>5}"
+                         "router_tcp_bytes_per_token": b["router_tcp_per_token"],
+                         "router_message_bytes_per_token": b["router_messages_per_token"],
+                         "exchange_bytes_per_token_layer": b["exchange_per_token_layer"],
+                         "exchange_least": least, "exchange_per_slot": per_slot})
+    hdr = (f"{'preset':6} {'conc':>4} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} {'TTFT in ms':>10} "
+           f"{'TTFT mp ms':>10} {'router TCP B/tok':>16} {'router msg B/tok':>16} {'exch B/tok/layer':>16} "
+           f"{'least':>6} {'per-slot':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['preset']:6} {r['concurrency']:>4} {r['inproc_tok_s']:>12.1f} {r['multi_tok_s']:>11.1f} "
               f"{r['ratio_multi_over_inproc']:>6.2f} {r['inproc_ttft_ms']:>10.1f} {r['multi_ttft_ms']:>10.1f} "
-              f"{r['wire_bytes_per_token_layer']:>16.0f} {r['wire_minimum']:>6} {r['wire_ratio']:>5.2f}")
+              f"{r['router_tcp_bytes_per_token']:>16.0f} {r['router_message_bytes_per_token']:>16.0f} "
+              f"{r['exchange_bytes_per_token_layer']:>16.0f} {r['exchange_least']:>6} {r['exchange_per_slot']:>8}")
+    projection = project_full()
+    print("\nfull-2.8t projection: 16 expert pods x 8 GPUs, 32 redundant/layer, batch 256 per attention worker, bf16 "
+          "on the wire, per attention worker (the step's weight-read limit on H200s is ~11.5 ms, issue #14)")
+    hdr = (f"{'plan':12} {'pods/token':>10} {'rows back/token':>15} {'MB/layer':>9} {'GB/step':>8} "
+           f"{'ms @100Gb/s':>11} {'ms @400Gb/s':>11} {'imbalance':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in projection:
+        print(f"{r['plan']:12} {r['pods_per_token']:>10.2f} {r['rows_back_per_token']:>15.2f} "
+              f"{r['bytes_per_layer'] / 1e6:>9.1f} {r['bytes_per_step'] / 1e9:>8.2f} {r['ms_at_100gbps']:>11.1f} "
+              f"{r['ms_at_400gbps']:>11.1f} {r['imbalance']:>9.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out.write_text(json.dumps({"serving": rows, "projection_full_2_8t": projection}, indent=1))
     print(f"wrote {out}")
     return 0
 

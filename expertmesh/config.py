@@ -36,9 +36,21 @@ class MoEConfig(_Strict):
     topk_group: int = Field(1, gt=0, description="groups a token may route into")
     routed_scaling_factor: float = Field(1.0, gt=0)
     norm_topk_prob: bool = True
+    combine_group_size: int | None = Field(
+        None, gt=0, description="experts per combine group: the unit an expert worker pre-reduces and the order of "
+                                "the canonical combine (kernels/moe/combine.py); a fixed partition, so the sum never "
+                                "depends on placement. Default: the routing group size (n_routed_experts / n_group)")
+
+    @property
+    def combine_groups(self) -> int:
+        """Combine groups per layer (group c = experts [c·S, (c+1)·S), S = combine_group_size)."""
+        return self.n_routed_experts // (self.combine_group_size or self.n_routed_experts // self.n_group)
 
     @model_validator(mode="after")
     def _check(self) -> "MoEConfig":
+        if self.combine_group_size is not None and self.n_routed_experts % self.combine_group_size:
+            raise ValueError(f"moe.combine_group_size={self.combine_group_size} does not divide "
+                             f"moe.n_routed_experts={self.n_routed_experts}")
         if self.top_k > self.n_routed_experts:
             raise ValueError(
                 f"moe.top_k={self.top_k} exceeds moe.n_routed_experts={self.n_routed_experts}")
@@ -460,7 +472,8 @@ def _full_2_8t() -> ModelConfig:
       - hidden size 7168, vocabulary 163,840 (untied embeddings), first 3 layers dense (SwiGLU width 18,432);
       - DSA layers placed evenly, the last layer DSA (KDA:DSA ≈ 3:1);
       - MoE: 624 routed experts per layer (8 groups of 78) of SwiGLU width 2,304, top-16 within the top-4
-        groups, 2 shared experts of the same width, routed scaling 2.5;
+        groups, 2 shared experts of the same width, routed scaling 2.5; combine groups of 39 (half a routing
+        group: one per expert pod per layer at 16 pods, so a token's answer is ≤ 8 rows);
       - MLA: 64 heads, q LoRA rank 1,536, KV LoRA rank 512, nope/rope/v head dims 128/64/128, gated output;
       - indexer: 32 heads × 128 dims;
       - KDA: 64 heads × 128 dims, short conv 4, low-rank gates of rank 128;
@@ -471,7 +484,7 @@ def _full_2_8t() -> ModelConfig:
         name="full-2.8t", vocab_size=163_840, hidden_size=7168,
         layer_types=interleaved_layer_types(93, 24), first_k_dense=3, dense_intermediate_size=18_432,
         moe=MoEConfig(n_routed_experts=624, n_shared_experts=2, top_k=16, expert_intermediate_size=2304,
-                      n_group=8, topk_group=4, routed_scaling_factor=2.5),
+                      n_group=8, topk_group=4, routed_scaling_factor=2.5, combine_group_size=39),
         mla=MLAConfig(n_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                       v_head_dim=128, gated_output=True),
         indexer=IndexerConfig(n_heads=32, head_dim=128, index_topk=2048),

@@ -414,9 +414,9 @@ def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed_sum: torch.Ten
 def routed_sum(cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
     """routed [N, K, H] expert outputs of ids [N, K] with gate weights [N, K] → fp32 [N, H], the canonical grouped
-    combine (per expert group in ascending expert id, then the groups ascending, each rounded through `dtype`)."""
-    return grouped_combine(routed, ids, weights, n_experts=cfg.moe.n_routed_experts, n_groups=cfg.moe.n_group,
-                           dtype=dtype)
+    combine (per combine group in ascending expert id, then the groups ascending, each rounded through `dtype`)."""
+    return grouped_combine(routed, ids, weights, n_experts=cfg.moe.n_routed_experts,
+                           n_groups=cfg.moe.combine_groups, dtype=dtype)
 
 
 class MoE(nn.Module):

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the synthetic skew without --loads")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the synthetic skew")
     p.add_argument("--previous", type=Path, metavar="PLAN", help="plan in force: report (and minimise) moved shards")
+    p.add_argument("--group-aware", action="store_true",
+                   help="each combine group's experts on one pod (less combine traffic; see plan_placement)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the plan (given loads, R redundant) as JSON")
 
 
@@ -92,7 +94,8 @@ def run(args) -> int:
         results = []
         for name, loads, r in columns:
             t0 = time.perf_counter()
-            plan = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous)
+            plan = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous,
+                                  group_aware=args.group_aware)
             seconds = time.perf_counter() - t0
             results.append((f"{name}, r={r}", plan, seconds, imbalance(plan, uniform), imbalance(plan, skewed)))
     except PlanError as e:

@@ -152,10 +152,42 @@ def _previous_shards(previous: PlacementPlan, cfg: ModelConfig, shape: ClusterSh
     return rows[fits], gone, int((~fits).sum())
 
 
+def group_homes(loads: np.ndarray, group_size: int, pods: int, slots_per_pod: int) -> np.ndarray:
+    """EPLB's hierarchical first step: a home pod for every combine group of every layer, int64 [L, E / S].
+
+    The first copy of each expert goes to its group's home when the home has room, so a token's slots in one
+    group are computed on one pod and come back pre-reduced (one row per (token, group), kernels/moe/combine.py).
+    Groups, heaviest first (ties: lower group), go to the pod with the least load in that layer among those with
+    room for the whole group; ties to the pod with the most free slots (over all layers: balances memory), then
+    an index rotated per layer. All layers in lock-step. A group no pod has room for gets −1 (placed freely)."""
+    L, E = loads.shape
+    C = E // group_size
+    group_load = loads.reshape(L, C, group_size).sum(2)                         # [L, C]
+    order = np.lexsort((np.tile(np.arange(C), (L, 1)), -group_load), axis=1) if C > 1 else np.zeros((L, 1), int)
+    homes = np.full((L, C), -1, dtype=np.int64)
+    load = np.zeros((L, pods))
+    room = np.full(pods, slots_per_pod, dtype=np.int64)
+    rotated = (np.arange(pods)[None, :] - (np.arange(L)[:, None] * pods) // L) % pods
+    for j in range(C):                          # the j-th heaviest group of every layer, lower layers first
+        for l in range(L):
+            c = order[l, j]
+            ok = room >= group_size
+            if not ok.any():
+                continue
+            lo = np.where(ok, load[l], np.inf)
+            best = ok & (lo == lo.min())
+            p = int(np.argmin(np.where(best, rotated[l] - room * pods, np.iinfo(np.int64).max)))
+            homes[l, c] = p
+            load[l, p] += group_load[l, c]
+            room[p] -= group_size
+    return homes
+
+
 def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: int,
-          kept: np.ndarray) -> tuple[np.ndarray, int]:
+          kept: np.ndarray, homes: np.ndarray | None = None, group_size: int = 1) -> tuple[np.ndarray, int]:
     """Place every replica (greedy LPT per layer, all layers in lock-step). `kept` rows (gpu id, layer, expert)
-    are already placed. Returns all placed rows (gpu id, layer, expert) and how many replicas were dropped (no
+    are already placed. `homes` [L, E / group_size]: the pod each group's first copies go to when it has a free
+    slot (−1 or None: anywhere). Returns all placed rows (gpu id, layer, expert) and how many replicas were dropped (no
     GPU with a free slot on a pod that does not hold that expert yet)."""
     L, E = counts.shape
     N, P, G = shape.n_gpus, shape.pods, shape.gpus_per_pod
@@ -176,12 +208,18 @@ def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: 
     first = np.concatenate([[True], le[1:] != le[:-1]])
     group_start = np.maximum.accumulate(np.where(first, np.arange(len(le)), 0))
     todo = (np.arange(len(le)) - group_start) >= n_kept.ravel()[le]
+    first = (np.arange(len(le)) - group_start) == 0                 # an expert's first copy (not a replica)
+    home = np.full(len(le), -1, dtype=np.int64)
+    if homes is not None:
+        home = np.where(first, homes[item_l, item_e // group_size], -1)
 
     S = int(sizes.max())
     e_at = np.zeros((L, S), dtype=np.int64)
     w_at = np.zeros((L, S))
     todo_at = np.zeros((L, S), dtype=bool)
+    home_at = np.full((L, S), -1, dtype=np.int64)
     e_at[item_l, rank], w_at[item_l, rank], todo_at[item_l, rank] = item_e, item_w, todo
+    home_at[item_l, rank] = home
 
     load = np.zeros((L, N))
     room = np.full(N, capacity, dtype=np.int64)
@@ -201,6 +239,10 @@ def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: 
         while len(ls):
             e = e_at[ls, j]
             ok_gpu = (room > 0)[None, :] & ~pod_has[ls, e][:, pod_of]
+            h = home_at[ls, j]
+            at_home = ok_gpu & (pod_of[None, :] == h[:, None])
+            use_home = (h >= 0) & at_home.any(axis=1)
+            ok_gpu = np.where(use_home[:, None], at_home, ok_gpu)
             lo = np.where(ok_gpu, load[ls], np.inf)
             best = ok_gpu & (lo == lo.min(axis=1, keepdims=True))
             g = np.argmin(np.where(best, rotated[ls] - room[None, :] * N, worst), axis=1)
@@ -271,7 +313,7 @@ def _moved(previous: PlacementPlan, rows: np.ndarray, G: int, L: int, E: int) ->
 
 # ----------------------------------------------------------------------------------------------- the planner
 def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int = 0, loads=None,
-                   previous: PlacementPlan | None = None) -> PlacementPlan:
+                   previous: PlacementPlan | None = None, group_aware: bool = False) -> PlacementPlan:
     """Place every routed expert of `cfg` on `shape`'s GPUs.
 
     cfg: the model (its MoE layers, E experts per layer, MXFP4 bytes per expert).
@@ -281,6 +323,10 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     loads: tokens per (MoE layer position, expert), [n_moe_layers, E]; None = uniform.
     previous: the plan in force; its still-valid shards stay put (see the module docstring) and
         `figures.moved_shards` counts the shards placed anywhere new.
+    group_aware: first copies of each combine group (moe.combine_group_size experts) on one pod (`group_homes`),
+        so expert workers return one pre-reduced row per (token, group): less combine traffic, but a pod's load
+        per layer is then its groups' load — with skewed loads the per-layer imbalance rises (token-bound
+        prefill feels it; weight-read-bound decode, which reads every held expert anyway, hardly does).
 
     Raises PlanError when the cluster cannot hold one copy of every expert; ValueError for bad arguments.
     """
@@ -323,7 +369,9 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
             notes.append(f"{gone} shards of the previous plan were on pods or GPUs that no longer exist")
         if evicted:
             notes.append(f"{evicted} shards of the previous plan no longer fit their GPU ({capacity} slots now)")
-    rows, dropped = _pack(arr, counts, shape, capacity, kept)
+    S = E // cfg.moe.combine_groups
+    homes = group_homes(arr, S, P, capacity * G) if group_aware and previous is None else None
+    rows, dropped = _pack(arr, counts, shape, capacity, kept, homes, S)
     if dropped:
         notes.append(f"{dropped} redundant replicas dropped: no GPU with a free slot on a pod without that expert")
 

@@ -94,6 +94,11 @@ class _StateCollector:
                 wire.add_metric([c.name, "sent"], sent)
                 wire.add_metric([c.name, "received"], c.bytes_received)
         yield wire
+        exchange = CounterMetricFamily("expertmesh_expert_exchange_bytes",
+                                       "Tensor bytes between attention and expert workers (as the attention workers "
+                                       "report them; the router does not carry them)")
+        exchange.add_metric([], s.exchange_bytes)
+        yield exchange
         steps = CounterMetricFamily("expertmesh_scheduler_steps", "Scheduler steps run")
         steps.add_metric([], s.steps)
         yield steps

@@ -1,5 +1,5 @@
 """gRPC clients of the workers, with the same methods, return types and exceptions as the local objects
-(worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the Engine and the Dispatcher use
+(worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the Engine and the attention workers' expert exchange use
 either without knowing which.
 
 Status codes map back to the workers' exceptions (the server sends the local message as the details):

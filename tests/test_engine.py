@@ -29,11 +29,15 @@ def reference(ckpt):
     return ps, [generate(model, p, SamplingParams(max_tokens=32), prefill_chunk=CHUNK).tokens for p in ps]
 
 
-@pytest.mark.parametrize("attention, experts, redundant", [(1, 1, 0), (1, 2, 0), (2, 3, 0), (2, 3, 2), (1, 2, 16)])
-def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant):
+@pytest.mark.parametrize("attention, experts, redundant, grouped", [
+    (1, 1, 0, True), (1, 2, 0, True), (2, 3, 0, False), (2, 3, 2, True), (1, 2, 16, True)])
+def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant, grouped):
+    """Whole groups pre-reduced on one worker (group-aware plans) or split across workers (per-slot rows folded
+    on the attention worker), with and without replicas: the reference's bits."""
+    from expertmesh.router.local import make_placement
     ps, ref = reference
-    eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
-                             prefill_chunk=CHUNK)
+    eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, prefill_chunk=CHUNK,
+                             placement=make_placement(ckpt.cfg, experts, redundant, group_aware=grouped))
     try:
         reqs = [eng.submit(p, SamplingParams(max_tokens=32)) for p in ps]
         out = [r.wait(120).output for r in reqs]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from expertmesh.config import preset
 from expertmesh.operator import plan_cli
-from expertmesh.operator.planner import (ClusterShape, PlanError, imbalance, moved_shards, plan_placement,
+from expertmesh.operator.planner import (ClusterShape, PlanError, group_homes, imbalance, moved_shards, plan_placement,
                                          pods_needed, replica_counts, zipf_loads)
 from expertmesh.plan import PlacementPlan
 
@@ -431,3 +431,27 @@ def test_cli_as_a_module():
                           env=env, timeout=60, cwd="/")
     assert proc.returncode == 2 and "cluster too small for full-2.8t" in proc.stderr
     assert "3 pods of this shape would fit" in proc.stderr
+
+
+@pytest.mark.parametrize("pods,redundant", [(2, 0), (3, 0), (3, 2), (2, 16)])
+def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
+    from expertmesh.router.local import make_placement
+    cfg = preset("tiny")
+    plan = make_placement(cfg, pods, redundant)                 # what `up` and the in-process engine use
+    S = cfg.moe.n_routed_experts // cfg.moe.combine_groups
+    for layer in cfg.moe_layers:
+        for g in range(cfg.moe.combine_groups):
+            holders = [set(plan.replicas(layer, e)) for e in range(g * S, (g + 1) * S)]
+            assert set.intersection(*holders), (layer, g, holders)
+    counts = [len(plan.experts_of(i)) for i in range(pods)]
+    assert max(counts) - min(counts) <= 1
+    free = plan_placement(cfg, plan.cluster, redundant)        # not group-aware: some group is split
+    assert redundant == 16 or any(not set.intersection(*[set(free.replicas(l, e)) for e in range(g * S, (g + 1) * S)])
+               for l in cfg.moe_layers for g in range(cfg.moe.combine_groups))
+
+
+def test_group_homes_full_preset():
+    cfg = preset("full-2.8t")
+    homes = group_homes(np.ones((cfg.n_moe_layers, 624)), 39, 16, 10_000)
+    assert homes.shape == (cfg.n_moe_layers, 16)
+    assert all(sorted(row) == list(range(16)) for row in homes.tolist())   # one combine group per pod per layer

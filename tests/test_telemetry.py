@@ -62,12 +62,14 @@ def test_one_request_one_trace_with_the_expected_tree(server):
     prefill = [s for s in children if s.name == "prefill_chunk"]
     decode = [s for s in children if s.name == "decode_step"]
     assert len(prefill) == -(-r.usage.prompt_tokens // 16) and len(decode) == r.usage.completion_tokens - 1
-    layer_spans = [s for s in spans if s.name in ("attention", "expert_dispatch")]
-    assert {by_id[s.parent.span_id].name for s in layer_spans} <= {"prefill_chunk", "decode_step"}
-    dispatch = [s for s in layer_spans if s.name == "expert_dispatch"]
-    assert {s.attributes["expertmesh.layer"] for s in dispatch} == set(preset("tiny").moe_layers)
-    calls = [s for s in spans if s.name == "expert.run"]
-    assert calls and all(by_id[s.parent.span_id].name == "expert_dispatch" for s in calls)
+    steps = [s for s in spans if s.name == "step"]
+    assert steps and {by_id[s.parent.span_id].name for s in steps} <= {"prefill_chunk", "decode_step"}
+    calls = [s for s in spans if s.name == "attention.run_step"]
+    assert calls and all(by_id[s.parent.span_id].name == "step" for s in calls)
+    # the attention worker's expert exchange, one span per MoE layer, inside its step call
+    exchange = [s for s in spans if s.name == "expert_exchange"]
+    assert {s.attributes["expertmesh.layer"] for s in exchange} == set(preset("tiny").moe_layers)
+    assert all(by_id[s.parent.span_id].name == "attention.run_step" for s in exchange)
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -93,4 +95,5 @@ def test_metrics_agree_with_usage(server):
     engine = server[1]
     assert routed == sum(sum(c) for c in engine.load_stats().values()) > 0
     assert _metric(text, "expertmesh_expert_load_imbalance_max") >= 1.0
-    assert 'expertmesh_worker_call_duration_seconds_count{method="run",worker="expert-0"}' in text
+    assert 'expertmesh_worker_call_duration_seconds_count{method="run_step",worker="attention-0"}' in text
+    assert _metric(text, "expertmesh_expert_exchange_bytes_total") > 0

@@ -249,7 +249,7 @@ class AttentionWorker:
                               f"{moe.n_routed_experts} experts, found {list(table.moe_layers)} x {table.table.shape[1]}")
         if table.table.size and int(table.table.max()) >= len(clients):
             raise WorkerError(f"replicas: worker ordinal {int(table.table.max())} but {len(clients)} expert workers")
-        exchange = ExpertExchange(clients, table, n_experts=moe.n_routed_experts, n_groups=moe.n_group,
+        exchange = ExpertExchange(clients, table, n_experts=moe.n_routed_experts, n_groups=moe.combine_groups,
                                   probe_interval=probe_interval)
         with self.lock:
             old, self.exchange = self.exchange, exchange

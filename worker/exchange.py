@@ -63,10 +63,9 @@ class _Call:
     worker: int
     rows: np.ndarray            # [n] token index of each request row
     ids: np.ndarray             # [n, K] ascending per row, −1 = not in this call
-    fragment_k: np.ndarray      # [n] the slot column of a fragment row, −1 for a whole-group row
     out_token: np.ndarray       # [R] token of each answer row
     out_group: np.ndarray       # [R] group of each answer row
-    out_k: np.ndarray           # [R] slot column for fragment rows, −1 for whole groups
+    out_k: np.ndarray           # [R] slot column of a fragment (one slot of a split group), −1 for a whole group
 
 
 class ExpertExchange:
@@ -148,24 +147,32 @@ class ExpertExchange:
         for t, k in zip(*np.nonzero(frag & (n_live == 0))):
             missing.setdefault(int(t), set()).add(int(ids[t, k]))
         slot_whole = np.take_along_axis(whole, grp, 1)                          # [N, K] worker of a whole group
+        # fragments of one (token, group) on one worker go in separate request rows (rank 0, 1, ...): a row has
+        # at most one slot per group that is not whole, so the worker's per-(row, group) sum of it is that slot alone
+        rank = np.zeros((N, K), dtype=np.int64)
+        for k in range(1, K):
+            same = frag[:, :k] & (frag_w[:, :k] == frag_w[:, k:k + 1]) & (grp[:, :k] == grp[:, k:k + 1])
+            rank[:, k] = same.sum(1)
         calls = []
         for w in range(W):
-            mine = slot_todo & ~frag & (slot_whole == w)                        # [N, K]
-            whole_rows = np.flatnonzero(mine.any(1))
-            ft, fk = np.nonzero(frag_w == w)
-            if not len(whole_rows) and not len(ft):
+            whole_here = slot_todo & ~frag & (slot_whole == w)                  # [N, K]
+            frag_here = frag & (frag_w == w)
+            slot_row = np.where(whole_here, 0, np.where(frag_here, rank, -1))    # request row rank of each slot
+            R = int(slot_row.max()) + 1
+            if R <= 0:
                 continue
-            rows = np.concatenate([whole_rows, ft])
-            call_ids = np.full((len(rows), K), -1, dtype=np.int64)
-            call_ids[:len(whole_rows)] = np.where(mine[whole_rows], ids[whole_rows], -1)
-            call_ids[len(whole_rows) + np.arange(len(ft)), fk] = ids[ft, fk]
-            # answer rows: per whole row its groups ascending (row-major), then one per fragment
-            gmask = (whole[whole_rows] == w) & todo[whole_rows]                  # [n_whole, G]
-            rr, gg = np.nonzero(gmask)
-            calls.append(_Call(w, rows, call_ids,
-                               np.concatenate([np.full(len(whole_rows), -1), fk]),
-                               np.concatenate([whole_rows[rr], ft]), np.concatenate([gg, grp[ft, fk]]),
-                               np.concatenate([np.full(len(rr), -1), fk])))
+            rows_t, rows_r = np.nonzero((slot_row[:, :, None] == np.arange(R)).any(1))   # (token, rank) rows
+            sel = slot_row[rows_t] == rows_r[:, None]                              # [n, K]
+            call_ids = np.where(sel, ids[rows_t], -1)
+            n = len(rows_t)
+            row_of, k_of = np.nonzero(sel)
+            groups = np.zeros((n, G), dtype=bool)
+            groups[row_of, grp[rows_t[row_of], k_of]] = True
+            frag_k = np.full((n, G), -1, dtype=np.int64)
+            is_frag = frag_here[rows_t[row_of], k_of]
+            frag_k[row_of[is_frag], grp[rows_t[row_of[is_frag]], k_of[is_frag]]] = k_of[is_frag]
+            rr, gg = np.nonzero(groups)                                            # answer rows, row-major
+            calls.append(_Call(w, rows_t, call_ids, rows_t[rr], gg, frag_k[rr, gg]))
         return calls, missing
 
     # ------------------------------------------------------------------ one MoE layer

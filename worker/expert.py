@@ -148,6 +148,6 @@ class ExpertWorker:
                     pending.append((rows, mine[rows], res))
             for rows, mask, res in pending:
                 out[rows][mask] = res.cpu()[mask]
-        moe = self.cfg.moe
-        partials = group_partials(out, expert_ids, weights.float(), n_experts // moe.n_group, moe.n_group)
+        groups = self.cfg.moe.combine_groups
+        partials = group_partials(out, expert_ids, weights.float(), n_experts // groups, groups)
         return partials.to(out_dtype)

@@ -1,7 +1,8 @@
 """The canonical grouped MoE combine: the same bits whichever worker computed which expert.
 
-A token's routed sum is defined in two levels, following the model's expert groups (group g = experts
-[g·S, (g+1)·S), S = E / n_group; routing is group-limited, so a token touches ≤ topk_group groups):
+A token's routed sum is defined in two levels over the model's combine groups (group g = experts [g·S, (g+1)·S),
+S = moe.combine_group_size, by default the routing group size E / n_group — routing is group-limited, so a token
+touches few of them; a group-aware plan keeps each on one expert pod):
 
   P_g   = fold over the token's slots in group g, in ascending expert id:  acc = acc + y_k · w_k   (fp32, from 0)
   sum   = fold over the groups present, ascending:                       acc = acc + round(P_g)  (fp32, from 0)
