@@ -158,6 +158,20 @@ class Kube:
         return self._call("POST", self.path(obj["apiVersion"], obj["kind"], meta["namespace"]), obj,
                           {"fieldManager": FIELD_MANAGER})
 
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
+        """Delete an object — only the one with `uid` when given (a successor of the same name is left alone:
+        checked here and, on a real API server, by the delete's precondition); one already gone is fine."""
+        try:
+            if uid is not None:
+                current = self.get(api_version, kind, namespace, name)
+                if current is None or (current.get("metadata") or {}).get("uid") != uid:
+                    return
+            body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}} if uid else None
+            self._call("DELETE", self.path(api_version, kind, namespace, name), body)
+        except KubeError as e:
+            if e.status not in (404, 409):  # 409: the precondition failed (a successor)
+                raise
+
     def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         return self._call("PATCH", self.path(API_VERSION, KIND, namespace, name, "status"), {"status": status},
                           content_type="application/merge-patch+json")
@@ -199,6 +213,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.networking.request_timeout = 60.0
     settings.watching.server_timeout = 300
     settings.queueing.error_delays = (1, 2, 5, 10, 30, 60)
+    # a timer caught mid-run by a deletion is checked again after this (Kopf's default, 60 s, holds the
+    # resource's deletion that long)
+    settings.background.cancellation_polling = 1.0
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -287,14 +304,18 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
             base["phase"] = "Deploying"  # something changed: pods roll; missing ones are not losses
         if new_plan:
             base["placement"] = {}
-        a = m.assess(parsed, plan, _pods(expertmesh_pods, namespace, name), templates)
+        pods = _pods(expertmesh_pods, namespace, name)
+        restarts = m.plan_restarts(m.compatible(previous, cfg), plan, pods) if new_plan else \
+            m.pending_restarts((status.get("placement") or {}).get("pendingRestarts") or [], pods)
+        a = m.assess(parsed, plan, pods, templates, stale=[r["uid"] for r in restarts])
         decision = m.decide(name, parsed, plan, base, a, generation)
         conds = m.set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
                                 m.summarize_plan(plan), generation)
         lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
         patch.status.update({
             **decision.status, "conditions": conds, "observedGeneration": generation, "revision": rev,
-            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg)),
+            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg),
+                                            restarts=restarts),
             "endpoints": m.endpoints(name, namespace, parsed),
         })
         logger.info(f"plan {plan.plan_hash()} applied: {m.summarize_plan(plan)}")
@@ -322,18 +343,29 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
         if m.revision(children) != status.get("revision"):
             return  # the spec changed and its reconciliation has not finished: its status comes next
         generation = (body.get("metadata") or {}).get("generation")
-        a = m.assess(spec, plan, _pods(index, namespace, name), m.template_hashes(children))
+        pods = _pods(index, namespace, name)
+        placement = status.get("placement") or {}
+        pending = m.pending_restarts(placement.get("pendingRestarts") or [], pods)
+        a = m.assess(spec, plan, pods, m.template_hashes(children), stale=[r["uid"] for r in pending])
         decision = m.decide(name, spec, plan, status, a, generation)
         update = decision.status
         if decision.replan_excluding is not None:
             update = await _replan_around(deps, body, name, namespace, spec, cfg, plan, status, update,
-                                          decision.replan_excluding, generation, logger)
+                                          decision.replan_excluding, generation, logger, pods)
+        else:
+            victim = m.next_restart(pending, pods, plan)
+            if victim is not None:  # onto the published plan: its controller recreates it from the same template
+                logger.info(f"restarting pod {victim['pod']} onto plan {plan.plan_hash()}")
+                await _kube(deps, deps.kube.delete, "v1", "Pod", namespace, victim["pod"], victim["uid"])
+            if len(pending) != len(placement.get("pendingRestarts") or []):
+                update = {**update, "placement": {**placement, "pendingRestarts": [
+                    {"pod": r["pod"], "uid": r["uid"]} for r in pending]}}
         if update and _changed(status, update):
             await _kube(deps, deps.kube.patch_status, namespace, name, update)
 
 
 async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
-                         update: dict, lost: list[int], generation, logger) -> dict:
+                         update: dict, lost: list[int], generation, logger, pods=()) -> dict:
     loads = deps.loads.get((namespace, name))
     try:
         new = m.replan_around(spec, cfg, plan, lost, loads=loads)
@@ -354,7 +386,8 @@ async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec
         conds = m.set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
                                 f"{what}; rolling out plan {new.plan_hash()}", generation)
     return {**update, "phase": "Deploying", "message": f"{what}; rolling out plan {new.plan_hash()}",
-            "conditions": conds, "placement": m.placement_status(new, lost_workers=lost), "revision": rev}
+            "conditions": conds, "revision": rev,
+            "placement": m.placement_status(new, lost_workers=lost, restarts=m.plan_restarts(plan, new, pods))}
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -368,8 +401,8 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     read the load of a Ready one every placement.rebalanceIntervalSeconds."""
     deps: Deps = memo.deps
     status = dict(status or {})
-    if status.get("phase") == "Degraded":
-        await observe(deps, namespace, name, expertmesh_pods, logger)
+    if status.get("phase") == "Degraded" or (status.get("placement") or {}).get("pendingRestarts"):
+        await observe(deps, namespace, name, expertmesh_pods, logger)  # a re-plan due, or a pod to restart
         return
     if status.get("phase") != "Ready":
         return  # rebalance only a settled deployment (not while rolling out or failed)
@@ -403,9 +436,10 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
             generation = (body.get("metadata") or {}).get("generation")
             conds = m.set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
                                     f"{verdict.reason}; {m.summarize_plan(verdict.plan)}", generation)
+            restarts = m.plan_restarts(plan, verdict.plan, _pods(expertmesh_pods, namespace, name))
             update.update(phase="Deploying", conditions=conds, message=verdict.reason,
                           placement=m.placement_status(verdict.plan, moved=verdict.moved,
-                                                       observed_imbalance=verdict.observed))
+                                                       observed_imbalance=verdict.observed, restarts=restarts))
             logger.info(f"rebalanced: {verdict.reason}, {verdict.moved} shards moved")
         patch.status.update(update)
 

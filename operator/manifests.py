@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -210,8 +210,9 @@ def _with_workers(plan: PlacementPlan, gpus_by_ordinal, figures: PlanFigures, no
 
 
 def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: Optional[int] = None,
-                     observed_imbalance: Optional[float] = None) -> dict[str, Any]:
-    """`status.placement` (camelCase) from a plan's figures."""
+                     observed_imbalance: Optional[float] = None,
+                     restarts: Optional[list[dict]] = None) -> dict[str, Any]:
+    """`status.placement` (camelCase) from a plan's figures; `restarts`: pods still to restart onto it."""
     f = plan.figures
     out = {
         "logicalExperts": f.logical_experts,
@@ -224,7 +225,66 @@ def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), move
     }
     if observed_imbalance is not None:
         out["observedImbalance"] = round(float(observed_imbalance), 4)
+    out["pendingRestarts"] = [{"pod": r["pod"], "uid": r["uid"]} for r in restarts or []]
     return out
+
+
+# ------------------------------------------------------------------------------------------------ plan rollout
+# A new plan is published in the plan ConfigMap; no pod template changes. Until expert workers load and drop
+# shards in place (re-reading the mounted plan), a pod adopts a plan when it starts: the operator restarts —
+# one at a time, deleting the pod so its controller recreates it from the unchanged template — only the expert
+# pods whose shards the plan changes, then the router pods (the router pushes the plan and replica table to
+# the attention workers when it starts). Attention pods never restart for a plan. `status.placement.
+# pendingRestarts` lists the pods (name + uid) still on an older plan; they do not count as rolled out.
+def _shards(plan: Optional[PlacementPlan], ordinal: int) -> tuple:
+    if plan is None or ordinal >= len(plan.workers):
+        return ()
+    return tuple((g.gpu, tuple(g.shards)) for g in plan.workers[ordinal].gpus if g.shards)
+
+
+def changed_ordinals(previous: Optional[PlacementPlan], plan: PlacementPlan) -> list[int]:
+    """Expert ordinals whose shards (per device) differ between `previous` and `plan`."""
+    n = max(len(plan.workers), len(previous.workers) if previous is not None else 0)
+    return [o for o in range(n) if _shards(previous, o) != _shards(plan, o)]
+
+
+def plan_restarts(previous: Optional[PlacementPlan], plan: PlacementPlan, pods: Iterable[PodInfo]) -> list[dict]:
+    """The pods started on `previous` that must restart to run `plan`: existing expert pods of a changed
+    ordinal (highest first), then every router pod when anything changed. Nothing without a previous plan."""
+    if previous is None:
+        return []
+    changed = set(changed_ordinals(previous, plan))
+    if not changed:
+        return []
+    pods = [p for p in pods if not p.deleting and p.uid]
+    experts = sorted((p for p in pods if p.component == COMPONENT_EXPERT and p.ordinal in changed
+                      and p.ordinal < plan.cluster.pods), key=lambda p: -p.ordinal)
+    routers = sorted((p for p in pods if p.component == COMPONENT_ROUTER), key=lambda p: p.name)
+    return [{"pod": p.name, "uid": p.uid, "component": p.component} for p in experts + routers]
+
+
+def pending_restarts(pending: Iterable[dict], pods: Iterable[PodInfo]) -> list[dict]:
+    """The entries of `pending` whose pod (same uid) still exists (a deleted pod's successor runs the plan)."""
+    alive = {p.uid: p for p in pods}
+    return [dict(r, component=alive[r["uid"]].component) for r in pending if r.get("uid") in alive]
+
+
+def next_restart(pending: list[dict], pods: Iterable[PodInfo], plan: PlacementPlan) -> Optional[dict]:
+    """The pod to delete now, or None: one at a time, and only while every other pod the plan needs is live
+    (expert pods first; the router pods once no expert pod is left to restart)."""
+    pods = list(pods)
+    if not pending or any(p.deleting for p in pods if p.uid in {r["uid"] for r in pending}):
+        return None  # a restart is under way
+    live_experts = {p.ordinal for p in pods if p.component == COMPONENT_EXPERT and p.live}
+    if any(o not in live_experts for o in plan_ordinals(plan)):
+        return None  # wait for the restarted (or lost) pod to serve again
+    experts = [r for r in pending if r.get("component") == COMPONENT_EXPERT]
+    if experts:
+        return experts[0]
+    routers = {p.name for p in pods if p.component == COMPONENT_ROUTER}
+    if any(not p.live for p in pods if p.component == COMPONENT_ROUTER):
+        return None
+    return next((r for r in pending if r["pod"] in routers), None)
 
 
 def summarize_plan(plan: PlacementPlan) -> str:
@@ -318,11 +378,25 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
             "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size)]
 
 
+def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
+    """The spec's serving limits as router flags: `kv.maxContext` → `--max-context` (prompt + output per
+    sequence), `thinking` → `--thinking-budgets LOW,HIGH,MAX` (the reasoning-token limits the router enforces).
+    Unset fields add nothing: the router serves the checkpoint's own limits."""
+    out: list[str] = []
+    if spec.kv.max_context is not None:
+        out += ["--max-context", str(spec.kv.max_context)]
+    if spec.thinking is not None:
+        t = spec.thinking
+        out += ["--thinking-budgets", f"{t.low},{t.high},{t.max}"]
+    return out
+
+
 def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]:
     att, exp = worker_addresses(name, namespace, spec)
     return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
             "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
-            "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port)]
+            "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
+            *router_serving_args(spec)]
 
 
 def _meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, **extra) -> dict:
@@ -335,9 +409,10 @@ def _hash(obj) -> str:
 
 def _stamped(workload: dict) -> dict:
     """Annotate a workload's pod template with the hash of the template itself: a pod carrying the current
-    hash runs the current spec and plan (pods of an older template are still rolling)."""
+    hash runs the current spec (pods of an older template are still rolling). The plan is not part of any
+    template: which pods still run an older plan is tracked by `plan_restarts`."""
     tmpl = workload["spec"]["template"]
-    tmpl["metadata"].setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = _hash(tmpl)
+    tmpl["metadata"]["annotations"] = {**tmpl["metadata"].get("annotations", {}), TEMPLATE_HASH_ANNOTATION: _hash(tmpl)}
     return workload
 
 
@@ -404,8 +479,9 @@ def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan)
             "serviceName": expert_name(name), "replicas": ew.replicas, "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)},
-            "template": {"metadata": {"labels": labels(name, COMPONENT_EXPERT, spec),
-                                      "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+            # nothing in the pod template changes with the plan: a new plan is published in the ConfigMap
+            # (mounted at PLAN_DIR), it never rolls the StatefulSet
+            "template": {"metadata": {"labels": labels(name, COMPONENT_EXPERT, spec)},
                          "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True)},
         },
     })
@@ -441,9 +517,7 @@ def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) 
         "spec": {
             "replicas": r.replicas,
             "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
-            "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec),
-                                      # the router routes by the plan: a new plan rolls it too
-                                      "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec)},  # nothing of the plan
                          "spec": _pod_spec(name, COMPONENT_ROUTER, spec, container)},
         },
     })
@@ -544,6 +618,7 @@ class PodInfo:
     ready: bool
     template_hash: Optional[str]  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
     deleting: bool = False
+    uid: str = ""
 
     @property
     def live(self) -> bool:
@@ -567,7 +642,7 @@ def pod_info(body: dict) -> Optional[PodInfo]:
         c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
     return PodInfo(name=name, component=component, ordinal=ordinal, ready=ready,
                    template_hash=(meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
-                   deleting=bool(meta.get("deletionTimestamp")))
+                   deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""))
 
 
 @dataclass
@@ -600,11 +675,13 @@ def plan_ordinals(plan: PlacementPlan) -> list[int]:
 
 
 def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
-           templates: dict[str, str]) -> Assessment:
+           templates: dict[str, str], stale: Iterable[str] = ()) -> Assessment:
     """Count live pods of the current templates (`templates`: component → template hash, see
-    `template_hashes`); find the plan-holding expert pods that are not live on the current template and the
-    experts they leave without a live replica."""
-    pods = list(pods)
+    `template_hashes`) that run the current plan (`stale`: uids of pods started before it, see
+    `plan_restarts`); find the plan-holding expert pods that are not live on the current template and plan,
+    and the experts they leave without a live replica."""
+    stale = set(stale)
+    pods = [p if p.uid not in stale else replace(p, template_hash=None) for p in pods]
     desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: spec.attention_workers.replicas,
                COMPONENT_EXPERT: plan.cluster.pods}
 

@@ -34,8 +34,9 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "deployments", _CHILD),
     Rule("policy", "poddisruptionbudgets", _CHILD),
     Rule("networking.k8s.io", "networkpolicies", _CHILD),
-    # worker pods: watched for readiness and loss (never modified)
-    Rule("", "pods", ("get", "list", "watch")),
+    # worker pods: watched for readiness and loss; an expert or router pod on an older plan is deleted (its
+    # controller recreates it from the unchanged template, onto the published plan)
+    Rule("", "pods", ("get", "list", "watch", "delete")),
     # Kopf posts Kubernetes events (core v1) for handler outcomes
     Rule("", "events", ("create",)),
     # Kopf watches CRDs to notice its resource appearing/changing (it degrades gracefully without)

@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--call-timeout", type=float, default=30.0)
+    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
+                        "checkpoint's max_context")
+    p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
+                   help="reasoning-token limits of the thinking tiers low, high and max (default: the checkpoint "
+                        "config's); the router forces the end of thinking at the limit")
     p.add_argument("--api-key-file", default=None,
                    help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
                         "taken from the command line, where `ps` would show them")
@@ -54,13 +60,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", help="require client certificates on the public endpoints (mutual TLS)")
 
 
+def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str | None = None):
+    """`cfg` with the deployment's serving limits (`--max-context`, `--thinking-budgets`) in place of the
+    checkpoint's. Raises ValueError naming the flag when a value is malformed or beyond the model."""
+    from expertmesh.config import ThinkingBudgets
+    update: dict = {}
+    if max_context is not None:
+        if not 0 < max_context <= cfg.max_context:
+            raise ValueError(f"--max-context={max_context}: must be in 1..{cfg.max_context} (the model's max_context)")
+        update["max_context"] = max_context
+    if thinking_budgets is not None:
+        parts = [x.strip() for x in thinking_budgets.split(",")]
+        try:
+            low, high, top = (int(x) for x in parts)
+            update["thinking"] = ThinkingBudgets(low=low, high=high, max=top)
+        except ValueError as e:  # wrong count, not integers, not positive or not ordered (pydantic's is a ValueError)
+            raise ValueError(f"--thinking-budgets={thinking_budgets!r}: expected LOW,HIGH,MAX positive integers with "
+                             f"low <= high <= max ({str(e).splitlines()[-1].strip()})") from None
+    return cfg.model_copy(update=update) if update else cfg
+
+
 def run(args) -> int:
     import os
     from expertmesh.router.http import build_app, serve_http
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from expertmesh import telemetry
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
-    ckpt_cfg = Checkpoint(args.checkpoint).cfg
+    try:
+        ckpt_cfg = serving_config(Checkpoint(args.checkpoint).cfg, max_context=args.max_context,
+                                  thinking_budgets=args.thinking_budgets)
+    except ValueError as e:
+        print(f"expertmesh router: {e}", file=sys.stderr)
+        return 2
     from expertmesh.chat import load_chat
     chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)

@@ -3,7 +3,8 @@ playing the StatefulSet/Deployment controllers and the kubelet — every pod run
 workers and the router from the pods' own command lines), marked Ready when it prints READY.
 
 A `tiny` MoEDeployment (1 attention worker, 2 expert workers holding a replica of every expert, 1 router) reaches
-Ready; a chat request is served through the router at the endpoint the status reports; an expert pod is deleted
+Ready; a chat request is served through the router at the endpoint the status reports, with the spec's thinking
+limits and context length as the router's (`spec.thinking` / `spec.kv.maxContext` → router flags); an expert pod is deleted
 (its process SIGKILLed) while requests stream in: every request still succeeds with the same greedy tokens, the
 resource goes Degraded (ReplicasServing) and back to Ready once the StatefulSet's pod is recreated and serving,
 and the router takes the worker back. Every process exits at the end.
@@ -38,6 +39,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(150),
 NAME = "kimi"
 MAX_TOKENS = 8
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
+THINKING = {"low": 3, "high": 5, "max": 7}   # spec.thinking: reasoning-token limits per tier
+MAX_CONTEXT = 1024                           # spec.kv.maxContext
 MAX_BACKGROUND = 200  # bound on the requests sent while the pod is lost and recovers (one every ~0.5 s)
 
 
@@ -97,7 +100,10 @@ async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(tmp_path):
 
 async def run_scenario(c, node: LocalNode) -> None:
     # 1. a tiny MoEDeployment: 2 expert pods, 16 redundant slots per layer → every expert on both pods
-    await c.create_moe(NAME, tiny_spec(experts=2, slots_per_pod=48, redundant=16))
+    # with serving overrides the router must enforce (tiny's own: thinking 8/24/48, context 4096)
+    spec = tiny_spec(experts=2, slots_per_pod=48, redundant=16)
+    spec.update(thinking=THINKING, kv={"maxContext": MAX_CONTEXT})
+    await c.create_moe(NAME, spec)
     try:
         await eventually(lambda: c.status(NAME).get("phase") == "Ready", timeout=90, what="phase Ready")
     except AssertionError as e:
@@ -130,6 +136,18 @@ async def run_scenario(c, node: LocalNode) -> None:
     status, r = await chat(client, PROMPTS[1])
     assert status == 200
     expected[PROMPTS[1]] = r.choices[0].message
+    # the spec's overrides are what the router serves: thinking limits per tier (a random model never ends its
+    # thinking by itself, so it thinks exactly up to the limit) and the context length
+    for effort, tier in (("low", "low"), ("medium", "high")):
+        r = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], max_completion_tokens=40,
+            temperature=0, reasoning_effort=effort)
+        assert r.usage.completion_tokens_details.reasoning_tokens == THINKING[tier], (tier, r.usage)
+    models = await client.models.list()
+    assert models.data[0].max_model_len == MAX_CONTEXT
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="tiny", prompt=[1] * 10, max_tokens=MAX_CONTEXT)
+    assert e.value.code == "context_length_exceeded" and f"{MAX_CONTEXT} tokens" in e.value.message
     # the operator read the router's real /v1/load through the router Service (it rebalances a Ready deployment)
     await eventually(lambda: c.status(NAME).get("lastRebalanceTime"), timeout=10, what="a load read")
     assert c.status(NAME)["placement"]["observedImbalance"] >= 1.0

@@ -294,7 +294,9 @@ async def test_create_applies_children_and_reports_status():
             assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [(KIND, "kimi", uid, True)]
         sts = c.get("apps/v1/statefulsets", "kimi-expert")
         assert sts["spec"]["replicas"] == 2
-        assert sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == plan.plan_hash()
+        assert m.PLAN_HASH_ANNOTATION not in sts["spec"]["template"]["metadata"]["annotations"]  # the ConfigMap has it
+        assert c.get("v1/configmaps", "kimi-plan")["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == \
+            plan.plan_hash()
         router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
         experts_arg = router["args"][router["args"].index("--experts") + 1]
         assert experts_arg == f"kimi-expert-0.kimi-expert.{NS}.svc:50061,kimi-expert-1.kimi-expert.{NS}.svc:50061"
@@ -312,6 +314,7 @@ async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():
     async with operator() as c:
         st = await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=30))
         old = c.plan("kimi")
+        old_expert = c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"]
         lt_placement = c.condition("kimi", "PlacementReady")["lastTransitionTime"]
         await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
         await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
@@ -324,9 +327,10 @@ async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():
         assert st["placement"]["movedShards"] == moved_shards(old, new) > 0
         sts = c.get("apps/v1/statefulsets", "kimi-expert")
         assert sts["spec"]["replicas"] == 3
-        assert sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == new.plan_hash()
-        router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]
-        assert router["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == new.plan_hash()
+        # the pod templates do not change with the plan: no rollout; the pods the plan changes are restarted
+        assert sts["spec"]["template"] == old_expert  # (the router's changes: it is given the third pod's address)
+        assert {r["pod"] for r in st["placement"]["pendingRestarts"]} <= {
+            "kimi-expert-0", "kimi-expert-1", "kimi-router-5d8f9-0"}
         assert c.condition("kimi", "PlacementReady")["lastTransitionTime"] == lt_placement  # stayed True
         await c.start_pods("kimi")  # the rollout: pods come back on the new plan
         await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready on the new plan")
@@ -429,8 +433,8 @@ async def test_lost_pod_without_replicas_replans_onto_survivors():
         assert st["placement"]["movedShards"] == len(old.experts_of(1))  # only the lost pod's experts move
         assert c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
         assert st["phase"] == "Deploying"
-        assert c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"]["metadata"]["annotations"][
-            m.PLAN_HASH_ANNOTATION] == new.plan_hash()
+        assert m.PLAN_HASH_ANNOTATION not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"][
+            "metadata"]["annotations"]
         # the survivors roll onto the new plan, the lost pod comes back: it rejoins and all is Ready again
         await c.start_pods("kimi")
         await eventually(lambda: c.status("kimi")["placement"]["lostWorkers"] == [], what="rejoined")
@@ -524,3 +528,80 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
                 proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.wait_for(proc.communicate(), 20)
         assert proc.returncode == 0, out.decode()[-3000:]
+
+
+@contextlib.asynccontextmanager
+async def controllers(c: Cluster, name: str, hold: set):
+    """The StatefulSet / Deployment controllers and kubelets, crudely: a missing pod (other than those named in
+    `hold`) is recreated, Ready, from its workload's current template."""
+    async def loop():
+        while True:
+            for sts in (m.attention_name(name), m.expert_name(name)):
+                obj = c.get("apps/v1/statefulsets", sts)
+                for i in range(obj["spec"]["replicas"]):
+                    if f"{sts}-{i}" not in hold and c.get("v1/pods", f"{sts}-{i}") is None:
+                        await c.put_pod(f"{sts}-{i}", obj["spec"]["template"])
+            dep = c.get("apps/v1/deployments", m.router_name(name))
+            pod = f"{m.router_name(name)}-5d8f9-0"
+            if c.get("v1/pods", pod) is None:
+                await c.put_pod(pod, dep["spec"]["template"])
+            await asyncio.sleep(0.05)
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _uids(c: Cluster) -> dict[str, str]:
+    return {k[2]: _plain(v.raw)["metadata"]["uid"] for k, v in list(c.emu.objects.items())
+            if k[0] == kmock.resource("v1/pods") and k[1] == NS and not v.deleted}
+
+
+async def test_new_plans_are_published_without_touching_pod_templates():
+    """redundantExperts changed, then an expert pod lost: each publishes a new plan in the ConfigMap while every
+    pod template stays byte-identical; only the expert pods whose shards changed (and the router) restart onto
+    it, one at a time; the attention pod and unchanged expert pods keep running."""
+    def templates():
+        return json.dumps([c.get(r, n)["spec"]["template"] for r, n in (
+            ("apps/v1/statefulsets", "kimi-expert"), ("apps/v1/statefulsets", "kimi-attention"),
+            ("apps/v1/deployments", "kimi-router"))], sort_keys=True)
+
+    async with operator() as c:
+        await ready_deployment(c, "kimi", tiny_spec(experts=4, slots_per_pod=18, grace=0))
+        hold: set = set()
+        async with controllers(c, "kimi", hold):
+            before, uids, old = templates(), _uids(c), c.plan("kimi")
+            await c.patch_moe("kimi", {"spec": {"expertWorkers": {"redundantExperts": 1}}})
+            await eventually(lambda: c.status("kimi")["placement"]["planHash"] != old.plan_hash(), what="new plan")
+            new = c.plan("kimi")
+            assert new.figures.physical_experts == TINY_EXPERTS + 1 * 3
+            assert templates() == before
+            changed = m.changed_ordinals(old, new)
+            assert changed and set(changed) < {0, 1, 2, 3}  # minimal movement: not every pod gains a replica
+            assert c.status("kimi")["placement"]["movedShards"] == 3
+            await eventually(lambda: c.status("kimi").get("phase") == "Ready"
+                             and c.status("kimi")["placement"]["pendingRestarts"] == [], what="restarted, Ready")
+            now = _uids(c)
+            restarted = sorted(p for p in uids if now.get(p) != uids[p])
+            assert restarted == sorted([f"kimi-expert-{o}" for o in changed] + ["kimi-router-5d8f9-0"])
+            assert now["kimi-attention-0"] == uids["kimi-attention-0"]
+
+            # an expert pod is lost for good: its experts are re-planned onto the survivors, templates unchanged
+            old, uids = c.plan("kimi"), _uids(c)
+            hold.add("kimi-expert-1")
+            await c.delete_pod("kimi-expert-1")
+            await eventually(lambda: c.status("kimi")["placement"]["planHash"] != old.plan_hash(), what="re-plan")
+            assert templates() == before and c.plan("kimi").experts_of(1) == []
+            await eventually(lambda: c.status("kimi")["placement"]["pendingRestarts"] == [] and
+                             c.status("kimi").get("phase") == "Degraded", what="survivors restarted")
+            assert c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
+            now = _uids(c)
+            assert {p for p in uids if p in now and now[p] != uids[p]} == {
+                f"kimi-expert-{o}" for o in m.changed_ordinals(old, c.plan("kimi")) if o != 1} | {"kimi-router-5d8f9-0"}
+            # it comes back: re-planned onto every pod, still without touching a template
+            hold.clear()
+            await eventually(lambda: c.status("kimi").get("phase") == "Ready" and
+                             c.plan("kimi").experts_of(1) != [], timeout=15, what="rejoined and Ready")
+            assert templates() == before

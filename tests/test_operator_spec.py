@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import subprocess
 import sys
@@ -254,28 +255,82 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert dict(zip(att["args"][3::2], att["args"][4::2]))["--kv-blocks"] == str(4096 // 16)
 
 
-def test_plan_hash_annotation_changes_with_the_plan(tiny_plan):
+def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(tiny_plan):
     spec, cfg, plan = tiny_plan
-    spec3 = parse_spec(tiny(expertWorkers={"replicas": 3}))
-    plan3 = m.plan_for(spec3, cfg, previous=plan)
-    assert plan3.plan_hash() != plan.plan_hash()
+    spec_r = parse_spec(tiny(expertWorkers={"redundantExperts": 2}))
+    plan_r = m.plan_for(spec_r, cfg, previous=plan)
+    assert plan_r.plan_hash() != plan.plan_hash()
 
-    def hashes(s, p):
+    def parts(s, p):
         ch = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children("kimi", "ns", s, cfg, p)}
-        sts, dep = ch[("StatefulSet", "kimi-expert")], ch[("Deployment", "kimi-router")]
-        return (sts["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
-                dep["spec"]["template"]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
-                ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
-                m.template_hashes(list(ch.values()))["expert-worker"])
+        return (ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
+                ch[("ConfigMap", "kimi-plan")]["data"]["plan.json"],
+                [json.dumps(c["spec"]["template"], sort_keys=True) for c in ch.values() if "template" in c.get("spec", {})],
+                m.revision(list(ch.values())))
 
-    a, b = hashes(spec, plan), hashes(spec3, plan3)
-    assert a[:3] == (plan.plan_hash(),) * 3 and b[:3] == (plan3.plan_hash(),) * 3 and a[3] != b[3]
-    # same spec and previous plan → the same plan kept (an operator restart does not roll pods)
+    a, b = parts(spec, plan), parts(spec_r, plan_r)
+    assert (a[0], b[0]) == (plan.plan_hash(), plan_r.plan_hash()) and a[1] != b[1]
+    assert a[2] == b[2]  # attention, expert and router pod templates byte-identical: a new plan rolls nothing
+    assert a[3] != b[3]  # but it is a new revision (the ConfigMap changed)
+    # same spec and previous plan → the same plan kept (an operator restart does not restart pods)
     assert m.plan_for(spec, cfg, previous=plan) is plan
-    same = m.build_children("kimi", "ns", spec, cfg, plan)
-    assert m.revision(same) == m.revision(m.build_children("kimi", "ns", spec, cfg, plan))
     bumped = parse_spec(tiny(image={"tag": "0.2.0"}))
-    assert m.revision(m.build_children("kimi", "ns", bumped, cfg, plan)) != m.revision(same)
+    assert parts(bumped, plan)[2] != a[2]  # a spec change does roll the pods
+
+
+def _pod(name, component, uid, ordinal=None, ready=True, deleting=False):
+    return m.PodInfo(name=name, component=component, ordinal=ordinal, ready=ready, template_hash="t",
+                     deleting=deleting, uid=uid)
+
+
+def test_plan_restarts_only_changed_expert_pods_then_the_router(tiny_plan):
+    spec, cfg, plan = tiny_plan
+    spec3 = parse_spec(tiny(expertWorkers={"replicas": 3, "gpuMemoryGiB": 40 * TINY_EXPERT_BYTES / GIB}))
+    new = m.replan_around(spec3, cfg, m.plan_for(spec3, cfg), [2])  # ordinal 2's experts move to 0 and 1
+    old = m.plan_for(spec3, cfg)
+    changed = m.changed_ordinals(old, new)
+    assert changed == [0, 1, 2]
+    same = m.plan_for(spec3, cfg)
+    assert m.changed_ordinals(same, same) == [] and m.plan_restarts(same, same, []) == []
+    pods = [_pod("kimi-expert-0", m.COMPONENT_EXPERT, "e0", 0), _pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1", 1),
+            _pod("kimi-attention-0", m.COMPONENT_ATTENTION, "a0", 0), _pod("kimi-router-x", m.COMPONENT_ROUTER, "r")]
+    restarts = m.plan_restarts(old, new, pods)  # expert-2 is gone: its successor starts on the new plan
+    assert [r["pod"] for r in restarts] == ["kimi-expert-1", "kimi-expert-0", "kimi-router-x"]
+    assert m.plan_restarts(None, new, pods) == []
+    # one at a time, experts first, only while every pod the plan needs is live
+    assert m.next_restart(restarts, pods, new)["pod"] == "kimi-expert-1"
+    after = [_pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1b", 1, ready=False)] + [p for p in pods if p.uid != "e1"]
+    pending = m.pending_restarts(restarts, after)
+    assert [r["pod"] for r in pending] == ["kimi-expert-0", "kimi-router-x"]
+    assert m.next_restart(pending, after, new) is None  # expert-1 is not serving yet
+    after[0] = _pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1b", 1)
+    assert m.next_restart(pending, after, new)["pod"] == "kimi-expert-0"
+    routers_only = [r for r in pending if r["component"] == m.COMPONENT_ROUTER]
+    assert m.next_restart(routers_only, after, new)["pod"] == "kimi-router-x"
+    # a pod to restart counts as not rolled out
+    a = m.assess(spec3, new, after, {c: "t" for c in (m.COMPONENT_ROUTER, m.COMPONENT_ATTENTION,
+                                                      m.COMPONENT_EXPERT)}, stale=["e0"])
+    assert a.lost_experts == [0] and not a.rolled_out
+
+
+def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
+    from expertmesh.router.server import add_arguments as router_arguments, serving_config
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
+    router = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children(
+        "kimi", "ns", spec, cfg, plan)}[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]
+    p = argparse.ArgumentParser()
+    router_arguments(p)
+    args = p.parse_args(router["args"][1:])
+    assert (args.max_context, args.thinking_budgets) == (1024, "3,5,7")
+    served = serving_config(cfg, max_context=args.max_context, thinking_budgets=args.thinking_budgets)
+    assert served.max_context == 1024 and (served.thinking.low, served.thinking.high, served.thinking.max) == (3, 5, 7)
+    assert serving_config(cfg) is cfg and m.router_serving_args(parse_spec(tiny())) == []
+    for bad, words in (({"max_context": cfg.max_context + 1}, "--max-context"),
+                       ({"thinking_budgets": "3,2,7"}, "low <= high <= max"),
+                       ({"thinking_budgets": "3,5"}, "LOW,HIGH,MAX")):
+        with pytest.raises(ValueError, match=words):
+            serving_config(cfg, **bad)
 
 
 def test_too_small_cluster_raises_plan_error_with_missing_memory():
@@ -405,11 +460,13 @@ def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     for verb in ("get", "list", "watch", "patch"):
         assert rbac.allows(granted, "expertmesh.dev", "moedeployments", verb)
     assert rbac.allows(granted, "expertmesh.dev", "moedeployments/status", "patch")
-    assert rbac.allows(granted, "", "pods", "watch") and not rbac.allows(granted, "", "pods", "delete")
+    # pods: watched, and deleted only to restart one onto a new plan (never created, patched or updated)
+    assert rbac.allows(granted, "", "pods", "watch") and rbac.allows(granted, "", "pods", "delete")
+    assert not any(rbac.allows(granted, "", "pods", v) for v in ("create", "patch", "update"))
     assert not rbac.allows(granted, "", "secrets", "get")
     assert rbac.missing(granted) == []
     assert rbac.missing([r for r in granted if r["resources"] != ["pods"]]) == [
-        "core/pods:get", "core/pods:list", "core/pods:watch"]
+        "core/pods:get", "core/pods:list", "core/pods:watch", "core/pods:delete"]
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in granted)
 
 
