@@ -10,28 +10,27 @@ Each scheduler step:
      tokens to the expert workers directly at each MoE layer (worker/exchange.py), and returns sampled tokens;
   4. hand sampled tokens to the requests, finish the ones that stop, record saved prefixes.
 The router's traffic is token ids and plan entries — independent of hidden size and layer count.
-Workers are reached through clients with the same methods whether in process or over gRPC.
+Workers are reached through clients with the same methods whether in process or over gRPC. The request and its
+errors live in router/request.py, the step planner in router/scheduler.py, the KV / prefix index in router/kv.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
-import torch
 
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
 from expertmesh.router.kv import KVManager, WorkerKV
+from expertmesh.router.request import (ContextLengthExceeded, EngineClosed, ExpertsUnavailable, QueueFull,  # noqa: F401
+                                       Request, RequestError, TokenLogprob)
 from expertmesh.router.scheduler import plan_snapshots, plan_step
 from expertmesh.router.tracing import StepTrace
 from expertmesh.worker.attention import NotConnected, StepDone, StepSegment, TokenLogprobs, WorkerError
@@ -49,117 +48,6 @@ def _serving(client) -> bool:
         return health() == "SERVING"
     except Exception:
         return False
-
-
-class RequestError(ValueError):
-    """Bad request (→ 400 / INVALID_ARGUMENT), naming the field."""
-
-
-class ContextLengthExceeded(RequestError):
-    """The prompt, or the prompt plus max_tokens, does not fit the model's context (OpenAI's
-    `context_length_exceeded`); carries the counts."""
-
-    def __init__(self, message: str, *, prompt_tokens: int, max_tokens: int, context: int, param: str):
-        super().__init__(message)
-        self.prompt_tokens, self.max_tokens, self.context, self.param = prompt_tokens, max_tokens, context, param
-
-
-class ExpertsUnavailable(RuntimeError):
-    """Some chosen expert has no live replica (→ UNAVAILABLE / HTTP 503, naming the experts)."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound (→ 429 / RESOURCE_EXHAUSTED)."""
-
-
-class EngineClosed(RuntimeError):
-    pass
-
-
-@dataclass
-class TokenLogprob:
-    """One token's log-probability under the model (before temperature / top-k / top-p) and its position's top
-    alternatives, most likely first."""
-    token: int
-    logprob: float | None          # None: a token forced by the server (thinking budget) outside `top`
-    top: list[tuple[int, float]]
-
-    @staticmethod
-    def entries(run: TokenLogprobs) -> list["TokenLogprob"]:
-        return [TokenLogprob(t, lp, list(zip(ids, lps))) for t, lp, ids, lps in
-                zip(run.token_ids.tolist(), run.logprobs.tolist(), run.top_ids.tolist(), run.top_logprobs.tolist())]
-
-    def forced(self, token: int) -> "TokenLogprob":
-        """The entry for `token` fed instead of this sampled one (same position, same alternatives)."""
-        return TokenLogprob(token, dict(self.top).get(token), self.top)
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    # called with each sampled token; may return a different token to force (thinking budgets)
-    token_filter: Callable[["Request", int], int] | None = None
-    # runtime state
-    worker: int = -1
-    seq_id: str = ""
-    computed: int = 0                     # tokens of prompt + output already fed to the model
-    cached_tokens: int = 0
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: Exception | None = None
-    arrived: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    last_token_at: float = 0.0
-    events: "queue.Queue" = field(default_factory=queue.Queue)   # ("token", id) / ("done", None)
-    cancelled: bool = False
-    notify: Callable[[], None] | None = None    # called after each event (wakes an async consumer)
-    trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
-    queue_span: object | None = None
-    hasher: PrefixHasher | None = None          # hash chain of tokens fed so far (prefix-cache keys)
-    # params.prompt_logprobs: position (1..len(prompt)-1) → entry; params.logprobs: one entry per output token,
-    # set before the token's event
-    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def _emit(self, kind: str, value) -> None:
-        self.events.put((kind, value))
-        if self.notify is not None:
-            self.notify()
-
-    def drain(self) -> list[tuple[str, object]]:
-        """Events so far, without blocking."""
-        out = []
-        while True:
-            try:
-                out.append(self.events.get_nowait())
-            except queue.Empty:
-                return out
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def stream(self, timeout: float | None = None):
-        """Yield tokens as they come; raises the request's error if it failed."""
-        while True:
-            kind, value = self.events.get(timeout=timeout)
-            if kind == "token":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
-                return
-
-    def wait(self, timeout: float | None = None) -> "Request":
-        for _ in self.stream(timeout):
-            pass
-        return self
 
 
 @dataclass
