@@ -102,30 +102,39 @@ def render_tools(tools: list[dict] | None) -> str:
 
 def render(messages: list[Message], tokenizer: ByteTokenizer, *, tools: list[dict] | None = None,
            thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of a conversation (validated first)."""
+    """The token ids of a conversation (validated first): the header, each message on its own, the generation
+    prompt — a concatenation, so a conversation can also be assembled piece by piece (the Responses API splices
+    the exact generated tokens of earlier turns between rendered messages)."""
     validate_history(messages)
     t = tokenizer
-    ids = [t.bos_id]
-    rest = messages
     system = messages[0].content if messages[0].role == "system" else None
+    ids = render_header(system, tools, t)
+    for m in messages[1:] if system is not None else messages:
+        ids += render_message(m, t)
+    if add_generation_prompt:
+        ids += generation_prompt(t, thinking)
+    return ids
+
+
+def render_header(system: str | None, tools: list[dict] | None, t: ByteTokenizer) -> list[int]:
+    """⟨bos⟩ and the system turn (system text, tools)."""
+    ids = [t.bos_id]
     if system is not None or tools:
         ids.append(t.system_id)
         ids += t.encode(system or "")
         if tools:
             ids += [t.tools_start_id] + t.encode(render_tools(tools)) + [t.tools_end_id]
         ids.append(t.end_id)
-    if system is not None:
-        rest = messages[1:]
-    for m in rest:
-        if m.role == "user":
-            ids += [t.user_id] + t.encode(m.content) + [t.end_id]
-        elif m.role == "tool":
-            ids += [t.tool_id] + t.encode(f"{m.tool_call_id}\n{m.content}") + [t.end_id]
-        else:
-            ids += render_assistant(m, t)
-    if add_generation_prompt:
-        ids += generation_prompt(t, thinking)
     return ids
+
+
+def render_message(m: Message, t: ByteTokenizer) -> list[int]:
+    """One user, tool or assistant message (after the header)."""
+    if m.role == "user":
+        return [t.user_id] + t.encode(m.content) + [t.end_id]
+    if m.role == "tool":
+        return [t.tool_id] + t.encode(f"{m.tool_call_id}\n{m.content}") + [t.end_id]
+    return render_assistant(m, t)
 
 
 def generation_prompt(t: ByteTokenizer, thinking: bool) -> list[int]:

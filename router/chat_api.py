@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -227,7 +228,16 @@ def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, 
                thinking_limit: int | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
-    rendered = render_prompt(fmt, messages, tools, thinking)
+    return submit_chat(engine, fmt, render_prompt(fmt, messages, tools, thinking), tier=tier, thinking=thinking,
+                       max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, api=api,
+                       logprobs=logprobs, stop=stop, sampling=sampling, thinking_limit=thinking_limit)
+
+
+def submit_chat(engine: Engine, fmt: ChatFormat, rendered, *, tier: str, thinking: bool, max_tokens: int,
+                temperature: float, top_p: float, seed: int | None, api: str = "openai", logprobs: int | None = None,
+                stop: list[str] | None = None, sampling: dict | None = None,
+                thinking_limit: int | None = None) -> ChatRun:
+    """Submit an already rendered prompt (RenderedPrompt: ids and the phase generation starts in)."""
     limit = thinking_limit if thinking and thinking_limit is not None else \
         engine.cfg.thinking.limit(tier if thinking else "low")
     run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
@@ -276,6 +286,7 @@ class ChatBody(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)      # needs logprobs
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"     # the context-overflow policy (router/truncation.py)
 
 
 def thinking_wanted(body: ChatBody) -> bool:
@@ -373,7 +384,10 @@ def openai_messages(raw: list[dict]) -> list[Message]:
     return out
 
 
-def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
+def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key,
+                  reasoning_memory=None) -> APIRouter:
+    """`reasoning_memory` (router/response_store.ReasoningMemory): gives answers this router generated their
+    reasoning back when a client's history drops it; None turns that off."""
     api = APIRouter()
     tok = fmt.tokenizer
 
@@ -390,7 +404,10 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             if not body.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt: only true is supported (the chat endpoint always adds "
                                     "it)", param="add_generation_prompt")
-            ids = render_prompt(fmt, openai_messages(body.messages), body.tools, True).ids
+            messages = openai_messages(body.messages)
+            if reasoning_memory is not None:
+                reasoning_memory.fill(messages)
+            ids = render_prompt(fmt, messages, body.tools, True).ids
         else:
             if body.tools is not None:
                 raise APIError(400, "tools: only with messages", param="tools")
@@ -436,7 +453,16 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             raise APIError(400, f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]",
                            param="top_logprobs")
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        run = start_chat(engine, fmt, openai_messages(body.messages), tools, tier=tier, thinking=thinking,
+        messages = openai_messages(body.messages)
+        if reasoning_memory is not None:
+            reasoning_memory.fill(messages)
+        report, headers = None, {}
+        if body.truncation == "auto":
+            from expertmesh.router.responses_api import truncate_messages
+            messages, report = truncate_messages(fmt, messages, tools, thinking,
+                                                 limit=engine.cfg.max_context - max_tokens)
+            headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))} if report else {}
+        run = start_chat(engine, fmt, messages, tools, tier=tier, thinking=thinking,
                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                          logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
                          sampling=body.sampling_kwargs())
@@ -455,6 +481,11 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                     "prompt_tokens_details": {"cached_tokens": u["cached"]},
                     "completion_tokens_details": {"reasoning_tokens": u["reasoning"]}}
 
+        def remember(parsed) -> None:
+            if reasoning_memory is not None and run.stop_hit is None:
+                reasoning_memory.remember(Message("assistant", parsed.content, reasoning=parsed.reasoning,
+                                                  tool_calls=parsed.tool_calls))
+
         def tool_calls_json(parsed) -> list[dict]:
             return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in parsed.tool_calls]
@@ -469,14 +500,16 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             finally:
                 watcher.cancel()
             parsed = run.result()
+            remember(parsed)
             message = {"role": "assistant", "content": parsed.content or None,
                        "reasoning_content": parsed.reasoning or None}
             if parsed.tool_calls:
                 message["tool_calls"] = tool_calls_json(parsed)
-            return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                    "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason(parsed),
-                                 "logprobs": logprobs(0, len(run.req.output))}],
-                    "usage": usage(parsed), "thinking_budget": run.tier}
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": name,
+                                 "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason(parsed),
+                                              "logprobs": logprobs(0, len(run.req.output))}],
+                                 "usage": usage(parsed), "thinking_budget": run.tier,
+                                 **({"truncation_report": report} if report else {})}, headers=headers)
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
@@ -502,6 +535,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                     yield chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text},
                                 upto=run.consumed)
                 parsed = run.result()
+                remember(parsed)
                 run.record(parsed)
                 if parsed.content.startswith(sent) and len(parsed.content) > len(sent):
                     yield chunk({"content": parsed.content[len(sent):]})   # held-back malformed tool call
@@ -521,7 +555,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                     engine.cancel(run.req)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
 
     return api
 

@@ -263,9 +263,11 @@ async def iterate_events(req: Request):
 
 
 def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-              chat: ChatFormat | None = None) -> FastAPI:
+              chat: ChatFormat | None = None, response_store=None, reasoning_memory: bool = True) -> FastAPI:
     """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat.load_chat(dir)`); default: the
-    built-in format over the byte tokenizer."""
+    built-in format over the byte tokenizer. `response_store`: the Responses API's stored responses
+    (router/response_store.ResponseStore; default: this replica's, bounded). `reasoning_memory`: give chat
+    histories that drop the reasoning of answers generated here their reasoning back."""
     try:   # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
         app = FastAPI(title="expertmesh router", version="0.1.0",
                       telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
@@ -502,8 +504,14 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     from expertmesh.router.chat_api import anthropic_router, openai_router
-    app.include_router(openai_router(engine, chat, name, check_model, check_key))
+    from expertmesh.router.response_store import ReasoningMemory, ResponseStore, default_replica
+    from expertmesh.router.responses_api import responses_router
+    memory = ReasoningMemory() if reasoning_memory else None
+    app.include_router(openai_router(engine, chat, name, check_model, check_key, reasoning_memory=memory))
     app.include_router(anthropic_router(engine, chat, name, check_model, check_key))
+    store = response_store if response_store is not None else ResponseStore(replica=default_replica())
+    app.include_router(responses_router(engine, chat, name, check_model, check_key, store))
+    app.state.response_store = store
     app.state.engine = engine
     app.state.tokenizer = tok
     app.state.chat = chat

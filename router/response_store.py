@@ -1,0 +1,181 @@
+"""Server-kept state of the Responses API: stored responses, bounded in count and bytes, least recently used
+first out, expiring after a time to live.
+
+A stored response keeps what a follow-up needs to continue the conversation token-exactly: the conversation as
+segments (each message's exact prompt tokens, and each generated turn's exact output tokens, reasoning and
+tool-call markup included) and the response object the API returns. Nothing survives a router restart: the
+store is process memory, like the KV prefix cache it feeds (a follow-up after a restart gets 404
+`previous_response_not_found` and the client resends the history).
+
+Several router replicas: a response id names the replica that holds it (`resp_<replica>_<hex>`). A replica
+asked to continue another's response answers 404 `previous_response_not_found` naming the owner, so a load
+balancer can route follow-ups by the id's replica part (sticky sessions), which also keeps the KV prefix on the
+workers of that replica.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from expertmesh.chat import Message
+
+
+@dataclass
+class Segment:
+    """One message of a conversation and its exact tokens (None: rendered from `message` when needed —
+    a chat template that cannot be rendered piece by piece)."""
+    message: Message
+    ids: list[int] | None = None
+    item_ids: tuple[str, ...] = ()     # output item ids of a generated assistant turn (rs_…, msg_…, fc_…)
+
+    @property
+    def role(self) -> str:
+        return self.message.role
+
+    def nbytes(self) -> int:
+        m = self.message
+        text = len(m.content) + len(m.reasoning or "") + sum(len(c.arguments) + len(c.name) + len(c.id)
+                                                              for c in m.tool_calls)
+        return 4 * len(self.ids or ()) + text + 64
+
+
+@dataclass
+class StoredResponse:
+    id: str
+    response: dict                       # the Response object as returned (GET /v1/responses/{id})
+    input_items: list[dict]              # the items this request added, with ids (GET …/input_items)
+    segments: list[Segment]              # the conversation the model saw, its answer last
+    created: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+
+
+class ResponseStore:
+    """Thread-safe LRU of stored responses, bounded by count and by bytes, each living at most `ttl` seconds."""
+
+    def __init__(self, *, max_responses: int = 1024, max_bytes: int = 256 * 2 ** 20, ttl: float = 3600.0,
+                 replica: str = "r0", clock=time.monotonic):
+        if not re.fullmatch(r"[a-z0-9-]{1,24}", replica):
+            raise ValueError(f"replica {replica!r}: expected 1-24 lowercase letters, digits or '-'")
+        self.max_responses, self.max_bytes, self.ttl, self.replica, self.clock = \
+            max_responses, max_bytes, ttl, replica, clock
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._by_item: dict[str, str] = {}        # output item id → response id
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def new_id(self) -> str:
+        return f"resp_{self.replica}_{uuid.uuid4().hex[:24]}"
+
+    @staticmethod
+    def replica_of(response_id: str) -> str | None:
+        m = re.fullmatch(r"resp_([a-z0-9-]{1,24})_[0-9a-f]{24}", response_id)
+        return m.group(1) if m else None
+
+    def put(self, stored: StoredResponse) -> None:
+        stored.nbytes = sum(s.nbytes() for s in stored.segments) + 2 * len(repr(stored.response)) + \
+            2 * len(repr(stored.input_items))
+        stored.created = self.clock()
+        with self._lock:
+            self._drop(stored.id)
+            self._items[stored.id] = stored
+            self.bytes += stored.nbytes
+            for s in stored.segments[-1:]:
+                for item_id in s.item_ids:
+                    self._by_item[item_id] = stored.id
+            self._expire()
+            while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
+                self._drop(next(iter(self._items)))
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            self._expire()
+            stored = self._items.get(response_id)
+            if stored is not None:
+                self._items.move_to_end(response_id)
+            return stored
+
+    def by_output_item(self, item_id: str) -> StoredResponse | None:
+        """The stored response whose answer produced this output item (a client sending the history back)."""
+        with self._lock:
+            rid = self._by_item.get(item_id)
+        return self.get(rid) if rid else None
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._drop(response_id)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._items)
+
+    def _drop(self, response_id: str) -> bool:
+        stored = self._items.pop(response_id, None)
+        if stored is None:
+            return False
+        self.bytes -= stored.nbytes
+        for s in stored.segments[-1:]:
+            for item_id in s.item_ids:
+                if self._by_item.get(item_id) == response_id:
+                    del self._by_item[item_id]
+        return True
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for k in [k for k, v in self._items.items() if now - v.created > self.ttl]:
+            self._drop(k)
+
+
+def default_replica() -> str:
+    """This router replica's name in response ids: $EXPERTMESH_REPLICA, else $HOSTNAME (the pod name), else r0."""
+    raw = os.environ.get("EXPERTMESH_REPLICA") or os.environ.get("HOSTNAME") or "r0"
+    name = re.sub(r"[^a-z0-9-]", "-", raw.lower())[-24:].strip("-")
+    return name or "r0"
+
+
+class ReasoningMemory:
+    """Reasoning continuity for chat-completions clients that drop it (the Agents SDK over chat completions,
+    LangChain): the reasoning of each answer this router generated, keyed by a hash of what clients do send back
+    (the content and the tool calls with their ids). An assistant message that matches one and arrives without
+    reasoning gets it back, so the prompt is the one a client that keeps the reasoning would send. Bounded LRU."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._items: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(m: Message) -> str:
+        calls = [[c.id, c.name, c.arguments] for c in m.tool_calls]
+        return hashlib.sha256(json.dumps([m.content or "", calls]).encode()).hexdigest()
+
+    def remember(self, answer: Message) -> None:
+        if not answer.reasoning:
+            return
+        with self._lock:
+            k = self.key(answer)
+            self._items[k] = answer.reasoning
+            self._items.move_to_end(k)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+    def fill(self, messages: list[Message]) -> int:
+        """Put the reasoning back into assistant messages that match a generated answer and lack it; returns
+        how many were filled."""
+        filled = 0
+        for m in messages:
+            if m.role != "assistant" or m.reasoning:
+                continue
+            with self._lock:
+                reasoning = self._items.get(self.key(m))
+            if reasoning is not None:
+                m.reasoning = reasoning
+                filled += 1
+        return filled
