@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "`expertmesh worker --help` for its flags")
     w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(["--help"]))
 
+    fe = sub.add_parser("fetch", help="fetch a checkpoint (http(s)://, hf://) into a cache directory, every file "
+                                      "verified by sha256 (the pods' init container)")
+    from expertmesh import fetch as fetch_mod
+    fetch_mod.add_arguments(fe)
+    fe.set_defaults(func=fetch_mod.run)
+
     o = sub.add_parser("operator", help="the Kopf operator for MoEDeployment resources")
     from expertmesh.operator import main as operator_main
     operator_main.add_arguments(o)

@@ -117,7 +117,7 @@ class Kube:
         return headers
 
     def _call(self, method: str, path: str, body=None, query: Optional[dict] = None,
-              content_type: str = "application/json"):
+              content_type: str = "application/json", raw: bool = False):
         import urllib3
         from urllib.parse import urlencode
         url = self.conf.host.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
@@ -134,6 +134,8 @@ class Kube:
             except (ValueError, AttributeError):
                 message = text[:300]
             raise KubeError(resp.status, f"{method} {path}: {message}")
+        if raw:
+            return text
         return json.loads(text) if text else {}
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
@@ -172,6 +174,11 @@ class Kube:
             if e.status not in (404, 409):  # 409: the precondition failed (a successor)
                 raise
 
+    def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
+        """The last lines of a container's log (as `kubectl logs --tail`)."""
+        return self._call("GET", self.path("v1", "Pod", namespace, pod, "log"),
+                          query={"container": container, "tailLines": str(tail_lines)}, raw=True)
+
     def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         return self._call("PATCH", self.path(API_VERSION, KIND, namespace, name, "status"), {"status": status},
                           content_type="application/merge-patch+json")
@@ -186,18 +193,28 @@ async def _fetch_load_http(url: str, timeout: float) -> dict:
             return await resp.json()
 
 
+async def _no_log_reader(namespace: str, pod: str, container: str) -> str:
+    raise NotImplementedError  # replaced by Deps.__post_init__
+
+
 @dataclass
 class Deps:
     """Everything the handlers reach outside the process (given to Kopf as `memo`)."""
     kube: Kube
     fetch_load: Callable[[str, float], Awaitable[dict]] = _fetch_load_http
     load_timeout: float = LOAD_TIMEOUT
+    # the tail of a container's log (namespace, pod, container) → text; default: the API's pods/log
+    read_log: Optional[Callable[[str, str, str], Awaitable[str]]] = None
     # per-resource state: one reconciliation at a time per MoEDeployment; plans parsed once per hash;
     # the last observed load (used when re-planning around a lost pod)
     locks: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)
     loads: dict = field(default_factory=dict)
     last_check: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.read_log is None:
+            self.read_log = lambda ns, pod, container: asyncio.to_thread(self.kube.read_log, ns, pod, container)
 
     def lock(self, key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -268,6 +285,20 @@ def _pods(index, namespace: str, name: str) -> list[m.PodInfo]:
         return []
 
 
+async def _fetch_progress(deps: Deps, namespace: str, pods: list[m.PodInfo]) -> dict[str, Optional[float]]:
+    """pod → the percentage of its checkpoint fetch, from the last progress line of its fetch container's log
+    (None when the log cannot be read yet)."""
+    from expertmesh.fetch import parse_progress
+
+    async def one(p: m.PodInfo) -> Optional[float]:
+        try:
+            return parse_progress(await deps.read_log(namespace, p.name, m.FETCH_CONTAINER))
+        except Exception:  # not started, gone, or the API refused: no figure this time
+            return None
+    fetching = [p for p in pods if p.fetch == "running"]
+    return dict(zip([p.name for p in fetching], await asyncio.gather(*(one(p) for p in fetching))))
+
+
 def _changed(current: dict, update: dict) -> bool:
     return any(current.get(k) != v for k, v in update.items())
 
@@ -312,8 +343,10 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         conds = m.set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
                                 m.summarize_plan(plan), generation)
         lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
+        update = m.with_weights({**decision.status, "conditions": conds}, status, parsed, pods,
+                                await _fetch_progress(deps, namespace, pods), generation)
         patch.status.update({
-            **decision.status, "conditions": conds, "observedGeneration": generation, "revision": rev,
+            **update, "observedGeneration": generation, "revision": rev,
             "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg),
                                             restarts=restarts),
             "endpoints": m.endpoints(name, namespace, parsed),
@@ -360,6 +393,9 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
             if len(pending) != len(placement.get("pendingRestarts") or []):
                 update = {**update, "placement": {**placement, "pendingRestarts": [
                     {"pod": r["pod"], "uid": r["uid"]} for r in pending]}}
+        if update:
+            update = m.with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
+                                    generation)
         if update and _changed(status, update):
             await _kube(deps, deps.kube.patch_status, namespace, name, update)
 
@@ -401,8 +437,10 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     read the load of a Ready one every placement.rebalanceIntervalSeconds."""
     deps: Deps = memo.deps
     status = dict(status or {})
-    if status.get("phase") == "Degraded" or (status.get("placement") or {}).get("pendingRestarts"):
-        await observe(deps, namespace, name, expertmesh_pods, logger)  # a re-plan due, or a pod to restart
+    if status.get("phase") == "Degraded" or (status.get("placement") or {}).get("pendingRestarts") or \
+            any(p.fetch == "running" for p in _pods(expertmesh_pods, namespace, name)):
+        # a re-plan due, a pod to restart, or a checkpoint fetch whose progress goes to the status
+        await observe(deps, namespace, name, expertmesh_pods, logger)
         return
     if status.get("phase") != "Ready":
         return  # rebalance only a settled deployment (not while rolling out or failed)

@@ -44,6 +44,8 @@ WORKER_PORT = 50061
 PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 CHECKPOINT_MOUNT = "/mnt/checkpoint"
+CACHE_MOUNT = "/var/cache/expertmesh"   # fetched checkpoints, one directory per source
+FETCH_CONTAINER = "fetch"
 GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
 
@@ -95,12 +97,36 @@ def endpoints(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict[str, s
     return {"http": f"{host}:{spec.router.http_port}", "grpc": f"{host}:{spec.router.grpc_port}"}
 
 
+def cache_key(uri: str) -> str:
+    """The cache directory name of a fetched source: readable, and unique per URI."""
+    readable = "".join(ch if ch.isalnum() or ch in "-._" else "-" for ch in uri.split("://", 1)[-1])[-48:]
+    return f"{readable.strip('-.')}-{hashlib.sha256(uri.encode()).hexdigest()[:10]}"
+
+
 def checkpoint_path(spec: MoEDeploymentSpec) -> str:
     ck = spec.model.checkpoint
     if ck.pvc is not None:
         sub = ck.pvc.path.strip("/")
         return f"{CHECKPOINT_MOUNT}/{sub}" if sub else CHECKPOINT_MOUNT
-    return ck.uri  # resolved by the worker itself
+    if ck.fetched:
+        return f"{CACHE_MOUNT}/{cache_key(ck.uri)}"
+    return ck.uri  # a path inside the image
+
+
+def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
+    """The init container that fetches a remote checkpoint into the cache volume (`expertmesh fetch`: every
+    file verified by size and sha256, resumable, retried with backoff; pods on one node share the cache)."""
+    ck = spec.model.checkpoint
+    env = []
+    if ck.token_secret_ref is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}}})
+    return {"name": FETCH_CONTAINER, "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
+            "command": ["expertmesh"], "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
+            "env": env, "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
+            # a failure's last log line (it names the file) becomes the container's termination message
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -330,6 +356,13 @@ def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]
         vols.append({"name": "checkpoint",
                      "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}})
         mounts.append({"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT, "readOnly": pvc.read_only})
+    ck = spec.model.checkpoint
+    if ck.fetched:
+        cache = ck.cache
+        vols.append({"name": "checkpoint-cache", **(
+            {"persistentVolumeClaim": {"claimName": cache.claim_name}} if cache.claim_name is not None else
+            {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})})
+        mounts.append({"name": "checkpoint-cache", "mountPath": CACHE_MOUNT})
     return vols, mounts
 
 
@@ -350,6 +383,8 @@ def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dic
                  **container}
     pod: dict[str, Any] = {"containers": [container], "volumes": vols,
                            "terminationGracePeriodSeconds": 60, "enableServiceLinks": False}
+    if spec.model.checkpoint.fetched:
+        pod["initContainers"] = [fetch_container(spec, mounts)]
     sch = spec.scheduling
     if sch.node_selector:
         pod["nodeSelector"] = dict(sch.node_selector)
@@ -571,7 +606,7 @@ def now_rfc3339(now: Optional[_dt.datetime] = None) -> str:
     return now.astimezone(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-_CONDITION_ORDER = {"PlacementReady": 0, "WorkersReady": 1, "RouterReady": 2, "Degraded": 3}
+_CONDITION_ORDER = {"PlacementReady": 0, "WeightsReady": 1, "WorkersReady": 2, "RouterReady": 3, "Degraded": 4}
 
 
 def set_condition(conditions: Optional[list[dict]], type_: str, status: str, reason: str, message: str = "",
@@ -619,6 +654,9 @@ class PodInfo:
     template_hash: Optional[str]  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
     deleting: bool = False
     uid: str = ""
+    fetch: Optional[str] = None   # the checkpoint fetch (init container): None (none, or done), running, failed
+    fetch_error: str = ""         # a failed fetch's termination message (its last log line names the file)
+    node: str = ""                # the node it runs on (pods of one node share the checkpoint cache)
 
     @property
     def live(self) -> bool:
@@ -640,9 +678,69 @@ def pod_info(body: dict) -> Optional[PodInfo]:
     st = body.get("status") or {}
     ready = st.get("phase", "Running") == "Running" and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+    fetch, fetch_error = _fetch_state(st)
     return PodInfo(name=name, component=component, ordinal=ordinal, ready=ready,
                    template_hash=(meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
-                   deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""))
+                   deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""),
+                   fetch=fetch, fetch_error=fetch_error, node=(body.get("spec") or {}).get("nodeName") or "")
+
+
+def _fetch_state(pod_status: dict) -> tuple[Optional[str], str]:
+    """(None | "running" | "failed", message) of the fetch init container in a pod's status."""
+    cs = next((c for c in pod_status.get("initContainerStatuses") or [] if c.get("name") == FETCH_CONTAINER), None)
+    if cs is None:
+        return None, ""
+    state, last = cs.get("state") or {}, (cs.get("lastState") or {}).get("terminated") or {}
+    term = state.get("terminated")
+    if term is not None:
+        return (None, "") if term.get("exitCode") == 0 else ("failed", (term.get("message") or "").strip())
+    if last.get("exitCode") not in (None, 0):  # restarting after a failure (CrashLoopBackOff)
+        return "failed", (last.get("message") or "").strip()
+    return "running", ""
+
+
+def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
+                      progress: dict[str, Optional[float]]) -> Optional[tuple[str, str, str]]:
+    """(status, reason, message) of the WeightsReady condition for a fetched checkpoint (None otherwise):
+    FetchFailed naming the pod and what its fetch said (a corrupted file by name); Downloading N% (`progress`:
+    pod name → percent read from its fetch log; the pods of one node share its cache — one downloads, the others
+    wait for it — so a node counts its most advanced pod, and the deployment its slowest node); Verified once no
+    pod fetches."""
+    ck = spec.model.checkpoint
+    if not ck.fetched:
+        return None
+    pods = [p for p in pods if not p.deleting]
+    failed = sorted((p for p in pods if p.fetch == "failed"), key=lambda p: p.name)
+    if failed:
+        p = failed[0]
+        what = p.fetch_error.splitlines()[-1] if p.fetch_error else "the fetch failed"
+        return "False", "FetchFailed", f"pod {p.name}: {what.removeprefix('FETCH failed: ')}"
+    fetching = sorted(p.name for p in pods if p.fetch == "running")
+    if fetching:
+        by_node: dict[str, float] = {}
+        for p in pods:
+            if p.fetch == "running":
+                by_node[p.node] = max(by_node.get(p.node, 0.0), progress.get(p.name) or 0.0)
+        pct = min(by_node.values())
+        return "False", "Downloading", f"Downloading {int(pct)}% ({len(fetching)} pods fetching {ck.uri})"
+    if not pods:
+        return "Unknown", "PodsStarting", f"no pod has fetched {ck.uri} yet"
+    return "True", "Verified", f"{ck.uri}: every file verified by size and sha256 in the cache"
+
+
+def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
+                 progress: dict[str, Optional[float]], generation: Optional[int]) -> dict:
+    """`update` (a status patch) with the WeightsReady condition, and while pods fetch or a fetch failed, its
+    message (`Downloading 37% …`) as the status message."""
+    cond = weights_condition(spec, pods, progress)
+    if cond is None:
+        return update
+    conds = update.get("conditions", status.get("conditions")) or []
+    out = {**update, "conditions": set_condition(conds, "WeightsReady", *cond, generation)}
+    if cond[0] == "False" and (update.get("phase") or status.get("phase")) in ("Deploying", "Degraded"):
+        out["message"] = cond[2]
+    return out
+
 
 
 @dataclass

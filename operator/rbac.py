@@ -37,6 +37,8 @@ RULES: tuple[Rule, ...] = (
     # worker pods: watched for readiness and loss; an expert or router pod on an older plan is deleted (its
     # controller recreates it from the unchanged template, onto the published plan)
     Rule("", "pods", ("get", "list", "watch", "delete")),
+    # the checkpoint fetch's progress: the last lines of the pods' fetch (init) container log
+    Rule("", "pods/log", ("get",)),
     # Kopf posts Kubernetes events (core v1) for handler outcomes
     Rule("", "events", ("create",)),
     # Kopf watches CRDs to notice its resource appearing/changing (it degrades gracefully without)

@@ -31,7 +31,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 GIB = 2 ** 30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
-CONDITION_TYPES = ("PlacementReady", "WorkersReady", "RouterReady", "Degraded")
+CONDITION_TYPES = ("PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
 
 # Applied to nested objects with all-default fields so the API server fills their defaults in even when the
 # user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
@@ -59,17 +59,50 @@ class PVCSource(_Spec):
     read_only: bool = True
 
 
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class CheckpointCache(_Spec):
+    """Where fetched checkpoints are kept: a directory on each node (pods on one node fetch once and share it),
+    or a PersistentVolumeClaim (ReadWriteMany: one fetch for the whole cluster)."""
+    host_path: str = Field("/var/cache/expertmesh", min_length=1, description="node directory (hostPath)")
+    claim_name: Optional[str] = Field(None, min_length=1, description="a PVC to use instead of the hostPath")
+
+
+FETCHED_SCHEMES = ("http://", "https://", "hf://")
+
+
 class CheckpointSource(_Spec):
-    """Where the checkpoint lives: a PVC mounted into every pod, or a URI the worker resolves itself."""
+    """Where the checkpoint lives: a PVC mounted into every pod, a path inside the image, or a remote source
+    (http(s)://BASE with BASE/expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init container fetches
+    into the cache volume, verifying every file's size and sha256."""
     pvc: Optional[PVCSource] = None
-    uri: Optional[str] = Field(None, min_length=1, description="e.g. s3://bucket/prefix or a path baked into the image")
+    uri: Optional[str] = Field(None, min_length=1, description="http(s)://…, hf://ORG/NAME[@REVISION], or a path "
+                                                               "inside the image")
+    cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
+    token_secret_ref: Optional[SecretKeyRef] = Field(
+        None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)")
     format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
 
     @model_validator(mode="after")
     def _one_source(self) -> "CheckpointSource":
         if (self.pvc is None) == (self.uri is None):
             raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
+        if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
+            raise ValueError(f"uri {self.uri!r}: supported sources are http://, https://, "
+                             f"hf://ORG/NAME[@REVISION] and paths inside the image")
+        if self.uri is not None and self.uri.startswith("hf://"):
+            repo = self.uri[5:].partition("@")[0]
+            if repo.count("/") != 1 or not all(repo.split("/")):
+                raise ValueError(f"uri {self.uri!r}: expected hf://ORG/NAME[@REVISION]")
         return self
+
+    @property
+    def fetched(self) -> bool:
+        """A remote source (fetched by the pods' init container) rather than a mounted or baked-in path."""
+        return self.uri is not None and self.uri.startswith(FETCHED_SCHEMES)
 
 
 class ModelSpec(_Spec):
@@ -88,11 +121,6 @@ class ModelSpec(_Spec):
 
 
 # ------------------------------------------------------------------------------------------------ workloads
-class SecretKeyRef(_Spec):
-    name: str = Field(min_length=1)
-    key: str = Field(min_length=1)
-
-
 class RouterSpec(_Spec):
     replicas: int = Field(1, ge=1)
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
@@ -217,7 +245,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: Literal["PlacementReady", "WorkersReady", "RouterReady", "Degraded"]
+    type: Literal["PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(description="CamelCase, machine-readable")
     message: str = ""

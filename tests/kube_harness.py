@@ -12,7 +12,9 @@
     (fieldRefs metadata.name / metadata.namespace / status.podIP), HOSTNAME = the pod's hostname, volumes mapped to
     host directories (a ConfigMap volume materialised from the ConfigMap's data at start, a PVC volume from
     `volumes[claimName]`), the image's `expertmesh` entry point = this checkout's `python -m expertmesh.cli`, a
-    `/bin/sh -c` script run by the real /bin/sh. Networking is loopback: `0.0.0.0` → `127.0.0.1`; the value of
+    `/bin/sh -c` script run by the real /bin/sh; init containers run first, one after the other, each to
+    completion (a failed one is restarted with the back-off; the pod is Pending with `initContainerStatuses`
+    meanwhile; a hostPath volume is a directory of the node, shared by its pods). Networking is loopback: `0.0.0.0` → `127.0.0.1`; the value of
     every `--*port` flag naming a declared containerPort → a loopback port of its own, reserved per (pod name,
     port) so a StatefulSet pod keeps its address across recreation (stable network identity); cluster DNS names
     in arguments (`<pod>.<svc>.<ns>.svc:<port>`, `<svc>.<ns>.svc:<port>`) → 127.0.0.1:<that pod's port>.
@@ -87,6 +89,10 @@ class Process:
     exit_reported: bool = False    # the pod has been marked not Ready after this run exited
     restart_at: float = 0.0        # monotonic time of the next start after an exit (back-off)
     killed: bool = False           # SIGKILLed because its pod went away
+    container: str = ""            # the container's name
+    init: bool = False             # an init container (run to completion before the next one)
+    last_failure: str = ""         # the previous run's termination message, when it failed
+    inits_done: tuple = ()         # names of the init containers that completed before this one
 
     @property
     def alive(self) -> bool:
@@ -111,6 +117,7 @@ class LocalNode:
         self.ports: dict[tuple[str, int], int] = {}  # (pod name, container port) → loopback port
         self.running: dict[str, Process] = {}        # pod name → its current process
         self.history: list[Process] = []             # every process ever started, in order
+        self.stage: dict[str, int] = {}              # pod uid → index of its running container (inits first)
         self.errors: list[str] = []                  # unexpected failures of the loop (a test asserts none)
         self._task: Optional[asyncio.Task] = None
         self._stopping = False
@@ -307,13 +314,21 @@ class LocalNode:
                 started = self._start(pod)
                 if started is not None:
                     await self._patch_pod_status(name, self._status(started, ready=False))
+            elif not proc.alive and proc.init and proc.popen.returncode == 0:  # on to the next container
+                if not proc.exit_reported:
+                    proc.exit_reported = True
+                    self.stage[proc.uid] = self.stage.get(proc.uid, 0) + 1
+                started = self._start(pod)
+                if started is not None:
+                    await self._patch_pod_status(name, self._status(started, ready=False))
             elif not proc.alive:
                 if not proc.exit_reported:
                     proc.exit_reported = True
                     proc.restart_at = now + self.backoff[min(proc.restarts, len(self.backoff) - 1)]
                     await self._patch_pod_status(name, self._status(proc, ready=False))
                 elif now >= proc.restart_at:
-                    started = self._start(pod, restarts=proc.restarts + 1)
+                    failure = proc.tail(5)[-1000:] if proc.popen.returncode else ""
+                    started = self._start(pod, restarts=proc.restarts + 1, last_failure=failure)
                     if started is not None:
                         await self._patch_pod_status(name, self._status(started, ready=False))
             elif proc.address and not proc.marked_ready:
@@ -321,7 +336,9 @@ class LocalNode:
                 await self._patch_pod_status(name, self._status(proc, ready=True))
 
     def _status(self, proc: Process, ready: bool) -> dict:
-        """The pod status a kubelet reports for this run: Running (Ready or not), or the container's exit."""
+        """The pod status a kubelet reports for this run: Running (Ready or not), or the container's exit; while
+        an init container runs, Pending with its state (the termination message of a failed run: its last log
+        lines, as terminationMessagePolicy FallbackToLogsOnError)."""
         flag = "True" if ready else "False"
         rc = proc.popen.poll()
         if rc is None:
@@ -329,12 +346,24 @@ class LocalNode:
         else:
             state = {"terminated": {"exitCode": rc if rc >= 0 else 128 - rc, "reason": "Error" if rc else
                                     "Completed", "message": proc.tail(5)[-1000:]}}
-        return {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
-                "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
-                               {"type": "ContainersReady", "status": flag}, {"type": "Ready", "status": flag}],
-                "containerStatuses": [{"name": proc.component, "ready": ready, "started": rc is None,
-                                       "restartCount": proc.restarts, "state": state, "image": "local",
-                                       "containerID": f"local://{proc.popen.pid}"}]}
+        this = {"name": proc.container or proc.component, "ready": ready, "started": rc is None,
+                "restartCount": proc.restarts, "state": state, "image": "local",
+                "containerID": f"local://{proc.popen.pid}"}
+        if proc.last_failure:
+            this["lastState"] = {"terminated": {"exitCode": 1, "reason": "Error", "message": proc.last_failure}}
+        done = [{"name": n, "ready": True, "restartCount": 0, "image": "local",
+                 "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}} for n in proc.inits_done]
+        out = {"phase": "Pending" if proc.init else "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
+               "conditions": [{"type": "PodScheduled", "status": "True"},
+                              {"type": "Initialized", "status": "False" if proc.init else "True"},
+                              {"type": "ContainersReady", "status": flag}, {"type": "Ready", "status": flag}]}
+        if proc.init:
+            out["initContainerStatuses"] = done + [this]
+        else:
+            out["containerStatuses"] = [this]
+            if done:
+                out["initContainerStatuses"] = done
+        return out
 
     # ------------------------------------------------------------------ starting a container
     def port(self, pod: str, port: int) -> int:
@@ -390,6 +419,10 @@ class LocalNode:
                 d.mkdir(parents=True, exist_ok=True)
                 for key, text in (cm.get("data") or {}).items():
                     (d / key).write_text(text)
+                out[mnt["mountPath"]] = d
+            elif "hostPath" in vol:  # a directory of this node, shared by its pods
+                d = self.run_dir / "hostpath" / vol["hostPath"]["path"].strip("/")
+                d.mkdir(parents=True, exist_ok=True)
                 out[mnt["mountPath"]] = d
             elif "persistentVolumeClaim" in vol:
                 claim = vol["persistentVolumeClaim"]["claimName"]
@@ -449,11 +482,15 @@ class LocalNode:
             return ["/bin/sh", "-c", script]
         return self._rewrite(argv, name, container, mounts)
 
-    def _start(self, pod: dict, restarts: int = 0) -> Optional[Process]:
+    def _start(self, pod: dict, restarts: int = 0, last_failure: str = "") -> Optional[Process]:
         meta, spec = pod["metadata"], pod["spec"]
         name, uid = meta["name"], meta.get("uid", "")
-        (container,) = spec["containers"]  # one container per pod in these workloads
+        inits = spec.get("initContainers") or []
+        stage = self.stage.get(uid, 0)
+        (main,) = spec["containers"]  # one container per pod in these workloads (after its init containers)
+        container = inits[stage] if stage < len(inits) else main
         pod_dir = self.run_dir / f"{name}-{uid[:8]}"
+        pod_dir.mkdir(parents=True, exist_ok=True)
         mounts = self._mounts(pod, container, pod_dir)
         if mounts is None:
             return None
@@ -465,8 +502,10 @@ class LocalNode:
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                                  cwd=str(pod_dir), start_new_session=True)
         component = (meta.get("labels") or {}).get(m.LABEL_COMPONENT, container["name"])
-        proc = Process(pod=name, uid=uid, component=component, argv=argv, popen=popen, restarts=restarts)
-        log = open(pod_dir / f"run-{restarts}.log", "w")
+        proc = Process(pod=name, uid=uid, component=component, argv=argv, popen=popen, restarts=restarts,
+                       container=container["name"], init=stage < len(inits), last_failure=last_failure,
+                       inits_done=tuple(c["name"] for c in inits[:stage]))
+        log = open(pod_dir / f"run-{container['name']}-{restarts}.log", "w")
         threading.Thread(target=self._pump, args=(proc, log), daemon=True, name=f"log-{name}").start()
         self.running[name] = proc
         self.history.append(proc)
@@ -487,6 +526,13 @@ class LocalNode:
     # ------------------------------------------------------------------ for tests
     def process(self, pod: str) -> Optional[Process]:
         return self.running.get(pod)
+
+    async def read_log(self, namespace: str, pod: str, container: str) -> str:
+        """The log of a pod's container (its latest run), as the API's pods/log gives it."""
+        runs = [p for p in self.history if p.pod == pod and p.container == container]
+        if namespace != self.ns or not runs:
+            raise LookupError(f"no log of container {container} in pod {pod}")
+        return "\n".join(runs[-1].lines[-20:])
 
     def logs(self, n: int = 15) -> str:
         """The last lines of every process, for a failure message."""

@@ -2,12 +2,14 @@
 playing the StatefulSet/Deployment controllers and the kubelet — every pod runs as a real local process (the
 workers and the router from the pods' own command lines), marked Ready when it prints READY.
 
-A `tiny` MoEDeployment (1 attention worker, 2 expert workers holding a replica of every expert, 1 router) reaches
-Ready; a chat request is served through the router at the endpoint the status reports, with the spec's thinking
+A `tiny` MoEDeployment (1 attention worker, 2 expert workers holding a replica of every expert, 1 router) whose
+checkpoint is served over loopback HTTP (slowly) is fetched by each pod's init container into the node's cache —
+once for the node, every file verified, `Downloading N%` in the status meanwhile — and reaches Ready; a chat request is served through the router at the endpoint the status reports, with the spec's thinking
 limits and context length as the router's (`spec.thinking` / `spec.kv.maxContext` → router flags); an expert pod is deleted
 (its process SIGKILLed) while requests stream in: every request still succeeds with the same greedy tokens, the
 resource goes Degraded (ReplicasServing) and back to Ready once the StatefulSet's pod is recreated and serving,
-and the router takes the worker back. Every process exits at the end.
+and the router takes the worker back. Every process exits at the end. A checkpoint with a corrupted file is
+refused: the fetch fails and the WeightsReady condition names the file.
 
 Nothing of ours is mocked; the only stand-ins are Kubernetes itself (emulator + LocalNode) and its networking
 (loopback ports for pod/Service DNS names — also used by the operator's real HTTP read of the router's load).
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 import time
 
 import httpx
@@ -25,11 +29,13 @@ import pytest
 
 from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
+from expertmesh.fetch import INDEX_NAME, write_index
 from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
 from expertmesh.router.remote import RemoteAttention, RemoteExpert
 
+from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
 from test_operator_kopf import NS, eventually, operator, tiny_spec
 
@@ -72,45 +78,69 @@ async def chat(client: openai.AsyncOpenAI, prompt: str):
     return raw.status_code, raw.parse()
 
 
-async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(tmp_path):
-    create_checkpoint(preset("tiny"), tmp_path / "pv" / "tiny", seed=0)  # the PVC "weights", path /tiny
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """The tiny checkpoint as a web server would publish it: its files and their sha256 index."""
+    d = tmp_path_factory.mktemp("published") / "tiny"
+    create_checkpoint(preset("tiny"), d, seed=0)
+    write_index(d)
+    return d
+
+
+async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(published, tmp_path):
     node: LocalNode | None = None
 
     async def fetch_load(url: str, timeout: float) -> dict:  # the operator's real HTTP GET, via the Service
         return await _fetch_load_http(node.resolve_url(url), timeout)
 
-    async with operator(fetch_load=fetch_load, tick=0.2) as c:
-        node = LocalNode(c.emu, NS, tmp_path / "node", volumes={"weights": tmp_path / "pv"})
-        try:
-            async with node:
-                await run_scenario(c, node)
-                procs = await node.stop()
-            # 4. clean shutdown: every process exited, no orphans; the processes running at the end stopped cleanly
-            # on SIGTERM (0), the lost pod's was SIGKILLed (a run that crashed on its own and was restarted, e.g. a
-            # router started before its attention worker served, may have any code)
-            assert all(p.popen.poll() is not None for p in procs), node.logs()
-            assert [p.pod for p in procs if p.killed] == [f"{NAME}-expert-1"]
-            assert [p.popen.returncode for p in procs if p.killed] == [-9]
-            assert [p.popen.returncode for p in node.running.values()] == [0] * 4, node.logs()
-            assert node.orphans() == []
-            assert node.errors == []
-        finally:
-            node.kill_all()
+    async def read_log(namespace: str, pod: str, container: str) -> str:  # the API's pods/log
+        return await node.read_log(namespace, pod, container)
+
+    faults = Faults(delay=0.1)  # a slow link: the fetch takes a few seconds, long enough to watch its progress
+    with FileServer(published, faults) as srv:
+        async with operator(fetch_load=fetch_load, tick=0.2, read_log=read_log) as c:
+            node = LocalNode(c.emu, NS, tmp_path / "node")
+            try:
+                async with node:
+                    await run_scenario(c, node, srv.url)
+                    procs = await node.stop()
+                # 4. clean shutdown: every process exited, no orphans; the processes running at the end stopped
+                # cleanly on SIGTERM (0), the lost pod's was SIGKILLed (a run that crashed on its own and was
+                # restarted, e.g. a router started before its attention worker served, may have any code)
+                assert all(p.popen.poll() is not None for p in procs), node.logs()
+                assert [p.pod for p in procs if p.killed] == [f"{NAME}-expert-1"]
+                assert [p.popen.returncode for p in procs if p.killed] == [-9]
+                assert [p.popen.returncode for p in node.running.values()] == [0] * 4, node.logs()
+                assert node.orphans() == []
+                assert node.errors == []
+            finally:
+                node.kill_all()
+    # fetched once for the node: each file was served once (pods on the node share its cache directory)
+    served = [p for p, _, status in faults.requests if status == 200 and p != INDEX_NAME]
+    assert sorted(served) == sorted(x["path"] for x in json.loads((published / INDEX_NAME).read_text())["files"])
 
 
-async def run_scenario(c, node: LocalNode) -> None:
+async def run_scenario(c, node: LocalNode, source: str) -> None:
     # 1. a tiny MoEDeployment: 2 expert pods, 16 redundant slots per layer → every expert on both pods
     # with serving overrides the router must enforce (tiny's own: thinking 8/24/48, context 4096)
+    # the checkpoint comes over (loopback) HTTP: each pod's init container fetches it into the node's cache
     spec = tiny_spec(experts=2, slots_per_pod=48, redundant=16)
     spec.update(thinking=THINKING, kv={"maxContext": MAX_CONTEXT})
+    spec["model"]["checkpoint"] = {"uri": source + "/"}
     await c.create_moe(NAME, spec)
     try:
         await eventually(lambda: c.status(NAME).get("phase") == "Ready", timeout=90, what="phase Ready")
     except AssertionError as e:
-        raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}") from None
+        raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}\n{node.errors}") from None
     st = c.status(NAME)
     conds = {x["type"]: x["status"] for x in st["conditions"]}
-    assert conds == {"PlacementReady": "True", "WorkersReady": "True", "RouterReady": "True", "Degraded": "False"}
+    assert conds == {"PlacementReady": "True", "WeightsReady": "True", "WorkersReady": "True", "RouterReady": "True",
+                     "Degraded": "False"}
+    assert c.condition(NAME, "WeightsReady")["reason"] == "Verified"
+    # the download's progress was in the status while it ran: `Downloading N%`, rising
+    seen = [int(mt.group(1)) for v in _versions(c, 0)
+            if (mt := re.match(r"Downloading (\d+)%", (v.get("status") or {}).get("message") or ""))]
+    assert seen and seen == sorted(seen) and any(0 < p < 100 for p in seen), seen
     assert (st["readyWorkers"], st["desiredWorkers"], st["router"]) == (3, 3, {"ready": 1, "desired": 1})
     plan = c.plan(NAME)
     assert all(len(plan.replicas(layer, e)) == 2 for layer, e in plan.experts_of(0))
@@ -191,7 +221,7 @@ async def run_scenario(c, node: LocalNode) -> None:
             await eventually(lambda: "Degraded" in phases_since(c, mark), timeout=10, what="Degraded")
             await eventually(lambda: phases_since(c, mark)[-1:] == ["Ready"], timeout=60, what="Ready again")
         except AssertionError as e:
-            raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}") from None
+            raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}\n{node.errors}") from None
         recovered_at = time.monotonic()
         assert phases_since(c, mark) == ["Degraded", "Ready"]
         degraded = {m.condition(v["status"], "Degraded")["reason"] for v in _versions(c, mark)
@@ -222,3 +252,33 @@ async def run_scenario(c, node: LocalNode) -> None:
     status, r = await chat(client, PROMPTS[0])
     assert status == 200 and r.choices[0].message.content == expected[PROMPTS[0]].content
 
+
+
+async def test_a_corrupted_checkpoint_file_is_refused_and_named_in_the_status(published, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(published, bad)
+    name = "model-layers-00001-00001.safetensors"
+    data = bytearray((bad / name).read_bytes())
+    data[100] ^= 0x01  # one bit: same size, another sha256
+    (bad / name).write_bytes(bytes(data))
+    node: LocalNode | None = None
+
+    async def read_log(namespace: str, pod: str, container: str) -> str:
+        return await node.read_log(namespace, pod, container)
+
+    with FileServer(bad) as srv:
+        async with operator(tick=0.2, read_log=read_log) as c:
+            node = LocalNode(c.emu, NS, tmp_path / "node", backoff=(5.0,))
+            try:
+                async with node:
+                    spec = tiny_spec(experts=1, slots_per_pod=48)
+                    spec["model"]["checkpoint"] = {"uri": srv.url}
+                    await c.create_moe(NAME, spec)
+                    cond = await eventually(lambda: (x := c.condition(NAME, "WeightsReady")).get("reason") ==
+                                            "FetchFailed" and x, timeout=40, what="FetchFailed")
+                    assert cond["status"] == "False" and name in cond["message"] and "sha256" in cond["message"]
+                    assert c.status(NAME)["phase"] == "Deploying" and name in c.status(NAME)["message"]
+                    assert not any(p.container != "fetch" for p in node.history)  # no worker ever started
+                    await node.stop()
+            finally:
+                node.kill_all()

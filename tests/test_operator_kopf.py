@@ -208,7 +208,7 @@ async def eventually(check, timeout: float = 10.0, what: str = ""):
 
 
 @contextlib.asynccontextmanager
-async def operator(fetch_load=None, tick: float = 0.2):
+async def operator(fetch_load=None, tick: float = 0.2, read_log=None):
     async def no_load(url, timeout):
         raise ConnectionError("no router in this test")
 
@@ -220,7 +220,7 @@ async def operator(fetch_load=None, tick: float = 0.2):
         url = str(emu.url).rstrip("/")
         registry = build_registry(rebalance_tick=tick,
                                   login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True))
-        deps = Deps(kube=Kube.for_url(url), fetch_load=fetch_load or no_load, load_timeout=2.0)
+        deps = Deps(kube=Kube.for_url(url), fetch_load=fetch_load or no_load, load_timeout=2.0, read_log=read_log)
 
         @kopf.on.startup(id="fast_exit", registry=registry)
         def _fast_exit(settings: kopf.OperatorSettings, **_):  # idle per-object workers exit quickly on stop

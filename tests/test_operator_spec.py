@@ -38,7 +38,7 @@ def tiny_plan():
 
 # ------------------------------------------------------------------------------------------------ spec
 def test_spec_defaults_fill_everything_but_the_model():
-    s = parse_spec({"model": {"preset": "full-2.8t", "checkpoint": {"uri": "s3://b/full"}}})
+    s = parse_spec({"model": {"preset": "full-2.8t", "checkpoint": {"uri": "hf://org/full@v1"}}})
     assert (s.router.replicas, s.router.http_port, s.router.grpc_port) == (1, 8000, 50051)
     assert (s.expert_workers.replicas, s.expert_workers.gpus_per_pod, s.expert_workers.redundant_experts) == (2, 1, 0)
     assert s.placement.strategy == "eplb" and s.placement.imbalance_threshold == 1.25
@@ -59,6 +59,10 @@ def test_spec_defaults_fill_everything_but_the_model():
     ({"model": {"checkpoint": {"uri": "x"}}}, "spec.model", "exactly one of model.preset and model.config"),
     ({"model": {"preset": "tiny", "checkpoint": {}}}, "spec.model.checkpoint", "exactly one of"),
     ({"thinking": {"low": 9, "high": 5, "max": 20}}, "spec.thinking", "low <= high <= max"),
+    ({"model": {"preset": "tiny", "checkpoint": {"uri": "ftp://b/x"}}}, "spec.model.checkpoint",
+     "supported sources are http://, https://, hf://"),
+    ({"model": {"preset": "tiny", "checkpoint": {"uri": "hf://model"}}}, "spec.model.checkpoint",
+     "expected hf://ORG/NAME[@REVISION]"),
     ({"telemetry": {"protocol": "udp"}}, "spec.telemetry.protocol", "'grpc' or 'http/protobuf'"),
     ({"expertWorker": {}}, "spec.expertWorker", "Extra inputs are not permitted"),
 ])
@@ -253,6 +257,55 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert att["args"][:3] == ["worker", "--role", "attention"] and "nvidia.com/gpu" not in att["resources"].get(
         "limits", {})
     assert dict(zip(att["args"][3::2], att["args"][4::2]))["--kv-blocks"] == str(4096 // 16)
+
+
+def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(tiny_plan):
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
+        "uri": "hf://org/tiny@v1", "tokenSecretRef": {"name": "hf", "key": "token"}}}))
+    path = m.checkpoint_path(spec)
+    assert path.startswith("/var/cache/expertmesh/org-tiny-v1-")
+    for c in m.build_children("kimi", "ns", spec, cfg, plan):
+        if c["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        pod = c["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["name"] == "fetch" and init["args"] == ["fetch", "hf://org/tiny@v1", "--cache", path]
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert init["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+        assert {v["name"]: v for v in pod["volumes"]}["checkpoint-cache"]["hostPath"] == {
+            "path": "/var/cache/expertmesh", "type": "DirectoryOrCreate"}
+        main = pod["containers"][0]
+        assert path in (main.get("args") or []) + [w for x in main.get("command") or [] for w in shlex.split(x)]
+    shared = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "cache": {
+        "claimName": "ckpt-cache"}}}))
+    vols = m._volumes("kimi", shared)[0]
+    assert {v["name"]: v for v in vols}["checkpoint-cache"]["persistentVolumeClaim"] == {"claimName": "ckpt-cache"}
+    baked = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "/opt/ck"}}))
+    assert m.checkpoint_path(baked) == "/opt/ck" and "initContainers" not in m._pod_spec(
+        "kimi", m.COMPONENT_ROUTER, baked, {"name": "router"})
+
+    def pod(name, node, fetch=None, error=""):
+        return m.PodInfo(name=name, component=m.COMPONENT_EXPERT, ordinal=0, ready=False, template_hash="t",
+                         uid=name, fetch=fetch, fetch_error=error, node=node)
+    # a node's pods share its cache (one downloads, the others wait): the node's best; the slowest node counts
+    pods = [pod("a", "n1", "running"), pod("b", "n1", "running"), pod("c", "n2", "running")]
+    assert m.weights_condition(spec, pods, {"a": 80.0, "b": None, "c": 37.5}) == (
+        "False", "Downloading", "Downloading 37% (3 pods fetching hf://org/tiny@v1)")
+    bad = pods + [pod("d", "n2", "failed", "FETCH 10.0% …\nFETCH failed: checkpoint file 'x.safetensors': sha256 …")]
+    assert m.weights_condition(spec, bad, {}) == (
+        "False", "FetchFailed", "pod d: checkpoint file 'x.safetensors': sha256 …")
+    assert m.weights_condition(spec, [pod("a", "n1")], {})[:2] == ("True", "Verified")
+    assert m.weights_condition(baked, pods, {}) is None
+    st = m.with_weights({"phase": "Deploying", "message": "rolling"}, {}, spec, pods, {"a": 50, "c": 50}, 1)
+    assert st["message"] == "Downloading 50% (3 pods fetching hf://org/tiny@v1)"
+    assert m.condition(st, "WeightsReady")["reason"] == "Downloading"
+    # the fetch init container's state from a pod's status (a restart after a failure keeps the failure)
+    status = {"initContainerStatuses": [{"name": "fetch", "state": {"running": {}}, "lastState": {
+        "terminated": {"exitCode": 1, "message": "FETCH failed: boom"}}}]}
+    assert m.pod_info({"metadata": {"name": "kimi-expert-0", "labels": {
+        m.LABEL_COMPONENT: m.COMPONENT_EXPERT, m.LABEL_INSTANCE: "kimi"}}, "spec": {"nodeName": "n1"},
+        "status": status}).fetch_error == "FETCH failed: boom"
 
 
 def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(tiny_plan):
