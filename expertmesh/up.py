@@ -60,7 +60,10 @@ class LocalCluster:
                  host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
-                 tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None):
+                 tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
+                 worker_tls_dir: str | Path | None = None):
+        """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
+        `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback)."""
         self.checkpoint = str(checkpoint)
         self.n_attention, self.n_expert = attention_workers, expert_workers
         self.redundant = redundant_experts
@@ -71,6 +74,7 @@ class LocalCluster:
         self.router_args = router_args or []
         self.echo = echo
         self.tls_dir = Path(tls_dir) if tls_dir else None
+        self.worker_tls_dir = Path(worker_tls_dir) if worker_tls_dir else self.tls_dir
         # passed to every worker (None: the worker's default, cuda when torch sees one, else cpu)
         self.device_args = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])   # ca.crt, server.crt/key, client.crt/key: mTLS
         self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
@@ -90,7 +94,8 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
         cmd = [sys.executable, "-m", "expertmesh.cli", *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**self._env(), **(env or {})}, start_new_session=True)
+                                env={**self._env(), **(env or {})}, start_new_session=True,
+                                preexec_fn=_die_with_parent(os.getpid()))
         child = Child(name, proc, list(args))
         threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
         self.children.append(child)
@@ -144,16 +149,18 @@ class LocalCluster:
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
         worker_tls, router_tls, exchange_tls = [], [], []
-        if self.tls_dir is not None:
-            d = self.tls_dir
+        if self.worker_tls_dir is not None:
+            d = self.worker_tls_dir
             worker_tls = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"),
                           "--tls-client-ca", str(d / "ca.crt")]
             # attention workers call the expert workers directly (the expert exchange): as clients, like the router
             exchange_tls = ["--expert-tls-ca", str(d / "ca.crt"), "--expert-tls-cert", str(d / "client.crt"),
                             "--expert-tls-key", str(d / "client.key")]
             router_tls = ["--worker-tls-ca", str(d / "ca.crt"), "--worker-tls-cert", str(d / "client.crt"),
-                          "--worker-tls-key", str(d / "client.key"),
-                          "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
+                          "--worker-tls-key", str(d / "client.key")]
+        if self.tls_dir is not None:
+            d = self.tls_dir
+            router_tls += ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         common_w = common + worker_tls + self.device_args
         attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w, *exchange_tls,
                                                     "--port", str(free_port(self.host)), "--name", f"attention-{i}",
@@ -210,14 +217,60 @@ class LocalCluster:
         return f"{scheme}://{self.host}:{self.http_port}"
 
 
+def _die_with_parent(parent: int):
+    """A preexec_fn: the child gets SIGTERM when the process that started it dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG; it follows the starting *thread*, so children are started from the main thread), and exits
+    at once if that already happened. Elsewhere: nothing (`stop()` still ends them)."""
+    def setup() -> None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)              # PR_SET_PDEATHSIG
+        except OSError:
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+    return setup
+
+
+def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0,
+              out=sys.stderr) -> int:
+    """Keep the deployment serving: a process that exits is started again on its port (backoff 1, 2, 4, ... s);
+    more than `max_restarts` restarts of one process within `window` seconds gives up (returns 1)."""
+    restarts: dict[str, list[float]] = {}
+    while not stop.wait(0.5):
+        for c in [c for c in cluster.children if c.proc.poll() is not None]:
+            now = time.monotonic()
+            recent = [t for t in restarts.get(c.name, []) if now - t < window]
+            if len(recent) >= max_restarts:
+                print(f"{c.name} exited {len(recent) + 1} times within {window:g} s; shutting down:\n"
+                      + "\n".join(c.lines[-20:]), file=out)
+                return 1
+            delay = 2.0 ** len(recent) / 2
+            print(f"{c.name} exited ({c.proc.returncode}); restarting in {delay:g} s", file=out, flush=True)
+            if stop.wait(delay):
+                return 0
+            try:
+                cluster.restart(c.name)
+            except Exception as e:       # failed to come up: counted, tried again on the next round
+                print(f"{c.name}: restart failed: {e}", file=out, flush=True)
+            restarts[c.name] = recent + [now]
+    return 0
+
+
 def run_up(args) -> int:
     from expertmesh.cli import default_checkpoint
     checkpoint = args.checkpoint or str(default_checkpoint(args.preset))
+    worker_tls = None
+    if args.tls_dir is None and not args.insecure_workers:
+        # workers answer only callers holding this run's client key (mutual TLS), never any local process
+        from expertmesh.tls import ephemeral_pki
+        worker_tls = ephemeral_pki(Path(tempfile.mkdtemp(prefix="expertmesh-pki-")), (args.host, "localhost"))
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                            redundant_experts=args.redundant_experts, http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
                            prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
-                           device=args.device, dtype=args.dtype)
+                           device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -229,15 +282,11 @@ def run_up(args) -> int:
           f"               plan {cluster.plan_path}\n"
           f"Ctrl-C to stop.", flush=True)
     try:
-        while not stop.wait(0.5):
-            dead = [c for c in cluster.children if c.proc.poll() is not None]
-            if dead:
-                print(f"{dead[0].name} exited ({dead[0].proc.returncode}); shutting down:\n"
-                      + "\n".join(dead[0].lines[-20:]), file=sys.stderr)
-                cluster.stop()
-                return 1
+        rc = supervise(cluster, stop)
     finally:
         cluster.stop()
+    if rc:
+        return rc
     print("expertmesh up: stopped", flush=True)
     return 0
 
@@ -271,5 +320,8 @@ def add_arguments(p) -> None:
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--insecure-workers", action="store_true",
+                   help="workers accept plain gRPC from any local process (default: mutual TLS with certificates "
+                        "generated for this run)")
     p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
                                      "with ca.crt, server.crt, server.key, client.crt, client.key")

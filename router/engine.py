@@ -33,7 +33,7 @@ from expertmesh.router.request import (ContextLengthExceeded, EngineClosed, Expe
                                        Request, RequestError, TokenLogprob)
 from expertmesh.router.scheduler import plan_snapshots, plan_step
 from expertmesh.router.tracing import StepTrace
-from expertmesh.worker.attention import NotConnected, StepDone, StepSegment, TokenLogprobs, WorkerError
+from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
 from expertmesh.worker.exchange import ReplicaTable
 
 log = logging.getLogger("expertmesh.router")
@@ -48,6 +48,15 @@ def _serving(client) -> bool:
         return health() == "SERVING"
     except Exception:
         return False
+
+
+def _public(error: Exception) -> Exception:
+    """What a client may see of a failed step: no worker addresses or internals (those go to the log)."""
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return ConnectionError("attention workers unavailable for this step; retry")
+    if isinstance(error, (RequestError, ExpertsUnavailable, EngineClosed)):
+        return error
+    return RuntimeError(f"the step failed on a worker ({type(error).__name__}); see the router log")
 
 
 @dataclass
@@ -68,7 +77,9 @@ class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
-                 metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0):
+                 metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
+                 max_queue_wait: float = 300.0):
+        """`max_queue_wait`: seconds a request may wait for KV room before it is refused (429, retry later)."""
         from expertmesh.router.instrument import InstrumentedClient
         from expertmesh.router.metrics import RouterMetrics
         self.cfg = cfg
@@ -90,8 +101,15 @@ class Engine:
         self.replicas = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
         self.experts_down_by: dict[int, set[int]] = {}       # attention worker → expert workers it sees down
         infos = [self._first_info(a, startup_timeout) for a in attention]
+        # sequence ids and prefix keys are this router instance's own: a client's request id never reaches a
+        # worker, and no other party can compute (to replace or drop) the prefix keys it saves there
+        self.instance = os.urandom(6).hex()
+        self.seq_ids = itertools.count()
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
-                             for i, info in enumerate(infos)], chunk=prefill_chunk)
+                             for i, info in enumerate(infos)], chunk=prefill_chunk, salt=os.urandom(16))
+        self.max_queue_wait = max_queue_wait
+        self._last_refresh = 0.0
+        self.pending_closes: dict[int, list[str]] = {}       # worker → sequences to close once it answers
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.attention_down: set[int] = set()
@@ -240,12 +258,36 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self._place(req):
+            if not self._place(req) and not (self._refresh_all() and self._place(req)):
+                self._expire_waiting()
                 break
             with self.cv:
                 self.waiting.pop(0)
             if not req.done:                 # refused by the worker: already answered with its error
                 self.running.append(req)
+
+    def _refresh_all(self, interval: float = 0.5) -> bool:
+        """Re-read every live worker's free blocks (at most every `interval` s): the router's counts go stale when
+        blocks are freed behind its back (another router, a close that failed); True when it re-read them."""
+        now = time.monotonic()
+        if now - self._last_refresh < interval:
+            return False
+        self._last_refresh = now
+        for i in range(len(self.attention)):
+            if i not in self.attention_down:
+                self._refresh(i)
+        return True
+
+    def _expire_waiting(self) -> None:
+        """Refuse requests that waited longer than `max_queue_wait` for KV room (429: retry later)."""
+        now = time.monotonic()
+        with self.cv:
+            expired = [r for r in self.waiting if now - r.arrived > self.max_queue_wait]
+            for req in expired:
+                self.waiting.remove(req)
+        for req in expired:
+            self._fail(req, QueueFull(f"no KV room for {len(req.prompt) + req.params.max_tokens} tokens "
+                                      f"(prompt + max_tokens) within {self.max_queue_wait:g} s; retry later"))
 
     def _place(self, req: Request) -> bool:
         """Open the request's sequence on an attention worker; False when nothing fits right now."""
@@ -270,7 +312,7 @@ class Engine:
                     candidates.append((target, None, 0))
                     break
         for worker, key, length in candidates:
-            seq_id = f"{req.request_id}-{worker}"
+            seq_id = f"{self.instance}-{next(self.seq_ids)}"
             try:
                 cached = self.attention[worker].open_sequence(seq_id, req.params, reserve_tokens=reserve,
                                                               prefix_key=key)
@@ -319,9 +361,12 @@ class Engine:
             for i in list(self.attention_down):
                 if _serving(self.attention[i]):
                     try:
-                        self.kv.workers[i].free_blocks = self.attention[i].info()["free_blocks"]
                         self._connect(i)      # a restarted worker has no expert table
+                        self.attention_down.discard(i)
+                        self._retry_closes(i)
+                        self.kv.workers[i].free_blocks = self.attention[i].info()["free_blocks"]
                     except Exception:
+                        self.attention_down.add(i)
                         continue
                     log.info("attention worker %d is back", i)
                     self.attention_down.discard(i)
@@ -341,7 +386,8 @@ class Engine:
             return
         step_id = next(self.step_ids)
         snapshots, snapshot_len = plan_snapshots(batches, prefill_chunk=self.prefill_chunk,
-                                                 max_context=self.cfg.max_context, cached=self.kv.has)
+                                                 max_context=self.cfg.max_context, cached=self.kv.has,
+                                                 salt=self.kv.salt)
         workers = sorted(batches)
         tracing = StepTrace(step_id, {w: [(p.req, p.tokens, p.sample) for p in items]
                                       for w, items in batches.items()}, self.attention)
@@ -354,9 +400,11 @@ class Engine:
                 results = self._gather(futures)
         except Exception as e:
             tracing.end(e)
+            log.error("step %d failed: %s", step_id, e)
+            error = _public(e)
             for w in workers:
                 for p in batches[w]:
-                    self._fail(p.req, e)
+                    self._fail(p.req, error)
             return
         tracing.end()
         self.stats.steps += 1
@@ -387,7 +435,8 @@ class Engine:
             req, toks, sample = p.req, p.tokens, p.sample
             reason = done.failed.get(req.seq_id)
             if reason is not None:
-                self._fail(req, ExpertsUnavailable(reason))
+                self._fail(req, RuntimeError(reason) if reason.startswith("sampling failed")
+                           else ExpertsUnavailable(reason))
                 continue
             sampled = None
             for run in logprobs.get(req.seq_id, ()):
@@ -418,7 +467,7 @@ class Engine:
         for w, f in futures.items():
             try:
                 results[w] = f.result(timeout=self.call_timeout)
-            except (ConnectionError, NotConnected) as e:
+            except (ConnectionError, NotConnected, TimeoutError) as e:     # TimeoutError: hung (in process)
                 self._attention_down(w, e)
         if not results:
             raise ConnectionError("every attention worker in this step failed")
@@ -436,6 +485,7 @@ class Engine:
         """Put a request whose attention worker died back at the head of the queue, keeping its output: it
         is re-placed on a live worker and replays prompt + generated tokens on the same schedule."""
         self.kv.workers[req.worker].sequences -= 1
+        self.pending_closes.setdefault(req.worker, []).append(req.seq_id)   # closed there once it is back
         req.worker, req.seq_id, req.computed = -1, "", 0
         if req in self.running:
             self.running.remove(req)
@@ -470,12 +520,26 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         if req.worker >= 0 and req.seq_id:
-            try:
-                self.kv.workers[req.worker].free_blocks = self.attention[req.worker].close_sequence(req.seq_id)
-            except Exception as e:
-                log.warning("close_sequence %s failed: %s", req.seq_id, e)
+            self._close(req.worker, req.seq_id)
             self.kv.workers[req.worker].sequences -= 1
             req.seq_id = ""
+
+    def _close(self, worker: int, seq_id: str) -> None:
+        """Close a sequence; a worker that is down or does not answer gets it again once it is back (no leak)."""
+        if worker in self.attention_down:
+            self.pending_closes.setdefault(worker, []).append(seq_id)
+            return
+        try:
+            self.kv.workers[worker].free_blocks = self.attention[worker].close_sequence(seq_id)
+        except NotFound:
+            pass                                    # already gone (a restarted worker)
+        except Exception as e:
+            log.warning("close_sequence %s on attention worker %d failed, will retry: %s", seq_id, worker, e)
+            self.pending_closes.setdefault(worker, []).append(seq_id)
+
+    def _retry_closes(self, worker: int) -> None:
+        for seq_id in self.pending_closes.pop(worker, []):
+            self._close(worker, seq_id)
 
     def _finish(self, req: Request, reason: str) -> None:
         self._release(req)

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 class PrefixHasher:
     """The hash chain of a growing token list, chunk by chunk: equal prefixes hash equal and any difference
-    changes all later keys. Feeding it as a sequence grows costs O(new tokens), not O(length)."""
+    changes all later keys. Feeding it as a sequence grows costs O(new tokens), not O(length). `salt`: a secret of
+    the router instance, so nobody else can compute (and replace or drop) the keys it saves on the workers."""
 
-    def __init__(self, chunk: int):
+    def __init__(self, chunk: int, salt: bytes = b""):
         self.chunk = chunk
         self.length = 0
-        self._h = hashlib.sha256(b"expertmesh-prefix-v1")
+        self._h = hashlib.sha256(b"expertmesh-prefix-v1" + salt)
 
     def advance(self, tokens: list[int], upto: int) -> str:
         """The key of tokens[:upto] (`upto` a multiple of the chunk, ≥ what was hashed so far)."""
@@ -28,9 +29,9 @@ class PrefixHasher:
         return self._h.hexdigest()[:32]
 
 
-def prefix_hashes(tokens: list[int], chunk: int) -> list[tuple[int, str]]:
+def prefix_hashes(tokens: list[int], chunk: int, salt: bytes = b"") -> list[tuple[int, str]]:
     """(length, key of tokens[:length]) for every multiple of `chunk` ≤ len(tokens), shortest first."""
-    hasher = PrefixHasher(chunk)
+    hasher = PrefixHasher(chunk, salt)
     return [(end, hasher.advance(tokens, end)) for end in range(chunk, len(tokens) + 1, chunk)]
 
 
@@ -44,11 +45,12 @@ class WorkerKV:
 
 
 class KVManager:
-    def __init__(self, workers: list[WorkerKV], chunk: int, max_prefixes_per_worker: int = 256):
+    def __init__(self, workers: list[WorkerKV], chunk: int, max_prefixes_per_worker: int = 256, salt: bytes = b""):
         if any(chunk % w.block_size for w in workers):
             raise ValueError(f"prefill chunk {chunk} must be a multiple of every worker's KV block size")
         self.workers = workers
         self.chunk = chunk
+        self.salt = salt
         self.max_prefixes = max_prefixes_per_worker
         # key → worker index, in LRU order (oldest first)
         self.prefixes: OrderedDict[str, int] = OrderedDict()
@@ -62,7 +64,7 @@ class KVManager:
         """The longest saved prefix of `tokens` that leaves at least one token to compute:
         (worker, key, length), or None."""
         best = None
-        for length, key in prefix_hashes(tokens, self.chunk):
+        for length, key in prefix_hashes(tokens, self.chunk, self.salt):
             if length >= len(tokens):
                 break
             if key in self.prefixes:

@@ -46,7 +46,7 @@ def plan_step(running: list, *, max_batch_tokens: int, prefill_chunk: int) -> di
 
 
 def plan_snapshots(batches: dict[int, list[Planned]], *, prefill_chunk: int, max_context: int,
-                   cached: Callable[[str], bool]) -> tuple[dict[int, dict[str, str]], dict[str, int]]:
+                   cached: Callable[[str], bool], salt: bytes = b"") -> tuple[dict[int, dict[str, str]], dict[str, int]]:
     """Prefixes to save after the step: ({worker: {seq_id: key}}, {key: length}). Advances each request's
     hash chain (a new chain when the request is new or replays after a failover)."""
     snapshots: dict[int, dict[str, str]] = {}
@@ -58,7 +58,7 @@ def plan_snapshots(batches: dict[int, list[Planned]], *, prefill_chunk: int, max
             if new_len % prefill_chunk or new_len >= max_context:
                 continue
             if req.hasher is None or req.hasher.length > new_len:
-                req.hasher = PrefixHasher(prefill_chunk)
+                req.hasher = PrefixHasher(prefill_chunk, salt)
             key = req.hasher.advance(req.tokens, new_len)
             if not cached(key):
                 snapshots.setdefault(w, {})[req.seq_id] = key

@@ -88,6 +88,8 @@ def test_expert_worker_killed_without_replicas_fails_clearly_then_recovers(ckpt_
         assert all("experts without a live replica" in e.details() for e in errors)
         r = httpx.post(c.http_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4})
         assert r.status_code == 503 and "experts without a live replica" in r.json()["error"]["message"]
+        # what clients are told names the experts, never a worker's address
+        assert not any("127.0.0.1" in e.details() for e in errors) and "127.0.0.1" not in r.text
         c.restart("expert-0")
         deadline = time.monotonic() + 20
         while httpx.get(c.http_url + "/health").json()["status"] != "ok" and time.monotonic() < deadline:

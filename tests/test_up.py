@@ -121,3 +121,62 @@ def test_grpc_chat_streams_reasoning_content_and_usage(ckpt_dir):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Chat(chat_pb2.ChatRequest(messages=req.messages, thinking_budget="huge"), timeout=10))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "thinking_budget" in e.value.details()
+
+
+def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
+    """`expertmesh up` as a real process: its workers refuse callers without this run's client certificate; a
+    SIGKILLed expert worker (no replicas) is started again and service resumes; SIGKILL of `up` itself takes its
+    workers down (none is left holding a port)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    http, grpc_port = free_port(), free_port()
+    up = subprocess.Popen([sys.executable, "-m", "expertmesh.cli", "up", "--checkpoint", str(ckpt_dir),
+                           "--http-port", str(http), "--grpc-port", str(grpc_port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+    try:
+        for line in up.stdout:
+            if line.startswith("Ctrl-C to stop"):
+                break
+        else:
+            pytest.fail("expertmesh up did not start")
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) == 4                          # router, 1 attention, 2 expert workers
+        cmdlines = {p: open(f"/proc/{p}/cmdline").read().split("\0") for p in children}
+        experts = [p for p, cmd in cmdlines.items() if "--role" in cmd and cmd[cmd.index("--role") + 1] == "expert"]
+        assert len(experts) == 2
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        for p in experts:                                  # a local process without the client key: refused
+            port = cmdlines[p][cmdlines[p].index("--port") + 1]
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.RpcError) as err:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        want = grpc_generate(f"127.0.0.1:{grpc_port}", [5, 6, 7], 6)[0]
+        os.kill(experts[0], signal.SIGKILL)
+        deadline, got = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                got = grpc_generate(f"127.0.0.1:{grpc_port}", [5, 6, 7], 6)[0]
+                break
+            except grpc.RpcError:
+                time.sleep(0.5)                            # experts without a replica until it is back
+        assert got == want
+        now = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+        assert len(now) == 4 and experts[0] not in now
+        up.kill()
+        up.wait()
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+                  for p in now) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [p for p in now if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        assert alive == []
+    finally:
+        if up.poll() is None:
+            up.kill()

@@ -333,10 +333,16 @@ class AttentionWorker:
             if seq.generating:                 # past the prompt, every fed token is output (sampled or forced)
                 for t in fed:
                     seq.sampler.observe(t)
-            if seg_in.sample:
-                out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])
-                seq.generating = True
-            logprobs += self._logprobs(seg_in.seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seg_in.seq_id))
+            try:        # a sampler that fails (e.g. parameters it cannot compute with) fails its sequence only
+                if seg_in.sample:
+                    out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])
+                    seq.generating = True
+                logprobs += self._logprobs(seg_in.seq_id, seq, seg.cache.length, fed, seg_logits,
+                                           out.get(seg_in.seq_id))
+            except Exception as e:
+                out.pop(seg_in.seq_id, None)
+                failed[seg_in.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
         for seq_id, key in snapshot_keys.items():

@@ -103,7 +103,8 @@ class ExpertExchange:
             if worker not in self.down:
                 log.warning("expert worker %d marked down: %s", worker, error)
             self.down.add(worker)
-            self.last_error[worker] = str(error)
+            # what requests may be told: no addresses (those are in the log)
+            self.last_error[worker] = f"expert worker {worker} unreachable or past its deadline"
 
     def _probe(self) -> None:
         while not self.closed:

@@ -61,8 +61,8 @@ def quantize_mxfp4(
       - "floor" (OCP MX v1.0): shared exponent e = floor(log2(amax)) − 2, clamped to [-127, 127]. amax / 2^e
         lies in [4, 8); elements above 6 · 2^e saturate to ±6.
       - "ceil" (no clipping): e = ceil(log2(amax / 6)), clamped: every |x| / 2^e ≤ 6.
-    Elements x / 2^e round to nearest, ties to even, onto ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}; results of magnitude 0
-    get code 0 (+0). Subnormal or tiny inputs are handled exactly: e clamps at -127 and the elements round on
+    Elements x / 2^e round to nearest, ties to even, onto ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, keeping the sign: a
+    negative element (or −0) that rounds to zero gets code 0b1000 (−0), as the OCP spec encodes it. Subnormal or tiny inputs are handled exactly: e clamps at -127 and the elements round on
     that grid (often to 0). An all-zero block gets scale 0x00 (2^-127) and zero codes; a block holding a NaN or
     ±Inf gets scale 0xFF (NaN) and zero codes. Computed in fp32 (fp64 for fp64 input); bf16/fp16 are exact in it.
     """
@@ -108,7 +108,7 @@ def quantize_mxfp4(
     inv_step = torch.tensor([2.0, 1.0, 0.5], dtype=cdt, device=x.device)[r]
     q = torch.round(mag * inv_step).to(torch.int32)
     code = (q + 2 * r).clamp_(max=7).to(torch.uint8)
-    code = torch.where((a < 0) & (code > 0), code | 0x8, code)
+    code = torch.where(torch.signbit(a), code | 0x8, code)
     if not bool(finite.all()):
         code = torch.where(finite.unsqueeze(-1), code, 0)
 

@@ -1,0 +1,133 @@
+"""Hardening of the engine and workers (issue #19), in process: request ids, prefix keys, stale KV counts, queue
+waits, a failing sampler, a hung attention worker — each test fails on the code before the fix."""
+import threading
+import time
+
+import pytest
+
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.model import SamplingParams
+from expertmesh.router.engine import QueueFull
+from expertmesh.router.kv import prefix_hashes
+from expertmesh.router.local import build_local_engine
+
+CHUNK = 16
+PROMPT = [(5 * i + 1) % 256 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("hard") / "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt):
+    e = build_local_engine(ckpt, attention_workers=1, expert_workers=2, prefill_chunk=CHUNK, kv_blocks=24,
+                           max_queue_wait=2.0)
+    yield e
+    e.close()
+
+
+def worker(e, i=0):
+    return e.attention[i]._client
+
+
+def test_client_request_ids_never_reach_the_workers(eng):
+    alone = eng.generate(PROMPT, SamplingParams(max_tokens=6)).output
+    seen = []
+    w = worker(eng)
+    orig = w.open_sequence
+
+    def spy(seq_id, *a, **kw):
+        seen.append(seq_id)
+        return orig(seq_id, *a, **kw)
+    w.open_sequence = spy
+    try:                              # two clients choosing the same request id at the same time
+        reqs = [eng.submit(PROMPT, SamplingParams(max_tokens=6), request_id="same") for _ in range(2)]
+        assert [r.wait(60).output for r in reqs] == [alone, alone]
+    finally:
+        del w.open_sequence
+    assert len(set(seen)) == 2 and not any("same" in s for s in seen)
+
+
+def test_prefix_keys_cannot_be_computed_by_others(eng, ckpt):
+    eng.generate(PROMPT, SamplingParams(max_tokens=2))
+    held = set(worker(eng).prefixes)
+    assert held                                                      # the prompt's first chunks were saved
+    public = {k for _, k in prefix_hashes(PROMPT, CHUNK)}           # what anyone can compute from the tokens
+    assert not held & public
+    other = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        other.generate(PROMPT, SamplingParams(max_tokens=2))
+        assert not set(worker(other).prefixes) & held              # another router's keys differ too
+    finally:
+        other.close()
+
+
+def test_stale_free_block_counts_do_not_block_a_request_forever(eng):
+    w = worker(eng)
+    w.open_sequence("outsider", SamplingParams(max_tokens=1), reserve_tokens=w.pool.free_blocks * w.pool.block_size)
+    req = eng.submit(PROMPT, SamplingParams(max_tokens=4))
+    time.sleep(0.8)                                    # the engine has seen no room and waits
+    assert not req.done
+    w.close_sequence("outsider")                       # room comes back behind the router's back
+    assert len(req.wait(10).output) == 4
+
+
+def test_a_request_that_cannot_get_kv_room_is_refused_after_the_queue_wait(eng):
+    w = worker(eng)
+    w.open_sequence("outsider", SamplingParams(max_tokens=1), reserve_tokens=w.pool.free_blocks * w.pool.block_size)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull, match="no KV room for 44 tokens"):
+            eng.submit(PROMPT, SamplingParams(max_tokens=4)).wait(20)
+        assert time.monotonic() - t0 < 6
+    finally:
+        w.close_sequence("outsider")
+    assert len(eng.generate(PROMPT, SamplingParams(max_tokens=3), timeout=30).output) == 3   # still serving
+
+
+def test_a_failing_sampler_fails_only_its_own_request(eng, monkeypatch):
+    from expertmesh import sampling
+    orig = sampling.Sampler.sample
+
+    def sample(self, logits):
+        if self.params.seed == 13:
+            raise FloatingPointError("cannot sample")
+        return orig(self, logits)
+    monkeypatch.setattr(sampling.Sampler, "sample", sample)
+    bad = eng.submit(PROMPT[:20], SamplingParams(max_tokens=5, temperature=0.8, seed=13))
+    good = eng.submit(PROMPT[:22], SamplingParams(max_tokens=5, temperature=0.8, seed=14))
+    assert len(good.wait(60).output) == 5
+    with pytest.raises(RuntimeError, match="sampling failed: FloatingPointError: cannot sample"):
+        bad.wait(60)
+
+
+def test_a_hung_attention_worker_is_failed_over_and_its_sequences_closed_later(ckpt):
+    ps = [PROMPT[:30], PROMPT[:35]]
+    ref = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        want = [ref.generate(p, SamplingParams(max_tokens=10)).output for p in ps]
+    finally:
+        ref.close()
+    e = build_local_engine(ckpt, attention_workers=2, expert_workers=1, prefill_chunk=CHUNK, call_timeout=1.5)
+    try:
+        w0 = worker(e, 0)
+        orig, hung = w0.run_step, threading.Event()
+
+        def run_step(*a, **kw):            # after a few steps, worker 0 stops answering (as under SIGSTOP), once
+            if w0.calls > 6 and not hung.is_set():
+                hung.set()
+                time.sleep(4)
+            return orig(*a, **kw)
+        w0.run_step = run_step
+        reqs = [e.submit(p, SamplingParams(max_tokens=10)) for p in ps]
+        assert [r.wait(60).output for r in reqs] == want
+        assert hung.is_set() and e.stats.recovered >= 1
+        deadline = time.monotonic() + 10
+        while (w0.sequences or e.pending_closes.get(0)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not w0.sequences                          # closed once it answered again: nothing leaked
+    finally:
+        e.close()
