@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
-    p.add_argument("--call-timeout", type=float, default=30.0)
+    p.add_argument("--call-timeout", type=float, default=30.0,
+                   help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")
+    p.add_argument("--max-queue-wait", type=float, default=300.0, metavar="SECONDS",
+                   help="a request that gets no KV room within this long is refused (429, retry later)")
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
                    help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
                         "checkpoint's max_context")
@@ -103,7 +106,7 @@ def run(args) -> int:
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
-                                 max_waiting=args.max_waiting)
+                                 max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait)
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
