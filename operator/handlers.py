@@ -220,7 +220,7 @@ class Deps:
         return self.locks.setdefault(key, asyncio.Lock())
 
 
-def configure_settings(settings: kopf.OperatorSettings) -> None:
+def configure_settings(settings: kopf.OperatorSettings, peering_lifetime: Optional[int] = None) -> None:
     """Keep Kopf's bookkeeping in annotations under our prefix (status stays the CRD's structural status)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -233,6 +233,8 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     # a timer caught mid-run by a deletion is checked again after this (Kopf's default, 60 s, holds the
     # resource's deletion that long)
     settings.background.cancellation_polling = 1.0
+    if peering_lifetime is not None:  # with --peering: how long a silent leader's entry lasts
+        settings.peering.lifetime = peering_lifetime
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -483,8 +485,8 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
 
 
 # ------------------------------------------------------------------------------------------------ registry
-def build_registry(*, rebalance_tick: float = REBALANCE_TICK,
-                   login: Optional[Callable[..., Any]] = None) -> kopf.OperatorRegistry:
+def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Optional[Callable[..., Any]] = None,
+                   peering_lifetime: Optional[int] = None) -> kopf.OperatorRegistry:
     """A fresh registry with every handler (no module-level state, so tests can run several operators).
 
     login: Kopf's authentication handler; default `kopf.login_via_client` (as kubectl: the pod's service
@@ -495,7 +497,7 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK,
 
     @kopf.on.startup(id="configure", registry=reg)
     def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_settings(settings)
+        configure_settings(settings, peering_lifetime)
 
     @kopf.index("v1", "pods", id="expertmesh_pods", labels=m.POD_MANAGED_LABELS, registry=reg)
     def expertmesh_pods(namespace: str, body, **_: Any):

@@ -3,7 +3,10 @@
 Connects as kubectl does (the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config), watches
 one or more namespaces (`--namespace`, repeatable) or the whole cluster, and serves a liveness endpoint
 (`--liveness`, Kopf's health probe: 200 while the operator's watch loops are alive). Runs standalone (one
-replica; the Helm chart's Deployment uses `strategy: Recreate`) unless `--peering` names a KopfPeering.
+replica) unless `--peering` names a ClusterKopfPeering (cluster-wide) or KopfPeering (with `--namespace`): then
+several replicas elect a leader through it — each takes a distinct priority (`--priority`, random by default),
+the highest live one handles everything and the others stand by, paused, until its peering entry goes (a clean
+exit removes it at once; a crashed leader's expires after `--peering-lifetime` seconds).
 """
 from __future__ import annotations
 
@@ -20,7 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
                    help=f"liveness endpoint to serve (default {DEFAULT_LIVENESS}; 'none' to disable)")
     p.add_argument("--peering", default=None, metavar="NAME",
-                   help="KopfPeering name for several operator replicas (default: standalone)")
+                   help="(Cluster)KopfPeering name for several operator replicas: one leader, the rest standing by "
+                        "(default: standalone)")
+    p.add_argument("--priority", type=int, default=None, metavar="N",
+                   help="peering priority, the highest live replica leads (default: random, so replicas never tie: "
+                        "Kopf pauses every replica of a tie)")
+    p.add_argument("--peering-lifetime", type=int, default=60, metavar="SECONDS",
+                   help="how long a replica's peering entry outlives its last keep-alive (a crashed leader is "
+                        "replaced after this; default 60)")
     p.add_argument("--rebalance-tick", type=float, default=None, metavar="SECONDS",
                    help="how often to check whether a resource's rebalance interval has passed (default 15)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -35,7 +45,9 @@ def operator_kwargs(args) -> dict:
     else:
         kw["clusterwide"] = True
     if args.peering:
+        import secrets
         kw["peering_name"] = args.peering
+        kw["priority"] = args.priority if args.priority is not None else 1 + secrets.randbelow(2 ** 31 - 1)
     else:
         kw["standalone"] = True
     return kw
@@ -56,7 +68,8 @@ def run(args) -> int:
         print(f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "
               f"~/.kube/config): {e}", file=sys.stderr)
         return 2
-    registry = build_registry(rebalance_tick=args.rebalance_tick or REBALANCE_TICK)
+    registry = build_registry(rebalance_tick=args.rebalance_tick or REBALANCE_TICK,
+                              peering_lifetime=args.peering_lifetime)
 
     # Kopf handles SIGINT/SIGTERM itself: it stops watching, lets running handlers finish, then returns
     asyncio.run(kopf.operator(registry=registry, memo=kopf.Memo(deps=deps), **operator_kwargs(args)))

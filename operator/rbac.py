@@ -41,6 +41,9 @@ RULES: tuple[Rule, ...] = (
     Rule("", "pods/log", ("get",)),
     # Kopf posts Kubernetes events (core v1) for handler outcomes
     Rule("", "events", ("create",)),
+    # leader election among operator replicas (--peering): Kopf's peering objects, keep-alives in their status
+    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch")),
+    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch")),
     # Kopf watches CRDs to notice its resource appearing/changing (it degrades gracefully without)
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
     # Not granted: namespaces. With `--namespace <exact name>` Kopf tries to list namespaces and, forbidden,
@@ -49,7 +52,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 # Cluster-scoped resources: need a ClusterRole even when the operator runs namespace-scoped.
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("kopf.dev", "clusterkopfpeerings")}
 
 
 def as_policy_rules(rules: tuple[Rule, ...] = RULES, *, cluster_scoped: bool | None = None) -> list[dict]:

@@ -223,6 +223,10 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
         if obj["kind"] == KIND:
             _validate_moedeployment(obj)   # the CRD schema check is test_example_matches_crd_schema
             continue
+        if obj["apiVersion"] == "kopf.dev/v1":  # Kopf's peering object: no schema beyond its CRD's (crds/)
+            assert obj["kind"] in ("ClusterKopfPeering", "KopfPeering") and set(obj) == {
+                "apiVersion", "kind", "metadata"}, where
+            continue
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -243,7 +247,7 @@ def test_labels_and_names(rendered):
         for k, v in labels.items():
             assert len(v) <= 63 and LABEL_VALUE.match(v), f"{where}: label {k}={v!r} is not a valid label value"
         assert len(meta["name"]) <= 63 and DNS_LABEL.match(meta["name"]), f"{where}: bad name {meta['name']!r}"
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
             assert meta.get("namespace"), f"{where}: namespaced object without a namespace"
     # the pod template carries the labels too, and the selector picks it
     dep = one(docs, "Deployment")
@@ -258,8 +262,13 @@ def test_operator_deployment_hardened_and_probed(rendered):
     dep = one(docs, "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = operator_container(docs)
-    assert dep["spec"]["replicas"] == op.get("replicas", 1)
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}  # standalone Kopf: never two pods at once
+    replicas = op.get("replicas", 2)
+    assert dep["spec"]["replicas"] == replicas
+    if replicas > 1:  # a leader and standbys (Kopf peering): a new pod may start before an old one goes
+        assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    else:
+        assert dep["spec"]["strategy"] == {"type": "Recreate"}  # standalone Kopf: never two pods at once
     assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                                       "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
     sc = c["securityContext"]
@@ -275,8 +284,14 @@ def test_operator_deployment_hardened_and_probed(rendered):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert c["resources"] == op.get("resources", {"requests": {"cpu": "100m", "memory": "256Mi"},
                                                   "limits": {"memory": "1Gi"}})
-    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+    for key in ("nodeSelector", "tolerations", "priorityClassName"):
         assert pod.get(key) == op.get(key), key
+    if op.get("affinity") or replicas <= 1:
+        assert pod.get("affinity") == op.get("affinity")
+    else:  # the leader and its standby on different nodes, where there are several
+        term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     assert op.get("podAnnotations", {}).items() <= dep["spec"]["template"]["metadata"].get("annotations", {}).items()
     assert op.get("podLabels", {}).items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert pod.get("imagePullSecrets") == values.get("imagePullSecrets")
@@ -293,8 +308,17 @@ def test_operator_args_parse_with_the_real_cli(rendered):
     args = parser.parse_args(c["args"][1:])
     kw = operator_main.operator_kwargs(args)
     assert kw["liveness_endpoint"] == f"http://0.0.0.0:{op.get('healthPort', 8080)}/healthz"
-    assert kw.get("standalone") is True and "peering_name" not in kw
     namespaced = values.get("rbac", {}).get("namespaced") or op.get("watchNamespace")
+    if op.get("replicas", 2) > 1:  # leader election through the peering object the chart creates
+        (peering,) = [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]
+        assert kw["peering_name"] == peering["metadata"]["name"] and "standalone" not in kw
+        assert peering["kind"] == ("KopfPeering" if namespaced else "ClusterKopfPeering")
+        if namespaced:
+            assert peering["metadata"]["namespace"] == (op.get("watchNamespace") or NAMESPACE)
+        assert 0 < kw["priority"] < 2 ** 31  # each replica its own (random): Kopf pauses every replica of a tie
+    else:
+        assert kw.get("standalone") is True and "peering_name" not in kw
+        assert not [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]
     if namespaced:
         assert kw["namespaces"] == [op.get("watchNamespace") or NAMESPACE] and "clusterwide" not in kw
     else:
@@ -504,9 +528,13 @@ def test_crd_is_structural_and_valid():
     assert (crd["spec"]["group"], names["kind"], names["plural"], "moe" in names["shortNames"]) == \
         ("expertmesh.dev", KIND, "moedeployments", True)
     assert _structural_problems(_crd_schema(crd)) == []
-    # helm installs it from crds/ before the templates (so the example can be created in the same install)
-    assert one(render({}, include_crds=True), "CustomResourceDefinition")["metadata"]["name"] == \
-        "moedeployments.expertmesh.dev"
+    # helm installs it from crds/ before the templates (so the example can be created in the same install),
+    # with Kopf's peering resources (leader election of the operator replicas)
+    crds = by_kind(render({}, include_crds=True), "CustomResourceDefinition")
+    assert sorted(c["metadata"]["name"] for c in crds) == [
+        "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "moedeployments.expertmesh.dev"]
+    for c in crds:
+        kubernetes_validate.validate(c, K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "custom-image"])
@@ -523,7 +551,7 @@ def test_example_matches_crd_schema(set_name):
 # ------------------------------------------------------------------------------------------------ bad values
 BAD_VALUES = [
     ({"operator": {"replicas": -1}}, "/operator/replicas"),
-    ({"operator": {"replicas": 2}}, "/operator/replicas"),            # standalone: at most one
+    ({"operator": {"replicas": 6}}, "/operator/replicas"),            # a leader and at most 4 standbys
     ({"operator": {"replicas": "two"}}, "/operator/replicas"),
     ({"operator": {"healthPort": 80}}, "/operator/healthPort"),       # non-root cannot bind below 1024
     ({"operator": {"logLevel": "trace"}}, "/operator/logLevel"),

@@ -208,38 +208,58 @@ async def eventually(check, timeout: float = 10.0, what: str = ""):
 
 
 @contextlib.asynccontextmanager
-async def operator(fetch_load=None, tick: float = 0.2, read_log=None):
-    async def no_load(url, timeout):
-        raise ConnectionError("no router in this test")
-
+async def emulator():
+    """The emulator, served over HTTP, with the builtin resources, our CRD's and Kopf's peering resource."""
     async with Emulator() as emu, kmock.Server(emu):
         emu.resources.load_bundled()
         emu.resources[MOE] = kmock.ResourceInfo(
             kind=KIND, singular="moedeployment", namespaced=True, shortnames={"moe"},
             verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
-        url = str(emu.url).rstrip("/")
-        registry = build_registry(rebalance_tick=tick,
-                                  login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True))
-        deps = Deps(kube=Kube.for_url(url), fetch_load=fetch_load or no_load, load_timeout=2.0, read_log=read_log)
+        emu.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+            verbs={"get", "list", "watch", "create", "patch"})
+        yield emu
 
-        @kopf.on.startup(id="fast_exit", registry=registry)
-        def _fast_exit(settings: kopf.OperatorSettings, **_):  # idle per-object workers exit quickly on stop
-            settings.queueing.idle_timeout = 0.5
-            settings.queueing.exit_timeout = 0.5
-        # Kopf in its own thread and event loop: on stop it waits for every task its loop started, and the
-        # emulator's connection tasks live in the test's loop
-        stop, ready = threading.Event(), threading.Event()
-        thread = threading.Thread(name="kopf", daemon=True, target=lambda: asyncio.run(kopf.operator(
-            registry=registry, memo=kopf.Memo(deps=deps), standalone=True, clusterwide=True,
-            stop_flag=stop, ready_flag=ready)))
-        thread.start()
-        try:
-            assert await asyncio.to_thread(ready.wait, 10), "the operator did not start"
+
+@contextlib.asynccontextmanager
+async def run_operator(emu, deps: Deps, tick: float = 0.2, **kw):
+    """One operator (Kopf, for real) against `emu` until the context exits. `kw`: kopf.operator's peering
+    arguments (default standalone)."""
+    url = str(emu.url).rstrip("/")
+    registry = build_registry(rebalance_tick=tick, login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
+                              peering_lifetime=kw.pop("peering_lifetime", None))
+
+    @kopf.on.startup(id="fast_exit", registry=registry)
+    def _fast_exit(settings: kopf.OperatorSettings, **_):  # idle per-object workers exit quickly on stop
+        settings.queueing.idle_timeout = 0.5
+        settings.queueing.exit_timeout = 0.5
+    # Kopf in its own thread and event loop: on stop it waits for every task its loop started, and the
+    # emulator's connection tasks live in the test's loop
+    stop, ready = threading.Event(), threading.Event()
+    kw = kw or {"standalone": True}
+    thread = threading.Thread(name="kopf", daemon=True, target=lambda: asyncio.run(kopf.operator(
+        registry=registry, memo=kopf.Memo(deps=deps), clusterwide=True, stop_flag=stop, ready_flag=ready, **kw)))
+    thread.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 10), "the operator did not start"
+        yield thread
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        assert not thread.is_alive(), "the operator did not stop"
+
+
+async def no_load(url, timeout):
+    raise ConnectionError("no router in this test")
+
+
+@contextlib.asynccontextmanager
+async def operator(fetch_load=None, tick: float = 0.2, read_log=None):
+    async with emulator() as emu:
+        url = str(emu.url).rstrip("/")
+        deps = Deps(kube=Kube.for_url(url), fetch_load=fetch_load or no_load, load_timeout=2.0, read_log=read_log)
+        async with run_operator(emu, deps, tick):
             yield Cluster(emu, deps)
-        finally:
-            stop.set()
-            await asyncio.to_thread(thread.join, 15)
-            assert not thread.is_alive(), "the operator did not stop"
 
 
 def tiny_spec(experts: int = 2, slots_per_pod: int = 48, redundant: int = 0, interval: int = 300,
@@ -605,3 +625,49 @@ async def test_new_plans_are_published_without_touching_pod_templates():
             await eventually(lambda: c.status("kimi").get("phase") == "Ready" and
                              c.plan("kimi").experts_of(1) != [], timeout=15, what="rejoined and Ready")
             assert templates() == before
+
+
+class CountingKube(Kube):
+    """The operator's API edge, counting the children it applies (tells which replica did the work)."""
+    applies = 0
+
+    def apply(self, obj: dict) -> dict:
+        self.applies += 1
+        return super().apply(obj)
+
+
+async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
+    """Two operators with `--peering`: the higher priority leads (reconciles), the other stands by (paused, no
+    writes); when the leader stops, the standby resumes and handles the next change."""
+    async with emulator() as emu:
+        url = str(emu.url).rstrip("/")
+        c = Cluster(emu, None)
+        await c._ok(emu.post("/apis/kopf.dev/v1/clusterkopfpeerings", json={
+            "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "expertmesh"}}))
+        def peers() -> dict:
+            for (res, ns, name), obj in list(emu.objects.items()):
+                if res == kmock.resource("kopf.dev/v1/clusterkopfpeerings") and name == "expertmesh" and not obj.deleted:
+                    return _plain(obj.raw).get("status") or {}
+            return {}
+        kubes = [CountingKube.for_url(url), CountingKube.for_url(url)]
+        deps = [Deps(kube=k, fetch_load=no_load, load_timeout=2.0) for k in kubes]
+        async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10) as standby:
+            leader = run_operator(emu, deps[1], peering_name="expertmesh", priority=20)
+            await leader.__aenter__()
+            try:
+                await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
+                assert sorted(p["priority"] for p in peers().values()) == [10, 20]
+                await asyncio.sleep(1.0)  # the lower priority has seen the higher one and paused
+                await c.create_moe("kimi", tiny_spec())
+                await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="reconciled")
+                await asyncio.sleep(1.0)
+                assert kubes[1].applies > 0 and kubes[0].applies == 0  # only the leader worked
+            finally:
+                await leader.__aexit__(None, None, None)
+            # the leader is gone (its peering entry removed on exit): the standby resumes and takes the next change
+            await eventually(lambda: [p["priority"] for p in peers().values()] == [10],
+                             what="the leader's entry removed")
+            await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
+            await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15,
+                             what="the standby reconciled")
+            assert kubes[0].applies > 0 and standby.is_alive()

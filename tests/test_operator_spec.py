@@ -530,7 +530,11 @@ def test_cli_namespace_scoped_or_clusterwide():
     assert kw == {"liveness_endpoint": "http://0.0.0.0:8080/healthz", "clusterwide": True, "standalone": True}
     kw = operator_kwargs(p.parse_args(["-n", "serving", "--namespace", "team-*", "--liveness", "none",
                                        "--peering", "expertmesh"]))
+    priority = kw.pop("priority")
     assert kw == {"liveness_endpoint": None, "namespaces": ["serving", "team-*"], "peering_name": "expertmesh"}
+    assert 0 < priority < 2 ** 31  # random: two replicas never tie (Kopf would pause both)
+    kw = operator_kwargs(p.parse_args(["--peering", "expertmesh", "--priority", "7"]))
+    assert (kw["priority"], kw["clusterwide"], "standalone" in kw) == (7, True, False)
 
 
 def test_only_the_router_reaches_the_workers(tiny_plan):

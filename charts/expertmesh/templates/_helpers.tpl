@@ -153,3 +153,10 @@ fsGroup: 10001
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/*
+"true" when the operator runs as several replicas electing a leader through Kopf peering (operator.replicas > 1).
+*/}}
+{{- define "expertmesh.peering" -}}
+{{- if gt (int .Values.operator.replicas) 1 }}true{{ end }}
+{{- end }}
