@@ -453,7 +453,9 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
         return
     key = (namespace, name)
     now = time.monotonic()
-    if now - deps.last_check.get(key, float("-inf")) < parsed.placement.rebalance_interval_seconds:
+    interval = parsed.placement.rebalance_interval_seconds
+    if now - deps.last_check.get(key, float("-inf")) < interval or \
+            m.seconds_since(status.get("lastRebalanceTime")) < interval:  # status: survives a restart or failover
         return
     deps.last_check[key] = now
     try:

@@ -901,6 +901,15 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
     return Decision(status=out, replan_excluding=replan)
 
 
+def seconds_since(rfc3339: Optional[str], now: Optional[_dt.datetime] = None) -> float:
+    """Seconds from an RFC 3339 time (as the status keeps them) to now; +inf when absent or unreadable."""
+    try:
+        then = _parse_time(rfc3339)
+    except (TypeError, ValueError, AttributeError):
+        return float("inf")
+    return ((now or _dt.datetime.now(_dt.timezone.utc)) - then).total_seconds()
+
+
 def _parse_time(text: str) -> _dt.datetime:
     return _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
 

@@ -552,3 +552,10 @@ def test_only_the_router_reaches_the_workers(tiny_plan):
         allowed = {n for n, lab in pods.items() if source["podSelector"]["matchLabels"].items() <= lab.items()}
         assert allowed == {"kimi-router"} and p["spec"]["policyTypes"] == ["Ingress"]
     assert selected == {"kimi-attention", "kimi-expert"}
+
+
+def test_seconds_since_reads_status_times():
+    import datetime as dt
+    now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc)
+    assert m.seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
+    assert m.seconds_since(None, now) == m.seconds_since("garbage", now) == float("inf")
