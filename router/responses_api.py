@@ -246,7 +246,8 @@ def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment]
 
     pieces = [Piece(s.role, count(s), count(short(s)) if s.role == "tool" else None) for s in segments]
     total = len(render_conversation(fmt, system, tools, segments, thinking).ids)
-    plan = plan_truncation(pieces, fixed=max(0, total - sum(p.tokens for p in pieces)), limit=limit)
+    fixed = max(0, total - sum(p.tokens for p in pieces))
+    plan = plan_truncation(pieces, fixed=fixed, limit=limit, target=fixed + (limit - fixed) // 2)
     if not plan.changed:
         return segments, plan
     shortened = set(plan.shortened)

@@ -11,13 +11,16 @@ engine's own check, with the counts).
    led to it), oldest first;
 3. if the protected last rounds alone do not fit, protect one round fewer and repeat; the last round (the one
    the model answers) is never touched — when it alone does not fit, the request is refused as with `disabled`.
-What was shortened and dropped is reported with the answer.
+Once it has to cut, it cuts down to a target below the limit (the API layer uses half of the room
+between the fixed part and the limit) when the protected rounds allow it, so that the next turns, which extend
+the stored (cut) conversation, hit the prefix cache until the next cut. What was shortened and dropped is
+reported with the answer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PLACEHOLDER = "[tool result omitted to fit the context window]"
+PLACEHOLDER = "[omitted to fit the context window]"
 POLICIES = ("auto", "disabled")
 
 
@@ -59,19 +62,25 @@ def rounds(roles: list[str]) -> list[int]:
     return out
 
 
-def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_rounds: int = 2) -> TruncationPlan:
+def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_rounds: int = 2,
+                    target: int | None = None) -> TruncationPlan:
     """What to keep so that `fixed` (header, generation prompt) plus the kept pieces is at most `limit` tokens
-    (the window less the reserved output). Pure: counts in, indices out."""
+    (the window less the reserved output). Pure: counts in, indices out.
+
+    `target` (≤ limit): once over the limit, cut down to this instead when the protected rounds allow it, so
+    the next turns fit without cutting again — each cut changes the prompt's prefix (the prefix cache misses
+    from there), so cutting rarely and by more keeps a long session cached."""
     before = fixed + sum(p.tokens for p in pieces)
     if before <= limit:
         return TruncationPlan(list(range(len(pieces))), tokens_before=before, tokens=before)
     of = rounds([p.role for p in pieces])
     last = of[-1] if of else -1
-    for protect in range(max(1, keep_last_rounds), 0, -1):
+    goals = [g for g in (target, limit) if g is not None and g <= limit]
+    for protect, goal in ((p, g) for p in range(max(1, keep_last_rounds), 0, -1) for g in goals):
         first_protected = last - protect + 1
         total, shortened, dropped = before, [], set()
         for i, p in enumerate(pieces):                       # 1. oldest tool results first
-            if total <= limit:
+            if total <= goal:
                 break
             if of[i] < first_protected and p.role == "tool" and p.short_tokens is not None \
                     and p.short_tokens < p.tokens:
@@ -79,14 +88,14 @@ def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_ro
                 total -= p.tokens - p.short_tokens
         n_rounds = 0
         for r in range(first_protected):                     # 2. then the oldest rounds
-            if total <= limit:
+            if total <= goal:
                 break
             members = [i for i in range(len(pieces)) if of[i] == r]
             for i in members:
                 total -= pieces[i].short_tokens if i in shortened else pieces[i].tokens
             dropped.update(members)
             n_rounds += 1 if members else 0
-        if total <= limit:
+        if total <= goal:
             return TruncationPlan([i for i in range(len(pieces)) if i not in dropped],
                                   [i for i in shortened if i not in dropped], sorted(dropped), n_rounds,
                                   before, total, True)
