@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 
@@ -39,13 +39,13 @@ from expertmesh.worker.exchange import ReplicaTable
 log = logging.getLogger("expertmesh.router")
 
 
-def _serving(client) -> bool:
+def _serving(client, timeout: float | None = None) -> bool:
     """Whether a worker answers its health check (in-process workers have none and never go down)."""
     health = getattr(client, "health", None)
     if health is None:
         return True
     try:
-        return health() == "SERVING"
+        return (health(timeout=timeout) if timeout is not None else health()) == "SERVING"
     except Exception:
         return False
 
@@ -282,7 +282,7 @@ class Engine:
         """Refuse requests that waited longer than `max_queue_wait` for KV room (429: retry later)."""
         now = time.monotonic()
         with self.cv:
-            expired = [r for r in self.waiting if now - r.arrived > self.max_queue_wait]
+            expired = [r for r in self.waiting if now - r.queued_at > self.max_queue_wait]
             for req in expired:
                 self.waiting.remove(req)
         for req in expired:
@@ -303,9 +303,10 @@ class Engine:
         w = self.kv.choose_worker(self.kv.blocks_for(0, reserve), exclude=self.attention_down)
         if w is not None:
             candidates.append((w, None, 0))
-        elif hit is None:
-            # evict cached prefixes on the worker with the most free blocks, then retry once
-            target = max(self.kv.workers, key=lambda x: x.free_blocks).index
+        elif hit is None and len(self.attention_down) < len(self.kv.workers):
+            # evict cached prefixes on the live worker with the most free blocks, then retry once
+            target = max((x for x in self.kv.workers if x.index not in self.attention_down),
+                         key=lambda x: x.free_blocks).index
             for key in self.kv.eviction_candidates(target):
                 self._drop_prefix(target, key)
                 if self.kv.workers[target].free_blocks >= self.kv.blocks_for(target, reserve):
@@ -321,8 +322,12 @@ class Engine:
                 return True
             except Exception as e:  # out of blocks or prefix gone: try the next candidate
                 log.debug("open_sequence on %d failed: %s", worker, e)
-                if key is not None:
+                if key is not None:              # forgotten here, so dropped there too: never pinned unknown
                     self.kv.forget(key)
+                    try:
+                        self.attention[worker].drop_prefix(key)
+                    except Exception:
+                        pass
                 self._refresh(worker)
                 continue
             req.worker, req.seq_id, req.computed, req.cached_tokens = worker, seq_id, cached, cached
@@ -398,6 +403,15 @@ class Engine:
                                                snapshots.get(w))
                            for w in workers}
                 results = self._gather(futures)
+        except ConnectionError as e:
+            # every attention worker of the step is unreachable (a blip, a restart): the requests wait for one
+            # to come back (replaying what they had) instead of failing — bounded by max_queue_wait
+            tracing.end(e)
+            log.error("step %d: %s; requeueing its requests", step_id, e)
+            for w in workers:
+                for p in batches[w]:
+                    self._recover(p.req)
+            return
         except Exception as e:
             tracing.end(e)
             log.error("step %d failed: %s", step_id, e)
@@ -459,16 +473,29 @@ class Engine:
             if sample:
                 self._accept(req, done.tokens[req.seq_id], sampled)
 
-    def _gather(self, futures: dict) -> dict:
-        """Results of one call per attention worker; a worker that is unreachable, past its deadline, or has
-        lost its expert table (restarted) is marked down and left out — the step goes on for the others, its
-        sequences are rebuilt elsewhere."""
-        results = {}
-        for w, f in futures.items():
-            try:
-                results[w] = f.result(timeout=self.call_timeout)
-            except (ConnectionError, NotConnected, TimeoutError) as e:     # TimeoutError: hung (in process)
-                self._attention_down(w, e)
+    def _gather(self, futures: dict, probe_every: float = 2.0) -> dict:
+        """Results of one call per attention worker; a worker that is unreachable, past its deadline, has lost
+        its expert table (restarted), or stops answering its health check while its step runs (hung, e.g.
+        SIGSTOP: noticed within ~2 probes, not at the step deadline) is marked down and left out — the step goes
+        on for the others, its sequences are rebuilt elsewhere."""
+        results, pending = {}, dict(futures)
+        deadline = time.monotonic() + self.call_timeout
+        while pending:
+            wait(list(pending.values()), timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
+                 return_when=FIRST_COMPLETED)
+            for w, f in list(pending.items()):
+                if f.done():
+                    del pending[w]
+                    try:
+                        results[w] = f.result()
+                    except (ConnectionError, NotConnected, TimeoutError) as e:
+                        self._attention_down(w, e)
+                elif time.monotonic() >= deadline:
+                    del pending[w]
+                    self._attention_down(w, TimeoutError(f"no step result within {self.call_timeout:g} s"))
+                elif not _serving(self.attention[w], timeout=probe_every):
+                    del pending[w]
+                    self._attention_down(w, TimeoutError("its health check does not answer during the step"))
         if not results:
             raise ConnectionError("every attention worker in this step failed")
         return results
@@ -487,6 +514,7 @@ class Engine:
         self.kv.workers[req.worker].sequences -= 1
         self.pending_closes.setdefault(req.worker, []).append(req.seq_id)   # closed there once it is back
         req.worker, req.seq_id, req.computed = -1, "", 0
+        req.queued_at = time.monotonic()
         if req in self.running:
             self.running.remove(req)
         with self.cv:

@@ -77,9 +77,10 @@ class _Client:
             return cls(details)        # the worker's own message, naming the field
         return RemoteError(f"{self.name} ({self.address}): {code.name}: {details}", code)
 
-    def health(self, service: str = "") -> str:
-        """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING", "NOT_SERVING", ..."""
-        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The grpc.health.v1 status of `service` ("" = the whole server): "SERVING", "NOT_SERVING", ...
+        `timeout`: this call's deadline (default the client's)."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float | None = None) -> None:

@@ -72,6 +72,7 @@ class Request:
     finish_reason: str | None = None
     error: Exception | None = None
     arrived: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)   # entered the waiting queue (again, after a failover)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     events: "queue.Queue" = field(default_factory=queue.Queue)   # ("token", id) / ("done", None)
