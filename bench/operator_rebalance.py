@@ -1,0 +1,125 @@
+"""A re-plan under traffic, measured in the kubelet harness: the operator (Kopf, for real) against kmock's Kubernetes
+emulator, every pod a real process (tests/kube_harness.py). A tiny MoEDeployment on 4 expert pods serves a stream
+of chat requests; `expertWorkers.redundantExperts` goes from 0 to 1, so the planner adds one replica per MoE layer
+(minimal movement). The table: shards the planner moved, pods restarted (the published plan changes no pod
+template; until workers reload in place the operator restarts the expert pods whose shards changed, then the
+router), requests served / failed while it happened, and whether every served answer kept its greedy tokens.
+
+    python bench/operator_rebalance.py [--out bench/results/operator_rebalance.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import openai  # noqa: E402
+
+from expertmesh.checkpoint import create_checkpoint  # noqa: E402
+from expertmesh.config import preset  # noqa: E402
+from expertmesh.operator import manifests as m  # noqa: E402
+
+from kube_harness import LocalNode  # noqa: E402
+from test_operator_kopf import NS, eventually, operator, tiny_spec  # noqa: E402
+
+NAME = "kimi"
+PROMPTS = ["Hello there", "What is a mixture of experts?"]
+
+
+async def chat(node: LocalNode, endpoint: str, prompt: str):
+    base = node.resolve_url(f"http://{endpoint}")  # the Service's ready pod, now (the router may have moved)
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30) as client:
+        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                 max_completion_tokens=8, temperature=0)
+    msg = r.choices[0].message
+    return json.dumps([getattr(msg, "reasoning_content", None), msg.content])  # the greedy tokens, as text
+
+
+def uids(c) -> dict[str, str]:
+    import kmock
+    return {k[2]: json.loads(json.dumps(v.raw, default=dict))["metadata"]["uid"] for k, v in list(c.emu.objects.items())
+            if k[0] == kmock.resource("v1/pods") and k[1] == NS and not v.deleted}
+
+
+async def run(tmp: Path) -> dict:
+    create_checkpoint(preset("tiny"), tmp / "pv" / "tiny", seed=0)
+    async with operator(tick=0.2) as c:
+        node = LocalNode(c.emu, NS, tmp / "node", volumes={"weights": tmp / "pv"})
+        try:
+            async with node:
+                await c.create_moe(NAME, tiny_spec(experts=4, slots_per_pod=18))
+                await eventually(lambda: c.status(NAME).get("phase") == "Ready", timeout=180, what="Ready")
+                endpoint = c.status(NAME)["endpoints"]["http"]
+                expected = {p: await chat(node, endpoint, p) for p in PROMPTS}
+                before, templates = uids(c), {k: c.get(*k)["spec"]["template"] for k in (
+                    ("apps/v1/statefulsets", m.expert_name(NAME)), ("apps/v1/deployments", m.router_name(NAME)))}
+                results: list[tuple[str, object]] = []
+                stop = asyncio.Event()
+
+                async def traffic():
+                    i = 0
+                    while not stop.is_set():
+                        p = PROMPTS[i % 2]
+                        try:
+                            results.append((p, await chat(node, endpoint, p)))
+                        except Exception as e:  # connection refused, 5xx, no ready router pod
+                            results.append((p, e))
+                        i += 1
+                        await asyncio.sleep(0.1)
+
+                task = asyncio.create_task(traffic())
+                await eventually(lambda: len(results) >= 2, timeout=30, what="traffic")
+                old_hash = c.status(NAME)["placement"]["planHash"]
+                t0 = time.monotonic()
+                await c.patch_moe(NAME, {"spec": {"expertWorkers": {"redundantExperts": 1}}})
+                await eventually(lambda: c.status(NAME)["placement"]["planHash"] != old_hash, timeout=30, what="plan")
+                await eventually(lambda: c.status(NAME).get("phase") == "Ready" and
+                                 not c.status(NAME)["placement"]["pendingRestarts"], timeout=240, what="Ready again")
+                seconds = time.monotonic() - t0
+                n = len(results)
+                await eventually(lambda: len(results) >= n + 2, timeout=60, what="traffic after")
+                stop.set()
+                await task
+                after = uids(c)
+                same_templates = all(c.get(*k)["spec"]["template"] == v for k, v in templates.items())
+                st = c.status(NAME)
+                await node.stop()
+        finally:
+            node.kill_all()
+    failed = [r for _, r in results if not isinstance(r, str)]
+    return {
+        "shards_moved": st["placement"]["movedShards"],
+        "physical_experts": st["placement"]["physicalExperts"],
+        "pods_restarted": sorted(p for p in before if after.get(p) != before[p]),
+        "pods_kept": sorted(p for p in before if after.get(p) == before[p]),
+        "pod_templates_unchanged": same_templates,
+        "requests": len(results), "requests_failed": len(failed),
+        "failures": sorted({type(e).__name__ for e in failed}),
+        "tokens_changed": sum(1 for p, r in results if isinstance(r, str) and r != expected[p]),
+        "replan_seconds": round(seconds, 1),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "operator_rebalance.json")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = asyncio.run(run(Path(tmp)))
+    width = max(map(len, r))
+    for k, v in r.items():
+        print(f"{k:<{width}}  {v}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
