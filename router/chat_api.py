@@ -178,6 +178,19 @@ class ChatRun:
         async for _ in self.events():
             pass
 
+    async def answer(self, http_request: Request):
+        """The whole answer of an unstreamed request, parsed (cancelled if the client goes away), or the API
+        error it failed with."""
+        watcher = cancel_on_disconnect(http_request, self.engine, self.req)
+        try:
+            await self.wait()
+        except Exception as e:
+            self.fail(e)
+            raise error_from_exception(e)
+        finally:
+            watcher.cancel()
+        return self.result()
+
     def result(self):
         parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
         if self.stop_hit is not None:             # the answer ends before the stop string; nothing after counts
@@ -491,22 +504,15 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                     for c in parsed.tool_calls]
 
         if not body.stream:
-            watcher = cancel_on_disconnect(http_request, engine, run.req)
-            try:
-                await run.wait()
-            except Exception as e:
-                run.fail(e)
-                raise error_from_exception(e)
-            finally:
-                watcher.cancel()
-            parsed = run.result()
+            parsed = await run.answer(http_request)
             remember(parsed)
             message = {"role": "assistant", "content": parsed.content or None,
                        "reasoning_content": parsed.reasoning or None}
             if parsed.tool_calls:
                 message["tool_calls"] = tool_calls_json(parsed)
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": name,
-                                 "choices": [{"index": 0, "message": message, "finish_reason": run.finish_reason(parsed),
+                                 "choices": [{"index": 0, "message": message,
+                                              "finish_reason": run.finish_reason(parsed),
                                               "logprobs": logprobs(0, len(run.req.output))}],
                                  "usage": usage(parsed), "thinking_budget": run.tier,
                                  **({"truncation_report": report} if report else {})}, headers=headers)

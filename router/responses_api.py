@@ -28,7 +28,7 @@ from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, Render
                              generation_prompt, render_header, render_message, tier_from_request, validate_history)
 from expertmesh.router.chat_api import ChatRun, check_tool_choice, submit_chat
 from expertmesh.router.engine import Engine
-from expertmesh.router.http import APIError, SamplingFields, cancel_on_disconnect, error_from_exception
+from expertmesh.router.http import APIError, SamplingFields, error_from_exception
 from expertmesh.router.response_store import ResponseStore, Segment, StoredResponse
 from expertmesh.router.truncation import PLACEHOLDER, Piece, TruncationPlan, plan_truncation
 
@@ -184,7 +184,7 @@ def _known_turn(store: ResponseStore, ids: tuple, msg: Message) -> Segment | Non
         return None
     seg = stored.segments[-1]
     want = [i for i in seg.item_ids if not i.startswith("rs_")]
-    got = [i for i in ids if i and not i.startswith("rs_")]
+    got = [i for i in ids if i and not str(i).startswith("rs_")]
     same = seg.message.content == msg.content and \
         [(c.id, c.name, c.arguments) for c in seg.message.tool_calls] == \
         [(c.id, c.name, c.arguments) for c in msg.tool_calls]
@@ -301,8 +301,8 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         fmt_type = ((body.text or {}).get("format") or {}).get("type", "text")
         if fmt_type != "text" or set(body.text or {}) - {"format"} or \
                 set((body.text or {}).get("format") or {}) - {"type"}:
-            raise APIError(400, f"text: only {{format: {{type: text}}}} is supported (structured output needs "
-                                f"constrained decoding)", param="text")
+            raise APIError(400, "text: only {format: {type: text}} is supported (structured output needs "
+                                "constrained decoding)", param="text")
         check_tool_choice(body.tool_choice, body.tools)
         tools = None if body.tool_choice == "none" else chat_tools(body.tools)
         prior: list[Segment] = []
@@ -351,7 +351,10 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                           sampling=body.sampling_kwargs())
         rid, created = store.new_id(), time.time()
         rs_id, msg_id = _new_id("rs"), _new_id("msg")
-        kept = ([Segment(Message("system", system))] if system is not None else []) + segments
+        # what a follow-up continues: a system / developer message sent as an input item stays in the
+        # conversation; `instructions` belong to this request only (as OpenAI documents them)
+        kept = conv.segments[:1] if conv.segments and conv.segments[0].role == "system" else []
+        kept += segments
         headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))} if report else {}
 
         def usage(parsed) -> dict:
@@ -383,15 +386,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
             return obj
 
         if not body.stream:
-            watcher = cancel_on_disconnect(http_request, engine, run.req)
-            try:
-                await run.wait()
-            except Exception as e:
-                run.fail(e)
-                raise error_from_exception(e)
-            finally:
-                watcher.cancel()
-            parsed = run.result()
+            parsed = await run.answer(http_request)
             return JSONResponse(finish(parsed, items(parsed)[0]), headers=headers)
 
         seq = 0

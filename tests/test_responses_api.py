@@ -179,6 +179,42 @@ def test_parameters_are_honoured_or_refused_naming_them(stack, extra, param):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_near_valid_input_items_get_an_answer_or_a_400_never_a_5xx(stack):
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    junk = st.one_of(st.none(), st.integers(-2, 2), st.booleans(), st.lists(st.integers(), max_size=2),
+                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
+    text = st.one_of(st.text(max_size=8), st.just("\ud800"))
+    part = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal"]),
+                                            "text": st.one_of(text, junk)}), junk)
+    content = st.one_of(text, st.lists(part, max_size=2), junk)
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "developer", "tool"]), junk)},
+                              optional={"type": st.just("message"), "content": content, "id": st.one_of(text, junk)}),
+        st.fixed_dictionaries({"type": st.just("function_call")},
+                              optional={"call_id": st.one_of(st.just("call_a"), junk), "name": st.one_of(text, junk),
+                                        "arguments": st.one_of(st.just("{}"), text, junk), "id": junk}),
+        st.fixed_dictionaries({"type": st.just("function_call_output")},
+                              optional={"call_id": st.one_of(st.just("call_a"), junk), "output": content}),
+        st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"content": st.lists(part, max_size=1),
+                                                                        "id": st.one_of(text, junk)}),
+        junk)
+    body = st.fixed_dictionaries({"model": st.just("tiny"), "input": st.one_of(text, st.lists(item, max_size=4)),
+                                  "max_output_tokens": st.just(2)},
+                                 optional={"stream": st.booleans(), "instructions": st.one_of(text, junk),
+                                           "previous_response_id": st.one_of(st.just("resp_a_" + "0" * 24), junk)})
+    seen = []
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=body)
+    def run(body):
+        r = httpx.post(stack.url + "/v1/responses", content=json.dumps(body).encode("utf-8", "surrogatepass"),
+                       headers={"content-type": "application/json"}, timeout=60)
+        seen.append(r.status_code)
+        assert r.status_code < 500, (body, r.text[:300])
+    run()
+    assert 200 in seen and 400 in seen, seen
+
+
 # ----------------------------------------------------------------------------------------------- streaming
 def test_stream_event_order_and_the_completed_response(stack, client):
     tok = stack.tok
@@ -345,8 +381,13 @@ def test_chat_client_that_strips_reasoning_gets_the_same_tokens(stack, client):
 
 
 def test_agents_sdk_responses_model_runs_a_tool_using_agent(stack):
+    """The SDK's default model (OpenAIResponsesModel over the default client) runs a tool-using agent, plain and
+    streamed; it sends the history back as items, and ours keep their exact tokens: all of it is cached."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none",
+                                                        max_retries=0), use_for_tracing=False)
+    agents.set_default_openai_api("responses")
     calls = []
 
     @agents.function_tool
@@ -356,15 +397,19 @@ def test_agents_sdk_responses_model_runs_a_tool_using_agent(stack):
         return f"{city}: 18 C"
 
     tok = stack.tok
-    stack.script.queue += [tool_call_tokens(tok, "need the tool", "Paris"),
-                           answer_tokens(tok, "got it", "Paris is 18 C.")]
-    model = agents.OpenAIResponsesModel(model="tiny", openai_client=openai.AsyncOpenAI(
-        base_url=stack.url + "/v1", api_key="none", max_retries=0))
-    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather], model=model,
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather], model="tiny",
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=48))
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?"))
-    assert calls == ["Paris"] and result.final_output == "Paris is 18 C."
-    second = result.raw_responses[1]
-    first = result.raw_responses[0]
-    # the history came back as items with this server's ids: its exact tokens, all cached
+    stack.script.queue += [tool_call_tokens(tok, "need the tool", "Paris"),
+                           answer_tokens(tok, "got it", "Paris is 18 C."),
+                           tool_call_tokens(tok, "again", "Oslo"), answer_tokens(tok, "ok", "Oslo is 18 C.")]
+
+    async def both():            # one event loop: the client's connections belong to it
+        result = await agents.Runner.run(agent, "What is the weather in Paris?")
+        streamed = agents.Runner.run_streamed(agent, "And in Oslo?")
+        kinds = [e.type async for e in streamed.stream_events()]
+        return result, streamed, kinds
+    result, streamed, kinds = asyncio.run(both())
+    assert calls == ["Paris", "Oslo"] and result.final_output == "Paris is 18 C."
+    first, second = result.raw_responses
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert streamed.final_output == "Oslo is 18 C." and "raw_response_event" in kinds
