@@ -199,8 +199,11 @@ def _set_threads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _set_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fetch"]:  # the pods' init container: no torch, starts in a fraction of a second
+        from expertmesh.fetch import main as fetch_main
+        return int(fetch_main(argv[1:]) or 0)
+    _set_threads()
     if argv[:1] == ["worker"]:
         from expertmesh.worker.server import main as worker_main   # the worker parses its own flags
         return int(worker_main(argv[1:]) or 0)

@@ -14,7 +14,8 @@
     `volumes[claimName]`), the image's `expertmesh` entry point = this checkout's `python -m expertmesh.cli`, a
     `/bin/sh -c` script run by the real /bin/sh; init containers run first, one after the other, each to
     completion (a failed one is restarted with the back-off; the pod is Pending with `initContainerStatuses`
-    meanwhile; a hostPath volume is a directory of the node, shared by its pods). Networking is loopback: `0.0.0.0` → `127.0.0.1`; the value of
+    meanwhile; a hostPath volume is a directory of the node, shared by its pods; a ConfigMap volume follows its
+    ConfigMap while the container runs, each changed key replaced atomically). Networking is loopback: `0.0.0.0` → `127.0.0.1`; the value of
     every `--*port` flag naming a declared containerPort → a loopback port of its own, reserved per (pod name,
     port) so a StatefulSet pod keeps its address across recreation (stable network identity); cluster DNS names
     in arguments (`<pod>.<svc>.<ns>.svc:<port>`, `<svc>.<ns>.svc:<port>`) → 127.0.0.1:<that pod's port>.
@@ -93,6 +94,7 @@ class Process:
     init: bool = False             # an init container (run to completion before the next one)
     last_failure: str = ""         # the previous run's termination message, when it failed
     inits_done: tuple = ()         # names of the init containers that completed before this one
+    configmaps: tuple = ()         # (ConfigMap name, host directory) of its ConfigMap volumes
 
     @property
     def alive(self) -> bool:
@@ -136,6 +138,7 @@ class LocalNode:
             try:
                 await self._controllers()
                 await self._kubelet()
+                self._sync_configmaps()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # keep the node running; the test sees what went wrong
@@ -417,8 +420,8 @@ class LocalNode:
                     return None
                 d = pod_dir / "volumes" / mnt["name"]
                 d.mkdir(parents=True, exist_ok=True)
-                for key, text in (cm.get("data") or {}).items():
-                    (d / key).write_text(text)
+                self._write_configmap(cm, d)
+                self._cm_dirs.append((vol["configMap"]["name"], d))
                 out[mnt["mountPath"]] = d
             elif "hostPath" in vol:  # a directory of this node, shared by its pods
                 d = self.run_dir / "hostpath" / vol["hostPath"]["path"].strip("/")
@@ -432,6 +435,30 @@ class LocalNode:
             else:
                 raise ValueError(f"pod {pod['metadata']['name']}: volume {mnt['name']} of an unsupported kind")
         return out
+
+    @staticmethod
+    def _write_configmap(cm: dict, d: Path) -> bool:
+        """Write a ConfigMap's keys into `d`, each replaced atomically (as the kubelet swaps its symlink), only
+        the keys whose text changed; True when something changed."""
+        changed = False
+        for key, text in (cm.get("data") or {}).items():
+            f = d / key
+            if not f.exists() or f.read_text() != text:
+                tmp = d / f".{key}.tmp"
+                tmp.write_text(text)
+                os.replace(tmp, f)
+                changed = True
+        return changed
+
+    def _sync_configmaps(self) -> None:
+        """The kubelet's periodic sync: a running container's ConfigMap volumes follow their ConfigMap's data
+        (a process that re-reads a mounted file sees the new content)."""
+        for proc in list(self.running.values()):
+            if proc.alive:
+                for name, d in proc.configmaps:
+                    cm = self._get("v1/configmaps", name)
+                    if cm is not None:
+                        self._write_configmap(cm, d)
 
     def _env(self, pod: dict, container: dict) -> dict[str, str]:
         meta = pod["metadata"]
@@ -491,6 +518,7 @@ class LocalNode:
         container = inits[stage] if stage < len(inits) else main
         pod_dir = self.run_dir / f"{name}-{uid[:8]}"
         pod_dir.mkdir(parents=True, exist_ok=True)
+        self._cm_dirs: list[tuple[str, Path]] = []
         mounts = self._mounts(pod, container, pod_dir)
         if mounts is None:
             return None
@@ -504,7 +532,7 @@ class LocalNode:
         component = (meta.get("labels") or {}).get(m.LABEL_COMPONENT, container["name"])
         proc = Process(pod=name, uid=uid, component=component, argv=argv, popen=popen, restarts=restarts,
                        container=container["name"], init=stage < len(inits), last_failure=last_failure,
-                       inits_done=tuple(c["name"] for c in inits[:stage]))
+                       inits_done=tuple(c["name"] for c in inits[:stage]), configmaps=tuple(self._cm_dirs))
         log = open(pod_dir / f"run-{container['name']}-{restarts}.log", "w")
         threading.Thread(target=self._pump, args=(proc, log), daemon=True, name=f"log-{name}").start()
         self.running[name] = proc

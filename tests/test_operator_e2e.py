@@ -39,7 +39,7 @@ from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
 from test_operator_kopf import NS, eventually, operator, tiny_spec
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(150),
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
 
 NAME = "kimi"
@@ -251,6 +251,17 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
     # a request after recovery
     status, r = await chat(client, PROMPTS[0])
     assert status == 200 and r.choices[0].message.content == expected[PROMPTS[0]].content
+
+    # the plan volume follows the ConfigMap while the pods run (what an in-place plan reload re-reads)
+    mounted = next(d for name, d in node.process(expert_pods[0]).configmaps if name == m.plan_configmap_name(NAME))
+    assert (mounted / "plan.json").read_text() == c.get("v1/configmaps", m.plan_configmap_name(NAME))["data"][
+        "plan.json"]
+    async with c.emu.patch(f"/api/v1/namespaces/{NS}/configmaps/{m.plan_configmap_name(NAME)}",
+                           json={"data": {"probe": "v2"}},
+                           headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status == 200
+    await eventually(lambda: (mounted / "probe").exists() and (mounted / "probe").read_text() == "v2",
+                     timeout=5, what="the ConfigMap change in the pod's volume")
 
 
 
