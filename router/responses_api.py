@@ -432,12 +432,14 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
 
             try:
                 async for kind, piece in run.events():
+                    if kind == "content" and conv.thinking and not output:
+                        for e in open_("reasoning"):     # thinking that produced no text: its item still first
+                            yield e
+                        open_kind, text = "reasoning", ""
                     if kind != open_kind:
                         if open_kind is not None:
                             for e in close():
                                 yield e
-                        if any(o["id"] == (rs_id if kind == "reasoning" else msg_id) for o in output):
-                            continue                  # (never: reasoning comes before the answer)
                         for e in open_(kind):
                             yield e
                         open_kind, text = kind, ""

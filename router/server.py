@@ -51,6 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
                    help="reasoning-token limits of the thinking tiers low, high and max (default: the checkpoint "
                         "config's); the router forces the end of thinking at the limit")
+    p.add_argument("--stored-responses", type=int, default=1024, metavar="N",
+                   help="Responses API: keep at most N stored responses (least recently used out first)")
+    p.add_argument("--stored-responses-mib", type=int, default=256, metavar="MIB",
+                   help="Responses API: at most this much memory for stored responses")
+    p.add_argument("--stored-responses-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="Responses API: a stored response is forgotten after this long")
+    p.add_argument("--replica", default=None,
+                   help="this router's name in response ids (default: $EXPERTMESH_REPLICA, else the hostname)")
+    p.add_argument("--no-reasoning-memory", action="store_true",
+                   help="do not give chat histories that drop the reasoning of answers generated here their "
+                        "reasoning back")
     p.add_argument("--api-key-file", default=None,
                    help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
                         "taken from the command line, where `ps` would show them")
@@ -110,7 +121,15 @@ def run(args) -> int:
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
-    app = build_app(engine, api_key=api_key, chat=chat)
+    from expertmesh.router.response_store import ResponseStore, default_replica
+    try:
+        store = ResponseStore(max_responses=args.stored_responses, max_bytes=args.stored_responses_mib * 2 ** 20,
+                              ttl=args.stored_responses_ttl, replica=args.replica or default_replica())
+    except ValueError as e:
+        print(f"expertmesh router: --replica: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, api_key=api_key, chat=chat, response_store=store,
+                    reasoning_memory=not args.no_reasoning_memory)
     http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls)
     from expertmesh.router.grpc_service import serve_router_grpc
     grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat)
