@@ -33,8 +33,10 @@ class ExpertLoadResponse(_message.Message):
     def __init__(self, moe_layers: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class AttentionInfo(_message.Message):
     __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down")
@@ -57,16 +59,18 @@ class AttentionInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key")
+    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     params: _sampling_pb2.SamplingParams
     reserve_tokens: int
     prefix_key: str
-    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class OpenSequenceResponse(_message.Message):
     __slots__ = ("cached_tokens",)

@@ -316,7 +316,7 @@ class Engine:
             seq_id = f"{self.instance}-{next(self.seq_ids)}"
             try:
                 cached = self.attention[worker].open_sequence(seq_id, req.params, reserve_tokens=reserve,
-                                                              prefix_key=key)
+                                                              prefix_key=key, owner=self.instance)
             except WorkerError as e:   # the worker refuses the request itself: it must not block the queue
                 self._fail(req, RequestError(str(e)))
                 return True
@@ -347,7 +347,7 @@ class Engine:
 
     def _refresh(self, worker: int) -> None:
         try:
-            self.kv.workers[worker].free_blocks = self.attention[worker].info()["free_blocks"]
+            self.kv.workers[worker].free_blocks = self.attention[worker].info(owner=self.instance)["free_blocks"]
         except ConnectionError as e:
             self._attention_down(worker, e)
 
@@ -356,6 +356,12 @@ class Engine:
         when they answer SERVING again. Expert workers are probed by the attention workers that use them."""
         while not self.closed:
             time.sleep(self.health_interval)
+            for i in range(len(self.attention)):      # the heartbeat that keeps this router's sequence leases
+                if i not in self.attention_down:
+                    try:
+                        self.attention[i].info(owner=self.instance)
+                    except Exception:
+                        pass
             if self.experts_down:      # the attention workers take expert workers back themselves: re-read
                 for i in range(len(self.attention)):
                     if i not in self.attention_down:

@@ -22,11 +22,12 @@ def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int
 
 def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
                        redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
-                       placement=None, **engine_kw) -> Engine:
+                       placement=None, lease_seconds: float = 30.0, **engine_kw) -> Engine:
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
-    attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}")
+    attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}",
+                                 lease_seconds=lease_seconds)
                  for i in range(attention_workers)]
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
     return Engine(cfg, attention, experts, placement, **engine_kw)

@@ -118,15 +118,16 @@ class RemoteAttention(_Client):
         self.step_timeout = step_timeout or timeout
         self.stub = worker_pb2_grpc.AttentionWorkerStub(self.channel)
 
-    def info(self) -> dict:
-        i = self._call(self.stub.Info, worker_pb2.InfoRequest())
+    def info(self, owner: str = "") -> dict:
+        i = self._call(self.stub.Info, worker_pb2.InfoRequest(owner=owner))
         return {"name": i.name, "model": i.model, "block_size": i.block_size, "total_blocks": i.total_blocks,
                 "free_blocks": i.free_blocks, "sequences": i.sequences, "prefixes": i.prefixes,
                 "experts_down": list(i.experts_down)}
 
-    def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None) -> int:
+    def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None,
+                      owner: str = "") -> int:
         req = worker_pb2.OpenSequenceRequest(seq_id=seq_id, params=sampling_to_proto(params),
-                                             reserve_tokens=reserve_tokens)
+                                             reserve_tokens=reserve_tokens, owner=owner)
         if prefix_key is not None:
             req.prefix_key = prefix_key
         return self._call(self.stub.OpenSequence, req).cached_tokens

@@ -12,6 +12,7 @@ by row, so a sequence's numbers do not depend on the batch it is in.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,7 @@ class _Sequence:
     # (the next segment's first token: prefill chunks end mid-prompt)
     pending: torch.Tensor | None = None
     generating: bool = False     # the prompt is done: fed tokens are output (the penalties count them)
+    owner: str = ""              # the router instance that opened it ("" = no lease)
 
 
 @dataclass
@@ -101,7 +103,8 @@ class _Prefix:
 class AttentionWorker:
     def __init__(self, checkpoint: Checkpoint | str | ModelConfig, *, kv_blocks: int | None = 512,
                  block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
-                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None):
+                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
+                 lease_seconds: float = 30.0):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
@@ -140,6 +143,13 @@ class AttentionWorker:
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
         self.calls = 0
         self.exchange = None           # worker/exchange.ExpertExchange, set by connect_experts
+        # leases: a router renews its own with every call naming it (Info heartbeats once a second); the sequences
+        # of an owner silent for `lease_seconds` are closed — a dead router's leftovers never hold KV forever
+        self.lease_seconds = lease_seconds
+        self.last_seen: dict[str, float] = {}
+        self.expired = 0
+        if lease_seconds > 0:
+            threading.Thread(target=self._sweep, name="lease-sweep", daemon=True).start()
 
     def memory(self):
         """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
@@ -154,7 +164,23 @@ class AttentionWorker:
         return mem
 
     # ------------------------------------------------------------------ info
-    def info(self) -> dict:
+    def renew(self, owner: str) -> None:
+        if owner:
+            self.last_seen[owner] = time.monotonic()
+
+    def _sweep(self) -> None:
+        while True:
+            time.sleep(max(0.05, self.lease_seconds / 4))
+            now = time.monotonic()
+            with self.lock:
+                stale = [s for s, seq in self.sequences.items()
+                         if seq.owner and now - self.last_seen.get(seq.owner, 0.0) > self.lease_seconds]
+                for seq_id in stale:
+                    self.sequences.pop(seq_id).kv.free()
+                self.expired += len(stale)
+
+    def info(self, owner: str = "") -> dict:
+        self.renew(owner)
         return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
                 "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
                 "sequences": len(self.sequences), "prefixes": len(self.prefixes),
@@ -162,7 +188,7 @@ class AttentionWorker:
 
     # ------------------------------------------------------------------ sequences
     def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
-                      prefix_key: str | None = None) -> int:
+                      prefix_key: str | None = None, owner: str = "") -> int:
         """Create a sequence with room for `reserve_tokens` tokens, starting from a cached prefix when given.
         Returns the number of tokens already cached (0 without a prefix)."""
         with self.lock:
@@ -196,7 +222,8 @@ class AttentionWorker:
                 raise
             for i in self.cfg.latent_kv_layers:
                 cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params)
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, owner=owner)
+            self.renew(owner)
             return cache.length
 
     def close_sequence(self, seq_id: str) -> int:

@@ -98,7 +98,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def Info(self, request, context):
-        i = self.worker.info()
+        i = self.worker.info(request.owner)
         return worker_pb2.AttentionInfo(name=i["name"], model=i["model"], block_size=i["block_size"],
                                         total_blocks=i["total_blocks"], free_blocks=i["free_blocks"],
                                         sequences=i["sequences"], prefixes=i["prefixes"],
@@ -110,7 +110,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
             raise ValueError("params: required")
         cached = self.worker.open_sequence(
             request.seq_id, sampling_from_proto(request.params), reserve_tokens=request.reserve_tokens,
-            prefix_key=request.prefix_key if request.HasField("prefix_key") else None)
+            prefix_key=request.prefix_key if request.HasField("prefix_key") else None, owner=request.owner)
         return worker_pb2.OpenSequenceResponse(cached_tokens=cached)
 
     @_rpc
@@ -209,7 +209,8 @@ def all_experts(cfg) -> list[tuple[int, int]]:
 
 def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blocks: int | None = 512,
                   block_size: int = 16, name: str | None = None, device: str | None = None, dtype=None,
-                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None):
+                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
+                  lease_seconds: float = 30.0):
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
     expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
     --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held."""
@@ -230,7 +231,7 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
         attention = AttentionWorker(checkpoint, kv_blocks=kv_blocks, block_size=block_size,
                                     name=name or "attention-0", device=device, dtype=dtype,
                                     gpu_memory_utilization=gpu_memory_utilization,
-                                    device_memory_bytes=device_memory_bytes)
+                                    device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds)
     if role in ("expert", "both"):
         pairs = all_experts(cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
         if device == "cuda" and gpu_of:
@@ -265,7 +266,7 @@ def dry_run(attention, expert) -> str:
 def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
-          device_memory_bytes: int | None = None, expert_tls=None) -> grpc.Server:
+          device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
@@ -273,7 +274,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     attention, expert = build_workers(role, checkpoint, assignment=assignment, gpu_of=gpu_of, kv_blocks=kv_blocks,
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
-                                      device_memory_bytes=device_memory_bytes)
+                                      device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds)
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{role}"),
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--lease-seconds", type=float, default=30.0,
+                   help="attention role: close the sequences of a router silent this long (it heartbeats every "
+                        "second); 0 = never")
     p.add_argument("--expert-tls-ca", help="attention role: call expert workers over TLS, verifying them with this CA")
     p.add_argument("--expert-tls-cert", help="client certificate for mutual TLS with the expert workers")
     p.add_argument("--expert-tls-key", help="private key of --expert-tls-cert")
@@ -481,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                        kv_blocks=kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
-                       expert_tls=expert_tls)
+                       expert_tls=expert_tls, lease_seconds=args.lease_seconds)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
