@@ -6,8 +6,9 @@
 
 Sources: `http(s)://BASE` (a checkpoint directory served over HTTP; its file index at `BASE/expertmesh-index.json`),
 `hf://ORG/NAME[@REVISION]` (the Hub's file list with LFS sha256 and git blob ids; `$HF_ENDPOINT` overrides
-https://huggingface.co, `$HF_TOKEN` is sent as a bearer token), or a local directory (verified in place when it
-has an index).
+https://huggingface.co, `$HF_TOKEN` is sent as a bearer token), `s3://BUCKET/PREFIX` (an S3-compatible store:
+`$AWS_ENDPOINT_URL_S3`, path-style, SigV4 with `$AWS_ACCESS_KEY_ID` / `$AWS_SECRET_ACCESS_KEY`; the index at
+`PREFIX/expertmesh-index.json`), or a local directory (verified in place when it has an index).
 
 The index lists every file with its size and sha256 (`expertmesh fetch --write-index DIR` writes one):
 
@@ -70,11 +71,67 @@ class FileEntry:
 
 @dataclass
 class Source:
-    """Where a checkpoint's files come from: `url(path)` for each file, `index()` for the list."""
+    """Where a checkpoint's files come from: `base` + a file's path, with `headers` (and `sign`, which adds the
+    request's signature headers, for S3)."""
     uri: str
     base: str = ""
     headers: dict = field(default_factory=dict)
-    kind: str = "http"        # http | hf | local
+    kind: str = "http"        # http | hf | s3 | local
+    sign: Optional[Callable[[str, str, dict], dict]] = None
+
+
+# ------------------------------------------------------------------------------------------------ S3 (SigV4)
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def sigv4_headers(method: str, url: str, headers: dict, *, access_key: str, secret_key: str, region: str,
+                  amz_date: str, session_token: Optional[str] = None, service: str = "s3") -> dict:
+    """`headers` plus the AWS Signature Version 4 headers of a request without a body (x-amz-date,
+    x-amz-content-sha256, Authorization; every given header is signed)."""
+    import hmac
+    u = urllib.parse.urlsplit(url)
+    out = {**headers, "x-amz-date": amz_date, "x-amz-content-sha256": EMPTY_SHA256}
+    if session_token:
+        out["x-amz-security-token"] = session_token
+    canon = {k.lower().strip(): " ".join(str(v).split()) for k, v in {"host": u.netloc, **out}.items()}
+    signed = ";".join(sorted(canon))
+    query = "&".join(sorted(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+                            for k, v in urllib.parse.parse_qsl(u.query, keep_blank_values=True)))
+    request = "\n".join([method, urllib.parse.quote(u.path or "/", safe="/-_.~"), query,
+                         "".join(f"{k}:{canon[k]}\n" for k in sorted(canon)), signed, EMPTY_SHA256])
+    scope = f"{amz_date[:8]}/{region}/{service}/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(request.encode()).hexdigest()])
+    key = f"AWS4{secret_key}".encode()
+    for part in (amz_date[:8], region, service, "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    out["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope},SignedHeaders={signed},"
+                            f"Signature={signature}")
+    return out
+
+
+def _s3_source(uri: str) -> Source:
+    """s3://BUCKET/PREFIX: path-style URLs on $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL (an S3-compatible store)
+    or AWS's regional endpoint; signed with $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY (and
+    $AWS_SESSION_TOKEN) when set, anonymous otherwise; region $AWS_REGION / $AWS_DEFAULT_REGION (us-east-1)."""
+    u = urllib.parse.urlsplit(uri)
+    if not u.netloc:
+        raise FetchError(f"{uri}: expected s3://BUCKET/PREFIX")
+    env = os.environ
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    endpoint = (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or
+                f"https://s3.{region}.amazonaws.com").rstrip("/")
+    prefix = u.path.strip("/")
+    base = f"{endpoint}/{u.netloc}/" + (urllib.parse.quote(prefix) + "/" if prefix else "")
+    sign = None
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        creds = dict(access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"], region=region,
+                     session_token=env.get("AWS_SESSION_TOKEN"))
+
+        def sign(method: str, url: str, headers: dict) -> dict:
+            return sigv4_headers(method, url, headers, amz_date=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
+                                 **creds)
+    return Source(uri, base=base, kind="s3", sign=sign)
 
 
 # ------------------------------------------------------------------------------------------------ index
@@ -151,14 +208,18 @@ def parse_source(uri: str) -> Source:
         headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
         return Source(uri, base=f"{endpoint}/{repo}/resolve/{urllib.parse.quote(rev, safe='')}/", headers=headers,
                       kind="hf")
+    if u.scheme == "s3":
+        return _s3_source(uri)
     if u.scheme in ("", "file"):
         return Source(uri, base=u.path if u.scheme else uri, kind="local")
-    raise FetchError(f"{uri}: unsupported checkpoint source (http://, https://, hf:// or a local path)")
+    raise FetchError(f"{uri}: unsupported checkpoint source (http://, https://, hf://, s3:// or a local path)")
 
 
-def _request(url: str, headers: dict, timeout: float, offset: int = 0):
+def _request(url: str, headers: dict, timeout: float, offset: int = 0, sign=None):
     """Open `url` (from byte `offset` on); maps failures to TransientError / FetchError."""
     h = dict(headers, **({"Range": f"bytes={offset}-"} if offset else {}))
+    if sign is not None:
+        h = sign("GET", url, h)
     req = urllib.request.Request(url, headers={"User-Agent": "expertmesh-fetch", **h})
     try:
         return urllib.request.urlopen(req, timeout=timeout)
@@ -181,7 +242,7 @@ def fetch_index(src: Source, timeout: float) -> list[FileEntry]:
     if src.kind == "hf":
         return _hf_index(src, timeout)
     url = src.base + INDEX_NAME
-    with _request(url, src.headers, timeout) as r:
+    with _request(url, src.headers, timeout, sign=src.sign) as r:
         try:
             payload = json.loads(r.read())
         except ValueError as e:
@@ -267,7 +328,7 @@ def _download(src: Source, entry: FileEntry, part: Path, progress: Progress, tim
     if offset == entry.size and offset > 0:
         return
     url = src.base + urllib.parse.quote(entry.path)
-    with _request(url, src.headers, timeout, offset) as r:
+    with _request(url, src.headers, timeout, offset, sign=src.sign) as r:
         if offset and r.status != 206:  # the server ignored the Range: start over
             progress.done -= offset
             offset = 0

@@ -121,12 +121,19 @@ def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
     if ck.token_secret_ref is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}}})
-    return {"name": FETCH_CONTAINER, "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
-            "command": ["expertmesh"], "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
-            "env": env, "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
-            # a failure's last log line (it names the file) becomes the container's termination message
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
+    if ck.endpoint is not None:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": ck.endpoint})
+    if ck.region is not None:
+        env.append({"name": "AWS_REGION", "value": ck.region})
+    out = {"name": FETCH_CONTAINER, "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
+           "command": ["expertmesh"], "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
+           "env": env, "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
+           # a failure's last log line (it names the file) becomes the container's termination message
+           "terminationMessagePolicy": "FallbackToLogsOnError",
+           "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
+    if ck.credentials_secret is not None:  # the keys as environment variables (never on the command line)
+        out["envFrom"] = [{"secretRef": {"name": ck.credentials_secret}}]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ planning

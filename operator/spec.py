@@ -71,19 +71,25 @@ class CheckpointCache(_Spec):
     claim_name: Optional[str] = Field(None, min_length=1, description="a PVC to use instead of the hostPath")
 
 
-FETCHED_SCHEMES = ("http://", "https://", "hf://")
+FETCHED_SCHEMES = ("http://", "https://", "hf://", "s3://")
 
 
 class CheckpointSource(_Spec):
     """Where the checkpoint lives: a PVC mounted into every pod, a path inside the image, or a remote source
-    (http(s)://BASE with BASE/expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init container fetches
-    into the cache volume, verifying every file's size and sha256."""
+    (http(s)://BASE or s3://BUCKET/PREFIX with an expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init
+    container fetches into the cache volume, verifying every file's size and sha256."""
     pvc: Optional[PVCSource] = None
-    uri: Optional[str] = Field(None, min_length=1, description="http(s)://…, hf://ORG/NAME[@REVISION], or a path "
-                                                               "inside the image")
+    uri: Optional[str] = Field(None, min_length=1, description="http(s)://…, hf://ORG/NAME[@REVISION], "
+                                                               "s3://BUCKET/PREFIX, or a path inside the image")
     cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
     token_secret_ref: Optional[SecretKeyRef] = Field(
         None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)")
+    endpoint: Optional[str] = Field(None, min_length=1, description="s3://: an S3-compatible endpoint URL "
+                                                                    "(default: AWS's, in region)")
+    region: Optional[str] = Field(None, min_length=1, description="s3://: the signing region (default us-east-1)")
+    credentials_secret: Optional[str] = Field(
+        None, min_length=1, description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
+                                        "AWS_SESSION_TOKEN) become the fetch container's environment")
     format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
 
     @model_validator(mode="after")
@@ -92,11 +98,16 @@ class CheckpointSource(_Spec):
             raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
         if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
             raise ValueError(f"uri {self.uri!r}: supported sources are http://, https://, "
-                             f"hf://ORG/NAME[@REVISION] and paths inside the image")
+                             f"hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX and paths inside the image")
         if self.uri is not None and self.uri.startswith("hf://"):
             repo = self.uri[5:].partition("@")[0]
             if repo.count("/") != 1 or not all(repo.split("/")):
                 raise ValueError(f"uri {self.uri!r}: expected hf://ORG/NAME[@REVISION]")
+        if self.uri is not None and self.uri.startswith("s3://") and not self.uri[5:].split("/")[0]:
+            raise ValueError(f"uri {self.uri!r}: expected s3://BUCKET/PREFIX")
+        s3_only = [f for f in ("endpoint", "region", "credentials_secret") if getattr(self, f) is not None]
+        if s3_only and not (self.uri or "").startswith("s3://"):
+            raise ValueError(f"{', '.join(s3_only)}: only for an s3:// uri")
         return self
 
     @property

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass
@@ -17,6 +17,7 @@ class Faults:
     cut: dict = field(default_factory=dict)       # path → cut the next response off after this many bytes (once)
     delay: float = 0.0                            # seconds to sleep per 64 KiB chunk served (slow link)
     requests: list = field(default_factory=list)  # (path, Range header or None, status)
+    auth: Optional[Callable[[str, dict], bool]] = None  # (url path, headers) → allowed; else 403
 
 
 class FileServer:
@@ -32,6 +33,10 @@ class FileServer:
                 path = self.path.split("?", 1)[0].lstrip("/")
                 rng = self.headers.get("Range")
                 f = server.faults
+                if f.auth is not None and not f.auth(self.path, dict(self.headers)):
+                    f.requests.append((path, rng, 403))
+                    self.send_error(403)
+                    return
                 if f.fail.get(path, 0) > 0:
                     f.fail[path] -= 1
                     f.requests.append((path, rng, 503))

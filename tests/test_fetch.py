@@ -123,3 +123,41 @@ def test_local_directory_is_verified_in_place_and_progress_parses(published, tmp
     assert r["downloaded"] == 0 and r["files"] == len(json.loads((published / f.INDEX_NAME).read_text())["files"])
     assert f.parse_progress("x\nFETCH 12.5% 1.0/8.0 MiB a\nFETCH 37.0% 3.0/8.0 MiB b\nother") == 37.0
     assert f.parse_progress("no progress here") is None
+
+
+def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
+    # AWS's documented example (GET Object, first 10 bytes): the signature must come out exactly
+    h = f.sigv4_headers("GET", "https://examplebucket.s3.amazonaws.com/test.txt", {"Range": "bytes=0-9"},
+                        access_key="AKIAIOSFODNN7EXAMPLE", secret_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                        region="us-east-1", amz_date="20130524T000000Z")
+    assert h["Authorization"] == (
+        "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request,"
+        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date,"
+        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
+    # an S3-compatible endpoint (path-style: /bucket/prefix/...) that checks every request's signature
+    store = tmp_path / "store"
+    shutil.copytree(published, store / "models" / "tiny")
+    seen = []
+
+    def check(path: str, headers: dict) -> bool:
+        given = {k.lower(): v for k, v in headers.items()}
+        signed = given.get("authorization", "").split("SignedHeaders=")[-1].split(",")[0].split(";")
+        keep = {k: given[k] for k in signed if k not in ("host", "x-amz-date", "x-amz-content-sha256")}
+        want = f.sigv4_headers("GET", f"http://{given['host']}{path}", keep, access_key="AK", secret_key="SK",
+                               region="eu-west-3", amz_date=given.get("x-amz-date", ""))
+        seen.append("range" in signed)
+        return want["Authorization"] == given.get("authorization")
+
+    faults = Faults(auth=check, cut={"models/tiny/" + LAYER: 20000})
+    with FileServer(store, faults) as srv:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", srv.url)
+        monkeypatch.setenv("AWS_REGION", "eu-west-3")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AK")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "SK")
+        r = f.fetch("s3://models/tiny", tmp_path / "cache", backoff=0.01, out=lambda _: None)
+        assert _same_tree(store / "models" / "tiny", tmp_path / "cache") and r["downloaded"] == r["bytes"]
+        assert 403 not in [status for _, _, status in faults.requests]
+        assert any(seen)  # the resumed request's Range header was signed too
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(f.FetchError, match="HTTP 403"):
+            f.fetch("s3://models/tiny", tmp_path / "other", backoff=0.01, out=lambda _: None)

@@ -281,6 +281,14 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
         "claimName": "ckpt-cache"}}}))
     vols = m._volumes("kimi", shared)[0]
     assert {v["name"]: v for v in vols}["checkpoint-cache"]["persistentVolumeClaim"] == {"claimName": "ckpt-cache"}
+    s3 = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
+        "uri": "s3://models/tiny", "endpoint": "http://minio:9000", "region": "eu-west-3",
+        "credentialsSecret": "s3-keys"}}))
+    init = m.fetch_container(s3, m._volumes("kimi", s3)[1])
+    assert init["envFrom"] == [{"secretRef": {"name": "s3-keys"}}] and init["env"] == [
+        {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"}, {"name": "AWS_REGION", "value": "eu-west-3"}]
+    with pytest.raises(SpecError, match="endpoint: only for an s3:// uri"):
+        parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "endpoint": "http://m"}}))
     baked = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "/opt/ck"}}))
     assert m.checkpoint_path(baked) == "/opt/ck" and "initContainers" not in m._pod_spec(
         "kimi", m.COMPONENT_ROUTER, baked, {"name": "router"})
