@@ -56,7 +56,7 @@ class LocalCluster:
     """Starts and stops the processes of a local deployment. Usable from tests as a context manager."""
 
     def __init__(self, checkpoint: str | Path, *, attention_workers: int = 1, expert_workers: int = 1,
-                 redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051,
+                 redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051, expert_replicas: int = 1,
                  host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
@@ -67,6 +67,7 @@ class LocalCluster:
         self.checkpoint = str(checkpoint)
         self.n_attention, self.n_expert = attention_workers, expert_workers
         self.redundant = redundant_experts
+        self.expert_replicas = expert_replicas
         self.http_port, self.grpc_port, self.host = http_port, grpc_port, host
         self.threads, self.kv_blocks, self.block_size, self.prefill_chunk = threads, kv_blocks, block_size, prefill_chunk
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="expertmesh-up-"))
@@ -145,7 +146,7 @@ class LocalCluster:
         from expertmesh.checkpoint import Checkpoint
         from expertmesh.router.local import make_placement
         cfg = Checkpoint(self.checkpoint).cfg
-        plan = make_placement(cfg, self.n_expert, self.redundant)
+        plan = make_placement(cfg, self.n_expert, self.redundant, min_replicas=self.expert_replicas)
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
         worker_tls, router_tls, exchange_tls = [], [], []
@@ -267,7 +268,8 @@ def run_up(args) -> int:
         from expertmesh.tls import ephemeral_pki
         worker_tls = ephemeral_pki(Path(tempfile.mkdtemp(prefix="expertmesh-pki-")), (args.host, "localhost"))
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
-                           redundant_experts=args.redundant_experts, http_port=args.http_port,
+                           redundant_experts=args.redundant_experts, expert_replicas=args.expert_replicas,
+                           http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
                            prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls)
@@ -310,6 +312,8 @@ def add_arguments(p) -> None:
     p.add_argument("--attention-workers", type=positive_int, default=1)
     p.add_argument("--expert-workers", type=positive_int, default=2)
     p.add_argument("--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer")
+    p.add_argument("--expert-replicas", type=positive_int, default=1,
+                   help="every expert on at least this many expert workers (2: losing one fails no request)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1")

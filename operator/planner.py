@@ -313,7 +313,8 @@ def _moved(previous: PlacementPlan, rows: np.ndarray, G: int, L: int, E: int) ->
 
 # ----------------------------------------------------------------------------------------------- the planner
 def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int = 0, loads=None,
-                   previous: PlacementPlan | None = None, group_aware: bool = False) -> PlacementPlan:
+                   previous: PlacementPlan | None = None, group_aware: bool = False,
+                   min_replicas: int = 1) -> PlacementPlan:
     """Place every routed expert of `cfg` on `shape`'s GPUs.
 
     cfg: the model (its MoE layers, E experts per layer, MXFP4 bytes per expert).
@@ -323,6 +324,8 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     loads: tokens per (MoE layer position, expert), [n_moe_layers, E]; None = uniform.
     previous: the plan in force; its still-valid shards stay put (see the module docstring) and
         `figures.moved_shards` counts the shards placed anywhere new.
+    min_replicas: every expert on at least this many pods (fault tolerance: losing a pod fails no request);
+        PlanError when there are fewer pods or not the memory for it.
     group_aware: first copies of each combine group (moe.combine_group_size experts) on one pod (`group_homes`),
         so expert workers return one pre-reduced row per (token, group): less combine traffic, but a pod's load
         per layer is then its groups' load — with skewed loads the per-layer imbalance rises (token-bound
@@ -358,6 +361,14 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
                      f"{capacity * N} experts, {L} layers x {E} experts leave room for {room} more per layer")
         r = room
     counts = replica_counts(arr, r, P)
+    if min_replicas > 1:
+        if min_replicas > P:
+            raise PlanError(f"min_replicas={min_replicas}: every expert on {min_replicas} pods needs at least "
+                            f"{min_replicas} pods, the cluster has {P}")
+        counts = np.maximum(counts, min_replicas)
+        if int(counts.sum()) > capacity * N:
+            raise PlanError(f"min_replicas={min_replicas}: {int(counts.sum()):,} expert copies do not fit "
+                            f"{N} GPUs x {capacity} slots ({capacity * N:,}); add pods or memory")
     short = r * L - int(counts.sum() - L * E)
     if short:
         notes.append(f"{short} redundant slots left unused: experts with zero load get no replicas")
@@ -372,6 +383,11 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     S = E // cfg.moe.combine_groups
     homes = group_homes(arr, S, P, capacity * G) if group_aware and previous is None else None
     rows, dropped = _pack(arr, counts, shape, capacity, kept, homes, S)
+    if min_replicas > 1 and dropped:
+        held = np.bincount(rows[:, 1] * E + rows[:, 2], minlength=L * E)
+        if int(held.min()) < min_replicas:
+            raise PlanError(f"min_replicas={min_replicas}: the GPUs' free slots left some expert on fewer pods; "
+                            f"add pods or memory")
     if dropped:
         notes.append(f"{dropped} redundant replicas dropped: no GPU with a free slot on a pod without that expert")
 

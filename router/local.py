@@ -10,14 +10,16 @@ from expertmesh.worker.expert import ExpertWorker
 
 
 def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None,
-                   group_aware: bool = True):
+                   group_aware: bool = True, min_replicas: int = 1):
     """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process), by
     default group-aware (each combine group's experts on one worker: one answer row per (token, group))."""
     from expertmesh.operator.planner import ClusterShape, plan_placement
-    per_worker = -(-(cfg.n_logical_experts + redundant_experts * cfg.n_moe_layers) // expert_workers)
+    copies = cfg.n_logical_experts * max(1, min_replicas) + redundant_experts * cfg.n_moe_layers
+    per_worker = -(-copies // expert_workers)
     memory = (per_worker + 1) * cfg.expert_bytes_mxfp4
     shape = ClusterShape(pods=expert_workers, gpus_per_pod=1, gpu_memory_bytes=memory, reserve_bytes=0)
-    return plan_placement(cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware)
+    return plan_placement(cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware,
+                          min_replicas=min_replicas)
 
 
 def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,

@@ -36,7 +36,8 @@ def test_models_health_and_completions(server, oai):
     assert [m.id for m in oai.models.list().data] == ["tiny"]
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
     out = oai.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
-    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 6
+    n = out.usage.completion_tokens
+    assert 0 < n <= 6 and out.choices[0].finish_reason == ("length" if n == 6 else "stop")   # stop = EOS
     again = oai.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0)
     assert again.choices[0].text == out.choices[0].text
     streamed = "".join(c.choices[0].text for c in oai.completions.create(
@@ -51,9 +52,10 @@ def test_chat_non_streaming_reasoning_and_usage(server, oai):
     details = r.usage.completion_tokens_details
     assert 0 < details.reasoning_tokens <= limit
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert r.usage.completion_tokens <= 40 and r.usage.prompt_tokens > 0
-    assert isinstance(getattr(msg, "reasoning_content", None), (str, type(None)))
+    n = r.usage.completion_tokens
+    assert 0 < n <= 40 and r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason == ("length" if n == 40 else "stop")     # no tools: never tool_calls
+    assert isinstance(msg.reasoning_content, str) and msg.reasoning_content    # it reasoned: the text is there
 
 
 def test_chat_streaming_matches_non_streaming(server, oai):

@@ -29,7 +29,15 @@ def test_pointwise_rows_do_not_depend_on_batch():
     import torch.nn.functional as F
     from expertmesh.kernels.batch_invariant import pointwise
     gen = torch.Generator().manual_seed(2)
-    torch.set_num_threads(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)                  # several threads available: the batch must still not matter
+    try:
+        _check_pointwise(pointwise, gen, F)
+    finally:
+        torch.set_num_threads(threads)        # the rest of the suite runs as configured
+
+
+def _check_pointwise(pointwise, gen, F):
     for fn in (torch.sigmoid, F.silu, F.softplus, torch.rsqrt, torch.exp):
         for d in (1, 2, 7, 16, 33, 100):
             row = torch.rand(1, d, generator=gen) * 4 + 0.1

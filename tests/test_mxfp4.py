@@ -215,6 +215,10 @@ def test_block_size_other_than_32():
     b, s = quantize_mxfp4(x, block_size=16)
     assert s.shape == (3, 4)
     y = dequantize_mxfp4(b, s, torch.float32, block_size=16)
+    # exactly the spec's encoding of each 16-element block (the oracle), not merely close
+    want = [_oracle_block(blk, "floor") for row in x.double().tolist() for blk in (row[i:i + 16] for i in range(0, 64, 16))]
+    assert s.flatten().tolist() == [e for e, _ in want]
+    assert _codes(b).flatten().tolist() == [c for _, cs in want for c in cs]
     assert ((y - x).norm() / x.norm()) < 0.2
 
 

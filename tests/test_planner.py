@@ -455,3 +455,18 @@ def test_group_homes_full_preset():
     homes = group_homes(np.ones((cfg.n_moe_layers, 624)), 39, 16, 10_000)
     assert homes.shape == (cfg.n_moe_layers, 16)
     assert all(sorted(row) == list(range(16)) for row in homes.tolist())   # one combine group per pod per layer
+
+
+def test_min_replicas_puts_every_expert_on_distinct_pods():
+    from expertmesh.router.local import make_placement
+    cfg = preset("tiny")
+    plan = make_placement(cfg, 3, min_replicas=2)
+    for layer in cfg.moe_layers:
+        for e in range(cfg.moe.n_routed_experts):
+            reps = plan.replicas(layer, e)
+            assert len(reps) >= 2 and len(set(reps)) == len(reps)
+    with pytest.raises(PlanError, match="min_replicas=4: every expert on 4 pods needs at least 4 pods"):
+        make_placement(cfg, 3, min_replicas=4)
+    with pytest.raises(PlanError, match="min_replicas=2: .* do not fit"):
+        plan_placement(cfg, plan.cluster.model_copy(update={"pods": 2}) if hasattr(plan.cluster, "model_copy")
+                       else ClusterShape(2, 1, plan.cluster.gpu_memory_bytes, 0), min_replicas=2)
