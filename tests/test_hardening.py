@@ -156,3 +156,14 @@ def test_a_dead_routers_sequences_are_closed_when_its_lease_runs_out(ckpt):
         assert worker(e).expired == 0
     finally:
         e.close()
+
+
+def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
+    import torch
+    from expertmesh.worker.expert import ExpertRequestError, ExpertWorker
+    w = ExpertWorker(ckpt, [(1, e) for e in range(16)], max_call_bytes=64 * 4 * 64 * 4)   # 64 rows of top-4
+    h = torch.randn(65, ckpt.cfg.hidden_size)
+    ids = torch.arange(4).repeat(65, 1)
+    with pytest.raises(ExpertRequestError, match=r"hidden: 65 rows x 4 slots need 66,560 bytes .* limit of 65,536"):
+        w.run(1, h, ids, torch.ones(65, 4))
+    assert w.run(1, h[:64], ids[:64], torch.ones(64, 4)).shape == (64, ckpt.cfg.hidden_size)   # within: served

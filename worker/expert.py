@@ -33,7 +33,7 @@ class UnknownExpert(KeyError):
 class ExpertWorker:
     def __init__(self, checkpoint: Checkpoint | str | ModelConfig, assignment: list[tuple[int, int]],
                  name: str = "expert-0", *, device: str = "cpu", gpu_of: dict[tuple[int, int], int] | None = None,
-                 step_tokens: int | None = None):
+                 step_tokens: int | None = None, max_call_bytes: int = 256 * 2 ** 20):
         """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan). `gpu_of`: the
         plan's GPU index of each pair (default 0): on cuda GPU g's experts live on cuda:g (one process per pod,
         one device rank per GPU — see expertmesh/memory.py), on cpu all on the one device, on meta nowhere
@@ -51,6 +51,7 @@ class ExpertWorker:
         self.name = name
         self.device_kind = memory.check_device(device)
         self.step_tokens = step_tokens or memory.STEP_TOKENS
+        self.max_call_bytes = max_call_bytes      # a call's output workspace bound: oversized calls are refused
         by_shard: dict[tuple[int, int], list[int]] = defaultdict(list)      # (layer, gpu) → experts
         for layer, expert in assignment:
             gpu = 0 if gpu_of is None or self.device_kind == "cpu" else int(gpu_of.get((layer, expert), 0))
@@ -130,6 +131,9 @@ class ExpertWorker:
             e = int(expert_ids[missing][0])
             raise UnknownExpert(f"expert ({layer}, {e}) is not held by {self.name}")
         n, k = expert_ids.shape
+        if n * k * h * 4 > self.max_call_bytes:
+            raise ExpertRequestError(f"hidden: {n} rows x {k} slots need {n * k * h * 4:,} bytes of workspace, over "
+                                     f"this worker's per-call limit of {self.max_call_bytes:,}; split the call")
         with self.lock:
             self.calls += 1
             self.tokens_computed += int(valid.sum())
