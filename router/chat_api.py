@@ -469,6 +469,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
         messages = openai_messages(body.messages)
         if reasoning_memory is not None:
             reasoning_memory.fill(messages)
+        history = list(messages)       # what the client sent (reasoning filled in): the key of what it answers
         report, headers = None, {}
         if body.truncation == "auto":
             from expertmesh.router.responses_api import truncate_messages
@@ -496,8 +497,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
 
         def remember(parsed) -> None:
             if reasoning_memory is not None and run.stop_hit is None:
-                reasoning_memory.remember(Message("assistant", parsed.content, reasoning=parsed.reasoning,
-                                                  tool_calls=parsed.tool_calls))
+                reasoning_memory.remember(history, Message("assistant", parsed.content, reasoning=parsed.reasoning,
+                                                           tool_calls=parsed.tool_calls))
 
         def tool_calls_json(parsed) -> list[dict]:
             return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

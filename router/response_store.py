@@ -142,9 +142,10 @@ def default_replica() -> str:
 
 class ReasoningMemory:
     """Reasoning continuity for chat-completions clients that drop it (the Agents SDK over chat completions,
-    LangChain): the reasoning of each answer this router generated, keyed by a hash of what clients do send back
-    (the content and the tool calls with their ids). An assistant message that matches one and arrives without
-    reasoning gets it back, so the prompt is the one a client that keeps the reasoning would send. Bounded LRU."""
+    LangChain): the reasoning of each answer this router generated, keyed by a hash of what clients do send back —
+    the conversation before the answer (without reasoning) and the answer's content and tool calls with their
+    ids. An assistant message that matches one and arrives without reasoning gets it back, so the prompt is the
+    one a client that keeps the reasoning would send. Bounded LRU."""
 
     def __init__(self, max_entries: int = 4096):
         self.max_entries = max_entries
@@ -152,15 +153,17 @@ class ReasoningMemory:
         self._lock = threading.Lock()
 
     @staticmethod
-    def key(m: Message) -> str:
-        calls = [[c.id, c.name, c.arguments] for c in m.tool_calls]
-        return hashlib.sha256(json.dumps([m.content or "", calls]).encode()).hexdigest()
+    def key(before: list[Message], answer: Message) -> str:
+        def plain(m: Message) -> list:
+            return [m.role, m.content or "", [[c.id, c.name, c.arguments] for c in m.tool_calls], m.tool_call_id]
+        return hashlib.sha256(json.dumps([[plain(m) for m in before], plain(answer)]).encode()).hexdigest()
 
-    def remember(self, answer: Message) -> None:
+    def remember(self, before: list[Message], answer: Message) -> None:
+        """`before`: the conversation the answer was generated for."""
         if not answer.reasoning:
             return
         with self._lock:
-            k = self.key(answer)
+            k = self.key(before, answer)
             self._items[k] = answer.reasoning
             self._items.move_to_end(k)
             while len(self._items) > self.max_entries:
@@ -170,11 +173,11 @@ class ReasoningMemory:
         """Put the reasoning back into assistant messages that match a generated answer and lack it; returns
         how many were filled."""
         filled = 0
-        for m in messages:
+        for i, m in enumerate(messages):
             if m.role != "assistant" or m.reasoning:
                 continue
             with self._lock:
-                reasoning = self._items.get(self.key(m))
+                reasoning = self._items.get(self.key(messages[:i], m))
             if reasoning is not None:
                 m.reasoning = reasoning
                 filled += 1
