@@ -38,10 +38,21 @@ def default_checkpoint(preset_name: str, seed: int = 0) -> Path:
     """The synthetic checkpoint for a preset, created on first use under ~/.cache/expertmesh."""
     from expertmesh.checkpoint import FORMAT_VERSION, INDEX_FILE, create_checkpoint
     from expertmesh.config import preset
+    import os
+    import shutil
     path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}-v{FORMAT_VERSION}"
     if not (path / INDEX_FILE).exists():
+        # built beside it and renamed into place: a run that dies half-way (full disk, Ctrl-C) leaves no
+        # half-written checkpoint that later runs would trip on; one left by an older version is replaced
         print(f"creating synthetic {preset_name} checkpoint in {path} ...", file=sys.stderr)
-        create_checkpoint(preset(preset_name), path, seed=seed, progress=True)
+        tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            create_checkpoint(preset(preset_name), tmp, seed=seed, progress=True)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

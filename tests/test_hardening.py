@@ -167,3 +167,24 @@ def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
     with pytest.raises(ExpertRequestError, match=r"hidden: 65 rows x 4 slots need 66,560 bytes .* limit of 65,536"):
         w.run(1, h, ids, torch.ones(65, 4))
     assert w.run(1, h[:64], ids[:64], torch.ones(64, 4)).shape == (64, ckpt.cfg.hidden_size)   # within: served
+
+
+def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatch):
+    from expertmesh import checkpoint, cli
+    monkeypatch.setattr(cli, "DEFAULT_CHECKPOINT_DIR", tmp_path)
+    real = checkpoint.create_checkpoint
+
+    def dies_half_way(cfg, path, **kw):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{ half")          # what a full disk leaves
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "create_checkpoint", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        cli.default_checkpoint("tiny")
+    assert list(tmp_path.iterdir()) == []                    # nothing half-written stays behind
+    broken = tmp_path / f"tiny-seed0-v{checkpoint.FORMAT_VERSION}"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ half")           # left by an older version: replaced
+    monkeypatch.setattr(checkpoint, "create_checkpoint", real)
+    path = cli.default_checkpoint("tiny")
+    assert path == broken and Checkpoint(path).cfg.name == "tiny"
