@@ -308,10 +308,13 @@ def next_restart(pending: list[dict], pods: Iterable[PodInfo], plan: PlacementPl
     pods = list(pods)
     if not pending or any(p.deleting for p in pods if p.uid in {r["uid"] for r in pending}):
         return None  # a restart is under way
+    by_uid = {p.uid: p for p in pods}
     live_experts = {p.ordinal for p in pods if p.component == COMPONENT_EXPERT and p.live}
-    if any(o not in live_experts for o in plan_ordinals(plan)):
-        return None  # wait for the restarted (or lost) pod to serve again
     experts = [r for r in pending if r.get("component") == COMPONENT_EXPERT]
+    down = [o for o in plan_ordinals(plan) if o not in live_experts]
+    if down:  # wait for the restarted (or lost) pod to serve again — unless it is itself still on the old plan
+        stuck = [r for r in experts if r["uid"] in by_uid and by_uid[r["uid"]].ordinal in down]
+        return stuck[0] if stuck else None
     if experts:
         return experts[0]
     routers = {p.name for p in pods if p.component == COMPONENT_ROUTER}

@@ -366,6 +366,9 @@ def test_plan_restarts_only_changed_expert_pods_then_the_router(tiny_plan):
     assert m.next_restart(pending, after, new) is None  # expert-1 is not serving yet
     after[0] = _pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1b", 1)
     assert m.next_restart(pending, after, new)["pod"] == "kimi-expert-0"
+    # a pod still on the old plan that is not serving (crash-looping) is restarted rather than waited for
+    crashed = [after[0], _pod("kimi-expert-0", m.COMPONENT_EXPERT, "e0", 0, ready=False)] + after[2:]
+    assert m.next_restart(pending, crashed, new)["pod"] == "kimi-expert-0"
     routers_only = [r for r in pending if r["component"] == m.COMPONENT_ROUTER]
     assert m.next_restart(routers_only, after, new)["pod"] == "kimi-router-x"
     # a pod to restart counts as not rolled out
