@@ -433,3 +433,15 @@ def test_generated_code_is_up_to_date(tmp_path):
     out = subprocess.run([sys.executable, "-m", "expertmesh.protos.generate", "--check"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_garbage_request_bytes_are_invalid_argument(servers):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming it (gRPC's default would be INTERNAL)."""
+    with grpc.insecure_channel(f"127.0.0.1:{servers['both'].port}") as ch:
+        for method, message in (("AttentionWorker/RunStep", "RunStepRequest"),
+                                ("ExpertWorker/RunExperts", "RunExpertsRequest")):
+            call = ch.unary_unary(f"/expertmesh.v1.{method}", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as e:
+                call(b"\xff\xff\xff\xff garbage", timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details() == f"{method.split('/')[1]}: the request is not a valid expertmesh.v1.{message} message"

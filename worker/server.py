@@ -203,6 +203,32 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
 
 
 # ---------------------------------------------------------------------------------------------- server
+def add_servicer(server: grpc.Server, service: str, servicer) -> None:
+    """Register `servicer`'s methods for `service` (full name) as the generated add_*_to_server would, except
+    that requests arrive as bytes and are parsed here: a request that is not a valid message gets
+    INVALID_ARGUMENT naming the method and message type (gRPC's own deserializer answers INTERNAL)."""
+    from google.protobuf.message import DecodeError
+    descriptor = worker_pb2.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
+
+    def handler(method):
+        request_cls = getattr(worker_pb2, method.input_type.name)
+        call = getattr(servicer, method.name)
+
+        def parse_then_call(raw: bytes, context):
+            try:
+                request = request_cls.FromString(raw)
+            except DecodeError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name}: the request is not a valid "
+                                                                f"{request_cls.DESCRIPTOR.full_name} message")
+            return call(request, context)
+        return grpc.unary_unary_rpc_method_handler(
+            parse_then_call, request_deserializer=None,
+            response_serializer=getattr(worker_pb2, method.output_type.name).SerializeToString)
+
+    handlers = {m.name: handler(m) for m in descriptor.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
 def all_experts(cfg) -> list[tuple[int, int]]:
     return [(layer, e) for layer in cfg.moe_layers for e in range(cfg.moe.n_routed_experts)]
 
@@ -284,10 +310,10 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
         maximum_concurrent_rpcs=16 * max_workers)  # the queue of calls waiting for a thread has a bound
     services = []
     if attention is not None:
-        worker_pb2_grpc.add_AttentionWorkerServicer_to_server(AttentionServicer(attention, expert_tls), server)
+        add_servicer(server, ATTENTION_SERVICE, AttentionServicer(attention, expert_tls))
         services.append(ATTENTION_SERVICE)
     if expert is not None:
-        worker_pb2_grpc.add_ExpertWorkerServicer_to_server(ExpertServicer(expert), server)
+        add_servicer(server, EXPERT_SERVICE, ExpertServicer(expert))
         services.append(EXPERT_SERVICE)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
