@@ -268,6 +268,17 @@ async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> O
     return deps.plans[key]
 
 
+async def _read_load(deps: Deps, namespace: str, name: str, cfg):
+    """The load kept in the `<name>-load` ConfigMap (None when absent or unreadable)."""
+    try:
+        cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, m.load_configmap_name(name))
+        text = ((cm or {}).get("data") or {}).get("load.json")
+        return m.parse_load(json.loads(text), cfg) if text else None
+    except (KubeError, kopf.TemporaryError, ValueError) as e:
+        log.warning("%s/%s: no usable kept load: %s", namespace, name, e)
+        return None
+
+
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
                           retry: int = 0) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
@@ -405,6 +416,8 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
 async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
                          update: dict, lost: list[int], generation, logger, pods=()) -> dict:
     loads = deps.loads.get((namespace, name))
+    if loads is None:  # this operator has not read the load since it started: the last one kept in the cluster
+        loads = await _read_load(deps, namespace, name, cfg)
     try:
         new = m.replan_around(spec, cfg, plan, lost, loads=loads)
     except PlanError as e:
@@ -465,6 +478,12 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
         logger.warning(f"reading the router's load failed: {type(e).__name__}: {e}")
         return
     deps.loads[key] = loads
+    try:  # kept in the cluster for a restarted operator or a new leader (a failure only loses that)
+        cm = m.load_configmap(name, namespace, parsed, cfg, loads, m.now_rfc3339())
+        kopf.adopt(cm, owner=body)
+        await _kube(deps, deps.kube.apply, cm)
+    except (KubeError, kopf.TemporaryError) as e:
+        logger.warning(f"keeping the observed load in {m.load_configmap_name(name)} failed: {e}")
     async with deps.lock(key):
         plan = await _read_plan(deps, namespace, name)
         if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):

@@ -54,6 +54,10 @@ def plan_configmap_name(name: str) -> str:
     return f"{name}-plan"
 
 
+def load_configmap_name(name: str) -> str:
+    return f"{name}-load"
+
+
 def attention_name(name: str) -> str:
     return f"{name}-attention"
 
@@ -480,6 +484,17 @@ def plan_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan
                      "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
         "data": {"plan.json": plan.to_json(), "config.json": cfg.model_dump_json(indent=1)},
     }
+
+
+def load_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, loads: np.ndarray,
+                   observed_at: str) -> dict:
+    """The router's last observed expert load (the body `/v1/load` gave, as `parse_load` reads it back): kept in
+    the cluster so a restarted operator or a new leader re-plans around a lost pod with it."""
+    payload = {"moe_layers": list(cfg.moe_layers), "observedAt": observed_at,
+               "tokens": {str(layer): [int(x) for x in loads[i]] for i, layer in enumerate(cfg.moe_layers)}}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(load_configmap_name(name), namespace, "load", spec, instance=name),
+            "data": {"load.json": json.dumps(payload, separators=(",", ":"))}}
 
 
 def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: str, component: str) -> dict:

@@ -500,6 +500,12 @@ async def test_timer_rebalances_on_observed_imbalance():
         assert imbalance(new, loads).mean < imbalance(old, loads).mean
         assert c.condition("kimi", "PlacementReady")["reason"] == "Rebalanced"
         assert np.isclose(st["placement"]["observedImbalance"], imbalance(old, loads).mean, atol=1e-4)
+        # the observed load is kept in the cluster (owned by the resource): a restarted operator or a new leader
+        # re-plans around a lost pod with it
+        from expertmesh.operator.handlers import _read_load
+        kept = c.get("v1/configmaps", "kimi-load")
+        assert kept["metadata"]["ownerReferences"][0]["name"] == "kimi"
+        assert np.array_equal(await _read_load(c.deps, NS, "kimi", cfg), loads)
 
 
 async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_path):
