@@ -56,7 +56,7 @@ class ResponsesBody(SamplingFields):
     background: Literal[False] | None = None
     prompt_cache_key: str | None = None       # the prefix cache is content-addressed: any key hits the same entries
     safety_identifier: str | None = None      # like `user`: no per-user state here
-    stream_options: dict | None = None
+    stream_options: dict | None = None        # include_obfuscation: false (events are not padded)
 
 
 # ----------------------------------------------------------------------------------------------- conversation
@@ -284,10 +284,10 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
     def conversation(body: ResponsesBody) -> Conversation:
         effort = (body.reasoning or {}).get("effort")
         for key, value in (body.reasoning or {}).items():
-            if key == "summary" and value not in (None, "auto"):
-                raise APIError(400, f"reasoning.summary: {value!r} is not supported (no summaries are generated; "
+            if key in ("summary", "generate_summary") and value not in (None, "auto"):
+                raise APIError(400, f"reasoning.{key}: {value!r} is not supported (no summaries are generated; "
                                     f"the reasoning comes back whole as reasoning_text content)",
-                               param="reasoning.summary")
+                               param=f"reasoning.{key}")
             if key not in ("effort", "summary", "generate_summary"):
                 raise APIError(400, f"reasoning.{key}: not supported by this server", param=f"reasoning.{key}")
         try:
@@ -303,6 +303,10 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                 set((body.text or {}).get("format") or {}) - {"type"}:
             raise APIError(400, "text: only {format: {type: text}} is supported (structured output needs "
                                 "constrained decoding)", param="text")
+        for key, value in (body.stream_options or {}).items():
+            if key != "include_obfuscation" or value is not False:
+                raise APIError(400, f"stream_options.{key}: only include_obfuscation: false is supported (events "
+                                    f"are not padded)", param=f"stream_options.{key}")
         check_tool_choice(body.tool_choice, body.tools)
         tools = None if body.tool_choice == "none" else chat_tools(body.tools)
         prior: list[Segment] = []

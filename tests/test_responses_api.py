@@ -171,6 +171,8 @@ def test_stored_responses_retrieve_list_delete_and_404(stack, client):
     ({"truncation": "middle"}, "truncation"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"background": True}, "background"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
 ])
 def test_parameters_are_honoured_or_refused_naming_them(stack, extra, param):
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **extra}
