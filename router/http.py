@@ -43,8 +43,9 @@ class APIError(Exception):
 
 class AcceptedNoOps(BaseModel):
     """Parameters accepted although they change nothing here, each for a stated reason. Request bodies forbid any
-    other unknown field (a 400 naming it, never silently ignored)."""
-    model_config = ConfigDict(extra="forbid")
+    other unknown field (a 400 naming it, never silently ignored). Numbers must be finite: NaN / inf are a 400
+    saying so (not a misleading range message)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     user: str | None = None                  # an end-user id for a provider's abuse monitoring: no per-user state
     metadata: dict | None = None             # tags a provider stores with a request: nothing is stored here
     store: Literal[False] | None = None      # store: false is what this server does anyway
@@ -290,6 +291,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
+        if e.status_code == 400 and not authorized(request):
+            return unauthorized(request)
         detail = str(e.detail)
         if e.status_code == 400 and "parsing the body" in detail:
             detail = ("body: not valid JSON (it could not be decoded: invalid UTF-8, nesting too deep or a "
@@ -302,6 +305,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: HTTPRequest, e: RequestValidationError):
+        if not authorized(request):
+            return unauthorized(request)
         err = e.errors()[0] if e.errors() else {"loc": [], "msg": "invalid body"}
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
         field = ".".join(loc) or None
@@ -318,13 +323,27 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
             error = AnthropicError(400, error.message, param=field)
         return error.response()
 
-    def check_key(authorization: str | None) -> None:
-        """Constant-time API-key check (the key never reaches logs or errors)."""
+    def key_ok(authorization: str | None) -> bool:
+        """Constant-time API-key check (the key never reaches logs or errors); the scheme is case-insensitive
+        (RFC 7235: "bearer" is "Bearer")."""
         if api_key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            return True
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else ""
+        return hmac.compare_digest(given.encode(), api_key.encode())
+
+    def check_key(authorization: str | None) -> None:
+        if not key_ok(authorization):
             raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    def authorized(request: HTTPRequest) -> bool:
+        """Before a body is judged: an unauthenticated client learns nothing of the schema (401 first)."""
+        x_api_key = request.headers.get("x-api-key")
+        return key_ok(f"Bearer {x_api_key}" if x_api_key else request.headers.get("authorization"))
+
+    def unauthorized(request: HTTPRequest):
+        return _shaped(request, APIError(401, "invalid or missing API key", "authentication_error",
+                                         code="invalid_api_key")).response()
 
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 

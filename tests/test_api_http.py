@@ -132,6 +132,27 @@ def test_wrong_api_key_is_401_and_the_key_is_never_logged(server):
     assert all(API_KEY not in arg for child in server[1].children for arg in child.args)   # not in `ps` either
 
 
+def test_the_key_is_checked_before_the_body_and_numbers_must_be_finite(server):
+    """An unauthenticated client learns nothing of the schema (401 before any 400); the scheme is
+    case-insensitive; NaN / inf are refused as such, naming the field."""
+    url = server[0] + "/v1/chat/completions"
+    for body in ({"model": "tiny", "messages": "not a list", "bogus": 1}, "{not json"):
+        kw = {"json": body} if isinstance(body, dict) else {"content": body}
+        r = httpx.post(url, headers={"Authorization": "Bearer sk-wrong"}, **kw)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "messages" not in r.text and "bogus" not in r.text
+    r = httpx.post(server[0] + "/v1/messages", content="{not json", headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = httpx.post(url, json=ok, headers={"Authorization": f"bearer {API_KEY}"})
+    assert r.status_code == 200
+    r = httpx.post(url, content='{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                                '"temperature": NaN}', headers={"Authorization": f"Bearer {API_KEY}",
+                                                                "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert "finite" in r.json()["error"]["message"]
+
+
 @pytest.fixture
 def claude(server):
     return anthropic.Anthropic(base_url=server[0], api_key=API_KEY, max_retries=0, timeout=60)
