@@ -98,6 +98,10 @@ def responses_chain(stack, client, turns: int) -> list[float]:
         if prev is not None:
             assert r.usage.input_tokens_details.cached_tokens >= prev_input, (turn, r.usage, prev_input)
             ratios.append(r.usage.input_tokens_details.cached_tokens / r.usage.input_tokens)
+            # token-exact: the previous prompt and output, then only the tool result and the generation prompt
+            tok = stack.tok
+            added = 1 + len(tok.encode(f"{prev.output[-1].call_id}\n{turn} C")) + 1 + 2
+            assert r.usage.input_tokens == prev.usage.input_tokens + prev.usage.output_tokens + added
         prev, prev_input = r, r.usage.input_tokens
     return ratios
 
