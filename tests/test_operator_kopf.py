@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import logging
 import threading
 import uuid
 
@@ -633,6 +634,15 @@ async def test_new_plans_are_published_without_touching_pod_templates():
             assert templates() == before
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 class CountingKube(Kube):
     """The operator's API edge, counting the children it applies (tells which replica did the work)."""
     applies = 0
@@ -656,24 +666,30 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
                     return _plain(obj.raw).get("status") or {}
             return {}
         kubes = [CountingKube.for_url(url), CountingKube.for_url(url)]
+        kopf_logs, peering_log = _Records(), logging.getLogger("kopf._core.engines.peering")
+        level = peering_log.level
+        peering_log.setLevel(logging.INFO)  # Kopf says it pauses at INFO
+        peering_log.addHandler(kopf_logs)
         deps = [Deps(kube=k, fetch_load=no_load, load_timeout=2.0) for k in kubes]
-        async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10) as standby:
-            leader = run_operator(emu, deps[1], peering_name="expertmesh", priority=20)
-            await leader.__aenter__()
-            try:
-                await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
-                assert sorted(p["priority"] for p in peers().values()) == [10, 20]
-                await asyncio.sleep(1.0)  # the lower priority has seen the higher one and paused
-                await c.create_moe("kimi", tiny_spec())
-                await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="reconciled")
-                await asyncio.sleep(1.0)
-                assert kubes[1].applies > 0 and kubes[0].applies == 0  # only the leader worked
-            finally:
-                await leader.__aexit__(None, None, None)
-            # the leader is gone (its peering entry removed on exit): the standby resumes and takes the next change
-            await eventually(lambda: [p["priority"] for p in peers().values()] == [10],
-                             what="the leader's entry removed")
-            await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
-            await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15,
-                             what="the standby reconciled")
-            assert kubes[0].applies > 0 and standby.is_alive()
+        try:
+            async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10) as standby:
+                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20):
+                    await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
+                    assert sorted(p["priority"] for p in peers().values()) == [10, 20]
+                    await eventually(lambda: any("Pausing operations in favour of" in r.getMessage() and
+                                                 "priority=20" in r.getMessage() for r in kopf_logs.records),
+                                     what="the lower priority paused for the higher one")
+                    await c.create_moe("kimi", tiny_spec())
+                    await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="reconciled")
+                    await asyncio.sleep(1.0)
+                    assert kubes[1].applies > 0 and kubes[0].applies == 0  # only the leader worked
+                # the leader is gone (its peering entry removed on exit): the standby resumes and takes the next change
+                await eventually(lambda: [p["priority"] for p in peers().values()] == [10],
+                                 what="the leader's entry removed")
+                await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
+                await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15,
+                                 what="the standby reconciled")
+                assert kubes[0].applies > 0 and standby.is_alive()
+        finally:
+            peering_log.removeHandler(kopf_logs)
+            peering_log.setLevel(level)
