@@ -84,6 +84,14 @@ class CloseSequenceRequest(_message.Message):
     seq_id: str
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
+class ExtendSequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "reserve_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    reserve_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
+
 class SavePrefixRequest(_message.Message):
     __slots__ = ("seq_id", "key")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.CloseSequenceRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
                 _registered_method=True)
+        self.ExtendSequence = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/ExtendSequence',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ExtendSequenceRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
+                _registered_method=True)
         self.SavePrefix = channel.unary_unary(
                 '/expertmesh.v1.AttentionWorker/SavePrefix',
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.SavePrefixRequest.SerializeToString,
@@ -96,6 +101,14 @@ class AttentionWorkerServicer:
 
     def CloseSequence(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendSequence(self, request, context):
+        """Grow a sequence's KV reservation to reserve_tokens (KV is reserved as sequences grow, not up front).
+        Errors: NOT_FOUND, INVALID_ARGUMENT (beyond the model's context), RESOURCE_EXHAUSTED (no blocks left).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -151,6 +164,11 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
             'CloseSequence': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSequence,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.CloseSequenceRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
+            ),
+            'ExtendSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendSequence,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ExtendSequenceRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
             ),
             'SavePrefix': grpc.unary_unary_rpc_method_handler(
@@ -260,6 +278,33 @@ class AttentionWorker:
             target,
             '/expertmesh.v1.AttentionWorker/CloseSequence',
             expertmesh_dot_protos_dot_worker__pb2.CloseSequenceRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/ExtendSequence',
+            expertmesh_dot_protos_dot_worker__pb2.ExtendSequenceRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
             options,
             channel_credentials,

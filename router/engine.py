@@ -34,6 +34,7 @@ from expertmesh.router.request import (ContextLengthExceeded, EngineClosed, Expe
 from expertmesh.router.scheduler import plan_snapshots, plan_step
 from expertmesh.router.tracing import StepTrace
 from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
+from expertmesh.worker.kv import OutOfBlocks
 from expertmesh.worker.exchange import ReplicaTable
 
 log = logging.getLogger("expertmesh.router")
@@ -71,6 +72,7 @@ class EngineStats:
     requests_failed: int = 0
     exchange_bytes: int = 0              # attention ↔ expert tensor bytes, as the attention workers report
     recovered: int = 0                   # requests rebuilt on another attention worker
+    preempted: int = 0                   # requests whose KV was taken for others (replayed later)
 
 
 class Engine:
@@ -78,8 +80,10 @@ class Engine:
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
-                 max_queue_wait: float = 300.0):
-        """`max_queue_wait`: seconds a request may wait for KV room before it is refused (429, retry later)."""
+                 max_queue_wait: float = 300.0, kv_growth: int = 256):
+        """`max_queue_wait`: seconds a request may wait for KV room before it is refused (429, retry later);
+        `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out)."""
+        self.kv_growth = max(1, kv_growth)
         from expertmesh.router.instrument import InstrumentedClient
         from expertmesh.router.metrics import RouterMetrics
         self.cfg = cfg
@@ -163,10 +167,15 @@ class Engine:
             raise RequestError(str(err)) from None
         need = self._reserve(prompt, params)
         if all(self.kv.blocks_for(w.index, need) > w.total_blocks for w in self.kv.workers):
-            raise RequestError(f"prompt + max_tokens = {need} tokens exceed the KV capacity of every attention worker")
+            raise RequestError(f"prompt: {len(prompt)} tokens (+ the first {need - len(prompt)} to generate) exceed "
+                               f"the KV capacity of every attention worker")
 
-    def _reserve(self, prompt: list[int], params: SamplingParams) -> int:
-        return min(len(prompt) + params.max_tokens, self.cfg.max_context)
+    def _reserve(self, tokens: list[int], params: SamplingParams, prompt_len: int | None = None) -> int:
+        """KV reserved when a request is placed: what it has (prompt, or prompt + output when replaying) plus up
+        to `kv_growth` tokens; it grows by `kv_growth` as it decodes (`_grow`), so a large max_tokens holds no
+        KV it does not use yet."""
+        total = min((prompt_len if prompt_len is not None else len(tokens)) + params.max_tokens, self.cfg.max_context)
+        return min(total, len(tokens) + self.kv_growth)
 
     def submit(self, prompt: list[int], params: SamplingParams, **kw) -> Request:
         self.validate(prompt, params)
@@ -291,7 +300,7 @@ class Engine:
 
     def _place(self, req: Request) -> bool:
         """Open the request's sequence on an attention worker; False when nothing fits right now."""
-        reserve = self._reserve(req.prompt, req.params)
+        reserve = self._reserve(req.tokens, req.params, len(req.prompt))
         # scoring the prompt needs every prompt position computed: no cached prefix
         hit = self.kv.lookup(req.prompt) if req.params.prompt_logprobs is None else None
         candidates: list[tuple[int, str | None, int]] = []
@@ -331,6 +340,7 @@ class Engine:
                 self._refresh(worker)
                 continue
             req.worker, req.seq_id, req.computed, req.cached_tokens = worker, seq_id, cached, cached
+            req.reserved = reserve
             if req.queue_span is not None:
                 req.queue_span.set_attribute("expertmesh.attention_worker", worker)
                 req.queue_span.set_attribute("expertmesh.cached_tokens", cached)
@@ -391,7 +401,52 @@ class Engine:
         self.kv.workers[worker].free_blocks = self.attention[worker].drop_prefix(key)
 
     # ------------------------------------------------------------------ one step
+    def _grow(self) -> None:
+        """Before a step: every decoding sequence has room for the token it feeds. One that has not reserves
+        `kv_growth` more; when its worker is out of blocks, cached prefixes there are dropped, then the youngest
+        sequence there is preempted (closed and requeued: it replays what it had, the same tokens, later); a
+        sequence alone on a worker that cannot hold it any longer ends with "length"."""
+        for req in list(self.running):
+            if req not in self.running or req.computed + 1 <= req.reserved:
+                continue
+            target = min(len(req.prompt) + req.params.max_tokens, self.cfg.max_context,
+                         req.reserved + self.kv_growth)
+            while req in self.running:
+                w = req.worker
+                try:
+                    self.kv.workers[w].free_blocks = self.attention[w].extend_sequence(req.seq_id, target)
+                    req.reserved = target
+                    break
+                except OutOfBlocks:
+                    self._refresh(w)
+                except ConnectionError as e:
+                    self._attention_down(w, e)
+                    self._recover(req)
+                    break
+                stale = self.kv.eviction_candidates(w)
+                if stale:
+                    self._drop_prefix(w, stale[0])
+                    continue
+                others = [r for r in self.running if r.worker == w and r is not req]
+                if not others:
+                    self._finish(req, "length")          # the worker's whole KV cannot hold more of it
+                    break
+                self._preempt(others[-1])                # the youngest (running keeps admission order)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's KV for others: closed now, requeued at the head keeping its output."""
+        w, seq_id = req.worker, req.seq_id
+        self.running.remove(req)
+        self._close(w, seq_id)
+        self.kv.workers[w].sequences -= 1
+        req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
+        req.queued_at = time.monotonic()
+        with self.cv:
+            self.waiting.insert(0, req)
+        self.stats.preempted += 1
+
     def _step(self) -> None:
+        self._grow()
         batches = plan_step(self.running, max_batch_tokens=self.max_batch_tokens, prefill_chunk=self.prefill_chunk)
         if not batches:
             return
@@ -519,7 +574,7 @@ class Engine:
         is re-placed on a live worker and replays prompt + generated tokens on the same schedule."""
         self.kv.workers[req.worker].sequences -= 1
         self.pending_closes.setdefault(req.worker, []).append(req.seq_id)   # closed there once it is back
-        req.worker, req.seq_id, req.computed = -1, "", 0
+        req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
         req.queued_at = time.monotonic()
         if req in self.running:
             self.running.remove(req)

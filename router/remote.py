@@ -132,6 +132,10 @@ class RemoteAttention(_Client):
             req.prefix_key = prefix_key
         return self._call(self.stub.OpenSequence, req).cached_tokens
 
+    def extend_sequence(self, seq_id: str, reserve_tokens: int) -> int:
+        return self._call(self.stub.ExtendSequence, worker_pb2.ExtendSequenceRequest(
+            seq_id=seq_id, reserve_tokens=reserve_tokens)).free_blocks
+
     def close_sequence(self, seq_id: str) -> int:
         return self._call(self.stub.CloseSequence, worker_pb2.CloseSequenceRequest(seq_id=seq_id)).free_blocks
 

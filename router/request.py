@@ -67,6 +67,7 @@ class Request:
     worker: int = -1
     seq_id: str = ""
     computed: int = 0                     # tokens of prompt + output already fed to the model
+    reserved: int = 0                     # tokens of KV reserved on its worker (grows as it decodes)
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None

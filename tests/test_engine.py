@@ -154,3 +154,20 @@ def test_penalties_and_logit_bias_match_the_reference(ckpt):
     finally:
         eng.close()
     assert got == want and want != plain
+
+
+def test_kv_grows_as_sequences_decode_and_preemption_replays_the_same_tokens(ckpt, reference):
+    """KV is reserved 16 tokens ahead, not prompt + max_tokens up front: 6 requests whose full reservations
+    (prompt + 32) could not all fit the 12 blocks run together; when the pool runs out the youngest is preempted
+    and later replays — every output token-exact with the reference."""
+    ps, ref = reference
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=12, block_size=16, kv_growth=16)
+    try:
+        reqs = [eng.submit(p, SamplingParams(max_tokens=32)) for p in ps[:6]]
+        out = [r.wait(120).output for r in reqs]
+    finally:
+        eng.close()
+    assert out == ref[:6]
+    assert eng.stats.preempted > 0 and eng.stats.requests_failed == 0
+    full = sum(-(-(len(p) + 32) // 16) for p in ps[:6])
+    assert full > 12                                 # up-front reservations would have serialized them

@@ -167,7 +167,8 @@ def test_remote_matches_local(servers, clients, ckpt):
     sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=20, seed=11, stop_token_ids=(3,))
     for w in both:
         assert w.open_sequence("a", greedy, reserve_tokens=32) == 0
-        assert w.open_sequence("b", sampled, reserve_tokens=16) == 0
+        assert w.open_sequence("b", sampled, reserve_tokens=8) == 0
+    assert local.extend_sequence("b", 16) == remote.extend_sequence("b", 16)       # grows as it decodes
     assert local.info() == remote.info()
 
     def run_step(step_id, segments, snapshots=None):
@@ -359,7 +360,7 @@ def test_reflection_lists_services(servers, clients):
     assert set(db.get_services()) == {"expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker",
                                       "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
-    assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "SavePrefix", "DropPrefix",
+    assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "ExtendSequence", "SavePrefix", "DropPrefix",
                                                  "ConnectExperts", "RunStep", "ExpertLoad"]
     assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == {
         "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}

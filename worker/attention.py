@@ -226,6 +226,17 @@ class AttentionWorker:
             self.renew(owner)
             return cache.length
 
+    def extend_sequence(self, seq_id: str, reserve_tokens: int) -> int:
+        """Grow the sequence's reservation to `reserve_tokens` tokens (OutOfBlocks when the pool cannot); returns
+        the free blocks after."""
+        with self.lock:
+            self.calls += 1
+            seq = self._seq(seq_id)
+            if not 0 < reserve_tokens <= self.cfg.max_context:
+                raise WorkerError(f"reserve_tokens={reserve_tokens}: expected 1..{self.cfg.max_context}")
+            seq.kv.reserve(reserve_tokens - seq.kv.length)
+            return self.pool.free_blocks
+
     def close_sequence(self, seq_id: str) -> int:
         with self.lock:
             self.calls += 1

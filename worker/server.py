@@ -114,6 +114,10 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         return worker_pb2.OpenSequenceResponse(cached_tokens=cached)
 
     @_rpc
+    def ExtendSequence(self, request, context):
+        return worker_pb2.FreeBlocks(free_blocks=self.worker.extend_sequence(request.seq_id, request.reserve_tokens))
+
+    @_rpc
     def CloseSequence(self, request, context):
         return worker_pb2.FreeBlocks(free_blocks=self.worker.close_sequence(request.seq_id))
 
