@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--call-timeout", type=float, default=30.0,
                    help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")
+    p.add_argument("--kv-growth", type=int, default=256, metavar="TOKENS",
+                   help="KV a sequence reserves ahead, at placement and each time it runs out (not prompt + "
+                        "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed")
     p.add_argument("--max-queue-wait", type=float, default=300.0, metavar="SECONDS",
                    help="a request that gets no KV room within this long is refused (429, retry later)")
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
@@ -117,7 +120,8 @@ def run(args) -> int:
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
-                                 max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait)
+                                 max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
+                                 kv_growth=args.kv_growth)
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
