@@ -2,7 +2,8 @@
 workers themselves.
 
 Each scheduler step:
-  1. admit waiting requests at the step boundary (KV must fit: prompt + max_tokens reserved up front; a cached
+  1. admit waiting requests at the step boundary (KV must fit what the request has + kv_growth tokens; it grows
+     as the request decodes, preempting the youngest sequence when a worker is full; a cached
      prefix pins the request to the worker holding it);
   2. plan each attention worker's batch (router/scheduler.py: pure decisions — decode tokens, prefill chunks
      ending at multiples of `prefill_chunk`, prefixes to save);
