@@ -188,3 +188,49 @@ def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatc
     monkeypatch.setattr(checkpoint, "create_checkpoint", real)
     path = cli.default_checkpoint("tiny")
     assert path == broken and Checkpoint(path).cfg.name == "tiny"
+
+
+def test_a_blip_on_every_attention_worker_requeues_instead_of_failing(ckpt):
+    """The only attention worker fails two steps in a row (a connection blip): its requests go back to the queue
+    and replay once it answers — the same tokens, no error (before: every in-flight stream failed)."""
+    from expertmesh.router.remote import WorkerUnavailable
+    ref = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        want = ref.generate(PROMPT, SamplingParams(max_tokens=12)).output
+    finally:
+        ref.close()
+    e = build_local_engine(ckpt, prefill_chunk=CHUNK, health_interval=0.2)
+    try:
+        w = worker(e)
+        orig, failures = w.run_step, []
+
+        def run_step(*a, **kw):
+            if w.calls > 5 and len(failures) < 2:
+                failures.append(1)
+                raise WorkerUnavailable("blip")
+            return orig(*a, **kw)
+        w.run_step = run_step
+        assert e.generate(PROMPT, SamplingParams(max_tokens=12), timeout=60).output == want
+        assert len(failures) == 2 and e.stats.recovered >= 1 and e.stats.requests_failed == 0
+    finally:
+        e.close()
+
+
+def test_a_prefix_the_router_forgets_after_a_failed_open_is_dropped_on_the_worker(eng):
+    eng.generate(PROMPT, SamplingParams(max_tokens=2))            # saves the prompt's chunks as prefixes
+    w = worker(eng)
+    orig, refused, pinned = w.open_sequence, [], []
+
+    def refuse_prefixed(seq_id, params, *, prefix_key=None, **kw):
+        from expertmesh.worker.kv import OutOfBlocks
+        if prefix_key is not None:
+            refused.append(prefix_key)
+            raise OutOfBlocks("no blocks left")
+        pinned.extend(k for k in refused if k in w.prefixes)    # the router's next try: is it still held there?
+        return orig(seq_id, params, **kw)
+    w.open_sequence = refuse_prefixed
+    try:
+        assert len(eng.generate(PROMPT, SamplingParams(max_tokens=2), timeout=30).output) == 2
+    finally:
+        del w.open_sequence
+    assert refused and pinned == []                              # forgotten by the router, dropped by the worker
