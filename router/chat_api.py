@@ -417,10 +417,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             if not body.add_generation_prompt:
                 raise APIError(400, "add_generation_prompt: only true is supported (the chat endpoint always adds "
                                     "it)", param="add_generation_prompt")
-            messages = openai_messages(body.messages)
-            if reasoning_memory is not None:
-                reasoning_memory.fill(messages)
-            ids = render_prompt(fmt, messages, body.tools, True).ids
+            from expertmesh.router.responses_api import chat_prompt
+            ids = chat_prompt(fmt, openai_messages(body.messages), body.tools, True, reasoning_memory).ids
         else:
             if body.tools is not None:
                 raise APIError(400, "tools: only with messages", param="tools")
@@ -466,20 +464,19 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             raise APIError(400, f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]",
                            param="top_logprobs")
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        messages = openai_messages(body.messages)
-        if reasoning_memory is not None:
-            reasoning_memory.fill(messages)
-        history = list(messages)       # what the client sent (reasoning filled in): the key of what it answers
+        from expertmesh.router.responses_api import answer_segment, chat_prompt, truncate_messages
+        history = openai_messages(body.messages)    # what the client sent (reasoning filled in): the key of the answer
+        rendered = chat_prompt(fmt, history, tools, thinking, reasoning_memory)
         report, headers = None, {}
         if body.truncation == "auto":
-            from expertmesh.router.responses_api import truncate_messages
-            messages, report = truncate_messages(fmt, messages, tools, thinking,
-                                                 limit=engine.cfg.max_context - max_tokens)
-            headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))} if report else {}
-        run = start_chat(engine, fmt, messages, tools, tier=tier, thinking=thinking,
-                         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                         logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
-                         sampling=body.sampling_kwargs())
+            kept, report = truncate_messages(fmt, history, tools, thinking, limit=engine.cfg.max_context - max_tokens)
+            if report:
+                rendered = render_prompt(fmt, kept, tools, thinking)
+                headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))}
+        run = submit_chat(engine, fmt, rendered, tier=tier, thinking=thinking,
+                          max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
+                          sampling=body.sampling_kwargs())
 
         def logprobs(start: int, end: int) -> dict | None:
             if n_top is None:
@@ -497,8 +494,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
 
         def remember(parsed) -> None:
             if reasoning_memory is not None and run.stop_hit is None:
-                reasoning_memory.remember(history, Message("assistant", parsed.content, reasoning=parsed.reasoning,
-                                                           tool_calls=parsed.tool_calls))
+                answer = answer_segment(fmt, run, parsed, (), thinking)
+                reasoning_memory.remember(history, answer.message, answer.ids)
 
         def tool_calls_json(parsed) -> list[dict]:
             return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -142,14 +142,15 @@ def default_replica() -> str:
 
 class ReasoningMemory:
     """Reasoning continuity for chat-completions clients that drop it (the Agents SDK over chat completions,
-    LangChain): the reasoning of each answer this router generated, keyed by a hash of what clients do send back —
-    the conversation before the answer (without reasoning) and the answer's content and tool calls with their
-    ids. An assistant message that matches one and arrives without reasoning gets it back, so the prompt is the
-    one a client that keeps the reasoning would send. Bounded LRU."""
+    LangChain): the reasoning and the exact tokens of each answer this router generated, keyed by a hash of what
+    clients do send back — the conversation before the answer (without reasoning) and the answer's content and
+    tool calls with their ids. An assistant message that matches one and arrives without reasoning gets it back,
+    and one whose reasoning is the generated one (given back or sent back) is rendered as the generated tokens,
+    so the prompt is token for token the one the model produced. Bounded LRU."""
 
     def __init__(self, max_entries: int = 4096):
         self.max_entries = max_entries
-        self._items: OrderedDict[str, str] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, list[int] | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -158,27 +159,30 @@ class ReasoningMemory:
             return [m.role, m.content or "", [[c.id, c.name, c.arguments] for c in m.tool_calls], m.tool_call_id]
         return hashlib.sha256(json.dumps([[plain(m) for m in before], plain(answer)]).encode()).hexdigest()
 
-    def remember(self, before: list[Message], answer: Message) -> None:
-        """`before`: the conversation the answer was generated for."""
-        if not answer.reasoning:
-            return
+    def remember(self, before: list[Message], answer: Message, ids: list[int] | None = None) -> None:
+        """`before`: the conversation the answer was generated for; `ids`: the answer's exact tokens as a history
+        renders them (None: a format that renders history from text)."""
         with self._lock:
             k = self.key(before, answer)
-            self._items[k] = answer.reasoning
+            self._items[k] = (answer.reasoning or "", ids)
             self._items.move_to_end(k)
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)
 
-    def fill(self, messages: list[Message]) -> int:
-        """Put the reasoning back into assistant messages that match a generated answer and lack it; returns
-        how many were filled."""
-        filled = 0
+    def fill(self, messages: list[Message]) -> list[list[int] | None]:
+        """Put the reasoning back into assistant messages that match a generated answer and lack it; returns, per
+        message, the exact tokens to render it with (None: render its text)."""
+        exact: list[list[int] | None] = []
         for i, m in enumerate(messages):
-            if m.role != "assistant" or m.reasoning:
-                continue
-            with self._lock:
-                reasoning = self._items.get(self.key(messages[:i], m))
-            if reasoning is not None:
-                m.reasoning = reasoning
-                filled += 1
-        return filled
+            found = None
+            if m.role == "assistant":
+                with self._lock:
+                    found = self._items.get(self.key(messages[:i], m))
+            if found is not None:
+                reasoning, ids = found
+                if not m.reasoning and reasoning:
+                    m.reasoning = reasoning
+                if (m.reasoning or "") != reasoning:
+                    ids = None                      # the client changed the reasoning: render what it sent
+            exact.append(found[1] if found is not None and ids is not None else None)
+        return exact

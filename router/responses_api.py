@@ -26,7 +26,7 @@ from pydantic import Field
 
 from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, RenderedPrompt, ToolCall,
                              generation_prompt, render_header, render_message, tier_from_request, validate_history)
-from expertmesh.router.chat_api import ChatRun, check_tool_choice, submit_chat
+from expertmesh.router.chat_api import ChatRun, check_tool_choice, render_prompt, submit_chat
 from expertmesh.router.engine import Engine
 from expertmesh.router.http import APIError, SamplingFields, error_from_exception
 from expertmesh.router.response_store import ResponseStore, Segment, StoredResponse
@@ -215,7 +215,7 @@ def segment_ids(fmt: ChatFormat, seg: Segment) -> list[int]:
 
 
 def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: list[Segment],
-                        thinking: bool) -> RenderedPrompt:
+                        thinking: bool, param: str = "input") -> RenderedPrompt:
     """The prompt of a conversation (segments after the system message), a 400 naming what is wrong."""
     messages = ([Message("system", system)] if system is not None else []) + [s.message for s in segments]
     try:
@@ -228,7 +228,7 @@ def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: li
             ids += segment_ids(fmt, s)
         return RenderedPrompt(ids + generation_prompt(t, thinking), "reasoning" if thinking else "content")
     except ValueError as e:
-        raise APIError(400, f"input: {e}" if isinstance(e, ChatError) else f"input: {e}", param="input")
+        raise APIError(400, f"{param}: {e}", param=param)
 
 
 def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment], thinking: bool, *,
@@ -252,6 +252,18 @@ def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment]
         return segments, plan
     shortened = set(plan.shortened)
     return [short(segments[i]) if i in shortened else segments[i] for i in plan.keep], plan
+
+
+def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory) -> RenderedPrompt:
+    """The chat endpoints' prompt. With a reasoning memory (router/response_store.ReasoningMemory), reasoning a
+    client dropped is put back into the messages, and with the built-in format an answer generated here is
+    rendered as exactly the tokens generated (the prefix cache then covers it whole)."""
+    exact = memory.fill(messages) if memory is not None else []
+    if not splices(fmt) or not any(exact):
+        return render_prompt(fmt, messages, tools, thinking)
+    system = messages[0].content if messages[0].role == "system" else None
+    segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1:]
+    return render_conversation(fmt, system, tools, segments, thinking, param="messages")
 
 
 def truncate_messages(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *,

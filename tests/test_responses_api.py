@@ -348,15 +348,19 @@ def test_response_store_is_bounded_by_count_bytes_and_ttl():
 def test_reasoning_memory_fills_what_clients_drop():
     mem = ReasoningMemory(max_entries=2)
     before = [Message("user", "q")]
-    mem.remember(before, Message("assistant", "", reasoning="think", tool_calls=[ToolCall("call_1", "f", "{}")]))
+    mem.remember(before, Message("assistant", "", reasoning="think", tool_calls=[ToolCall("call_1", "f", "{}")]),
+                 [1, 2, 3])
     mem.remember([Message("user", "other")], Message("assistant", "", reasoning="elsewhere"))
     stripped = before + [Message("assistant", "", tool_calls=[ToolCall("call_1", "f", "{}")])]
-    assert mem.fill(stripped) == 1 and stripped[1].reasoning == "think"
+    assert mem.fill(stripped) == [None, [1, 2, 3]] and stripped[1].reasoning == "think"     # exact tokens
+    edited = before + [Message("assistant", "", reasoning="edited", tool_calls=[ToolCall("call_1", "f", "{}")])]
+    assert mem.fill(edited) == [None, None] and edited[1].reasoning == "edited"   # what the client sent
     other = before + [Message("assistant", "", tool_calls=[ToolCall("call_2", "f", "{}")])]
-    assert mem.fill(other) == 0 and other[1].reasoning is None
+    assert mem.fill(other) == [None, None] and other[1].reasoning is None
     # an empty answer is matched by the conversation it answered, not by its (empty) text alone
     empty = [Message("user", "other"), Message("assistant", ""), Message("user", "q"), Message("assistant", "")]
-    assert mem.fill(empty) == 1 and empty[1].reasoning == "elsewhere" and empty[3].reasoning is None
+    mem.fill(empty)
+    assert empty[1].reasoning == "elsewhere" and empty[3].reasoning is None
 
 
 # ----------------------------------------------------------------------------------------------- clients
