@@ -198,12 +198,15 @@ def splices(fmt: ChatFormat) -> bool:
 
 
 def _system_and_rest(segments: list[Segment], instructions: str | None) -> tuple[str | None, list[Segment]]:
+    """The system prompt (`instructions`, then a leading system / developer input message, one after the other)
+    and the rest of the conversation."""
     system = instructions
     rest = segments
     if segments and segments[0].role == "system":
-        system = segments[0].message.content if instructions is None else instructions
+        first = segments[0].message.content
+        system = first if instructions is None else f"{instructions}\n\n{first}"
         rest = segments[1:]
-    for i, s in enumerate(rest):
+    for s in rest:
         if s.role == "system":
             raise APIError(400, "input: a system / developer message is only allowed first (use `instructions`)",
                            param="input")

@@ -363,6 +363,13 @@ def test_reasoning_memory_fills_what_clients_drop():
     assert empty[1].reasoning == "elsewhere" and empty[3].reasoning is None
 
 
+def test_instructions_and_a_leading_developer_message_both_reach_the_system_prompt():
+    from expertmesh.router.responses_api import _system_and_rest
+    system, rest = _system_and_rest([Segment(Message("system", "dev")), Segment(Message("user", "u"))], "ins")
+    assert system == "ins\n\ndev" and [s.role for s in rest] == ["user"]
+    assert _system_and_rest([Segment(Message("user", "u"))], None)[0] is None
+
+
 # ----------------------------------------------------------------------------------------------- clients
 def test_chat_client_that_strips_reasoning_gets_the_same_tokens(stack, client):
     stack.script.queue.append(tool_call_tokens(stack.tok, "first I think", "Rome"))
