@@ -672,13 +672,15 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
         peering_log.addHandler(kopf_logs)
         deps = [Deps(kube=k, fetch_load=no_load, load_timeout=2.0) for k in kubes]
         try:
-            async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10) as standby:
-                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20):
+            # short lifetimes: keep-alives every few seconds, so a peer's entry missed by a watch that started late
+            # (the suite's load) is seen on the next one
+            async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10, peering_lifetime=6) as standby:
+                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20, peering_lifetime=6):
                     await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
                     assert sorted(p["priority"] for p in peers().values()) == [10, 20]
                     await eventually(lambda: any("Pausing operations in favour of" in r.getMessage() and
                                                  "priority=20" in r.getMessage() for r in kopf_logs.records),
-                                     what="the lower priority paused for the higher one")
+                                     timeout=40, what="the lower priority paused for the higher one")
                     await c.create_moe("kimi", tiny_spec())
                     await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="reconciled")
                     await asyncio.sleep(1.0)
