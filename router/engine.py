@@ -367,26 +367,21 @@ class Engine:
         when they answer SERVING again. Expert workers are probed by the attention workers that use them."""
         while not self.closed:
             time.sleep(self.health_interval)
-            for i in range(len(self.attention)):      # the heartbeat that keeps this router's sequence leases
+            # the heartbeat that keeps this router's sequence leases; its answer also says which expert workers
+            # the attention worker sees down (it takes them back itself, between this router's steps too)
+            for i in range(len(self.attention)):
                 if i not in self.attention_down:
                     try:
-                        self.attention[i].info(owner=self.instance)
+                        self.experts_down_by[i] = set(self.attention[i].info(owner=self.instance)["experts_down"])
                     except Exception:
                         pass
-            if self.experts_down:      # the attention workers take expert workers back themselves: re-read
-                for i in range(len(self.attention)):
-                    if i not in self.attention_down:
-                        try:
-                            self.experts_down_by[i] = set(self.attention[i].info()["experts_down"])
-                        except Exception:
-                            pass
             for i in list(self.attention_down):
                 if _serving(self.attention[i]):
                     try:
                         self._connect(i)      # a restarted worker has no expert table
                         self.attention_down.discard(i)
                         self._retry_closes(i)
-                        self.kv.workers[i].free_blocks = self.attention[i].info()["free_blocks"]
+                        self.kv.workers[i].free_blocks = self.attention[i].info(owner=self.instance)["free_blocks"]
                     except Exception:
                         self.attention_down.add(i)
                         continue

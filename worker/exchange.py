@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from expertmesh.kernels.moe.combine import fold_groups, sort_slots
+from expertmesh.kernels.moe.combine import fold_groups, present_groups, sort_slots
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -82,7 +82,6 @@ class ExpertExchange:
         self.last_error: dict[int, str] = {}
         self.lock = threading.Lock()
         self.load = {l: np.zeros(n_experts, dtype=np.int64) for l in table.moe_layers}
-        self.calls = 0
         self.bytes_sent = self.bytes_received = 0
         self._holds = {l: table.holds(l, len(clients)) for l in table.moe_layers}
         self.pool = ThreadPoolExecutor(max_workers=max(2, len(clients)), thread_name_prefix="exchange")
@@ -193,8 +192,7 @@ class ExpertExchange:
         ids_t, w_t = sort_slots(topk_ids.cpu(), topk_weights.cpu().float())
         ids = ids_t.numpy()
         G = self.n_groups
-        present = np.zeros((N, G), dtype=bool)
-        present[np.arange(N)[:, None], ids // self.group_size] = True
+        present = present_groups(ids_t, self.group_size, G).numpy()               # [N, G]
         todo = present.copy()
         partials = torch.zeros(N, G, H, dtype=torch.float32)
         failed: dict[int, str] = {}
@@ -216,8 +214,8 @@ class ExpertExchange:
                     lost.update(zip(c.out_token.tolist(), c.out_group.tolist()))
             fragments = []
             for c, out in results:
-                keep = np.array([(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())],
-                                dtype=bool)
+                keep = np.ones(len(c.out_token), dtype=bool) if not lost else np.array(
+                    [(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())], dtype=bool)
                 whole = keep & (c.out_k < 0)
                 partials[c.out_token[whole], c.out_group[whole]] = out[torch.from_numpy(whole)].float()
                 todo[c.out_token[whole], c.out_group[whole]] = False
@@ -259,7 +257,6 @@ class ExpertExchange:
         if out.shape[0] != len(c.out_token):
             raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")
         with self.lock:
-            self.calls += 1
             self.bytes_sent += hidden[rows].numel() * hidden.element_size() + ids.numel() * 8 + w.numel() * 4
             self.bytes_received += out.numel() * out.element_size()
         return out
