@@ -234,3 +234,20 @@ def test_a_prefix_the_router_forgets_after_a_failed_open_is_dropped_on_the_worke
     finally:
         del w.open_sequence
     assert refused and pinned == []                              # forgotten by the router, dropped by the worker
+
+
+def test_the_operator_folder_does_not_shadow_the_standard_library():
+    """`python -m pip` from the repository root in a fresh venv puts the root first on sys.path; `-S` (no site, so
+    nothing has imported `operator` yet) reproduces that: `collections` must still get the standard library's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import collections, operator, sys; print(operator.__file__); print(operator.itemgetter(1)([0, 7]))"
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    path, value = out.stdout.split()
+    assert Path(path).parent != root / "operator" and value == "7"
