@@ -23,6 +23,7 @@ from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.engine import ExpertsUnavailable
+from expertmesh.router.http_timeouts import REQUEST_TIMEOUT, WRITE_TIMEOUT, deadline_protocol
 from expertmesh.router.engine import (ContextLengthExceeded, Engine, EngineClosed, QueueFull, Request, RequestError,
                                       TokenLogprob)
 from expertmesh.tokenizer import AnyTokenizer
@@ -537,15 +538,18 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     return app
 
 
-def serve_http(app: FastAPI, host: str, port: int, tls=None):
+def serve_http(app: FastAPI, host: str, port: int, tls=None, request_timeout: float = REQUEST_TIMEOUT,
+               write_timeout: float = WRITE_TIMEOUT):
     """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop).
-    `tls` (expertmesh.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA."""
+    `tls` (expertmesh.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA.
+    Slow clients are cut off (router/http_timeouts.py): a request must arrive within `request_timeout` seconds, and
+    a client that stops reading for `write_timeout` seconds is disconnected."""
     import ssl
     import threading
     import uvicorn
-    extra = {}
+    extra = {"http": deadline_protocol(request_timeout, write_timeout)}
     if tls is not None:
-        extra = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        extra.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
         if tls.client_ca:
             extra.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, **extra)

@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed")
     p.add_argument("--max-queue-wait", type=float, default=300.0, metavar="SECONDS",
                    help="a request that gets no KV room within this long is refused (429, retry later)")
+    p.add_argument("--client-request-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="an HTTP request (line, headers, body) must arrive within this many seconds, else 408")
+    p.add_argument("--client-write-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="disconnect an HTTP client that stops reading its response for this long (its request is "
+                        "cancelled)")
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
                    help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
                         "checkpoint's max_context")
@@ -134,7 +139,9 @@ def run(args) -> int:
         return 2
     app = build_app(engine, api_key=api_key, chat=chat, response_store=store,
                     reasoning_memory=not args.no_reasoning_memory)
-    http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls)
+    http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls,
+                                         request_timeout=args.client_request_timeout,
+                                         write_timeout=args.client_write_timeout)
     from expertmesh.router.grpc_service import serve_router_grpc
     grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat)
     stop = threading.Event()

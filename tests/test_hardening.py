@@ -251,3 +251,84 @@ def test_the_operator_folder_does_not_shadow_the_standard_library():
     assert out.returncode == 0, out.stderr
     path, value = out.stdout.split()
     assert Path(path).parent != root / "operator" and value == "7"
+
+
+def _serve(app, **timeouts):
+    from expertmesh.router.http import serve_http
+    from expertmesh.up import free_port
+    port = free_port()
+    server, thread = serve_http(app, "127.0.0.1", port, **timeouts)
+    return port, server, thread
+
+
+def _read_until_closed(sock, limit: float) -> tuple[bytes, float]:
+    sock.settimeout(limit)
+    start, got = time.monotonic(), b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return got, time.monotonic() - start
+        got += chunk
+
+
+def test_slow_clients_get_408_and_the_router_keeps_serving(eng):
+    """Headers trickled (slowloris) or a body that never completes: cut off after the request timeout with 408;
+    before the fix, uvicorn waited forever (recv timed out here)."""
+    import socket
+
+    import httpx
+    from expertmesh.router.http import build_app
+    port, server, thread = _serve(build_app(eng), request_timeout=1.0, write_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as s:     # headers never finished
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            got, took = _read_until_closed(s, 10)
+        assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got and took < 5, (got, took)
+        with socket.create_connection(("127.0.0.1", port)) as s:     # a body shorter than its Content-Length
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 200\r\n\r\n{\"model\": ")
+            got, took = _read_until_closed(s, 10)
+        assert took < 5 and (got == b"" or got.startswith(b"HTTP/1.1 408")), (got, took)
+        with socket.create_connection(("127.0.0.1", port)) as s:     # an idle connection that sends nothing
+            got, took = _read_until_closed(s, 10)
+        assert took < 5, took
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": eng.cfg.name, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_client_that_stops_reading_a_stream_is_disconnected():
+    """The server's send buffer stays full: after the write timeout the connection is aborted and the streaming
+    handler sees the disconnect (its request would be cancelled) instead of waiting on the socket forever."""
+    import asyncio
+    import socket
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+    ended = threading.Event()
+
+    async def endless(request):
+        async def chunks():
+            try:
+                while True:
+                    yield b"x" * 65536
+                    await asyncio.sleep(0)
+            finally:
+                ended.set()
+        return StreamingResponse(chunks())
+
+    port, server, thread = _serve(Starlette(routes=[Route("/s", endless)]), request_timeout=5.0, write_timeout=1.0)
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")            # ... and never reads
+        assert ended.wait(15), "the stream's generator still waits on a client that stopped reading"
+        s.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
