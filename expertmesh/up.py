@@ -61,9 +61,14 @@ class LocalCluster:
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
-                 worker_tls_dir: str | Path | None = None):
+                 worker_tls_dir: str | Path | None = None, transport: str = "grpc"):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
-        `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback)."""
+        `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
+        `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
+        serves its rendezvous store on a port of its own, worker/collective.py)."""
+        if transport not in ("grpc", "collective"):
+            raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
+        self.transport = transport
         self.checkpoint = str(checkpoint)
         self.n_attention, self.n_expert = attention_workers, expert_workers
         self.redundant = redundant_experts
@@ -101,6 +106,10 @@ class LocalCluster:
         threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
         self.children.append(child)
         return child
+
+    def _collective_args(self) -> list[str]:
+        """An expert worker's rendezvous store port for the collective transport (a port of its own)."""
+        return ["--collective-port", str(free_port(self.host))] if self.transport == "collective" else []
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -170,7 +179,8 @@ class LocalCluster:
                      for i in range(self.n_attention)]
         experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common_w,
                                                "--port", str(free_port(self.host)), "--name", f"expert-{i}",
-                                               "--plan", str(self.plan_path), "--ordinal", str(i)],
+                                               "--plan", str(self.plan_path), "--ordinal", str(i),
+                                               *self._collective_args()],
                                self.worker_env.get(f"expert-{i}"))
                    for i in range(self.n_expert)]
         try:
@@ -180,7 +190,8 @@ class LocalCluster:
                 "--attention", ",".join(c.address for c in attention),
                 "--experts", ",".join(c.address for c in experts),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                "--prefill-chunk", str(self.prefill_chunk), *router_tls, *self.router_args])
+                "--prefill-chunk", str(self.prefill_chunk), "--transport", self.transport, *router_tls,
+                *self.router_args])
             self._wait_ready([self.router], timeout)
         except BaseException:
             self.stop()
@@ -272,7 +283,8 @@ def run_up(args) -> int:
                            http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
                            prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
-                           device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls)
+                           device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
+                           transport=args.transport)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -324,6 +336,10 @@ def add_arguments(p) -> None:
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
+                   help="per-layer expert exchange: grpc, or collective (torch.distributed pairs: gloo on cpu, nccl "
+                        "on cuda; gRPC stays for health and fallback). The collective data connections are not "
+                        "encrypted: loopback only here")
     p.add_argument("--insecure-workers", action="store_true",
                    help="workers accept plain gRPC from any local process (default: mutual TLS with certificates "
                         "generated for this run)")

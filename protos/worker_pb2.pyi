@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConnectExpertsRequest(_message.Message):
-    __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s")
+    __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s", "transport")
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     addresses: _containers.RepeatedScalarFieldContainer[str]
     moe_layers: _containers.RepeatedScalarFieldContainer[int]
     replicas: _tensor_pb2.Tensor
     call_timeout_s: float
-    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., moe_layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., call_timeout_s: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ..., moe_layers: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., call_timeout_s: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ConnectExpertsResponse(_message.Message):
     __slots__ = ()
@@ -190,6 +192,22 @@ class StepDone(_message.Message):
     exchange_bytes: int
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SequenceFailure, _Mapping]]] = ..., experts_down: _Optional[_Iterable[int]] = ..., exchange_bytes: _Optional[int] = ...) -> None: ...
 
+class OpenCollectiveRequest(_message.Message):
+    __slots__ = ("group_id", "timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenCollectiveResponse(_message.Message):
+    __slots__ = ("store_port", "backend")
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    store_port: int
+    backend: str
+    def __init__(self, store_port: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
 class ExpertKey(_message.Message):
     __slots__ = ("layer", "expert")
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -199,14 +217,20 @@ class ExpertKey(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class ExpertInfo(_message.Message):
-    __slots__ = ("name", "model", "experts")
+    __slots__ = ("name", "model", "experts", "grpc_calls", "collective_calls", "collective_pairs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_CALLS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_PAIRS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     experts: _containers.RepeatedCompositeFieldContainer[ExpertKey]
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ...) -> None: ...
+    grpc_calls: int
+    collective_calls: int
+    collective_pairs: int
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ..., grpc_calls: _Optional[int] = ..., collective_calls: _Optional[int] = ..., collective_pairs: _Optional[int] = ...) -> None: ...
 
 class RunExpertsRequest(_message.Message):
     __slots__ = ("layer", "hidden", "expert_ids", "weights", "output_dtype")

@@ -472,6 +472,11 @@ class ExpertWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.RunExpertsRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.RunExpertsResponse.FromString,
                 _registered_method=True)
+        self.OpenCollective = channel.unary_unary(
+                '/expertmesh.v1.ExpertWorker/OpenCollective',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertWorkerServicer:
@@ -491,6 +496,15 @@ class ExpertWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenCollective(self, request, context):
+        """Start this worker's rank (1) of a two-rank torch.distributed group `group_id` with the calling attention
+        worker (rank 0), which joins through the store at store_port on this worker's host. Errors:
+        FAILED_PRECONDITION (started without --collective-port), INVALID_ARGUMENT (bad group_id / timeout_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -503,6 +517,11 @@ def add_ExpertWorkerServicer_to_server(servicer, server):
                     servicer.RunExperts,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.RunExpertsRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.RunExpertsResponse.SerializeToString,
+            ),
+            'OpenCollective': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenCollective,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +579,33 @@ class ExpertWorker:
             '/expertmesh.v1.ExpertWorker/RunExperts',
             expertmesh_dot_protos_dot_worker__pb2.RunExpertsRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.RunExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenCollective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.ExpertWorker/OpenCollective',
+            expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

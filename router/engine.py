@@ -81,9 +81,14 @@ class Engine:
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
-                 max_queue_wait: float = 300.0, kv_growth: int = 256):
+                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc"):
         """`max_queue_wait`: seconds a request may wait for KV room before it is refused (429, retry later);
-        `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out)."""
+        `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out);
+        `transport`: how attention workers exchange each MoE layer with the expert workers (grpc | collective:
+        worker/collective.py)."""
+        if transport not in ("grpc", "collective"):
+            raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
+        self.transport = transport
         self.kv_growth = max(1, kv_growth)
         from expertmesh.router.instrument import InstrumentedClient
         from expertmesh.router.metrics import RouterMetrics
@@ -389,8 +394,9 @@ class Engine:
                     self.attention_down.discard(i)
 
     def _connect(self, worker: int) -> None:
+        extra = {"transport": self.transport} if self.transport != "grpc" else {}    # in-process: no transport
         self.attention[worker].connect_experts(self.expert_clients, self.replicas,
-                                               probe_interval=self.health_interval)
+                                               probe_interval=self.health_interval, **extra)
 
     def _drop_prefix(self, worker: int, key: str) -> None:
         self.kv.forget(key)

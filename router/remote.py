@@ -145,16 +145,17 @@ class RemoteAttention(_Client):
     def drop_prefix(self, key: str) -> int:
         return self._call(self.stub.DropPrefix, worker_pb2.DropPrefixRequest(key=key)).free_blocks
 
-    def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0) -> None:
+    def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0, transport: str = "grpc") -> None:
         """Tell the worker to dispatch to these expert workers (RemoteExpert clients: their addresses and
-        deadline go over) by `table` (worker/exchange.ReplicaTable)."""
+        deadline go over) by `table` (worker/exchange.ReplicaTable), over `transport` (grpc | collective)."""
         addresses = [getattr(c, "address", None) for c in clients]
         if None in addresses:
             raise ValueError("experts: a remote attention worker needs expert workers with addresses")
         timeout = min(getattr(c, "timeout", self.timeout) for c in clients) if clients else self.timeout
         self._call(self.stub.ConnectExperts, worker_pb2.ConnectExpertsRequest(
             addresses=addresses, moe_layers=list(table.moe_layers),
-            replicas=to_proto(torch.from_numpy(table.table), "replicas"), call_timeout_s=timeout))
+            replicas=to_proto(torch.from_numpy(table.table), "replicas"), call_timeout_s=timeout,
+            transport=transport))
 
     def run_step(self, step_id: int, segments: list[StepSegment],
                  snapshot_keys: dict[str, str] | None = None) -> StepDone:
@@ -180,6 +181,7 @@ class RemoteExpert(_Client):
     """An expert worker over gRPC: ExpertWorker.run, plus info() (name, model, (layer, expert) pairs held)."""
 
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: ExpertRequestError, grpc.StatusCode.NOT_FOUND: UnknownExpert}
+    # FAILED_PRECONDITION (OpenCollective on a worker without --collective-port) → RemoteError
 
     def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False,
                  tls=None):
@@ -190,6 +192,12 @@ class RemoteExpert(_Client):
         i = self._call(self.stub.Info, worker_pb2.InfoRequest())
         return {"name": i.name, "model": i.model, "experts": [(k.layer, k.expert) for k in i.experts]}
 
+    def transport_counts(self) -> dict:
+        """RunExperts calls served over each transport since start, and the collective pairs open now."""
+        i = self._call(self.stub.Info, worker_pb2.InfoRequest())
+        return {"grpc_calls": i.grpc_calls, "collective_calls": i.collective_calls,
+                "collective_pairs": i.collective_pairs}
+
     def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """ExpertWorker.run over gRPC: → [R, H] per-(row, group) partial sums."""
@@ -198,3 +206,9 @@ class RemoteExpert(_Client):
                                            weights=to_proto(weights.float(), "weights"),
                                            output_dtype=str(out_dtype).removeprefix("torch."))
         return from_proto(self._call(self.stub.RunExperts, req).output, "output")
+
+    def open_collective(self, group_id: str, timeout: float) -> tuple[int, str]:
+        """Ask the worker to start its rank of the torch.distributed pair `group_id` → (store port, backend)."""
+        r = self._call(self.stub.OpenCollective, worker_pb2.OpenCollectiveRequest(group_id=group_id,
+                                                                                 timeout_s=timeout))
+        return r.store_port, r.backend

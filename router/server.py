@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
+                   help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
+                        "(torch.distributed pairs, gloo on cpu / nccl on cuda; expert workers need --collective-port; "
+                        "gRPC stays for health and fallback)")
     p.add_argument("--call-timeout", type=float, default=30.0,
                    help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")
     p.add_argument("--kv-growth", type=int, default=256, metavar="TOKENS",
@@ -126,7 +130,7 @@ def run(args) -> int:
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
-                                 kv_growth=args.kv_growth)
+                                 kv_growth=args.kv_growth, transport=args.transport)
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()

@@ -204,7 +204,8 @@ class ExpertExchange:
             for t, experts in missing.items():
                 failed.setdefault(t, f"experts without a live replica in layer {layer}: {sorted(experts)}")
                 todo[t] = False
-            jobs = [(c, self.pool.submit(self._run, layer, c, host, w_t, hidden.dtype, trace_ctx)) for c in calls]
+            jobs = [(c, self.pool.submit(self._run, layer, c, host, w_t, hidden.dtype, trace_ctx, attempt))
+                    for c in calls]
             results, lost = [], set()
             for c, fut in jobs:
                 try:
@@ -234,18 +235,18 @@ class ExpertExchange:
         return fold_groups(partials, torch.from_numpy(present), hidden.dtype), failed
 
     def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-             trace_ctx=None) -> torch.Tensor:
+             trace_ctx=None, attempt: int = 0) -> torch.Tensor:
         if trace_ctx is not None:         # the pool thread joins the step's trace: the call carries traceparent
             from opentelemetry import context
             token = context.attach(trace_ctx)
             try:
-                return self._call(layer, c, hidden, weights, dtype)
+                return self._call(layer, c, hidden, weights, dtype, attempt)
             finally:
                 context.detach(token)
-        return self._call(layer, c, hidden, weights, dtype)
+        return self._call(layer, c, hidden, weights, dtype, attempt)
 
-    def _call(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
-              ) -> torch.Tensor:
+    def _call(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+              attempt: int = 0) -> torch.Tensor:
         rows = torch.from_numpy(c.rows)
         ids = torch.from_numpy(c.ids)
         w = torch.where(ids >= 0, weights[rows], torch.zeros(()))
@@ -253,7 +254,11 @@ class ExpertExchange:
         # rounds every P_g through it anyway)
         out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
         client = self.clients[c.worker]
-        out = client.run(layer, hidden[rows], ids, w, out_dtype)
+        if hasattr(client, "run_grpc"):     # a collective transport (worker/collective.py): a redo goes over gRPC
+            out = client.run_grpc(layer, hidden[rows], ids, w, out_dtype) if attempt else \
+                client.run(layer, hidden[rows], ids, w, out_dtype, rows=len(c.out_token))
+        else:
+            out = client.run(layer, hidden[rows], ids, w, out_dtype)
         if out.shape[0] != len(c.out_token):
             raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")
         with self.lock:

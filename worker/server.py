@@ -141,8 +141,13 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         if replicas.dim() != 3 or replicas.dtype != torch.int64:
             raise ValueError(f"replicas: expected int64 [L, E, R], found {replicas.dtype} {list(replicas.shape)}")
         table = ReplicaTable(tuple(request.moe_layers), replicas.numpy())
+        if request.transport not in ("", "grpc", "collective"):
+            raise ValueError(f"transport: expected grpc or collective, found {request.transport!r}")
         clients = [RemoteExpert(a, timeout=request.call_timeout_s, name=f"expert-{i}", tls=self.expert_tls)
                    for i, a in enumerate(request.addresses)]
+        if request.transport == "collective":
+            from expertmesh.worker.collective import CollectiveExpert
+            clients = [CollectiveExpert(c) for c in clients]
         try:
             self.worker.connect_experts(clients, table)
         except Exception:
@@ -180,14 +185,19 @@ def done_to_proto(result) -> worker_pb2.StepDone:
 
 
 class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
-    def __init__(self, worker):
+    def __init__(self, worker, collective=None):
         self.worker = worker
+        self.collective = collective      # worker/collective.CollectiveServer, with --collective-port
+        self.grpc_calls = 0
 
     @_rpc
     def Info(self, request, context):
+        c = self.collective
         return worker_pb2.ExpertInfo(name=self.worker.name, model=self.worker.cfg.name,
                                      experts=[worker_pb2.ExpertKey(layer=l, expert=e)
-                                              for l, e in self.worker.assignment])
+                                              for l, e in self.worker.assignment],
+                                     grpc_calls=self.grpc_calls, collective_calls=c.calls if c else 0,
+                                     collective_pairs=c.pairs if c else 0)
 
     @_rpc
     def RunExperts(self, request, context):
@@ -203,7 +213,20 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
         if out_dtype is None:
             raise ValueError(f"output_dtype: expected one of {sorted(OUTPUT_DTYPES)}, found {request.output_dtype!r}")
         out = self.worker.run(request.layer, hidden, ids, weights, out_dtype)
+        self.grpc_calls += 1
         return worker_pb2.RunExpertsResponse(output=to_proto(out, "output"))
+
+    @_rpc
+    def OpenCollective(self, request, context):
+        from expertmesh.worker.attention import NotConnected
+        if self.collective is None:
+            raise NotConnected(f"{self.worker.name}: no collective transport (started without --collective-port)")
+        if not 0 < request.timeout_s <= 600:
+            raise ValueError(f"timeout_s: expected seconds in (0, 600], found {request.timeout_s}")
+        peer = context.peer()                  # "ipv4:10.0.0.5:41234" / "ipv6:[::1]:41234": where the pair goes
+        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "127.0.0.1"
+        self.collective.open(request.group_id, host, request.timeout_s)
+        return worker_pb2.OpenCollectiveResponse(store_port=self.collective.port, backend=self.collective.backend)
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -296,11 +319,14 @@ def dry_run(attention, expert) -> str:
 def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignment=None, kv_blocks: int = 512,
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
-          device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0) -> grpc.Server:
+          device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
+          collective_port: int | None = None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
+    `collective_port`: an expert role also serves the collective transport (worker/collective.py), its
+    rendezvous store on this port (0: any free one).
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
-    workers, or None) and `.role` set."""
+    workers, or None), `.collective` (CollectiveServer or None) and `.role` set."""
     attention, expert = build_workers(role, checkpoint, assignment=assignment, gpu_of=gpu_of, kv_blocks=kv_blocks,
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
@@ -316,8 +342,12 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     if attention is not None:
         add_servicer(server, ATTENTION_SERVICE, AttentionServicer(attention, expert_tls))
         services.append(ATTENTION_SERVICE)
+    collective = None
+    if expert is not None and collective_port is not None:
+        from expertmesh.worker.collective import CollectiveServer, backend_for
+        collective = CollectiveServer(expert, host, collective_port, backend_for(expert.device_kind))
     if expert is not None:
-        add_servicer(server, EXPERT_SERVICE, ExpertServicer(expert))
+        add_servicer(server, EXPERT_SERVICE, ExpertServicer(expert, collective))
         services.append(EXPERT_SERVICE)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -336,7 +366,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     for s in services + [""]:
         health_servicer.set(s, health_pb2.HealthCheckResponse.SERVING)
     server.port, server.role, server.health = bound, role, health_servicer
-    server.attention, server.expert = attention, expert
+    server.attention, server.expert, server.collective = attention, expert, collective
     log.info("%s worker serving %s on %s:%d", role, ", ".join(services), host, bound)
     return server
 
@@ -420,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--collective-port", type=int,
+                   default=int(os.environ["EXPERTMESH_COLLECTIVE_PORT"]) if os.environ.get(
+                       "EXPERTMESH_COLLECTIVE_PORT") else None,
+                   help="expert role: also serve the collective transport (torch.distributed: gloo on cpu, nccl on "
+                        "cuda), its rendezvous store on this port (default: $EXPERTMESH_COLLECTIVE_PORT; none: "
+                        "gRPC only)")
     p.add_argument("--lease-seconds", type=float, default=30.0,
                    help="attention role: close the sequences of a router silent this long (it heartbeats every "
                         "second); 0 = never")
@@ -515,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                        kv_blocks=kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
-                       expert_tls=expert_tls, lease_seconds=args.lease_seconds)
+                       expert_tls=expert_tls, lease_seconds=args.lease_seconds,
+                       collective_port=args.collective_port)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
@@ -531,6 +568,15 @@ def main(argv: list[str] | None = None) -> int:
     log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", args.grace)
     shutdown(server, args.grace)
     log.info("stopped")
+    exchange = getattr(server.attention, "exchange", None)
+    if server.collective is not None or any(hasattr(c, "run_grpc") for c in getattr(exchange, "clients", ())):
+        # torch.distributed pairs may hold threads in C++ waits (a hung peer): run the exit handlers (telemetry
+        # flush), then leave without joining those threads
+        import atexit
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

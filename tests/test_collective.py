@@ -1,0 +1,110 @@
+"""`expertmesh up --transport collective`: the per-layer expert exchange over torch.distributed (gloo on CPU) pairs,
+real processes on loopback. Token-exact against the in-process reference model, as over gRPC (tests/test_up.py),
+and real faults on an expert rank (SIGKILL, SIGSTOP) with two replicas of every expert: same tokens, no hang,
+the pair re-formed once the worker is back."""
+import signal
+import time
+
+import httpx
+import pytest
+
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.config import preset
+from expertmesh.model import SamplingParams, generate
+from expertmesh.router.remote import RemoteExpert
+from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.up import LocalCluster, free_port
+from test_faults import PROMPTS, run_with_fault, stream
+
+pytestmark = pytest.mark.slow
+EOS = ByteTokenizer().eos_id
+MAX_TOKENS = 40          # test_faults' streams
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("collective") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt_dir):
+    model = Checkpoint(ckpt_dir).load_model()
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(EOS,))
+    return [generate(model, p, params, prefill_chunk=16).tokens for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt_dir):
+    """2 attention workers, 3 expert workers, every expert on 2 of them; a 2 s deadline on every expert call
+    (the collective waits too), so a hung rank is noticed quickly."""
+    c = LocalCluster(ckpt_dir, attention_workers=2, expert_workers=3, expert_replicas=2, http_port=free_port(),
+                     grpc_port=free_port(), transport="collective", router_args=["--call-timeout", "2"])
+    c.grpc_address = f"127.0.0.1:{c.grpc_port}"
+    with c:
+        yield c
+
+
+def counts(cluster) -> dict[str, dict]:
+    out = {}
+    for w in cluster.workers:
+        if w.name.startswith("expert-") and w.proc.poll() is None:
+            with RemoteExpert(w.address, timeout=5) as client:
+                out[w.name] = client.transport_counts()
+    return out
+
+
+def wait_until(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def healthy(cluster) -> bool:
+    return httpx.get(cluster.http_url + "/health").json()["expert_workers_down"] == []
+
+
+def all_pairs(cluster) -> bool:
+    """Every expert worker serves a pair to each of the 2 attention workers."""
+    return all(c["collective_pairs"] == 2 for c in counts(cluster).values())
+
+
+def test_tokens_equal_the_reference_over_collective_pairs(cluster, reference):
+    assert wait_until(lambda: all_pairs(cluster))
+    before = counts(cluster)
+    out = run_with_fault(cluster.grpc_address, lambda: None)
+    assert [e for _, e in out] == [None] * len(PROMPTS)
+    assert [t for t, _ in out] == reference
+    after = counts(cluster)
+    # the layers' tensors went over the pairs, not over gRPC
+    assert sum(after[w]["collective_calls"] - before[w]["collective_calls"] for w in after) > 50
+    assert sum(after[w]["grpc_calls"] - before[w]["grpc_calls"] for w in after) == 0
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_lost_expert_rank_fails_over_with_the_same_tokens_and_the_pair_comes_back(cluster, reference, fault):
+    """Mid-generation an expert rank is hung (SIGSTOP: sockets open, nothing answers) or killed: the collective
+    wait times out (or breaks), the layer's lost groups are redone over gRPC on the replicas, nothing hangs and
+    the tokens are the reference's. Once the worker answers again its pairs are formed again."""
+    assert wait_until(lambda: all_pairs(cluster) and healthy(cluster))
+    victim = cluster.child("expert-1")
+    t0 = time.monotonic()
+    out = run_with_fault(cluster.grpc_address, lambda: victim.proc.send_signal(getattr(signal, fault)))
+    try:
+        elapsed = time.monotonic() - t0
+        assert [e for _, e in out] == [None] * len(PROMPTS)
+        assert [t for t, _ in out] == reference
+        assert elapsed < 40                                   # deadlines fired; no step waited on the lost rank
+        assert httpx.get(cluster.http_url + "/health").json()["expert_workers_down"] == [1]
+    finally:
+        if fault == "SIGSTOP":
+            victim.proc.send_signal(signal.SIGCONT)
+        else:
+            cluster.restart("expert-1")
+    assert wait_until(lambda: healthy(cluster) and all_pairs(cluster))   # taken back: pairs re-formed
+    before = counts(cluster)["expert-1"]["collective_calls"]
+    tokens, err = stream(cluster.grpc_address, PROMPTS[0])
+    assert err is None and tokens == reference[0]
+    assert counts(cluster)["expert-1"]["collective_calls"] > before    # the returned rank serves over its pair

@@ -1,0 +1,307 @@
+"""The per-layer expert exchange over torch.distributed (gloo on CPU, NCCL on CUDA) beside gRPC.
+
+Transport interface: an expert client has `run(layer, hidden, ids, weights, out_dtype)` → partial sums (what
+worker/exchange.py calls, one call per expert worker per MoE layer). `RemoteExpert` (router/remote.py) does it over
+gRPC; `CollectiveExpert` here does it over a torch.distributed process group and keeps the gRPC client beside it
+for control, health and fallback. The deployment picks one (`--transport grpc|collective`); the rows, dtypes and
+the combine are the exchange's own either way, so the tokens are bit-identical.
+
+Groups. One two-rank group per (attention worker, expert worker) pair, never one group over all ranks: a dead or
+hung expert rank then breaks only the pairs it is in, and a pair is re-formed without touching the others. The
+rendezvous store (a TCPStore) lives on each expert worker, at its own stable address (`--collective-port`, the same
+host as its gRPC address): no central store whose loss would stop every pair from re-forming, and an expert worker
+that comes back brings its store back with it. Forming a pair goes over gRPC (the control plane): the attention
+worker calls `OpenCollective(group_id)` on the expert worker (mutual TLS: the random group id is the pair's
+secret key prefix in the store), which starts rank 1 of the group and answers the store port; the attention
+worker connects as rank 0. Only then does the pair carry tensors.
+
+One call = header, tensors, answer. The attention worker posts, without waiting in between: header int64[8]
+(op, layer, n, K, H, hidden dtype, output dtype, answer rows R), hidden [n, H] in the activation dtype, ids
+[n, K] int64, weights [n, K] fp32; then it receives the answer header int64[2] (status, message length) and the
+output [R, H] (always sent, zeros on an error) and, on an error, the message bytes. Sizes go first, so the
+variable-size exchange needs only point-to-point send/recv, which gloo and NCCL both support.
+
+Faults. Every wait on the attention side has the call deadline. A failed or timed-out collective call drops the
+pair (aborted, never waited on again) and raises WorkerUnavailable: the exchange marks the expert worker down and
+redoes the layer's lost groups over gRPC on the replicas (same bits). While a pair is not formed, calls go over
+gRPC. The pair is formed again in the background after the expert worker answers its gRPC health check (the
+exchange's probe), at most once per `retry_interval`. The expert side waits for the next call without a deadline
+(an idle pair is not an error); it learns that a pair is gone when the attention side closes its sockets.
+Gloo runs its waits in C++; they all have timeouts here, abandoned groups are only aborted (their threads are
+daemons) and the worker process leaves with os._exit after its gRPC shutdown, so a stuck group never holds it.
+Security: the pair's data connections are neither encrypted nor authenticated (gloo / NCCL have neither); keep them
+on a trusted network — the operator's NetworkPolicy admits them only between the deployment's own pods.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+log = logging.getLogger("expertmesh.worker")
+
+OP_RUN, OP_PING = 1, 2
+STATUS_OK, STATUS_INVALID, STATUS_NOT_FOUND, STATUS_ERROR = 0, 1, 2, 3
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+RENDEZVOUS_TIMEOUT_S = 20.0
+IDLE = datetime.timedelta(days=365)      # an expert rank waits this long for the next call (an idle pair is fine)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def local_address_towards(host: str) -> str:
+    """The local IP address this machine uses to reach `host` (what the peer can connect back to)."""
+    try:
+        infos = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)                    # UDP: nothing is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
+def new_group(backend: str, store, group_id: str, rank: int, address: str, timeout: float):
+    """One two-rank process group (rank 0: attention worker, rank 1: expert worker) through `store` under the
+    prefix `group_id`, its sockets on `address`; every operation defaults to `timeout` seconds."""
+    import torch.distributed as dist
+    prefixed = dist.PrefixStore(f"expertmesh/{group_id}/", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+    raise ValueError(f"backend: expected gloo or nccl, found {backend!r}")
+
+
+def _abandon(group) -> None:
+    """Abort a group whose peer failed: no wait on it again; its sockets close, so the peer's waits end."""
+    try:
+        group.abort()
+    except Exception as e:          # already broken: nothing more to release
+        log.debug("abort: %s", e)
+
+
+def _device_of(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- expert side
+class CollectiveServer:
+    """The expert worker's side: the rendezvous store on `port` and one serving thread per open pair."""
+
+    def __init__(self, expert, host: str, port: int, backend: str = "gloo"):
+        import torch.distributed as dist
+        self.expert, self.backend = expert, backend
+        try:
+            self.store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                                       wait_for_workers=False)
+        except Exception as e:          # taken port: one clear line, like the gRPC port
+            raise OSError(f"--collective-port {port}: cannot listen ({e})") from None
+        self.port = self.store.port
+        self.pairs = 0                  # pairs being served now
+        self.calls = 0                  # RunExperts calls served over pairs
+
+    def open(self, group_id: str, peer_host: str, timeout: float) -> None:
+        """Start rank 1 of `group_id` (returns at once; the attention worker joins as rank 0 within `timeout`)."""
+        if not group_id or len(group_id) > 64 or not group_id.replace("-", "").isalnum():
+            raise ValueError(f"group_id: expected up to 64 letters, digits or '-', found {group_id!r}")
+        threading.Thread(target=self._serve, args=(group_id, local_address_towards(peer_host), timeout),
+                         name=f"collective-{group_id[:8]}", daemon=True).start()
+
+    def _serve(self, group_id: str, address: str, timeout: float) -> None:
+        try:
+            group = new_group(self.backend, self.store, group_id, 1, address, timeout)
+        except Exception as e:
+            log.warning("collective pair %s: rendezvous failed: %s", group_id[:8], e)
+            return
+        self.pairs += 1
+        dev = _device_of(self.backend)
+        op_timeout = datetime.timedelta(seconds=timeout)
+        try:
+            while True:
+                head = torch.zeros(8, dtype=torch.int64, device=dev)
+                group.recv([head], 0, 0).wait(IDLE)               # the next call, however long that takes
+                op, layer, n, k, h, in_dt, out_dt, rows = head.tolist()
+                if op == OP_PING:
+                    group.send([torch.zeros(2, dtype=torch.int64, device=dev)], 0, 0).wait(op_timeout)
+                    continue
+                hidden = torch.empty(n, h, dtype=DTYPES[in_dt], device=dev)
+                ids = torch.empty(n, k, dtype=torch.int64, device=dev)
+                weights = torch.empty(n, k, dtype=torch.float32, device=dev)
+                for w in [group.recv([t], 0, 0) for t in (hidden, ids, weights)]:
+                    w.wait(op_timeout)
+                status, message, out = STATUS_OK, b"", None
+                try:
+                    out = self.expert.run(layer, hidden.cpu(), ids.cpu(), weights.cpu(), DTYPES[out_dt])
+                    if out.shape != (rows, h):
+                        raise RuntimeError(f"{rows} answer rows expected, computed {list(out.shape)}")
+                except Exception as e:
+                    from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
+                    status = STATUS_NOT_FOUND if isinstance(e, UnknownExpert) else \
+                        STATUS_INVALID if isinstance(e, ExpertRequestError) else STATUS_ERROR
+                    message = (str(e) if status != STATUS_ERROR else f"{type(e).__name__}: {e}").encode()[:65536]
+                    if status == STATUS_ERROR:
+                        log.exception("collective RunExperts failed")
+                    out = torch.zeros(rows, h, dtype=DTYPES[out_dt])
+                works = [group.send([torch.tensor([status, len(message)], dtype=torch.int64, device=dev)], 0, 0),
+                         group.send([out.to(dev).contiguous()], 0, 0)]
+                if message:
+                    works.append(group.send([torch.frombuffer(bytearray(message), dtype=torch.uint8).to(dev)], 0, 0))
+                for w in works:
+                    w.wait(op_timeout)
+                self.calls += 1
+        except Exception as e:          # the attention side closed the pair (dropped, restarted, shut down)
+            log.info("collective pair %s closed: %s", group_id[:8], str(e).splitlines()[0][:200])
+        finally:
+            self.pairs -= 1
+            _abandon(group)
+
+
+# ---------------------------------------------------------------------------------------------- attention side
+class CollectiveExpert:
+    """An expert worker reached over a torch.distributed pair, with its gRPC client (`remote`, a RemoteExpert)
+    for control, health and fallback. Same `run` contract as RemoteExpert."""
+
+    def __init__(self, remote, *, retry_interval: float = 1.0):
+        self.remote = remote
+        self.address, self.timeout, self.name = remote.address, remote.timeout, remote.name
+        self.retry_interval = retry_interval
+        self.group = None
+        self.backend = "gloo"
+        self.lock = threading.Lock()        # one call on the pair at a time (the wire is a FIFO)
+        self.forming = False
+        self.last_attempt = 0.0
+        self.closed = False
+        self.collective_calls = self.grpc_calls = 0
+        self.form()
+
+    # -- control
+    def form(self) -> None:
+        """Form the pair in the background (no-op while one is formed, being formed, or tried recently)."""
+        with self.lock:
+            if self.closed or self.group is not None or self.forming or \
+                    time.monotonic() - self.last_attempt < self.retry_interval:
+                return
+            self.forming, self.last_attempt = True, time.monotonic()
+        threading.Thread(target=self._form, name=f"form-{self.name}", daemon=True).start()
+
+    def _form(self) -> None:
+        import torch.distributed as dist
+        group = None
+        try:
+            group_id = uuid.uuid4().hex
+            timeout = min(self.timeout, RENDEZVOUS_TIMEOUT_S)
+            port, backend = self.remote.open_collective(group_id, timeout)
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+            group = new_group(backend, store, group_id, 0, local_address_towards(host), self.timeout)
+            dev = _device_of(backend)
+            ping = torch.zeros(8, dtype=torch.int64, device=dev)
+            ping[0] = OP_PING
+            answer = torch.zeros(2, dtype=torch.int64, device=dev)
+            deadline = datetime.timedelta(seconds=self.timeout)
+            for w in (group.send([ping], 1, 0), group.recv([answer], 1, 0)):
+                w.wait(deadline)
+        except Exception as e:
+            log.warning("%s: collective pair not formed (gRPC meanwhile): %s", self.name, str(e).splitlines()[0])
+            if group is not None:
+                _abandon(group)
+            with self.lock:
+                self.forming = False
+            return
+        with self.lock:
+            self.forming = False
+            if self.closed:
+                _abandon(group)
+                return
+            self.group, self.backend = group, backend
+        log.info("%s: collective pair formed (%s)", self.name, backend)
+
+    def drop(self, reason) -> None:
+        with self.lock:
+            group, self.group = self.group, None
+        if group is not None:
+            log.warning("%s: collective pair dropped: %s", self.name, str(reason).splitlines()[0][:300])
+            _abandon(group)
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        status = self.remote.health(service, timeout)
+        if status == "SERVING":
+            self.form()         # taken back: the pair is formed again
+        return status
+
+    def info(self) -> dict:
+        return self.remote.info()
+
+    def close(self) -> None:
+        self.closed = True
+        self.drop("closed")
+        self.remote.close()
+
+    @property
+    def formed(self) -> bool:
+        return self.group is not None
+
+    # -- data
+    def run_grpc(self, layer, hidden, expert_ids, weights, out_dtype=torch.float32) -> torch.Tensor:
+        self.grpc_calls += 1
+        return self.remote.run(layer, hidden, expert_ids, weights, out_dtype)
+
+    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+            out_dtype: torch.dtype = torch.float32, rows: int | None = None) -> torch.Tensor:
+        """→ [R, H] per-(row, group) partial sums, as RemoteExpert.run. `rows`: R, when the caller knows it (the
+        exchange does); without it, or while the pair is not formed, the call goes over gRPC."""
+        group = self.group
+        if group is None or rows is None:
+            self.form()
+            return self.run_grpc(layer, hidden, expert_ids, weights, out_dtype)
+        from expertmesh.router.remote import WorkerUnavailable
+        try:
+            with self.lock:
+                if self.group is not group:
+                    raise RuntimeError("the pair was dropped meanwhile")
+                out, status, message = self._exchange(group, layer, hidden, expert_ids, weights, out_dtype, rows)
+        except Exception as e:          # gloo / NCCL: a broken or timed-out pair (peer dead, hung, restarted)
+            self.drop(e)
+            raise WorkerUnavailable(f"{self.name} ({self.address}): collective exchange failed: "
+                                    f"{str(e).splitlines()[0][:300]}") from None
+        self.collective_calls += 1
+        if status != STATUS_OK:
+            from expertmesh.router.remote import RemoteError
+            from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
+            cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
+            raise cls(message) if cls else RemoteError(f"{self.name} ({self.address}): {message}")
+        return out
+
+    def _exchange(self, group, layer, hidden, ids, weights, out_dtype, rows):
+        dev = _device_of(self.backend)
+        n, h = hidden.shape
+        head = torch.tensor([OP_RUN, layer, n, ids.shape[1], h, DTYPES.index(hidden.dtype),
+                             DTYPES.index(out_dtype), rows], dtype=torch.int64)
+        sends = [head, hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous()]
+        answer = torch.zeros(2, dtype=torch.int64, device=dev)
+        out = torch.empty(rows, h, dtype=out_dtype, device=dev)
+        deadline = datetime.timedelta(seconds=self.timeout)
+        works = [group.send([t.to(dev)], 1, 0) for t in sends] + [group.recv([answer], 1, 0),
+                                                                   group.recv([out], 1, 0)]
+        for w in works:
+            w.wait(deadline)
+        status, length = answer.tolist()
+        message = ""
+        if status != STATUS_OK:
+            buf = torch.empty(length, dtype=torch.uint8, device=dev)
+            group.recv([buf], 1, 0).wait(deadline)
+            message = bytes(buf.cpu().tolist()).decode(errors="replace")
+        return out.cpu(), status, message
