@@ -15,6 +15,7 @@ from expertmesh.router.remote import RemoteExpert
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
 from test_faults import PROMPTS, run_with_fault, stream
+from test_grpc_workers import SUBSET, expert_call, same
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
@@ -24,6 +25,46 @@ MAX_TOKENS = 40          # test_faults' streams
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("collective") / "tiny", seed=0)
+
+
+def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
+    """One expert server with a collective port and its two clients in this process: over the pair, RunExperts
+    gives exactly gRPC's bytes on fresh random calls (fp32 and bf16), errors keep their type and the pair; an
+    expert worker without --collective-port keeps being called over gRPC."""
+    import torch
+    from expertmesh.kernels.moe.combine import present_groups
+    from expertmesh.worker.collective import CollectiveExpert
+    from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
+    from expertmesh.worker.server import serve, shutdown
+    cfg = Checkpoint(ckpt_dir).cfg
+    groups = cfg.moe.combine_groups
+    server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0)
+    plain = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="plain")
+    grpc_only = RemoteExpert(f"127.0.0.1:{server.port}", timeout=5)
+    pair = CollectiveExpert(RemoteExpert(f"127.0.0.1:{server.port}", timeout=5))
+    fallback = CollectiveExpert(RemoteExpert(f"127.0.0.1:{plain.port}", timeout=5))
+    try:
+        assert wait_until(lambda: pair.formed, 20)
+        for seed, (dtype, out_dtype) in enumerate([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float32)]):
+            hidden, ids, w = expert_call(cfg, 9 + seed, 3, seed, held=[e for l, e in SUBSET if l == 1])
+            hidden = hidden.to(dtype)
+            rows = int(present_groups(ids, cfg.moe.n_routed_experts // groups, groups).sum())
+            want = grpc_only.run(1, hidden, ids, w, out_dtype)
+            same(pair.run(1, hidden, ids, w, out_dtype, rows=rows), want)
+            same(fallback.run(1, hidden, ids, w, out_dtype, rows=rows), want)
+        assert pair.collective_calls == 3 and pair.grpc_calls == 0 and not fallback.formed
+        assert fallback.grpc_calls == 3
+        with pytest.raises(UnknownExpert, match="expert \\(1, 7\\) is not held by shard"):
+            pair.run(1, hidden[:1], torch.tensor([[7]]), w[:1, :1], rows=1)
+        with pytest.raises(ExpertRequestError, match="expert_ids"):
+            pair.run(1, hidden[:1], torch.tensor([[99]]), w[:1, :1], rows=1)
+        assert pair.formed and server.collective.calls == 5       # errors answered on the pair, which stays
+    finally:
+        for c in (pair, fallback, grpc_only):
+            c.close()
+        shutdown(server, 1.0)
+        shutdown(plain, 1.0)
 
 
 @pytest.fixture(scope="module")
