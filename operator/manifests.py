@@ -41,6 +41,7 @@ POD_MANAGED_LABELS = {LABEL_NAME: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}
 
 COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-worker", "expert-worker"
 WORKER_PORT = 50061
+COLLECTIVE_PORT = 29500     # spec.transport collective: each expert pod's rendezvous store (worker/collective.py)
 PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 CHECKPOINT_MOUNT = "/mnt/checkpoint"
@@ -445,7 +446,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]
     return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
             "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
             "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
-            *router_serving_args(spec)]
+            *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec)]
 
 
 def _meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, **extra) -> dict:
@@ -527,9 +528,11 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
 
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
     ew = spec.expert_workers
-    container = {"name": "expert", "command": expert_worker_command(spec),
-                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT}],
-                 "env": _env(spec, "expertmesh-expert", name),
+    ports, env = [{"name": "grpc", "containerPort": WORKER_PORT}], _env(spec, "expertmesh-expert", name)
+    if spec.transport == "collective":     # the pod's rendezvous store; the attention pods learn it over gRPC
+        ports.append({"name": "collective", "containerPort": COLLECTIVE_PORT})
+        env.append({"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)})
+    container = {"name": "expert", "command": expert_worker_command(spec), "ports": ports, "env": env,
                  "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes(WORKER_PORT)}
     return _stamped({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -595,16 +598,27 @@ def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
 
 
 def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str) -> dict:
-    """Only this deployment's router pods reach the workers' gRPC port (probes come from the kubelet, which
-    NetworkPolicies do not filter)."""
+    """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
+    filter): the router the workers' gRPC port, the attention workers the expert workers' (the per-layer
+    exchange and its control). With `transport: collective` the attention and expert pods also reach each other on
+    any TCP port: the rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections listen on
+    ephemeral ports, in either direction."""
+    def peers(component_: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": selector_labels(name, component_)}}]
+    grpc_port = [{"protocol": "TCP", "port": WORKER_PORT}]
+    ingress = [{"from": peers(COMPONENT_ROUTER), "ports": grpc_port}]
+    other = {COMPONENT_ATTENTION: COMPONENT_EXPERT, COMPONENT_EXPERT: COMPONENT_ATTENTION}[component]
+    if spec.transport == "collective":
+        ingress.append({"from": peers(other)})
+    elif component == COMPONENT_EXPERT:
+        ingress.append({"from": peers(COMPONENT_ATTENTION), "ports": grpc_port})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(f"{name}-{component}-ingress", namespace, component, spec, instance=name),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name, component)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)}}],
-                         "ports": [{"protocol": "TCP", "port": WORKER_PORT}]}],
+            "ingress": ingress,
         },
     }
 

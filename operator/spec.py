@@ -244,6 +244,10 @@ class MoEDeploymentSpec(_Spec):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=_DEFAULT_EMPTY)
     image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=_DEFAULT_EMPTY)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
+    transport: Literal["grpc", "collective"] = Field(
+        "grpc", description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
+                            "collective (torch.distributed pairs: NCCL on GPUs, gloo on CPU; gRPC stays for "
+                            "control, health and fallback)")
 
     def to_yaml_dict(self) -> dict:
         """The spec as it reads in YAML: camelCase, unset optionals left out."""

@@ -102,6 +102,7 @@ VALUE_SETS = {
     "watch-namespace": ({"operator": {"watchNamespace": "models"}}, RELEASE),
     "example": ({"example": {"enabled": True}}, RELEASE),
     "example-namespaced-pvc": ({"example": {"enabled": True, "name": "kimi-tiny", "expertWorkers": 3,
+                                            "transport": "collective",
                                             "checkpoint": {"uri": "/unused", "pvc": {"claimName": "weights",
                                                                                      "path": "/tiny"}}},
                                 "operator": {"watchNamespace": "models"}}, RELEASE),
@@ -439,6 +440,7 @@ def test_example_and_its_helm_test(set_name):
     assert spec.model.preset == ex_values.get("preset", "tiny")
     assert spec.expert_workers.replicas == ex_values.get("expertWorkers", 2)
     assert spec.attention_workers.replicas == ex_values.get("attentionWorkers", 1)
+    assert spec.transport == ex_values.get("transport", "grpc")
     assert spec.expert_workers.gpus_per_pod == spec.attention_workers.gpus_per_pod == 0
     pvc = ex_values.get("checkpoint", {}).get("pvc")
     if pvc:
@@ -570,6 +572,7 @@ BAD_VALUES = [
     ({"serviceAccount": {"create": False}}, "serviceAccount.name"),  # required, by the template
     ({"example": {"enabled": True, "preset": "full-2.8t"}}, "/example/preset"),
     ({"example": {"expertWorkers": 0}}, "/example/expertWorkers"),
+    ({"example": {"transport": "nccl"}}, "/example/transport"),
     ({"example": {"name": "Not_A_Label"}}, "/example/name"),
     ({"example": {"name": "x" * 41}}, "/example/name"),
     ({"networkPolicy": {"enabled": "no"}}, "/networkPolicy/enabled"),

@@ -548,21 +548,49 @@ def test_cli_namespace_scoped_or_clusterwide():
     assert (kw["priority"], kw["clusterwide"], "standalone" in kw) == (7, True, False)
 
 
-def test_only_the_router_reaches_the_workers(tiny_plan):
-    spec, cfg, plan = tiny_plan
-    children = m.build_children("kimi", "serving", spec, cfg, plan)
-    policies = [c for c in children if c["kind"] == "NetworkPolicy"]
+@pytest.mark.parametrize("transport", ["grpc", "collective"])
+def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, monkeypatch):
+    """Who may open a connection to whom, on which ports (None: any): the router the workers' gRPC port, the
+    attention workers the expert workers' gRPC port; with the collective transport attention and expert pods
+    each other on any port (gloo / NCCL pair connections), and never a pod of another deployment."""
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(transport=transport))
+    children = m.build_children("kimi", "serving", spec, cfg, plan) + \
+        m.build_children("other", "serving", parse_spec(tiny(transport="collective")), cfg, plan)
     pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
             for c in children if c["kind"] in ("StatefulSet", "Deployment")}
-    selected = set()
-    for p in policies:
+    allowed = set()
+    for p in (c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].startswith("kimi-")):
+        assert p["spec"]["policyTypes"] == ["Ingress"]
         sel = p["spec"]["podSelector"]["matchLabels"]
-        selected |= {n for n, lab in pods.items() if sel.items() <= lab.items()}
-        (rule,) = p["spec"]["ingress"]
-        (source,) = rule["from"]
-        allowed = {n for n, lab in pods.items() if source["podSelector"]["matchLabels"].items() <= lab.items()}
-        assert allowed == {"kimi-router"} and p["spec"]["policyTypes"] == ["Ingress"]
-    assert selected == {"kimi-attention", "kimi-expert"}
+        for target in (n for n, lab in pods.items() if sel.items() <= lab.items()):
+            for rule in p["spec"]["ingress"]:
+                ports = tuple(sorted(q["port"] for q in rule["ports"])) if "ports" in rule else None
+                for source in rule["from"]:
+                    src = source["podSelector"]["matchLabels"]
+                    allowed |= {(n, target, ports) for n, lab in pods.items() if src.items() <= lab.items()}
+    grpc = (m.WORKER_PORT,)
+    want = {("kimi-router", "kimi-attention", grpc), ("kimi-router", "kimi-expert", grpc)}
+    want |= {("kimi-attention", "kimi-expert", grpc)} if transport == "grpc" else \
+        {("kimi-attention", "kimi-expert", None), ("kimi-expert", "kimi-attention", None)}
+    assert allowed == want
+    (expert,) = [c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "kimi-expert"]
+    container = expert["spec"]["template"]["spec"]["containers"][0]
+    (router,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "kimi-router"]
+    router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    if transport == "collective":
+        assert env["EXPERTMESH_COLLECTIVE_PORT"] == str(m.COLLECTIVE_PORT)
+        assert {"name": "collective", "containerPort": m.COLLECTIVE_PORT} in container["ports"]
+        assert router_args[router_args.index("--transport") + 1] == "collective"
+        # the worker's own parser reads the port from that env (the pod's command does not name it)
+        from expertmesh.worker.server import build_parser
+        monkeypatch.setenv("EXPERTMESH_COLLECTIVE_PORT", env["EXPERTMESH_COLLECTIVE_PORT"])
+        assert build_parser().parse_args(["--role", "expert"]).collective_port == m.COLLECTIVE_PORT
+    else:
+        assert "EXPERTMESH_COLLECTIVE_PORT" not in env and "--transport" not in router_args
+    with pytest.raises(SpecError, match="spec.transport"):
+        parse_spec(tiny(transport="nccl"))
 
 
 def test_seconds_since_reads_status_times():
