@@ -196,6 +196,55 @@ class ThinkingBudgets(_Strict):
         return getattr(self, tier)
 
 
+class VisionConfig(_Strict):
+    """A MoonViT-style vision tower and projector (transformers `kimi_k25`: `Kimi_K25VisionConfig` plus the
+    projector fields of `Kimi_K25Config`): 14-px patches embedded by a conv, a learned position grid
+    bicubically resampled to each image's patch grid, 2-D axial RoPE, pre-norm ViT layers; each 2×2 block of
+    patches merges into one image token, projected (LayerNorm, Linear, GELU, Linear) into the LM's hidden size."""
+    patch_size: int = Field(14, gt=0)
+    hidden_size: int = Field(1152, gt=0)
+    num_hidden_layers: int = Field(27, gt=0)
+    num_attention_heads: int = Field(16, gt=0)
+    intermediate_size: int = Field(4304, gt=0)
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"
+    pos_emb_height: int = Field(64, gt=0)
+    pos_emb_width: int = Field(64, gt=0)
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    rope_theta: float = Field(10_000.0, gt=0)
+    projection_layer_norm_eps: float = Field(1e-5, gt=0)
+    image_token_id: int = Field(ge=0, description="the placeholder token each image token's row replaces")
+    image_start_token_id: int = Field(ge=0, description="opens an image in a prompt")
+    image_end_token_id: int = Field(ge=0, description="closes an image in a prompt")
+    max_patches: int = Field(16_384, gt=0, description="patches per image; larger images are scaled down to fit")
+    max_patches_per_side: int = Field(512, gt=0, description="patches along either side; likewise")
+
+    @model_validator(mode="after")
+    def _check(self) -> "VisionConfig":
+        head_dim, rem = divmod(self.hidden_size, self.num_attention_heads)
+        if rem or head_dim % 4:
+            raise ValueError(f"vision.hidden_size={self.hidden_size} / num_attention_heads="
+                             f"{self.num_attention_heads} must be a whole head dim divisible by 4 (2-D RoPE)")
+        return self
+
+    @property
+    def merge_pixels(self) -> tuple[int, int]:
+        """Pixels of one image token along (height, width): image sides are padded to multiples of these."""
+        return self.patch_size * self.merge_kernel_size[0], self.patch_size * self.merge_kernel_size[1]
+
+    def tokens_for(self, height: int, width: int) -> int:
+        """Image tokens of a (resized, padded) image of height × width pixels."""
+        mh, mw = self.merge_pixels
+        return (height // mh) * (width // mw)
+
+    def params(self, lm_hidden: int) -> int:
+        """Parameters of the tower and the projector into an LM of hidden size `lm_hidden`."""
+        d, i, p = self.hidden_size, self.intermediate_size, self.patch_size
+        layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d         # q, k, v, proj; fc1, fc2; two LayerNorms
+        merged = d * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+        tower = 3 * p * p * d + d + self.pos_emb_height * self.pos_emb_width * d + self.num_hidden_layers * layer + 2 * d
+        return tower + 2 * d + merged * merged + merged + merged * lm_hidden + lm_hidden   # norm, in_proj, out_proj
+
+
 class ModelConfig(_Strict):
     name: str
     model_type: ModelType = Field("expertmesh", description="the published family whose math and layout it follows")
@@ -214,6 +263,7 @@ class ModelConfig(_Strict):
     rms_norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = False
     init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
+    vision: VisionConfig | None = Field(None, description="image input (expertmesh/vision.py); None: text only")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -312,8 +362,10 @@ class ModelConfig(_Strict):
 
     @property
     def embedding_params(self) -> int:
+        """Token embeddings and LM head, plus the vision tower and projector (they feed the embedding rows)."""
         n = self.vocab_size * self.hidden_size
-        return n if self.tie_word_embeddings else 2 * n
+        vision = self.vision.params(self.hidden_size) if self.vision is not None else 0
+        return (n if self.tie_word_embeddings else 2 * n) + vision
 
     def _layers_params(self, active_only: bool) -> int:
         return sum(self.attention_params(i) + self.ffn_params(i, active_only) + 2 * self.hidden_size
@@ -426,6 +478,17 @@ def interleaved_layer_types(n_layers: int, n_dsa: int) -> tuple[LayerType, ...]:
     return tuple(types)
 
 
+def _tiny_vision() -> VisionConfig:
+    """The tiny and small presets' encoder: kimi_k25's structure (14-px patches, 2×2 merge) at toy width, so every
+    image path runs in tests and CPU benchmarks; image tokens are the byte tokenizer's image specials."""
+    from expertmesh.tokenizer import ByteTokenizer
+    t = ByteTokenizer()
+    return VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                        pos_emb_height=16, pos_emb_width=16, image_token_id=t.image_pad_id,
+                        image_start_token_id=t.image_start_id, image_end_token_id=t.image_end_id,
+                        max_patches=4096, max_patches_per_side=64)
+
+
 def _tiny() -> ModelConfig:
     """Tests: four layers (KDA, DSA, KDA, DSA; layer 0 dense), 16 experts top-4 in 4 groups so placement and
     replicas matter, DSA top-k 16 (far below test prompt lengths), thinking tiers of a few dozen tokens."""
@@ -440,7 +503,7 @@ def _tiny() -> ModelConfig:
         indexer=IndexerConfig(n_heads=2, head_dim=16, index_topk=16),
         kda=KDAConfig(n_heads=2, head_dim=16, conv_kernel_size=4, gate_low_rank=16),
         thinking=ThinkingBudgets(low=8, high=24, max=48),
-        max_context=4096, init_std=0.08,
+        max_context=4096, init_std=0.08, vision=_tiny_vision(),
     )
 
 
@@ -457,7 +520,7 @@ def _small() -> ModelConfig:
         indexer=IndexerConfig(n_heads=4, head_dim=64, index_topk=256),
         kda=KDAConfig(n_heads=8, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
         thinking=ThinkingBudgets(low=64, high=256, max=1024),
-        max_context=32768,
+        max_context=32768, vision=_tiny_vision(),
     )
 
 

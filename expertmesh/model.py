@@ -483,6 +483,10 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight       # one tensor: the checkpoint holds embed.weight only
+        if cfg.vision is not None:                        # image input (expertmesh/vision.py): kimi_k25's names
+            from expertmesh.vision import Projector, VisionTower
+            self.vision_tower = VisionTower(cfg.vision)
+            self.mm_projector = Projector(cfg.vision, cfg.hidden_size)
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(layers=[layer.attn.new_cache() for layer in self.layers])
@@ -550,6 +554,8 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
     gen = torch.Generator().manual_seed(seed)
     std = cfg.init_std
     for name, p in model.named_parameters():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            continue                                      # their own generator below: text weights stay as they were
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("norm.bias"):
@@ -574,6 +580,9 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
         down = torch.randn(e, h, i, generator=gen) * std
         ex.gate_up_blocks, ex.gate_up_scales = quantize_mxfp4(gate_up)
         ex.down_blocks, ex.down_scales = quantize_mxfp4(down)
+    if cfg.vision is not None:
+        from expertmesh.vision import init_vision_
+        init_vision_(model, seed + 1)
     # round to the stored dtype once, so a model made here equals one loaded from disk
     for name, p in model.named_parameters():
         p.copy_(p.to(stored_dtype(name)).float())

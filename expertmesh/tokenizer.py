@@ -24,6 +24,7 @@ SPECIAL_TOKENS = (
     "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
     "<|think|>", "<|/think|>", "<|tool_call|>", "<|/tool_call|>",
     "<|tools|>", "<|/tools|>",
+    "<|image|>", "<|/image|>", "<|image_pad|>",     # an image: start, one pad per image token, end
 )
 N_BYTES = 256
 N_SPECIAL_SLOTS = 32  # room for more special tokens without changing the vocabulary size
@@ -48,6 +49,7 @@ class ByteTokenizer:
             "user_id": "<|user|>", "assistant_id": "<|assistant|>", "tool_id": "<|tool|>", "end_id": "<|end|>",
             "think_start_id": "<|think|>", "think_end_id": "<|/think|>", "tool_call_start_id": "<|tool_call|>",
             "tool_call_end_id": "<|/tool_call|>", "tools_start_id": "<|tools|>", "tools_end_id": "<|/tools|>",
+            "image_start_id": "<|image|>", "image_end_id": "<|/image|>", "image_pad_id": "<|image_pad|>",
         }
         if name in aliases:
             return self.special_to_id[aliases[name]]

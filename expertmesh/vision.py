@@ -1,0 +1,184 @@
+"""Image input: a MoonViT-style vision tower and the projector into the language model's embedding space.
+
+Structure and tensor names follow transformers' `kimi_k25` (Kimi K2.5), so its weights load under
+`vision_tower.*` / `mm_projector.*` (the `model.` prefix of `Kimi_K25ForConditionalGeneration` dropped):
+
+    vision_tower.patch_embed.proj                 Conv2d(3, D, 14, stride 14): one row per 14×14 patch
+    vision_tower.patch_embed.pos_emb.position_embeddings   [Hp, Wp, D] learned grid, bicubically resampled
+                                                  (align_corners=False) to each image's patch grid
+    vision_tower.layers.N.{norm1, attn.{q,k,v}_proj, attn.proj, norm2, mlp.fc1, mlp.fc2}
+                                                  pre-norm ViT layers, bidirectional attention within the image,
+                                                  2-D axial RoPE on q and k (rotate-half over the whole head)
+    vision_tower.final_layernorm
+    mm_projector.{pre_norm, in_proj, out_proj}    LayerNorm per patch, then each 2×2 block of patches
+                                                  (concatenated) → Linear, GELU, Linear → one LM embedding row
+
+An image arrives as uint8 RGB pixels [H, W, 3] already resized and padded so H and W are multiples of
+14·2 (router/images.py); it becomes (H/28)·(W/28) image tokens. Each image is encoded on its own, so its
+embedding rows depend on nothing else in the batch. Plain PyTorch in the parameters' dtype (fp32 on CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertmesh.config import VisionConfig
+
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.5    # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
+
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        self.position_embeddings = nn.Parameter(torch.zeros(v.pos_emb_height, v.pos_emb_width, v.hidden_size))
+
+    def forward(self, grid_h: int, grid_w: int) -> torch.Tensor:
+        """[grid_h · grid_w, D] in raster order: the learned grid resampled to the image's patch grid."""
+        table = self.position_embeddings.float().permute(2, 0, 1)[None]              # [1, D, Hp, Wp]
+        if tuple(table.shape[-2:]) != (grid_h, grid_w):
+            table = F.interpolate(table, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
+        return table[0].flatten(1).T
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        self.proj = nn.Conv2d(3, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size)
+        self.pos_emb = PositionEmbedding(v)
+
+
+class Attention(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        d = v.hidden_size
+        self.n_heads, self.head_dim = v.num_attention_heads, d // v.num_attention_heads
+        self.q_proj, self.k_proj, self.v_proj, self.proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = (p(x).view(n, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.head_dim ** -0.5
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return self.proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(v.hidden_size, v.intermediate_size), nn.Linear(v.intermediate_size,
+                                                                                       v.hidden_size)
+        self.approximate = "tanh" if v.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(v.hidden_size, eps=1e-5), nn.LayerNorm(v.hidden_size, eps=1e-5)
+        self.attn, self.mlp = Attention(v), MLP(v)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in fp32: x [N, heads, hd], cos / sin [N, hd]."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def axial_rope(grid_h: int, grid_w: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [grid_h · grid_w, head_dim] of kimi_k25's 2-D RoPE: the same head_dim/4 frequencies for the
+    row and the column, interleaved (column, row) per frequency, the pair repeated for rotate-half."""
+    spatial = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+    rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
+                                indexing="ij")
+    freqs = torch.stack([cols.flatten(), rows.flatten()], dim=-1)[..., None].float() * inv_freq   # [N, 2, hd/4]
+    freqs = freqs.transpose(1, 2).flatten(1)                                                      # [N, hd/2]
+    freqs = torch.cat([freqs, freqs], dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
+class VisionTower(nn.Module):
+    def __init__(self, v: VisionConfig):
+        super().__init__()
+        self.cfg = v
+        self.patch_embed = PatchEmbed(v)
+        self.layers = nn.ModuleList(EncoderLayer(v) for _ in range(v.num_hidden_layers))
+        self.final_layernorm = nn.LayerNorm(v.hidden_size, eps=1e-5)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 [H, W, 3] → merged patch states [H/28 · W/28, 4, D] (each 2×2 block's patches in raster order)."""
+        v = self.cfg
+        p, (kh, kw) = v.patch_size, v.merge_kernel_size
+        h, w = pixels.shape[0] // p, pixels.shape[1] // p
+        weight = self.patch_embed.proj.weight
+        x = (pixels.to(weight.device, torch.float32) / 255.0 - PIXEL_MEAN) / PIXEL_STD
+        patches = x.permute(2, 0, 1).reshape(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p)
+        x = self.patch_embed.proj(patches.to(weight.dtype)).view(h * w, -1)
+        x = x + self.patch_embed.pos_emb(h, w).to(x.dtype)
+        cos, sin = axial_rope(h, w, v.hidden_size // v.num_attention_heads, v.rope_theta, device=x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.final_layernorm(x)
+        blocks = x.view(h // kh, kh, w // kw, kw, -1).permute(0, 2, 1, 3, 4)
+        return blocks.reshape((h // kh) * (w // kw), kh * kw, -1)
+
+
+class Projector(nn.Module):
+    def __init__(self, v: VisionConfig, lm_hidden: int):
+        super().__init__()
+        merged = v.hidden_size * v.merge_kernel_size[0] * v.merge_kernel_size[1]
+        self.pre_norm = nn.LayerNorm(v.hidden_size, eps=v.projection_layer_norm_eps)
+        self.in_proj, self.out_proj = nn.Linear(merged, merged), nn.Linear(merged, lm_hidden)
+
+    def forward(self, merged: torch.Tensor) -> torch.Tensor:
+        """[T, k, D] → [T, lm_hidden]."""
+        x = self.pre_norm(merged).reshape(merged.shape[0], -1)
+        return self.out_proj(F.gelu(self.in_proj(x)))
+
+
+def check_pixels(pixels: torch.Tensor, v: VisionConfig) -> None:
+    """An image the encoder can take: uint8 [H, W, 3], sides multiples of the merged patch, within the limits."""
+    mh, mw = v.merge_pixels
+    if pixels.dtype != torch.uint8 or pixels.dim() != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"pixels: expected uint8 [H, W, 3], found {pixels.dtype} {list(pixels.shape)}")
+    h, w = pixels.shape[:2]
+    if h == 0 or w == 0 or h % mh or w % mw:
+        raise ValueError(f"pixels: {h}×{w} is not a positive multiple of {mh}×{mw} (the merged patch)")
+    if (h // v.patch_size) * (w // v.patch_size) > v.max_patches \
+            or max(h, w) // v.patch_size > v.max_patches_per_side:
+        raise ValueError(f"pixels: {h}×{w} exceeds the encoder's {v.max_patches} patches "
+                         f"({v.max_patches_per_side} per side)")
+
+
+@torch.no_grad()
+def encode_image(model, pixels: torch.Tensor) -> torch.Tensor:
+    """One image's embedding rows [tokens, hidden] through `model.vision_tower` and `model.mm_projector`."""
+    check_pixels(pixels, model.vision_tower.cfg)
+    return model.mm_projector(model.vision_tower(pixels))
+
+
+@torch.no_grad()
+def init_vision_(model, seed: int) -> None:
+    """Seeded random weights for the tower and projector: LayerNorms identity, projections scaled by
+    1/sqrt(fan-in) so the image rows come out O(1) like the token embeddings."""
+    gen = torch.Generator().manual_seed(seed)
+    for prefix in ("vision_tower", "mm_projector"):
+        for name, p in getattr(model, prefix).named_parameters():
+            if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
+                p.fill_(1.0) if name.endswith("weight") else p.zero_()
+            elif p.dim() >= 2 and not name.endswith("position_embeddings"):
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
