@@ -26,7 +26,7 @@ from expertmesh.protos import sampling_pb2 as expertmesh_dot_protos_dot_sampling
 from expertmesh.protos import tensor_pb2 as expertmesh_dot_protos_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/protos/worker.proto\x12\rexpertmesh.v1\x1a expertmesh/protos/sampling.proto\x1a\x1e\x65xpertmesh/protos/tensor.proto\"\x92\x01\n\x15\x43onnectExpertsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x12\n\nmoe_layers\x18\x02 \x03(\x03\x12\'\n\x08replicas\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x16\n\x0e\x63\x61ll_timeout_s\x18\x04 \x01(\x01\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x18\n\x16\x43onnectExpertsResponse\"O\n\x12\x45xpertLoadResponse\x12\x12\n\nmoe_layers\x18\x01 \x03(\x03\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\"\x1c\n\x0bInfoRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\xa6\x01\n\rAttentionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x03\x12\x11\n\tsequences\x18\x06 \x01(\x03\x12\x10\n\x08prefixes\x18\x07 \x01(\x03\x12\x14\n\x0c\x65xperts_down\x18\x08 \x03(\x03\"\xa3\x01\n\x13OpenSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.SamplingParams\x12\x16\n\x0ereserve_tokens\x18\x03 \x01(\x03\x12\x17\n\nprefix_key\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05owner\x18\x05 \x01(\tB\r\n\x0b_prefix_key\"-\n\x14OpenSequenceResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x03\"&\n\x14\x43loseSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"?\n\x15\x45xtendSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0ereserve_tokens\x18\x02 \x01(\x03\"0\n\x11SavePrefixRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\" \n\x11\x44ropPrefixRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\nFreeBlocks\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\"@\n\x0bStepSegment\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0e\n\x06sample\x18\x03 \x01(\x08\"*\n\x0bSnapshotKey\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x82\x01\n\x0eRunStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12,\n\x08segments\x18\x02 \x03(\x0b\x32\x1a.expertmesh.v1.StepSegment\x12\x31\n\rsnapshot_keys\x18\x03 \x03(\x0b\x32\x1a.expertmesh.v1.SnapshotKey\"-\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\"\xd9\x01\n\rTokenLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\'\n\x08logprobs\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07top_ids\x18\x05 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12+\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\"1\n\x0fSequenceFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xeb\x01\n\x08StepDone\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.expertmesh.v1.SampledToken\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.expertmesh.v1.TokenLogprobs\x12.\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1e.expertmesh.v1.SequenceFailure\x12\x14\n\x0c\x65xperts_down\x18\x06 \x03(\x03\x12\x16\n\x0e\x65xchange_bytes\x18\x07 \x01(\x03\"<\n\x15OpenCollectiveRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"=\n\x16OpenCollectiveResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"*\n\tExpertKey\x12\r\n\x05layer\x18\x01 \x01(\x03\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x03\"\x9c\x01\n\nExpertInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x18.expertmesh.v1.ExpertKey\x12\x12\n\ngrpc_calls\x18\x04 \x01(\x03\x12\x18\n\x10\x63ollective_calls\x18\x05 \x01(\x03\x12\x18\n\x10\x63ollective_pairs\x18\x06 \x01(\x03\"\xb2\x01\n\x11RunExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\x03\x12%\n\x06hidden\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12)\n\nexpert_ids\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07weights\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x14\n\x0coutput_dtype\x18\x05 \x01(\t\";\n\x12RunExpertsResponse\x12%\n\x06output\x18\x01 \x01(\x0b\x32\x15.expertmesh.v1.Tensor2\xd5\x05\n\x0f\x41ttentionWorker\x12@\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x1c.expertmesh.v1.AttentionInfo\x12W\n\x0cOpenSequence\x12\".expertmesh.v1.OpenSequenceRequest\x1a#.expertmesh.v1.OpenSequenceResponse\x12O\n\rCloseSequence\x12#.expertmesh.v1.CloseSequenceRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12Q\n\x0e\x45xtendSequence\x12$.expertmesh.v1.ExtendSequenceRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12I\n\nSavePrefix\x12 .expertmesh.v1.SavePrefixRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12I\n\nDropPrefix\x12 .expertmesh.v1.DropPrefixRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12]\n\x0e\x43onnectExperts\x12$.expertmesh.v1.ConnectExpertsRequest\x1a%.expertmesh.v1.ConnectExpertsResponse\x12\x41\n\x07RunStep\x12\x1d.expertmesh.v1.RunStepRequest\x1a\x17.expertmesh.v1.StepDone\x12K\n\nExpertLoad\x12\x1a.expertmesh.v1.InfoRequest\x1a!.expertmesh.v1.ExpertLoadResponse2\xff\x01\n\x0c\x45xpertWorker\x12=\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x19.expertmesh.v1.ExpertInfo\x12Q\n\nRunExperts\x12 .expertmesh.v1.RunExpertsRequest\x1a!.expertmesh.v1.RunExpertsResponse\x12]\n\x0eOpenCollective\x12$.expertmesh.v1.OpenCollectiveRequest\x1a%.expertmesh.v1.OpenCollectiveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65xpertmesh/protos/worker.proto\x12\rexpertmesh.v1\x1a expertmesh/protos/sampling.proto\x1a\x1e\x65xpertmesh/protos/tensor.proto\"\x92\x01\n\x15\x43onnectExpertsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\x12\x12\n\nmoe_layers\x18\x02 \x03(\x03\x12\'\n\x08replicas\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x16\n\x0e\x63\x61ll_timeout_s\x18\x04 \x01(\x01\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x18\n\x16\x43onnectExpertsResponse\"O\n\x12\x45xpertLoadResponse\x12\x12\n\nmoe_layers\x18\x01 \x03(\x03\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\"\x1c\n\x0bInfoRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"\xa6\x01\n\rAttentionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x03\x12\x11\n\tsequences\x18\x06 \x01(\x03\x12\x10\n\x08prefixes\x18\x07 \x01(\x03\x12\x14\n\x0c\x65xperts_down\x18\x08 \x03(\x03\"\xcd\x01\n\x13OpenSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.SamplingParams\x12\x16\n\x0ereserve_tokens\x18\x03 \x01(\x03\x12\x17\n\nprefix_key\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05owner\x18\x05 \x01(\t\x12(\n\x06images\x18\x06 \x03(\x0b\x32\x18.expertmesh.v1.ImageSpanB\r\n\x0b_prefix_key\"D\n\tImageSpan\x12\x10\n\x08position\x18\x01 \x01(\x03\x12%\n\x06pixels\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\">\n\x0bImageEncode\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"-\n\x14OpenSequenceResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x03\"&\n\x14\x43loseSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"?\n\x15\x45xtendSequenceRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0ereserve_tokens\x18\x02 \x01(\x03\"0\n\x11SavePrefixRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\" \n\x11\x44ropPrefixRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\nFreeBlocks\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\"@\n\x0bStepSegment\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0e\n\x06sample\x18\x03 \x01(\x08\"*\n\x0bSnapshotKey\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x82\x01\n\x0eRunStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12,\n\x08segments\x18\x02 \x03(\x0b\x32\x1a.expertmesh.v1.StepSegment\x12\x31\n\rsnapshot_keys\x18\x03 \x03(\x0b\x32\x1a.expertmesh.v1.SnapshotKey\"-\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\"\xd9\x01\n\rTokenLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\'\n\x08logprobs\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07top_ids\x18\x05 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12+\n\x0ctop_logprobs\x18\x06 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\"1\n\x0fSequenceFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x9e\x02\n\x08StepDone\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.expertmesh.v1.SampledToken\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x03\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.expertmesh.v1.TokenLogprobs\x12.\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1e.expertmesh.v1.SequenceFailure\x12\x14\n\x0c\x65xperts_down\x18\x06 \x03(\x03\x12\x16\n\x0e\x65xchange_bytes\x18\x07 \x01(\x03\x12\x31\n\rimage_encodes\x18\x08 \x03(\x0b\x32\x1a.expertmesh.v1.ImageEncode\"<\n\x15OpenCollectiveRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"=\n\x16OpenCollectiveResponse\x12\x12\n\nstore_port\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"*\n\tExpertKey\x12\r\n\x05layer\x18\x01 \x01(\x03\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x03\"\x9c\x01\n\nExpertInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x18.expertmesh.v1.ExpertKey\x12\x12\n\ngrpc_calls\x18\x04 \x01(\x03\x12\x18\n\x10\x63ollective_calls\x18\x05 \x01(\x03\x12\x18\n\x10\x63ollective_pairs\x18\x06 \x01(\x03\"\xb2\x01\n\x11RunExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\x03\x12%\n\x06hidden\x18\x02 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12)\n\nexpert_ids\x18\x03 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12&\n\x07weights\x18\x04 \x01(\x0b\x32\x15.expertmesh.v1.Tensor\x12\x14\n\x0coutput_dtype\x18\x05 \x01(\t\";\n\x12RunExpertsResponse\x12%\n\x06output\x18\x01 \x01(\x0b\x32\x15.expertmesh.v1.Tensor2\xd5\x05\n\x0f\x41ttentionWorker\x12@\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x1c.expertmesh.v1.AttentionInfo\x12W\n\x0cOpenSequence\x12\".expertmesh.v1.OpenSequenceRequest\x1a#.expertmesh.v1.OpenSequenceResponse\x12O\n\rCloseSequence\x12#.expertmesh.v1.CloseSequenceRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12Q\n\x0e\x45xtendSequence\x12$.expertmesh.v1.ExtendSequenceRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12I\n\nSavePrefix\x12 .expertmesh.v1.SavePrefixRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12I\n\nDropPrefix\x12 .expertmesh.v1.DropPrefixRequest\x1a\x19.expertmesh.v1.FreeBlocks\x12]\n\x0e\x43onnectExperts\x12$.expertmesh.v1.ConnectExpertsRequest\x1a%.expertmesh.v1.ConnectExpertsResponse\x12\x41\n\x07RunStep\x12\x1d.expertmesh.v1.RunStepRequest\x1a\x17.expertmesh.v1.StepDone\x12K\n\nExpertLoad\x12\x1a.expertmesh.v1.InfoRequest\x1a!.expertmesh.v1.ExpertLoadResponse2\xff\x01\n\x0c\x45xpertWorker\x12=\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x19.expertmesh.v1.ExpertInfo\x12Q\n\nRunExperts\x12 .expertmesh.v1.RunExpertsRequest\x1a!.expertmesh.v1.RunExpertsResponse\x12]\n\x0eOpenCollective\x12$.expertmesh.v1.OpenCollectiveRequest\x1a%.expertmesh.v1.OpenCollectiveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,47 +44,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTENTIONINFO']._serialized_start=402
   _globals['_ATTENTIONINFO']._serialized_end=568
   _globals['_OPENSEQUENCEREQUEST']._serialized_start=571
-  _globals['_OPENSEQUENCEREQUEST']._serialized_end=734
-  _globals['_OPENSEQUENCERESPONSE']._serialized_start=736
-  _globals['_OPENSEQUENCERESPONSE']._serialized_end=781
-  _globals['_CLOSESEQUENCEREQUEST']._serialized_start=783
-  _globals['_CLOSESEQUENCEREQUEST']._serialized_end=821
-  _globals['_EXTENDSEQUENCEREQUEST']._serialized_start=823
-  _globals['_EXTENDSEQUENCEREQUEST']._serialized_end=886
-  _globals['_SAVEPREFIXREQUEST']._serialized_start=888
-  _globals['_SAVEPREFIXREQUEST']._serialized_end=936
-  _globals['_DROPPREFIXREQUEST']._serialized_start=938
-  _globals['_DROPPREFIXREQUEST']._serialized_end=970
-  _globals['_FREEBLOCKS']._serialized_start=972
-  _globals['_FREEBLOCKS']._serialized_end=1005
-  _globals['_STEPSEGMENT']._serialized_start=1007
-  _globals['_STEPSEGMENT']._serialized_end=1071
-  _globals['_SNAPSHOTKEY']._serialized_start=1073
-  _globals['_SNAPSHOTKEY']._serialized_end=1115
-  _globals['_RUNSTEPREQUEST']._serialized_start=1118
-  _globals['_RUNSTEPREQUEST']._serialized_end=1248
-  _globals['_SAMPLEDTOKEN']._serialized_start=1250
-  _globals['_SAMPLEDTOKEN']._serialized_end=1295
-  _globals['_TOKENLOGPROBS']._serialized_start=1298
-  _globals['_TOKENLOGPROBS']._serialized_end=1515
-  _globals['_SEQUENCEFAILURE']._serialized_start=1517
-  _globals['_SEQUENCEFAILURE']._serialized_end=1566
-  _globals['_STEPDONE']._serialized_start=1569
-  _globals['_STEPDONE']._serialized_end=1804
-  _globals['_OPENCOLLECTIVEREQUEST']._serialized_start=1806
-  _globals['_OPENCOLLECTIVEREQUEST']._serialized_end=1866
-  _globals['_OPENCOLLECTIVERESPONSE']._serialized_start=1868
-  _globals['_OPENCOLLECTIVERESPONSE']._serialized_end=1929
-  _globals['_EXPERTKEY']._serialized_start=1931
-  _globals['_EXPERTKEY']._serialized_end=1973
-  _globals['_EXPERTINFO']._serialized_start=1976
-  _globals['_EXPERTINFO']._serialized_end=2132
-  _globals['_RUNEXPERTSREQUEST']._serialized_start=2135
-  _globals['_RUNEXPERTSREQUEST']._serialized_end=2313
-  _globals['_RUNEXPERTSRESPONSE']._serialized_start=2315
-  _globals['_RUNEXPERTSRESPONSE']._serialized_end=2374
-  _globals['_ATTENTIONWORKER']._serialized_start=2377
-  _globals['_ATTENTIONWORKER']._serialized_end=3102
-  _globals['_EXPERTWORKER']._serialized_start=3105
-  _globals['_EXPERTWORKER']._serialized_end=3360
+  _globals['_OPENSEQUENCEREQUEST']._serialized_end=776
+  _globals['_IMAGESPAN']._serialized_start=778
+  _globals['_IMAGESPAN']._serialized_end=846
+  _globals['_IMAGEENCODE']._serialized_start=848
+  _globals['_IMAGEENCODE']._serialized_end=910
+  _globals['_OPENSEQUENCERESPONSE']._serialized_start=912
+  _globals['_OPENSEQUENCERESPONSE']._serialized_end=957
+  _globals['_CLOSESEQUENCEREQUEST']._serialized_start=959
+  _globals['_CLOSESEQUENCEREQUEST']._serialized_end=997
+  _globals['_EXTENDSEQUENCEREQUEST']._serialized_start=999
+  _globals['_EXTENDSEQUENCEREQUEST']._serialized_end=1062
+  _globals['_SAVEPREFIXREQUEST']._serialized_start=1064
+  _globals['_SAVEPREFIXREQUEST']._serialized_end=1112
+  _globals['_DROPPREFIXREQUEST']._serialized_start=1114
+  _globals['_DROPPREFIXREQUEST']._serialized_end=1146
+  _globals['_FREEBLOCKS']._serialized_start=1148
+  _globals['_FREEBLOCKS']._serialized_end=1181
+  _globals['_STEPSEGMENT']._serialized_start=1183
+  _globals['_STEPSEGMENT']._serialized_end=1247
+  _globals['_SNAPSHOTKEY']._serialized_start=1249
+  _globals['_SNAPSHOTKEY']._serialized_end=1291
+  _globals['_RUNSTEPREQUEST']._serialized_start=1294
+  _globals['_RUNSTEPREQUEST']._serialized_end=1424
+  _globals['_SAMPLEDTOKEN']._serialized_start=1426
+  _globals['_SAMPLEDTOKEN']._serialized_end=1471
+  _globals['_TOKENLOGPROBS']._serialized_start=1474
+  _globals['_TOKENLOGPROBS']._serialized_end=1691
+  _globals['_SEQUENCEFAILURE']._serialized_start=1693
+  _globals['_SEQUENCEFAILURE']._serialized_end=1742
+  _globals['_STEPDONE']._serialized_start=1745
+  _globals['_STEPDONE']._serialized_end=2031
+  _globals['_OPENCOLLECTIVEREQUEST']._serialized_start=2033
+  _globals['_OPENCOLLECTIVEREQUEST']._serialized_end=2093
+  _globals['_OPENCOLLECTIVERESPONSE']._serialized_start=2095
+  _globals['_OPENCOLLECTIVERESPONSE']._serialized_end=2156
+  _globals['_EXPERTKEY']._serialized_start=2158
+  _globals['_EXPERTKEY']._serialized_end=2200
+  _globals['_EXPERTINFO']._serialized_start=2203
+  _globals['_EXPERTINFO']._serialized_end=2359
+  _globals['_RUNEXPERTSREQUEST']._serialized_start=2362
+  _globals['_RUNEXPERTSREQUEST']._serialized_end=2540
+  _globals['_RUNEXPERTSRESPONSE']._serialized_start=2542
+  _globals['_RUNEXPERTSRESPONSE']._serialized_end=2601
+  _globals['_ATTENTIONWORKER']._serialized_start=2604
+  _globals['_ATTENTIONWORKER']._serialized_end=3329
+  _globals['_EXPERTWORKER']._serialized_start=3332
+  _globals['_EXPERTWORKER']._serialized_end=3587
 # @@protoc_insertion_point(module_scope)

@@ -61,18 +61,38 @@ class AttentionInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner")
+    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner", "images")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     params: _sampling_pb2.SamplingParams
     reserve_tokens: int
     prefix_key: str
     owner: str
-    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageSpan]
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ..., owner: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ...) -> None: ...
+
+class ImageSpan(_message.Message):
+    __slots__ = ("position", "pixels")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    pixels: _tensor_pb2.Tensor
+    def __init__(self, position: _Optional[int] = ..., pixels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ImageEncode(_message.Message):
+    __slots__ = ("seq_id", "tokens", "seconds")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tokens: int
+    seconds: float
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class OpenSequenceResponse(_message.Message):
     __slots__ = ("cached_tokens",)
@@ -175,7 +195,7 @@ class SequenceFailure(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepDone(_message.Message):
-    __slots__ = ("step_id", "tokens", "free_blocks", "logprobs", "failed", "experts_down", "exchange_bytes")
+    __slots__ = ("step_id", "tokens", "free_blocks", "logprobs", "failed", "experts_down", "exchange_bytes", "image_encodes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +203,7 @@ class StepDone(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_DOWN_FIELD_NUMBER: _ClassVar[int]
     EXCHANGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ENCODES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     free_blocks: int
@@ -190,7 +211,8 @@ class StepDone(_message.Message):
     failed: _containers.RepeatedCompositeFieldContainer[SequenceFailure]
     experts_down: _containers.RepeatedScalarFieldContainer[int]
     exchange_bytes: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SequenceFailure, _Mapping]]] = ..., experts_down: _Optional[_Iterable[int]] = ..., exchange_bytes: _Optional[int] = ...) -> None: ...
+    image_encodes: _containers.RepeatedCompositeFieldContainer[ImageEncode]
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SequenceFailure, _Mapping]]] = ..., experts_down: _Optional[_Iterable[int]] = ..., exchange_bytes: _Optional[int] = ..., image_encodes: _Optional[_Iterable[_Union[ImageEncode, _Mapping]]] = ...) -> None: ...
 
 class OpenCollectiveRequest(_message.Message):
     __slots__ = ("group_id", "timeout_s")
