@@ -12,7 +12,12 @@ prompts and max_tokens), and what moves where:
     through the real gate function, rows per token and bytes per step from the exchange's own assignment
     (worker/exchange.py) on the planner's 16-pod plan, group-aware and not; implied time at 100 / 400 Gb/s.
 
-    python bench/e2e.py [--quick] [--presets tiny,small] [--out bench/results/e2e.json]
+  * the per-layer expert exchange over each `--transport` side by side (gRPC vs collective: torch.distributed
+    pairs, gloo on loopback): tokens/s of the deployment at c=1 and c=32, and the time of one MoE layer's exchange
+    (ExpertExchange.moe: assignment, calls, combine) at decode batch sizes against the same expert worker
+    processes, the two transports' routed sums checked bit-identical.
+
+    python bench/e2e.py [--quick] [--presets tiny,small] [--transport grpc,collective] [--out bench/results/e2e.json]
 """
 from __future__ import annotations
 
@@ -101,7 +106,7 @@ def _router_tcp_bytes(pid: int, worker_ports: set[int]) -> int:
     return total
 
 
-def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
+def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transport="grpc"):
     import grpc
     import httpx
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
@@ -109,8 +114,10 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
     cfg = Checkpoint(ckpt_dir).cfg
     grpc_port = free_port()
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
-                           grpc_port=grpc_port)
+                           grpc_port=grpc_port, transport=transport)
     cluster.start()
+    if transport == "collective":
+        _wait_pairs(cluster, 1)
     client = httpx.Client(base_url=cluster.http_url, timeout=300)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     stub = router_pb2_grpc.RouterStub(channel)
@@ -149,6 +156,83 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens):
         channel.close()
         client.close()
         cluster.stop()
+
+
+def _wait_pairs(cluster, n: int, timeout: float = 60.0) -> None:
+    """Until every expert worker serves `n` collective pairs (they form in the background after connect)."""
+    from expertmesh.router.remote import RemoteExpert
+    deadline = time.monotonic() + timeout
+    for c in cluster.workers:
+        if c.name.startswith("expert-"):
+            with RemoteExpert(c.address, timeout=5) as e:
+                while e.transport_counts()["collective_pairs"] < n:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{c.name}: collective pairs not formed within {timeout:g} s")
+                    time.sleep(0.1)
+
+
+def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
+    """One MoE layer's exchange (ExpertExchange.moe) from this process to 2 expert worker processes at decode
+    batch sizes, over each transport against the same workers (they serve both); gate-routed random tokens."""
+    import numpy as np
+    import torch
+    from expertmesh.kernels.moe.combine import present_groups
+    from expertmesh.model import route_tokens
+    from expertmesh.router.remote import RemoteExpert
+    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.worker.collective import CollectiveExpert
+    from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
+    cfg = Checkpoint(ckpt_dir).cfg
+    E, layer = cfg.moe.n_routed_experts, cfg.moe_layers[0]
+    cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
+                           grpc_port=free_port(), transport="collective")
+    cluster.start()
+    rows, exchanges = [], {}
+    try:
+        from expertmesh.plan import PlacementPlan
+        plan = PlacementPlan.from_json(cluster.plan_path.read_text())
+        table = ReplicaTable.from_placement(plan, cfg.moe_layers, E)
+        addresses = [c.address for c in sorted(cluster.workers, key=lambda c: c.name) if c.name.startswith("expert-")]
+        for t in transports:
+            clients = [RemoteExpert(a, timeout=30) for a in addresses]
+            if t == "collective":
+                clients = [CollectiveExpert(c) for c in clients]
+                deadline = time.monotonic() + 60
+                while not all(c.formed for c in clients):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("collective pairs not formed within 60 s")
+                    time.sleep(0.05)
+            exchanges[t] = ExpertExchange(clients, table, n_experts=E, n_groups=cfg.moe.combine_groups)
+        g = torch.Generator().manual_seed(0)
+        for b in batches:
+            hidden = torch.randn(b, cfg.hidden_size, generator=g)
+            ids, w = route_tokens(torch.randn(b, E, generator=g), torch.zeros(E), cfg)
+            results, row = {}, {"batch": b}
+            for t, ex in exchanges.items():
+                for _ in range(3):                                   # warm-up
+                    results[t], failed = ex.moe(layer, hidden, ids, w)
+                    assert not failed, failed
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    ex.moe(layer, hidden, ids, w)
+                    times.append(time.perf_counter() - t0)
+                row[f"{t}_us_p50"] = 1e6 * statistics.median(times)
+                row[f"{t}_us_p90"] = 1e6 * float(np.percentile(times, 90))
+            ref = next(iter(results.values()))
+            if any(not torch.equal(r, ref) for r in results.values()):
+                raise RuntimeError(f"batch {b}: the transports' routed sums differ")
+            sorted_ids = ids.sort(1).values
+            present = present_groups(sorted_ids, E // cfg.moe.combine_groups, cfg.moe.combine_groups).numpy()
+            row["calls"] = len(ex.assign(layer, sorted_ids.numpy(), present, set())[0])
+            rows.append(row)
+        if "collective" in exchanges:
+            assert all(c.grpc_calls == 0 for c in exchanges["collective"].clients), "a collective call fell back"
+    finally:
+        for ex in exchanges.values():
+            ex.close()
+        cluster.stop()
+    return rows
 
 
 def exchange_bounds(cfg, dtype_bytes: int = 4) -> tuple[int, int]:
@@ -197,38 +281,61 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--out", default="bench/results/e2e.json")
+    p.add_argument("--transport", default="grpc",
+                   help="comma-separated per-layer exchange transports to run side by side: grpc,collective")
+    p.add_argument("--exchange-batches", default="1,8,32,128", help="decode batch sizes of the exchange table")
     args = p.parse_args(argv)
+    transports = [t for t in args.transport.split(",") if t]
+    if not transports or any(t not in ("grpc", "collective") for t in transports):
+        p.error(f"--transport: expected grpc and/or collective, found {args.transport!r}")
+    batches = [int(b) for b in args.exchange_batches.split(",")]
     concurrencies = [1, 4] if args.quick else [1, 32]
-    rows, tmp = [], Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    rows, exchange_rows, tmp = [], [], Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for name in args.presets.split(","):
         cfg = preset(name)
         d = create_checkpoint(cfg, tmp / name, seed=0)
         ckpt = Checkpoint(d)
         max_tokens = 8 if args.quick else 32
         inproc = bench_inprocess(ckpt, concurrencies, 16, max_tokens)
-        multi = bench_multiprocess(str(d), concurrencies, 16, max_tokens)
+        multi = {t: bench_multiprocess(str(d), concurrencies, 16, max_tokens, t) for t in transports}
         least, per_slot = exchange_bounds(cfg)
-        for c in concurrencies:
-            a, b = inproc[c], multi[c]
+        for c, t in ((c, t) for c in concurrencies for t in transports):
+            a, b = inproc[c], multi[t][c]
             if a["tokens"] != b["tokens"]:
-                raise RuntimeError(f"{name} c={c}: {a['tokens']} tokens in process, {b['tokens']} over gRPC")
-            rows.append({"preset": name, "concurrency": c, "inproc_tok_s": a["total_tok_s"],
+                raise RuntimeError(f"{name} c={c}: {a['tokens']} tokens in process, {b['tokens']} over {t}")
+            rows.append({"preset": name, "concurrency": c, "transport": t, "inproc_tok_s": a["total_tok_s"],
                          "multi_tok_s": b["total_tok_s"], "ratio_multi_over_inproc": b["total_tok_s"] / a["total_tok_s"],
                          "inproc_ttft_ms": a["ttft_p50_ms"], "multi_ttft_ms": b["ttft_p50_ms"],
                          "router_tcp_bytes_per_token": b["router_tcp_per_token"],
                          "router_message_bytes_per_token": b["router_messages_per_token"],
                          "exchange_bytes_per_token_layer": b["exchange_per_token_layer"],
                          "exchange_least": least, "exchange_per_slot": per_slot})
-    hdr = (f"{'preset':6} {'conc':>4} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} {'TTFT in ms':>10} "
+        if len(transports) > 1:
+            exchange_rows += [{"preset": name, **r} for r in bench_exchange(
+                str(d), batches, transports, reps=20 if args.quick else 100)]
+    hdr = (f"{'preset':6} {'conc':>4} {'transport':>10} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} "
+           f"{'TTFT in ms':>10} "
            f"{'TTFT mp ms':>10} {'router TCP B/tok':>16} {'router msg B/tok':>16} {'exch B/tok/layer':>16} "
            f"{'least':>6} {'per-slot':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['preset']:6} {r['concurrency']:>4} {r['inproc_tok_s']:>12.1f} {r['multi_tok_s']:>11.1f} "
+        print(f"{r['preset']:6} {r['concurrency']:>4} {r['transport']:>10} {r['inproc_tok_s']:>12.1f} "
+              f"{r['multi_tok_s']:>11.1f} "
               f"{r['ratio_multi_over_inproc']:>6.2f} {r['inproc_ttft_ms']:>10.1f} {r['multi_ttft_ms']:>10.1f} "
               f"{r['router_tcp_bytes_per_token']:>16.0f} {r['router_message_bytes_per_token']:>16.0f} "
               f"{r['exchange_bytes_per_token_layer']:>16.0f} {r['exchange_least']:>6} {r['exchange_per_slot']:>8}")
+    if exchange_rows:
+        print("\none MoE layer's expert exchange from an attention process to 2 expert worker processes on loopback "
+              "(ExpertExchange.moe: assign, calls, combine; routed sums bit-identical across transports), µs")
+        hdr = f"{'preset':6} {'batch':>5} {'calls':>5} " + " ".join(
+            f"{t + ' p50':>15} {t + ' p90':>15}" for t in transports) + f" {'grpc/coll':>9}"
+        print(hdr)
+        print("-" * len(hdr))
+        for r in exchange_rows:
+            ratio = r["grpc_us_p50"] / r["collective_us_p50"] if {"grpc", "collective"} <= set(transports) else 0
+            print(f"{r['preset']:6} {r['batch']:>5} {r['calls']:>5} " + " ".join(
+                f"{r[t + '_us_p50']:>15.0f} {r[t + '_us_p90']:>15.0f}" for t in transports) + f" {ratio:>9.2f}")
     projection = project_full()
     print("\nfull-2.8t projection: 16 expert pods x 8 GPUs, 32 redundant/layer, batch 256 per attention worker, bf16 "
           "on the wire, per attention worker (the step's weight-read limit on H200s is ~11.5 ms, issue #14)")
@@ -242,7 +349,8 @@ def main(argv=None) -> int:
               f"{r['ms_at_400gbps']:>11.1f} {r['imbalance']:>9.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"serving": rows, "projection_full_2_8t": projection}, indent=1))
+    out.write_text(json.dumps({"serving": rows, "exchange": exchange_rows, "projection_full_2_8t": projection},
+                              indent=1))
     print(f"wrote {out}")
     return 0
 

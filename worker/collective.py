@@ -229,11 +229,11 @@ class CollectiveExpert:
             self.group, self.backend = group, backend
         log.info("%s: collective pair formed (%s)", self.name, backend)
 
-    def drop(self, reason) -> None:
+    def drop(self, reason, level: int = logging.WARNING) -> None:
         with self.lock:
             group, self.group = self.group, None
         if group is not None:
-            log.warning("%s: collective pair dropped: %s", self.name, str(reason).splitlines()[0][:300])
+            log.log(level, "%s: collective pair dropped: %s", self.name, str(reason).splitlines()[0][:300])
             _abandon(group)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
@@ -247,7 +247,7 @@ class CollectiveExpert:
 
     def close(self) -> None:
         self.closed = True
-        self.drop("closed")
+        self.drop("closed", logging.DEBUG)
         self.remote.close()
 
     @property
