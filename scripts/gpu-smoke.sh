@@ -4,7 +4,8 @@
 #   2. runs every Triton kernel against its PyTorch reference on CUDA and prints MXFP4 GEMM and sparse-decode
 #      bandwidth as a fraction of the device's copy bandwidth (bench/gpu_kernels.py --quick),
 #   3. serves tiny and small with `expertmesh up --device cuda` (bf16) and compares with the fp32 CPU reference
-#      (scripts/gpu_smoke.py: prompt log-probs within the bf16 tolerance, greedy tokens reported).
+#      (scripts/gpu_smoke.py: prompt log-probs within the bf16 tolerance, greedy tokens reported), and the
+#      per-layer exchange over NCCL pairs (--transport collective) against gRPC: same tokens, no fallback.
 # Without CUDA it fails at once, loudly. Never part of CI.   Usage: scripts/gpu-smoke.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
