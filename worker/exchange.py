@@ -14,6 +14,8 @@ Failures: a call that fails with ConnectionError (unreachable, past its deadline
 and its groups are assigned again among the live replicas in the same step; tokens with an expert that has no
 live replica are reported as failed rows (their requests end with a message naming the experts), the others go
 on. A worker marked down is probed (gRPC health) every `probe_interval` seconds and taken back once it answers.
+Clients may use another transport for the tensors (worker/collective.CollectiveExpert: a torch.distributed pair);
+a redo after a failure always goes over gRPC (`run_grpc`).
 """
 from __future__ import annotations
 
