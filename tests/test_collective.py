@@ -75,12 +75,17 @@ def reference(ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt_dir):
-    """2 attention workers, 3 expert workers, every expert on 2 of them; a 2 s deadline on every expert call
-    (the collective waits too), so a hung rank is noticed quickly."""
+def cluster(ckpt_dir, tmp_path_factory):
+    """As `expertmesh up --transport collective` runs it (mutual TLS between the processes: pairs are opened over
+    it): 2 attention workers, 3 expert workers, every expert on 2 of them; a 2 s deadline on every expert call (the
+    collective waits too), so a hung rank is noticed quickly."""
+    from expertmesh.tls import ClientTLS, ephemeral_pki
+    pki = ephemeral_pki(tmp_path_factory.mktemp("pki"))
     c = LocalCluster(ckpt_dir, attention_workers=2, expert_workers=3, expert_replicas=2, http_port=free_port(),
-                     grpc_port=free_port(), transport="collective", router_args=["--call-timeout", "2"])
+                     grpc_port=free_port(), transport="collective", router_args=["--call-timeout", "2"],
+                     worker_tls_dir=pki)
     c.grpc_address = f"127.0.0.1:{c.grpc_port}"
+    c.client_tls = ClientTLS(str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key"))
     with c:
         yield c
 
@@ -89,7 +94,7 @@ def counts(cluster) -> dict[str, dict]:
     out = {}
     for w in cluster.workers:
         if w.name.startswith("expert-") and w.proc.poll() is None:
-            with RemoteExpert(w.address, timeout=5) as client:
+            with RemoteExpert(w.address, timeout=5, tls=cluster.client_tls) as client:
                 out[w.name] = client.transport_counts()
     return out
 
