@@ -226,12 +226,38 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
             present = present_groups(sorted_ids, E // cfg.moe.combine_groups, cfg.moe.combine_groups).numpy()
             row["calls"] = len(ex.assign(layer, sorted_ids.numpy(), present, set())[0])
             rows.append(row)
+        wire = _bench_wire({t: ex.clients[0] for t, ex in exchanges.items()}, layer, cfg.hidden_size, reps)
         if "collective" in exchanges:
             assert all(c.grpc_calls == 0 for c in exchanges["collective"].clients), "a collective call fell back"
     finally:
         for ex in exchanges.values():
             ex.close()
         cluster.stop()
+    return rows, wire
+
+
+def _bench_wire(clients: dict, layer: int, hidden_size: int, reps: int,
+                sizes=(64 * 2 ** 10, 2 ** 20, 16 * 2 ** 20)) -> list[dict]:
+    """The transports alone: hidden states of `size` bytes to one expert worker with every slot −1 (nothing to
+    compute, an empty answer) — the outbound wire cost of a call, without the experts' work."""
+    import torch
+    rows = []
+    for size in sizes:
+        n = max(1, size // (4 * hidden_size))
+        hidden = torch.randn(n, hidden_size)
+        ids, w = torch.full((n, 1), -1, dtype=torch.int64), torch.zeros(n, 1)
+        row = {"bytes": n * hidden_size * 4}
+        for t, client in clients.items():
+            call = (lambda: client.run(layer, hidden, ids, w, rows=0)) if t == "collective" else \
+                (lambda: client.run(layer, hidden, ids, w))
+            call()
+            times = []
+            for _ in range(max(3, reps // (4 if size > 2 ** 20 else 1))):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            row[f"{t}_ms_p50"] = 1e3 * statistics.median(times)
+        rows.append(row)
     return rows
 
 
@@ -290,7 +316,7 @@ def main(argv=None) -> int:
         p.error(f"--transport: expected grpc and/or collective, found {args.transport!r}")
     batches = [int(b) for b in args.exchange_batches.split(",")]
     concurrencies = [1, 4] if args.quick else [1, 32]
-    rows, exchange_rows, tmp = [], [], Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    rows, exchange_rows, wire_rows, tmp = [], [], [], Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     for name in args.presets.split(","):
         cfg = preset(name)
         d = create_checkpoint(cfg, tmp / name, seed=0)
@@ -311,8 +337,9 @@ def main(argv=None) -> int:
                          "exchange_bytes_per_token_layer": b["exchange_per_token_layer"],
                          "exchange_least": least, "exchange_per_slot": per_slot})
         if len(transports) > 1:
-            exchange_rows += [{"preset": name, **r} for r in bench_exchange(
-                str(d), batches, transports, reps=20 if args.quick else 100)]
+            layer_rows, wire = bench_exchange(str(d), batches, transports, reps=20 if args.quick else 100)
+            exchange_rows += [{"preset": name, **r} for r in layer_rows]
+            wire_rows += [{"preset": name, **r} for r in wire]
     hdr = (f"{'preset':6} {'conc':>4} {'transport':>10} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} "
            f"{'TTFT in ms':>10} "
            f"{'TTFT mp ms':>10} {'router TCP B/tok':>16} {'router msg B/tok':>16} {'exch B/tok/layer':>16} "
@@ -336,6 +363,15 @@ def main(argv=None) -> int:
             ratio = r["grpc_us_p50"] / r["collective_us_p50"] if {"grpc", "collective"} <= set(transports) else 0
             print(f"{r['preset']:6} {r['batch']:>5} {r['calls']:>5} " + " ".join(
                 f"{r[t + '_us_p50']:>15.0f} {r[t + '_us_p90']:>15.0f}" for t in transports) + f" {ratio:>9.2f}")
+    if wire_rows:
+        print("\nthe wire alone: one call's hidden states to one expert worker, nothing to compute (all slots -1), "
+              "median ms and MB/s")
+        hdr = f"{'preset':6} {'MiB':>6} " + " ".join(f"{t + ' ms':>14} {t + ' MB/s':>16}" for t in transports)
+        print(hdr)
+        print("-" * len(hdr))
+        for r in wire_rows:
+            print(f"{r['preset']:6} {r['bytes'] / 2 ** 20:>6.2f} " + " ".join(
+                f"{r[t + '_ms_p50']:>14.2f} {r['bytes'] / r[t + '_ms_p50'] / 1e3:>16.0f}" for t in transports))
     projection = project_full()
     print("\nfull-2.8t projection: 16 expert pods x 8 GPUs, 32 redundant/layer, batch 256 per attention worker, bf16 "
           "on the wire, per attention worker (the step's weight-read limit on H200s is ~11.5 ms, issue #14)")
@@ -349,8 +385,8 @@ def main(argv=None) -> int:
               f"{r['ms_at_400gbps']:>11.1f} {r['imbalance']:>9.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"serving": rows, "exchange": exchange_rows, "projection_full_2_8t": projection},
-                              indent=1))
+    out.write_text(json.dumps({"serving": rows, "exchange": exchange_rows, "wire": wire_rows,
+                               "projection_full_2_8t": projection}, indent=1))
     print(f"wrote {out}")
     return 0
 
