@@ -154,3 +154,10 @@ def test_a_lost_expert_rank_fails_over_with_the_same_tokens_and_the_pair_comes_b
     tokens, err = stream(cluster.grpc_address, PROMPTS[0])
     assert err is None and tokens == reference[0]
     assert counts(cluster)["expert-1"]["collective_calls"] > before    # the returned rank serves over its pair
+
+
+def test_every_process_exits_cleanly_on_sigterm_after_the_faults(cluster):
+    """Pairs that were hung, broken and re-formed never hold a process: SIGTERM ends each within the grace
+    period with status 0 (LocalCluster.stop SIGKILLs a process still there after 10 s: status −9)."""
+    cluster.stop()
+    assert {c.name: c.proc.returncode for c in cluster.children} == {c.name: 0 for c in cluster.children}
