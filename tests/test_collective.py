@@ -44,6 +44,10 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
     pair = CollectiveExpert(RemoteExpert(f"127.0.0.1:{server.port}", timeout=5))
     fallback = CollectiveExpert(RemoteExpert(f"127.0.0.1:{plain.port}", timeout=5))
     try:
+        import subprocess
+        listening = subprocess.run(["ss", "-tlnH", f"sport = :{server.collective.port}"], capture_output=True,
+                                   text=True).stdout.split()
+        assert f"127.0.0.1:{server.collective.port}" in listening      # the store: on --host only, as gRPC
         assert wait_until(lambda: pair.formed, 20)
         for seed, (dtype, out_dtype) in enumerate([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.bfloat16, torch.float32)]):

@@ -105,8 +105,12 @@ class CollectiveServer:
         import torch.distributed as dist
         self.expert, self.backend = expert, backend
         try:
-            self.store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
-                                       wait_for_workers=False)
+            # bound here, on --host only (TCPStore alone listens on every interface), and handed to the store
+            self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                             backlog=128)
+            self.store = dist.TCPStore(host, self.sock.getsockname()[1], None, True,
+                                       datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False,
+                                       master_listen_fd=self.sock.fileno())
         except Exception as e:          # taken port: one clear line, like the gRPC port
             raise OSError(f"--collective-port {port}: cannot listen ({e})") from None
         self.port = self.store.port
