@@ -214,6 +214,16 @@ class StepDone(_message.Message):
     image_encodes: _containers.RepeatedCompositeFieldContainer[ImageEncode]
     def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., free_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SequenceFailure, _Mapping]]] = ..., experts_down: _Optional[_Iterable[int]] = ..., exchange_bytes: _Optional[int] = ..., image_encodes: _Optional[_Iterable[_Union[ImageEncode, _Mapping]]] = ...) -> None: ...
 
+class SetShardsRequest(_message.Message):
+    __slots__ = ("experts", "gpus", "drop_others")
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    DROP_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    experts: _containers.RepeatedCompositeFieldContainer[ExpertKey]
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    drop_others: bool
+    def __init__(self, experts: _Optional[_Iterable[_Union[ExpertKey, _Mapping]]] = ..., gpus: _Optional[_Iterable[int]] = ..., drop_others: _Optional[bool] = ...) -> None: ...
+
 class OpenCollectiveRequest(_message.Message):
     __slots__ = ("group_id", "timeout_s")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]

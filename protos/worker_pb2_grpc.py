@@ -477,6 +477,11 @@ class ExpertWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
                 _registered_method=True)
+        self.SetShards = channel.unary_unary(
+                '/expertmesh.v1.ExpertWorker/SetShards',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.SetShardsRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.ExpertInfo.FromString,
+                _registered_method=True)
 
 
 class ExpertWorkerServicer:
@@ -505,6 +510,15 @@ class ExpertWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetShards(self, request, context):
+        """Live re-plan: load the listed (layer, expert) shards not held yet (warm, before the router routes to them);
+        with drop_others also release every held shard not listed (drain, after the router stopped routing to them).
+        Errors: INVALID_ARGUMENT (an id outside the model, gpus not parallel to experts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -522,6 +536,11 @@ def add_ExpertWorkerServicer_to_server(servicer, server):
                     servicer.OpenCollective,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.SerializeToString,
+            ),
+            'SetShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetShards,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.SetShardsRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.ExpertInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -606,6 +625,33 @@ class ExpertWorker:
             '/expertmesh.v1.ExpertWorker/OpenCollective',
             expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.ExpertWorker/SetShards',
+            expertmesh_dot_protos_dot_worker__pb2.SetShardsRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.ExpertInfo.FromString,
             options,
             channel_credentials,
             insecure,

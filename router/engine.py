@@ -110,6 +110,8 @@ class Engine:
         self.expert_clients = [e._client for e in experts]    # what attention workers dispatch to
         self.replicas = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
         self.experts_down_by: dict[int, set[int]] = {}       # attention worker → expert workers it sees down
+        self._switch: tuple | None = None     # (placement, table, done event): a re-plan's table, taken between steps
+        self.replan_lock = threading.Lock()    # one live re-plan at a time
         infos = [self._first_info(a, startup_timeout) for a in attention]
         # sequence ids and prefix keys are this router instance's own: a client's request id never reaches a
         # worker, and no other party can compute (to replace or drop) the prefix keys it saves there
@@ -246,11 +248,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.closed and not self.waiting and not self.running:
+                while not self.closed and not self.waiting and not self.running and self._switch is None:
                     self.cv.wait(timeout=1.0)
                 if self.closed:
                     return
             try:
+                self._switch_table()
                 self._drop_cancelled()
                 self._admit()
                 if self.running:
@@ -392,6 +395,73 @@ class Engine:
                         continue
                     log.info("attention worker %d is back", i)
                     self.attention_down.discard(i)
+
+    # ------------------------------------------------------------------ live re-plan
+    @property
+    def plan_hash(self) -> str | None:
+        """The hash of the placement plan the replica table now follows (None for a plan-less placement)."""
+        return self.placement.plan_hash() if hasattr(self.placement, "plan_hash") else None
+
+    def replan(self, placement, timeout: float = 600.0) -> dict:
+        """Adopt a new placement plan without failing or changing a request: (1) warm — every expert worker
+        loads its new shards beside the old ones (the old table still routes); (2) switch — between two steps,
+        the scheduler pushes the new replica table to every attention worker (ConnectExperts), so a step runs
+        wholly on one table; (3) drain — every expert worker drops the shards the new plan took away. Any replica
+        computes an expert's output bit for bit, so the tokens are the ones the old plan would have given.
+        An expert worker that cannot be reached is skipped (down: its replicas serve; restarted, it reads the
+        plan). → {"loaded": shards loaded, "dropped": shards dropped, "unreachable": ordinals skipped}."""
+        table = ReplicaTable.from_placement(placement, self.cfg.moe_layers, self.cfg.moe.n_routed_experts)
+        if table.table.size and int(table.table.max()) >= len(self.experts):
+            raise ValueError(f"plan: places experts on worker {int(table.table.max())}, this router has "
+                             f"{len(self.experts)} expert workers")
+        with self.replan_lock:
+            shards = [(placement.experts_of(o) if o < len(placement.workers) else [],
+                       {(l, e): g.gpu for g in placement.workers[o].gpus for l, e in g.shards}
+                       if o < len(placement.workers) else None) for o in range(len(self.experts))]
+            before = [set(self.placement.experts_of(o)) if o < len(self.placement.workers) else set()
+                      for o in range(len(self.experts))]
+            unreachable: set[int] = set()
+
+            def each_worker(drop_others: bool) -> None:
+                futures = {o: self.pool.submit(self.experts[o].set_shards, pairs, gpu_of, drop_others=drop_others)
+                           for o, (pairs, gpu_of) in enumerate(shards) if o not in unreachable}
+                for o, f in futures.items():
+                    try:
+                        f.result(timeout=timeout)
+                    except ConnectionError as e:
+                        log.warning("re-plan: expert worker %d unreachable (%s); its replicas serve", o, e)
+                        unreachable.add(o)
+
+            each_worker(drop_others=False)                           # warm
+            done = threading.Event()
+            with self.cv:
+                self._switch = (placement, table, done)
+                self.cv.notify_all()
+            if not done.wait(timeout):
+                raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
+            each_worker(drop_others=True)                            # drain
+            moved = {o for o, (pairs, _) in enumerate(shards) if set(pairs) != before[o]}
+            loaded = sum(len(set(pairs) - before[o]) for o, (pairs, _) in enumerate(shards))
+            dropped = sum(len(before[o] - set(pairs)) for o, (pairs, _) in enumerate(shards))
+            log.info("re-planned onto plan %s: %d shards loaded, %d dropped, on expert workers %s", self.plan_hash,
+                     loaded, dropped, sorted(moved))
+            return {"loaded": loaded, "dropped": dropped, "unreachable": sorted(unreachable)}
+
+    def _switch_table(self) -> None:
+        """Between steps (scheduler thread): take a re-plan's replica table, on every attention worker."""
+        with self.cv:
+            switch, self._switch = self._switch, None
+        if switch is None:
+            return
+        placement, table, done = switch
+        self.placement, self.replicas = placement, table
+        for i in range(len(self.attention)):
+            if i not in self.attention_down:
+                try:
+                    self._connect(i)
+                except ConnectionError as e:     # reconnected with the new table once it answers again
+                    self._attention_down(i, e)
+        done.set()
 
     def _connect(self, worker: int) -> None:
         extra = {"transport": self.transport} if self.transport != "grpc" else {}    # in-process: no transport

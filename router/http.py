@@ -369,7 +369,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     @app.get("/v1/load")
     async def load():
         """Per-(layer, expert) token counts since start: what the operator reads to rebalance."""
-        return {"model": name, "moe_layers": engine.cfg.moe_layers, "tokens": engine.load_stats()}
+        return {"model": name, "moe_layers": engine.cfg.moe_layers, "tokens": engine.load_stats(),
+                "plan_hash": getattr(engine, "plan_hash", None)}
 
     def check_model(model: str) -> None:
         if model != name:

@@ -207,6 +207,15 @@ class RemoteExpert(_Client):
                                            output_dtype=str(out_dtype).removeprefix("torch."))
         return from_proto(self._call(self.stub.RunExperts, req).output, "output")
 
+    def set_shards(self, assignment, gpu_of: dict | None = None, *, drop_others: bool = False) -> dict:
+        """ExpertWorker.set_shards over gRPC (a live re-plan's warm / drain) → {"experts": held now}."""
+        pairs = [(int(l), int(e)) for l, e in assignment]
+        req = worker_pb2.SetShardsRequest(experts=[worker_pb2.ExpertKey(layer=l, expert=e) for l, e in pairs],
+                                          gpus=[int(gpu_of.get(p, 0)) for p in pairs] if gpu_of else [],
+                                          drop_others=drop_others)
+        i = self._call(self.stub.SetShards, req)
+        return {"experts": [(k.layer, k.expert) for k in i.experts]}
+
     def open_collective(self, group_id: str, timeout: float) -> tuple[int, str]:
         """Ask the worker to start its rank of the torch.distributed pair `group_id` → (store port, backend)."""
         r = self._call(self.stub.OpenCollective, worker_pb2.OpenCollectiveRequest(group_id=group_id,

@@ -18,6 +18,28 @@ def load_plan(path: str):
         return PlacementPlan.from_json(f.read())
 
 
+def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0) -> None:
+    """Follow the plan file (the mounted plan ConfigMap: the kubelet swaps in each plan the operator publishes)
+    and re-plan the engine live onto each new one (Engine.replan: warm, switch between steps, drain). The first
+    pass re-applies the plan the router started with: expert workers that kept running across a plan change
+    while no router was there to move their shards get them now."""
+    last, first = None, True
+    while first or not stop.wait(interval):
+        first = False
+        try:
+            plan = load_plan(path)
+        except (OSError, ValueError) as e:   # mid-swap or unreadable: the current table keeps serving
+            log.warning("--plan %s: not re-read (%s)", path, e)
+            continue
+        if plan.plan_hash() == last:
+            continue
+        last = plan.plan_hash()
+        try:
+            engine.replan(plan)
+        except Exception:
+            log.exception("re-planning onto plan %s failed; the previous table keeps serving", last)
+
+
 def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
                         **kw):
     from expertmesh.router.engine import Engine
@@ -32,7 +54,9 @@ def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (the router reads its config, tokenizer.json and chat template)")
-    p.add_argument("--plan", required=True, help="placement plan JSON")
+    p.add_argument("--plan", required=True, help="placement plan JSON (followed: a new plan is adopted live)")
+    p.add_argument("--plan-poll-seconds", type=float, default=1.0, metavar="SECONDS",
+                   help="how often to re-read --plan for a new plan (0: read once at start)")
     p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers")
     p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
     p.add_argument("--host", default="127.0.0.1")
@@ -151,6 +175,9 @@ def run(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.plan_poll_seconds > 0:
+        threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds),
+                         name="plan-watch", daemon=True).start()
     print(f"READY router {args.host}:{args.http_port}", flush=True)
     stop.wait()
     log.info("shutting down: no new requests, finishing in-flight ones")

@@ -52,30 +52,78 @@ class ExpertWorker:
         self.device_kind = memory.check_device(device)
         self.step_tokens = step_tokens or memory.STEP_TOKENS
         self.max_call_bytes = max_call_bytes      # a call's output workspace bound: oversized calls are refused
-        by_shard: dict[tuple[int, int], list[int]] = defaultdict(list)      # (layer, gpu) → experts
-        for layer, expert in assignment:
-            gpu = 0 if gpu_of is None or self.device_kind == "cpu" else int(gpu_of.get((layer, expert), 0))
-            by_shard[(int(layer), gpu)].append(int(expert))
-        # layer → [(device label, RoutedExperts, {global id: local index} on the host)]
-        self.experts: dict[int, list] = defaultdict(list)
-        for (layer, gpu), ids in sorted(by_shard.items()):
-            ids = sorted(set(ids))
-            dev = memory.torch_device(self.device_kind, gpu)
-            if self.ckpt is None:
-                from expertmesh.model import RoutedExperts
-                with torch.device("meta"):
-                    mod = RoutedExperts(self.cfg, expert_ids=ids)
-            else:
-                mod = self.ckpt.load_experts(layer, ids).to(dev)
-            self.experts[layer].append((memory.device_label(self.device_kind, gpu), mod,
-                                        {e: i for i, e in enumerate(ids)}))
-        self.experts = dict(self.experts)
-        self.assignment = sorted({(l, e) for (l, _), ids in by_shard.items() for e in ids})
+        # layer → [(device label, RoutedExperts, {global id: local index} on the host)]; replaced as a whole
+        # (set_shards), so a call reads one consistent table
+        self.experts: dict[int, list] = {}
+        self.assignment: list[tuple[int, int]] = []
         self.lock = threading.Lock()
+        self._replace_lock = threading.Lock()            # one set_shards at a time
+        self.shards_loaded = self.shards_dropped = 0     # by set_shards since start (live re-plans)
+        self._place(assignment, gpu_of, keep=False)
         self.calls = 0
         self.tokens_computed = 0
         # fault injection for tests (a slow worker): every run() sleeps this long first
         self.fault_delay_s = float(os.environ.get("EXPERTMESH_FAULT_DELAY_S", "0") or 0)
+
+    def _load(self, layer: int, gpu: int, ids: list[int]):
+        """One (device label, RoutedExperts, local index) entry holding `ids` of `layer` on GPU `gpu`."""
+        from expertmesh import memory
+        dev = memory.torch_device(self.device_kind, gpu)
+        if self.ckpt is None:
+            from expertmesh.model import RoutedExperts
+            with torch.device("meta"):
+                mod = RoutedExperts(self.cfg, expert_ids=ids)
+        else:
+            mod = self.ckpt.load_experts(layer, ids).to(dev)
+        return memory.device_label(self.device_kind, gpu), mod, {e: i for i, e in enumerate(ids)}
+
+    def _place(self, assignment, gpu_of, keep: bool) -> tuple[int, int]:
+        """Hold `assignment` ((layer, expert) pairs; `gpu_of` the plan's GPU of each): load what is not held;
+        `keep` leaves every held shard too, else a held entry with shards outside `assignment` is replaced by one
+        without them. The new table is swapped in whole. → (shards loaded, shards dropped)."""
+        n_experts, layers = self.cfg.moe.n_routed_experts, set(self.cfg.moe_layers)
+        by_shard: dict[tuple[int, int], set[int]] = defaultdict(set)      # (layer, gpu) → experts
+        for layer, expert in assignment:
+            layer, expert = int(layer), int(expert)
+            if layer not in layers or not 0 <= expert < n_experts:
+                raise ExpertRequestError(f"experts: ({layer}, {expert}) is not a routed expert of {self.cfg.name} "
+                                         f"(MoE layers {self.cfg.moe_layers}, experts 0..{n_experts - 1})")
+            gpu = 0 if gpu_of is None or self.device_kind == "cpu" else int(gpu_of.get((layer, expert), 0))
+            by_shard[(layer, gpu)].add(expert)
+        wanted = {(l, e) for (l, _), ids in by_shard.items() for e in ids}
+        old = self.experts
+        table: dict[int, list] = defaultdict(list)
+        dropped = 0
+        for layer, entries in old.items():
+            for label, mod, local in entries:
+                kept = sorted(e for e in local if keep or (layer, e) in wanted)
+                dropped += len(local) - len(kept)
+                if len(kept) == len(local):
+                    table[layer].append((label, mod, local))          # untouched: no reload
+                elif kept:
+                    gpu = mod.gate_up_blocks.device.index or 0 if self.device_kind == "cuda" else 0
+                    table[layer].append(self._load(layer, gpu, kept))
+        held = {(l, e) for l, entries in table.items() for _, _, local in entries for e in local}
+        loaded = 0
+        for (layer, gpu), ids in sorted(by_shard.items()):
+            new = sorted(e for e in ids if (layer, e) not in held)
+            if new:
+                table[layer].append(self._load(layer, gpu, new))
+                loaded += len(new)
+        self.experts = dict(table)
+        self.assignment = sorted({(l, e) for l, entries in self.experts.items() for _, _, local in entries
+                                  for e in local})
+        return loaded, dropped
+
+    def set_shards(self, assignment, gpu_of: dict | None = None, *, drop_others: bool = False) -> dict:
+        """A live re-plan, in two calls: first (drop_others False) load the new plan's shards not held yet —
+        warmed while the old table still serves — then, once nothing routes to the old ones any more,
+        (drop_others True) hold exactly `assignment`. Calls in flight keep the table they started with."""
+        with self._replace_lock:
+            loaded, dropped = self._place(assignment, gpu_of, keep=not drop_others)
+        self.shards_loaded += loaded
+        self.shards_dropped += dropped
+        return {"loaded": loaded, "dropped": dropped, "experts": list(self.assignment)}
 
     def holds(self, layer: int, expert: int) -> bool:
         return any(expert in local for _, _, local in self.experts.get(layer, ()))

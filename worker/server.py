@@ -192,6 +192,9 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
 
     @_rpc
     def Info(self, request, context):
+        return self._info()
+
+    def _info(self) -> worker_pb2.ExpertInfo:
         c = self.collective
         return worker_pb2.ExpertInfo(name=self.worker.name, model=self.worker.cfg.name,
                                      experts=[worker_pb2.ExpertKey(layer=l, expert=e)
@@ -215,6 +218,17 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
         out = self.worker.run(request.layer, hidden, ids, weights, out_dtype)
         self.grpc_calls += 1
         return worker_pb2.RunExpertsResponse(output=to_proto(out, "output"))
+
+    @_rpc
+    def SetShards(self, request, context):
+        pairs = [(k.layer, k.expert) for k in request.experts]
+        if request.gpus and len(request.gpus) != len(pairs):
+            raise ValueError(f"gpus: expected one per entry of experts ({len(pairs)}), found {len(request.gpus)}")
+        gpu_of = dict(zip(pairs, request.gpus)) if request.gpus else None
+        r = self.worker.set_shards(pairs, gpu_of, drop_others=request.drop_others)
+        log.info("set shards (drop_others=%s): %d loaded, %d dropped, %d held", request.drop_others, r["loaded"],
+                 r["dropped"], len(r["experts"]))
+        return self._info()
 
     @_rpc
     def OpenCollective(self, request, context):
