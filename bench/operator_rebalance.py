@@ -1,9 +1,10 @@
 """A re-plan under traffic, measured in the kubelet harness: the operator (Kopf, for real) against kmock's Kubernetes
 emulator, every pod a real process (tests/kube_harness.py). A tiny MoEDeployment on 4 expert pods serves a stream
 of chat requests; `expertWorkers.redundantExperts` goes from 0 to 1, so the planner adds one replica per MoE layer
-(minimal movement). The table: shards the planner moved, pods restarted (the published plan changes no pod
-template; until workers reload in place the operator restarts the expert pods whose shards changed, then the
-router), requests served / failed while it happened, and whether every served answer kept its greedy tokens.
+(minimal movement). The published plan changes no pod template and restarts nothing: the router adopts it live
+(expert workers warm the new shards, the router switches its replica table between steps, the old shards are
+dropped). The table: shards the planner moved, pods restarted, requests served / failed while it happened, whether
+every served answer kept its greedy tokens, and how long until the router served the new plan.
 
     python bench/operator_rebalance.py [--out bench/results/operator_rebalance.json]
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from expertmesh.checkpoint import create_checkpoint  # noqa: E402
@@ -27,10 +29,11 @@ from expertmesh.config import preset  # noqa: E402
 from expertmesh.operator import manifests as m  # noqa: E402
 
 from kube_harness import LocalNode  # noqa: E402
-from test_operator_kopf import NS, eventually, operator, tiny_spec  # noqa: E402
+from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spec  # noqa: E402
 
 NAME = "kimi"
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
+CLIENTS = 4   # concurrent chat clients, back to back
 
 
 async def chat(node: LocalNode, endpoint: str, prompt: str):
@@ -42,10 +45,24 @@ async def chat(node: LocalNode, endpoint: str, prompt: str):
     return json.dumps([getattr(msg, "reasoning_content", None), msg.content])  # the greedy tokens, as text
 
 
-def uids(c) -> dict[str, str]:
-    import kmock
-    return {k[2]: json.loads(json.dumps(v.raw, default=dict))["metadata"]["uid"] for k, v in list(c.emu.objects.items())
-            if k[0] == kmock.resource("v1/pods") and k[1] == NS and not v.deleted}
+async def served_plan(node: LocalNode, endpoint: str) -> str | None:
+    """The plan hash the router serves (its /v1/load)."""
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.get(f"{node.resolve_url(f'http://{endpoint}')}/v1/load")
+        return r.json().get("plan_hash")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def experts_held(node: LocalNode, plan) -> bool:
+    """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
+    from expertmesh.router.remote import RemoteExpert
+    for o in range(plan.cluster.pods):
+        with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), o)), timeout=10) as w:
+            if sorted(w.info()["experts"]) != sorted(plan.experts_of(o)):
+                return False
+    return True
 
 
 async def run(tmp: Path) -> dict:
@@ -60,50 +77,57 @@ async def run(tmp: Path) -> dict:
                 expected = {p: await chat(node, endpoint, p) for p in PROMPTS}
                 before, templates = uids(c), {k: c.get(*k)["spec"]["template"] for k in (
                     ("apps/v1/statefulsets", m.expert_name(NAME)), ("apps/v1/deployments", m.router_name(NAME)))}
-                results: list[tuple[str, object]] = []
+                results: list[tuple[float, float, str, object]] = []   # (start, end, prompt, answer or error)
                 stop = asyncio.Event()
 
-                async def traffic():
-                    i = 0
+                async def traffic(i: int):
                     while not stop.is_set():
                         p = PROMPTS[i % 2]
+                        start = time.monotonic()
                         try:
-                            results.append((p, await chat(node, endpoint, p)))
+                            out = await chat(node, endpoint, p)
                         except Exception as e:  # connection refused, 5xx, no ready router pod
-                            results.append((p, e))
+                            out = e
+                        results.append((start, time.monotonic(), p, out))
                         i += 1
-                        await asyncio.sleep(0.1)
 
-                task = asyncio.create_task(traffic())
-                await eventually(lambda: len(results) >= 2, timeout=30, what="traffic")
+                tasks = [asyncio.create_task(traffic(i)) for i in range(CLIENTS)]
+                await eventually(lambda: len(results) >= CLIENTS, timeout=30, what="traffic")
                 old_hash = c.status(NAME)["placement"]["planHash"]
                 t0 = time.monotonic()
                 await c.patch_moe(NAME, {"spec": {"expertWorkers": {"redundantExperts": 1}}})
                 await eventually(lambda: c.status(NAME)["placement"]["planHash"] != old_hash, timeout=30, what="plan")
-                await eventually(lambda: c.status(NAME).get("phase") == "Ready" and
-                                 not c.status(NAME)["placement"]["pendingRestarts"], timeout=240, what="Ready again")
-                seconds = time.monotonic() - t0
+                new_hash = c.status(NAME)["placement"]["planHash"]
+                await eventually(lambda: c.status(NAME).get("phase") == "Ready", timeout=240, what="Ready again")
+                while await served_plan(node, endpoint) != new_hash:
+                    if time.monotonic() - t0 > 120:
+                        raise TimeoutError("the router did not adopt the new plan within 120 s")
+                    await asyncio.sleep(0.1)
+                t1 = time.monotonic()
                 n = len(results)
-                await eventually(lambda: len(results) >= n + 2, timeout=60, what="traffic after")
+                await eventually(lambda: len(results) >= n + 2 * CLIENTS, timeout=60, what="traffic after")
                 stop.set()
-                await task
+                await asyncio.gather(*tasks)
+                held = await asyncio.to_thread(experts_held, node, c.plan(NAME))
                 after = uids(c)
                 same_templates = all(c.get(*k)["spec"]["template"] == v for k, v in templates.items())
                 st = c.status(NAME)
                 await node.stop()
         finally:
             node.kill_all()
-    failed = [r for _, r in results if not isinstance(r, str)]
+    failed = [r for *_, r in results if not isinstance(r, str)]
     return {
         "shards_moved": st["placement"]["movedShards"],
         "physical_experts": st["placement"]["physicalExperts"],
         "pods_restarted": sorted(p for p in before if after.get(p) != before[p]),
         "pods_kept": sorted(p for p in before if after.get(p) == before[p]),
         "pod_templates_unchanged": same_templates,
+        "expert_pods_hold_the_new_plan": held,
         "requests": len(results), "requests_failed": len(failed),
+        "requests_during_replan": sum(1 for a, b, *_ in results if a < t1 and b > t0),
         "failures": sorted({type(e).__name__ for e in failed}),
-        "tokens_changed": sum(1 for p, r in results if isinstance(r, str) and r != expected[p]),
-        "replan_seconds": round(seconds, 1),
+        "tokens_changed": sum(1 for _, _, p, r in results if isinstance(r, str) and r != expected[p]),
+        "replan_seconds": round(t1 - t0, 1),
     }
 
 

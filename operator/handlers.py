@@ -6,7 +6,7 @@ and write the results back.
     pod events (worker/router pods) → readiness counts; a lost expert pod → Degraded, and once it has been
                                      lost for placement.replanGraceSeconds a re-plan onto the survivors when
                                      some expert has no live replica left
-    timer (every REBALANCE_TICK)   → Degraded: re-assess (a re-plan may have come due); Ready: every
+    timer (every REBALANCE_TICK)   → Degraded / Deploying: re-assess (a re-plan may be due, or rolled out); Ready: every
                                      placement.rebalanceIntervalSeconds read the router's /v1/load and re-plan
                                      when the observed imbalance exceeds placement.imbalanceThreshold
     (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
@@ -349,9 +349,7 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         if new_plan:
             base["placement"] = {}
         pods = _pods(expertmesh_pods, namespace, name)
-        restarts = m.plan_restarts(m.compatible(previous, cfg), plan, pods) if new_plan else \
-            m.pending_restarts((status.get("placement") or {}).get("pendingRestarts") or [], pods)
-        a = m.assess(parsed, plan, pods, templates, stale=[r["uid"] for r in restarts])
+        a = m.assess(parsed, plan, pods, templates)
         decision = m.decide(name, parsed, plan, base, a, generation)
         conds = m.set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
                                 m.summarize_plan(plan), generation)
@@ -360,8 +358,7 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
                                 await _fetch_progress(deps, namespace, pods), generation)
         patch.status.update({
             **update, "observedGeneration": generation, "revision": rev,
-            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg),
-                                            restarts=restarts),
+            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg)),
             "endpoints": m.endpoints(name, namespace, parsed),
         })
         logger.info(f"plan {plan.plan_hash()} applied: {m.summarize_plan(plan)}")
@@ -390,22 +387,12 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
             return  # the spec changed and its reconciliation has not finished: its status comes next
         generation = (body.get("metadata") or {}).get("generation")
         pods = _pods(index, namespace, name)
-        placement = status.get("placement") or {}
-        pending = m.pending_restarts(placement.get("pendingRestarts") or [], pods)
-        a = m.assess(spec, plan, pods, m.template_hashes(children), stale=[r["uid"] for r in pending])
+        a = m.assess(spec, plan, pods, m.template_hashes(children))
         decision = m.decide(name, spec, plan, status, a, generation)
         update = decision.status
         if decision.replan_excluding is not None:
             update = await _replan_around(deps, body, name, namespace, spec, cfg, plan, status, update,
-                                          decision.replan_excluding, generation, logger, pods)
-        else:
-            victim = m.next_restart(pending, pods, plan)
-            if victim is not None:  # onto the published plan: its controller recreates it from the same template
-                logger.info(f"restarting pod {victim['pod']} onto plan {plan.plan_hash()}")
-                await _kube(deps, deps.kube.delete, "v1", "Pod", namespace, victim["pod"], victim["uid"])
-            if len(pending) != len(placement.get("pendingRestarts") or []):
-                update = {**update, "placement": {**placement, "pendingRestarts": [
-                    {"pod": r["pod"], "uid": r["uid"]} for r in pending]}}
+                                          decision.replan_excluding, generation, logger)
         if update:
             update = m.with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
                                     generation)
@@ -414,7 +401,7 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
 
 
 async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
-                         update: dict, lost: list[int], generation, logger, pods=()) -> dict:
+                         update: dict, lost: list[int], generation, logger) -> dict:
     loads = deps.loads.get((namespace, name))
     if loads is None:  # this operator has not read the load since it started: the last one kept in the cluster
         loads = await _read_load(deps, namespace, name, cfg)
@@ -438,7 +425,7 @@ async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec
                                 f"{what}; rolling out plan {new.plan_hash()}", generation)
     return {**update, "phase": "Deploying", "message": f"{what}; rolling out plan {new.plan_hash()}",
             "conditions": conds, "revision": rev,
-            "placement": m.placement_status(new, lost_workers=lost, restarts=m.plan_restarts(plan, new, pods))}
+            "placement": m.placement_status(new, lost_workers=lost)}
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -452,9 +439,9 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     read the load of a Ready one every placement.rebalanceIntervalSeconds."""
     deps: Deps = memo.deps
     status = dict(status or {})
-    if status.get("phase") == "Degraded" or (status.get("placement") or {}).get("pendingRestarts") or \
-            any(p.fetch == "running" for p in _pods(expertmesh_pods, namespace, name)):
-        # a re-plan due, a pod to restart, or a checkpoint fetch whose progress goes to the status
+    if status.get("phase") in ("Degraded", "Deploying") or any(p.fetch == "running" for p in _pods(expertmesh_pods, namespace, name)):
+        # a re-plan due, a re-plan rolled out with no pod event to tell (nothing restarts for a plan), or a
+        # checkpoint fetch whose progress goes to the status
         await observe(deps, namespace, name, expertmesh_pods, logger)
         return
     if status.get("phase") != "Ready":
@@ -497,10 +484,9 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
             generation = (body.get("metadata") or {}).get("generation")
             conds = m.set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
                                     f"{verdict.reason}; {m.summarize_plan(verdict.plan)}", generation)
-            restarts = m.plan_restarts(plan, verdict.plan, _pods(expertmesh_pods, namespace, name))
             update.update(phase="Deploying", conditions=conds, message=verdict.reason,
                           placement=m.placement_status(verdict.plan, moved=verdict.moved,
-                                                       observed_imbalance=verdict.observed, restarts=restarts))
+                                                       observed_imbalance=verdict.observed))
             logger.info(f"rebalanced: {verdict.reason}, {verdict.moved} shards moved")
         patch.status.update(update)
 

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -248,9 +248,8 @@ def _with_workers(plan: PlacementPlan, gpus_by_ordinal, figures: PlanFigures, no
 
 
 def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: Optional[int] = None,
-                     observed_imbalance: Optional[float] = None,
-                     restarts: Optional[list[dict]] = None) -> dict[str, Any]:
-    """`status.placement` (camelCase) from a plan's figures; `restarts`: pods still to restart onto it."""
+                     observed_imbalance: Optional[float] = None) -> dict[str, Any]:
+    """`status.placement` (camelCase) from a plan's figures."""
     f = plan.figures
     out = {
         "logicalExperts": f.logical_experts,
@@ -263,17 +262,14 @@ def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), move
     }
     if observed_imbalance is not None:
         out["observedImbalance"] = round(float(observed_imbalance), 4)
-    out["pendingRestarts"] = [{"pod": r["pod"], "uid": r["uid"]} for r in restarts or []]
     return out
 
 
 # ------------------------------------------------------------------------------------------------ plan rollout
-# A new plan is published in the plan ConfigMap; no pod template changes. Until expert workers load and drop
-# shards in place (re-reading the mounted plan), a pod adopts a plan when it starts: the operator restarts —
-# one at a time, deleting the pod so its controller recreates it from the unchanged template — only the expert
-# pods whose shards the plan changes, then the router pods (the router pushes the plan and replica table to
-# the attention workers when it starts). Attention pods never restart for a plan. `status.placement.
-# pendingRestarts` lists the pods (name + uid) still on an older plan; they do not count as rolled out.
+# A new plan is published in the plan ConfigMap; no pod template changes and no pod restarts. The router follows
+# the mounted plan and adopts it live (router/server.watch_plan → Engine.replan): the expert workers load their
+# new shards, the router switches the attention workers' replica table between two steps, the expert workers
+# drop the shards they gave up. A pod that starts reads the plan in force from the same ConfigMap.
 def _shards(plan: Optional[PlacementPlan], ordinal: int) -> tuple:
     if plan is None or ordinal >= len(plan.workers):
         return ()
@@ -284,48 +280,6 @@ def changed_ordinals(previous: Optional[PlacementPlan], plan: PlacementPlan) -> 
     """Expert ordinals whose shards (per device) differ between `previous` and `plan`."""
     n = max(len(plan.workers), len(previous.workers) if previous is not None else 0)
     return [o for o in range(n) if _shards(previous, o) != _shards(plan, o)]
-
-
-def plan_restarts(previous: Optional[PlacementPlan], plan: PlacementPlan, pods: Iterable[PodInfo]) -> list[dict]:
-    """The pods started on `previous` that must restart to run `plan`: existing expert pods of a changed
-    ordinal (highest first), then every router pod when anything changed. Nothing without a previous plan."""
-    if previous is None:
-        return []
-    changed = set(changed_ordinals(previous, plan))
-    if not changed:
-        return []
-    pods = [p for p in pods if not p.deleting and p.uid]
-    experts = sorted((p for p in pods if p.component == COMPONENT_EXPERT and p.ordinal in changed
-                      and p.ordinal < plan.cluster.pods), key=lambda p: -p.ordinal)
-    routers = sorted((p for p in pods if p.component == COMPONENT_ROUTER), key=lambda p: p.name)
-    return [{"pod": p.name, "uid": p.uid, "component": p.component} for p in experts + routers]
-
-
-def pending_restarts(pending: Iterable[dict], pods: Iterable[PodInfo]) -> list[dict]:
-    """The entries of `pending` whose pod (same uid) still exists (a deleted pod's successor runs the plan)."""
-    alive = {p.uid: p for p in pods}
-    return [dict(r, component=alive[r["uid"]].component) for r in pending if r.get("uid") in alive]
-
-
-def next_restart(pending: list[dict], pods: Iterable[PodInfo], plan: PlacementPlan) -> Optional[dict]:
-    """The pod to delete now, or None: one at a time, and only while every other pod the plan needs is live
-    (expert pods first; the router pods once no expert pod is left to restart)."""
-    pods = list(pods)
-    if not pending or any(p.deleting for p in pods if p.uid in {r["uid"] for r in pending}):
-        return None  # a restart is under way
-    by_uid = {p.uid: p for p in pods}
-    live_experts = {p.ordinal for p in pods if p.component == COMPONENT_EXPERT and p.live}
-    experts = [r for r in pending if r.get("component") == COMPONENT_EXPERT]
-    down = [o for o in plan_ordinals(plan) if o not in live_experts]
-    if down:  # wait for the restarted (or lost) pod to serve again — unless it is itself still on the old plan
-        stuck = [r for r in experts if r["uid"] in by_uid and by_uid[r["uid"]].ordinal in down]
-        return stuck[0] if stuck else None
-    if experts:
-        return experts[0]
-    routers = {p.name for p in pods if p.component == COMPONENT_ROUTER}
-    if any(not p.live for p in pods if p.component == COMPONENT_ROUTER):
-        return None
-    return next((r for r in pending if r["pod"] in routers), None)
 
 
 def summarize_plan(plan: PlacementPlan) -> str:
@@ -460,7 +414,7 @@ def _hash(obj) -> str:
 def _stamped(workload: dict) -> dict:
     """Annotate a workload's pod template with the hash of the template itself: a pod carrying the current
     hash runs the current spec (pods of an older template are still rolling). The plan is not part of any
-    template: which pods still run an older plan is tracked by `plan_restarts`."""
+    template: running pods adopt a new plan live (see "plan rollout")."""
     tmpl = workload["spec"]["template"]
     tmpl["metadata"]["annotations"] = {**tmpl["metadata"].get("annotations", {}), TEMPLATE_HASH_ANNOTATION: _hash(tmpl)}
     return workload
@@ -785,15 +739,15 @@ def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iter
 @dataclass
 class Assessment:
     """The pods as observed against the plan in force."""
-    ready: dict[str, int]            # component → live pods (experts: plan-holding ordinals on the current plan)
+    ready: dict[str, int]            # component → live pods (experts: plan-holding ordinals)
     desired: dict[str, int]
-    lost_experts: list[int]          # plan-holding expert ordinals without a live pod on the current plan
+    lost_experts: list[int]          # plan-holding expert ordinals without a live pod
     unserved: list[tuple[int, int]]  # (layer, expert) left without a live replica
     live_expert_ordinals: set[int]   # ordinals with a live expert pod, on any plan
 
     @property
     def rolled_out(self) -> bool:
-        """Every pod the plan needs is live (and the experts are on the current plan)."""
+        """Every pod the plan needs is live."""
         return not self.lost_experts and all(self.ready[c] >= self.desired[c]
                                              for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION))
 
@@ -812,13 +766,11 @@ def plan_ordinals(plan: PlacementPlan) -> list[int]:
 
 
 def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
-           templates: dict[str, str], stale: Iterable[str] = ()) -> Assessment:
+           templates: dict[str, str]) -> Assessment:
     """Count live pods of the current templates (`templates`: component → template hash, see
-    `template_hashes`) that run the current plan (`stale`: uids of pods started before it, see
-    `plan_restarts`); find the plan-holding expert pods that are not live on the current template and plan,
-    and the experts they leave without a live replica."""
-    stale = set(stale)
-    pods = [p if p.uid not in stale else replace(p, template_hash=None) for p in pods]
+    `template_hashes`); find the plan-holding expert pods that are not live on the current template, and the
+    experts they leave without a live replica."""
+    pods = list(pods)
     desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: spec.attention_workers.replicas,
                COMPONENT_EXPERT: plan.cluster.pods}
 
@@ -862,14 +814,14 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
            generation: Optional[int], now: Optional[str] = None) -> Decision:
     """The phase state machine over observed pods.
 
-    Deploying — until every pod the plan needs is live on the current plan (pods starting or rolling are
+    Deploying — until every pod the plan needs is live on the current template (pods starting or rolling are
       expected, never a reason to re-plan);
     Ready — everything live; Degraded (ReplannedOntoSurvivors) when the plan routes around lost pods;
     after Ready/Degraded, a pod the plan needs that is not live → Degraded:
       its experts all have live replicas elsewhere → reason ReplicasServing (nothing moves);
       some expert has no live replica → reason ExpertsUnavailable and a re-plan onto the survivors;
       — but only once the pods have been lost for `placement.replanGraceSeconds` (`status.lostSince` records
-      since when; a restarting pod usually comes back, and a re-plan restarts every expert pod);
+      since when; a restarting pod usually comes back, and a re-plan moves shards);
     lost pods all live again → re-plan onto every pod (they rejoin).
     A Failed resource is left alone (only a spec change gets it out)."""
     phase = status.get("phase")

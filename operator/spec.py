@@ -268,11 +268,6 @@ class Condition(_Status):
     observed_generation: Optional[int] = None
 
 
-class PendingRestart(_Status):
-    pod: str
-    uid: str
-
-
 class PlacementStatus(_Status):
     logical_experts: int
     physical_experts: int
@@ -283,8 +278,6 @@ class PlacementStatus(_Status):
     lost_workers: list[int] = Field(default_factory=list, description="expert ordinals the plan routes around")
     observed_imbalance: Optional[float] = Field(None, description="imbalance of the plan under the router's "
                                                                   "last observed load")
-    pending_restarts: list["PendingRestart"] = Field(
-        default_factory=list, description="pods started on an older plan, restarted one at a time onto this one")
 
 
 class ScaleStatus(_Status):

@@ -8,7 +8,9 @@ once for the node, every file verified, `Downloading N%` in the status meanwhile
 limits and context length as the router's (`spec.thinking` / `spec.kv.maxContext` → router flags); an expert pod is deleted
 (its process SIGKILLed) while requests stream in: every request still succeeds with the same greedy tokens, the
 resource goes Degraded (ReplicasServing) and back to Ready once the StatefulSet's pod is recreated and serving,
-and the router takes the worker back. Every process exits at the end. A checkpoint with a corrupted file is
+and the router takes the worker back. Then `redundantExperts` changes under traffic: a new plan is published, no pod
+template changes and no pod restarts, the router adopts the plan live (the expert pods load / drop shards in place)
+and every request in flight completes with the same greedy tokens. Every process exits at the end. A checkpoint with a corrupted file is
 refused: the fetch fails and the WeightsReady condition names the file.
 
 Nothing of ours is mocked; the only stand-ins are Kubernetes itself (emulator + LocalNode) and its networking
@@ -37,7 +39,7 @@ from expertmesh.router.remote import RemoteAttention, RemoteExpert
 
 from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
-from test_operator_kopf import NS, eventually, operator, tiny_spec
+from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
@@ -76,6 +78,17 @@ async def chat(client: openai.AsyncOpenAI, prompt: str):
         model="tiny", messages=[{"role": "user", "content": prompt}], max_completion_tokens=MAX_TOKENS,
         temperature=0)
     return raw.status_code, raw.parse()
+
+
+async def send(client: openai.AsyncOpenAI, prompt: str, results: list) -> None:
+    """One chat request; appends (start, end, prompt, the message or the error)."""
+    start = time.monotonic()
+    try:
+        code, resp = await chat(client, prompt)
+        out = resp.choices[0].message if code == 200 else f"HTTP {code}"
+    except openai.APIError as e:
+        out = e
+    results.append((start, time.monotonic(), prompt, out))
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +203,7 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
         for i in range(MAX_BACKGROUND):
             if stop.is_set():
                 return
-            prompt = PROMPTS[i % len(PROMPTS)]
-            start = time.monotonic()
-            try:
-                code, resp = await chat(client, prompt)
-                out = resp.choices[0].message if code == 200 else f"HTTP {code}"
-            except openai.APIError as e:
-                out = e
-            results.append((start, time.monotonic(), prompt, out))
+            await send(client, PROMPTS[i % len(PROMPTS)], results)
             await asyncio.sleep(0.2)
 
     health_down: list[list[int]] = []
@@ -252,17 +258,60 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
     status, r = await chat(client, PROMPTS[0])
     assert status == 200 and r.choices[0].message.content == expected[PROMPTS[0]].content
 
-    # the plan volume follows the ConfigMap while the pods run (what an in-place plan reload re-reads)
-    mounted = next(d for name, d in node.process(expert_pods[0]).configmaps if name == m.plan_configmap_name(NAME))
-    assert (mounted / "plan.json").read_text() == c.get("v1/configmaps", m.plan_configmap_name(NAME))["data"][
-        "plan.json"]
-    async with c.emu.patch(f"/api/v1/namespaces/{NS}/configmaps/{m.plan_configmap_name(NAME)}",
-                           json={"data": {"probe": "v2"}},
-                           headers={"Content-Type": "application/merge-patch+json"}) as resp:
-        assert resp.status == 200
-    await eventually(lambda: (mounted / "probe").exists() and (mounted / "probe").read_text() == "v2",
-                     timeout=5, what="the ConfigMap change in the pod's volume")
+    # 5. a live re-plan under traffic: redundantExperts 16 → 4 publishes a new plan; no pod template changes, no
+    # pod restarts, the router adopts it (expert workers warm / drop shards, the table switches between steps)
+    # and every request in flight completes with the same greedy tokens
+    await live_replan(c, node, client, base, expected)
 
+
+def templates(c) -> str:
+    return json.dumps([c.get(r, n)["spec"]["template"] for r, n in (
+        ("apps/v1/statefulsets", m.expert_name(NAME)), ("apps/v1/statefulsets", m.attention_name(NAME)),
+        ("apps/v1/deployments", m.router_name(NAME)))], sort_keys=True)
+
+
+async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str, expected: dict) -> None:
+    before, uids, old = templates(c), _uids(c), c.plan(NAME)
+    results: list[tuple[float, float, str, object]] = []
+    stop = asyncio.Event()
+
+    async def traffic(i: int):
+        while not stop.is_set():
+            await send(client, PROMPTS[i % len(PROMPTS)], results)
+            i += 1
+
+    async def served_plan() -> str:
+        async with httpx.AsyncClient(base_url=base, timeout=5) as h:
+            return (await h.get("/v1/load")).json()["plan_hash"]
+
+    assert await served_plan() == old.plan_hash()
+    tasks = [asyncio.create_task(traffic(i)) for i in range(2)]
+    try:
+        await eventually(lambda: len(results) >= 2, timeout=30, what="traffic")
+        start = time.monotonic()
+        await c.patch_moe(NAME, {"spec": {"expertWorkers": {"redundantExperts": 4}}})
+        await eventually(lambda: c.status(NAME)["placement"]["planHash"] != old.plan_hash(), what="a new plan")
+        new = c.plan(NAME)
+        deadline = time.monotonic() + 60
+        while await served_plan() != new.plan_hash():
+            assert time.monotonic() < deadline, f"the router did not adopt plan {new.plan_hash()}\n{node.logs()}"
+            await asyncio.sleep(0.1)
+        switched = time.monotonic()
+        n = len(results)
+        await eventually(lambda: len(results) >= n + 2, timeout=30, what="requests on the new plan")
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    assert new.figures.physical_experts < old.figures.physical_experts
+    assert templates(c) == before and _uids(c) == uids        # byte-identical templates, nothing restarted
+    assert c.status(NAME)["phase"] == "Ready"
+    for i in range(2):                                        # each expert pod holds exactly its new shards
+        with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), i)), timeout=10) as w:
+            assert sorted((await asyncio.to_thread(w.info))["experts"]) == sorted(new.experts_of(i))
+    failures = [(p, out) for _, _, p, out in results if not isinstance(out, openai.types.chat.ChatCompletionMessage)]
+    assert failures == []
+    assert all(out.content == expected[p].content for _, _, p, out in results)
+    assert any(a < switched and b > start for a, b, *_ in results)   # requests were in flight across the switch
 
 
 async def test_a_corrupted_checkpoint_file_is_refused_and_named_in_the_status(published, tmp_path):

@@ -339,42 +339,13 @@ def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(
     assert parts(bumped, plan)[2] != a[2]  # a spec change does roll the pods
 
 
-def _pod(name, component, uid, ordinal=None, ready=True, deleting=False):
-    return m.PodInfo(name=name, component=component, ordinal=ordinal, ready=ready, template_hash="t",
-                     deleting=deleting, uid=uid)
-
-
-def test_plan_restarts_only_changed_expert_pods_then_the_router(tiny_plan):
+def test_changed_ordinals_are_the_expert_pods_whose_shards_move(tiny_plan):
     spec, cfg, plan = tiny_plan
     spec3 = parse_spec(tiny(expertWorkers={"replicas": 3, "gpuMemoryGiB": 40 * TINY_EXPERT_BYTES / GIB}))
     new = m.replan_around(spec3, cfg, m.plan_for(spec3, cfg), [2])  # ordinal 2's experts move to 0 and 1
     old = m.plan_for(spec3, cfg)
-    changed = m.changed_ordinals(old, new)
-    assert changed == [0, 1, 2]
-    same = m.plan_for(spec3, cfg)
-    assert m.changed_ordinals(same, same) == [] and m.plan_restarts(same, same, []) == []
-    pods = [_pod("kimi-expert-0", m.COMPONENT_EXPERT, "e0", 0), _pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1", 1),
-            _pod("kimi-attention-0", m.COMPONENT_ATTENTION, "a0", 0), _pod("kimi-router-x", m.COMPONENT_ROUTER, "r")]
-    restarts = m.plan_restarts(old, new, pods)  # expert-2 is gone: its successor starts on the new plan
-    assert [r["pod"] for r in restarts] == ["kimi-expert-1", "kimi-expert-0", "kimi-router-x"]
-    assert m.plan_restarts(None, new, pods) == []
-    # one at a time, experts first, only while every pod the plan needs is live
-    assert m.next_restart(restarts, pods, new)["pod"] == "kimi-expert-1"
-    after = [_pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1b", 1, ready=False)] + [p for p in pods if p.uid != "e1"]
-    pending = m.pending_restarts(restarts, after)
-    assert [r["pod"] for r in pending] == ["kimi-expert-0", "kimi-router-x"]
-    assert m.next_restart(pending, after, new) is None  # expert-1 is not serving yet
-    after[0] = _pod("kimi-expert-1", m.COMPONENT_EXPERT, "e1b", 1)
-    assert m.next_restart(pending, after, new)["pod"] == "kimi-expert-0"
-    # a pod still on the old plan that is not serving (crash-looping) is restarted rather than waited for
-    crashed = [after[0], _pod("kimi-expert-0", m.COMPONENT_EXPERT, "e0", 0, ready=False)] + after[2:]
-    assert m.next_restart(pending, crashed, new)["pod"] == "kimi-expert-0"
-    routers_only = [r for r in pending if r["component"] == m.COMPONENT_ROUTER]
-    assert m.next_restart(routers_only, after, new)["pod"] == "kimi-router-x"
-    # a pod to restart counts as not rolled out
-    a = m.assess(spec3, new, after, {c: "t" for c in (m.COMPONENT_ROUTER, m.COMPONENT_ATTENTION,
-                                                      m.COMPONENT_EXPERT)}, stale=["e0"])
-    assert a.lost_experts == [0] and not a.rolled_out
+    assert m.changed_ordinals(old, new) == [0, 1, 2] and new.experts_of(2) == []
+    assert m.changed_ordinals(old, old) == [] and m.changed_ordinals(None, new) == [0, 1]
 
 
 def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
