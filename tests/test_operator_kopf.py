@@ -508,6 +508,41 @@ async def test_timer_rebalances_on_observed_imbalance():
         assert np.array_equal(await _read_load(c.deps, NS, "kimi", cfg), loads)
 
 
+async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_load():
+    """What the operator knows between load reads lives in the cluster, not in its memory: after a restart (a
+    fresh process: empty Deps) the last rebalance time in the status still holds the interval — no early read of
+    the router's load — and the load kept in `<name>-load` is what it re-plans with."""
+    from expertmesh.config import preset
+    from expertmesh.operator.handlers import _read_load
+    cfg = preset("tiny")
+    skew = zipf_loads(cfg, s=1.5, seed=3) * 1000
+    calls = []
+
+    async def fetch(url, timeout):
+        calls.append(url)
+        return {"model": "tiny", "moe_layers": cfg.moe_layers,
+                "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)}}
+
+    async with emulator() as emu:
+        url = str(emu.url).rstrip("/")
+        first = Deps(kube=Kube.for_url(url), fetch_load=fetch, load_timeout=2.0)
+        async with run_operator(emu, first):
+            c = Cluster(emu, first)
+            await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=40, redundant=8, interval=60))
+            await eventually(lambda: c.status("kimi").get("lastRebalanceTime"), what="a load read")
+            await eventually(lambda: c.get("v1/configmaps", "kimi-load"), what="the load kept")
+        read, rebalanced = len(calls), c.status("kimi")["lastRebalanceTime"]
+        assert read == 1 and first.loads
+        second = Deps(kube=Kube.for_url(url), fetch_load=fetch, load_timeout=2.0)   # a new process: nothing known
+        async with run_operator(emu, second):
+            c = Cluster(emu, second)
+            await asyncio.sleep(1.5)                    # several timer ticks (0.2 s) of a Ready resource
+            assert len(calls) == read and c.status("kimi")["lastRebalanceTime"] == rebalanced
+            assert second.loads == {}
+            kept = await _read_load(second, NS, "kimi", cfg)
+            assert np.array_equal(kept, first.loads[(NS, "kimi")])
+
+
 async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_path):
     """`expertmesh operator` as a process: kubeconfig login, liveness endpoint, SIGTERM. (Cluster-wide: in
     namespace-scoped mode Kopf lists /api/v1/namespaces, a path kmock 0.8 cannot parse.)"""
