@@ -16,8 +16,8 @@ Errors: a spec that cannot be deployed (bad field, cluster too small) → phase 
 message + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
 `kopf.TemporaryError` with exponential backoff.
 
-Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: JSON over the
-official client's configuration and connection pool) and `fetch_load` (the HTTP GET of the router's load).
+Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API through lightkube's
+async client) and `fetch_load` (the HTTP GET of the router's load).
 """
 from __future__ import annotations
 
@@ -45,12 +45,6 @@ LOAD_TIMEOUT = 10.0             # seconds for the router's /v1/load
 REBALANCE_TICK = 15.0           # the timer's period; each resource's own interval is checked against it
 MAX_BACKOFF = 120.0
 
-_PLURALS = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
-            "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "Pod": "pods",
-            "NetworkPolicy": "networkpolicies",
-            KIND: PLURAL}
-
-
 # ------------------------------------------------------------------------------------------------ the API edge
 class KubeError(Exception):
     def __init__(self, status: Optional[int], message: str):
@@ -63,125 +57,109 @@ class KubeError(Exception):
         return self.status is None or self.status in (408, 409, 429) or self.status >= 500
 
 
-class Kube:
-    """The Kubernetes API calls the operator makes: plain JSON over HTTPS with the official client's
-    configuration (TLS, client certificates, tokens and their refresh hooks) and its urllib3 pool.
-    Blocking: each call runs in a worker thread; every call carries a (connect, read) deadline."""
+def _resources() -> dict[str, type]:
+    """kind → lightkube resource class, for every kind the operator reads or writes."""
+    from lightkube.generic_resource import create_namespaced_resource
+    from lightkube.resources.apps_v1 import Deployment, StatefulSet
+    from lightkube.resources.core_v1 import ConfigMap, Pod, Service
+    from lightkube.resources.networking_v1 import NetworkPolicy
+    from lightkube.resources.policy_v1 import PodDisruptionBudget
+    kinds = {r.__name__: r for r in (ConfigMap, Service, Pod, StatefulSet, Deployment, PodDisruptionBudget,
+                                     NetworkPolicy)}
+    kinds[KIND] = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+    return kinds
 
-    def __init__(self, configuration, timeout: tuple[float, float] = API_TIMEOUT):
-        import kubernetes
-        self.conf = configuration
-        self.pool = kubernetes.client.ApiClient(configuration).rest_client.pool_manager
+
+class Kube:
+    """The Kubernetes API calls the operator makes, through lightkube's AsyncClient (async; configuration,
+    TLS, tokens and exec plugins as kubectl; server-side apply; typed models for the builtin kinds, a generic
+    resource for MoEDeployment). Objects go in and come out as plain dicts (the manifests module's currency).
+    Every call carries a (connect, read) deadline; failures become KubeError with the HTTP status."""
+
+    def __init__(self, config, timeout: tuple[float, float] = API_TIMEOUT):
+        import weakref
+        self.config = config
         self.timeout = timeout
+        self.kinds = _resources()
+        self._clients = weakref.WeakKeyDictionary()   # event loop → AsyncClient (a connection pool is per loop)
 
     @classmethod
     def from_environment(cls) -> "Kube":
         """Connect as kubectl does: the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config."""
-        import kubernetes
-        conf = kubernetes.client.Configuration()
-        try:
-            kubernetes.config.load_incluster_config(client_configuration=conf)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(client_configuration=conf)
-        return cls(conf)
+        from lightkube import KubeConfig
+        return cls(KubeConfig.from_env())
 
     @classmethod
     def for_url(cls, url: str) -> "Kube":
         """A plain-HTTP API server without authentication (tests' in-memory emulator)."""
-        import kubernetes
-        conf = kubernetes.client.Configuration()
-        conf.host = url.rstrip("/")
-        conf.verify_ssl = False
-        return cls(conf)
+        from lightkube import KubeConfig
+        from lightkube.config.models import Cluster, User
+        return cls(KubeConfig.from_one(cluster=Cluster(server=url.rstrip("/")), user=User()))
+
+    def _client(self):
+        import httpx2 as httpx   # lightkube's HTTP client
+        from lightkube import AsyncClient
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            client = self._clients[loop] = AsyncClient(
+                self.config, field_manager=FIELD_MANAGER,
+                timeout=httpx.Timeout(self.timeout[1], connect=self.timeout[0]))
+        return client
+
+    async def _call(self, what: str, call):
+        import httpx2 as httpx   # lightkube's HTTP client
+        from lightkube import ApiError
+        try:
+            return await call
+        except ApiError as e:
+            raise KubeError(e.status.code, f"{what}: {e.status.message}") from None
+        except httpx.HTTPStatusError as e:  # an error answer without a Kubernetes Status body
+            raise KubeError(e.response.status_code, f"{what}: {e.response.text[:300]}") from None
+        except httpx.HTTPError as e:  # connection refused, TLS, timeouts: no response at all
+            raise KubeError(None, f"{what}: {type(e).__name__}: {e}") from None
 
     @staticmethod
-    def path(api_version: str, kind: str, namespace: str, name: Optional[str] = None,
-             subresource: Optional[str] = None) -> str:
-        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        out = f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
-        if name:
-            out += f"/{name}"
-        if subresource:
-            out += f"/{subresource}"
-        return out
+    def _plain(obj) -> dict:
+        return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
 
-    def _headers(self, content_type: str) -> dict:
-        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": FIELD_MANAGER}
-        # newer clients keep the token under "BearerToken", older ones under "authorization" (both refresh)
-        token = self.conf.get_api_key_with_prefix("BearerToken") or self.conf.get_api_key_with_prefix("authorization")
-        if token:
-            headers["Authorization"] = token if " " in token else f"Bearer {token}"
-        elif self.conf.username:
-            import urllib3
-            headers.update(urllib3.util.make_headers(basic_auth=f"{self.conf.username}:{self.conf.password}"))
-        return headers
-
-    def _call(self, method: str, path: str, body=None, query: Optional[dict] = None,
-              content_type: str = "application/json", raw: bool = False):
-        import urllib3
-        from urllib.parse import urlencode
-        url = self.conf.host.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
         try:
-            resp = self.pool.request(method, url, body=None if body is None else json.dumps(body),
-                                     headers=self._headers(content_type), retries=False,
-                                     timeout=urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]))
-        except Exception as e:  # connection refused, TLS, timeouts: no response at all
-            raise KubeError(None, f"{method} {path}: {type(e).__name__}: {e}") from None
-        text = resp.data.decode("utf-8", "replace") if resp.data else ""
-        if not 200 <= resp.status < 300:
-            try:
-                message = json.loads(text).get("message") or text[:300]
-            except (ValueError, AttributeError):
-                message = text[:300]
-            raise KubeError(resp.status, f"{method} {path}: {message}")
-        if raw:
-            return text
-        return json.loads(text) if text else {}
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
-        try:
-            return self._call("GET", self.path(api_version, kind, namespace, name))
+            obj = await self._call(f"GET {kind} {namespace}/{name}",
+                                   self._client().get(self.kinds[kind], name, namespace=namespace))
         except KubeError as e:
             if e.status == 404:
                 return None
             raise
+        return self._plain(obj)
 
-    def apply(self, obj: dict) -> dict:
-        """Server-side apply (this operator owns the fields it sets); create when the server does not know the
-        object (an API without server-side apply answers 404)."""
+    async def apply(self, obj: dict) -> dict:
+        """Server-side apply (this operator owns the fields it sets, forced); create when the server does not
+        know the object (an API without server-side apply answers 404)."""
+        from lightkube import codecs
         meta = obj["metadata"]
-        path = self.path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
+        model = codecs.from_dict(obj)
         try:
-            return self._call("PATCH", path, obj, {"fieldManager": FIELD_MANAGER, "force": "true"},
-                              content_type="application/apply-patch+yaml")
+            out = await self._call(what, self._client().apply(model, field_manager=FIELD_MANAGER, force=True))
         except KubeError as e:
             if e.status != 404:
                 raise
-        return self._call("POST", self.path(obj["apiVersion"], obj["kind"], meta["namespace"]), obj,
-                          {"fieldManager": FIELD_MANAGER})
+            out = await self._call(what, self._client().create(model, field_manager=FIELD_MANAGER))
+        return self._plain(out)
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: Optional[str] = None) -> None:
-        """Delete an object — only the one with `uid` when given (a successor of the same name is left alone:
-        checked here and, on a real API server, by the delete's precondition); one already gone is fine."""
-        try:
-            if uid is not None:
-                current = self.get(api_version, kind, namespace, name)
-                if current is None or (current.get("metadata") or {}).get("uid") != uid:
-                    return
-            body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}} if uid else None
-            self._call("DELETE", self.path(api_version, kind, namespace, name), body)
-        except KubeError as e:
-            if e.status not in (404, 409):  # 409: the precondition failed (a successor)
-                raise
-
-    def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
+    async def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
         """The last lines of a container's log (as `kubectl logs --tail`)."""
-        return self._call("GET", self.path("v1", "Pod", namespace, pod, "log"),
-                          query={"container": container, "tailLines": str(tail_lines)}, raw=True)
+        async def lines() -> str:
+            return "".join([line async for line in self._client().log(
+                pod, namespace=namespace, container=container, tail_lines=tail_lines)])
+        return await self._call(f"log {namespace}/{pod}/{container}", lines())
 
-    def patch_status(self, namespace: str, name: str, status: dict) -> dict:
-        return self._call("PATCH", self.path(API_VERSION, KIND, namespace, name, "status"), {"status": status},
-                          content_type="application/merge-patch+json")
+    async def patch_status(self, namespace: str, name: str, status: dict) -> dict:
+        from lightkube.types import PatchType
+        out = await self._call(f"patch {KIND} {namespace}/{name} status", self._client().patch(
+            self.kinds[KIND].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE))
+        return self._plain(out)
 
 
 async def _fetch_load_http(url: str, timeout: float) -> dict:
@@ -214,7 +192,7 @@ class Deps:
 
     def __post_init__(self):
         if self.read_log is None:
-            self.read_log = lambda ns, pod, container: asyncio.to_thread(self.kube.read_log, ns, pod, container)
+            self.read_log = self.kube.read_log
 
     def lock(self, key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -243,9 +221,9 @@ def _backoff(retry: int) -> float:
 
 
 async def _kube(deps: Deps, fn, *args, retry: int = 0):
-    """Run a blocking Kube call in a thread; transient failures become kopf.TemporaryError with backoff."""
+    """Await a Kube call; transient failures become kopf.TemporaryError with backoff."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await fn(*args)
     except KubeError as e:
         if e.transient:
             raise kopf.TemporaryError(f"Kubernetes API: {e}", delay=_backoff(retry)) from None

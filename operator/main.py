@@ -57,14 +57,14 @@ def run(args) -> int:
     import sys
 
     import kopf
-    import kubernetes
+    from lightkube import ConfigError
 
     from expertmesh.operator.handlers import REBALANCE_TICK, Deps, Kube, build_registry
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         deps = Deps(kube=Kube.from_environment())
-    except kubernetes.config.ConfigException as e:
+    except ConfigError as e:
         print(f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "
               f"~/.kube/config): {e}", file=sys.stderr)
         return 2

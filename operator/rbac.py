@@ -34,9 +34,8 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "deployments", _CHILD),
     Rule("policy", "poddisruptionbudgets", _CHILD),
     Rule("networking.k8s.io", "networkpolicies", _CHILD),
-    # worker pods: watched for readiness and loss; an expert or router pod on an older plan is deleted (its
-    # controller recreates it from the unchanged template, onto the published plan)
-    Rule("", "pods", ("get", "list", "watch", "delete")),
+    # worker pods: watched for readiness and loss (never deleted: a new plan is adopted live)
+    Rule("", "pods", ("get", "list", "watch")),
     # the checkpoint fetch's progress: the last lines of the pods' fetch (init) container log
     Rule("", "pods/log", ("get",)),
     # Kopf posts Kubernetes events (core v1) for handler outcomes

@@ -374,7 +374,7 @@ async def test_transient_api_error_is_retried_with_backoff():
 async def test_kube_errors_map_to_kopf_errors():
     from expertmesh.operator.handlers import KubeError, _kube
 
-    def fail(status):
+    async def fail(status):
         raise KubeError(status, "boom")
 
     for status in (None, 409, 429, 500, 503):
@@ -674,9 +674,9 @@ class CountingKube(Kube):
     """The operator's API edge, counting the children it applies (tells which replica did the work)."""
     applies = 0
 
-    def apply(self, obj: dict) -> dict:
+    async def apply(self, obj: dict) -> dict:
         self.applies += 1
-        return super().apply(obj)
+        return await super().apply(obj)
 
 
 async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
