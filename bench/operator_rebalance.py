@@ -108,7 +108,9 @@ async def run(tmp: Path) -> dict:
                 await eventually(lambda: len(results) >= n + 2 * CLIENTS, timeout=60, what="traffic after")
                 stop.set()
                 await asyncio.gather(*tasks)
-                held = await asyncio.to_thread(experts_held, node, c.plan(NAME))
+                while not (held := await asyncio.to_thread(experts_held, node, c.plan(NAME))) and \
+                        time.monotonic() - t1 < 30:      # drained --replan-drain-seconds after the switch
+                    await asyncio.sleep(0.2)
                 after = uids(c)
                 same_templates = all(c.get(*k)["spec"]["template"] == v for k, v in templates.items())
                 st = c.status(NAME)

@@ -402,13 +402,14 @@ class Engine:
         """The hash of the placement plan the replica table now follows (None for a plan-less placement)."""
         return self.placement.plan_hash() if hasattr(self.placement, "plan_hash") else None
 
-    def replan(self, placement, timeout: float = 600.0) -> dict:
+    def replan(self, placement, timeout: float = 600.0, drain_delay: float = 0.0) -> dict:
         """Adopt a new placement plan without failing or changing a request: (1) warm — every expert worker
         loads its new shards beside the old ones (the old table still routes); (2) switch — between two steps,
         the scheduler pushes the new replica table to every attention worker (ConnectExperts), so a step runs
         wholly on one table; (3) drain — every expert worker drops the shards the new plan took away. Any replica
         computes an expert's output bit for bit, so the tokens are the ones the old plan would have given.
-        An expert worker that cannot be reached is skipped (down: its replicas serve; restarted, it reads the
+        `drain_delay`: seconds between the switch and the drain, for other router replicas following the same
+        plan to switch first (a drained shard is gone for every router). An expert worker that cannot be reached is skipped (down: its replicas serve; restarted, it reads the
         plan). → {"loaded": shards loaded, "dropped": shards dropped, "unreachable": ordinals skipped}."""
         table = ReplicaTable.from_placement(placement, self.cfg.moe_layers, self.cfg.moe.n_routed_experts)
         if table.table.size and int(table.table.max()) >= len(self.experts):
@@ -439,6 +440,7 @@ class Engine:
                 self.cv.notify_all()
             if not done.wait(timeout):
                 raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
+            time.sleep(drain_delay)
             each_worker(drop_others=True)                            # drain
             moved = {o for o, (pairs, _) in enumerate(shards) if set(pairs) != before[o]}
             loaded = sum(len(set(pairs) - before[o]) for o, (pairs, _) in enumerate(shards))

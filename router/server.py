@@ -18,7 +18,7 @@ def load_plan(path: str):
         return PlacementPlan.from_json(f.read())
 
 
-def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0) -> None:
+def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, drain_delay: float = 0.0) -> None:
     """Follow the plan file (the mounted plan ConfigMap: the kubelet swaps in each plan the operator publishes)
     and re-plan the engine live onto each new one (Engine.replan: warm, switch between steps, drain). The first
     pass re-applies the plan the router started with: expert workers that kept running across a plan change
@@ -35,7 +35,7 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0) 
             continue
         last = plan.plan_hash()
         try:
-            engine.replan(plan)
+            engine.replan(plan, drain_delay=drain_delay)
         except Exception:
             log.exception("re-planning onto plan %s failed; the previous table keeps serving", last)
 
@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="placement plan JSON (followed: a new plan is adopted live)")
     p.add_argument("--plan-poll-seconds", type=float, default=1.0, metavar="SECONDS",
                    help="how often to re-read --plan for a new plan (0: read once at start)")
+    p.add_argument("--replan-drain-seconds", type=float, default=5.0, metavar="SECONDS",
+                   help="after switching to a new plan, wait this long before expert workers drop the shards it "
+                        "gave up, so other router replicas following the same plan switch first (default 5)")
     p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers")
     p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
     p.add_argument("--host", default="127.0.0.1")
@@ -176,8 +179,8 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if args.plan_poll_seconds > 0:
-        threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds),
-                         name="plan-watch", daemon=True).start()
+        threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds,
+                                                  args.replan_drain_seconds), name="plan-watch", daemon=True).start()
     print(f"READY router {args.host}:{args.http_port}", flush=True)
     stop.wait()
     log.info("shutting down: no new requests, finishing in-flight ones")

@@ -305,9 +305,12 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
     assert new.figures.physical_experts < old.figures.physical_experts
     assert templates(c) == before and _uids(c) == uids        # byte-identical templates, nothing restarted
     assert c.status(NAME)["phase"] == "Ready"
-    for i in range(2):                                        # each expert pod holds exactly its new shards
+    for i in range(2):  # each expert pod holds exactly its new shards once drained (--replan-drain-seconds later)
         with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), i)), timeout=10) as w:
-            assert sorted((await asyncio.to_thread(w.info))["experts"]) == sorted(new.experts_of(i))
+            deadline = time.monotonic() + 30
+            while sorted((await asyncio.to_thread(w.info))["experts"]) != sorted(new.experts_of(i)):
+                assert time.monotonic() < deadline, f"expert-{i} did not drop the shards the plan took away"
+                await asyncio.sleep(0.2)
     failures = [(p, out) for _, _, p, out in results if not isinstance(out, openai.types.chat.ChatCompletionMessage)]
     assert failures == []
     assert all(out.content == expected[p].content for _, _, p, out in results)
