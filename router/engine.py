@@ -434,13 +434,17 @@ class Engine:
                         unreachable.add(o)
 
             each_worker(drop_others=False)                           # warm
-            done = threading.Event()
-            with self.cv:
-                self._switch = (placement, table, done)
-                self.cv.notify_all()
-            if not done.wait(timeout):
-                raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
-            time.sleep(drain_delay)
+            if table.moe_layers == self.replicas.moe_layers and table.table.shape == self.replicas.table.shape \
+                    and (table.table == self.replicas.table).all():
+                self.placement = placement     # the same routing (e.g. the plan it started with): nothing to push
+            else:
+                done = threading.Event()
+                with self.cv:
+                    self._switch = (placement, table, done)
+                    self.cv.notify_all()
+                if not done.wait(timeout):
+                    raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
+                time.sleep(drain_delay)
             each_worker(drop_others=True)                            # drain
             moved = {o for o, (pairs, _) in enumerate(shards) if set(pairs) != before[o]}
             loaded = sum(len(set(pairs) - before[o]) for o, (pairs, _) in enumerate(shards))

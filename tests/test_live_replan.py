@@ -54,6 +54,10 @@ def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
         shrink = engine.replan(without_2)
         out = [r.wait(120).output for r in reqs]
         in_flight = engine.stats.generated_tokens
+        counted = engine.load_stats()
+        again = engine.replan(without_2)       # the plan in force (as on a router's start): nothing moves
+        assert again == {"loaded": 0, "dropped": 0, "unreachable": []}
+        assert engine.load_stats() == counted  # and no reconnect (ConnectExperts would restart the counts)
         held = []
         for a in addrs:
             with RemoteExpert(a, timeout=10) as w:
