@@ -14,7 +14,7 @@ exist: the built-in one below (byte tokenizer, synthetic checkpoints) and a chec
 Built-in rendering (byte tokens + special tokens; `⟨x⟩` = special token):
 
     ⟨bos⟩ [⟨system⟩ system text [⟨tools⟩ tools JSON ⟨/tools⟩] ⟨end⟩]
-    ⟨user⟩ text ⟨end⟩
+    ⟨user⟩ text [⟨image⟩ ⟨image_pad⟩×(its tokens) ⟨/image⟩ text]* ⟨end⟩
     ⟨assistant⟩ [⟨think⟩ reasoning ⟨/think⟩] content [⟨tool_call⟩ name \\n arguments ⟨/tool_call⟩]* ⟨end⟩
     ⟨tool⟩ tool_call_id \\n result ⟨end⟩
     generation prompt: ⟨assistant⟩ ⟨think⟩   (thinking on)   or   ⟨assistant⟩ ⟨think⟩ ⟨/think⟩ (off)
@@ -55,6 +55,14 @@ class Message:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None
+    # a user turn with images: its content in order, text (str) and images (router.images.PreparedImage: rendered
+    # as ⟨image⟩ ⟨image_pad⟩×tokens ⟨/image⟩); `content` then holds the text alone
+    parts: list | None = None
+
+
+def message_images(messages: list[Message]) -> list:
+    """The images of `messages` in the order they are rendered."""
+    return [p for m in messages for p in (m.parts or ()) if not isinstance(p, str)]
 
 
 def tool_call_id(name: str, arguments: str, index: int, salt: str) -> str:
@@ -130,6 +138,12 @@ def render_header(system: str | None, tools: list[dict] | None, t: ByteTokenizer
 
 def render_message(m: Message, t: ByteTokenizer) -> list[int]:
     """One user, tool or assistant message (after the header)."""
+    if m.role == "user" and m.parts is not None:
+        ids = [t.user_id]
+        for p in m.parts:
+            ids += t.encode(p) if isinstance(p, str) else [t.image_start_id] + [t.image_pad_id] * p.tokens + [
+                t.image_end_id]
+        return ids + [t.end_id]
     if m.role == "user":
         return [t.user_id] + t.encode(m.content) + [t.end_id]
     if m.role == "tool":

@@ -19,7 +19,10 @@ embedding rows depend on nothing else in the batch. Plain PyTorch in the paramet
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -182,3 +185,66 @@ def init_vision_(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+# ----------------------------------------------------------------------------------------------- per sequence
+@dataclass
+class ImageSpan:
+    """One image of a prompt: its first placeholder token's position and its pixels (uint8 [H, W, 3])."""
+    position: int
+    pixels: torch.Tensor
+
+
+@dataclass
+class ImageEncode:
+    """One encoder run (traces and metrics)."""
+    seq_id: str
+    tokens: int
+    seconds: float
+
+
+class SequenceImages:
+    """The images of one sequence on the attention worker that owns it. Each distinct image (by pixel digest) is
+    encoded once, when the prefill first reaches one of its rows; its rows replace the placeholder embeddings at
+    their positions; its embeddings are dropped once the sequence is past every span that uses them."""
+
+    def __init__(self, spans: list[ImageSpan], v: VisionConfig, max_context: int):
+        self.spans: list[tuple[int, int, str, torch.Tensor]] = []       # (start, end, digest, pixels)
+        end = 0
+        for i, s in enumerate(sorted(spans, key=lambda s: s.position)):
+            try:
+                check_pixels(s.pixels, v)
+            except ValueError as e:
+                raise ValueError(f"images[{i}].{e}") from None
+            n = v.tokens_for(*s.pixels.shape[:2])
+            if s.position < end or s.position + n > max_context:
+                raise ValueError(f"images[{i}].position={s.position}: its {n} tokens overlap another image or "
+                                 f"pass the context of {max_context}")
+            digest = hashlib.sha256(s.pixels.numpy().tobytes() + bytes(str(tuple(s.pixels.shape)), "ascii")).hexdigest()
+            self.spans.append((s.position, s.position + n, digest, s.pixels))
+            end = s.position + n
+        self.token_id = v.image_token_id
+        self.embeds: dict[str, torch.Tensor] = {}
+
+    def splice(self, model, x: torch.Tensor, tokens: list[int], row0: int, first: int, seq_id: str
+               ) -> list[ImageEncode]:
+        """Overwrite the rows of positions first.. (x rows row0.., fed `tokens`) that image tokens occupy."""
+        last = first + len(tokens)
+        live = [s for s in self.spans if s[1] > first]
+        for digest in set(self.embeds) - {s[2] for s in live}:
+            del self.embeds[digest]
+        encodes = []
+        for start, end, digest, pixels in live:
+            lo, hi = max(start, first), min(end, last)
+            if lo >= hi:
+                continue
+            wrong = [p for p in range(lo, hi) if tokens[p - first] != self.token_id]
+            if wrong:
+                raise ValueError(f"token_ids: position {wrong[0]} holds {tokens[wrong[0] - first]}, not the image "
+                                 f"token {self.token_id} of the image at {start}..{end}")
+            if digest not in self.embeds:
+                t0 = time.perf_counter()
+                self.embeds[digest] = encode_image(model, pixels).to(x.dtype)
+                encodes.append(ImageEncode(seq_id, end - start, time.perf_counter() - t0))
+            x[row0 + lo - first: row0 + hi - first] = self.embeds[digest][lo - start: hi - start].to(x.device)
+        return encodes

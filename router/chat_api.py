@@ -15,7 +15,9 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from expertmesh.chat import ChatError, ChatFormat, Message, Phase, ThinkingBudget, ToolCall, tier_from_request
+from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, Phase, ThinkingBudget, ToolCall,
+                             message_images, tier_from_request)
+from expertmesh.router.images import ImageBudget, ImageError, fetch_remote
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import MAX_LOGPROBS
 from expertmesh.router.engine import Engine
@@ -125,13 +127,15 @@ class ChatRun:
     stop_hit: str | None = None  # the stop string that ended the content
     salt: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     span: RequestSpan | None = None
+    images: list = field(default_factory=list)   # router.images.PreparedImage, in prompt order
 
     def start(self, params: SamplingParams, api: str) -> None:
         self.span = RequestSpan("chat", self.engine.model_name, max_tokens=params.max_tokens,
                                 temperature=params.temperature, api=api, tier=self.tier if self.thinking else None)
         try:
             with self.span.current():
-                self.req = self.engine.submit(self.prompt, params, token_filter=self.budget)
+                self.req = self.engine.submit(self.prompt, params, token_filter=self.budget,
+                                              **({"images": self.images} if self.images else {}))
         except Exception as e:
             self.span.finish(input_tokens=len(self.prompt), output_tokens=0, finish_reason=None, error=e)
             raise error_from_exception(e)
@@ -243,23 +247,59 @@ def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, 
     (a template that cannot turn thinking off) gets the low tier's limit."""
     return submit_chat(engine, fmt, render_prompt(fmt, messages, tools, thinking), tier=tier, thinking=thinking,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, api=api,
-                       logprobs=logprobs, stop=stop, sampling=sampling, thinking_limit=thinking_limit)
+                       logprobs=logprobs, stop=stop, sampling=sampling, thinking_limit=thinking_limit,
+                       images=message_images(messages))
 
 
 def submit_chat(engine: Engine, fmt: ChatFormat, rendered, *, tier: str, thinking: bool, max_tokens: int,
                 temperature: float, top_p: float, seed: int | None, api: str = "openai", logprobs: int | None = None,
                 stop: list[str] | None = None, sampling: dict | None = None,
-                thinking_limit: int | None = None) -> ChatRun:
-    """Submit an already rendered prompt (RenderedPrompt: ids and the phase generation starts in)."""
+                thinking_limit: int | None = None, images: list | None = None) -> ChatRun:
+    """Submit an already rendered prompt (RenderedPrompt: ids and the phase generation starts in) and the images
+    its messages hold, in order (chat.message_images)."""
+    if images and not isinstance(fmt, BuiltinChat):
+        raise APIError(400, "messages: image input needs the built-in chat format (a checkpoint's own chat template "
+                            "does not render images yet)", param="messages")
     limit = thinking_limit if thinking and thinking_limit is not None else \
         engine.cfg.thinking.limit(tier if thinking else "low")
     run = ChatRun(engine, fmt, rendered.ids, rendered.phase, ThinkingBudget(fmt.markers, limit, phase=rendered.phase),
-                  thinking, tier, stops=list(stop or []))
+                  thinking, tier, stops=list(stop or []), images=list(images or []))
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                              stop_token_ids=fmt.markers.stop, logprobs=logprobs, **(sampling or {})), api)
     return run
+
+
+def _openai_parts(content: list, images, where: str) -> tuple[str, list]:
+    """A user message's content list with image parts → (its text, its parts in order: str and PreparedImage)."""
+    text, parts = [], []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            text.append(p["text"])
+            parts.append(p["text"])
+        elif kind == "image_url":
+            spec = p.get("image_url")
+            url, detail = (spec.get("url"), spec.get("detail") or "auto") if isinstance(spec, dict) else (spec, "auto")
+            parts.append(images.from_url(url, f"{where}.content[{j}]", detail))
+        else:
+            raise APIError(400, f"content[{j}]: expected a text or image_url part", param=f"{where}.content[{j}]")
+    return "".join(text), parts
+
+
+def openai_image_urls(raw: list) -> dict[str, str]:
+    """{part: url} of the remote (http/https) image URLs in chat messages (fetched before parsing, off the loop)."""
+    from expertmesh.router.images import is_remote
+    out = {}
+    for i, m in enumerate(raw):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, p in enumerate(content if isinstance(content, list) else ()):
+            spec = p.get("image_url") if isinstance(p, dict) and p.get("type") == "image_url" else None
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            if is_remote(url):
+                out[f"messages[{i}].content[{j}]"] = url
+    return out
 
 
 def _text(content) -> str:
@@ -345,6 +385,10 @@ class TokenizeBody(BaseModel):
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # as on /v1/chat/completions, so the count matches a request that turns thinking off
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
+    thinking_budget: None = None      # no effect on the prompt: only there for thinking_wanted
 
 
 class DetokenizeBody(BaseModel):
@@ -353,7 +397,8 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-def openai_messages(raw: list[dict]) -> list[Message]:
+def openai_messages(raw: list[dict], images=None) -> list[Message]:
+    """`images` (router.images.ImageBudget): where user image parts go; None: image parts are refused."""
     out = []
     for i, m in enumerate(raw):
         role = m.get("role")
@@ -383,9 +428,17 @@ def openai_messages(raw: list[dict]) -> list[Message]:
                 raise APIError(400, f"messages[{i}].tool_calls[{j}].id: expected a string",
                                param=f"messages[{i}].tool_calls[{j}].id")
             calls.append(ToolCall(c["id"], fn["name"], args if isinstance(args, str) else json.dumps(args)))
+        parts = None
         try:
-            content = _text(m.get("content"))
+            raw_content = m.get("content")
+            if role == "user" and images is not None and isinstance(raw_content, list) and any(
+                    isinstance(p, dict) and p.get("type") == "image_url" for p in raw_content):
+                content, parts = _openai_parts(raw_content, images, f"messages[{i}]")
+            else:
+                content = _text(raw_content)
             content.encode("utf-8")
+        except ImageError:
+            raise
         except APIError as e:
             raise APIError(400, f"messages[{i}].{e.message}", param=f"messages[{i}].content")
         except UnicodeEncodeError as e:
@@ -393,7 +446,7 @@ def openai_messages(raw: list[dict]) -> list[Message]:
                            param=f"messages[{i}].content")
         reasoning = m.get("reasoning_content") if m.get("reasoning_content") is not None else m.get("reasoning")
         out.append(Message(role, content, reasoning=reasoning, tool_calls=calls,
-                           tool_call_id=m.get("tool_call_id")))
+                           tool_call_id=m.get("tool_call_id"), parts=parts))
     return out
 
 
@@ -418,7 +471,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                 raise APIError(400, "add_generation_prompt: only true is supported (the chat endpoint always adds "
                                     "it)", param="add_generation_prompt")
             from expertmesh.router.responses_api import chat_prompt
-            ids = chat_prompt(fmt, openai_messages(body.messages), body.tools, True, reasoning_memory).ids
+            ids = chat_prompt(fmt, openai_messages(body.messages), body.tools, thinking_wanted(body),
+                              reasoning_memory).ids
         else:
             if body.tools is not None:
                 raise APIError(400, "tools: only with messages", param="tools")
@@ -457,7 +511,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
             tools = None
         else:
             tools = body.tools
-        max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), 256)
+        # unset: whatever the context leaves after the prompt (vLLM, OpenAI), resolved once the prompt is rendered
+        max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
@@ -465,18 +520,23 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
                            param="top_logprobs")
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         from expertmesh.router.responses_api import answer_segment, chat_prompt, truncate_messages
-        history = openai_messages(body.messages)    # what the client sent (reasoning filled in): the key of the answer
+        images = ImageBudget(engine.cfg.vision, engine.image_limits,
+                             await fetch_remote(openai_image_urls(body.messages), engine.image_limits))
+        history = openai_messages(body.messages, images)   # what the client sent (reasoning filled in): the answer's key
         rendered = chat_prompt(fmt, history, tools, thinking, reasoning_memory)
         report, headers = None, {}
         if body.truncation == "auto":
-            kept, report = truncate_messages(fmt, history, tools, thinking, limit=engine.cfg.max_context - max_tokens)
+            kept, report = truncate_messages(fmt, history, tools, thinking,
+                                             limit=engine.cfg.max_context - (max_tokens or 1))
             if report:
                 rendered = render_prompt(fmt, kept, tools, thinking)
                 headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))}
+        if max_tokens is None:   # an over-long prompt keeps 1, so the engine answers context_length_exceeded
+            max_tokens = max(engine.cfg.max_context - len(rendered.ids), 1)
         run = submit_chat(engine, fmt, rendered, tier=tier, thinking=thinking,
                           max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                           logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
-                          sampling=body.sampling_kwargs())
+                          sampling=body.sampling_kwargs(), images=message_images(kept if report else history))
 
         def logprobs(start: int, end: int) -> dict | None:
             if n_top is None:
@@ -605,7 +665,34 @@ def _block_text(b: dict, key: str, where: str) -> str:
     return value
 
 
-def anthropic_messages(body: MessagesBody) -> list[Message]:
+def anthropic_image(b: dict, images, where: str):
+    """An `image` block (source base64, or url when the server allows remote hosts) → PreparedImage."""
+    if images is None:
+        raise AnthropicError(400, f"{where}.type: 'image' is not supported here")
+    source = b.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return images.from_base64(source.get("media_type"), source.get("data"), where)
+    if kind == "url":
+        return images.from_url(source.get("url"), where)
+    raise AnthropicError(400, f"{where}.source.type: {kind!r} is not one of base64, url")
+
+
+def anthropic_image_urls(raw: list) -> dict[str, str]:
+    """{block: url} of the remote image URLs in Anthropic messages (fetched before parsing)."""
+    from expertmesh.router.images import is_remote
+    out = {}
+    for i, m in enumerate(raw):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, b in enumerate(content if isinstance(content, list) else ()):
+            source = b.get("source") if isinstance(b, dict) and b.get("type") == "image" else None
+            if isinstance(source, dict) and source.get("type") == "url" and is_remote(source.get("url")):
+                out[f"messages.{i}.content.{j}"] = source["url"]
+    return out
+
+
+def anthropic_messages(body: MessagesBody, images=None) -> list[Message]:
+    """`images` (router.images.ImageBudget): where image blocks go; None: they are refused."""
     out: list[Message] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(
@@ -620,7 +707,7 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
         if not isinstance(blocks, list):
             raise AnthropicError(400, f"messages.{i}.content: expected a string or a list of content blocks")
         if role == "user":
-            texts = []
+            texts, parts = [], []
             for j, b in enumerate(blocks):
                 kind = b.get("type") if isinstance(b, dict) else None
                 if kind == "tool_result":
@@ -630,10 +717,15 @@ def anthropic_messages(body: MessagesBody) -> list[Message]:
                     out.append(Message("tool", str(result), tool_call_id=b.get("tool_use_id")))
                 elif kind == "text":
                     texts.append(_block_text(b, "text", f"messages.{i}.content.{j}"))
+                    parts.append(texts[-1])
+                elif kind == "image":
+                    parts.append(anthropic_image(b, images, f"messages.{i}.content.{j}"))
                 else:
                     raise AnthropicError(400, f"messages.{i}.content.{j}.type: {kind!r} is not supported in a "
-                                              f"user turn (text, tool_result)")
-            if texts:
+                                              f"user turn (text, image, tool_result)")
+            if len(parts) > len(texts):
+                out.append(Message("user", "".join(texts), parts=parts))
+            elif texts:
                 out.append(Message("user", "".join(texts)))
         else:
             msg = Message("assistant")
@@ -665,7 +757,7 @@ class AnthropicPrompt:
 ADAPTIVE_TIER = "high"   # thinking.type "adaptive": the model decides, within this tier's limit
 
 
-def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
+def anthropic_prompt(body: CountTokensBody, budgets, images=None) -> AnthropicPrompt:
     """The conversation, tools and thinking of a messages request, as the chat format renders them."""
     kind = (body.thinking or {}).get("type", "disabled")
     if kind not in ("enabled", "disabled", "adaptive"):
@@ -687,11 +779,15 @@ def anthropic_prompt(body: CountTokensBody, budgets) -> AnthropicPrompt:
                                                "parameters": t.get("input_schema", {})}}
              for t in (body.tools or [])] or None
     exact = budget_tokens if body.thinking_budget is None else None
-    return AnthropicPrompt(anthropic_messages(body), tools, thinking, tier, exact)
+    return AnthropicPrompt(anthropic_messages(body, images), tools, thinking, tier, exact)
 
 
 def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
     api = APIRouter()
+
+    async def anthropic_images(body) -> ImageBudget:
+        limits = engine.image_limits
+        return ImageBudget(engine.cfg.vision, limits, await fetch_remote(anthropic_image_urls(body.messages), limits))
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody, x_api_key: str | None = Header(default=None),
@@ -701,7 +797,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            p = anthropic_prompt(body, engine.cfg.thinking)
+            p = anthropic_prompt(body, engine.cfg.thinking, await anthropic_images(body))
             return {"input_tokens": len(render_prompt(fmt, p.messages, p.tools, p.thinking).ids)}
         except AnthropicError:
             raise
@@ -714,7 +810,7 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            p = anthropic_prompt(body, engine.cfg.thinking)
+            p = anthropic_prompt(body, engine.cfg.thinking, await anthropic_images(body))
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
                              max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,

@@ -37,6 +37,7 @@ from expertmesh.router.tracing import StepTrace
 from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
 from expertmesh.worker.kv import OutOfBlocks
 from expertmesh.worker.exchange import ReplicaTable
+from expertmesh.vision import ImageSpan
 
 log = logging.getLogger("expertmesh.router")
 
@@ -76,12 +77,28 @@ class EngineStats:
     preempted: int = 0                   # requests whose KV was taken for others (replayed later)
 
 
+def record_image_encodes(metrics, encodes: list, by_seq: dict, worker: int) -> None:
+    """The vision encoder's runs of a step → the encoder metrics and an `image_encode` span per image under its
+    request (timed by the worker's measurement, ending when the step's answer arrived)."""
+    end = time.time_ns()
+    for e in encodes:
+        metrics.image_encode_seconds.observe(e.seconds)
+        metrics.image_tokens.inc(e.tokens)
+        req = by_seq.get(e.seq_id)
+        if req is not None and req.trace_ctx is not None and telemetry.tracing_enabled():
+            span = telemetry.tracer().start_span("image_encode", context=req.trace_ctx,
+                                                 start_time=end - int(e.seconds * 1e9), attributes={
+                                                     "expertmesh.image.tokens": e.tokens,
+                                                     "expertmesh.attention_worker": worker})
+            span.end(end_time=end)
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
-                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc"):
+                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None):
         """`max_queue_wait`: seconds a request may wait for KV room before it is refused (429, retry later);
         `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out);
         `transport`: how attention workers exchange each MoE layer with the expert workers (grpc | collective:
@@ -89,6 +106,8 @@ class Engine:
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
+        from expertmesh.router.images import ImageLimits
+        self.image_limits = image_limits or ImageLimits()     # what the APIs accept as image input
         self.kv_growth = max(1, kv_growth)
         from expertmesh.router.instrument import InstrumentedClient
         from expertmesh.router.metrics import RouterMetrics
@@ -185,8 +204,17 @@ class Engine:
         total = min((prompt_len if prompt_len is not None else len(tokens)) + params.max_tokens, self.cfg.max_context)
         return min(total, len(tokens) + self.kv_growth)
 
-    def submit(self, prompt: list[int], params: SamplingParams, **kw) -> Request:
+    def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None, **kw) -> Request:
+        """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
         self.validate(prompt, params)
+        if images:
+            from expertmesh.router.images import image_positions
+            if self.cfg.vision is None:
+                raise RequestError(f"images: model {self.model_name!r} takes text only")
+            try:
+                kw["images"] = list(zip(image_positions(prompt, images, self.cfg.vision), images))
+            except ValueError as e:
+                raise RequestError(f"prompt: {e}") from None
         req = Request(prompt=list(prompt), params=params, **kw)
         if telemetry.tracing_enabled():
             from opentelemetry import context as otel_context
@@ -311,7 +339,7 @@ class Engine:
         """Open the request's sequence on an attention worker; False when nothing fits right now."""
         reserve = self._reserve(req.tokens, req.params, len(req.prompt))
         # scoring the prompt needs every prompt position computed: no cached prefix
-        hit = self.kv.lookup(req.prompt) if req.params.prompt_logprobs is None else None
+        hit = self.kv.lookup(req.hash_prompt) if req.params.prompt_logprobs is None else None
         candidates: list[tuple[int, str | None, int]] = []
         if hit is not None:
             candidates.append(hit)
@@ -333,8 +361,11 @@ class Engine:
         for worker, key, length in candidates:
             seq_id = f"{self.instance}-{next(self.seq_ids)}"
             try:
+                # images wholly inside the cached prefix are not sent: their rows are in the cache already
+                images = [ImageSpan(pos, img.pixels) for pos, img in req.images if pos + img.tokens > length]
                 cached = self.attention[worker].open_sequence(seq_id, req.params, reserve_tokens=reserve,
-                                                              prefix_key=key, owner=self.instance)
+                                                              prefix_key=key, owner=self.instance,
+                                                              **({"images": images} if images else {}))
             except WorkerError as e:   # the worker refuses the request itself: it must not block the queue
                 self._fail(req, RequestError(str(e)))
                 return True
@@ -581,6 +612,8 @@ class Engine:
                 continue
             for stale in self.kv.record_prefix(w, key, snapshot_len[key]):
                 self.kv.workers[w].free_blocks = self.attention[w].drop_prefix(stale)
+        if done.image_encodes:
+            record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         for run in done.logprobs:
             logprobs.setdefault(run.seq_id, []).append(run)

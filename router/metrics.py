@@ -30,6 +30,11 @@ class RouterMetrics:
                                       ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
         self.call_errors = Counter("expertmesh_worker_call_errors", "Failed router→worker calls",
                                    ["worker", "method"], registry=r)
+        self.image_encode_seconds = Histogram("expertmesh_image_encode_seconds",
+                                              "Vision encoder time per image (on the attention worker)",
+                                              buckets=LATENCY_BUCKETS, registry=r)
+        self.image_tokens = Counter("expertmesh_image_tokens", "Image tokens produced by the vision encoder",
+                                    registry=r)
         self.engine = None
         r.register(_StateCollector(self))
 

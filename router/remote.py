@@ -125,9 +125,10 @@ class RemoteAttention(_Client):
                 "experts_down": list(i.experts_down)}
 
     def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None,
-                      owner: str = "") -> int:
-        req = worker_pb2.OpenSequenceRequest(seq_id=seq_id, params=sampling_to_proto(params),
-                                             reserve_tokens=reserve_tokens, owner=owner)
+                      owner: str = "", images: list | None = None) -> int:
+        req = worker_pb2.OpenSequenceRequest(
+            seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
+            images=[worker_pb2.ImageSpan(position=i.position, pixels=to_proto(i.pixels, "pixels")) for i in images or ()])
         if prefix_key is not None:
             req.prefix_key = prefix_key
         return self._call(self.stub.OpenSequence, req).cached_tokens
@@ -168,8 +169,10 @@ class RemoteAttention(_Client):
         logprobs = [TokenLogprobs(lp.seq_id, lp.position, from_proto(lp.token_ids, "token_ids"),
                                   from_proto(lp.logprobs, "logprobs"), from_proto(lp.top_ids, "top_ids"),
                                   from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
+        from expertmesh.vision import ImageEncode
         return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs,
-                        {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes)
+                        {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes,
+                        [ImageEncode(e.seq_id, e.tokens, e.seconds) for e in d.image_encodes])
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())

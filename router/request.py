@@ -86,6 +86,13 @@ class Request:
     # set before the token's event
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    images: list = field(default_factory=list)  # (position, router.images.PreparedImage) of the prompt's images
+    hash_prompt: list[int] | None = None        # the prompt as the prefix cache hashes it (images by their pixels)
+
+    def __post_init__(self) -> None:
+        if self.hash_prompt is None:
+            from expertmesh.router.images import hash_view
+            self.hash_prompt = hash_view(self.prompt, self.images)
 
     def _emit(self, kind: str, value) -> None:
         self.events.put((kind, value))
@@ -104,6 +111,11 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def hash_tokens(self) -> list[int]:
+        """prompt + output as the prefix-cache keys read them."""
+        return self.hash_prompt + self.output
 
     @property
     def done(self) -> bool:

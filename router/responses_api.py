@@ -24,9 +24,10 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, RenderedPrompt, ToolCall,
+from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, RenderedPrompt, ToolCall, message_images,
                              generation_prompt, render_header, render_message, tier_from_request, validate_history)
 from expertmesh.router.chat_api import ChatRun, check_tool_choice, render_prompt, submit_chat
+from expertmesh.router.images import ImageBudget, fetch_remote
 from expertmesh.router.engine import Engine
 from expertmesh.router.http import APIError, SamplingFields, error_from_exception
 from expertmesh.router.response_store import ResponseStore, Segment, StoredResponse
@@ -107,7 +108,37 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     return out or None
 
 
-def parse_input(raw: str | list[dict], store: ResponseStore) -> tuple[list[Segment], list[dict]]:
+def _user_parts(content, images, where: str) -> tuple[str, list | None]:
+    """A user message's content with `input_image` parts → (its text, its parts in order), else (text, None)."""
+    if images is None or not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _parts_text(content, where), None
+    text, parts = [], []
+    for j, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "input_image":
+            if p.get("file_id") is not None:
+                raise APIError(400, f"{where}.content[{j}].file_id: not supported (send image_url)",
+                               param=f"{where}.content[{j}].file_id")
+            parts.append(images.from_url(p.get("image_url"), f"{where}.content[{j}]", p.get("detail") or "auto"))
+        else:
+            text.append(_parts_text([p], f"{where}.content[{j}]"))
+            parts.append(text[-1])
+    return "".join(text), parts
+
+
+def responses_image_urls(raw) -> dict[str, str]:
+    """{part: url} of the remote image URLs among Responses input items (fetched before parsing)."""
+    from expertmesh.router.images import is_remote
+    out = {}
+    for i, item in enumerate(raw if isinstance(raw, list) else ()):
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, p in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(p, dict) and p.get("type") == "input_image" and is_remote(p.get("image_url")):
+                out[f"input[{i}].content[{j}]"] = p["image_url"]
+    return out
+
+
+def parse_input(raw: str | list[dict], store: ResponseStore, images=None) -> tuple[list[Segment], list[dict]]:
     """Input items → segments (a generated turn sent back with this server's item ids keeps its exact tokens,
     and its reasoning even when the client dropped it) and the input items as listed (ids added)."""
     if isinstance(raw, str):
@@ -157,8 +188,8 @@ def parse_input(raw: str | list[dict], store: ResponseStore) -> tuple[list[Segme
             if role not in ("user", "system", "developer"):
                 raise APIError(400, f"input[{i}].role: {role!r} is not one of user, assistant, system, developer",
                                param=f"input[{i}].role")
-            text = _parts_text(item.get("content", ""), f"input[{i}]")
-            segments.append(Segment(Message("system" if role == "developer" else role, text)))
+            text, parts = _user_parts(item.get("content", ""), images if role == "user" else None, f"input[{i}]")
+            segments.append(Segment(Message("system" if role == "developer" else role, text, parts=parts)))
             listed.append({"id": item.get("id") or _new_id("msg"), "type": "message", "role": role,
                            "status": "completed", "content": [{"type": "input_text", "text": text}]})
             continue
@@ -296,7 +327,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                      store: ResponseStore) -> APIRouter:
     api = APIRouter()
 
-    def conversation(body: ResponsesBody) -> Conversation:
+    def conversation(body: ResponsesBody, images=None) -> Conversation:
         effort = (body.reasoning or {}).get("effort")
         for key, value in (body.reasoning or {}).items():
             if key in ("summary", "generate_summary") and value not in (None, "auto"):
@@ -334,7 +365,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                 raise APIError(404, f"previous_response_id: response {body.previous_response_id!r} not found{where}",
                                param="previous_response_id", code="previous_response_not_found")
             prior = list(stored.segments)
-        segments, listed = parse_input(body.input, store)
+        segments, listed = parse_input(body.input, store, images)
         if not segments and not prior:
             raise APIError(400, "input: expected at least one item", param="input")
         return Conversation(body.instructions, tools, prior + segments, effort != "none", tier, listed)
@@ -356,7 +387,9 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
     async def create(body: ResponsesBody, http_request: Request, authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
-        conv = conversation(body)
+        limits = engine.image_limits
+        conv = conversation(body, ImageBudget(engine.cfg.vision, limits,
+                                              await fetch_remote(responses_image_urls(body.input), limits)))
         system, segments = _system_and_rest(conv.segments, body.instructions)
         max_out = body.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS
         report = None
@@ -367,7 +400,8 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         rendered = render_conversation(fmt, system, conv.tools, segments, conv.thinking)
         run = submit_chat(engine, fmt, rendered, tier=conv.tier, thinking=conv.thinking, max_tokens=max_out,
                           temperature=body.temperature, top_p=body.top_p, seed=None, api="openai.responses",
-                          sampling=body.sampling_kwargs())
+                          sampling=body.sampling_kwargs(),
+                          images=message_images([seg.message for seg in segments]))
         rid, created = store.new_id(), time.time()
         rs_id, msg_id = _new_id("rs"), _new_id("msg")
         # what a follow-up continues: a system / developer message sent as an input item stays in the

@@ -59,7 +59,7 @@ def plan_snapshots(batches: dict[int, list[Planned]], *, prefill_chunk: int, max
                 continue
             if req.hasher is None or req.hasher.length > new_len:
                 req.hasher = PrefixHasher(prefill_chunk, salt)
-            key = req.hasher.advance(req.tokens, new_len)
+            key = req.hasher.advance(req.hash_tokens, new_len)
             if not cached(key):
                 snapshots.setdefault(w, {})[req.seq_id] = key
                 lengths[key] = new_len

@@ -68,6 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
+    from expertmesh.router.images import ImageLimits
+    d = ImageLimits()
+    p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
+    p.add_argument("--max-image-pixels-per-request", type=int, default=d.max_pixels_per_request,
+                   help="encoder pixels (after resizing) over one request's images")
+    p.add_argument("--max-image-bytes", type=int, default=d.max_bytes, help="encoded bytes of one image")
+    p.add_argument("--max-image-source-pixels", type=int, default=d.max_source_pixels,
+                   help="decoded width × height of one image before resizing (larger: refused, never decoded)")
+    p.add_argument("--image-fetch-allow", default="",
+                   help="comma-separated hosts (host or host:port) remote image URLs may be fetched from; empty "
+                        "(default): remote image URLs are refused (SSRF)")
+    p.add_argument("--image-fetch-timeout", type=float, default=d.fetch_timeout)
     p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
                    help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
                         "(torch.distributed pairs, gloo on cpu / nccl on cuda; expert workers need --collective-port; "
@@ -152,12 +164,20 @@ def run(args) -> int:
     worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
                            args.worker_tls_server_name) if args.worker_tls_ca else None
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    from expertmesh.router.images import ImageLimits
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
-                                 kv_growth=args.kv_growth, transport=args.transport)
+                                 kv_growth=args.kv_growth, transport=args.transport,
+                                 image_limits=ImageLimits(
+                                     max_bytes=args.max_image_bytes, max_source_pixels=args.max_image_source_pixels,
+                                     max_images_per_request=args.max_images_per_request,
+                                     max_pixels_per_request=args.max_image_pixels_per_request,
+                                     fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",")
+                                                       if h.strip()),
+                                     fetch_timeout=args.image_fetch_timeout))
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()

@@ -66,6 +66,7 @@ class StepDone:
     failed: dict[str, str] = field(default_factory=dict)   # seq_id → why (an expert without a live replica)
     experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
     exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
+    image_encodes: list = field(default_factory=list)   # vision.ImageEncode: images encoded in this step
 
 
 class NotConnected(RuntimeError):
@@ -90,6 +91,7 @@ class _Sequence:
     pending: torch.Tensor | None = None
     generating: bool = False     # the prompt is done: fed tokens are output (the penalties count them)
     owner: str = ""              # the router instance that opened it ("" = no lease)
+    images: object = None        # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
 
 
 @dataclass
@@ -188,9 +190,11 @@ class AttentionWorker:
 
     # ------------------------------------------------------------------ sequences
     def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
-                      prefix_key: str | None = None, owner: str = "") -> int:
+                      prefix_key: str | None = None, owner: str = "", images: list | None = None) -> int:
         """Create a sequence with room for `reserve_tokens` tokens, starting from a cached prefix when given.
-        Returns the number of tokens already cached (0 without a prefix)."""
+        `images` (vision.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
+        already cached (0 without a prefix)."""
+        seq_images = self._sequence_images(images) if images else None
         with self.lock:
             self.calls += 1
             if seq_id in self.sequences:
@@ -222,9 +226,19 @@ class AttentionWorker:
                 raise
             for i in self.cfg.latent_kv_layers:
                 cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, owner=owner)
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, owner=owner,
+                                               images=seq_images)
             self.renew(owner)
             return cache.length
+
+    def _sequence_images(self, images: list):
+        from expertmesh.vision import SequenceImages
+        if self.cfg.vision is None:
+            raise WorkerError(f"images: model {self.cfg.name!r} has no vision encoder (text only)")
+        try:
+            return SequenceImages(images, self.cfg.vision, self.cfg.max_context)
+        except ValueError as e:
+            raise WorkerError(str(e)) from None
 
     def extend_sequence(self, seq_id: str, reserve_tokens: int) -> int:
         """Grow the sequence's reservation to `reserve_tokens` tokens (OutOfBlocks when the pool cannot); returns
@@ -312,7 +326,7 @@ class AttentionWorker:
             if not segments:
                 raise WorkerError("segments: expected at least one")
             tokens, segs, start = [], [], 0
-            seen = set()
+            seen, with_images = set(), []
             for s in segments:
                 if s.seq_id in seen:
                     raise WorkerError(f"segments: seq_id {s.seq_id!r} appears twice in one step")
@@ -328,9 +342,17 @@ class AttentionWorker:
                                       f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence")
                 tokens += s.token_ids
                 segs.append(Segment(start, len(s.token_ids), seq.cache))
+                if seq.images is not None:
+                    with_images.append((seq, s, start))
                 start += len(s.token_ids)
             bytes_before = self.exchange.bytes_sent + self.exchange.bytes_received if self.exchange else 0
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
+            image_encodes = []
+            for seq, s, row0 in with_images:
+                try:
+                    image_encodes += seq.images.splice(self.model, x, s.token_ids, row0, seq.cache.length, s.seq_id)
+                except ValueError as e:
+                    raise WorkerError(f"segments[{s.seq_id}].{e}") from None
             failed_rows: dict[int, str] = {}
             for layer in self.model.layers:
                 x = layer.attention_block(x, segs)
@@ -348,6 +370,7 @@ class AttentionWorker:
                 if why is not None:
                     failed[s.seq_id] = why
             done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshot_keys or {})
+            done.image_encodes = image_encodes
             if self.exchange is not None:
                 done.experts_down = sorted(self.exchange.down)
                 done.exchange_bytes = self.exchange.bytes_sent + self.exchange.bytes_received - bytes_before

@@ -108,9 +108,13 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     def OpenSequence(self, request, context):
         if not request.HasField("params"):
             raise ValueError("params: required")
+        from expertmesh.vision import ImageSpan
+        images = [ImageSpan(i.position, from_proto(i.pixels, f"images[{n}].pixels"))
+                  for n, i in enumerate(request.images)]
         cached = self.worker.open_sequence(
             request.seq_id, sampling_from_proto(request.params), reserve_tokens=request.reserve_tokens,
-            prefix_key=request.prefix_key if request.HasField("prefix_key") else None, owner=request.owner)
+            prefix_key=request.prefix_key if request.HasField("prefix_key") else None, owner=request.owner,
+            images=images or None)
         return worker_pb2.OpenSequenceResponse(cached_tokens=cached)
 
     @_rpc
@@ -181,7 +185,9 @@ def done_to_proto(result) -> worker_pb2.StepDone:
             logprobs=to_proto(lp.logprobs, "logprobs"), top_ids=to_proto(lp.top_ids, "top_ids"),
             top_logprobs=to_proto(lp.top_logprobs, "top_logprobs")) for lp in result.logprobs],
         failed=[worker_pb2.SequenceFailure(seq_id=s, reason=r) for s, r in result.failed.items()],
-        experts_down=result.experts_down, exchange_bytes=result.exchange_bytes)
+        experts_down=result.experts_down, exchange_bytes=result.exchange_bytes,
+        image_encodes=[worker_pb2.ImageEncode(seq_id=e.seq_id, tokens=e.tokens, seconds=e.seconds)
+                       for e in result.image_encodes])
 
 
 class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):

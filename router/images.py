@@ -1,0 +1,260 @@
+"""Images in requests: decoding, limits, the resize policy, remote fetches, and what the prefix cache keys on.
+
+An image part (OpenAI `image_url`, Anthropic `image`, Responses `input_image`) becomes a `PreparedImage`: RGB
+pixels decoded with Pillow (PNG, JPEG, WebP, GIF's first frame), scaled down by kimi_k25's policy when larger
+than the encoder takes (`navit_resize`: never up, at most `max_patches` patches and `max_patches_per_side` per
+side, aspect kept) and padded with black to whole image tokens (28×28 px). Its digest (SHA-256 of the pixels fed
+to the encoder) is what the prefix cache keys on, so the same image in a later turn or request hits the cache.
+
+Limits (router flags, `ImageLimits`): encoded bytes and decoded pixels per image (a decompression bomb is
+refused before it is decoded), images and encoder pixels per request. Remote `http(s)` URLs are fetched only
+from hosts on an allow-list (empty by default: fetching arbitrary URLs from the router is an SSRF hole), with a
+timeout, a byte limit and no redirects. Every refusal is an `ImageError` naming the part (e.g.
+`messages[1].content[2]`), answered with 400, and nothing else in the batch is affected.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+import re
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import torch
+
+from expertmesh.config import VisionConfig
+from expertmesh.router.http import APIError
+
+FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+DETAILS = ("auto", "low", "high")
+LOW_DETAIL_PATCHES = 256          # detail "low": at most 16×16 patches (64 image tokens)
+_DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+
+
+class ImageError(APIError):
+    """A refused image (→ 400), naming the part it came from."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, f"{param}: {message}", param=param, code="invalid_image")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 20 * 2 ** 20                 # encoded bytes of one image (data URL, base64 or fetched)
+    max_source_pixels: int = 50_000_000           # decoded width × height of one image, before resizing
+    max_images_per_request: int = 16
+    max_pixels_per_request: int = 16_777_216      # encoder pixels (after resizing) over a request's images
+    fetch_allow: tuple[str, ...] = ()             # hosts ("host" or "host:port") remote URLs may come from
+    fetch_timeout: float = 10.0
+
+
+@dataclass(eq=False)
+class PreparedImage:
+    pixels: torch.Tensor          # uint8 [H, W, 3], H and W multiples of the merged patch
+    digest: str                   # SHA-256 of the pixels and their shape
+    tokens: int                   # image tokens it becomes
+    source_size: tuple[int, int]  # (width, height) as decoded
+
+    def __eq__(self, other) -> bool:      # messages holding images compare by content (reasoning memory keys)
+        return isinstance(other, PreparedImage) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    @property
+    def pixel_count(self) -> int:
+        return int(self.pixels.shape[0] * self.pixels.shape[1])
+
+    def hash_words(self) -> list[int]:
+        """What the prefix-cache hash reads for this image's placeholder positions: one 32-bit word per token,
+        all ≥ 2³¹ (never a token id) and each depending on the whole digest, so different images never share a
+        prefix key however few tokens they have."""
+        seed = bytes.fromhex(self.digest)
+        return [0x80000000 | int.from_bytes(hashlib.sha256(seed + i.to_bytes(4, "little")).digest()[:4], "little")
+                for i in range(self.tokens)]
+
+
+def navit_resize(height: int, width: int, v: VisionConfig, max_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """kimi_k25's resize policy → ((resized h, w), (padded h, w)): scale down (never up) to at most
+    `max_patches` patches and `v.max_patches_per_side` per side, then pad to whole merged patches."""
+    p = v.patch_size
+    patches = max(1.0, height // p) * max(1.0, width // p)
+    side = v.max_patches_per_side * p
+    scale = min(1.0, math.sqrt(max_patches / patches), side / height, side / width)
+    h, w = min(max(1, int(height * scale)), side), min(max(1, int(width * scale)), side)
+    mh, mw = v.merge_pixels
+    return (h, w), (-(-h // mh) * mh, -(-w // mw) * mw)
+
+
+def decode_image(data: bytes, param: str, v: VisionConfig, limits: ImageLimits, detail: str = "auto"
+                 ) -> PreparedImage:
+    """Encoded image bytes → a PreparedImage (decoded, resized, padded), or ImageError naming `param`."""
+    from PIL import Image
+    if detail not in DETAILS:
+        raise ImageError(f"{param}.detail", f"{detail!r} is not one of {', '.join(DETAILS)}")
+    if len(data) > limits.max_bytes:
+        raise ImageError(param, f"{len(data)} bytes exceed the limit of {limits.max_bytes} bytes per image")
+    try:
+        im = Image.open(io.BytesIO(data), formats=list(FORMATS))
+        w, h = im.size
+        if w * h > limits.max_source_pixels:
+            raise ImageError(param, f"{w}×{h} pixels exceed the limit of {limits.max_source_pixels} pixels per image")
+        im.seek(0)                                   # GIF / animated WebP: the first frame
+        im = im.convert("RGB")
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(param, f"too many pixels to decode ({e})") from None
+    except Exception as e:                           # Pillow raises many kinds for a corrupt or unknown file
+        raise ImageError(param, f"not a decodable image ({', '.join(FORMATS)}): {type(e).__name__}: {e}") from None
+    max_patches = min(v.max_patches, LOW_DETAIL_PATCHES) if detail == "low" else v.max_patches
+    (rh, rw), (ph, pw) = navit_resize(h, w, v, max_patches)
+    if (rh, rw) != (h, w):
+        im = im.resize((rw, rh), Image.Resampling.BICUBIC)
+    canvas = Image.new("RGB", (pw, ph))
+    canvas.paste(im, (0, 0))
+    pixels = torch.frombuffer(bytearray(canvas.tobytes()), dtype=torch.uint8).view(ph, pw, 3)
+    digest = hashlib.sha256(canvas.tobytes() + f"{ph}x{pw}".encode()).hexdigest()
+    return PreparedImage(pixels, digest, v.tokens_for(ph, pw), (w, h))
+
+
+def decode_base64(data, param: str) -> bytes:
+    if not isinstance(data, str):
+        raise ImageError(param, f"expected base64 text, found {type(data).__name__}")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(param, f"not valid base64 ({e})") from None
+
+
+def data_url_bytes(url: str, param: str) -> bytes:
+    m = _DATA_URL.match(url)
+    if m is None or not m.group("b64"):
+        raise ImageError(param, "expected a data URL of the form data:image/<png|jpeg|webp|gif>;base64,<data>")
+    if m.group("type") and m.group("type").lower() not in FORMATS.values():
+        raise ImageError(param, f"media type {m.group('type')!r} is not one of {', '.join(FORMATS.values())}")
+    return decode_base64(url[m.end():], param)
+
+
+def is_remote(url) -> bool:
+    return isinstance(url, str) and url[:8].lower().startswith(("http://", "https://"))
+
+
+def check_allowed(url: str, param: str, limits: ImageLimits) -> None:
+    """Refuse a remote URL unless its host (or host:port) is on the allow-list."""
+    if not limits.fetch_allow:
+        raise ImageError(param, "remote image URLs are not enabled on this server (send a data URL; the operator "
+                                "can allow hosts with --image-fetch-allow)")
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    with_port = f"{host}:{parts.port}" if parts.port else host
+    if host not in limits.fetch_allow and with_port not in limits.fetch_allow:
+        raise ImageError(param, f"host {with_port!r} is not on this server's image fetch allow-list")
+
+
+async def fetch_remote(urls: dict[str, str], limits: ImageLimits) -> dict[str, bytes]:
+    """{param: url} of remote image URLs → {url: bytes}, fetched concurrently (allow-listed hosts only, no
+    redirects, `fetch_timeout` each, at most `max_bytes` read)."""
+    import asyncio
+
+    import httpx
+    if not urls:
+        return {}
+    for param, url in urls.items():
+        check_allowed(url, param, limits)
+
+    async def one(client, param: str, url: str) -> tuple[str, bytes]:
+        try:
+            async with client.stream("GET", url) as r:
+                if r.status_code != 200:
+                    raise ImageError(param, f"fetching {url} answered HTTP {r.status_code}")
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > limits.max_bytes:
+                        raise ImageError(param, f"{url}: more than {limits.max_bytes} bytes (the per-image limit)")
+                return url, bytes(body)
+        except httpx.HTTPError as e:
+            raise ImageError(param, f"fetching {url} failed: {type(e).__name__}: {e}") from None
+
+    async with httpx.AsyncClient(timeout=limits.fetch_timeout, follow_redirects=False, trust_env=False) as client:
+        return dict(await asyncio.gather(*(one(client, p, u) for p, u in urls.items())))
+
+
+@dataclass
+class ImageBudget:
+    """One request's images, checked against its per-request limits as they are added."""
+    v: VisionConfig | None
+    limits: ImageLimits
+    fetched: dict[str, bytes] = field(default_factory=dict)
+    images: list[PreparedImage] = field(default_factory=list)
+    pixels: int = 0
+
+    def _vision(self, param: str) -> VisionConfig:
+        if self.v is None:
+            raise ImageError(param, "this model takes text only (no vision encoder)")
+        if len(self.images) >= self.limits.max_images_per_request:
+            raise ImageError(param, f"more than {self.limits.max_images_per_request} images in one request "
+                                    f"(max_images_per_request)")
+        return self.v
+
+    def _add(self, img: PreparedImage, param: str) -> PreparedImage:
+        if self.pixels + img.pixel_count > self.limits.max_pixels_per_request:
+            raise ImageError(param, f"the request's images come to more than {self.limits.max_pixels_per_request} "
+                                    f"encoder pixels (the per-request pixel budget)")
+        self.pixels += img.pixel_count
+        self.images.append(img)
+        return img
+
+    def from_url(self, url, param: str, detail: str = "auto") -> PreparedImage:
+        """A data URL, or a remote URL fetched beforehand (fetch_remote)."""
+        v = self._vision(param)
+        if not isinstance(url, str) or not url:
+            raise ImageError(param, "expected a URL string")
+        if is_remote(url):
+            check_allowed(url, param, self.limits)
+            data = self.fetched[url]
+        elif url[:5].lower() == "data:":
+            data = data_url_bytes(url, param)
+        else:
+            raise ImageError(param, "expected a data: URL or an http(s) URL")
+        return self._add(decode_image(data, param, v, self.limits, detail), param)
+
+    def from_base64(self, media_type, data, param: str) -> PreparedImage:
+        v = self._vision(param)
+        if media_type not in FORMATS.values():
+            raise ImageError(f"{param}.source.media_type", f"{media_type!r} is not one of {', '.join(FORMATS.values())}")
+        return self._add(decode_image(decode_base64(data, f"{param}.source.data"), param, v, self.limits), param)
+
+
+def image_positions(prompt: list[int], images: list[PreparedImage], v: VisionConfig) -> list[int]:
+    """The position of each image's first placeholder token in `prompt`: the images in order, each matched to the
+    next run ⟨image start⟩ ⟨image token⟩×tokens ⟨image end⟩. ValueError when one is missing."""
+    out, i = [], 0
+    for k, img in enumerate(images):
+        n = img.tokens
+        while i < len(prompt):
+            if prompt[i] == v.image_start_token_id and prompt[i + 1: i + 1 + n] == [v.image_token_id] * n \
+                    and i + 1 + n < len(prompt) and prompt[i + 1 + n] == v.image_end_token_id:
+                break
+            i += 1
+        else:
+            raise ValueError(f"images[{k}]: no run of {n} image tokens for it in the prompt")
+        out.append(i + 1)
+        i += n + 2
+    return out
+
+
+def hash_view(tokens: list[int], spans: list[tuple[int, PreparedImage]]) -> list[int]:
+    """`tokens` with each image's placeholder positions replaced by its hash words (PreparedImage.hash_words):
+    what the prefix cache hashes, so a key covers the pixels and not just the placeholders."""
+    if not spans:
+        return tokens
+    out = list(tokens)
+    for pos, img in spans:
+        out[pos: pos + img.tokens] = img.hash_words()
+    return out
