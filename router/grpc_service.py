@@ -13,13 +13,13 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from expertmesh.chat import BuiltinChat, ChatFormat
 from expertmesh.model import SamplingParams
 from expertmesh.sampling import check_sampling
 from expertmesh.tensors import sampling_from_proto
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
+from expertmesh.reflection import enable_reflection
 from expertmesh.router.engine import ExpertsUnavailable
 from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
 
@@ -199,9 +199,7 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", "expertmesh.v1.Router"):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    names = [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME,
-             reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    enable_reflection([router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME], server)
     bound = server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls is not None \
         else server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

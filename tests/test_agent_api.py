@@ -1,0 +1,129 @@
+"""#15 "agent APIs that keep their word", driven by the official openai / anthropic clients and a plain gRPC stub
+against one multi-process deployment with a small serving context (--max-context), so that requests without
+max_tokens (which now run to the end of the context) stay short on random tiny weights."""
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+
+from expertmesh.checkpoint import create_checkpoint
+from expertmesh.config import preset
+from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
+from expertmesh.up import LocalCluster, free_port
+
+API_KEY = "sk-test-agent-api"
+CONTEXT = 96
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("agent") / "tiny", seed=0)
+    c = LocalCluster(ck, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=free_port(),
+                     extra_env={"EXPERTMESH_API_KEY": API_KEY}, router_args=["--max-context", str(CONTEXT)])
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def prompt_of(oai, n_tokens: int) -> tuple[list[dict], int]:
+    """The longest user message of repeated words whose rendered chat prompt (thinking off) is at most `n_tokens`
+    long, and that length (from /tokenize; bisection over the word count)."""
+    def render(words: int):
+        msgs = [{"role": "user", "content": " ".join(["lorem", "ipsum", "dolor"][i % 3] for i in range(words))}]
+        r = httpx.post(str(oai.base_url).removesuffix("/v1/") + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": "tiny", "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}})
+        return msgs, r.json()["count"]
+    lo, hi = 1, n_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if render(mid)[1] <= n_tokens else (lo, mid - 1)
+    return render(lo)
+
+
+def test_models_report_the_serving_context(oai):
+    assert oai.models.list().data[0].model_extra["max_model_len"] == CONTEXT
+
+
+def test_near_context_prompt_without_max_tokens_runs_to_the_context(oai):
+    msgs, n = prompt_of(oai, CONTEXT - 6)
+    out = oai.chat.completions.create(model="tiny", messages=msgs, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert out.usage.prompt_tokens == n > CONTEXT - 12
+    # before #15 the default was a fixed 256 > the context left: a 400; now it is what the context leaves
+    if out.choices[0].finish_reason == "length":
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT
+    else:
+        assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens <= CONTEXT - n
+
+
+def test_over_context_is_context_length_exceeded_with_the_counts(oai):
+    msgs = [{"role": "user", "content": "lorem ipsum dolor " * CONTEXT}]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=msgs, temperature=0)
+    assert err.value.code == "context_length_exceeded"
+    assert str(CONTEXT) in err.value.message and "tokens" in err.value.message
+    msgs, n = prompt_of(oai, CONTEXT - 6)
+    with pytest.raises(openai.BadRequestError) as err:   # fits alone, not with the max_tokens asked for
+        oai.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=CONTEXT - n + 1,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert err.value.code == "context_length_exceeded" and f"({n} tokens)" in err.value.message
+
+
+def test_stop_string_cuts_the_content(oai):
+    base = dict(model="tiny", messages=[{"role": "user", "content": "count"}], temperature=0, max_tokens=12,
+                reasoning_effort="none")
+    full = oai.chat.completions.create(**base).choices[0].message.content
+    assert full and len(full) >= 4, full
+    stop = next(full[i:i + 2] for i in range(len(full) // 2, len(full) - 1) if full.index(full[i:i + 2]) > 0)
+    cut = oai.chat.completions.create(**base, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[:full.index(stop)]
+
+
+def test_logprobs_present_and_logit_bias_changes_the_output(oai):
+    base = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=5,
+                reasoning_effort="none", logprobs=True, top_logprobs=2)
+    plain = oai.chat.completions.create(**base).choices[0]
+    assert len(plain.logprobs.content) == 5 and all(len(t.top_logprobs) == 2 for t in plain.logprobs.content)
+    assert all(t.logprob <= 0 for t in plain.logprobs.content)
+    forced = oai.chat.completions.create(**base, logit_bias={"100": 100}).choices[0]
+    tokens = [t.token for t in forced.logprobs.content]
+    assert len(set(tokens)) == 1 and tokens != [t.token for t in plain.logprobs.content]
+    penal = oai.chat.completions.create(**base, logit_bias={"100": 5}, frequency_penalty=2.0).choices[0]
+    assert [t.token for t in penal.logprobs.content] != tokens   # the penalty breaks the repetition the bias made
+
+
+def test_count_tokens_equals_usage(cluster):
+    client = anthropic.Anthropic(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
+    req = dict(model="tiny", system="be brief", messages=[{"role": "user", "content": "hello there"}])
+    counted = client.messages.count_tokens(**req).input_tokens
+    out = client.messages.create(**req, max_tokens=4)
+    assert counted == out.usage.input_tokens + out.usage.cache_read_input_tokens + \
+        (out.usage.cache_creation_input_tokens or 0)
+
+
+def test_grpc_chat_without_deadline_streams_and_reflection_v1(cluster):
+    key = [("authorization", f"Bearer {API_KEY}")]
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        req = chat_pb2.ChatRequest(messages=[chat_pb2.ChatMessage(role="user", content="hi")],
+                                   params=sampling_pb2.SamplingParams(max_tokens=4, temperature=0))
+        events = list(router_pb2_grpc.RouterStub(ch).Chat(req, metadata=key))   # no timeout=: no client deadline
+        assert events[-1].HasField("finish") and len(events) >= 2
+        with pytest.raises(grpc.RpcError) as err:   # sampling limits checked as on HTTP
+            list(router_pb2_grpc.RouterStub(ch).Chat(chat_pb2.ChatRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content="hi")],
+                params=sampling_pb2.SamplingParams(max_tokens=4, temperature=-1)), metadata=key))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        from grpc_reflection.v1alpha import reflection_pb2
+        # v1 is the v1alpha messages under a new package: call it by its v1 path with the same codecs
+        info = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        reply = next(iter(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"expertmesh.v1.Router", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names
