@@ -127,3 +127,19 @@ def test_grpc_chat_without_deadline_streams_and_reflection_v1(cluster):
         names = {s.name for s in reply.list_services_response.service}
         assert {"expertmesh.v1.Router", "grpc.reflection.v1.ServerReflection",
                 "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_history_with_undecodable_output_keeps_the_prefix_cache(oai):
+    """Turn 1's answer is a lone UTF-8 continuation byte (id 128 of the byte tokenizer), returned as U+FFFD, which
+    re-tokenizes to other bytes (EF BF BD): the router's memory of the exact ids must still render it as generated,
+    so turn 2's prompt is turn 1's prompt + output token for token and the prefix cache covers both."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = [{"role": "user", "content": "say it"}]
+    one = oai.chat.completions.create(model="tiny", messages=first, temperature=0, max_tokens=24,
+                                      logit_bias={"128": 100}, extra_body=off)
+    answer = one.choices[0].message.content
+    assert answer and set(answer) == {"\ufffd"}, answer
+    turn2 = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
+    two = oai.chat.completions.create(model="tiny", messages=turn2, temperature=0, max_tokens=1, extra_body=off)
+    print(one.usage, two.usage)
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens + one.usage.completion_tokens - 16

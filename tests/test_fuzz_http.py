@@ -112,7 +112,7 @@ def tame(body, use_served_model: bool):
         if isinstance(v, int) and not isinstance(v, bool) and v > 4:
             body[key] = 4
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = 4          # the defaults are 16 (completions) and 256 (chat)
+        body["max_tokens"] = 4          # the defaults are 16 (completions) and the context left (chat)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         body["prompt"] = [t % 256 for t in prompt]      # ids past the vocabulary: covered by test_bad_input
