@@ -1,0 +1,56 @@
+"""expertmesh/grammar.py (llguidance): the fast mask equals the matcher's token-by-token answer on random
+logits, and sampling under it yields JSON that validates against the schema (checked by jsonschema)."""
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from expertmesh.grammar import Constraint, GrammarError, json_schema_grammar, ll_tokenizer
+from expertmesh.tokenizer import ByteTokenizer
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = ByteTokenizer()
+    return t, ll_tokenizer(t)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampling_under_the_mask_gives_valid_json_and_the_mask_matches_the_reference(tok, seed):
+    t, lltok = tok
+    c = Constraint(lltok, json_schema_grammar(SCHEMA, "response_format.json_schema"), "response_format.json_schema")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for step in range(200):
+        mask = c.allowed()
+        if step % 5 == 0:                              # the reference is slow: compare every 5th step
+            assert torch.equal(mask, c.allowed_reference()), step
+        if not mask.any():
+            break
+        logits = torch.randn(t.vocab_size, generator=g).masked_fill(~mask, float("-inf"))
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
+        if token in t.eos_ids:
+            break
+        c.advance(token)
+        out.append(token)
+    else:
+        pytest.fail("no end within 200 tokens")
+    doc = json.loads(t.decode(out))
+    jsonschema.validate(doc, SCHEMA)
+    assert " \n" not in t.decode(out) and "\n" not in t.decode(out)   # no free whitespace
+
+
+def test_a_rejected_token_and_an_uncompilable_schema_are_errors_naming_it(tok):
+    t, lltok = tok
+    c = Constraint(lltok, json_schema_grammar(None, "response_format"), "response_format")
+    assert not c.allowed()[ord("x")] and c.allowed()[ord("{")]
+    with pytest.raises(GrammarError, match="not allowed"):
+        c.advance(ord("x"))
+    with pytest.raises(GrammarError, match=r"tools\[0\].function.parameters"):
+        Constraint(lltok, json_schema_grammar({"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
+                                              "tools[0].function.parameters"), "tools[0].function.parameters")
