@@ -203,6 +203,8 @@ HTTP_CASES = [
     pytest.param(CHAT, {"model": "tiny", "messages": [{"content": "x"}]}, 400, ["messages[0].role", "None"],
                  id="chat-missing-role"),
     pytest.param(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                 400, ["messages[0].content[0]", "URL"], id="chat-image-part-without-url"),
+    pytest.param(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
                  400, ["messages[0]", "content[0]", "text"], id="chat-non-text-part"),
     pytest.param(CHAT, {"model": "tiny", "messages": [{"role": "tool", "content": "x", "tool_call_id": "zz"}]},
                  400, ["messages[0].tool_call_id", "'zz'"], id="chat-unknown-tool-call-id"),
