@@ -55,3 +55,33 @@ def test_mtls_deployment_serves_and_refuses_clients_without_certificates(tmp_pat
         with grpc.secure_channel(worker, creds) as ch:    # with the client certificate it answers
             info = worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
             assert info.name == "expert-0"
+
+
+def test_health_port_is_plaintext_health_only_while_the_worker_port_requires_mtls(tmp_path):
+    """What a Kubernetes `grpc:` probe does (plaintext, no certificate) reaches Health on --health-port and gets
+    SERVING; the same raw client is refused on the worker's real port, and the health port serves nothing else."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from expertmesh.tls import ephemeral_pki, server_tls_from_dir
+    from expertmesh.worker.server import serve, shutdown
+    ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+    server = serve("expert", ck, 0, tls=server_tls_from_dir(ephemeral_pki(tmp_path / "pki")), health_port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as e:          # only Health lives on the health port
+                worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            for call in (lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5),
+                         lambda: worker_pb2_grpc.ExpertWorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        server.health.enter_graceful_shutdown()              # the probe sees what the real port reports
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        shutdown(server, 0)

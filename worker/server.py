@@ -340,11 +340,13 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
           device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
-          collective_port: int | None = None) -> grpc.Server:
+          collective_port: int | None = None, health_port: int | None = None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     `collective_port`: an expert role also serves the collective transport (worker/collective.py), its
     rendezvous store on this port (0: any free one).
+    `health_port`: also serve grpc.health.v1 alone, plaintext, on this port (0: any free one) — what Kubernetes
+    gRPC probes reach when the real port requires mutual TLS; `.health_server` / `.health_port` are set.
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
     workers, or None), `.collective` (CollectiveServer or None) and `.role` set."""
     attention, expert = build_workers(role, checkpoint, assignment=assignment, gpu_of=gpu_of, kv_blocks=kv_blocks,
@@ -386,15 +388,36 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     for s in services + [""]:
         health_servicer.set(s, health_pb2.HealthCheckResponse.SERVING)
     server.port, server.role, server.health = bound, role, health_servicer
+    server.health_server, server.health_port = None, None
+    if health_port is not None:
+        server.health_server, server.health_port = serve_health_only(health_servicer, host, health_port)
     server.attention, server.expert, server.collective = attention, expert, collective
     log.info("%s worker serving %s on %s:%d", role, ", ".join(services), host, bound)
     return server
+
+
+def serve_health_only(health_servicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    """A plaintext server exposing only grpc.health.v1 (sharing `health_servicer`, so it reports what the real
+    port does): Kubernetes `grpc:` probes cannot present a client certificate. Nothing else is reachable on it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-health"),
+                         options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=32)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise OSError(f"--health-port {host}:{port}: cannot listen ({e})") from None
+    if bound == 0:
+        raise OSError(f"--health-port {host}:{port}: cannot listen (address in use?)")
+    server.start()
+    return server, bound
 
 
 def shutdown(server: grpc.Server, grace: float = 10.0) -> None:
     """Health NOT_SERVING first (balancers stop sending), then refuse new calls and let in-flight ones finish."""
     server.health.enter_graceful_shutdown()
     server.stop(grace).wait()
+    if getattr(server, "health_server", None) is not None:
+        server.health_server.stop(0).wait()
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -467,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes probes under mTLS)")
     p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
@@ -572,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
                        expert_tls=expert_tls, lease_seconds=args.lease_seconds,
-                       collective_port=args.collective_port)
+                       collective_port=args.collective_port, health_port=args.health_port)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
