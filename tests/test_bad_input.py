@@ -234,8 +234,11 @@ HTTP_CASES = [
     pytest.param(MSGS, {"model": "tiny", "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400,
                  ["messages.0.role", "'system'"], id="msgs-bad-role"),
     pytest.param(MSGS, {"model": "tiny", "max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, ["messages.0.content.0.type", "'image'"],
-                 id="msgs-unsupported-block"),
+        {"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
+                 ["messages.0.content.0.type", "'document'"], id="msgs-unsupported-block"),
+    pytest.param(MSGS, {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+                 ["messages.0.content.0.source.type", "base64"], id="msgs-image-without-source"),
     pytest.param(MSGS, {"model": "tiny", "max_tokens": 4, "messages": USER, "temperature": 1.5}, 400,
                  ["temperature", "less than or equal to 1"], id="msgs-temperature-above-1"),
     pytest.param(MSGS, {"model": "tiny", "max_tokens": 4, "messages": USER,
