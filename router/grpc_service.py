@@ -191,7 +191,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32,
-                      tls=None, chat: ChatFormat | None = None):
+                      tls=None, chat: ChatFormat | None = None, health_port: int | None = None):
+    """`health_port`: also serve grpc.health.v1 alone, plaintext, there (Kubernetes probes when the port is TLS)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"))
     service = RouterService(engine, api_key, chat)
     router_pb2_grpc.add_RouterServicer_to_server(service, server)
@@ -207,5 +208,9 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
     server.start()
     server.bound_port = bound
     server.health = health_servicer
+    server.health_server = server.health_port = None
+    if health_port is not None:
+        from expertmesh.health_port import serve_health_only
+        server.health_server, server.health_port = serve_health_only(health_servicer, host, health_port)
     return server
 

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes gRPC probes under TLS)")
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
@@ -194,7 +196,8 @@ def run(args) -> int:
                                          request_timeout=args.client_request_timeout,
                                          write_timeout=args.client_write_timeout)
     from expertmesh.router.grpc_service import serve_router_grpc
-    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat)
+    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat,
+                                    health_port=args.health_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -206,6 +209,8 @@ def run(args) -> int:
     log.info("shutting down: no new requests, finishing in-flight ones")
     if grpc_server is not None:
         grpc_server.stop(grace=5)
+        if grpc_server.health_server is not None:
+            grpc_server.health_server.stop(0)
     http_server.should_exit = True
     http_thread.join(timeout=10)
     engine.close()

@@ -390,26 +390,11 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     server.port, server.role, server.health = bound, role, health_servicer
     server.health_server, server.health_port = None, None
     if health_port is not None:
+        from expertmesh.health_port import serve_health_only
         server.health_server, server.health_port = serve_health_only(health_servicer, host, health_port)
     server.attention, server.expert, server.collective = attention, expert, collective
     log.info("%s worker serving %s on %s:%d", role, ", ".join(services), host, bound)
     return server
-
-
-def serve_health_only(health_servicer, host: str, port: int) -> tuple[grpc.Server, int]:
-    """A plaintext server exposing only grpc.health.v1 (sharing `health_servicer`, so it reports what the real
-    port does): Kubernetes `grpc:` probes cannot present a client certificate. Nothing else is reachable on it."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-health"),
-                         options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=32)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as e:
-        raise OSError(f"--health-port {host}:{port}: cannot listen ({e})") from None
-    if bound == 0:
-        raise OSError(f"--health-port {host}:{port}: cannot listen (address in use?)")
-    server.start()
-    return server, bound
 
 
 def shutdown(server: grpc.Server, grace: float = 10.0) -> None:
