@@ -56,33 +56,29 @@ def client_tls_from_dir(d: str | Path) -> ClientTLS:
     return ClientTLS(str(d / "ca.crt"), str(d / "client.crt"), str(d / "client.key"))
 
 
-def ephemeral_pki(d: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30) -> Path:
-    """Write a fresh CA and a server + client certificate signed by it into `d` (the `--tls-dir` layout), keys
-    readable by the owner only. What `expertmesh up` uses by default so that no other local process can call its
-    workers (mutual TLS: a caller needs the client key)."""
+def pki_pems(hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30) -> dict[str, bytes]:
+    """A fresh CA and a server + client certificate signed by it, as PEM bytes by file name (the `--tls-dir`
+    layout: ca.crt, ca.key, server.crt/key, client.crt/key). `hosts`: the server certificate's names (IP addresses,
+    DNS names, `*.` wildcards). Pure apart from randomness: `up` writes it to a directory, the operator into a
+    Secret."""
     import datetime
     import ipaddress
-    import os
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    d = Path(d)
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
     now = datetime.datetime.now(datetime.timezone.utc)
+    out: dict[str, bytes] = {}
 
     def name(cn: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
-    def write(stem: str, key, cert) -> None:
-        key_path = d / f"{stem}.key"
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        os.chmod(key_path, 0o600)
-        (d / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    def put(stem: str, key, cert) -> None:
+        out[f"{stem}.key"] = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption())
+        out[f"{stem}.crt"] = cert.public_bytes(serialization.Encoding.PEM)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(name("expertmesh ephemeral CA")).issuer_name(name("expertmesh ephemeral CA"))
@@ -90,7 +86,7 @@ def ephemeral_pki(d: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
           .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    write("ca", ca_key, ca)
+    put("ca", ca_key, ca)
     sans = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() or ":" in h else x509.DNSName(h)
             for h in hosts]
     for stem, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
@@ -101,5 +97,21 @@ def ephemeral_pki(d: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
                 .sign(ca_key, hashes.SHA256()))
-        write(stem, key, cert)
+        put(stem, key, cert)
+    return out
+
+
+def ephemeral_pki(d: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30) -> Path:
+    """Write pki_pems(hosts, days) into `d` (the `--tls-dir` layout), keys readable by the owner only. What
+    `expertmesh up` uses by default so that no other local process can call its workers (mutual TLS: a caller
+    needs the client key)."""
+    import os
+
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    for file, pem in pki_pems(hosts, days).items():
+        (d / file).write_bytes(pem)
+        if file.endswith(".key"):
+            os.chmod(d / file, 0o600)
     return d
