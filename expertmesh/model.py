@@ -605,6 +605,10 @@ class SamplingParams:
     # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
     logprobs: int | None = None          # of each generated token, with this many top alternatives
     prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
+    # constrained decoding (expertmesh/grammar.py): an llguidance grammar the output follows, from the token after
+    # the first `grammar_after_token` in the output (the end of thinking), or from the first token when None
+    grammar: str | None = None
+    grammar_after_token: int | None = None
 
 
 @dataclass

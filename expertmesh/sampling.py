@@ -45,18 +45,62 @@ class Sampler:
     frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0 (or below
     TINY_TEMPERATURE), else temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
 
+    With `params.grammar` (constrained decoding) the sequence's own grammar matcher masks the logits after
+    `params.grammar_after_token` has been output (or from the first token), and a finished grammar forces the first
+    stop token. `lltok`: the process's llguidance tokenizer (grammar.ll_tokenizer), needed only with a grammar.
+
     `params`: model.SamplingParams (or anything with its attributes)."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, lltok=None) -> None:
         check_sampling(params)
         self.params = params
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.counts: dict[int, int] = {}          # generated token → times, for the penalties
+        self.constraint = None
+        self.constraint_error: str | None = None  # a forced/replayed token the grammar refused
+        grammar = getattr(params, "grammar", None)
+        if grammar is not None:
+            from expertmesh.grammar import Constraint
+            if lltok is None:
+                raise ValueError("grammar: this worker has no tokenizer for constrained decoding")
+            self.constraint = Constraint(lltok, grammar, "grammar")      # GrammarError (a ValueError) names it
+            self.eos = int(lltok.eos_token)
+            self.not_eos = torch.ones(lltok.vocab_size, dtype=torch.bool)
+            self.not_eos[list(lltok.eos_tokens)] = False
+        after = getattr(params, "grammar_after_token", None)
+        self.constrained = self.constraint is not None and after is None    # the grammar applies from now on
 
     def observe(self, token: int) -> None:
-        """A token that became part of the output (sampled or forced): the penalties count it."""
+        """A token that became part of the output (sampled or forced, replays included): the penalties count it
+        and the grammar matcher advances past it (or starts after grammar_after_token)."""
         self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is None or self.constraint_error is not None:
+            return
+        if self.constrained:
+            if not self.constraint.matcher.is_stopped():
+                try:
+                    self.constraint.advance(token)
+                except ValueError as e:
+                    self.constraint_error = str(e)
+        elif token == self.params.grammar_after_token:
+            self.constrained = True
+
+    def _grammar_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """bool[V] of the tokens the grammar allows next (ids beyond the tokenizer's vocabulary never), or None
+        when the grammar is finished (the caller forces a stop token)."""
+        if self.constraint_error is not None:
+            from expertmesh.grammar import GrammarError
+            raise GrammarError(self.constraint_error)
+        if self.constraint.matcher.is_stopped():
+            return None
+        allowed = self.constraint.allowed()
+        if self.constraint.matcher.is_accepting() and not bool(allowed[self.not_eos[:len(allowed)]].any()):
+            return None                        # complete, only EOS left: the format's own stop token instead
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        n = min(len(allowed), len(mask))
+        mask[:n] = allowed[:n]
+        return mask if bool(mask.any()) else None
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -79,6 +123,11 @@ class Sampler:
         """logits [V] → a token id. Greedy ties go to the lowest id."""
         p = self.params
         logits = self._adjusted(logits.float())
+        if self.constrained:
+            mask = self._grammar_mask(logits)
+            if mask is None:
+                return int(p.stop_token_ids[0]) if p.stop_token_ids else self.eos
+            logits = logits.masked_fill(~mask, float("-inf"))
         if p.temperature < TINY_TEMPERATURE:        # 0, or so small that logits / T overflows fp32: the argmax
             return int(torch.argmax(logits))
         logits = logits / p.temperature

@@ -84,8 +84,8 @@ def sampling_to_proto(params):
                                       presence_penalty=params.presence_penalty,
                                       frequency_penalty=params.frequency_penalty,
                                       logit_bias=dict(params.logit_bias))
-    for f in ("seed", "logprobs", "prompt_logprobs"):
-        if getattr(params, f) is not None:
+    for f in ("seed", "logprobs", "prompt_logprobs", "grammar", "grammar_after_token"):
+        if getattr(params, f, None) is not None:
             setattr(msg, f, getattr(params, f))
     return msg
 
@@ -95,7 +95,7 @@ def sampling_from_proto(msg):
     Values are not range-checked here (the sampler / engine do that, naming the field)."""
     from expertmesh.model import SamplingParams
     fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "min_p",
-              "presence_penalty", "frequency_penalty")
+              "presence_penalty", "frequency_penalty", "grammar", "grammar_after_token")
     kw = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
     return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids),
                           logit_bias=tuple(sorted(msg.logit_bias.items())))

@@ -242,21 +242,22 @@ def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: boo
 def start_chat(engine: Engine, fmt: ChatFormat, messages: list[Message], tools, *, tier: str, thinking: bool,
                max_tokens: int, temperature: float, top_p: float, seed: int | None, api: str = "openai",
                logprobs: int | None = None, stop: list[str] | None = None, sampling: dict | None = None,
-               thinking_limit: int | None = None) -> ChatRun:
+               thinking_limit: int | None = None, grammar: str | None = None) -> ChatRun:
     """Render with the model's chat format and submit. A model that thinks although the request did not ask it to
     (a template that cannot turn thinking off) gets the low tier's limit."""
     return submit_chat(engine, fmt, render_prompt(fmt, messages, tools, thinking), tier=tier, thinking=thinking,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, api=api,
-                       logprobs=logprobs, stop=stop, sampling=sampling, thinking_limit=thinking_limit,
+                       logprobs=logprobs, stop=stop, sampling=sampling, thinking_limit=thinking_limit, grammar=grammar,
                        images=message_images(messages))
 
 
 def submit_chat(engine: Engine, fmt: ChatFormat, rendered, *, tier: str, thinking: bool, max_tokens: int,
                 temperature: float, top_p: float, seed: int | None, api: str = "openai", logprobs: int | None = None,
                 stop: list[str] | None = None, sampling: dict | None = None,
-                thinking_limit: int | None = None, images: list | None = None) -> ChatRun:
+                thinking_limit: int | None = None, images: list | None = None, grammar: str | None = None) -> ChatRun:
     """Submit an already rendered prompt (RenderedPrompt: ids and the phase generation starts in) and the images
-    its messages hold, in order (chat.message_images)."""
+    its messages hold, in order (chat.message_images). `grammar` (constraint_grammar) applies to the answer: after
+    the end-of-thinking marker when generation starts in the reasoning section."""
     if images and not isinstance(fmt, BuiltinChat):
         raise APIError(400, "messages: image input needs the built-in chat format (a checkpoint's own chat template "
                             "does not render images yet)", param="messages")
@@ -267,7 +268,9 @@ def submit_chat(engine: Engine, fmt: ChatFormat, rendered, *, tier: str, thinkin
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens={max_tokens}: expected a positive integer", param="max_tokens")
     run.start(SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             stop_token_ids=fmt.markers.stop, logprobs=logprobs, **(sampling or {})), api)
+                             stop_token_ids=fmt.markers.stop, logprobs=logprobs, **(sampling or {}),
+                             grammar=grammar, grammar_after_token=None if grammar is None or rendered.phase == "content"
+                             else fmt.markers.think_end), api)
     return run
 
 
@@ -356,13 +359,22 @@ def thinking_wanted(body: ChatBody) -> bool:
     return on
 
 
-def check_tool_choice(choice, tools) -> None:
-    """tool_choice "auto" / "none" (and unset) are honoured; forcing a call ("required", a named function) needs
-    constrained decoding, which this server does not have yet: refused rather than ignored."""
-    if choice in (None, "auto", "none"):
-        return
-    raise APIError(400, f"tool_choice: {choice!r} is not supported yet (only 'auto' and 'none': forcing a tool call "
-                        f"needs constrained decoding)", param="tool_choice")
+def constraint_grammar(fmt: ChatFormat, choice, tools, response_format: dict | None = None) -> str | None:
+    """The grammar (router/constraints.py) a request's forcing `tool_choice` ("required", a named function; chat-
+    shaped `tools`) or `response_format` (json_object / json_schema) puts on the answer; None for neither. A tool
+    or schema the engine cannot compile is a 400 naming it, before anything is scheduled."""
+    from expertmesh.router.constraints import (forced_tools, openai_function_name, response_format_grammar,
+                                               tool_call_grammar, where_of)
+    try:
+        forced = forced_tools(choice, tools, named=openai_function_name)
+        if forced is None:
+            return response_format_grammar(response_format)
+        m = fmt.markers
+        if m.tool_open is None or m.tool_close is None:
+            raise ValueError("tool_choice: forcing a tool call needs a chat format with tool-call marker tokens")
+        return tool_call_grammar(forced, m.tool_open, m.tool_close)
+    except ValueError as e:             # GrammarError included
+        raise APIError(400, str(e), param=where_of(e))
 
 
 def chat_logprobs(tok, tokens: list[int], entries) -> dict:
@@ -497,10 +509,7 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
     async def chat(body: ChatBody, http_request: Request, authorization: str | None = Header(default=None)):
         check_key(authorization)
         check_model(body.model)
-        check_tool_choice(body.tool_choice, body.tools)
-        if body.response_format is not None and body.response_format.get("type") != "text":
-            raise APIError(400, f"response_format: type {body.response_format.get('type')!r} is not supported yet "
-                                f"(only 'text'; constrained decoding is not implemented)", param="response_format")
+        grammar = constraint_grammar(fmt, body.tool_choice, body.tools, body.response_format)
         thinking = thinking_wanted(body)
         try:
             effort = None if body.reasoning_effort == "none" else body.reasoning_effort
@@ -536,7 +545,8 @@ def openai_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check
         run = submit_chat(engine, fmt, rendered, tier=tier, thinking=thinking,
                           max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                           logprobs=n_top, stop=[body.stop] if isinstance(body.stop, str) else body.stop,
-                          sampling=body.sampling_kwargs(), images=message_images(kept if report else history))
+                          sampling=body.sampling_kwargs(), images=message_images(kept if report else history),
+                          grammar=grammar)
 
         def logprobs(start: int, end: int) -> dict | None:
             if n_top is None:
@@ -752,12 +762,13 @@ class AnthropicPrompt:
     thinking: bool
     tier: str
     thinking_limit: int | None = None    # budget_tokens: an exact limit on thinking tokens
+    grammar: str | None = None           # tool_choice any / tool: the forced call's grammar
 
 
 ADAPTIVE_TIER = "high"   # thinking.type "adaptive": the model decides, within this tier's limit
 
 
-def anthropic_prompt(body: CountTokensBody, budgets, images=None) -> AnthropicPrompt:
+def anthropic_prompt(body: CountTokensBody, budgets, images=None, fmt: ChatFormat | None = None) -> AnthropicPrompt:
     """The conversation, tools and thinking of a messages request, as the chat format renders them."""
     kind = (body.thinking or {}).get("type", "disabled")
     if kind not in ("enabled", "disabled", "adaptive"):
@@ -770,16 +781,24 @@ def anthropic_prompt(body: CountTokensBody, budgets, images=None) -> AnthropicPr
     tier = tier_from_request(thinking_budget=body.thinking_budget or (ADAPTIVE_TIER if kind == "adaptive" else None),
                              budget_tokens=budget_tokens, budgets=budgets)
     kind = (body.tool_choice or {}).get("type", "auto")
-    if kind not in ("auto", "none"):
-        raise AnthropicError(400, f"tool_choice.type: {kind!r} is not supported yet (only 'auto' and 'none': forcing "
-                                  f"a tool call needs constrained decoding)", param="tool_choice")
+    if kind not in ("auto", "none", "any", "tool"):
+        raise AnthropicError(400, f"tool_choice.type: {kind!r} is not one of auto, none, any, tool",
+                             param="tool_choice")
     if kind == "none":
         body = body.model_copy(update={"tools": None})
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                "parameters": t.get("input_schema", {})}}
              for t in (body.tools or [])] or None
     exact = budget_tokens if body.thinking_budget is None else None
-    return AnthropicPrompt(anthropic_messages(body, images), tools, thinking, tier, exact)
+    # any / tool force a call (the same grammar as OpenAI's required / named); 400s name Anthropic's fields
+    choice = "required" if kind == "any" else \
+        {"type": "function", "function": {"name": body.tool_choice.get("name")}} if kind == "tool" else None
+    try:
+        grammar = constraint_grammar(fmt, choice, tools) if fmt is not None and choice else None
+    except APIError as e:
+        where = (e.param or "tool_choice").replace("function.parameters", "input_schema")
+        raise AnthropicError(400, e.message.replace("function.parameters", "input_schema"), param=where) from None
+    return AnthropicPrompt(anthropic_messages(body, images), tools, thinking, tier, exact, grammar)
 
 
 def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, check_key) -> APIRouter:
@@ -810,12 +829,12 @@ def anthropic_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         try:
             check_key(f"Bearer {x_api_key}" if x_api_key else authorization)
             check_model(body.model)
-            p = anthropic_prompt(body, engine.cfg.thinking, await anthropic_images(body))
+            p = anthropic_prompt(body, engine.cfg.thinking, await anthropic_images(body), fmt)
             thinking = p.thinking
             run = start_chat(engine, fmt, p.messages, p.tools, tier=p.tier, thinking=thinking,
                              max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=None,
                              api="anthropic", stop=body.stop_sequences, sampling={"top_k": body.top_k},
-                             thinking_limit=p.thinking_limit)
+                             thinking_limit=p.thinking_limit, grammar=p.grammar)
         except AnthropicError:
             raise
         except Exception as e:

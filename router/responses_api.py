@@ -26,7 +26,7 @@ from pydantic import Field
 
 from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, RenderedPrompt, ToolCall, message_images,
                              generation_prompt, render_header, render_message, tier_from_request, validate_history)
-from expertmesh.router.chat_api import ChatRun, check_tool_choice, render_prompt, submit_chat
+from expertmesh.router.chat_api import ChatRun, constraint_grammar, render_prompt, submit_chat
 from expertmesh.router.images import ImageBudget, fetch_remote
 from expertmesh.router.engine import Engine
 from expertmesh.router.http import APIError, SamplingFields, error_from_exception
@@ -73,6 +73,25 @@ class Conversation:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def responses_grammar(fmt, tool_choice, tools, text_format: dict) -> str | None:
+    """Responses `tool_choice` (required / {type: function, name}) and `text.format` (json_object / json_schema
+    {name, schema, strict}) → the same grammar as chat's; a 400 names the Responses field."""
+    kind = text_format.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"text.format.type: {kind!r} is not one of text, json_object, json_schema",
+                       param="text.format.type")
+    chat_format = {"type": kind, "json_schema": {"schema": text_format.get("schema")}} if kind == "json_schema" \
+        else {"type": kind}
+    try:
+        return constraint_grammar(fmt, tool_choice, tools, chat_format)
+    except APIError as e:
+        e.param = (e.param or "").replace("response_format.json_schema", "text.format").replace(
+            "response_format", "text.format")
+        e.message = e.message.replace("response_format.json_schema", "text.format").replace(
+            "response_format", "text.format")
+        raise
 
 
 def _parts_text(content, where: str) -> str:
@@ -344,17 +363,16 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
             if inc not in INCLUDABLE:
                 raise APIError(400, f"include[{i}]: {inc!r} is not supported (only {', '.join(INCLUDABLE)})",
                                param=f"include[{i}]")
-        fmt_type = ((body.text or {}).get("format") or {}).get("type", "text")
-        if fmt_type != "text" or set(body.text or {}) - {"format"} or \
-                set((body.text or {}).get("format") or {}) - {"type"}:
-            raise APIError(400, "text: only {format: {type: text}} is supported (structured output needs "
-                                "constrained decoding)", param="text")
+        text_format = (body.text or {}).get("format") or {"type": "text"}
+        if set(body.text or {}) - {"format"}:
+            raise APIError(400, f"text: only `format` is supported, not {sorted(set(body.text) - {'format'})}",
+                           param="text")
         for key, value in (body.stream_options or {}).items():
             if key != "include_obfuscation" or value is not False:
                 raise APIError(400, f"stream_options.{key}: only include_obfuscation: false is supported (events "
                                     f"are not padded)", param=f"stream_options.{key}")
-        check_tool_choice(body.tool_choice, body.tools)
         tools = None if body.tool_choice == "none" else chat_tools(body.tools)
+        grammar = responses_grammar(fmt, body.tool_choice, chat_tools(body.tools), text_format)
         prior: list[Segment] = []
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
@@ -379,7 +397,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                 "parallel_tool_calls": True, "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
                 "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
-                "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+                "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "truncation": body.truncation, "truncation_report": report,
                 "usage": usage, "user": body.user}
 
@@ -401,7 +419,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         run = submit_chat(engine, fmt, rendered, tier=conv.tier, thinking=conv.thinking, max_tokens=max_out,
                           temperature=body.temperature, top_p=body.top_p, seed=None, api="openai.responses",
                           sampling=body.sampling_kwargs(),
-                          images=message_images([seg.message for seg in segments]))
+                          images=message_images([seg.message for seg in segments]), grammar=grammar)
         rid, created = store.new_id(), time.time()
         rs_id, msg_id = _new_id("rs"), _new_id("msg")
         # what a follow-up continues: a system / developer message sent as an input item stays in the

@@ -1,9 +1,13 @@
 """#15 "agent APIs that keep their word", driven by the official openai / anthropic clients and a plain gRPC stub
 against one multi-process deployment with a small serving context (--max-context), so that requests without
 max_tokens (which now run to the end of the context) stay short on random tiny weights."""
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import anthropic
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -13,7 +17,7 @@ from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.up import LocalCluster, free_port
 
 API_KEY = "sk-test-agent-api"
-CONTEXT = 96
+CONTEXT = 192        # room for a rendered tool list (the byte tokenizer: one token per byte) and a forced call
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +147,106 @@ def test_history_with_undecodable_output_keeps_the_prefix_cache(oai):
     two = oai.chat.completions.create(model="tiny", messages=turn2, temperature=0, max_tokens=1, extra_body=off)
     print(one.usage, two.usage)
     assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens + one.usage.completion_tokens - 16
+
+
+# ------------------------------------------------------------------------------ constrained decoding (#15)
+# random tiny weights: only the grammar makes these outputs valid JSON / parseable calls
+OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+         "required": ["x", "ok"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+OTHER = {"type": "function", "function": {"name": "g", "parameters": {
+    "type": "object", "properties": {"s": {"enum": ["a", "b"]}}, "required": ["s"]}}}
+
+
+def point_request(seed: int, **kw) -> dict:
+    return dict(model="tiny", messages=[{"role": "user", "content": "a point"}], max_tokens=60, seed=seed,
+                temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                    "name": "point", "schema": POINT, "strict": True}}, **kw)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_output_validates(oai, seed):
+    out = oai.chat.completions.create(**point_request(seed, reasoning_effort="low"))   # the grammar starts after thinking
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), POINT)
+
+
+def test_json_object_gives_an_object(oai):
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=40,
+                                      temperature=0, response_format={"type": "json_object"}, extra_body=OFF)
+    choice = out.choices[0]
+    if choice.finish_reason == "length":          # an open-ended object may not close in 40 tokens: then say so
+        assert choice.message.content.startswith("{")
+    else:
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "g"}}])
+def test_forced_tool_call_parses_and_validates(oai, choice):
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=30,
+                                      temperature=0.7, seed=5, tools=[TOOL, OTHER], tool_choice=choice,
+                                      extra_body=OFF)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+    call = c.message.tool_calls[0].function
+    if isinstance(choice, dict):
+        assert call.name == "g"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (TOOL, OTHER)}[call.name]
+    jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_anthropic_tool_choice_any_forces_a_valid_call(cluster):
+    client = anthropic.Anthropic(base_url=cluster.http_url, api_key=API_KEY, max_retries=0, timeout=60)
+    tool = {"name": "f", "input_schema": TOOL["function"]["parameters"]}
+    out = client.messages.create(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "go"}],
+                                 tools=[tool], tool_choice={"type": "any"}, thinking={"type": "disabled"})
+    assert out.stop_reason == "tool_use", out
+    use = [b for b in out.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "f"
+    jsonschema.validate(use[0].input, tool["input_schema"])
+
+
+def test_uncompilable_schema_or_tool_is_a_400_naming_it(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**point_request(1, extra_body=OFF) | {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}})
+    assert e.value.param == "response_format.json_schema.schema" and "nope" in e.value.message
+    bad = {"type": "function", "function": {"name": "h", "parameters": {"type": "object",
+                                                                      "properties": {"n": {"type": 7}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=4,
+                                    tools=[TOOL, bad], tool_choice="required")
+    assert e.value.param == "tools.1.function.parameters", e.value.message
+
+
+def test_langchain_with_structured_output(cluster):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        ok: bool
+
+    llm = ChatOpenAI(model="tiny", base_url=cluster.http_url + "/v1", api_key=API_KEY, temperature=0,
+                     max_tokens=40, max_retries=0, extra_body=OFF)
+    point = llm.with_structured_output(Point, method="json_schema").invoke("a point")
+    assert isinstance(point, Point)
+
+
+def test_grammar_is_batch_invariant(oai):
+    """Greedy json_schema output alone equals the same request decoded in a batch with other (constrained and
+    free) requests: each row's mask comes from its own matcher."""
+    req = point_request(7) | {"temperature": 0, "extra_body": OFF}
+    alone = oai.chat.completions.create(**req).choices[0].message.content
+    others = [dict(model="tiny", messages=[{"role": "user", "content": "other " * i}], max_tokens=20,
+                   temperature=0, extra_body=OFF) for i in (1, 2)] + [point_request(8)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(oai.chat.completions.create, **r) for r in [req] + others]
+        batched = futures[0].result().choices[0].message.content
+        for f in futures[1:]:
+            f.result()
+    assert batched == alone
+    jsonschema.validate(json.loads(alone), POINT)

@@ -315,8 +315,10 @@ def test_sampling_parameters_are_honoured_or_refused(server, oai, claude):
     claude.messages.create(model="tiny", max_tokens=3, messages=messages, metadata={"user_id": "u-1"},
                            extra_body={"top_k": 5})
     refused = [({"logit_bias": {"120": 101}}, "logit_bias"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
-               ({"extra_body": {"min_p": 2}}, "min_p"), ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
-               ({"response_format": {"type": "json_object"}}, "response_format"),
+               ({"extra_body": {"min_p": 2}}, "min_p"),
+               ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
+               ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                "response_format"),
                ({"extra_body": {"guided_json": {}}}, "guided_json"), ({"parallel_tool_calls": False},
                                                                       "parallel_tool_calls")]
     for extra, param in refused:
@@ -327,7 +329,7 @@ def test_sampling_parameters_are_honoured_or_refused(server, oai, claude):
         oai.completions.create(model="tiny", prompt="hi", max_tokens=3, best_of=2)
     assert e.value.param == "best_of"
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="tiny", max_tokens=3, messages=messages, tool_choice={"type": "any"},
+        claude.messages.create(model="tiny", max_tokens=3, messages=messages, tool_choice={"type": "tool", "name": "g"},
                                tools=[{"name": "f", "input_schema": {"type": "object"}}])
     assert "tool_choice" in e.value.message
 

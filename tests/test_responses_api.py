@@ -166,7 +166,8 @@ def test_stored_responses_retrieve_list_delete_and_404(stack, client):
 @pytest.mark.parametrize("extra, param", [
     ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format.schema"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),

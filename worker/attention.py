@@ -214,7 +214,8 @@ class AttentionWorker:
             else:
                 kv = PagedSequenceKV(self.pool)
             try:
-                sampler = Sampler(params)          # bad params fail before any block is reserved
+                sampler = Sampler(params, self._grammar_tokenizer() if params.grammar is not None else None)
+                # bad params (an uncompilable grammar too) fail before any block is reserved
             except ValueError as e:
                 if prefix_key is not None:
                     kv.free()
@@ -230,6 +231,17 @@ class AttentionWorker:
                                                images=seq_images)
             self.renew(owner)
             return cache.length
+
+    def _grammar_tokenizer(self):
+        """The llguidance view of the checkpoint's tokenizer, built on the first constrained request (it reads
+        every token's bytes once) and shared by every sequence's own matcher."""
+        if getattr(self, "_lltok", None) is None:
+            from expertmesh.grammar import ll_tokenizer
+            from expertmesh.tokenizer import load_tokenizer
+            if self.ckpt is None:
+                raise WorkerError("grammar: no checkpoint (hence no tokenizer) on this worker")
+            self._lltok = ll_tokenizer(load_tokenizer(self.ckpt.path))
+        return self._lltok
 
     def _sequence_images(self, images: list):
         from expertmesh.vision import SequenceImages
