@@ -61,11 +61,11 @@ def _resources() -> dict[str, type]:
     """kind → lightkube resource class, for every kind the operator reads or writes."""
     from lightkube.generic_resource import create_namespaced_resource
     from lightkube.resources.apps_v1 import Deployment, StatefulSet
-    from lightkube.resources.core_v1 import ConfigMap, Pod, Service
+    from lightkube.resources.core_v1 import ConfigMap, Pod, Secret, Service
     from lightkube.resources.networking_v1 import NetworkPolicy
     from lightkube.resources.policy_v1 import PodDisruptionBudget
     kinds = {r.__name__: r for r in (ConfigMap, Service, Pod, StatefulSet, Deployment, PodDisruptionBudget,
-                                     NetworkPolicy)}
+                                     NetworkPolicy, Secret)}
     kinds[KIND] = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
     return kinds
 
@@ -147,6 +147,20 @@ class Kube:
                 raise
             out = await self._call(what, self._client().create(model, field_manager=FIELD_MANAGER))
         return self._plain(out)
+
+    async def create_once(self, obj: dict) -> bool:
+        """Create `obj` unless it exists (409: someone — another replica, an earlier run — was first; theirs is
+        kept). Returns whether this call created it."""
+        from lightkube import codecs
+        meta = obj["metadata"]
+        try:
+            await self._call(f"create {obj['kind']} {meta['namespace']}/{meta['name']}",
+                             self._client().create(codecs.from_dict(obj), field_manager=FIELD_MANAGER))
+        except KubeError as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
 
     async def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
         """The last lines of a container's log (as `kubectl logs --tail`)."""
@@ -257,10 +271,25 @@ async def _read_load(deps: Deps, namespace: str, name: str, cfg):
         return None
 
 
+async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str, spec, retry: int = 0) -> None:
+    """Create the deployment's worker mutual-TLS Secret once: kept as it is across re-plans and operator restarts
+    (new certificates would split running pods into two trust domains); deleted with the resource (owner)."""
+    if not spec.security.worker_tls:
+        return
+    if await _kube(deps, deps.kube.get, "v1", "Secret", namespace, m.worker_tls_secret_name(name),
+                   retry=retry) is not None:
+        return
+    from expertmesh.tls import pki_pems
+    secret = m.worker_tls_secret(name, namespace, spec, pki_pems(m.worker_tls_hosts(name, namespace), days=3650))
+    kopf.adopt(secret, owner=owner)
+    await _kube(deps, deps.kube.create_once, secret, retry=retry)
+
+
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
                           retry: int = 0) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
     pod-template hashes per component."""
+    await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
     children = m.build_children(name, namespace, spec, cfg, plan)
     rev, templates = m.revision(children), m.template_hashes(children)
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels

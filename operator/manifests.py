@@ -10,6 +10,8 @@ Children of a `MoEDeployment` named N in namespace NS:
   StatefulSet  N-expert      expert workers, ordinal i holds plan.experts_of(i) (+ headless Service N-expert,
                              PodDisruptionBudget N-expert)
   Deployment   N-router      the router (+ Service N-router: http and grpc)
+  Secret       N-worker-tls  the deployment's CA + worker server / client certificates (spec.security.workerTLS):
+                             created once by the handler (worker_tls_secret), never rebuilt from the spec
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ POD_MANAGED_LABELS = {LABEL_NAME: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}
 
 COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-worker", "expert-worker"
 WORKER_PORT = 50061
+HEALTH_PORT = 50062         # plaintext, grpc.health.v1 only: the kubelet's gRPC probes (no client certificate)
+WORKER_TLS_DIR = "/etc/expertmesh-tls"   # the N-worker-tls Secret, mounted in every pod
 COLLECTIVE_PORT = 29500     # spec.transport collective: each expert pod's rendezvous store (worker/collective.py)
 PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
@@ -88,6 +92,39 @@ def selector_string(sel: dict[str, str]) -> str:
 def pod_dns(name: str, namespace: str, statefulset: str, ordinal: int, port: int = WORKER_PORT) -> str:
     """`<pod>.<headless svc>.<ns>.svc:port` — resolves through the pod's DNS search path on any cluster domain."""
     return f"{statefulset}-{ordinal}.{statefulset}.{namespace}.svc:{port}"
+
+
+def worker_tls_secret_name(name: str) -> str:
+    return f"{name}-worker-tls"
+
+
+def worker_tls_hosts(name: str, namespace: str) -> tuple[str, ...]:
+    """The names the workers are reached by (pod_dns): any pod of either headless Service."""
+    return tuple(f"*.{sts}.{namespace}.svc" for sts in (attention_name(name), expert_name(name)))
+
+
+def worker_tls_secret(name: str, namespace: str, spec: MoEDeploymentSpec, pems: dict[str, bytes]) -> dict:
+    """The Secret holding `pems` (expertmesh.tls.pki_pems(worker_tls_hosts(...))). Everything but the CA key, which
+    only signs and is not needed once the certificates exist."""
+    import base64
+    data = {k: base64.b64encode(v).decode() for k, v in sorted(pems.items()) if k != "ca.key"}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(worker_tls_secret_name(name), namespace, "worker-tls", spec, instance=name),
+            "data": data}
+
+
+def worker_tls_args(spec: MoEDeploymentSpec, role: str) -> list[str]:
+    """Flags for mutual TLS on every worker RPC: workers serve with the server certificate and require a client
+    certificate of the deployment's CA; the router and the attention workers (callers of the expert workers) present
+    the client certificate. Empty with spec.security.workerTLS false."""
+    if not spec.security.worker_tls:
+        return []
+    d = WORKER_TLS_DIR
+    serve = ["--tls-cert", f"{d}/server.crt", "--tls-key", f"{d}/server.key", "--tls-client-ca", f"{d}/ca.crt"]
+    call = {"router": "--worker-tls", "attention": "--expert-tls"}.get(role)
+    client = [f"{call}-ca", f"{d}/ca.crt", f"{call}-cert", f"{d}/client.crt", f"{call}-key", f"{d}/client.key"] \
+        if call else []
+    return client if role == "router" else serve + client
 
 
 def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec) -> tuple[list[str], list[str]]:
@@ -332,10 +369,14 @@ def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]
             {"persistentVolumeClaim": {"claimName": cache.claim_name}} if cache.claim_name is not None else
             {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})})
         mounts.append({"name": "checkpoint-cache", "mountPath": CACHE_MOUNT})
+    if spec.security.worker_tls:
+        vols.append({"name": "worker-tls", "secret": {"secretName": worker_tls_secret_name(name),
+                                                      "defaultMode": 0o400}})
+        mounts.append({"name": "worker-tls", "mountPath": WORKER_TLS_DIR, "readOnly": True})
     return vols, mounts
 
 
-def _grpc_probes(port: int) -> dict:
+def _grpc_probes(port: int = HEALTH_PORT) -> dict:
     return {
         "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10,
                          "failureThreshold": STARTUP_SECONDS // 10},
@@ -370,7 +411,8 @@ def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
     """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
     (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
     fixed = ["expertmesh", "worker", "--role", "expert", "--plan", PLAN_PATH,
-             "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
+             "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0", "--port", str(WORKER_PORT),
+             "--health-port", str(HEALTH_PORT), *worker_tls_args(spec, "expert")]
     return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
 
 
@@ -378,8 +420,9 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
     max_context = spec.kv.max_context or cfg.max_context
     kv_blocks = math.ceil(max_context / spec.kv.block_size)
     return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
-            "--port", str(WORKER_PORT), "--name", "$(POD_NAME)",
-            "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size)]
+            "--port", str(WORKER_PORT), "--health-port", str(HEALTH_PORT), "--name", "$(POD_NAME)",
+            "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size),
+            *worker_tls_args(spec, "attention")]
 
 
 def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
@@ -400,7 +443,8 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]
     return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
             "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
             "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
-            *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec)]
+            *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec),
+            *worker_tls_args(spec, "router")]
 
 
 def _meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, **extra) -> dict:
@@ -465,9 +509,10 @@ def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: st
 def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg) -> dict:
     aw = spec.attention_workers
     container = {"name": "attention", "command": ["expertmesh"], "args": attention_worker_args(spec, cfg),
-                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT}],
+                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT},
+                           {"name": "health", "containerPort": HEALTH_PORT}],
                  "env": _env(spec, "expertmesh-attention", name),
-                 "resources": _resources(aw.resources, aw.gpus_per_pod), **_grpc_probes(WORKER_PORT)}
+                 "resources": _resources(aw.resources, aw.gpus_per_pod), **_grpc_probes()}
     return _stamped({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(attention_name(name), namespace, COMPONENT_ATTENTION, spec, instance=name),
@@ -482,12 +527,13 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
 
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
     ew = spec.expert_workers
-    ports, env = [{"name": "grpc", "containerPort": WORKER_PORT}], _env(spec, "expertmesh-expert", name)
+    ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
+    env = _env(spec, "expertmesh-expert", name)
     if spec.transport == "collective":     # the pod's rendezvous store; the attention pods learn it over gRPC
         ports.append({"name": "collective", "containerPort": COLLECTIVE_PORT})
         env.append({"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)})
     container = {"name": "expert", "command": expert_worker_command(spec), "ports": ports, "env": env,
-                 "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes(WORKER_PORT)}
+                 "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes()}
     return _stamped({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name,

@@ -2,8 +2,9 @@
 
 This list is the contract the Helm chart's (Cluster)Role is tested against: every API call in `handlers.py`
 and everything Kopf itself needs (watching, patching its resource, posting events, CRD discovery) must be
-covered here, and the chart must grant no less. Keep it minimal: no `*`, no secrets (the router reads its API
-key from the Secret through the pod's env, not through the operator).
+covered here, and the chart must grant no less. Keep it minimal: no `*`; secrets only get/create (the
+deployment's worker-TLS Secret, created once; the router reads its API key from its Secret through the pod's env,
+not through the operator).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "deployments", _CHILD),
     Rule("policy", "poddisruptionbudgets", _CHILD),
     Rule("networking.k8s.io", "networkpolicies", _CHILD),
+    # N-worker-tls (spec.security.workerTLS): read to keep it across re-plans and restarts, created when absent
+    Rule("", "secrets", ("get", "create")),
     # worker pods: watched for readiness and loss (never deleted: a new plan is adopted live)
     Rule("", "pods", ("get", "list", "watch")),
     # the checkpoint fetch's progress: the last lines of the pods' fetch (init) container log

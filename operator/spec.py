@@ -232,6 +232,12 @@ class SchedulingSpec(_Spec):
         None, min_length=1, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
 
 
+class SecuritySpec(_Spec):
+    worker_tls: bool = Field(
+        True, description="mutual TLS on every worker RPC with per-deployment certificates the operator issues "
+                          "(Secret <name>-worker-tls); false for clusters whose service mesh already does mTLS")
+
+
 class MoEDeploymentSpec(_Spec):
     model: ModelSpec
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
@@ -244,6 +250,7 @@ class MoEDeploymentSpec(_Spec):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=_DEFAULT_EMPTY)
     image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=_DEFAULT_EMPTY)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
+    security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=_DEFAULT_EMPTY)
     transport: Literal["grpc", "collective"] = Field(
         "grpc", description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
                             "collective (torch.distributed pairs: NCCL on GPUs, gloo on CPU; gRPC stays for "

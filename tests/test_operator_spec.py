@@ -228,12 +228,18 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     argv = shlex.split(c["command"][2])
     assert argv[:4] == ["exec", "expertmesh", "worker", "--role"] and argv[4] == "expert"
     opt = dict(zip(argv[5::2], argv[6::2]))
+    tls = "/etc/expertmesh-tls"
     assert opt == {"--plan": "/etc/expertmesh/plan.json", "--checkpoint": "/mnt/checkpoint/ckpt/tiny",
-                   "--host": "0.0.0.0", "--port": "50061", "--ordinal": "${HOSTNAME##*-}", "--name": "$HOSTNAME"}
-    assert c["readinessProbe"]["grpc"] == {"port": 50061} and c["startupProbe"]["grpc"] == {"port": 50061}
+                   "--host": "0.0.0.0", "--port": "50061", "--health-port": "50062",
+                   "--tls-cert": f"{tls}/server.crt", "--tls-key": f"{tls}/server.key",
+                   "--tls-client-ca": f"{tls}/ca.crt", "--ordinal": "${HOSTNAME##*-}", "--name": "$HOSTNAME"}
+    # the kubelet's probes carry no client certificate: they go to the plaintext health-only port
+    assert c["readinessProbe"]["grpc"] == {"port": 50062} and c["startupProbe"]["grpc"] == {"port": 50062}
+    assert c["livenessProbe"]["grpc"] == {"port": 50062}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
-    assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint"}
+    assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint", tls: "worker-tls"}
+    assert {v["name"]: v for v in pod["volumes"]}["worker-tls"]["secret"]["secretName"] == "kimi-worker-tls"
     assert {v["name"]: v for v in pod["volumes"]}["checkpoint"]["persistentVolumeClaim"] == {
         "claimName": "weights", "readOnly": True}
 
@@ -244,6 +250,8 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert opt["--attention"] == "kimi-attention-0.kimi-attention.serving.svc:50061"
     assert opt["--experts"].split(",") == [f"kimi-expert-{i}.kimi-expert.serving.svc:50061" for i in range(2)]
     assert (opt["--http-port"], opt["--grpc-port"], opt["--host"]) == ("8000", "50051", "0.0.0.0")
+    assert (opt["--worker-tls-ca"], opt["--worker-tls-cert"], opt["--worker-tls-key"]) == (
+        f"{tls}/ca.crt", f"{tls}/client.crt", f"{tls}/client.key")
     env = {e["name"]: e for e in router["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4318"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == "http/protobuf"
@@ -256,7 +264,42 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     att = by[("StatefulSet", "kimi-attention")]["spec"]["template"]["spec"]["containers"][0]
     assert att["args"][:3] == ["worker", "--role", "attention"] and "nvidia.com/gpu" not in att["resources"].get(
         "limits", {})
-    assert dict(zip(att["args"][3::2], att["args"][4::2]))["--kv-blocks"] == str(4096 // 16)
+    att_opt = dict(zip(att["args"][3::2], att["args"][4::2]))
+    assert att_opt["--kv-blocks"] == str(4096 // 16) and att_opt["--tls-client-ca"] == f"{tls}/ca.crt"
+    # attention workers call the expert workers directly: they present the client certificate too
+    assert (att_opt["--expert-tls-ca"], att_opt["--expert-tls-cert"], att_opt["--health-port"]) == (
+        f"{tls}/ca.crt", f"{tls}/client.crt", "50062")
+
+
+def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
+    """The Secret's certificates chain to its CA, name every pod of both headless Services, and carry the usages
+    mutual TLS checks; spec.security.workerTLS false removes every TLS flag and mount (a service mesh does it)."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from expertmesh.tls import pki_pems
+    spec, cfg, plan = tiny_plan
+    hosts = m.worker_tls_hosts("kimi", "serving")
+    secret = m.worker_tls_secret("kimi", "serving", spec, pki_pems(hosts))
+    assert secret["metadata"]["name"] == "kimi-worker-tls" and "ca.key" not in secret["data"]
+    pem = {k: x509.load_pem_x509_certificate(base64.b64decode(v)) for k, v in secret["data"].items()
+           if k.endswith(".crt")}
+    for leaf, usage in (("server.crt", ExtendedKeyUsageOID.SERVER_AUTH), ("client.crt", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        pem[leaf].verify_directly_issued_by(pem["ca.crt"])
+        assert list(pem[leaf].extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [usage]
+    names = pem["server.crt"].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["*.kimi-attention.serving.svc", "*.kimi-expert.serving.svc"]
+    att, exp = m.worker_addresses("kimi", "serving", spec)   # what the router dials is covered by a wildcard
+    assert all(a.split(":")[0].split(".", 1)[1] in {n[2:] for n in names.get_values_for_type(x509.DNSName)}
+               for a in att + exp)
+    off = parse_spec(tiny(security={"workerTls": False}))
+    for c in m.build_children("kimi", "serving", off, cfg, plan):
+        text = json.dumps(c)
+        assert "tls" not in text.lower(), c["metadata"]["name"]
+    with pytest.raises(SpecError, match="workerTls"):
+        parse_spec(tiny(security={"workerTls": "maybe"}))
 
 
 def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(tiny_plan):
@@ -500,7 +543,9 @@ def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     # pods: watched, never created, patched, updated or deleted (a new plan is adopted live)
     assert rbac.allows(granted, "", "pods", "watch") and rbac.allows(granted, "", "pods/log", "get")
     assert not any(rbac.allows(granted, "", "pods", v) for v in ("create", "patch", "update", "delete"))
-    assert not rbac.allows(granted, "", "secrets", "get")
+    # secrets: the worker-TLS Secret is read and created once, never patched, listed or watched
+    assert rbac.allows(granted, "", "secrets", "get") and rbac.allows(granted, "", "secrets", "create")
+    assert not any(rbac.allows(granted, "", "secrets", v) for v in ("list", "watch", "patch", "update"))
     assert rbac.missing(granted) == []
     assert rbac.missing([r for r in granted if r["resources"] != ["pods"]]) == [
         "core/pods:get", "core/pods:list", "core/pods:watch"]
