@@ -307,7 +307,7 @@ async def test_create_applies_children_and_reports_status():
         children = {("v1/configmaps", "kimi-plan"), ("v1/services", "kimi-attention"), ("v1/services", "kimi-expert"),
                     ("v1/services", "kimi-router"), ("apps/v1/statefulsets", "kimi-attention"),
                     ("apps/v1/statefulsets", "kimi-expert"), ("apps/v1/deployments", "kimi-router"),
-                    ("policy/v1/poddisruptionbudgets", "kimi-expert")}
+                    ("policy/v1/poddisruptionbudgets", "kimi-expert"), ("v1/secrets", "kimi-worker-tls")}
         for res, name in children:
             obj = c.get(res, name)
             assert obj is not None, (res, name)
@@ -336,6 +336,8 @@ async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():
         st = await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=30))
         old = c.plan("kimi")
         old_expert = c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"]
+        old_tls = c.get("v1/secrets", "kimi-worker-tls")["data"]
+        assert {"ca.crt", "server.crt", "server.key", "client.crt", "client.key"} == set(old_tls)
         lt_placement = c.condition("kimi", "PlacementReady")["lastTransitionTime"]
         await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
         await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
@@ -350,6 +352,8 @@ async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():
         assert sts["spec"]["replicas"] == 3
         # the pod templates do not change with the plan: no rollout (running pods adopt it live)
         assert sts["spec"]["template"] == old_expert  # (the router's changes: it is given the third pod's address)
+        # the certificates are issued once: a re-plan keeps them (new ones would split the pods' trust)
+        assert c.get("v1/secrets", "kimi-worker-tls")["data"] == old_tls
         assert "pendingRestarts" not in st["placement"]
         assert c.condition("kimi", "PlacementReady")["lastTransitionTime"] == lt_placement  # stayed True
         await c.start_pods("kimi")  # the rollout: pods come back on the new plan
