@@ -17,7 +17,7 @@ from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.up import LocalCluster, free_port
 
 API_KEY = "sk-test-agent-api"
-CONTEXT = 192        # room for a rendered tool list (the byte tokenizer: one token per byte) and a forced call
+CONTEXT = 384        # room for a rendered list of two tools (the byte tokenizer: one token per byte) and a call
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +155,11 @@ OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
          "required": ["x", "ok"], "additionalProperties": False}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}}}     # as OpenAI's strict mode requires: else the object may run on
 OTHER = {"type": "function", "function": {"name": "g", "parameters": {
-    "type": "object", "properties": {"s": {"enum": ["a", "b"]}}, "required": ["s"]}}}
+    "type": "object", "properties": {"s": {"enum": ["a", "b"]}}, "required": ["s"],
+    "additionalProperties": False}}}
 
 
 def point_request(seed: int, **kw) -> dict:
@@ -186,7 +188,8 @@ def test_json_object_gives_an_object(oai):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "g"}}])
 def test_forced_tool_call_parses_and_validates(oai, choice):
-    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=30,
+    # no max_tokens: the ~20 tokens the two rendered tools leave of the context (a call takes ~15)
+    out = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
                                       temperature=0.7, seed=5, tools=[TOOL, OTHER], tool_choice=choice,
                                       extra_body=OFF)
     c = out.choices[0]
@@ -239,10 +242,10 @@ def test_langchain_with_structured_output(cluster):
 def test_grammar_is_batch_invariant(oai):
     """Greedy json_schema output alone equals the same request decoded in a batch with other (constrained and
     free) requests: each row's mask comes from its own matcher."""
-    req = point_request(7) | {"temperature": 0, "extra_body": OFF}
+    req = point_request(7) | {"temperature": 0, "max_tokens": 30, "extra_body": OFF}
     alone = oai.chat.completions.create(**req).choices[0].message.content
     others = [dict(model="tiny", messages=[{"role": "user", "content": "other " * i}], max_tokens=20,
-                   temperature=0, extra_body=OFF) for i in (1, 2)] + [point_request(8)]
+                   temperature=0, extra_body=OFF) for i in (1, 2)] + [point_request(8, extra_body=OFF) | {"max_tokens": 30}]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(oai.chat.completions.create, **r) for r in [req] + others]
         batched = futures[0].result().choices[0].message.content
