@@ -74,6 +74,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")
         try:
             check_sampling(params)
+            if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker
+                from expertmesh.router.constraints import check_grammar
+                check_grammar(params.grammar, "grammar")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.{e}")
         return params
