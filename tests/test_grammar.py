@@ -54,3 +54,28 @@ def test_a_rejected_token_and_an_uncompilable_schema_are_errors_naming_it(tok):
     with pytest.raises(GrammarError, match=r"tools\[0\].function.parameters"):
         Constraint(lltok, json_schema_grammar({"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
                                               "tools[0].function.parameters"), "tools[0].function.parameters")
+
+
+def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(tok):
+    """The Sampler as the worker drives it (sample, then observe the token fed back) on random logits of the
+    model's (padded) vocabulary: free until the end-of-thinking marker, then JSON that validates, then the
+    format's stop token; padded ids beyond the tokenizer are never chosen."""
+    from expertmesh.model import SamplingParams
+    from expertmesh.sampling import Sampler
+    t, lltok = tok
+    params = SamplingParams(temperature=1.0, seed=3, stop_token_ids=(t.end_id, t.eos_id),
+                            grammar=json_schema_grammar(SCHEMA, "s"), grammar_after_token=t.think_end_id)
+    s = Sampler(params, lltok)
+    g = torch.Generator().manual_seed(0)
+    for token in list(b"free text ") + [t.think_end_id]:       # thinking: anything goes (forced tokens here)
+        s.observe(token)
+    out = []
+    for _ in range(200):
+        token = s.sample(torch.randn(t.vocab_size + 32, generator=g))
+        assert token < t.vocab_size
+        if token == t.end_id:
+            break
+        s.observe(token)
+        out.append(token)
+    assert token == t.end_id, t.decode(out)
+    jsonschema.validate(json.loads(t.decode(out)), SCHEMA)
