@@ -145,7 +145,7 @@ def test_tensor_decode_validates():
 
 def test_sampling_params_round_trip():
     p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 3, stop_token_ids=(3, 7),
-                       logprobs=4, prompt_logprobs=0)
+                       logprobs=4, prompt_logprobs=0, grammar='start: "a"', grammar_after_token=11)
     assert sampling_from_proto(sampling_pb2.SamplingParams.FromString(sampling_to_proto(p).SerializeToString())) == p
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()
     assert sampling_from_proto(sampling_pb2.SamplingParams()) == SamplingParams()   # unset → defaults
