@@ -1,6 +1,6 @@
 """Image tokens and vision-encoder time per 448×448 image on CPU for the presets with an encoder.
 
-    python bench/vision.py [--repeats 5] [--json bench/vision.json]
+    python bench/vision.py [--repeats 5] [--json bench/results/vision.json]
 
 Times `expertmesh.vision.encode_image` (tower + projector, fp32) on random pixels, one image at a time (as the
 attention worker runs it); prints a table and writes JSON.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -23,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--side", type=int, default=448)
-    ap.add_argument("--json", default="bench/vision.json")
+    ap.add_argument("--json", default="bench/results/vision.json")
     args = ap.parse_args()
     rows = []
     for name in ("tiny", "small"):
@@ -45,6 +46,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['preset']:8} {r['side']}x{r['side']:<5} {r['image_tokens']:>7} {r['encoder_params']:>9,} "
               f"{r['encoder_ms_median']:>10.1f} {r['encoder_ms_min']:>8.1f}")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
 
