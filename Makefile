@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch first, pinned to the CPU wheel these machines carry; the project's range admits a GPU user's build.
 TORCH_PIN ?= torch==2.13.0
-# The repo's operator/ folder would shadow the standard library's `operator` module if the current directory
-# were put on sys.path (python -m ... from the repo root): never prepend it (Python >= 3.11).
+# Never put the repo root first on sys.path (Python >= 3.11): operator/__init__.py steps aside for the standard
+# library's `operator` module when imported under that name, but nothing else from the root should shadow either.
 export PYTHONSAFEPATH := 1
 
 .PHONY: install up test bench clean
