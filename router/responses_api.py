@@ -69,6 +69,8 @@ class Conversation:
     thinking: bool
     tier: str
     input_items: list[dict] = field(default_factory=list)
+    grammar: str | None = None            # constrained decoding from tool_choice / text.format
+    text_format: dict = field(default_factory=lambda: {"type": "text"})
 
 
 def _new_id(prefix: str) -> str:
@@ -386,7 +388,8 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         segments, listed = parse_input(body.input, store, images)
         if not segments and not prior:
             raise APIError(400, "input: expected at least one item", param="input")
-        return Conversation(body.instructions, tools, prior + segments, effort != "none", tier, listed)
+        return Conversation(body.instructions, tools, prior + segments, effort != "none", tier, listed,
+                            grammar, text_format)
 
     def response_object(body: ResponsesBody, rid: str, created: float, status: str, output: list[dict],
                         usage: dict | None, report: dict | None, incomplete: str | None = None) -> dict:
@@ -397,7 +400,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
                 "parallel_tool_calls": True, "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
                 "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
-                "text": {"format": text_format}, "tool_choice": body.tool_choice or "auto",
+                "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
                 "tools": body.tools or [], "truncation": body.truncation, "truncation_report": report,
                 "usage": usage, "user": body.user}
 
@@ -419,7 +422,7 @@ def responses_router(engine: Engine, fmt: ChatFormat, name: str, check_model, ch
         run = submit_chat(engine, fmt, rendered, tier=conv.tier, thinking=conv.thinking, max_tokens=max_out,
                           temperature=body.temperature, top_p=body.top_p, seed=None, api="openai.responses",
                           sampling=body.sampling_kwargs(),
-                          images=message_images([seg.message for seg in segments]), grammar=grammar)
+                          images=message_images([seg.message for seg in segments]), grammar=conv.grammar)
         rid, created = store.new_id(), time.time()
         rs_id, msg_id = _new_id("rs"), _new_id("msg")
         # what a follow-up continues: a system / developer message sent as an input item stays in the
