@@ -693,7 +693,7 @@ class PodInfo:
     template_hash: Optional[str]  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
     deleting: bool = False
     uid: str = ""
-    fetch: Optional[str] = None   # the checkpoint fetch (init container): None (none, or done), running, failed
+    fetch: Optional[str] = None   # the checkpoint fetch (init container): None (none), running, done, failed
     fetch_error: str = ""         # a failed fetch's termination message (its last log line names the file)
     node: str = ""                # the node it runs on (pods of one node share the checkpoint cache)
 
@@ -725,14 +725,14 @@ def pod_info(body: dict) -> Optional[PodInfo]:
 
 
 def _fetch_state(pod_status: dict) -> tuple[Optional[str], str]:
-    """(None | "running" | "failed", message) of the fetch init container in a pod's status."""
+    """(None | "running" | "done" | "failed", message) of the fetch init container in a pod's status."""
     cs = next((c for c in pod_status.get("initContainerStatuses") or [] if c.get("name") == FETCH_CONTAINER), None)
     if cs is None:
         return None, ""
     state, last = cs.get("state") or {}, (cs.get("lastState") or {}).get("terminated") or {}
     term = state.get("terminated")
     if term is not None:
-        return (None, "") if term.get("exitCode") == 0 else ("failed", (term.get("message") or "").strip())
+        return ("done", "") if term.get("exitCode") == 0 else ("failed", (term.get("message") or "").strip())
     if last.get("exitCode") not in (None, 0):  # restarting after a failure (CrashLoopBackOff)
         return "failed", (last.get("message") or "").strip()
     return "running", ""
@@ -743,8 +743,8 @@ def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
     """(status, reason, message) of the WeightsReady condition for a fetched checkpoint (None otherwise):
     FetchFailed naming the pod and what its fetch said (a corrupted file by name); Downloading N% (`progress`:
     pod name → percent read from its fetch log; the pods of one node share its cache — one downloads, the others
-    wait for it — so a node counts its most advanced pod, and the deployment its slowest node); Verified once no
-    pod fetches."""
+    wait for it — so a node counts its most advanced pod, 100% once one of its pods has finished, and the deployment
+    its slowest node); Verified once no pod fetches."""
     ck = spec.model.checkpoint
     if not ck.fetched:
         return None
@@ -758,8 +758,9 @@ def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
     if fetching:
         by_node: dict[str, float] = {}
         for p in pods:
-            if p.fetch == "running":
-                by_node[p.node] = max(by_node.get(p.node, 0.0), progress.get(p.name) or 0.0)
+            if p.fetch in ("running", "done"):
+                done = 100.0 if p.fetch == "done" else progress.get(p.name) or 0.0
+                by_node[p.node] = max(by_node.get(p.node, 0.0), done)
         pct = min(by_node.values())
         return "False", "Downloading", f"Downloading {int(pct)}% ({len(fetching)} pods fetching {ck.uri})"
     if not pods:

@@ -10,7 +10,7 @@
   - the kubelet of node `LocalNode.NODE` (every pod the controllers create is bound to it): it starts each pod's
     single container as a process — command + args with Kubernetes' `$(VAR)` expansion over the container env
     (fieldRefs metadata.name / metadata.namespace / status.podIP), HOSTNAME = the pod's hostname, volumes mapped to
-    host directories (a ConfigMap volume materialised from the ConfigMap's data at start, a PVC volume from
+    host directories (a ConfigMap or Secret volume materialised from its data at start, a PVC volume from
     `volumes[claimName]`), the image's `expertmesh` entry point = this checkout's `python -m expertmesh.cli`, a
     `/bin/sh -c` script run by the real /bin/sh; init containers run first, one after the other, each to
     completion (a failed one is restarted with the back-off; the pod is Pending with `initContainerStatuses`
@@ -32,6 +32,7 @@ its writes go through the emulator's HTTP API (as a real controller's and kubele
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import json
 import os
@@ -423,6 +424,12 @@ class LocalNode:
                 self._write_configmap(cm, d)
                 self._cm_dirs.append((vol["configMap"]["name"], d))
                 out[mnt["mountPath"]] = d
+            elif "secret" in vol:
+                d = self.secret_dir(vol["secret"]["secretName"], pod_dir / "volumes" / mnt["name"],
+                                    vol["secret"].get("defaultMode", 0o644))
+                if d is None:
+                    return None
+                out[mnt["mountPath"]] = d
             elif "hostPath" in vol:  # a directory of this node, shared by its pods
                 d = self.run_dir / "hostpath" / vol["hostPath"]["path"].strip("/")
                 d.mkdir(parents=True, exist_ok=True)
@@ -435,6 +442,17 @@ class LocalNode:
             else:
                 raise ValueError(f"pod {pod['metadata']['name']}: volume {mnt['name']} of an unsupported kind")
         return out
+
+    def secret_dir(self, name: str, d: Path, mode: int = 0o600) -> Optional[Path]:
+        """A Secret's data keys decoded into files of `d` (as a Secret volume shows them); None: no such Secret."""
+        secret = self._get("v1/secrets", name)
+        if secret is None:
+            return None
+        d.mkdir(parents=True, exist_ok=True)
+        for key, b64 in (secret.get("data") or {}).items():
+            (d / key).write_bytes(base64.b64decode(b64))
+            (d / key).chmod(mode)
+        return d
 
     @staticmethod
     def _write_configmap(cm: dict, d: Path) -> bool:
@@ -473,9 +491,11 @@ class LocalNode:
             # secretKeyRef / configMapKeyRef: none in these tests
         return env
 
-    def _rewrite(self, tokens: list[str], pod_name: str, container: dict, mounts: dict[str, Path]) -> list[str]:
+    def _rewrite(self, tokens: list[str], pod: dict, container: dict, mounts: dict[str, Path]) -> list[str]:
+        pod_name = pod["metadata"]["name"]
         ports = {int(p["containerPort"]) for p in container.get("ports") or []}
         out: list[str] = []
+        dns_names: list[str] = []
         for i, tok in enumerate(tokens):
             prev = tokens[i - 1] if i else ""
             if i == 0 and tok == "expertmesh":  # the image's entry point: this checkout's CLI
@@ -490,8 +510,17 @@ class LocalNode:
             elif prev.startswith("--") and prev.endswith("port") and tok.isdigit() and int(tok) in ports:
                 tok = str(self.port(pod_name, int(tok)))
             elif tok and all(_DNS_ADDRESS.match(a) for a in tok.split(",")):
+                dns_names += [a.rsplit(":", 1)[0] for a in tok.split(",")]
                 tok = ",".join(self.resolve(a) for a in tok.split(","))
             out.append(tok)
+        # DNS is emulated by rewriting names to loopback addresses, so a TLS client is told a name it would have
+        # dialled and verified: the first it was given, else (the addresses it dials come from the router) its own
+        # pod's name — every worker certificate of a deployment carries the names of all its worker pods
+        own = [f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}.{self.ns}.svc"] \
+            if pod["spec"].get("hostname") and pod["spec"].get("subdomain") else []
+        for flag in ("--worker-tls", "--expert-tls"):
+            if f"{flag}-ca" in out and f"{flag}-server-name" not in out and (dns_names or own):
+                out += [f"{flag}-server-name", (dns_names or own)[0]]
         return out
 
     def _argv(self, pod: dict, container: dict, env: dict[str, str], mounts: dict[str, Path]) -> list[str]:
@@ -501,13 +530,13 @@ class LocalNode:
             # a shell script: rewrite its words, re-quote them (words with a $ stay expandable), run it in sh
             words = shlex.split(argv[2])
             lead = ["exec"] if words[:1] == ["exec"] else []
-            words = self._rewrite(words[len(lead):], name, container, mounts)
+            words = self._rewrite(words[len(lead):], pod, container, mounts)
             for w in words:
                 if "$" in w and any(ch in w for ch in '"\\`'):
                     raise ValueError(f"pod {name}: cannot re-quote shell word {w!r}")
             script = " ".join(lead + [f'"{w}"' if "$" in w else shlex.quote(w) for w in words])
             return ["/bin/sh", "-c", script]
-        return self._rewrite(argv, name, container, mounts)
+        return self._rewrite(argv, pod, container, mounts)
 
     def _start(self, pod: dict, restarts: int = 0, last_failure: str = "") -> Optional[Process]:
         meta, spec = pod["metadata"], pod["spec"]

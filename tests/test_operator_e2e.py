@@ -19,6 +19,7 @@ Nothing of ours is mocked; the only stand-ins are Kubernetes itself (emulator + 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -35,7 +36,8 @@ from expertmesh.fetch import INDEX_NAME, write_index
 from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
-from expertmesh.router.remote import RemoteAttention, RemoteExpert
+from expertmesh.router.remote import RemoteAttention, RemoteExpert, WorkerUnavailable
+from expertmesh.tls import client_tls_from_dir
 
 from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
@@ -133,6 +135,15 @@ async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(published,
     assert sorted(served) == sorted(x["path"] for x in json.loads((published / INDEX_NAME).read_text())["files"])
 
 
+def worker(node: LocalNode, client, statefulset: str, ordinal: int):
+    """A client of one worker pod, dialled at its pod DNS name with the deployment's client certificate (as an
+    administrator holding the Secret would)."""
+    address = m.pod_dns(NAME, NS, statefulset, ordinal)
+    tls_dir = node.secret_dir(m.worker_tls_secret_name(NAME), node.run_dir / "admin-tls")
+    tls = dataclasses.replace(client_tls_from_dir(tls_dir), server_name=address.rsplit(":", 1)[0])
+    return client(node.resolve(address), timeout=10, tls=tls)
+
+
 async def run_scenario(c, node: LocalNode, source: str) -> None:
     # 1. a tiny MoEDeployment: 2 expert pods, 16 redundant slots per layer → every expert on both pods
     # with serving overrides the router must enforce (tiny's own: thinking 8/24/48, context 4096)
@@ -161,11 +172,16 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
     # each pod ran its own command line: names from $(POD_NAME) / the hostname, the expert's ordinal from its
     # hostname (through /bin/sh), its experts from the plan in the ConfigMap volume, reached at its pod DNS name
     for i, pod in enumerate(expert_pods):
-        with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), i)), timeout=10) as w:
+        with worker(node, RemoteExpert, m.expert_name(NAME), i) as w:
             info = await asyncio.to_thread(w.info)
         assert info["name"] == pod and sorted(info["experts"]) == sorted(plan.experts_of(i))
-    with RemoteAttention(node.resolve(m.pod_dns(NAME, NS, m.attention_name(NAME), 0)), timeout=10) as w:
+    with worker(node, RemoteAttention, m.attention_name(NAME), 0) as w:
         assert (await asyncio.to_thread(w.info))["name"] == f"{NAME}-attention-0"
+    # the workers serve mutual TLS with the deployment's own certificates (Secret <name>-worker-tls): a client
+    # without them is refused
+    with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), 0)), timeout=5) as w:
+        with pytest.raises(WorkerUnavailable):
+            await asyncio.to_thread(w.info)
 
     # 2. a chat request through the router, at the endpoint the status reports
     base = node.resolve_url(f"http://{st['endpoints']['http']}")
@@ -306,7 +322,7 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
     assert templates(c) == before and _uids(c) == uids        # byte-identical templates, nothing restarted
     assert c.status(NAME)["phase"] == "Ready"
     for i in range(2):  # each expert pod holds exactly its new shards once drained (--replan-drain-seconds later)
-        with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), i)), timeout=10) as w:
+        with worker(node, RemoteExpert, m.expert_name(NAME), i) as w:
             deadline = time.monotonic() + 30
             while sorted((await asyncio.to_thread(w.info))["experts"]) != sorted(new.experts_of(i)):
                 assert time.monotonic() < deadline, f"expert-{i} did not drop the shards the plan took away"

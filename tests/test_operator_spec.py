@@ -343,6 +343,10 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
     pods = [pod("a", "n1", "running"), pod("b", "n1", "running"), pod("c", "n2", "running")]
     assert m.weights_condition(spec, pods, {"a": 80.0, "b": None, "c": 37.5}) == (
         "False", "Downloading", "Downloading 37% (3 pods fetching hf://org/tiny@v1)")
+    # a node where one pod has finished is complete (the pods still waiting there read its cache): the others count
+    later = pods + [pod("e", "n2", "done")]
+    assert m.weights_condition(spec, later, {"a": 80.0, "b": None, "c": 0.0})[2] == \
+        "Downloading 80% (3 pods fetching hf://org/tiny@v1)"
     bad = pods + [pod("d", "n2", "failed", "FETCH 10.0% …\nFETCH failed: checkpoint file 'x.safetensors': sha256 …")]
     assert m.weights_condition(spec, bad, {}) == (
         "False", "FetchFailed", "pod d: checkpoint file 'x.safetensors': sha256 …")
