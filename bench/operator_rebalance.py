@@ -59,7 +59,8 @@ def experts_held(node: LocalNode, plan) -> bool:
     """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
     from expertmesh.router.remote import RemoteExpert
     for o in range(plan.cluster.pods):
-        with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), o)), timeout=10) as w:
+        with node.tls_client(RemoteExpert, m.pod_dns(NAME, NS, m.expert_name(NAME), o),
+                             m.worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS
             if sorted(w.info()["experts"]) != sorted(plan.experts_of(o)):
                 return False
     return True

@@ -454,6 +454,18 @@ class LocalNode:
             (d / key).chmod(mode)
         return d
 
+    def tls_client(self, client, address: str, secret: str, **kwargs):
+        """`client(loopback address, tls=…)` for a cluster DNS `address`, holding the client certificate of the
+        Secret `secret` (ca.crt, client.crt, client.key) and verifying the DNS name, as a pod dialling it would."""
+        import dataclasses
+
+        from expertmesh.tls import client_tls_from_dir
+        d = self.secret_dir(secret, self.run_dir / "client-tls" / secret)
+        if d is None:
+            raise LookupError(f"no Secret {secret!r} in namespace {self.ns}")
+        tls = dataclasses.replace(client_tls_from_dir(d), server_name=address.rsplit(":", 1)[0])
+        return client(self.resolve(address), tls=tls, **kwargs)
+
     @staticmethod
     def _write_configmap(cm: dict, d: Path) -> bool:
         """Write a ConfigMap's keys into `d`, each replaced atomically (as the kubelet swaps its symlink), only

@@ -19,7 +19,6 @@ Nothing of ours is mocked; the only stand-ins are Kubernetes itself (emulator + 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 import shutil
@@ -37,7 +36,6 @@ from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
 from expertmesh.router.remote import RemoteAttention, RemoteExpert, WorkerUnavailable
-from expertmesh.tls import client_tls_from_dir
 
 from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
@@ -138,10 +136,8 @@ async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(published,
 def worker(node: LocalNode, client, statefulset: str, ordinal: int):
     """A client of one worker pod, dialled at its pod DNS name with the deployment's client certificate (as an
     administrator holding the Secret would)."""
-    address = m.pod_dns(NAME, NS, statefulset, ordinal)
-    tls_dir = node.secret_dir(m.worker_tls_secret_name(NAME), node.run_dir / "admin-tls")
-    tls = dataclasses.replace(client_tls_from_dir(tls_dir), server_name=address.rsplit(":", 1)[0])
-    return client(node.resolve(address), timeout=10, tls=tls)
+    return node.tls_client(client, m.pod_dns(NAME, NS, statefulset, ordinal), m.worker_tls_secret_name(NAME),
+                           timeout=10)
 
 
 async def run_scenario(c, node: LocalNode, source: str) -> None:
