@@ -353,17 +353,28 @@ def test_health_serving(servers, clients):
     assert _code(stub.Check, health_pb2.HealthCheckRequest(service=ATTENTION_SERVICE))[0] == grpc.StatusCode.NOT_FOUND
 
 
+def _services_v1(channel) -> set[str]:
+    """The services listed by reflection v1 (its messages are v1alpha's, field for field)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+    info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    reply = next(iter(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)))
+    return {s.name for s in reply.list_services_response.service}
+
+
 def test_reflection_lists_services(servers, clients):
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    reflection = {"grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"}
     db = ProtoReflectionDescriptorDatabase(clients["attention"].channel)
-    assert set(db.get_services()) == {"expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker",
-                                      "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert set(db.get_services()) == _services_v1(clients["attention"].channel) == {
+        "expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
     assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "ExtendSequence", "SavePrefix", "DropPrefix",
                                                  "ConnectExperts", "RunStep", "ExpertLoad"]
-    assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == {
-        "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == \
+        _services_v1(clients["shard"].channel) == {"expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
 
 
 def test_shutdown_refuses_new_calls(ckpt):

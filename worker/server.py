@@ -1,5 +1,5 @@
 """`expertmesh worker`: the attention / expert worker objects behind gRPC (`expertmesh.v1`), with the standard
-grpc.health.v1 health service and server reflection.
+grpc.health.v1 health service and server reflection (v1 and v1alpha).
 
 The servicers only translate: messages → the local objects' arguments, results → messages, and the workers'
 exceptions → status codes (the message, which names the field, goes along as the details):
@@ -23,9 +23,9 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
+from expertmesh.reflection import enable_reflection
 from expertmesh.tensors import from_proto, sampling_from_proto, to_proto
 
 log = logging.getLogger("expertmesh.worker")
@@ -373,8 +373,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
         services.append(EXPERT_SERVICE)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        services + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    enable_reflection(services + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
 
     address = f"{host}:{port}"
     try:
