@@ -104,7 +104,8 @@ def test_expert_worker_killed_with_replicas_loses_nothing(replicated):
     results = run_with_fault(c.grpc_address, lambda: c.kill("expert-1"))
     assert [e for _, e in results] == [None] * len(PROMPTS)
     assert [t for t, _ in results] == c.undisturbed
-    assert httpx.get(c.http_url + "/health").json()["expert_workers_down"] == [1]
+    health = httpx.get(c.http_url + "/health").json()
+    assert (health["status"], health["expert_workers_down"]) == ("degraded", [1])
     c.restart("expert-1")
     assert wait_healthy(c, 20)["status"] == "ok"       # taken back once healthy
     assert stream(c.grpc_address, PROMPTS[0])[0] == c.undisturbed[0]
@@ -150,7 +151,8 @@ def test_attention_worker_lost_streams_continue_identically(two_attention, fault
         assert time.monotonic() - t0 < 45
         assert [e for _, e in results] == [None] * len(PROMPTS)
         assert [t for t, _ in results] == c.undisturbed
-        assert httpx.get(c.http_url + "/health").json()["attention_workers_down"] == [0]
+        health = httpx.get(c.http_url + "/health").json()
+        assert (health["status"], health["attention_workers_down"]) == ("degraded", [0])
     finally:
         victim.send_signal(signal.SIGCONT)
         c.restart("attention-0")                 # whole again for the next scenario
