@@ -10,6 +10,7 @@ import pytest
 
 from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
+from expertmesh.grammar import json_schema_grammar
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
@@ -18,6 +19,9 @@ pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
 PROMPTS = [[(7 * i + j) % 256 for j in range(5 + 3 * i)] for i in range(4)]
 MAX_TOKENS = 40
+# constrained decoding across a failover: the replaying worker's grammar matcher must be fed the output so far
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+          "required": ["a", "b"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +29,17 @@ def ckpt_dir(tmp_path_factory):
     return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("faults") / "tiny", seed=0)
 
 
-def stream(address: str, prompt: list[int], first: threading.Event | None = None, timeout: float = 60):
-    """Greedy generation over gRPC; sets `first` once a few tokens arrived. Returns (tokens, error)."""
+def stream(address: str, prompt: list[int], first: threading.Event | None = None, timeout: float = 60,
+           grammar: str | None = None):
+    """Greedy generation over gRPC (`grammar`: constrained decoding); sets `first` once a few tokens arrived.
+    Returns (tokens, error)."""
     tokens = []
     try:
         with grpc.insecure_channel(address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
                                              params=sampling_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                                                stop_token_ids=[EOS]))
+                                                                                stop_token_ids=[EOS], grammar=grammar))
             for ev in stub.Generate(req, timeout=timeout):
                 if ev.HasField("token"):
                     tokens.append(ev.token.token_id)
@@ -44,10 +50,13 @@ def stream(address: str, prompt: list[int], first: threading.Event | None = None
         return tokens, e
 
 
-def run_with_fault(address: str, fault) -> list:
-    started = [threading.Event() for _ in PROMPTS]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futs = [pool.submit(stream, address, p, ev) for p, ev in zip(PROMPTS, started)]
+def run_with_fault(address: str, fault, requests=None) -> list:
+    """`requests` ((prompt, grammar) pairs, default PROMPTS unconstrained) streamed at once; `fault()` once each
+    has a few tokens."""
+    requests = requests or [(p, None) for p in PROMPTS]
+    started = [threading.Event() for _ in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futs = [pool.submit(stream, address, p, ev, grammar=g) for (p, g), ev in zip(requests, started)]
         assert all(ev.wait(60) for ev in started)
         fault()
         return [f.result(timeout=120) for f in futs]
@@ -60,11 +69,12 @@ def cluster(ckpt_dir, router_args=("--call-timeout", "2"), **kw):
     return c
 
 
-def undisturbed(c) -> list[list[int]]:
-    """PROMPTS streamed at once before any fault (one batch; batch invariance makes them each request's own
-    tokens): what the same requests must stream while a fault happens."""
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda p: stream(c.grpc_address, p), PROMPTS))
+def undisturbed(c, requests=None) -> list[list[int]]:
+    """`requests` (default PROMPTS) streamed at once before any fault (one batch; batch invariance makes them
+    each request's own tokens): what the same requests must stream while a fault happens."""
+    requests = requests or [(p, None) for p in PROMPTS]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: stream(c.grpc_address, r[0], grammar=r[1]), requests))
     assert all(err is None for _, err in results)
     return [tokens for tokens, _ in results]
 
@@ -94,8 +104,12 @@ def plain(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def two_attention(ckpt_dir):
+    """Its scenarios stream PROMPTS plain and again under a JSON-schema grammar (spread over both workers)."""
     with cluster(ckpt_dir, router_args=(), attention_workers=2, expert_workers=2) as c:
-        c.undisturbed = undisturbed(c)
+        c.requests = [(p, None) for p in PROMPTS] + [(p, json_schema_grammar(SCHEMA, "test")) for p in PROMPTS]
+        c.undisturbed = undisturbed(c, c.requests)
+        constrained = [ByteTokenizer().decode(t) for t in c.undisturbed[len(PROMPTS):]]
+        assert all(t.startswith('{"a":') for t in constrained), constrained     # the grammar was applied
         yield c
 
 
@@ -146,10 +160,10 @@ def test_attention_worker_lost_streams_continue_identically(two_attention, fault
     c = two_attention
     victim = c.child("attention-0").proc
     t0 = time.monotonic()
-    results = run_with_fault(c.grpc_address, lambda: victim.send_signal(getattr(signal, fault)))
+    results = run_with_fault(c.grpc_address, lambda: victim.send_signal(getattr(signal, fault)), c.requests)
     try:
         assert time.monotonic() - t0 < 45
-        assert [e for _, e in results] == [None] * len(PROMPTS)
+        assert [e for _, e in results] == [None] * len(c.requests)
         assert [t for t, _ in results] == c.undisturbed
         health = httpx.get(c.http_url + "/health").json()
         assert (health["status"], health["attention_workers_down"]) == ("degraded", [0])

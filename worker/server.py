@@ -353,6 +353,12 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
                                       device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds)
+    if expert is not None and expert.device_kind == "cpu":
+        # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
+        # first RunExperts call would overrun the caller's deadline and mark this worker down
+        from expertmesh.kernels.moe import cpu_kernel
+        if cpu_kernel.enabled():
+            cpu_kernel.load()
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{role}"),
