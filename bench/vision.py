@@ -37,7 +37,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, model in models.items():
             t0 = time.perf_counter()
-            out = encode_image(model, pixels)
+            encode_image(model, pixels)
             times[name].append((time.perf_counter() - t0) * 1e3)
     rows = [{"preset": name, "side": args.side, "image_tokens": encode_image(model, pixels).shape[0],
              "encoder_params": model.cfg.vision.params(model.cfg.hidden_size),
