@@ -204,6 +204,45 @@ def test_remote_matches_local(servers, clients, ckpt):
     assert local.info() == remote.info() and remote.info()["free_blocks"] == KV_BLOCKS
 
 
+def test_two_steps_on_one_sequence_at_once_run_one_after_the_other(servers, clients, ckpt):
+    """Two RunStep calls naming the same sequence at the same moment (two routers, or a retry racing its original)
+    are serialized by the worker: the sequence advances by both, as two steps in a row do on the local worker,
+    and the next step agrees token for token (before steps were one call under the worker lock, a second step
+    on a sequence corrupted its cache)."""
+    from expertmesh.worker.attention import StepSegment
+    local, remote = servers["local"]["attention"], clients["attention"]
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, ckpt.cfg.vocab_size, (9,), generator=g).tolist()
+    fed = torch.randint(0, ckpt.cfg.vocab_size, (2,), generator=g).tolist()
+    params = SamplingParams(max_tokens=8, logprobs=3)      # each step's position and distribution come back
+
+    def step(w, step_id, token):
+        done = w.run_step(step_id, [StepSegment("twice", [token], True)])
+        (lp,) = done.logprobs
+        return lp.position, done.tokens["twice"], lp.top_ids.tolist(), lp.top_logprobs.tolist()
+
+    for w in (local, remote):
+        w.open_sequence("twice", params, reserve_tokens=16)
+        w.run_step(60, [StepSegment("twice", prompt, True)])
+    in_a_row = [step(local, 61 + i, fed[0]) for i in range(2)]
+    start = threading.Barrier(2)
+
+    def racing_step(step_id):
+        start.wait()
+        return step(remote, step_id, fed[0])
+
+    with futures.ThreadPoolExecutor(2) as pool:
+        at_once = list(pool.map(racing_step, (61, 62)))
+    try:
+        assert in_a_row[0][0] + 1 == in_a_row[1][0]
+        assert sorted(at_once) == in_a_row
+        assert step(local, 63, fed[1]) == step(remote, 63, fed[1])
+        assert local.info() == remote.info()
+    finally:
+        for w in (local, remote):
+            w.close_sequence("twice")
+
+
 def test_expert_info_and_shard(servers, clients, ckpt):
     shard_local, shard_remote = servers["local"]["shard"], clients["shard"]
     assert shard_remote.info() == {"name": "shard", "model": "tiny", "experts": sorted(SUBSET)}
