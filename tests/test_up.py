@@ -51,16 +51,30 @@ def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
         return [t for t, _ in pool.map(lambda p: grpc_generate(address, p, N_TOKENS), prompts)]
 
 
-@pytest.mark.parametrize("attention, experts, redundant", [(1, 1, 0), (1, 2, 0), (2, 3, 2)])
-def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant):
+@pytest.mark.parametrize("attention, experts, redundant, transport", [
+    (1, 1, 0, "grpc"), (1, 2, 0, "grpc"), (2, 3, 2, "grpc"),
+    (1, 2, 0, "collective"), (2, 3, 2, "collective")])          # the same layouts over torch.distributed pairs
+def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant, transport):
+    from expertmesh.router.remote import RemoteExpert
     prompts, ref = reference
     grpc_port = free_port()
     with LocalCluster(ckpt_dir, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
-                      http_port=free_port(), grpc_port=grpc_port) as cluster:
+                      http_port=free_port(), grpc_port=grpc_port, transport=transport) as cluster:
         out = run_all(f"127.0.0.1:{grpc_port}", prompts)
         health = httpx.get(cluster.http_url + "/health").json()
+        calls = {"collective_calls": 0, "grpc_calls": 0}
+        for w in cluster.workers:
+            if w.name.startswith("expert-"):
+                with RemoteExpert(w.address, timeout=5) as client:
+                    for k, v in client.transport_counts().items():
+                        calls[k] = calls.get(k, 0) + v
     assert out == ref
     assert health["status"] == "ok"
+    # the layers' tensors rode the transport asked for (a pair forms shortly after start: the first steps may use gRPC)
+    if transport == "collective":
+        assert calls["collective_calls"] > calls["grpc_calls"], calls
+    else:
+        assert calls["collective_calls"] == 0 < calls["grpc_calls"], calls
     # every process stopped cleanly on SIGTERM
     assert [c.proc.returncode for c in cluster.children] == [0] * len(cluster.children)
 
