@@ -685,7 +685,12 @@ class CountingKube(Kube):
 
 async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
     """Two operators with `--peering`: the higher priority leads (reconciles), the other stands by (paused, no
-    writes); when the leader stops, the standby resumes and handles the next change."""
+    writes); when the leader stops, the standby resumes and handles the next change.
+
+    The leader starts first and the standby joins once the leader's entry is in the peering: Kopf starts every
+    peered operator paused, so the standby then never resumes while the leader lives. (A standby started first
+    resumes alone and pauses again when the leader comes; under the suite's load that pause was sometimes reached
+    without Kopf's "Pausing" log line, which the test used to wait for.)"""
     async with emulator() as emu:
         url = str(emu.url).rstrip("/")
         c = Cluster(emu, None)
@@ -699,26 +704,33 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
         kubes = [CountingKube.for_url(url), CountingKube.for_url(url)]
         kopf_logs, peering_log = _Records(), logging.getLogger("kopf._core.engines.peering")
         level = peering_log.level
-        peering_log.setLevel(logging.INFO)  # Kopf says it pauses at INFO
+        peering_log.setLevel(logging.INFO)  # Kopf says it pauses and resumes at INFO
         peering_log.addHandler(kopf_logs)
+        def resumed(thread: threading.Thread) -> bool:
+            return any(r.thread == thread.ident and r.getMessage().startswith("Resuming operations")
+                       for r in list(kopf_logs.records))
         deps = [Deps(kube=k, fetch_load=no_load, load_timeout=2.0) for k in kubes]
         try:
-            # short lifetimes: keep-alives every few seconds, so a peer's entry missed by a watch that started late
+            # short lifetimes: keep-alives every second, so a peer's entry missed by a watch that started late
             # (the suite's load) is seen on the next one
-            async with run_operator(emu, deps[0], peering_name="expertmesh", priority=10, peering_lifetime=6) as standby:
-                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20, peering_lifetime=6):
+            async with contextlib.AsyncExitStack() as standby_lifetime:  # the standby outlives the leader
+                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20,
+                                        peering_lifetime=6) as leader:
+                    await eventually(lambda: resumed(leader), what="the leader, alone, resumed")
+                    await eventually(lambda: [p["priority"] for p in peers().values()] == [20], what="the leader's entry")
+                    standby = await standby_lifetime.enter_async_context(
+                        run_operator(emu, deps[0], peering_name="expertmesh", priority=10, peering_lifetime=6))
                     await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
                     assert sorted(p["priority"] for p in peers().values()) == [10, 20]
-                    await eventually(lambda: any("Pausing operations in favour of" in r.getMessage() and
-                                                 "priority=20" in r.getMessage() for r in kopf_logs.records),
-                                     timeout=40, what="the lower priority paused for the higher one")
                     await c.create_moe("kimi", tiny_spec())
                     await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="reconciled")
                     await asyncio.sleep(1.0)
                     assert kubes[1].applies > 0 and kubes[0].applies == 0  # only the leader worked
+                    assert not resumed(standby)  # the standby stayed paused
                 # the leader is gone (its peering entry removed on exit): the standby resumes and takes the next change
                 await eventually(lambda: [p["priority"] for p in peers().values()] == [10],
                                  what="the leader's entry removed")
+                await eventually(lambda: resumed(standby), timeout=15, what="the standby resumed")
                 await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
                 await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15,
                                  what="the standby reconciled")
