@@ -8,6 +8,7 @@ import sys
 import threading
 
 from expertmesh.checkpoint import Checkpoint
+from expertmesh.shutdown import exit_after
 
 log = logging.getLogger("expertmesh.router")
 
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="placement plan JSON (followed: a new plan is adopted live)")
     p.add_argument("--plan-poll-seconds", type=float, default=1.0, metavar="SECONDS",
                    help="how often to re-read --plan for a new plan (0: read once at start)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM, the process ends this long after it starts draining, done or not (under "
+                        "Kubernetes' terminationGracePeriodSeconds, 60, so the pod's own exit comes first)")
     p.add_argument("--replan-drain-seconds", type=float, default=5.0, metavar="SECONDS",
                    help="after switching to a new plan, wait this long before expert workers drop the shards it "
                         "gave up, so other router replicas following the same plan switch first (default 5)")
@@ -207,6 +211,7 @@ def run(args) -> int:
     print(f"READY router {args.host}:{args.http_port}", flush=True)
     stop.wait()
     log.info("shutting down: no new requests, finishing in-flight ones")
+    exit_after(args.shutdown_timeout, "expertmesh router")
     if grpc_server is not None:
         grpc_server.stop(grace=5)
         if grpc_server.health_server is not None:

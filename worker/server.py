@@ -5,7 +5,8 @@ The servicers only translate: messages → the local objects' arguments, results
 exceptions → status codes (the message, which names the field, goes along as the details):
   WorkerError / ExpertRequestError / ValueError → INVALID_ARGUMENT,  NotFound / UnknownExpert → NOT_FOUND,
   OutOfBlocks → RESOURCE_EXHAUSTED,  anything else → INTERNAL (logged with its traceback).
-Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new calls are refused, in-flight ones get `--grace` seconds.
+Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new calls are refused, in-flight ones get `--grace` seconds;
+the process ends `--grace` + 5 s after the signal whatever is still running (expertmesh/shutdown.py).
 """
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.reflection import enable_reflection
+from expertmesh.shutdown import exit_after
 from expertmesh.tensors import from_proto, sampling_from_proto, to_proto
 
 log = logging.getLogger("expertmesh.worker")
 
 ROLES = ("attention", "expert", "both")
+SHUTDOWN_SLACK_S = 5.0    # after the grace: closing the health port, the pairs, the exit handlers
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ATTENTION_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["AttentionWorker"].full_name
@@ -478,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown; the process ends 5 s after that, done or not")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--health-port", type=int, default=None,
                    help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes probes under mTLS)")
@@ -601,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(0.5):
         pass
     log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", args.grace)
+    exit_after(args.grace + SHUTDOWN_SLACK_S, f"expertmesh worker {name or args.role}")
     shutdown(server, args.grace)
     log.info("stopped")
     exchange = getattr(server.attention, "exchange", None)

@@ -1,0 +1,28 @@
+"""expertmesh.shutdown: a process whose shutdown is stuck still ends at its deadline (a real process)."""
+import subprocess
+import sys
+import time
+
+STUCK = """
+import threading, time
+from expertmesh.shutdown import exit_after
+threading.Thread(target=time.sleep, args=(120,)).start()   # a non-daemon thread: interpreter exit waits on it
+exit_after({deadline}, "demo")
+"""
+
+
+def test_a_stuck_shutdown_ends_at_its_deadline_naming_the_process():
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", STUCK.format(deadline=0.5)], capture_output=True, text=True,
+                          timeout=60)
+    took = time.monotonic() - start
+    assert done.returncode == 1 and took < 30
+    assert "demo: shutdown still running after 0.5s; exiting now" in done.stderr
+
+
+def test_a_shutdown_that_finishes_in_time_exits_normally():
+    quick = "from expertmesh.shutdown import exit_after\nexit_after(30, 'demo')\nprint('bye')"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", quick], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "bye\n" and "exiting now" not in done.stderr
+    assert time.monotonic() - start < 25     # the armed deadline does not hold the exit back
