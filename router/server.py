@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from expertmesh.argtypes import positive_float
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.shutdown import exit_after
 
@@ -58,9 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="placement plan JSON (followed: a new plan is adopted live)")
     p.add_argument("--plan-poll-seconds", type=float, default=1.0, metavar="SECONDS",
                    help="how often to re-read --plan for a new plan (0: read once at start)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="after SIGTERM, the process ends this long after it starts draining, done or not (under "
-                        "Kubernetes' terminationGracePeriodSeconds, 60, so the pod's own exit comes first)")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM the router drains, and ends this many seconds later, done or not (default 30: "
+                        "below the pods' terminationGracePeriodSeconds, 60, so it ends itself before the kubelet "
+                        "kills it)")
     p.add_argument("--replan-drain-seconds", type=float, default=5.0, metavar="SECONDS",
                    help="after switching to a new plan, wait this long before expert workers drop the shards it "
                         "gave up, so other router replicas following the same plan switch first (default 5)")

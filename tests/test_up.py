@@ -183,9 +183,9 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
         now = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                               text=True).stdout.split()]
         assert len(now) == 4 and experts[0] not in now
+        roles = {p: " ".join(open(f"/proc/{p}/cmdline").read().split("\0")[3:6]) for p in now}  # while they run
         up.kill()
         up.wait()
-        roles = {p: " ".join(open(f"/proc/{p}/cmdline").read().split("\0")[3:6]) for p in now}
 
         def alive() -> dict:
             """pid → role and state of the children still running (zombies wait for init, they hold nothing)."""

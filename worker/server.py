@@ -481,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown; the process ends 5 s after that, done or not")
+    p.add_argument("--grace", type=float, default=10.0, help=f"seconds in-flight calls get on shutdown; the process ends {SHUTDOWN_SLACK_S:g} s after "
+                        "that, done or not")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--health-port", type=int, default=None,
                    help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes probes under mTLS)")
