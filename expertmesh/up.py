@@ -6,6 +6,7 @@ serves until Ctrl-C / SIGTERM, then stops the router first (no new requests), th
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import signal
@@ -270,8 +271,30 @@ def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: i
     return 0
 
 
+# router options `up` sets itself (addresses, plan, TLS, the deployment's shape): not for `up -- ...`
+UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--experts", "--host", "--http-port",
+                           "--grpc-port", "--prefill-chunk", "--transport", "--worker-tls-ca", "--worker-tls-cert",
+                           "--worker-tls-key", "--worker-tls-server-name", "--tls-cert", "--tls-key",
+                           "--tls-client-ca")
+
+
+def router_options(options: list[str]) -> list[str]:
+    """The router options given after `up ... --`, checked by the router's own parser before anything starts:
+    an unknown option or a bad value exits with the router's error naming it, as does one `up` sets itself."""
+    from expertmesh.router.server import add_arguments as router_arguments
+    options = options[1:] if options[:1] == ["--"] else list(options)
+    parser = argparse.ArgumentParser(prog="expertmesh up -- (router options)")
+    router_arguments(parser)
+    for option in options:
+        if option.split("=", 1)[0] in UP_OWNED_ROUTER_OPTIONS:
+            parser.error(f"{option.split('=', 1)[0]} is set by `expertmesh up` itself (use up's own options)")
+    parser.parse_args(["--checkpoint", "-", "--plan", "-", "--attention", "-", "--experts", "-", *options])
+    return options
+
+
 def run_up(args) -> int:
     from expertmesh.cli import default_checkpoint
+    passed_to_router = router_options(args.router_options)
     checkpoint = args.checkpoint or str(default_checkpoint(args.preset))
     worker_tls = None
     if args.tls_dir is None and not args.insecure_workers:
@@ -284,7 +307,7 @@ def run_up(args) -> int:
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
                            prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
-                           transport=args.transport)
+                           transport=args.transport, router_args=passed_to_router)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -345,3 +368,6 @@ def add_arguments(p) -> None:
                         "generated for this run)")
     p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
                                      "with ca.crt, server.crt, server.key, client.crt, client.key")
+    p.add_argument("router_options", nargs=argparse.REMAINDER, metavar="-- ROUTER_OPTION",
+                   help="options after `--` go to the router (`expertmesh router --help`), e.g. "
+                        "`-- --max-context 4096 --image-fetch-allow example.org --thinking-budgets 64,256,1024`")

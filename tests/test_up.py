@@ -148,7 +148,7 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
     import time
     http, grpc_port = free_port(), free_port()
     up = subprocess.Popen([sys.executable, "-m", "expertmesh.cli", "up", "--checkpoint", str(ckpt_dir),
-                           "--http-port", str(http), "--grpc-port", str(grpc_port)],
+                           "--http-port", str(http), "--grpc-port", str(grpc_port), "--", "--max-context", "384"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "PYTHONSAFEPATH": "1"})
     try:
@@ -170,6 +170,8 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
                 with pytest.raises(grpc.RpcError) as err:
                     health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # options after `--` reached the router
+        assert httpx.get(f"http://127.0.0.1:{http}/v1/models").json()["data"][0]["max_model_len"] == 384
         want = grpc_generate(f"127.0.0.1:{grpc_port}", [5, 6, 7], 6)[0]
         os.kill(experts[0], signal.SIGKILL)
         deadline, got = time.monotonic() + 60, None
@@ -207,3 +209,15 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_router_options_after_the_double_dash_are_checked_before_anything_starts(capsys):
+    from expertmesh.up import router_options
+    assert router_options(["--", "--max-context", "384", "--image-fetch-allow=example.org"]) == [
+        "--max-context", "384", "--image-fetch-allow=example.org"]
+    assert router_options([]) == []
+    for bad, named in ((["--", "--max-context", "lots"], "--max-context"), (["--", "--bogus"], "--bogus"),
+                       (["--", "--plan=x"], "--plan is set by `expertmesh up`")):
+        with pytest.raises(SystemExit) as e:
+            router_options(bad)
+        assert e.value.code == 2 and named in capsys.readouterr().err
