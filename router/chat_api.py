@@ -380,9 +380,13 @@ def constraint_grammar(fmt: ChatFormat, choice, tools, response_format: dict | N
 def chat_logprobs(tok, tokens: list[int], entries) -> dict:
     """OpenAI chat `logprobs` for generated tokens (all of them: reasoning, content and tool-call markup, as vLLM
     reports them). A token the server forced (thinking budget) outside the top alternatives has logprob null."""
+    raw = getattr(tok, "decode_bytes", None)    # the byte tokenizer's exact bytes (b"" for a special token)
+
     def item(token: int, logprob) -> dict:
         text = tok.decode([token], skip_special=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # `bytes` carries what `token` cannot: a piece of a UTF-8 sequence (its text is U+FFFD)
+        exact = raw([token]) if raw is not None else b""
+        return {"token": text, "logprob": logprob, "bytes": list(exact or text.encode("utf-8"))}
     return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                         for t, e in zip(tokens, entries)], "refusal": None}
 

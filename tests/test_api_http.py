@@ -266,6 +266,9 @@ def test_chat_logprobs_stream_and_not(server, oai):
                 for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     assert oai.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
+    # a token that is part of a UTF-8 sequence (a lone lead byte 0xC3, forced): its text is U+FFFD, its bytes exact
+    lead = oai.chat.completions.create(**{**kw, "reasoning_effort": "none", "logit_bias": {"195": 100}})
+    assert [(e.token, e.bytes) for e in lead.choices[0].logprobs.content[:3]] == [("\ufffd", [0xC3])] * 3
     for bad in ({"logprobs": False}, {"top_logprobs": 21}):
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(**{**kw, **bad})
