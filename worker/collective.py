@@ -115,7 +115,7 @@ class CollectiveServer:
             raise OSError(f"--collective-port {port}: cannot listen ({e})") from None
         self.port = self.store.port
         self.pairs = 0                  # pairs being served now
-        self.calls = 0                  # RunExperts calls served over pairs
+        self.calls = 0                  # RunExperts calls received over pairs
 
     def open(self, group_id: str, peer_host: str, timeout: float) -> None:
         """Start rank 1 of `group_id` (returns at once; the attention worker joins as rank 0 within `timeout`)."""
@@ -146,6 +146,7 @@ class CollectiveServer:
                 weights = torch.empty(n, k, dtype=torch.float32, device=dev)
                 for w in [group.recv([t], 0, 0) for t in (hidden, ids, weights)]:
                     w.wait(op_timeout)
+                self.calls += 1                 # before the answer goes: whoever has it sees the call counted
                 status, message, out = STATUS_OK, b"", None
                 try:
                     out = self.expert.run(layer, hidden.cpu(), ids.cpu(), weights.cpu(), DTYPES[out_dt])
@@ -165,7 +166,6 @@ class CollectiveServer:
                     works.append(group.send([torch.frombuffer(bytearray(message), dtype=torch.uint8).to(dev)], 0, 0))
                 for w in works:
                     w.wait(op_timeout)
-                self.calls += 1
         except Exception as e:          # the attention side closed the pair (dropped, restarted, shut down)
             log.info("collective pair %s closed: %s", group_id[:8], str(e).splitlines()[0][:200])
         finally:
