@@ -1,4 +1,10 @@
-"""A bound on how long a process may take to stop once it has been asked to.
+"""Stopping a process: the stop request from a signal, and a bound on how long the stop may take.
+
+`stop_on_signals` turns SIGTERM / SIGINT into a threading.Event without setting it inside the signal handler. A
+handler runs in the main thread between two bytecodes; if the main thread is inside that Event's own wait, it holds
+the Event's lock, and `Event.set` in the handler waits on it forever. (An expert worker of `up` was found an hour
+after its SIGTERM in exactly that state, holding its port.) The handler does nothing; Python's C-level handler writes
+the signal to a wakeup socket, and a relay thread sets the Event.
 
 The router and the workers shut down gracefully on SIGTERM (drain, then stop). Whoever sent it usually enforces a
 limit (Kubernetes' terminationGracePeriodSeconds, `expertmesh up`'s stop), but not always: a child of `up` gets its
@@ -10,9 +16,30 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
+
+
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> threading.Event:
+    """An Event that is set once one of `signals` arrives (call from the main thread; it takes over
+    signal.set_wakeup_fd)."""
+    stop = threading.Event()
+    receive, send = socket.socketpair()
+    send.setblocking(False)                     # the C handler must never block on a full buffer
+    signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
+    for sig in signals:
+        signal.signal(sig, lambda *_: None)     # a Python handler, so the wakeup byte is written; no locks here
+
+    def relay() -> None:
+        while receive.recv(1):
+            stop.set()
+
+    threading.Thread(target=relay, name="signal-relay", daemon=True).start()
+    stop.wakeup_sockets = (receive, send)       # kept open as long as the Event lives
+    return stop
 
 
 def exit_after(seconds: float, what: str, code: int = 1) -> threading.Thread:

@@ -294,6 +294,7 @@ def router_options(options: list[str]) -> list[str]:
 
 def run_up(args) -> int:
     from expertmesh.cli import default_checkpoint
+    from expertmesh.shutdown import stop_on_signals
     passed_to_router = router_options(args.router_options)
     checkpoint = args.checkpoint or str(default_checkpoint(args.preset))
     worker_tls = None
@@ -308,9 +309,7 @@ def run_up(args) -> int:
                            prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
                            transport=args.transport, router_args=passed_to_router)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     print(f"starting {args.attention_workers} attention + {args.expert_workers} expert workers "
           f"from {checkpoint} ...", flush=True)
     cluster.start()

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 
 from expertmesh.argtypes import positive_float
 from expertmesh.checkpoint import Checkpoint
-from expertmesh.shutdown import exit_after
+from expertmesh.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
 
@@ -204,9 +203,7 @@ def run(args) -> int:
     from expertmesh.router.grpc_service import serve_router_grpc
     grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat,
                                     health_port=args.health_port)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     if args.plan_poll_seconds > 0:
         threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds,
                                                   args.replan_drain_seconds), name="plan-watch", daemon=True).start()

@@ -14,7 +14,6 @@ import argparse
 import functools
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.reflection import enable_reflection
-from expertmesh.shutdown import exit_after
+from expertmesh.shutdown import exit_after, stop_on_signals
 from expertmesh.tensors import from_proto, sampling_from_proto, to_proto
 
 log = logging.getLogger("expertmesh.worker")
@@ -582,9 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         print(dry_run(attention, expert), flush=True)
         return 0
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         server = serve(args.role, args.checkpoint, args.port, args.host, assignment=assignment,
                        kv_blocks=kv_blocks, block_size=args.block_size, name=name, max_workers=args.threads,
