@@ -273,7 +273,7 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0) -> list[dict]:
     import numpy as np
     import torch
     from expertmesh.model import route_tokens
-    from expertmesh.operator.planner import ClusterShape, plan_placement
+    from expertmesh.planner import ClusterShape, plan_placement
     from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
     cfg = preset("full-2.8t")
     E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.hidden_size

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from expertmesh.config import preset
-from expertmesh.operator.planner import ClusterShape, plan_placement, zipf_loads
+from expertmesh.planner import ClusterShape, plan_placement, zipf_loads
 
 GIB = 2 ** 30
 PODS, GPUS, MEMORY_GIB = 16, 8, 141

@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable, Optional
 import kopf
 
 from expertmesh.operator import manifests as m
-from expertmesh.operator.planner import PlanError
+from expertmesh.planner import PlanError
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
                                       resolve_model)
 from expertmesh.plan import PlacementPlan

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from expertmesh.operator.planner import PlanError, imbalance, moved_shards, plan_placement
+from expertmesh.planner import PlanError, imbalance, moved_shards, plan_placement
 from expertmesh.operator.spec import GIB, MoEDeploymentSpec
 from expertmesh.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
 

@@ -69,7 +69,7 @@ def _unit(n_bytes: float) -> tuple[str, int]:
 
 def run(args) -> int:
     from expertmesh.config import preset
-    from expertmesh.operator.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
+    from expertmesh.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
     from expertmesh.plan import PlacementPlan
 
     try:

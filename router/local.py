@@ -13,7 +13,7 @@ def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int
                    group_aware: bool = True, min_replicas: int = 1):
     """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process), by
     default group-aware (each combine group's experts on one worker: one answer row per (token, group))."""
-    from expertmesh.operator.planner import ClusterShape, plan_placement
+    from expertmesh.planner import ClusterShape, plan_placement
     copies = cfg.n_logical_experts * max(1, min_replicas) + redundant_experts * cfg.n_moe_layers
     per_worker = -(-copies // expert_workers)
     memory = (per_worker + 1) * cfg.expert_bytes_mxfp4

@@ -25,7 +25,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_plan(tmp_path_factory):
-    from expertmesh.operator.planner import ClusterShape, plan_placement
+    from expertmesh.planner import ClusterShape, plan_placement
     cfg = preset("full-2.8t")
     plan = plan_placement(cfg, ClusterShape(16, 8, 141 * GIB), redundant_slots=32)
     path = tmp_path_factory.mktemp("plan") / "plan.json"

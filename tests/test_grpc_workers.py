@@ -470,7 +470,7 @@ def test_main_rejects_bad_arguments(ckpt, capsys):
 
 def test_plan_assignment(ckpt, tmp_path):
     pytest.importorskip("expertmesh.plan")
-    pytest.importorskip("expertmesh.operator.planner")
+    pytest.importorskip("expertmesh.planner")
     from expertmesh.router.local import make_placement
     from expertmesh.worker.server import plan_assignment
     plan = make_placement(ckpt.cfg, 2)

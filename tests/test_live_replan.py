@@ -11,7 +11,7 @@ import pytest
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.model import SamplingParams, generate
-from expertmesh.operator.planner import ClusterShape, moved_shards, plan_placement
+from expertmesh.planner import ClusterShape, moved_shards, plan_placement
 from expertmesh.router.remote import RemoteExpert
 from expertmesh.router.server import build_remote_engine
 from expertmesh.worker.server import serve, shutdown

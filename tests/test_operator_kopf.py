@@ -30,7 +30,7 @@ from kmock._internal import enums
 
 from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import Deps, Kube, build_registry
-from expertmesh.operator.planner import moved_shards, zipf_loads
+from expertmesh.planner import moved_shards, zipf_loads
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from expertmesh.plan import PlacementPlan
 
@@ -499,7 +499,7 @@ async def test_timer_rebalances_on_observed_imbalance():
         st = await eventually(lambda: c.status("kimi") if c.status("kimi").get("lastRebalanceTime") else None)
         assert st["placement"]["planHash"] == new.plan_hash()
         assert st["placement"]["observedImbalance"] > 1.1
-        from expertmesh.operator.planner import imbalance
+        from expertmesh.planner import imbalance
         loads = m.parse_load(await fetch("", 0), cfg)
         assert imbalance(new, loads).mean < imbalance(old, loads).mean
         assert c.condition("kimi", "PlacementReady")["reason"] == "Rebalanced"

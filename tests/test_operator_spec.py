@@ -13,7 +13,7 @@ import yaml
 
 from expertmesh.operator import crd, manifests as m, rbac
 from expertmesh.operator.main import add_arguments, operator_kwargs
-from expertmesh.operator.planner import PlanError, imbalance, zipf_loads
+from expertmesh.planner import PlanError, imbalance, zipf_loads
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 
 TINY_EXPERT_BYTES = 3264

@@ -1,4 +1,4 @@
-"""The placement-plan schema (expertmesh/plan.py), the planner (operator/planner.py) and `expertmesh plan`."""
+"""The placement-plan schema (expertmesh/plan.py), the planner (expertmesh/planner.py) and `expertmesh plan`."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from expertmesh.config import preset
 from expertmesh.operator import plan_cli
-from expertmesh.operator.planner import (ClusterShape, PlanError, group_homes, imbalance, moved_shards, plan_placement,
-                                         pods_needed, replica_counts, zipf_loads)
+from expertmesh.planner import (ClusterShape, PlanError, group_homes, imbalance, moved_shards, plan_placement,
+                                pods_needed, replica_counts, zipf_loads)
 from expertmesh.plan import PlacementPlan
 
 GIB = 2 ** 30
