@@ -35,7 +35,7 @@ from pathlib import Path
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
+from expertmesh.sampling_params import SamplingParams
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -78,7 +78,7 @@ def _params(max_tokens: int) -> SamplingParams:
 
 
 def bench_inprocess(ckpt, concurrencies, prompt_len, max_tokens):
-    from expertmesh.router.local import build_local_engine
+    from expertmesh.entry.local import build_local_engine
     eng = build_local_engine(ckpt, attention_workers=1, expert_workers=2, max_running=64, max_waiting=256)
 
     def submit(p, n):
@@ -109,6 +109,7 @@ def _router_tcp_bytes(pid: int, worker_ports: set[int]) -> int:
 def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transport="grpc"):
     import grpc
     import httpx
+
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.up import LocalCluster, free_port
     cfg = Checkpoint(ckpt_dir).cfg
@@ -160,7 +161,7 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
 
 def _wait_pairs(cluster, n: int, timeout: float = 60.0) -> None:
     """Until every expert worker serves `n` collective pairs (they form in the background after connect)."""
-    from expertmesh.router.remote import RemoteExpert
+    from expertmesh.worker_clients import RemoteExpert
     deadline = time.monotonic() + timeout
     for c in cluster.workers:
         if c.name.startswith("expert-"):
@@ -176,12 +177,14 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     batch sizes, over each transport against the same workers (they serve both); gate-routed random tokens."""
     import numpy as np
     import torch
+
     from expertmesh.kernels.moe.combine import present_groups
     from expertmesh.model import route_tokens
-    from expertmesh.router.remote import RemoteExpert
+    from expertmesh.replica_table import ReplicaTable
     from expertmesh.up import LocalCluster, free_port
     from expertmesh.worker.collective import CollectiveExpert
-    from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
+    from expertmesh.worker.exchange import ExpertExchange
+    from expertmesh.worker_clients import RemoteExpert
     cfg = Checkpoint(ckpt_dir).cfg
     E, layer = cfg.moe.n_routed_experts, cfg.moe_layers[0]
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
@@ -272,9 +275,11 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0) -> list[dict]:
     """Bytes per step per attention worker for full-2.8t (bf16 on the wire) from the exchange's own assignment."""
     import numpy as np
     import torch
+
     from expertmesh.model import route_tokens
     from expertmesh.planner import ClusterShape, plan_placement
-    from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
+    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.worker.exchange import ExpertExchange
     cfg = preset("full-2.8t")
     E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.hidden_size
     G = cfg.moe.combine_groups

@@ -265,7 +265,7 @@ class InProcess:
     def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int,
                  max_waiting: int):
         from expertmesh.router.http import build_app, serve_http
-        from expertmesh.router.local import build_local_engine
+        from expertmesh.entry.local import build_local_engine
         from expertmesh.up import free_port
         self.engine = build_local_engine(checkpoint, attention_workers=attention_workers,
                                          expert_workers=expert_workers, max_running=max_running,
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         checkpoint = args.checkpoint
     else:
-        from expertmesh.cli import default_checkpoint
+        from expertmesh.checkpoint import default_checkpoint
         checkpoint = str(default_checkpoint(args.preset))
     kw = dict(attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               max_running=args.max_running, max_waiting=args.max_waiting)

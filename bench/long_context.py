@@ -24,8 +24,8 @@ from pathlib import Path
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
-from expertmesh.router.local import build_local_engine
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.entry.local import build_local_engine
 
 PREFILL_CHUNK = 1024   # long prompts prefill in large chunks (the bench measures decode, not prefill)
 BLOCK_SIZE = 64

@@ -23,13 +23,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+from kube_harness import LocalNode  # noqa: E402
+from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spec  # noqa: E402
 
 from expertmesh.checkpoint import create_checkpoint  # noqa: E402
 from expertmesh.config import preset  # noqa: E402
 from expertmesh.operator import manifests as m  # noqa: E402
-
-from kube_harness import LocalNode  # noqa: E402
-from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spec  # noqa: E402
 
 NAME = "kimi"
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
@@ -57,7 +56,7 @@ async def served_plan(node: LocalNode, endpoint: str) -> str | None:
 
 def experts_held(node: LocalNode, plan) -> bool:
     """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
-    from expertmesh.router.remote import RemoteExpert
+    from expertmesh.worker_clients import RemoteExpert
     for o in range(plan.cluster.pods):
         with node.tls_client(RemoteExpert, m.pod_dns(NAME, NS, m.expert_name(NAME), o),
                              m.worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS

@@ -24,7 +24,7 @@ import openai
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 SYSTEM = "You are a careful assistant; think step by step before answering. " * 4

@@ -21,10 +21,12 @@ MODES = {"off": {}, "default (layers 1/16)": {"EXPERTMESH_TRACE_LAYER_EVERY": "1
 
 def child(ckpt: str, mode: str, requests: int, tokens: int) -> None:
     import time
+
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
     from expertmesh import telemetry
-    from expertmesh.model import SamplingParams
-    from expertmesh.router.local import build_local_engine
+    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.entry.local import build_local_engine
 
     class Sink(SpanExporter):
         def export(self, spans):

@@ -8,6 +8,8 @@ import sys
 
 import httpx
 
+from expertmesh.argtypes import positive_int
+
 
 def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, max_tokens: int, api_key: str | None,
                 out=sys.stdout, err=sys.stderr, temperature: float = 0.0) -> dict:
@@ -98,7 +100,6 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    from expertmesh.argtypes import positive_int
     p.add_argument("prompt", nargs="?", help="one prompt; without it, an interactive session")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the router's first model")

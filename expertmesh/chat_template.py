@@ -35,8 +35,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from expertmesh.chat import (ChatError, ChatMarkers, Message, ParsedOutput, Phase, RenderedPrompt, ToolCall,
-                             split_reasoning, tool_call_id, validate_history)
+from expertmesh.chat import (
+    ChatError,
+    ChatMarkers,
+    Message,
+    ParsedOutput,
+    Phase,
+    RenderedPrompt,
+    ToolCall,
+    split_reasoning,
+    tool_call_id,
+    validate_history,
+)
 from expertmesh.tokenizer import CheckpointTokenizer, read_json
 
 log = logging.getLogger("expertmesh.chat_template")

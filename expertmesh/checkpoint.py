@@ -26,27 +26,29 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from expertmesh.config import ModelConfig, load_config
+from expertmesh.checkpoint_config import is_hugging_face, mapped_config_error, native_config, read_raw_config
+from expertmesh.checkpoint_files import CONFIG_FILE, INDEX_FILE, CheckpointError, read_header
+from expertmesh.config import ModelConfig, preset
+from expertmesh.hf_layout import HFLayout
+from expertmesh.model import RoutedExperts, Transformer, init_random_, materialize_, module_shapes, stored_dtype
 
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 FORMAT = "expertmesh-mxfp4"
+DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"   # synthetic ones, per preset
 FORMAT_VERSION = 2   # 2: published-math modules (indexer k-norm, conv [D, 1, K], fp32 routing tensors)
 _EXPERT_BUFFERS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 _DTYPE_NAMES = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
                 torch.int64: "I64", torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match what the config says it should hold."""
 
 
 @dataclass(frozen=True)
@@ -89,21 +91,8 @@ def is_routed_expert(name: str) -> bool:
     return ".moe.experts." in name
 
 
-def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every state-dict tensor of the model for `cfg` and its shape, built on the meta device (no memory). A tied
-    LM head appears once, as embed.weight."""
-    from expertmesh.model import Transformer
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every tensor a native checkpoint of `cfg` holds, with its stored dtype and shape."""
-    from expertmesh.model import stored_dtype
     specs: dict[str, TensorSpec] = {}
     for name, shape in module_shapes(cfg).items():
         ck = checkpoint_name(name)
@@ -152,9 +141,26 @@ def save_checkpoint(model, out_dir: str | os.PathLike, *, layers_per_shard: int 
 def create_checkpoint(cfg: ModelConfig, out_dir, *, seed: int = 0, layers_per_shard: int = 1,
                       progress: bool = False) -> Path:
     """A synthetic checkpoint: seeded random weights, experts quantised to MXFP4."""
-    from expertmesh.model import Transformer, init_random_
     model = init_random_(Transformer(cfg), seed)
     return save_checkpoint(model, out_dir, layers_per_shard=layers_per_shard, progress=progress)
+
+
+def default_checkpoint(preset_name: str, seed: int = 0) -> Path:
+    """The synthetic checkpoint for a preset, created on first use under ~/.cache/expertmesh."""
+    path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}-v{FORMAT_VERSION}"
+    if not (path / INDEX_FILE).exists():
+        # built beside it and renamed into place: a run that dies half-way (full disk, Ctrl-C) leaves no
+        # half-written checkpoint that later runs would trip on; one left by an older version is replaced
+        print(f"creating synthetic {preset_name} checkpoint in {path} ...", file=sys.stderr)
+        tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            create_checkpoint(preset(preset_name), tmp, seed=seed, progress=True)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -165,22 +171,16 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike, expect_config: ModelConfig | None = None):
         self.path = Path(path)
         cfg_path = self.path / CONFIG_FILE
-        if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a checkpoint directory")
-        if not cfg_path.exists():
-            raise CheckpointError(f"{cfg_path}: missing (a checkpoint needs its config.json)")
+        raw = read_raw_config(self.path)
         self.hf = None          # the Hugging Face layout, when the directory is one
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
-        if isinstance(raw, dict) and "model_type" in raw and raw["model_type"] != "expertmesh":
-            self._open_hf(raw)
-        else:
+        if is_hugging_face(raw):
             try:
-                self.cfg = load_config(cfg_path)
-            except ValueError as e:
-                raise CheckpointError(f"{cfg_path}: invalid model config: {e}") from None
+                self.hf = HFLayout(self.path, raw)
+            except ValidationError as e:
+                raise mapped_config_error(self.path, e) from None
+            self.cfg = self.hf.cfg
+        else:
+            self.cfg = native_config(self.path)
         if expect_config is not None and expect_config != self.cfg:
             diff = _config_diff(expect_config.model_dump(), self.cfg.model_dump())
             raise CheckpointError(f"{cfg_path}: config does not match the expected one ({diff})")
@@ -197,19 +197,6 @@ class Checkpoint:
             raise CheckpointError(f"{index_path}: not a valid index ({e!r})") from None
         self.specs = expected_tensors(self.cfg)
         self._validate()
-
-    def _open_hf(self, raw: dict) -> None:
-        from pydantic import ValidationError
-        from expertmesh.hf_layout import HFCheckpointError, HFLayout
-        try:
-            self.hf = HFLayout(self.path, raw)
-        except HFCheckpointError as e:
-            raise CheckpointError(str(e)) from None
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise CheckpointError(f"{self.path / CONFIG_FILE}: maps to an invalid model config: "
-                                  f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-        self.cfg = self.hf.cfg
 
     @property
     def layout(self) -> str:
@@ -233,7 +220,7 @@ class Checkpoint:
             fpath = self.path / fname
             if not fpath.exists():
                 raise CheckpointError(f"{fpath}: missing (holds {names[0]!r} and {len(names) - 1} more)")
-            header = _read_header(fpath)
+            header = read_header(fpath)
             for name in sorted(names):
                 spec = self.specs[name]
                 if name not in header:
@@ -305,7 +292,6 @@ class Checkpoint:
         Built on the meta device and given storage only for what it holds, then filled tensor by tensor from the
         files (one stored tensor in host memory at a time). `experts=False` builds no routed-expert buffers at
         all (attention workers: each MoE layer's `experts` holds zero experts)."""
-        from expertmesh.model import Transformer, materialize_
         with torch.device("meta"):
             model = Transformer(self.cfg, dense_attention=dense_attention, routed_experts=experts)
         materialize_(model, device, dtype)
@@ -335,7 +321,6 @@ class Checkpoint:
 
     def load_experts(self, layer: int, expert_ids: list[int]):
         """A `RoutedExperts` module holding only `expert_ids` of `layer` (an expert worker's shard)."""
-        from expertmesh.model import RoutedExperts
         if not self.cfg.is_moe_layer(layer):
             raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
         ids = sorted(expert_ids)
@@ -362,32 +347,6 @@ class Checkpoint:
         if self.hf is not None:
             return list(self.hf.files.files)
         return sorted({self.path / f for f in self.weight_map.values()})
-
-
-def _read_header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """Parse a safetensors header and check the file is as long as its header says → {name: (dtype, shape)}."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: truncated (no safetensors header)")
-        n = int.from_bytes(raw, "little")
-        if n > size - 8:
-            raise CheckpointError(f"{path}: truncated (header of {n} bytes, file has {size - 8} after the length)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    end = 0
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = (info["dtype"], info["shape"])
-        end = max(end, info["data_offsets"][1])
-    if 8 + n + end > size:
-        raise CheckpointError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
-    return out
 
 
 def _config_diff(a: dict, b: dict, prefix: str = "") -> str:

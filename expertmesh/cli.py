@@ -8,8 +8,6 @@ from pathlib import Path
 
 from expertmesh.argtypes import nonnegative_int, positive_int
 
-DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"
-
 
 def _table(rows: list[tuple[str, str]], headers: tuple[str, str] = ("figure", "value")) -> str:
     width = max(len(headers[0]), *(len(r[0]) for r in rows))
@@ -34,28 +32,6 @@ def cmd_model_describe(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
-def default_checkpoint(preset_name: str, seed: int = 0) -> Path:
-    """The synthetic checkpoint for a preset, created on first use under ~/.cache/expertmesh."""
-    from expertmesh.checkpoint import FORMAT_VERSION, INDEX_FILE, create_checkpoint
-    from expertmesh.config import preset
-    import os
-    import shutil
-    path = DEFAULT_CHECKPOINT_DIR / f"{preset_name}-seed{seed}-v{FORMAT_VERSION}"
-    if not (path / INDEX_FILE).exists():
-        # built beside it and renamed into place: a run that dies half-way (full disk, Ctrl-C) leaves no
-        # half-written checkpoint that later runs would trip on; one left by an older version is replaced
-        print(f"creating synthetic {preset_name} checkpoint in {path} ...", file=sys.stderr)
-        tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            create_checkpoint(preset(preset_name), tmp, seed=seed, progress=True)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
 def cmd_checkpoint_create(args) -> int:
     from expertmesh.checkpoint import create_checkpoint
     from expertmesh.config import preset
@@ -100,8 +76,9 @@ def cmd_checkpoint_inspect(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    from expertmesh.checkpoint import Checkpoint
-    from expertmesh.model import SamplingParams, generate
+    from expertmesh.checkpoint import Checkpoint, default_checkpoint
+    from expertmesh.model import generate
+    from expertmesh.sampling_params import SamplingParams
     from expertmesh.tokenizer import load_tokenizer
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
     model = Checkpoint(path).load_model(dense_attention=args.dense)
@@ -202,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _set_threads() -> None:
+    """$EXPERTMESH_TORCH_THREADS for the commands that compute in this process (generate, checkpoint); the worker
+    reads it itself, and the router, operator, chat and fetch never load torch."""
     import os
     n = os.environ.get("EXPERTMESH_TORCH_THREADS")
     if n:
@@ -214,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["fetch"]:  # the pods' init container: no torch, starts in a fraction of a second
         from expertmesh.fetch import main as fetch_main
         return int(fetch_main(argv[1:]) or 0)
-    _set_threads()
+    if argv[:1] in (["generate"], ["checkpoint"]):
+        _set_threads()
     if argv[:1] == ["worker"]:
-        from expertmesh.worker.server import main as worker_main   # the worker parses its own flags
+        from expertmesh.worker.server import main as worker_main  # the worker parses its own flags
         return int(worker_main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)

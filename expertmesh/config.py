@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from expertmesh.tokenizer import VOCAB_SIZE, ByteTokenizer
+
 # kda: Kimi Delta Attention; mla: full multi-head latent attention (Kimi Linear's global layers); dsa: MLA whose
 # queries each attend only to the lightning indexer's top-k past tokens (DeepSeek-V3.2).
 LayerType = Literal["kda", "mla", "dsa"]
@@ -481,7 +483,6 @@ def interleaved_layer_types(n_layers: int, n_dsa: int) -> tuple[LayerType, ...]:
 def _tiny_vision() -> VisionConfig:
     """The tiny and small presets' encoder: kimi_k25's structure (14-px patches, 2×2 merge) at toy width, so every
     image path runs in tests and CPU benchmarks; image tokens are the byte tokenizer's image specials."""
-    from expertmesh.tokenizer import ByteTokenizer
     t = ByteTokenizer()
     return VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                         pos_emb_height=16, pos_emb_width=16, image_token_id=t.image_pad_id,
@@ -492,7 +493,6 @@ def _tiny_vision() -> VisionConfig:
 def _tiny() -> ModelConfig:
     """Tests: four layers (KDA, DSA, KDA, DSA; layer 0 dense), 16 experts top-4 in 4 groups so placement and
     replicas matter, DSA top-k 16 (far below test prompt lengths), thinking tiers of a few dozen tokens."""
-    from expertmesh.tokenizer import VOCAB_SIZE
     return ModelConfig(
         name="tiny", vocab_size=VOCAB_SIZE, hidden_size=64,
         layer_types=("kda", "dsa", "kda", "dsa"), first_k_dense=1, dense_intermediate_size=128,
@@ -509,7 +509,6 @@ def _tiny() -> ModelConfig:
 
 def _small() -> ModelConfig:
     """CPU benchmarks: 8 layers (6 KDA + 2 DSA), hidden 1024, 32 experts top-4 of width 512."""
-    from expertmesh.tokenizer import VOCAB_SIZE
     return ModelConfig(
         name="small", vocab_size=VOCAB_SIZE, hidden_size=1024,
         layer_types=interleaved_layer_types(8, 2), first_k_dense=1, dense_intermediate_size=2816,
@@ -542,7 +541,6 @@ def _full_2_8t() -> ModelConfig:
       - KDA: 64 heads × 128 dims, short conv 4, low-rank gates of rank 128;
       - thinking budgets 4,096 / 32,768 / 131,072 reasoning tokens.
     """
-    from expertmesh.tokenizer import VOCAB_SIZE  # noqa: F401  (keeps the import graph the same for all presets)
     return ModelConfig(
         name="full-2.8t", vocab_size=163_840, hidden_size=7168,
         layer_types=interleaved_layer_types(93, 24), first_k_dense=3, dense_intermediate_size=18_432,

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
-from expertmesh.checkpoint import INDEX_FILE, Checkpoint, CheckpointError
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.checkpoint_files import INDEX_FILE, CheckpointError
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

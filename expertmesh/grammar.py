@@ -1,4 +1,5 @@
-"""Constrained decoding with llguidance (#15, building block: not yet wired into the sampler or the APIs).
+"""Constrained decoding with llguidance: grammars compiled from JSON schemas and one matcher per request. No tensor
+library here — the router compiles grammars to refuse bad ones early; the attention workers' sampler masks with them.
 
 Why llguidance rather than xgrammar: llguidance is a Rust wheel with no Python dependencies (7.6 MB installed
 here); xgrammar 0.2.9 requires torch, transformers, triton (on Linux x86_64) and apache-tvm-ffi — on a router or
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 
 import llguidance
-import torch
+import numpy as np
 
 # compact separators, no free whitespace: JSON output cannot run away in spaces or newlines
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -64,15 +65,15 @@ class Constraint:
         if self.matcher.is_error():
             raise GrammarError(f"{where}: cannot be compiled: {self.matcher.get_error()}")
 
-    def allowed(self) -> torch.Tensor:
-        """bool[vocab]: the tokens the grammar accepts next (fast path: the packed bitmask, unpacked)."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        return ((bits.unsqueeze(1) >> shifts) & 1).flatten()[:self.vocab_size].bool()
+    def allowed(self) -> np.ndarray:
+        """bool[vocab]: the tokens the grammar accepts next (fast path: the packed bitmask, unpacked; bit i of
+        the little-endian words is token i)."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
 
-    def allowed_reference(self) -> torch.Tensor:
+    def allowed_reference(self) -> np.ndarray:
         """The same set asked token by token of a copy of the matcher (slow; for tests)."""
-        return torch.tensor([self.matcher.deep_copy().try_consume_tokens([t]) == 1 for t in range(self.vocab_size)])
+        return np.array([self.matcher.deep_copy().try_consume_tokens([t]) == 1 for t in range(self.vocab_size)])
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -35,7 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from expertmesh.checkpoint import expected_tensors, is_routed_expert
 from expertmesh.config import ModelConfig
+from expertmesh.kernels.moe import dequant_cache
+from expertmesh.model import FP32_PARAMETERS
 
 DEVICES = ("cuda", "cpu", "meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -101,8 +104,6 @@ def expert_slot_bytes(cfg: ModelConfig) -> int:
 
 def dense_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Everything but the routed experts in `dtype`, the FP32_PARAMETERS in fp32 (a tied head counted once)."""
-    from expertmesh.checkpoint import expected_tensors, is_routed_expert
-    from expertmesh.model import FP32_PARAMETERS
     total = 0
     for name, spec in expected_tensors(cfg).items():
         if is_routed_expert(name):
@@ -134,7 +135,6 @@ def expert_workspace_bytes(cfg: ModelConfig, device: str, *, layers: int | None 
     dequant = 0
     if device == "cpu":
         if dequant_cache_bytes is None:
-            from expertmesh.kernels.moe import dequant_cache
             dequant_cache_bytes = dequant_cache().max_bytes
         dequant = dequant_cache_bytes + 4 * 3 * h * i
     return tables + acts + dequant

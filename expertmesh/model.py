@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import ModelConfig, RopeConfig
-from expertmesh.kernels import dsa as dsa_ops
-from expertmesh.kernels import kda as kda_ops
-from expertmesh.kernels import moe as moe_ops
+from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
 from expertmesh.kernels.batch_invariant import linear, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
+from expertmesh.kernels.mxfp4 import quantize_mxfp4
+from expertmesh.sampling import Sampler
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.vision import Projector, VisionTower, init_vision_
 
 # A KDA prefill of at least this many tokens runs the chunked form, shorter ones the recurrent form.
 # The rule depends only on the token count, so every deployment makes the same choice.
@@ -484,7 +486,6 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight       # one tensor: the checkpoint holds embed.weight only
         if cfg.vision is not None:                        # image input (expertmesh/vision.py): kimi_k25's names
-            from expertmesh.vision import Projector, VisionTower
             self.vision_tower = VisionTower(cfg.vision)
             self.mm_projector = Projector(cfg.vision, cfg.hidden_size)
 
@@ -549,7 +550,6 @@ def materialize_(model: nn.Module, device: torch.device | str, dtype: torch.dtyp
 @torch.no_grad()
 def init_random_(model: Transformer, seed: int) -> Transformer:
     """Seeded random weights with scales that keep activations O(1) through the stack."""
-    from expertmesh.kernels.mxfp4 import quantize_mxfp4
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
     std = cfg.init_std
@@ -581,7 +581,6 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
         ex.gate_up_blocks, ex.gate_up_scales = quantize_mxfp4(gate_up)
         ex.down_blocks, ex.down_scales = quantize_mxfp4(down)
     if cfg.vision is not None:
-        from expertmesh.vision import init_vision_
         init_vision_(model, seed + 1)
     # round to the stored dtype once, so a model made here equals one loaded from disk
     for name, p in model.named_parameters():
@@ -590,25 +589,15 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
 
 
 # ----------------------------------------------------------------------------------------------- generation
-@dataclass
-class SamplingParams:
-    max_tokens: int = 32
-    temperature: float = 0.0      # 0 → greedy
-    top_p: float = 1.0
-    top_k: int = 0                # 0 → off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    min_p: float = 0.0            # drop tokens below min_p × the most likely one's probability; 0 → off
-    presence_penalty: float = 0.0     # OpenAI's: minus this once for every token already generated
-    frequency_penalty: float = 0.0    # ... and this times how often it was generated
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by id
-    # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
-    logprobs: int | None = None          # of each generated token, with this many top alternatives
-    prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
-    # constrained decoding (expertmesh/grammar.py): an llguidance grammar the output follows, from the token after
-    # the first `grammar_after_token` in the output (the end of thinking), or from the first token when None
-    grammar: str | None = None
-    grammar_after_token: int | None = None
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state-dict tensor of the model for `cfg` and its shape, built on the meta device (no memory). A tied
+    LM head appears once, as embed.weight."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
 
 
 @dataclass
@@ -621,7 +610,6 @@ class Generation:
 def generate(model: Transformer, prompt: list[int], params: SamplingParams,
              prefill_chunk: int | None = None) -> Generation:
     """Prefill the prompt (in chunks of `prefill_chunk` tokens when given), then decode token by token."""
-    from expertmesh.sampling import Sampler
     if not prompt:
         raise ValueError("prompt: expected at least one token")
     cache = model.new_cache()

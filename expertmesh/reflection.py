@@ -7,8 +7,7 @@ numbers under a new package, so one servicer answers both — the v1 method reus
 from __future__ import annotations
 
 import grpc
-from grpc_reflection.v1alpha import reflection
-from grpc_reflection.v1alpha import reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 

@@ -1,43 +1,10 @@
 """Token sampling from one sequence's logits with its own seeded generator (never the global one)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-MAX_SEED = 2 ** 63 - 1
-MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
-TINY_TEMPERATURE = 1e-30   # below this, temperature sampling is the argmax (logits / T would overflow fp32)
-
-
-def check_sampling(params) -> None:
-    """Raise ValueError naming the field when sampling parameters are out of range (NaN included)."""
-    t, p, k, seed = params.temperature, params.top_p, params.top_k, params.seed
-    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"temperature={t}: expected a finite number >= 0")
-    if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-        raise ValueError(f"top_p={p}: expected 0 < top_p <= 1")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"top_k={k}: expected an integer >= 0 (0 turns it off)")
-    if seed is not None and (not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise ValueError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
-    mp = getattr(params, "min_p", 0.0)
-    if not isinstance(mp, (int, float)) or not 0 <= mp <= 1:           # NaN fails both comparisons
-        raise ValueError(f"min_p={mp}: expected 0 <= min_p <= 1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(params, name, 0.0)
-        if not isinstance(v, (int, float)) or not -2 <= v <= 2:
-            raise ValueError(f"{name}={v}: expected a number in [-2, 2]")
-    for token, bias in getattr(params, "logit_bias", ()):
-        if not isinstance(token, int) or token < 0:
-            raise ValueError(f"logit_bias: token {token!r} is not a token id")
-        if not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise ValueError(f"logit_bias: the bias of token {token} is {bias}, expected a number in [-100, 100]")
-    for name in ("logprobs", "prompt_logprobs"):
-        n = getattr(params, name, None)
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
-            raise ValueError(f"{name}={n}: expected an integer in [0, {MAX_LOGPROBS}] (top alternatives per token)")
+from expertmesh.grammar import Constraint, GrammarError
+from expertmesh.sampling_params import TINY_TEMPERATURE, check_sampling
 
 
 class Sampler:
@@ -49,7 +16,7 @@ class Sampler:
     `params.grammar_after_token` has been output (or from the first token), and a finished grammar forces the first
     stop token. `lltok`: the process's llguidance tokenizer (grammar.ll_tokenizer), needed only with a grammar.
 
-    `params`: model.SamplingParams (or anything with its attributes)."""
+    `params`: sampling_params.SamplingParams (or anything with its attributes)."""
 
     def __init__(self, params, lltok=None) -> None:
         check_sampling(params)
@@ -61,7 +28,6 @@ class Sampler:
         self.constraint_error: str | None = None  # a forced/replayed token the grammar refused
         grammar = getattr(params, "grammar", None)
         if grammar is not None:
-            from expertmesh.grammar import Constraint
             if lltok is None:
                 raise ValueError("grammar: this worker has no tokenizer for constrained decoding")
             self.constraint = Constraint(lltok, grammar, "grammar")      # GrammarError (a ValueError) names it
@@ -90,11 +56,10 @@ class Sampler:
         """bool[V] of the tokens the grammar allows next (ids beyond the tokenizer's vocabulary never), or None
         when the grammar is finished (the caller forces a stop token)."""
         if self.constraint_error is not None:
-            from expertmesh.grammar import GrammarError
             raise GrammarError(self.constraint_error)
         if self.constraint.matcher.is_stopped():
             return None
-        allowed = self.constraint.allowed()
+        allowed = torch.from_numpy(self.constraint.allowed())
         if self.constraint.matcher.is_accepting() and not bool(allowed[self.not_eos[:len(allowed)]].any()):
             return None                        # complete, only EOS left: the format's own stop token instead
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool)

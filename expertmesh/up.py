@@ -1,5 +1,6 @@
 """`expertmesh up`: the whole system on this machine — N attention workers, M expert workers and the router
-as separate processes on loopback, with a placement plan computed for them.
+as separate processes on loopback, with a placement plan computed for them (`LocalCluster`). The same system in
+one process is `expertmesh.entry.local.build_local_engine`.
 
 Each child prints `READY ...` once serving; `up` waits for all of them, prints where the router listens and
 serves until Ctrl-C / SIGTERM, then stops the router first (no new requests), then the workers.
@@ -19,7 +20,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from expertmesh.argtypes import nonnegative_int, positive_int
+from expertmesh.checkpoint_config import checkpoint_config
+from expertmesh.config import ModelConfig
+from expertmesh.planner import ClusterShape, plan_placement
+from expertmesh.router.server import add_arguments as router_arguments
+from expertmesh.shutdown import stop_on_signals
+from expertmesh.tls import ephemeral_pki
 
+
+# ----------------------------------------------------------------------------------------------- placement
+def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None,
+                   group_aware: bool = True, min_replicas: int = 1):
+    """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process), by
+    default group-aware (each combine group's experts on one worker: one answer row per (token, group))."""
+    copies = cfg.n_logical_experts * max(1, min_replicas) + redundant_experts * cfg.n_moe_layers
+    per_worker = -(-copies // expert_workers)
+    memory = (per_worker + 1) * cfg.expert_bytes_mxfp4
+    shape = ClusterShape(pods=expert_workers, gpus_per_pod=1, gpu_memory_bytes=memory, reserve_bytes=0)
+    return plan_placement(cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware,
+                          min_replicas=min_replicas)
+
+
+# ----------------------------------------------------------------------------------------------- as processes
 def _ephemeral_low() -> int:
     try:
         return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -153,9 +176,7 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def start(self, timeout: float = 120.0) -> "LocalCluster":
-        from expertmesh.checkpoint import Checkpoint
-        from expertmesh.router.local import make_placement
-        cfg = Checkpoint(self.checkpoint).cfg
+        cfg = checkpoint_config(self.checkpoint)
         plan = make_placement(cfg, self.n_expert, self.redundant, min_replicas=self.expert_replicas)
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
@@ -281,7 +302,6 @@ UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--experts",
 def router_options(options: list[str]) -> list[str]:
     """The router options given after `up ... --`, checked by the router's own parser before anything starts:
     an unknown option or a bad value exits with the router's error naming it, as does one `up` sets itself."""
-    from expertmesh.router.server import add_arguments as router_arguments
     options = options[1:] if options[:1] == ["--"] else list(options)
     parser = argparse.ArgumentParser(prog="expertmesh up -- (router options)")
     router_arguments(parser)
@@ -293,14 +313,15 @@ def router_options(options: list[str]) -> list[str]:
 
 
 def run_up(args) -> int:
-    from expertmesh.cli import default_checkpoint
-    from expertmesh.shutdown import stop_on_signals
     passed_to_router = router_options(args.router_options)
-    checkpoint = args.checkpoint or str(default_checkpoint(args.preset))
+    if args.checkpoint is None:
+        # torch only to write a synthetic checkpoint: the CLI builds up's parser for every command, the router's too
+        from expertmesh.checkpoint import default_checkpoint
+        args.checkpoint = str(default_checkpoint(args.preset))
+    checkpoint = args.checkpoint
     worker_tls = None
     if args.tls_dir is None and not args.insecure_workers:
         # workers answer only callers holding this run's client key (mutual TLS), never any local process
-        from expertmesh.tls import ephemeral_pki
         worker_tls = ephemeral_pki(Path(tempfile.mkdtemp(prefix="expertmesh-pki-")), (args.host, "localhost"))
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                            redundant_experts=args.redundant_experts, expert_replicas=args.expert_replicas,
@@ -328,7 +349,7 @@ def run_up(args) -> int:
 
 
 def _device(value: str) -> str:
-    import argparse
+    # torch (is CUDA visible?) only when --device is given: the CLI builds up's parser for the router's command too
     from expertmesh.memory import DeviceError, check_device
     try:
         kind = check_device(value)
@@ -340,7 +361,6 @@ def _device(value: str) -> str:
 
 
 def add_arguments(p) -> None:
-    from expertmesh.argtypes import nonnegative_int, positive_int
     p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
     p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
     p.add_argument("--attention-workers", type=positive_int, default=1)

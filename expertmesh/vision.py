@@ -22,13 +22,13 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.config import VisionConfig
+from expertmesh.worker_api import ImageEncode, ImageSpan
 
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5    # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
 
@@ -188,21 +188,6 @@ def init_vision_(model, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- per sequence
-@dataclass
-class ImageSpan:
-    """One image of a prompt: its first placeholder token's position and its pixels (uint8 [H, W, 3])."""
-    position: int
-    pixels: torch.Tensor
-
-
-@dataclass
-class ImageEncode:
-    """One encoder run (traces and metrics)."""
-    seq_id: str
-    tokens: int
-    seconds: float
-
-
 class SequenceImages:
     """The images of one sequence on the attention worker that owns it. Each distinct image (by pixel digest) is
     encoded once, when the prefill first reaches one of its rows; its rows replace the placeholder embeddings at
@@ -212,16 +197,17 @@ class SequenceImages:
         self.spans: list[tuple[int, int, str, torch.Tensor]] = []       # (start, end, digest, pixels)
         end = 0
         for i, s in enumerate(sorted(spans, key=lambda s: s.position)):
+            pixels = torch.as_tensor(s.pixels)          # numpy from an in-process router, torch off the wire
             try:
-                check_pixels(s.pixels, v)
+                check_pixels(pixels, v)
             except ValueError as e:
                 raise ValueError(f"images[{i}].{e}") from None
-            n = v.tokens_for(*s.pixels.shape[:2])
+            n = v.tokens_for(*pixels.shape[:2])
             if s.position < end or s.position + n > max_context:
                 raise ValueError(f"images[{i}].position={s.position}: its {n} tokens overlap another image or "
                                  f"pass the context of {max_context}")
-            digest = hashlib.sha256(s.pixels.numpy().tobytes() + bytes(str(tuple(s.pixels.shape)), "ascii")).hexdigest()
-            self.spans.append((s.position, s.position + n, digest, s.pixels))
+            digest = hashlib.sha256(pixels.numpy().tobytes() + bytes(str(tuple(pixels.shape)), "ascii")).hexdigest()
+            self.spans.append((s.position, s.position + n, digest, pixels))
             end = s.position + n
         self.token_id = v.image_token_id
         self.embeds: dict[str, torch.Tensor] = {}

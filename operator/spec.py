@@ -360,7 +360,7 @@ def resolve_model(spec: MoEDeploymentSpec):
     if spec.model.preset is not None:
         cfg = preset(spec.model.preset)
     elif spec.model.config.get("model_type") in HF_MODEL_TYPES:
-        from expertmesh.hf_layout import HFCheckpointError, config_from_hf
+        from expertmesh.hf_config import config_from_hf, HFCheckpointError
         try:
             cfg = config_from_hf(spec.model.config, set(), name=spec.model.config.get("name", "model"))
         except HFCheckpointError as e:

@@ -15,16 +15,29 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from expertmesh.chat import (BuiltinChat, ChatError, ChatFormat, Message, Phase, ThinkingBudget, ToolCall,
-                             message_images, tier_from_request)
+from expertmesh.chat import (
+    BuiltinChat,
+    ChatError,
+    ChatFormat,
+    Message,
+    Phase,
+    ThinkingBudget,
+    ToolCall,
+    message_images,
+    tier_from_request,
+)
+from expertmesh.router.engine import Engine, Request as EngineRequest
+from expertmesh.router.http import (
+    AcceptedNoOps,
+    APIError,
+    SamplingFields,
+    cancel_on_disconnect,
+    error_from_exception,
+    iterate_events,
+)
 from expertmesh.router.images import ImageBudget, ImageError, fetch_remote
-from expertmesh.model import SamplingParams
-from expertmesh.sampling import MAX_LOGPROBS
-from expertmesh.router.engine import Engine
-from expertmesh.router.engine import Request as EngineRequest
-from expertmesh.router.http import (AcceptedNoOps, APIError, SamplingFields, cancel_on_disconnect,
-                                    error_from_exception, iterate_events)
 from expertmesh.router.tracing import RequestSpan
+from expertmesh.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -363,8 +376,13 @@ def constraint_grammar(fmt: ChatFormat, choice, tools, response_format: dict | N
     """The grammar (router/constraints.py) a request's forcing `tool_choice` ("required", a named function; chat-
     shaped `tools`) or `response_format` (json_object / json_schema) puts on the answer; None for neither. A tool
     or schema the engine cannot compile is a 400 naming it, before anything is scheduled."""
-    from expertmesh.router.constraints import (forced_tools, openai_function_name, response_format_grammar,
-                                               tool_call_grammar, where_of)
+    from expertmesh.router.constraints import (
+        forced_tools,
+        openai_function_name,
+        response_format_grammar,
+        tool_call_grammar,
+        where_of,
+    )
     try:
         forced = forced_tools(choice, tools, named=openai_function_name)
         if forced is None:

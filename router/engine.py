@@ -24,20 +24,32 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
-from expertmesh.model import SamplingParams
-from expertmesh.sampling import check_sampling
+from expertmesh.replica_table import ReplicaTable
 from expertmesh.router.kv import KVManager, WorkerKV
-from expertmesh.router.request import (ContextLengthExceeded, EngineClosed, ExpertsUnavailable, QueueFull,  # noqa: F401
-                                       Request, RequestError, TokenLogprob)
+from expertmesh.router.request import (  # noqa: F401
+    ContextLengthExceeded,
+    EngineClosed,
+    ExpertsUnavailable,
+    QueueFull,
+    Request,
+    RequestError,
+    TokenLogprob,
+)
 from expertmesh.router.scheduler import plan_snapshots, plan_step
 from expertmesh.router.tracing import StepTrace
-from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
-from expertmesh.worker.kv import OutOfBlocks
-from expertmesh.worker.exchange import ReplicaTable
-from expertmesh.vision import ImageSpan
+from expertmesh.sampling_params import SamplingParams, check_sampling
+from expertmesh.worker_api import (
+    ImageSpan,
+    NotConnected,
+    NotFound,
+    OutOfBlocks,
+    StepDone,
+    StepSegment,
+    TokenLogprobs,
+    WorkerError,
+)
 
 log = logging.getLogger("expertmesh.router")
 
@@ -106,7 +118,7 @@ class Engine:
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
-        from expertmesh.router.images import ImageLimits
+        from expertmesh.router.prepared_image import ImageLimits
         self.image_limits = image_limits or ImageLimits()     # what the APIs accept as image input
         self.kv_growth = max(1, kv_growth)
         from expertmesh.router.instrument import InstrumentedClient
@@ -208,7 +220,7 @@ class Engine:
         """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
         self.validate(prompt, params)
         if images:
-            from expertmesh.router.images import image_positions
+            from expertmesh.router.prepared_image import image_positions
             if self.cfg.vision is None:
                 raise RequestError(f"images: model {self.model_name!r} takes text only")
             try:

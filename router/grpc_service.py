@@ -15,13 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat import BuiltinChat, ChatFormat
-from expertmesh.model import SamplingParams
-from expertmesh.sampling import check_sampling
-from expertmesh.tensors import sampling_from_proto
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.reflection import enable_reflection
-from expertmesh.router.engine import ExpertsUnavailable
-from expertmesh.router.engine import Engine, EngineClosed, QueueFull, RequestError
+from expertmesh.router.engine import Engine, EngineClosed, ExpertsUnavailable, QueueFull
+from expertmesh.sampling_params import SamplingParams, check_sampling, sampling_from_proto
 
 
 def _status_for(e: Exception) -> grpc.StatusCode:

@@ -11,21 +11,27 @@ import hmac
 import json
 import time
 import uuid
+from typing import Annotated, Literal
+
 from fastapi import FastAPI, Header, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from typing import Annotated, Literal
-
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from expertmesh.chat import BuiltinChat, ChatFormat
-from expertmesh.model import SamplingParams
-from expertmesh.sampling import MAX_LOGPROBS
-from expertmesh.router.engine import ExpertsUnavailable
+from expertmesh.router.engine import (
+    ContextLengthExceeded,
+    Engine,
+    EngineClosed,
+    ExpertsUnavailable,
+    QueueFull,
+    Request,
+    RequestError,
+    TokenLogprob,
+)
 from expertmesh.router.http_timeouts import REQUEST_TIMEOUT, WRITE_TIMEOUT, deadline_protocol
-from expertmesh.router.engine import (ContextLengthExceeded, Engine, EngineClosed, QueueFull, Request, RequestError,
-                                      TokenLogprob)
+from expertmesh.sampling_params import MAX_LOGPROBS, SamplingParams
 from expertmesh.tokenizer import AnyTokenizer
 
 MAX_BODY_BYTES = 4 * 2 ** 20
@@ -547,6 +553,7 @@ def serve_http(app: FastAPI, host: str, port: int, tls=None, request_timeout: fl
     a client that stops reading for `write_timeout` seconds is disconnected."""
     import ssl
     import threading
+
     import uvicorn
     extra = {"http": deadline_protocol(request_timeout, write_timeout)}
     if tls is not None:

@@ -23,10 +23,11 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import torch
+import numpy as np
 
 from expertmesh.config import VisionConfig
 from expertmesh.router.http import APIError
+from expertmesh.router.prepared_image import ImageLimits, PreparedImage
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 DETAILS = ("auto", "low", "high")
@@ -40,42 +41,6 @@ class ImageError(APIError):
 
     def __init__(self, param: str, message: str):
         super().__init__(400, f"{param}: {message}", param=param, code="invalid_image")
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    max_bytes: int = 20 * 2 ** 20                 # encoded bytes of one image (data URL, base64 or fetched)
-    max_source_pixels: int = 50_000_000           # decoded width × height of one image, before resizing
-    max_images_per_request: int = 16
-    max_pixels_per_request: int = 16_777_216      # encoder pixels (after resizing) over a request's images
-    fetch_allow: tuple[str, ...] = ()             # hosts ("host" or "host:port") remote URLs may come from
-    fetch_timeout: float = 10.0
-
-
-@dataclass(eq=False)
-class PreparedImage:
-    pixels: torch.Tensor          # uint8 [H, W, 3], H and W multiples of the merged patch
-    digest: str                   # SHA-256 of the pixels and their shape
-    tokens: int                   # image tokens it becomes
-    source_size: tuple[int, int]  # (width, height) as decoded
-
-    def __eq__(self, other) -> bool:      # messages holding images compare by content (reasoning memory keys)
-        return isinstance(other, PreparedImage) and other.digest == self.digest
-
-    def __hash__(self) -> int:
-        return hash(self.digest)
-
-    @property
-    def pixel_count(self) -> int:
-        return int(self.pixels.shape[0] * self.pixels.shape[1])
-
-    def hash_words(self) -> list[int]:
-        """What the prefix-cache hash reads for this image's placeholder positions: one 32-bit word per token,
-        all ≥ 2³¹ (never a token id) and each depending on the whole digest, so different images never share a
-        prefix key however few tokens they have."""
-        seed = bytes.fromhex(self.digest)
-        return [0x80000000 | int.from_bytes(hashlib.sha256(seed + i.to_bytes(4, "little")).digest()[:4], "little")
-                for i in range(self.tokens)]
 
 
 def navit_resize(height: int, width: int, v: VisionConfig, max_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -117,7 +82,7 @@ def decode_image(data: bytes, param: str, v: VisionConfig, limits: ImageLimits, 
         im = im.resize((rw, rh), Image.Resampling.BICUBIC)
     canvas = Image.new("RGB", (pw, ph))
     canvas.paste(im, (0, 0))
-    pixels = torch.frombuffer(bytearray(canvas.tobytes()), dtype=torch.uint8).view(ph, pw, 3)
+    pixels = np.array(canvas, dtype=np.uint8)                       # [ph, pw, 3], writable
     digest = hashlib.sha256(canvas.tobytes() + f"{ph}x{pw}".encode()).hexdigest()
     return PreparedImage(pixels, digest, v.tokens_for(ph, pw), (w, h))
 
@@ -229,32 +194,3 @@ class ImageBudget:
         if media_type not in FORMATS.values():
             raise ImageError(f"{param}.source.media_type", f"{media_type!r} is not one of {', '.join(FORMATS.values())}")
         return self._add(decode_image(decode_base64(data, f"{param}.source.data"), param, v, self.limits), param)
-
-
-def image_positions(prompt: list[int], images: list[PreparedImage], v: VisionConfig) -> list[int]:
-    """The position of each image's first placeholder token in `prompt`: the images in order, each matched to the
-    next run ⟨image start⟩ ⟨image token⟩×tokens ⟨image end⟩. ValueError when one is missing."""
-    out, i = [], 0
-    for k, img in enumerate(images):
-        n = img.tokens
-        while i < len(prompt):
-            if prompt[i] == v.image_start_token_id and prompt[i + 1: i + 1 + n] == [v.image_token_id] * n \
-                    and i + 1 + n < len(prompt) and prompt[i + 1 + n] == v.image_end_token_id:
-                break
-            i += 1
-        else:
-            raise ValueError(f"images[{k}]: no run of {n} image tokens for it in the prompt")
-        out.append(i + 1)
-        i += n + 2
-    return out
-
-
-def hash_view(tokens: list[int], spans: list[tuple[int, PreparedImage]]) -> list[int]:
-    """`tokens` with each image's placeholder positions replaced by its hash words (PreparedImage.hash_words):
-    what the prefix cache hashes, so a key covers the pixels and not just the placeholders."""
-    if not spans:
-        return tokens
-    out = list(tokens)
-    for pos, img in spans:
-        out[pos: pos + img.tokens] = img.hash_words()
-    return out

@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from expertmesh.model import SamplingParams
 from expertmesh.router.kv import PrefixHasher
-from expertmesh.worker.attention import TokenLogprobs
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.worker_api import TokenLogprobs
 
 
 class RequestError(ValueError):
@@ -91,7 +91,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.hash_prompt is None:
-            from expertmesh.router.images import hash_view
+            from expertmesh.router.prepared_image import hash_view
             self.hash_prompt = hash_view(self.prompt, self.images)
 
     def _emit(self, kind: str, value) -> None:

@@ -7,7 +7,7 @@ import sys
 import threading
 
 from expertmesh.argtypes import positive_float
-from expertmesh.checkpoint import Checkpoint
+from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
@@ -44,7 +44,7 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
 def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
                         **kw):
     from expertmesh.router.engine import Engine
-    from expertmesh.router.remote import RemoteAttention, RemoteExpert
+    from expertmesh.worker_clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
     att = [RemoteAttention(a, timeout=timeout, tls=tls, step_timeout=step_timeout) for a in attention]
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
-    from expertmesh.router.images import ImageLimits
+    from expertmesh.router.prepared_image import ImageLimits
     d = ImageLimits()
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
     p.add_argument("--max-image-pixels-per-request", type=int, default=d.max_pixels_per_request,
@@ -154,24 +154,25 @@ def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str
 
 def run(args) -> int:
     import os
+
     from expertmesh.router.http import build_app, serve_http
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from expertmesh import telemetry
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     try:
-        ckpt_cfg = serving_config(Checkpoint(args.checkpoint).cfg, max_context=args.max_context,
+        ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context,
                                   thinking_budgets=args.thinking_budgets)
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
-    from expertmesh.chat import load_chat
+    from expertmesh.chat_formats import load_chat
     chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)
     from expertmesh.tls import ClientTLS, ServerTLS
     worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
                            args.worker_tls_server_name) if args.worker_tls_ca else None
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    from expertmesh.router.images import ImageLimits
+    from expertmesh.router.prepared_image import ImageLimits
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  tls=worker_tls,

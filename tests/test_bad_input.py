@@ -18,14 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint import Checkpoint, CheckpointError, create_checkpoint
+from expertmesh.checkpoint import Checkpoint, create_checkpoint
+from expertmesh.checkpoint_files import CheckpointError
 from expertmesh.cli import main
 from expertmesh.config import preset
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import MAX_BODY_BYTES, build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 USER = [{"role": "user", "content": "hi"}]

@@ -4,12 +4,22 @@ import json
 import logging
 
 import pytest
+from hf_fixtures import (
+    CHATML,
+    CHATML_DROPS_OLD_REASONING,
+    CHATML_NO_THINKING,
+    DEEPSEEK,
+    DEEPSEEK_TOKENS,
+    KIMI,
+    KIMI_TOOL_TOKENS,
+    auto_tokenizer,
+    write_checkpoint,
+)
 
-from expertmesh.chat import ChatError, Message, NoChatTemplate, ThinkingBudget, load_chat
+from expertmesh.chat import ChatError, Message, ThinkingBudget
+from expertmesh.chat_formats import NoChatTemplate, load_chat
 from expertmesh.chat_template import ChatTemplateError, TemplateChat
 from expertmesh.router.chat_api import ChatDecoder, openai_messages
-from hf_fixtures import (CHATML, CHATML_DROPS_OLD_REASONING, CHATML_NO_THINKING, DEEPSEEK, DEEPSEEK_TOKENS, KIMI,
-                         KIMI_TOOL_TOKENS, auto_tokenizer, write_checkpoint)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                            "parameters": {"type": "object",
@@ -229,12 +239,13 @@ def test_tokenizer_without_template_refuses_chat_requests(tmp_path):
 def served(tmp_path_factory):
     """A tiny model whose vocabulary covers the test tokenizer, served in process with the checkpoint's format."""
     import grpc
+
     from expertmesh.checkpoint import Checkpoint, create_checkpoint
     from expertmesh.config import preset
     from expertmesh.protos import router_pb2_grpc
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
-    from expertmesh.router.local import build_local_engine
+    from expertmesh.entry.local import build_local_engine
     from expertmesh.up import free_port
     cfg = preset("tiny").model_copy(update={"vocab_size": 512})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("served") / "ckpt", seed=0)
@@ -255,6 +266,7 @@ def served(tmp_path_factory):
 
 def test_router_serves_with_the_checkpoints_tokenizer_and_template(served):
     import openai
+
     from expertmesh.protos import router_pb2, sampling_pb2
     url, stub, theirs, engine = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint import Checkpoint, CheckpointError, create_checkpoint, inspect_checkpoint
+from expertmesh.checkpoint import Checkpoint, create_checkpoint, inspect_checkpoint
+from expertmesh.checkpoint_files import CheckpointError
 from expertmesh.cli import main
 from expertmesh.config import preset
 

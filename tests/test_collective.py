@@ -7,15 +7,16 @@ import time
 
 import httpx
 import pytest
+from test_faults import PROMPTS, run_with_fault, stream
+from test_grpc_workers import SUBSET, expert_call, same
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams, generate
-from expertmesh.router.remote import RemoteExpert
+from expertmesh.model import generate
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
-from test_faults import PROMPTS, run_with_fault, stream
-from test_grpc_workers import SUBSET, expert_call, same
+from expertmesh.worker_clients import RemoteExpert
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
@@ -32,10 +33,11 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
     gives exactly gRPC's bytes on fresh random calls (fp32 and bf16), errors keep their type and the pair; an
     expert worker without --collective-port keeps being called over gRPC."""
     import torch
+
     from expertmesh.kernels.moe.combine import present_groups
     from expertmesh.worker.collective import CollectiveExpert
-    from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
     from expertmesh.worker.server import serve, shutdown
+    from expertmesh.worker_api import ExpertRequestError, UnknownExpert
     cfg = Checkpoint(ckpt_dir).cfg
     groups = cfg.moe.combine_groups
     server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0)

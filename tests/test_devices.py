@@ -1,19 +1,18 @@
 """Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/memory.py)."""
 import json
-import subprocess
-import sys
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.worker import server
-from expertmesh.worker.attention import AttentionWorker, StepSegment
+from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
+from expertmesh.worker_api import StepSegment
 
 GIB = 2 ** 30
 
@@ -107,7 +106,7 @@ def test_expert_worker_splits_gpus_same_bits(ckpt):
 
 
 def _prompt_logprobs(worker, experts, tokens):
-    from expertmesh.worker.exchange import ReplicaTable
+    from expertmesh.replica_table import ReplicaTable
     cfg = worker.cfg
     table = ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1),
                                                          dtype=np.int64))

@@ -5,9 +5,10 @@ import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams, generate
+from expertmesh.model import generate
 from expertmesh.router.engine import QueueFull, RequestError
-from expertmesh.router.local import build_local_engine
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.entry.local import build_local_engine
 
 CHUNK = 16
 
@@ -34,7 +35,7 @@ def reference(ckpt):
 def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant, grouped):
     """Whole groups pre-reduced on one worker (group-aware plans) or split across workers (per-slot rows folded
     on the attention worker), with and without replicas: the reference's bits."""
-    from expertmesh.router.local import make_placement
+    from expertmesh.up import make_placement
     ps, ref = reference
     eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, prefill_chunk=CHUNK,
                              placement=make_placement(ckpt.cfg, experts, redundant, group_aware=grouped))

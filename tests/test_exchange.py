@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from expertmesh.kernels.moe.combine import group_partials, grouped_combine
-from expertmesh.worker.exchange import ExpertExchange, ReplicaTable
+from expertmesh.replica_table import ReplicaTable
+from expertmesh.worker.exchange import ExpertExchange
 
 E, G, K, H = 16, 4, 4, 8
 LAYER = 1

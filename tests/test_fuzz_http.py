@@ -21,7 +21,7 @@ from schemathesis import GenerationMode
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 MAX_EXAMPLES = 60

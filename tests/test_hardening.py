@@ -7,10 +7,10 @@ import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.kv import prefix_hashes
-from expertmesh.router.local import build_local_engine
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.entry.local import build_local_engine
 
 CHUNK = 16
 PROMPT = [(5 * i + 1) % 256 for i in range(40)]
@@ -160,7 +160,9 @@ def test_a_dead_routers_sequences_are_closed_when_its_lease_runs_out(ckpt):
 
 def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
     import torch
-    from expertmesh.worker.expert import ExpertRequestError, ExpertWorker
+
+    from expertmesh.worker.expert import ExpertWorker
+    from expertmesh.worker_api import ExpertRequestError
     w = ExpertWorker(ckpt, [(1, e) for e in range(16)], max_call_bytes=64 * 4 * 64 * 4)   # 64 rows of top-4
     h = torch.randn(65, ckpt.cfg.hidden_size)
     ids = torch.arange(4).repeat(65, 1)
@@ -170,8 +172,8 @@ def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
 
 
 def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatch):
-    from expertmesh import checkpoint, cli
-    monkeypatch.setattr(cli, "DEFAULT_CHECKPOINT_DIR", tmp_path)
+    from expertmesh import checkpoint
+    monkeypatch.setattr(checkpoint, "DEFAULT_CHECKPOINT_DIR", tmp_path)
     real = checkpoint.create_checkpoint
 
     def dies_half_way(cfg, path, **kw):
@@ -180,20 +182,20 @@ def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint, "create_checkpoint", dies_half_way)
     with pytest.raises(OSError, match="No space left"):
-        cli.default_checkpoint("tiny")
+        checkpoint.default_checkpoint("tiny")
     assert list(tmp_path.iterdir()) == []                    # nothing half-written stays behind
     broken = tmp_path / f"tiny-seed0-v{checkpoint.FORMAT_VERSION}"
     broken.mkdir()
     (broken / "config.json").write_text("{ half")           # left by an older version: replaced
     monkeypatch.setattr(checkpoint, "create_checkpoint", real)
-    path = cli.default_checkpoint("tiny")
+    path = checkpoint.default_checkpoint("tiny")
     assert path == broken and Checkpoint(path).cfg.name == "tiny"
 
 
 def test_a_blip_on_every_attention_worker_requeues_instead_of_failing(ckpt):
     """The only attention worker fails two steps in a row (a connection blip): its requests go back to the queue
     and replay once it answers — the same tokens, no error (before: every in-flight stream failed)."""
-    from expertmesh.router.remote import WorkerUnavailable
+    from expertmesh.worker_api import WorkerUnavailable
     ref = build_local_engine(ckpt, prefill_chunk=CHUNK)
     try:
         want = ref.generate(PROMPT, SamplingParams(max_tokens=12)).output
@@ -222,7 +224,7 @@ def test_a_prefix_the_router_forgets_after_a_failed_open_is_dropped_on_the_worke
     orig, refused, pinned = w.open_sequence, [], []
 
     def refuse_prefixed(seq_id, params, *, prefix_key=None, **kw):
-        from expertmesh.worker.kv import OutOfBlocks
+        from expertmesh.worker_api import OutOfBlocks
         if prefix_key is not None:
             refused.append(prefix_key)
             raise OutOfBlocks("no blocks left")
@@ -277,6 +279,7 @@ def test_slow_clients_get_408_and_the_router_keeps_serving(eng):
     import socket
 
     import httpx
+
     from expertmesh.router.http import build_app
     port, server, thread = _serve(build_app(eng), request_timeout=1.0, write_timeout=1.0)
     try:

@@ -10,11 +10,12 @@ import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams, generate
+from expertmesh.model import generate
 from expertmesh.planner import ClusterShape, moved_shards, plan_placement
-from expertmesh.router.remote import RemoteExpert
 from expertmesh.router.server import build_remote_engine
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.worker.server import serve, shutdown
+from expertmesh.worker_clients import RemoteExpert
 
 MAX_TOKENS = 24
 CHUNK = 16

@@ -12,10 +12,10 @@ import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 pytestmark = pytest.mark.slow

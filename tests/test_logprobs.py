@@ -9,11 +9,11 @@ import torch
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams
 from expertmesh.router.engine import RequestError
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 CHUNK = 16

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from expertmesh.config import preset
-from expertmesh.model import (SamplingParams, Transformer, generate, init_random_, route_tokens)
+from expertmesh.model import Transformer, generate, init_random_, route_tokens
+from expertmesh.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

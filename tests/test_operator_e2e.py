@@ -28,6 +28,9 @@ import httpx
 import kmock
 import openai
 import pytest
+from fetch_server import Faults, FileServer
+from kube_harness import LocalNode
+from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
 
 from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
@@ -35,11 +38,8 @@ from expertmesh.fetch import INDEX_NAME, write_index
 from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
-from expertmesh.router.remote import RemoteAttention, RemoteExpert, WorkerUnavailable
-
-from fetch_server import Faults, FileServer
-from kube_harness import LocalNode
-from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
+from expertmesh.worker_api import WorkerUnavailable
+from expertmesh.worker_clients import RemoteAttention, RemoteExpert
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use

@@ -17,12 +17,17 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    DeepseekV32Config, DeepseekV32ForCausalLM, KimiLinearConfig, KimiLinearForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
 )
 
-from expertmesh.checkpoint import Checkpoint, CheckpointError  # noqa: E402
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.checkpoint_files import CheckpointError  # noqa: E402
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from expertmesh.model import SamplingParams, Segment, generate  # noqa: E402
+from expertmesh.model import Segment, generate
+from expertmesh.sampling_params import SamplingParams  # noqa: E402
 
 LOGPROB_TOL = 2e-3          # fp32 on CPU (the issue's bar); seen: a few 1e-6
 PROMPT_LEN, NEW_TOKENS, INDEX_TOPK = 40, 12, 8
@@ -117,6 +122,7 @@ def test_through_up_matches_transformers(relatives, prompt):
     workers as processes): greedy tokens over gRPC equal transformers' generate, and the prompt log-probs that
     `/v1/completions` returns (echo + logprobs, max_tokens 0), read with the openai client, equal its logits'."""
     import openai
+
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.up import LocalCluster, free_port
     for model_type in ("kimi_linear", "deepseek_v32"):
@@ -148,7 +154,8 @@ def test_hybrid_layers_match_their_relatives(tmp_path):
     """A Kimi Linear checkpoint whose full-attention layers carry DeepSeek-V3.2's indexer (and RoPE): its KDA
     layers equal KimiLinearDeltaAttention, its DSA layers equal DeepseekV32Attention with the same weights."""
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
-        DeepseekV32Attention, DeepseekV32RotaryEmbedding,
+        DeepseekV32Attention,
+        DeepseekV32RotaryEmbedding,
     )
     kimi = build(KimiLinearForCausalLM, kimi_config(q_lora_rank=32), tmp_path, 2)
     dcfg = deepseek_config()
@@ -224,7 +231,7 @@ def test_tied_embeddings_share_one_tensor(tmp_path, prompt):
 
 def test_fp32_tensors_keep_their_dtype(relatives, tmp_path):
     """The routing bias, KDA decay and indexer weights stay fp32 (a bf16 copy changes near-tie routing)."""
-    from expertmesh.checkpoint import create_checkpoint, expected_tensors
+    from expertmesh.checkpoint import expected_tensors
     from expertmesh.config import preset
     specs = expected_tensors(preset("tiny"))
     assert specs["layers.1.moe.router_bias"].dtype == torch.float32

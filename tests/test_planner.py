@@ -10,13 +10,21 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from expertmesh.config import preset
 from expertmesh.operator import plan_cli
-from expertmesh.planner import (ClusterShape, PlanError, group_homes, imbalance, moved_shards, plan_placement,
-                                pods_needed, replica_counts, zipf_loads)
+from expertmesh.planner import (
+    ClusterShape,
+    PlanError,
+    group_homes,
+    imbalance,
+    moved_shards,
+    plan_placement,
+    pods_needed,
+    replica_counts,
+    zipf_loads,
+)
 from expertmesh.plan import PlacementPlan
 
 GIB = 2 ** 30
@@ -435,7 +443,7 @@ def test_cli_as_a_module():
 
 @pytest.mark.parametrize("pods,redundant", [(2, 0), (3, 0), (3, 2), (2, 16)])
 def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
-    from expertmesh.router.local import make_placement
+    from expertmesh.up import make_placement
     cfg = preset("tiny")
     plan = make_placement(cfg, pods, redundant)                 # what `up` and the in-process engine use
     S = cfg.moe.n_routed_experts // cfg.moe.combine_groups
@@ -458,7 +466,7 @@ def test_group_homes_full_preset():
 
 
 def test_min_replicas_puts_every_expert_on_distinct_pods():
-    from expertmesh.router.local import make_placement
+    from expertmesh.up import make_placement
     cfg = preset("tiny")
     plan = make_placement(cfg, 3, min_replicas=2)
     for layer in cfg.moe_layers:

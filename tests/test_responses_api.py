@@ -16,10 +16,10 @@ from expertmesh.chat import Message, ToolCall
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, Segment, StoredResponse
 from expertmesh.router.server import serving_config
 from expertmesh.router.truncation import Piece, plan_truncation, rounds
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather for a city",

@@ -11,7 +11,7 @@ from expertmesh import telemetry
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.local import build_local_engine
+from expertmesh.entry.local import build_local_engine
 from expertmesh.up import free_port
 
 EXPORTER = InMemorySpanExporter()

@@ -1,8 +1,8 @@
-import torch
 import pytest
+import torch
 
-from expertmesh.model import SamplingParams
 from expertmesh.sampling import Sampler
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 

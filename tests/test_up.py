@@ -7,8 +7,9 @@ import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import SamplingParams, generate
+from expertmesh.model import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
+from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
 
@@ -55,7 +56,7 @@ def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
     (1, 1, 0, "grpc"), (1, 2, 0, "grpc"), (2, 3, 2, "grpc"),
     (1, 2, 0, "collective"), (2, 3, 2, "collective")])          # the same layouts over torch.distributed pairs
 def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant, transport):
-    from expertmesh.router.remote import RemoteExpert
+    from expertmesh.worker_clients import RemoteExpert
     prompts, ref = reference
     grpc_port = free_port()
     with LocalCluster(ckpt_dir, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
@@ -105,6 +106,11 @@ def test_grpc_errors_and_listing(ckpt_dir):
         assert len(tokens) == finish.usage.completion_tokens <= 4 and finish.usage.prompt_tokens == 3
         r = httpx.post(cluster.http_url + "/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 3})
         assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+        # the router holds no weights and does no tensor math: a serving router process has no torch mapped
+        # (a worker of the same deployment does: the check can tell the two apart)
+        maps = {c.name: open(f"/proc/{c.proc.pid}/maps").read() for c in cluster.children}
+        assert "libtorch" not in maps["router"]
+        assert all("libtorch" in m for name, m in maps.items() if name != "router")
 
 
 def test_grpc_chat_streams_reasoning_content_and_usage(ckpt_dir):

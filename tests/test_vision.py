@@ -14,7 +14,7 @@ from PIL import Image
 
 from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
-from expertmesh.model import Transformer, init_random_
+from expertmesh.model import Transformer
 from expertmesh.up import LocalCluster, free_port
 from expertmesh.vision import encode_image
 

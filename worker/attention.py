@@ -13,71 +13,32 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
-from expertmesh.model import SamplingParams, Segment, SequenceCache, combine_moe
+from expertmesh.grammar import ll_tokenizer
+from expertmesh.model import Segment, SequenceCache, Transformer, combine_moe, materialize_
 from expertmesh.sampling import Sampler
-from expertmesh.worker.kv import BlockPool, OutOfBlocks, PagedDSACache, PagedSequenceKV
+from expertmesh.sampling_params import SamplingParams
+from expertmesh.tokenizer import load_tokenizer
+from expertmesh.vision import SequenceImages
+from expertmesh.worker.exchange import ExpertExchange
+from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
+from expertmesh.worker_api import NotConnected, NotFound, OutOfBlocks, StepDone, StepSegment, TokenLogprobs, WorkerError
 
 
-class WorkerError(ValueError):
-    """A bad request: names the field and what was expected (→ INVALID_ARGUMENT)."""
-
-
-class NotFound(KeyError):
-    """Unknown sequence / step / prefix (→ NOT_FOUND)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities of a sequence's tokens at positions `position`, `position + 1`, ... (each under the
-    model's distribution given the tokens before it: log_softmax of the fp32 logits, before temperature / top-k /
-    top-p), with each position's top alternatives."""
-    seq_id: str
-    position: int
-    token_ids: torch.Tensor     # [P] int64
-    logprobs: torch.Tensor      # [P] float32
-    top_ids: torch.Tensor       # [P, N] int64, most likely first
-    top_logprobs: torch.Tensor  # [P, N] float32
-
-    @classmethod
-    def of(cls, seq_id: str, position: int, logprobs: torch.Tensor, token_ids: list[int], n: int) -> "TokenLogprobs":
-        """logprobs [P, V] (log_softmax rows), token_ids [P] the tokens that followed → the tokens' entries."""
-        ids = torch.tensor(token_ids, dtype=torch.int64)
-        top = torch.topk(logprobs, n, dim=-1) if n else None
-        return cls(seq_id, position, ids, logprobs.gather(-1, ids[:, None])[:, 0],
-                   top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
-                   top.values if top is not None else torch.empty(len(token_ids), 0))
-
-
-@dataclass
-class StepDone:
-    step_id: int
-    tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
-    free_blocks: int
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)   # seq_id → why (an expert without a live replica)
-    experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
-    exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
-    image_encodes: list = field(default_factory=list)   # vision.ImageEncode: images encoded in this step
-
-
-class NotConnected(RuntimeError):
-    """A step before `connect_experts` (→ FAILED_PRECONDITION): the router connects workers at start."""
-
-
-@dataclass
-class StepSegment:
-    seq_id: str
-    token_ids: list[int]
-    sample: bool                # sample a token after this segment's last position
+def token_logprobs(seq_id: str, position: int, logprobs: torch.Tensor, token_ids: list[int], n: int) -> TokenLogprobs:
+    """logprobs [P, V] (log_softmax rows), token_ids [P] the tokens that followed → the tokens' entries with the
+    top `n` alternatives of each position."""
+    ids = torch.tensor(token_ids, dtype=torch.int64)
+    top = torch.topk(logprobs, n, dim=-1) if n else None
+    return TokenLogprobs(seq_id, position, ids, logprobs.gather(-1, ids[:, None])[:, 0],
+                         top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
+                         top.values if top is not None else torch.empty(len(token_ids), 0))
 
 
 @dataclass
@@ -111,7 +72,6 @@ class AttentionWorker:
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
         (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`."""
-        from expertmesh import memory
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
@@ -125,7 +85,6 @@ class AttentionWorker:
         self.device = memory.torch_device(self.device_kind)
         self.device_label = memory.device_label(self.device_kind)
         if self.ckpt is None:
-            from expertmesh.model import Transformer, materialize_
             with torch.device("meta"):
                 self.model = materialize_(Transformer(self.cfg, routed_experts=False), "meta", self.dtype).eval()
         else:
@@ -155,7 +114,6 @@ class AttentionWorker:
 
     def memory(self):
         """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
-        from expertmesh import memory
         mem = memory.WorkerMemory()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(
@@ -192,7 +150,7 @@ class AttentionWorker:
     def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
                       prefix_key: str | None = None, owner: str = "", images: list | None = None) -> int:
         """Create a sequence with room for `reserve_tokens` tokens, starting from a cached prefix when given.
-        `images` (vision.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
+        `images` (worker_api.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
         already cached (0 without a prefix)."""
         seq_images = self._sequence_images(images) if images else None
         with self.lock:
@@ -236,15 +194,12 @@ class AttentionWorker:
         """The llguidance view of the checkpoint's tokenizer, built on the first constrained request (it reads
         every token's bytes once) and shared by every sequence's own matcher."""
         if getattr(self, "_lltok", None) is None:
-            from expertmesh.grammar import ll_tokenizer
-            from expertmesh.tokenizer import load_tokenizer
             if self.ckpt is None:
                 raise WorkerError("grammar: no checkpoint (hence no tokenizer) on this worker")
             self._lltok = ll_tokenizer(load_tokenizer(self.ckpt.path))
         return self._lltok
 
     def _sequence_images(self, images: list):
-        from expertmesh.vision import SequenceImages
         if self.cfg.vision is None:
             raise WorkerError(f"images: model {self.cfg.name!r} has no vision encoder (text only)")
         try:
@@ -306,7 +261,6 @@ class AttentionWorker:
     def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0) -> None:
         """Dispatch to these expert workers (plan ordinal order; in process: ExpertWorker objects, remote:
         RemoteExpert clients) by `table` (worker/exchange.ReplicaTable). Replaces any earlier connection."""
-        from expertmesh.worker.exchange import ExpertExchange
         moe = self.cfg.moe
         if list(table.moe_layers) != list(self.cfg.moe_layers) or table.table.shape[1] != moe.n_routed_experts:
             raise WorkerError(f"replicas: expected a table for MoE layers {self.cfg.moe_layers} x "
@@ -436,10 +390,10 @@ class AttentionWorker:
             scored = lp[:-1] if seq.pending is None else torch.cat([seq.pending[None], lp[:-1]])
             targets = fed[1:] if seq.pending is None else fed
             if targets:
-                out.append(TokenLogprobs.of(seq_id, start + len(fed) - len(targets), scored, targets,
+                out.append(token_logprobs(seq_id, start + len(fed) - len(targets), scored, targets,
                                             p.prompt_logprobs))
             seq.pending = lp[-1] if sampled is None else None
         if sampled is not None and p.logprobs is not None:
             lp = torch.log_softmax(logits[-1:], dim=-1)
-            out.append(TokenLogprobs.of(seq_id, start + len(fed), lp, [sampled], p.logprobs))
+            out.append(token_logprobs(seq_id, start + len(fed), lp, [sampled], p.logprobs))
         return out

@@ -43,6 +43,8 @@ import uuid
 
 import torch
 
+from expertmesh.worker_api import ExpertRequestError, RemoteError, UnknownExpert, WorkerUnavailable
+
 log = logging.getLogger("expertmesh.worker")
 
 OP_RUN, OP_PING = 1, 2
@@ -153,7 +155,6 @@ class CollectiveServer:
                     if out.shape != (rows, h):
                         raise RuntimeError(f"{rows} answer rows expected, computed {list(out.shape)}")
                 except Exception as e:
-                    from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
                     status = STATUS_NOT_FOUND if isinstance(e, UnknownExpert) else \
                         STATUS_INVALID if isinstance(e, ExpertRequestError) else STATUS_ERROR
                     message = (str(e) if status != STATUS_ERROR else f"{type(e).__name__}: {e}").encode()[:65536]
@@ -271,7 +272,6 @@ class CollectiveExpert:
         if group is None or rows is None:
             self.form()
             return self.run_grpc(layer, hidden, expert_ids, weights, out_dtype)
-        from expertmesh.router.remote import WorkerUnavailable
         try:
             with self.lock:
                 if self.group is not group:
@@ -283,8 +283,6 @@ class CollectiveExpert:
                                     f"{str(e).splitlines()[0][:300]}") from None
         self.collective_calls += 1
         if status != STATUS_OK:
-            from expertmesh.router.remote import RemoteError
-            from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
             cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
             raise cls(message) if cls else RemoteError(f"{self.name} ({self.address}): {message}")
         return out

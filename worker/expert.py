@@ -14,20 +14,12 @@ from collections import defaultdict
 
 import torch
 
+from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.kernels.moe.combine import group_partials
-
-
-class ExpertRequestError(ValueError):
-    """Bad request (→ INVALID_ARGUMENT), naming the field."""
-
-
-class UnknownExpert(KeyError):
-    """(layer, expert) not held here (→ NOT_FOUND)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+from expertmesh.model import RoutedExperts
+from expertmesh.worker_api import ExpertRequestError, UnknownExpert
 
 
 class ExpertWorker:
@@ -40,7 +32,6 @@ class ExpertWorker:
         (`checkpoint` may then be a ModelConfig: nothing is read). Experts stay packed in MXFP4 (uint8 blocks +
         E8M0 scales) and are multiplied from the packed form; calls are cut into pieces of `step_tokens` tokens
         so the workspace stays within memory.expert_workspace_bytes."""
-        from expertmesh import memory
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise ExpertRequestError("checkpoint: a model config without weights only builds on --device meta")
@@ -67,10 +58,8 @@ class ExpertWorker:
 
     def _load(self, layer: int, gpu: int, ids: list[int]):
         """One (device label, RoutedExperts, local index) entry holding `ids` of `layer` on GPU `gpu`."""
-        from expertmesh import memory
         dev = memory.torch_device(self.device_kind, gpu)
         if self.ckpt is None:
-            from expertmesh.model import RoutedExperts
             with torch.device("meta"):
                 mod = RoutedExperts(self.cfg, expert_ids=ids)
         else:
@@ -131,7 +120,6 @@ class ExpertWorker:
     def memory(self):
         """Resident bytes (memory.WorkerMemory) measured from the held tensors, per device; the per-call
         workspace from memory.expert_workspace_bytes."""
-        from expertmesh import memory
         mem = memory.WorkerMemory()
         per_device: dict[str, list] = defaultdict(list)
         for layer, shards in self.experts.items():

@@ -9,10 +9,8 @@ from __future__ import annotations
 import torch
 
 from expertmesh.config import ModelConfig
-
-
-class OutOfBlocks(RuntimeError):
-    """The pool has no free block left (the router's admission should have prevented this)."""
+from expertmesh.model import CachePages
+from expertmesh.worker_api import OutOfBlocks
 
 
 class BlockPool:
@@ -131,7 +129,6 @@ class PagedDSACache:
 
     def pages(self):
         """The pool's pages for this layer with the sequence's block table (decode reads them in place)."""
-        from expertmesh.model import CachePages
         n_blocks = -(-self.length // self.kv.pool.block_size)
         pool = self.kv.pool
         dev = pool.latent[self.layer].device

@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -24,10 +23,26 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from expertmesh import memory, telemetry
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.config import ModelConfig, preset
+from expertmesh.health_port import serve_health_only
+from expertmesh.kernels.moe import cpu_kernel
+from expertmesh.memory import WorkerMemory
+from expertmesh.plan import PlacementPlan
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.reflection import enable_reflection
+from expertmesh.replica_table import ReplicaTable
+from expertmesh.sampling_params import sampling_from_proto
 from expertmesh.shutdown import exit_after, stop_on_signals
-from expertmesh.tensors import from_proto, sampling_from_proto, to_proto
+from expertmesh.tensors import from_proto, to_proto
+from expertmesh.tls import ClientTLS, ServerTLS
+from expertmesh.worker.attention import AttentionWorker
+from expertmesh.worker.collective import CollectiveExpert, CollectiveServer, backend_for
+from expertmesh.worker.expert import ExpertWorker
+from expertmesh.worker.metrics import METRICS, serve_metrics
+from expertmesh.worker_api import ImageSpan, NotConnected, NotFound, OutOfBlocks, StepSegment, UnknownExpert
+from expertmesh.worker_clients import RemoteExpert
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -40,9 +55,6 @@ EXPERT_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_nam
 
 
 def _status_of(exc: Exception) -> grpc.StatusCode:
-    from expertmesh.worker.attention import NotConnected, NotFound
-    from expertmesh.worker.expert import UnknownExpert
-    from expertmesh.worker.kv import OutOfBlocks
     if isinstance(exc, (NotFound, UnknownExpert)):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, NotConnected):
@@ -60,8 +72,6 @@ def _rpc(method):
     server span joined to the router's trace."""
     @functools.wraps(method)
     def wrapper(self, request, context):
-        from expertmesh import telemetry
-        from expertmesh.worker.metrics import METRICS
         start = time.perf_counter()
         parent = telemetry.extract_context(context.invocation_metadata())
         span = None
@@ -110,7 +120,6 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     def OpenSequence(self, request, context):
         if not request.HasField("params"):
             raise ValueError("params: required")
-        from expertmesh.vision import ImageSpan
         images = [ImageSpan(i.position, from_proto(i.pixels, f"images[{n}].pixels"))
                   for n, i in enumerate(request.images)]
         cached = self.worker.open_sequence(
@@ -137,8 +146,6 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def ConnectExperts(self, request, context):
-        from expertmesh.router.remote import RemoteExpert
-        from expertmesh.worker.exchange import ReplicaTable
         if not request.HasField("replicas"):
             raise ValueError("replicas: required")
         if request.call_timeout_s <= 0:
@@ -152,7 +159,6 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         clients = [RemoteExpert(a, timeout=request.call_timeout_s, name=f"expert-{i}", tls=self.expert_tls)
                    for i, a in enumerate(request.addresses)]
         if request.transport == "collective":
-            from expertmesh.worker.collective import CollectiveExpert
             clients = [CollectiveExpert(c) for c in clients]
         try:
             self.worker.connect_experts(clients, table)
@@ -164,7 +170,6 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def RunStep(self, request, context):
-        from expertmesh.worker.attention import StepSegment
         segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
         snapshots = {s.seq_id: s.key for s in request.snapshot_keys} or None
         return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
@@ -240,7 +245,6 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
 
     @_rpc
     def OpenCollective(self, request, context):
-        from expertmesh.worker.attention import NotConnected
         if self.collective is None:
             raise NotConnected(f"{self.worker.name}: no collective transport (started without --collective-port)")
         if not 0 < request.timeout_s <= 600:
@@ -289,11 +293,6 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
     expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
     --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held."""
-    from expertmesh import memory
-    from expertmesh.checkpoint import Checkpoint
-    from expertmesh.config import ModelConfig
-    from expertmesh.worker.attention import AttentionWorker
-    from expertmesh.worker.expert import ExpertWorker
 
     if role not in ROLES:
         raise ValueError(f"role: expected one of {list(ROLES)}, found {role!r}")
@@ -319,7 +318,6 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
 
 def dry_run(attention, expert) -> str:
     """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device."""
-    from expertmesh.memory import WorkerMemory
     total = WorkerMemory()
     for w in (attention, expert):
         if w is None:
@@ -358,7 +356,6 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     if expert is not None and expert.device_kind == "cpu":
         # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
         # first RunExperts call would overrun the caller's deadline and mark this worker down
-        from expertmesh.kernels.moe import cpu_kernel
         if cpu_kernel.enabled():
             cpu_kernel.load()
 
@@ -374,7 +371,6 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
         services.append(ATTENTION_SERVICE)
     collective = None
     if expert is not None and collective_port is not None:
-        from expertmesh.worker.collective import CollectiveServer, backend_for
         collective = CollectiveServer(expert, host, collective_port, backend_for(expert.device_kind))
     if expert is not None:
         add_servicer(server, EXPERT_SERVICE, ExpertServicer(expert, collective))
@@ -397,7 +393,6 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     server.port, server.role, server.health = bound, role, health_servicer
     server.health_server, server.health_port = None, None
     if health_port is not None:
-        from expertmesh.health_port import serve_health_only
         server.health_server, server.health_port = serve_health_only(health_servicer, host, health_port)
     server.attention, server.expert, server.collective = attention, expert, collective
     log.info("%s worker serving %s on %s:%d", role, ", ".join(services), host, bound)
@@ -439,10 +434,6 @@ def parse_experts(spec: str) -> list[tuple[int, int]]:
 def plan_assignment(path: str, ordinal: int, gpu_of: dict | None = None) -> list[tuple[int, int]]:
     """The (layer, expert) pairs of expert worker `ordinal` of the plan at `path`; fills `gpu_of` (when given)
     with each pair's GPU index in the plan."""
-    try:
-        from expertmesh.plan import PlacementPlan
-    except ImportError as e:
-        raise ValueError(f"--plan: expertmesh.plan is not available ({e}); pass --experts L:E,... instead") from None
     plan = PlacementPlan.from_json(Path(path).read_text())
     pairs = [(int(l), int(e)) for l, e in plan.experts_of(ordinal)]
     if gpu_of is not None:
@@ -513,7 +504,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["EXPERTMESH_TORCH_THREADS"]))
     assignment, gpu_of, cfg_only = None, {}, None
     try:
-        from expertmesh import memory
         device = memory.check_device(args.device)
         memory.compute_dtype(device, args.dtype)
         if args.dry_run and device != "meta":
@@ -523,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint is None:
             if not (args.dry_run and args.preset):
                 raise ValueError("--checkpoint: required (or --preset with --device meta --dry-run)")
-            from expertmesh.config import preset
             cfg_only = preset(args.preset)
         elif args.preset:
             raise ValueError("--preset: only without --checkpoint (the checkpoint has its config)")
@@ -546,13 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.tls_cert or args.tls_key:
             if not (args.tls_cert and args.tls_key):
                 raise ValueError("--tls-cert and --tls-key: give both")
-            from expertmesh.tls import ServerTLS
             tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
         elif args.tls_client_ca:
             raise ValueError("--tls-client-ca: needs --tls-cert and --tls-key")
         expert_tls = None
         if args.expert_tls_ca:
-            from expertmesh.tls import ClientTLS
             expert_tls = ClientTLS(args.expert_tls_ca, args.expert_tls_cert, args.expert_tls_key,
                                    args.expert_tls_server_name)
         elif args.expert_tls_cert or args.expert_tls_key:
@@ -568,7 +555,6 @@ def main(argv: list[str] | None = None) -> int:
     kv_blocks = None if args.gpu_memory_utilization is not None else args.kv_blocks
     if args.dry_run:
         try:
-            from expertmesh.checkpoint import Checkpoint
             source = cfg_only if cfg_only is not None else Checkpoint(args.checkpoint).cfg
             attention, expert = build_workers(args.role, source, assignment=assignment, gpu_of=gpu_of or None,
                                               kv_blocks=kv_blocks, block_size=args.block_size, name=name,
@@ -592,11 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
-    from expertmesh import telemetry
     telemetry.setup_tracing("expertmesh-worker", {"expertmesh.role": args.role, "expertmesh.worker": name,
                                                   "expertmesh.shard": args.ordinal})
     if args.metrics_port is not None:
-        from expertmesh.worker.metrics import serve_metrics
         serve_metrics(server, args.host, args.metrics_port)
     print(f"READY {args.role} {args.host}:{server.port}", flush=True)
     while not stop.wait(0.5):

@@ -20,15 +20,16 @@ from expertmesh.kernels.dsa.naive import (
     lightning_indexer_reference,
     topk_indices_reference,
 )
-from expertmesh.kernels.dsa.sparse import dsa_decode_paged as dsa_decode_paged_torch
 from expertmesh.kernels.dsa.sparse import (
+    dsa_decode_paged as dsa_decode_paged_torch,
     dsa_prefill,
     lightning_indexer,
+    mla_decode_paged as mla_decode_paged_torch,
     mla_prefill,
     paged_indexer_scores,
-    visible_positions,
     paged_sparse_attention,
     select_topk,
+    visible_positions,
 )
 
 __all__ = [
@@ -90,6 +91,5 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         idx = visible_positions(context_lens, block_table.shape[1] * kv_cache.shape[1])   # no host sync
         return paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, idx,
                                              D ** -0.5 if scale is None else scale, D if v_dim is None else v_dim)
-    from expertmesh.kernels.dsa.sparse import mla_decode_paged as mla_decode_paged_torch
 
     return mla_decode_paged_torch(q, kv_cache, block_table, context_lens, scale, v_dim)

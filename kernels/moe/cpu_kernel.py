@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels.moe.naive import check_moe_inputs
+from expertmesh.kernels.mxfp4.naive import check_mxfp4
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
@@ -101,7 +104,6 @@ def _isa(isa: str) -> int:
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
     """x [..., K] floating @ W^T with W [N, K] in MXFP4 (blocks uint8 [N, K/2], scales uint8 [N, K/32]) → [..., N]
     in x.dtype, computed in fp32 with the fixed per-element order (row-batch-invariant). CPU tensors only."""
-    from expertmesh.kernels.mxfp4.naive import check_mxfp4
     K = check_mxfp4(blocks, scales)
     if blocks.dim() != 2:
         raise ValueError(f"blocks: expected rank 2 [N,K/2], found rank {blocks.dim()}")
@@ -127,7 +129,6 @@ def moe_expert_outputs(
     isa: str = "auto",
 ) -> torch.Tensor:
     """The fused grouped expert GEMM (CPU). Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
-    from expertmesh.kernels.moe.naive import check_moe_inputs
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
     ops = _require()
     code = _isa(isa)

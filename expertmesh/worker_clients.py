@@ -1,38 +1,41 @@
-"""gRPC clients of the workers, with the same methods, return types and exceptions as the local objects
-(worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the Engine and the attention workers' expert exchange use
-either without knowing which.
+"""gRPC clients of the workers, with the same methods, return types and exceptions as the in-process workers
+(worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the router's engine and the attention
+workers' expert exchange use either without knowing which. The types are those of expertmesh/worker_api.py.
 
 Status codes map back to the workers' exceptions (the server sends the local message as the details):
   INVALID_ARGUMENT → WorkerError / ExpertRequestError,  NOT_FOUND → NotFound / UnknownExpert,
   RESOURCE_EXHAUSTED → OutOfBlocks (attention),  UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED → WorkerUnavailable,
   anything else → RemoteError. Every call carries a deadline (`timeout` seconds).
+
+No torch here: arrays travel as numpy (wire_arrays.py). Only the expert data path (`RemoteExpert.run`, called by
+attention workers) moves torch tensors, and imports the torch codec when it is called.
 """
 from __future__ import annotations
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from expertmesh import telemetry
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.tensors import from_proto, sampling_to_proto, to_proto
-from expertmesh.worker.attention import NotConnected, NotFound, StepDone, StepSegment, TokenLogprobs, WorkerError
-from expertmesh.worker.expert import ExpertRequestError, UnknownExpert
-from expertmesh.worker.kv import OutOfBlocks
+from expertmesh.sampling_params import sampling_to_proto
+from expertmesh.wire_arrays import array_from_proto, array_to_proto
+from expertmesh.worker_api import (
+    ExpertRequestError,
+    ImageEncode,
+    NotConnected,
+    NotFound,
+    OutOfBlocks,
+    RemoteError,
+    StepDone,
+    StepSegment,
+    TokenLogprobs,
+    UnknownExpert,
+    WorkerError,
+    WorkerUnavailable,
+)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
-
-class WorkerUnavailable(ConnectionError):
-    """The worker cannot be reached, is shutting down, or did not answer within the deadline."""
-
-
-class RemoteError(RuntimeError):
-    """Any other failed call (INTERNAL, UNIMPLEMENTED, ...); `code` is the grpc.StatusCode."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
 
 
 class _Client:
@@ -56,7 +59,6 @@ class _Client:
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _call(self, method, request, timeout: float | None = None):
-        from expertmesh import telemetry
         metadata = telemetry.inject_metadata() or None       # W3C traceparent of the current span, if any
         try:
             response = method(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready,
@@ -128,7 +130,7 @@ class RemoteAttention(_Client):
                       owner: str = "", images: list | None = None) -> int:
         req = worker_pb2.OpenSequenceRequest(
             seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
-            images=[worker_pb2.ImageSpan(position=i.position, pixels=to_proto(i.pixels, "pixels")) for i in images or ()])
+            images=[worker_pb2.ImageSpan(position=i.position, pixels=array_to_proto(i.pixels, "pixels")) for i in images or ()])
         if prefix_key is not None:
             req.prefix_key = prefix_key
         return self._call(self.stub.OpenSequence, req).cached_tokens
@@ -155,7 +157,7 @@ class RemoteAttention(_Client):
         timeout = min(getattr(c, "timeout", self.timeout) for c in clients) if clients else self.timeout
         self._call(self.stub.ConnectExperts, worker_pb2.ConnectExpertsRequest(
             addresses=addresses, moe_layers=list(table.moe_layers),
-            replicas=to_proto(torch.from_numpy(table.table), "replicas"), call_timeout_s=timeout,
+            replicas=array_to_proto(table.table, "replicas"), call_timeout_s=timeout,
             transport=transport))
 
     def run_step(self, step_id: int, segments: list[StepSegment],
@@ -166,17 +168,16 @@ class RemoteAttention(_Client):
                       for s in segments],
             snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k) for s, k in (snapshot_keys or {}).items()])
         d = self._call(self.stub.RunStep, req, self.step_timeout)
-        logprobs = [TokenLogprobs(lp.seq_id, lp.position, from_proto(lp.token_ids, "token_ids"),
-                                  from_proto(lp.logprobs, "logprobs"), from_proto(lp.top_ids, "top_ids"),
-                                  from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
-        from expertmesh.vision import ImageEncode
+        logprobs = [TokenLogprobs(lp.seq_id, lp.position, array_from_proto(lp.token_ids, "token_ids"),
+                                  array_from_proto(lp.logprobs, "logprobs"), array_from_proto(lp.top_ids, "top_ids"),
+                                  array_from_proto(lp.top_logprobs, "top_logprobs")) for lp in d.logprobs]
         return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs,
                         {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes,
                         [ImageEncode(e.seq_id, e.tokens, e.seconds) for e in d.image_encodes])
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())
-        tokens = from_proto(r.tokens, "tokens").tolist()
+        tokens = array_from_proto(r.tokens, "tokens").tolist()
         return {int(l): row for l, row in zip(r.moe_layers, tokens)}
 
 
@@ -201,13 +202,16 @@ class RemoteExpert(_Client):
         return {"grpc_calls": i.grpc_calls, "collective_calls": i.collective_calls,
                 "collective_pairs": i.collective_pairs}
 
-    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """ExpertWorker.run over gRPC: → [R, H] per-(row, group) partial sums."""
+    def run(self, layer: int, hidden, expert_ids, weights, out_dtype=None):
+        """ExpertWorker.run over gRPC (torch tensors in and out; out_dtype default float32): → [R, H] per-(row,
+        group) partial sums."""
+        # torch only here, the attention workers' data path: the router process never imports it
+        from expertmesh.tensors import from_proto, to_proto
+        out = "float32" if out_dtype is None else str(out_dtype).removeprefix("torch.")
         req = worker_pb2.RunExpertsRequest(layer=layer, hidden=to_proto(hidden, "hidden"),
                                            expert_ids=to_proto(expert_ids, "expert_ids"),
                                            weights=to_proto(weights.float(), "weights"),
-                                           output_dtype=str(out_dtype).removeprefix("torch."))
+                                           output_dtype=out)
         return from_proto(self._call(self.stub.RunExperts, req).output, "output")
 
     def set_shards(self, assignment, gpu_of: dict | None = None, *, drop_others: bool = False) -> dict:

@@ -1,0 +1,23 @@
+"""An in-process deployment: the router's engine over attention and expert workers as objects, called directly
+(the reference transport). Same Engine, same worker classes as the multi-process deployment, no gRPC in between:
+the distributed system must give exactly its greedy tokens."""
+from __future__ import annotations
+
+from expertmesh.checkpoint import Checkpoint
+from expertmesh.router.engine import Engine
+from expertmesh.up import make_placement
+from expertmesh.worker.attention import AttentionWorker
+from expertmesh.worker.expert import ExpertWorker
+
+
+def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
+                       redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
+                       placement=None, lease_seconds: float = 30.0, **engine_kw) -> Engine:
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    cfg = ckpt.cfg
+    placement = placement or make_placement(cfg, expert_workers, redundant_experts)
+    attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}",
+                                 lease_seconds=lease_seconds)
+                 for i in range(attention_workers)]
+    experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
+    return Engine(cfg, attention, experts, placement, **engine_kw)

@@ -1,0 +1,176 @@
+"""config.json of the published relatives → ModelConfig (no tensors read; no torch): what a Hugging Face
+directory's model is, for the router (which needs the config only), the operator and the weight loader
+(expertmesh/hf_layout.py) alike.
+
+Model types: `kimi_linear` (Kimi Linear: KDA + NoPE MLA layers), `deepseek_v32` (DeepSeek-V3.2: MLA + lightning
+indexer on every layer), and the hybrid this project serves — a Kimi Linear config whose full-attention layers carry
+DSA indexer fields (`index_topk`, `index_head_dim`, `index_n_heads`). Families spell the same field differently; the
+aliases are listed where each field is read.
+"""
+from __future__ import annotations
+
+from expertmesh.checkpoint_files import CheckpointError
+from expertmesh.config import (
+    MXFP4_BLOCK,
+    IndexerConfig,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeConfig,
+    ThinkingBudgets,
+    YarnConfig,
+)
+
+MODEL_TYPES = ("kimi_linear", "deepseek_v32")
+DEFAULT_THINKING = ThinkingBudgets(low=1024, high=8192, max=32768)
+
+
+class HFCheckpointError(CheckpointError):
+    """A Hugging Face directory that is not a loadable relative: names the file, the tensor or field, and what
+    was expected."""
+
+
+def _get(raw: dict, *keys, default=...):
+    """The first of `keys` present in config.json (families spell the same field differently)."""
+    for key in keys:
+        if key in raw and raw[key] is not None:
+            return raw[key]
+    if default is ...:
+        raise HFCheckpointError(f"config.json: field {keys[0]!r} missing")
+    return default
+
+
+def _dense_prefix(raw: dict, n_layers: int, default: int) -> int:
+    """Leading dense layers, from `mlp_layer_types` (must be dense…dense sparse…sparse) or first_k_dense_replace."""
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        return int(_get(raw, "first_k_dense_replace", default=default))
+    k = 0
+    while k < len(types) and types[k] == "dense":
+        k += 1
+    if list(types) != ["dense"] * k + ["sparse"] * (n_layers - k):
+        raise HFCheckpointError(f"config.json: mlp_layer_types={types}: only leading dense layers followed by MoE "
+                                f"layers are supported")
+    return k
+
+
+def _rope(raw: dict) -> RopeConfig | None:
+    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older configs); None: no RoPE."""
+    params = dict(raw.get("rope_parameters") or {})
+    if raw.get("rope_scaling"):
+        params = {**raw["rope_scaling"], **params}
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind != "yarn":
+        raise HFCheckpointError(f"config.json: rope type {kind!r}: expected default or yarn")
+    orig = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    factor = params.get("factor") or _get(raw, "max_position_embeddings") / orig
+    return RopeConfig(theta=theta, yarn=YarnConfig(
+        factor=factor, original_max_position_embeddings=orig, beta_fast=params.get("beta_fast") or 32,
+        beta_slow=params.get("beta_slow") or 1, mscale=params.get("mscale") or 0.0,
+        mscale_all_dim=params.get("mscale_all_dim") or 0.0, attention_factor=params.get("attention_factor"),
+        truncate=params.get("truncate", True)))
+
+
+def _check_supported(raw: dict) -> None:
+    for key, ok in (("hidden_act", ("silu",)), ("scoring_func", ("sigmoid",)),
+                    ("moe_router_activation_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)),
+                    ("attention_bias", (False,)), ("mlp_bias", (False,))):
+        if key in raw and raw[key] not in ok:
+            raise HFCheckpointError(f"config.json: {key}={raw[key]!r} is not supported (expected "
+                                    f"{' or '.join(map(repr, ok))})")
+    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if kv_heads not in (None, heads):
+        raise HFCheckpointError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads="
+                                f"{heads} (MLA shares one latent across heads)")
+    quant = raw.get("quantization_config")
+    if quant and quant.get("quant_method") not in ("fp8", "mxfp4"):
+        raise HFCheckpointError(f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: "
+                                f"expected fp8 or mxfp4")
+
+
+def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
+    """config.json of a published relative (+ the tensor names present, for optional biases) → ModelConfig."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise HFCheckpointError(f"config.json: model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
+    _check_supported(raw)
+    n_layers = int(_get(raw, "num_hidden_layers"))
+    hidden = int(_get(raw, "hidden_size"))
+    indexed = model_type == "deepseek_v32" or "index_topk" in raw
+    rope = _rope(raw)
+    if model_type == "kimi_linear":
+        lin = raw.get("linear_attn_config") or {}
+        kda_heads = int(lin.get("num_heads", _get(raw, "linear_num_heads", default=32)))
+        kda_dim = int(lin.get("head_dim", _get(raw, "linear_head_dim", default=128)))
+        kernel = int(lin.get("short_conv_kernel_size", _get(raw, "linear_conv_kernel_dim", default=4)))
+        types = raw.get("layer_types")
+        if types is None and "full_attn_layers" in lin:
+            full = {i - 1 for i in lin["full_attn_layers"]}            # 1-indexed in the published config
+            types = ["full_attention" if i in full else "linear_attention" for i in range(n_layers)]
+        if types is None:
+            types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
+        global_type = "dsa" if indexed else "mla"
+        layer_types = tuple(global_type if t == "full_attention" else "kda" for t in types)
+        dense = _dense_prefix(raw, n_layers, default=1)
+        # Kimi Linear's MLA is NoPE; the hybrid's DSA layers follow DeepSeek-V3.2 when the config gives RoPE
+        mla_rope = "interleaved" if indexed else "none"
+        n_experts = int(_get(raw, "num_experts", "n_routed_experts", "num_local_experts"))
+        top_k = int(_get(raw, "num_experts_per_token", "num_experts_per_tok"))
+        n_group = int(_get(raw, "num_expert_group", "n_group", default=1))
+        renorm = bool(_get(raw, "moe_renormalize", "norm_topk_prob", default=True))
+        n_shared = int(_get(raw, "num_shared_experts", "n_shared_experts", default=1))
+        max_context = int(_get(raw, "model_max_length", "max_position_embeddings", default=1 << 20))
+        kda = KDAConfig(n_heads=kda_heads, head_dim=kda_dim, conv_kernel_size=kernel, gate_low_rank=kda_dim,
+                        conv_bias=any(n.endswith("q_conv1d.bias") for n in tensor_names),
+                        output_gate_bias=any(n.endswith("g_b_proj.bias") for n in tensor_names))
+    else:
+        types = raw.get("layer_types") or ["indexed_attention"] * n_layers
+        if set(types) != {"indexed_attention"}:
+            raise HFCheckpointError(f"config.json: layer_types={types}: deepseek_v32 layers are all indexed_attention")
+        layer_types = ("dsa",) * n_layers
+        dense = _dense_prefix(raw, n_layers, default=3)
+        mla_rope = "interleaved"
+        if rope is None:
+            rope = RopeConfig(theta=10_000.0)
+        n_experts = int(_get(raw, "n_routed_experts", "num_experts", "num_local_experts"))
+        top_k = int(_get(raw, "num_experts_per_tok"))
+        n_group = int(_get(raw, "n_group", default=1))
+        renorm = bool(_get(raw, "norm_topk_prob", default=True))
+        n_shared = int(_get(raw, "n_shared_experts", default=1))
+        max_context = int(_get(raw, "max_position_embeddings", default=163_840))
+        kda = KDAConfig(n_heads=1, head_dim=MXFP4_BLOCK, gate_low_rank=1)   # unused: no KDA layers
+    heads = int(_get(raw, "num_attention_heads"))
+    cfg = ModelConfig(
+        name=name, model_type=model_type, vocab_size=int(_get(raw, "vocab_size")), hidden_size=hidden,
+        layer_types=layer_types, first_k_dense=dense, dense_intermediate_size=int(_get(raw, "intermediate_size")),
+        moe=MoEConfig(n_routed_experts=n_experts, n_shared_experts=n_shared, top_k=top_k,
+                      expert_intermediate_size=int(_get(raw, "moe_intermediate_size")), n_group=n_group,
+                      topk_group=int(_get(raw, "topk_group", default=1)),
+                      routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
+                      norm_topk_prob=renorm),
+        mla=MLAConfig(n_heads=heads, q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(_get(raw, "kv_lora_rank")),
+                      qk_nope_head_dim=int(_get(raw, "qk_nope_head_dim")),
+                      qk_rope_head_dim=int(_get(raw, "qk_rope_head_dim")), v_head_dim=int(_get(raw, "v_head_dim")),
+                      rope=mla_rope if rope is not None else "none"),
+        indexer=IndexerConfig(n_heads=int(_get(raw, "index_n_heads", default=1)),
+                              head_dim=int(_get(raw, "index_head_dim", default=MXFP4_BLOCK)),
+                              index_topk=int(_get(raw, "index_topk", default=2048)), rope=rope is not None),
+        kda=kda, rope=rope or RopeConfig(), thinking=DEFAULT_THINKING, max_context=max_context,
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+    return cfg
+
+
+def moe_prefix(cfg: ModelConfig, tensor_names: set[str]) -> str:
+    """The module the FFN tensors live under: DeepSeek `mlp`; Kimi Linear `block_sparse_moe` (also its dense
+    layers, as transformers writes them) or `mlp`."""
+    if cfg.model_type == "kimi_linear" and any(".block_sparse_moe." in n for n in tensor_names):
+        return "block_sparse_moe"
+    return "mlp"

@@ -1,0 +1,107 @@
+"""The workers' services as their callers see them — the router, and the attention workers' expert exchange: what
+a scheduler step sends and gets back, and the errors each service answers with. Both the in-process workers and the
+gRPC clients (worker_clients.py) speak these types, so a caller never knows which it holds. Plain data: numeric
+fields are arrays (torch tensors from an in-process worker, numpy arrays off the wire — both have `.tolist()`), so
+a caller needs neither the model nor torch.
+
+Errors and the gRPC status each travels as (worker/server.py sends the message as the details; the clients raise
+the same class again): WorkerError / ExpertRequestError → INVALID_ARGUMENT, NotFound / UnknownExpert → NOT_FOUND,
+OutOfBlocks → RESOURCE_EXHAUSTED, NotConnected → FAILED_PRECONDITION; WorkerUnavailable is raised by a client when
+the worker cannot be reached in time, RemoteError for any other failed call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class WorkerError(ValueError):
+    """A bad request to an attention worker: names the field and what was expected."""
+
+
+class NotFound(KeyError):
+    """Unknown sequence / step / prefix."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NotConnected(RuntimeError):
+    """A step before `connect_experts` (the router connects workers at start; a restarted worker has forgotten)."""
+
+
+class OutOfBlocks(RuntimeError):
+    """An attention worker's KV pool has no free block left (the router's admission should have prevented this)."""
+
+
+class ExpertRequestError(ValueError):
+    """A bad request to an expert worker, naming the field."""
+
+
+class UnknownExpert(KeyError):
+    """(layer, expert) not held by this expert worker."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WorkerUnavailable(ConnectionError):
+    """The worker cannot be reached, is shutting down, or did not answer within the deadline."""
+
+
+class RemoteError(RuntimeError):
+    """Any other failed call (INTERNAL, UNIMPLEMENTED, ...); `code` is the grpc.StatusCode."""
+
+    def __init__(self, message: str, code: Any = None):
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------------------------- a step
+@dataclass
+class StepSegment:
+    seq_id: str
+    token_ids: list[int]
+    sample: bool                # sample a token after this segment's last position
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of a sequence's tokens at positions `position`, `position + 1`, ... (each under the
+    model's distribution given the tokens before it: log_softmax of the fp32 logits, before temperature / top-k /
+    top-p), with each position's top alternatives."""
+    seq_id: str
+    position: int
+    token_ids: Any              # [P] int64
+    logprobs: Any               # [P] float32
+    top_ids: Any                # [P, N] int64, most likely first
+    top_logprobs: Any           # [P, N] float32
+
+
+@dataclass
+class ImageEncode:
+    """One encoder run on an attention worker (traces and metrics)."""
+    seq_id: str
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class StepDone:
+    step_id: int
+    tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
+    free_blocks: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)   # seq_id → why (an expert without a live replica)
+    experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
+    exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
+    image_encodes: list[ImageEncode] = field(default_factory=list)   # images encoded in this step
+
+
+@dataclass
+class ImageSpan:
+    """One image of a prompt: its first placeholder token's position and its pixels (uint8 [H, W, 3], numpy or
+    torch)."""
+    position: int
+    pixels: Any
