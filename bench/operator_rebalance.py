@@ -28,7 +28,7 @@ from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spe
 
 from expertmesh.checkpoint import create_checkpoint  # noqa: E402
 from expertmesh.config import preset  # noqa: E402
-from expertmesh.operator import manifests as m  # noqa: E402
+from expertmesh.operator.naming import expert_name, pod_dns, router_name, worker_tls_secret_name  # noqa: E402
 
 NAME = "kimi"
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
@@ -58,8 +58,8 @@ def experts_held(node: LocalNode, plan) -> bool:
     """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
     from expertmesh.worker_clients import RemoteExpert
     for o in range(plan.cluster.pods):
-        with node.tls_client(RemoteExpert, m.pod_dns(NAME, NS, m.expert_name(NAME), o),
-                             m.worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS
+        with node.tls_client(RemoteExpert, pod_dns(NAME, NS, expert_name(NAME), o),
+                             worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS
             if sorted(w.info()["experts"]) != sorted(plan.experts_of(o)):
                 return False
     return True
@@ -76,7 +76,7 @@ async def run(tmp: Path) -> dict:
                 endpoint = c.status(NAME)["endpoints"]["http"]
                 expected = {p: await chat(node, endpoint, p) for p in PROMPTS}
                 before, templates = uids(c), {k: c.get(*k)["spec"]["template"] for k in (
-                    ("apps/v1/statefulsets", m.expert_name(NAME)), ("apps/v1/deployments", m.router_name(NAME)))}
+                    ("apps/v1/statefulsets", expert_name(NAME)), ("apps/v1/deployments", router_name(NAME)))}
                 results: list[tuple[float, float, str, object]] = []   # (start, end, prompt, answer or error)
                 stop = asyncio.Event()
 

@@ -1,5 +1,6 @@
-"""Kopf handlers for `MoEDeployment`: thin — they read the world, call the pure functions in `manifests.py`,
-and write the results back.
+"""Kopf handlers for `MoEDeployment`: thin — they read the world, call the pure functions (placement_policy.py: which
+plan; children.py: the child objects; pods.py + status.py: what the pods say and the status), and write the results
+back.
 
     create / update(spec) / resume → validate → plan (previous plan's shards stay) → apply children
                                      (owner references via kopf.adopt) → status (kopf's patch.status)
@@ -30,11 +31,18 @@ from typing import Any, Awaitable, Callable, Optional
 
 import kopf
 
-from expertmesh.operator import manifests as m
-from expertmesh.planner import PlanError
+from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
+from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
+                                        load_configmap_name, load_url, plan_configmap_name, worker_tls_secret_name)
+from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
+from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
                                       resolve_model)
+from expertmesh.operator.status import (decide, failed_status, now_rfc3339, placement_status, seconds_since,
+                                        set_condition, summarize_plan, with_weights)
+from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
+from expertmesh.planner import PlanError
 
 log = logging.getLogger("expertmesh.operator")
 
@@ -73,7 +81,7 @@ def _resources() -> dict[str, type]:
 class Kube:
     """The Kubernetes API calls the operator makes, through lightkube's AsyncClient (async; configuration,
     TLS, tokens and exec plugins as kubectl; server-side apply; typed models for the builtin kinds, a generic
-    resource for MoEDeployment). Objects go in and come out as plain dicts (the manifests module's currency).
+    resource for MoEDeployment). Objects go in and come out as plain dicts (the pure modules' currency).
     Every call carries a (connect, read) deadline; failures become KubeError with the HTTP status."""
 
     def __init__(self, config, timeout: tuple[float, float] = API_TIMEOUT):
@@ -245,7 +253,7 @@ async def _kube(deps: Deps, fn, *args, retry: int = 0):
 
 
 async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> Optional[PlacementPlan]:
-    cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, m.plan_configmap_name(name), retry=retry)
+    cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, plan_configmap_name(name), retry=retry)
     text = ((cm or {}).get("data") or {}).get("plan.json")
     if not text:
         return None
@@ -263,9 +271,9 @@ async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> O
 async def _read_load(deps: Deps, namespace: str, name: str, cfg):
     """The load kept in the `<name>-load` ConfigMap (None when absent or unreadable)."""
     try:
-        cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, m.load_configmap_name(name))
+        cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, load_configmap_name(name))
         text = ((cm or {}).get("data") or {}).get("load.json")
-        return m.parse_load(json.loads(text), cfg) if text else None
+        return parse_load(json.loads(text), cfg) if text else None
     except (KubeError, kopf.TemporaryError, ValueError) as e:
         log.warning("%s/%s: no usable kept load: %s", namespace, name, e)
         return None
@@ -276,11 +284,11 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
     (new certificates would split running pods into two trust domains); deleted with the resource (owner)."""
     if not spec.security.worker_tls:
         return
-    if await _kube(deps, deps.kube.get, "v1", "Secret", namespace, m.worker_tls_secret_name(name),
+    if await _kube(deps, deps.kube.get, "v1", "Secret", namespace, worker_tls_secret_name(name),
                    retry=retry) is not None:
         return
     from expertmesh.tls import pki_pems
-    secret = m.worker_tls_secret(name, namespace, spec, pki_pems(m.worker_tls_hosts(name, namespace), days=3650))
+    secret = worker_tls_secret(name, namespace, spec, pki_pems(worker_tls_hosts(name, namespace), days=3650))
     kopf.adopt(secret, owner=owner)
     await _kube(deps, deps.kube.create_once, secret, retry=retry)
 
@@ -290,29 +298,29 @@ async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, sp
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
     pod-template hashes per component."""
     await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
-    children = m.build_children(name, namespace, spec, cfg, plan)
-    rev, templates = m.revision(children), m.template_hashes(children)
+    children = build_children(name, namespace, spec, cfg, plan)
+    rev, templates = revision(children), template_hashes(children)
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
     for child in children:
         await _kube(deps, deps.kube.apply, child, retry=retry)
     return rev, templates
 
 
-def _pods(index, namespace: str, name: str) -> list[m.PodInfo]:
+def _pods(index, namespace: str, name: str) -> list[PodInfo]:
     try:
         return [p for p in index.get((namespace, name), []) if p is not None]
     except (AttributeError, TypeError):
         return []
 
 
-async def _fetch_progress(deps: Deps, namespace: str, pods: list[m.PodInfo]) -> dict[str, Optional[float]]:
+async def _fetch_progress(deps: Deps, namespace: str, pods: list[PodInfo]) -> dict[str, Optional[float]]:
     """pod → the percentage of its checkpoint fetch, from the last progress line of its fetch container's log
     (None when the log cannot be read yet)."""
     from expertmesh.fetch import parse_progress
 
-    async def one(p: m.PodInfo) -> Optional[float]:
+    async def one(p: PodInfo) -> Optional[float]:
         try:
-            return parse_progress(await deps.read_log(namespace, p.name, m.FETCH_CONTAINER))
+            return parse_progress(await deps.read_log(namespace, p.name, FETCH_CONTAINER))
         except Exception:  # not started, gone, or the API refused: no figure this time
             return None
     fetching = [p for p in pods if p.fetch == "running"]
@@ -333,20 +341,20 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         parsed = parse_spec(dict(spec))
         cfg = resolve_model(parsed)
     except SpecError as e:
-        patch.status.update(m.failed_status(status, str(e), generation, reason="InvalidSpec"))
+        patch.status.update(failed_status(status, str(e), generation, reason="InvalidSpec"))
         raise kopf.PermanentError(f"invalid spec: {e}") from None
 
     async with deps.lock((namespace, name)):
         previous = await _read_plan(deps, namespace, name, retry)
         try:
-            plan = m.plan_for(parsed, cfg, previous=previous)
+            plan = plan_for(parsed, cfg, previous=previous)
         except PlanError as e:
-            patch.status.update(m.failed_status(status, str(e), generation, reason="ClusterTooSmall"))
+            patch.status.update(failed_status(status, str(e), generation, reason="ClusterTooSmall"))
             raise kopf.PermanentError(str(e)) from None
         try:
             rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry)
         except KubeError as e:  # not transient: the API refused a child (e.g. a quota or an admission webhook)
-            patch.status.update(m.failed_status(status, f"applying children: {e}", generation, reason="ApplyFailed"))
+            patch.status.update(failed_status(status, f"applying children: {e}", generation, reason="ApplyFailed"))
             raise kopf.PermanentError(f"applying children: {e}") from None
 
         new_plan = plan.plan_hash() != (status.get("placement") or {}).get("planHash")
@@ -356,19 +364,19 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         if new_plan:
             base["placement"] = {}
         pods = _pods(expertmesh_pods, namespace, name)
-        a = m.assess(parsed, plan, pods, templates)
-        decision = m.decide(name, parsed, plan, base, a, generation)
-        conds = m.set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
-                                m.summarize_plan(plan), generation)
+        a = assess(parsed, plan, pods, templates)
+        decision = decide(name, parsed, plan, base, a, generation)
+        conds = set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
+                              summarize_plan(plan), generation)
         lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
-        update = m.with_weights({**decision.status, "conditions": conds}, status, parsed, pods,
-                                await _fetch_progress(deps, namespace, pods), generation)
+        update = with_weights({**decision.status, "conditions": conds}, status, parsed, pods,
+                              await _fetch_progress(deps, namespace, pods), generation)
         patch.status.update({
             **update, "observedGeneration": generation, "revision": rev,
-            "placement": m.placement_status(plan, lost_workers=lost, moved=m.moved_from(previous, plan, cfg)),
-            "endpoints": m.endpoints(name, namespace, parsed),
+            "placement": placement_status(plan, lost_workers=lost, moved=moved_from(previous, plan, cfg)),
+            "endpoints": endpoints(name, namespace, parsed),
         })
-        logger.info(f"plan {plan.plan_hash()} applied: {m.summarize_plan(plan)}")
+        logger.info(f"plan {plan.plan_hash()} applied: {summarize_plan(plan)}")
 
 
 # ------------------------------------------------------------------------------------------------ pods
@@ -389,20 +397,20 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
         plan = await _read_plan(deps, namespace, name)
         if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
             return  # a reconciliation is writing a new plan right now; its status comes next
-        children = m.build_children(name, namespace, spec, cfg, plan)
-        if m.revision(children) != status.get("revision"):
+        children = build_children(name, namespace, spec, cfg, plan)
+        if revision(children) != status.get("revision"):
             return  # the spec changed and its reconciliation has not finished: its status comes next
         generation = (body.get("metadata") or {}).get("generation")
         pods = _pods(index, namespace, name)
-        a = m.assess(spec, plan, pods, m.template_hashes(children))
-        decision = m.decide(name, spec, plan, status, a, generation)
+        a = assess(spec, plan, pods, template_hashes(children))
+        decision = decide(name, spec, plan, status, a, generation)
         update = decision.status
         if decision.replan_excluding is not None:
             update = await _replan_around(deps, body, name, namespace, spec, cfg, plan, status, update,
                                           decision.replan_excluding, generation, logger)
         if update:
-            update = m.with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
-                                    generation)
+            update = with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
+                                  generation)
         if update and _changed(status, update):
             await _kube(deps, deps.kube.patch_status, namespace, name, update)
 
@@ -413,33 +421,29 @@ async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec
     if loads is None:  # this operator has not read the load since it started: the last one kept in the cluster
         loads = await _read_load(deps, namespace, name, cfg)
     try:
-        new = m.replan_around(spec, cfg, plan, lost, loads=loads)
+        new = replan_around(spec, cfg, plan, lost, loads=loads)
     except PlanError as e:
         message = f"expert workers {lost} lost and the survivors cannot hold the model: {e}"
-        conds = m.set_condition(update["conditions"], "Degraded", "True", "InsufficientMemory", message, generation)
+        conds = set_condition(update["conditions"], "Degraded", "True", "InsufficientMemory", message, generation)
         return {**update, "phase": "Degraded", "message": message, "conditions": conds}
     if not lost and new.plan_hash() == plan.plan_hash():  # rejoined without moving anything
-        conds = m.set_condition(update["conditions"], "Degraded", "False", "AllReplicasServing", "", generation)
+        conds = set_condition(update["conditions"], "Degraded", "False", "AllReplicasServing", "", generation)
         return {**update, "phase": "Ready", "message": None, "conditions": conds,
-                "placement": m.placement_status(new)}
+                "placement": placement_status(new)}
     rev, _ = await _apply_children(deps, body, name, namespace, spec, cfg, new)
     what = f"re-planned around lost expert workers {lost}" if lost else "re-planned onto every expert worker"
     logger.info(f"{what}: plan {new.plan_hash()}, {new.figures.moved_shards} shards moved")
-    conds = m.set_condition(update["conditions"], "PlacementReady", "True", "Replanned", m.summarize_plan(new),
-                            generation)
+    conds = set_condition(update["conditions"], "PlacementReady", "True", "Replanned", summarize_plan(new),
+                          generation)
     if lost:
-        conds = m.set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
-                                f"{what}; rolling out plan {new.plan_hash()}", generation)
+        conds = set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
+                              f"{what}; rolling out plan {new.plan_hash()}", generation)
     return {**update, "phase": "Deploying", "message": f"{what}; rolling out plan {new.plan_hash()}",
             "conditions": conds, "revision": rev,
-            "placement": m.placement_status(new, lost_workers=lost)}
+            "placement": placement_status(new, lost_workers=lost)}
 
 
 # ------------------------------------------------------------------------------------------------ load
-def load_url(name: str, namespace: str, spec) -> str:
-    return f"http://{m.router_name(name)}.{namespace}.svc:{spec.router.http_port}/v1/load"
-
-
 async def check_load(*, name: str, namespace: str, spec, status, body, patch, memo, logger,
                      expertmesh_pods=None, **_: Any) -> None:
     """The timer: re-assess a Degraded deployment (a re-plan may be due once its grace period is over) and
@@ -462,38 +466,38 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     now = time.monotonic()
     interval = parsed.placement.rebalance_interval_seconds
     if now - deps.last_check.get(key, float("-inf")) < interval or \
-            m.seconds_since(status.get("lastRebalanceTime")) < interval:  # status: survives a restart or failover
+            seconds_since(status.get("lastRebalanceTime")) < interval:  # status: survives a restart or failover
         return
     deps.last_check[key] = now
     try:
         payload = await deps.fetch_load(load_url(name, namespace, parsed), deps.load_timeout)
-        loads = m.parse_load(payload, cfg)
+        loads = parse_load(payload, cfg)
     except Exception as e:  # the router may be restarting: try again next interval
         logger.warning(f"reading the router's load failed: {type(e).__name__}: {e}")
         return
     deps.loads[key] = loads
     try:  # kept in the cluster for a restarted operator or a new leader (a failure only loses that)
-        cm = m.load_configmap(name, namespace, parsed, cfg, loads, m.now_rfc3339())
+        cm = load_configmap(name, namespace, parsed, cfg, loads, now_rfc3339())
         kopf.adopt(cm, owner=body)
         await _kube(deps, deps.kube.apply, cm)
     except (KubeError, kopf.TemporaryError) as e:
-        logger.warning(f"keeping the observed load in {m.load_configmap_name(name)} failed: {e}")
+        logger.warning(f"keeping the observed load in {load_configmap_name(name)} failed: {e}")
     async with deps.lock(key):
         plan = await _read_plan(deps, namespace, name)
         if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
             return
-        verdict = m.rebalance(parsed, cfg, plan, loads)
+        verdict = rebalance(parsed, cfg, plan, loads)
         placement = dict(status.get("placement") or {})
         placement["observedImbalance"] = round(verdict.observed, 4)
-        update: dict = {"lastRebalanceTime": m.now_rfc3339(), "placement": placement}
+        update: dict = {"lastRebalanceTime": now_rfc3339(), "placement": placement}
         if verdict.plan is not None:
             update["revision"], _ = await _apply_children(deps, body, name, namespace, parsed, cfg, verdict.plan)
             generation = (body.get("metadata") or {}).get("generation")
-            conds = m.set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
-                                    f"{verdict.reason}; {m.summarize_plan(verdict.plan)}", generation)
+            conds = set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
+                                  f"{verdict.reason}; {summarize_plan(verdict.plan)}", generation)
             update.update(phase="Deploying", conditions=conds, message=verdict.reason,
-                          placement=m.placement_status(verdict.plan, moved=verdict.moved,
-                                                       observed_imbalance=verdict.observed))
+                          placement=placement_status(verdict.plan, moved=verdict.moved,
+                                                     observed_imbalance=verdict.observed))
             logger.info(f"rebalanced: {verdict.reason}, {verdict.moved} shards moved")
         patch.status.update(update)
 
@@ -513,20 +517,20 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Optional[Ca
     def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings, peering_lifetime)
 
-    @kopf.index("v1", "pods", id="expertmesh_pods", labels=m.POD_MANAGED_LABELS, registry=reg)
+    @kopf.index("v1", "pods", id="expertmesh_pods", labels=POD_MANAGED_LABELS, registry=reg)
     def expertmesh_pods(namespace: str, body, **_: Any):
-        info = m.pod_info(body)
+        info = pod_info(body)
         if info is None:
             return {}
-        return {(namespace, body["metadata"]["labels"][m.LABEL_INSTANCE]): info}
+        return {(namespace, body["metadata"]["labels"][LABEL_INSTANCE]): info}
 
     kopf.on.resume(id="reconcile", **res)(reconcile)
     kopf.on.create(id="reconcile", **res)(reconcile)
     kopf.on.update(id="reconcile", field="spec", **res)(reconcile)
 
-    @kopf.on.event("v1", "pods", id="pod_event", labels=m.POD_MANAGED_LABELS, registry=reg)
+    @kopf.on.event("v1", "pods", id="pod_event", labels=POD_MANAGED_LABELS, registry=reg)
     async def pod_event(namespace: str, body, memo, logger, expertmesh_pods, **_: Any) -> None:
-        instance = (body.get("metadata", {}).get("labels") or {}).get(m.LABEL_INSTANCE)
+        instance = (body.get("metadata", {}).get("labels") or {}).get(LABEL_INSTANCE)
         if instance:
             try:
                 await observe(memo.deps, namespace, instance, expertmesh_pods, logger)

@@ -51,7 +51,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import kmock
 
-from expertmesh.operator import manifests as m
+from expertmesh.operator.naming import COMPONENT_ROUTER, LABEL_COMPONENT, TEMPLATE_HASH_ANNOTATION
 from expertmesh.up import free_port
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -154,8 +154,8 @@ class LocalNode:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        routers = [p for p in self.running.values() if p.component == m.COMPONENT_ROUTER]
-        others = [p for p in self.running.values() if p.component != m.COMPONENT_ROUTER]
+        routers = [p for p in self.running.values() if p.component == COMPONENT_ROUTER]
+        others = [p for p in self.running.values() if p.component != COMPONENT_ROUTER]
         for wave in (routers, others):
             for p in wave:
                 if p.alive:
@@ -212,7 +212,7 @@ class LocalNode:
 
     @staticmethod
     def _template_hash(obj: dict) -> Optional[str]:
-        return ((obj.get("metadata") or {}).get("annotations") or {}).get(m.TEMPLATE_HASH_ANNOTATION)
+        return ((obj.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
 
     # ------------------------------------------------------------------ writing through the API
     async def _request(self, method: str, path: str, body=None, ok_missing: bool = False,
@@ -570,7 +570,7 @@ class LocalNode:
                          "MKL_NUM_THREADS": "1", "EXPERTMESH_TORCH_THREADS": "1", **env, **self.extra_env})
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                                  cwd=str(pod_dir), start_new_session=True)
-        component = (meta.get("labels") or {}).get(m.LABEL_COMPONENT, container["name"])
+        component = (meta.get("labels") or {}).get(LABEL_COMPONENT, container["name"])
         proc = Process(pod=name, uid=uid, component=component, argv=argv, popen=popen, restarts=restarts,
                        container=container["name"], init=stage < len(inits), last_failure=last_failure,
                        inits_done=tuple(c["name"] for c in inits[:stage]), configmaps=tuple(self._cm_dirs))

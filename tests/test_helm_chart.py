@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from expertmesh.operator import main as operator_main
-from expertmesh.operator import manifests, rbac
+from expertmesh.operator import main as operator_main, rbac
+from expertmesh.operator.naming import attention_name, router_name
 from expertmesh.operator.spec import API_VERSION, KIND, parse_spec, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -410,7 +410,7 @@ def test_long_release_name_truncates_every_name():
     assert pod["metadata"]["name"].endswith("-test-router")
     ex = one(docs, KIND)["metadata"]["name"]
     # the operator names children "<name>-attention", "<name>-expert-<n>": StatefulSet names must stay <= 52
-    assert len(ex) <= 40 and len(manifests.attention_name(ex)) <= 52
+    assert len(ex) <= 40 and len(attention_name(ex)) <= 52
 
 
 def test_default_names():
@@ -452,7 +452,7 @@ def test_example_and_its_helm_test(set_name):
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     assert pod["metadata"]["namespace"] == watched and pod["spec"]["restartPolicy"] == "Never"
     script = " ".join(pod["spec"]["containers"][0]["command"] + pod["spec"]["containers"][0]["args"])
-    router_url = f"http://{manifests.router_name(ex['metadata']['name'])}:{spec.router.http_port}"
+    router_url = f"http://{router_name(ex['metadata']['name'])}:{spec.router.http_port}"
     assert router_url in script and "/health" in script and "/v1/models" in script
     compile(pod["spec"]["containers"][0]["args"][0], "test-router", "exec")  # the inline script is valid Python
     sc = pod["spec"]["containers"][0]["securityContext"]

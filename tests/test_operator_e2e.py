@@ -35,9 +35,10 @@ from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
 from expertmesh.checkpoint import create_checkpoint
 from expertmesh.config import preset
 from expertmesh.fetch import INDEX_NAME, write_index
-from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import _fetch_load_http
+from expertmesh.operator.naming import attention_name, expert_name, pod_dns, router_name, worker_tls_secret_name
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
+from expertmesh.operator.status import condition
 from expertmesh.worker_api import WorkerUnavailable
 from expertmesh.worker_clients import RemoteAttention, RemoteExpert
 
@@ -136,7 +137,7 @@ async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(published,
 def worker(node: LocalNode, client, statefulset: str, ordinal: int):
     """A client of one worker pod, dialled at its pod DNS name with the deployment's client certificate (as an
     administrator holding the Secret would)."""
-    return node.tls_client(client, m.pod_dns(NAME, NS, statefulset, ordinal), m.worker_tls_secret_name(NAME),
+    return node.tls_client(client, pod_dns(NAME, NS, statefulset, ordinal), worker_tls_secret_name(NAME),
                            timeout=10)
 
 
@@ -168,14 +169,14 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
     # each pod ran its own command line: names from $(POD_NAME) / the hostname, the expert's ordinal from its
     # hostname (through /bin/sh), its experts from the plan in the ConfigMap volume, reached at its pod DNS name
     for i, pod in enumerate(expert_pods):
-        with worker(node, RemoteExpert, m.expert_name(NAME), i) as w:
+        with worker(node, RemoteExpert, expert_name(NAME), i) as w:
             info = await asyncio.to_thread(w.info)
         assert info["name"] == pod and sorted(info["experts"]) == sorted(plan.experts_of(i))
-    with worker(node, RemoteAttention, m.attention_name(NAME), 0) as w:
+    with worker(node, RemoteAttention, attention_name(NAME), 0) as w:
         assert (await asyncio.to_thread(w.info))["name"] == f"{NAME}-attention-0"
     # the workers serve mutual TLS with the deployment's own certificates (Secret <name>-worker-tls): a client
     # without them is refused
-    with RemoteExpert(node.resolve(m.pod_dns(NAME, NS, m.expert_name(NAME), 0)), timeout=5) as w:
+    with RemoteExpert(node.resolve(pod_dns(NAME, NS, expert_name(NAME), 0)), timeout=5) as w:
         with pytest.raises(WorkerUnavailable):
             await asyncio.to_thread(w.info)
 
@@ -242,7 +243,7 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
             raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}\n{node.errors}") from None
         recovered_at = time.monotonic()
         assert phases_since(c, mark) == ["Degraded", "Ready"]
-        degraded = {m.condition(v["status"], "Degraded")["reason"] for v in _versions(c, mark)
+        degraded = {condition(v["status"], "Degraded")["reason"] for v in _versions(c, mark)
                     if (v.get("status") or {}).get("phase") == "Degraded"}
         assert degraded == {"ReplicasServing"}  # every expert the lost pod held had a live replica
         assert c.condition(NAME, "Degraded")["status"] == "False"
@@ -278,8 +279,8 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
 
 def templates(c) -> str:
     return json.dumps([c.get(r, n)["spec"]["template"] for r, n in (
-        ("apps/v1/statefulsets", m.expert_name(NAME)), ("apps/v1/statefulsets", m.attention_name(NAME)),
-        ("apps/v1/deployments", m.router_name(NAME)))], sort_keys=True)
+        ("apps/v1/statefulsets", expert_name(NAME)), ("apps/v1/statefulsets", attention_name(NAME)),
+        ("apps/v1/deployments", router_name(NAME)))], sort_keys=True)
 
 
 async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str, expected: dict) -> None:
@@ -318,7 +319,7 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
     assert templates(c) == before and _uids(c) == uids        # byte-identical templates, nothing restarted
     assert c.status(NAME)["phase"] == "Ready"
     for i in range(2):  # each expert pod holds exactly its new shards once drained (--replan-drain-seconds later)
-        with worker(node, RemoteExpert, m.expert_name(NAME), i) as w:
+        with worker(node, RemoteExpert, expert_name(NAME), i) as w:
             deadline = time.monotonic() + 30
             while sorted((await asyncio.to_thread(w.info))["experts"]) != sorted(new.experts_of(i)):
                 assert time.monotonic() < deadline, f"expert-{i} did not drop the shards the plan took away"

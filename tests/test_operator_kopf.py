@@ -28,11 +28,14 @@ import numpy as np
 import pytest
 from kmock._internal import enums
 
-from expertmesh.operator import manifests as m
 from expertmesh.operator.handlers import Deps, Kube, build_registry
-from expertmesh.planner import moved_shards, zipf_loads
+from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
+                                        router_name)
+from expertmesh.operator.placement_policy import changed_ordinals, parse_load
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from expertmesh.operator.status import condition as condition_of
 from expertmesh.plan import PlacementPlan
+from expertmesh.planner import moved_shards, zipf_loads
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
@@ -140,10 +143,10 @@ class Cluster:
         return (self.moe(name) or {}).get("status") or {}
 
     def condition(self, name: str, type_: str) -> dict:
-        return m.condition(self.status(name), type_) or {}
+        return condition_of(self.status(name), type_) or {}
 
     def plan(self, name: str) -> PlacementPlan:
-        return PlacementPlan.from_json(self.get("v1/configmaps", m.plan_configmap_name(name))["data"]["plan.json"])
+        return PlacementPlan.from_json(self.get("v1/configmaps", plan_configmap_name(name))["data"]["plan.json"])
 
     async def _ok(self, resp):
         async with resp as r:
@@ -183,13 +186,13 @@ class Cluster:
 
     async def start_pods(self, name: str):
         """What the StatefulSet / Deployment controllers and kubelets would do: every pod, Ready."""
-        for sts in (m.attention_name(name), m.expert_name(name)):
+        for sts in (attention_name(name), expert_name(name)):
             obj = self.get("apps/v1/statefulsets", sts)
             for i in range(obj["spec"]["replicas"]):
                 await self.put_pod(f"{sts}-{i}", obj["spec"]["template"])
-        dep = self.get("apps/v1/deployments", m.router_name(name))
+        dep = self.get("apps/v1/deployments", router_name(name))
         for i in range(dep["spec"]["replicas"]):
-            await self.put_pod(f"{m.router_name(name)}-5d8f9-{i}", dep["spec"]["template"])
+            await self.put_pod(f"{router_name(name)}-5d8f9-{i}", dep["spec"]["template"])
 
 
 async def eventually(check, timeout: float = 10.0, what: str = ""):
@@ -315,8 +318,8 @@ async def test_create_applies_children_and_reports_status():
             assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [(KIND, "kimi", uid, True)]
         sts = c.get("apps/v1/statefulsets", "kimi-expert")
         assert sts["spec"]["replicas"] == 2
-        assert m.PLAN_HASH_ANNOTATION not in sts["spec"]["template"]["metadata"]["annotations"]  # the ConfigMap has it
-        assert c.get("v1/configmaps", "kimi-plan")["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION] == \
+        assert PLAN_HASH_ANNOTATION not in sts["spec"]["template"]["metadata"]["annotations"]  # the ConfigMap has it
+        assert c.get("v1/configmaps", "kimi-plan")["metadata"]["annotations"][PLAN_HASH_ANNOTATION] == \
             plan.plan_hash()
         router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
         experts_arg = router["args"][router["args"].index("--experts") + 1]
@@ -457,7 +460,7 @@ async def test_lost_pod_without_replicas_replans_onto_survivors():
         assert st["placement"]["movedShards"] == len(old.experts_of(1))  # only the lost pod's experts move
         assert c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
         assert st["phase"] == "Deploying"
-        assert m.PLAN_HASH_ANNOTATION not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"][
+        assert PLAN_HASH_ANNOTATION not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"][
             "metadata"]["annotations"]
         # the survivors roll onto the new plan, the lost pod comes back: it rejoins and all is Ready again
         await c.start_pods("kimi")
@@ -500,7 +503,7 @@ async def test_timer_rebalances_on_observed_imbalance():
         assert st["placement"]["planHash"] == new.plan_hash()
         assert st["placement"]["observedImbalance"] > 1.1
         from expertmesh.planner import imbalance
-        loads = m.parse_load(await fetch("", 0), cfg)
+        loads = parse_load(await fetch("", 0), cfg)
         assert imbalance(new, loads).mean < imbalance(old, loads).mean
         assert c.condition("kimi", "PlacementReady")["reason"] == "Rebalanced"
         assert np.isclose(st["placement"]["observedImbalance"], imbalance(old, loads).mean, atol=1e-4)
@@ -601,13 +604,13 @@ async def controllers(c: Cluster, name: str, hold: set):
     `hold`) is recreated, Ready, from its workload's current template."""
     async def loop():
         while True:
-            for sts in (m.attention_name(name), m.expert_name(name)):
+            for sts in (attention_name(name), expert_name(name)):
                 obj = c.get("apps/v1/statefulsets", sts)
                 for i in range(obj["spec"]["replicas"]):
                     if f"{sts}-{i}" not in hold and c.get("v1/pods", f"{sts}-{i}") is None:
                         await c.put_pod(f"{sts}-{i}", obj["spec"]["template"])
-            dep = c.get("apps/v1/deployments", m.router_name(name))
-            pod = f"{m.router_name(name)}-5d8f9-0"
+            dep = c.get("apps/v1/deployments", router_name(name))
+            pod = f"{router_name(name)}-5d8f9-0"
             if c.get("v1/pods", pod) is None:
                 await c.put_pod(pod, dep["spec"]["template"])
             await asyncio.sleep(0.05)
@@ -643,7 +646,7 @@ async def test_new_plans_are_published_without_touching_pod_templates():
             new = c.plan("kimi")
             assert new.figures.physical_experts == TINY_EXPERTS + 1 * 3
             assert templates() == before
-            changed = m.changed_ordinals(old, new)
+            changed = changed_ordinals(old, new)
             assert changed and set(changed) < {0, 1, 2, 3}  # minimal movement: not every pod gains a replica
             assert c.status("kimi")["placement"]["movedShards"] == 3
             await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready")

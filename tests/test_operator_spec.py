@@ -11,10 +11,21 @@ import numpy as np
 import pytest
 import yaml
 
-from expertmesh.operator import crd, manifests as m, rbac
+from expertmesh.operator import crd, rbac
+from expertmesh.operator.children import (_pod_spec, _volumes, build_children, fetch_container, revision,
+                                          router_serving_args, template_hashes)
 from expertmesh.operator.main import add_arguments, operator_kwargs
-from expertmesh.planner import PlanError, imbalance, zipf_loads
+from expertmesh.operator.naming import (COLLECTIVE_PORT, COMPONENT_EXPERT, COMPONENT_ROUTER, LABEL_COMPONENT,
+                                        LABEL_INSTANCE, PLAN_HASH_ANNOTATION, WORKER_PORT, checkpoint_path,
+                                        worker_addresses)
+from expertmesh.operator.placement_policy import changed_ordinals, parse_load, plan_for, rebalance, replan_around
+from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
+from expertmesh.operator.status import (condition, decide, placement_status, seconds_since, set_condition,
+                                        weights_condition, with_weights)
+from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
+from expertmesh.plan import PlacementPlan
+from expertmesh.planner import PlanError, imbalance, moved_shards, zipf_loads
 
 TINY_EXPERT_BYTES = 3264
 
@@ -33,7 +44,7 @@ def tiny(**over) -> dict:
 def tiny_plan():
     spec = parse_spec(tiny())
     cfg = resolve_model(spec)
-    return spec, cfg, m.plan_for(spec, cfg)
+    return spec, cfg, plan_for(spec, cfg)
 
 
 # ------------------------------------------------------------------------------------------------ spec
@@ -183,14 +194,14 @@ def test_crd_and_children_validate_against_kubernetes_schemas(tiny_plan):
                                                         "effect": "NoSchedule"}]},
                            expertWorkers={"gpusPerPod": 8}))
     kv.validate(crd.build_crd(), "1.30", strict=True)
-    for child in m.build_children("kimi", "serving", full, cfg, plan):
+    for child in build_children("kimi", "serving", full, cfg, plan):
         kv.validate(child, "1.30", strict=True)
 
 
-# ------------------------------------------------------------------------------------------------ manifests
+# ------------------------------------------------------------------------------------------------ children, placement
 def test_children_names_labels_and_no_owner_refs(tiny_plan):
     spec, cfg, plan = tiny_plan
-    children = m.build_children("kimi", "serving", spec, cfg, plan)
+    children = build_children("kimi", "serving", spec, cfg, plan)
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
         ("ConfigMap", "kimi-plan"), ("Service", "kimi-attention"), ("Service", "kimi-expert"),
         ("StatefulSet", "kimi-attention"), ("StatefulSet", "kimi-expert"), ("PodDisruptionBudget", "kimi-expert"),
@@ -208,7 +219,7 @@ def test_children_names_labels_and_no_owner_refs(tiny_plan):
             assert sel.items() <= c["spec"]["template"]["metadata"]["labels"].items()
             assert "app.kubernetes.io/version" not in sel  # selectors are immutable: never the version
     cm = children[0]
-    assert m.PlacementPlan.from_json(cm["data"]["plan.json"]) == plan
+    assert PlacementPlan.from_json(cm["data"]["plan.json"]) == plan
     assert resolve_model(spec).model_dump_json(indent=1) == cm["data"]["config.json"]
     for svc in children[1:3]:
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
@@ -219,7 +230,7 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     spec = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4318", "protocol": "http/protobuf"},
                            router={"apiKeySecretRef": {"name": "keys", "key": "api"}},
                            expertWorkers={"gpusPerPod": 4}))
-    by = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children("kimi", "serving", spec, cfg, plan)}
+    by = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", spec, cfg, plan)}
     sts = by[("StatefulSet", "kimi-expert")]
     assert sts["spec"]["serviceName"] == "kimi-expert" and sts["spec"]["replicas"] == 2
     pod = sts["spec"]["template"]["spec"]
@@ -281,8 +292,8 @@ def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
 
     from expertmesh.tls import pki_pems
     spec, cfg, plan = tiny_plan
-    hosts = m.worker_tls_hosts("kimi", "serving")
-    secret = m.worker_tls_secret("kimi", "serving", spec, pki_pems(hosts))
+    hosts = worker_tls_hosts("kimi", "serving")
+    secret = worker_tls_secret("kimi", "serving", spec, pki_pems(hosts))
     assert secret["metadata"]["name"] == "kimi-worker-tls" and "ca.key" not in secret["data"]
     pem = {k: x509.load_pem_x509_certificate(base64.b64decode(v)) for k, v in secret["data"].items()
            if k.endswith(".crt")}
@@ -291,11 +302,11 @@ def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
         assert list(pem[leaf].extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [usage]
     names = pem["server.crt"].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["*.kimi-attention.serving.svc", "*.kimi-expert.serving.svc"]
-    att, exp = m.worker_addresses("kimi", "serving", spec)   # what the router dials is covered by a wildcard
+    att, exp = worker_addresses("kimi", "serving", spec)   # what the router dials is covered by a wildcard
     assert all(a.split(":")[0].split(".", 1)[1] in {n[2:] for n in names.get_values_for_type(x509.DNSName)}
                for a in att + exp)
     off = parse_spec(tiny(security={"workerTls": False}))
-    for c in m.build_children("kimi", "serving", off, cfg, plan):
+    for c in build_children("kimi", "serving", off, cfg, plan):
         text = json.dumps(c)
         assert "tls" not in text.lower(), c["metadata"]["name"]
     with pytest.raises(SpecError, match="workerTls"):
@@ -306,9 +317,9 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
         "uri": "hf://org/tiny@v1", "tokenSecretRef": {"name": "hf", "key": "token"}}}))
-    path = m.checkpoint_path(spec)
+    path = checkpoint_path(spec)
     assert path.startswith("/var/cache/expertmesh/org-tiny-v1-")
-    for c in m.build_children("kimi", "ns", spec, cfg, plan):
+    for c in build_children("kimi", "ns", spec, cfg, plan):
         if c["kind"] not in ("StatefulSet", "Deployment"):
             continue
         pod = c["spec"]["template"]["spec"]
@@ -322,66 +333,66 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
         assert path in (main.get("args") or []) + [w for x in main.get("command") or [] for w in shlex.split(x)]
     shared = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "cache": {
         "claimName": "ckpt-cache"}}}))
-    vols = m._volumes("kimi", shared)[0]
+    vols = _volumes("kimi", shared)[0]
     assert {v["name"]: v for v in vols}["checkpoint-cache"]["persistentVolumeClaim"] == {"claimName": "ckpt-cache"}
     s3 = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
         "uri": "s3://models/tiny", "endpoint": "http://minio:9000", "region": "eu-west-3",
         "credentialsSecret": "s3-keys"}}))
-    init = m.fetch_container(s3, m._volumes("kimi", s3)[1])
+    init = fetch_container(s3, _volumes("kimi", s3)[1])
     assert init["envFrom"] == [{"secretRef": {"name": "s3-keys"}}] and init["env"] == [
         {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"}, {"name": "AWS_REGION", "value": "eu-west-3"}]
     with pytest.raises(SpecError, match="endpoint: only for an s3:// uri"):
         parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "endpoint": "http://m"}}))
     baked = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "/opt/ck"}}))
-    assert m.checkpoint_path(baked) == "/opt/ck" and "initContainers" not in m._pod_spec(
-        "kimi", m.COMPONENT_ROUTER, baked, {"name": "router"})
+    assert checkpoint_path(baked) == "/opt/ck" and "initContainers" not in _pod_spec(
+        "kimi", COMPONENT_ROUTER, baked, {"name": "router"})
 
     def pod(name, node, fetch=None, error=""):
-        return m.PodInfo(name=name, component=m.COMPONENT_EXPERT, ordinal=0, ready=False, template_hash="t",
-                         uid=name, fetch=fetch, fetch_error=error, node=node)
+        return PodInfo(name=name, component=COMPONENT_EXPERT, ordinal=0, ready=False, template_hash="t",
+                       uid=name, fetch=fetch, fetch_error=error, node=node)
     # a node's pods share its cache (one downloads, the others wait): the node's best; the slowest node counts
     pods = [pod("a", "n1", "running"), pod("b", "n1", "running"), pod("c", "n2", "running")]
-    assert m.weights_condition(spec, pods, {"a": 80.0, "b": None, "c": 37.5}) == (
+    assert weights_condition(spec, pods, {"a": 80.0, "b": None, "c": 37.5}) == (
         "False", "Downloading", "Downloading 37% (3 pods fetching hf://org/tiny@v1)")
     # a node where one pod has finished is complete (the pods still waiting there read its cache): the others count
     later = pods + [pod("e", "n2", "done")]
-    assert m.weights_condition(spec, later, {"a": 80.0, "b": None, "c": 0.0})[2] == \
+    assert weights_condition(spec, later, {"a": 80.0, "b": None, "c": 0.0})[2] == \
         "Downloading 80% (3 pods fetching hf://org/tiny@v1)"
     bad = pods + [pod("d", "n2", "failed", "FETCH 10.0% …\nFETCH failed: checkpoint file 'x.safetensors': sha256 …")]
-    assert m.weights_condition(spec, bad, {}) == (
+    assert weights_condition(spec, bad, {}) == (
         "False", "FetchFailed", "pod d: checkpoint file 'x.safetensors': sha256 …")
-    assert m.weights_condition(spec, [pod("a", "n1")], {})[:2] == ("True", "Verified")
-    assert m.weights_condition(baked, pods, {}) is None
-    st = m.with_weights({"phase": "Deploying", "message": "rolling"}, {}, spec, pods, {"a": 50, "c": 50}, 1)
+    assert weights_condition(spec, [pod("a", "n1")], {})[:2] == ("True", "Verified")
+    assert weights_condition(baked, pods, {}) is None
+    st = with_weights({"phase": "Deploying", "message": "rolling"}, {}, spec, pods, {"a": 50, "c": 50}, 1)
     assert st["message"] == "Downloading 50% (3 pods fetching hf://org/tiny@v1)"
-    assert m.condition(st, "WeightsReady")["reason"] == "Downloading"
+    assert condition(st, "WeightsReady")["reason"] == "Downloading"
     # the fetch init container's state from a pod's status (a restart after a failure keeps the failure)
     status = {"initContainerStatuses": [{"name": "fetch", "state": {"running": {}}, "lastState": {
         "terminated": {"exitCode": 1, "message": "FETCH failed: boom"}}}]}
-    assert m.pod_info({"metadata": {"name": "kimi-expert-0", "labels": {
-        m.LABEL_COMPONENT: m.COMPONENT_EXPERT, m.LABEL_INSTANCE: "kimi"}}, "spec": {"nodeName": "n1"},
+    assert pod_info({"metadata": {"name": "kimi-expert-0", "labels": {
+        LABEL_COMPONENT: COMPONENT_EXPERT, LABEL_INSTANCE: "kimi"}}, "spec": {"nodeName": "n1"},
         "status": status}).fetch_error == "FETCH failed: boom"
 
 
 def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(tiny_plan):
     spec, cfg, plan = tiny_plan
     spec_r = parse_spec(tiny(expertWorkers={"redundantExperts": 2}))
-    plan_r = m.plan_for(spec_r, cfg, previous=plan)
+    plan_r = plan_for(spec_r, cfg, previous=plan)
     assert plan_r.plan_hash() != plan.plan_hash()
 
     def parts(s, p):
-        ch = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children("kimi", "ns", s, cfg, p)}
-        return (ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][m.PLAN_HASH_ANNOTATION],
+        ch = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "ns", s, cfg, p)}
+        return (ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][PLAN_HASH_ANNOTATION],
                 ch[("ConfigMap", "kimi-plan")]["data"]["plan.json"],
                 [json.dumps(c["spec"]["template"], sort_keys=True) for c in ch.values() if "template" in c.get("spec", {})],
-                m.revision(list(ch.values())))
+                revision(list(ch.values())))
 
     a, b = parts(spec, plan), parts(spec_r, plan_r)
     assert (a[0], b[0]) == (plan.plan_hash(), plan_r.plan_hash()) and a[1] != b[1]
     assert a[2] == b[2]  # attention, expert and router pod templates byte-identical: a new plan rolls nothing
     assert a[3] != b[3]  # but it is a new revision (the ConfigMap changed)
     # same spec and previous plan → the same plan kept (an operator restart does not restart pods)
-    assert m.plan_for(spec, cfg, previous=plan) is plan
+    assert plan_for(spec, cfg, previous=plan) is plan
     bumped = parse_spec(tiny(image={"tag": "0.2.0"}))
     assert parts(bumped, plan)[2] != a[2]  # a spec change does roll the pods
 
@@ -389,17 +400,17 @@ def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(
 def test_changed_ordinals_are_the_expert_pods_whose_shards_move(tiny_plan):
     spec, cfg, plan = tiny_plan
     spec3 = parse_spec(tiny(expertWorkers={"replicas": 3, "gpuMemoryGiB": 40 * TINY_EXPERT_BYTES / GIB}))
-    new = m.replan_around(spec3, cfg, m.plan_for(spec3, cfg), [2])  # ordinal 2's experts move to 0 and 1
-    old = m.plan_for(spec3, cfg)
-    assert m.changed_ordinals(old, new) == [0, 1, 2] and new.experts_of(2) == []
-    assert m.changed_ordinals(old, old) == [] and m.changed_ordinals(None, new) == [0, 1]
+    new = replan_around(spec3, cfg, plan_for(spec3, cfg), [2])  # ordinal 2's experts move to 0 and 1
+    old = plan_for(spec3, cfg)
+    assert changed_ordinals(old, new) == [0, 1, 2] and new.experts_of(2) == []
+    assert changed_ordinals(old, old) == [] and changed_ordinals(None, new) == [0, 1]
 
 
 def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     from expertmesh.router.server import add_arguments as router_arguments, serving_config
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
-    router = {(c["kind"], c["metadata"]["name"]): c for c in m.build_children(
+    router = {(c["kind"], c["metadata"]["name"]): c for c in build_children(
         "kimi", "ns", spec, cfg, plan)}[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]
     p = argparse.ArgumentParser()
     router_arguments(p)
@@ -407,7 +418,7 @@ def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     assert (args.max_context, args.thinking_budgets) == (1024, "3,5,7")
     served = serving_config(cfg, max_context=args.max_context, thinking_budgets=args.thinking_budgets)
     assert served.max_context == 1024 and (served.thinking.low, served.thinking.high, served.thinking.max) == (3, 5, 7)
-    assert serving_config(cfg) is cfg and m.router_serving_args(parse_spec(tiny())) == []
+    assert serving_config(cfg) is cfg and router_serving_args(parse_spec(tiny())) == []
     for bad, words in (({"max_context": cfg.max_context + 1}, "--max-context"),
                        ({"thinking_budgets": "3,2,7"}, "low <= high <= max"),
                        ({"thinking_budgets": "3,5"}, "LOW,HIGH,MAX")):
@@ -418,7 +429,7 @@ def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
 def test_too_small_cluster_raises_plan_error_with_missing_memory():
     spec = parse_spec(tiny(expertWorkers={"replicas": 1}))
     with pytest.raises(PlanError, match=r"GiB missing; 2 pods of this shape would fit the model"):
-        m.plan_for(spec, resolve_model(spec))
+        plan_for(spec, resolve_model(spec))
 
 
 # ------------------------------------------------------------------------------------------------ status logic
@@ -427,107 +438,107 @@ LATER = "2026-01-01T00:05:00Z"
 
 
 def test_set_condition_keeps_transition_time_unless_status_flips():
-    c = m.set_condition([], "WorkersReady", "False", "PodsStarting", "0/2", 1, NOW)
-    c = m.set_condition(c, "WorkersReady", "False", "PodsStarting", "1/2", 1, LATER)
+    c = set_condition([], "WorkersReady", "False", "PodsStarting", "0/2", 1, NOW)
+    c = set_condition(c, "WorkersReady", "False", "PodsStarting", "1/2", 1, LATER)
     assert c[0]["lastTransitionTime"] == NOW and c[0]["message"] == "1/2"
-    c = m.set_condition(c, "WorkersReady", "True", "AllWorkersReady", "2/2", 2, LATER)
+    c = set_condition(c, "WorkersReady", "True", "AllWorkersReady", "2/2", 2, LATER)
     assert c[0]["lastTransitionTime"] == LATER and c[0]["observedGeneration"] == 2
-    c = m.set_condition(c, "PlacementReady", "True", "Planned", "", 2, LATER)
+    c = set_condition(c, "PlacementReady", "True", "Planned", "", 2, LATER)
     assert [x["type"] for x in c] == ["PlacementReady", "WorkersReady"]
 
 
 def _pods(spec, children, plan, *, experts=None, ready=True, template=None):
-    th = m.template_hashes(children)
-    pods = [m.PodInfo("kimi-router-a", "router", None, True, th["router"]),
-            m.PodInfo("kimi-attention-0", "attention-worker", 0, True, th["attention-worker"])]
+    th = template_hashes(children)
+    pods = [PodInfo("kimi-router-a", "router", None, True, th["router"]),
+            PodInfo("kimi-attention-0", "attention-worker", 0, True, th["attention-worker"])]
     for o in (range(plan.cluster.pods) if experts is None else experts):
-        pods.append(m.PodInfo(f"kimi-expert-{o}", "expert-worker", o, ready, template or th["expert-worker"]))
+        pods.append(PodInfo(f"kimi-expert-{o}", "expert-worker", o, ready, template or th["expert-worker"]))
     return pods, th
 
 
 def test_decide_state_machine(tiny_plan):
     spec, cfg, plan = tiny_plan
-    children = m.build_children("kimi", "ns", spec, cfg, plan)
-    st = {"phase": "Deploying", "placement": m.placement_status(plan)}
+    children = build_children("kimi", "ns", spec, cfg, plan)
+    st = {"phase": "Deploying", "placement": placement_status(plan)}
 
     pods, th = _pods(spec, children, plan, experts=[0])  # still starting: not a loss
-    d = m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW)
+    d = decide("kimi", spec, plan, st, assess(spec, plan, pods, th), 1, NOW)
     assert d.status["phase"] == "Deploying" and d.replan_excluding is None
     pods, th = _pods(spec, children, plan, template="old")  # all up, but on the old template: rolling
-    assert m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW).status["phase"] == "Deploying"
+    assert decide("kimi", spec, plan, st, assess(spec, plan, pods, th), 1, NOW).status["phase"] == "Deploying"
 
     pods, th = _pods(spec, children, plan)
-    d = m.decide("kimi", spec, plan, st, m.assess(spec, plan, pods, th), 1, NOW)
+    d = decide("kimi", spec, plan, st, assess(spec, plan, pods, th), 1, NOW)
     assert d.status["phase"] == "Ready" and (d.status["readyWorkers"], d.status["desiredWorkers"]) == (3, 3)
     ready = {**st, **d.status}
     assert d.status["expertWorkers"]["selector"] == (
         "app.kubernetes.io/component=expert-worker,app.kubernetes.io/instance=kimi,app.kubernetes.io/name=expertmesh")
 
     pods, th = _pods(spec, children, plan, experts=[0])  # after Ready, no replicas: Degraded, then re-plan
-    d = m.decide("kimi", spec, plan, ready, m.assess(spec, plan, pods, th), 1, LATER)
-    deg = m.condition(d.status, "Degraded")
+    d = decide("kimi", spec, plan, ready, assess(spec, plan, pods, th), 1, LATER)
+    deg = condition(d.status, "Degraded")
     assert d.status["phase"] == "Degraded" and deg["reason"] == "ExpertsUnavailable" and d.replan_excluding is None
     assert deg["lastTransitionTime"] == LATER and "expert workers [1] lost; 24 experts" in deg["message"]
     assert "at 2026-01-01T00:07:00Z unless they come back" in deg["message"]  # the 120 s grace period
     assert d.status["lostSince"] == [{"ordinal": 1, "since": LATER}]
-    assert m.condition(d.status, "WorkersReady")["status"] == "False"
+    assert condition(d.status, "WorkersReady")["status"] == "False"
     degraded = {**ready, **d.status}
-    d = m.decide("kimi", spec, plan, degraded, m.assess(spec, plan, pods, th), 1, "2026-01-01T00:06:59Z")
+    d = decide("kimi", spec, plan, degraded, assess(spec, plan, pods, th), 1, "2026-01-01T00:06:59Z")
     assert d.replan_excluding is None and d.status["lostSince"] == [{"ordinal": 1, "since": LATER}]
-    d = m.decide("kimi", spec, plan, degraded, m.assess(spec, plan, pods, th), 1, "2026-01-01T00:07:00Z")
+    d = decide("kimi", spec, plan, degraded, assess(spec, plan, pods, th), 1, "2026-01-01T00:07:00Z")
     assert d.replan_excluding == [1] and "re-planning onto the surviving workers" in d.status["message"]
 
     pods, th = _pods(spec, children, plan, experts=[0, 1])  # attention pod NotReady
-    pods = [p if p.component != "attention-worker" else m.PodInfo(p.name, p.component, 0, False, p.template_hash)
+    pods = [p if p.component != "attention-worker" else PodInfo(p.name, p.component, 0, False, p.template_hash)
             for p in pods]
-    d = m.decide("kimi", spec, plan, ready, m.assess(spec, plan, pods, th), 1, LATER)
-    assert m.condition(d.status, "Degraded")["reason"] == "AttentionWorkersUnavailable" and d.replan_excluding is None
+    d = decide("kimi", spec, plan, ready, assess(spec, plan, pods, th), 1, LATER)
+    assert condition(d.status, "Degraded")["reason"] == "AttentionWorkersUnavailable" and d.replan_excluding is None
 
     failed = {"phase": "Failed"}
-    assert m.decide("kimi", spec, plan, failed, m.assess(spec, plan, pods, th), 1, NOW).status == {}
+    assert decide("kimi", spec, plan, failed, assess(spec, plan, pods, th), 1, NOW).status == {}
 
 
 def test_replicas_serving_and_replan_around_lost_pod():
     spec = parse_spec(tiny(expertWorkers={"replicas": 3, "redundantExperts": 16,
                                           "gpuMemoryGiB": (40 * TINY_EXPERT_BYTES) / GIB}))
     cfg = resolve_model(spec)
-    plan = m.plan_for(spec, cfg)
-    children = m.build_children("kimi", "ns", spec, cfg, plan)
+    plan = plan_for(spec, cfg)
+    children = build_children("kimi", "ns", spec, cfg, plan)
     pods, th = _pods(spec, children, plan, experts=[0, 2])
-    a = m.assess(spec, plan, pods, th)
+    a = assess(spec, plan, pods, th)
     assert a.lost_experts == [1] and a.unserved == []  # every expert has 2 replicas on distinct pods
-    d = m.decide("kimi", spec, plan, {"phase": "Ready"}, a, 1, NOW)
-    assert m.condition(d.status, "Degraded")["reason"] == "ReplicasServing" and d.replan_excluding is None
+    d = decide("kimi", spec, plan, {"phase": "Ready"}, a, 1, NOW)
+    assert condition(d.status, "Degraded")["reason"] == "ReplicasServing" and d.replan_excluding is None
 
-    new = m.replan_around(spec, cfg, plan, [1])
+    new = replan_around(spec, cfg, plan, [1])
     assert new.cluster == plan.cluster and new.experts_of(1) == []
     for layer, e in plan.experts_of(0):
         assert 1 not in new.replicas(layer, e)
     kept = set(plan.experts_of(0)) & set(new.experts_of(0))
     assert len(kept) == len(plan.experts_of(0))  # survivors keep every shard they had
-    assert new.figures.moved_shards == m.moved_shards(plan, new) and any("lost" in n for n in new.notes)
+    assert new.figures.moved_shards == moved_shards(plan, new) and any("lost" in n for n in new.notes)
     with pytest.raises(PlanError, match="all 3 expert workers are lost"):
-        m.replan_around(spec, cfg, plan, [0, 1, 2])
+        replan_around(spec, cfg, plan, [0, 1, 2])
 
 
 def test_parse_load_and_rebalance():
     spec = parse_spec(tiny(expertWorkers={"redundantExperts": 4}, placement={"imbalanceThreshold": 1.1}))
     cfg = resolve_model(spec)
-    plan = m.plan_for(spec, cfg)
+    plan = plan_for(spec, cfg)
     skew = zipf_loads(cfg, s=1.5, seed=1) * 100
     payload = {"moe_layers": cfg.moe_layers, "tokens": {str(l): skew[i].tolist() for i, l in enumerate(cfg.moe_layers)}}
-    loads = m.parse_load(payload, cfg)
+    loads = parse_load(payload, cfg)
     np.testing.assert_allclose(loads, skew)
     with pytest.raises(ValueError, match=r"tokens\[2\] must be 16 finite counts"):
-        m.parse_load({"tokens": {"2": [1, 2]}}, cfg)
+        parse_load({"tokens": {"2": [1, 2]}}, cfg)
     with pytest.raises(ValueError, match="expected an object with 'tokens'"):
-        m.parse_load({"moe_layers": []}, cfg)
-    r = m.rebalance(spec, cfg, plan, loads)
+        parse_load({"moe_layers": []}, cfg)
+    r = rebalance(spec, cfg, plan, loads)
     assert r.plan is not None and r.observed > 1.1 and r.expected < r.observed
-    assert r.observed == pytest.approx(imbalance(plan, loads).mean) and r.moved == m.moved_shards(plan, r.plan)
+    assert r.observed == pytest.approx(imbalance(plan, loads).mean) and r.moved == moved_shards(plan, r.plan)
     uniform = np.ones_like(loads)
-    assert m.rebalance(spec, cfg, plan, uniform).plan is None  # balanced: nothing to do
-    assert m.rebalance(spec, cfg, plan, 0 * loads).plan is None  # no traffic yet
+    assert rebalance(spec, cfg, plan, uniform).plan is None  # balanced: nothing to do
+    assert rebalance(spec, cfg, plan, 0 * loads).plan is None  # no traffic yet
 
 
 # ------------------------------------------------------------------------------------------------ rbac / cli
@@ -537,7 +548,7 @@ def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     group = {"v1": "", "apps/v1": "apps", "policy/v1": "policy", "networking.k8s.io/v1": "networking.k8s.io"}
     from expertmesh.operator.handlers import _resources
     kinds = _resources()   # the resources the operator's client (lightkube) addresses
-    for child in m.build_children("kimi", "ns", spec, cfg, plan):
+    for child in build_children("kimi", "ns", spec, cfg, plan):
         for verb in ("get", "create", "patch"):
             plural = kinds[child["kind"]]._api_info.plural
             assert rbac.allows(granted, group[child["apiVersion"]], plural, verb), child["kind"]
@@ -577,8 +588,8 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
     each other on any port (gloo / NCCL pair connections), and never a pod of another deployment."""
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(transport=transport))
-    children = m.build_children("kimi", "serving", spec, cfg, plan) + \
-        m.build_children("other", "serving", parse_spec(tiny(transport="collective")), cfg, plan)
+    children = build_children("kimi", "serving", spec, cfg, plan) + \
+        build_children("other", "serving", parse_spec(tiny(transport="collective")), cfg, plan)
     pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
             for c in children if c["kind"] in ("StatefulSet", "Deployment")}
     allowed = set()
@@ -591,7 +602,7 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
                 for source in rule["from"]:
                     src = source["podSelector"]["matchLabels"]
                     allowed |= {(n, target, ports) for n, lab in pods.items() if src.items() <= lab.items()}
-    grpc = (m.WORKER_PORT,)
+    grpc = (WORKER_PORT,)
     want = {("kimi-router", "kimi-attention", grpc), ("kimi-router", "kimi-expert", grpc)}
     want |= {("kimi-attention", "kimi-expert", grpc)} if transport == "grpc" else \
         {("kimi-attention", "kimi-expert", None), ("kimi-expert", "kimi-attention", None)}
@@ -602,13 +613,13 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
     router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     if transport == "collective":
-        assert env["EXPERTMESH_COLLECTIVE_PORT"] == str(m.COLLECTIVE_PORT)
-        assert {"name": "collective", "containerPort": m.COLLECTIVE_PORT} in container["ports"]
+        assert env["EXPERTMESH_COLLECTIVE_PORT"] == str(COLLECTIVE_PORT)
+        assert {"name": "collective", "containerPort": COLLECTIVE_PORT} in container["ports"]
         assert router_args[router_args.index("--transport") + 1] == "collective"
         # the worker's own parser reads the port from that env (the pod's command does not name it)
         from expertmesh.worker.server import build_parser
         monkeypatch.setenv("EXPERTMESH_COLLECTIVE_PORT", env["EXPERTMESH_COLLECTIVE_PORT"])
-        assert build_parser().parse_args(["--role", "expert"]).collective_port == m.COLLECTIVE_PORT
+        assert build_parser().parse_args(["--role", "expert"]).collective_port == COLLECTIVE_PORT
     else:
         assert "EXPERTMESH_COLLECTIVE_PORT" not in env and "--transport" not in router_args
     with pytest.raises(SpecError, match="spec.transport"):
@@ -618,5 +629,5 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
 def test_seconds_since_reads_status_times():
     import datetime as dt
     now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc)
-    assert m.seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
-    assert m.seconds_since(None, now) == m.seconds_since("garbage", now) == float("inf")
+    assert seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
+    assert seconds_since(None, now) == seconds_since("garbage", now) == float("inf")

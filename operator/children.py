@@ -1,0 +1,355 @@
+"""The child objects of a MoEDeployment (named in naming.py), built from the spec, the model config and the plan: the
+plan and load ConfigMaps, the worker StatefulSets with their headless Services, the expert PodDisruptionBudget, the
+router Deployment and Service, the workers' NetworkPolicies, and the pods' containers (the checkpoint fetch init
+container among them). Pure: plain dicts in the shape of Kubernetes objects; owner references are left to the
+handlers (`kopf.adopt`).
+
+A new plan changes the plan ConfigMap only, never a pod template (placement_policy.changed_ordinals).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shlex
+from typing import Any
+
+import numpy as np
+
+from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIVE_PORT, COMPONENT_ATTENTION,
+                                        COMPONENT_EXPERT, COMPONENT_ROUTER, FETCH_CONTAINER, HEALTH_PORT,
+                                        LABEL_COMPONENT, PLAN_DIR, PLAN_HASH_ANNOTATION, PLAN_PATH,
+                                        TEMPLATE_HASH_ANNOTATION, WORKER_PORT, WORKER_TLS_DIR, attention_name,
+                                        checkpoint_path, expert_name, labels, load_configmap_name, object_meta,
+                                        plan_configmap_name, router_name, selector_labels, worker_addresses,
+                                        worker_tls_secret_name)
+from expertmesh.operator.spec import MoEDeploymentSpec
+from expertmesh.operator.worker_tls import worker_tls_args
+
+GPU_RESOURCE = "nvidia.com/gpu"
+STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
+
+
+def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
+    """The init container that fetches a remote checkpoint into the cache volume (`expertmesh fetch`: every
+    file verified by size and sha256, resumable, retried with backoff; pods on one node share the cache)."""
+    ck = spec.model.checkpoint
+    env = []
+    if ck.token_secret_ref is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}}})
+    if ck.endpoint is not None:
+        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": ck.endpoint})
+    if ck.region is not None:
+        env.append({"name": "AWS_REGION", "value": ck.region})
+    out = {"name": FETCH_CONTAINER, "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
+           "command": ["expertmesh"], "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
+           "env": env, "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
+           # a failure's last log line (it names the file) becomes the container's termination message
+           "terminationMessagePolicy": "FallbackToLogsOnError",
+           "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
+    if ck.credentials_secret is not None:  # the keys as environment variables (never on the command line)
+        out["envFrom"] = [{"secretRef": {"name": ck.credentials_secret}}]
+    return out
+
+
+def _env(spec: MoEDeploymentSpec, service: str, name: str) -> list[dict]:
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    t = spec.telemetry
+    if t.otlp_endpoint:
+        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
+                {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
+                {"name": "OTEL_SERVICE_NAME", "value": service},
+                {"name": "OTEL_RESOURCE_ATTRIBUTES",
+                 "value": f"service.namespace=expertmesh,expertmesh.deployment={name},"
+                          "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
+    return env
+
+
+def _resources(res, gpus: int) -> dict:
+    out = {k: dict(v) for k, v in (("limits", res.limits), ("requests", res.requests)) if v}
+    if gpus:  # GPUs are requested through limits (extended resources: requests default to limits)
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    return out
+
+
+def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    vols = [{"name": "plan", "configMap": {"name": plan_configmap_name(name)}}]
+    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
+    pvc = spec.model.checkpoint.pvc
+    if pvc is not None:
+        vols.append({"name": "checkpoint",
+                     "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}})
+        mounts.append({"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT, "readOnly": pvc.read_only})
+    ck = spec.model.checkpoint
+    if ck.fetched:
+        cache = ck.cache
+        vols.append({"name": "checkpoint-cache", **(
+            {"persistentVolumeClaim": {"claimName": cache.claim_name}} if cache.claim_name is not None else
+            {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})})
+        mounts.append({"name": "checkpoint-cache", "mountPath": CACHE_MOUNT})
+    if spec.security.worker_tls:
+        vols.append({"name": "worker-tls", "secret": {"secretName": worker_tls_secret_name(name),
+                                                      "defaultMode": 0o400}})
+        mounts.append({"name": "worker-tls", "mountPath": WORKER_TLS_DIR, "readOnly": True})
+    return vols, mounts
+
+
+def _grpc_probes(port: int = HEALTH_PORT) -> dict:
+    return {
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10,
+                         "failureThreshold": STARTUP_SECONDS // 10},
+        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3,
+                          "timeoutSeconds": 5},
+    }
+
+
+def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict,
+              spread: bool = False) -> dict:
+    vols, mounts = _volumes(name, spec)
+    container = {"image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy, "volumeMounts": mounts,
+                 **container}
+    pod: dict[str, Any] = {"containers": [container], "volumes": vols,
+                           "terminationGracePeriodSeconds": 60, "enableServiceLinks": False}
+    if spec.model.checkpoint.fetched:
+        pod["initContainers"] = [fetch_container(spec, mounts)]
+    sch = spec.scheduling
+    if sch.node_selector:
+        pod["nodeSelector"] = dict(sch.node_selector)
+    if sch.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sch.tolerations]
+    if spread and sch.topology_spread_key:
+        pod["topologySpreadConstraints"] = [{
+            "maxSkew": 1, "topologyKey": sch.topology_spread_key, "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(name, component)}}]
+    return pod
+
+
+def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
+    """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
+    (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
+    fixed = ["expertmesh", "worker", "--role", "expert", "--plan", PLAN_PATH,
+             "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0", "--port", str(WORKER_PORT),
+             "--health-port", str(HEALTH_PORT), *worker_tls_args(spec, "expert")]
+    return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
+
+
+def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
+    max_context = spec.kv.max_context or cfg.max_context
+    kv_blocks = math.ceil(max_context / spec.kv.block_size)
+    return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
+            "--port", str(WORKER_PORT), "--health-port", str(HEALTH_PORT), "--name", "$(POD_NAME)",
+            "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size),
+            *worker_tls_args(spec, "attention")]
+
+
+def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
+    """The spec's serving limits as router flags: `kv.maxContext` → `--max-context` (prompt + output per
+    sequence), `thinking` → `--thinking-budgets LOW,HIGH,MAX` (the reasoning-token limits the router enforces).
+    Unset fields add nothing: the router serves the checkpoint's own limits."""
+    out: list[str] = []
+    if spec.kv.max_context is not None:
+        out += ["--max-context", str(spec.kv.max_context)]
+    if spec.thinking is not None:
+        t = spec.thinking
+        out += ["--thinking-budgets", f"{t.low},{t.high},{t.max}"]
+    return out
+
+
+def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]:
+    att, exp = worker_addresses(name, namespace, spec)
+    return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
+            "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
+            "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
+            *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec),
+            *worker_tls_args(spec, "router")]
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _stamped(workload: dict) -> dict:
+    """Annotate a workload's pod template with the hash of the template itself: a pod carrying the current
+    hash runs the current spec (pods of an older template are still rolling). The plan is not part of any
+    template: running pods adopt a new plan live (see placement_policy, "plan rollout")."""
+    tmpl = workload["spec"]["template"]
+    tmpl["metadata"]["annotations"] = {**tmpl["metadata"].get("annotations", {}), TEMPLATE_HASH_ANNOTATION: _hash(tmpl)}
+    return workload
+
+
+def template_hashes(children: list[dict]) -> dict[str, str]:
+    """component → the pod-template hash of its workload among `children`."""
+    return {c["metadata"]["labels"][LABEL_COMPONENT]: c["spec"]["template"]["metadata"]["annotations"][
+        TEMPLATE_HASH_ANNOTATION] for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+
+
+def revision(children: list[dict]) -> str:
+    """A hash of every child's desired state (`status.revision`): it changes whenever reconciling changes
+    anything, so a rollout can be told from a loss."""
+    return _hash(children)
+
+
+def plan_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {**object_meta(plan_configmap_name(name), namespace, "plan", spec, instance=name),
+                     "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+        "data": {"plan.json": plan.to_json(), "config.json": cfg.model_dump_json(indent=1)},
+    }
+
+
+def load_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, loads: np.ndarray,
+                   observed_at: str) -> dict:
+    """The router's last observed expert load (the body `/v1/load` gave, as `placement_policy.parse_load` reads it
+    back): kept in the cluster so a restarted operator or a new leader re-plans around a lost pod with it."""
+    payload = {"moe_layers": list(cfg.moe_layers), "observedAt": observed_at,
+               "tokens": {str(layer): [int(x) for x in loads[i]] for i, layer in enumerate(cfg.moe_layers)}}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_meta(load_configmap_name(name), namespace, "load", spec, instance=name),
+            "data": {"load.json": json.dumps(payload, separators=(",", ":"))}}
+
+
+def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: str, component: str) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": object_meta(svc, namespace, component, spec, instance=name),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,  # router resolves pods while they load
+                 "selector": selector_labels(name, component),
+                 "ports": [{"name": "grpc", "port": WORKER_PORT, "targetPort": WORKER_PORT, "protocol": "TCP"}]},
+    }
+
+
+def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg) -> dict:
+    aw = spec.attention_workers
+    container = {"name": "attention", "command": ["expertmesh"], "args": attention_worker_args(spec, cfg),
+                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT},
+                           {"name": "health", "containerPort": HEALTH_PORT}],
+                 "env": _env(spec, "expertmesh-attention", name),
+                 "resources": _resources(aw.resources, aw.gpus_per_pod), **_grpc_probes()}
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": object_meta(attention_name(name), namespace, COMPONENT_ATTENTION, spec, instance=name),
+        "spec": {
+            "serviceName": attention_name(name), "replicas": aw.replicas, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_ATTENTION)},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_ATTENTION, spec)},
+                         "spec": _pod_spec(name, COMPONENT_ATTENTION, spec, container, spread=True)},
+        },
+    })
+
+
+def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
+    ew = spec.expert_workers
+    ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
+    env = _env(spec, "expertmesh-expert", name)
+    if spec.transport == "collective":     # the pod's rendezvous store; the attention pods learn it over gRPC
+        ports.append({"name": "collective", "containerPort": COLLECTIVE_PORT})
+        env.append({"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)})
+    container = {"name": "expert", "command": expert_worker_command(spec), "ports": ports, "env": env,
+                 "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes()}
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": object_meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name,
+                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
+        "spec": {
+            "serviceName": expert_name(name), "replicas": ew.replicas, "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)},
+            # nothing in the pod template changes with the plan: a new plan is published in the ConfigMap
+            # (mounted at PLAN_DIR), it never rolls the StatefulSet
+            "template": {"metadata": {"labels": labels(name, COMPONENT_EXPERT, spec)},
+                         "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True)},
+        },
+    })
+
+
+def expert_pdb(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": object_meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name),
+        # one at a time: a drained expert pod is re-planned around before the next may go
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)}},
+    }
+
+
+def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
+    r = spec.router
+    env = _env(spec, "expertmesh-router", name)
+    if r.api_key_secret_ref is not None:
+        env.append({"name": "EXPERTMESH_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": r.api_key_secret_ref.name, "key": r.api_key_secret_ref.key}}})
+    container = {
+        "name": "router", "command": ["expertmesh"], "args": router_args(name, namespace, spec),
+        "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
+        "env": env, "resources": _resources(r.resources, 0),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 20,
+                          "failureThreshold": 3, "timeoutSeconds": 5},
+    }
+    return _stamped({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": object_meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name,
+                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
+            "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec)},  # nothing of the plan
+                         "spec": _pod_spec(name, COMPONENT_ROUTER, spec, container)},
+        },
+    })
+
+
+def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
+    r = spec.router
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": object_meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name, COMPONENT_ROUTER),
+                 "ports": [{"name": "http", "port": r.http_port, "targetPort": r.http_port, "protocol": "TCP"},
+                           {"name": "grpc", "port": r.grpc_port, "targetPort": r.grpc_port, "protocol": "TCP"}]},
+    }
+
+
+def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str) -> dict:
+    """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
+    filter): the router the workers' gRPC port, the attention workers the expert workers' (the per-layer
+    exchange and its control). With `transport: collective` the attention and expert pods also reach each other on
+    any TCP port: the rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections listen on
+    ephemeral ports, in either direction."""
+    def peers(component_: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": selector_labels(name, component_)}}]
+    grpc_port = [{"protocol": "TCP", "port": WORKER_PORT}]
+    ingress = [{"from": peers(COMPONENT_ROUTER), "ports": grpc_port}]
+    other = {COMPONENT_ATTENTION: COMPONENT_EXPERT, COMPONENT_EXPERT: COMPONENT_ATTENTION}[component]
+    if spec.transport == "collective":
+        ingress.append({"from": peers(other)})
+    elif component == COMPONENT_EXPERT:
+        ingress.append({"from": peers(COMPONENT_ATTENTION), "ports": grpc_port})
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": object_meta(f"{name}-{component}-ingress", namespace, component, spec, instance=name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(name, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> list[dict]:
+    """Every child object, in apply order (the ConfigMap before the pods that mount it)."""
+    return [
+        plan_configmap(name, namespace, spec, cfg, plan),
+        headless_service(name, namespace, spec, attention_name(name), COMPONENT_ATTENTION),
+        headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
+        attention_statefulset(name, namespace, spec, cfg),
+        expert_statefulset(name, namespace, spec, plan),
+        expert_pdb(name, namespace, spec),
+        router_deployment(name, namespace, spec, plan),
+        router_service(name, namespace, spec),
+        worker_network_policy(name, namespace, spec, COMPONENT_ATTENTION),
+        worker_network_policy(name, namespace, spec, COMPONENT_EXPERT),
+    ]
