@@ -1,6 +1,6 @@
 """Kopf handlers for `MoEDeployment`: thin — they read the world, call the pure functions (placement_policy.py: which
 plan; children.py: the child objects; pods.py + status.py: what the pods say and the status), and write the results
-back.
+back through the Kubernetes API edge (kube.py).
 
     create / update(spec) / resume → validate → plan (previous plan's shards stay) → apply children
                                      (owner references via kopf.adopt) → status (kopf's patch.status)
@@ -17,7 +17,7 @@ Errors: a spec that cannot be deployed (bad field, cluster too small) → phase 
 message + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
 `kopf.TemporaryError` with exponential backoff.
 
-Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API through lightkube's
+Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
 async client) and `fetch_load` (the HTTP GET of the router's load).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Optional
 import kopf
 
 from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
+from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
                                         load_configmap_name, load_url, plan_configmap_name, worker_tls_secret_name)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
@@ -46,144 +47,13 @@ from expertmesh.planner import PlanError
 
 log = logging.getLogger("expertmesh.operator")
 
-FIELD_MANAGER = "expertmesh-operator"
 PERSISTENCE_PREFIX = "expertmesh.dev"
-API_TIMEOUT = (5.0, 30.0)       # (connect, read) seconds for every Kubernetes call
 LOAD_TIMEOUT = 10.0             # seconds for the router's /v1/load
 REBALANCE_TICK = 15.0           # the timer's period; each resource's own interval is checked against it
 MAX_BACKOFF = 120.0
 
-# ------------------------------------------------------------------------------------------------ the API edge
-class KubeError(Exception):
-    def __init__(self, status: Optional[int], message: str):
-        super().__init__(f"{status or 'no response'}: {message}")
-        self.status = status
 
-    @property
-    def transient(self) -> bool:
-        """Worth retrying: no response, throttled, conflict, server-side trouble."""
-        return self.status is None or self.status in (408, 409, 429) or self.status >= 500
-
-
-def _resources() -> dict[str, type]:
-    """kind → lightkube resource class, for every kind the operator reads or writes."""
-    from lightkube.generic_resource import create_namespaced_resource
-    from lightkube.resources.apps_v1 import Deployment, StatefulSet
-    from lightkube.resources.core_v1 import ConfigMap, Pod, Secret, Service
-    from lightkube.resources.networking_v1 import NetworkPolicy
-    from lightkube.resources.policy_v1 import PodDisruptionBudget
-    kinds = {r.__name__: r for r in (ConfigMap, Service, Pod, StatefulSet, Deployment, PodDisruptionBudget,
-                                     NetworkPolicy, Secret)}
-    kinds[KIND] = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
-    return kinds
-
-
-class Kube:
-    """The Kubernetes API calls the operator makes, through lightkube's AsyncClient (async; configuration,
-    TLS, tokens and exec plugins as kubectl; server-side apply; typed models for the builtin kinds, a generic
-    resource for MoEDeployment). Objects go in and come out as plain dicts (the pure modules' currency).
-    Every call carries a (connect, read) deadline; failures become KubeError with the HTTP status."""
-
-    def __init__(self, config, timeout: tuple[float, float] = API_TIMEOUT):
-        import weakref
-        self.config = config
-        self.timeout = timeout
-        self.kinds = _resources()
-        self._clients = weakref.WeakKeyDictionary()   # event loop → AsyncClient (a connection pool is per loop)
-
-    @classmethod
-    def from_environment(cls) -> "Kube":
-        """Connect as kubectl does: the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config."""
-        from lightkube import KubeConfig
-        return cls(KubeConfig.from_env())
-
-    @classmethod
-    def for_url(cls, url: str) -> "Kube":
-        """A plain-HTTP API server without authentication (tests' in-memory emulator)."""
-        from lightkube import KubeConfig
-        from lightkube.config.models import Cluster, User
-        return cls(KubeConfig.from_one(cluster=Cluster(server=url.rstrip("/")), user=User()))
-
-    def _client(self):
-        import httpx2 as httpx   # lightkube's HTTP client
-        from lightkube import AsyncClient
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            client = self._clients[loop] = AsyncClient(
-                self.config, field_manager=FIELD_MANAGER,
-                timeout=httpx.Timeout(self.timeout[1], connect=self.timeout[0]))
-        return client
-
-    async def _call(self, what: str, call):
-        import httpx2 as httpx   # lightkube's HTTP client
-        from lightkube import ApiError
-        try:
-            return await call
-        except ApiError as e:
-            raise KubeError(e.status.code, f"{what}: {e.status.message}") from None
-        except httpx.HTTPStatusError as e:  # an error answer without a Kubernetes Status body
-            raise KubeError(e.response.status_code, f"{what}: {e.response.text[:300]}") from None
-        except httpx.HTTPError as e:  # connection refused, TLS, timeouts: no response at all
-            raise KubeError(None, f"{what}: {type(e).__name__}: {e}") from None
-
-    @staticmethod
-    def _plain(obj) -> dict:
-        return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
-        try:
-            obj = await self._call(f"GET {kind} {namespace}/{name}",
-                                   self._client().get(self.kinds[kind], name, namespace=namespace))
-        except KubeError as e:
-            if e.status == 404:
-                return None
-            raise
-        return self._plain(obj)
-
-    async def apply(self, obj: dict) -> dict:
-        """Server-side apply (this operator owns the fields it sets, forced); create when the server does not
-        know the object (an API without server-side apply answers 404)."""
-        from lightkube import codecs
-        meta = obj["metadata"]
-        what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
-        model = codecs.from_dict(obj)
-        try:
-            out = await self._call(what, self._client().apply(model, field_manager=FIELD_MANAGER, force=True))
-        except KubeError as e:
-            if e.status != 404:
-                raise
-            out = await self._call(what, self._client().create(model, field_manager=FIELD_MANAGER))
-        return self._plain(out)
-
-    async def create_once(self, obj: dict) -> bool:
-        """Create `obj` unless it exists (409: someone — another replica, an earlier run — was first; theirs is
-        kept). Returns whether this call created it."""
-        from lightkube import codecs
-        meta = obj["metadata"]
-        try:
-            await self._call(f"create {obj['kind']} {meta['namespace']}/{meta['name']}",
-                             self._client().create(codecs.from_dict(obj), field_manager=FIELD_MANAGER))
-        except KubeError as e:
-            if e.status == 409:
-                return False
-            raise
-        return True
-
-    async def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
-        """The last lines of a container's log (as `kubectl logs --tail`)."""
-        async def lines() -> str:
-            return "".join([line async for line in self._client().log(
-                pod, namespace=namespace, container=container, tail_lines=tail_lines)])
-        return await self._call(f"log {namespace}/{pod}/{container}", lines())
-
-    async def patch_status(self, namespace: str, name: str, status: dict) -> dict:
-        from lightkube.types import PatchType
-        out = await self._call(f"patch {KIND} {namespace}/{name} status", self._client().patch(
-            self.kinds[KIND].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE))
-        return self._plain(out)
-
-
+# ------------------------------------------------------------------------------------------------ edges
 async def _fetch_load_http(url: str, timeout: float) -> dict:
     """GET the router's load statistics (JSON)."""
     import aiohttp
@@ -191,10 +61,6 @@ async def _fetch_load_http(url: str, timeout: float) -> dict:
         async with session.get(url) as resp:
             resp.raise_for_status()
             return await resp.json()
-
-
-async def _no_log_reader(namespace: str, pod: str, container: str) -> str:
-    raise NotImplementedError  # replaced by Deps.__post_init__
 
 
 @dataclass
@@ -242,10 +108,11 @@ def _backoff(retry: int) -> float:
     return min(MAX_BACKOFF, 2.0 ** min(retry, 10))
 
 
-async def _kube(deps: Deps, fn, *args, retry: int = 0):
-    """Await a Kube call; transient failures become kopf.TemporaryError with backoff."""
+async def _api(call: Awaitable, retry: int = 0):
+    """Await a Kube call; a transient failure becomes kopf.TemporaryError (Kopf retries the handler after a
+    backoff), a refusal stays a KubeError."""
     try:
-        return await fn(*args)
+        return await call
     except KubeError as e:
         if e.transient:
             raise kopf.TemporaryError(f"Kubernetes API: {e}", delay=_backoff(retry)) from None
@@ -253,7 +120,7 @@ async def _kube(deps: Deps, fn, *args, retry: int = 0):
 
 
 async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> Optional[PlacementPlan]:
-    cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, plan_configmap_name(name), retry=retry)
+    cm = await _api(deps.kube.get("v1", "ConfigMap", namespace, plan_configmap_name(name)), retry)
     text = ((cm or {}).get("data") or {}).get("plan.json")
     if not text:
         return None
@@ -271,7 +138,7 @@ async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> O
 async def _read_load(deps: Deps, namespace: str, name: str, cfg):
     """The load kept in the `<name>-load` ConfigMap (None when absent or unreadable)."""
     try:
-        cm = await _kube(deps, deps.kube.get, "v1", "ConfigMap", namespace, load_configmap_name(name))
+        cm = await _api(deps.kube.get("v1", "ConfigMap", namespace, load_configmap_name(name)))
         text = ((cm or {}).get("data") or {}).get("load.json")
         return parse_load(json.loads(text), cfg) if text else None
     except (KubeError, kopf.TemporaryError, ValueError) as e:
@@ -284,13 +151,12 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
     (new certificates would split running pods into two trust domains); deleted with the resource (owner)."""
     if not spec.security.worker_tls:
         return
-    if await _kube(deps, deps.kube.get, "v1", "Secret", namespace, worker_tls_secret_name(name),
-                   retry=retry) is not None:
+    if await _api(deps.kube.get("v1", "Secret", namespace, worker_tls_secret_name(name)), retry) is not None:
         return
     from expertmesh.tls import pki_pems
     secret = worker_tls_secret(name, namespace, spec, pki_pems(worker_tls_hosts(name, namespace), days=3650))
     kopf.adopt(secret, owner=owner)
-    await _kube(deps, deps.kube.create_once, secret, retry=retry)
+    await _api(deps.kube.create_once(secret), retry)
 
 
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
@@ -302,7 +168,7 @@ async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, sp
     rev, templates = revision(children), template_hashes(children)
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
     for child in children:
-        await _kube(deps, deps.kube.apply, child, retry=retry)
+        await _api(deps.kube.apply(child), retry)
     return rev, templates
 
 
@@ -383,7 +249,7 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
 async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
     """Re-assess one MoEDeployment against its pods; re-plan around lost expert pods when needed."""
     async with deps.lock((namespace, name)):
-        body = await _kube(deps, deps.kube.get, API_VERSION, KIND, namespace, name)
+        body = await _api(deps.kube.get(API_VERSION, KIND, namespace, name))
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
         status = body.get("status") or {}
@@ -412,7 +278,7 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
             update = with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
                                   generation)
         if update and _changed(status, update):
-            await _kube(deps, deps.kube.patch_status, namespace, name, update)
+            await _api(deps.kube.patch_status(namespace, name, update))
 
 
 async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
@@ -479,7 +345,7 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     try:  # kept in the cluster for a restarted operator or a new leader (a failure only loses that)
         cm = load_configmap(name, namespace, parsed, cfg, loads, now_rfc3339())
         kopf.adopt(cm, owner=body)
-        await _kube(deps, deps.kube.apply, cm)
+        await _api(deps.kube.apply(cm))
     except (KubeError, kopf.TemporaryError) as e:
         logger.warning(f"keeping the observed load in {load_configmap_name(name)} failed: {e}")
     async with deps.lock(key):

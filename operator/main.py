@@ -59,7 +59,8 @@ def run(args) -> int:
     import kopf
     from lightkube import ConfigError
 
-    from expertmesh.operator.handlers import REBALANCE_TICK, Deps, Kube, build_registry
+    from expertmesh.operator.handlers import REBALANCE_TICK, Deps, build_registry
+    from expertmesh.operator.kube import Kube
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

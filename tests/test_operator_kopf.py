@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 from kmock._internal import enums
 
-from expertmesh.operator.handlers import Deps, Kube, build_registry
+from expertmesh.operator.handlers import Deps, _api, build_registry
+from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
                                         router_name)
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load
@@ -379,17 +380,15 @@ async def test_transient_api_error_is_retried_with_backoff():
 
 
 async def test_kube_errors_map_to_kopf_errors():
-    from expertmesh.operator.handlers import KubeError, _kube
-
     async def fail(status):
         raise KubeError(status, "boom")
 
     for status in (None, 409, 429, 500, 503):
         with pytest.raises(kopf.TemporaryError) as e:
-            await _kube(None, fail, status, retry=3)
+            await _api(fail(status), retry=3)
         assert e.value.delay == 8.0
     with pytest.raises(KubeError):  # a refusal is not retried blindly
-        await _kube(None, fail, 422)
+        await _api(fail(422))
 
 
 async def test_invalid_spec_fails_with_message_without_retry_storm():
