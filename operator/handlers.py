@@ -29,8 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
+import aiohttp
 import kopf
 
+from expertmesh.fetch import parse_progress
 from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
@@ -44,6 +46,7 @@ from expertmesh.operator.status import (decide, failed_status, now_rfc3339, plac
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
 from expertmesh.planner import PlanError
+from expertmesh.tls import pki_pems
 
 log = logging.getLogger("expertmesh.operator")
 
@@ -56,7 +59,6 @@ MAX_BACKOFF = 120.0
 # ------------------------------------------------------------------------------------------------ edges
 async def _fetch_load_http(url: str, timeout: float) -> dict:
     """GET the router's load statistics (JSON)."""
-    import aiohttp
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         async with session.get(url) as resp:
             resp.raise_for_status()
@@ -153,7 +155,6 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
         return
     if await _api(deps.kube.get("v1", "Secret", namespace, worker_tls_secret_name(name)), retry) is not None:
         return
-    from expertmesh.tls import pki_pems
     secret = worker_tls_secret(name, namespace, spec, pki_pems(worker_tls_hosts(name, namespace), days=3650))
     kopf.adopt(secret, owner=owner)
     await _api(deps.kube.create_once(secret), retry)
@@ -182,8 +183,6 @@ def _pods(index, namespace: str, name: str) -> list[PodInfo]:
 async def _fetch_progress(deps: Deps, namespace: str, pods: list[PodInfo]) -> dict[str, Optional[float]]:
     """pod → the percentage of its checkpoint fetch, from the last progress line of its fetch container's log
     (None when the log cannot be read yet)."""
-    from expertmesh.fetch import parse_progress
-
     async def one(p: PodInfo) -> Optional[float]:
         try:
             return parse_progress(await deps.read_log(namespace, p.name, FETCH_CONTAINER))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
+import sys
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -45,7 +47,6 @@ def operator_kwargs(args) -> dict:
     else:
         kw["clusterwide"] = True
     if args.peering:
-        import secrets
         kw["peering_name"] = args.peering
         kw["priority"] = args.priority if args.priority is not None else 1 + secrets.randbelow(2 ** 31 - 1)
     else:
@@ -54,8 +55,8 @@ def operator_kwargs(args) -> dict:
 
 
 def run(args) -> int:
-    import sys
-
+    # Kopf and the handlers load here, not at import: `expertmesh` builds this subcommand's parser for every command
+    # (importing Kopf takes seconds)
     import kopf
     from lightkube import ConfigError
 
@@ -84,5 +85,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

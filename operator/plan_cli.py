@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from expertmesh.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+from expertmesh.config import PRESET_NAMES, preset
+from expertmesh.plan import PlacementPlan
+from expertmesh.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
 
 GIB = 2 ** 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from expertmesh.config import PRESET_NAMES
     p.add_argument("--preset", choices=PRESET_NAMES, default="full-2.8t", help="model preset (default full-2.8t)")
     p.add_argument("--expert-pods", type=positive_int, required=True, metavar="N", help="expert worker pods")
     p.add_argument("--gpus-per-pod", type=positive_int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
@@ -68,10 +70,6 @@ def _unit(n_bytes: float) -> tuple[str, int]:
 
 
 def run(args) -> int:
-    from expertmesh.config import preset
-    from expertmesh.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
-    from expertmesh.plan import PlacementPlan
-
     try:
         cfg = preset(args.preset)
         shape = ClusterShape(pods=args.expert_pods, gpus_per_pod=args.gpus_per_pod,
@@ -139,7 +137,7 @@ def run(args) -> int:
     for label, cells in rows:
         print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
-    from expertmesh import memory
+    from expertmesh import memory   # imports torch: only for this table, not for every `expertmesh` command
     plan = main[1]
     worst = max(range(plan.cluster.pods), key=lambda o: plan.workers[o].bytes)
     em = memory.plan_expert_memory(cfg, plan, worst)

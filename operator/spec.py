@@ -20,6 +20,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from expertmesh.config import ModelConfig, ThinkingBudgets, preset
+from expertmesh.hf_config import HFCheckpointError, config_from_hf
+
 GROUP = "expertmesh.dev"
 VERSION = "v1alpha1"
 KIND = "MoEDeployment"
@@ -351,16 +354,14 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-HF_MODEL_TYPES = ("kimi_linear", "deepseek_v32")   # configs mapped by expertmesh.hf_layout
+HF_MODEL_TYPES = ("kimi_linear", "deepseek_v32")   # configs mapped by expertmesh.hf_config
 
 
 def resolve_model(spec: MoEDeploymentSpec):
     """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked."""
-    from expertmesh.config import ModelConfig, preset
     if spec.model.preset is not None:
         cfg = preset(spec.model.preset)
     elif spec.model.config.get("model_type") in HF_MODEL_TYPES:
-        from expertmesh.hf_config import config_from_hf, HFCheckpointError
         try:
             cfg = config_from_hf(spec.model.config, set(), name=spec.model.config.get("name", "model"))
         except HFCheckpointError as e:
@@ -375,6 +376,5 @@ def resolve_model(spec: MoEDeploymentSpec):
     if spec.kv.max_context is not None and spec.kv.max_context > cfg.max_context:
         raise SpecError(f"spec.kv.maxContext={spec.kv.max_context} exceeds the model's max_context={cfg.max_context}")
     if spec.thinking is not None:
-        from expertmesh.config import ThinkingBudgets
         cfg = cfg.model_copy(update={"thinking": ThinkingBudgets(**spec.thinking.model_dump())})
     return cfg

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import json
 import os
@@ -52,6 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 import kmock
 
 from expertmesh.operator.naming import COMPONENT_ROUTER, LABEL_COMPONENT, TEMPLATE_HASH_ANNOTATION
+from expertmesh.tls import client_tls_from_dir
 from expertmesh.up import free_port
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -457,9 +459,6 @@ class LocalNode:
     def tls_client(self, client, address: str, secret: str, **kwargs):
         """`client(loopback address, tls=…)` for a cluster DNS `address`, holding the client certificate of the
         Secret `secret` (ca.crt, client.crt, client.key) and verifying the DNS name, as a pod dialling it would."""
-        import dataclasses
-
-        from expertmesh.tls import client_tls_from_dir
         d = self.secret_dir(secret, self.run_dir / "client-tls" / secret)
         if d is None:
             raise LookupError(f"no Secret {secret!r} in namespace {self.ns}")

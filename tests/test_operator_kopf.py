@@ -19,16 +19,23 @@ import datetime
 import itertools
 import json
 import logging
+import os
+import signal
+import socket
+import sys
 import threading
+import urllib.request
 import uuid
 
 import kmock
 import kopf
 import numpy as np
 import pytest
+import yaml
 from kmock._internal import enums
 
-from expertmesh.operator.handlers import Deps, _api, build_registry
+from expertmesh.config import preset
+from expertmesh.operator.handlers import Deps, _api, _read_load, build_registry
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
                                         router_name)
@@ -36,7 +43,7 @@ from expertmesh.operator.placement_policy import changed_ordinals, parse_load
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from expertmesh.operator.status import condition as condition_of
 from expertmesh.plan import PlacementPlan
-from expertmesh.planner import moved_shards, zipf_loads
+from expertmesh.planner import imbalance, moved_shards, zipf_loads
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
@@ -482,7 +489,6 @@ async def test_lost_pod_without_memory_to_replan_is_degraded_with_reason():
 
 
 async def test_timer_rebalances_on_observed_imbalance():
-    from expertmesh.config import preset
     cfg = preset("tiny")
     skew = zipf_loads(cfg, s=1.5, seed=3) * 1000
     calls = []
@@ -501,14 +507,12 @@ async def test_timer_rebalances_on_observed_imbalance():
         st = await eventually(lambda: c.status("kimi") if c.status("kimi").get("lastRebalanceTime") else None)
         assert st["placement"]["planHash"] == new.plan_hash()
         assert st["placement"]["observedImbalance"] > 1.1
-        from expertmesh.planner import imbalance
         loads = parse_load(await fetch("", 0), cfg)
         assert imbalance(new, loads).mean < imbalance(old, loads).mean
         assert c.condition("kimi", "PlacementReady")["reason"] == "Rebalanced"
         assert np.isclose(st["placement"]["observedImbalance"], imbalance(old, loads).mean, atol=1e-4)
         # the observed load is kept in the cluster (owned by the resource): a restarted operator or a new leader
         # re-plans around a lost pod with it
-        from expertmesh.operator.handlers import _read_load
         kept = c.get("v1/configmaps", "kimi-load")
         assert kept["metadata"]["ownerReferences"][0]["name"] == "kimi"
         assert np.array_equal(await _read_load(c.deps, NS, "kimi", cfg), loads)
@@ -518,8 +522,6 @@ async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_lo
     """What the operator knows between load reads lives in the cluster, not in its memory: after a restart (a
     fresh process: empty Deps) the last rebalance time in the status still holds the interval — no early read of
     the router's load — and the load kept in `<name>-load` is what it re-plans with."""
-    from expertmesh.config import preset
-    from expertmesh.operator.handlers import _read_load
     cfg = preset("tiny")
     skew = zipf_loads(cfg, s=1.5, seed=3) * 1000
     calls = []
@@ -552,13 +554,6 @@ async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_lo
 async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_path):
     """`expertmesh operator` as a process: kubeconfig login, liveness endpoint, SIGTERM. (Cluster-wide: in
     namespace-scoped mode Kopf lists /api/v1/namespaces, a path kmock 0.8 cannot parse.)"""
-    import os
-    import signal
-    import socket
-    import sys
-    import urllib.request
-
-    import yaml
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

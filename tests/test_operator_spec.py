@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import datetime as dt
 import json
 import shlex
 import subprocess
@@ -10,7 +12,10 @@ import sys
 import numpy as np
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from expertmesh.config import preset
 from expertmesh.operator import crd, rbac
 from expertmesh.operator.children import (_pod_spec, _volumes, build_children, fetch_container, revision,
                                           router_serving_args, template_hashes)
@@ -27,6 +32,7 @@ from expertmesh.operator.status import (condition, decide, placement_status, sec
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
 from expertmesh.planner import PlanError, imbalance, moved_shards, zipf_loads
+from expertmesh.tls import pki_pems
 
 TINY_EXPERT_BYTES = 3264
 
@@ -88,7 +94,6 @@ def test_spec_errors_name_the_field(patch, field, words):
 
 
 def test_resolve_model_inline_config_and_overrides():
-    from expertmesh.config import preset
     cfg = preset("tiny").model_dump(mode="json")
     s = parse_spec({**tiny(), "model": {"config": cfg, "checkpoint": {"uri": "/w"}},
                     "thinking": {"low": 2, "high": 3, "max": 4}})
@@ -286,12 +291,6 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
 def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
     """The Secret's certificates chain to its CA, name every pod of both headless Services, and carry the usages
     mutual TLS checks; spec.security.workerTLS false removes every TLS flag and mount (a service mesh does it)."""
-    import base64
-
-    from cryptography import x509
-    from cryptography.x509.oid import ExtendedKeyUsageOID
-
-    from expertmesh.tls import pki_pems
     spec, cfg, plan = tiny_plan
     hosts = worker_tls_hosts("kimi", "serving")
     secret = worker_tls_secret("kimi", "serving", spec, pki_pems(hosts))
@@ -408,6 +407,7 @@ def test_changed_ordinals_are_the_expert_pods_whose_shards_move(tiny_plan):
 
 
 def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
+    # the router's own parser checks the flags: imported here, so the operator's tests load no serving stack otherwise
     from expertmesh.router.server import add_arguments as router_arguments, serving_config
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
@@ -615,7 +615,8 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
         assert env["EXPERTMESH_COLLECTIVE_PORT"] == str(COLLECTIVE_PORT)
         assert {"name": "collective", "containerPort": COLLECTIVE_PORT} in container["ports"]
         assert router_args[router_args.index("--transport") + 1] == "collective"
-        # the worker's own parser reads the port from that env (the pod's command does not name it)
+        # the worker's own parser reads the port from that env (the pod's command does not name it); imported here:
+        # the worker loads torch and the model
         from expertmesh.worker.server import build_parser
         monkeypatch.setenv("EXPERTMESH_COLLECTIVE_PORT", env["EXPERTMESH_COLLECTIVE_PORT"])
         assert build_parser().parse_args(["--role", "expert"]).collective_port == COLLECTIVE_PORT
@@ -626,7 +627,6 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
 
 
 def test_seconds_since_reads_status_times():
-    import datetime as dt
     now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc)
     assert seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
     assert seconds_since(None, now) == seconds_since("garbage", now) == float("inf")
