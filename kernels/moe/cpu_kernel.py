@@ -3,8 +3,10 @@ GEMV/GEMM it is built from, decoding E2M1 nibbles in registers and scaling each 
 
 The C++ source is built on first use with `torch.utils.cpp_extension.load` (one translation unit, -O3) into the
 torch extensions directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), once per process; later
-processes load the cached library. Without a compiler (or ninja), or when the build fails, `load()` returns None
-after logging one warning and callers keep the PyTorch path. `EXPERTMESH_CPU_KERNEL=0` turns it off.
+processes load the cached library. The build is named after a hash of the source (`build_name()`), so checkouts
+with different versions of the kernel sharing one cache never rebuild over each other or load the other's library.
+Without a compiler (or ninja), or when the build fails, `load()` returns None after logging one warning and callers
+keep the PyTorch path. `EXPERTMESH_CPU_KERNEL=0` turns it off.
 
 Numerics (see the C++ header comment): fp32, each output element reduced in one fixed order (16 lanes over
 element pairs, per-block scale, fixed lane tree) that depends only on its own row and token, so results are
@@ -16,6 +18,7 @@ so the result stays finite when the true value is.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -30,7 +33,8 @@ from expertmesh.kernels.mxfp4.naive import check_mxfp4
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
-EXTENSION = "expertmesh_mxfp4_cpu"
+EXTENSION = "expertmesh_mxfp4_cpu"   # build name prefix; the library's op namespace is NAMESPACE
+NAMESPACE = "expertmesh_mxfp4_cpu"   # TORCH_LIBRARY(...) in the source
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 # -fopenmp: at::parallel_for is inline OpenMP in torch's CPU builds (without it the pragma is ignored and the kernel
 # runs on one thread); the library links libgomp.so.1, the runtime torch itself has loaded.
@@ -49,6 +53,11 @@ def enabled() -> bool:
     return os.environ.get("EXPERTMESH_CPU_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
 
 
+def build_name() -> str:
+    """The build's name: EXTENSION + the first 12 hex digits of the source's SHA-256."""
+    return f"{EXTENSION}_{hashlib.sha256(Path(SOURCE).read_bytes()).hexdigest()[:12]}"
+
+
 def load():
     """The extension's op namespace (`torch.ops.expertmesh_mxfp4_cpu`), or None when it cannot be built.
 
@@ -62,10 +71,10 @@ def load():
         t0 = time.perf_counter()
         try:
             from torch.utils.cpp_extension import load as cpp_load
-            cpp_load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            cpp_load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                      is_python_module=False,
                      verbose=False)
-            _ops = getattr(torch.ops, EXTENSION)
+            _ops = getattr(torch.ops, NAMESPACE)
             _ops.best_isa()                                   # resolves the ops: fails here, not later
         except Exception as exc:   # no compiler / ninja, a build error, an unloadable library
             _ops = None
