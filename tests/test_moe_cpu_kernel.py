@@ -5,7 +5,8 @@ batch and thread-count invariance, the dispatcher's choice and the fallback when
 Tolerances: the kernel reduces each dot product in its own fixed order (16 lanes over element pairs, per-block
 scale), not the BLAS order of the reference, so results agree to fp32 rounding, not bitwise: per element
 |ours − exact| ≤ 1e-5 · Σ_k |w_k x_k| (dense), and relative Frobenius error < 1e-5 (MoE, fp32; 1e-2 bf16 output).
-Decoding is checked bitwise (one-hot activations make each output one dequantised weight).
+Decoding is checked bitwise (one-hot activations make each output one dequantised weight). The activation between
+the GEMMs (SwiGLU, or SiTU with scalar libm tanh / exp) is checked the same way, at normal and saturated gates.
 Skipped (not failed) only where the extension cannot be built on this machine."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import pytest
 import torch
 
+from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
     cpu_kernel,
@@ -116,20 +118,36 @@ MOE_CASES = {   # name: (T, K, E, H, I, p_skip)
 }
 
 
-@pytest.mark.parametrize("case", list(MOE_CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_matches_reference(case, dtype):
+ACTS = {   # name: activation (published K3 caps; β_lin = 0: up uncapped; tight caps that saturate at |g| ~ 1)
+    "swiglu": SWIGLU,
+    "situ": GatedActivation("situ", beta=4.0, linear_beta=25.0),
+    "situ_nocap": GatedActivation("situ", beta=4.0, linear_beta=0.0),
+    "situ_tight": GatedActivation("situ", beta=0.5, linear_beta=0.25),
+}
+
+
+# SwiGLU and SiTU with the published caps on every case and dtype; the other SiTU variants on two cases, fp32
+MOE_PARAMS = [pytest.param(c, d, a, id=f"{str(d)[6:]}-{c}-{a}")
+              for a in ACTS for d in (torch.float32, torch.bfloat16) for c in MOE_CASES
+              if a in ("swiglu", "situ") or (d == torch.float32 and c in ("odd", "skips"))]
+
+
+@pytest.mark.parametrize("case,dtype,act", MOE_PARAMS)
+def test_moe_matches_reference(case, dtype, act):
     T, K, E, H, I, p_skip = MOE_CASES[case]
+    activation = ACTS[act]
     gen = torch.Generator().manual_seed(200 + list(MOE_CASES).index(case))
     w = _weights(E, H, I, seed=len(case))
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = torch.randint(0, E, (T, K), generator=gen)
     ids[torch.rand(T, K, generator=gen) < p_skip] = -1
-    ref = moe_expert_outputs_reference(x, ids, *w)
+    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    if act != "swiglu":                                                      # SiTU is not SwiGLU
+        assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2
     outs = []
     for isa in _isas():
         out = torch.full((T, K, H), float("nan"), dtype=dtype)               # poisoned: every element written
-        got = moe_expert_outputs_cpu(x, ids, *w, out=out, isa=isa)
+        got = moe_expert_outputs_cpu(x, ids, *w, out=out, isa=isa, activation=activation)
         assert got is out and got.dtype == dtype
         assert not got.isnan().any()
         assert (got[ids == -1] == 0).all() and (got[ids >= 0].abs().sum(-1) > 0).all()
@@ -139,25 +157,51 @@ def test_moe_matches_reference(case, dtype):
         assert torch.equal(got, outs[0])                                      # same bits on every ISA path
 
 
-def test_moe_batch_and_thread_invariance_bitwise():
+@pytest.mark.parametrize("act", ["situ", "situ_nocap"])
+def test_moe_situ_saturated_gates_match_reference(act):
+    """Gates and ups ≈ 300 (|g| ≫ β = 4, |u| ≫ β_lin = 25): tanh at ±1, σ at 0 / 1 (exp(-g) = inf below -88)."""
+    T, K, E, H, I = 12, 2, 3, 64, 64
+    activation = ACTS[act]
+    gen = torch.Generator().manual_seed(31)
+    w = _weights(E, H, I, seed=30)
+    x = torch.randn(T, H, generator=gen) * 300
+    ids = torch.randint(0, E, (T, K), generator=gen)
+    gu = torch.einsum("eih,th->tei", dequantize_mxfp4(w[0], w[1], torch.float64), x.double())
+    g, u = gu[..., :I], gu[..., I:]
+    assert (g.abs() > 40).float().mean() > 0.8 and (g < -100).any() and (g > 100).any()
+    assert (u.abs() > 100).float().mean() > 0.6
+    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    outs = [moe_expert_outputs_cpu(x, ids, *w, isa=isa, activation=activation) for isa in _isas()]
+    for got in outs:
+        assert got.isfinite().all()
+        assert _rel(got, ref) < 1e-5
+        assert torch.equal(got, outs[0])
+    assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 0.5           # SwiGLU is uncapped: far apart
+
+
+@pytest.mark.parametrize("act", ["swiglu", "situ"])
+def test_moe_batch_and_thread_invariance_bitwise(act):
     """A token's rows are bitwise the same alone, in batches of 1..64 other tokens, and with 1, 2 or 3 threads."""
     E, K, H, I = 8, 4, 256, 128
     w = _weights(E, H, I, seed=5)
     gen = torch.Generator().manual_seed(13)
-    probes = torch.randn(3, H, generator=gen)
+    activation, scale = ACTS[act], (8.0 if act == "situ" else 1.0)           # × 8: gates on both sides of β
+    probes = torch.randn(3, H, generator=gen) * scale
     probe_ids = torch.randint(-1, E, (3, K), generator=gen)
-    alone = [moe_expert_outputs_cpu(probes[i:i + 1], probe_ids[i:i + 1], *w)[0] for i in range(3)]
+    alone = [moe_expert_outputs_cpu(probes[i:i + 1], probe_ids[i:i + 1], *w, activation=activation)[0]
+             for i in range(3)]
     threads = torch.get_num_threads()
     try:
         for n_threads, n_other in ((threads, 1), (threads, 3), (1, 17), (3, 64), (threads, 64)):
             torch.set_num_threads(n_threads)
-            others = torch.randn(n_other, H, generator=gen)
+            others = torch.randn(n_other, H, generator=gen) * scale
             other_ids = torch.randint(-1, E, (n_other, K), generator=gen)
             for i in range(3):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
                 x = torch.cat([others[:pos], probes[i:i + 1], others[pos:]])
                 ids = torch.cat([other_ids[:pos], probe_ids[i:i + 1], other_ids[pos:]])
-                assert torch.equal(moe_expert_outputs_cpu(x, ids, *w)[pos], alone[i]), (n_threads, n_other, i)
+                got = moe_expert_outputs_cpu(x, ids, *w, activation=activation)[pos]
+                assert torch.equal(got, alone[i]), (n_threads, n_other, i)
     finally:
         torch.set_num_threads(threads)
 
@@ -174,8 +218,16 @@ def test_dispatcher_uses_the_kernel_on_cpu_and_the_switches_turn_it_off(monkeypa
     assert torch.equal(moe_expert_outputs(x, ids, *w), fused)
     with use_backend("torch"):
         assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+    situ = ACTS["situ"]                                                       # the activation passes through
+    fused_situ = moe_expert_outputs_cpu(x, ids, *w, activation=situ)
+    assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ), fused_situ)
+    with use_backend("torch"):
+        assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ),
+                           moe_expert_outputs_grouped(x, ids, *w, activation=situ))
     monkeypatch.setenv("EXPERTMESH_CPU_KERNEL", "0")
     assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+    assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ),
+                       moe_expert_outputs_grouped(x, ids, *w, activation=situ))
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
@@ -212,3 +264,12 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
         cpu_kernel.mxfp4_linear(torch.randn(2, 32), w[0][0], w[1][0])
     with pytest.raises(ValueError, match=r"isa: expected one of"):
         cpu_kernel.mxfp4_linear(x, w[0][0], w[1][0], isa="neon")
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation, found str"):
+        moe_expert_outputs_cpu(x, ids, *w, activation="situ")
+    # the op's own checks (the Python wrapper never sends these)
+    ops, out = cpu_kernel.load(), torch.empty(3, 1, 64)
+    for act, beta, lin, msg in ((2, 4.0, 25.0, "activation: expected 0"), (1, 0.0, 25.0, "beta must be > 0"),
+                                (1, 4.0, -1.0, "linear_beta must be >= 0")):
+        with pytest.raises(RuntimeError, match=msg):
+            ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import _configured, resolve
 from expertmesh.kernels.moe import cpu_kernel
 from expertmesh.kernels.moe.grouped import (
@@ -31,6 +32,8 @@ from expertmesh.kernels.moe.naive import moe_expert_outputs as moe_expert_output
 moe_expert_outputs_cpu = cpu_kernel.moe_expert_outputs
 
 __all__ = [
+    "GatedActivation",
+    "SWIGLU",
     "moe_expert_outputs",
     "moe_combine",
     "moe_forward",
@@ -55,15 +58,20 @@ def moe_expert_outputs(
     w2_scales: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
-    """x [T,H], topk_ids int64 [T,K] (local ids, -1 = skip) → unweighted expert outputs [T,K,H] in x.dtype."""
+    """x [T,H], topk_ids int64 [T,K] (local ids, -1 = skip) → unweighted expert outputs [T,K,H] in x.dtype;
+    each expert W2 · act(W_gate x, W_up x) with act = `activation` (SwiGLU by default, or SiTU)."""
     if resolve(x, w13_blocks) == "triton":
         from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
-        return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
+        return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
+                                         activation=activation)
     if x.device.type == "cpu" and w13_blocks.device.type == "cpu" and _configured() == "auto" \
             and cpu_kernel.available():
-        return cpu_kernel.moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
-    return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out)
+        return cpu_kernel.moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
+                                             activation=activation)
+    return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
+                                      activation=activation)
 
 
 def moe_forward(
@@ -74,7 +82,10 @@ def moe_forward(
     w13_scales: torch.Tensor,
     w2_blocks: torch.Tensor,
     w2_scales: torch.Tensor,
+    *,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T,H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T,H] in x.dtype (dispatching path)."""
-    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales),
+    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales,
+                                          activation=activation),
                        topk_weights)

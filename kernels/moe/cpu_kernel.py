@@ -15,6 +15,10 @@ from the reference's (dequantise, then a BLAS GEMM), so the two agree to fp32 ro
 few 1e-7 per dot product), not bitwise. One more difference: a block whose dequantised value overflows fp32
 (scale 0xFD/0xFE with a large code) is inf in the reference; here the scale multiplies the block's partial sum,
 so the result stays finite when the true value is.
+
+The activation (SwiGLU, or SiTU: `kernels.activation`) runs between the two GEMMs one element at a time with the
+scalar libm functions (std::exp for σ, std::tanh for SiTU's caps), the same code for every row and ISA path; they
+round differently from ATen's SIMD silu / sigmoid / tanh, another fp32-rounding-level difference from the reference.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
 from expertmesh.kernels.moe.naive import check_moe_inputs
 from expertmesh.kernels.mxfp4.naive import check_mxfp4
 
@@ -36,6 +41,7 @@ SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
 EXTENSION = "expertmesh_mxfp4_cpu"   # build name prefix; the library's op namespace is NAMESPACE
 NAMESPACE = "expertmesh_mxfp4_cpu"   # TORCH_LIBRARY(...) in the source
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+_ACT = {"swiglu": 0, "situ": 1}   # the C++ Act codes
 # -fopenmp: at::parallel_for is inline OpenMP in torch's CPU builds (without it the pragma is ignored and the kernel
 # runs on one thread); the library links libgomp.so.1, the runtime torch itself has loaded.
 CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
@@ -136,15 +142,18 @@ def moe_expert_outputs(
     *,
     out: torch.Tensor | None = None,
     isa: str = "auto",
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """The fused grouped expert GEMM (CPU). Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    act = check_activation(activation)
     ops = _require()
     code = _isa(isa)
     target = out if out is not None and out.dtype == torch.float32 else \
         torch.empty(s.T, s.K, s.H, dtype=torch.float32)
     ops.moe_expert_outputs(x.float().contiguous(), topk_ids.contiguous(), w13_blocks.contiguous(),
-                           w13_scales.contiguous(), w2_blocks.contiguous(), w2_scales.contiguous(), target, code)
+                           w13_scales.contiguous(), w2_blocks.contiguous(), w2_scales.contiguous(), target, code,
+                           _ACT[act.kind], act.beta, act.linear_beta)
     if out is None:
         return target.to(x.dtype)
     if target is not out:

@@ -1,10 +1,10 @@
 """Grouped MoE expert GEMM over MXFP4 weights: the CPU fast path (same contract as `naive.moe_expert_outputs`).
 
 The T·K (token, slot) pairs are sorted by expert once (a stable argsort of the flattened ids); each expert
-with tokens gathers its rows, runs the batch-invariant MLP (`naive.expert_mlp`: padded row tiles, chunked
-SwiGLU) once on all of them, and scatters the results back; experts without tokens are skipped and never
-dequantised. Per-row results are bitwise those of the reference (same per-row arithmetic), so a token's
-output does not depend on the batch it arrives in.
+with tokens gathers its rows, runs the batch-invariant MLP (`naive.expert_mlp`: padded row tiles, the chunked
+activation — SwiGLU or SiTU, keyword `activation`) once on all of them, and scatters the results back; experts
+without tokens are skipped and never dequantised. Per-row results are bitwise those of the reference (same
+per-row arithmetic), so a token's output does not depend on the batch it arrives in.
 
 Dequantised weights can be kept in a small LRU cache (`set_dequant_cache_bytes`, env
 `EXPERTMESH_MOE_DEQUANT_CACHE_MB`, default 256 MiB; 0 turns it off). An entry is keyed by the identity of
@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
 from expertmesh.kernels.moe.naive import check_moe_inputs, expert_mlp
 from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
 
@@ -121,11 +122,15 @@ def grouped_expert_outputs(
     E: int,
     weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     out: torch.Tensor | None = None,
+    *,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """The grouped loop, given `weights(e) -> (w13 [2I, H], w2 [H, I])` as float tensors (fp32 or bf16).
 
     With bf16 weights the rows are cast to bf16 and the GEMMs run in bf16 (benchmark comparison only: not the
-    fp32 contract). x [T, H], topk_ids [T, K] (checked by the caller) → [T, K, H] in x.dtype."""
+    fp32 contract; the activation still runs in fp32). x [T, H], topk_ids [T, K] (checked by the caller) → [T, K, H]
+    in x.dtype."""
+    check_activation(activation)
     T, K = topk_ids.shape
     H = x.shape[1]
     order, counts, start = group_by_expert(topk_ids, E)
@@ -139,9 +144,9 @@ def grouped_expert_outputs(
         w13, w2 = weights(e)
         rows = xf.index_select(0, slots // K)                  # [n, H]: token of each slot
         if w13.dtype != torch.float32:
-            res = expert_mlp(rows.to(w13.dtype), w13, w2).float()
+            res = expert_mlp(rows.to(w13.dtype), w13, w2, activation=activation).float()
         else:
-            res = expert_mlp(rows, w13, w2)
+            res = expert_mlp(rows, w13, w2, activation=activation)
         flat_out.index_copy_(0, slots, res)
     result = flat_out.view(T, K, H)
     if out is None:
@@ -159,6 +164,7 @@ def moe_expert_outputs(
     w2_scales: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """Grouped fast path. Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
@@ -167,13 +173,14 @@ def moe_expert_outputs(
         return (_CACHE.get(w13_blocks, w13_scales, e, torch.float32),
                 _CACHE.get(w2_blocks, w2_scales, e, torch.float32))
 
-    return grouped_expert_outputs(x, topk_ids, s.E, weights, out)
+    return grouped_expert_outputs(x, topk_ids, s.E, weights, out, activation=activation)
 
 
 def moe_expert_outputs_dense(
-    x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """The same grouped GEMM on pre-dequantised weights w13 [E, 2I, H], w2 [E, H, I] (fp32, or bf16 GEMMs).
 
     For benchmarks and tests (no MXFP4 decode in the loop); x and topk_ids as in `moe_expert_outputs`."""
-    return grouped_expert_outputs(x, topk_ids, w13.shape[0], lambda e: (w13[e], w2[e]))
+    return grouped_expert_outputs(x, topk_ids, w13.shape[0], lambda e: (w13[e], w2[e]), activation=activation)

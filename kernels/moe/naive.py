@@ -3,7 +3,10 @@
 One shard of E experts (gpt-oss-like layout, gate and up CONCATENATED along the rows):
     w13_blocks uint8 [E, 2I, H/2], w13_scales uint8 [E, 2I, H/32]   rows 0..I-1 = gate, I..2I-1 = up
     w2_blocks  uint8 [E, H, I/2],  w2_scales  uint8 [E, H, I/32]
-    expert_e(x) = W2_e · (silu(W_gate,e · x) ⊙ (W_up,e · x)), in fp32 from the dequantised weights.
+    expert_e(x) = W2_e · act(W_gate,e · x, W_up,e · x), in fp32 from the dequantised weights,
+with act the keyword `activation` (`kernels.activation.GatedActivation`) every entry point takes: SwiGLU
+silu(g) ⊙ u by default (`SWIGLU`), or Kimi K3's SiTU β·tanh(g/β)·σ(g) ⊙ β_lin·tanh(u/β_lin) (u uncapped
+when β_lin = 0).
 
 `moe_expert_outputs(x [T,H], topk_ids [T,K])` → [T,K,H] in x.dtype: the UNWEIGHTED output of expert
 topk_ids[t,k] (a LOCAL index in [0,E), or -1: not on this shard → exactly 0) for token t.
@@ -11,7 +14,7 @@ topk_ids[t,k] (a LOCAL index in [0,E), or -1: not on this shard → exactly 0) f
 
 Batch invariance (DESIGN.md, "Determinism"): a token's rows must be bitwise the same whatever other tokens
 share the call. On torch 2.13 CPU both the GEMM kernel (picked by row count) and the elementwise kernels
-(SIMD body vs scalar tails) depend on the batch; `invariant_linear` and `swiglu` go through
+(SIMD body vs scalar tails) depend on the batch; `invariant_linear` and `swiglu` (the activation) go through
 `kernels/batch_invariant.py` (row-tiled GEMMs, pointwise ops on whole vectors in single-threaded chunks),
 the same helpers the model's dense layers use.
 The reference below and the grouped fast path use both, so they agree bitwise with each other too.
@@ -21,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from expertmesh.kernels.batch_invariant import linear, pointwise
+from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation, gated_act
+from expertmesh.kernels.batch_invariant import linear
 from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -136,16 +139,19 @@ def invariant_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return linear(a, w)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] fp32 (gate | up) → silu(gate) ⊙ up [M, I], each element through the same SIMD path
-    (`kernels.batch_invariant.pointwise`)."""
+def swiglu(gate_up: torch.Tensor, *, activation: GatedActivation = SWIGLU) -> torch.Tensor:
+    """gate_up [M, 2I] fp32 (gate | up) → act(gate, up) [M, I] fp32 (silu(gate) ⊙ up by default), each element
+    through the same SIMD path (`kernels.activation.gated_act` over `kernels.batch_invariant.pointwise`)."""
     i = gate_up.shape[1] // 2
-    return pointwise(F.silu, gate_up[:, :i]) * gate_up[:, i:]   # IEEE multiply: the same bits on every path
+    return gated_act(gate_up[:, :i], gate_up[:, i:], activation)
 
 
-def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """xe [M, H] fp32 rows, w13 [2I, H], w2 [H, I] fp32 → W2 · (silu(gate) ⊙ up) [M, H] fp32, batch-invariant."""
-    return invariant_linear(swiglu(invariant_linear(xe, w13)), w2)
+def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+               activation: GatedActivation = SWIGLU) -> torch.Tensor:
+    """xe [M, H] rows, w13 [2I, H], w2 [H, I] (fp32, or bf16 GEMMs) → W2 · act(gate, up) [M, H], batch-invariant.
+    The activation runs in fp32 (`gated_act`) and is rounded back to the GEMMs' dtype."""
+    gate_up = invariant_linear(xe, w13)
+    return invariant_linear(swiglu(gate_up, activation=activation).to(gate_up.dtype), w2)
 
 
 # ------------------------------------------------------------------------------------------------- reference
@@ -158,6 +164,7 @@ def moe_expert_outputs(
     w2_scales: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """Reference: for each expert, find its (token, k) slots, dequantise its weights, run the MLP on those rows.
 
@@ -165,6 +172,7 @@ def moe_expert_outputs(
     slots with id -1 are exactly 0. fp32 throughout, one rounding to x.dtype at the end.
     """
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    check_activation(activation)
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in range(s.E):
@@ -173,7 +181,7 @@ def moe_expert_outputs(
             continue
         w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)   # [2I, H]
         w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)      # [H, I]
-        result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2)
+        result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2, activation=activation)
     if out is None:
         return result.to(x.dtype)
     out.copy_(result)
@@ -207,7 +215,10 @@ def moe_reference(
     w13_scales: torch.Tensor,
     w2_blocks: torch.Tensor,
     w2_scales: torch.Tensor,
+    *,
+    activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T, H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T, H] in x.dtype (reference path)."""
-    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales),
+    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales,
+                                          activation=activation),
                        topk_weights)

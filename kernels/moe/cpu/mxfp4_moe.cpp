@@ -272,10 +272,37 @@ void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
   });
 }
 
+enum Act : int64_t { kSwiglu = 0, kSitu = 1 };
+
+// The gated activation of gate_up [2I] (gate | up) into dst [I], one element at a time with the scalar libm
+// functions: the same code and bits for every row whatever the batch, on every ISA path.
+//   swiglu: silu(g) * u = g / (1 + exp(-g)) * u
+//   situ:   a = beta * tanh(g / beta); a = a * (1 / (1 + exp(-g))); u' = lb * tanh(u / lb) (u when lb == 0); a * u'
+void gated_act(const float* g, float* dst, int64_t I, int64_t act, float beta, float lb) {
+  if (act == kSwiglu) {
+    for (int64_t j = 0; j < I; ++j) {
+      const float gj = g[j];
+      const float s = gj / (1.0f + std::exp(-gj));
+      dst[j] = s * g[I + j];
+    }
+    return;
+  }
+  for (int64_t j = 0; j < I; ++j) {
+    const float gj = g[j];
+    float a = beta * std::tanh(gj / beta);
+    a = a * (1.0f / (1.0f + std::exp(-gj)));  // exp overflows to inf for gj < -88: sigma = 0, as it should
+    float u = g[I + j];
+    if (lb > 0.0f) u = lb * std::tanh(u / lb);
+    dst[j] = a * u;
+  }
+}
+
 // The grouped expert GEMM: x [T, H] fp32, ids [T, Kt] int64 (local ids, -1 skip), w13 [E, 2I, H/2] (+ scales),
-// w2 [E, H, I/2] (+ scales) -> out [T, Kt, H] fp32 (preallocated; skipped slots written as 0).
+// w2 [E, H, I/2] (+ scales) -> out [T, Kt, H] fp32 (preallocated; skipped slots written as 0). act: 0 SwiGLU,
+// 1 SiTU with soft caps beta (> 0) and linear_beta (>= 0; 0 = up not capped), used as fp32.
 void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w13b, const at::Tensor& w13s,
-                        const at::Tensor& w2b, const at::Tensor& w2s, const at::Tensor& out, int64_t isa) {
+                        const at::Tensor& w2b, const at::Tensor& w2s, const at::Tensor& out, int64_t isa,
+                        int64_t act, double beta, double linear_beta) {
   check_cpu(x, at::kFloat, "x");
   check_cpu(ids, at::kLong, "topk_ids");
   check_cpu(w13b, at::kByte, "w13_blocks");
@@ -285,6 +312,10 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   check_cpu(out, at::kFloat, "out");
   const int64_t T = x.size(0), H = x.size(1), Kt = ids.size(1), E = w13b.size(0), I2 = w13b.size(1), I = I2 / 2;
   TORCH_CHECK(H % 32 == 0 && I % 32 == 0 && w2b.size(1) == H && w2b.size(2) * 2 == I, "moe: shapes do not match");
+  TORCH_CHECK(act == kSwiglu || act == kSitu, "activation: expected 0 (swiglu) or 1 (situ), found ", act);
+  const float fbeta = static_cast<float>(beta), flb = static_cast<float>(linear_beta);
+  TORCH_CHECK(act != kSitu || (std::isfinite(fbeta) && fbeta > 0.0f), "activation: beta must be > 0, found ", beta);
+  TORCH_CHECK(std::isfinite(flb) && flb >= 0.0f, "activation: linear_beta must be >= 0, found ", linear_beta);
   float* y = out.data_ptr<float>();
   std::memset(y, 0, sizeof(float) * T * Kt * H);
   const int64_t S = T * Kt;
@@ -312,14 +343,14 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   const int64_t A = int64_t(active.size());
 
   const float* xs = x.data_ptr<float>();
-  std::vector<float> xr(V * H), gu(V * I2), act(V * I);
+  std::vector<float> xr(V * H), gu(V * I2), hid(V * I);
   std::vector<const float*> xp(V), ap(V);
   std::vector<float*> gp(V), yp(V);
   at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       rearrange(xs + (slot[v] / Kt) * H, xr.data() + v * H, H);
       xp[v] = xr.data() + v * H;
-      ap[v] = act.data() + v * I;
+      ap[v] = hid.data() + v * I;
       gp[v] = gu.data() + v * I2;
       yp[v] = y + slot[v] * H;
     }
@@ -335,17 +366,13 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
                 gp.data() + v0, c * kRowChunk, std::min(I2, (c + 1) * kRowChunk));
     }
   });
-  // SwiGLU, one element at a time (scalar exp: the same bits whatever the batch), then rearranged for phase 2.
+  // The activation, one element at a time (scalar exp / tanh: the same bits whatever the batch), then rearranged
+  // for phase 2.
   at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {
     std::vector<float> tmp(I);
     for (int64_t v = v0; v < v1; ++v) {
-      const float* g = gu.data() + v * I2;
-      for (int64_t j = 0; j < I; ++j) {
-        const float gj = g[j];
-        const float s = gj / (1.0f + std::exp(-gj));
-        tmp[j] = s * g[I + j];
-      }
-      rearrange(tmp.data(), act.data() + v * I, I);
+      gated_act(gu.data() + v * I2, tmp.data(), I, act, fbeta, flb);
+      rearrange(tmp.data(), hid.data() + v * I, I);
     }
   });
   // Phase 2: out[slot] = W2_e act.
@@ -368,6 +395,7 @@ int64_t best_isa() { return resolve_isa(kAuto); }
 TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
   m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor scales, Tensor(a!) out, int isa) -> ()", &mxfp4_linear);
   m.def("moe_expert_outputs(Tensor x, Tensor topk_ids, Tensor w13_blocks, Tensor w13_scales, Tensor w2_blocks, "
-        "Tensor w2_scales, Tensor(a!) out, int isa) -> ()", &moe_expert_outputs);
+        "Tensor w2_scales, Tensor(a!) out, int isa, int act, float beta, float linear_beta) -> ()",
+        &moe_expert_outputs);
   m.def("best_isa() -> int", &best_isa);
 }
