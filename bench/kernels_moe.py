@@ -8,8 +8,9 @@ T = 1, 4, 16, 64 and prefill T = 2048. Columns (median ms of interleaved repeats
   cached     grouped path, dequant cache warm (decoded experts reused)
   fp32/bf16  the same grouped GEMM on weights dequantised once up front (fp32; bf16 GEMMs)
 Ratios: ref/mxfp4 (fast-path speed-up), mxfp4/fp32 and mxfp4/bf16 (MXFP4 overhead); rel err vs the reference.
+`--activation situ` runs every column with Kimi K3's SiTU (β = 4, β_lin = 25) in place of SwiGLU.
 
-    python bench/kernels_moe.py [--quick] [--out bench/results/kernels_moe.json]
+    python bench/kernels_moe.py [--quick] [--activation swiglu|situ] [--out bench/results/kernels_moe.json]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
     moe_expert_outputs_dense,
@@ -59,7 +61,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def run(quick: bool) -> list[dict]:
+ACTIVATIONS = {"swiglu": SWIGLU, "situ": GatedActivation("situ", beta=4.0, linear_beta=25.0)}
+
+
+def run(quick: bool, activation: str = "swiglu") -> list[dict]:
+    act = ACTIVATIONS[activation]
     H, I, E, K, source = _sizes()
     gen = torch.Generator().manual_seed(0)
     w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5)
@@ -76,23 +82,24 @@ def run(quick: bool) -> list[dict]:
 
             def mxfp4_nocache():
                 set_dequant_cache_bytes(0)
-                return moe_expert_outputs_grouped(x, ids, *w13, *w2)
+                return moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)
 
             fns = {
-                "ref": lambda: moe_expert_outputs_reference(x, ids, *w13, *w2),
+                "ref": lambda: moe_expert_outputs_reference(x, ids, *w13, *w2, activation=act),
                 "mxfp4": mxfp4_nocache,
-                "fp32": lambda: moe_expert_outputs_dense(x, ids, w13_f32, w2_f32),
-                "bf16": lambda: moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16),
+                "fp32": lambda: moe_expert_outputs_dense(x, ids, w13_f32, w2_f32, activation=act),
+                "bf16": lambda: moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16, activation=act),
             }
             t = _time_all(fns, repeats)
             set_dequant_cache_bytes(1 << 30)                         # the warm-up call fills it
-            t_cached = _time_all({"cached": lambda: moe_expert_outputs_grouped(x, ids, *w13, *w2)}, repeats)["cached"]
+            t_cached = _time_all({"cached": lambda: moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)},
+                                 repeats)["cached"]
             set_dequant_cache_bytes(256 * 2**20)
-            ref = moe_expert_outputs_reference(x, ids, *w13, *w2)
-            got = moe_expert_outputs_grouped(x, ids, *w13, *w2)
-            got_bf16 = moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16)
+            ref = moe_expert_outputs_reference(x, ids, *w13, *w2, activation=act)
+            got = moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)
+            got_bf16 = moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16, activation=act)
             rows.append(dict(
-                phase="decode" if T <= 64 else "prefill", T=T, H=H, I=I, E=E, K=K,
+                phase="decode" if T <= 64 else "prefill", T=T, H=H, I=I, E=E, K=K, activation=activation,
                 experts_hit=int(torch.unique(ids).numel()),
                 ref_ms=t["ref"] * 1e3, mxfp4_ms=t["mxfp4"] * 1e3, cached_ms=t_cached * 1e3,
                 fp32_ms=t["fp32"] * 1e3, bf16_ms=t["bf16"] * 1e3,
@@ -107,12 +114,14 @@ def run(quick: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, fewer repeats (smoke run)")
+    parser.add_argument("--activation", choices=list(ACTIVATIONS), default="swiglu",
+                        help="the experts' gated activation (situ: Kimi K3's, β = 4, β_lin = 25)")
     parser.add_argument("--out", default="bench/results/kernels_moe.json")
     args = parser.parse_args()
-    rows = run(args.quick)
+    rows = run(args.quick, args.activation)
     r0 = rows[0]
     print(f"MoE grouped MXFP4 GEMM, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"H={r0['H']} I={r0['I']} E={r0['E']} top-{r0['K']} ({r0['sizes_from']}); times in ms")
+          f"H={r0['H']} I={r0['I']} E={r0['E']} top-{r0['K']} ({r0['sizes_from']}), {args.activation}; times in ms")
     print(f"{'phase':8} {'T':>5} {'exp':>4} {'ref':>8} {'mxfp4':>8} {'cached':>8} {'fp32':>8} {'bf16':>8} "
           f"{'ref/mx':>7} {'mx/fp32':>8} {'mx/bf16':>8} {'rel err':>8} {'==ref':>6}")
     for r in rows:
@@ -122,7 +131,8 @@ def main() -> None:
               f"{str(r['bitwise_equal_ref']):>6}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick)
+    meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick,
+                activation=args.activation)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"wrote {out}")
 
