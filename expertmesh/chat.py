@@ -1,13 +1,20 @@
 """Chat formats, tool-call parsing and thinking budgets (pure functions, no I/O; `chat_formats.load_chat` picks a
 checkpoint's format).
 
-A chat format turns messages into prompt ids and generated ids back into reasoning, content and tool calls. Two
-exist: the built-in one below (byte tokenizer, synthetic checkpoints) and a checkpoint's own Jinja chat template
-(`expertmesh.chat_template`). The router sees only what they share:
+A chat format turns messages into prompt ids and generated ids back into reasoning, content and tool calls. Three
+exist: the built-in one below (byte tokenizer, synthetic checkpoints), a checkpoint's own Jinja chat template
+(`expertmesh.chat_template`) and Kimi K3's XTML format (`expertmesh.chat_k3`). The router sees only what they share:
 
     fmt.tokenizer, fmt.markers (ChatMarkers), fmt.supports_thinking, fmt.trim_whitespace
-    fmt.render(messages, tools=..., thinking=...) -> RenderedPrompt(ids, phase)
-    fmt.parse_output(tokens, phase=..., salt=...) -> ParsedOutput
+    fmt.render(messages, tools=..., thinking=..., thinking_effort=..., tool_choice=..., response_format=...)
+        -> RenderedPrompt(ids, phase)
+    fmt.parse_output(tokens, phase=..., salt=..., tools=...) -> ParsedOutput
+
+`thinking_effort` (a tier: low / high / max), `tool_choice` and `response_format` reach the prompt only in a format
+whose model was trained on them (K3 renders each as a system message); the others check them
+(`check_render_options`, the same ChatError everywhere) and leave the prompt as it is — there the tier is a token
+cap and the other two are enforced by constrained decoding alone. `tools` in parse_output are the request's
+declared tools, for a format that types tool-call arguments by their schema (K3); the others ignore them.
 
 `phase` says where generation starts: "reasoning" (the prompt opened the thinking section), "content", or "maybe"
 (a template whose model opens thinking itself: a first generated think-start token starts reasoning).
@@ -169,7 +176,11 @@ class ChatMarkers:
     stop: tuple[int, ...]                 # the answer is over (end of turn, EOS)
     end_of_turn: int                      # what a stray template token in an answer becomes
     think_start: int | None = None
-    think_end: int | None = None
+    think_end: int | None = None          # the token that ends thinking (the first of think_end_ids)
+    # the whole sequence that ends thinking and opens the answer where that is more than one token (K3:
+    # ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩): what a budget cut should force; ThinkingBudget forces only
+    # think_end and leaves the rest to the model
+    think_end_ids: tuple[int, ...] = ()
     tool_open: int | None = None          # streaming holds back from tool_open to tool_close (None: to the end)
     tool_close: int | None = None
     not_in_answer: frozenset[int] = frozenset()   # template tokens that would corrupt the history in an answer
@@ -337,17 +348,37 @@ class ThinkingBudget:
 
 
 # ----------------------------------------------------------------------------------------------- formats
+TOOL_CHOICES = ("auto", "none", "required")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def check_render_options(*, thinking_effort: str | None = None, tool_choice=None, response_format=None) -> None:
+    """The render options every format accepts, checked alike: ChatError naming the one that is wrong.
+    `thinking_effort` a tier or None; `tool_choice` None, auto / none / required, or a named-function object;
+    `response_format` None or {type: text | json_object | json_schema, ...}."""
+    if thinking_effort is not None and thinking_effort not in TIERS:
+        raise ChatError(f"thinking_effort: {thinking_effort!r} is not one of {', '.join(TIERS)}")
+    if tool_choice is not None and not isinstance(tool_choice, dict) and tool_choice not in TOOL_CHOICES:
+        raise ChatError(f"tool_choice: {tool_choice!r} is not one of {', '.join(TOOL_CHOICES)} or a function")
+    if response_format is not None and (not isinstance(response_format, dict)
+                                        or response_format.get("type") not in RESPONSE_FORMAT_TYPES):
+        raise ChatError(f"response_format: expected {{type: {' | '.join(RESPONSE_FORMAT_TYPES)}}}, "
+                        f"got {response_format!r}")
+
+
 class ChatFormat(Protocol):
-    """What the router needs of a chat format (BuiltinChat, chat_template.TemplateChat, NoChatTemplate)."""
-    tokenizer: object               # ByteTokenizer | CheckpointTokenizer: the interface in expertmesh.tokenizer
+    """What the router needs of a chat format (BuiltinChat, chat_template.TemplateChat, chat_k3.K3Chat,
+    chat_formats.NoChatTemplate)."""
+    tokenizer: object               # Byte- | Checkpoint- | TikTokenTokenizer: the interface in expertmesh.tokenizer
     markers: ChatMarkers
     supports_thinking: bool
     trim_whitespace: bool           # parse_output strips the whitespace around reasoning and content
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None,
-               thinking: bool = True) -> RenderedPrompt: ...
+    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
+               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt: ...
 
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput: ...
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "",
+                     tools: list[dict] | None = None) -> ParsedOutput: ...
 
 
 class BuiltinChat:
@@ -360,10 +391,13 @@ class BuiltinChat:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.markers = builtin_markers(self.tokenizer)
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None,
-               thinking: bool = True) -> RenderedPrompt:
+    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
+               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt:
+        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice,
+                             response_format=response_format)
         return RenderedPrompt(render(messages, self.tokenizer, tools=tools, thinking=thinking),
                               "reasoning" if thinking else "content")
 
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput:
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "",
+                     tools: list[dict] | None = None) -> ParsedOutput:
         return parse_output(tokens, self.tokenizer, thinking=phase == "reasoning", salt=salt)

@@ -43,6 +43,7 @@ from expertmesh.chat import (
     Phase,
     RenderedPrompt,
     ToolCall,
+    check_render_options,
     split_reasoning,
     tool_call_id,
     validate_history,
@@ -349,8 +350,11 @@ class TemplateChat:
         _, marks = self._control[self._pick(tools)]
         return encode_marked(self.tokenizer, text, marks)
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None,
-               thinking: bool = True) -> RenderedPrompt:
+    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
+               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt:
+        """`thinking_effort`, `tool_choice`, `response_format`: checked, not rendered (chat.ChatFormat)."""
+        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice,
+                             response_format=response_format)
         validate_history(messages)
         ids = self.render_ids(self.template_messages(messages), tools=tools, thinking=thinking)
         return RenderedPrompt(ids, self.phase_after(ids))
@@ -369,7 +373,7 @@ class TemplateChat:
         return "reasoning" if last_start > last_end else "maybe"
 
     # --- parsing
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "") -> ParsedOutput:
+    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "", tools=None) -> ParsedOutput:
         """Reasoning, content and tool calls of generated ids. Reasoning and content come back without the
         whitespace around them: templates write their own separators (`<think>\\n` … `\\n</think>\\n\\n`), and a
         client that sends the answer back unstripped would otherwise get them twice and miss the prefix cache."""
