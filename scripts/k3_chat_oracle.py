@@ -6,7 +6,9 @@ from the llama-cpp-python 0.3.36 sdist (downloaded with `pip download --no-binar
 directory when it is not there; never committed) — by jinja2, then tokenized the way llama.cpp tokenizes a
 rendered prompt: special-token strings become their ids (parse_special), the text between them goes through the
 BPE with Kimi's pre-tokenizer regex, no BOS. The tokenizer is the tiny K3 directory tests/k3_fixtures.py writes,
-loaded here with tiktoken directly (not with expertmesh's tokenizer, which is what the test checks).
+loaded here with tiktoken directly (not with expertmesh's tokenizer, which is what the test checks). Checked once
+against llama.cpp itself: the tiny tokenizer converted to a vocab-only GGUF (convert_hf_to_gguf.py, pre-tokenizer
+kimi-k2) and every case's text through `llama-tokenize --no-bos --no-escape` gave these ids, all 19 cases.
 
 jinja2 is set up as llama.cpp's Jinja engine behaves where the two differ for this template: `dictsort` compares
 keys case-sensitively (llama.cpp common/jinja/value.cpp; K3's reference encoder sorts with `sort_keys` too), where
