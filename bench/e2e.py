@@ -265,14 +265,15 @@ def _bench_wire(clients: dict, layer: int, hidden_size: int, reps: int,
 
 
 def exchange_bounds(cfg, dtype_bytes: int = 4) -> tuple[int, int]:
-    """(least, per-slot) bytes per token per MoE layer: the hidden state out once and one row back, vs the hidden
-    state to each of the top-k experts and one row back from each."""
-    h = cfg.hidden_size * dtype_bytes
+    """(least, per-slot) bytes per token per MoE layer: the experts' input row (hidden state, or its latent) out once
+    and one row back, vs that row to each of the top-k experts and one row back from each."""
+    h = cfg.expert_hidden_size * dtype_bytes
     return 2 * h, 2 * h * cfg.moe.top_k
 
 
-def project_full(batch: int = 256, pods: int = 16, seed: int = 0) -> list[dict]:
-    """Bytes per step per attention worker for full-2.8t (bf16 on the wire) from the exchange's own assignment."""
+def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> list[dict]:
+    """Bytes per step per attention worker for full-2.8t (or `cfg`; bf16 on the wire) from the exchange's own
+    assignment. Rows are the experts' width: the latent of a latent MoE."""
     import numpy as np
     import torch
 
@@ -280,8 +281,8 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0) -> list[dict]:
     from expertmesh.planner import ClusterShape, plan_placement
     from expertmesh.replica_table import ReplicaTable
     from expertmesh.worker.exchange import ExpertExchange
-    cfg = preset("full-2.8t")
-    E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.hidden_size
+    cfg = cfg or preset("full-2.8t")
+    E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.expert_hidden_size
     G = cfg.moe.combine_groups
     g = torch.Generator().manual_seed(seed)
     ids = route_tokens(torch.randn(batch, E, generator=g), torch.zeros(E), cfg)[0].sort(1).values.numpy()

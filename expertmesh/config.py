@@ -20,7 +20,7 @@ from expertmesh.tokenizer import VOCAB_SIZE, ByteTokenizer
 # kda: Kimi Delta Attention; mla: full multi-head latent attention (Kimi Linear's global layers); dsa: MLA whose
 # queries each attend only to the lightning indexer's top-k past tokens (DeepSeek-V3.2).
 LayerType = Literal["kda", "mla", "dsa"]
-ModelType = Literal["expertmesh", "kimi_linear", "deepseek_v32"]
+ModelType = Literal["expertmesh", "kimi_linear", "deepseek_v32", "kimi_k3"]
 MXFP4_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
 MXFP4_BITS_PER_WEIGHT = 4 + 8 / MXFP4_BLOCK  # 4.25
 
@@ -33,7 +33,7 @@ class MoEConfig(_Strict):
     n_routed_experts: int = Field(gt=0)
     n_shared_experts: int = Field(ge=0)
     top_k: int = Field(gt=0)
-    expert_intermediate_size: int = Field(gt=0, description="width of one routed (and shared) expert's SwiGLU")
+    expert_intermediate_size: int = Field(gt=0, description="width of one routed (and shared) expert's gated MLP")
     n_group: int = Field(1, gt=0, description="expert groups for group-limited routing")
     topk_group: int = Field(1, gt=0, description="groups a token may route into")
     routed_scaling_factor: float = Field(1.0, gt=0)
@@ -42,6 +42,13 @@ class MoEConfig(_Strict):
         None, gt=0, description="experts per combine group: the unit an expert worker pre-reduces and the order of "
                                 "the canonical combine (kernels/moe/combine.py); a fixed partition, so the sum never "
                                 "depends on placement. Default: the routing group size (n_routed_experts / n_group)")
+    latent_size: int | None = Field(
+        None, gt=0, description="latent MoE (Kimi K3's routed_expert_hidden_size): the routed experts compute on a "
+                                "down-projection of the layer's normed input to this width, and their weighted sum is "
+                                "RMS-normed (latent_norm) and projected back up; the router and the shared experts read "
+                                "the full-width input. None: the experts compute at the hidden size")
+    latent_norm: bool = Field(True, description="RMSNorm on the latent experts' weighted sum (K3: "
+                                                "latent_moe_use_norm)")
 
     @property
     def combine_groups(self) -> int:
@@ -66,6 +73,9 @@ class MoEConfig(_Strict):
             raise ValueError(
                 f"moe.top_k={self.top_k} exceeds the {reachable} experts reachable through "
                 f"moe.topk_group={self.topk_group} of moe.n_group={self.n_group} groups")
+        if self.latent_size is not None and self.latent_size % MXFP4_BLOCK:
+            raise ValueError(f"moe.latent_size={self.latent_size} must be a multiple of the MXFP4 block size "
+                             f"{MXFP4_BLOCK}")
         if self.expert_intermediate_size % MXFP4_BLOCK:
             raise ValueError(
                 f"moe.expert_intermediate_size={self.expert_intermediate_size} must be a multiple of the "
@@ -84,7 +94,8 @@ class MLAConfig(_Strict):
     rope: Literal["interleaved", "half", "none"] = Field(
         "interleaved", description="layout of the rotary dims: DeepSeek's interleaved pairs, rotate-half, or NoPE "
                                    "(Kimi Linear: the rope slice of the key is kept but never rotated)")
-    gated_output: bool = Field(False, description="sigmoid gate on the attention output (gated DSA)")
+    gated_output: bool = Field(False, description="sigmoid gate on the attention output, from the layer's normed "
+                                                  "input (gated DSA; K3's gated MLA)")
     norm_eps: float = Field(1e-6, gt=0, description="eps of the q / kv latent RMSNorms (published: 1e-6)")
 
     @model_validator(mode="after")
@@ -111,6 +122,14 @@ class KDAConfig(_Strict):
     gate_low_rank: int = Field(gt=0, description="rank of the forget-gate and output-gate projections")
     conv_bias: bool = Field(False, description="the short convolutions carry a bias")
     output_gate_bias: bool = Field(False, description="the output gate's up-projection carries a bias")
+    output_gate: Literal["low_rank", "full_rank"] = Field(
+        "low_rank", description="the sigmoid output gate: g_b(g_a(x)) of rank gate_low_rank (Kimi Linear) or one "
+                                "full-rank g_proj (Kimi K3)")
+    gate_lower_bound: float | None = Field(
+        None, lt=0, description="Kimi K3: the forget gate's log-decay is lb·σ(exp(A_log)·f) ∈ (lb, 0) instead of "
+                                "−exp(A_log)·softplus(f) (Kimi Linear)")
+    l2_norm_eps: float = Field(1e-6, gt=0, description="eps of q / k's L2 normalisation (FLA's and transformers' "
+                                                       "1e-6; llama.cpp's kimi-k3 uses rms_norm_eps)")
 
 
 class YarnConfig(_Strict):
@@ -123,6 +142,14 @@ class YarnConfig(_Strict):
     mscale_all_dim: float = 0.0
     attention_factor: float | None = Field(None, description="cos/sin scale; None: from factor and the mscales")
     truncate: bool = True
+
+
+class ActivationConfig(_Strict):
+    """The gated MLPs' activation act(gate, up) (dense layers, shared and routed experts): SwiGLU silu(g)·u, or
+    Kimi K3's SiTU β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin) (β_lin = 0: u uncapped)."""
+    kind: Literal["swiglu", "situ"] = "swiglu"
+    beta: float = Field(4.0, gt=0, description="SiTU's gate soft cap (activation_situ_beta)")
+    linear_beta: float = Field(25.0, ge=0, description="SiTU's up soft cap (activation_situ_linear_beta; 0: none)")
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -263,6 +290,11 @@ class ModelConfig(_Strict):
     thinking: ThinkingBudgets
     max_context: int = Field(gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
+    activation: ActivationConfig = ActivationConfig()
+    attn_res_block_size: int | None = Field(
+        None, gt=0, description="attention residuals (Kimi K3): each layer's attention and MLP input is a learned "
+                                "softmax mix of block sums of the residual stream, a block every this many layers; "
+                                "None: the plain residual stream")
     tie_word_embeddings: bool = False
     init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
     vision: VisionConfig | None = Field(None, description="image input (expertmesh/vision.py); None: text only")
@@ -327,7 +359,8 @@ class ModelConfig(_Strict):
         qkv += 3 * inner if a.conv_bias else 0
         forget = h * a.gate_low_rank + a.gate_low_rank * inner + a.n_heads + inner  # low-rank g, A_log, dt_bias
         beta = h * a.n_heads
-        out_gate = h * a.gate_low_rank + a.gate_low_rank * inner + (inner if a.output_gate_bias else 0)
+        out_gate = (h * inner if a.output_gate == "full_rank" else h * a.gate_low_rank + a.gate_low_rank * inner) \
+            + (inner if a.output_gate_bias else 0)
         return qkv + forget + beta + out_gate + a.head_dim + inner * h  # + output norm + o_proj
 
     def _latent_layer_params(self, indexed: bool) -> int:
@@ -349,18 +382,31 @@ class ModelConfig(_Strict):
         return self._kda_layer_params() if kind == "kda" else self._latent_layer_params(indexed=kind == "dsa")
 
     @property
+    def expert_hidden_size(self) -> int:
+        """The width routed experts read and write: the latent (latent MoE) or the hidden size."""
+        return self.moe.latent_size or self.hidden_size
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up, down)."""
-        return 3 * self.hidden_size * self.moe.expert_intermediate_size
+        return 3 * self.expert_hidden_size * self.moe.expert_intermediate_size
 
     def ffn_params(self, layer: int, active_only: bool = False) -> int:
         h = self.hidden_size
         if not self.is_moe_layer(layer):
             return 3 * h * self.dense_intermediate_size
         routed = (self.moe.top_k if active_only else self.moe.n_routed_experts) * self.expert_params
-        shared = self.moe.n_shared_experts * self.expert_params
+        shared = self.moe.n_shared_experts * 3 * h * self.moe.expert_intermediate_size    # at the full width
         router = self.moe.n_routed_experts * h + self.moe.n_routed_experts  # gate weight + correction bias
-        return routed + shared + router
+        latent = 0
+        if self.moe.latent_size is not None:                    # down and up projections (+ the latent norm)
+            latent = 2 * h * self.moe.latent_size + (self.moe.latent_size if self.moe.latent_norm else 0)
+        return routed + shared + router + latent
+
+    @property
+    def attn_res_params(self) -> int:
+        """Attention residuals: a norm and a projection vector per mix (two per layer, one at the output)."""
+        return 0 if self.attn_res_block_size is None else 2 * self.hidden_size * (2 * self.n_layers + 1)
 
     @property
     def embedding_params(self) -> int:
@@ -370,8 +416,8 @@ class ModelConfig(_Strict):
         return (n if self.tie_word_embeddings else 2 * n) + vision
 
     def _layers_params(self, active_only: bool) -> int:
-        return sum(self.attention_params(i) + self.ffn_params(i, active_only) + 2 * self.hidden_size
-                   for i in range(self.n_layers))
+        return self.attn_res_params + sum(self.attention_params(i) + self.ffn_params(i, active_only)
+                                          + 2 * self.hidden_size for i in range(self.n_layers))
 
     @cached_property
     def total_params(self) -> int:
@@ -390,7 +436,7 @@ class ModelConfig(_Strict):
     @property
     def expert_bytes_mxfp4(self) -> int:
         """Bytes of one routed expert in MXFP4: K/2 bytes of nibbles + K/32 bytes of scales per row."""
-        h, i = self.hidden_size, self.moe.expert_intermediate_size
+        h, i = self.expert_hidden_size, self.moe.expert_intermediate_size
         gate_up = 2 * i * (h // 2 + h // MXFP4_BLOCK)
         down = h * (i // 2 + i // MXFP4_BLOCK)
         return gate_up + down
@@ -436,8 +482,16 @@ class ModelConfig(_Strict):
                        + (f" + {self.n_mla_layers} MLA" if self.n_mla_layers else "") + "; "
                        f"{self.first_k_dense} dense, {self.n_moe_layers} MoE)"),
             ("hidden size", f"{self.hidden_size}"),
-            ("routed experts / layer", f"{self.moe.n_routed_experts} (top-{self.moe.top_k}, "
-                                       f"{self.moe.n_shared_experts} shared, width {self.moe.expert_intermediate_size})"),
+            ("routed experts / layer", f"{self.moe.n_routed_experts} (top-{self.moe.top_k}"
+                                       + (f" in {self.moe.topk_group} of {self.moe.n_group} groups"
+                                          if self.moe.n_group > 1 else ", ungrouped")
+                                       + f", {self.moe.n_shared_experts} shared, width {self.moe.expert_intermediate_size}"
+                                       + (f", on a {self.moe.latent_size} latent" if self.moe.latent_size else "")
+                                       + ")"),
+            ("MLP activation", self.activation.kind if self.activation.kind == "swiglu" else
+             f"situ (β {self.activation.beta:g}, β_lin {self.activation.linear_beta:g})"),
+            ("attention residuals", f"blocks of {self.attn_res_block_size} layers" if self.attn_res_block_size
+             else "none"),
             ("total parameters", _human(self.total_params)),
             ("active parameters / token", _human(self.active_params)),
             ("routed expert parameters", _human(self.routed_expert_params)),
@@ -524,32 +578,34 @@ def _small() -> ModelConfig:
 
 
 def _full_2_8t() -> ModelConfig:
-    """The reference architecture at its published figures; used for planning and memory arithmetic only.
+    """Kimi K3 at its published figures with a DSA indexer on its full-attention layers (the model of the brief);
+    used for planning and memory arithmetic only.
 
-    Published: 93 layers = 69 KDA + 24 DSA, 2.8T total / 104B active parameters, DSA top-k 2,048 over MLA latent
-    KV, 1,048,576-token context, routed experts in MXFP4.
+    Published (Kimi K3, `moonshotai/Kimi-K3`): 93 layers = 69 KDA + 24 full attention, hidden 7168, 896 routed
+    experts top-16 on a 3,584-wide latent (latent MoE with its norm), 2 shared experts, SiTU (β 4, β_lin 25),
+    attention residuals, ungrouped sigmoid routing with a correction bias, NoPE gated MLA with KV LoRA rank 512 and
+    a 64-wide (unrotated) rope slice, KDA 96 heads × 128 with short conv 4, a full-rank output gate and gate lower
+    bound −5, vocabulary 163,840, 1,048,576-token context, routed experts in MXFP4; 2.8T total / 104B active.
+    The brief: the 24 full-attention layers are gated DSA, top-2,048 over the MLA latent KV.
 
-    Assumed (the public record leaves them open; chosen to reproduce the totals, in the style of DeepSeek-V3 /
-    Kimi K2 / Kimi Linear):
-      - hidden size 7168, vocabulary 163,840 (untied embeddings), first 3 layers dense (SwiGLU width 18,432);
-      - DSA layers placed evenly, the last layer DSA (KDA:DSA ≈ 3:1);
-      - MoE: 624 routed experts per layer (8 groups of 78) of SwiGLU width 2,304, top-16 within the top-4
-        groups, 2 shared experts of the same width, routed scaling 2.5; combine groups of 39 (half a routing
-        group: one per expert pod per layer at 16 pods, so a token's answer is ≤ 8 rows);
-      - MLA: 64 heads, q LoRA rank 1,536, KV LoRA rank 512, nope/rope/v head dims 128/64/128, gated output;
-      - indexer: 32 heads × 128 dims;
-      - KDA: 64 heads × 128 dims, short conv 4, low-rank gates of rank 128;
-      - thinking budgets 4,096 / 32,768 / 131,072 reasoning tokens.
+    Assumed (the public record leaves them open; chosen to reproduce the totals, in Kimi K2's / DeepSeek-V3.2's
+    style): expert width 3,072; first layer dense (SiTU width 18,432); full-attention layers spread evenly with the
+    last one full (KDA:full ≈ 3:1); MLA 64 heads, q LoRA rank 1,536, nope/v head dims 128/128; attention-residual
+    blocks of 6 layers; routed scaling 2.5; the indexer DeepSeek-V3.2's 64 heads × 128 dims (no RoPE: the model is
+    NoPE); combine groups of 56 experts (one per expert pod per layer at 16 pods); thinking caps 4,096 / 32,768 /
+    131,072 reasoning tokens.
     """
     return ModelConfig(
-        name="full-2.8t", vocab_size=163_840, hidden_size=7168,
-        layer_types=interleaved_layer_types(93, 24), first_k_dense=3, dense_intermediate_size=18_432,
-        moe=MoEConfig(n_routed_experts=624, n_shared_experts=2, top_k=16, expert_intermediate_size=2304,
-                      n_group=8, topk_group=4, routed_scaling_factor=2.5, combine_group_size=39),
+        name="full-2.8t", model_type="kimi_k3", vocab_size=163_840, hidden_size=7168,
+        layer_types=interleaved_layer_types(93, 24), first_k_dense=1, dense_intermediate_size=18_432,
+        moe=MoEConfig(n_routed_experts=896, n_shared_experts=2, top_k=16, expert_intermediate_size=3072,
+                      n_group=1, topk_group=1, routed_scaling_factor=2.5, combine_group_size=56, latent_size=3584),
         mla=MLAConfig(n_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, gated_output=True),
-        indexer=IndexerConfig(n_heads=32, head_dim=128, index_topk=2048),
-        kda=KDAConfig(n_heads=64, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
+                      v_head_dim=128, rope="none", gated_output=True),
+        indexer=IndexerConfig(n_heads=64, head_dim=128, index_topk=2048, rope=False),
+        kda=KDAConfig(n_heads=96, head_dim=128, conv_kernel_size=4, gate_low_rank=128, output_gate="full_rank",
+                      gate_lower_bound=-5.0),
+        activation=ActivationConfig(kind="situ", beta=4.0, linear_beta=25.0), attn_res_block_size=6,
         thinking=ThinkingBudgets(low=4096, high=32_768, max=131_072),
         max_context=1_048_576,
     )

@@ -3,15 +3,21 @@ directory's model is, for the router (which needs the config only), the operator
 (expertmesh/hf_layout.py) alike.
 
 Model types: `kimi_linear` (Kimi Linear: KDA + NoPE MLA layers), `deepseek_v32` (DeepSeek-V3.2: MLA + lightning
-indexer on every layer), and the hybrid this project serves — a Kimi Linear config whose full-attention layers carry
-DSA indexer fields (`index_topk`, `index_head_dim`, `index_n_heads`). Families spell the same field differently; the
-aliases are listed where each field is read.
+indexer on every layer), `kimi_k3` (Kimi K3: a wrapper whose `text_config` is Kimi Linear's with SiTU, attention
+residuals, the latent MoE, a full-rank KDA output gate and gate lower bound, NoPE gated MLA), and the hybrids this
+project serves — a Kimi Linear or K3 config whose full-attention layers carry DSA indexer fields (`index_topk`,
+`index_head_dim`, `index_n_heads`). Families spell the same field differently; the aliases are listed where each
+field is read.
+
+Where K3's two public implementations differ, this follows llama.cpp's kimi-k3 (the oracle its tests compare
+with): the KDA q/k L2-norm and the KDA output norm use `rms_norm_eps` (vLLM: a fixed 1e-6 and 1e-5).
 """
 from __future__ import annotations
 
 from expertmesh.checkpoint_files import CheckpointError
 from expertmesh.config import (
     MXFP4_BLOCK,
+    ActivationConfig,
     IndexerConfig,
     KDAConfig,
     MLAConfig,
@@ -22,7 +28,8 @@ from expertmesh.config import (
     YarnConfig,
 )
 
-MODEL_TYPES = ("kimi_linear", "deepseek_v32")
+MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3")
+K3_QUANT_FORMAT = "mxfp4-pack-quantized"          # compressed-tensors routed experts: read as they are
 DEFAULT_THINKING = ThinkingBudgets(low=1024, high=8192, max=32768)
 
 
@@ -77,8 +84,20 @@ def _rope(raw: dict) -> RopeConfig | None:
         truncate=params.get("truncate", True)))
 
 
+def text_config(raw: dict) -> dict:
+    """A wrapper config (kimi_k3: `text_config` beside `vision_config`) flattened as its text model reads it: the
+    text fields over the wrapper's (quantization_config may sit at either level); others unchanged."""
+    if raw.get("model_type") != "kimi_k3":
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise HFCheckpointError("config.json: model_type 'kimi_k3' needs a text_config object")
+    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text, "model_type": "kimi_k3"}
+
+
 def _check_supported(raw: dict) -> None:
-    for key, ok in (("hidden_act", ("silu",)), ("scoring_func", ("sigmoid",)),
+    acts = ("situ",) if raw.get("model_type") == "kimi_k3" else ("silu",)
+    for key, ok in (("hidden_act", acts), ("scoring_func", ("sigmoid",)),
                     ("moe_router_activation_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)),
                     ("attention_bias", (False,)), ("mlp_bias", (False,))):
         if key in raw and raw[key] not in ok:
@@ -89,9 +108,13 @@ def _check_supported(raw: dict) -> None:
         raise HFCheckpointError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads="
                                 f"{heads} (MLA shares one latent across heads)")
     quant = raw.get("quantization_config")
-    if quant and quant.get("quant_method") not in ("fp8", "mxfp4"):
+    if quant and quant.get("quant_method") == "compressed-tensors":
+        if quant.get("format") != K3_QUANT_FORMAT:
+            raise HFCheckpointError(f"config.json: quantization_config.format={quant.get('format')!r}: compressed-"
+                                    f"tensors checkpoints are read in the {K3_QUANT_FORMAT} format only")
+    elif quant and quant.get("quant_method") not in ("fp8", "mxfp4"):
         raise HFCheckpointError(f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: "
-                                f"expected fp8 or mxfp4")
+                                f"expected fp8, mxfp4 or compressed-tensors")
 
 
 def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
@@ -99,12 +122,14 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise HFCheckpointError(f"config.json: model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
+    raw = text_config(raw)
     _check_supported(raw)
+    k3 = model_type == "kimi_k3"
     n_layers = int(_get(raw, "num_hidden_layers"))
     hidden = int(_get(raw, "hidden_size"))
     indexed = model_type == "deepseek_v32" or "index_topk" in raw
-    rope = _rope(raw)
-    if model_type == "kimi_linear":
+    rope = None if k3 else _rope(raw)          # K3 is NoPE throughout (its MLA and the hybrid's indexer alike)
+    if model_type in ("kimi_linear", "kimi_k3"):
         lin = raw.get("linear_attn_config") or {}
         kda_heads = int(lin.get("num_heads", _get(raw, "linear_num_heads", default=32)))
         kda_dim = int(lin.get("head_dim", _get(raw, "linear_head_dim", default=128)))
@@ -119,16 +144,21 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         layer_types = tuple(global_type if t == "full_attention" else "kda" for t in types)
         dense = _dense_prefix(raw, n_layers, default=1)
         # Kimi Linear's MLA is NoPE; the hybrid's DSA layers follow DeepSeek-V3.2 when the config gives RoPE
-        mla_rope = "interleaved" if indexed else "none"
+        mla_rope = "interleaved" if indexed and not k3 else "none"
         n_experts = int(_get(raw, "num_experts", "n_routed_experts", "num_local_experts"))
         top_k = int(_get(raw, "num_experts_per_token", "num_experts_per_tok"))
         n_group = int(_get(raw, "num_expert_group", "n_group", default=1))
         renorm = bool(_get(raw, "moe_renormalize", "norm_topk_prob", default=True))
         n_shared = int(_get(raw, "num_shared_experts", "n_shared_experts", default=1))
         max_context = int(_get(raw, "model_max_length", "max_position_embeddings", default=1 << 20))
+        full_rank_gate = bool(lin.get("use_full_rank_gate", k3))
         kda = KDAConfig(n_heads=kda_heads, head_dim=kda_dim, conv_kernel_size=kernel, gate_low_rank=kda_dim,
                         conv_bias=any(n.endswith("q_conv1d.bias") for n in tensor_names),
-                        output_gate_bias=any(n.endswith("g_b_proj.bias") for n in tensor_names))
+                        output_gate_bias=any(n.endswith(("g_b_proj.bias", "self_attn.g_proj.bias"))
+                                             for n in tensor_names),
+                        output_gate="full_rank" if full_rank_gate else "low_rank",
+                        gate_lower_bound=lin.get("gate_lower_bound") if k3 else None,
+                        l2_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)) if k3 else 1e-6)
     else:
         types = raw.get("layer_types") or ["indexed_attention"] * n_layers
         if set(types) != {"indexed_attention"}:
@@ -146,6 +176,18 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         max_context = int(_get(raw, "max_position_embeddings", default=163_840))
         kda = KDAConfig(n_heads=1, head_dim=MXFP4_BLOCK, gate_low_rank=1)   # unused: no KDA layers
     heads = int(_get(raw, "num_attention_heads"))
+    k3_fields = {}
+    if k3:
+        if not raw.get("mla_use_nope", True):
+            raise HFCheckpointError("config.json: mla_use_nope=false: Kimi K3's full-attention layers are NoPE")
+        block = raw.get("attn_res_block_size")
+        k3_fields = dict(
+            activation=ActivationConfig(kind="situ", beta=float(_get(raw, "activation_situ_beta", default=4.0)),
+                                        linear_beta=float(_get(raw, "activation_situ_linear_beta", default=0.0))),
+            attn_res_block_size=int(block) if block else None)
+    latent = raw.get("routed_expert_hidden_size")
+    latent_norm = bool(raw.get("latent_moe_use_norm", any(n.endswith("routed_expert_norm.weight")
+                                                            for n in tensor_names)))
     cfg = ModelConfig(
         name=name, model_type=model_type, vocab_size=int(_get(raw, "vocab_size")), hidden_size=hidden,
         layer_types=layer_types, first_k_dense=dense, dense_intermediate_size=int(_get(raw, "intermediate_size")),
@@ -153,17 +195,19 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
                       expert_intermediate_size=int(_get(raw, "moe_intermediate_size")), n_group=n_group,
                       topk_group=int(_get(raw, "topk_group", default=1)),
                       routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
-                      norm_topk_prob=renorm),
+                      norm_topk_prob=renorm, latent_size=int(latent) if latent else None,
+                      latent_norm=latent_norm),
         mla=MLAConfig(n_heads=heads, q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(_get(raw, "kv_lora_rank")),
                       qk_nope_head_dim=int(_get(raw, "qk_nope_head_dim")),
                       qk_rope_head_dim=int(_get(raw, "qk_rope_head_dim")), v_head_dim=int(_get(raw, "v_head_dim")),
-                      rope=mla_rope if rope is not None else "none"),
+                      rope=mla_rope if rope is not None else "none",
+                      gated_output=bool(raw.get("mla_use_output_gate", True)) if k3 else False),
         indexer=IndexerConfig(n_heads=int(_get(raw, "index_n_heads", default=1)),
                               head_dim=int(_get(raw, "index_head_dim", default=MXFP4_BLOCK)),
                               index_topk=int(_get(raw, "index_topk", default=2048)), rope=rope is not None),
         kda=kda, rope=rope or RopeConfig(), thinking=DEFAULT_THINKING, max_context=max_context,
         rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), **k3_fields,
     )
     return cfg
 
@@ -171,6 +215,6 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
 def moe_prefix(cfg: ModelConfig, tensor_names: set[str]) -> str:
     """The module the FFN tensors live under: DeepSeek `mlp`; Kimi Linear `block_sparse_moe` (also its dense
     layers, as transformers writes them) or `mlp`."""
-    if cfg.model_type == "kimi_linear" and any(".block_sparse_moe." in n for n in tensor_names):
+    if cfg.model_type in ("kimi_linear", "kimi_k3") and any(".block_sparse_moe." in n for n in tensor_names):
         return "block_sparse_moe"
     return "mlp"

@@ -15,6 +15,7 @@ refused by name.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -29,13 +30,16 @@ from expertmesh.hf_config import HFCheckpointError, config_from_hf, moe_prefix
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.model import module_shapes
 
+log = logging.getLogger("expertmesh.checkpoint")
+
 _FLOAT_DTYPES = {"F32", "BF16", "F16"}
 _FP8 = "F8_E4M3"
 
 
 # ----------------------------------------------------------------------------------------------- tensor names
 def _attention_names(kind: str) -> dict[str, tuple[str, ...]]:
-    """Our attention module's tensor suffix → published suffixes under `model.layers.L.self_attn.`."""
+    """Our attention module's tensor suffix → published suffixes under `model.layers.L.self_attn.` (K3 names its
+    KDA output gate and its MLA output gate both `g_proj`)."""
     if kind == "kda":
         names = {f"{p}_proj.weight": (f"{p}_proj.weight",) for p in "qkv"}
         names |= {f"{p}_conv.weight": (f"{p}_conv1d.weight",) for p in "qkv"}
@@ -43,34 +47,49 @@ def _attention_names(kind: str) -> dict[str, tuple[str, ...]]:
         names |= {"f_a.weight": ("f_a_proj.weight",), "f_b.weight": ("f_b_proj.weight",),
                   "g_a.weight": ("g_a_proj.weight",), "g_b.weight": ("g_b_proj.weight",),
                   "g_b.bias": ("g_b_proj.bias",), "b_proj.weight": ("b_proj.weight",), "A_log": ("A_log",),
-                  "dt_bias": ("dt_bias",), "o_norm.weight": ("o_norm.weight",), "o_proj.weight": ("o_proj.weight",)}
+                  "dt_bias": ("dt_bias",), "o_norm.weight": ("o_norm.weight",), "o_proj.weight": ("o_proj.weight",),
+                  "g_proj.weight": ("g_proj.weight",), "g_proj.bias": ("g_proj.bias",)}
         return names
     return {"q_proj.weight": ("q_proj.weight",), "q_a.weight": ("q_a_proj.weight",),
             "q_a_norm.weight": ("q_a_layernorm.weight",), "q_b.weight": ("q_b_proj.weight",),
             "kv_a.weight": ("kv_a_proj_with_mqa.weight",), "kv_a_norm.weight": ("kv_a_layernorm.weight",),
-            "kv_b.weight": ("kv_b_proj.weight",), "o_proj.weight": ("o_proj.weight",),
+            "kv_b.weight": ("kv_b_proj.weight",), "o_proj.weight": ("o_proj.weight",), "gate.weight": ("g_proj.weight",),
             "index_q.weight": ("indexer.wq_b.weight",), "index_k.weight": ("indexer.wk.weight",),
             "index_k_norm.weight": ("indexer.k_norm.weight",), "index_k_norm.bias": ("indexer.k_norm.bias",),
             "index_w.weight": ("indexer.weights_proj.weight",)}
 
 
-def tensor_names(cfg: ModelConfig, prefix: str = "mlp") -> dict[str, tuple[str, ...]]:
+_RESIDUAL_NAMES = {     # attention residuals (K3): our mix → the published norm / projection names
+    "attn_res": "self_attention_res", "ffn_res": "mlp_res", "out_res": "output_attn_res"}
+
+
+def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[str, tuple[str, ...]]:
     """Every non-expert module tensor of `cfg` → the published names it may be stored under (`prefix`: the FFN
-    module name, see moe_prefix)."""
+    module name, see moe_prefix; `root`: what every text tensor's name starts with — K3's `language_model.`)."""
     ffn = {"moe.router.weight": ("gate.weight",), "moe.router_bias": ("gate.e_score_correction_bias",),
            **{f"moe.shared.{p}.weight": (f"shared_experts.{p}_proj.weight",) for p in ("gate", "up", "down")},
-           **{f"mlp.{p}.weight": (f"{p}_proj.weight",) for p in ("gate", "up", "down")}}
+           **{f"mlp.{p}.weight": (f"{p}_proj.weight",) for p in ("gate", "up", "down")},
+           "moe.latent_down.weight": ("routed_expert_down_proj.weight",),
+           "moe.latent_norm.weight": ("routed_expert_norm.weight",),
+           "moe.latent_up.weight": ("routed_expert_up_proj.weight",)}
     out = {}
     for name in module_shapes(cfg):
         if ".moe.experts." in name:
             continue
         if not name.startswith("layers."):
-            out[name] = {"embed.weight": ("model.embed_tokens.weight",), "norm.weight": ("model.norm.weight",),
-                         "lm_head.weight": ("lm_head.weight",)}[name]
+            if name.startswith("out_res."):
+                part = name.split(".")[1]                          # norm | proj
+                out[name] = (f"{root}model.{_RESIDUAL_NAMES['out_res']}_{part}.weight",)
+                continue
+            out[name] = (root + {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                                 "lm_head.weight": "lm_head.weight"}[name],)
             continue
         _, layer, rest = name.split(".", 2)
-        base = f"model.layers.{layer}."
-        if rest in ("attn_norm.weight", "ffn_norm.weight"):
+        base = f"{root}model.layers.{layer}."
+        mix = rest.split(".")[0]
+        if mix in ("attn_res", "ffn_res"):
+            out[name] = (f"{base}{_RESIDUAL_NAMES[mix]}_{rest.split('.')[1]}.weight",)
+        elif rest in ("attn_norm.weight", "ffn_norm.weight"):
             out[name] = (base + ("input_layernorm.weight" if rest.startswith("attn") else
                                  "post_attention_layernorm.weight"),)
         elif rest.startswith("attn."):
@@ -87,12 +106,17 @@ _EXPERT_FORMS = {
     "w123": ("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight"),
     "proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight", "{e}.down_proj.weight"),
 }
+# compressed-tensors mxfp4-pack-quantized (Kimi K3): per expert `w{1,3,2}.weight_packed` uint8 [out, in/2] (even
+# element in the low nibble) + `weight_scale` E8M0 [out, in/32] — this project's MXFP4 bytes, copied as they are
+_CT_MXFP4 = ("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")
+_CT_SCALE_DTYPES = ("U8", "F8_E8M0")
+_SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")     # K3's own vision tower: not served (text only)
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """How one MoE layer's routed experts are stored."""
-    form: str                  # "w123" | "proj" (per expert) | "fused" | "mxfp4"
+    form: str                  # "w123" | "proj" (per expert) | "fused" | "mxfp4" | "ct_mxfp4"
     base: str                  # "model.layers.L.<prefix>.experts."
 
 
@@ -132,10 +156,12 @@ class HFLayout:
         quant = raw.get("quantization_config") or {}
         self.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
         self.prefix = moe_prefix(self.cfg, set(self.files.header))
+        # K3 keeps its text model under `language_model.` (beside its vision tower)
+        self.root = "language_model." if any(n.startswith("language_model.") for n in self.files.header) else ""
         self.names: dict[str, str] = {}          # our module name → the published name found
         shapes = module_shapes(self.cfg)
         used: set[str] = set()
-        for ours, candidates in tensor_names(self.cfg, self.prefix).items():
+        for ours, candidates in tensor_names(self.cfg, self.prefix, self.root).items():
             found = next((c for c in candidates if c in self.files), None)
             if found is None:
                 raise HFCheckpointError(f"{path}: tensor {candidates[0]!r} missing (a {self.cfg.model_type} model "
@@ -163,8 +189,17 @@ class HFLayout:
 
     def _expert_layout(self, layer: int) -> tuple[ExpertLayout, set[str]]:
         cfg = self.cfg
-        e, h, i = cfg.moe.n_routed_experts, cfg.hidden_size, cfg.moe.expert_intermediate_size
-        base = f"model.layers.{layer}.{self.prefix}.experts."
+        e, h, i = cfg.moe.n_routed_experts, cfg.expert_hidden_size, cfg.moe.expert_intermediate_size
+        base = f"{self.root}model.layers.{layer}.{self.prefix}.experts."
+        if base + _CT_MXFP4[0].format(e=0) + "_packed" in self.files:
+            names = set()
+            for x in range(e):
+                for suffix, (rows, k) in zip(_CT_MXFP4, ((i, h), (i, h), (h, i))):
+                    name = base + suffix.format(e=x)
+                    self._check_any(name + "_packed", [(rows, k // 2)], ("U8",))
+                    self._check_any(name + "_scale", [(rows, k // MXFP4_BLOCK)], _CT_SCALE_DTYPES)
+                    names |= {name + "_packed", name + "_scale"}
+            return ExpertLayout("ct_mxfp4", base), names
         if base + "gate_up_proj_blocks" in self.files:
             names = {base + f"{p}_{k}" for p in ("gate_up_proj", "down_proj") for k in ("blocks", "scales")}
             for p, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
@@ -204,16 +239,27 @@ class HFLayout:
 
     def _refuse_unknown(self, used: set[str]) -> None:
         n_layers = self.cfg.n_layers
+        mtp, vision = set(), 0
         for name in sorted(self.files.header):
             if name in used:
                 continue
-            m = re.match(r"model\.layers\.(\d+)\.", name)
+            m = re.match(r"(?:language_model\.)?model\.layers\.(\d+)\.", name)
             if m and int(m.group(1)) >= n_layers:
-                continue                       # multi-token-prediction layers: not part of the served model
+                mtp.add(int(m.group(1)))       # multi-token-prediction layers: not part of the served model
+                continue
             if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name.startswith(_SKIPPED_PREFIXES):
+                vision += 1
                 continue
             raise HFCheckpointError(f"{self.files.file_of[name]}: unexpected tensor {name!r} (not part of a "
                                     f"{self.cfg.model_type} model with this config.json)")
+        if mtp:
+            log.info("%s: skipping %d multi-token-prediction layer(s) (%s): not part of the served model",
+                     self.path, len(mtp), ", ".join(map(str, sorted(mtp))))
+        if vision:
+            log.info("%s: skipping the %d vision-tower tensors: this checkpoint is served text only",
+                     self.path, vision)
 
     # ---------------------------------------------------------------- reading
     def _read_float(self, name: str, index=None) -> torch.Tensor:
@@ -232,7 +278,17 @@ class HFLayout:
         """The MXFP4 buffers of `expert_ids` of `layer` (gate_up/down blocks + scales), quantizing float experts
         one expert at a time (memory: one expert's float weights at once)."""
         lay = self.experts[layer]
-        h, i = self.cfg.hidden_size, self.cfg.moe.expert_intermediate_size
+        h, i = self.cfg.expert_hidden_size, self.cfg.moe.expert_intermediate_size
+        if lay.form == "ct_mxfp4":                  # the packed bytes as stored: no re-quantization
+            def packed(kind: str, suffixes: tuple[str, ...], rows: int, width: int) -> torch.Tensor:
+                if not expert_ids:
+                    return torch.empty(0, rows, width, dtype=torch.uint8)
+                return torch.stack([torch.cat([self.files.read(lay.base + sfx.format(e=x) + kind).view(torch.uint8)
+                                               for sfx in suffixes]) for x in expert_ids])
+            return {"gate_up_blocks": packed("_packed", _CT_MXFP4[:2], 2 * i, h // 2),
+                    "gate_up_scales": packed("_scale", _CT_MXFP4[:2], 2 * i, h // MXFP4_BLOCK),
+                    "down_blocks": packed("_packed", _CT_MXFP4[2:], h, i // 2),
+                    "down_scales": packed("_scale", _CT_MXFP4[2:], h, i // MXFP4_BLOCK)}
         if lay.form == "mxfp4":
             out = {}
             for ours, p in (("gate_up", "gate_up_proj"), ("down", "down_proj")):

@@ -125,9 +125,9 @@ def expert_workspace_bytes(cfg: ModelConfig, device: str, *, layers: int | None 
                            step_tokens: int = STEP_TOKENS, dequant_cache_bytes: int | None = None) -> int:
     """One expert device's workspace: the routing tables of the `layers` MoE layers it holds experts of (None:
     all) for its `shards` experts, and one call of `step_tokens` tokens: hidden rows (fp32), the [T, K, H] slot
-    outputs (fp32 accumulation and the result), the [T·K, I] SwiGLU intermediate (fp32); on cpu also the
+    outputs (fp32 accumulation and the result), the [T·K, I] gated-MLP intermediate (fp32); on cpu also the
     dequantize cache's bound and one expert's fp32 weights (a miss not kept by the cache)."""
-    h, i, k, e = cfg.hidden_size, cfg.moe.expert_intermediate_size, cfg.moe.top_k, cfg.moe.n_routed_experts
+    h, i, k, e = cfg.expert_hidden_size, cfg.moe.expert_intermediate_size, cfg.moe.top_k, cfg.moe.n_routed_experts
     n_layers = cfg.n_moe_layers if layers is None else layers
     tables = 8 * (n_layers * e + shards)                       # global_to_local [E] + expert_ids per layer
     t = step_tokens

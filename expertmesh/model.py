@@ -1,4 +1,6 @@
-"""The single-process reference model: KDA + gated-DSA attention, MoE with MXFP4 routed experts.
+"""The single-process reference model: KDA + gated-DSA attention, MoE with MXFP4 routed experts — and the math
+of the published Kimi K3 where its config asks for it: attention residuals (`ResidualStream`), the latent MoE,
+SiTU in every gated MLP, the full-rank KDA output gate and gate lower bound, NoPE gated MLA.
 
 Plain PyTorch, fp32 by default. Every op a token goes through either works row by row through
 `kernels.batch_invariant.linear` (projections, gate, shared experts, LM head) or per sequence (attention, conv,
@@ -18,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.config import ModelConfig, RopeConfig
+from expertmesh.config import ActivationConfig, ModelConfig, RopeConfig
 from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
+from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import linear, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
@@ -101,22 +104,28 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, style: st
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(Σx² + eps) in fp32 (the KDA q/k normalisation as FLA and transformers define it)."""
     x32 = x.float()
     return x32 * pointwise(torch.rsqrt, x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
-class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) · up(x))."""
+def gated_activation(a: ActivationConfig) -> GatedActivation:
+    """The kernels' description of the config's MLP activation."""
+    return GatedActivation(a.kind, a.beta, a.linear_beta)
 
-    def __init__(self, hidden: int, intermediate: int):
+
+class GatedMLP(nn.Module):
+    """Dense gated MLP (dense layers and shared experts): down(act(gate(x), up(x))), act SwiGLU or SiTU."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: ActivationConfig):
         super().__init__()
         self.gate, self.up = Linear(hidden, intermediate), Linear(hidden, intermediate)
         self.down = Linear(intermediate, hidden)
+        self.activation = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(pointwise(F.silu, self.gate(x)) * self.up(x))
+        return self.down(gated_act(self.gate(x), self.up(x), self.activation).to(x.dtype))
 
 
 class ShortConv(nn.Module):
@@ -184,7 +193,11 @@ class Segment:
 # ----------------------------------------------------------------------------------------------- attention
 class KDAttention(nn.Module):
     """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normalised q/k, per-channel forget gate in log
-    space (−exp(A_log)·softplus(f(x) + dt_bias)), sigmoid β, output RMS-normalised and sigmoid-gated."""
+    space, sigmoid β, output RMS-normalised per head and sigmoid-gated.
+
+    Forget gate, f = f_b(f_a(x)) + dt_bias, A = exp(A_log) per head: Kimi Linear −A·softplus(f); Kimi K3
+    (`kda.gate_lower_bound` lb) lb·σ(A·f) ∈ (lb, 0). Output gate: low-rank g_b(g_a(x)) (Kimi Linear) or one
+    full-rank g_proj (K3)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -198,7 +211,12 @@ class KDAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(a.n_heads))
         self.dt_bias = nn.Parameter(torch.empty(inner))
         self.b_proj = Linear(h, a.n_heads)
-        self.g_a, self.g_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner, bias=a.output_gate_bias)
+        if a.output_gate == "full_rank":
+            self.g_proj = Linear(h, inner, bias=a.output_gate_bias)
+        else:
+            self.g_a, self.g_b = Linear(h, a.gate_low_rank), Linear(a.gate_low_rank, inner, bias=a.output_gate_bias)
+        self.full_rank_gate = a.output_gate == "full_rank"
+        self.gate_lower_bound, self.l2_eps = a.gate_lower_bound, a.l2_norm_eps
         self.o_norm = RMSNorm(a.head_dim, cfg.rms_norm_eps)
         self.o_proj = Linear(inner, h)
 
@@ -224,10 +242,14 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         n, nh, d = x.shape[0], self.n_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3·inner]
-        g = -self.A_log.float().exp().repeat_interleave(d) * pointwise(F.softplus, self.f_b(self.f_a(x)).float()
-                                                                        + self.dt_bias.float())
+        a = self.A_log.float().exp().repeat_interleave(d)                          # [inner]
+        f = self.f_b(self.f_a(x)).float() + self.dt_bias.float()                   # [N, inner]
+        if self.gate_lower_bound is None:
+            g = -a * pointwise(F.softplus, f)
+        else:
+            g = self.gate_lower_bound * pointwise(torch.sigmoid, a * f)
         beta = pointwise(torch.sigmoid, self.b_proj(x))                            # [N, nH]
-        out_gate = pointwise(torch.sigmoid, self.g_b(self.g_a(x)))                 # [N, inner]
+        out_gate = pointwise(torch.sigmoid, self.g_proj(x) if self.full_rank_gate else self.g_b(self.g_a(x)))
         convs = (self.q_conv, self.k_conv, self.v_conv)
         conv_weight = torch.cat([c.weight[:, 0] for c in convs])                   # [3·inner, kernel]
         conv_bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
@@ -236,8 +258,8 @@ class KDAttention(nn.Module):
             rows = slice(seg.start, seg.start + seg.length)
             cache: KDACache = seg.cache.layers[layer]
             q, k, v = self._short_conv(qkv[rows], cache, conv_weight, conv_bias).split(self.inner, dim=-1)
-            q = l2_normalize(q.view(-1, nh, d))[None]                               # [1, T, nH, D]
-            k = l2_normalize(k.view(-1, nh, d))[None]
+            q = l2_normalize(q.view(-1, nh, d), self.l2_eps)[None]                  # [1, T, nH, D]
+            k = l2_normalize(k.view(-1, nh, d), self.l2_eps)[None]
             v = v.view(-1, nh, d)[None]
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
             out, state = kda(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None],
@@ -372,12 +394,14 @@ def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg
 class RoutedExperts(nn.Module):
     """A layer's routed experts (all of them, or the shard an expert worker holds) in MXFP4.
 
-    Buffers follow the checkpoint layout: gate_up blocks [E, 2I, H/2] + scales [E, 2I, H/32], down blocks
-    [E, H, I/2] + scales [E, H, I/32]. `expert_ids` lists which global experts the rows are."""
+    Buffers follow the checkpoint layout: gate_up blocks [E, 2I, W/2] + scales [E, 2I, W/32], down blocks
+    [E, W, I/2] + scales [E, W, I/32], W the experts' width (cfg.expert_hidden_size: the hidden size, or the
+    latent of a latent MoE). `expert_ids` lists which global experts the rows are."""
 
     def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
+        h, i = cfg.expert_hidden_size, cfg.moe.expert_intermediate_size
+        self.activation = gated_activation(cfg.activation)
         ids = list(range(cfg.moe.n_routed_experts)) if expert_ids is None else list(expert_ids)
         e = len(ids)
         self.n_global = cfg.moe.n_routed_experts
@@ -400,48 +424,94 @@ class RoutedExperts(nn.Module):
         self.global_to_local = local.to(device)
 
     def forward(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """h [N, H], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, H] unweighted outputs (0 where
+        """h [N, W], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, W] unweighted outputs (0 where
         the expert is not held here or the id is −1)."""
         local = torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
         return moe_ops.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
-                                          self.down_blocks, self.down_scales)
-
-
-def combine_moe(x: torch.Tensor, shared_out: torch.Tensor, routed_sum: torch.Tensor) -> torch.Tensor:
-    """x + (shared + routed): x, shared_out [N, H]; routed_sum fp32 [N, H] from kernels/moe/combine.py's
-    canonical grouped order (here, and on an attention worker from its expert exchange)."""
-    return x + (shared_out.float() + routed_sum).to(x.dtype)
+                                          self.down_blocks, self.down_scales, activation=self.activation)
 
 
 def routed_sum(cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
-    """routed [N, K, H] expert outputs of ids [N, K] with gate weights [N, K] → fp32 [N, H], the canonical grouped
+    """routed [N, K, W] expert outputs of ids [N, K] with gate weights [N, K] → fp32 [N, W], the canonical grouped
     combine (per combine group in ascending expert id, then the groups ascending, each rounded through `dtype`)."""
     return grouped_combine(routed, ids, weights, n_experts=cfg.moe.n_routed_experts,
                            n_groups=cfg.moe.combine_groups, dtype=dtype)
 
 
 class MoE(nn.Module):
+    """Router, shared experts and routed experts of one layer. A latent MoE (Kimi K3, `moe.latent_size`): the
+    router and the shared experts read the full-width input h, the routed experts a down-projection z of it, and
+    their weighted sum is RMS-normed and projected back up before the shared output is added."""
+
     def __init__(self, cfg: ModelConfig, routed_experts: bool = True):
         """`routed_experts=False`: the routed experts are left out (an empty `RoutedExperts`: attention workers)."""
         super().__init__()
         self.cfg = cfg
-        e, h = cfg.moe.n_routed_experts, cfg.hidden_size
+        e, h, lt = cfg.moe.n_routed_experts, cfg.hidden_size, cfg.moe.latent_size
         self.router = Linear(h, e)
         self.router_bias = nn.Parameter(torch.zeros(e))   # selection-only correction bias
-        self.shared = (SwiGLU(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size)
+        self.shared = (GatedMLP(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size, cfg.activation)
                        if cfg.moe.n_shared_experts else None)
+        if lt is not None:
+            self.latent_down, self.latent_up = Linear(h, lt), Linear(lt, h)
+            self.latent_norm = RMSNorm(lt, cfg.rms_norm_eps) if cfg.moe.latent_norm else None
         self.experts = RoutedExperts(cfg, None if routed_experts else [])
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h = ffn_norm(x) [N, H] → (topk_ids [N, K], topk_weights [N, K], shared_out [N, H])."""
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h = ffn_norm(x) [N, H] → (the routed experts' input [N, W] (h, or its latent), topk_ids [N, K],
+        topk_weights [N, K], shared_out [N, H])."""
         ids, weights = route_tokens(self.router(h), self.router_bias, self.cfg)
         shared = self.shared(h) if self.shared is not None else torch.zeros_like(h)
-        return ids, weights, shared
+        z = self.latent_down(h) if self.cfg.moe.latent_size is not None else h
+        return z, ids, weights, shared
+
+    def output(self, shared: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """shared_out [N, H] + the routed sum fp32 [N, W] (kernels/moe/combine.py's canonical order, here or from
+        an attention worker's expert exchange), back at the full width for a latent MoE → fp32 [N, H]."""
+        if self.cfg.moe.latent_size is not None:
+            y = routed.to(shared.dtype)
+            y = self.latent_norm(y) if self.latent_norm is not None else y
+            routed = self.latent_up(y).float()
+        return shared.float() + routed
+
+
+# ----------------------------------------------------------------------------------------------- residuals
+class ResidualMix(nn.Module):
+    """One attention-residual mix (Kimi K3): over the sources S_j — the banked blocks, then the current stream —
+    score_j = (S_j · w) / rms(S_j) per token with w = norm ⊙ proj, p = softmax_j(score), → Σ_j p_j S_j (the raw
+    sources). The published names keep the norm [H] and the projection [1, H] apart; only their product acts."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.proj = Linear(hidden, 1)
+
+    def forward(self, blocks: list[torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        if not blocks:
+            return current                                   # nothing banked yet: the stream itself
+        sources = torch.stack([*blocks, current]).float()    # [J, N, H]
+        w = self.norm.weight.float() * self.proj.weight[0].float()                      # [H]
+        score = (sources * w).sum(-1) * pointwise(torch.rsqrt, sources.pow(2).mean(-1) + self.norm.eps)  # [J, N]
+        p = torch.softmax(score, dim=0)
+        return (p[..., None] * sources).sum(0).to(current.dtype)
+
+
+@dataclass
+class ResidualStream:
+    """What flows between layers for N rows. Plain models: `current` is x. With attention residuals
+    (`attn_res_block_size` B): `blocks` holds the banked block inputs (the embeddings first, then the sum of each
+    finished block of B layers) and `current` the sum of every output since the last block start."""
+    current: torch.Tensor                                  # [N, H]
+    blocks: list[torch.Tensor] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------- the model
 class Layer(nn.Module):
+    """One decoder layer over a ResidualStream: attention, then a dense gated MLP or an MoE, each on an RMS-normed
+    input — the stream itself, or (attention residuals) its mix with the banked blocks; a layer that starts a
+    block banks the stream it received and restarts it from its attention output."""
+
     def __init__(self, cfg: ModelConfig, index: int, dense_attention: bool = False, routed_experts: bool = True):
         super().__init__()
         self.index, self.kind = index, cfg.layer_types[index]
@@ -449,29 +519,50 @@ class Layer(nn.Module):
         self.attn = (KDAttention(cfg) if self.kind == "kda"
                      else LatentAttention(cfg, indexed=self.kind == "dsa", dense=dense_attention))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.block_size = cfg.attn_res_block_size
+        if self.block_size is not None:
+            self.attn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
+            self.ffn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
             self.moe = MoE(cfg, routed_experts)
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.activation)
 
-    def attention_block(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x), segments, self.index)
+    def attention_block(self, r: ResidualStream, segments: list[Segment]) -> None:
+        if self.block_size is None:
+            r.current = r.current + self.attn(self.attn_norm(r.current), segments, self.index)
+            return
+        h = self.attn_res(r.blocks, r.current)             # mixed before this layer banks anything
+        out = self.attn(self.attn_norm(h), segments, self.index)
+        if self.index % self.block_size == 0:              # a block starts: bank the stream, restart it
+            r.blocks.append(r.current)
+            r.current = out
+        else:
+            r.current = r.current + out
 
-    def dense_block(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.ffn_norm(x))
+    def ffn_input(self, r: ResidualStream) -> torch.Tensor:
+        """The MLP's / MoE's normed input [N, H]."""
+        return self.ffn_norm(self.ffn_res(r.blocks, r.current) if self.block_size is not None else r.current)
 
-    def route(self, x: torch.Tensor):
-        """→ (h [N, H] the experts' input, topk_ids, topk_weights, shared_out)."""
-        h = self.ffn_norm(x)
-        return (h, *self.moe.route(h))
+    def dense_block(self, r: ResidualStream) -> None:
+        r.current = r.current + self.mlp(self.ffn_input(r))
 
-    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        x = self.attention_block(x, segments)
+    def route(self, r: ResidualStream):
+        """→ (the routed experts' input [N, W], topk_ids, topk_weights, shared_out [N, H])."""
+        return self.moe.route(self.ffn_input(r))
+
+    def add_moe(self, r: ResidualStream, shared: torch.Tensor, routed: torch.Tensor) -> None:
+        """Add the MoE's output: shared_out [N, H] and the routed sum fp32 [N, W] (canonical order)."""
+        r.current = r.current + self.moe.output(shared, routed).to(r.current.dtype)
+
+    def forward(self, r: ResidualStream, segments: list[Segment]) -> None:
+        self.attention_block(r, segments)
         if not self.is_moe:
-            return self.dense_block(x)
-        h, ids, weights, shared = self.route(x)
-        return combine_moe(x, shared, routed_sum(self.moe.cfg, self.moe.experts(h, ids), ids, weights, x.dtype))
+            self.dense_block(r)
+            return
+        z, ids, weights, shared = self.route(r)
+        self.add_moe(r, shared, routed_sum(self.moe.cfg, self.moe.experts(z, ids), ids, weights, r.current.dtype))
 
 
 class Transformer(nn.Module):
@@ -481,6 +572,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i, dense_attention, routed_experts) for i in range(cfg.n_layers))
+        if cfg.attn_res_block_size is not None:
+            self.out_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -492,18 +585,24 @@ class Transformer(nn.Module):
     def new_cache(self) -> SequenceCache:
         return SequenceCache(layers=[layer.attn.new_cache() for layer in self.layers])
 
+    def output(self, r: ResidualStream) -> torch.Tensor:
+        """The last layer's stream → the final hidden state [N, H] (before the final norm): attention residuals mix
+        it with every banked block once more."""
+        return self.out_res(r.blocks, r.current) if self.cfg.attn_res_block_size is not None else r.current
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, H] → fp32 logits [N, V]."""
         return self.lm_head(self.norm(x)).float()
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """tokens [N] (the new tokens of every segment, concatenated) → logits [N, V]; advances the caches."""
-        x = self.embed(tokens)
+        r = ResidualStream(self.embed(tokens))
         for layer in self.layers:
-            x = layer(x, segments)
+            layer(r, segments)
         for seg in segments:
             seg.cache.length += seg.length
-        return self.logits(x)
+        return self.logits(self.output(r))
 
     @torch.no_grad()
     def step(self, token_ids: list[int], cache: SequenceCache) -> torch.Tensor:
@@ -575,7 +674,7 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
             continue
         ex = layer.moe.experts
         e = ex.gate_up_blocks.shape[0]
-        h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
+        h, i = cfg.expert_hidden_size, cfg.moe.expert_intermediate_size
         gate_up = torch.randn(e, 2 * i, h, generator=gen) * std
         down = torch.randn(e, h, i, generator=gen) * std
         ex.gate_up_blocks, ex.gate_up_scales = quantize_mxfp4(gate_up)
@@ -588,7 +687,6 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
     return model
 
 
-# ----------------------------------------------------------------------------------------------- generation
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every state-dict tensor of the model for `cfg` and its shape, built on the meta device (no memory). A tied
     LM head appears once, as embed.weight."""
@@ -600,6 +698,7 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# ----------------------------------------------------------------------------------------------- generation
 @dataclass
 class Generation:
     tokens: list[int] = field(default_factory=list)

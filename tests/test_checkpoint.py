@@ -143,4 +143,4 @@ def test_cli_create_inspect_generate(tmp_path, capsys):
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
     assert main(["model", "describe", "full-2.8t"]) == 0
     text = capsys.readouterr().out
-    assert "2.82T" in text and "104.74B" in text
+    assert "2.78T" in text and "103.63B" in text and "896 (top-16, ungrouped, 2 shared" in text

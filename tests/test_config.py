@@ -7,6 +7,14 @@ from expertmesh.config import ModelConfig, interleaved_layer_types, preset
 def test_full_preset_reproduces_published_totals():
     cfg = preset("full-2.8t")
     assert cfg.n_layers == 93 and cfg.n_kda_layers == 69 and cfg.n_dsa_layers == 24
+    # Kimi K3's published shape: 896 routed experts top-16 on a 3,584 latent, 2 shared, hidden 7168, SiTU,
+    # attention residuals, KDA 96 heads x 128 with a full-rank output gate and gate lower bound -5
+    assert (cfg.model_type, cfg.hidden_size, cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.moe.n_shared_experts,
+            cfg.moe.latent_size, cfg.moe.n_group) == ("kimi_k3", 7168, 896, 16, 2, 3584, 1)
+    assert (cfg.activation.kind, cfg.activation.beta, cfg.activation.linear_beta) == ("situ", 4.0, 25.0)
+    assert cfg.attn_res_block_size and (cfg.kda.n_heads, cfg.kda.head_dim) == (96, 128)
+    assert cfg.kda.output_gate == "full_rank" and cfg.kda.gate_lower_bound == -5.0
+    assert cfg.mla.rope == "none" and cfg.mla.gated_output and cfg.mla.kv_lora_rank == 512
     assert abs(cfg.total_params / 2.8e12 - 1) < 0.02
     assert abs(cfg.active_params / 104e9 - 1) < 0.02
     assert cfg.indexer.index_topk == 2048
@@ -38,7 +46,7 @@ def test_kv_and_state_arithmetic():
     assert cfg.kv_bytes_per_token("kda") == 0
     assert cfg.kv_bytes_per_token("dsa") == 2 * (512 + 64 + 128)
     assert cfg.kv_bytes_per_token_all_layers() == 24 * cfg.kv_bytes_per_token("dsa")
-    per_layer_state = 64 * 128 * 128 * 4 + 2 * 3 * 64 * 128 * 3
+    per_layer_state = 96 * 128 * 128 * 4 + 2 * 3 * 96 * 128 * 3
     assert cfg.recurrent_state_bytes_per_sequence == 69 * per_layer_state
 
 

@@ -184,10 +184,11 @@ def test_full_preset_plan_on_16_pods():
     loads = zipf_loads(cfg)
     plan = plan_placement(cfg, shape, 32, loads)
     f = plan.figures
-    assert f.logical_experts == 90 * 624 and f.physical_experts == 90 * (624 + 32)
+    E = cfg.moe.n_routed_experts
+    assert f.logical_experts == 92 * E and f.physical_experts == 92 * (E + 32)
     assert f.shards_per_gpu_max - f.shards_per_gpu_min <= 0.05 * f.shards_per_gpu_mean
     assert (plan.replica_counts() <= 16).all()
-    reps = [plan.replicas(l, e) for l in cfg.moe_layers[:3] for e in range(624)]
+    reps = [plan.replicas(l, e) for l in cfg.moe_layers[:3] for e in range(E)]
     assert all(len(set(r)) == len(r) for r in reps)
     assert len(plan.to_json()) < 2 ** 20                      # fits a ConfigMap
     base = plan_placement(cfg, shape, 0, loads)
@@ -460,7 +461,7 @@ def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
 
 def test_group_homes_full_preset():
     cfg = preset("full-2.8t")
-    homes = group_homes(np.ones((cfg.n_moe_layers, 624)), 39, 16, 10_000)
+    homes = group_homes(np.ones((cfg.n_moe_layers, cfg.moe.n_routed_experts)), cfg.moe.combine_group_size, 16, 10_000)
     assert homes.shape == (cfg.n_moe_layers, 16)
     assert all(sorted(row) == list(range(16)) for row in homes.tolist())   # one combine group per pod per layer
 

@@ -4,7 +4,7 @@ the expert exchange: a scheduler step for a batch of sequences is one call, `run
 For each layer: attention over the sequences' own KV pages / recurrent state; at an MoE layer, the gate picks
 the experts and `worker/exchange.ExpertExchange` sends the (token, expert) pairs straight to the expert workers
 that hold them (one call per expert worker, concurrently) and folds their pre-reduced answers into the routed
-sum in the canonical order (kernels/moe/combine.py); x + (shared + routed) as `model.combine_moe`. After the
+sum in the canonical order (kernels/moe/combine.py), added to the stream by `Layer.add_moe`. After the
 last layer: logits, sampling, log-probs → StepDone. The router only plans steps and reads sampled tokens; it is
 never in the per-layer path. Attention, conv and recurrent state are per sequence; everything else works row
 by row, so a sequence's numbers do not depend on the batch it is in.
@@ -21,7 +21,7 @@ from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.grammar import ll_tokenizer
-from expertmesh.model import Segment, SequenceCache, Transformer, combine_moe, materialize_
+from expertmesh.model import ResidualStream, Segment, SequenceCache, Transformer, materialize_
 from expertmesh.sampling import Sampler
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import load_tokenizer
@@ -320,16 +320,18 @@ class AttentionWorker:
                 except ValueError as e:
                     raise WorkerError(f"segments[{s.seq_id}].{e}") from None
             failed_rows: dict[int, str] = {}
+            r = ResidualStream(x)
             for layer in self.model.layers:
-                x = layer.attention_block(x, segs)
+                layer.attention_block(r, segs)
                 if not layer.is_moe:
-                    x = layer.dense_block(x)
+                    layer.dense_block(r)
                     continue
-                h, ids, weights, shared = layer.route(x)
-                routed, failed = self.exchange.moe(layer.index, h, ids, weights)
+                z, ids, weights, shared = layer.route(r)       # z: the experts' input (the latent of a latent MoE)
+                routed, failed = self.exchange.moe(layer.index, z, ids, weights)
                 for row, why in failed.items():
                     failed_rows.setdefault(row, why)
-                x = combine_moe(x, shared, routed.to(x.device))
+                layer.add_moe(r, shared, routed.to(r.current.device))
+            x = self.model.output(r)
             failed = {}
             for seg, s in zip(segs, segments):
                 why = next((failed_rows[r] for r in range(seg.start, seg.start + seg.length) if r in failed_rows), None)

@@ -141,7 +141,7 @@ class ExpertWorker:
         (ascending), the group's partial sum P_g (kernels/moe/combine.py: Σ w·y in ascending expert id, fp32)."""
         if self.fault_delay_s:
             time.sleep(self.fault_delay_s)
-        h, n_experts = self.cfg.hidden_size, self.cfg.moe.n_routed_experts
+        h, n_experts = self.cfg.expert_hidden_size, self.cfg.moe.n_routed_experts
         if hidden.dim() != 2 or hidden.shape[1] != h:
             raise ExpertRequestError(f"hidden: expected shape [n, {h}], found {list(hidden.shape)}")
         if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0]:
