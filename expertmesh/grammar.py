@@ -13,6 +13,7 @@ other rows of the batch (batch invariance). `allowed` is the fast path (llguidan
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 import llguidance
 import numpy as np
@@ -56,20 +57,32 @@ def json_schema_grammar(schema: dict | None, where: str) -> str:
         raise GrammarError(f"{where}: {e}") from None
 
 
+@lru_cache(maxsize=8)
+def special_ids(lltok: llguidance.LLTokenizer) -> np.ndarray:
+    """The special token ids of a (process-wide, long-lived) llguidance tokenizer."""
+    return np.array([t for t in range(lltok.vocab_size) if lltok.is_special_token(t)], dtype=np.int64)
+
+
 class Constraint:
     """One request's grammar state: which tokens may come next, advanced by each sampled token."""
 
     def __init__(self, lltok: llguidance.LLTokenizer, grammar: str, where: str) -> None:
         self.vocab_size = lltok.vocab_size
+        self.special = special_ids(lltok)
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(f"{where}: cannot be compiled: {self.matcher.get_error()}")
 
     def allowed(self) -> np.ndarray:
         """bool[vocab]: the tokens the grammar accepts next (fast path: the packed bitmask, unpacked; bit i of
-        the little-endian words is token i)."""
+        the little-endian words is token i). Special tokens the mask lets through are asked of the matcher one by
+        one: where a free-text rule may end before a special-token terminal (a K3 string argument before
+        ⟨close⟩), llguidance's mask admits every special id, and the matcher would refuse the wrong ones."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        for t in self.special[mask[self.special]]:
+            mask[t] = self.matcher.validate_tokens([int(t)]) == 1
+        return mask
 
     def allowed_reference(self) -> np.ndarray:
         """The same set asked token by token of a copy of the matcher (slow; for tests)."""

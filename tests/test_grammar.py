@@ -80,3 +80,18 @@ def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(to
         out.append(token)
     assert token == t.end_id, t.decode(out)
     jsonschema.validate(json.loads(t.decode(out)), SCHEMA)
+
+
+def test_the_fast_mask_equals_the_matcher_on_special_tokens_after_free_text():
+    """A grammar whose free-text rule may end right before a special-token terminal: llguidance's bitmask admits
+    every special id there; the mask must admit only the one the grammar names (the matcher's answer)."""
+    from expertmesh.grammar import Constraint
+    t = ByteTokenizer()
+    lltok = ll_tokenizer(t)
+    end = t.special_to_id[sorted(t.special_to_id)[0]] if hasattr(t, "special_to_id") else t.eos_ids[0]
+    c = Constraint(lltok, f'start: TEXT <[{end}]>\nTEXT: /[a-z]*/\n', "test")
+    c.advance(ord("a"))
+    mask = c.allowed()
+    assert np.array_equal(mask, c.allowed_reference())
+    specials = [int(s) for s in c.special if mask[s]]
+    assert specials == [end]
