@@ -5,6 +5,7 @@ import torch
 
 from expertmesh.grammar import Constraint, GrammarError
 from expertmesh.sampling_params import TINY_TEMPERATURE, check_sampling
+from expertmesh.thinking import ThinkingState
 
 
 class Sampler:
@@ -12,9 +13,13 @@ class Sampler:
     frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0 (or below
     TINY_TEMPERATURE), else temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
 
-    With `params.grammar` (constrained decoding) the sequence's own grammar matcher masks the logits after
-    `params.grammar_after_token` has been output (or from the first token), and a finished grammar forces the first
-    stop token. `lltok`: the process's llguidance tokenizer (grammar.ll_tokenizer), needed only with a grammar.
+    With `params.thinking` (expertmesh/thinking.py) the drawn token may be overridden: the end of thinking forced
+    at the tier's limit and completed when multi-token, a template token kept out of the answer.
+
+    With `params.grammar` (constrained decoding) the sequence's own grammar matcher masks the logits once the
+    answer starts — past the thinking section under `params.thinking`, else after `params.grammar_after_token`
+    has been output (or from the first token) — and a finished grammar forces the first stop token. `lltok`: the
+    process's llguidance tokenizer (grammar.ll_tokenizer), needed only with a grammar.
 
     `params`: sampling_params.SamplingParams (or anything with its attributes)."""
 
@@ -34,13 +39,19 @@ class Sampler:
             self.eos = int(lltok.eos_token)
             self.not_eos = torch.ones(lltok.vocab_size, dtype=torch.bool)
             self.not_eos[list(lltok.eos_tokens)] = False
+        control = getattr(params, "thinking", None)
+        self.thinking = ThinkingState(control) if control is not None else None
         after = getattr(params, "grammar_after_token", None)
-        self.constrained = self.constraint is not None and after is None    # the grammar applies from now on
+        starts_now = self.thinking.answering if self.thinking is not None else after is None
+        self.constrained = self.constraint is not None and starts_now       # the grammar applies from now on
 
     def observe(self, token: int) -> None:
         """A token that became part of the output (sampled or forced, replays included): the penalties count it
         and the grammar matcher advances past it (or starts after grammar_after_token)."""
         self.counts[token] = self.counts.get(token, 0) + 1
+        was_answering = self.thinking is None or self.thinking.answering
+        if self.thinking is not None:
+            self.thinking.observe(token)
         if self.constraint is None or self.constraint_error is not None:
             return
         if self.constrained:
@@ -49,6 +60,8 @@ class Sampler:
                     self.constraint.advance(token)
                 except ValueError as e:
                     self.constraint_error = str(e)
+        elif self.thinking is not None:
+            self.constrained = not was_answering and self.thinking.answering   # the close's last token
         elif token == self.params.grammar_after_token:
             self.constrained = True
 
@@ -85,6 +98,11 @@ class Sampler:
         return logits
 
     def sample(self, logits: torch.Tensor) -> int:
+        """logits [V] → a token id: the drawn one, unless the thinking control overrides it."""
+        token = self._draw(logits)
+        return self.thinking.next_token(token) if self.thinking is not None else token
+
+    def _draw(self, logits: torch.Tensor) -> int:
         """logits [V] → a token id. Greedy ties go to the lowest id."""
         p = self.params
         logits = self._adjusted(logits.float())

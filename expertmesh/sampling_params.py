@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from expertmesh.protos import sampling_pb2
+from expertmesh.protos import sampling_pb2, worker_pb2
+from expertmesh.thinking import ThinkingControl
 
 MAX_SEED = 2 ** 63 - 1
 MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
@@ -39,6 +40,9 @@ def check_sampling(params) -> None:
         n = getattr(params, name, None)
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"{name}={n}: expected an integer in [0, {MAX_LOGPROBS}] (top alternatives per token)")
+    thinking = getattr(params, "thinking", None)
+    if thinking is not None and not isinstance(thinking, ThinkingControl):
+        raise ValueError(f"thinking: expected a ThinkingControl, found {type(thinking).__name__}")
 
 
 @dataclass
@@ -60,6 +64,10 @@ class SamplingParams:
     # the first `grammar_after_token` in the output (the end of thinking), or from the first token when None
     grammar: str | None = None
     grammar_after_token: int | None = None
+    # a chat turn's thinking section (expertmesh/thinking.py): counted, cut at its limit and closed whole by the
+    # sampler; with it, a grammar applies from the answer's first token (grammar_after_token unused). Not part of
+    # the public SamplingParams message: workers get it in OpenSequence.
+    thinking: ThinkingControl | None = None
 
 
 def sampling_to_proto(params):
@@ -74,6 +82,23 @@ def sampling_to_proto(params):
         if getattr(params, f, None) is not None:
             setattr(msg, f, getattr(params, f))
     return msg
+
+
+def thinking_to_proto(c: ThinkingControl):
+    """ThinkingControl → expertmesh.v1.ThinkingControl (worker.proto)."""
+    msg = worker_pb2.ThinkingControl(phase=c.phase, think_end=list(c.think_end), stop=list(c.stop),
+                                     not_in_answer=sorted(c.not_in_answer))
+    for f in ("limit", "think_start", "end_of_turn"):
+        if getattr(c, f) is not None:
+            setattr(msg, f, getattr(c, f))
+    return msg
+
+
+def thinking_from_proto(msg) -> ThinkingControl:
+    """The worker's side (ValueError naming the field when it does not validate)."""
+    opt = {f: getattr(msg, f) for f in ("limit", "think_start", "end_of_turn") if msg.HasField(f)}
+    return ThinkingControl(phase=msg.phase, think_end=tuple(msg.think_end), stop=tuple(msg.stop),
+                           not_in_answer=frozenset(msg.not_in_answer), **opt)
 
 
 def sampling_from_proto(msg):

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh import telemetry
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.sampling_params import sampling_to_proto
+from expertmesh.sampling_params import sampling_to_proto, thinking_to_proto
 from expertmesh.wire_arrays import array_from_proto, array_to_proto
 from expertmesh.worker_api import (
     ExpertRequestError,
@@ -133,6 +133,8 @@ class RemoteAttention(_Client):
             images=[worker_pb2.ImageSpan(position=i.position, pixels=array_to_proto(i.pixels, "pixels")) for i in images or ()])
         if prefix_key is not None:
             req.prefix_key = prefix_key
+        if getattr(params, "thinking", None) is not None:
+            req.thinking.CopyFrom(thinking_to_proto(params.thinking))
         return self._call(self.stub.OpenSequence, req).cached_tokens
 
     def extend_sequence(self, seq_id: str, reserve_tokens: int) -> int:

@@ -61,20 +61,40 @@ class AttentionInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner", "images")
+    __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner", "images", "thinking")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     params: _sampling_pb2.SamplingParams
     reserve_tokens: int
     prefix_key: str
     owner: str
     images: _containers.RepeatedCompositeFieldContainer[ImageSpan]
-    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ..., owner: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ...) -> None: ...
+    thinking: ThinkingControl
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., prefix_key: _Optional[str] = ..., owner: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., thinking: _Optional[_Union[ThinkingControl, _Mapping]] = ...) -> None: ...
+
+class ThinkingControl(_message.Message):
+    __slots__ = ("phase", "limit", "think_start", "think_end", "stop", "not_in_answer", "end_of_turn")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    THINK_START_FIELD_NUMBER: _ClassVar[int]
+    THINK_END_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NOT_IN_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    END_OF_TURN_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    limit: int
+    think_start: int
+    think_end: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    not_in_answer: _containers.RepeatedScalarFieldContainer[int]
+    end_of_turn: int
+    def __init__(self, phase: _Optional[str] = ..., limit: _Optional[int] = ..., think_start: _Optional[int] = ..., think_end: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., not_in_answer: _Optional[_Iterable[int]] = ..., end_of_turn: _Optional[int] = ...) -> None: ...
 
 class ImageSpan(_message.Message):
     __slots__ = ("position", "pixels")

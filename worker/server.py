@@ -11,6 +11,7 @@ the process ends `--grace` + 5 s after the signal whatever is still running (exp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +34,7 @@ from expertmesh.plan import PlacementPlan
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.reflection import enable_reflection
 from expertmesh.replica_table import ReplicaTable
-from expertmesh.sampling_params import sampling_from_proto
+from expertmesh.sampling_params import sampling_from_proto, thinking_from_proto
 from expertmesh.shutdown import exit_after, stop_on_signals
 from expertmesh.tensors import from_proto, to_proto
 from expertmesh.tls import ClientTLS, ServerTLS
@@ -122,8 +123,11 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
             raise ValueError("params: required")
         images = [ImageSpan(i.position, from_proto(i.pixels, f"images[{n}].pixels"))
                   for n, i in enumerate(request.images)]
+        params = sampling_from_proto(request.params)
+        if request.HasField("thinking"):
+            params = dataclasses.replace(params, thinking=thinking_from_proto(request.thinking))
         cached = self.worker.open_sequence(
-            request.seq_id, sampling_from_proto(request.params), reserve_tokens=request.reserve_tokens,
+            request.seq_id, params, reserve_tokens=request.reserve_tokens,
             prefix_key=request.prefix_key if request.HasField("prefix_key") else None, owner=request.owner,
             images=images or None)
         return worker_pb2.OpenSequenceResponse(cached_tokens=cached)

@@ -1,0 +1,94 @@
+"""The thinking section of a chat turn, bounded where tokens are sampled: a pure state machine over one output's
+tokens that counts reasoning tokens and, at the tier's limit, forces the format's end of thinking; the attention
+worker's sampler runs it (with the request's grammar, which starts where thinking ends), and the router replays
+it over the tokens it receives to count usage. No tensors, no I/O.
+
+    phase "reasoning": generation starts inside the thinking section (the prompt opened it)
+          "content":   thinking is off, or the format has none
+          "maybe":     the model opens thinking itself: a first output token `think_start` starts reasoning
+
+In reasoning, the first token of `think_end` (sampled, or forced once `limit` reasoning tokens have been output)
+starts the close; the rest of `think_end` is forced in order — a multi-token close (K3: ⟨close⟩ think ⟨sep⟩ ⟨open⟩
+response ⟨sep⟩) is always whole — and every token up to the end of it counts as reasoning. In the answer, a
+template token that would corrupt the history (`not_in_answer`) becomes `end_of_turn`. Stop tokens pass through.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Phase = Literal["reasoning", "content", "maybe"]
+PHASES = ("reasoning", "content", "maybe")
+
+
+@dataclass(frozen=True)
+class ThinkingControl:
+    """What the sampler enforces about thinking for one request (from the chat format's markers and the tier)."""
+    phase: Phase
+    limit: int | None = None                 # reasoning tokens allowed, the forced close included; None: no limit
+    think_start: int | None = None
+    think_end: tuple[int, ...] = ()
+    stop: tuple[int, ...] = ()
+    not_in_answer: frozenset[int] = frozenset()
+    end_of_turn: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"thinking.phase: expected one of {', '.join(PHASES)}, found {self.phase!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 1):
+            raise ValueError(f"thinking.limit: expected a positive integer, found {self.limit!r}")
+        if self.phase != "content" and not self.think_end:
+            raise ValueError("thinking.think_end: a thinking phase needs the tokens that end it")
+        if self.phase == "maybe" and self.think_start is None:
+            raise ValueError("thinking.think_start: phase 'maybe' needs the token that opens thinking")
+        if self.not_in_answer and self.end_of_turn is None:
+            raise ValueError("thinking.end_of_turn: needed to replace the not_in_answer tokens")
+
+
+class ThinkingState:
+    """One output's progress through a ThinkingControl. `next_token(sampled)` says what to emit instead of a
+    sampled token; `observe(token)` advances past a token of the output (emitted, or replayed after a failover)."""
+
+    def __init__(self, control: ThinkingControl):
+        self.c = control
+        self.phase: Phase = control.phase
+        self.reasoning_tokens = 0
+        self.closing = 0                 # tokens of think_end emitted so far while closing (0: not closing)
+
+    @property
+    def answering(self) -> bool:
+        """Past thinking: the answer's tokens (a grammar on the answer applies from here)."""
+        return self.phase == "content"
+
+    def next_token(self, sampled: int) -> int:
+        """The token to emit where `sampled` was drawn (the same one unless the control overrides it)."""
+        c = self.c
+        if self.phase == "maybe":
+            return sampled                                   # the first token decides (observe)
+        if self.phase == "reasoning":
+            if self.closing:
+                return c.think_end[self.closing]             # the rest of a close, in order
+            if sampled in c.stop:
+                return sampled
+            if c.limit is not None and self.reasoning_tokens >= c.limit - len(c.think_end):
+                return c.think_end[0]                        # the limit: close now (the close fits in it)
+            return sampled
+        return c.end_of_turn if sampled in c.not_in_answer else sampled
+
+    def observe(self, token: int) -> None:
+        c = self.c
+        if self.phase == "maybe":
+            self.phase = "reasoning" if token == c.think_start else "content"
+            if self.phase == "reasoning":
+                self.reasoning_tokens += 1
+            return
+        if self.phase != "reasoning":
+            return
+        if token in c.stop and not self.closing:
+            return
+        self.reasoning_tokens += 1
+        if self.closing or token == c.think_end[0]:
+            self.closing += 1
+        if self.closing == len(c.think_end):
+            self.phase, self.closing = "content", 0
