@@ -92,3 +92,19 @@ class ThinkingState:
             self.closing += 1
         if self.closing == len(c.think_end):
             self.phase, self.closing = "content", 0
+
+
+# ----------------------------------------------------------------------------------------------- the auto tier
+AUTO_TIER = "auto"
+
+
+def auto_tier(roles: list[str]) -> tuple[str, str]:
+    """`reasoning_effort: "auto"`: the thinking tier for this round of a conversation, from its messages' roles
+    (system / user / assistant / tool, in order), and why — reported in the response and the span.
+
+    A round that answers tool results (the last message is a tool's) continues a plan already made: "low". Any
+    other round — a new user task, or one with no tool results since the user's last message — is where the plan
+    is made: "high". A client's explicit tier always wins; the caller asks this only for "auto"."""
+    if roles and roles[-1] == "tool":
+        return "low", "continues after tool results"
+    return "high", "a new task: planning"

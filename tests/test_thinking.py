@@ -114,3 +114,14 @@ def test_the_sampler_cuts_thinking_and_starts_the_grammar_after_the_close():
     answer = bytes(x for x in out[5:] if x < 256).decode()
     import json
     assert out[-1] == t.end_id and isinstance(json.loads(answer)["a"], int)
+
+
+@pytest.mark.parametrize("roles, tier", [
+    (["user"], "high"), (["system", "user"], "high"),
+    (["user", "assistant", "tool"], "low"), (["user", "assistant", "tool", "tool"], "low"),
+    (["user", "assistant", "tool", "assistant", "user"], "high"),    # a new task after a finished tool loop
+    ([], "high")])
+def test_the_auto_tier_plans_new_tasks_high_and_tool_rounds_low(roles, tier):
+    from expertmesh.thinking import auto_tier
+    got, why = auto_tier(roles)
+    assert got == tier and why
