@@ -1,17 +1,41 @@
-"""API-level constrained decoding (#15): `response_format` and forced `tool_choice` → an llguidance grammar for
-SamplingParams.grammar, compiled here first so a bad schema is a 400 naming it before anything is scheduled.
+"""API-level constrained decoding (#15): `response_format` / `text.format` and forcing `tool_choice` → an llguidance
+grammar for SamplingParams.grammar, compiled here first so a bad schema is a 400 naming it before anything is
+scheduled.
 
-A forced tool call is the chat format's own markup — ⟨tool_call⟩ name \\n JSON-arguments ⟨/tool_call⟩ — with the
-name among the allowed tools and the arguments validating against that tool's `parameters`; the sampler then
+A forced tool call is the chat format's own markup — ⟨tool_call⟩ name \\n JSON-arguments ⟨/tool_call⟩ — with
+the name among the allowed tools and the arguments validating against that tool's `parameters`; the sampler then
 forces the end of turn. With thinking on, the grammar starts after the end-of-thinking marker (reasoning stays free).
+
+Every refusal is a GrammarError whose `param` names the field as the request spelled it (`Fields`: chat's
+`tools.0.function.parameters`, Anthropic's `tools.0.input_schema`, Responses' `text.format.schema`).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import llguidance
 
 from expertmesh.grammar import JSON_OPTIONS, GrammarError, json_schema_grammar
+
+
+@dataclass(frozen=True)
+class Fields:
+    """How a request spells the fields a grammar comes from."""
+    tool_schema: str = "tools.{}.function.parameters"
+    format: str = "response_format"
+    schema: str = "response_format.json_schema.schema"
+
+
+CHAT_FIELDS = Fields()
+ANTHROPIC_FIELDS = Fields(tool_schema="tools.{}.input_schema")
+RESPONSES_FIELDS = Fields(format="text.format", schema="text.format.schema")
+
+
+def refuse(param: str, detail: str) -> GrammarError:
+    e = GrammarError(f"{param}: {detail}")
+    e.param = param
+    return e
 
 
 def check_grammar(grammar: str, where: str) -> str:
@@ -21,15 +45,19 @@ def check_grammar(grammar: str, where: str) -> str:
     except Exception as e:                     # noqa: BLE001 - the engine's own message is the useful part
         err = str(e)
     if err:
-        raise GrammarError(f"{where}: cannot be compiled: {err}")
+        raise refuse(where, f"cannot be compiled: {err}")
     return grammar
 
 
 def json_grammar(schema: dict | None, where: str) -> str:
     """Any JSON object (schema None, `json_object`) or JSON validating against `schema`."""
     if schema is not None and not isinstance(schema, dict):
-        raise GrammarError(f"{where}: expected a JSON schema object, got {type(schema).__name__}")
-    return check_grammar(json_schema_grammar(schema, where), where)
+        raise refuse(where, f"expected a JSON schema object, got {type(schema).__name__}")
+    try:
+        return check_grammar(json_schema_grammar(schema, where), where)
+    except GrammarError as e:
+        e.param = where
+        raise
 
 
 def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int) -> str:
@@ -38,7 +66,7 @@ def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int) -> str
     for i, t in enumerate(tools):
         schema = t.get("parameters") or {"type": "object"}
         if not isinstance(schema, dict):
-            raise GrammarError(f"{t['where']}: expected a JSON schema object")
+            raise refuse(t["where"], "expected a JSON schema object")
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         check_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(schema)}"), t["where"])
         alts.append(f"call{i}")
@@ -47,55 +75,54 @@ def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int) -> str
     return check_grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
 
-def grammar_params(grammar: str | None, markers, thinking: bool) -> dict:
-    """SamplingParams fields: the grammar, applied after the end of thinking when thinking is on."""
-    if grammar is None:
-        return {}
-    after = markers.think_end if thinking and markers.think_end is not None else None
-    return {"grammar": grammar, "grammar_after_token": after}
-
-
-def forced_tools(choice, tools: list[dict] | None, *, named=None) -> list[dict] | None:
-    """OpenAI-shaped `tools` ([{type: function, function: {name, parameters}}]) and a forcing `tool_choice`
-    ("required", or a named one whose name `named(choice)` gives) → the tools the call may use; None when the
-    choice does not force a call. ValueError naming tool_choice when it names no tool given."""
+def forced_tools(choice, tools: list[dict] | None, fields: Fields = CHAT_FIELDS) -> list[dict] | None:
+    """Chat-shaped `tools` ([{type: function, function: {name, parameters}}]) and a forcing `tool_choice`
+    ("required", or {type: function, function: {name}} / {type: function, name}) → the tools the call may use;
+    None when the choice does not force a call. A choice naming no tool given is refused naming tool_choice."""
     if choice in (None, "auto", "none"):
         return None
     listed = [{"name": (t.get("function") or {}).get("name"), "parameters": (t.get("function") or {}).get("parameters"),
-               "where": f"tools.{i}.function.parameters"} for i, t in enumerate(tools or [])]
+               "where": fields.tool_schema.format(i)} for i, t in enumerate(tools or [])]
     if not listed:
-        raise ValueError(f"tool_choice: {choice!r} forces a tool call but no tools are given")
+        raise refuse("tool_choice", f"{choice!r} forces a tool call but no tools are given")
     if choice == "required":
         return listed
-    name = named(choice) if named is not None else None
+    name = function_name(choice)
     keep = [t for t in listed if t["name"] == name]
     if name is None or not keep:
-        raise ValueError(f"tool_choice: {choice!r} is neither 'auto', 'none', 'required' nor a function among "
-                         f"the tools ({', '.join(str(t['name']) for t in listed)})")
+        raise refuse("tool_choice", f"{choice!r} is neither 'auto', 'none', 'required' nor a function among the "
+                                    f"tools ({', '.join(str(t['name']) for t in listed)})")
     return keep
 
 
-def openai_function_name(choice) -> str | None:
+def function_name(choice) -> str | None:
     """{type: function, function: {name}} (chat) or {type: function, name} (Responses) → the name."""
     if isinstance(choice, dict) and choice.get("type") == "function":
         return (choice.get("function") or {}).get("name") or choice.get("name")
     return None
 
 
-def response_format_grammar(fmt: dict | None) -> str | None:
+def response_format_grammar(fmt: dict | None, fields: Fields = CHAT_FIELDS) -> str | None:
     """OpenAI chat `response_format` (text / json_object / json_schema{schema}) → a grammar or None."""
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
-        return json_grammar(None, "response_format")
+        return json_grammar(None, fields.format)
     if fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
-            raise GrammarError("response_format.json_schema: expected an object with a `schema`")
-        return json_grammar(spec.get("schema") or {"type": "object"}, "response_format.json_schema.schema")
-    raise GrammarError(f"response_format.type: {fmt.get('type')!r} is not one of text, json_object, json_schema")
+            raise refuse(f"{fields.format}.json_schema", "expected an object with a `schema`")
+        return json_grammar(spec.get("schema") or {"type": "object"}, fields.schema)
+    raise refuse(f"{fields.format}.type", f"{fmt.get('type')!r} is not one of text, json_object, json_schema")
 
 
-def where_of(e: Exception) -> str:
-    """The parameter a GrammarError / ValueError message starts with ("tools.0.function.parameters: ...")."""
-    return str(e).split(":", 1)[0].split("=", 1)[0].strip()
+def answer_grammar(markers, choice, tools, response_format: dict | None = None,
+                   fields: Fields = CHAT_FIELDS) -> str | None:
+    """The grammar a request's forcing `tool_choice` (chat-shaped `tools`) or `response_format` (json_object /
+    json_schema) puts on the answer; None for neither. `markers`: the chat format's ChatMarkers."""
+    forced = forced_tools(choice, tools, fields)
+    if forced is None:
+        return response_format_grammar(response_format, fields)
+    if markers.tool_open is None or markers.tool_close is None:
+        raise refuse("tool_choice", "forcing a tool call needs a chat format with tool-call marker tokens")
+    return tool_call_grammar(forced, markers.tool_open, markers.tool_close)

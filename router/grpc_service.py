@@ -1,41 +1,70 @@
-"""The router's public gRPC service (`expertmesh.v1.Router`): streaming Generate and Chat, model listing.
+"""The router's public gRPC service (`expertmesh.v1.Router`): streaming Generate and Chat, model listing — a thin
+transport over router/serving.py, the same runs and the same checks as the HTTP APIs.
 
-Status codes: INVALID_ARGUMENT naming the field, UNAUTHENTICATED (metadata `authorization: Bearer KEY` or
-`x-api-key`), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (experts or workers down),
-DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the engine).
+Status codes come from router/errors.py's table: INVALID_ARGUMENT naming the field, UNAUTHENTICATED (metadata
+`authorization: Bearer KEY` or `x-api-key`), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
+(experts or workers down), DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the engine).
 """
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import json
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat import BuiltinChat, ChatFormat
+from expertmesh.health_port import serve_health_only
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.reflection import enable_reflection
-from expertmesh.router.engine import Engine, EngineClosed, ExpertsUnavailable, QueueFull
+from expertmesh.router.constraints import check_grammar
+from expertmesh.router.conversation import render_prompt
+from expertmesh.router.engine import Engine
+from expertmesh.router.errors import APIError, as_api_error, leading_field
+from expertmesh.router.messages import grpc_messages, grpc_tools
+from expertmesh.router.serving import (
+    ChatRequest,
+    CompletionRun,
+    check_key,
+    check_model,
+    decide_thinking,
+    max_tokens_for,
+    start_chat,
+)
 from expertmesh.sampling_params import SamplingParams, check_sampling, sampling_from_proto
 
-
-def _status_for(e: Exception) -> grpc.StatusCode:
-    if isinstance(e, ValueError):          # RequestError, ChatError, decoding
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(e, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(e, (ExpertsUnavailable, EngineClosed, ConnectionError)):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+def abort(context, e: Exception):
+    """End the call with what the client is told of `e` (context.abort raises)."""
+    err = as_api_error(e)
+    context.abort(grpc.StatusCode[err.grpc_code], err.message)
 
 
-def _client_timeout(context) -> float | None:
+def client_timeout(context) -> float | None:
     """Seconds left before the client's deadline; None without one (gRPC then reports a time_remaining so large
     that a queue wait on it overflows)."""
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 10 ** 7 else None
+
+
+def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
+    """expertmesh.v1.SamplingParams → SamplingParams (an unset field: the dataclass default; stop ids: the
+    tokenizer's EOS) checked as on HTTP, naming `params.FIELD`, and the max_tokens asked for (None: unset)."""
+    for name in ("logprobs", "prompt_logprobs"):      # GenerateEvent / ChatEvent have no place for them
+        if p.HasField(name):
+            raise APIError(f"params.{name}: not supported by this gRPC API (use /v1/completions)",
+                           param=f"params.{name}")
+    requested = p.max_tokens if p.HasField("max_tokens") else None
+    params = dataclasses.replace(sampling_from_proto(p), stop_token_ids=tuple(p.stop_token_ids) or
+                                 tuple(tokenizer.eos_ids))
+    if not chat:
+        params.max_tokens = max_tokens_for(requested, "grpc.generate", param="params.max_tokens")
+    try:
+        check_sampling(params)
+        if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker
+            check_grammar(params.grammar, "grammar")
+    except ValueError as e:
+        raise APIError(f"params.{e}", param=f"params.{getattr(e, 'param', None) or leading_field(str(e))}") from None
+    return params, requested
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -45,145 +74,91 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.chat = chat or BuiltinChat()     # the checkpoint's tokenizer and chat format
         self.tok = self.chat.tokenizer
 
-    def _auth(self, context) -> None:
-        if self.api_key is None:
-            return
+    def _admit(self, model: str, context) -> None:
+        """The API key (x-api-key, or authorization with or without "Bearer ") and the model (empty: the served)."""
         md = dict(context.invocation_metadata())
-        given = md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
+        check_key(self.api_key, md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip())
+        check_model(self.engine.model_name, model or None)
 
-    def _check_model(self, model: str, context) -> None:
-        if model and model != self.engine.model_name:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model {model!r} not found; this router serves "
-                                                     f"{self.engine.model_name!r}")
-
-    def _params(self, p, context) -> SamplingParams:
-        for name in ("logprobs", "prompt_logprobs"):      # GenerateEvent has no place for them
-            if p.HasField(name):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.{name}: not supported by this gRPC API "
-                                                                f"(use /v1/completions)")
-        params = dataclasses.replace(
-            sampling_from_proto(p), max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
-            temperature=p.temperature if p.HasField("temperature") else 0.0,
-            stop_token_ids=tuple(p.stop_token_ids) or tuple(self.tok.eos_ids))
-        if params.max_tokens <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.max_tokens={params.max_tokens}: expected > 0")
-        try:
-            check_sampling(params)
-            if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker
-                from expertmesh.router.constraints import check_grammar
-                check_grammar(params.grammar, "grammar")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params.{e}")
-        return params
-
-    def _stream(self, req, context, request_id: str, return_text: bool):
-        """Yield GenerateEvents for an engine request; cancels it when the client goes away. A token's text is what
-        it completes: empty while a character spans several tokens, then the whole character."""
-        context.add_callback(lambda: self.engine.cancel(req))
-        remaining = _client_timeout(context)
-        index = 0
-        decoder = self.tok.stream_decoder()
-        try:
-            for token in req.stream(timeout=remaining):
-                text = decoder.feed(token) if return_text else ""
-                yield router_pb2.GenerateEvent(request_id=request_id, token=router_pb2.TokenEvent(
-                    index=index, token_id=token, text=text))
-                index += 1
-        except Exception as e:  # the engine failed the request
-            if type(e).__name__ == "Empty":
-                self.engine.cancel(req)
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while generating")
-            context.abort(_status_for(e), str(e))
-        usage = router_pb2.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
-                                 cached_tokens=req.cached_tokens, total_tokens=len(req.prompt) + len(req.output))
-        yield router_pb2.GenerateEvent(request_id=request_id, finish=router_pb2.Finish(
-            finish_reason=req.finish_reason or "stop", usage=usage))
-
-    def Generate(self, request, context):
-        self._auth(context)
-        self._check_model(request.model, context)
+    def _prompt(self, request) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
-        if which == "text":
-            if not request.text:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt.text: expected a non-empty string")
-            try:
-                prompt = self.tok.encode_prompt(request.text)
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt.text: {e}")
-        else:
-            prompt = list(request.token_ids.ids)
-        params = self._params(request.params, context)
+            raise APIError("prompt: set text or token_ids", param="prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if not request.text:
+            raise APIError("prompt.text: expected a non-empty string", param="prompt.text")
         try:
-            req = self.engine.submit(prompt, params, **({"request_id": request.request_id}
-                                                        if request.request_id else {}))
+            return self.tok.encode_prompt(request.text)
+        except ValueError as e:
+            raise APIError(f"prompt.text: {e}", param="prompt.text") from None
+
+    def Generate(self, request, context):
+        try:
+            self._admit(request.model, context)
+            prompt = self._prompt(request)
+            params, _ = sampling(request.params, self.tok, chat=False)
+            run = CompletionRun(self.engine, prompt, params, api="grpc",
+                                **({"request_id": request.request_id} if request.request_id else {}))
         except Exception as e:
-            context.abort(_status_for(e), str(e))
-        yield from self._stream(req, context, req.request_id, request.return_text)
+            abort(context, e)
+        context.add_callback(run.close)
+        req, index = run.req, 0
+        decoder = self.tok.stream_decoder()
+        try:
+            for token in req.stream(timeout=client_timeout(context)):
+                # a token's text is what it completes: empty while a character spans several tokens
+                text = decoder.feed(token) if request.return_text else ""
+                yield router_pb2.GenerateEvent(request_id=req.request_id, token=router_pb2.TokenEvent(
+                    index=index, token_id=token, text=text))
+                index += 1
+        except Exception as e:  # the engine failed the request, or the client's deadline passed
+            run.close()
+            abort(context, run.finish(None, e))
+        run.finish(req.finish_reason)
+        u = run.usage()
+        yield router_pb2.GenerateEvent(request_id=req.request_id, finish=router_pb2.Finish(
+            finish_reason=req.finish_reason or "stop", usage=router_pb2.Usage(
+                prompt_tokens=u.prompt, completion_tokens=u.completion, cached_tokens=u.cached, total_tokens=u.total)))
 
     def Chat(self, request, context):
         """Streaming chat: reasoning and content deltas, structured tool calls, then usage."""
-        from expertmesh.chat import ChatError, Message, ToolCall, tier_from_request
-        from expertmesh.router.chat_api import start_chat
-        from expertmesh.router.http import APIError
-        self._auth(context)
-        self._check_model(request.model, context)
-        codes = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
         try:
-            tier = tier_from_request(thinking_budget=request.thinking_budget or None)
-            messages = [Message(m.role, m.content, reasoning=m.reasoning or None,
-                                tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
-                                tool_call_id=m.tool_call_id or None) for m in request.messages]
-            tools = []
-            for i, t in enumerate(request.tools):
-                try:
-                    params = json.loads(t.parameters_json) if t.parameters_json else {}
-                except ValueError:
-                    raise ChatError(f"tools[{i}].parameters_json: not valid JSON")
-                tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
-                                                               "parameters": params}})
-            p = self._params(request.params, context)
-            run = start_chat(self.engine, self.chat, messages, tools or None, tier=tier,
-                             thinking=not request.disable_thinking, max_tokens=p.max_tokens,
-                             temperature=p.temperature, top_p=p.top_p, seed=p.seed, api="grpc")
-        except ChatError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except APIError as e:
-            context.abort(codes.get(e.status, grpc.StatusCode.INTERNAL), e.message)
-        context.add_callback(lambda: self.engine.cancel(run.req))
-        sent = ""
-        try:
-            for kind, text in run.events_sync(timeout=_client_timeout(context)):
-                if kind == "reasoning":
-                    yield chat_pb2.ChatEvent(reasoning_delta=text)
-                else:
-                    sent += text
-                    yield chat_pb2.ChatEvent(content_delta=text)
+            self._admit(request.model, context)
+            thinking = decide_thinking(thinking_budget=request.thinking_budget or None,
+                                       disable=request.disable_thinking, budgets=self.engine.cfg.thinking)
+            messages, tools = grpc_messages(request.messages), grpc_tools(request.tools)
+            p, max_tokens = sampling(request.params, self.tok, chat=True)
+            run = start_chat(self.engine, self.chat, ChatRequest(
+                render_prompt(self.chat, messages, tools, thinking.on), thinking, max_tokens=max_tokens,
+                max_tokens_param="params.max_tokens", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                api="grpc"))
         except Exception as e:
-            run.fail(e)
-            if type(e).__name__ == "Empty":
-                self.engine.cancel(run.req)
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while generating")
-            context.abort(_status_for(e), str(e))
-        parsed = run.result()
-        run.record(parsed)
-        if parsed.content.startswith(sent) and len(parsed.content) > len(sent):
-            yield chat_pb2.ChatEvent(content_delta=parsed.content[len(sent):])
-        for c in parsed.tool_calls:
+            abort(context, e)
+        context.add_callback(run.close)
+        try:
+            for kind, text in run.events_sync(timeout=client_timeout(context)):
+                yield chat_pb2.ChatEvent(reasoning_delta=text) if kind == "reasoning" else \
+                    chat_pb2.ChatEvent(content_delta=text)
+        except Exception as e:
+            run.close()
+            abort(context, run.fail(e))
+        r = run.finish()
+        if r.unsent:                                   # held-back malformed tool call, as text
+            yield chat_pb2.ChatEvent(content_delta=r.unsent)
+        for c in r.tool_calls:
             yield chat_pb2.ChatEvent(tool_call=chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments))
-        u = run.usage_counts(parsed)
+        u = r.usage
         yield chat_pb2.ChatEvent(finish=chat_pb2.ChatFinish(
-            finish_reason=run.finish_reason(parsed), thinking_budget=run.tier if run.thinking else "",
-            usage=chat_pb2.ChatUsage(prompt_tokens=u["prompt"], completion_tokens=u["completion"],
-                                     cached_tokens=u["cached"], reasoning_tokens=u["reasoning"],
-                                     total_tokens=u["prompt"] + u["completion"])))
+            finish_reason=r.finish_reason, thinking_budget=run.tier if thinking.on else "",
+            usage=chat_pb2.ChatUsage(prompt_tokens=u.prompt, completion_tokens=u.completion, cached_tokens=u.cached,
+                                     reasoning_tokens=u.reasoning, total_tokens=u.total)))
 
     def ListModels(self, request, context):
-        self._auth(context)
+        try:
+            self._admit("", context)
+        except Exception as e:
+            abort(context, e)
         cfg = self.engine.cfg
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(
             id=self.engine.model_name, max_context=cfg.max_context, vocab_size=cfg.vocab_size,
@@ -210,7 +185,5 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
     server.health = health_servicer
     server.health_server = server.health_port = None
     if health_port is not None:
-        from expertmesh.health_port import serve_health_only
         server.health_server, server.health_port = serve_health_only(health_servicer, host, health_port)
     return server
-

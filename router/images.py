@@ -14,6 +14,7 @@ timeout, a byte limit and no redirects. Every refusal is an `ImageError` naming 
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -23,10 +24,12 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
+from PIL import Image
 
 from expertmesh.config import VisionConfig
-from expertmesh.router.http import APIError
+from expertmesh.router.errors import APIError
 from expertmesh.router.prepared_image import ImageLimits, PreparedImage
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
@@ -40,7 +43,7 @@ class ImageError(APIError):
     """A refused image (→ 400), naming the part it came from."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(400, f"{param}: {message}", param=param, code="invalid_image")
+        super().__init__(f"{param}: {message}", param=param, code="invalid_image")
 
 
 def navit_resize(height: int, width: int, v: VisionConfig, max_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -58,7 +61,6 @@ def navit_resize(height: int, width: int, v: VisionConfig, max_patches: int) -> 
 def decode_image(data: bytes, param: str, v: VisionConfig, limits: ImageLimits, detail: str = "auto"
                  ) -> PreparedImage:
     """Encoded image bytes → a PreparedImage (decoded, resized, padded), or ImageError naming `param`."""
-    from PIL import Image
     if detail not in DETAILS:
         raise ImageError(f"{param}.detail", f"{detail!r} is not one of {', '.join(DETAILS)}")
     if len(data) > limits.max_bytes:
@@ -124,9 +126,6 @@ def check_allowed(url: str, param: str, limits: ImageLimits) -> None:
 async def fetch_remote(urls: dict[str, str], limits: ImageLimits) -> dict[str, bytes]:
     """{param: url} of remote image URLs → {url: bytes}, fetched concurrently (allow-listed hosts only, no
     redirects, `fetch_timeout` each, at most `max_bytes` read)."""
-    import asyncio
-
-    import httpx
     if not urls:
         return {}
     for param, url in urls.items():
@@ -194,3 +193,8 @@ class ImageBudget:
         if media_type not in FORMATS.values():
             raise ImageError(f"{param}.source.media_type", f"{media_type!r} is not one of {', '.join(FORMATS.values())}")
         return self._add(decode_image(decode_base64(data, f"{param}.source.data"), param, v, self.limits), param)
+
+
+async def request_images(v: VisionConfig | None, limits: ImageLimits, urls: dict[str, str]) -> ImageBudget:
+    """A request's ImageBudget, the remote image URLs it holds ({part: url}) fetched first."""
+    return ImageBudget(v, limits, await fetch_remote(urls, limits))

@@ -3,18 +3,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
+from expertmesh import telemetry
 from expertmesh.argtypes import positive_float
+from expertmesh.chat_formats import load_chat
 from expertmesh.checkpoint_config import checkpoint_config
+from expertmesh.config import ThinkingBudgets
+from expertmesh.router.response_store import ResponseStore, default_replica
 from expertmesh.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
 
 
 def load_plan(path: str):
-    from expertmesh.plan import PlacementPlan
+    from expertmesh.plan import PlacementPlan   # numpy: not for every `expertmesh` command (see run)
     with open(path) as f:
         return PlacementPlan.from_json(f.read())
 
@@ -43,7 +48,7 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
 
 def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
                         **kw):
-    from expertmesh.router.engine import Engine
+    from expertmesh.router.engine import Engine          # the engine and the workers' clients: see run
     from expertmesh.worker_clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
@@ -75,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
-    from expertmesh.router.prepared_image import ImageLimits
+    from expertmesh.router.prepared_image import ImageLimits   # numpy: not for every `expertmesh` command (see run)
     d = ImageLimits()
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
     p.add_argument("--max-image-pixels-per-request", type=int, default=d.max_pixels_per_request,
@@ -135,7 +140,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str | None = None):
     """`cfg` with the deployment's serving limits (`--max-context`, `--thinking-budgets`) in place of the
     checkpoint's. Raises ValueError naming the flag when a value is malformed or beyond the model."""
-    from expertmesh.config import ThinkingBudgets
     update: dict = {}
     if max_context is not None:
         if not 0 < max_context <= cfg.max_context:
@@ -153,11 +157,13 @@ def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str
 
 
 def run(args) -> int:
-    import os
-
+    # Imported here, not at the top: every `expertmesh` command builds this module's parser (cli.py, up.py), and
+    # the engine, the HTTP app and the gRPC service (FastAPI, uvicorn, grpc, numpy, Pillow) load only for a router.
+    from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
+    from expertmesh.router.prepared_image import ImageLimits
+    from expertmesh.tls import ClientTLS, ServerTLS
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from expertmesh import telemetry
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     try:
         ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context,
@@ -165,14 +171,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
-    from expertmesh.chat_formats import load_chat
     chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)
-    from expertmesh.tls import ClientTLS, ServerTLS
     worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
                            args.worker_tls_server_name) if args.worker_tls_ca else None
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    from expertmesh.router.prepared_image import ImageLimits
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  tls=worker_tls,
@@ -189,7 +192,6 @@ def run(args) -> int:
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
-    from expertmesh.router.response_store import ResponseStore, default_replica
     try:
         store = ResponseStore(max_responses=args.stored_responses, max_bytes=args.stored_responses_mib * 2 ** 20,
                               ttl=args.stored_responses_ttl, replica=args.replica or default_replica())
@@ -201,7 +203,6 @@ def run(args) -> int:
     http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls,
                                          request_timeout=args.client_request_timeout,
                                          write_timeout=args.client_write_timeout)
-    from expertmesh.router.grpc_service import serve_router_grpc
     grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat,
                                     health_port=args.health_port)
     stop = stop_on_signals()

@@ -43,6 +43,9 @@ def test_models_health_and_completions(server, oai):
     streamed = "".join(c.choices[0].text for c in oai.completions.create(
         model="tiny", prompt="hello", max_tokens=6, temperature=0, stream=True) if c.choices)
     assert streamed == out.choices[0].text
+    # a stop string that never matches changes nothing (the text it held back once came back twice, unstreamed)
+    held = oai.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, stop=["never-seen"])
+    assert held.choices[0].text == out.choices[0].text
 
 
 def test_chat_non_streaming_reasoning_and_usage(server, oai):

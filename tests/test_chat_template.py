@@ -19,7 +19,8 @@ from hf_fixtures import (
 from expertmesh.chat import ChatError, Message, ThinkingBudget
 from expertmesh.chat_formats import NoChatTemplate, load_chat
 from expertmesh.chat_template import ChatTemplateError, TemplateChat
-from expertmesh.router.chat_api import ChatDecoder, openai_messages
+from expertmesh.router.decoding import ChatDecoder
+from expertmesh.router.messages import openai_messages
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                            "parameters": {"type": "object",

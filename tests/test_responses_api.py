@@ -15,6 +15,7 @@ import pytest
 from expertmesh.chat import Message, ToolCall
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
+from expertmesh.router.conversation import system_and_rest
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, Segment, StoredResponse
 from expertmesh.router.server import serving_config
@@ -365,10 +366,9 @@ def test_reasoning_memory_fills_what_clients_drop():
 
 
 def test_instructions_and_a_leading_developer_message_both_reach_the_system_prompt():
-    from expertmesh.router.responses_api import _system_and_rest
-    system, rest = _system_and_rest([Segment(Message("system", "dev")), Segment(Message("user", "u"))], "ins")
+    system, rest = system_and_rest([Segment(Message("system", "dev")), Segment(Message("user", "u"))], "ins")
     assert system == "ins\n\ndev" and [s.role for s in rest] == ["user"]
-    assert _system_and_rest([Segment(Message("user", "u"))], None)[0] is None
+    assert system_and_rest([Segment(Message("user", "u"))], None)[0] is None
 
 
 # ----------------------------------------------------------------------------------------------- clients

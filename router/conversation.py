@@ -1,0 +1,133 @@
+"""A conversation → the prompt the model is fed, for the chat endpoints and the Responses API alike.
+
+A conversation is a list of segments (router/response_store.py): each message with its exact tokens when known.
+With the built-in chat format the prompt is their concatenation between the header and the generation prompt, and
+a generated turn's segment is the generation prompt plus exactly the tokens the model produced (reasoning and
+tool-call markup included), so a follow-up starts with exactly the previous prompt and output: the prefix cache
+recomputes only the new tokens. A checkpoint's Jinja chat template cannot be rendered piece by piece; there the
+history is rendered from its text (reasoning included) and the cache hits as far as the template keeps earlier
+turns. `truncation: auto` (router/truncation.py decides) is applied here.
+"""
+from __future__ import annotations
+
+from expertmesh.chat import (
+    BuiltinChat,
+    ChatError,
+    ChatFormat,
+    Message,
+    RenderedPrompt,
+    generation_prompt,
+    render_header,
+    render_message,
+    validate_history,
+)
+from expertmesh.router.errors import APIError
+from expertmesh.router.response_store import Segment
+from expertmesh.router.truncation import PLACEHOLDER, Piece, TruncationPlan, plan_truncation
+
+
+def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool) -> RenderedPrompt:
+    """The chat format's rendering of a request (what the model is fed), a 400 naming what is wrong."""
+    try:
+        return fmt.render(messages, tools=tools, thinking=thinking)
+    except ValueError as e:          # ChatError, or text that is not valid Unicode
+        raise APIError(str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages") from None
+
+
+def splices(fmt: ChatFormat) -> bool:
+    """Whether the format renders message by message (the built-in one): exact tokens can be spliced in."""
+    return isinstance(fmt, BuiltinChat)
+
+
+def system_and_rest(segments: list[Segment], instructions: str | None) -> tuple[str | None, list[Segment]]:
+    """The system prompt (`instructions`, then a leading system / developer input message, one after the other)
+    and the rest of the conversation."""
+    system = instructions
+    rest = segments
+    if segments and segments[0].role == "system":
+        first = segments[0].message.content
+        system = first if instructions is None else f"{instructions}\n\n{first}"
+        rest = segments[1:]
+    for s in rest:
+        if s.role == "system":
+            raise APIError("input: a system / developer message is only allowed first (use `instructions`)",
+                           param="input")
+    return system, rest
+
+
+def segment_ids(fmt: ChatFormat, seg: Segment) -> list[int]:
+    return seg.ids if seg.ids is not None else render_message(seg.message, fmt.tokenizer)
+
+
+def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: list[Segment],
+                        thinking: bool, param: str = "input") -> RenderedPrompt:
+    """The prompt of a conversation (segments after the system message), a 400 naming what is wrong."""
+    messages = ([Message("system", system)] if system is not None else []) + [s.message for s in segments]
+    try:
+        if not splices(fmt):
+            return fmt.render(messages, tools=tools, thinking=thinking)
+        validate_history(messages)
+        t = fmt.tokenizer
+        ids = render_header(system, tools, t)
+        for s in segments:
+            ids += segment_ids(fmt, s)
+        return RenderedPrompt(ids + generation_prompt(t, thinking), "reasoning" if thinking else "content")
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+
+
+def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment], thinking: bool, *,
+             limit: int) -> tuple[list[Segment], TruncationPlan]:
+    """`truncation: auto` over a conversation (router/truncation.py decides; this counts and applies)."""
+    def count(seg: Segment) -> int:
+        if splices(fmt):
+            return len(segment_ids(fmt, seg))
+        m = seg.message
+        return len(fmt.tokenizer.encode(m.content + (m.reasoning or "") +
+                                        "".join(c.name + c.arguments for c in m.tool_calls))) + 4
+
+    def short(seg: Segment) -> Segment:
+        return Segment(Message("tool", PLACEHOLDER, tool_call_id=seg.message.tool_call_id))
+
+    pieces = [Piece(s.role, count(s), count(short(s)) if s.role == "tool" else None) for s in segments]
+    total = len(render_conversation(fmt, system, tools, segments, thinking).ids)
+    fixed = max(0, total - sum(p.tokens for p in pieces))
+    plan = plan_truncation(pieces, fixed=fixed, limit=limit, target=fixed + (limit - fixed) // 2)
+    if not plan.changed:
+        return segments, plan
+    shortened = set(plan.shortened)
+    return [short(segments[i]) if i in shortened else segments[i] for i in plan.keep], plan
+
+
+def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory) -> RenderedPrompt:
+    """The chat endpoints' prompt. With a reasoning memory (router/response_store.ReasoningMemory), reasoning a
+    client dropped is put back into the messages, and with the built-in format an answer generated here is
+    rendered as exactly the tokens generated (the prefix cache then covers it whole)."""
+    exact = memory.fill(messages) if memory is not None else []
+    if not splices(fmt) or not any(exact):
+        return render_prompt(fmt, messages, tools, thinking)
+    system = messages[0].content if messages[0].role == "system" else None
+    segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1:]
+    return render_conversation(fmt, system, tools, segments, thinking, param="messages")
+
+
+def truncate_messages(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *,
+                      limit: int) -> tuple[list[Message], dict | None]:
+    """Chat completions' `truncation: auto`: the messages that fit and the report (None: nothing dropped)."""
+    system = messages[0].content if messages and messages[0].role == "system" else None
+    rest = [Segment(m) for m in (messages[1:] if system is not None else messages)]
+    kept, plan = truncate(fmt, system, tools, rest, thinking, limit=limit)
+    head = [messages[0]] if system is not None else []
+    return head + [s.message for s in kept], plan.report() if plan.changed else None
+
+
+def answer_segment(fmt: ChatFormat, output: list[int], parsed, item_ids: tuple[str, ...], thinking: bool) -> Segment:
+    """The generated turn as a segment: the generation prompt and exactly the generated tokens (`output`), closed
+    with the end-of-turn token when the model did not stop by itself (built-in format); its text otherwise."""
+    msg = Message("assistant", parsed.content, reasoning=parsed.reasoning or None, tool_calls=parsed.tool_calls)
+    if not splices(fmt):
+        return Segment(msg, None, item_ids)
+    out = list(output)
+    if not out or out[-1] not in fmt.markers.stop:
+        out.append(fmt.markers.end_of_turn)
+    return Segment(msg, generation_prompt(fmt.tokenizer, thinking) + out, item_ids)

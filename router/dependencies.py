@@ -1,0 +1,63 @@
+"""What the HTTP handlers serve with, as FastAPI dependencies: the served context (`Served`: engine, chat format,
+model name, API key, stored responses, reasoning memory — set on the app by http.build_app), the API-key check
+(Authorization: Bearer …, and Anthropic's x-api-key) and the request body whose `model` must be the one served."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from fastapi import Depends, Header, Request
+
+from expertmesh.chat import ChatFormat
+from expertmesh.router.engine import Engine
+from expertmesh.router.response_store import ReasoningMemory, ResponseStore
+from expertmesh.router.serving import check_key, check_model
+
+
+@dataclass
+class Served:
+    engine: Engine
+    fmt: ChatFormat
+    name: str                             # the model name the APIs answer to
+    api_key: str | None
+    store: ResponseStore                  # the Responses API's stored responses
+    memory: ReasoningMemory | None        # reasoning given back to chat histories that drop it (None: off)
+    created: int                          # /v1/models `created`
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def bearer_token(authorization: str | None) -> str:
+    """The token of `Authorization: Bearer TOKEN` (the scheme is case-insensitive, RFC 7235); "" for anything else."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def given_key(x_api_key: str | None, authorization: str | None) -> str:
+    """The API key a request presents: Anthropic's x-api-key header, else the bearer token."""
+    return x_api_key.strip() if x_api_key else bearer_token(authorization)
+
+
+def openai_key(request: Request, authorization: str | None = Header(default=None)) -> None:
+    """OpenAI's routes: the key as a bearer token."""
+    check_key(served(request).api_key, bearer_token(authorization))
+
+
+def anthropic_key(request: Request, x_api_key: str | None = Header(default=None),
+                  authorization: str | None = Header(default=None)) -> None:
+    """Anthropic's routes: x-api-key, or a bearer token."""
+    check_key(served(request).api_key, given_key(x_api_key, authorization))
+
+
+def served_model(body_type: type):
+    """A dependency giving the request body parsed as `body_type`, its `model` checked against the served one (404
+    naming it; a body whose `model` is optional and absent means the served model)."""
+    def dependency(request: Request, body):
+        check_model(served(request).name, body.model)
+        return body
+    dependency.__signature__ = inspect.Signature([
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+        inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body_type)])
+    return Depends(dependency)

@@ -1,0 +1,398 @@
+"""The transport-neutral serving layer: a request in → an engine submission → a stream of events and a final result,
+used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) and the gRPC service.
+
+- Access: `check_key`, `check_model` (each transport reads the key and the model from its own wire).
+- What a request's parameters mean, decided once: `decide_thinking` (reasoning_effort, thinking_budget,
+  chat_template_kwargs, Anthropic `thinking`, gRPC disable_thinking → on/off, tier, exact limit) and
+  `max_tokens_for` (max_tokens' default, one table, and its range).
+- A chat run (`start_chat` → `ChatRun`): the rendered conversation submitted with a thinking-budget token filter; its
+  events are ("reasoning" | "content", text) pieces as tokens arrive (tool-call markup held back, content ending
+  before a stop string); `finish()` parses the output into a `ChatResult` (reasoning, content, tool calls, the
+  content the stream held back, finish reason, usage) and records metrics and the span once.
+- A completion run (`CompletionRun`): prompt ids in, tokens out, usage.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from dataclasses import dataclass, field
+
+from expertmesh.chat import (
+    BuiltinChat,
+    ChatError,
+    ChatFormat,
+    ParsedOutput,
+    RenderedPrompt,
+    ThinkingBudget,
+    tier_from_request,
+)
+from expertmesh.router.decoding import ChatDecoder, StopCut
+from expertmesh.router.engine import Engine
+from expertmesh.router.errors import APIError, as_api_error
+from expertmesh.router.request import Request
+from expertmesh.router.tracing import RequestSpan
+from expertmesh.sampling_params import SamplingParams
+
+
+# ----------------------------------------------------------------------------------------------- access
+def check_key(expected: str | None, given: str | None) -> None:
+    """Constant-time API-key check (the key never reaches logs or errors); no key configured: anyone."""
+    if expected is not None and not hmac.compare_digest((given or "").encode(), expected.encode()):
+        raise APIError("invalid or missing API key", code="invalid_api_key", kind="authentication")
+
+
+def check_model(served: str, asked: str | None) -> None:
+    """`asked` None: the request names no model (optional there), which means the served one."""
+    if asked is not None and asked != served:
+        raise APIError(f"model {asked!r} not found; this router serves {served!r}", param="model",
+                       code="model_not_found", kind="not_found")
+
+
+# ----------------------------------------------------------------------------------------------- parameters
+# max_tokens when a request leaves it unset, by API — the only place defaults are decided (None: what the context
+# leaves after the prompt, vLLM's and OpenAI's chat behaviour). Anthropic's messages require max_tokens.
+DEFAULT_MAX_TOKENS = {"openai": None, "openai.completions": 16, "openai.responses": 256, "grpc": 16,
+                      "grpc.generate": 16}
+
+
+def max_tokens_for(requested: int | None, api: str, *, prompt_tokens: int = 0, context: int = 0,
+                   scoring: bool | None = None, param: str = "max_tokens") -> int:
+    """The one place max_tokens gets its default (DEFAULT_MAX_TOKENS; what the context leaves keeps at least 1, so
+    an over-long prompt is answered context_length_exceeded naming the prompt) and its range: positive, 0 only when
+    `scoring` a text completion's prompt (`echo`; None: the API cannot score)."""
+    if requested is None:
+        default = DEFAULT_MAX_TOKENS[api]
+        return max(context - prompt_tokens, 1) if default is None else default
+    if requested < 0 or (requested == 0 and not scoring):
+        hint = "" if scoring is None else " (0 only with echo: score the prompt)"
+        raise APIError(f"{param}={requested}: expected a positive integer{hint}", param=param)
+    return requested
+
+
+def prompt_room(context: int, max_tokens: int | None, api: str) -> int:
+    """The tokens a prompt may take (what `truncation: auto` cuts to): the context less what the answer is given,
+    or less one token when the answer takes what the context leaves."""
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS[api]
+    return context - (max_tokens if max_tokens is not None else 1)
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """What a request asks of thinking: on or off, the tier (reported as `thinking_budget`) and, for Anthropic's
+    budget_tokens, an exact limit in place of the tier's."""
+    on: bool = True
+    tier: str = "high"
+    exact: int | None = None
+
+    def limit(self, budgets) -> int:
+        """Reasoning tokens allowed. Off: a template that cannot turn thinking off gets the low tier's limit."""
+        if not self.on:
+            return budgets.limit("low")
+        return self.exact if self.exact is not None else budgets.limit(self.tier)
+
+
+ADAPTIVE_TIER = "high"   # Anthropic thinking.type "adaptive": the model decides, within this tier's limit
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking")   # chat_template_kwargs that turn thinking on / off
+
+
+def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str | None = None,
+                    effort_param: str = "reasoning_effort", template_kwargs: dict | None = None,
+                    anthropic: dict | None = None, disable: bool = False, budgets=None) -> Thinking:
+    """Every way a request speaks of thinking, read once: OpenAI `reasoning_effort` (none turns it off; minimal / low
+    → low, medium → high, high → max), `thinking_budget` (a tier), `chat_template_kwargs.enable_thinking` /
+    `thinking` (as Qwen / vLLM and DeepSeek V3.1 name it; other template kwargs are refused), Anthropic `thinking`
+    ({type: enabled, budget_tokens} an exact limit, adaptive the `high` tier, disabled — its default — off), gRPC
+    `disable_thinking`. A tier asked for while thinking is off is refused. `budgets`: the deployment's
+    ThinkingBudgets (the tier that covers an Anthropic budget is the one reported)."""
+    on = reasoning_effort != "none" and not disable
+    for key, value in (template_kwargs or {}).items():
+        if key not in TEMPLATE_SWITCHES or not isinstance(value, bool):
+            raise APIError(f"chat_template_kwargs.{key}: only enable_thinking / thinking (true or false) are "
+                           f"supported", param=f"chat_template_kwargs.{key}")
+        on = on and value
+    budget_tokens, adaptive = None, False
+    if anthropic is not None:
+        kind = anthropic.get("type", "disabled")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise APIError(f"thinking.type: {kind!r} is not one of enabled, disabled, adaptive", param="thinking.type")
+        on, adaptive = kind != "disabled", kind == "adaptive"
+        if kind == "enabled":
+            budget_tokens = anthropic.get("budget_tokens")
+            if not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool):
+                raise APIError(f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}",
+                               param="thinking.budget_tokens")
+    if not on and thinking_budget is not None:
+        raise APIError("thinking_budget: given while thinking is turned off", param="thinking_budget")
+    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
+        raise APIError(f"{effort_param}: expected a string, found {type(reasoning_effort).__name__}",
+                       param=effort_param)
+    effort = None if reasoning_effort == "none" else reasoning_effort
+    asked = [(p, v) for p, v in (("thinking_budget", thinking_budget), (effort_param, effort),
+                                 ("thinking.budget_tokens", budget_tokens)) if v is not None]
+    try:
+        tier = tier_from_request(thinking_budget=thinking_budget or (ADAPTIVE_TIER if adaptive else None),
+                                 reasoning_effort=effort, budget_tokens=budget_tokens, budgets=budgets)
+    except ChatError as e:               # names the first field asked (tier_from_request reads them in that order)
+        param = asked[0][0] if asked else "thinking_budget"
+        raise APIError(str(e).replace("reasoning_effort:", f"{param}:", 1), param=param) from None
+    return Thinking(on, tier, budget_tokens if thinking_budget is None else None)
+
+
+# ----------------------------------------------------------------------------------------------- requests
+async def request_tokens(req: Request):
+    """Async iteration over a request's tokens, woken by the engine thread; raises the request's error."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    req.notify = lambda: loop.call_soon_threadsafe(wake.set)
+    while True:
+        events = req.drain()
+        for kind, value in events:
+            if kind == "token":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+        if not events:
+            await wake.wait()
+            wake.clear()
+
+
+def cancel_when_gone(is_disconnected, engine: Engine, req: Request) -> asyncio.Task:
+    """Cancel `req` (freeing its batch slot and KV) once `is_disconnected()` (a coroutine function: the client went
+    away) says so; the caller cancels the returned task when the request is over."""
+    async def watch():
+        while not req.done:
+            if await is_disconnected():
+                engine.cancel(req)
+                return
+            await asyncio.sleep(0.25)
+    return asyncio.get_running_loop().create_task(watch())
+
+
+def submit(engine: Engine, prompt: list[int], params: SamplingParams, span: RequestSpan, **kw) -> Request:
+    """engine.submit inside the request's span; a refusal ends the span and is raised as an APIError."""
+    try:
+        with span.current():
+            return engine.submit(prompt, params, **kw)
+    except Exception as e:
+        span.finish(input_tokens=len(prompt), output_tokens=0, finish_reason=None, error=e)
+        raise as_api_error(e) from e
+
+
+# ----------------------------------------------------------------------------------------------- chat
+@dataclass
+class ChatRequest:
+    """A chat request as every API ends up asking it: the rendered conversation (and the images it holds, in
+    order), how to think, how long and how to sample. `sampling`: further SamplingParams fields (top_k, min_p,
+    penalties, logit_bias, logprobs). `grammar` (router/constraints.py) applies to the answer: after the
+    end-of-thinking marker when generation starts in the reasoning section."""
+    rendered: RenderedPrompt
+    thinking: Thinking
+    max_tokens: int | None = None          # None: the API's default (max_tokens_for)
+    max_tokens_param: str = "max_tokens"   # how the request names it (errors)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    grammar: str | None = None
+    images: list = field(default_factory=list)
+    api: str = "openai"
+
+
+@dataclass
+class Usage:
+    prompt: int
+    completion: int
+    cached: int
+    reasoning: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+@dataclass
+class ChatResult:
+    """A chat run's answer, parsed: `unsent` is the content the stream held back (a malformed tool call, kept as
+    text) that a streaming transport still owes its client."""
+    parsed: ParsedOutput
+    finish_reason: str          # stop | length | tool_calls
+    stop_hit: str | None        # the stop string that ended the content
+    usage: Usage
+    unsent: str = ""
+
+    @property
+    def reasoning(self) -> str:
+        return self.parsed.reasoning
+
+    @property
+    def content(self) -> str:
+        return self.parsed.content
+
+    @property
+    def tool_calls(self) -> list:
+        return self.parsed.tool_calls
+
+
+class ChatRun:
+    def __init__(self, engine: Engine, fmt: ChatFormat, request: ChatRequest):
+        self.engine, self.fmt, self.request = engine, fmt, request
+        self.prompt, self.phase = request.rendered.ids, request.rendered.phase
+        self.thinking = request.thinking
+        self.budget = ThinkingBudget(fmt.markers, request.thinking.limit(engine.cfg.thinking), phase=self.phase)
+        self.req: Request | None = None
+        self.consumed = 0            # generated tokens `events()` has decoded so far
+        self.sent = ""               # content the events gave out
+        self.stop_hit: str | None = None
+        self.salt = uuid.uuid4().hex[:8]
+        self.span: RequestSpan | None = None
+        self._result: ChatResult | None = None
+
+    @property
+    def tier(self) -> str:
+        return self.thinking.tier
+
+    def start(self, params: SamplingParams) -> None:
+        t = self.thinking
+        self.span = RequestSpan("chat", self.engine.model_name, max_tokens=params.max_tokens,
+                                temperature=params.temperature, api=self.request.api, tier=t.tier if t.on else None)
+        images = self.request.images
+        self.req = submit(self.engine, self.prompt, params, self.span, token_filter=self.budget,
+                          **({"images": images} if images else {}))
+
+    def fail(self, error: Exception) -> APIError:
+        """End the span with `error`; what the client is told of it."""
+        if self.span is not None:
+            self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output) if self.req else 0,
+                             finish_reason=None, error=error)
+        return as_api_error(error)
+
+    def close(self) -> None:
+        """The client is done with the run (a stream ended or broke off): cancel what is still generating."""
+        if self.req is not None and not self.req.done:
+            self.engine.cancel(self.req)
+
+    def _pieces(self, decoder: ChatDecoder, cut: StopCut, token: int | None) -> list[tuple[str, str]]:
+        """The events of one token (None: the end), through the stop strings; a match cancels the request."""
+        raw = decoder.flush() if token is None else [] if decoder.done else decoder.feed(token)
+        out = [piece for ev in raw for piece in cut.feed(*ev)]
+        if cut.hit is not None and self.stop_hit is None:
+            self.stop_hit = cut.hit
+            self.engine.cancel(self.req)
+        elif token is None:
+            out += cut.flush()
+        self.sent += "".join(text for kind, text in out if kind == "content")
+        return out
+
+    def _decoders(self) -> tuple[ChatDecoder, StopCut]:
+        return ChatDecoder(self.fmt, self.phase), StopCut(self.request.stop)
+
+    async def events(self):
+        """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back; content ends
+        before the first stop string."""
+        decoder, cut = self._decoders()
+        async for token in request_tokens(self.req):
+            self.consumed += 1
+            for ev in self._pieces(decoder, cut, token):
+                yield ev
+            if self.stop_hit is not None:
+                return
+        for ev in self._pieces(decoder, cut, None):
+            yield ev
+
+    def events_sync(self, timeout: float | None = None):
+        """The same events for a blocking caller (the gRPC servicer)."""
+        decoder, cut = self._decoders()
+        for token in self.req.stream(timeout):
+            self.consumed += 1
+            yield from self._pieces(decoder, cut, token)
+            if self.stop_hit is not None:
+                return
+        yield from self._pieces(decoder, cut, None)
+
+    async def complete(self, is_disconnected=None) -> ChatResult:
+        """The whole answer of an unstreamed request (cancelled once `is_disconnected()` says the client went
+        away), or the APIError it failed with."""
+        watcher = cancel_when_gone(is_disconnected, self.engine, self.req) if is_disconnected else None
+        try:
+            async for _ in self.events():
+                pass
+        except Exception as e:
+            raise self.fail(e) from e
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return self.finish()
+
+    def finish(self) -> ChatResult:
+        """The parsed answer, once generation is over; counts the reasoning tokens and ends the span (once)."""
+        if self._result is not None:
+            return self._result
+        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
+        if self.stop_hit is not None:             # the answer ends before the stop string; nothing after counts
+            at = parsed.content.find(self.stop_hit)
+            parsed.content = parsed.content[:at] if at >= 0 else parsed.content
+            parsed.tool_calls = []
+        out = self.req.output
+        reason = "stop" if self.stop_hit is not None else "tool_calls" if parsed.tool_calls else \
+            "stop" if out and out[-1] in self.fmt.markers.stop else "length"
+        reasoning = self.budget.reasoning_tokens
+        usage = Usage(len(self.prompt), len(out), self.req.cached_tokens, reasoning)
+        unsent = parsed.content[len(self.sent):] if parsed.content.startswith(self.sent) else ""
+        self._result = ChatResult(parsed, reason, self.stop_hit, usage, unsent)
+        self.engine.metrics.reasoning_tokens.inc(reasoning)
+        if self.span is not None:
+            self.span.finish(input_tokens=usage.prompt, output_tokens=usage.completion, finish_reason=reason,
+                             reasoning_tokens=reasoning, cached_tokens=usage.cached)
+        return self._result
+
+
+def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun:
+    """Submit a chat request: its max_tokens resolved (max_tokens_for), its grammar after the thinking section."""
+    if request.images and not isinstance(fmt, BuiltinChat):
+        raise APIError("messages: image input needs the built-in chat format (a checkpoint's own chat template "
+                       "does not render images yet)", param="messages")
+    rendered, grammar = request.rendered, request.grammar
+    run = ChatRun(engine, fmt, request)
+    max_tokens = max_tokens_for(request.max_tokens, request.api, prompt_tokens=len(rendered.ids),
+                                context=engine.cfg.max_context, param=request.max_tokens_param)
+    after = None if grammar is None or rendered.phase == "content" else fmt.markers.think_end
+    run.start(SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                             seed=request.seed, stop_token_ids=fmt.markers.stop, **request.sampling,
+                             grammar=grammar, grammar_after_token=after))
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- completions
+class CompletionRun:
+    """A text completion: prompt ids submitted as they are, its tokens as they arrive."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, *, api: str = "openai",
+                 model: str | None = None, **kw):
+        self.engine, self.prompt, self.params = engine, prompt, params
+        self.span = RequestSpan("text_completion", model or engine.model_name, max_tokens=params.max_tokens,
+                                temperature=params.temperature, api=api)
+        self.req = submit(engine, prompt, params, self.span, **kw)
+
+    def tokens(self):
+        """The tokens as they arrive (async); raises the request's error."""
+        return request_tokens(self.req)
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt), len(self.req.output), self.req.cached_tokens)
+
+    def finish(self, finish_reason: str | None, error: Exception | None = None) -> APIError | None:
+        """End the span; with `error`, what the client is told of it."""
+        self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output),
+                         finish_reason=None if error else finish_reason, cached_tokens=self.req.cached_tokens,
+                         error=error)
+        return as_api_error(error) if error is not None else None
+
+    def close(self) -> None:
+        if not self.req.done:
+            self.engine.cancel(self.req)
+
