@@ -57,7 +57,7 @@ def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
     params = dataclasses.replace(sampling_from_proto(p), stop_token_ids=tuple(p.stop_token_ids) or
                                  tuple(tokenizer.eos_ids))
     if not chat:
-        params.max_tokens = max_tokens_for(requested, "grpc.generate", param="params.max_tokens")
+        params.max_tokens = max_tokens_for(requested, chat=False, param="params.max_tokens")
     try:
         check_sampling(params)
         if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker

@@ -204,7 +204,7 @@ async def completions(http_request: Request, body: CompletionBody = served_model
                       s: Served = Depends(served)):
     tok = s.fmt.tokenizer
     prompt, echo_text = completion_prompt(body, tok)
-    max_tokens = max_tokens_for(body.max_tokens, "openai.completions", scoring=body.echo)
+    max_tokens = max_tokens_for(body.max_tokens, chat=False, scoring=body.echo)
     # echo + logprobs scores the prompt too (vLLM's prompt_logprobs); max_tokens=0 with echo only scores
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     if max_tokens == 0 and prompt_logprobs is None:
@@ -333,7 +333,7 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
     kept, report, headers = history, None, {}
     if body.truncation == "auto":
         kept, report = truncate_messages(fmt, history, tools, thinking.on,
-                                         limit=prompt_room(engine.cfg.max_context, max_tokens, "openai"))
+                                         limit=prompt_room(engine.cfg.max_context, max_tokens))
         if report:
             rendered = render_prompt(fmt, kept, tools, thinking.on)
             headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))}

@@ -302,7 +302,7 @@ async def create(http_request: Request, body: ResponsesBody = served_model(Respo
     report = None
     if body.truncation == "auto":
         segments, plan = truncate(fmt, system, conv.tools, segments, conv.thinking.on,
-                                  limit=prompt_room(engine.cfg.max_context, body.max_output_tokens, "openai.responses"))
+                                  limit=prompt_room(engine.cfg.max_context, body.max_output_tokens))
         report = plan.report() if plan.changed else None
     rendered = render_conversation(fmt, system, conv.tools, segments, conv.thinking.on)
     run = start_chat(engine, fmt, ChatRequest(

@@ -4,7 +4,7 @@ used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) 
 - Access: `check_key`, `check_model` (each transport reads the key and the model from its own wire).
 - What a request's parameters mean, decided once: `decide_thinking` (reasoning_effort, thinking_budget,
   chat_template_kwargs, Anthropic `thinking`, gRPC disable_thinking → on/off, tier, exact limit) and
-  `max_tokens_for` (max_tokens' default, one table, and its range).
+  `max_tokens_for` (the one default of max_tokens and its range).
 - A chat run (`start_chat` → `ChatRun`): the rendered conversation submitted with a thinking-budget token filter; its
   events are ("reasoning" | "content", text) pieces as tokens arrive (tool-call markup held back, content ending
   before a stop string); `finish()` parses the output into a `ChatResult` (reasoning, content, tool calls, the
@@ -50,31 +50,27 @@ def check_model(served: str, asked: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- parameters
-# max_tokens when a request leaves it unset, by API — the only place defaults are decided (None: what the context
-# leaves after the prompt, vLLM's and OpenAI's chat behaviour). Anthropic's messages require max_tokens.
-DEFAULT_MAX_TOKENS = {"openai": None, "openai.completions": 16, "openai.responses": 256, "grpc": 16,
-                      "grpc.generate": 16}
+TEXT_COMPLETION_MAX_TOKENS = 16
 
 
-def max_tokens_for(requested: int | None, api: str, *, prompt_tokens: int = 0, context: int = 0,
+def max_tokens_for(requested: int | None, *, prompt_tokens: int = 0, context: int = 0, chat: bool = True,
                    scoring: bool | None = None, param: str = "max_tokens") -> int:
-    """The one place max_tokens gets its default (DEFAULT_MAX_TOKENS; what the context leaves keeps at least 1, so
-    an over-long prompt is answered context_length_exceeded naming the prompt) and its range: positive, 0 only when
-    `scoring` a text completion's prompt (`echo`; None: the API cannot score)."""
+    """The one place max_tokens gets its default and its range. Unset: a chat answer (chat completions, Responses,
+    gRPC Chat) may use what the context leaves after its prompt (OpenAI's and vLLM's behaviour; an over-long prompt
+    keeps 1, so the engine answers context_length_exceeded naming the prompt); a text completion (/v1/completions,
+    gRPC Generate) generates 16, OpenAI's documented default for completions. Anthropic's messages require it.
+    0 only when `scoring` a text completion's prompt (`echo`; None: the API cannot score)."""
     if requested is None:
-        default = DEFAULT_MAX_TOKENS[api]
-        return max(context - prompt_tokens, 1) if default is None else default
+        return max(context - prompt_tokens, 1) if chat else TEXT_COMPLETION_MAX_TOKENS
     if requested < 0 or (requested == 0 and not scoring):
         hint = "" if scoring is None else " (0 only with echo: score the prompt)"
         raise APIError(f"{param}={requested}: expected a positive integer{hint}", param=param)
     return requested
 
 
-def prompt_room(context: int, max_tokens: int | None, api: str) -> int:
+def prompt_room(context: int, max_tokens: int | None) -> int:
     """The tokens a prompt may take (what `truncation: auto` cuts to): the context less what the answer is given,
-    or less one token when the answer takes what the context leaves."""
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS[api]
+    or less one token when max_tokens is unset (the answer then takes the rest)."""
     return context - (max_tokens if max_tokens is not None else 1)
 
 
@@ -191,7 +187,7 @@ class ChatRequest:
     end-of-thinking marker when generation starts in the reasoning section."""
     rendered: RenderedPrompt
     thinking: Thinking
-    max_tokens: int | None = None          # None: the API's default (max_tokens_for)
+    max_tokens: int | None = None          # None: max_tokens_for's default
     max_tokens_param: str = "max_tokens"   # how the request names it (errors)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -358,8 +354,8 @@ def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun
                        "does not render images yet)", param="messages")
     rendered, grammar = request.rendered, request.grammar
     run = ChatRun(engine, fmt, request)
-    max_tokens = max_tokens_for(request.max_tokens, request.api, prompt_tokens=len(rendered.ids),
-                                context=engine.cfg.max_context, param=request.max_tokens_param)
+    max_tokens = max_tokens_for(request.max_tokens, prompt_tokens=len(rendered.ids), context=engine.cfg.max_context,
+                                param=request.max_tokens_param)
     after = None if grammar is None or rendered.phase == "content" else fmt.markers.think_end
     run.start(SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                              seed=request.seed, stop_token_ids=fmt.markers.stop, **request.sampling,

@@ -58,19 +58,19 @@ def test_thinking_limits():
     assert Thinking(False, "max").limit(BUDGETS) == BUDGETS.low       # a template that cannot turn thinking off
 
 
-def test_max_tokens_defaults_come_from_one_table_and_one_range():
-    assert max_tokens_for(None, "openai", prompt_tokens=100, context=4096) == 3996  # chat: what the context leaves
-    assert max_tokens_for(None, "openai", prompt_tokens=5000, context=4096) == 1   # the engine then names the prompt
-    assert max_tokens_for(None, "openai.completions") == 16                         # OpenAI's default
-    assert max_tokens_for(7, "openai", prompt_tokens=100, context=4096) == 7
-    assert max_tokens_for(0, "openai.completions", scoring=True) == 0              # echo: score the prompt only
+def test_max_tokens_has_one_default_and_one_range():
+    assert max_tokens_for(None, prompt_tokens=100, context=4096) == 3996            # chat: what the context leaves
+    assert max_tokens_for(None, prompt_tokens=5000, context=4096) == 1             # the engine then names the prompt
+    assert max_tokens_for(None, chat=False) == 16                                   # text completion: OpenAI's 16
+    assert max_tokens_for(7, prompt_tokens=100, context=4096) == 7
+    assert max_tokens_for(0, chat=False, scoring=True) == 0                        # echo: score the prompt only
     for value, kw, needle in [(0, {}, "max_tokens=0: expected a positive integer"),
-                              (-1, {"scoring": False}, "(0 only with echo: score the prompt)"),
-                              (0, {"param": "params.max_tokens"}, "params.max_tokens=0")]:
+                              (-1, {"chat": False, "scoring": False}, "(0 only with echo: score the prompt)"),
+                              (0, {"chat": False, "param": "params.max_tokens"}, "params.max_tokens=0")]:
         with pytest.raises(APIError) as e:
-            max_tokens_for(value, "openai", **kw)
+            max_tokens_for(value, **kw)
         assert needle in e.value.message and e.value.param == kw.get("param", "max_tokens")
-    assert prompt_room(4096, None, "openai") == 4095 and prompt_room(4096, 96, "openai") == 4000
+    assert prompt_room(4096, None) == 4095 and prompt_room(4096, 96) == 4000
 
 
 def test_one_table_for_every_wire():
