@@ -33,6 +33,9 @@ from expertmesh.router.serving import (
 )
 from expertmesh.sampling_params import SamplingParams, check_sampling, sampling_from_proto
 
+CHAT_SAMPLING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
 def abort(context, e: Exception):
     """End the call with what the client is told of `e` (context.abort raises)."""
     err = as_api_error(e)
@@ -49,10 +52,13 @@ def client_timeout(context) -> float | None:
 def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
     """expertmesh.v1.SamplingParams → SamplingParams (an unset field: the dataclass default; stop ids: the
     tokenizer's EOS) checked as on HTTP, naming `params.FIELD`, and the max_tokens asked for (None: unset)."""
-    for name in ("logprobs", "prompt_logprobs"):      # GenerateEvent / ChatEvent have no place for them
-        if p.HasField(name):
-            raise APIError(f"params.{name}: not supported by this gRPC API (use /v1/completions)",
-                           param=f"params.{name}")
+    refused = {"logprobs": "use /v1/completions", "prompt_logprobs": "use /v1/completions"}
+    if chat:
+        refused |= {"stop_token_ids": "the chat format's end-of-turn tokens end the answer",
+                    "grammar_after_token": "the grammar applies to the answer, after the thinking section"}
+    for name, why in refused.items():
+        if len(p.stop_token_ids) if name == "stop_token_ids" else p.HasField(name):
+            raise APIError(f"params.{name}: not supported by this gRPC API ({why})", param=f"params.{name}")
     requested = p.max_tokens if p.HasField("max_tokens") else None
     params = dataclasses.replace(sampling_from_proto(p), stop_token_ids=tuple(p.stop_token_ids) or
                                  tuple(tokenizer.eos_ids))
@@ -132,7 +138,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             run = start_chat(self.engine, self.chat, ChatRequest(
                 render_prompt(self.chat, messages, tools, thinking.on), thinking, max_tokens=max_tokens,
                 max_tokens_param="params.max_tokens", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                api="grpc"))
+                sampling={k: getattr(p, k) for k in CHAT_SAMPLING}, grammar=p.grammar, api="grpc"))
         except Exception as e:
             abort(context, e)
         context.add_callback(run.close)

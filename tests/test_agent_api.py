@@ -122,6 +122,15 @@ def test_grpc_chat_without_deadline_streams_and_reflection_v1(cluster):
                 messages=[chat_pb2.ChatMessage(role="user", content="hi")],
                 params=sampling_pb2.SamplingParams(max_tokens=4, temperature=-1)), metadata=key))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:   # honoured or refused naming it: the format's stop tokens end a chat
+            list(router_pb2_grpc.RouterStub(ch).Chat(chat_pb2.ChatRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content="hi")],
+                params=sampling_pb2.SamplingParams(max_tokens=4, stop_token_ids=[5])), metadata=key))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.stop_token_ids" in err.value.details()
+        out = list(router_pb2_grpc.RouterStub(ch).Chat(chat_pb2.ChatRequest(       # logit_bias is honoured ('x')
+            messages=[chat_pb2.ChatMessage(role="user", content="hi")], disable_thinking=True,
+            params=sampling_pb2.SamplingParams(max_tokens=4, temperature=0, logit_bias={120: 100})), metadata=key))
+        assert "".join(e.content_delta for e in out) == "xxxx"
         from grpc_reflection.v1alpha import reflection_pb2
         # v1 is the v1alpha messages under a new package: call it by its v1 path with the same codecs
         info = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
