@@ -23,10 +23,9 @@ from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIV
                                         checkpoint_path, expert_name, labels, load_configmap_name, object_meta,
                                         plan_configmap_name, router_name, selector_labels, worker_addresses,
                                         worker_tls_secret_name)
-from expertmesh.operator.spec import MoEDeploymentSpec
+from expertmesh.operator.spec import GPU_RESOURCE, MoEDeploymentSpec
 from expertmesh.operator.worker_tls import worker_tls_args
 
-GPU_RESOURCE = "nvidia.com/gpu"
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
 
 

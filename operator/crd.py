@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from expertmesh.operator.naming import MAX_NAME_LENGTH, NAME_PATTERN, STATEFULSET_NAME_MAX
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION,
                                       MoEDeploymentSpec, MoEDeploymentStatus)
 
@@ -44,7 +45,8 @@ SCALE = {
     "labelSelectorPath": ".status.expertWorkers.selector",
 }
 
-_DROP = {"title", "additionalProperties", "$defs", "definitions", "discriminator"}
+_DROP = {"title", "additionalProperties", "$defs", "definitions", "discriminator",
+         "propertyNames"}  # map keys: structural schemas cannot constrain them; the operator checks them
 
 
 class SchemaError(ValueError):
@@ -155,6 +157,24 @@ def status_schema() -> dict[str, Any]:
     return structural(MoEDeploymentStatus.model_json_schema(by_alias=True, mode="serialization"))
 
 
+# `metadata` may carry restrictions on name and generateName only: every child's name stays valid (the StatefulSets'
+# within STATEFULSET_NAME_MAX with the longest suffix the operator appends, the Services' a DNS-1035 label). The same
+# rule as CEL on the root says it in words; the operator checks it again for resources created before (naming.py).
+METADATA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": MAX_NAME_LENGTH, "pattern": NAME_PATTERN},
+        "generateName": {"type": "string", "maxLength": MAX_NAME_LENGTH - 5, "pattern": "^[a-z][-a-z0-9]*$"},
+    },
+}
+NAME_RULE = {
+    "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
+    "message": f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters (lowercase letters, "
+               f"digits and '-', a letter first): the operator names children <name>-attention, <name>-expert, "
+               f"<name>-router, and a StatefulSet's name must stay within {STATEFULSET_NAME_MAX} characters",
+}
+
+
 def build_crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a plain dict."""
     spec = spec_schema()
@@ -185,10 +205,11 @@ def build_crd() -> dict[str, Any]:
                     "description": f"{KIND} ({API_VERSION}): a Mixture-of-Experts model served by a router, "
                                    "attention workers and expert workers placed by an expert-placement plan.",
                     "required": ["spec"],
+                    "x-kubernetes-validations": [dict(NAME_RULE)],
                     "properties": {
                         "apiVersion": {"type": "string"},
                         "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
+                        "metadata": copy.deepcopy(METADATA),
                         "spec": spec,
                         "status": status,
                     },

@@ -13,8 +13,8 @@ back through the Kubernetes API edge (kube.py).
     (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
      lets the timer stop first)
 
-Errors: a spec that cannot be deployed (bad field, cluster too small) → phase Failed + a condition with the
-message + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
+Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; cluster too small: ClusterTooSmall) → phase
+Failed + a condition whose message names the field + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
 `kopf.TemporaryError` with exponential backoff.
 
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
@@ -36,7 +36,8 @@ from expertmesh.fetch import parse_progress
 from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
-                                        load_configmap_name, load_url, plan_configmap_name, worker_tls_secret_name)
+                                        load_configmap_name, load_url, name_error, plan_configmap_name,
+                                        worker_tls_secret_name)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
@@ -202,20 +203,25 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
     deps: Deps = memo.deps
     generation = meta.get("generation")
     status = dict(status or {})
+    def fail(message: str, reason: str) -> kopf.PermanentError:
+        patch.status.update(failed_status(status, message, generation, reason=reason))
+        return kopf.PermanentError(f"{reason}: {message}")
+
     try:
         parsed = parse_spec(dict(spec))
+        bad_name = name_error(name)
+        if bad_name:
+            raise SpecError(bad_name)
         cfg = resolve_model(parsed)
     except SpecError as e:
-        patch.status.update(failed_status(status, str(e), generation, reason="InvalidSpec"))
-        raise kopf.PermanentError(f"invalid spec: {e}") from None
+        raise fail(str(e), "InvalidSpec") from None
 
     async with deps.lock((namespace, name)):
         previous = await _read_plan(deps, namespace, name, retry)
         try:
             plan = plan_for(parsed, cfg, previous=previous)
         except PlanError as e:
-            patch.status.update(failed_status(status, str(e), generation, reason="ClusterTooSmall"))
-            raise kopf.PermanentError(str(e)) from None
+            raise fail(str(e), "ClusterTooSmall") from None
         try:
             rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry)
         except KubeError as e:  # not transient: the API refused a child (e.g. a quota or an admission webhook)

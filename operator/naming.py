@@ -14,8 +14,11 @@ Children of a `MoEDeployment` named N in namespace NS (built by children.py):
 from __future__ import annotations
 
 import hashlib
+import re
+from typing import Optional
 
-from expertmesh.operator.spec import MoEDeploymentSpec
+from expertmesh.operator.spec import MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MoEDeploymentSpec
+from expertmesh.operator.validation import DNS1035_LABEL, LABEL_VALUE
 
 OPERATOR_NAME = "expertmesh-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -64,14 +67,61 @@ def worker_tls_secret_name(name: str) -> str:
     return f"{name}-worker-tls"
 
 
+# ------------------------------------------------------------------------------------------------ name bounds
+STATEFULSET_NAME_MAX = 52   # a StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>: a label value
+DNS_LABEL_MAX = 63          # a Service name (DNS-1035 label), a pod's hostname (<statefulset>-<ordinal>)
+
+
+def _suffix(fn) -> int:
+    return len(fn(""))
+
+
+def max_name_length() -> int:
+    """The longest MoEDeployment name whose every child name is valid: the StatefulSets' names (with the longest
+    suffix the operator appends) within 52 characters, Services' within a 63-character DNS label, and pod hostnames
+    (<statefulset>-<highest ordinal>) within 63."""
+    statefulsets = (attention_name, expert_name)
+    services = (attention_name, expert_name, router_name)
+    ordinal = len(str(max(MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS) - 1))
+    return min(STATEFULSET_NAME_MAX - max(map(_suffix, statefulsets)),
+               DNS_LABEL_MAX - max(map(_suffix, services)),
+               DNS_LABEL_MAX - max(_suffix(f) + 1 + ordinal for f in statefulsets))
+
+
+MAX_NAME_LENGTH = max_name_length()
+NAME_PATTERN = DNS1035_LABEL   # Service names: a letter first, no dots
+
+
+def name_error(name: str) -> Optional[str]:
+    """What is wrong with a MoEDeployment's `metadata.name` for its children (None: nothing). The CRD's schema and
+    CEL rule refuse such names at the API server; the operator says the same for a resource created before them."""
+    if len(name) > MAX_NAME_LENGTH:
+        return (f"metadata.name {name[:80]!r}: at most {MAX_NAME_LENGTH} characters (the operator names children "
+                f"<name>-attention, <name>-expert, ...: a StatefulSet's name stays within {STATEFULSET_NAME_MAX})")
+    if not re.fullmatch(NAME_PATTERN, name):
+        return (f"metadata.name {name!r}: must be a DNS-1035 label (lowercase letters, digits and '-', starting with "
+                f"a letter, no '.'): it names the deployment's Services")
+    return None
+
+
+def version_label(tag: str) -> Optional[str]:
+    """The `app.kubernetes.io/version` label value of an image tag: a tag may be 128 characters and start with '_',
+    a label value neither; cut to 63 and trimmed to alphanumerics at both ends (None when nothing is left)."""
+    value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", tag[:63])
+    return value if value and re.fullmatch(LABEL_VALUE, value) else None
+
+
 def selector_labels(name: str, component: str) -> dict[str, str]:
     """The immutable subset used in selectors (never the version: that changes on upgrades)."""
     return {LABEL_NAME: "expertmesh", LABEL_INSTANCE: name, LABEL_COMPONENT: component}
 
 
 def labels(name: str, component: str, spec: MoEDeploymentSpec) -> dict[str, str]:
-    return {**selector_labels(name, component), LABEL_PART_OF: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME,
-            LABEL_VERSION: spec.image.tag[:63]}
+    out = {**selector_labels(name, component), LABEL_PART_OF: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}
+    version = version_label(spec.image.tag)
+    if version is not None:
+        out[LABEL_VERSION] = version
+    return out
 
 
 def selector_string(sel: dict[str, str]) -> str:

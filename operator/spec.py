@@ -15,13 +15,22 @@ built from them. Field names are camelCase in YAML (aliases) and snake_case in P
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import re
+from decimal import Decimal
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 from pydantic.alias_generators import to_camel
 
 from expertmesh.config import ModelConfig, ThinkingBudgets, preset
 from expertmesh.hf_config import HFCheckpointError, config_from_hf
+from expertmesh.operator.validation import (ABSOLUTE_PATH, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, IMAGE_REPOSITORY,
+                                            IMAGE_REPOSITORY_MAX, IMAGE_TAG, LABEL_VALUE, LABEL_VALUE_MAX, NO_SPACE,
+                                            PATH_MAX, QUALIFIED_NAME, QUALIFIED_NAME_MAX, QUANTITY, QUANTITY_MAX,
+                                            SECRET_KEY, URL_MAX, VOLUME_PATH, absolute_path_error, dns_subdomain_error,
+                                            is_extended_resource, label_value_error, parse_quantity,
+                                            qualified_name_error, relative_path_error, resource_name_error)
 
 GROUP = "expertmesh.dev"
 VERSION = "v1alpha1"
@@ -35,6 +44,30 @@ GIB = 2 ** 30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
+# server refuses a spec past them; the operator checks them again for resources created before)
+MAX_ROUTER_REPLICAS = 64
+MAX_ATTENTION_REPLICAS = 512   # the router is given every worker's address in one argument (Linux: 128 KiB each)
+MAX_EXPERT_REPLICAS = 512
+MAX_GPUS_PER_POD = 16
+MAX_GPU_MEMORY_GIB = 4096
+MAX_REDUNDANT_EXPERTS = 16384  # per MoE layer; the planner caps it further to E x (pods - 1) and to memory
+MAX_CONTEXT = 2 ** 24          # tokens
+MAX_BLOCK_SIZE = 1024          # tokens per KV page
+MAX_THINKING = 2 ** 24         # reasoning tokens
+MAX_SECONDS = 7 * 24 * 3600    # intervals and grace periods
+MAX_IMBALANCE = 1000.0
+MAX_TOLERATION_SECONDS = 365 * 24 * 3600
+MAX_RESOURCE_ENTRIES = 16
+MAX_RESOURCE_INT = 10 ** 15    # an integer quantity (bytes, cores, devices)
+MAX_NODE_SELECTOR = 32
+MAX_TOLERATIONS = 32
+MAX_CONFIG_KEYS = 256          # top-level keys of an inline model config
+MAX_MODEL_LAYERS = 1024        # layers of an inline model config (checked before it is built)
+MESSAGE_MAX = 32768            # a condition's message (metav1.Condition's bound)
+MAX_INT64 = 2 ** 63 - 1
 
 # Applied to nested objects with all-default fields so the API server fills their defaults in even when the
 # user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
@@ -43,38 +76,120 @@ _DEFAULT_EMPTY = {"default": {}}
 
 class _Spec(BaseModel):
     """camelCase in YAML, unknown fields rejected (a typo is an error, not silently ignored)."""
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False)
+
+
+def _checked(check, max_length: int, pattern: Optional[str] = None, **field):
+    """A string field bounded by `max_length` and, in the schema, `pattern`; pydantic runs `check` (value → what is
+    wrong, or None) so that the message says what was expected in words rather than as a regular expression."""
+    def run(value: str) -> str:
+        err = check(value)
+        if err:
+            raise ValueError(f"{value[:80]!r} {err}")
+        return value
+    extra = {"pattern": pattern} if pattern else {}
+    return Annotated[str, Field(max_length=max_length, json_schema_extra=extra or None, **field),
+                     AfterValidator(run)]
+
+
+def _pattern_check(pattern: str, what: str):
+    return lambda v: None if re.fullmatch(pattern, v) else f"must be {what}"
+
+
+DNSName = _checked(dns_subdomain_error, DNS1123_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN, min_length=1)
+QualifiedName = _checked(qualified_name_error, QUALIFIED_NAME_MAX, QUALIFIED_NAME, min_length=1)
+QualifiedNameKey = _checked(qualified_name_error, QUALIFIED_NAME_MAX, min_length=1)  # a map key: no pattern in a
+LabelValue = _checked(label_value_error, LABEL_VALUE_MAX, LABEL_VALUE)                 # structural schema
+SecretKey = _checked(_pattern_check(SECRET_KEY, "a Secret key (letters, digits, '-', '_' and '.')"),
+                     DNS1123_SUBDOMAIN_MAX, SECRET_KEY, min_length=1)
+AbsolutePath = _checked(absolute_path_error, PATH_MAX, ABSOLUTE_PATH, min_length=1)
+URL = _checked(_pattern_check(r"^https?://[^\s\x00-\x1f\x7f]+$", "an http:// or https:// URL without spaces"),
+               URL_MAX, r"^https?://[^\s\x00-\x1f\x7f]+$", min_length=1)
+Endpoint = _checked(_pattern_check(NO_SPACE, "an endpoint without spaces or control characters"), URL_MAX, NO_SPACE,
+                    min_length=1)
+
+
+def _check_quantity(value: Union[int, str]) -> Union[int, str]:
+    if isinstance(value, int) and not 0 <= value <= MAX_RESOURCE_INT:
+        raise ValueError(f"{value} must be between 0 and {MAX_RESOURCE_INT}")
+    parse_quantity(value)   # ValueError naming the value
+    return value
+
+
+def _check_resource_name(name: str) -> str:
+    err = resource_name_error(name)
+    if err:
+        raise ValueError(f"{name[:80]!r} {err}")
+    return name
 
 
 IntOrString = Union[int, str]  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
+Quantity = Annotated[IntOrString, AfterValidator(_check_quantity), Field(json_schema_extra={
+    "pattern": QUANTITY, "maxLength": QUANTITY_MAX, "minimum": 0, "maximum": MAX_RESOURCE_INT})]
+ResourceName = Annotated[str, Field(max_length=QUALIFIED_NAME_MAX), AfterValidator(_check_resource_name)]
 
 
 class Resources(_Spec):
-    """Container resources (the `resources` of a Kubernetes container, without `claims`)."""
-    limits: dict[str, IntOrString] = Field(default_factory=dict)
-    requests: dict[str, IntOrString] = Field(default_factory=dict)
+    """Container resources (the `resources` of a Kubernetes container, without `claims`). Extended resources
+    (e.g. GPUs) must have requests equal to limits; GPUs come from `gpusPerPod`."""
+    limits: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
+    requests: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> "Resources":
+        for name, request in self.requests.items():
+            limit = self.limits.get(name)
+            if is_extended_resource(name) and limit is None:
+                raise ValueError(f"requests[{name!r}]: an extended resource needs a limit equal to its request")
+            if limit is None:
+                continue
+            req, lim = parse_quantity(request), parse_quantity(limit)
+            if is_extended_resource(name) and req != lim:
+                raise ValueError(f"requests[{name!r}]={request} must equal limits[{name!r}]={limit} (an extended "
+                                 f"resource cannot be overcommitted)")
+            if req > lim:
+                raise ValueError(f"requests[{name!r}]={request} exceeds limits[{name!r}]={limit}")
+        return self
+
+    def check_gpus(self, gpus: int) -> None:
+        """GPUs are the workers' `gpusPerPod`: a GPU figure in resources must say the same."""
+        for where, values in (("limits", self.limits), ("requests", self.requests)):
+            if GPU_RESOURCE in values and parse_quantity(values[GPU_RESOURCE]) != Decimal(gpus):
+                raise ValueError(f"resources.{where}[{GPU_RESOURCE!r}]={values[GPU_RESOURCE]} must equal "
+                                 f"gpusPerPod={gpus} (GPUs are requested through gpusPerPod)")
 
 
 # ------------------------------------------------------------------------------------------------ model
 class PVCSource(_Spec):
-    claim_name: str = Field(min_length=1, description="PersistentVolumeClaim holding the checkpoint")
-    path: str = Field("/", description="checkpoint directory inside the volume")
+    claim_name: DNSName = Field(description="PersistentVolumeClaim holding the checkpoint")
+    path: str = Field("/", max_length=PATH_MAX, json_schema_extra={"pattern": VOLUME_PATH},
+                      description="checkpoint directory inside the volume (no '..': never above its root)")
     read_only: bool = True
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        err = relative_path_error(v)
+        if err:
+            raise ValueError(f"{v[:80]!r} {err}")
+        return v
 
 
 class SecretKeyRef(_Spec):
-    name: str = Field(min_length=1)
-    key: str = Field(min_length=1)
+    name: DNSName
+    key: SecretKey
 
 
 class CheckpointCache(_Spec):
     """Where fetched checkpoints are kept: a directory on each node (pods on one node fetch once and share it),
     or a PersistentVolumeClaim (ReadWriteMany: one fetch for the whole cluster)."""
-    host_path: str = Field("/var/cache/expertmesh", min_length=1, description="node directory (hostPath)")
-    claim_name: Optional[str] = Field(None, min_length=1, description="a PVC to use instead of the hostPath")
+    host_path: AbsolutePath = Field("/var/cache/expertmesh", description="node directory (hostPath): absolute, "
+                                                                         "no '..'")
+    claim_name: Optional[DNSName] = Field(None, description="a PVC to use instead of the hostPath")
 
 
 FETCHED_SCHEMES = ("http://", "https://", "hf://", "s3://")
+URI_PATTERN = r"^[^-\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"   # no option look-alike, no spaces
 
 
 class CheckpointSource(_Spec):
@@ -82,32 +197,49 @@ class CheckpointSource(_Spec):
     (http(s)://BASE or s3://BUCKET/PREFIX with an expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init
     container fetches into the cache volume, verifying every file's size and sha256."""
     pvc: Optional[PVCSource] = None
-    uri: Optional[str] = Field(None, min_length=1, description="http(s)://…, hf://ORG/NAME[@REVISION], "
-                                                               "s3://BUCKET/PREFIX, or a path inside the image")
+    uri: Optional[str] = Field(None, min_length=1, max_length=URL_MAX, json_schema_extra={"pattern": URI_PATTERN},
+                               description="http(s)://…, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, or an absolute "
+                                           "path inside the image")
     cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
     token_secret_ref: Optional[SecretKeyRef] = Field(
         None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)")
-    endpoint: Optional[str] = Field(None, min_length=1, description="s3://: an S3-compatible endpoint URL "
-                                                                    "(default: AWS's, in region)")
-    region: Optional[str] = Field(None, min_length=1, description="s3://: the signing region (default us-east-1)")
-    credentials_secret: Optional[str] = Field(
-        None, min_length=1, description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
-                                        "AWS_SESSION_TOKEN) become the fetch container's environment")
+    endpoint: Optional[URL] = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in "
+                                                      "region)")
+    region: Optional[str] = Field(None, min_length=1, max_length=64, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                  description="s3://: the signing region (default us-east-1)")
+    credentials_secret: Optional[DNSName] = Field(
+        None, description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
+                          "AWS_SESSION_TOKEN) become the fetch container's environment")
     format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        if v.startswith("-"):   # it becomes a command-line argument of the fetch and worker containers
+            raise ValueError(f"uri {v[:80]!r}: must not start with '-' (it would be read as an option)")
+        if not re.fullmatch(URI_PATTERN, v):
+            raise ValueError(f"uri {v[:80]!r}: must not contain spaces or control characters")
+        if "://" not in v:
+            err = absolute_path_error(v)
+            if err:
+                raise ValueError(f"uri {v[:80]!r}: a path inside the image {err}")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "CheckpointSource":
         if (self.pvc is None) == (self.uri is None):
             raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
         if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
-            raise ValueError(f"uri {self.uri!r}: supported sources are http://, https://, "
+            raise ValueError(f"uri {self.uri[:80]!r}: supported sources are http://, https://, "
                              f"hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX and paths inside the image")
         if self.uri is not None and self.uri.startswith("hf://"):
             repo = self.uri[5:].partition("@")[0]
             if repo.count("/") != 1 or not all(repo.split("/")):
-                raise ValueError(f"uri {self.uri!r}: expected hf://ORG/NAME[@REVISION]")
+                raise ValueError(f"uri {self.uri[:80]!r}: expected hf://ORG/NAME[@REVISION]")
         if self.uri is not None and self.uri.startswith("s3://") and not self.uri[5:].split("/")[0]:
-            raise ValueError(f"uri {self.uri!r}: expected s3://BUCKET/PREFIX")
+            raise ValueError(f"uri {self.uri[:80]!r}: expected s3://BUCKET/PREFIX")
         s3_only = [f for f in ("endpoint", "region", "credentials_secret") if getattr(self, f) is not None]
         if s3_only and not (self.uri or "").startswith("s3://"):
             raise ValueError(f"{', '.join(s3_only)}: only for an s3:// uri")
@@ -123,8 +255,9 @@ class ModelSpec(_Spec):
     preset: Optional[Literal["tiny", "small", "full-2.8t"]] = Field(
         None, description="a built-in model preset; exclusive with config")
     config: Optional[dict[str, Any]] = Field(
-        None, description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
-                          "a Hugging Face kimi_linear / deepseek_v32 config; exclusive with preset")
+        None, max_length=MAX_CONFIG_KEYS,
+        description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
+                    "a Hugging Face kimi_linear / deepseek_v32 config; exclusive with preset")
     checkpoint: CheckpointSource
 
     @model_validator(mode="after")
@@ -136,7 +269,7 @@ class ModelSpec(_Spec):
 
 # ------------------------------------------------------------------------------------------------ workloads
 class RouterSpec(_Spec):
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_ROUTER_REPLICAS)
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(50051, ge=1, le=65535)
@@ -147,22 +280,31 @@ class RouterSpec(_Spec):
     def _ports(self) -> "RouterSpec":
         if self.http_port == self.grpc_port:
             raise ValueError(f"router.httpPort and router.grpcPort must differ (both {self.http_port})")
+        self.resources.check_gpus(0)
         return self
 
 
 class AttentionWorkersSpec(_Spec):
-    replicas: int = Field(1, ge=1)
-    gpus_per_pod: int = Field(1, ge=0, description="0 runs on CPU (tiny/small presets)")
+    replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS)
+    gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+
+    @model_validator(mode="after")
+    def _gpus(self) -> "AttentionWorkersSpec":
+        self.resources.check_gpus(self.gpus_per_pod)
+        return self
 
 
 class ExpertWorkersSpec(_Spec):
-    replicas: int = Field(2, ge=1, description="expert worker pods (StatefulSet ordinals 0..replicas-1)")
-    gpus_per_pod: int = Field(1, ge=0, description="0 runs on CPU; planned as one device per pod")
-    gpu_memory_gib: float = Field(80.0, gt=0, alias="gpuMemoryGiB", description="memory of one device, GiB")
-    reserve_gib: float = Field(8.0, ge=0, alias="reserveGiB",
+    replicas: int = Field(2, ge=1, le=MAX_EXPERT_REPLICAS,
+                          description="expert worker pods (StatefulSet ordinals 0..replicas-1)")
+    gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU; planned as one device per pod")
+    gpu_memory_gib: float = Field(80.0, gt=0, le=MAX_GPU_MEMORY_GIB, alias="gpuMemoryGiB",
+                                  description="memory of one device, GiB")
+    reserve_gib: float = Field(8.0, ge=0, le=MAX_GPU_MEMORY_GIB, alias="reserveGiB",
                                description="per-device memory kept free for activations and buffers, GiB")
-    redundant_experts: int = Field(0, ge=0, description="extra physical replicas of hot experts, per MoE layer")
+    redundant_experts: int = Field(0, ge=0, le=MAX_REDUNDANT_EXPERTS,
+                                   description="extra physical replicas of hot experts, per MoE layer")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
 
     @model_validator(mode="after")
@@ -170,6 +312,7 @@ class ExpertWorkersSpec(_Spec):
         if self.reserve_gib >= self.gpu_memory_gib:
             raise ValueError(f"expertWorkers.reserveGiB={self.reserve_gib} must be below "
                              f"expertWorkers.gpuMemoryGiB={self.gpu_memory_gib}")
+        self.resources.check_gpus(self.gpus_per_pod)
         return self
 
     @property
@@ -179,23 +322,26 @@ class ExpertWorkersSpec(_Spec):
 
 class PlacementSpec(_Spec):
     strategy: Literal["eplb"] = "eplb"
-    rebalance_interval_seconds: int = Field(300, ge=1, description="how often the router's expert load is read")
-    imbalance_threshold: float = Field(1.25, ge=1.0,
+    rebalance_interval_seconds: int = Field(300, ge=1, le=MAX_SECONDS,
+                                            description="how often the router's expert load is read")
+    imbalance_threshold: float = Field(1.25, ge=1.0, le=MAX_IMBALANCE,
                                        description="re-plan when max/mean GPU load under observed traffic exceeds this")
-    replan_grace_seconds: int = Field(120, ge=0, description="how long expert pods may be lost before their "
-                                                             "experts are re-planned onto the survivors")
+    replan_grace_seconds: int = Field(120, ge=0, le=MAX_SECONDS,
+                                      description="how long expert pods may be lost before their experts are "
+                                                  "re-planned onto the survivors")
 
 
 class KVSpec(_Spec):
-    max_context: Optional[int] = Field(None, ge=1, description="tokens; default: the model's max_context")
-    block_size: int = Field(16, ge=1, description="tokens per KV page")
+    max_context: Optional[int] = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's "
+                                                                               "max_context")
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV page")
 
 
 class ThinkingSpec(_Spec):
     """Reasoning-token limits per thinking tier; overrides the model's defaults."""
-    low: int = Field(gt=0)
-    high: int = Field(gt=0)
-    max: int = Field(gt=0)
+    low: int = Field(gt=0, le=MAX_THINKING)
+    high: int = Field(gt=0, le=MAX_THINKING)
+    max: int = Field(gt=0, le=MAX_THINKING)
 
     @model_validator(mode="after")
     def _order(self) -> "ThinkingSpec":
@@ -206,13 +352,14 @@ class ThinkingSpec(_Spec):
 
 
 class TelemetrySpec(_Spec):
-    otlp_endpoint: Optional[str] = Field(None, min_length=1, description="e.g. http://otel-collector:4317")
+    otlp_endpoint: Optional[Endpoint] = Field(None, description="e.g. http://otel-collector:4317")
     protocol: Literal["grpc", "http/protobuf"] = "grpc"
 
 
 class ImageSpec(_Spec):
-    repository: str = Field("ghcr.io/expertmesh/expertmesh", min_length=1)
-    tag: str = Field("0.1.0", min_length=1)
+    repository: str = Field("ghcr.io/expertmesh/expertmesh", min_length=1, max_length=IMAGE_REPOSITORY_MAX,
+                            pattern=IMAGE_REPOSITORY)
+    tag: str = Field("0.1.0", min_length=1, max_length=128, pattern=IMAGE_TAG)
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
     @property
@@ -221,18 +368,38 @@ class ImageSpec(_Spec):
 
 
 class Toleration(_Spec):
-    key: Optional[str] = None
+    """A pod toleration, with the API server's rules: `Exists` takes no value, an empty key needs `Exists`,
+    `tolerationSeconds` only with the NoExecute effect."""
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+         "message": "tolerationSeconds needs effect NoExecute"},
+        {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+         "message": "operator Exists takes no value"},
+        {"rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+         "message": "an empty key needs operator Exists"},
+    ]})
+    key: Optional[QualifiedName] = None
     operator: Optional[Literal["Exists", "Equal"]] = None
-    value: Optional[str] = None
+    value: Optional[LabelValue] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
-    toleration_seconds: Optional[int] = None
+    toleration_seconds: Optional[int] = Field(None, ge=0, le=MAX_TOLERATION_SECONDS)
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Toleration":
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError(f"tolerationSeconds needs effect NoExecute (effect is {self.effect!r})")
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"operator Exists takes no value (value is {self.value[:80]!r})")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("an empty key needs operator Exists (it tolerates every taint)")
+        return self
 
 
 class SchedulingSpec(_Spec):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    topology_spread_key: Optional[str] = Field(
-        None, min_length=1, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
+    node_selector: dict[QualifiedNameKey, LabelValue] = Field(default_factory=dict, max_length=MAX_NODE_SELECTOR)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
+    topology_spread_key: Optional[QualifiedName] = Field(
+        None, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
 
 
 class SecuritySpec(_Spec):
@@ -269,64 +436,73 @@ class _Status(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
 
+Time = Annotated[str, Field(max_length=64, description="RFC 3339")]
+Count = Annotated[int, Field(ge=0, le=1_000_000)]
+Ratio = Annotated[float, Field(le=MAX_IMBALANCE * 1000)]
+Hash = Annotated[str, Field(max_length=64)]
+
+
 class Condition(_Status):
     type: Literal["PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
     status: Literal["True", "False", "Unknown"]
-    reason: str = Field(description="CamelCase, machine-readable")
-    message: str = ""
-    last_transition_time: str = Field(description="RFC 3339; changes only when status flips")
-    observed_generation: Optional[int] = None
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+                        description="CamelCase, machine-readable")
+    message: str = Field("", max_length=MESSAGE_MAX)
+    last_transition_time: Time = Field(description="RFC 3339; changes only when status flips")
+    observed_generation: Optional[int] = Field(None, ge=0, le=MAX_INT64)
 
 
 class PlacementStatus(_Status):
-    logical_experts: int
-    physical_experts: int
-    imbalance: float = Field(description="expected max/mean per-GPU load under the loads the plan was made with")
-    bytes_per_gpu: int = Field(description="the largest per-GPU expert bytes of the plan")
-    plan_hash: str
-    moved_shards: int = 0
-    lost_workers: list[int] = Field(default_factory=list, description="expert ordinals the plan routes around")
-    observed_imbalance: Optional[float] = Field(None, description="imbalance of the plan under the router's "
+    logical_experts: Count
+    physical_experts: Count
+    imbalance: Ratio = Field(description="expected max/mean per-GPU load under the loads the plan was made with")
+    bytes_per_gpu: int = Field(ge=0, le=MAX_INT64, description="the largest per-GPU expert bytes of the plan")
+    plan_hash: Hash
+    moved_shards: Count = 0
+    lost_workers: list[Annotated[int, Field(ge=0, le=MAX_EXPERT_REPLICAS)]] = Field(
+        default_factory=list, max_length=MAX_EXPERT_REPLICAS, description="expert ordinals the plan routes around")
+    observed_imbalance: Optional[Ratio] = Field(None, description="imbalance of the plan under the router's "
                                                                   "last observed load")
 
 
 class ScaleStatus(_Status):
     """The expert StatefulSet as the scale subresource reports it."""
-    replicas: int = Field(description="desired expert worker pods")
-    ready: int
-    selector: str = Field(description="label selector of the expert pods (for autoscalers)")
+    replicas: int = Field(ge=0, le=MAX_EXPERT_REPLICAS, description="desired expert worker pods")
+    ready: Count
+    selector: str = Field(max_length=1024, description="label selector of the expert pods (for autoscalers)")
 
 
 class WorkerCounts(_Status):
-    ready: int
-    desired: int
+    ready: Count
+    desired: Count
 
 
 class LostWorker(_Status):
-    ordinal: int
-    since: str = Field(description="RFC 3339: when the operator first saw this expert pod lost")
+    ordinal: int = Field(ge=0, le=MAX_EXPERT_REPLICAS)
+    since: Time = Field(description="RFC 3339: when the operator first saw this expert pod lost")
 
 
 class Endpoints(_Status):
-    http: str
-    grpc: str
+    http: str = Field(max_length=512)
+    grpc: str = Field(max_length=512)
 
 
 class MoEDeploymentStatus(_Status):
     phase: Optional[Literal["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]] = None
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: Optional[int] = None
-    revision: Optional[str] = Field(None, description="hash of the children last applied (changes roll pods)")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    observed_generation: Optional[int] = Field(None, ge=0, le=MAX_INT64)
+    revision: Optional[Hash] = Field(None, description="hash of the children last applied (changes roll pods)")
     placement: Optional[PlacementStatus] = None
-    ready_workers: Optional[int] = None
-    desired_workers: Optional[int] = None
+    ready_workers: Optional[Count] = None
+    desired_workers: Optional[Count] = None
     expert_workers: Optional[ScaleStatus] = None
     attention_workers: Optional[WorkerCounts] = None
     router: Optional[WorkerCounts] = None
     endpoints: Optional[Endpoints] = None
-    lost_since: list[LostWorker] = Field(default_factory=list)
-    last_rebalance_time: Optional[str] = None
-    message: Optional[str] = Field(None, description="why the phase is what it is, when not Ready")
+    lost_since: list[LostWorker] = Field(default_factory=list, max_length=MAX_EXPERT_REPLICAS)
+    last_rebalance_time: Optional[Time] = None
+    message: Optional[str] = Field(None, max_length=MESSAGE_MAX,
+                                   description="why the phase is what it is, when not Ready")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -334,16 +510,25 @@ class SpecError(ValueError):
     """A spec that cannot be deployed as written; the message names the field(s)."""
 
 
-def format_validation_error(err: ValidationError, root: str = "spec") -> str:
-    """One line per problem, each naming the camelCase field path: `spec.expertWorkers.replicas: ...`."""
+def format_validation_error(err: ValidationError, root: str = "spec", limit: int = 20) -> str:
+    """One line per problem (the first `limit`), each naming the camelCase field path:
+    `spec.expertWorkers.replicas: ...`; the offending value quoted, cut to 80 characters."""
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:limit]:
         loc = ".".join([root, *(str(p) for p in e["loc"])])
         msg = e["msg"].removeprefix("Value error, ")
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "value_error") and \
+        got = f" (got {_short(e['input'])})" if e["type"] not in ("missing", "value_error") and \
             not isinstance(e.get("input"), dict) else ""
         lines.append(f"{loc}: {msg}{got}")
+    if len(errors) > limit:
+        lines.append(f"and {len(errors) - limit} more")
     return "; ".join(lines)
+
+
+def _short(value, width: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + "..."
 
 
 def parse_spec(spec: dict) -> MoEDeploymentSpec:
@@ -355,26 +540,55 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
 
 
 HF_MODEL_TYPES = ("kimi_linear", "deepseek_v32")   # configs mapped by expertmesh.hf_config
+MAX_EXPERTS = 65536   # routed experts per MoE layer of an inline model config
+
+
+def _config_size_error(config: dict) -> Optional[str]:
+    """An inline config whose size alone is out of bounds, found before it is built (a Hugging Face config's
+    `num_hidden_layers` becomes a tuple of that many layer types)."""
+    for prefix, part in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        n = part.get("num_hidden_layers")
+        try:
+            n = int(n) if n is not None and not isinstance(n, bool) else None
+        except (TypeError, ValueError, OverflowError):
+            n = None
+        if n is not None and n > MAX_MODEL_LAYERS:
+            return f"spec.model.config.{prefix}num_hidden_layers={n}: at most {MAX_MODEL_LAYERS} layers"
+        types = part.get("layer_types")
+        if isinstance(types, (list, tuple)) and len(types) > MAX_MODEL_LAYERS:
+            return f"spec.model.config.{prefix}layer_types: {len(types)} layers, at most {MAX_MODEL_LAYERS}"
+    return None
 
 
 def resolve_model(spec: MoEDeploymentSpec):
-    """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked."""
+    """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked; an inline
+    config is bounded (layers, experts, context) before and after it is built. Raises SpecError naming the field."""
     if spec.model.preset is not None:
         cfg = preset(spec.model.preset)
-    elif spec.model.config.get("model_type") in HF_MODEL_TYPES:
+    else:
+        too_big = _config_size_error(spec.model.config)
+        if too_big:
+            raise SpecError(too_big)
         try:
-            cfg = config_from_hf(spec.model.config, set(), name=spec.model.config.get("name", "model"))
+            if spec.model.config.get("model_type") in HF_MODEL_TYPES:
+                cfg = config_from_hf(spec.model.config, set(), name=str(spec.model.config.get("name", "model")))
+            else:
+                cfg = ModelConfig.model_validate(spec.model.config)
         except HFCheckpointError as e:
             raise SpecError(f"spec.model.config: {str(e).removeprefix('config.json: ')}") from None
         except ValidationError as e:
             raise SpecError(format_validation_error(e, root="spec.model.config")) from None
-    else:
-        try:
-            cfg = ModelConfig.model_validate(spec.model.config)
-        except ValidationError as e:
-            raise SpecError(format_validation_error(e, root="spec.model.config")) from None
+        except Exception as e:   # a value of the wrong kind deep in a user's config: still the config's fault
+            raise SpecError(f"spec.model.config: {type(e).__name__}: {str(e)[:200]}") from None
+        if len(cfg.layer_types) > MAX_MODEL_LAYERS or cfg.moe.n_routed_experts > MAX_EXPERTS:
+            raise SpecError(f"spec.model.config: {len(cfg.layer_types)} layers x {cfg.moe.n_routed_experts} experts; "
+                            f"at most {MAX_MODEL_LAYERS} layers and {MAX_EXPERTS} experts per layer")
     if spec.kv.max_context is not None and spec.kv.max_context > cfg.max_context:
         raise SpecError(f"spec.kv.maxContext={spec.kv.max_context} exceeds the model's max_context={cfg.max_context}")
+    if spec.kv.max_context is None and cfg.max_context > MAX_CONTEXT:
+        raise SpecError(f"spec.model.config.max_context={cfg.max_context} exceeds {MAX_CONTEXT}: set spec.kv.maxContext")
     if spec.thinking is not None:
         cfg = cfg.model_copy(update={"thinking": ThinkingBudgets(**spec.thinking.model_dump())})
     return cfg

@@ -11,13 +11,18 @@ from typing import Any, Iterable, Optional
 from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_ROUTER, selector_labels,
                                         selector_string)
 from expertmesh.operator.pods import Assessment, PodInfo
-from expertmesh.operator.spec import GIB, MoEDeploymentSpec
+from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec
 from expertmesh.plan import PlacementPlan
 
 
 def now_rfc3339(now: Optional[_dt.datetime] = None) -> str:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     return now.astimezone(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def clip(message: str, limit: int = MESSAGE_MAX) -> str:
+    """A message within the CRD's bound for status messages (the API server refuses a longer one)."""
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 _CONDITION_ORDER = {"PlacementReady": 0, "WeightsReady": 1, "WorkersReady": 2, "RouterReady": 3, "Degraded": 4}
@@ -27,6 +32,7 @@ def set_condition(conditions: Optional[list[dict]], type_: str, status: str, rea
                   generation: Optional[int] = None, now: Optional[str] = None) -> list[dict]:
     """A new condition list with `type_` set; its `lastTransitionTime` is kept unless `status` flips."""
     now = now or now_rfc3339()
+    message = clip(message or "")
     out, found = [], False
     for c in conditions or []:
         c = dict(c)
@@ -54,7 +60,7 @@ def failed_status(status: Optional[dict], message: str, generation: Optional[int
     for t in ("WorkersReady", "RouterReady"):
         conds = set_condition(conds, t, "Unknown", reason, "not deployed: fix the spec", generation, now)
     conds = set_condition(conds, "Degraded", "False", reason, "", generation, now)
-    return {"phase": "Failed", "message": message, "conditions": conds, "observedGeneration": generation}
+    return {"phase": "Failed", "message": clip(message), "conditions": conds, "observedGeneration": generation}
 
 
 def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: Optional[int] = None,
@@ -128,7 +134,7 @@ def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iter
     conds = update.get("conditions", status.get("conditions")) or []
     out = {**update, "conditions": set_condition(conds, "WeightsReady", *cond, generation)}
     if cond[0] == "False" and (update.get("phase") or status.get("phase")) in ("Deploying", "Degraded"):
-        out["message"] = cond[2]
+        out["message"] = clip(cond[2])
     return out
 
 

@@ -551,6 +551,30 @@ async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_lo
             assert np.array_equal(kept, first.loads[(NS, "kimi")])
 
 
+@contextlib.asynccontextmanager
+async def operator_process(emu, tmp_path, *args: str):
+    """`expertmesh operator` as its own process, logged in through a kubeconfig naming `emu`; SIGTERM on exit,
+    which it must answer by exiting 0."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": str(emu.url).rstrip("/")}}],
+        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(KUBECONFIG=str(kubeconfig), KUBERNETES_SERVICE_HOST="")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "expertmesh.operator.main", *args, env=env, cwd=str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, out.decode()[-3000:]
+
+
 async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_path):
     """`expertmesh operator` as a process: kubeconfig login, liveness endpoint, SIGTERM. (Cluster-wide: in
     namespace-scoped mode Kopf lists /api/v1/namespaces, a path kmock 0.8 cannot parse.)"""
@@ -561,19 +585,7 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
         emu.resources.load_bundled()
         emu.resources[MOE] = kmock.ResourceInfo(kind=KIND, namespaced=True, verbs={"get", "list", "watch", "patch"},
                                                 subresources={"status", "scale"})
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": str(emu.url).rstrip("/")}}],
-            "users": [{"name": "u", "user": {"token": "t0ken"}}],
-            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env.update(KUBECONFIG=str(kubeconfig), KUBERNETES_SERVICE_HOST="")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "expertmesh.operator.main",
-            "--liveness", f"http://127.0.0.1:{port}/healthz", env=env, cwd=str(tmp_path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        try:
+        async with operator_process(emu, tmp_path, "--liveness", f"http://127.0.0.1:{port}/healthz"):
             c = Cluster(emu, None)
             await c.create_moe("kimi", tiny_spec())
             await eventually(lambda: c.status("kimi").get("phase") == "Deploying", timeout=30, what="Deploying")
@@ -585,11 +597,6 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
             assert await asyncio.to_thread(live)
             auth = {r.headers.get("Authorization") for r in emu if r.headers.get("Authorization")}
             assert auth == {"Bearer t0ken"}  # Kopf and the operator's own calls both use the kubeconfig's user
-        finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-            out, _ = await asyncio.wait_for(proc.communicate(), 20)
-        assert proc.returncode == 0, out.decode()[-3000:]
 
 
 @contextlib.asynccontextmanager

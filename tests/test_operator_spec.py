@@ -73,8 +73,8 @@ def test_spec_defaults_fill_everything_but_the_model():
     ({"expertWorkers": {"reserveGiB": 1.0}}, "spec.expertWorkers", "reserveGiB=1.0 must be below"),
     ({"router": {"httpPort": 70000}}, "spec.router.httpPort", "less than or equal to 65535"),
     ({"router": {"httpPort": 9000, "grpcPort": 9000}}, "spec.router", "must differ"),
-    ({"model": {"preset": "huge", "checkpoint": {"uri": "x"}}}, "spec.model.preset", "'tiny', 'small' or 'full-2.8t'"),
-    ({"model": {"checkpoint": {"uri": "x"}}}, "spec.model", "exactly one of model.preset and model.config"),
+    ({"model": {"preset": "huge", "checkpoint": {"uri": "/x"}}}, "spec.model.preset", "'tiny', 'small' or 'full-2.8t'"),
+    ({"model": {"checkpoint": {"uri": "/x"}}}, "spec.model", "exactly one of model.preset and model.config"),
     ({"model": {"preset": "tiny", "checkpoint": {}}}, "spec.model.checkpoint", "exactly one of"),
     ({"thinking": {"low": 9, "high": 5, "max": 20}}, "spec.thinking", "low <= high <= max"),
     ({"model": {"preset": "tiny", "checkpoint": {"uri": "ftp://b/x"}}}, "spec.model.checkpoint",
@@ -151,11 +151,13 @@ def test_crd_is_structural_with_defaults_columns_and_subresources():
     ew = spec["properties"]["expertWorkers"]
     assert ew["default"] == {} and ew["properties"]["replicas"] == {
         "type": "integer", "description": "expert worker pods (StatefulSet ordinals 0..replicas-1)",
-        "default": 2, "minimum": 1}
+        "default": 2, "minimum": 1, "maximum": 512}
     assert ew["properties"]["gpuMemoryGiB"]["minimum"] == 0 and ew["properties"]["gpuMemoryGiB"]["exclusiveMinimum"]
     assert spec["properties"]["model"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"] is True
     limits = spec["properties"]["router"]["properties"]["resources"]["properties"]["limits"]
-    assert limits["additionalProperties"] == {"x-kubernetes-int-or-string": True}
+    assert limits["additionalProperties"]["x-kubernetes-int-or-string"] is True and "type" not in \
+        limits["additionalProperties"]
+    assert limits["additionalProperties"]["maximum"] and limits["additionalProperties"]["pattern"]
     assert spec["properties"]["model"]["properties"]["preset"]["enum"] == ["tiny", "small", "full-2.8t"]
     assert spec["required"] == ["model"]
     # preserve-unknown only where free-form data is expected
