@@ -13,12 +13,14 @@ back through the Kubernetes API edge (kube.py).
     (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
      lets the timer stop first)
 
-Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; cluster too small: ClusterTooSmall) → phase
-Failed + a condition whose message names the field + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
-`kopf.TemporaryError` with exponential backoff.
+Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; cluster too small: ClusterTooSmall; past the
+planning budget: PlanBudgetExceeded; a child the API would refuse: ObjectTooLarge) → phase Failed + a condition whose
+message names the field + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
+`kopf.TemporaryError` with exponential backoff. Planning runs in planning.PlanRunner's process, never on Kopf's
+event loop, after budget.check_plan_budget agreed to its estimated cost.
 
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
-async client) and `fetch_load` (the HTTP GET of the router's load).
+async client), `fetch_load` (the HTTP GET of the router's load) and `planning` (the planning process).
 """
 from __future__ import annotations
 
@@ -33,12 +35,15 @@ import aiohttp
 import kopf
 
 from expertmesh.fetch import parse_progress
+from expertmesh.operator.budget import (PLAN_MEMORY_BUDGET, PLAN_WORK_BUDGET, BudgetError, check_children,
+                                        check_plan_budget)
 from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
                                         load_configmap_name, load_url, name_error, plan_configmap_name,
                                         worker_tls_secret_name)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
+from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
                                       resolve_model)
@@ -80,6 +85,10 @@ class Deps:
     plans: dict = field(default_factory=dict)
     loads: dict = field(default_factory=dict)
     last_check: dict = field(default_factory=dict)
+    # planning: its process (deadline, memory limit) and the estimated cost the operator agrees to compute
+    planning: PlanRunner = field(default_factory=PlanRunner)
+    plan_memory: int = PLAN_MEMORY_BUDGET
+    plan_work: int = PLAN_WORK_BUDGET
 
     def __post_init__(self):
         if self.read_log is None:
@@ -131,7 +140,7 @@ async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> O
     if key not in deps.plans:
         try:
             deps.plans = {k: v for k, v in deps.plans.items() if k[:2] != (namespace, name)}
-            deps.plans[key] = PlacementPlan.from_json(text)
+            deps.plans[key] = await asyncio.to_thread(PlacementPlan.from_json, text)  # up to 1 MiB to validate
         except ValueError as e:
             log.warning("%s/%s: ignoring the unreadable plan in its ConfigMap: %s", namespace, name, e)
             return None
@@ -164,9 +173,10 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
                           retry: int = 0) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
-    pod-template hashes per component."""
-    await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
+    pod-template hashes per component. BudgetError (nothing sent) when a child is larger than the API takes."""
     children = build_children(name, namespace, spec, cfg, plan)
+    check_children(children)
+    await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
     rev, templates = revision(children), template_hashes(children)
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
     for child in children:
@@ -213,17 +223,24 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         if bad_name:
             raise SpecError(bad_name)
         cfg = resolve_model(parsed)
+        check_plan_budget(parsed, cfg, memory=deps.plan_memory, work=deps.plan_work)
+    except BudgetError as e:
+        raise fail(str(e), "PlanBudgetExceeded") from None
     except SpecError as e:
         raise fail(str(e), "InvalidSpec") from None
 
     async with deps.lock((namespace, name)):
         previous = await _read_plan(deps, namespace, name, retry)
         try:
-            plan = plan_for(parsed, cfg, previous=previous)
+            plan = await deps.planning.run(plan_for, parsed, cfg, previous=previous)
         except PlanError as e:
             raise fail(str(e), "ClusterTooSmall") from None
+        except PlanningFailed as e:
+            raise fail(f"spec.expertWorkers: {e}", "PlanBudgetExceeded") from None
         try:
             rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry)
+        except BudgetError as e:
+            raise fail(str(e), "ObjectTooLarge") from None
         except KubeError as e:  # not transient: the API refused a child (e.g. a quota or an admission webhook)
             patch.status.update(failed_status(status, f"applying children: {e}", generation, reason="ApplyFailed"))
             raise kopf.PermanentError(f"applying children: {e}") from None
@@ -291,17 +308,25 @@ async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec
     loads = deps.loads.get((namespace, name))
     if loads is None:  # this operator has not read the load since it started: the last one kept in the cluster
         loads = await _read_load(deps, namespace, name, cfg)
-    try:
-        new = replan_around(spec, cfg, plan, lost, loads=loads)
-    except PlanError as e:
-        message = f"expert workers {lost} lost and the survivors cannot hold the model: {e}"
-        conds = set_condition(update["conditions"], "Degraded", "True", "InsufficientMemory", message, generation)
+    def degraded(reason: str, message: str) -> dict:
+        conds = set_condition(update["conditions"], "Degraded", "True", reason, message, generation)
         return {**update, "phase": "Degraded", "message": message, "conditions": conds}
+
+    try:
+        new = await deps.planning.run(replan_around, spec, cfg, plan, lost, loads=loads)
+    except PlanError as e:
+        return degraded("InsufficientMemory", f"expert workers {lost} lost and the survivors cannot hold the "
+                                              f"model: {e}")
+    except PlanningFailed as e:
+        return degraded("PlanBudgetExceeded", f"re-planning around expert workers {lost}: spec.expertWorkers: {e}")
     if not lost and new.plan_hash() == plan.plan_hash():  # rejoined without moving anything
         conds = set_condition(update["conditions"], "Degraded", "False", "AllReplicasServing", "", generation)
         return {**update, "phase": "Ready", "message": None, "conditions": conds,
                 "placement": placement_status(new)}
-    rev, _ = await _apply_children(deps, body, name, namespace, spec, cfg, new)
+    try:
+        rev, _ = await _apply_children(deps, body, name, namespace, spec, cfg, new)
+    except BudgetError as e:
+        return degraded("ObjectTooLarge", f"re-planning around expert workers {lost}: {e}")
     what = f"re-planned around lost expert workers {lost}" if lost else "re-planned onto every expert worker"
     logger.info(f"{what}: plan {new.plan_hash()}, {new.figures.moved_shards} shards moved")
     conds = set_condition(update["conditions"], "PlacementReady", "True", "Replanned", summarize_plan(new),
@@ -357,12 +382,22 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
         plan = await _read_plan(deps, namespace, name)
         if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
             return
-        verdict = rebalance(parsed, cfg, plan, loads)
+        try:
+            verdict = await deps.planning.run(rebalance, parsed, cfg, plan, loads)
+        except PlanningFailed as e:  # keep the plan in force; tried again next interval
+            logger.warning(f"rebalancing: {e}")
+            patch.status.update({"lastRebalanceTime": now_rfc3339()})
+            return
         placement = dict(status.get("placement") or {})
         placement["observedImbalance"] = round(verdict.observed, 4)
         update: dict = {"lastRebalanceTime": now_rfc3339(), "placement": placement}
         if verdict.plan is not None:
-            update["revision"], _ = await _apply_children(deps, body, name, namespace, parsed, cfg, verdict.plan)
+            try:
+                update["revision"], _ = await _apply_children(deps, body, name, namespace, parsed, cfg, verdict.plan)
+            except BudgetError as e:  # the rebalanced plan would not fit its ConfigMap: keep the one in force
+                logger.warning(f"rebalancing: {e}")
+                patch.status.update(update)
+                return
             generation = (body.get("metadata") or {}).get("generation")
             conds = set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
                                   f"{verdict.reason}; {summarize_plan(verdict.plan)}", generation)
@@ -387,6 +422,12 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Optional[Ca
     @kopf.on.startup(id="configure", registry=reg)
     def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings, peering_lifetime)
+
+    @kopf.on.cleanup(id="planning", registry=reg)
+    def _stop_planning(memo, **_: Any) -> None:
+        deps = getattr(memo, "deps", None)
+        if deps is not None:
+            deps.planning.close()
 
     @kopf.index("v1", "pods", id="expertmesh_pods", labels=POD_MANAGED_LABELS, registry=reg)
     def expertmesh_pods(namespace: str, body, **_: Any):

@@ -6,24 +6,35 @@ stays small while it refuses them.
     bounded; `metadata.name` is bounded (schema + CEL) so that every child name is valid;
   - the operator (Kopf, for real, against kmock's emulator — which enforces no schema, as a cluster whose CRD predates
     the bounds would not) refuses each bad spec with InvalidSpec naming the field;
+  - planning: refused before computing past its budget (PlanBudgetExceeded), run in a process under a deadline and a
+    memory limit, never on Kopf's loop; a child the API would not take is refused unsent (ObjectTooLarge).
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import re
+import time
 
+import kmock
 import pytest
 import yaml
-from test_operator_kopf import NS, PLURAL, eventually, operator, tiny_spec
+from test_operator_kopf import (KIND, MOE, NS, PLURAL, Cluster, Emulator, emulator, eventually, no_load, operator,
+                                operator_process, run_operator, tiny_spec)
 
 from expertmesh.operator import crd
+from expertmesh.operator.budget import ARG_MAX, check_children, estimate
 from expertmesh.operator.children import build_children
+from expertmesh.operator.handlers import Deps
+from expertmesh.operator.kube import Kube
 from expertmesh.operator.naming import LABEL_VERSION, MAX_NAME_LENGTH, STATEFULSET_NAME_MAX, expert_name, name_error
 from expertmesh.operator.placement_policy import plan_for
+from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.spec import (MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MoEDeploymentSpec,
                                       MoEDeploymentStatus, parse_spec, resolve_model)
 from expertmesh.operator.validation import LABEL_VALUE
+from expertmesh.planner import PlanError
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
@@ -242,9 +253,10 @@ def test_children_at_every_bound_are_valid_and_within_the_api_limits():
     cfg = resolve_model(spec)
     plan = plan_for(spec, cfg)
     children = build_children(name, namespace, spec, cfg, plan)
+    check_children(children)
     router = next(c for c in children if c["kind"] == "Deployment")
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert max(len(a) for a in args) < 128 * 1024     # Linux's limit on one argument
+    assert max(len(a) for a in args) < ARG_MAX
     for child in children:
         kv.validate(child, "1.30", strict=True)
         for labels in (child["metadata"].get("labels") or {},
@@ -280,6 +292,32 @@ async def test_operator_refuses_every_bad_spec_naming_the_field():
 
 
 @pytest.mark.asyncio
+async def test_operator_process_stays_under_256_mib(tmp_path):
+    """`expertmesh operator` as its own process (as in a pod) over the same bad specs and one good one: its peak
+    resident memory (VmHWM) stays under 256 MiB — the planning process holds the planner's imports, not the
+    operator."""
+    async with Emulator() as emu, kmock.Server(emu):
+        emu.resources.load_bundled()
+        emu.resources[MOE] = kmock.ResourceInfo(kind=KIND, namespaced=True,
+                                                verbs={"get", "list", "watch", "patch", "create"},
+                                                subresources={"status", "scale"})
+        async with operator_process(emu, tmp_path) as proc:
+            c = Cluster(emu, None)
+            for _, name, patch, _ in BAD_SPECS:
+                await c.create_moe(name, bad_spec(patch))
+            await c.create_moe("good", tiny_spec())
+            for case, name, _, field in BAD_SPECS:
+                await eventually(lambda: c.status(name).get("phase") == "Failed", timeout=30, what=f"{case} Failed")
+                assert field in c.condition(name, "PlacementReady")["message"], case
+            await eventually(lambda: c.status("good").get("phase") == "Deploying", timeout=60, what="good Deploying")
+            with open(f"/proc/{proc.pid}/status") as f:
+                hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(f"\noperator process: peak resident memory (VmHWM) {hwm / MIB:.1f} MiB over {len(BAD_SPECS)} bad specs "
+          f"and one deployment")
+    assert hwm < OPERATOR_MEMORY_MAX
+
+
+@pytest.mark.asyncio
 async def test_image_tag_that_is_no_label_value_still_gives_valid_labels():
     """A valid image tag need not be a label value (`_2024.06-rc.` starts with '_' and ends with '.'): the version
     label is the tag trimmed to one, and every child's labels are valid."""
@@ -296,3 +334,110 @@ async def test_image_tag_that_is_no_label_value_still_gives_valid_labels():
             assert labels[LABEL_VERSION] == "2024.06-rc"
         container = c.get("apps/v1/deployments", "tagged-router")["spec"]["template"]["spec"]["containers"][0]
         assert container["image"].endswith(":_2024.06-rc.")
+
+
+FULL = {"model": {"preset": "full-2.8t", "checkpoint": {"pvc": {"claimName": "weights"}}},
+        "attentionWorkers": {"replicas": 1, "gpusPerPod": 8}}
+
+
+@pytest.mark.asyncio
+async def test_a_plan_past_the_budget_is_refused_before_planning():
+    """full-2.8t on 512 pods x 16 GPUs with 16,384 redundant experts per layer passes every field's bound but would
+    take the planner ~1.3 GiB and 1e10 device passes: refused from the estimate, naming the fields; no planning
+    process is even started."""
+    async with operator() as c:
+        spec = _merge(FULL, {"expertWorkers": {"replicas": 512, "gpusPerPod": 16, "gpuMemoryGiB": 141,
+                                               "reserveGiB": 24, "redundantExperts": 16384}})
+        started = time.monotonic()
+        await c.create_moe("huge", spec)
+        await eventually(lambda: c.status("huge").get("phase") == "Failed", what="Failed")
+        assert time.monotonic() - started < 10
+        cond = c.condition("huge", "PlacementReady")
+        assert cond["reason"] == "PlanBudgetExceeded", cond
+        for field in ("spec.expertWorkers.replicas=512", "gpusPerPod=16", "redundantExperts=16384"):
+            assert field in cond["message"], cond["message"]
+        assert c.deps.planning.started == 0
+        assert c.get("v1/configmaps", "huge-plan") is None
+
+
+@pytest.mark.asyncio
+async def test_a_plan_configmap_over_the_api_limit_is_refused_unsent():
+    """full-2.8t on 16 pods x 8 GPUs with one replica of every expert plans fine, but its plan.json (1.4 MiB) is over
+    the API's 1 MiB for a ConfigMap: ObjectTooLarge naming the fields, nothing sent."""
+    async with operator() as c:
+        spec = _merge(FULL, {"expertWorkers": {"replicas": 16, "gpusPerPod": 8, "gpuMemoryGiB": 141,
+                                               "reserveGiB": 24, "redundantExperts": 896}})
+        await c.create_moe("big", spec)
+        await eventually(lambda: c.status("big").get("phase") == "Failed", timeout=45, what="Failed")
+        cond = c.condition("big", "PlacementReady")
+        assert cond["reason"] == "ObjectTooLarge", cond
+        assert "spec.expertWorkers" in cond["message"] and "1 MiB" in cond["message"], cond["message"]
+        for res, name in (("v1/configmaps", "big-plan"), ("apps/v1/statefulsets", "big-expert"),
+                          ("v1/secrets", "big-worker-tls")):
+            assert c.get(res, name) is None, name
+
+
+@pytest.mark.asyncio
+async def test_planning_keeps_kopf_loop_free_and_past_its_deadline_is_refused():
+    """A plan runs in the planning process: while full-2.8t is being planned (seconds), Kopf handles another
+    resource at once; a plan past the runner's deadline is stopped and refused with PlanBudgetExceeded."""
+    async with operator() as c:
+        await c.create_moe("full", _merge(FULL, {"expertWorkers": {"replicas": 16, "gpusPerPod": 8,
+                                                                   "gpuMemoryGiB": 141, "reserveGiB": 24,
+                                                                   "redundantExperts": 896}}))
+        await asyncio.sleep(1.0)                              # its reconcile is planning now
+        await c.create_moe("quick", bad_spec({"kv": {"blockSize": 10 ** 9}}))
+        await eventually(lambda: c.status("quick").get("phase") == "Failed", timeout=30, what="quick Failed")
+        assert c.status("full").get("phase") is None          # still planning when the other was handled
+        await eventually(lambda: c.status("full").get("phase") == "Failed", timeout=60, what="full Failed")
+
+    async with emulator() as emu:
+        url = str(emu.url).rstrip("/")
+        deps = Deps(kube=Kube.for_url(url), fetch_load=no_load, load_timeout=2.0,
+                    planning=PlanRunner(deadline=0.001))
+        async with run_operator(emu, deps):
+            c = Cluster(emu, deps)
+            await c.create_moe("slow", tiny_spec())
+            await eventually(lambda: c.status("slow").get("phase") == "Failed", timeout=30, what="Failed")
+            cond = c.condition("slow", "PlacementReady")
+            assert cond["reason"] == "PlanBudgetExceeded" and "spec.expertWorkers" in cond["message"]
+            assert "did not finish within 0.001 s" in cond["message"]
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+@pytest.mark.asyncio
+async def test_plan_runner_deadline_memory_limit_and_errors():
+    runner = PlanRunner(deadline=1.0, memory_limit=64 * MIB, idle=0)
+    try:
+        spec = parse_spec(tiny_spec())
+        cfg = resolve_model(spec)
+        plan = await runner.run(plan_for, spec, cfg)
+        assert plan == plan_for(spec, cfg) and plan.plan_hash() == plan_for(spec, cfg).plan_hash()
+        started = time.monotonic()
+        with pytest.raises(PlanningFailed, match="did not finish within 1 s"):
+            await runner.run(time.sleep, 60)
+        assert time.monotonic() - started < 5            # stopped at its deadline: the process was killed
+        with pytest.raises(PlanningFailed, match="more than the planning process's 64 MiB"):
+            await runner.run(bytearray, 256 * MIB)
+        small = parse_spec(tiny_spec(experts=1, slots_per_pod=40))
+        with pytest.raises(PlanError, match="cluster too small"):   # the planner's own errors as they are
+            await runner.run(plan_for, small, resolve_model(small))
+        assert await runner.run(pow, 2, 10) == 1024
+        assert runner.started == 2                       # one start, one restart after the deadline
+    finally:
+        runner.close()
+
+
+def test_estimates_bound_the_planner():
+    """The estimate is what the budget judges: it grows with each term the planner's arrays grow with."""
+    cfg = resolve_model(parse_spec(FULL | {"expertWorkers": {}}))
+    base = estimate(cfg, 16, 8, 32)
+    assert base.layers == 92 and base.experts == 896 and base.shards == 92 * (896 + 32)
+    assert estimate(cfg, 16, 8, 896).memory > base.memory          # replicas: quotient table, shards
+    assert estimate(cfg, 64, 8, 32).memory > base.memory           # pods: pod_has, [L, N] arrays
+    assert estimate(cfg, 16, 16, 32).work == 2 * base.work
+    assert estimate(cfg, 1, 1, 10 ** 6).redundant == 0             # one pod: no replicas (the planner's cap)
+    plan = plan_for(parse_spec(FULL | {"expertWorkers": {"replicas": 16, "gpusPerPod": 8, "gpuMemoryGiB": 141,
+                                                         "reserveGiB": 24, "redundantExperts": 32}}), cfg)
+    assert base.plan_json_min <= len(plan.to_json())
+    assert json.loads(plan.to_json())["figures"]["physical_experts"] <= base.shards
