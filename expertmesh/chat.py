@@ -37,11 +37,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
+from expertmesh.thinking import Phase, ThinkingControl
 from expertmesh.tokenizer import ByteTokenizer
 
-Phase = Literal["reasoning", "content", "maybe"]
 
 
 class ChatError(ValueError):
@@ -178,8 +178,7 @@ class ChatMarkers:
     think_start: int | None = None
     think_end: int | None = None          # the token that ends thinking (the first of think_end_ids)
     # the whole sequence that ends thinking and opens the answer where that is more than one token (K3:
-    # ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩): what a budget cut should force; ThinkingBudget forces only
-    # think_end and leaves the rest to the model
+    # ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩): what a budget cut forces (thinking_control)
     think_end_ids: tuple[int, ...] = ()
     tool_open: int | None = None          # streaming holds back from tool_open to tool_close (None: to the end)
     tool_close: int | None = None
@@ -278,13 +277,13 @@ def is_json_object(text: str) -> bool:
 
 # ----------------------------------------------------------------------------------------------- budgets
 TIERS = ("low", "high", "max")
-_EFFORT_TO_TIER = {"minimal": "low", "low": "low", "medium": "high", "high": "max"}
+_EFFORT_TO_TIER = {"minimal": "low", "low": "low", "medium": "high", "high": "max", "max": "max"}
 
 
 def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: str | None = None,
                       budget_tokens: int | None = None, budgets=None) -> str:
     """The thinking tier of a request: explicit `thinking_budget`, else OpenAI `reasoning_effort`
-    (low→low, medium→high, high→max), else Anthropic `budget_tokens` (the smallest tier that covers it,
+    (minimal, low→low, medium→high, high, max→max), else Anthropic `budget_tokens` (the smallest tier that covers it,
     `max` beyond), else `high`."""
     if thinking_budget is not None:
         if thinking_budget not in TIERS:
@@ -292,7 +291,8 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
         return thinking_budget
     if reasoning_effort is not None:
         if reasoning_effort not in _EFFORT_TO_TIER:
-            raise ChatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, minimal, low, medium, high")
+            raise ChatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, minimal, low, medium, high, "
+                            f"max, auto")
         return _EFFORT_TO_TIER[reasoning_effort]
     if budget_tokens is not None:
         if budget_tokens <= 0:
@@ -306,45 +306,17 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
 
 
 
-class ThinkingBudget:
-    """Token filter for the router: counts reasoning tokens and forces the end-of-thinking token once the tier's
-    limit is reached (the forced token counts as the last reasoning token). Also keeps template tokens that would
-    break the history out of the answer: a stray think or role token becomes the end-of-turn token.
-
-    `markers`: a chat format's ChatMarkers (a ByteTokenizer means the built-in format's)."""
-
-    def __init__(self, markers: ChatMarkers | ByteTokenizer, limit: int | None, thinking: bool = True, *,
-                 phase: Phase | None = None):
-        self.m = builtin_markers(markers) if isinstance(markers, ByteTokenizer) else markers
-        self.limit = limit
-        self.phase: Phase = phase or ("reasoning" if thinking else "content")
-        self.reasoning_tokens = 0
-        self.forced = False
-
-    def __call__(self, _request, token: int) -> int:
-        m = self.m
-        if self.phase == "maybe":
-            self.phase = "reasoning" if token == m.think_start else "content"
-            if self.phase == "reasoning":
-                self.reasoning_tokens += 1
-                return token
-        if self.phase == "reasoning":
-            if token == m.think_end:
-                self.phase = "content"
-                self.reasoning_tokens += 1
-                return token
-            if token in m.stop:
-                return token
-            if self.limit is not None and self.reasoning_tokens >= self.limit - 1:
-                self.phase = "content"
-                self.forced = True
-                self.reasoning_tokens += 1
-                return m.think_end
-            self.reasoning_tokens += 1
-            return token
-        if token in m.not_in_answer:
-            return m.end_of_turn
-        return token
+def thinking_control(m: ChatMarkers, phase: Phase, limit: int | None) -> ThinkingControl:
+    """A chat format's markers, where its generation starts and the reasoning limit → what the attention worker's
+    sampler enforces (expertmesh/thinking.py): reasoning counted and cut at `limit` with the format's whole close
+    (K3's is ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩), template tokens kept out of the answer. A format with no
+    thinking section starts in the answer."""
+    close = m.think_end_ids or ((m.think_end,) if m.think_end is not None else ())
+    if not close:
+        phase = "content"
+    return ThinkingControl(phase=phase, limit=limit if phase != "content" else None, think_start=m.think_start,
+                           think_end=close, stop=tuple(m.stop), not_in_answer=frozenset(m.not_in_answer),
+                           end_of_turn=m.end_of_turn)
 
 
 # ----------------------------------------------------------------------------------------------- formats

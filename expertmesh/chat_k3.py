@@ -255,6 +255,7 @@ class K3Chat:
 
     supports_thinking = True
     trim_whitespace = False
+    states_tool_choice = True        # tool_choice none keeps the tools declared and says so in the prompt
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -464,7 +465,7 @@ class K3Chat:
                 json_schema = {**prop, "x-guidance": {**JSON_OPTIONS, **prop.get("x-guidance", {})}}
                 alternatives = []
                 if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
-                    alternatives.append(f'{head} " type=\\"string\\"" <[{s}]> STRING? {tail}')
+                    alternatives.append(f'{head} " type=\\"string\\"" <[{s}]> {string_value(prop)} {tail}')
                 if kind != "string":
                     attr = {"integer": "number"}.get(kind, kind) if isinstance(kind, str) else None
                     attr_rule = json.dumps(f' type="{attr}"') if attr else \
@@ -473,15 +474,37 @@ class K3Chat:
                     alternatives.append(f"{head} {attr_rule} <[{s}]> {rule}_json {tail}")
                 rules.append(f"{rule}: " + " | ".join(alternatives))
                 args.append(rule if key in required else f"{rule}?")
-            alts.append(f"call{i}")
-            opener = json.dumps(f'call tool="{escape_attr(t["name"])}" index="')
-            rules.append(f"call{i}: <[{o}]> {opener} INDEX \"\\\"\" <[{s}]> {' '.join(args)} "
-                         f"<[{c}]> \"call\" <[{s}]>")
+            alts.append((json.dumps(f'call tool="{escape_attr(t["name"])}" index="'), f"args{i}"))
+            rules.append(f"args{i}: {' '.join(args)}" if args else f"args{i}: \"\"")
+        # the calls numbered 1, 2, ... as the template numbers them (at most MAX_FORCED_CALLS in one section)
+        for k in range(1, MAX_FORCED_CALLS + 1):
+            nxt = f" calls{k + 1}?" if k < MAX_FORCED_CALLS else ""
+            options = " | ".join(f"<[{o}]> {opener} \"{k}\\\"\" <[{s}]> {args} <[{c}]> \"call\" <[{s}]>"
+                                 for opener, args in alts)
+            rules.append(f"calls{k}: ({options}){nxt}")
         lark = (f"start: {self.lark_prefix(True) if thinking else ''}{self.lark_close()}"
-                f"<[{o}]> \"tools\" <[{s}]> call+ <[{c}]> \"tools\" <[{s}]> <[{c}]> \"message\" <[{s}]>\n"
-                f"call: {' | '.join(alts)}\n" + "\n".join(rules) +
-                "\nINDEX: /[1-9][0-9]{0,2}/\nSTRING: /(?s:.+)/\n")
+                f"<[{o}]> \"tools\" <[{s}]> calls1 <[{c}]> \"tools\" <[{s}]> <[{c}]> \"message\" <[{s}]>\n"
+                + "\n".join(rules) + "\nSTRING: /(?s:.+)/\n")
         return lark
+
+
+MAX_FORCED_CALLS = 8          # calls a forced tools section may hold
+
+
+def string_value(prop: dict) -> str:
+    """Lark for a string argument's raw value (written between the tags, unquoted) under its schema: one of an
+    `enum`'s strings, or text of `minLength`..`maxLength` characters (the JSON Schema bounds), else any text (empty
+    included). `pattern` is not applied to raw values (the JSON-typed arguments get the whole schema)."""
+    enum = prop.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v) if v else '""' for v in enum) + ")" if all(enum) else \
+            "(" + " | ".join(json.dumps(v) for v in enum if v) + ")?"
+    lo, hi = prop.get("minLength"), prop.get("maxLength")
+    if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
+        lo = 0
+    if not isinstance(hi, int) or isinstance(hi, bool) or hi < max(lo, 1):
+        return "STRING?" if lo == 0 else f"/(?s:.{{{lo},}})/"
+    return f"/(?s:.{{{max(lo, 1)},{hi}}})/" + ("?" if lo == 0 else "")
 
 
 def _validate(messages: list[Message], add_generation_prompt: bool) -> None:

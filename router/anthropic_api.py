@@ -7,17 +7,26 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat import Message, message_images
+from expertmesh.chat import Message, RenderedPrompt, message_images
 from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar
-from expertmesh.router.conversation import render_prompt
+from expertmesh.router.conversation import PromptOptions, prompt_tools, render_prompt
 from expertmesh.router.dependencies import Served, anthropic_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.images import request_images
 from expertmesh.router.messages import ANTHROPIC, anthropic_messages, anthropic_tools, remote_image_urls
 from expertmesh.router.protocol import CountTokensBody, MessagesBody
-from expertmesh.router.serving import ChatRequest, ChatResult, ChatRun, Thinking, decide_thinking, start_chat
+from expertmesh.router.serving import (
+    ChatRequest,
+    ChatResult,
+    ChatRun,
+    Thinking,
+    decide_thinking,
+    prompt_options,
+    start_chat,
+    thinking_headers,
+)
 
 router = APIRouter(dependencies=[Depends(anthropic_key)])
 TOOL_CHOICES = ("auto", "none", "any", "tool")
@@ -27,9 +36,14 @@ STOP_REASONS = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tok
 @dataclass
 class Prompt:
     messages: list[Message]
-    tools: list[dict] | None
+    tools: list[dict] | None              # declared in the prompt
     thinking: Thinking
+    options: PromptOptions
     grammar: str | None = None           # tool_choice any / tool: the forced call's grammar
+    declared: list[dict] | None = None    # the request's tools (chat-shaped), for typing call arguments
+
+    def render(self, fmt) -> RenderedPrompt:
+        return render_prompt(fmt, self.messages, self.tools, self.thinking.on, self.options)
 
 
 async def read_prompt(body: CountTokensBody, s: Served, *, grammar: bool) -> Prompt:
@@ -39,17 +53,20 @@ async def read_prompt(body: CountTokensBody, s: Served, *, grammar: bool) -> Pro
     kind = (body.tool_choice or {}).get("type", "auto")
     if kind not in TOOL_CHOICES:
         raise APIError(f"tool_choice.type: {kind!r} is not one of {', '.join(TOOL_CHOICES)}", param="tool_choice")
-    tools = anthropic_tools(None if kind == "none" else body.tools)
+    declared = anthropic_tools(body.tools)
     # any / tool force a call: the same grammar as OpenAI's required / named
     choice = "required" if kind == "any" else \
         {"type": "function", "function": {"name": body.tool_choice.get("name")}} if kind == "tool" else None
     try:
-        forced = answer_grammar(s.fmt.markers, choice, tools, None, ANTHROPIC_FIELDS) if grammar and choice else None
+        forced = answer_grammar(s.fmt, choice, declared, None, ANTHROPIC_FIELDS) if grammar and choice else None
     except ValueError as e:
         raise as_api_error(e) from None
     images = await request_images(s.engine.cfg.vision, s.engine.image_limits,
                                   remote_image_urls(body.messages, ANTHROPIC))
-    return Prompt(anthropic_messages(body.system, body.messages, images), tools, thinking, forced)
+    messages = anthropic_messages(body.system, body.messages, images)
+    thinking = thinking.for_round([m.role for m in messages])
+    options = prompt_options(thinking, body.tool_choice)
+    return Prompt(messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -57,7 +74,7 @@ async def count_tokens(body: CountTokensBody = served_model(CountTokensBody), s:
     """The prompt tokens /v1/messages would feed for this request (= its usage's input_tokens +
     cache_read_input_tokens)."""
     p = await read_prompt(body, s, grammar=False)
-    return {"input_tokens": len(render_prompt(s.fmt, p.messages, p.tools, p.thinking.on).ids)}
+    return {"input_tokens": len(p.render(s.fmt).ids)}
 
 
 class AnthropicMessage:
@@ -174,10 +191,11 @@ class Blocks:
 async def messages(http_request: Request, body: MessagesBody = served_model(MessagesBody), s: Served = Depends(served)):
     p = await read_prompt(body, s, grammar=True)
     run = start_chat(s.engine, s.fmt, ChatRequest(
-        render_prompt(s.fmt, p.messages, p.tools, p.thinking.on), p.thinking, max_tokens=body.max_tokens,
+        p.render(s.fmt), p.thinking, tools=p.declared, max_tokens=body.max_tokens,
         temperature=body.temperature, top_p=body.top_p, sampling={"top_k": body.top_k},
         stop=body.stop_sequences or [], grammar=p.grammar, images=message_images(p.messages), api="anthropic"))
     reply = AnthropicMessage(run, s.name)
     if body.stream:
-        return StreamingResponse(reply.events(), media_type="text/event-stream")
-    return reply.message(await run.complete(http_request.is_disconnected))
+        return StreamingResponse(reply.events(), media_type="text/event-stream", headers=thinking_headers(p.thinking))
+    return JSONResponse(reply.message(await run.complete(http_request.is_disconnected)),
+                        headers=thinking_headers(p.thinking))

@@ -102,25 +102,44 @@ def function_name(choice) -> str | None:
     return None
 
 
-def response_format_grammar(fmt: dict | None, fields: Fields = CHAT_FIELDS) -> str | None:
-    """OpenAI chat `response_format` (text / json_object / json_schema{schema}) → a grammar or None."""
+def response_schema(fmt: dict | None, fields: Fields = CHAT_FIELDS) -> tuple[dict | None, str] | None:
+    """OpenAI chat `response_format` (text / json_object / json_schema{schema}) → (the schema — None: any JSON
+    object —, the field it came from), or None when the answer is free text."""
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
-        return json_grammar(None, fields.format)
+        return None, fields.format
     if fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
             raise refuse(f"{fields.format}.json_schema", "expected an object with a `schema`")
-        return json_grammar(spec.get("schema") or {"type": "object"}, fields.schema)
+        schema = spec.get("schema") or {"type": "object"}
+        if not isinstance(schema, dict):
+            raise refuse(fields.schema, f"expected a JSON schema object, got {type(schema).__name__}")
+        return schema, fields.schema
     raise refuse(f"{fields.format}.type", f"{fmt.get('type')!r} is not one of text, json_object, json_schema")
 
 
-def answer_grammar(markers, choice, tools, response_format: dict | None = None,
+def response_format_grammar(fmt: dict | None, fields: Fields = CHAT_FIELDS) -> str | None:
+    """`response_format` → a bare-JSON grammar (the formats whose answer is the JSON itself) or None."""
+    schema = response_schema(fmt, fields)
+    return None if schema is None else json_grammar(*schema)
+
+
+def answer_grammar(fmt, choice, tools, response_format: dict | None = None,
                    fields: Fields = CHAT_FIELDS) -> str | None:
     """The grammar a request's forcing `tool_choice` (chat-shaped `tools`) or `response_format` (json_object /
-    json_schema) puts on the answer; None for neither. `markers`: the chat format's ChatMarkers."""
+    json_schema) puts on the answer — from its first token (the sampler starts it where thinking ends); None for
+    neither. A format with its own tool-call grammar (K3's tagged calls and response section) builds it."""
     forced = forced_tools(choice, tools, fields)
+    if hasattr(fmt, "tool_call_grammar"):
+        if forced is not None:
+            return check_grammar(fmt.tool_call_grammar(forced, thinking=False), "tools")
+        schema = response_schema(response_format, fields)
+        if schema is None:
+            return None
+        return check_grammar(fmt.response_grammar(schema[0], thinking=False), schema[1])
+    markers = fmt.markers
     if forced is None:
         return response_format_grammar(response_format, fields)
     if markers.tool_open is None or markers.tool_close is None:

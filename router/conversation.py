@@ -10,6 +10,8 @@ turns. `truncation: auto` (router/truncation.py decides) is applied here.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from expertmesh.chat import (
     BuiltinChat,
     ChatError,
@@ -26,10 +28,46 @@ from expertmesh.router.response_store import Segment
 from expertmesh.router.truncation import PLACEHOLDER, Piece, TruncationPlan, plan_truncation
 
 
-def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool) -> RenderedPrompt:
+@dataclass(frozen=True)
+class PromptOptions:
+    """What a request asks of its prompt beyond messages and tools, for a format whose model was trained on it
+    (K3 states each in a system message): the thinking tier, the tool choice (auto / none / required) and
+    response_format. Other formats check them and leave the prompt as it is (constrained decoding and the
+    sampler's reasoning cap enforce them there)."""
+    thinking_effort: str | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+
+NO_OPTIONS = PromptOptions()
+
+
+def tool_choice_option(choice) -> str | dict | None:
+    """Any API's tool_choice (OpenAI / Responses strings and named functions, Anthropic {type}) → chat's shape for
+    the prompt: "none", "required" (Anthropic any), a named function {type: function, function: {name}} (K3's
+    template states nothing for it: its grammar names the tool), or None (auto)."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind in ("none", "required"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind in ("tool", "function"):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        return {"type": "function", "function": {"name": name}}
+    return None
+
+
+def prompt_tools(fmt: ChatFormat, tools, tool_choice: str | None):
+    """The tools a prompt declares: with tool_choice none, only a format that states the choice to the model
+    keeps them declared (K3's template renders both); others drop them, so the model is not tempted."""
+    return tools if tool_choice != "none" or getattr(fmt, "states_tool_choice", False) else None
+
+
+def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool,
+                  options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
     """The chat format's rendering of a request (what the model is fed), a 400 naming what is wrong."""
     try:
-        return fmt.render(messages, tools=tools, thinking=thinking)
+        return fmt.render(messages, tools=tools, thinking=thinking, **asdict(options))
     except ValueError as e:          # ChatError, or text that is not valid Unicode
         raise APIError(str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages") from None
 
@@ -60,12 +98,12 @@ def segment_ids(fmt: ChatFormat, seg: Segment) -> list[int]:
 
 
 def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: list[Segment],
-                        thinking: bool, param: str = "input") -> RenderedPrompt:
+                        thinking: bool, param: str = "input", options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
     """The prompt of a conversation (segments after the system message), a 400 naming what is wrong."""
     messages = ([Message("system", system)] if system is not None else []) + [s.message for s in segments]
     try:
         if not splices(fmt):
-            return fmt.render(messages, tools=tools, thinking=thinking)
+            return fmt.render(messages, tools=tools, thinking=thinking, **asdict(options))
         validate_history(messages)
         t = fmt.tokenizer
         ids = render_header(system, tools, t)
@@ -77,7 +115,7 @@ def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: li
 
 
 def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment], thinking: bool, *,
-             limit: int) -> tuple[list[Segment], TruncationPlan]:
+             limit: int, options: PromptOptions = NO_OPTIONS) -> tuple[list[Segment], TruncationPlan]:
     """`truncation: auto` over a conversation (router/truncation.py decides; this counts and applies)."""
     def count(seg: Segment) -> int:
         if splices(fmt):
@@ -90,7 +128,7 @@ def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment]
         return Segment(Message("tool", PLACEHOLDER, tool_call_id=seg.message.tool_call_id))
 
     pieces = [Piece(s.role, count(s), count(short(s)) if s.role == "tool" else None) for s in segments]
-    total = len(render_conversation(fmt, system, tools, segments, thinking).ids)
+    total = len(render_conversation(fmt, system, tools, segments, thinking, options=options).ids)
     fixed = max(0, total - sum(p.tokens for p in pieces))
     plan = plan_truncation(pieces, fixed=fixed, limit=limit, target=fixed + (limit - fixed) // 2)
     if not plan.changed:
@@ -99,24 +137,25 @@ def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment]
     return [short(segments[i]) if i in shortened else segments[i] for i in plan.keep], plan
 
 
-def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory) -> RenderedPrompt:
+def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory,
+                options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
     """The chat endpoints' prompt. With a reasoning memory (router/response_store.ReasoningMemory), reasoning a
     client dropped is put back into the messages, and with the built-in format an answer generated here is
     rendered as exactly the tokens generated (the prefix cache then covers it whole)."""
     exact = memory.fill(messages) if memory is not None else []
     if not splices(fmt) or not any(exact):
-        return render_prompt(fmt, messages, tools, thinking)
+        return render_prompt(fmt, messages, tools, thinking, options)
     system = messages[0].content if messages[0].role == "system" else None
     segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1:]
-    return render_conversation(fmt, system, tools, segments, thinking, param="messages")
+    return render_conversation(fmt, system, tools, segments, thinking, param="messages", options=options)
 
 
 def truncate_messages(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *,
-                      limit: int) -> tuple[list[Message], dict | None]:
+                      limit: int, options: PromptOptions = NO_OPTIONS) -> tuple[list[Message], dict | None]:
     """Chat completions' `truncation: auto`: the messages that fit and the report (None: nothing dropped)."""
     system = messages[0].content if messages and messages[0].role == "system" else None
     rest = [Segment(m) for m in (messages[1:] if system is not None else messages)]
-    kept, plan = truncate(fmt, system, tools, rest, thinking, limit=limit)
+    kept, plan = truncate(fmt, system, tools, rest, thinking, limit=limit, options=options)
     head = [messages[0]] if system is not None else []
     return head + [s.message for s in kept], plan.report() if plan.changed else None
 

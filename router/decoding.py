@@ -1,8 +1,50 @@
 """Generated tokens → text as it may go out: incremental detokenization (never half a character), a chat answer's
-reasoning apart from its content with tool-call markup held back (`ChatDecoder`), and stop strings (`StopCut`)."""
+reasoning apart from its content with tool-call markup held back (`ChatDecoder`, or a format's own stream parser:
+`decoder_for`), and stop strings (`StopCut`)."""
 from __future__ import annotations
 
+from typing import Protocol
+
 from expertmesh.chat import ChatFormat, Phase
+
+
+class TokenDecoder(Protocol):
+    """What a chat run streams through: ("reasoning" | "content", text) pieces per token, the rest at the end."""
+    done: bool
+
+    def feed(self, token: int) -> list[tuple[str, str]]: ...
+
+    def flush(self) -> list[tuple[str, str]]: ...
+
+
+def decoder_for(fmt: ChatFormat, phase: Phase, salt: str = "", tools: list[dict] | None = None) -> TokenDecoder:
+    """The format's own incremental parser when it has one (K3: its markup is not single marker tokens), else the
+    marker-token decoder; either way its pieces concatenate to what parse_output gives for the same tokens."""
+    if hasattr(fmt, "stream_parser"):
+        return ParserDecoder(fmt.stream_parser(phase=phase, salt=salt, tools=tools))
+    return ChatDecoder(fmt, phase)
+
+
+class ParserDecoder:
+    """A format's stream parser as a TokenDecoder: its tool calls are held back (the run's parse_output returns
+    them structured at the end, as ChatDecoder holds tool-call markup back)."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+    @property
+    def done(self) -> bool:
+        return self.parser.stopped
+
+    @staticmethod
+    def _text(pieces) -> list[tuple[str, str]]:
+        return [(kind, text) for kind, text in pieces if kind != "tool_call"]
+
+    def feed(self, token: int) -> list[tuple[str, str]]:
+        return self._text(self.parser.feed(token))
+
+    def flush(self) -> list[tuple[str, str]]:
+        return self._text(self.parser.finish())
 
 
 class ChatDecoder:

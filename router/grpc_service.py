@@ -29,6 +29,7 @@ from expertmesh.router.serving import (
     check_model,
     decide_thinking,
     max_tokens_for,
+    prompt_options,
     start_chat,
 )
 from expertmesh.sampling_params import SamplingParams, check_sampling, sampling_from_proto
@@ -134,9 +135,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             thinking = decide_thinking(thinking_budget=request.thinking_budget or None,
                                        disable=request.disable_thinking, budgets=self.engine.cfg.thinking)
             messages, tools = grpc_messages(request.messages), grpc_tools(request.tools)
+            thinking = thinking.for_round([m.role for m in messages])
             p, max_tokens = sampling(request.params, self.tok, chat=True)
             run = start_chat(self.engine, self.chat, ChatRequest(
-                render_prompt(self.chat, messages, tools, thinking.on), thinking, max_tokens=max_tokens,
+                render_prompt(self.chat, messages, tools, thinking.on, prompt_options(thinking)), thinking,
+                tools=tools, max_tokens=max_tokens,
                 max_tokens_param="params.max_tokens", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                 sampling={k: getattr(p, k) for k in CHAT_SAMPLING}, grammar=p.grammar, api="grpc"))
         except Exception as e:

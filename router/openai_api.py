@@ -12,7 +12,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat import Message, message_images
 from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar
-from expertmesh.router.conversation import answer_segment, chat_prompt, render_prompt, truncate_messages
+from expertmesh.router.conversation import (
+    answer_segment,
+    chat_prompt,
+    prompt_tools,
+    render_prompt,
+    truncate_messages,
+)
 from expertmesh.router.decoding import TextStream
 from expertmesh.router.dependencies import Served, openai_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
@@ -28,8 +34,10 @@ from expertmesh.router.serving import (
     cancel_when_gone,
     decide_thinking,
     max_tokens_for,
+    prompt_options,
     prompt_room,
     start_chat,
+    thinking_headers,
 )
 from expertmesh.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -321,24 +329,27 @@ class ChatCompletion:
 @router.post("/v1/chat/completions")
 async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s: Served = Depends(served)):
     engine, fmt = s.engine, s.fmt
-    grammar = _grammar(answer_grammar, fmt.markers, body.tool_choice, body.tools, body.response_format, CHAT_FIELDS)
+    grammar = _grammar(answer_grammar, fmt, body.tool_choice, body.tools, body.response_format, CHAT_FIELDS)
     thinking = decide_thinking(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
                                template_kwargs=body.chat_template_kwargs)
-    tools = None if body.tool_choice == "none" else body.tools
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
     n_top = top_logprobs(body)
     images = await request_images(engine.cfg.vision, engine.image_limits, remote_image_urls(body.messages, OPENAI))
     history = openai_messages(body.messages, images)   # what the client sent (reasoning filled in): the answer's key
-    rendered = chat_prompt(fmt, history, tools, thinking.on, s.memory)
-    kept, report, headers = history, None, {}
+    thinking = thinking.for_round([m.role for m in history])
+    options = prompt_options(thinking, body.tool_choice, body.response_format)
+    tools = prompt_tools(fmt, body.tools, options.tool_choice)
+    rendered = chat_prompt(fmt, history, tools, thinking.on, s.memory, options)
+    kept, report, headers = history, None, thinking_headers(thinking)
     if body.truncation == "auto":
-        kept, report = truncate_messages(fmt, history, tools, thinking.on,
+        kept, report = truncate_messages(fmt, history, tools, thinking.on, options=options,
                                          limit=prompt_room(engine.cfg.max_context, max_tokens))
         if report:
-            rendered = render_prompt(fmt, kept, tools, thinking.on)
-            headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))}
+            rendered = render_prompt(fmt, kept, tools, thinking.on, options)
+            headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
     run = start_chat(engine, fmt, ChatRequest(
-        rendered, thinking, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        rendered, thinking, tools=body.tools, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        seed=body.seed,
         sampling={**body.sampling_kwargs(), "logprobs": n_top}, grammar=grammar, images=message_images(kept),
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or []))
     reply = ChatCompletion(body, run, s, history, n_top, report)
@@ -369,8 +380,13 @@ async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = 
         if not body.add_generation_prompt:
             raise APIError("add_generation_prompt: only true is supported (the chat endpoint always adds it)",
                            param="add_generation_prompt")
-        thinking = decide_thinking(reasoning_effort=body.reasoning_effort, template_kwargs=body.chat_template_kwargs)
-        ids = chat_prompt(s.fmt, openai_messages(body.messages), body.tools, thinking.on, s.memory).ids
+        thinking = decide_thinking(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
+                                   template_kwargs=body.chat_template_kwargs)
+        messages = openai_messages(body.messages)
+        thinking = thinking.for_round([m.role for m in messages])
+        options = prompt_options(thinking, body.tool_choice, body.response_format)
+        tools = prompt_tools(s.fmt, body.tools, options.tool_choice)
+        ids = chat_prompt(s.fmt, messages, tools, thinking.on, s.memory, options).ids
     else:
         if body.tools is not None:
             raise APIError("tools: only with messages", param="tools")

@@ -100,10 +100,13 @@ class TokenizeBody(BaseModel):
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    # as on /v1/chat/completions, so the count matches a request that turns thinking off
+    # as on /v1/chat/completions: they decide the prompt (thinking off, and for a format that states them — K3 —
+    # the tier, the tool choice and the response format), so the ids equal what the chat endpoint feeds
     reasoning_effort: str | None = None
     chat_template_kwargs: dict | None = None
-    thinking_budget: None = None      # no effect on the prompt: only there for the thinking decision
+    thinking_budget: str | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
 
 class DetokenizeBody(BaseModel):

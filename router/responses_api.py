@@ -18,7 +18,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat import message_images
 from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar
-from expertmesh.router.conversation import answer_segment, render_conversation, system_and_rest, truncate
+from expertmesh.router.conversation import (
+    NO_OPTIONS,
+    PromptOptions,
+    answer_segment,
+    prompt_tools,
+    render_conversation,
+    system_and_rest,
+    truncate,
+)
 from expertmesh.router.dependencies import Served, openai_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.images import request_images
@@ -31,8 +39,10 @@ from expertmesh.router.serving import (
     ChatRun,
     Thinking,
     decide_thinking,
+    prompt_options,
     prompt_room,
     start_chat,
+    thinking_headers,
 )
 
 router = APIRouter(dependencies=[Depends(openai_key)])
@@ -48,6 +58,8 @@ class Conversation:
     thinking: Thinking
     input_items: list[dict] = field(default_factory=list)
     grammar: str | None = None            # constrained decoding from tool_choice / text.format
+    options: PromptOptions = NO_OPTIONS   # what the prompt states (K3): tier, tool choice, response format
+    declared: list[dict] | None = None    # the request's tools, for typing call arguments
 
 
 def check_options(body: ResponsesBody) -> None:
@@ -77,16 +89,21 @@ def text_format(body: ResponsesBody) -> dict:
     return (body.text or {}).get("format") or {"type": "text"}
 
 
-def responses_grammar(fmt, tool_choice, tools, text_format: dict) -> str | None:
-    """Responses `tool_choice` (required / {type: function, name}) and `text.format` (json_object / json_schema
-    {name, schema, strict}) → the same grammar as chat's; a 400 names the Responses field."""
+def chat_response_format(text_format: dict) -> dict:
+    """Responses `text.format` (text / json_object / json_schema {name, schema, strict}) in chat's
+    response_format shape; a 400 names a type that is none of them."""
     kind = text_format.get("type", "text")
     if kind not in TEXT_FORMATS:
         raise APIError(f"text.format.type: {kind!r} is not one of {', '.join(TEXT_FORMATS)}", param="text.format.type")
-    chat_format = {"type": kind, "json_schema": {"schema": text_format.get("schema")}} if kind == "json_schema" \
+    return {"type": kind, "json_schema": {"schema": text_format.get("schema")}} if kind == "json_schema" \
         else {"type": kind}
+
+
+def responses_grammar(fmt, tool_choice, tools, chat_format: dict) -> str | None:
+    """Responses `tool_choice` (required / {type: function, name}) and `text.format` (as chat_response_format) →
+    the same grammar as chat's; a 400 names the Responses field."""
     try:
-        return answer_grammar(fmt.markers, tool_choice, tools, chat_format, RESPONSES_FIELDS)
+        return answer_grammar(fmt, tool_choice, tools, chat_format, RESPONSES_FIELDS)
     except ValueError as e:
         raise as_api_error(e) from None
 
@@ -96,7 +113,8 @@ def conversation(body: ResponsesBody, s: Served, images) -> Conversation:
     thinking = decide_thinking(reasoning_effort=(body.reasoning or {}).get("effort"), effort_param="reasoning.effort")
     check_output_options(body)
     tools = responses_tools(body.tools)
-    grammar = responses_grammar(s.fmt, body.tool_choice, tools, text_format(body))
+    response_format = chat_response_format(text_format(body))
+    grammar = responses_grammar(s.fmt, body.tool_choice, tools, response_format)
     prior: list[Segment] = []
     if body.previous_response_id is not None:
         stored = s.store.get(body.previous_response_id)
@@ -110,7 +128,11 @@ def conversation(body: ResponsesBody, s: Served, images) -> Conversation:
     segments, listed = responses_input(body.input, s.store, images)
     if not segments and not prior:
         raise APIError("input: expected at least one item", param="input")
-    return Conversation(None if body.tool_choice == "none" else tools, prior + segments, thinking, listed, grammar)
+    segments = prior + segments
+    thinking = thinking.for_round([seg.role for seg in segments])
+    options = prompt_options(thinking, body.tool_choice, response_format)
+    return Conversation(prompt_tools(s.fmt, tools, options.tool_choice), segments, thinking, listed, grammar, options,
+                        tools)
 
 
 def reasoning_item(rid: str, text: str) -> dict:
@@ -301,19 +323,22 @@ async def create(http_request: Request, body: ResponsesBody = served_model(Respo
     system, segments = system_and_rest(conv.segments, body.instructions)
     report = None
     if body.truncation == "auto":
-        segments, plan = truncate(fmt, system, conv.tools, segments, conv.thinking.on,
+        segments, plan = truncate(fmt, system, conv.tools, segments, conv.thinking.on, options=conv.options,
                                   limit=prompt_room(engine.cfg.max_context, body.max_output_tokens))
         report = plan.report() if plan.changed else None
-    rendered = render_conversation(fmt, system, conv.tools, segments, conv.thinking.on)
+    rendered = render_conversation(fmt, system, conv.tools, segments, conv.thinking.on, options=conv.options)
     run = start_chat(engine, fmt, ChatRequest(
-        rendered, conv.thinking, max_tokens=body.max_output_tokens, max_tokens_param="max_output_tokens",
+        rendered, conv.thinking, tools=conv.declared, max_tokens=body.max_output_tokens,
+        max_tokens_param="max_output_tokens",
         temperature=body.temperature, top_p=body.top_p, sampling=body.sampling_kwargs(), grammar=conv.grammar,
         images=message_images([seg.message for seg in segments]), api="openai.responses"))
     # what a follow-up continues: a system / developer message sent as an input item stays in the conversation;
     # `instructions` belong to this request only (as OpenAI documents them)
     kept = (conv.segments[:1] if conv.segments and conv.segments[0].role == "system" else []) + segments
     rr = ResponseRun(body, s, conv, run, kept, report)
-    headers = {"x-expertmesh-truncation": json.dumps(report, separators=(",", ":"))} if report else {}
+    headers = thinking_headers(conv.thinking)
+    if report:
+        headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
     if body.stream:
         return StreamingResponse(rr.events(), media_type="text/event-stream", headers=headers)
     r = await run.complete(http_request.is_disconnected)

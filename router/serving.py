@@ -5,7 +5,8 @@ used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) 
 - What a request's parameters mean, decided once: `decide_thinking` (reasoning_effort, thinking_budget,
   chat_template_kwargs, Anthropic `thinking`, gRPC disable_thinking → on/off, tier, exact limit) and
   `max_tokens_for` (the one default of max_tokens and its range).
-- A chat run (`start_chat` → `ChatRun`): the rendered conversation submitted with a thinking-budget token filter; its
+- A chat run (`start_chat` → `ChatRun`): the rendered conversation submitted with its thinking control (the worker's
+  sampler counts reasoning, cuts it at the tier's limit and starts the grammar where it ends); its
   events are ("reasoning" | "content", text) pieces as tokens arrive (tool-call markup held back, content ending
   before a stop string); `finish()` parses the output into a `ChatResult` (reasoning, content, tool calls, the
   content the stream held back, finish reason, usage) and records metrics and the span once.
@@ -24,15 +25,17 @@ from expertmesh.chat import (
     ChatFormat,
     ParsedOutput,
     RenderedPrompt,
-    ThinkingBudget,
+    thinking_control,
     tier_from_request,
 )
-from expertmesh.router.decoding import ChatDecoder, StopCut
+from expertmesh.router.conversation import PromptOptions, tool_choice_option
+from expertmesh.router.decoding import StopCut, TokenDecoder, decoder_for
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.request import Request
 from expertmesh.router.tracing import RequestSpan
 from expertmesh.sampling_params import SamplingParams
+from expertmesh.thinking import AUTO_TIER, ThinkingState, auto_tier
 
 
 # ----------------------------------------------------------------------------------------------- access
@@ -77,10 +80,24 @@ def prompt_room(context: int, max_tokens: int | None) -> int:
 @dataclass(frozen=True)
 class Thinking:
     """What a request asks of thinking: on or off, the tier (reported as `thinking_budget`) and, for Anthropic's
-    budget_tokens, an exact limit in place of the tier's."""
+    budget_tokens, an exact limit in place of the tier's. Tier "auto" (reasoning_effort / thinking_budget "auto")
+    is decided per round by `for_round`; `auto` then says why."""
     on: bool = True
     tier: str = "high"
     exact: int | None = None
+    auto: str | None = None
+
+    def for_round(self, roles: list[str]) -> "Thinking":
+        """The tier of this round: "auto" decided from the conversation's roles (thinking.auto_tier)."""
+        if self.tier != AUTO_TIER:
+            return self
+        tier, why = auto_tier(roles)
+        return Thinking(self.on, tier, self.exact, why)
+
+    @property
+    def effort(self) -> str | None:
+        """The tier as the prompt states it (K3's thinking_effort); None with thinking off."""
+        return self.tier if self.on else None
 
     def limit(self, budgets) -> int:
         """Reasoning tokens allowed. Off: a template that cannot turn thinking off gets the low tier's limit."""
@@ -125,6 +142,8 @@ def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str
         raise APIError(f"{effort_param}: expected a string, found {type(reasoning_effort).__name__}",
                        param=effort_param)
     effort = None if reasoning_effort == "none" else reasoning_effort
+    if AUTO_TIER in (thinking_budget, effort) and on:
+        return Thinking(on, AUTO_TIER)                  # decided per round (Thinking.for_round)
     asked = [(p, v) for p, v in (("thinking_budget", thinking_budget), (effort_param, effort),
                                  ("thinking.budget_tokens", budget_tokens)) if v is not None]
     try:
@@ -134,6 +153,17 @@ def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str
         param = asked[0][0] if asked else "thinking_budget"
         raise APIError(str(e).replace("reasoning_effort:", f"{param}:", 1), param=param) from None
     return Thinking(on, tier, budget_tokens if thinking_budget is None else None)
+
+
+def prompt_options(thinking: Thinking, tool_choice=None, response_format: dict | None = None) -> PromptOptions:
+    """What a request states in its prompt for a format that renders it (K3): the round's tier (thinking on), the
+    tool choice in any API's shape, the response format."""
+    return PromptOptions(thinking.effort, tool_choice_option(tool_choice), response_format)
+
+
+def thinking_headers(thinking: Thinking) -> dict[str, str]:
+    """reasoning_effort "auto": the tier chosen for this round and why, as a response header."""
+    return {"x-expertmesh-thinking": f"{thinking.tier}; auto: {thinking.auto}"} if thinking.auto else {}
 
 
 # ----------------------------------------------------------------------------------------------- requests
@@ -187,6 +217,7 @@ class ChatRequest:
     end-of-thinking marker when generation starts in the reasoning section."""
     rendered: RenderedPrompt
     thinking: Thinking
+    tools: list[dict] | None = None        # the declared tools (chat-shaped), for a format that types arguments
     max_tokens: int | None = None          # None: max_tokens_for's default
     max_tokens_param: str = "max_tokens"   # how the request names it (errors)
     temperature: float = 1.0
@@ -239,7 +270,7 @@ class ChatRun:
         self.engine, self.fmt, self.request = engine, fmt, request
         self.prompt, self.phase = request.rendered.ids, request.rendered.phase
         self.thinking = request.thinking
-        self.budget = ThinkingBudget(fmt.markers, request.thinking.limit(engine.cfg.thinking), phase=self.phase)
+        self.control = thinking_control(fmt.markers, self.phase, request.thinking.limit(engine.cfg.thinking))
         self.req: Request | None = None
         self.consumed = 0            # generated tokens `events()` has decoded so far
         self.sent = ""               # content the events gave out
@@ -255,10 +286,10 @@ class ChatRun:
     def start(self, params: SamplingParams) -> None:
         t = self.thinking
         self.span = RequestSpan("chat", self.engine.model_name, max_tokens=params.max_tokens,
-                                temperature=params.temperature, api=self.request.api, tier=t.tier if t.on else None)
+                                temperature=params.temperature, api=self.request.api, tier=t.tier if t.on else None,
+                                auto_tier=t.auto)
         images = self.request.images
-        self.req = submit(self.engine, self.prompt, params, self.span, token_filter=self.budget,
-                          **({"images": images} if images else {}))
+        self.req = submit(self.engine, self.prompt, params, self.span, **({"images": images} if images else {}))
 
     def fail(self, error: Exception) -> APIError:
         """End the span with `error`; what the client is told of it."""
@@ -272,7 +303,7 @@ class ChatRun:
         if self.req is not None and not self.req.done:
             self.engine.cancel(self.req)
 
-    def _pieces(self, decoder: ChatDecoder, cut: StopCut, token: int | None) -> list[tuple[str, str]]:
+    def _pieces(self, decoder: TokenDecoder, cut: StopCut, token: int | None) -> list[tuple[str, str]]:
         """The events of one token (None: the end), through the stop strings; a match cancels the request."""
         raw = decoder.flush() if token is None else [] if decoder.done else decoder.feed(token)
         out = [piece for ev in raw for piece in cut.feed(*ev)]
@@ -284,8 +315,8 @@ class ChatRun:
         self.sent += "".join(text for kind, text in out if kind == "content")
         return out
 
-    def _decoders(self) -> tuple[ChatDecoder, StopCut]:
-        return ChatDecoder(self.fmt, self.phase), StopCut(self.request.stop)
+    def _decoders(self) -> tuple[TokenDecoder, StopCut]:
+        return decoder_for(self.fmt, self.phase, self.salt, self.request.tools), StopCut(self.request.stop)
 
     async def events(self):
         """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back; content ends
@@ -328,7 +359,7 @@ class ChatRun:
         """The parsed answer, once generation is over; counts the reasoning tokens and ends the span (once)."""
         if self._result is not None:
             return self._result
-        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt)
+        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt, tools=self.request.tools)
         if self.stop_hit is not None:             # the answer ends before the stop string; nothing after counts
             at = parsed.content.find(self.stop_hit)
             parsed.content = parsed.content[:at] if at >= 0 else parsed.content
@@ -336,7 +367,10 @@ class ChatRun:
         out = self.req.output
         reason = "stop" if self.stop_hit is not None else "tool_calls" if parsed.tool_calls else \
             "stop" if out and out[-1] in self.fmt.markers.stop else "length"
-        reasoning = self.budget.reasoning_tokens
+        counted = ThinkingState(self.control)     # the sampler's count, replayed over the tokens it gave
+        for t in out:
+            counted.observe(t)
+        reasoning = counted.reasoning_tokens
         usage = Usage(len(self.prompt), len(out), self.req.cached_tokens, reasoning)
         unsent = parsed.content[len(self.sent):] if parsed.content.startswith(self.sent) else ""
         self._result = ChatResult(parsed, reason, self.stop_hit, usage, unsent)
@@ -352,15 +386,17 @@ def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun
     if request.images and not isinstance(fmt, BuiltinChat):
         raise APIError("messages: image input needs the built-in chat format (a checkpoint's own chat template "
                        "does not render images yet)", param="messages")
-    rendered, grammar = request.rendered, request.grammar
+    rendered = request.rendered
     run = ChatRun(engine, fmt, request)
     max_tokens = max_tokens_for(request.max_tokens, prompt_tokens=len(rendered.ids), context=engine.cfg.max_context,
                                 param=request.max_tokens_param)
-    after = None if grammar is None or rendered.phase == "content" else fmt.markers.think_end
     run.start(SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                              seed=request.seed, stop_token_ids=fmt.markers.stop, **request.sampling,
-                             grammar=grammar, grammar_after_token=after))
+                             grammar=request.grammar, thinking=run.control))
     return run
+
+
+
 
 
 # ----------------------------------------------------------------------------------------------- completions

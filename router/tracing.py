@@ -59,7 +59,9 @@ class RequestSpan:
     ("{operation} {model}", gen_ai.*), ended when the request is over (streams included)."""
 
     def __init__(self, operation: str, model: str, *, max_tokens: int | None = None,
-                 temperature: float | None = None, api: str = "openai", tier: str | None = None):
+                 temperature: float | None = None, api: str = "openai", tier: str | None = None,
+                 auto_tier: str | None = None):
+        """`auto_tier`: why reasoning_effort auto chose `tier` (expertmesh.thinking.auto_tier)."""
         self.span = None
         if not telemetry.tracing_enabled():
             return
@@ -72,6 +74,8 @@ class RequestSpan:
             attrs["gen_ai.request.temperature"] = temperature
         if tier is not None:
             attrs["expertmesh.thinking.tier"] = tier
+        if auto_tier is not None:
+            attrs["expertmesh.thinking.auto"] = auto_tier
         self.span = telemetry.tracer().start_span(f"{operation} {model}", kind=SpanKind.SERVER, attributes=attrs)
 
     @contextlib.contextmanager

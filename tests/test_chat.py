@@ -3,9 +3,10 @@ import json
 
 import pytest
 
-from expertmesh.chat import (ChatError, Message, ThinkingBudget, ToolCall, parse_output, render, tier_from_request,
-                             validate_history)
+from expertmesh.chat import (ChatError, Message, ToolCall, builtin_markers, parse_output, render, thinking_control,
+                             tier_from_request, validate_history)
 from expertmesh.config import preset
+from expertmesh.thinking import ThinkingState
 from expertmesh.tokenizer import ByteTokenizer
 
 T = ByteTokenizer()
@@ -99,13 +100,22 @@ def test_tiers():
         tier_from_request(reasoning_effort="extreme")
 
 
+def emitted(control, drawn: list[int]) -> tuple[list[int], ThinkingState]:
+    """What the worker's sampler emits for these drawn tokens under the format's thinking control."""
+    state, out = ThinkingState(control), []
+    for t in drawn:
+        t = state.next_token(t)
+        state.observe(t)
+        out.append(t)
+    return out, state
+
+
 def test_budget_forces_end_of_thinking_at_the_limit():
-    budget = ThinkingBudget(T, limit=5)
-    out = [budget(None, ord("a")) for _ in range(9)]
+    control = thinking_control(builtin_markers(T), "reasoning", 5)
+    out, state = emitted(control, [ord("a")] * 9)
     assert out[:4] == [ord("a")] * 4 and out[4] == T.think_end_id and out[5:] == [ord("a")] * 4
-    assert budget.reasoning_tokens == 5 and budget.forced
-    # a model that closes thinking itself is not forced
-    b2 = ThinkingBudget(T, limit=5)
-    assert [b2(None, x) for x in (1, T.think_end_id, 2)] == [1, T.think_end_id, 2] and not b2.forced
-    # stray template tokens in the answer end the turn instead of corrupting the history
-    assert b2(None, T.user_id) == T.end_id
+    assert state.reasoning_tokens == 5
+    # a model that closes thinking itself is not forced; stray template tokens in the answer end the turn
+    # instead of corrupting the history
+    out, state = emitted(control, [1, T.think_end_id, 2, T.user_id])
+    assert out == [1, T.think_end_id, 2, T.end_id] and state.reasoning_tokens == 2

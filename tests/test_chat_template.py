@@ -16,7 +16,8 @@ from hf_fixtures import (
     write_checkpoint,
 )
 
-from expertmesh.chat import ChatError, Message, ThinkingBudget
+from expertmesh.chat import ChatError, Message, thinking_control
+from expertmesh.thinking import ThinkingState
 from expertmesh.chat_formats import NoChatTemplate, load_chat
 from expertmesh.chat_template import ChatTemplateError, TemplateChat
 from expertmesh.router.decoding import ChatDecoder
@@ -133,18 +134,26 @@ def test_streaming_decoder_and_budget_agree_with_parse_output(chatml):
     messages = openai_messages(raw)
     reply = Message("assistant", "Paris: 18 C ✓ 日本", reasoning="Le café est chaud ✓")
     out = generated(fmt, messages, reply, tools)
-    budget = ThinkingBudget(fmt.markers, limit=1000, phase="reasoning")
-    assert [budget(None, t) for t in out] == out and not budget.forced
+    control = thinking_control(fmt.markers, "reasoning", 1000)
+    state, emitted = ThinkingState(control), []
+    for t in out:                           # a model that closes thinking itself: nothing is overridden
+        emitted.append(state.next_token(t))
+        state.observe(emitted[-1])
+    assert emitted == out
     decoder = ChatDecoder(fmt, "reasoning")
     pieces = [p for t in out for p in decoder.feed(t)] + decoder.flush()
     parsed = fmt.parse_output(out, phase="reasoning")
     assert "".join(t for k, t in pieces if k == "reasoning") == parsed.reasoning
     assert "".join(t for k, t in pieces if k == "content") == parsed.content == "Paris: 18 C ✓ 日本"
-    assert budget.reasoning_tokens == parsed.reasoning_tokens
-    # at the limit the budget forces </think>; a stray role token in the answer ends the turn
-    tight = ThinkingBudget(fmt.markers, limit=3, phase="reasoning")
-    assert [tight(None, t) for t in out[:4]][2] == fmt.markers.think_end and tight.forced
-    assert tight(None, fmt.tokenizer.special("<|im_start|>")) == fmt.markers.end_of_turn
+    assert state.reasoning_tokens == parsed.reasoning_tokens
+    # at the limit the sampler forces </think>; a stray role token in the answer ends the turn
+    tight = ThinkingState(thinking_control(fmt.markers, "reasoning", 3))
+    forced = []
+    for t in out[:4]:
+        forced.append(tight.next_token(t))
+        tight.observe(forced[-1])
+    assert forced[2] == fmt.markers.think_end and out[2] != fmt.markers.think_end
+    assert tight.next_token(fmt.tokenizer.special("<|im_start|>")) == fmt.markers.end_of_turn
 
 
 def test_kimi_tool_calls_parse_back_with_their_ids(tmp_path):

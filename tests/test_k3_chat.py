@@ -18,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.chat import BuiltinChat, ChatError, Message, ThinkingBudget, ToolCall
+from expertmesh.chat import BuiltinChat, ChatError, Message, ToolCall, thinking_control
 from expertmesh.chat_formats import NoChatTemplate, load_chat
 from expertmesh.chat_k3 import K3Chat, MAX_TAG_BYTES
+from expertmesh.thinking import ThinkingState
 from expertmesh.tokenizer import TikTokenTokenizer, TokenizerError, load_tokenizer, split_long_runs
 from k3_fixtures import tokenizer_digest, write_k3_tokenizer
 
@@ -455,15 +456,19 @@ def test_markers_for_the_thinking_budget_and_the_stop(fmt):
     assert m.think_end == tok.special("<|close|>") == m.think_end_ids[0]
     assert tok.decode(m.think_end_ids, skip_special=False) == "<|close|>think<|sep|><|open|>response<|sep|>"
     assert not {fmt.open_id, fmt.close_id, fmt.sep_id} & m.not_in_answer and tok.special("[BOS]") in m.not_in_answer
-    # the router's budget forces ⟨close⟩ at the limit; the model (or a router forcing think_end_ids) goes on
-    budget = ThinkingBudget(m, 4, phase="reasoning")
-    text = tok.encode_plain("a b c d e f")
-    fed = [budget(None, t) for t in text[:5]]
-    assert fed[3] == m.think_end and budget.forced
-    out = fed[:4] + list(m.think_end_ids[1:]) + tok.encode_plain("Done.") + ids_of(fmt, "<|close|>response<|sep|>")
+    # the sampler's thinking control forces the whole close at the limit (three reasoning tokens, then the close)
+    state = ThinkingState(thinking_control(m, "reasoning", 3 + len(m.think_end_ids)))
+    text = tok.encode_plain("a b c d e f g h i j k l m n o p")
+    fed = []
+    for t in text:
+        fed.append(state.next_token(t))
+        state.observe(fed[-1])
+        if state.answering:
+            break
+    assert fed == text[:3] + list(m.think_end_ids) and state.reasoning_tokens == 3 + len(m.think_end_ids)
+    out = fed + tok.encode_plain("Done.") + ids_of(fmt, "<|close|>response<|sep|>")
     parsed = fmt.parse_output(out, phase="reasoning")
     assert parsed.reasoning == tok.decode(text[:3]) and parsed.content == "Done." and parsed.finished_thinking
-    assert parsed.reasoning_tokens == 6
 
 
 def test_render_options_are_checked_alike_and_ignored_by_the_other_formats(fmt):

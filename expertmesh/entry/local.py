@@ -12,7 +12,9 @@ from expertmesh.worker.expert import ExpertWorker
 
 def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
                        redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
-                       placement=None, lease_seconds: float = 30.0, **engine_kw) -> Engine:
+                       placement=None, lease_seconds: float = 30.0, serving_cfg=None, **engine_kw) -> Engine:
+    """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
+    --max-context, --thinking-budgets) for the engine; the workers keep the checkpoint's."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
@@ -20,4 +22,4 @@ def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int =
                                  lease_seconds=lease_seconds)
                  for i in range(attention_workers)]
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
-    return Engine(cfg, attention, experts, placement, **engine_kw)
+    return Engine(serving_cfg or cfg, attention, experts, placement, **engine_kw)
