@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 
 from expertmesh.config import ModelConfig, ThinkingBudgets, preset
-from expertmesh.hf_config import HFCheckpointError, config_from_hf
+from expertmesh.hf_config import MODEL_TYPES, HFCheckpointError, config_from_hf
 from expertmesh.operator.validation import (ABSOLUTE_PATH, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, IMAGE_REPOSITORY,
                                             IMAGE_REPOSITORY_MAX, IMAGE_TAG, LABEL_VALUE, LABEL_VALUE_MAX, NO_SPACE,
                                             PATH_MAX, QUALIFIED_NAME, QUALIFIED_NAME_MAX, QUANTITY, QUANTITY_MAX,
@@ -257,7 +257,7 @@ class ModelSpec(_Spec):
     config: Optional[dict[str, Any]] = Field(
         None, max_length=MAX_CONFIG_KEYS,
         description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
-                    "a Hugging Face kimi_linear / deepseek_v32 config; exclusive with preset")
+                    "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset")
     checkpoint: CheckpointSource
 
     @model_validator(mode="after")
@@ -539,7 +539,7 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-HF_MODEL_TYPES = ("kimi_linear", "deepseek_v32")   # configs mapped by expertmesh.hf_config
+HF_MODEL_TYPES = MODEL_TYPES      # the Hugging Face configs expertmesh.hf_config maps
 MAX_EXPERTS = 65536   # routed experts per MoE layer of an inline model config
 
 

@@ -632,3 +632,17 @@ def test_seconds_since_reads_status_times():
     now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc)
     assert seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
     assert seconds_since(None, now) == seconds_since("garbage", now) == float("inf")
+
+
+def test_an_inline_kimi_k3_config_resolves():
+    """A MoEDeployment may name its model by a Hugging Face kimi_k3 wrapper config (text_config inside)."""
+    text = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_act": "situ", "num_experts": 8,
+            "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 32,
+            "routed_expert_hidden_size": 32, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "attn_res_block_size": 2,
+            "linear_attn_config": {"full_attn_layers": [2, 4], "num_heads": 4, "head_dim": 16,
+                                   "gate_lower_bound": -5.0, "use_full_rank_gate": True}}
+    cfg = resolve_model(parse_spec({**tiny(), "model": {"config": {"model_type": "kimi_k3", "text_config": text},
+                                                        "checkpoint": {"uri": "/w"}}}))
+    assert cfg.model_type == "kimi_k3" and cfg.moe.latent_size == 32 and cfg.activation.kind == "situ"
