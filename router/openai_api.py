@@ -3,9 +3,11 @@
 router/serving.py; here a body becomes a serving request, and a run becomes OpenAI's JSON or SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -37,6 +39,7 @@ from expertmesh.router.serving import (
     prompt_options,
     prompt_room,
     start_chat,
+    start_samples,
     thinking_headers,
 )
 from expertmesh.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -110,14 +113,21 @@ def completion_prompt(body: CompletionBody, tok) -> tuple[list[int], str]:
 
 
 class TextCompletion:
-    """One /v1/completions request over its run: the text through the stop strings, logprobs, the response."""
+    """One choice of a /v1/completions request over its run: the text through the stop strings, logprobs, the
+    choice. `return_token_ids` (vLLM's): the prompt's ids (the choice's first chunk) and the generated ids (each
+    chunk: the ids since the last one)."""
 
-    def __init__(self, body: CompletionBody, run: CompletionRun, tok, name: str, echo_text: str):
+    def __init__(self, body: CompletionBody, run: CompletionRun, tok, name: str, echo_text: str, *, index: int = 0,
+                 rid: str | None = None, created: int | None = None):
         self.body, self.run, self.tok, self.name, self.echo_text = body, run, tok, name, echo_text
+        self.index = index
         self.text = TextStream(tok, [body.stop] if isinstance(body.stop, str) else list(body.stop or []))
         self.lp = CompletionLogprobs(tok)
-        self.rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        self.rid = rid or f"cmpl-{uuid.uuid4().hex[:24]}"
+        self.created = created or int(time.time())
         self.fed = 0       # output tokens given to the text stream (a stop string ends the text, and the logprobs)
+        self.ided = 0      # output tokens whose ids went out in a chunk
+        self.prompted = False
 
     def feed(self, token: int) -> str:
         self.fed += 1
@@ -129,14 +139,26 @@ class TextCompletion:
     def finish_reason(self) -> str:
         return "stop" if self.text.stopped or self.run.req.finish_reason == "stop" else "length"
 
-    def usage(self) -> dict:
-        u = self.run.usage()
-        return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.total,
+    @staticmethod
+    def usage(choices: list["TextCompletion"]) -> dict:
+        """The prompt once (the samples share it), every sample's output."""
+        u = choices[0].run.usage()
+        completion = sum(c.run.usage().completion for c in choices)
+        return {"prompt_tokens": u.prompt, "completion_tokens": completion, "total_tokens": u.prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": u.cached}}
 
-    def chunk(self, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
-        return {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+    def choice(self, text: str, reason: str | None, logprobs: dict | None = None, upto: int | None = None) -> dict:
+        ids = {}
+        if self.body.return_token_ids:
+            if not self.prompted:
+                ids["prompt_token_ids"], self.prompted = list(self.run.prompt), True
+            end = self.fed if upto is None else upto
+            ids["token_ids"], self.ided = list(self.run.req.output[self.ided:end]), max(self.ided, end)
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason, **ids}
+
+    def chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.name,
+                "choices": choices}
 
     def echo_logprobs(self) -> dict | None:
         if self.body.logprobs is None:
@@ -152,6 +174,7 @@ class TextCompletion:
 
 
 async def complete_text(c: TextCompletion, is_disconnected) -> dict:
+    """One choice, whole."""
     run = c.run
     watcher = cancel_when_gone(is_disconnected, run.engine, run.req)
     try:
@@ -172,16 +195,17 @@ async def complete_text(c: TextCompletion, is_disconnected) -> dict:
     if c.body.logprobs is not None:
         out = c.output_logprobs(0)
         logprobs = c.lp.join(logprobs, out) if logprobs else out
-    return {**c.chunk(text, c.finish_reason(), logprobs), "usage": c.usage()}
+    return c.choice(text, c.finish_reason(), logprobs)
 
 
 async def stream_text(c: TextCompletion):
+    """One choice's chunks."""
     run = c.run
     sent = 0                   # output tokens whose logprobs went out
     echoed = not c.body.echo
 
     def echo_chunk() -> str:   # once the prompt is scored (with the first event)
-        return sse(c.chunk(c.echo_text, None, c.echo_logprobs()))
+        return sse(c.chunk([c.choice(c.echo_text, None, c.echo_logprobs(), upto=0)]))
     try:
         async for token in run.tokens():
             if not echoed:
@@ -189,7 +213,7 @@ async def stream_text(c: TextCompletion):
                 yield echo_chunk()
             piece = c.feed(token)
             if piece:
-                yield sse(c.chunk(piece, None, c.output_logprobs(sent)))
+                yield sse(c.chunk([c.choice(piece, None, c.output_logprobs(sent))]))
                 sent = c.fed
             if c.text.stopped:
                 break
@@ -197,13 +221,23 @@ async def stream_text(c: TextCompletion):
             yield echo_chunk()
         tail = c.text.flush()
         run.finish(c.finish_reason())
-        yield sse(c.chunk(tail, c.finish_reason(), c.output_logprobs(sent)))
-        if c.body.stream_options and c.body.stream_options.get("include_usage"):
-            yield sse({**c.chunk("", None), "choices": [], "usage": c.usage()})
+        yield sse(c.chunk([c.choice(tail, c.finish_reason(), c.output_logprobs(sent))]))
     except Exception as e:
-        yield sse_error(run.finish(None, e))
+        raise run.finish(None, e) from e
+
+
+async def stream_texts(choices: list[TextCompletion]):
+    try:
+        async for chunk in merged([stream_text(c) for c in choices]):
+            yield chunk
+        body = choices[0].body
+        if body.stream_options and body.stream_options.get("include_usage"):
+            yield sse({**choices[0].chunk([]), "usage": TextCompletion.usage(choices)})
+    except Exception as e:
+        yield sse_error(e)
     finally:
-        run.close()
+        for c in choices:
+            c.run.close()
     yield sse("[DONE]")
 
 
@@ -218,12 +252,21 @@ async def completions(http_request: Request, body: CompletionBody = served_model
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                            stop_token_ids=tuple(tok.eos_ids), logprobs=body.logprobs,
+                            stop_token_ids=() if body.ignore_eos else tuple(tok.eos_ids), logprobs=body.logprobs,
                             prompt_logprobs=prompt_logprobs, **body.sampling_kwargs())
-    c = TextCompletion(body, CompletionRun(s.engine, prompt, params, model=s.name), tok, s.name, echo_text)
-    if not body.stream:
-        return await complete_text(c, http_request.is_disconnected)
-    return StreamingResponse(stream_text(c), media_type="text/event-stream")
+    runs = await start_samples(lambda seed: CompletionRun(s.engine, prompt, replace(params, seed=seed), model=s.name),
+                               body.n, body.seed)
+    rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    choices = [TextCompletion(body, run, tok, s.name, echo_text, index=i, rid=rid, created=created)
+               for i, run in enumerate(runs)]
+    if body.stream:
+        return StreamingResponse(stream_texts(choices), media_type="text/event-stream")
+    try:
+        done = await asyncio.gather(*(complete_text(c, http_request.is_disconnected) for c in choices))
+    finally:
+        for c in choices:
+            c.run.close()
+    return {**choices[0].chunk(list(done)), "usage": TextCompletion.usage(choices)}
 
 
 # ----------------------------------------------------------------------------------------------- chat
@@ -251,33 +294,68 @@ def top_logprobs(body: ChatBody) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-class ChatCompletion:
-    """One /v1/chat/completions request over its run: the response, or its chunks."""
+async def merged(streams):
+    """Items of several async iterators as they come, in one stream (a task per iterator, a queue between); the
+    first error ends it. Each stream's own order is kept."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
 
-    def __init__(self, body: ChatBody, run: ChatRun, s: Served, history: list[Message], n_top: int | None,
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except Exception as e:           # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(e)
+    tasks = [asyncio.create_task(pump(st)) for st in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class ChatCompletion:
+    """One /v1/chat/completions request over its runs (one per choice, `n`): the response, or its chunks.
+    `return_token_ids` (vLLM's): the prompt's ids (top level; the first chunk) and each choice's generated ids
+    (each chunk: the ids since the last one)."""
+
+    def __init__(self, body: ChatBody, runs: list[ChatRun], s: Served, history: list[Message], n_top: int | None,
                  report: dict | None):
-        self.body, self.run, self.s, self.history, self.n_top, self.report = body, run, s, history, n_top, report
+        self.body, self.runs, self.s, self.history, self.n_top, self.report = body, runs, s, history, n_top, report
         self.rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.scored = 0      # generated tokens whose logprobs went out in a chunk
+        self.scored = [0] * len(runs)     # per choice: generated tokens whose logprobs went out in a chunk
+        self.ided = [0] * len(runs)       # per choice: generated tokens whose ids went out in a chunk
 
-    def logprobs(self, start: int, end: int) -> dict | None:
+    def logprobs(self, i: int, start: int, end: int) -> dict | None:
         if self.n_top is None:
             return None
-        req = self.run.req
+        req = self.runs[i].req
         return chat_logprobs(self.s.fmt.tokenizer, req.output[start:end], req.logprobs[start:end])
 
     @staticmethod
-    def usage(r: ChatResult) -> dict:
-        u = r.usage
-        return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.total,
+    def usage(results: list[ChatResult]) -> dict:
+        """The prompt once (the samples share it), every sample's output."""
+        u = results[0].usage
+        completion = sum(r.usage.completion for r in results)
+        return {"prompt_tokens": u.prompt, "completion_tokens": completion, "total_tokens": u.prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": u.cached},
-                "completion_tokens_details": {"reasoning_tokens": u.reasoning}}
+                "completion_tokens_details": {"reasoning_tokens": sum(r.usage.reasoning for r in results)}}
 
-    def remember(self, r: ChatResult) -> None:
+    def remember(self, i: int, r: ChatResult) -> None:
         """What the reasoning memory keeps of this answer (a client may send it back without its reasoning)."""
+        run = self.runs[i]
         if self.s.memory is not None and r.stop_hit is None:
-            answer = answer_segment(self.s.fmt, self.run.req.output, r.parsed, (), self.run.thinking.on)
+            answer = answer_segment(self.s.fmt, run.req.output, r.parsed, (), run.thinking.on)
             self.s.memory.remember(self.history, answer.message, answer.ids)
 
     @staticmethod
@@ -285,44 +363,71 @@ class ChatCompletion:
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in r.tool_calls]
 
-    def response(self, r: ChatResult) -> dict:
-        message = {"role": "assistant", "content": r.content or None, "reasoning_content": r.reasoning or None}
-        if r.tool_calls:
-            message["tool_calls"] = self.tool_calls(r)
+    def response(self, results: list[ChatResult]) -> dict:
+        choices = []
+        for i, r in enumerate(results):
+            message = {"role": "assistant", "content": r.content or None, "reasoning_content": r.reasoning or None}
+            if r.tool_calls:
+                message["tool_calls"] = self.tool_calls(r)
+            out = self.runs[i].req.output
+            choices.append({"index": i, "message": message, "finish_reason": r.finish_reason,
+                            "logprobs": self.logprobs(i, 0, len(out)),
+                            **({"token_ids": list(out)} if self.body.return_token_ids else {})})
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.s.name,
-                "choices": [{"index": 0, "message": message, "finish_reason": r.finish_reason,
-                             "logprobs": self.logprobs(0, len(self.run.req.output))}],
-                "usage": self.usage(r), "thinking_budget": self.run.tier,
+                "choices": choices, "usage": self.usage(results), "thinking_budget": self.runs[0].tier,
+                **({"prompt_token_ids": list(self.runs[0].prompt)} if self.body.return_token_ids else {}),
                 **({"truncation_report": self.report} if self.report else {})}
 
-    def chunk(self, delta: dict, reason: str | None = None, upto: int | None = None) -> str:
-        lp = None
-        if upto is not None and upto > self.scored:
-            lp, self.scored = self.logprobs(self.scored, upto), upto
+    def chunk(self, i: int, delta: dict, reason: str | None = None, upto: int | None = None) -> str:
+        lp, ids = None, {}
+        if upto is not None and upto > self.scored[i]:
+            lp, self.scored[i] = self.logprobs(i, self.scored[i], upto), upto
+        if self.body.return_token_ids and upto is not None:
+            ids = {"token_ids": list(self.runs[i].req.output[self.ided[i]:upto])}
+            self.ided[i] = max(self.ided[i], upto)
         return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.s.name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}]})
+                    "choices": [{"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp, **ids}]})
+
+    async def choice_chunks(self, i: int):
+        """One choice's chunks; its result last (a ChatResult, not a chunk)."""
+        run = self.runs[i]
+        async for kind, text in run.events():
+            yield self.chunk(i, {"reasoning_content": text} if kind == "reasoning" else {"content": text},
+                             upto=run.consumed)
+        r = run.finish()
+        self.remember(i, r)
+        if r.unsent:
+            yield self.chunk(i, {"content": r.unsent})           # held-back malformed tool call
+        for k, call in enumerate(self.tool_calls(r)):
+            yield self.chunk(i, {"tool_calls": [{"index": k, **call}]})
+        yield self.chunk(i, {}, r.finish_reason, upto=len(run.req.output))
+        yield (i, r)
 
     async def chunks(self):
-        run = self.run
-        yield self.chunk({"role": "assistant", "content": ""})
+        first = {"role": "assistant", "content": ""}
+        for i in range(len(self.runs)):
+            head = sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.s.name, "choices": [{"index": i, "delta": first, "finish_reason": None,
+                                                           "logprobs": None}],
+                        **({"prompt_token_ids": list(self.runs[0].prompt)}
+                           if self.body.return_token_ids and i == 0 else {})})
+            yield head
+        results: dict[int, ChatResult] = {}
         try:
-            async for kind, text in run.events():
-                yield self.chunk({"reasoning_content": text} if kind == "reasoning" else {"content": text},
-                                 upto=run.consumed)
-            r = run.finish()
-            self.remember(r)
-            if r.unsent:
-                yield self.chunk({"content": r.unsent})          # held-back malformed tool call
-            for i, call in enumerate(self.tool_calls(r)):
-                yield self.chunk({"tool_calls": [{"index": i, **call}]})
-            yield self.chunk({}, r.finish_reason, upto=len(run.req.output))
+            async for item in merged([self.choice_chunks(i) for i in range(len(self.runs))]):
+                if isinstance(item, tuple):
+                    results[item[0]] = item[1]
+                else:
+                    yield item
             if (self.body.stream_options or {}).get("include_usage"):
                 yield sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.s.name, "choices": [], "usage": self.usage(r)})
+                           "model": self.s.name, "choices": [],
+                           "usage": self.usage([results[i] for i in range(len(self.runs))])})
         except Exception as e:
-            yield sse_error(run.fail(e))
+            yield sse_error(self.runs[0].fail(e))
         finally:
-            run.close()
+            for run in self.runs:
+                run.close()
         yield sse("[DONE]")
 
 
@@ -347,17 +452,23 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
         if report:
             rendered = render_prompt(fmt, kept, tools, thinking.on, options)
             headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
-    run = start_chat(engine, fmt, ChatRequest(
+    request = ChatRequest(
         rendered, thinking, tools=body.tools, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-        seed=body.seed,
-        sampling={**body.sampling_kwargs(), "logprobs": n_top}, grammar=grammar, images=message_images(kept),
-        stop=[body.stop] if isinstance(body.stop, str) else body.stop or []))
-    reply = ChatCompletion(body, run, s, history, n_top, report)
+        seed=body.seed, sampling={**body.sampling_kwargs(), "logprobs": n_top}, grammar=grammar,
+        images=message_images(kept), stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+        ignore_eos=body.ignore_eos)
+    runs = await start_samples(lambda seed: start_chat(engine, fmt, replace(request, seed=seed)), body.n, body.seed)
+    reply = ChatCompletion(body, runs, s, history, n_top, report)
     if body.stream:
         return StreamingResponse(reply.chunks(), media_type="text/event-stream", headers=headers)
-    r = await run.complete(http_request.is_disconnected)
-    reply.remember(r)
-    return JSONResponse(reply.response(r), headers=headers)
+    try:
+        results = await asyncio.gather(*(run.complete(http_request.is_disconnected) for run in runs))
+    finally:
+        for run in runs:
+            run.close()
+    for i, r in enumerate(results):
+        reply.remember(i, r)
+    return JSONResponse(reply.response(results), headers=headers)
 
 
 def _grammar(fn, *args):

@@ -29,9 +29,17 @@ class AcceptedNoOps(BaseModel):
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]
 
 
+MAX_SAMPLES = 16          # `n`: parallel samples of one request
+
+
 class SamplingFields(AcceptedNoOps):
     """Sampling parameters beyond OpenAI's core ones (vLLM's names), shared by completions and chat; the vocabulary
-    and everything else is checked with the rest (expertmesh.sampling.check_sampling), a 400 naming the field."""
+    and everything else is checked with the rest (expertmesh.sampling.check_sampling), a 400 naming the field.
+    What RL and eval tools send, as vLLM honours it: `n` parallel samples (sharing the prompt's cached KV, each its
+    own seeded generator: seed + i), `ignore_eos` (generate to max_tokens), `return_token_ids`."""
+    n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
+    ignore_eos: bool = False
+    return_token_ids: bool = False
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -55,7 +63,6 @@ class CompletionBody(SamplingFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int = Field(default=1, ge=1, le=1)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -82,7 +89,6 @@ class ChatBody(SamplingFields):
     stop: str | list[str] | None = None
     reasoning_effort: str | None = None
     thinking_budget: str | None = None
-    n: int = Field(default=1, ge=1, le=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)      # needs logprobs
     response_format: dict | None = None

@@ -228,6 +228,7 @@ class ChatRequest:
     grammar: str | None = None
     images: list = field(default_factory=list)
     api: str = "openai"
+    ignore_eos: bool = False               # generate to max_tokens: the format's stop tokens do not end the answer
 
 
 @dataclass
@@ -391,9 +392,33 @@ def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun
     max_tokens = max_tokens_for(request.max_tokens, prompt_tokens=len(rendered.ids), context=engine.cfg.max_context,
                                 param=request.max_tokens_param)
     run.start(SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                             seed=request.seed, stop_token_ids=fmt.markers.stop, **request.sampling,
-                             grammar=request.grammar, thinking=run.control))
+                             seed=request.seed, stop_token_ids=() if request.ignore_eos else fmt.markers.stop,
+                             **request.sampling, grammar=request.grammar, thinking=run.control))
     return run
+
+
+async def after_prefill(req: Request) -> None:
+    """Wait until `req`'s prompt is computed (its first token, or its end): its prefix is then in the cache."""
+    while req.first_token_at is None and not req.done:
+        await asyncio.sleep(0.005)
+
+
+async def start_samples(start, n: int, seed: int | None) -> list:
+    """`n` parallel samples of one request: `start(seed)` submits one. The first is submitted alone; once its
+    prompt is prefilled the others follow, starting from the prompt's cached prefix (its KV pages shared, only
+    the tail past the last cached chunk recomputed). Each has its own seeded generator: seed + i, or each a fresh
+    random seed when the request sets none."""
+    runs = [start(seed)]
+    try:
+        if n > 1:
+            await after_prefill(runs[0].req)
+            for i in range(1, n):
+                runs.append(start(None if seed is None else seed + i))
+        return runs
+    except BaseException:
+        for run in runs:
+            run.close()
+        raise
 
 
 
