@@ -22,12 +22,16 @@ import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
 
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
 from expertmesh.replica_table import ReplicaTable
+from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
+from expertmesh.router.metrics import EngineStats, RouterMetrics
+from expertmesh.router.prepared_image import ImageLimits, image_positions
 from expertmesh.router.request import (  # noqa: F401
     ContextLengthExceeded,
     EngineClosed,
@@ -38,7 +42,7 @@ from expertmesh.router.request import (  # noqa: F401
     TokenLogprob,
 )
 from expertmesh.router.scheduler import plan_snapshots, plan_step
-from expertmesh.router.tracing import StepTrace
+from expertmesh.router.tracing import StepTrace, record_image_encodes
 from expertmesh.sampling_params import SamplingParams, check_sampling
 from expertmesh.worker_api import (
     ImageSpan,
@@ -74,37 +78,6 @@ def _public(error: Exception) -> Exception:
     return RuntimeError(f"the step failed on a worker ({type(error).__name__}); see the router log")
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    attention_calls: int = 0             # router → attention worker step calls
-    prompt_tokens: int = 0
-    prefilled_tokens: int = 0            # prompt tokens actually computed (cache hits excluded)
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
-    exchange_bytes: int = 0              # attention ↔ expert tensor bytes, as the attention workers report
-    recovered: int = 0                   # requests rebuilt on another attention worker
-    preempted: int = 0                   # requests whose KV was taken for others (replayed later)
-
-
-def record_image_encodes(metrics, encodes: list, by_seq: dict, worker: int) -> None:
-    """The vision encoder's runs of a step → the encoder metrics and an `image_encode` span per image under its
-    request (timed by the worker's measurement, ending when the step's answer arrived)."""
-    end = time.time_ns()
-    for e in encodes:
-        metrics.image_encode_seconds.observe(e.seconds)
-        metrics.image_tokens.inc(e.tokens)
-        req = by_seq.get(e.seq_id)
-        if req is not None and req.trace_ctx is not None and telemetry.tracing_enabled():
-            span = telemetry.tracer().start_span("image_encode", context=req.trace_ctx,
-                                                 start_time=end - int(e.seconds * 1e9), attributes={
-                                                     "expertmesh.image.tokens": e.tokens,
-                                                     "expertmesh.attention_worker": worker})
-            span.end(end_time=end)
-
-
 class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
                  prefill_chunk: int = 16, max_batch_tokens: int = 256, max_running: int = 64,
@@ -118,11 +91,8 @@ class Engine:
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
-        from expertmesh.router.prepared_image import ImageLimits
         self.image_limits = image_limits or ImageLimits()     # what the APIs accept as image input
         self.kv_growth = max(1, kv_growth)
-        from expertmesh.router.instrument import InstrumentedClient
-        from expertmesh.router.metrics import RouterMetrics
         self.cfg = cfg
         self.model_name = model_name or cfg.name
         self.metrics = metrics or RouterMetrics()
@@ -220,7 +190,6 @@ class Engine:
         """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
         self.validate(prompt, params)
         if images:
-            from expertmesh.router.prepared_image import image_positions
             if self.cfg.vision is None:
                 raise RequestError(f"images: model {self.model_name!r} takes text only")
             try:
@@ -229,7 +198,6 @@ class Engine:
                 raise RequestError(f"prompt: {e}") from None
         req = Request(prompt=list(prompt), params=params, **kw)
         if telemetry.tracing_enabled():
-            from opentelemetry import context as otel_context
             req.trace_ctx = otel_context.get_current()
             req.queue_span = telemetry.tracer().start_span("queue", context=req.trace_ctx)
         with self.cv:

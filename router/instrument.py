@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from expertmesh import telemetry
 
 _TRACED_METHODS = {"run_step", "open_sequence", "close_sequence"}
@@ -28,13 +31,11 @@ class InstrumentedClient:
             span = None
             parent = self.trace_parent
             if parent is not None and method in _TRACED_METHODS:
-                from opentelemetry.trace import SpanKind
                 span = telemetry.tracer().start_span(
                     f"{self._role}.{method}", context=parent, kind=SpanKind.CLIENT,
                     attributes={"expertmesh.worker": self.name, "rpc.method": method, "rpc.system": "grpc"})
             try:
                 if span is not None:
-                    from opentelemetry import trace
                     with trace.use_span(span, end_on_exit=False):
                         return fn(*args, **kwargs)
                 return fn(*args, **kwargs)

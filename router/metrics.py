@@ -5,11 +5,29 @@ Counters and histograms are updated by the engine as things happen; gauges that 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class EngineStats:
+    """The engine's running counts (`engine.stats`; some reach /metrics)."""
+    steps: int = 0
+    attention_calls: int = 0             # router → attention worker step calls
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0            # prompt tokens actually computed (cache hits excluded)
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    exchange_bytes: int = 0              # attention ↔ expert tensor bytes, as the attention workers report
+    recovered: int = 0                   # requests rebuilt on another attention worker
+    preempted: int = 0                   # requests whose KV was taken for others (replayed later)
 
 
 class RouterMetrics:

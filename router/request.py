@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from expertmesh.router.kv import PrefixHasher
+from expertmesh.router.prepared_image import hash_view
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.worker_api import TokenLogprobs
 
@@ -91,7 +92,6 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.hash_prompt is None:
-            from expertmesh.router.prepared_image import hash_view
             self.hash_prompt = hash_view(self.prompt, self.images)
 
     def _emit(self, kind: str, value) -> None:

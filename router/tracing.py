@@ -1,11 +1,14 @@
 """Spans of one scheduler step: per request a `prefill_chunk` / `decode_step` span under its root span, and —
 on one step in EXPERTMESH_TRACE_LAYER_EVERY — per-layer `attention` / `expert_dispatch` spans with the worker
-calls (and, through gRPC metadata, the workers' server spans) under them."""
+calls (and, through gRPC metadata, the workers' server spans) under them; an `image_encode` span per image the
+vision encoder ran; and the root span of an API request."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from expertmesh import telemetry
 
@@ -54,6 +57,22 @@ class StepTrace:
             span.end()
 
 
+def record_image_encodes(metrics, encodes: list, by_seq: dict, worker: int) -> None:
+    """The vision encoder's runs of a step → the encoder metrics and an `image_encode` span per image under its
+    request (timed by the worker's measurement, ending when the step's answer arrived)."""
+    end = time.time_ns()
+    for e in encodes:
+        metrics.image_encode_seconds.observe(e.seconds)
+        metrics.image_tokens.inc(e.tokens)
+        req = by_seq.get(e.seq_id)
+        if req is not None and req.trace_ctx is not None and telemetry.tracing_enabled():
+            span = telemetry.tracer().start_span("image_encode", context=req.trace_ctx,
+                                                 start_time=end - int(e.seconds * 1e9), attributes={
+                                                     "expertmesh.image.tokens": e.tokens,
+                                                     "expertmesh.attention_worker": worker})
+            span.end(end_time=end)
+
+
 class RequestSpan:
     """The root span of one API request, named and attributed per the OpenTelemetry GenAI conventions
     ("{operation} {model}", gen_ai.*), ended when the request is over (streams included)."""
@@ -65,7 +84,6 @@ class RequestSpan:
         self.span = None
         if not telemetry.tracing_enabled():
             return
-        from opentelemetry.trace import SpanKind
         attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                  "gen_ai.provider.name": "expertmesh", "gen_ai.system": "expertmesh", "expertmesh.api": api}
         if max_tokens is not None:
