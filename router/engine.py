@@ -28,6 +28,7 @@ from opentelemetry import context as otel_context
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
 from expertmesh.replica_table import ReplicaTable
+from expertmesh.router.health import AttentionHealth, serving
 from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.metrics import EngineStats, RouterMetrics
@@ -47,7 +48,6 @@ from expertmesh.sampling_params import SamplingParams, check_sampling
 from expertmesh.worker_api import (
     ImageSpan,
     NotConnected,
-    NotFound,
     OutOfBlocks,
     StepDone,
     StepSegment,
@@ -56,17 +56,6 @@ from expertmesh.worker_api import (
 )
 
 log = logging.getLogger("expertmesh.router")
-
-
-def _serving(client, timeout: float | None = None) -> bool:
-    """Whether a worker answers its health check (in-process workers have none and never go down)."""
-    health = getattr(client, "health", None)
-    if health is None:
-        return True
-    try:
-        return (health(timeout=timeout) if timeout is not None else health()) == "SERVING"
-    except Exception:
-        return False
 
 
 def _public(error: Exception) -> Exception:
@@ -110,7 +99,6 @@ class Engine:
                                        thread_name_prefix="router-call")
         self.expert_clients = [e._client for e in experts]    # what attention workers dispatch to
         self.replicas = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
-        self.experts_down_by: dict[int, set[int]] = {}       # attention worker → expert workers it sees down
         self._switch: tuple | None = None     # (placement, table, done event): a re-plan's table, taken between steps
         self.replan_lock = threading.Lock()    # one live re-plan at a time
         infos = [self._first_info(a, startup_timeout) for a in attention]
@@ -120,12 +108,12 @@ class Engine:
         self.seq_ids = itertools.count()
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
                              for i, info in enumerate(infos)], chunk=prefill_chunk, salt=os.urandom(16))
+        self.health = AttentionHealth(attention, self.kv, owner=self.instance, interval=health_interval,
+                                      connect=self._connect)
         self.max_queue_wait = max_queue_wait
         self._last_refresh = 0.0
-        self.pending_closes: dict[int, list[str]] = {}       # worker → sequences to close once it answers
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.attention_down: set[int] = set()
         self.stats = EngineStats()
         self.step_ids = itertools.count(int.from_bytes(os.urandom(6), 'little') << 8)  # unique per router
         self.cv = threading.Condition()
@@ -135,7 +123,7 @@ class Engine:
             self._connect(i)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
-        threading.Thread(target=self._watch_health, name="health", daemon=True).start()
+        threading.Thread(target=self.health.watch, args=(lambda: self.closed,), name="health", daemon=True).start()
 
     @staticmethod
     def _first_info(client, timeout: float) -> dict:
@@ -242,9 +230,19 @@ class Engine:
         return total
 
     @property
+    def attention_down(self) -> set[int]:
+        """Attention workers marked down (taken back once they answer again)."""
+        return self.health.down
+
+    @property
     def experts_down(self) -> list[int]:
         """Expert workers some live attention worker saw down after its last step."""
-        return sorted(set().union(*[d for w, d in self.experts_down_by.items() if w not in self.attention_down]))
+        return self.health.experts_down
+
+    @property
+    def pending_closes(self) -> dict[int, list[str]]:
+        """Attention worker → sequences to close there once it answers again."""
+        return self.health.pending_closes
 
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -379,33 +377,7 @@ class Engine:
         try:
             self.kv.workers[worker].free_blocks = self.attention[worker].info(owner=self.instance)["free_blocks"]
         except ConnectionError as e:
-            self._attention_down(worker, e)
-
-    def _watch_health(self) -> None:
-        """Probe attention workers marked down once a second; take them back (connected to the expert workers)
-        when they answer SERVING again. Expert workers are probed by the attention workers that use them."""
-        while not self.closed:
-            time.sleep(self.health_interval)
-            # the heartbeat that keeps this router's sequence leases; its answer also says which expert workers
-            # the attention worker sees down (it takes them back itself, between this router's steps too)
-            for i in range(len(self.attention)):
-                if i not in self.attention_down:
-                    try:
-                        self.experts_down_by[i] = set(self.attention[i].info(owner=self.instance)["experts_down"])
-                    except Exception:
-                        pass
-            for i in list(self.attention_down):
-                if _serving(self.attention[i]):
-                    try:
-                        self._connect(i)      # a restarted worker has no expert table
-                        self.attention_down.discard(i)
-                        self._retry_closes(i)
-                        self.kv.workers[i].free_blocks = self.attention[i].info(owner=self.instance)["free_blocks"]
-                    except Exception:
-                        self.attention_down.add(i)
-                        continue
-                    log.info("attention worker %d is back", i)
-                    self.attention_down.discard(i)
+            self.health.mark_down(worker, e)
 
     # ------------------------------------------------------------------ live re-plan
     @property
@@ -477,7 +449,7 @@ class Engine:
                 try:
                     self._connect(i)
                 except ConnectionError as e:     # reconnected with the new table once it answers again
-                    self._attention_down(i, e)
+                    self.health.mark_down(i, e)
         done.set()
 
     def _connect(self, worker: int) -> None:
@@ -509,7 +481,7 @@ class Engine:
                 except OutOfBlocks:
                     self._refresh(w)
                 except ConnectionError as e:
-                    self._attention_down(w, e)
+                    self.health.mark_down(w, e)
                     self._recover(req)
                     break
                 stale = self.kv.eviction_candidates(w)
@@ -585,7 +557,7 @@ class Engine:
                snapshot_len: dict[str, int]) -> None:
         """One attention worker's step result → the requests (tokens, log-probs, failures) and the KV index."""
         self.kv.workers[w].free_blocks = done.free_blocks
-        self.experts_down_by[w] = set(done.experts_down)
+        self.health.experts_down_by[w] = set(done.experts_down)
         self.stats.exchange_bytes += done.exchange_bytes
         for seq_id, key in snapshots.items():
             if seq_id in done.failed:
@@ -641,30 +613,22 @@ class Engine:
                     try:
                         results[w] = f.result()
                     except (ConnectionError, NotConnected, TimeoutError) as e:
-                        self._attention_down(w, e)
+                        self.health.mark_down(w, e)
                 elif time.monotonic() >= deadline:
                     del pending[w]
-                    self._attention_down(w, TimeoutError(f"no step result within {self.call_timeout:g} s"))
-                elif not _serving(self.attention[w], timeout=probe_every):
+                    self.health.mark_down(w, TimeoutError(f"no step result within {self.call_timeout:g} s"))
+                elif not serving(self.attention[w], timeout=probe_every):
                     del pending[w]
-                    self._attention_down(w, TimeoutError("its health check does not answer during the step"))
+                    self.health.mark_down(w, TimeoutError("its health check does not answer during the step"))
         if not results:
             raise ConnectionError("every attention worker in this step failed")
         return results
-
-    def _attention_down(self, w: int, error: Exception) -> None:
-        if w not in self.attention_down:
-            log.warning("attention worker %d marked down: %s", w, error)
-        self.attention_down.add(w)
-        for key in self.kv.eviction_candidates(w):
-            self.kv.forget(key)
-        self.kv.workers[w].free_blocks = 0
 
     def _recover(self, req: Request) -> None:
         """Put a request whose attention worker died back at the head of the queue, keeping its output: it
         is re-placed on a live worker and replays prompt + generated tokens on the same schedule."""
         self.kv.workers[req.worker].sequences -= 1
-        self.pending_closes.setdefault(req.worker, []).append(req.seq_id)   # closed there once it is back
+        self.health.close_later(req.worker, req.seq_id)   # closed there once it is back
         req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
         req.queued_at = time.monotonic()
         if req in self.running:
@@ -705,21 +669,7 @@ class Engine:
             req.seq_id = ""
 
     def _close(self, worker: int, seq_id: str) -> None:
-        """Close a sequence; a worker that is down or does not answer gets it again once it is back (no leak)."""
-        if worker in self.attention_down:
-            self.pending_closes.setdefault(worker, []).append(seq_id)
-            return
-        try:
-            self.kv.workers[worker].free_blocks = self.attention[worker].close_sequence(seq_id)
-        except NotFound:
-            pass                                    # already gone (a restarted worker)
-        except Exception as e:
-            log.warning("close_sequence %s on attention worker %d failed, will retry: %s", seq_id, worker, e)
-            self.pending_closes.setdefault(worker, []).append(seq_id)
-
-    def _retry_closes(self, worker: int) -> None:
-        for seq_id in self.pending_closes.pop(worker, []):
-            self._close(worker, seq_id)
+        self.health.close(worker, seq_id)
 
     def _finish(self, req: Request, reason: str) -> None:
         self._release(req)
