@@ -27,12 +27,12 @@ from opentelemetry import context as otel_context
 
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
-from expertmesh.replica_table import ReplicaTable
 from expertmesh.router.health import AttentionHealth, serving
 from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.metrics import EngineStats, RouterMetrics
 from expertmesh.router.prepared_image import ImageLimits, image_positions
+from expertmesh.router.replan import LivePlan
 from expertmesh.router.request import (  # noqa: F401
     ContextLengthExceeded,
     EngineClosed,
@@ -89,7 +89,6 @@ class Engine:
         self.attention = [InstrumentedClient(a, self.metrics, "attention") for a in attention]
         self.experts = [InstrumentedClient(e, self.metrics, "expert") for e in experts]
         attention, experts = self.attention, self.experts
-        self.placement = placement
         self.prefill_chunk = prefill_chunk
         self.max_batch_tokens = max(max_batch_tokens, prefill_chunk)
         self.max_running = max_running
@@ -98,9 +97,9 @@ class Engine:
         self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * (len(attention) + len(experts))),
                                        thread_name_prefix="router-call")
         self.expert_clients = [e._client for e in experts]    # what attention workers dispatch to
-        self.replicas = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
-        self._switch: tuple | None = None     # (placement, table, done event): a re-plan's table, taken between steps
-        self.replan_lock = threading.Lock()    # one live re-plan at a time
+        self.cv = threading.Condition()
+        self.plan = LivePlan(cfg, placement, attention, experts, self.expert_clients, pool=self.pool, wake=self.cv,
+                             transport=transport, probe_interval=health_interval)
         infos = [self._first_info(a, startup_timeout) for a in attention]
         # sequence ids and prefix keys are this router instance's own: a client's request id never reaches a
         # worker, and no other party can compute (to replace or drop) the prefix keys it saves there
@@ -109,18 +108,16 @@ class Engine:
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
                              for i, info in enumerate(infos)], chunk=prefill_chunk, salt=os.urandom(16))
         self.health = AttentionHealth(attention, self.kv, owner=self.instance, interval=health_interval,
-                                      connect=self._connect)
+                                      connect=self.plan.connect)
         self.max_queue_wait = max_queue_wait
         self._last_refresh = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = EngineStats()
         self.step_ids = itertools.count(int.from_bytes(os.urandom(6), 'little') << 8)  # unique per router
-        self.cv = threading.Condition()
         self.closed = False
-        self.health_interval = health_interval
         for i in range(len(attention)):
-            self._connect(i)
+            self.plan.connect(i)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
         threading.Thread(target=self.health.watch, args=(lambda: self.closed,), name="health", daemon=True).start()
@@ -254,12 +251,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.closed and not self.waiting and not self.running and self._switch is None:
+                while not self.closed and not self.waiting and not self.running and not self.plan.switch_pending:
                     self.cv.wait(timeout=1.0)
                 if self.closed:
                     return
             try:
-                self._switch_table()
+                self.plan.take_switch(self.attention_down, self.health.mark_down)
                 self._drop_cancelled()
                 self._admit()
                 if self.running:
@@ -381,81 +378,21 @@ class Engine:
 
     # ------------------------------------------------------------------ live re-plan
     @property
+    def placement(self):
+        return self.plan.placement
+
+    @property
+    def replicas(self):
+        return self.plan.table
+
+    @property
     def plan_hash(self) -> str | None:
         """The hash of the placement plan the replica table now follows (None for a plan-less placement)."""
-        return self.placement.plan_hash() if hasattr(self.placement, "plan_hash") else None
+        return self.plan.plan_hash
 
     def replan(self, placement, timeout: float = 600.0, drain_delay: float = 0.0) -> dict:
-        """Adopt a new placement plan without failing or changing a request: (1) warm — every expert worker
-        loads its new shards beside the old ones (the old table still routes); (2) switch — between two steps,
-        the scheduler pushes the new replica table to every attention worker (ConnectExperts), so a step runs
-        wholly on one table; (3) drain — every expert worker drops the shards the new plan took away. Any replica
-        computes an expert's output bit for bit, so the tokens are the ones the old plan would have given.
-        `drain_delay`: seconds between the switch and the drain, for other router replicas following the same
-        plan to switch first (a drained shard is gone for every router). An expert worker that cannot be reached is skipped (down: its replicas serve; restarted, it reads the
-        plan). → {"loaded": shards loaded, "dropped": shards dropped, "unreachable": ordinals skipped}."""
-        table = ReplicaTable.from_placement(placement, self.cfg.moe_layers, self.cfg.moe.n_routed_experts)
-        if table.table.size and int(table.table.max()) >= len(self.experts):
-            raise ValueError(f"plan: places experts on worker {int(table.table.max())}, this router has "
-                             f"{len(self.experts)} expert workers")
-        with self.replan_lock:
-            shards = [(placement.experts_of(o) if o < len(placement.workers) else [],
-                       {(l, e): g.gpu for g in placement.workers[o].gpus for l, e in g.shards}
-                       if o < len(placement.workers) else None) for o in range(len(self.experts))]
-            before = [set(self.placement.experts_of(o)) if o < len(self.placement.workers) else set()
-                      for o in range(len(self.experts))]
-            unreachable: set[int] = set()
-
-            def each_worker(drop_others: bool) -> None:
-                futures = {o: self.pool.submit(self.experts[o].set_shards, pairs, gpu_of, drop_others=drop_others)
-                           for o, (pairs, gpu_of) in enumerate(shards) if o not in unreachable}
-                for o, f in futures.items():
-                    try:
-                        f.result(timeout=timeout)
-                    except ConnectionError as e:
-                        log.warning("re-plan: expert worker %d unreachable (%s); its replicas serve", o, e)
-                        unreachable.add(o)
-
-            each_worker(drop_others=False)                           # warm
-            if table.moe_layers == self.replicas.moe_layers and table.table.shape == self.replicas.table.shape \
-                    and (table.table == self.replicas.table).all():
-                self.placement = placement     # the same routing (e.g. the plan it started with): nothing to push
-            else:
-                done = threading.Event()
-                with self.cv:
-                    self._switch = (placement, table, done)
-                    self.cv.notify_all()
-                if not done.wait(timeout):
-                    raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
-                time.sleep(drain_delay)
-            each_worker(drop_others=True)                            # drain
-            moved = {o for o, (pairs, _) in enumerate(shards) if set(pairs) != before[o]}
-            loaded = sum(len(set(pairs) - before[o]) for o, (pairs, _) in enumerate(shards))
-            dropped = sum(len(before[o] - set(pairs)) for o, (pairs, _) in enumerate(shards))
-            log.info("re-planned onto plan %s: %d shards loaded, %d dropped, on expert workers %s", self.plan_hash,
-                     loaded, dropped, sorted(moved))
-            return {"loaded": loaded, "dropped": dropped, "unreachable": sorted(unreachable)}
-
-    def _switch_table(self) -> None:
-        """Between steps (scheduler thread): take a re-plan's replica table, on every attention worker."""
-        with self.cv:
-            switch, self._switch = self._switch, None
-        if switch is None:
-            return
-        placement, table, done = switch
-        self.placement, self.replicas = placement, table
-        for i in range(len(self.attention)):
-            if i not in self.attention_down:
-                try:
-                    self._connect(i)
-                except ConnectionError as e:     # reconnected with the new table once it answers again
-                    self.health.mark_down(i, e)
-        done.set()
-
-    def _connect(self, worker: int) -> None:
-        extra = {"transport": self.transport} if self.transport != "grpc" else {}    # in-process: no transport
-        self.attention[worker].connect_experts(self.expert_clients, self.replicas,
-                                               probe_interval=self.health_interval, **extra)
+        """Adopt a new placement plan live, without failing or changing a request (router/replan.py)."""
+        return self.plan.replan(placement, timeout=timeout, drain_delay=drain_delay)
 
     def _drop_prefix(self, worker: int, key: str) -> None:
         self.kv.forget(key)
