@@ -21,6 +21,12 @@ class PrefixHasher:
         self.length = 0
         self._h = hashlib.sha256(b"expertmesh-prefix-v1" + salt)
 
+    def copy(self) -> "PrefixHasher":
+        """An independent chain in the same state (the scheduler plans with copies; the engine keeps the one sent)."""
+        other = PrefixHasher.__new__(PrefixHasher)
+        other.chunk, other.length, other._h = self.chunk, self.length, self._h.copy()
+        return other
+
     def advance(self, tokens: list[int], upto: int) -> str:
         """The key of tokens[:upto] (`upto` a multiple of the chunk, ≥ what was hashed so far)."""
         for end in range(self.length + self.chunk, upto + 1, self.chunk):
@@ -60,25 +66,21 @@ class KVManager:
         bs = self.workers[worker].block_size
         return -(-tokens // bs) - cached // bs
 
-    def lookup(self, tokens: list[int]) -> tuple[int, str, int] | None:
+    def find_prefix(self, tokens: list[int]) -> tuple[int, str, int] | None:
         """The longest saved prefix of `tokens` that leaves at least one token to compute:
-        (worker, key, length), or None."""
+        (worker, key, length), or None. Reads only: `touch` marks it used."""
         best = None
         for length, key in prefix_hashes(tokens, self.chunk, self.salt):
             if length >= len(tokens):
                 break
             if key in self.prefixes:
                 best = (self.prefixes[key], key, length)
-        if best is not None:
-            self.prefixes.move_to_end(best[1])
         return best
 
-    def choose_worker(self, needed_blocks: int, exclude: set[int] | frozenset = frozenset()) -> int | None:
-        """The worker with the most free blocks that fits `needed_blocks` (not in `exclude`), or None."""
-        fits = [w for w in self.workers if w.free_blocks >= needed_blocks and w.index not in exclude]
-        if not fits:
-            return None
-        return max(fits, key=lambda w: (w.free_blocks, -w.sequences, -w.index)).index
+    def touch(self, key: str) -> None:
+        """Mark a saved prefix as the most recently used (evicted last)."""
+        if key in self.prefixes:
+            self.prefixes.move_to_end(key)
 
     def eviction_candidates(self, worker: int) -> list[str]:
         """Saved prefixes on `worker`, least recently used first."""

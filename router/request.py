@@ -57,7 +57,7 @@ class TokenLogprob:
         return TokenLogprob(token, dict(self.top).get(token), self.top)
 
 
-@dataclass
+@dataclass(eq=False)      # a request is itself: `in running`, `remove` compare identity, not prompts
 class Request:
     prompt: list[int]
     params: SamplingParams

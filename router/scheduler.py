@@ -1,66 +1,354 @@
-"""The step planner: pure decisions from the running requests to one scheduler step's batches.
+"""The scheduler: the router's continuous-batching decisions as pure functions of plain data.
 
-Plain data in, plain data out — no worker calls, no clocks — so the policy is testable on its own:
-  * every decoding request feeds its next token (the one not fed yet) and samples;
-  * prefilling requests feed their next chunk, which ends at the next multiple of `prefill_chunk` (so a long
-    prompt never stalls decoding for more than a chunk, and cached prefixes line up with fresh runs), within
-    the step's token budget, in arrival order; the last chunk samples unless the request only scores its prompt;
-  * a request reaching a multiple of the chunk saves its cache as a prefix (its hash-chain key), unless the
-    prefix is already cached.
+`schedule()` turns the waiting queue, the running batch and the router's view of the KV (free blocks per attention
+worker, the prefix-cache index, the workers marked down) into one step's plan:
+  * admission, in arrival order while fewer than `max_running` run: a request goes where the longest cached prefix
+    of its prompt lives (pinned there: the cached tokens are not computed again), else to the live worker with the
+    most free blocks that holds its reservation (what it has + `kv_growth` tokens), else — nothing fits, nothing is
+    cached for it — prefixes cached on the live worker with the most free blocks are dropped, least recently used
+    first, until it fits. A head of the queue that fits nowhere keeps the ones behind it waiting (first come, first
+    served); those that waited longer than `max_queue_wait` are refused;
+  * growth: a decoding sequence whose reservation does not cover the token it feeds reserves `kv_growth` more; when
+    its worker is out of blocks, the prefixes cached there go first (least recently used first), then the youngest
+    other sequences there are preempted (requeued: they replay what they had, the same tokens, later); a sequence
+    alone on a worker that cannot hold more of it ends with "length";
+  * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk,
+    which ends at the next multiple of `prefill_chunk` (so a long prompt never stalls decoding for more than a chunk,
+    and cached prefixes line up with fresh runs), within `max_batch_tokens`, in arrival order; the last chunk samples
+    unless the request only scores its prompt;
+  * snapshots: a sequence reaching a multiple of the chunk saves its cache as a prefix under its hash-chain key,
+    unless that prefix is cached already.
+`update_from_output()` turns one attention worker's step result into what changes: per request the tokens computed,
+its log-probs, the token it accepts and whether it finishes (stop token, max_tokens, context) or fails, and the
+prefixes saved.
+
+No worker calls, no clocks (the time comes in as `now`), no locks, and the inputs are never modified. The engine
+(router/engine.py) makes the calls a plan asks for and applies what comes back. The view is the router's own and a
+worker may answer otherwise (blocks freed behind the router's back, a prefix gone), so an admission carries the
+candidates to try next and a growth the prefixes to drop and sequences to preempt while the worker says it is out
+of blocks; when a worker did answer otherwise, the engine plans the rest of the step again from the new state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
 
-from expertmesh.router.kv import PrefixHasher
+from expertmesh.router.kv import KVManager, PrefixHasher
+from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError, TokenLogprob
+from expertmesh.sampling_params import SamplingParams, check_sampling
+from expertmesh.worker_api import StepDone, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's scheduling settings."""
+    prefill_chunk: int
+    max_batch_tokens: int
+    max_running: int
+    kv_growth: int                    # tokens of KV a sequence reserves ahead (when placed, and each time it runs out)
+    max_context: int
+    max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
+
+
+@dataclass(frozen=True)
+class Seq:
+    """A placed request as the scheduler reads it."""
+    req: Request
+    worker: int
+    computed: int                     # tokens of prompt + output fed so far
+    reserved: int                     # tokens of KV reserved on its worker
+
+
+@dataclass
+class Admission:
+    """Place a waiting request: open its sequence on the first candidate that takes it."""
+    req: Request
+    reserve: int                                      # tokens of KV to reserve
+    candidates: list[tuple[int, str | None, int]]     # (worker, prefix key or None, cached tokens), in order
+    hit: str | None = None                            # the longest cached prefix of its prompt (marked used)
+    evict: list[str] = field(default_factory=list)    # first drop these prefixes on the candidate's worker, in
+    need: int = 0                                     # order, until it has `need` free blocks (none: not placed)
+
+
+@dataclass
+class Growth:
+    """Reserve `target` tokens for a sequence; while its worker is out of blocks, drop the next prefix of `evict`,
+    then preempt the next of `preempt` (youngest first); with both spent the request ends with "length"."""
+    req: Request
+    target: int
+    evict: list[str]
+    preempt: list[Request]
 
 
 @dataclass
 class Planned:
-    """One request's share of a step: the tokens it feeds and whether a token is sampled after them."""
-    req: object                  # engine.Request (computed, prompt, tokens, params, worker, seq_id, hasher)
+    """One request's share of a step: the tokens it feeds from position `start` and whether a token is sampled
+    after them; `snapshot`: the prefix key to save its cache under after the step."""
+    req: Request
+    start: int
     tokens: list[int]
     sample: bool
+    snapshot: str | None = None
+    hasher: PrefixHasher | None = None    # its hash chain advanced to `end` (what the request keeps once sent)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
-def plan_step(running: list, *, max_batch_tokens: int, prefill_chunk: int) -> dict[int, list[Planned]]:
-    """Requests (placed on attention workers) → {attention worker: its batch}, decode first."""
+@dataclass
+class StepPlan:
+    admissions: list[Admission] = field(default_factory=list)
+    blocked: bool = False                 # the head of the queue fits nowhere in the router's view
+    expire: list[Request] = field(default_factory=list)    # blocked, and waited longer than max_queue_wait
+    growth: list[Growth] = field(default_factory=list)
+    batches: dict[int, list[Planned]] = field(default_factory=dict)   # attention worker → its batch
+
+
+def reserve_tokens(tokens: int, prompt_len: int, max_tokens: int, limits: Limits) -> int:
+    """KV reserved when a request is placed: what it has (`tokens`: the prompt, or prompt + output when it replays)
+    plus up to `kv_growth` tokens, within prompt + max_tokens and the context. A large max_tokens holds no KV it
+    does not use yet: the reservation grows by `kv_growth` as the request decodes."""
+    return min(prompt_len + max_tokens, limits.max_context, tokens + limits.kv_growth)
+
+
+def check_request(prompt: list[int], params: SamplingParams, *, vocab_size: int, kv: KVManager,
+                  limits: Limits) -> None:
+    """Refuse what can never run, naming the field: RequestError, ContextLengthExceeded."""
+    if not prompt:
+        raise RequestError("prompt: expected at least one token")
+    if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
+        raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer (0 only when scoring "
+                           f"the prompt with prompt_logprobs)")
+    context = limits.max_context
+    counts = {"prompt_tokens": len(prompt), "max_tokens": params.max_tokens, "context": context}
+    if len(prompt) >= context and params.max_tokens > 0:
+        raise ContextLengthExceeded(f"prompt: {len(prompt)} tokens, the model's context is {context} "
+                                    f"tokens (at least one must remain to generate)", param="prompt", **counts)
+    if len(prompt) + params.max_tokens > context:
+        raise ContextLengthExceeded(f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus "
+                                    f"max_tokens exceeds the model's context of {context} tokens",
+                                    param="max_tokens", **counts)
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt: token id {bad[0]} outside [0, {vocab_size})")
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias: token id {bad[0]} outside [0, {vocab_size})")
+    try:
+        check_sampling(params)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
+    need = reserve_tokens(len(prompt), len(prompt), params.max_tokens, limits)
+    if all(kv.blocks_for(w.index, need) > w.total_blocks for w in kv.workers):
+        raise RequestError(f"prompt: {len(prompt)} tokens (+ the first {need - len(prompt)} to generate) exceed "
+                           f"the KV capacity of every attention worker")
+
+
+class _View:
+    """The KV state as the plan leaves it: free blocks and sequences per worker after its admissions, prefixes it
+    marked used (last in the eviction order). A copy: the KVManager is only read."""
+
+    def __init__(self, kv: KVManager, down: frozenset[int]):
+        self.kv, self.down = kv, down
+        self.free = {w.index: w.free_blocks for w in kv.workers}
+        self.sequences = {w.index: w.sequences for w in kv.workers}
+        self.touched: list[str] = []
+
+    def touch(self, key: str) -> None:
+        if key in self.touched:
+            self.touched.remove(key)
+        self.touched.append(key)
+
+    def lru(self, worker: int) -> list[str]:
+        """Prefixes cached on `worker`, least recently used first."""
+        held = [k for k, w in self.kv.prefixes.items() if w == worker]
+        return [k for k in held if k not in self.touched] + [k for k in self.touched if k in held]
+
+    def choose_worker(self, need: int) -> int | None:
+        """The live worker with the most free blocks that fits `need` (then the fewest sequences, the lowest index)."""
+        fits = [w for w, free in self.free.items() if free >= need and w not in self.down]
+        return max(fits, key=lambda w: (self.free[w], -self.sequences[w], -w)) if fits else None
+
+    def take(self, worker: int, reserve: int, cached: int) -> None:
+        self.free[worker] -= self.kv.blocks_for(worker, reserve, cached)
+        self.sequences[worker] += 1
+
+
+def place(req: Request, view: _View, limits: Limits) -> Admission | None:
+    """Where a waiting request would go (None: nowhere now)."""
+    reserve = reserve_tokens(len(req.tokens), len(req.prompt), req.params.max_tokens, limits)
+    # scoring the prompt needs every prompt position computed: no cached prefix
+    hit = view.kv.find_prefix(req.hash_prompt) if req.params.prompt_logprobs is None else None
+    adm = Admission(req, reserve, [], hit=hit[1] if hit is not None else None)
+    if hit is not None:
+        view.touch(hit[1])
+        if hit[0] in view.down:
+            hit = None
+        else:
+            adm.candidates.append(hit)
+    w = view.choose_worker(view.kv.blocks_for(0, reserve))
+    if w is not None:
+        adm.candidates.append((w, None, 0))
+    elif hit is None and len(view.down) < len(view.kv.workers):
+        target = max((x.index for x in view.kv.workers if x.index not in view.down), key=lambda i: view.free[i])
+        adm.evict = view.lru(target)
+        if adm.evict:
+            adm.candidates.append((target, None, 0))
+            adm.need = view.kv.blocks_for(target, reserve)
+    return adm if adm.candidates else None
+
+
+def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, limits: Limits,
+             down: frozenset[int] = frozenset(), now: float = 0.0, admit: bool = True) -> StepPlan:
+    """One step's plan (see the module's docstring). `running`: placed requests in admission order, none cancelled;
+    `waiting`: the queue, head first; `admit=False`: plan growth and batches of the running ones only."""
+    plan = StepPlan()
+    view = _View(kv, frozenset(down))
+    seqs = [Seq(r, r.worker, r.computed, r.reserved) for r in running]
+    for req in waiting if admit else ():
+        if len(seqs) >= limits.max_running:
+            break
+        adm = place(req, view, limits)
+        if adm is None:
+            plan.blocked = True
+            plan.expire = [r for r in waiting if now - r.queued_at > limits.max_queue_wait]
+            break
+        plan.admissions.append(adm)
+        worker, _, cached = adm.candidates[0]
+        seqs.append(Seq(req, worker, cached, adm.reserve))
+        if adm.evict:
+            break           # what the drops free only the worker can say: the rest wait for the next plan
+        view.take(worker, adm.reserve, cached)
+    plan.growth = plan_growth(seqs, view, limits)
+    plan.batches = plan_batches(seqs, kv, limits)
+    return plan
+
+
+def plan_growth(seqs: list[Seq], view: _View, limits: Limits) -> list[Growth]:
+    """The decoding sequences whose reservation does not cover the token they feed, in admission order."""
+    out = []
+    for s in seqs:
+        if s.computed + 1 <= s.reserved:
+            continue
+        target = min(len(s.req.prompt) + s.req.params.max_tokens, limits.max_context, s.reserved + limits.kv_growth)
+        youngest_first = [o.req for o in reversed(seqs) if o.worker == s.worker and o.req is not s.req]
+        out.append(Growth(s.req, target, view.lru(s.worker), youngest_first))
+    return out
+
+
+def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, list[Planned]]:
+    """{attention worker: its batch}, decoding sequences first, then prefill chunks within the token budget; each
+    entry with the prefix to save after it, if any."""
     batches: dict[int, list[Planned]] = {}
-    budget = max_batch_tokens
-    decoding = [r for r in running if r.computed >= len(r.prompt)]
-    prefilling = [r for r in running if r.computed < len(r.prompt)]
-    for req in decoding:
-        batches.setdefault(req.worker, []).append(Planned(req, [req.tokens[req.computed]], True))
+    budget = limits.max_batch_tokens
+    decoding = [s for s in seqs if s.computed >= len(s.req.prompt)]
+    prefilling = [s for s in seqs if s.computed < len(s.req.prompt)]
+    for s in decoding:
+        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, [s.req.tokens[s.computed]], True))
         budget -= 1
-    for req in prefilling:
+    chunk = limits.prefill_chunk
+    for s in prefilling:
         if budget <= 0:
             break
-        end = min(len(req.prompt), (req.computed // prefill_chunk + 1) * prefill_chunk)
-        if end - req.computed > budget:
+        end = min(len(s.req.prompt), (s.computed // chunk + 1) * chunk)
+        if end - s.computed > budget:
             break
-        sample = end == len(req.prompt) and req.params.max_tokens > 0
-        batches.setdefault(req.worker, []).append(Planned(req, req.prompt[req.computed:end], sample))
-        budget -= end - req.computed
+        sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
+        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed:end], sample))
+        budget -= end - s.computed
+    for items in batches.values():
+        for p in items:
+            _snapshot(p, kv, limits)
     return batches
 
 
-def plan_snapshots(batches: dict[int, list[Planned]], *, prefill_chunk: int, max_context: int,
-                   cached: Callable[[str], bool], salt: bytes = b"") -> tuple[dict[int, dict[str, str]], dict[str, int]]:
-    """Prefixes to save after the step: ({worker: {seq_id: key}}, {key: length}). Advances each request's
-    hash chain (a new chain when the request is new or replays after a failover)."""
-    snapshots: dict[int, dict[str, str]] = {}
-    lengths: dict[str, int] = {}
-    for w, items in batches.items():
-        for p in items:
-            req = p.req
-            new_len = req.computed + len(p.tokens)
-            if new_len % prefill_chunk or new_len >= max_context:
-                continue
-            if req.hasher is None or req.hasher.length > new_len:
-                req.hasher = PrefixHasher(prefill_chunk, salt)
-            key = req.hasher.advance(req.hash_tokens, new_len)
-            if not cached(key):
-                snapshots.setdefault(w, {})[req.seq_id] = key
-                lengths[key] = new_len
-    return snapshots, lengths
+def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
+    """At a multiple of the chunk (below the context): advance a copy of the request's hash chain (a new chain
+    when the request is new or replays) and save the prefix under its key unless it is cached."""
+    end, chunk = p.end, limits.prefill_chunk
+    if end % chunk or end >= limits.max_context:
+        return
+    own = p.req.hasher
+    p.hasher = own.copy() if own is not None and own.length <= end else PrefixHasher(chunk, kv.salt)
+    key = p.hasher.advance(p.req.hash_tokens, end)
+    if not kv.has(key):
+        p.snapshot = key
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did to one request."""
+    req: Request
+    error: Exception | None = None        # it fails (nothing else applies)
+    computed: int = 0                     # tokens fed so far, after the step
+    prefilled: int = 0                    # prompt tokens computed by this step
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)    # positions not scored before
+    token: int | None = None              # the token it accepts (after its token filter)
+    logprob: TokenLogprob | None = None   # that token's entry (asked for with params.logprobs)
+    finish: str | None = None             # "stop" | "length", after the token if any
+    diverged: tuple[int, int] | None = None   # a greedy replay computed (position, token) otherwise than before
+
+
+@dataclass
+class StepUpdate:
+    """What one attention worker's step result changes."""
+    free_blocks: int
+    experts_down: set[int]
+    exchange_bytes: int
+    saved: list[tuple[str, int]]          # prefixes now cached on the worker: (key, length)
+    seqs: list[SeqUpdate]
+
+
+def finish_reason(req: Request, token: int, max_context: int) -> str | None:
+    """Why a request ends once it accepts `token`: a stop token, max_tokens reached, or the context full."""
+    if token in req.params.stop_token_ids:
+        return "stop"
+    if len(req.output) + 1 >= req.params.max_tokens or len(req.tokens) + 1 >= max_context:
+        return "length"
+    return None
+
+
+def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int) -> StepUpdate:
+    """One attention worker's answer to its batch → the changes, in batch order. Pure but for one call: an
+    accepted token goes through the request's own `token_filter` (the API layer's thinking budget, which may force
+    another token) before the finish decision. A token sampled where the request already has one (it replays after
+    a failover or preemption: same schedule, same bits) is not accepted again."""
+    runs: dict[str, list[TokenLogprobs]] = {}
+    for run in done.logprobs:
+        runs.setdefault(run.seq_id, []).append(run)
+    saved = [(p.snapshot, p.end) for p in batch if p.snapshot is not None and p.req.seq_id not in done.failed]
+    seqs = []
+    for p in batch:
+        req = p.req
+        reason = done.failed.get(req.seq_id)
+        if reason is not None:
+            error = RuntimeError(reason) if reason.startswith("sampling failed") else ExpertsUnavailable(reason)
+            seqs.append(SeqUpdate(req, error=error))
+            continue
+        u = SeqUpdate(req, computed=p.end)
+        sampled = None
+        for run in runs.get(req.seq_id, ()):
+            for i, entry in enumerate(TokenLogprob.entries(run)):
+                position = run.position + i
+                if position >= len(req.prompt):
+                    sampled = entry
+                elif position not in req.prompt_logprobs:      # a replay scores it again: the first entry stays
+                    u.prompt_logprobs.setdefault(position, entry)
+        if u.computed <= len(req.prompt):
+            u.prefilled = len(p.tokens)
+        if u.computed == len(req.prompt) and req.params.max_tokens == 0:
+            u.finish = "length"                                # scored the prompt, nothing to generate
+        elif p.sample and u.computed < len(req.tokens):
+            token = done.tokens[req.seq_id]
+            if req.params.temperature == 0 and token != req.tokens[u.computed]:
+                u.diverged = (u.computed, token)
+        elif p.sample:
+            token = done.tokens[req.seq_id]
+            if req.token_filter is not None:
+                token = req.token_filter(req, token)
+            u.token = token
+            if sampled is not None:
+                u.logprob = sampled if sampled.token == token else sampled.forced(token)
+            u.finish = finish_reason(req, token, max_context)
+        seqs.append(u)
+    return StepUpdate(done.free_blocks, set(done.experts_down), done.exchange_bytes, saved, seqs)

@@ -172,3 +172,102 @@ def test_kv_grows_as_sequences_decode_and_preemption_replays_the_same_tokens(ckp
     assert eng.stats.preempted > 0 and eng.stats.requests_failed == 0
     full = sum(-(-(len(p) + 32) // 16) for p in ps[:6])
     assert full > 12                                 # up-front reservations would have serialized them
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return ckpt.load_model()
+
+
+def greedy(model, prompt, max_tokens):
+    return generate(model, prompt, SamplingParams(max_tokens=max_tokens), prefill_chunk=CHUNK).tokens
+
+
+def test_a_full_worker_drops_cached_prefixes_before_it_ends_or_preempts_a_sequence(ckpt, model):
+    """8 blocks of 16 tokens: a finished 64-token prompt leaves its prefixes holding 4 blocks; the next request fills
+    the other 4 and, decoding past them, gets its room from those prefixes — not cut short at 17 tokens."""
+    first = [(3 * j + 1) % 256 for j in range(64)]
+    second = [(5 * j + 2) % 256 for j in range(40)]
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=8, block_size=16, kv_growth=16)
+    try:
+        eng.generate(first, SamplingParams(max_tokens=2))
+        held = set(eng.kv.prefixes)
+        assert held and eng.kv.workers[0].free_blocks == 4
+        req = eng.generate(second, SamplingParams(max_tokens=40), timeout=120)
+    finally:
+        eng.close()
+    assert (req.finish_reason, req.output) == ("length", greedy(model, second, 40))
+    assert not held & set(eng.kv.prefixes) and eng.stats.preempted == 0
+
+
+def test_a_sequence_alone_on_a_worker_that_cannot_hold_more_ends_with_length(ckpt, model):
+    """4 blocks: a 40-token prompt reserves 56 tokens; at 56 nothing is left to drop or preempt."""
+    prompt = [(7 * j + 3) % 256 for j in range(40)]
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=4, block_size=16, kv_growth=16)
+    try:
+        req = eng.generate(prompt, SamplingParams(max_tokens=40), timeout=120)
+        assert eng.generate(prompt[:20], SamplingParams(max_tokens=4)).output == greedy(model, prompt[:20], 4)
+    finally:
+        eng.close()
+    assert req.finish_reason == "length" and req.error is None
+    assert req.output == greedy(model, prompt, 40)[:56 - 40 + 1]
+
+
+def test_a_request_that_fits_only_without_the_cached_prefixes_evicts_them(ckpt, model):
+    """8 blocks: a finished 96-token prompt's prefixes hold 6, leaving 2; the next request needs 3 — the prefixes
+    are dropped (least recently used first, until it fits) instead of the request waiting for room forever."""
+    first = [(3 * j + 1) % 256 for j in range(96)]
+    second = [(5 * j + 2) % 256 for j in range(40)]
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=8, block_size=16, kv_growth=16,
+                             max_queue_wait=5.0)
+    try:
+        eng.generate(first, SamplingParams(max_tokens=2))
+        assert eng.kv.workers[0].free_blocks == 2
+        req = eng.generate(second, SamplingParams(max_tokens=8), timeout=60)
+    finally:
+        eng.close()
+    assert req.error is None and req.output == greedy(model, second, 8) and req.cached_tokens == 0
+
+
+def test_a_request_its_worker_refuses_fails_alone_and_the_queue_moves_on(ckpt):
+    from expertmesh.worker_api import WorkerError
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    w = eng.attention[0]._client
+    orig = w.open_sequence
+
+    def refuse_seed_13(seq_id, params, **kw):
+        if params.seed == 13:
+            raise WorkerError("params: refused")
+        return orig(seq_id, params, **kw)
+    w.open_sequence = refuse_seed_13
+    try:
+        reqs = [eng.submit([1, 2, 3, 4], SamplingParams(max_tokens=3, seed=s)) for s in (12, 13, 14, 15)]
+        with pytest.raises(RequestError, match="params: refused"):
+            reqs[1].wait(60)
+        assert [len(r.wait(60).output) for r in reqs[::2] + reqs[3:]] == [3, 3, 3]
+    finally:
+        eng.close()
+
+
+def test_a_worker_that_no_longer_has_the_planned_prefix_gets_the_whole_prompt(ckpt, model):
+    """The plan starts the request after its cached prefix; the worker has lost it (NotFound), so the request opens
+    fresh and the step is planned again from position 0 — the reference's tokens, nothing cached."""
+    from expertmesh.worker_api import NotFound
+    base = [(11 * j + 5) % 256 for j in range(48)]
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    w = eng.attention[0]._client
+    orig, lost = w.open_sequence, []
+
+    def prefix_gone(seq_id, params, *, prefix_key=None, **kw):
+        if prefix_key is not None:
+            lost.append(prefix_key)
+            raise NotFound(f"prefix_key {prefix_key!r}: no such cached prefix")
+        return orig(seq_id, params, **kw)
+    try:
+        eng.generate(base, SamplingParams(max_tokens=2))
+        w.open_sequence = prefix_gone
+        again = eng.generate(base[:40] + [9] * 8, SamplingParams(max_tokens=6), timeout=60)
+    finally:
+        eng.close()
+    assert lost and again.cached_tokens == 0
+    assert again.output == greedy(model, base[:40] + [9] * 8, 6)
