@@ -1,14 +1,18 @@
-"""The router engine over in-process workers: token-exact vs the reference, batching, calls, prefix cache."""
+"""The router engine over in-process workers: token-exact vs the reference, batching, calls, prefix cache, and the
+executor's answers to workers that say no (out of blocks, a prefix gone, a refused request)."""
 import random
 
 import pytest
 
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
+from expertmesh.entry.local import build_local_engine
 from expertmesh.model import generate
 from expertmesh.router.engine import QueueFull, RequestError
 from expertmesh.sampling_params import SamplingParams
-from expertmesh.entry.local import build_local_engine
+from expertmesh.up import make_placement
+from expertmesh.worker.kv import PagedSequenceKV
+from expertmesh.worker_api import NotFound, WorkerError
 
 CHUNK = 16
 
@@ -35,7 +39,6 @@ def reference(ckpt):
 def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant, grouped):
     """Whole groups pre-reduced on one worker (group-aware plans) or split across workers (per-slot rows folded
     on the attention worker), with and without replicas: the reference's bits."""
-    from expertmesh.up import make_placement
     ps, ref = reference
     eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, prefill_chunk=CHUNK,
                              placement=make_placement(ckpt.cfg, experts, redundant, group_aware=grouped))
@@ -124,7 +127,6 @@ def test_queue_bound_answers_at_once(ckpt):
 def test_decode_reads_the_pages_in_place(ckpt, monkeypatch):
     """Serving decode goes through the paged decode kernels: a sequence's latent cache is gathered whole only by
     prefill chunks (one read per chunk per MLA/DSA layer), never by a decode step."""
-    from expertmesh.worker.kv import PagedSequenceKV
     reads = []
     original = PagedSequenceKV.read
     monkeypatch.setattr(PagedSequenceKV, "read", lambda self, layer, length: reads.append(length) or
@@ -230,7 +232,6 @@ def test_a_request_that_fits_only_without_the_cached_prefixes_evicts_them(ckpt, 
 
 
 def test_a_request_its_worker_refuses_fails_alone_and_the_queue_moves_on(ckpt):
-    from expertmesh.worker_api import WorkerError
     eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
     w = eng.attention[0]._client
     orig = w.open_sequence
@@ -252,7 +253,6 @@ def test_a_request_its_worker_refuses_fails_alone_and_the_queue_moves_on(ckpt):
 def test_a_worker_that_no_longer_has_the_planned_prefix_gets_the_whole_prompt(ckpt, model):
     """The plan starts the request after its cached prefix; the worker has lost it (NotFound), so the request opens
     fresh and the step is planned again from position 0 — the reference's tokens, nothing cached."""
-    from expertmesh.worker_api import NotFound
     base = [(11 * j + 5) % 256 for j in range(48)]
     eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
     w = eng.attention[0]._client
