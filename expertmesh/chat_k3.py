@@ -87,6 +87,7 @@ from expertmesh.chat import (
     validate_history,
 )
 from expertmesh.chat_template import arguments_value
+from expertmesh.grammar import JSON_OPTIONS
 from expertmesh.tokenizer import TokenizerError
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -436,7 +437,6 @@ class K3Chat:
         """llguidance Lark for `response_format`: the response is JSON (matching `schema`; any object when None),
         then the message closes (the sampler then forces ⟨eom⟩). With thinking on it applies after the router's
         `grammar_after_token` = markers.think_end."""
-        from expertmesh.grammar import JSON_OPTIONS
         schema = {"type": "object"} if schema is None else schema
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         c, s = self.close_id, self.sep_id
@@ -448,7 +448,6 @@ class K3Chat:
         then a tools section of one or more calls of `tools` ({name, parameters}: router.constraints.forced_tools),
         each with the schema's properties in order (required ones always), typed as the template writes them, then
         the message closes."""
-        from expertmesh.grammar import JSON_OPTIONS
         o, c, s = self.open_id, self.close_id, self.sep_id
         rules, alts = [], []
         for i, t in enumerate(tools):
