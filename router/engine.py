@@ -348,6 +348,9 @@ class Engine:
                 self._unqueue(req)
                 self._fail(req, RequestError(str(e)))
                 return False
+            except ConnectionError as e:   # unreachable or hung: down (no request waits on it again) until it
+                self.health.mark_down(worker, e)    # answers its health check; the next candidate is tried
+                continue
             except Exception as e:  # out of blocks or prefix gone: try the next candidate
                 log.debug("open_sequence on %d failed: %s", worker, e)
                 if key is not None:              # forgotten here, so dropped there too: never pinned unknown

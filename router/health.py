@@ -1,8 +1,9 @@
 """The attention workers' health as the router sees it: which are down, which expert workers each live one sees down,
 and the sequences to close on a worker once it answers again.
 
-A worker is marked down by the engine when a call to it fails (unreachable, past its deadline, restarted, hung);
-its cached prefixes are forgotten and it gets no new sequence. The watch thread heartbeats the live workers once an
+A worker is marked down when a call to it fails (unreachable, past its deadline, restarted, hung) — a step, a
+control call or a heartbeat —; its cached prefixes are forgotten and it gets no new sequence until it answers its
+health check again (sticky: one failed call costs one deadline, later requests never touch it). The watch thread heartbeats the live workers once an
 interval (the heartbeat keeps this router's sequence leases, and says which expert workers the worker sees down) and
 takes a down worker back once it answers SERVING again: reconnected to the expert workers (a restarted worker has no
 expert table), the sequences left open there closed, its free blocks read again.
@@ -85,6 +86,8 @@ class AttentionHealth:
                 if i not in self.down:
                     try:
                         self.experts_down_by[i] = set(client.info(owner=self.owner)["experts_down"])
+                    except ConnectionError as e:      # unreachable or hung: down before a request finds out
+                        self.mark_down(i, e)
                     except Exception:
                         pass
             for i in list(self.down):

@@ -47,12 +47,16 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
 
 
 def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
-                        **kw):
+                        control_timeout: float | None = None, **kw):
+    """`timeout`: each expert call's deadline (a step's adds one per expert worker); `control_timeout` (default and
+    at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
+    down until it answers its health check."""
     from expertmesh.router.engine import Engine          # the engine and the workers' clients: see run
     from expertmesh.worker_clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
-    att = [RemoteAttention(a, timeout=timeout, tls=tls, step_timeout=step_timeout) for a in attention]
+    control = min(control_timeout or timeout, timeout)
+    att = [RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in attention]
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
     return Engine(cfg, att, exp, plan, call_timeout=step_timeout, **kw)
 
@@ -98,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gRPC stays for health and fallback)")
     p.add_argument("--call-timeout", type=float, default=30.0,
                    help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")
+    p.add_argument("--control-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="deadline of the calls to an attention worker outside a step (opening, growing and closing "
+                        "sequences, prefixes, free-block reads, heartbeats; at most --call-timeout): a hung worker "
+                        "costs one such deadline, then gets no request until it answers its health check again"),
     p.add_argument("--kv-growth", type=int, default=256, metavar="TOKENS",
                    help="KV a sequence reserves ahead, at placement and each time it runs out (not prompt + "
                         "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed")
@@ -178,6 +186,7 @@ def run(args) -> int:
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
+                                 control_timeout=args.control_timeout,
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,

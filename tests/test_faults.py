@@ -14,6 +14,7 @@ from expertmesh.grammar import json_schema_grammar
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
+from expertmesh.worker_clients import RemoteAttention
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
@@ -171,6 +172,39 @@ def test_attention_worker_lost_streams_continue_identically(two_attention, fault
         victim.send_signal(signal.SIGCONT)
         c.restart("attention-0")                 # whole again for the next scenario
         wait_healthy(c)
+
+
+def test_a_hung_attention_worker_costs_one_deadline_then_is_left_alone(two_attention):
+    """Sticky failover (#33): the attention worker holding a prompt's cached prefix hangs (SIGSTOP) while idle;
+    five requests for that prompt one after another. The first pays one control-call deadline (10 s by default)
+    and marks the worker down; the later ones never touch it (it is taken back only once it answers its health
+    check) — not a deadline each (before: the first alone took ~90 s, open_sequence then a free-block read each
+    waiting out the 30 s call deadline, and a hung idle worker was never marked down)."""
+    import signal
+    c = two_attention
+    prompt = [(11 * j) % 256 for j in range(40)]          # two 16-token chunks cached, then pinned there
+    clients = {n: RemoteAttention(c.child(n).address, timeout=5) for n in ("attention-0", "attention-1")}
+    before = {n: cl.info()["prefixes"] for n, cl in clients.items()}
+    want, err = stream(c.grpc_address, prompt)
+    assert err is None
+    holder = next(n for n, cl in clients.items() if cl.info()["prefixes"] > before[n])
+    for cl in clients.values():
+        cl.close()
+    victim = c.child(holder).proc
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        times, results = [], []
+        for _ in range(5):
+            t0 = time.monotonic()
+            results.append(stream(c.grpc_address, prompt))
+            times.append(time.monotonic() - t0)
+        assert results == [(want, None)] * 5
+        assert sum(times) < 30 and sorted(times)[-2] < 5, times      # one deadline at most, paid once
+        assert httpx.get(c.http_url + "/health").json()["attention_workers_down"] == [int(holder[-1])]
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    wait_healthy(c)                                                   # taken back once it answers
+    assert stream(c.grpc_address, PROMPTS[0]) == (c.undisturbed[0], None)
 
 
 def test_router_restart_ends_requests_clearly_and_a_second_router_serves(plain):
