@@ -24,7 +24,7 @@ from expertmesh.argtypes import nonnegative_int, positive_int
 from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ModelConfig
 from expertmesh.planner import ClusterShape, plan_placement
-from expertmesh.router.server import add_arguments as router_arguments
+from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, add_arguments as router_arguments
 from expertmesh.shutdown import stop_on_signals
 from expertmesh.tls import ephemeral_pki
 
@@ -372,7 +372,9 @@ def add_arguments(p) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
-    p.add_argument("--prefill-chunk", type=positive_int, default=16)
+    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"prompt tokens a sequence prefills per step, and the prefix cache's granularity (default "
+                        f"{DEFAULT_PREFILL_CHUNK}; a multiple of --block-size)")
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
     p.add_argument("--device", type=_device, default=None,
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
