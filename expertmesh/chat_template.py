@@ -18,7 +18,9 @@ What the template means for parsing the model's output is detected when it loads
   reasoning comes back empty);
 - end of turn: the token the template writes after an assistant's content (generation stops there and at EOS);
 - tool calls: one of the known output formats whose opening token the template writes (Hermes `<tool_call>` JSON,
-  Kimi K2 `<|tool_calls_section_begin|>`, DeepSeek V3.1 `<｜tool▁calls▁begin｜>`); others stay in the content.
+  Kimi K2 `<|tool_calls_section_begin|>`, DeepSeek V3.1 `<｜tool▁calls▁begin｜>`); others stay in the content. The
+  format's closing token (`</tool_call>`, the section's end) and the markup of one call (`tool_call_markup`: what a
+  forced tool call's grammar spells, router/constraints.py) come with it.
 
 Multi-turn prefix stability (turn N+1's prompt starts with turn N's prompt and output, so the prefix cache only
 computes new tokens) is checked on a small built-in conversation; a template that breaks it still serves, with a
@@ -196,14 +198,34 @@ def encode_marked(tok: CheckpointTokenizer, text: str, marks: re.Pattern) -> lis
 
 # ----------------------------------------------------------------------------------------------- tool calls
 @dataclass(frozen=True)
+class Slot:
+    """A place in a tool call's markup the call fills: its `name` (as text), `name_json` (a JSON string) or
+    `arguments` (the JSON arguments)."""
+    what: str
+
+
+@dataclass(frozen=True)
+class Tok:
+    """A single token of the vocabulary written by its text (a format's special / added token)."""
+    text: str
+
+
+NAME, NAME_JSON, ARGUMENTS = Slot("name"), Slot("name_json"), Slot("arguments")
+
+
+@dataclass(frozen=True)
 class ToolCallFormat:
     """How a model writes tool calls: `opener` starts them; `call` matches one call (after optional whitespace);
-    a section format wraps all calls in opener … closer."""
+    a section format wraps all calls in opener … closer. `close` is the token that ends the markup (one call's
+    for Hermes, the section's otherwise) and `markup` what one call is between `opener` and `close` (text, tokens
+    and slots): what a forced call's grammar spells."""
     name: str
     opener: str
     call: re.Pattern
     fields: Callable[[re.Match], tuple[str | None, str, object] | None]   # → (id or None, name, arguments)
     closer: str | None = None       # section formats only
+    close: str = ""
+    markup: tuple = ()
 
     def parse(self, text: str) -> list[tuple[str | None, str, dict]] | None:
         """The calls in `text` (the output from the opener on, special tokens kept), or None unless the whole text
@@ -250,15 +272,20 @@ def _deepseek_fields(m: re.Match):
 
 TOOL_CALL_FORMATS = (
     ToolCallFormat("hermes", "<tool_call>", re.compile(r"\s*<tool_call>\s*(?P<json>.*?)\s*</tool_call>", re.S),
-                   _hermes_fields),
+                   _hermes_fields, close="</tool_call>",
+                   markup=('\n{"name": ', NAME_JSON, ', "arguments": ', ARGUMENTS, "}\n")),
     ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>",
                    re.compile(r"\s*<\|tool_call_begin\|>(?P<id>[^<]*?)<\|tool_call_argument_begin\|>(?P<args>.*?)"
                               r"<\|tool_call_end\|>", re.S),
-                   _kimi_fields, closer="<|tool_calls_section_end|>"),
+                   _kimi_fields, closer="<|tool_calls_section_end|>", close="<|tool_calls_section_end|>",
+                   markup=(Tok("<|tool_call_begin|>"), "functions.", NAME, ":0", Tok("<|tool_call_argument_begin|>"),
+                           ARGUMENTS, Tok("<|tool_call_end|>"))),
     ToolCallFormat("deepseek_v3.1", "<｜tool▁calls▁begin｜>",
                    re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>",
                               re.S),
-                   _deepseek_fields, closer="<｜tool▁calls▁end｜>"),
+                   _deepseek_fields, closer="<｜tool▁calls▁end｜>", close="<｜tool▁calls▁end｜>",
+                   markup=(Tok("<｜tool▁call▁begin｜>"), NAME, Tok("<｜tool▁sep｜>"), ARGUMENTS,
+                           Tok("<｜tool▁call▁end｜>"))),
 )
 
 
@@ -295,6 +322,9 @@ class TemplateChat:
             else (None, None)
         self.tool_format = next((f for f in TOOL_CALL_FORMATS if f.opener in literals
                                  and single_token(tokenizer, f.opener) is not None), None)
+        tool_close = single_token(tokenizer, self.tool_format.close) if self.tool_format else None
+        # one call's markup with its tokens as ids; None when the vocabulary lacks one (no forced calls then)
+        self.tool_call_markup = self._resolve_markup(self.tool_format) if tool_close is not None else None
         self.arguments_as_text = self._wants_arguments_as_text()
         end_of_turn = self._end_of_turn()
         stop = tuple(dict.fromkeys(([end_of_turn] if end_of_turn is not None else []) + list(tokenizer.eos_ids)))
@@ -302,7 +332,20 @@ class TemplateChat:
         self.markers = ChatMarkers(
             stop=stop, end_of_turn=stop[0], think_start=think_start, think_end=think_end,
             tool_open=single_token(tokenizer, self.tool_format.opener) if self.tool_format else None,
+            tool_close=tool_close,
             not_in_answer=frozenset((role_tokens | {think_start, think_end}) - set(stop) - {None}))
+
+    def _resolve_markup(self, fmt: ToolCallFormat) -> tuple | None:
+        out = []
+        for part in fmt.markup:
+            if isinstance(part, Tok):
+                token = single_token(self.tokenizer, part.text)
+                if token is None:
+                    return None
+                out.append(token)
+            else:
+                out.append(part)
+        return tuple(out)
 
     # --- rendering
     def _pick(self, tools) -> str:

@@ -50,10 +50,13 @@ class Sampler:
         and the grammar matcher advances past it (or starts after grammar_after_token)."""
         self.counts[token] = self.counts.get(token, 0) + 1
         was_answering = self.thinking is None or self.thinking.answering
+        deciding = self._deciding()
         if self.thinking is not None:
             self.thinking.observe(token)
         if self.constraint is None or self.constraint_error is not None:
             return
+        if deciding and self.thinking.answering:
+            self.constrained = True            # phase "maybe": the first token was the answer's, under the grammar
         if self.constrained:
             if not self.constraint.matcher.is_stopped():
                 try:
@@ -64,6 +67,12 @@ class Sampler:
             self.constrained = not was_answering and self.thinking.answering   # the close's last token
         elif token == self.params.grammar_after_token:
             self.constrained = True
+
+    def _deciding(self) -> bool:
+        """Phase "maybe" under a grammar, before the first token: that token either opens thinking or is the
+        answer's first (so the grammar's)."""
+        return self.constraint is not None and not self.constrained and self.thinking is not None and \
+            self.thinking.phase == "maybe"
 
     def _grammar_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
         """bool[V] of the tokens the grammar allows next (ids beyond the tokenizer's vocabulary never), or None
@@ -106,10 +115,12 @@ class Sampler:
         """logits [V] → a token id. Greedy ties go to the lowest id."""
         p = self.params
         logits = self._adjusted(logits.float())
-        if self.constrained:
+        if self.constrained or self._deciding():
             mask = self._grammar_mask(logits)
             if mask is None:
                 return int(p.stop_token_ids[0]) if p.stop_token_ids else self.eos
+            if not self.constrained:           # phase "maybe": the grammar's first tokens, or opening thinking
+                mask[self.thinking.c.think_start] = True
             logits = logits.masked_fill(~mask, float("-inf"))
         if p.temperature < TINY_TEMPERATURE:        # 0, or so small that logits / T overflows fp32: the argmax
             return int(torch.argmax(logits))

@@ -12,8 +12,9 @@ All offer the one small interface the router and the chat formats use:
     vocab_size                   ids are 0 .. vocab_size-1
 
 Synthetic checkpoints have no tokenizer.json and use the byte tokenizer: ids 0..255 are the bytes of the UTF-8
-text, the special tokens follow. The byte and TikToken tokenizers also give each id's bytes (`decode_bytes`) and
-their special tokens (`id_to_special`), which constrained decoding (expertmesh/grammar.py) reads.
+text, the special tokens follow. Every tokenizer also gives each id's bytes (`decode_bytes`: what the id adds to
+decoded text, b"" for a special token) and its special tokens (`id_to_special`), which constrained decoding
+(expertmesh/grammar.py) reads.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import binascii
 import codecs
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 SPECIAL_TOKENS = (
@@ -259,6 +260,87 @@ class CheckpointTokenizer(NamedSpecials):
 
     def stream_decoder(self, *, skip_special: bool = True) -> "TokenStreamDecoder":
         return TokenStreamDecoder(self, skip_special)
+
+    @cached_property
+    def id_to_special(self) -> dict[int, str]:
+        """The special tokens (added tokens marked special: BOS, EOS, role markers …) by id."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                if t.special and 0 <= i < self.vocab_size}
+
+    @cached_property
+    def _id_bytes(self) -> list[bytes]:
+        """Each id's bytes as it contributes to decoded text (see `decode_bytes`), computed once."""
+        decoder = self.backend.decoder
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        kinds = decoder_kinds(spec)
+        space = next((d.get("replacement") for d in _flat_decoders(spec) if d.get("type") == "Metaspace"), None)
+        space = space or next((d["pattern"].get("String") for d in _flat_decoders(spec) if d.get("type") == "Replace"
+                               and isinstance(d.get("pattern"), dict) and d.get("content") == " "), None)
+        added = self.backend.get_added_tokens_decoder()
+        out = [b""] * self.vocab_size
+        for i in range(self.vocab_size):
+            if i in added:
+                out[i] = b"" if added[i].special else added[i].content.encode("utf-8")
+                continue
+            piece = self.backend.id_to_token(i)
+            if piece is not None:
+                out[i] = piece_bytes(piece, byte_level="ByteLevel" in kinds, byte_fallback="ByteFallback" in kinds,
+                                     space=space, word_piece="WordPiece" in kinds)
+        return out
+
+    def decode_bytes(self, ids) -> bytes:
+        """The bytes `ids` decode to, token by token: a byte-level BPE token through GPT-2's byte ↔ character
+        table (a token may hold part of a UTF-8 character), a SentencePiece byte-fallback token (`<0x0A>`) as its
+        byte and ▁ as a space, an added token that is not special as its text; a special token (and an id outside
+        the vocabulary) as nothing. Constrained decoding (grammar.py) reads one id at a time."""
+        table = self._id_bytes
+        return b"".join(table[i] for i in map(int, ids) if 0 <= i < len(table))
+
+
+def _flat_decoders(spec: dict) -> list[dict]:
+    """A tokenizer.json `decoder` (maybe a Sequence) as its list of decoders."""
+    if not isinstance(spec, dict):
+        return []
+    if spec.get("type") == "Sequence":
+        return [d for sub in spec.get("decoders") or [] for d in _flat_decoders(sub)]
+    return [spec]
+
+
+def decoder_kinds(spec: dict) -> set[str]:
+    return {d.get("type") for d in _flat_decoders(spec)}
+
+
+@lru_cache(maxsize=1)
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte → the byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def piece_bytes(piece: str, *, byte_level: bool, byte_fallback: bool, space: str | None,
+                word_piece: bool = False) -> bytes:
+    """One vocabulary entry's bytes in decoded text, by the tokenizer's decoder kind."""
+    if byte_level:
+        table = byte_level_table()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")
+    if byte_fallback and (m := _BYTE_FALLBACK.fullmatch(piece)):
+        return bytes([int(m.group(1), 16)])
+    if word_piece:
+        return (piece[2:] if piece.startswith("##") else " " + piece).encode("utf-8")
+    return (piece.replace(space, " ") if space else piece).encode("utf-8")
 
 
 def checkpoint_eos_ids(directory: Path, named_eos: int | None, vocab_size: int) -> tuple[int, ...]:

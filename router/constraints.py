@@ -2,9 +2,10 @@
 grammar for SamplingParams.grammar, compiled here first so a bad schema is a 400 naming it before anything is
 scheduled.
 
-A forced tool call is the chat format's own markup — ⟨tool_call⟩ name \\n JSON-arguments ⟨/tool_call⟩ — with
-the name among the allowed tools and the arguments validating against that tool's `parameters`; the sampler then
-forces the end of turn. With thinking on, the grammar starts after the end-of-thinking marker (reasoning stays free).
+A forced tool call is the chat format's own markup — the built-in ⟨tool_call⟩ name \\n JSON-arguments
+⟨/tool_call⟩, a checkpoint template's Hermes `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`, Kimi K2's or
+DeepSeek V3.1's section (chat_template.ToolCallFormat.markup) — with the name among the allowed tools and the
+arguments validating against that tool's `parameters`; the sampler then forces the end of turn. With thinking on, the grammar starts after the end-of-thinking marker (reasoning stays free).
 
 Every refusal is a GrammarError whose `param` names the field as the request spelled it (`Fields`: chat's
 `tools.0.function.parameters`, Anthropic's `tools.0.input_schema`, Responses' `text.format.schema`).
@@ -16,7 +17,10 @@ from dataclasses import dataclass
 
 import llguidance
 
+from expertmesh.chat_template import ARGUMENTS, NAME, NAME_JSON
 from expertmesh.grammar import JSON_OPTIONS, GrammarError, json_schema_grammar
+
+BUILTIN_CALL = (NAME, "\n", ARGUMENTS)      # the built-in format's call between ⟨tool_call⟩ and ⟨/tool_call⟩
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,26 @@ def json_grammar(schema: dict | None, where: str) -> str:
         raise
 
 
-def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int) -> str:
-    """Exactly one call of one of `tools` ({name, parameters, where}) in the chat format's tool-call markup."""
+def _markup_lark(markup: tuple, name: str, args_rule: str) -> str:
+    """One call's markup (text, token ids and slots) as a Lark sequence."""
+    out = []
+    for part in markup:
+        if isinstance(part, int):
+            out.append(f"<[{part}]>")
+        elif part == NAME:
+            out.append(json.dumps(name))
+        elif part == NAME_JSON:
+            out.append(json.dumps(json.dumps(name, ensure_ascii=False)))
+        elif part == ARGUMENTS:
+            out.append(args_rule)
+        else:
+            out.append(json.dumps(part))
+    return " ".join(out)
+
+
+def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int, markup: tuple = BUILTIN_CALL) -> str:
+    """Exactly one call of one of `tools` ({name, parameters, where}) in the chat format's tool-call markup:
+    ⟨tool_open⟩ `markup` ⟨tool_close⟩ (markup: text, token ids and the NAME / NAME_JSON / ARGUMENTS slots)."""
     rules, alts = [], []
     for i, t in enumerate(tools):
         schema = t.get("parameters") or {"type": "object"}
@@ -70,7 +92,7 @@ def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int) -> str
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         check_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(schema)}"), t["where"])
         alts.append(f"call{i}")
-        rules.append(f"call{i}: {json.dumps(t['name'] + chr(10))} args{i}\nargs{i}: %json {json.dumps(schema)}")
+        rules.append(f"call{i}: {_markup_lark(markup, t['name'], f'args{i}')}\nargs{i}: %json {json.dumps(schema)}")
     lark = f"start: <[{tool_open}]> ({' | '.join(alts)}) <[{tool_close}]>\n" + "\n".join(rules)
     return check_grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
@@ -142,6 +164,7 @@ def answer_grammar(fmt, choice, tools, response_format: dict | None = None,
     markers = fmt.markers
     if forced is None:
         return response_format_grammar(response_format, fields)
-    if markers.tool_open is None or markers.tool_close is None:
+    markup = getattr(fmt, "tool_call_markup", BUILTIN_CALL)     # a checkpoint template's format, else built-in
+    if markers.tool_open is None or markers.tool_close is None or markup is None:
         raise refuse("tool_choice", "forcing a tool call needs a chat format with tool-call marker tokens")
-    return tool_call_grammar(forced, markers.tool_open, markers.tool_close)
+    return tool_call_grammar(forced, markers.tool_open, markers.tool_close, markup)

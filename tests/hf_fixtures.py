@@ -129,12 +129,37 @@ def build_tokenizer(*, post_processor_bos: bool = True, extra_special: list[str]
     return tk
 
 
+def build_large_bpe(vocab_size: int = 32_000, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` ids as user checkpoints ship them (Llama-3 / Qwen style: GPT-2's byte
+    alphabet, tens of thousands of merges, the chat tokens as added tokens), trained here on the test sentences and
+    pseudo-words drawn from a seeded generator (so English, JSON and tool-call text split into multi-byte tokens,
+    and some tokens end inside a UTF-8 character)."""
+    import random
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 9)))
+             for _ in range(60_000)]
+    corpus = SENTENCES * 50 + [" ".join(words[i:i + 12]) for i in range(0, len(words), 12)] + \
+        ["日本語のテキスト ✓ café"] * 20
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(corpus, trainer)
+    tk.add_tokens([AddedToken("<tool_call>", special=False, normalized=False),
+                   AddedToken("</tool_call>", special=False, normalized=False)])
+    return tk
+
+
 def write_checkpoint(directory: Path, *, template: str | list | None = CHATML, config: dict | None = None,
                      post_processor_bos: bool = True, extra_special: list[str] = (),
-                     generation_eos: list[str] | None = None, jinja_file: str | None = None) -> Path:
-    """tokenizer.json + tokenizer_config.json (+ generation_config.json, chat_template.jinja) in `directory`."""
+                     generation_eos: list[str] | None = None, jinja_file: str | None = None,
+                     tokenizer: Tokenizer | None = None) -> Path:
+    """tokenizer.json + tokenizer_config.json (+ generation_config.json, chat_template.jinja) in `directory`;
+    `tokenizer`: another tokenizer than build_tokenizer's (build_large_bpe)."""
     directory.mkdir(parents=True, exist_ok=True)
-    tk = build_tokenizer(post_processor_bos=post_processor_bos, extra_special=extra_special)
+    tk = tokenizer or build_tokenizer(post_processor_bos=post_processor_bos, extra_special=extra_special)
     tk.save(str(directory / "tokenizer.json"))
     cfg = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "<|im_end|>",
            "pad_token": "</s>", **(config or {})}

@@ -102,6 +102,7 @@ class AttentionWorker:
         self.sequences: dict[str, _Sequence] = {}
         self.prefixes: dict[str, _Prefix] = {}
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
+        self._lltok_lock = threading.Lock()   # the grammar tokenizer is built once (_grammar_tokenizer)
         self.calls = 0
         self.exchange = None           # worker/exchange.ExpertExchange, set by connect_experts
         # leases: a router renews its own with every call naming it (Info heartbeats once a second); the sequences
@@ -153,6 +154,17 @@ class AttentionWorker:
         `images` (worker_api.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
         already cached (0 without a prefix)."""
         seq_images = self._sequence_images(images) if images else None
+        # the sampler (its grammar compiled) before the step lock: a large schema never holds up the steps, and
+        # bad params (an uncompilable grammar, a tokenizer that cannot serve grammars) fail before any block is
+        # reserved, as the request's own error — never an internal one the router would retry
+        try:
+            sampler = Sampler(params, self._grammar_tokenizer() if params.grammar is not None else None)
+        except WorkerError:
+            raise
+        except Exception as e:
+            raise WorkerError(f"params: {e}" if isinstance(e, ValueError) else
+                              f"params: grammar: constrained decoding failed on {self.name}: "
+                              f"{type(e).__name__}: {e}") from None
         with self.lock:
             self.calls += 1
             if seq_id in self.sequences:
@@ -172,13 +184,6 @@ class AttentionWorker:
             else:
                 kv = PagedSequenceKV(self.pool)
             try:
-                sampler = Sampler(params, self._grammar_tokenizer() if params.grammar is not None else None)
-                # bad params (an uncompilable grammar too) fail before any block is reserved
-            except ValueError as e:
-                if prefix_key is not None:
-                    kv.free()
-                raise WorkerError(f"params: {e}") from None
-            try:
                 kv.reserve(reserve_tokens - kv.length)
             except OutOfBlocks:
                 kv.free()
@@ -192,12 +197,13 @@ class AttentionWorker:
 
     def _grammar_tokenizer(self):
         """The llguidance view of the checkpoint's tokenizer, built on the first constrained request (it reads
-        every token's bytes once) and shared by every sequence's own matcher."""
-        if getattr(self, "_lltok", None) is None:
-            if self.ckpt is None:
-                raise WorkerError("grammar: no checkpoint (hence no tokenizer) on this worker")
-            self._lltok = ll_tokenizer(load_tokenizer(self.ckpt.path))
-        return self._lltok
+        every token's bytes once) and shared by every sequence's own matcher; built outside the step lock."""
+        with self._lltok_lock:
+            if getattr(self, "_lltok", None) is None:
+                if self.ckpt is None:
+                    raise WorkerError("grammar: no checkpoint (hence no tokenizer) on this worker")
+                self._lltok = ll_tokenizer(load_tokenizer(self.ckpt.path))
+            return self._lltok
 
     def _sequence_images(self, images: list):
         if self.cfg.vision is None:
