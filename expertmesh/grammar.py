@@ -9,11 +9,21 @@ JSON schema / Lark / regex front ends and needs only each token id's bytes, whic
 One `Constraint` per request: its matcher sees only that request's tokens, so a row's mask never depends on the
 other rows of the batch (batch invariance). `allowed` is the fast path (llguidance's bitmask, unpacked);
 `allowed_reference` asks the matcher token by token and is what tests compare it with.
+
+Limits: one set (`LIMITS`: llguidance's parser limits — Earley items per row and per step, lexer fuel and
+states, grammar size) is what the router checks a grammar with and what the worker decodes with. Some grammars
+compile but exceed a limit only while decoding (an `anyOf` of 2,500 objects: 2,500 items in the row after `{`,
+over the 2,000 allowed); `probe` walks a grammar a few dozen tokens on seeded random paths with the same limits, so
+the router refuses those before anything is scheduled (a 400 naming the field) rather than mid-answer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import random
+from collections import OrderedDict
 from functools import lru_cache
+from threading import Lock
 
 import llguidance
 import numpy as np
@@ -24,6 +34,58 @@ JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexi
 
 class GrammarError(ValueError):
     """A schema or grammar the engine cannot compile; the message names what was given (`where`)."""
+
+
+# llguidance's parser limits (its defaults, stated: the router's checks and the worker's matchers use these)
+LIMITS = {"max_items_in_row": 2000, "step_max_items": 50_000, "initial_lexer_fuel": 1_000_000,
+          "step_lexer_fuel": 200_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
+
+
+def validate(grammar: str) -> str:
+    """"" when llguidance compiles `grammar` within LIMITS (no tokenizer needed), else its error."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
+    except Exception as e:                     # noqa: BLE001 - the engine's own message is the useful part
+        return str(e) or type(e).__name__
+
+
+_PROBED: OrderedDict[tuple, str] = OrderedDict()    # (tokenizer, grammar digest) → error ("": fits)
+_PROBED_LOCK = Lock()
+
+
+def probe(lltok: llguidance.LLTokenizer, grammar: str, *, walks: int = 3, steps: int = 48) -> str:
+    """Decode `grammar` a little, as the worker will (same tokenizer, same LIMITS): `walks` seeded random paths of
+    up to `steps` tokens each. "" when no limit was hit, else llguidance's error. Results are remembered (the same
+    schema, request after request, is probed once)."""
+    key = (id(lltok), hashlib.sha256(grammar.encode()).digest())
+    with _PROBED_LOCK:
+        if key in _PROBED:
+            _PROBED.move_to_end(key)
+            return _PROBED[key]
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=parser_limits())
+    error = matcher.get_error() if matcher.is_error() else ""
+    special = special_ids(lltok)
+    for walk in range(walks if not error else 0):
+        m, rng = matcher.deep_copy(), random.Random(walk)
+        for _ in range(steps):
+            if m.is_stopped() or m.is_error():
+                break
+            allowed = np.flatnonzero(allowed_mask(m, lltok.vocab_size, special))
+            if m.is_error() or not len(allowed):
+                break
+            m.consume_token(int(allowed[rng.randrange(len(allowed))]))
+        if m.is_error() and is_limit_error(m.get_error()):
+            error = m.get_error()
+            break
+    with _PROBED_LOCK:
+        _PROBED[key] = error
+        while len(_PROBED) > 512:
+            _PROBED.popitem(last=False)
+    return error
 
 
 class _Vocab:
@@ -48,6 +110,22 @@ def ll_tokenizer(tok) -> llguidance.LLTokenizer:
                                   eos_token=list(tok.eos_ids))
 
 
+def is_limit_error(message: str) -> bool:
+    """Whether llguidance stopped for one of its limits (rather than a token the grammar refuses)."""
+    return any(s in message for s in ("max is", "fuel", "too big", "too many", "limit", "lexer states"))
+
+
+def allowed_mask(matcher: llguidance.LLMatcher, vocab_size: int, special: np.ndarray) -> np.ndarray:
+    """bool[vocab]: the tokens `matcher` accepts next — llguidance's bitmask, unpacked (bit i of the little-endian
+    words is token i), with the special tokens it lets through asked of the matcher one by one (see
+    Constraint.allowed)."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    mask = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+    for t in special[mask[special]]:
+        mask[t] = matcher.validate_tokens([int(t)]) == 1
+    return mask
+
+
 def json_schema_grammar(schema: dict | None, where: str) -> str:
     """A grammar for JSON matching `schema` (None: any JSON object, as `response_format: json_object`)."""
     schema = {"type": "object"} if schema is None else schema
@@ -55,6 +133,12 @@ def json_schema_grammar(schema: dict | None, where: str) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(f"{where}: {e}") from None
+
+
+@lru_cache(maxsize=4)
+def cached_ll_tokenizer(tok) -> llguidance.LLTokenizer:
+    """ll_tokenizer, once per tokenizer object (the router's: probes)."""
+    return ll_tokenizer(tok)
 
 
 @lru_cache(maxsize=8)
@@ -69,7 +153,7 @@ class Constraint:
     def __init__(self, lltok: llguidance.LLTokenizer, grammar: str, where: str) -> None:
         self.vocab_size = lltok.vocab_size
         self.special = special_ids(lltok)
-        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=parser_limits())
         if self.matcher.is_error():
             raise GrammarError(f"{where}: cannot be compiled: {self.matcher.get_error()}")
 
@@ -78,11 +162,7 @@ class Constraint:
         the little-endian words is token i). Special tokens the mask lets through are asked of the matcher one by
         one: where a free-text rule may end before a special-token terminal (a K3 string argument before
         ⟨close⟩), llguidance's mask admits every special id, and the matcher would refuse the wrong ones."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
-        for t in self.special[mask[self.special]]:
-            mask[t] = self.matcher.validate_tokens([int(t)]) == 1
-        return mask
+        return allowed_mask(self.matcher, self.vocab_size, self.special)
 
     def allowed_reference(self) -> np.ndarray:
         """The same set asked token by token of a copy of the matcher (slow; for tests)."""

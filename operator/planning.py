@@ -17,10 +17,11 @@ import asyncio
 import concurrent.futures
 import importlib
 import multiprocessing
-import resource
 import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional
+
+from expertmesh.process_limits import limit_data_segment
 
 MIB = 2 ** 20
 PLAN_DEADLINE = 60.0                # seconds one plan may take
@@ -35,29 +36,12 @@ class PlanningFailed(Exception):
     """A plan that did not finish within the deadline or the memory limit, or whose process died."""
 
 
-def _data_bytes() -> Optional[int]:
-    """This process's data segment (what RLIMIT_DATA counts), from /proc; None where there is no /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _start(memory_limit: Optional[int]) -> None:
     """The child's initializer: import the planner, then cap the data segment at what that took + the limit."""
     for name in WARM_MODULES:
         importlib.import_module(name)   # here, not at the top: only the planning process needs torch
-    used = _data_bytes()
-    if memory_limit and used is not None:
-        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        soft = used + memory_limit
-        if hard != resource.RLIM_INFINITY:
-            soft = min(soft, hard)
-        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    if memory_limit:
+        limit_data_segment(memory_limit)
 
 
 def _ready() -> bool:

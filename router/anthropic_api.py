@@ -10,11 +10,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat import Message, RenderedPrompt, message_images
-from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar
+from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import PromptOptions, prompt_tools, render_prompt
 from expertmesh.router.dependencies import Served, anthropic_key, served, served_model
-from expertmesh.router.errors import APIError, as_api_error
-from expertmesh.router.images import request_images
+from expertmesh.router.errors import APIError
+from expertmesh.router.images import ImageBudget
 from expertmesh.router.messages import ANTHROPIC, anthropic_messages, anthropic_tools, remote_image_urls
 from expertmesh.router.protocol import CountTokensBody, MessagesBody
 from expertmesh.router.serving import (
@@ -41,6 +41,7 @@ class Prompt:
     options: PromptOptions
     grammar: str | None = None           # tool_choice any / tool: the forced call's grammar
     declared: list[dict] | None = None    # the request's tools (chat-shaped), for typing call arguments
+    images: ImageBudget | None = None     # decoded when the request runs (count_tokens reads only the headers)
 
     def render(self, fmt) -> RenderedPrompt:
         return render_prompt(fmt, self.messages, self.tools, self.thinking.on, self.options)
@@ -57,16 +58,14 @@ async def read_prompt(body: CountTokensBody, s: Served, *, grammar: bool) -> Pro
     # any / tool force a call: the same grammar as OpenAI's required / named
     choice = "required" if kind == "any" else \
         {"type": "function", "function": {"name": body.tool_choice.get("name")}} if kind == "tool" else None
-    try:
-        forced = answer_grammar(s.fmt, choice, declared, None, ANTHROPIC_FIELDS) if grammar and choice else None
-    except ValueError as e:
-        raise as_api_error(e) from None
-    images = await request_images(s.engine.cfg.vision, s.engine.image_limits,
-                                  remote_image_urls(body.messages, ANTHROPIC))
+    forced = await compile_off_loop(answer_grammar, s.fmt, choice, declared, None, ANTHROPIC_FIELDS,
+                                    param="tool_choice") if grammar and choice else None
+    images = await s.images(remote_image_urls(body.messages, ANTHROPIC))
     messages = anthropic_messages(body.system, body.messages, images)
     thinking = thinking.for_round([m.role for m in messages])
     options = prompt_options(thinking, body.tool_choice)
-    return Prompt(messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared)
+    return Prompt(messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared,
+                  images)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -190,6 +189,7 @@ class Blocks:
 @router.post("/v1/messages")
 async def messages(http_request: Request, body: MessagesBody = served_model(MessagesBody), s: Served = Depends(served)):
     p = await read_prompt(body, s, grammar=True)
+    await p.images.decode()
     run = start_chat(s.engine, s.fmt, ChatRequest(
         p.render(s.fmt), p.thinking, tools=p.declared, max_tokens=body.max_tokens,
         temperature=body.temperature, top_p=body.top_p, sampling={"top_k": body.top_k},

@@ -5,20 +5,36 @@ scheduled.
 A forced tool call is the chat format's own markup — the built-in ⟨tool_call⟩ name \\n JSON-arguments
 ⟨/tool_call⟩, a checkpoint template's Hermes `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`, Kimi K2's or
 DeepSeek V3.1's section (chat_template.ToolCallFormat.markup) — with the name among the allowed tools and the
-arguments validating against that tool's `parameters`; the sampler then forces the end of turn. With thinking on, the grammar starts after the end-of-thinking marker (reasoning stays free).
+arguments validating against that tool's `parameters`; the sampler then forces the end of turn. With thinking on,
+the grammar starts after the end-of-thinking marker (reasoning stays free).
 
 Every refusal is a GrammarError whose `param` names the field as the request spelled it (`Fields`: chat's
 `tools.0.function.parameters`, Anthropic's `tools.0.input_schema`, Responses' `text.format.schema`).
+
+Work bounded and off the event loop: a schema over `SCHEMA_BUDGET_BYTES` is refused before it is compiled;
+compilation runs within llguidance's limits (grammar.LIMITS, the worker's too), then the grammar is probed with the
+chat format's own tokenizer (grammar.probe: one that compiles but exceeds a limit while decoding is refused here);
+the HTTP handlers run all of it in a small thread pool (`compile_off_loop`) within `COMPILE_SECONDS`, at most
+`MAX_COMPILES_WAITING` waiting (429 beyond): eight concurrent 3.6 MB enum schemas stalled /health 5.5 s.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
 
 from expertmesh.chat_template import ARGUMENTS, NAME, NAME_JSON
-from expertmesh.grammar import JSON_OPTIONS, GrammarError, json_schema_grammar
+from expertmesh.grammar import JSON_OPTIONS, GrammarError, cached_ll_tokenizer, json_schema_grammar, probe, validate
+from expertmesh.router.errors import APIError
+
+SCHEMA_BUDGET_BYTES = 256 * 1024      # one schema's JSON (OpenAI's own bound: 120,000 characters of names and enums)
+COMPILE_SECONDS = 10.0
+COMPILE_THREADS = 2
+MAX_COMPILES_WAITING = 32
 
 BUILTIN_CALL = (NAME, "\n", ARGUMENTS)      # the built-in format's call between ⟨tool_call⟩ and ⟨/tool_call⟩
 
@@ -42,21 +58,33 @@ def refuse(param: str, detail: str) -> GrammarError:
     return e
 
 
-def check_grammar(grammar: str, where: str) -> str:
-    """`grammar` when llguidance compiles it, else GrammarError naming `where`."""
-    try:
-        err = llguidance.LLMatcher.validate_grammar(grammar, None)
-    except Exception as e:                     # noqa: BLE001 - the engine's own message is the useful part
-        err = str(e)
+def check_grammar(grammar: str, where: str, tokenizer=None) -> str:
+    """`grammar` when llguidance compiles it within grammar.LIMITS — and, given the chat format's `tokenizer`, decodes
+    a little within them (grammar.probe) — else GrammarError naming `where`."""
+    if len(grammar) > 4 * SCHEMA_BUDGET_BYTES:
+        raise refuse(where, f"a grammar of {len(grammar)} bytes, more than the {4 * SCHEMA_BUDGET_BYTES} allowed")
+    err = validate(grammar)
     if err:
         raise refuse(where, f"cannot be compiled: {err}")
+    if tokenizer is not None:
+        err = probe(cached_ll_tokenizer(tokenizer), grammar)
+        if err:
+            raise refuse(where, f"exceeds the decoder's limits (llguidance: {err.splitlines()[0]}); simplify it (fewer "
+                                f"alternatives in one anyOf / oneOf, less nesting)")
     return grammar
+
+
+def check_schema_size(schema, where: str) -> None:
+    size = len(json.dumps(schema))
+    if size > SCHEMA_BUDGET_BYTES:
+        raise refuse(where, f"a schema of {size} bytes, more than the {SCHEMA_BUDGET_BYTES} allowed")
 
 
 def json_grammar(schema: dict | None, where: str) -> str:
     """Any JSON object (schema None, `json_object`) or JSON validating against `schema`."""
     if schema is not None and not isinstance(schema, dict):
         raise refuse(where, f"expected a JSON schema object, got {type(schema).__name__}")
+    check_schema_size(schema, where)
     try:
         return check_grammar(json_schema_grammar(schema, where), where)
     except GrammarError as e:
@@ -89,6 +117,7 @@ def tool_call_grammar(tools: list[dict], tool_open: int, tool_close: int, markup
         schema = t.get("parameters") or {"type": "object"}
         if not isinstance(schema, dict):
             raise refuse(t["where"], "expected a JSON schema object")
+        check_schema_size(schema, t["where"])
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         check_grammar(llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(schema)}"), t["where"])
         alts.append(f"call{i}")
@@ -152,14 +181,27 @@ def answer_grammar(fmt, choice, tools, response_format: dict | None = None,
                    fields: Fields = CHAT_FIELDS) -> str | None:
     """The grammar a request's forcing `tool_choice` (chat-shaped `tools`) or `response_format` (json_object /
     json_schema) puts on the answer — from its first token (the sampler starts it where thinking ends); None for
-    neither. A format with its own tool-call grammar (K3's tagged calls and response section) builds it."""
+    neither. A format with its own tool-call grammar (K3's tagged calls and response section) builds it. The
+    grammar is probed with the format's tokenizer (check_grammar)."""
     forced = forced_tools(choice, tools, fields)
-    if hasattr(fmt, "tool_call_grammar"):
-        if forced is not None:
-            return check_grammar(fmt.tool_call_grammar(forced, thinking=False), "tools")
+    if forced is None:
         schema = response_schema(response_format, fields)
         if schema is None:
             return None
+        where = schema[1]
+    else:
+        where = "tools" if len(forced) > 1 or choice == "required" else forced[0]["where"]
+    return check_grammar(_answer_grammar(fmt, forced, response_format, fields), where, fmt.tokenizer)
+
+
+def _answer_grammar(fmt, forced, response_format, fields: Fields) -> str | None:
+    if hasattr(fmt, "tool_call_grammar"):
+        if forced is not None:
+            for t in forced:
+                check_schema_size(t.get("parameters"), t["where"])
+            return check_grammar(fmt.tool_call_grammar(forced, thinking=False), "tools")
+        schema = response_schema(response_format, fields)
+        check_schema_size(schema[0], schema[1])
         return check_grammar(fmt.response_grammar(schema[0], thinking=False), schema[1])
     markers = fmt.markers
     if forced is None:
@@ -168,3 +210,31 @@ def answer_grammar(fmt, choice, tools, response_format: dict | None = None,
     if markers.tool_open is None or markers.tool_close is None or markup is None:
         raise refuse("tool_choice", "forcing a tool call needs a chat format with tool-call marker tokens")
     return tool_call_grammar(forced, markers.tool_open, markers.tool_close, markup)
+
+
+_POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+_waiting = 0
+_waiting_lock = threading.Lock()
+
+
+async def compile_off_loop(fn, *args, param: str | None = None):
+    """`fn(*args)` (a grammar compilation: answer_grammar) in the compile pool, within COMPILE_SECONDS; its
+    GrammarError (a ValueError) as the 400 naming its field, a full pool as 429, the budget spent as a 400."""
+    global _waiting
+    with _waiting_lock:
+        if _waiting >= MAX_COMPILES_WAITING:
+            raise APIError(f"{param or 'grammar'}: {MAX_COMPILES_WAITING} grammars are being compiled; retry later",
+                           param=param, code="grammar_compiler_busy", kind="rate_limit")
+        _waiting += 1
+    try:
+        future = asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), COMPILE_SECONDS)
+        except TimeoutError:
+            raise APIError(f"{param or 'grammar'}: not compiled within {COMPILE_SECONDS:g} s; simplify it",
+                           param=param, code="grammar_too_complex") from None
+        except ValueError as e:
+            raise APIError(str(e), param=getattr(e, "param", None) or param) from None
+    finally:
+        with _waiting_lock:
+            _waiting -= 1

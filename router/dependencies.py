@@ -10,7 +10,9 @@ from fastapi import Depends, Header, Request
 
 from expertmesh.chat import ChatFormat
 from expertmesh.router.engine import Engine
-from expertmesh.router.response_store import ReasoningMemory, ResponseStore
+from expertmesh.router.image_decode import ImageDecoder
+from expertmesh.router.images import ImageBudget, request_images
+from expertmesh.router.response_store import ReasoningMemory, ResponseStore, owner_of
 from expertmesh.router.serving import check_key, check_model
 
 
@@ -23,6 +25,13 @@ class Served:
     store: ResponseStore                  # the Responses API's stored responses
     memory: ReasoningMemory | None        # reasoning given back to chat histories that drop it (None: off)
     created: int                          # /v1/models `created`
+    decoder: ImageDecoder | None = None   # the pool images are decoded in (router/image_decode.py)
+
+    async def images(self, urls: dict[str, str]) -> ImageBudget:
+        """A request's image budget (router/images.py): its remote URLs fetched, its limits and the context."""
+        engine = self.engine
+        return await request_images(engine.cfg.vision, engine.image_limits, urls, decoder=self.decoder,
+                                    context=engine.cfg.max_context)
 
 
 def served(request: Request) -> Served:
@@ -38,6 +47,11 @@ def bearer_token(authorization: str | None) -> str:
 def given_key(x_api_key: str | None, authorization: str | None) -> str:
     """The API key a request presents: Anthropic's x-api-key header, else the bearer token."""
     return x_api_key.strip() if x_api_key else bearer_token(authorization)
+
+
+def caller(authorization: str | None = Header(default=None)) -> str:
+    """Whose stored responses a request may see: a hash of its API key (response_store.owner_of)."""
+    return owner_of(bearer_token(authorization))
 
 
 def openai_key(request: Request, authorization: str | None = Header(default=None)) -> None:

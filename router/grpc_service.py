@@ -4,13 +4,27 @@ transport over router/serving.py, the same runs and the same checks as the HTTP 
 Status codes come from router/errors.py's table: INVALID_ARGUMENT naming the field, UNAUTHENTICATED (metadata
 `authorization: Bearer KEY` or `x-api-key`), NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
 (experts or workers down), DEADLINE_EXCEEDED (the client's deadline passed; the request is cancelled in the engine).
+
+Bounds (the server runs one thread per call: a client must not be able to hold them all): a request that is not a
+valid message (invalid UTF-8 in a string field included) is INVALID_ARGUMENT naming the method, never INTERNAL;
+`request_id`, echoed in every event, is at most 128 bytes; one connection has at most `max_streams_per_connection`
+calls at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: the client queues the rest), one client address at most
+`max_calls_per_client` (RESOURCE_EXHAUSTED beyond), the server at most `max_workers` (RESOURCE_EXHAUSTED beyond,
+never a queue); and a stream whose client stops reading — its write blocked on flow control for `write_timeout`
+seconds — is cancelled (`StreamGuard`), which frees its thread and its request's KV.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
 from concurrent import futures
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat import BuiltinChat, ChatFormat
@@ -35,6 +49,9 @@ from expertmesh.router.serving import (
 from expertmesh.sampling_params import SamplingParams, check_sampling, sampling_from_proto
 
 CHAT_SAMPLING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias")
+MAX_REQUEST_ID_BYTES = 128
+WRITE_TIMEOUT = 60.0
+log = logging.getLogger("expertmesh.router.grpc")
 
 
 def abort(context, e: Exception):
@@ -68,7 +85,7 @@ def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
     try:
         check_sampling(params)
         if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker
-            check_grammar(params.grammar, "grammar")
+            check_grammar(params.grammar, "grammar", tokenizer)
     except ValueError as e:
         raise APIError(f"params.{e}", param=f"params.{getattr(e, 'param', None) or leading_field(str(e))}") from None
     return params, requested
@@ -103,6 +120,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def Generate(self, request, context):
         try:
             self._admit(request.model, context)
+            if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+                raise APIError(f"request_id: {len(request.request_id.encode())} bytes, more than the "
+                               f"{MAX_REQUEST_ID_BYTES} allowed (it is echoed in every event)", param="request_id")
             prompt = self._prompt(request)
             params, _ = sampling(request.params, self.tok, chat=False)
             run = CompletionRun(self.engine, prompt, params, api="grpc",
@@ -174,12 +194,149 @@ class RouterService(router_pb2_grpc.RouterServicer):
             owned_by="expertmesh")])
 
 
-def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 32,
-                      tls=None, chat: ChatFormat | None = None, health_port: int | None = None):
-    """`health_port`: also serve grpc.health.v1 alone, plaintext, there (Kubernetes probes when the port is TLS)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"))
+class StreamGuard:
+    """What bounds the service's calls: at most `max_per_client` at once from one client address, and no stream
+    left blocked on a client that stopped reading — a stream whose last message has waited `write_timeout`
+    seconds to be written (HTTP/2 flow control: the client reads nothing) is cancelled by a watchdog thread."""
+
+    def __init__(self, write_timeout: float = WRITE_TIMEOUT, max_per_client: int = 32, tick: float = 0.5):
+        self.write_timeout, self.max_per_client, self.tick = write_timeout, max_per_client, tick
+        self._lock = threading.Lock()
+        self._writing: dict[int, tuple[float, object]] = {}     # stream → (since when its write waits, context)
+        self._clients: Counter[str] = Counter()
+        self.cancelled = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="grpc-write-deadline", daemon=True).start()
+
+    @staticmethod
+    def client_of(context) -> str:
+        """The client's address without its port ("ipv4:10.0.0.5:41234" → "ipv4:10.0.0.5")."""
+        peer = context.peer() or ""
+        return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+    def admit(self, context) -> str:
+        client = self.client_of(context)
+        with self._lock:
+            if self._clients[client] >= self.max_per_client:
+                raise APIError(f"more than {self.max_per_client} calls at once from this client; retry later",
+                               code="too_many_calls", kind="rate_limit")
+            self._clients[client] += 1
+        return client
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            self._clients[client] -= 1
+            if self._clients[client] <= 0:
+                del self._clients[client]
+
+    def stream(self, context, events):
+        """`events` (a servicer's generator) as the stream gRPC writes: each message yielded is being written
+        until gRPC asks for the next one; past the write deadline the call is cancelled."""
+        key = id(events)
+        try:
+            for event in events:
+                with self._lock:
+                    self._writing[key] = (time.monotonic(), context)
+                yield event
+                with self._lock:
+                    self._writing.pop(key, None)
+        finally:
+            with self._lock:
+                self._writing.pop(key, None)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            with self._lock:
+                stalled = [(k, ctx) for k, (since, ctx) in self._writing.items() if now - since > self.write_timeout]
+                for k, _ in stalled:
+                    del self._writing[k]
+            for _, ctx in stalled:
+                self.cancelled += 1
+                log.warning("gRPC stream cancelled: its client read nothing for %g s", self.write_timeout)
+                ctx.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _guarded(guard: StreamGuard, call, streaming: bool):
+    """A servicer method behind the guard: the per-client bound (and, streaming, the write deadline)."""
+    def unary(request, context):
+        try:
+            client = guard.admit(context)
+        except APIError as e:
+            abort(context, e)
+        try:
+            return call(request, context)
+        finally:
+            guard.release(client)
+
+    def stream(request, context):
+        try:
+            client = guard.admit(context)
+        except APIError as e:
+            abort(context, e)
+        released = threading.Event()
+
+        def release():                     # once, when the call ends however it ends (a cancel included)
+            if not released.is_set():
+                released.set()
+                guard.release(client)
+        if not context.add_callback(release):
+            release()
+        try:
+            yield from guard.stream(context, call(request, context))
+        finally:
+            release()
+    return stream if streaming else unary
+
+
+def add_router_service(server: grpc.Server, service: RouterService, guard: StreamGuard) -> None:
+    """Register the Router service as router_pb2_grpc would, except that requests arrive as bytes and are parsed
+    here (a request that is not a valid message — invalid UTF-8 in a string field — is INVALID_ARGUMENT naming the
+    method: gRPC's own deserializer answers INTERNAL) and every method runs behind `guard`."""
+    descriptor = router_pb2.DESCRIPTOR.services_by_name["Router"]
+
+    def handler(method):
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        call = _guarded(guard, getattr(service, method.name), method.server_streaming)
+
+        def parse(raw: bytes, context):
+            try:
+                return request_cls.FromString(raw)
+            except DecodeError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name}: the request is not a valid "
+                                                                f"{method.input_type.full_name} message (invalid "
+                                                                f"UTF-8 in a string field, or not protobuf)")
+
+        if method.server_streaming:
+            def stream(raw, context):
+                yield from call(parse(raw, context), context)
+            return grpc.unary_stream_rpc_method_handler(stream, response_serializer=response_cls.SerializeToString)
+
+        def unary(raw, context):
+            return call(parse(raw, context), context)
+        return grpc.unary_unary_rpc_method_handler(unary, response_serializer=response_cls.SerializeToString)
+
+    handlers = {m.name: handler(m) for m in descriptor.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+
+
+def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 64,
+                      tls=None, chat: ChatFormat | None = None, health_port: int | None = None,
+                      max_streams_per_connection: int = 16, max_calls_per_client: int | None = None,
+                      write_timeout: float = WRITE_TIMEOUT):
+    """`health_port`: also serve grpc.health.v1 alone, plaintext, there (Kubernetes probes when the port is TLS).
+    The bounds (module docstring): `max_workers` calls at once (threads), `max_streams_per_connection`,
+    `max_calls_per_client` (default: half the threads), `write_timeout` seconds for a stream's write."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"),
+                         maximum_concurrent_rpcs=max_workers,
+                         options=[("grpc.max_concurrent_streams", max_streams_per_connection)])
     service = RouterService(engine, api_key, chat)
-    router_pb2_grpc.add_RouterServicer_to_server(service, server)
+    guard = StreamGuard(write_timeout, max_calls_per_client or max(1, max_workers // 2))
+    add_router_service(server, service, guard)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", "expertmesh.v1.Router"):
@@ -191,6 +348,7 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
         raise RuntimeError(f"router gRPC: cannot bind {host}:{port}")
     server.start()
     server.bound_port = bound
+    server.guard = guard
     server.health = health_servicer
     server.health_server = server.health_port = None
     if health_port is not None:

@@ -25,6 +25,7 @@ from expertmesh.router import anthropic_api, openai_api, responses_api
 from expertmesh.router.dependencies import Served, given_key, served
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
+from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.http_timeouts import REQUEST_TIMEOUT, WRITE_TIMEOUT, deadline_protocol
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, default_replica
 from expertmesh.router.serving import check_key
@@ -167,11 +168,13 @@ async def load(s: Served = Depends(served)):
 
 
 def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-              chat: ChatFormat | None = None, response_store=None, reasoning_memory: bool = True) -> FastAPI:
+              chat: ChatFormat | None = None, response_store=None, reasoning_memory: bool = True,
+              image_decoder: ImageDecoder | None = None) -> FastAPI:
     """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat_formats.load_chat(dir)`); default: the
     built-in format over the byte tokenizer. `response_store`: the Responses API's stored responses
     (router/response_store.ResponseStore; default: this replica's, bounded). `reasoning_memory`: give chat
-    histories that drop the reasoning of answers generated here their reasoning back."""
+    histories that drop the reasoning of answers generated here their reasoning back. `image_decoder`: the pool
+    images are decoded in (default: two decoder processes, started with the first image)."""
     try:   # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
         app = FastAPI(title="expertmesh router", version="0.1.0",
                       telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
@@ -180,7 +183,8 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     chat = chat or BuiltinChat()
     store = response_store if response_store is not None else ResponseStore(replica=default_replica())
     app.state.served = Served(engine, chat, model_name or engine.model_name, api_key, store,
-                              ReasoningMemory() if reasoning_memory else None, int(time.time()))
+                              ReasoningMemory() if reasoning_memory else None, int(time.time()),
+                              image_decoder or (ImageDecoder() if engine.cfg.vision is not None else None))
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

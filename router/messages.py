@@ -257,10 +257,29 @@ def _responses_text(content, where: str) -> str:
     return read_content(content, where, RESPONSES)[0]
 
 
-def responses_input(raw: str | list[dict], store: ResponseStore, images=None) -> tuple[list[Segment], list[dict]]:
+MAX_ID_CHARS = 128      # a client's item id or call_id (this server's are 28-32 characters)
+
+
+def bounded_id(value, where: str) -> str:
+    """A client-given id: a string of 1 to MAX_ID_CHARS printable characters, else a 400 naming it."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or not value.isprintable():
+        shown = type(value).__name__ if not isinstance(value, str) else f"{len(value)} characters"
+        raise APIError(f"{where}: expected a string of 1 to {MAX_ID_CHARS} printable characters, found {shown}",
+                       param=where)
+    return value
+
+
+def _item_id(item: dict, where: str, prefix: str) -> str:
+    """An input item's id: the client's (bounded_id), or a new one when it gives none."""
+    return new_item_id(prefix) if item.get("id") in (None, "") else bounded_id(item["id"], f"{where}.id")
+
+
+def responses_input(raw: str | list[dict], store: ResponseStore, images=None, owner: str = ""
+                    ) -> tuple[list[Segment], list[dict]]:
     """Responses input items → segments and the items as listed (ids added). Consecutive assistant-side items
     (reasoning, assistant message, function calls) are one assistant turn; a turn sent back with this server's
-    item ids keeps its exact tokens, and its reasoning even when the client dropped it."""
+    item ids (of a response `owner` stored) keeps its exact tokens, and its reasoning even when the client dropped
+    it. Item ids and call ids are strings of bounded length."""
     if isinstance(raw, str):
         item = {"id": new_item_id("msg"), "type": "message", "role": "user", "status": "completed",
                 "content": [{"type": "input_text", "text": raw}]}
@@ -271,7 +290,7 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None) ->
 
     def close_turn() -> None:
         if turn:
-            segments.append(_assistant_turn(turn, store))
+            segments.append(_assistant_turn(turn, store, owner))
             turn.clear()
 
     for i, item in enumerate(raw):
@@ -285,7 +304,7 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None) ->
             if kind == "message" and any((it.get("type") or "message") == "message" for _, it in turn):
                 close_turn()
             turn.append((i, item))
-            listed.append({"id": item.get("id") or new_item_id("fc" if kind == "function_call" else "msg"), **item})
+            listed.append({**item, "id": _item_id(item, where, "fc" if kind == "function_call" else "msg")})
             continue
         close_turn()
         if kind == "message":
@@ -295,15 +314,14 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None) ->
             text, parts = read_content(item.get("content", ""), f"{where}.content", RESPONSES,
                                        images=images if role == "user" else None)
             segments.append(Segment(Message("system" if role == "developer" else role, text, parts=parts)))
-            listed.append({"id": item.get("id") or new_item_id("msg"), "type": "message", "role": role,
+            listed.append({"id": _item_id(item, where, "msg"), "type": "message", "role": role,
                            "status": "completed", "content": [{"type": "input_text", "text": text}]})
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _responses_text(output, f"{where}.output")
-            if not isinstance(item.get("call_id"), str):
-                raise APIError(f"{where}.call_id: expected a string", param=f"{where}.call_id")
-            segments.append(Segment(Message("tool", text, tool_call_id=item["call_id"])))
-            listed.append({"id": item.get("id") or new_item_id("fco"), "status": "completed", **item, "type": kind})
+            call_id = bounded_id(item.get("call_id"), f"{where}.call_id")
+            segments.append(Segment(Message("tool", text, tool_call_id=call_id)))
+            listed.append({"status": "completed", **item, "id": _item_id(item, where, "fco"), "type": kind})
         else:
             raise APIError(f"{where}.type: {kind!r} is not supported (message, function_call, function_call_output, "
                            f"reasoning)", param=f"{where}.type")
@@ -311,26 +329,27 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None) ->
     return segments, listed
 
 
-def _assistant_turn(items: list[tuple[int, dict]], store: ResponseStore) -> Segment:
+def _assistant_turn(items: list[tuple[int, dict]], store: ResponseStore, owner: str = "") -> Segment:
     msg, ids = Message("assistant"), []
     for i, item in items:
         where, kind = f"input[{i}]", item.get("type") or "message"
-        ids.append(item.get("id"))
+        ids.append(None if item.get("id") in (None, "") else bounded_id(item["id"], f"{where}.id"))
         if kind == "reasoning":
             msg.reasoning = (msg.reasoning or "") + _responses_text(item.get("content") or [], f"{where}.content")
         elif kind == "message":
             msg.content += _responses_text(item.get("content", ""), f"{where}.content")
         else:
-            for key in ("call_id", "name", "arguments"):
+            for key in ("name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise APIError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
-            msg.tool_calls.append(ToolCall(item["call_id"], item["name"], item["arguments"]))
-    return _known_turn(store, tuple(ids), msg) or Segment(msg)
+            call_id = bounded_id(item.get("call_id"), f"{where}.call_id")
+            msg.tool_calls.append(ToolCall(call_id, item["name"], item["arguments"]))
+    return _known_turn(store, tuple(ids), msg, owner) or Segment(msg)
 
 
-def _known_turn(store: ResponseStore, ids: tuple, msg: Message) -> Segment | None:
+def _known_turn(store: ResponseStore, ids: tuple, msg: Message, owner: str = "") -> Segment | None:
     """The stored segment of a generated turn sent back whole (same item ids, same answer): its exact tokens."""
-    stored = store.by_output_item(ids[0]) if ids and ids[0] else None
+    stored = store.by_output_item(ids[0], owner) if ids and ids[0] else None
     if stored is None:
         return None
     seg = stored.segments[-1]

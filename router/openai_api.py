@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat import Message, message_images
-from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar
+from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import (
     answer_segment,
     chat_prompt,
@@ -24,7 +24,6 @@ from expertmesh.router.conversation import (
 from expertmesh.router.decoding import TextStream
 from expertmesh.router.dependencies import Served, openai_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
-from expertmesh.router.images import request_images
 from expertmesh.router.messages import OPENAI, openai_messages, remote_image_urls
 from expertmesh.router.protocol import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from expertmesh.router.request import TokenLogprob
@@ -434,13 +433,15 @@ class ChatCompletion:
 @router.post("/v1/chat/completions")
 async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s: Served = Depends(served)):
     engine, fmt = s.engine, s.fmt
-    grammar = _grammar(answer_grammar, fmt, body.tool_choice, body.tools, body.response_format, CHAT_FIELDS)
+    grammar = await compile_off_loop(answer_grammar, fmt, body.tool_choice, body.tools, body.response_format,
+                                     CHAT_FIELDS, param="response_format" if body.response_format else "tool_choice")
     thinking = decide_thinking(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
                                template_kwargs=body.chat_template_kwargs)
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
     n_top = top_logprobs(body)
-    images = await request_images(engine.cfg.vision, engine.image_limits, remote_image_urls(body.messages, OPENAI))
+    images = await s.images(remote_image_urls(body.messages, OPENAI))
     history = openai_messages(body.messages, images)   # what the client sent (reasoning filled in): the answer's key
+    await images.decode()                              # every image's cost checked from its header first
     thinking = thinking.for_round([m.role for m in history])
     options = prompt_options(thinking, body.tool_choice, body.response_format)
     tools = prompt_tools(fmt, body.tools, options.tool_choice)
@@ -469,14 +470,6 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
     for i, r in enumerate(results):
         reply.remember(i, r)
     return JSONResponse(reply.response(results), headers=headers)
-
-
-def _grammar(fn, *args):
-    """A grammar function's GrammarError as the 400 naming its field."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise as_api_error(e) from None
 
 
 # ----------------------------------------------------------------------------------------------- tokens

@@ -15,6 +15,8 @@ from expertmesh.config import VisionConfig
 class ImageLimits:
     max_bytes: int = 20 * 2 ** 20                 # encoded bytes of one image (data URL, base64 or fetched)
     max_source_pixels: int = 50_000_000           # decoded width × height of one image, before resizing
+    max_side: int = 16_384                        # decoded width or height of one image
+    max_aspect: float = 200.0                     # the longer side over the shorter (Qwen2-VL's bound)
     max_images_per_request: int = 16
     max_pixels_per_request: int = 16_777_216      # encoder pixels (after resizing) over a request's images
     fetch_allow: tuple[str, ...] = ()             # hosts ("host" or "host:port") remote URLs may come from

@@ -14,16 +14,34 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from expertmesh.sampling_params import MAX_LOGPROBS
 
 
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512    # OpenAI's bounds on `metadata`
+
+
 class AcceptedNoOps(BaseModel):
     """Parameters accepted although they change nothing here, each for a stated reason. Request bodies forbid any
     other unknown field (a 400 naming it, never silently ignored). Numbers must be finite: NaN / inf are a 400
     saying so (not a misleading range message)."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     user: str | None = None                  # an end-user id for a provider's abuse monitoring: no per-user state
-    metadata: dict | None = None             # tags a provider stores with a request: nothing is stored here
+    # tags stored with a request (a stored Response keeps and returns them), bounded as OpenAI bounds them
+    metadata: dict[str, str] | None = None
     store: Literal[False] | None = None      # store: false is what this server does anyway
     parallel_tool_calls: Literal[True] | None = None   # several calls in one turn are parsed and returned
     service_tier: Literal["auto", "default", "standard_only"] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        if v is None:
+            return v
+        if len(v) > METADATA_PAIRS:
+            raise ValueError(f"at most {METADATA_PAIRS} key-value pairs, found {len(v)}")
+        for key, value in v.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(f"key {key[:16]!r}… longer than {METADATA_KEY_CHARS} characters")
+            if len(value) > METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of {key!r} is longer than {METADATA_VALUE_CHARS} characters")
+        return v
 
 
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]

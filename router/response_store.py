@@ -7,6 +7,14 @@ tool-call markup included) and the response object the API returns. Nothing surv
 store is process memory, like the KV prefix cache it feeds (a follow-up after a restart gets 404
 `previous_response_not_found` and the client resends the history).
 
+Memory: every byte a stored response holds counts against the store's byte bound — its response object and input
+items, each segment's text and tokens (kept as 4-byte arrays), and the pixels of the images its conversation holds
+(a 12 KB segment held 7.2 MB of pixels outside the bound). Segments and images shared by a chain of responses (a
+follow-up keeps its predecessor's segments) count once, for as long as one response holds them.
+
+Callers: a response belongs to the API key that created it (a hash of it, never the key): with a router that
+accepts several keys (none configured, keys checked in front of it) another key's response is not found.
+
 Several router replicas: a response id names the replica that holds it (`resp_<replica>_<hex>`). A replica
 asked to continue another's response answers 404 `previous_response_not_found` naming the owner, so a load
 balancer can route follow-ups by the id's replica part (sticky sessions), which also keeps the KV prefix on the
@@ -15,12 +23,15 @@ workers of that replica.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -40,10 +51,26 @@ class Segment:
         return self.message.role
 
     def nbytes(self) -> int:
+        """The segment's own bytes: its texts and tokens (its images are counted apart: `held`)."""
         m = self.message
-        text = len(m.content) + len(m.reasoning or "") + sum(len(c.arguments) + len(c.name) + len(c.id)
-                                                              for c in m.tool_calls)
-        return 4 * len(self.ids or ()) + text + 64
+        strings = [m.content, m.reasoning or ""] + [s for c in m.tool_calls for s in (c.arguments, c.name, c.id)] + \
+            [p for p in m.parts or () if isinstance(p, str)] + list(self.item_ids)
+        ids = self.ids.itemsize * len(self.ids) if isinstance(self.ids, array) else 36 * len(self.ids or ())
+        return sum(sys.getsizeof(s) for s in strings) + ids + 200
+
+    def compact(self) -> None:
+        """Its tokens as a 4-byte array (a list of ints takes 36 bytes a token)."""
+        if self.ids is not None and not isinstance(self.ids, array):
+            self.ids = array("i", self.ids)
+
+    def held(self) -> list[tuple[object, int]]:
+        """What a stored segment keeps alive, with its bytes: itself and each image's pixels."""
+        out: list[tuple[object, int]] = [(self, self.nbytes())]
+        for p in self.message.parts or ():
+            if not isinstance(p, str):
+                pixels = getattr(p, "pixels", None)
+                out.append((p, (pixels.nbytes if pixels is not None else 0) + 300))
+        return out
 
 
 @dataclass
@@ -53,7 +80,13 @@ class StoredResponse:
     input_items: list[dict]              # the items this request added, with ids (GET …/input_items)
     segments: list[Segment]              # the conversation the model saw, its answer last
     created: float = field(default_factory=time.monotonic)
-    nbytes: int = 0
+    nbytes: int = 0                      # its own bytes: the response object and input items
+    owner: str = ""                      # the API key that created it, hashed (owner_of)
+
+
+def owner_of(api_key: str | None) -> str:
+    """Whose a stored response is: a hash of the API key the request presented ("" for none)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32] if api_key else ""
 
 
 class ResponseStore:
@@ -67,6 +100,7 @@ class ResponseStore:
             max_responses, max_bytes, ttl, replica, clock
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
         self._by_item: dict[str, str] = {}        # output item id → response id
+        self._held: dict[int, list] = {}          # id(segment or image) → [responses holding it, bytes, it]
         self.bytes = 0
         self._lock = threading.Lock()
 
@@ -79,13 +113,19 @@ class ResponseStore:
         return m.group(1) if m else None
 
     def put(self, stored: StoredResponse) -> None:
-        stored.nbytes = sum(s.nbytes() for s in stored.segments) + 2 * len(repr(stored.response)) + \
-            2 * len(repr(stored.input_items))
+        for s in stored.segments:
+            s.compact()
+        stored.nbytes = 2 * len(repr(stored.response)) + 2 * len(repr(stored.input_items)) + 500
         stored.created = self.clock()
         with self._lock:
             self._drop(stored.id)
             self._items[stored.id] = stored
             self.bytes += stored.nbytes
+            for obj, nbytes in (x for s in stored.segments for x in s.held()):
+                entry = self._held.setdefault(id(obj), [0, nbytes, obj])
+                if entry[0] == 0:
+                    self.bytes += nbytes
+                entry[0] += 1
             for s in stored.segments[-1:]:
                 for item_id in s.item_ids:
                     self._by_item[item_id] = stored.id
@@ -93,23 +133,26 @@ class ResponseStore:
             while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
                 self._drop(next(iter(self._items)))
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str = "") -> StoredResponse | None:
+        """The stored response, when `owner` (owner_of the caller's key) created it; else None."""
         with self._lock:
             self._expire()
             stored = self._items.get(response_id)
-            if stored is not None:
-                self._items.move_to_end(response_id)
+            if stored is None or not hmac.compare_digest(stored.owner, owner):
+                return None
+            self._items.move_to_end(response_id)
             return stored
 
-    def by_output_item(self, item_id: str) -> StoredResponse | None:
+    def by_output_item(self, item_id: str, owner: str = "") -> StoredResponse | None:
         """The stored response whose answer produced this output item (a client sending the history back)."""
         with self._lock:
             rid = self._by_item.get(item_id)
-        return self.get(rid) if rid else None
+        return self.get(rid, owner) if rid else None
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, owner: str = "") -> bool:
         with self._lock:
-            return self._drop(response_id)
+            stored = self._items.get(response_id)
+            return stored is not None and hmac.compare_digest(stored.owner, owner) and self._drop(response_id)
 
     def __len__(self) -> int:
         with self._lock:
@@ -121,6 +164,12 @@ class ResponseStore:
         if stored is None:
             return False
         self.bytes -= stored.nbytes
+        for obj, _ in (x for s in stored.segments for x in s.held()):
+            entry = self._held[id(obj)]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.bytes -= entry[1]
+                del self._held[id(obj)]
         for s in stored.segments[-1:]:
             for item_id in s.item_ids:
                 if self._by_item.get(item_id) == response_id:

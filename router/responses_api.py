@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat import message_images
-from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar
+from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import (
     NO_OPTIONS,
     PromptOptions,
@@ -27,9 +27,8 @@ from expertmesh.router.conversation import (
     system_and_rest,
     truncate,
 )
-from expertmesh.router.dependencies import Served, openai_key, served, served_model
-from expertmesh.router.errors import APIError, as_api_error
-from expertmesh.router.images import request_images
+from expertmesh.router.dependencies import Served, caller, openai_key, served, served_model
+from expertmesh.router.errors import APIError
 from expertmesh.router.messages import RESPONSES, new_item_id, remote_image_urls, responses_input, responses_tools
 from expertmesh.router.protocol import ResponsesBody
 from expertmesh.router.response_store import Segment, StoredResponse
@@ -72,11 +71,17 @@ def check_options(body: ResponsesBody) -> None:
             raise APIError(f"reasoning.{key}: not supported by this server", param=f"reasoning.{key}")
 
 
-def check_output_options(body: ResponsesBody) -> None:
-    for i, inc in enumerate(body.include or []):
+def check_include(include: list[str] | None) -> None:
+    """`include` values are honoured (reasoning.encrypted_content: the reasoning comes back as plain text) or
+    refused naming them."""
+    for i, inc in enumerate(include or []):
         if inc not in INCLUDABLE:
             raise APIError(f"include[{i}]: {inc!r} is not supported (only {', '.join(INCLUDABLE)})",
                            param=f"include[{i}]")
+
+
+def check_output_options(body: ResponsesBody) -> None:
+    check_include(body.include)
     if set(body.text or {}) - {"format"}:
         raise APIError(f"text: only `format` is supported, not {sorted(set(body.text) - {'format'})}", param="text")
     for key, value in (body.stream_options or {}).items():
@@ -99,25 +104,17 @@ def chat_response_format(text_format: dict) -> dict:
         else {"type": kind}
 
 
-def responses_grammar(fmt, tool_choice, tools, chat_format: dict) -> str | None:
-    """Responses `tool_choice` (required / {type: function, name}) and `text.format` (as chat_response_format) →
-    the same grammar as chat's; a 400 names the Responses field."""
-    try:
-        return answer_grammar(fmt, tool_choice, tools, chat_format, RESPONSES_FIELDS)
-    except ValueError as e:
-        raise as_api_error(e) from None
-
-
-def conversation(body: ResponsesBody, s: Served, images) -> Conversation:
+async def conversation(body: ResponsesBody, s: Served, images, owner: str = "") -> Conversation:
     check_options(body)
     thinking = decide_thinking(reasoning_effort=(body.reasoning or {}).get("effort"), effort_param="reasoning.effort")
     check_output_options(body)
     tools = responses_tools(body.tools)
     response_format = chat_response_format(text_format(body))
-    grammar = responses_grammar(s.fmt, body.tool_choice, tools, response_format)
+    grammar = await compile_off_loop(answer_grammar, s.fmt, body.tool_choice, tools, response_format,
+                                     RESPONSES_FIELDS, param="text.format" if body.text else "tool_choice")
     prior: list[Segment] = []
     if body.previous_response_id is not None:
-        stored = s.store.get(body.previous_response_id)
+        stored = s.store.get(body.previous_response_id, owner)
         if stored is None:
             owner = s.store.replica_of(body.previous_response_id)
             where = f" (it belongs to router replica {owner!r}; this is {s.store.replica!r})" \
@@ -125,7 +122,7 @@ def conversation(body: ResponsesBody, s: Served, images) -> Conversation:
             raise APIError(f"previous_response_id: response {body.previous_response_id!r} not found{where}",
                            param="previous_response_id", code="previous_response_not_found", kind="not_found")
         prior = list(stored.segments)
-    segments, listed = responses_input(body.input, s.store, images)
+    segments, listed = responses_input(body.input, s.store, images, owner)
     if not segments and not prior:
         raise APIError("input: expected at least one item", param="input")
     segments = prior + segments
@@ -150,8 +147,9 @@ class ResponseRun:
     """One POST /v1/responses over its run: the Response object, its output items, what is stored."""
 
     def __init__(self, body: ResponsesBody, s: Served, conv: Conversation, run: ChatRun, kept: list[Segment],
-                 report: dict | None):
+                 report: dict | None, owner: str = ""):
         self.body, self.s, self.conv, self.run, self.kept, self.report = body, s, conv, run, kept, report
+        self.owner = owner
         self.id, self.created = s.store.new_id(), time.time()
         self.rs_id, self.msg_id = new_item_id("rs"), new_item_id("msg")
 
@@ -194,7 +192,7 @@ class ResponseRun:
         if self.body.store:
             seg = answer_segment(self.s.fmt, self.run.req.output, r.parsed, tuple(i["id"] for i in output),
                                  self.conv.thinking.on)
-            self.s.store.put(StoredResponse(self.id, obj, self.conv.input_items, self.kept + [seg]))
+            self.s.store.put(StoredResponse(self.id, obj, self.conv.input_items, self.kept + [seg], owner=self.owner))
         return obj
 
     def events(self):
@@ -315,11 +313,11 @@ class ResponseEvents:
 # ----------------------------------------------------------------------------------------------- routes
 @router.post("/v1/responses")
 async def create(http_request: Request, body: ResponsesBody = served_model(ResponsesBody),
-                 s: Served = Depends(served)):
+                 s: Served = Depends(served), owner: str = Depends(caller)):
     engine, fmt = s.engine, s.fmt
-    images = await request_images(engine.cfg.vision, engine.image_limits,
-                                  remote_image_urls(body.input, RESPONSES, field="input"))
-    conv = conversation(body, s, images)
+    images = await s.images(remote_image_urls(body.input, RESPONSES, field="input"))
+    conv = await conversation(body, s, images, owner)
+    await images.decode()                              # every image's cost checked from its header first
     system, segments = system_and_rest(conv.segments, body.instructions)
     report = None
     if body.truncation == "auto":
@@ -335,7 +333,7 @@ async def create(http_request: Request, body: ResponsesBody = served_model(Respo
     # what a follow-up continues: a system / developer message sent as an input item stays in the conversation;
     # `instructions` belong to this request only (as OpenAI documents them)
     kept = (conv.segments[:1] if conv.segments and conv.segments[0].role == "system" else []) + segments
-    rr = ResponseRun(body, s, conv, run, kept, report)
+    rr = ResponseRun(body, s, conv, run, kept, report, owner)
     headers = thinking_headers(conv.thinking)
     if report:
         headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
@@ -345,8 +343,8 @@ async def create(http_request: Request, body: ResponsesBody = served_model(Respo
     return JSONResponse(rr.finish(r, rr.items(r)[0]), headers=headers)
 
 
-def stored_or_404(s: Served, response_id: str) -> StoredResponse:
-    stored = s.store.get(response_id)
+def stored_or_404(s: Served, response_id: str, owner: str) -> StoredResponse:
+    stored = s.store.get(response_id, owner)
     if stored is None:
         raise APIError(f"response {response_id!r} not found (unknown, expired, evicted, or stored on another router "
                        f"replica)", param="response_id", code="not_found", kind="not_found")
@@ -355,28 +353,29 @@ def stored_or_404(s: Served, response_id: str) -> StoredResponse:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, include: list[str] | None = Query(default=None), stream: bool = False,
-                   s: Served = Depends(served)):
+                   s: Served = Depends(served), owner: str = Depends(caller)):
     if stream:
         raise APIError("stream: replaying a stored response as a stream is not supported", param="stream")
-    for i, inc in enumerate(include or []):
-        if inc not in INCLUDABLE:
-            raise APIError(f"include[{i}]: {inc!r} is not supported", param=f"include[{i}]")
-    return stored_or_404(s, response_id).response
+    check_include(include)
+    return stored_or_404(s, response_id, owner).response
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete(response_id: str, s: Served = Depends(served)):
-    if not s.store.delete(response_id):
-        stored_or_404(s, response_id)
+async def delete(response_id: str, s: Served = Depends(served), owner: str = Depends(caller)):
+    if not s.store.delete(response_id, owner):
+        stored_or_404(s, response_id, owner)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(response_id: str, limit: int = Query(default=20, ge=1, le=100),
                       order: Literal["asc", "desc"] = "desc", after: str | None = None,
-                      include: list[str] | None = Query(default=None), s: Served = Depends(served)):
-    """The items this request added (a follow-up's history lives in the responses it names)."""
-    items = list(stored_or_404(s, response_id).input_items)
+                      include: list[str] | None = Query(default=None), s: Served = Depends(served),
+                      owner: str = Depends(caller)):
+    """The items this request added (a follow-up's history lives in the responses it names). `include`: as on
+    the response, honoured or refused."""
+    check_include(include)
+    items = list(stored_or_404(s, response_id, owner).input_items)
     items = items[::-1] if order == "desc" else items
     if after is not None:
         at = next((i for i, it in enumerate(items) if it.get("id") == after), None)

@@ -100,10 +100,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-bytes", type=int, default=d.max_bytes, help="encoded bytes of one image")
     p.add_argument("--max-image-source-pixels", type=int, default=d.max_source_pixels,
                    help="decoded width × height of one image before resizing (larger: refused, never decoded)")
+    p.add_argument("--max-image-side", type=int, default=d.max_side,
+                   help="decoded width or height of one image (larger: refused, never decoded)")
+    p.add_argument("--max-image-aspect", type=positive_float, default=d.max_aspect,
+                   help="longer side over shorter side of one image (larger: refused, never decoded)")
+    p.add_argument("--image-decoders", type=int, default=2, metavar="N",
+                   help="processes decoding images (off the event loop), each within --image-decoder-mib")
+    p.add_argument("--image-decoder-mib", type=int, default=768, metavar="MIB",
+                   help="memory one image decoder process may take beyond its start (a decode past it is refused)")
     p.add_argument("--image-fetch-allow", default="",
                    help="comma-separated hosts (host or host:port) remote image URLs may be fetched from; empty "
                         "(default): remote image URLs are refused (SSRF)")
-    p.add_argument("--image-fetch-timeout", type=float, default=d.fetch_timeout)
+    p.add_argument("--image-fetch-timeout", type=positive_float, default=d.fetch_timeout,
+                   help="seconds one remote image fetch may take in all (connecting, headers and the whole body)")
     p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
                    help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
                         "(torch.distributed pairs, gloo on cpu / nccl on cuda; expert workers need --collective-port; "
@@ -122,8 +131,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-request-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="an HTTP request (line, headers, body) must arrive within this many seconds, else 408")
     p.add_argument("--client-write-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="disconnect an HTTP client that stops reading its response for this long (its request is "
-                        "cancelled)")
+                   help="disconnect an HTTP client (cancel a gRPC stream) that stops reading its response for this "
+                        "long (its request is cancelled)")
+    p.add_argument("--grpc-threads", type=int, default=64, metavar="N",
+                   help="gRPC calls served at once (one thread each); more are refused (RESOURCE_EXHAUSTED)")
+    p.add_argument("--grpc-streams-per-connection", type=int, default=16, metavar="N",
+                   help="gRPC calls at once on one connection (HTTP/2 max concurrent streams; the client queues more)")
+    p.add_argument("--grpc-calls-per-client", type=int, default=None, metavar="N",
+                   help="gRPC calls at once from one client address (default: half of --grpc-threads; more: "
+                        "RESOURCE_EXHAUSTED)")
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
                    help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
                         "checkpoint's max_context")
@@ -201,6 +217,7 @@ def run(args) -> int:
                                  kv_growth=args.kv_growth, transport=args.transport,
                                  image_limits=ImageLimits(
                                      max_bytes=args.max_image_bytes, max_source_pixels=args.max_image_source_pixels,
+                                     max_side=args.max_image_side, max_aspect=args.max_image_aspect,
                                      max_images_per_request=args.max_images_per_request,
                                      max_pixels_per_request=args.max_image_pixels_per_request,
                                      fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",")
@@ -215,13 +232,21 @@ def run(args) -> int:
     except ValueError as e:
         print(f"expertmesh router: --replica: {e}", file=sys.stderr)
         return 2
+    decoder = None
+    if ckpt_cfg.vision is not None:
+        from expertmesh.router.image_decode import ImageDecoder
+        decoder = ImageDecoder(max(1, args.image_decoders), memory_bytes=args.image_decoder_mib * 2 ** 20)
+        decoder.warm()
     app = build_app(engine, api_key=api_key, chat=chat, response_store=store,
-                    reasoning_memory=not args.no_reasoning_memory)
+                    reasoning_memory=not args.no_reasoning_memory, image_decoder=decoder)
     http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls,
                                          request_timeout=args.client_request_timeout,
                                          write_timeout=args.client_write_timeout)
     grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat,
-                                    health_port=args.health_port)
+                                    health_port=args.health_port, max_workers=args.grpc_threads,
+                                    max_streams_per_connection=args.grpc_streams_per_connection,
+                                    max_calls_per_client=args.grpc_calls_per_client,
+                                    write_timeout=args.client_write_timeout)
     stop = stop_on_signals()
     if args.plan_poll_seconds > 0:
         threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds,
@@ -237,6 +262,8 @@ def run(args) -> int:
     http_server.should_exit = True
     http_thread.join(timeout=10)
     engine.close()
+    if decoder is not None:
+        decoder.close()
     return 0
 
 
