@@ -415,35 +415,13 @@ def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float
 
 
 def build_inprocess(model_dir: Path, dtype: str):
-    """(engine, facts): build_local_engine with `up`'s default topology (1 attention + 2 expert workers) at `dtype`.
-    build_local_engine takes no dtype today; the attention workers then get it through a partial of the class
-    build_local_engine constructs (this process only; project code unchanged)."""
-    import functools
-    import inspect
-
+    """(engine, facts): build_local_engine with `up`'s default topology (1 attention + 2 expert workers) at `dtype`."""
     import torch
 
-    import expertmesh.entry.local as local
+    from expertmesh.entry.local import build_local_engine
     facts = {"dtype": dtype, "torch_threads": torch.get_num_threads()}
-    torch_dtype = getattr(torch, dtype)
-    kw = dict(attention_workers=1, expert_workers=2)
     t0 = time.perf_counter()
-    if "dtype" in inspect.signature(local.build_local_engine).parameters:
-        engine = local.build_local_engine(str(model_dir), dtype=torch_dtype, **kw)
-        facts["dtype_via"] = "build_local_engine(dtype=)"
-    elif hasattr(local, "AttentionWorker") and \
-            "dtype" in inspect.signature(local.AttentionWorker.__init__).parameters:
-        original = local.AttentionWorker
-        local.AttentionWorker = functools.partial(original, dtype=torch_dtype)
-        try:
-            engine = local.build_local_engine(str(model_dir), **kw)
-        finally:
-            local.AttentionWorker = original
-        facts["dtype_via"] = "AttentionWorker(dtype=) inside build_local_engine"
-    else:
-        engine = local.build_local_engine(str(model_dir), **kw)
-        facts["dtype"] = "default (build_local_engine takes no dtype here)"
-        facts["dtype_via"] = None
+    engine = build_local_engine(str(model_dir), attention_workers=1, expert_workers=2, dtype=getattr(torch, dtype))
     facts["startup_s"] = time.perf_counter() - t0
     return engine, facts
 
