@@ -14,6 +14,7 @@ Shapes: N tokens of a step (all sequences' new tokens concatenated), H hidden, E
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 from expertmesh.config import ActivationConfig, ModelConfig, RopeConfig
 from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
 from expertmesh.kernels.activation import GatedActivation, gated_act
-from expertmesh.kernels.batch_invariant import linear, pointwise
+from expertmesh.kernels.batch_invariant import bmm, linear, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.sampling import Sampler
@@ -79,21 +80,59 @@ class Linear(nn.Module):
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, rope: RopeConfig, style: str) -> torch.Tensor:
-    """Rotary embedding on the last dim of x [T, ..., D] at absolute `positions` [T].
+class RotaryTable:
+    """cos / sin of every position for a `dim`-wide rotary slice, computed once per block of positions and kept
+    (least recently used first out): angles in float64 (exact at 1M positions), cos/sin scaled by YaRN's attention
+    factor, stored fp32. An entry depends only on its position, never on the batch that first asked for it."""
+
+    BLOCK = 4096      # positions per cached block (fp32 cos+sin of 32 frequencies: 1 MiB)
+    MAX_BLOCKS = 16
+
+    def __init__(self, rope: RopeConfig, dim: int):
+        self.rope, self.dim = rope, dim
+        self.blocks: OrderedDict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def _block(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (b, device)
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return self.blocks[key]
+        with torch.device("cpu"):          # also when the model was built under a meta-device context
+            inv_freq = self.rope.inv_freq(self.dim)                                     # [dim/2] float64
+            pos = torch.arange(b * self.BLOCK, (b + 1) * self.BLOCK, dtype=torch.float64)
+        angles = pos[:, None] * inv_freq[None, :]                                       # [BLOCK, dim/2]
+        factor = self.rope.attention_factor
+        entry = ((angles.cos() * factor).to(torch.float32).to(device),
+                 (angles.sin() * factor).to(torch.float32).to(device))
+        self.blocks[key] = entry
+        if len(self.blocks) > self.MAX_BLOCKS:
+            self.blocks.popitem(last=False)
+        return entry
+
+    def at(self, start: int, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [length, dim/2] fp32, of positions start .. start + length - 1."""
+        device = torch.device(device)
+        parts = []
+        for b in range(start // self.BLOCK, (start + length - 1) // self.BLOCK + 1):
+            cos, sin = self._block(b, device)
+            lo, hi = max(start, b * self.BLOCK) - b * self.BLOCK, min(start + length, (b + 1) * self.BLOCK) - b * self.BLOCK
+            parts.append((cos[lo:hi], sin[lo:hi]))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: str) -> torch.Tensor:
+    """Rotary embedding on the last dim of x [T, ..., D] with (cos, sin) [T, D/2] of its positions
+    (`RotaryTable.at`).
 
     style "half": pairs (i, i + D/2) (rotate-half); "interleaved": pairs (2i, 2i+1) as DeepSeek lays them out,
     written back de-interleaved (rotated evens, then rotated odds) — a fixed permutation of the dims applied to
-    queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged.
-    Angles in float64 (exact at 1M positions); cos/sin scaled by YaRN's attention factor."""
+    queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged."""
     if style == "none":
         return x
     d = x.shape[-1]
-    inv_freq = rope.inv_freq(d).to(device=positions.device, dtype=torch.float64)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]               # [T, D/2]
-    factor = rope.attention_factor
-    cos = (angles.cos() * factor).to(torch.float32)
-    sin = (angles.sin() * factor).to(torch.float32)
+    cos, sin = cos_sin
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     cos, sin = cos.view(shape), sin.view(shape)
     xf = x.float()
@@ -281,6 +320,7 @@ class LatentAttention(nn.Module):
         super().__init__()
         m, ix, h = cfg.mla, cfg.indexer, cfg.hidden_size
         self.m, self.ix, self.rope, self.dense, self.indexed = m, ix, cfg.rope, dense, indexed
+        self.rotary = RotaryTable(cfg.rope, m.qk_rope_head_dim)     # the MLA rope and the indexer's share it
         self.qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         self.scale = self.qk_dim ** -0.5 * cfg.rope.softmax_mscale
         if m.q_lora_rank is None:
@@ -305,12 +345,39 @@ class LatentAttention(nn.Module):
         return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim, **like),
                         index_k=torch.zeros(0, self.ix.head_dim, **like) if self.indexed else None)
 
-    def _index_rope(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _index_rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The indexer's RoPE: rotate-half on the first qk_rope_head_dim dims of t [T, ..., Di]."""
         if not self.ix.rope:
             return t
         r = self.m.qk_rope_head_dim
-        return torch.cat([rotary(t[..., :r], pos, self.rope, "half"), t[..., r:]], dim=-1)
+        return torch.cat([rotary(t[..., :r], cos_sin, "half"), t[..., r:]], dim=-1)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's two halves for the absorbed form: W_uk [nH, nope, kv_lora] and W_uvᵀ [nH, kv_lora, v]. On a GPU,
+        views of kv_b. On CPU, contiguous copies (one more kv_b per MLA/DSA layer in host memory): ATen's bf16 bmm
+        copies a strided operand on every call, and W_uvᵀ as a view ran 3.7× slower. The copies are kept while
+        kv_b's weight is the same tensor at the same version (a load or an in-place write rebuilds them)."""
+        w, m = self.kv_b.weight.detach(), self.m
+        w_kvb = w.view(m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w_uk, w_uv_t = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim:].transpose(1, 2)
+        if w.device.type != "cpu":
+            return w_uk, w_uv_t
+        key = (w.data_ptr(), w._version, w.dtype)
+        if getattr(self, "_absorbed_key", None) != key:
+            self._absorbed_weights = (w_uk.contiguous(), w_uv_t.contiguous())
+            self._absorbed_key = key
+        return self._absorbed_weights
+
+    def _rows_cos_sin(self, segments: list[Segment], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, rope/2] of every row of the step: each segment's rows at its cache's next positions."""
+        parts = [self.rotary.at(seg.cache.length, seg.length, device) for seg in segments]
+        if len(parts) == 1 and segments[0].start == 0 and segments[0].length == n:
+            return parts[0]
+        cos = torch.empty(n, self.m.qk_rope_head_dim // 2, device=device)
+        sin = torch.empty_like(cos)
+        for seg, (c, s) in zip(segments, parts):
+            cos[seg.start:seg.start + seg.length], sin[seg.start:seg.start + seg.length] = c, s
+        return cos, sin
 
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         m, ix = self.m, self.ix
@@ -330,39 +397,41 @@ class LatentAttention(nn.Module):
             # the indexer's softmax scale (Di^-1/2) and head weighting (Hi^-1/2) folded into the weights
             index_w = self.index_w(x).float() * (ix.n_heads * ix.head_dim) ** -0.5  # [N, Hi]
         gate = pointwise(torch.sigmoid, self.gate(x)) if self.gate is not None else None  # [N, nH·v]
-        w_kvb = self.kv_b.weight.view(m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w_uk, w_uv = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim:]  # [nH, nope|v, kv_lora]
+        w_uk, w_uv_t = self._absorbed()
+        # every row of the step at once (rows stay batch-invariant: the absorbed projection pads to fixed tiles,
+        # the rotations are elementwise): q_nope·W_uk per head, then RoPE at each row's own position
+        q_abs = bmm(q[:, :, : m.qk_nope_head_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [N, nH, kv_lora]
+        cos_sin = self._rows_cos_sin(segments, n, x.device)                         # [N, rope/2] each
+        q_full = torch.cat([q_abs, rotary(q[:, :, m.qk_nope_head_dim:], cos_sin, m.rope)], dim=-1)
+        latent = torch.cat([c_kv, rotary(k_pe, cos_sin, m.rope)], dim=-1)          # [N, kv_lora + rope]
+        if self.indexed:
+            index_q, index_k = self._index_rope(index_q, cos_sin), self._index_rope(index_k, cos_sin)
         topk = 1 << 62 if self.dense else ix.index_topk
-        o = x.new_empty(n, m.n_heads, m.v_head_dim)
+        o_lat_all = x.new_empty(n, m.n_heads, m.kv_lora_rank)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: DSACache = seg.cache.layers[layer]
-            pos = torch.arange(seg.cache.length, seg.cache.length + seg.length, device=x.device)
-            q_nope = q[rows, :, : m.qk_nope_head_dim]
-            q_pe = rotary(q[rows, :, m.qk_nope_head_dim:], pos, self.rope, m.rope)
-            latent = torch.cat([c_kv[rows], rotary(k_pe[rows], pos, self.rope, m.rope)], dim=-1)
-            cache.append(latent, self._index_rope(index_k[rows], pos) if self.indexed else None)
-            q_abs = torch.einsum("thn,hnc->thc", q_nope, w_uk)                      # [T, nH, kv_lora]
-            q_full = torch.cat([q_abs, q_pe], dim=-1)[None]                         # [1, T, nH, kv_lora+rope]
+            cache.append(latent[rows], index_k[rows] if self.indexed else None)
             if seg.length == 1:
                 # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
                 # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length
                 pg = cache.pages()
                 if self.indexed:
-                    o_lat = dsa_ops.dsa_decode_paged(q_full[0], pg.latent, pg.index_k, pg.block_table,
-                                                     pg.context_lens, self._index_rope(index_q[rows], pos),
-                                                     index_w[rows], topk, scale=self.scale, v_dim=m.kv_lora_rank)
+                    o_lat = dsa_ops.dsa_decode_paged(q_full[rows], pg.latent, pg.index_k, pg.block_table,
+                                                     pg.context_lens, index_q[rows], index_w[rows], topk,
+                                                     scale=self.scale, v_dim=m.kv_lora_rank)
                 else:
-                    o_lat = dsa_ops.mla_decode_paged(q_full[0], pg.latent, pg.block_table, pg.context_lens,
+                    o_lat = dsa_ops.mla_decode_paged(q_full[rows], pg.latent, pg.block_table, pg.context_lens,
                                                      scale=self.scale, v_dim=m.kv_lora_rank)
             elif self.indexed:
-                o_lat = dsa_ops.dsa_prefill(q_full, cache.latent[None], self._index_rope(index_q[rows], pos)[None],
+                o_lat = dsa_ops.dsa_prefill(q_full[rows][None], cache.latent[None], index_q[rows][None],
                                             cache.index_k[None], index_w[rows][None], topk, causal=True,
                                             scale=self.scale, v_dim=m.kv_lora_rank)[0]  # [T, nH, kv_lora]
             else:
-                o_lat = dsa_ops.mla_prefill(q_full, cache.latent[None], scale=self.scale, v_dim=m.kv_lora_rank)[0]
-            o[rows] = torch.einsum("thc,hvc->thv", o_lat, w_uv)
-        o = o.reshape(n, -1)
+                o_lat = dsa_ops.mla_prefill(q_full[rows][None], cache.latent[None], scale=self.scale,
+                                            v_dim=m.kv_lora_rank)[0]
+            o_lat_all[rows] = o_lat
+        o = bmm(o_lat_all.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(n, -1)   # through W_uv: [N, nH·v]
         return self.o_proj(o * gate if gate is not None else o)
 
 

@@ -41,6 +41,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, weight.shape[0])
 
 
+def bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-batch-item matmul x [B, M, K] @ weight [B, K, N] → [B, M, N] whose rows do not depend on how many other
+    rows are in `x` (e.g. MLA's per-head absorbed projections over every token of a step). Every call has exactly
+    ROW_TILE rows (the last tile zero-padded): ATen picks bmm's kernel from the whole problem's size, and for small
+    bf16 problems a 64-row call rounds differently from a 16-row one, so only one shape is safe. `x` may be a
+    strided view."""
+    if x.is_cuda:
+        return torch.bmm(x, weight)
+    m = x.shape[1]
+    out = x.new_empty(x.shape[0], m, weight.shape[2])
+    for s in range(0, m, ROW_TILE):
+        part = x[:, s:s + ROW_TILE]
+        rows = part.shape[1]
+        if rows != ROW_TILE:
+            part = torch.cat([part, part.new_zeros(part.shape[0], ROW_TILE - rows, part.shape[2])], dim=1)
+        out[:, s:s + rows] = torch.bmm(part, weight)[:, :rows]
+    return out
+
+
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply an elementwise function (sigmoid, silu, softplus, rsqrt, exp, ...) so that each element goes
     through the same code path whatever the batch: ATen runs SIMD on whole vectors and a scalar loop — which

@@ -1,7 +1,9 @@
 """Row results of the batch-invariant linear must not depend on the other rows in the call."""
 import torch
 
-from expertmesh.kernels.batch_invariant import linear
+import pytest
+
+from expertmesh.kernels.batch_invariant import bmm, linear
 
 
 def test_linear_rows_do_not_depend_on_batch():
@@ -23,6 +25,22 @@ def test_linear_matches_plain_matmul_closely():
     out = linear(x, w)
     assert out.shape == (7, 3, 32)
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bmm_rows_do_not_depend_on_batch(dtype):
+    """MLA's absorbed projections (16 heads, nope 128 → latent 512 and back) over any number of tokens."""
+    gen = torch.Generator().manual_seed(3)
+    for b, k, n in [(16, 128, 512), (16, 512, 128), (4, 48, 80), (2, 16, 4)]:
+        w = torch.randn(b, k, n, generator=gen).to(dtype)
+        x = torch.randn(b, 1, k, generator=gen).to(dtype)
+        alone = bmm(x, w)[:, 0]
+        torch.testing.assert_close(alone.float(), (x.float() @ w.float())[:, 0], rtol=2e-2, atol=2e-2 * k ** 0.5)
+        for m in (2, 3, 16, 17, 64, 100):
+            others = torch.randn(m, b, k, generator=gen).to(dtype)    # token-major, as the model holds them
+            pos = m // 2
+            others[pos] = x[:, 0]
+            assert torch.equal(bmm(others.transpose(0, 1), w)[:, pos], alone), (b, k, n, m, dtype)
 
 
 def test_pointwise_rows_do_not_depend_on_batch():

@@ -89,3 +89,26 @@ def test_stop_token_and_empty_prompt(model):
     assert out.finish_reason == "stop" and out.tokens == first[:2]
     with pytest.raises(ValueError, match="prompt"):
         generate(model, [], SamplingParams())
+
+
+def test_rotary_table_equals_the_angles_computed_directly_and_does_not_depend_on_the_span():
+    """The cached cos/sin blocks against cos/sin of pos·inv_freq computed for just those positions (float64),
+    across a block boundary and at 1M positions, with and without YaRN; one position's entry is the same bits
+    whether it is asked for alone or inside a longer span."""
+    import random
+
+    from expertmesh.config import RopeConfig, YarnConfig
+    from expertmesh.model import RotaryTable
+    rng = random.Random(7)
+    for rope in (RopeConfig(theta=10_000.0),
+                 RopeConfig(theta=50_000.0, yarn=YarnConfig(factor=32.0, original_max_position_embeddings=4096))):
+        table = RotaryTable(rope, 64)
+        for start, length in ((0, 5), (RotaryTable.BLOCK - 7, 20), (1_000_000 - 3, 3), (rng.randrange(200_000), 64)):
+            cos, sin = table.at(start, length, "cpu")
+            pos = torch.arange(start, start + length, dtype=torch.float64)
+            angles = pos[:, None] * rope.inv_freq(64)[None, :]
+            torch.testing.assert_close(cos, (angles.cos() * rope.attention_factor).float(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(sin, (angles.sin() * rope.attention_factor).float(), rtol=1e-6, atol=1e-7)
+            k = rng.randrange(length)
+            one = table.at(start + k, 1, "cpu")
+            assert torch.equal(one[0][0], cos[k]) and torch.equal(one[1][0], sin[k])
