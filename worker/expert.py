@@ -159,10 +159,10 @@ class ExpertWorker:
             raise ExpertRequestError(f"expert_ids: {bad} outside [0, {n_experts}) (or −1 for elsewhere)")
         if expert_ids.shape[1] > 1 and bool((valid[:, 1:] & (expert_ids[:, 1:] <= expert_ids[:, :-1])).any()):
             raise ExpertRequestError("expert_ids: expected each row's ids distinct and in ascending order")
-        held = torch.zeros(n_experts, dtype=torch.bool)
-        for _, _, local in shards:
-            held[list(local)] = True
-        missing = valid & ~held[expert_ids.clamp(min=0)]
+        safe_ids = expert_ids.clamp(min=0)
+        mine_of = [valid & (_host_index(mod)[safe_ids] >= 0) for _, mod, _ in shards]   # per shard [n, K]
+        held = mine_of[0] if len(mine_of) == 1 else torch.stack(mine_of).any(0)
+        missing = valid & ~held
         if bool(missing.any()):
             e = int(expert_ids[missing][0])
             raise UnknownExpert(f"expert ({layer}, {e}) is not held by {self.name}")
@@ -176,9 +176,8 @@ class ExpertWorker:
             out = torch.zeros(n, k, h, dtype=torch.float32)
             # every device's pieces are launched before any result is read back, so the devices run at once
             pending = []
-            for _, mod, local in shards:
+            for (_, mod, _), mine in zip(shards, mine_of):
                 dev = mod.gate_up_blocks.device
-                mine = valid & torch.isin(expert_ids, torch.tensor(sorted(local), dtype=expert_ids.dtype))
                 if not bool(mine.any()):
                     continue
                 ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
@@ -191,3 +190,12 @@ class ExpertWorker:
         groups = self.cfg.moe.combine_groups
         partials = group_partials(out, expert_ids, weights.float(), n_experts // groups, groups)
         return partials.to(out_dtype)
+
+
+def _host_index(mod: RoutedExperts) -> torch.Tensor:
+    """A shard's global id → local index table (−1: not held) on the host, kept on the module (a re-plan loads new
+    modules, so it never goes stale): which of a call's slots a shard computes, without a per-call set lookup."""
+    index = getattr(mod, "_host_global_to_local", None)
+    if index is None:
+        index = mod._host_global_to_local = mod.global_to_local.cpu()
+    return index
