@@ -81,7 +81,7 @@ class LocalCluster:
 
     def __init__(self, checkpoint: str | Path, *, attention_workers: int = 1, expert_workers: int = 1,
                  redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051, expert_replicas: int = 1,
-                 host: str = "127.0.0.1", threads: int = 1, kv_blocks: int = 512, block_size: int = 16,
+                 host: str = "127.0.0.1", threads: int | None = 1, kv_blocks: int = 512, block_size: int = 16,
                  prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
@@ -89,7 +89,8 @@ class LocalCluster:
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
         `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
-        serves its rendezvous store on a port of its own, worker/collective.py)."""
+        serves its rendezvous store on a port of its own, worker/collective.py). `threads`: torch threads per
+        process, or None for each role's share of this machine's cores (`threads_for`)."""
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
@@ -113,10 +114,23 @@ class LocalCluster:
         self.plan_path = self.run_dir / "plan.json"
 
     # ------------------------------------------------------------------ processes
-    def _env(self) -> dict:
+    def threads_for(self, name: str) -> int:
+        """Torch threads of the process `name` (attention-i, expert-i, router). With `threads` None, each role's
+        share of the cores this process may run on: a step runs the attention workers and the expert workers in
+        turn (attention waits while the experts of its layer compute), so the attention workers share all the
+        cores and so do the expert workers; the router does no tensor math."""
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        role = name.split("-", 1)[0]
+        share = {"attention": self.n_attention, "expert": self.n_expert}.get(role)
+        return max(1, cores // share) if share else 1
+
+    def _env(self, name: str) -> dict:
         env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads),
-                    "EXPERTMESH_TORCH_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1",
+        threads = str(self.threads_for(name))
+        env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                    "EXPERTMESH_TORCH_THREADS": threads, "PYTHONUNBUFFERED": "1",
                     "PYTHONSAFEPATH": "1"})   # the repo's operator/ must never shadow the stdlib module
         env.update(self.extra_env)    # OTEL_* and friends pass through from os.environ as well
         return env
@@ -124,7 +138,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
         cmd = [sys.executable, "-m", "expertmesh.cli", *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**self._env(), **(env or {})}, start_new_session=True,
+                                env={**self._env(name), **(env or {})}, start_new_session=True,
                                 preexec_fn=_die_with_parent(os.getpid()))
         child = Child(name, proc, list(args))
         threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
@@ -371,7 +385,9 @@ def add_arguments(p) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per process (default: the attention workers share this machine's cores, "
+                        "and so do the expert workers — they compute in turn; the router 1)")
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                    help=f"prompt tokens a sequence prefills per step, and the prefix cache's granularity (default "
                         f"{DEFAULT_PREFILL_CHUNK}; a multiple of --block-size)")
