@@ -115,7 +115,8 @@ class RotaryTable:
         parts = []
         for b in range(start // self.BLOCK, (start + length - 1) // self.BLOCK + 1):
             cos, sin = self._block(b, device)
-            lo, hi = max(start, b * self.BLOCK) - b * self.BLOCK, min(start + length, (b + 1) * self.BLOCK) - b * self.BLOCK
+            base = b * self.BLOCK
+            lo, hi = max(start, base) - base, min(start + length, base + self.BLOCK) - base
             parts.append((cos[lo:hi], sin[lo:hi]))
         if len(parts) == 1:
             return parts[0]

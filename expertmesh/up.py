@@ -24,7 +24,7 @@ from expertmesh.argtypes import nonnegative_int, positive_int
 from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ModelConfig
 from expertmesh.planner import ClusterShape, plan_placement
-from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, add_arguments as router_arguments
+from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, add_arguments as router_arguments
 from expertmesh.shutdown import stop_on_signals
 from expertmesh.tls import ephemeral_pki
 
@@ -82,7 +82,8 @@ class LocalCluster:
     def __init__(self, checkpoint: str | Path, *, attention_workers: int = 1, expert_workers: int = 1,
                  redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051, expert_replicas: int = 1,
                  host: str = "127.0.0.1", threads: int | None = 1, kv_blocks: int = 512, block_size: int = 16,
-                 prefill_chunk: int = 16, run_dir: str | Path | None = None, extra_env: dict | None = None,
+                 prefill_chunk: int = 16, prefill_tokens: int | None = None, run_dir: str | Path | None = None,
+                 extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
                  worker_tls_dir: str | Path | None = None, transport: str = "grpc"):
@@ -100,6 +101,7 @@ class LocalCluster:
         self.expert_replicas = expert_replicas
         self.http_port, self.grpc_port, self.host = http_port, grpc_port, host
         self.threads, self.kv_blocks, self.block_size, self.prefill_chunk = threads, kv_blocks, block_size, prefill_chunk
+        self.prefill_tokens = prefill_tokens or prefill_chunk     # tests: one granule a step, as the in-process engine
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="expertmesh-up-"))
         self.extra_env = extra_env or {}
         self.router_args = router_args or []
@@ -226,7 +228,8 @@ class LocalCluster:
                 "--attention", ",".join(c.address for c in attention),
                 "--experts", ",".join(c.address for c in experts),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                "--prefill-chunk", str(self.prefill_chunk), "--transport", self.transport, *router_tls,
+                "--prefill-chunk", str(self.prefill_chunk), "--prefill-tokens", str(self.prefill_tokens),
+                "--transport", self.transport, *router_tls,
                 *self.router_args])
             self._wait_ready([self.router], timeout)
         except BaseException:
@@ -308,7 +311,8 @@ def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: i
 
 # router options `up` sets itself (addresses, plan, TLS, the deployment's shape): not for `up -- ...`
 UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--experts", "--host", "--http-port",
-                           "--grpc-port", "--prefill-chunk", "--transport", "--worker-tls-ca", "--worker-tls-cert",
+                           "--grpc-port", "--prefill-chunk", "--prefill-tokens", "--transport", "--worker-tls-ca",
+                           "--worker-tls-cert",
                            "--worker-tls-key", "--worker-tls-server-name", "--tls-cert", "--tls-key",
                            "--tls-client-ca")
 
@@ -341,7 +345,8 @@ def run_up(args) -> int:
                            redundant_experts=args.redundant_experts, expert_replicas=args.expert_replicas,
                            http_port=args.http_port,
                            grpc_port=args.grpc_port, host=args.host, threads=args.threads,
-                           prefill_chunk=args.prefill_chunk, echo=args.verbose, tls_dir=args.tls_dir,
+                           prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens, echo=args.verbose,
+                           tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
                            transport=args.transport, router_args=passed_to_router)
     stop = stop_on_signals()
@@ -389,8 +394,11 @@ def add_arguments(p) -> None:
                    help="torch threads per process (default: the attention workers share this machine's cores, "
                         "and so do the expert workers — they compute in turn; the router 1)")
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"prompt tokens a sequence prefills per step, and the prefix cache's granularity (default "
+                   help=f"the prefix cache's granularity: prompt chunks end at its multiples (default "
                         f"{DEFAULT_PREFILL_CHUNK}; a multiple of --block-size)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
+                   help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
+                        f"{DEFAULT_PREFILL_TOKENS})")
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
     p.add_argument("--device", type=_device, default=None,
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")

@@ -12,10 +12,12 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     its worker is out of blocks, the prefixes cached there go first (least recently used first), then the youngest
     other sequences there are preempted (requeued: they replay what they had, the same tokens, later); a sequence
     alone on a worker that cannot hold more of it ends with "length";
-  * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk,
-    which ends at the next multiple of `prefill_chunk` (so a long prompt never stalls decoding for more than a chunk,
-    and cached prefixes line up with fresh runs), within `max_batch_tokens`, in arrival order; the last chunk samples
-    unless the request only scores its prompt;
+  * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
+    (`prefill_end`): up to `prefill_tokens` prompt tokens ending at a multiple of `prefill_chunk`, the prefix
+    cache's granularity (so a long prompt never stalls decoding for more than a chunk, and cached prefixes line up
+    with fresh runs), within `max_batch_tokens`, in arrival order; the prompt's last multiple of the granularity
+    ends a chunk of its own (the prefix a follow-up turn starts with is saved); the last chunk samples unless the
+    request only scores its prompt;
   * snapshots: a sequence reaching a multiple of the chunk saves its cache as a prefix under its hash-chain key,
     unless that prefix is cached already.
 `update_from_output()` turns one attention worker's step result into what changes: per request the tokens computed,
@@ -41,12 +43,13 @@ from expertmesh.worker_api import StepDone, TokenLogprobs
 @dataclass(frozen=True)
 class Limits:
     """The engine's scheduling settings."""
-    prefill_chunk: int
+    prefill_chunk: int                # the prefix cache's granularity: chunks end (and snapshots are) at its multiples
     max_batch_tokens: int
     max_running: int
     kv_growth: int                    # tokens of KV a sequence reserves ahead (when placed, and each time it runs out)
     max_context: int
     max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
+    prefill_tokens: int = 0           # prompt tokens a sequence may feed in one step (0: one granule, prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,11 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, li
     for s in decoding:
         batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, [s.req.tokens[s.computed]], True))
         budget -= 1
-    chunk = limits.prefill_chunk
     for s in prefilling:
         if budget <= 0:
             break
-        end = min(len(s.req.prompt), (s.computed // chunk + 1) * chunk)
-        if end - s.computed > budget:
+        end = prefill_end(s.computed, len(s.req.prompt), limits, budget)
+        if end is None:
             break
         sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
         batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed:end], sample))
@@ -260,6 +262,20 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, li
         for p in items:
             _snapshot(p, kv, limits)
     return batches
+
+
+def prefill_end(computed: int, prompt_len: int, limits: Limits, budget: int) -> int | None:
+    """Where a prompt's next chunk ends, from `computed` tokens: at a multiple of the granularity g =
+    `prefill_chunk`, as far as `prefill_tokens` and the step's token `budget` allow, or at the prompt's end when
+    the rest fits — except that the prompt's last multiple of g is a stop of its own (its prefix is snapshotted:
+    a chat's next turn starts with it). None when not one granule boundary fits."""
+    g = limits.prefill_chunk
+    reach = computed + min(max(limits.prefill_tokens, g), budget)
+    if prompt_len <= reach:
+        last_mark = prompt_len // g * g
+        return last_mark if computed < last_mark < prompt_len else prompt_len
+    end = reach // g * g
+    return end if end > computed else None
 
 
 def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:

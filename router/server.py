@@ -17,10 +17,12 @@ from expertmesh.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
 
-# Prompt tokens per prefill step (and the prefix cache's granularity): on CPU a prefill step has a large fixed cost
-# per layer, so 256 tokens prefill ~6x faster in chunks of 64 than of 16 (small preset; bench/peer.py end to end),
-# while multi-turn chats still find their history cached to within 64 tokens.
+# The prefix cache's granularity (prompt chunks end at its multiples): multi-turn chats find their history cached
+# to within 64 tokens. Prompt tokens per prefill step: on CPU a step has a large fixed cost (every weight read once,
+# the routed experts decoded once), so a 1,000-token prompt reaches its first token in 3.7 s in steps of up to 256
+# against 5.1 s in steps of 64 (bench/peer.py's model, bf16, expertmesh up).
 DEFAULT_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_TOKENS = 256
 
 
 def load_plan(path: str):
@@ -87,9 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-port", type=int, default=None,
                    help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes gRPC probes under TLS)")
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"prompt tokens a sequence prefills per step, ending at fixed multiples (so a cached prefix "
-                        f"and a fresh run compute the same chunks), and the prefix cache's granularity (default "
-                        f"{DEFAULT_PREFILL_CHUNK}: a 256-token prefill is ~6x faster than in chunks of 16 on CPU)")
+                   help=f"the prefix cache's granularity: prompt chunks end at its multiples (so a cached prefix and "
+                        f"a fresh run compute the same chunks) and prefixes are saved there (default "
+                        f"{DEFAULT_PREFILL_CHUNK})")
+    p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
+                   help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
+                        f"{DEFAULT_PREFILL_TOKENS}; within --max-batch-tokens)")
     p.add_argument("--max-batch-tokens", type=int, default=256)
     p.add_argument("--max-waiting", type=int, default=256)
     from expertmesh.router.prepared_image import ImageLimits   # numpy: not for every `expertmesh` command (see run)
@@ -197,6 +202,10 @@ def run(args) -> int:
     from expertmesh.tls import ClientTLS, ServerTLS
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
+    if args.prefill_tokens % args.prefill_chunk:
+        print(f"expertmesh router: --prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk "
+              f"{args.prefill_chunk}", file=sys.stderr)
+        return 2
     try:
         ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context,
                                   thinking_budgets=args.thinking_budgets)
@@ -212,7 +221,8 @@ def run(args) -> int:
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
                                  control_timeout=args.control_timeout,
                                  tls=worker_tls,
-                                 prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
+                                 prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
+                                 max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
                                  kv_growth=args.kv_growth, transport=args.transport,
                                  image_limits=ImageLimits(

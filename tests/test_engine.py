@@ -92,6 +92,35 @@ def test_prefix_cache_prefills_only_the_remainder(ckpt):
     assert second.output == cold.output          # reuse at chunk boundaries computes exactly what a cold run does
 
 
+def test_larger_prefill_steps_keep_the_cache_granularity_at_the_prompts_end(ckpt):
+    """Steps of up to 4 granules (prefill_tokens) prefill a 100-token prompt in 64 + 32 + 4 tokens; the prompt's
+    last multiple of the granularity (96) is saved, so a follow-up turn that starts with the whole prompt computes
+    only what follows it; a prompt diverging inside a step finds the step boundary before it (64). Cached runs give
+    the tokens of cold runs."""
+    def engine():
+        return build_local_engine(ckpt, prefill_chunk=CHUNK, prefill_tokens=4 * CHUNK)
+    base = prompts(1, lo=100, hi=101, seed=5)[0]
+    follow_up = base + [9] * 20
+    diverging = base[:80] + [11] * 20
+    eng = engine()
+    try:
+        eng.generate(base, SamplingParams(max_tokens=2))
+        runs = {}
+        for name, prompt in (("follow_up", follow_up), ("diverging", diverging)):
+            before = eng.stats.prefilled_tokens
+            runs[name] = (eng.generate(prompt, SamplingParams(max_tokens=4)), eng.stats.prefilled_tokens - before)
+    finally:
+        eng.close()
+    assert runs["follow_up"][0].cached_tokens == 96 and runs["follow_up"][1] == 24
+    assert runs["diverging"][0].cached_tokens == 64 and runs["diverging"][1] == 36
+    for name, prompt in (("follow_up", follow_up), ("diverging", diverging)):
+        cold = engine()
+        try:
+            assert cold.generate(prompt, SamplingParams(max_tokens=4)).output == runs[name][0].output, name
+        finally:
+            cold.close()
+
+
 def test_bad_requests_are_refused_and_engine_keeps_serving(ckpt):
     eng = build_local_engine(ckpt, max_waiting=2, prefill_chunk=CHUNK)
     try:

@@ -11,6 +11,7 @@ from expertmesh.router.scheduler import (
     Planned,
     check_request,
     finish_reason,
+    prefill_end,
     reserve_tokens,
     schedule,
     update_from_output,
@@ -209,6 +210,41 @@ def test_decode_first_then_prefill_chunks_at_chunk_multiples_within_the_token_bu
            [(r, 25, [r.tokens[25]], True) for r in dec]
     assert [(p.req, p.start, p.tokens) for p in batches[0]] == [(a, 5, a.prompt[5:16]), (b, 16, b.prompt[16:32])]
     # 40 - 3 decodes - 11 - 16 = 10 tokens left: c's 16-token chunk waits, and d behind it too (arrival order)
+
+
+@pytest.mark.parametrize("computed,length,budget,end", [
+    (0, 100, 64, 48),     # three granules of 16 (prefill_tokens 48)
+    (48, 100, 64, 96),    # the rest (52) does not fit: whole granules again
+    (96, 100, 64, 100),   # the tail after the prompt's last multiple of 16
+    (0, 40, 64, 32),      # the rest fits, but 32 — the prompt's last multiple — is a stop of its own
+    (32, 40, 64, 40),
+    (0, 32, 64, 32),      # a prompt that ends on a multiple
+    (5, 100, 64, 48),     # from a position off the grid: to whole multiples
+    (0, 100, 40, 32),     # the step's token budget shrinks the chunk to whole granules
+    (0, 100, 15, None),   # not one granule fits
+    (0, 10, 15, 10),      # a short prompt fits whole
+])
+def test_a_prefill_step_feeds_up_to_prefill_tokens_and_ends_on_the_cache_granularity(computed, length, budget, end):
+    limits = Limits(prefill_chunk=CHUNK, max_batch_tokens=64, max_running=8, kv_growth=16, max_context=512,
+                    prefill_tokens=3 * CHUNK)
+    assert prefill_end(computed, length, limits, budget) == end
+
+
+def test_larger_prefill_steps_snapshot_where_chunks_of_the_granularity_would():
+    """Steps of 48 tokens over a 100-token prompt end at 48, 96 and 100, saving the prefixes of 48 and 96 under the
+    same hash-chain keys that steps of 16 would use (so a follow-up turn finds its history either way)."""
+    req = running(0, 0, 128, length=100, seed=4)
+    limits = Limits(prefill_chunk=CHUNK, max_batch_tokens=64, max_running=8, kv_growth=16, max_context=512,
+                    prefill_tokens=3 * CHUNK)
+    keys = dict(prefix_hashes(req.tokens, CHUNK, SALT))
+    ends, saved = [], []
+    while req.computed < len(req.prompt):
+        p = schedule([], [req], kv_of(64), limits=limits).batches[0][0]
+        ends.append(p.end)
+        saved.append(p.snapshot)
+        req.computed = p.end
+    assert ends == [48, 96, 100]
+    assert saved == [keys[48], keys[96], None]
 
 
 def test_the_last_chunk_samples_unless_the_request_only_scores_its_prompt():
