@@ -3,20 +3,38 @@ import torch
 
 import pytest
 
-from expertmesh.kernels.batch_invariant import bmm, linear
+from expertmesh.kernels.batch_invariant import PACKING, bmm, linear, packed_weight
 
 
-def test_linear_rows_do_not_depend_on_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True], ids=["tensor", "parameter"])
+def test_linear_rows_do_not_depend_on_batch(dtype, packed):
+    """A plain tensor weight runs F.linear; a parameter runs on its oneDNN prepacked copy (CPU)."""
     gen = torch.Generator().manual_seed(0)
     for k, n in [(64, 288), (1024, 1024), (48, 2816), (16, 4)]:
-        w = torch.randn(n, k, generator=gen)
-        x = torch.randn(1, k, generator=gen)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        if packed:
+            w = torch.nn.Parameter(w, requires_grad=False)
+        assert (packed_weight(w) is not None) == (packed and PACKING)
+        x = torch.randn(1, k, generator=gen).to(dtype)
         alone = linear(x, w)[0]
-        for m in (2, 3, 5, 9, 16, 17, 33, 100):
-            others = torch.randn(m, k, generator=gen)
+        for m in (2, 3, 5, 9, 16, 17, 33, 100, 1100):
+            others = torch.randn(m, k, generator=gen).to(dtype)
             pos = m // 2
             others[pos] = x[0]
             assert torch.equal(linear(others, w)[pos], alone), (k, n, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_plain_and_follows_writes_to_the_weight(dtype):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(96, 64, generator=gen).to(dtype), requires_grad=False)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(linear(x, w).float(), (x.float() @ w.float().T), **tol)
+    with torch.no_grad():
+        w.mul_(-2)                                  # written in place: the packed copy is made again
+    torch.testing.assert_close(linear(x, w).float(), (x.float() @ w.float().T), **tol)
 
 
 def test_linear_matches_plain_matmul_closely():
