@@ -380,6 +380,32 @@ class LatentAttention(nn.Module):
             cos[seg.start:seg.start + seg.length], sin[seg.start:seg.start + seg.length] = c, s
         return cos, sin
 
+    def _decode_together(self, decodes: list[Segment], layer: int, topk: int, q_full: torch.Tensor,
+                         index_q: torch.Tensor | None, index_w: torch.Tensor | None, o_lat: torch.Tensor) -> set[int]:
+        """One decode call for every decoding sequence whose pages share one pool, where that gives each the bits
+        it gets alone (kernels.dsa.decode_rows_are_batch_invariant, top-k covering every context); writes their
+        rows of o_lat and returns their segments' start rows (the others decode one by one)."""
+        if len(decodes) < 2 or not dsa_ops.decode_rows_are_batch_invariant(q_full):
+            return set()
+        pages = [seg.cache.layers[layer].pages() for seg in decodes]
+        pool = pages[0].latent
+        if any(p.latent.data_ptr() != pool.data_ptr() or p.latent.shape != pool.shape for p in pages):
+            return set()                           # the reference model's per-sequence caches: one by one
+        lens = torch.cat([p.context_lens for p in pages])
+        if int(lens.max()) > topk:
+            return set()
+        table = torch.zeros(len(pages), max(p.block_table.shape[1] for p in pages), dtype=torch.int32)
+        for i, p in enumerate(pages):
+            table[i, : p.block_table.shape[1]] = p.block_table[0]
+        rows = torch.tensor([seg.start for seg in decodes])
+        if self.indexed:
+            o_lat[rows] = dsa_ops.dsa_decode_paged(q_full[rows], pool, pages[0].index_k, table, lens, index_q[rows],
+                                                   index_w[rows], topk, scale=self.scale, v_dim=self.m.kv_lora_rank)
+        else:
+            o_lat[rows] = dsa_ops.mla_decode_paged(q_full[rows], pool, table, lens, scale=self.scale,
+                                                   v_dim=self.m.kv_lora_rank)
+        return {seg.start for seg in decodes}
+
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         m, ix = self.m, self.ix
         n = x.shape[0]
@@ -392,6 +418,7 @@ class LatentAttention(nn.Module):
         kv = self.kv_a(x)
         c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])                              # [N, kv_lora]
         k_pe = kv[:, m.kv_lora_rank:]                                               # [N, rope]
+        index_q = index_k = index_w = None
         if self.indexed:
             index_q = self.index_q(q_lat).view(n, ix.n_heads, ix.head_dim)
             index_k = self.index_k_norm(self.index_k(x))                            # [N, Di]
@@ -411,8 +438,14 @@ class LatentAttention(nn.Module):
         o_lat_all = x.new_empty(n, m.n_heads, m.kv_lora_rank)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
+            seg.cache.layers[layer].append(latent[rows], index_k[rows] if self.indexed else None)
+        done = self._decode_together([s for s in segments if s.length == 1], layer, topk, q_full, index_q, index_w,
+                                     o_lat_all)
+        for seg in segments:
+            if seg.start in done:
+                continue
+            rows = slice(seg.start, seg.start + seg.length)
             cache: DSACache = seg.cache.layers[layer]
-            cache.append(latent[rows], index_k[rows] if self.indexed else None)
             if seg.length == 1:
                 # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
                 # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length

@@ -7,7 +7,7 @@ import pytest
 from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model import generate
+from expertmesh.model import LatentAttention, generate
 from expertmesh.router.engine import QueueFull, RequestError
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.up import make_placement
@@ -69,6 +69,31 @@ def test_batched_equals_alone_and_calls_per_step_are_bounded(ckpt):
     assert steps <= eng.stats.attention_calls - calls <= 2 * steps
     assert 0 < sum(e.calls for e in eng.expert_clients) - expert_calls <= 2 * steps * 3 * cfg.n_moe_layers
     assert steps < sum(len(p) for p in ps)   # requests really shared steps
+
+
+def test_decoding_sequences_share_one_attention_call_with_the_bits_each_gets_alone(ckpt, monkeypatch):
+    """On CPU the decoding sequences of a step attend in one kernel call per layer (their contexts within the
+    index top-k, 16 in the tiny preset): every token and log-prob is the one each sequence gets decoded alone."""
+    together_calls = []
+    decode_together = LatentAttention._decode_together
+
+    def counting(self, decodes, *args, **kw):
+        done = decode_together(self, decodes, *args, **kw)
+        together_calls.append(len(done))
+        return done
+    monkeypatch.setattr(LatentAttention, "_decode_together", counting)
+    ps = prompts(4, lo=2, hi=6, seed=21)
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
+    try:
+        alone = [eng.generate(p, params) for p in ps]
+        assert not any(together_calls)
+        together = [r.wait(60) for r in [eng.submit(p, params) for p in ps]]
+    finally:
+        eng.close()
+    assert max(together_calls) == 4
+    for a, t in zip(alone, together):
+        assert t.output == a.output and t.logprobs == a.logprobs
 
 
 def test_prefix_cache_prefills_only_the_remainder(ckpt):

@@ -1,7 +1,8 @@
 """DSA sparse attention ops: lightning indexer, top-k selection, sparse MLA attention (prefill and paged decode).
 
 `dsa_decode_paged` picks the Triton kernels for CUDA tensors and the PyTorch path otherwise
-(`expertmesh.kernels.backend.resolve`; `use_backend` forces one). `dsa_prefill` and `lightning_indexer` have
+(`expertmesh.kernels.backend.resolve`; `use_backend` forces one); on CPU its sparse attention runs the C++ kernel
+(`cpu_kernel.py`) when it is built and the backend is not forced. `dsa_prefill` and `lightning_indexer` have
 no Triton kernel yet: their blocked PyTorch paths run on either device. The Triton module is imported only
 when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set before the kernels
 are decorated. The math, tie-breaking and index order are described in `naive.py`.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.kernels.backend import resolve
+from expertmesh.kernels.backend import _configured, resolve
+from expertmesh.kernels.dsa.cpu_kernel import available as cpu_kernel_available
 from expertmesh.kernels.dsa.naive import (
     check_decode_inputs,
     check_dsa_inputs,
@@ -49,7 +51,15 @@ __all__ = [
     "paged_sparse_attention",
     "check_dsa_inputs",
     "check_decode_inputs",
+    "decode_rows_are_batch_invariant",
 ]
+
+
+def decode_rows_are_batch_invariant(q: torch.Tensor) -> bool:
+    """Whether a decode over several sequences at once gives each the bits it gets alone, when every sequence's
+    top-k covers its whole context (no indexer pass): the CPU kernel's result depends only on its own row. (The
+    PyTorch path's GEMMs and softmax run over the widest row; the Triton path decodes per sequence here.)"""
+    return q.device.type == "cpu" and _configured() == "auto" and cpu_kernel_available()
 
 
 def dsa_decode_paged(

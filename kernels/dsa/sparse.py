@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from expertmesh.kernels.backend import _configured
 from expertmesh.kernels.batch_invariant import ROW_TILE
+from expertmesh.kernels.dsa.cpu_kernel import available as cpu_kernel_available, paged_attention as paged_attention_cpu
 from expertmesh.kernels.dsa.naive import (
     MIN_COLS,
     DSAShapes,
@@ -214,7 +216,16 @@ def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, ind
 def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            indices: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
     """q [B,H,D] over the entries `indices` [B,k] (logical positions, -1 = unused; at least one used per row)
-    of each sequence's pages → [B,H,v_dim] fp32."""
+    of each sequence's pages → [B,H,v_dim] fp32. On CPU (backend auto) the C++ kernel (cpu_kernel.py: no gather
+    copy, each sequence's result independent of the batch), else `paged_sparse_attention_torch`."""
+    if q.device.type == "cpu" and _configured() == "auto" and cpu_kernel_available():
+        return paged_attention_cpu(q, kv_cache, block_table, indices, scale, v_dim)
+    return paged_sparse_attention_torch(q, kv_cache, block_table, indices, scale, v_dim)
+
+
+def paged_sparse_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                 indices: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """`paged_sparse_attention` as a gather, two batched GEMMs and a softmax (any device)."""
     bs, D = kv_cache.shape[1:]
     safe = indices.clamp_min(0)
     rows = block_table.long().gather(1, safe // bs) * bs + safe % bs                    # physical rows [B,k]

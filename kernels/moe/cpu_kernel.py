@@ -22,7 +22,6 @@ round differently from ATen's SIMD silu / sigmoid / tanh, another fp32-rounding-
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels import cpu_extension
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
 from expertmesh.kernels.moe.naive import check_moe_inputs
 from expertmesh.kernels.mxfp4.naive import check_mxfp4
@@ -42,10 +42,6 @@ EXTENSION = "expertmesh_mxfp4_cpu"   # build name prefix; the library's op names
 NAMESPACE = "expertmesh_mxfp4_cpu"   # TORCH_LIBRARY(...) in the source
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _ACT = {"swiglu": 0, "situ": 1}   # the C++ Act codes
-# -fopenmp: at::parallel_for is inline OpenMP in torch's CPU builds (without it the pragma is ignored and the kernel
-# runs on one thread); the library links libgomp.so.1, the runtime torch itself has loaded.
-CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _tried = False
@@ -61,7 +57,7 @@ def enabled() -> bool:
 
 def build_name() -> str:
     """The build's name: EXTENSION + the first 12 hex digits of the source's SHA-256."""
-    return f"{EXTENSION}_{hashlib.sha256(Path(SOURCE).read_bytes()).hexdigest()[:12]}"
+    return cpu_extension.build_name(EXTENSION, SOURCE)
 
 
 def load():
@@ -76,11 +72,7 @@ def load():
             return _ops
         t0 = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load as cpp_load
-            cpp_load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                     is_python_module=False,
-                     verbose=False)
-            _ops = getattr(torch.ops, NAMESPACE)
+            _ops = cpu_extension.build_ops(EXTENSION, SOURCE, NAMESPACE)
             _ops.best_isa()                                   # resolves the ops: fails here, not later
         except Exception as exc:   # no compiler / ninja, a build error, an unloadable library
             _ops = None
