@@ -28,6 +28,7 @@ from expertmesh import memory, telemetry
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig, preset
 from expertmesh.health_port import serve_health_only
+from expertmesh.kernels.dsa import cpu_kernel as dsa_cpu_kernel
 from expertmesh.kernels.moe import cpu_kernel
 from expertmesh.memory import WorkerMemory
 from expertmesh.plan import PlacementPlan
@@ -362,6 +363,8 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
         # first RunExperts call would overrun the caller's deadline and mark this worker down
         if cpu_kernel.enabled():
             cpu_kernel.load()
+    if attention is not None and attention.device_kind == "cpu" and attention.cfg.latent_kv_layers:
+        dsa_cpu_kernel.available()     # the paged-attention kernel, likewise built before the first RunStep
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"grpc-{role}"),
