@@ -416,15 +416,16 @@ def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float
 
 def build_inprocess(model_dir: Path, dtype: str):
     """(engine, facts): build_local_engine with `up`'s default topology (1 attention + 2 expert workers) and its
-    router's prefill chunk, at `dtype` — the same steps, so the same greedy tokens."""
+    router's prefill steps, at `dtype` — the same steps, so the same greedy tokens."""
     import torch
 
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.router.server import DEFAULT_PREFILL_CHUNK
-    facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK}
+    from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
+    facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+             "prefill_tokens": DEFAULT_PREFILL_TOKENS}
     t0 = time.perf_counter()
     engine = build_local_engine(str(model_dir), attention_workers=1, expert_workers=2, dtype=getattr(torch, dtype),
-                                prefill_chunk=DEFAULT_PREFILL_CHUNK)
+                                prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_tokens=DEFAULT_PREFILL_TOKENS)
     facts["startup_s"] = time.perf_counter() - t0
     return engine, facts
 
