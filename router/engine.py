@@ -84,13 +84,15 @@ def _first_info(client, timeout: float) -> dict:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
-                 prefill_chunk: int = 16, prefill_tokens: int = 0, max_batch_tokens: int = 256, max_running: int = 64,
+                 prefill_chunk: int = 16, prefill_tokens: int = 0, max_batch_tokens: int | None = 256,
+                 max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
                  max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None):
         """`prefill_chunk`: the prefix cache's granularity (prompt chunks end at its multiples); `prefill_tokens`:
-        prompt tokens a sequence may feed per step (0: one granule); `max_queue_wait`: seconds a request may wait for
-        KV room before it is refused (429, retry later);
+        prompt chunks end at its multiples (0: at prefill_chunk's); `max_batch_tokens`: tokens per step (None: 256,
+        or prefill_tokens + max_running if more, so a chunk always fits beside every decoding sequence); `max_queue_wait`:
+        seconds a request may wait for KV room before it is refused (429, retry later);
         `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out);
         `transport`: how attention workers exchange each MoE layer with the expert workers (grpc | collective:
         worker/collective.py)."""
@@ -109,7 +111,8 @@ class Engine:
             raise ValueError(f"prefill_tokens: {prefill_tokens} is not a multiple of prefill_chunk {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_tokens = max(prefill_tokens, prefill_chunk)
-        self.max_batch_tokens = max(max_batch_tokens, prefill_chunk)
+        self.max_batch_tokens = max(max_batch_tokens or max(256, self.prefill_tokens + max_running),
+                                    self.prefill_tokens)
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.max_queue_wait = max_queue_wait

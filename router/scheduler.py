@@ -13,10 +13,11 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     other sequences there are preempted (requeued: they replay what they had, the same tokens, later); a sequence
     alone on a worker that cannot hold more of it ends with "length";
   * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
-    (`prefill_end`): up to `prefill_tokens` prompt tokens ending at a multiple of `prefill_chunk`, the prefix
-    cache's granularity (so a long prompt never stalls decoding for more than a chunk, and cached prefixes line up
-    with fresh runs), within `max_batch_tokens`, in arrival order; the prompt's last multiple of the granularity
-    ends a chunk of its own (the prefix a follow-up turn starts with is saved); the last chunk samples unless the
+    (`prefill_end`), which ends at the next multiple of `prefill_tokens` (one granule, `prefill_chunk`, when unset),
+    or earlier at the prompt's last multiple of `prefill_chunk` — the prefix cache's granularity, so the prefix a
+    follow-up turn starts with is saved — or at its end: fixed by the prompt alone, so a sequence computes the same
+    chunks whatever runs beside it (a long prompt never stalls decoding for more than a chunk), within
+    `max_batch_tokens`, in arrival order (a chunk that does not fit waits); the last chunk samples unless the
     request only scores its prompt;
   * snapshots: a sequence reaching a multiple of the chunk saves its cache as a prefix under its hash-chain key,
     unless that prefix is cached already.
@@ -49,7 +50,7 @@ class Limits:
     kv_growth: int                    # tokens of KV a sequence reserves ahead (when placed, and each time it runs out)
     max_context: int
     max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
-    prefill_tokens: int = 0           # prompt tokens a sequence may feed in one step (0: one granule, prefill_chunk)
+    prefill_tokens: int = 0           # prompt chunks end at its multiples (0: at prefill_chunk's)
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,8 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, li
     for s in prefilling:
         if budget <= 0:
             break
-        end = prefill_end(s.computed, len(s.req.prompt), limits, budget)
-        if end is None:
+        end = prefill_end(s.computed, len(s.req.prompt), limits)
+        if end - s.computed > budget:
             break
         sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
         batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed:end], sample))
@@ -264,18 +265,16 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, li
     return batches
 
 
-def prefill_end(computed: int, prompt_len: int, limits: Limits, budget: int) -> int | None:
-    """Where a prompt's next chunk ends, from `computed` tokens: at a multiple of the granularity g =
-    `prefill_chunk`, as far as `prefill_tokens` and the step's token `budget` allow, or at the prompt's end when
-    the rest fits — except that the prompt's last multiple of g is a stop of its own (its prefix is snapshotted:
-    a chat's next turn starts with it). None when not one granule boundary fits."""
+def prefill_end(computed: int, prompt_len: int, limits: Limits) -> int:
+    """Where a prompt's next chunk ends, from `computed` tokens: at the next multiple of `prefill_tokens` (of the
+    granularity g = `prefill_chunk` when unset), or earlier at the prompt's last multiple of g (a stop of its own:
+    that prefix is snapshotted, and a chat's next turn starts with it), or at the prompt's end. The ends depend on
+    the prompt alone — never on the batch — so a sequence's numbers do not either."""
     g = limits.prefill_chunk
-    reach = computed + min(max(limits.prefill_tokens, g), budget)
-    if prompt_len <= reach:
-        last_mark = prompt_len // g * g
-        return last_mark if computed < last_mark < prompt_len else prompt_len
-    end = reach // g * g
-    return end if end > computed else None
+    step = max(limits.prefill_tokens, g)
+    end = min(prompt_len, (computed // step + 1) * step)
+    last_mark = prompt_len // g * g
+    return last_mark if computed < last_mark < end else end
 
 
 def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:

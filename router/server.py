@@ -93,9 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"a fresh run compute the same chunks) and prefixes are saved there (default "
                         f"{DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
-                   help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
-                        f"{DEFAULT_PREFILL_TOKENS}; within --max-batch-tokens)")
-    p.add_argument("--max-batch-tokens", type=int, default=256)
+                   help=f"prompt chunks end at its multiples (and at the prompt's last multiple of --prefill-chunk): "
+                        f"the prompt tokens a sequence prefills per step, a multiple of --prefill-chunk (default "
+                        f"{DEFAULT_PREFILL_TOKENS})")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                   help="tokens per step (default: 256, or --prefill-tokens + 64 if more, so a prompt chunk always "
+                        "fits beside every decoding sequence; at least --prefill-tokens)")
     p.add_argument("--max-waiting", type=int, default=256)
     from expertmesh.router.prepared_image import ImageLimits   # numpy: not for every `expertmesh` command (see run)
     d = ImageLimits()

@@ -212,22 +212,32 @@ def test_decode_first_then_prefill_chunks_at_chunk_multiples_within_the_token_bu
     # 40 - 3 decodes - 11 - 16 = 10 tokens left: c's 16-token chunk waits, and d behind it too (arrival order)
 
 
-@pytest.mark.parametrize("computed,length,budget,end", [
-    (0, 100, 64, 48),     # three granules of 16 (prefill_tokens 48)
-    (48, 100, 64, 96),    # the rest (52) does not fit: whole granules again
-    (96, 100, 64, 100),   # the tail after the prompt's last multiple of 16
-    (0, 40, 64, 32),      # the rest fits, but 32 — the prompt's last multiple — is a stop of its own
-    (32, 40, 64, 40),
-    (0, 32, 64, 32),      # a prompt that ends on a multiple
-    (5, 100, 64, 48),     # from a position off the grid: to whole multiples
-    (0, 100, 40, 32),     # the step's token budget shrinks the chunk to whole granules
-    (0, 100, 15, None),   # not one granule fits
-    (0, 10, 15, 10),      # a short prompt fits whole
+@pytest.mark.parametrize("computed,length,end", [
+    (0, 100, 48),     # the next multiple of prefill_tokens (48)
+    (48, 100, 96),
+    (96, 100, 100),   # the tail after the prompt's last multiple of the granularity (16)
+    (0, 40, 32),      # the prompt ends before 48, but 32 — its last multiple of 16 — is a stop of its own
+    (32, 40, 40),
+    (0, 32, 32),      # a prompt that ends on a multiple
+    (5, 100, 48),     # from a position off the grid: to the grid
+    (64, 100, 96),    # from a cached prefix (a multiple of 16): the same ends as a cold run from there on
 ])
-def test_a_prefill_step_feeds_up_to_prefill_tokens_and_ends_on_the_cache_granularity(computed, length, budget, end):
+def test_a_prefill_chunk_ends_where_the_prompt_alone_says(computed, length, end):
     limits = Limits(prefill_chunk=CHUNK, max_batch_tokens=64, max_running=8, kv_growth=16, max_context=512,
                     prefill_tokens=3 * CHUNK)
-    assert prefill_end(computed, length, limits, budget) == end
+    assert prefill_end(computed, length, limits) == end
+
+
+def test_a_long_chunk_that_does_not_fit_the_step_waits_rather_than_shrinks():
+    """Shrinking a chunk to what a step has left would make its ends (and so its numbers) depend on the batch."""
+    dec = [running(0, 25, 40, seed=s) for s in range(20)]          # 20 decoding tokens
+    pre = running(0, 0, 128, length=100, seed=30)                  # its chunk is 48 tokens
+    limits = Limits(prefill_chunk=CHUNK, max_batch_tokens=64, max_running=32, kv_growth=16, max_context=512,
+                    prefill_tokens=3 * CHUNK)
+    batch = schedule([], [*dec, pre], kv_of(64), limits=limits).batches[0]
+    assert pre not in [p.req for p in batch] and len(batch) == 20
+    batch = schedule([], [*dec[:16], pre], kv_of(64), limits=limits).batches[0]
+    assert [(p.start, p.end) for p in batch if p.req is pre] == [(0, 48)]
 
 
 def test_larger_prefill_steps_snapshot_where_chunks_of_the_granularity_would():
