@@ -20,7 +20,9 @@ import hashlib
 import io
 import multiprocessing
 import os
+import select
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -67,9 +69,33 @@ def _decode_in_child(data, source, resized, padded):
         return None, f"not a decodable image: {type(e).__name__}: {e}"
 
 
-def _limit_memory(memory_bytes: int) -> None:
-    """Decoder process initializer: cap the data segment at what it holds now plus `memory_bytes`."""
+def _init_decoder(memory_bytes: int, router_pid: int) -> None:
+    """Decoder process initializer: cap the data segment at what it holds now plus `memory_bytes`, and end this
+    process when the router does."""
     limit_data_segment(memory_bytes)
+    threading.Thread(target=_exit_with, args=(router_pid,), daemon=True, name="router-watch").start()
+
+
+def _exit_with(pid: int) -> None:
+    """Exit when process `pid` ends. A decoder would outlive a killed router otherwise: each worker holds the
+    writing end of the pool's call queue (so its read never sees EOF) and the forkserver's liveness pipe (so the
+    forkserver stays too) — three processes left behind per router."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):             # no pidfd (not Linux ≥ 5.3): poll
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(1.0)
+    os._exit(0)
 
 
 def _forkserver():
@@ -97,7 +123,8 @@ class ImageDecoder:
             if self._pool is None:
                 if self.processes:
                     self._pool = ProcessPoolExecutor(self.workers, mp_context=_forkserver(),
-                                                     initializer=_limit_memory, initargs=(self.memory_bytes,))
+                                                     initializer=_init_decoder,
+                                                     initargs=(self.memory_bytes, os.getpid()))
                 else:
                     self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-decode")
             return self._pool
