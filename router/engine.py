@@ -84,7 +84,7 @@ def _first_info(client, timeout: float) -> dict:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
-                 prefill_chunk: int = 16, prefill_tokens: int = 0, max_batch_tokens: int | None = 256,
+                 prefill_chunk: int = 16, prefill_tokens: int = 0, max_batch_tokens: int | None = None,
                  max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
