@@ -163,8 +163,15 @@ class ImageDecoder:
             with self._lock:
                 self._pending -= 1
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the pool. `wait`: until its processes have exited, the forkserver too (the router's shutdown:
+        nothing of it stays behind once it has exited)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=wait, cancel_futures=True)
+        if wait and self.processes:
+            server = getattr(multiprocessing.forkserver, "_forkserver", None)
+            stop = getattr(server, "_stop", None)        # CPython's own (it stops the server its tests start)
+            if stop is not None:
+                stop()

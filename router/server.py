@@ -276,7 +276,7 @@ def run(args) -> int:
     http_thread.join(timeout=10)
     engine.close()
     if decoder is not None:
-        decoder.close()
+        decoder.close(wait=True)
     return 0
 
 

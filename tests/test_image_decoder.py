@@ -45,3 +45,20 @@ def test_decoder_processes_end_when_the_router_is_killed():
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"decoder processes still running after the router was killed: {left}"
+
+
+def test_closing_the_pool_and_waiting_leaves_no_process():
+    """The router's shutdown (close(wait=True)): the decoders and the forkserver have exited when it returns."""
+    import multiprocessing.forkserver as fs
+
+    from expertmesh.router.image_decode import ImageDecoder
+    pool = ImageDecoder(2)
+    pool.warm()
+    ex = pool._executor()
+    deadline = time.monotonic() + 30
+    while len(ex._processes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [*ex._processes, fs._forkserver._forkserver_pid]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    pool.close(wait=True)
+    assert [p for p in pids if _alive(p)] == []
