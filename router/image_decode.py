@@ -164,14 +164,15 @@ class ImageDecoder:
                 self._pending -= 1
 
     def close(self, wait: bool = False) -> None:
-        """Stop the pool. `wait`: until its processes have exited, the forkserver too (the router's shutdown:
-        nothing of it stays behind once it has exited)."""
+        """Stop the pool. `wait`: until its processes have exited, and multiprocessing's forkserver and resource
+        tracker too (the router's shutdown: nothing of it stays behind once it has exited)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=True)
         if wait and self.processes:
-            server = getattr(multiprocessing.forkserver, "_forkserver", None)
-            stop = getattr(server, "_stop", None)        # CPython's own (it stops the server its tests start)
-            if stop is not None:
-                stop()
+            for module, helper in (("forkserver", "_forkserver"), ("resource_tracker", "_resource_tracker")):
+                # CPython's own stop methods (its tests use them): close the helper's pipe, reap the process
+                stop = getattr(getattr(getattr(multiprocessing, module, None), helper, None), "_stop", None)
+                if stop is not None:
+                    stop()

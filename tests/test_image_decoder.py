@@ -48,8 +48,10 @@ def test_decoder_processes_end_when_the_router_is_killed():
 
 
 def test_closing_the_pool_and_waiting_leaves_no_process():
-    """The router's shutdown (close(wait=True)): the decoders and the forkserver have exited when it returns."""
+    """The router's shutdown (close(wait=True)): the decoders, the forkserver and the resource tracker have exited
+    when it returns."""
     import multiprocessing.forkserver as fs
+    import multiprocessing.resource_tracker as rt
 
     from expertmesh.router.image_decode import ImageDecoder
     pool = ImageDecoder(2)
@@ -58,7 +60,7 @@ def test_closing_the_pool_and_waiting_leaves_no_process():
     deadline = time.monotonic() + 30
     while len(ex._processes) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = [*ex._processes, fs._forkserver._forkserver_pid]
-    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    pids = [*ex._processes, fs._forkserver._forkserver_pid, rt._resource_tracker._pid]
+    assert len(pids) == 4 and all(_alive(p) for p in pids)
     pool.close(wait=True)
     assert [p for p in pids if _alive(p)] == []
