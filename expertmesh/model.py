@@ -385,15 +385,14 @@ class LatentAttention(nn.Module):
         """One decode call for every decoding sequence whose pages share one pool, where that gives each the bits
         it gets alone (kernels.dsa.decode_rows_are_batch_invariant, top-k covering every context); writes their
         rows of o_lat and returns their segments' start rows (the others decode one by one)."""
-        if len(decodes) < 2 or not dsa_ops.decode_rows_are_batch_invariant(q_full):
+        if len(decodes) < 2 or max(seg.cache.length + 1 for seg in decodes) > topk or \
+                not dsa_ops.decode_rows_are_batch_invariant(q_full):
             return set()
         pages = [seg.cache.layers[layer].pages() for seg in decodes]
         pool = pages[0].latent
         if any(p.latent.data_ptr() != pool.data_ptr() or p.latent.shape != pool.shape for p in pages):
             return set()                           # the reference model's per-sequence caches: one by one
         lens = torch.cat([p.context_lens for p in pages])
-        if int(lens.max()) > topk:
-            return set()
         table = torch.zeros(len(pages), max(p.block_table.shape[1] for p in pages), dtype=torch.int32)
         for i, p in enumerate(pages):
             table[i, : p.block_table.shape[1]] = p.block_table[0]

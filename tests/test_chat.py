@@ -6,8 +6,8 @@ import pytest
 from expertmesh.chat import (ChatError, Message, ToolCall, builtin_markers, parse_output, render, thinking_control,
                              tier_from_request, validate_history)
 from expertmesh.config import preset
-from expertmesh.thinking import ThinkingState
 from expertmesh.tokenizer import ByteTokenizer
+from test_thinking import run as emitted   # what the worker's sampler emits under a thinking control
 
 T = ByteTokenizer()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -98,16 +98,6 @@ def test_tiers():
         tier_from_request(thinking_budget="huge")
     with pytest.raises(ChatError, match="reasoning_effort"):
         tier_from_request(reasoning_effort="extreme")
-
-
-def emitted(control, drawn: list[int]) -> tuple[list[int], ThinkingState]:
-    """What the worker's sampler emits for these drawn tokens under the format's thinking control."""
-    state, out = ThinkingState(control), []
-    for t in drawn:
-        t = state.next_token(t)
-        state.observe(t)
-        out.append(t)
-    return out, state
 
 
 def test_budget_forces_end_of_thinking_at_the_limit():

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.kernels.backend import _configured, resolve
-from expertmesh.kernels.dsa.cpu_kernel import available as cpu_kernel_available
+from expertmesh.kernels.backend import resolve
+from expertmesh.kernels.dsa.cpu_kernel import runs_for as cpu_kernel_runs_for
 from expertmesh.kernels.dsa.naive import (
     check_decode_inputs,
     check_dsa_inputs,
@@ -59,7 +59,7 @@ def decode_rows_are_batch_invariant(q: torch.Tensor) -> bool:
     """Whether a decode over several sequences at once gives each the bits it gets alone, when every sequence's
     top-k covers its whole context (no indexer pass): the CPU kernel's result depends only on its own row. (The
     PyTorch path's GEMMs and softmax run over the widest row; the Triton path decodes per sequence here.)"""
-    return q.device.type == "cpu" and _configured() == "auto" and cpu_kernel_available()
+    return cpu_kernel_runs_for(q)
 
 
 def dsa_decode_paged(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels.backend import _configured
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.moe.cpu_kernel import enabled
 
@@ -26,6 +27,11 @@ EXTENSION = LazyExtension("expertmesh_dsa_cpu", Path(__file__).parent / "cpu" / 
 def available() -> bool:
     """The kernel is enabled and built (building it now if it was not tried yet)."""
     return enabled() and EXTENSION.load() is not None
+
+
+def runs_for(q: torch.Tensor) -> bool:
+    """Whether `paged_sparse_attention` runs this kernel for `q`: a CPU tensor, the backend not forced, built."""
+    return q.device.type == "cpu" and _configured() == "auto" and available()
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.kernels.backend import _configured
 from expertmesh.kernels.batch_invariant import ROW_TILE
-from expertmesh.kernels.dsa.cpu_kernel import available as cpu_kernel_available, paged_attention as paged_attention_cpu
+from expertmesh.kernels.dsa.cpu_kernel import paged_attention as paged_attention_cpu, runs_for as cpu_kernel_runs_for
 from expertmesh.kernels.dsa.naive import (
     MIN_COLS,
     DSAShapes,
@@ -218,7 +217,7 @@ def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     """q [B,H,D] over the entries `indices` [B,k] (logical positions, -1 = unused; at least one used per row)
     of each sequence's pages → [B,H,v_dim] fp32. On CPU (backend auto) the C++ kernel (cpu_kernel.py: no gather
     copy, each sequence's result independent of the batch), else `paged_sparse_attention_torch`."""
-    if q.device.type == "cpu" and _configured() == "auto" and cpu_kernel_available():
+    if cpu_kernel_runs_for(q):
         return paged_attention_cpu(q, kv_cache, block_table, indices, scale, v_dim)
     return paged_sparse_attention_torch(q, kv_cache, block_table, indices, scale, v_dim)
 
