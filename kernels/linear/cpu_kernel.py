@@ -75,7 +75,7 @@ def _isa(isa: str) -> int:
     return ISAS[isa]
 
 
-def _rows(t: torch.Tensor, dims: int) -> torch.Tensor:
+def _rows(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride along its last dim (a copy only when it has not)."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
@@ -86,11 +86,14 @@ def linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int, *, isa: str 
     if x.device.type != "cpu":
         raise ValueError(f"x: expected a CPU tensor, found {x.device}")
     ops = _require()
-    lead = x.shape[:-1]
-    flat = _rows(x.reshape(-1, k), 2)
+    if x.dim() == 2:
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        ops.linear(_rows(x), w_packed, n, k, out, _isa(isa))
+        return out
+    flat = _rows(x.reshape(-1, k))
     out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
     ops.linear(flat, w_packed, n, k, out, _isa(isa))
-    return out.reshape(*lead, n)
+    return out.reshape(*x.shape[:-1], n)
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
@@ -101,5 +104,5 @@ def bmm(x: torch.Tensor, w: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
         raise ValueError(f"x: expected a CPU tensor, found {x.device}")
     ops = _require()
     out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=torch.bfloat16)
-    ops.bmm(_rows(x, 3), _rows(w, 3), out, _isa(isa))
+    ops.bmm(_rows(x), _rows(w), out, _isa(isa))
     return out

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -148,6 +149,36 @@ EM_TARGET inline void load_pair(__m512i* v, const uint16_t* w, int64_t ldw, __mm
   }
 }
 
+// One column group of a [K, N] weight (w at column n0 of row 0, ncols valid) into the packed layout
+// ([Kp/2, 64, 2], columns in order, zero outside w): the same pairs the kn tile would build, stored once so that
+// several row tiles can share them.
+EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
+  const __mmask32 m0 = mask32(ncols), m1 = mask32(ncols - 32);
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const int64_t P = K / 2;
+  __m512i v[4];
+  for (int64_t p = 0; p <= P; ++p) {
+    if (p < P) {
+      load_pair<false, false>(v, w, ldw, m0, m1, p);
+    } else {
+      if (!(K & 1)) break;
+      const uint16_t* r0 = w + (K - 1) * ldw;
+      const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0), a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
+      const __m512i z = _mm512_setzero_si512();
+      v[0] = _mm512_unpacklo_epi16(a0, z);
+      v[1] = _mm512_unpackhi_epi16(a0, z);
+      v[2] = _mm512_unpacklo_epi16(a1, z);
+      v[3] = _mm512_unpackhi_epi16(a1, z);
+    }
+    uint16_t* dst = buf + p * (2 * kCols);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_storeu_si512(dst + 64 * h, _mm512_permutex2var_epi32(v[2 * h], lo_idx, v[2 * h + 1]));
+      _mm512_storeu_si512(dst + 64 * h + 32, _mm512_permutex2var_epi32(v[2 * h], hi_idx, v[2 * h + 1]));
+    }
+  }
+}
+
 template <int MR, bool PACKED, bool STREAM>
 EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
   __m512 acc[MR][4];
@@ -245,6 +276,20 @@ void run_tile(int64_t isa, const Tile& t, int mr, int64_t K, bool stream) {
   tile_portable<PACKED>(t, mr, K);
 }
 
+void pack_group_portable(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
+  const int64_t Kp = K + (K & 1);
+  for (int64_t k = 0; k < Kp; ++k)
+    for (int64_t c = 0; c < kCols; ++c)
+      buf[(k / 2) * (2 * kCols) + 2 * c + (k & 1)] = (k < K && c < ncols) ? w[k * ldw + c] : uint16_t(0);
+}
+
+void pack_group(int64_t isa, const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
+#ifdef EM_X86
+  if (isa == kAvx512Bf16) return pack_group_avx512(w, ldw, ncols, K, buf);
+#endif
+  pack_group_portable(w, ldw, ncols, K, buf);
+}
+
 // Every (batch item, column group, row chunk) is one work item; a thread runs whole items. x/y/w: base pointers
 // and strides in elements.
 struct Gemm {
@@ -266,13 +311,21 @@ void run_gemm(int64_t isa, const Gemm& g) {
   const int64_t MC = g.M <= 16 * kMR ? g.M : 16 * kMR;
   const int64_t MCn = (g.M + MC - 1) / MC;
   const int64_t items = g.B * G * MCn;
+  // kn weights and more than one row tile per item: the item packs its column group once (into a per-thread
+  // buffer, K x 128 bytes) and runs the packed tiles on it — the same pairs in the same order, so the same bits.
+  const bool repack = !PACKED && MC > kMR;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> buf(repack ? size_t(Kp / 2) * 2 * kCols : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mc = i % MCn, gi = (i / MCn) % G, b = i / (MCn * G);
       Tile t;
       t.w = PACKED ? g.w + gi * (Kp / 2) * (2 * kCols) : g.w + b * g.swb + gi * kCols;
       t.ldw = g.ldw;
       t.ncols = std::min<int64_t>(kCols, g.N - gi * kCols);
+      if (repack) {
+        pack_group(isa, t.w, t.ldw, t.ncols, g.K, buf.data());
+        t.w = buf.data();
+      }
       const int64_t m_end = std::min(g.M, (mc + 1) * MC);
       for (int64_t m = mc * MC; m < m_end; m += kMR) {
         const int mr = int(std::min<int64_t>(kMR, m_end - m));
@@ -280,7 +333,8 @@ void run_gemm(int64_t isa, const Gemm& g) {
           t.x[r] = g.x + b * g.sxb + (m + r) * g.sxm;
           t.y[r] = g.y + b * g.syb + (m + r) * g.sym + gi * kCols;
         }
-        run_tile<PACKED>(isa, t, mr, g.K, m == mc * MC);
+        if (repack) run_tile<true>(isa, t, mr, g.K, false);
+        else run_tile<PACKED>(isa, t, mr, g.K, m == mc * MC);
       }
     }
   });
