@@ -6,11 +6,12 @@
 
 Shapes (K → N) are the peer benchmark model's bf16 projections (hidden 1024), rows M = 1, 4, 16, 64, 256, 1024;
 bmm: MLA's absorbed per-head projections, x [16, M, 128] @ [16, 128, 512] and [16, M, 512] @ [16, 512, 128],
-x a token-major strided view as the model passes it, M = 1, 16, 256. Median ms of interleaved repeats; GB/s =
-weight bytes read once / time; GFLOP/s = 2·M·N·K / time; `diff` = max |kernel − current| in bf16 ulps of the
+x a token-major strided view as the model passes it, M = 1, 16, 256. Median (or min) ms of interleaved repeats; GB/s =
+weight bytes read once / time; GFLOP/s = 2·M·N·K / time (`--stat min`: best of the repeats instead of the median,
+for a shared machine); `diff` = max |kernel − current| in bf16 ulps of the
 output's magnitude (both round an fp32 sum once, in different orders).
 
-    python bench/linear_cpu.py [--quick] [--out bench/results/linear_cpu.json]
+    python bench/linear_cpu.py [--quick] [--stat median|min] [--out bench/results/linear_cpu.json]
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ LINEAR_SHAPES = [(1024, 512), (512, 3072), (1024, 576), (512, 4096), (2048, 1024
 BMM_SHAPES = [(16, 128, 512), (16, 512, 128)]                        # (B, K, N)
 
 
-def _time_pair(fns: dict, budget_s: float, min_reps: int = 3, max_reps: int = 200) -> dict[str, float]:
+STAT = {"median": statistics.median, "min": min}
+
+
+def _time_pair(fns: dict, budget_s: float, stat: str, min_reps: int = 3, max_reps: int = 200) -> dict[str, float]:
     for fn in fns.values():                                          # warm-up (and first-use packing)
         fn()
     t0 = time.perf_counter()
@@ -45,7 +49,7 @@ def _time_pair(fns: dict, budget_s: float, min_reps: int = 3, max_reps: int = 20
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: STAT[stat](v) for k, v in times.items()}
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,7 +61,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / ulp
 
 
-def run(quick: bool) -> tuple[list[dict], list[dict]]:
+def run(quick: bool, stat: str = "median") -> tuple[list[dict], list[dict]]:
     gen = torch.Generator().manual_seed(0)
     Ms = [1, 16, 256] if quick else [1, 4, 16, 64, 256, 1024]
     budget = 0.15 if quick else 0.4
@@ -70,7 +74,7 @@ def run(quick: bool) -> tuple[list[dict], list[dict]]:
             x = torch.randn(M, K, generator=gen).bfloat16()
             fns = {"current": lambda: bi.linear_padded(x, w, None, onednn),
                    "kernel": lambda: cpu_kernel.linear(x, packed, N, K)}
-            t = _time_pair(fns, budget)
+            t = _time_pair(fns, budget, stat)
             wbytes, flop = N * K * 2, 2 * M * N * K
             lin_rows.append(dict(K=K, N=N, M=M, current_ms=t["current"] * 1e3, kernel_ms=t["kernel"] * 1e3,
                                  current_gbs=wbytes / t["current"] / 1e9, kernel_gbs=wbytes / t["kernel"] / 1e9,
@@ -84,7 +88,7 @@ def run(quick: bool) -> tuple[list[dict], list[dict]]:
         for M in ([1, 16, 256]):
             x = torch.randn(M, B, K, generator=gen).bfloat16().transpose(0, 1)   # token-major, as the model
             fns = {"current": lambda: bi.bmm_padded(x, w), "kernel": lambda: cpu_kernel.bmm(x, w)}
-            t = _time_pair(fns, budget)
+            t = _time_pair(fns, budget, stat)
             wbytes, flop = B * N * K * 2, 2 * B * M * N * K
             bmm_rows.append(dict(B=B, K=K, N=N, M=M, current_ms=t["current"] * 1e3, kernel_ms=t["kernel"] * 1e3,
                                  current_gbs=wbytes / t["current"] / 1e9, kernel_gbs=wbytes / t["kernel"] / 1e9,
@@ -108,20 +112,22 @@ def _print(title: str, rows: list[dict], shape: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer row counts, shorter timing (smoke run)")
+    parser.add_argument("--stat", choices=list(STAT), default="median",
+                        help="per-shape time: median of the repeats, or min (best of n: robust on a shared machine)")
     parser.add_argument("--out", default="bench/results/linear_cpu.json")
     args = parser.parse_args()
     if not cpu_kernel.available():
         raise SystemExit(f"the row-invariant kernel is not available here (enabled={cpu_kernel.enabled()}, "
                          f"build error: {cpu_kernel.EXTENSION.build_error})")
-    lin, bmm = run(args.quick)
-    head = f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, isa {cpu_kernel.best_isa()}"
+    lin, bmm = run(args.quick, args.stat)
+    head = f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, isa {cpu_kernel.best_isa()}, {args.stat} ms"
     _print(f"linear y[M,N] = x[M,K] @ w[N,K]^T — {head}", lin, "K->N")
     print()
     _print("bmm y[B,M,N] = x[B,M,K] @ w[B,K,N] (x strided, token-major)", bmm, "BxK->N")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick,
-                isa=cpu_kernel.best_isa())
+                isa=cpu_kernel.best_isa(), stat=args.stat)
     out.write_text(json.dumps(dict(meta=meta, linear=lin, bmm=bmm), indent=2))
     print(f"wrote {out}")
 
