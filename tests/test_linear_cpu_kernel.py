@@ -159,3 +159,23 @@ def test_batch_invariant_uses_the_kernel_for_bf16_parameters(two_threads):
     wb = _bf16(gen, 4, 32, 24)
     xb = _bf16(gen, 4, 3, 32)
     assert torch.equal(bi.bmm(xb, wb), ck.bmm(xb, wb))
+
+
+@pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
+def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
+    """The tiny model in bf16 (its projections and MLA's absorbed bmm on the kernel, no oneDNN copies): two
+    sequences stepped together give bitwise the logits each gives alone."""
+    from expertmesh.config import preset
+    from expertmesh.kernels import batch_invariant as bi
+    from expertmesh.model import Segment, Transformer, init_random_
+    model = init_random_(Transformer(preset("tiny")), seed=1).to(torch.bfloat16)
+    a, b = list(range(1, 20)), list(range(100, 105))
+    with torch.no_grad():
+        alone_a = model.step(a, model.new_cache())
+        alone_b = model.step(b, model.new_cache())
+        ca, cb = model.new_cache(), model.new_cache()
+        together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
+    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)
+    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith("weight")]
+    assert any(id(p) in bi._kernel_packed for p in weights)
+    assert not any(id(p) in bi._packed for p in weights if id(p) in bi._kernel_packed)   # one copy, not two
