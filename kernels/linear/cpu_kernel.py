@@ -14,7 +14,8 @@ slower than oneDNN and callers keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0`
 
 Weights: `linear` takes `pack_weight(w)` (kernels/linear/naive.py; N padded to 64 and K to even: for the model's
 projections the same size as the weight), which `kernels.batch_invariant` makes once per parameter in place of
-oneDNN's packed copy. `bmm` reads w [B, K, N] where it is (unit stride along N), no packed copy.
+oneDNN's packed copy. `bmm` reads w [B, K, N] where it is (unit stride along N), no cached copy: a call with
+more than 6 rows packs each 64-column slice once into a per-thread buffer (K × 128 bytes) for its row tiles.
 """
 from __future__ import annotations
 

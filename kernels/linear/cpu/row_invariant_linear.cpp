@@ -25,7 +25,9 @@
 // 64 output columns, Kp = K rounded up to even; element [g, p, c, j] = w[64g + c, 2p + j], zero outside w. One
 // group is one contiguous stream of 256 bytes per K pair: four 64-byte vectors of (even, odd) pairs, one per 16
 // columns, exactly VDPBF16PS's operand. bmm reads w [K, N] rows directly and interleaves rows 2p and 2p+1 in
-// registers (vpunpcklwd / vpunpckhwd: the columns come out permuted inside each vector, undone at the store).
+// registers (vpunpcklwd / vpunpckhwd: the columns come out permuted inside each vector, undone at the store); a
+// work item with more than one row tile first packs its 64 columns that way into a per-thread buffer and runs the
+// packed tiles on it (the same pairs in the same order: the same bits).
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
