@@ -273,3 +273,24 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
                                 (1, 4.0, -1.0, "linear_beta must be >= 0")):
         with pytest.raises(RuntimeError, match=msg):
             ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)
+
+
+@pytest.mark.parametrize("tokens,slots,width,experts,groups", [(1, 4, 1024, 64, 8), (37, 8, 96, 64, 8), (5, 6, 33, 16, 4)])
+def test_group_partials_in_cpp_are_the_definitions_bits(tokens, slots, width, experts, groups):
+    """The C++ group partial sums against combine.group_partials_torch, bitwise, with slots computed elsewhere
+    (−1) anywhere in a row, as the exchange sends them."""
+    from expertmesh.kernels.moe.combine import group_partials, group_partials_torch
+    gen = torch.Generator().manual_seed(tokens * 100 + slots)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:slots].sort().values for _ in range(tokens)])
+    ids[torch.rand(tokens, slots, generator=gen) < 0.3] = -1
+    weights = torch.rand(tokens, slots, generator=gen)
+    outputs = torch.randn(tokens, slots, width, generator=gen)
+    got = group_partials(outputs, ids, weights, experts // groups, groups)
+    want = group_partials_torch(outputs, ids, weights, experts // groups, groups)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_group_partials_refuse_unordered_ids():
+    from expertmesh.kernels.moe import cpu_kernel
+    with pytest.raises(RuntimeError, match="ids: expected each row's valid ids distinct and ascending"):
+        cpu_kernel.group_partials(torch.randn(1, 2, 8), torch.tensor([[5, 3]]), torch.rand(1, 2), 4)

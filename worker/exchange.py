@@ -231,15 +231,16 @@ class ExpertExchange:
         # rounds every P_g through it anyway)
         out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
         client = self.clients[c.worker]
+        sent = hidden[rows]
         if hasattr(client, "run_grpc"):     # a collective transport (worker/collective.py): a redo goes over gRPC
-            out = client.run_grpc(layer, hidden[rows], ids, w, out_dtype) if attempt else \
-                client.run(layer, hidden[rows], ids, w, out_dtype, rows=len(c.out_token))
+            out = client.run_grpc(layer, sent, ids, w, out_dtype) if attempt else \
+                client.run(layer, sent, ids, w, out_dtype, rows=len(c.out_token))
         else:
-            out = client.run(layer, hidden[rows], ids, w, out_dtype)
+            out = client.run(layer, sent, ids, w, out_dtype)
         if out.shape[0] != len(c.out_token):
             raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")
         with self.lock:
-            self.bytes_sent += hidden[rows].numel() * hidden.element_size() + ids.numel() * 8 + w.numel() * 4
+            self.bytes_sent += sent.numel() * sent.element_size() + ids.numel() * 8 + w.numel() * 4
             self.bytes_received += out.numel() * out.element_size()
         return out
 

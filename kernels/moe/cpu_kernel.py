@@ -151,3 +151,11 @@ def moe_expert_outputs(
     if target is not out:
         out.copy_(target)
     return out
+
+
+def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The canonical per-(row, group) partial sums in C++: the same fp32 operations in the same order as
+    `kernels.moe.combine.group_partials_torch`, so the same bits, without a dozen tensor ops per slot column.
+    Contract: `kernels.moe.combine.group_partials` (n_groups is implied by the ids)."""
+    return _require().group_partials(outputs.float().contiguous(), ids.long().contiguous(),
+                                     weights.float().contiguous(), int(group_size))

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
@@ -388,6 +389,59 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   });
 }
 
+// The canonical group partial sums (kernels/moe/combine.py group_partials): outputs [T, Kt, H] fp32 unweighted
+// expert outputs, ids [T, Kt] global ids ascending per row among the valid ones (-1 absent), weights [T, Kt] fp32
+// -> [R, H] fp32, one row per (row, group present) in row-major order:
+//     P = +0;  P = P + y_k * w_k   for the row's slots of the group in ascending id      (two roundings each)
+// the same fp32 operations in the same order as the PyTorch definition, so the same bits.
+at::Tensor group_partials(const at::Tensor& outputs, const at::Tensor& ids, const at::Tensor& weights,
+                          int64_t group_size) {
+  check_cpu(outputs, at::kFloat, "outputs");
+  check_cpu(ids, at::kLong, "ids");
+  check_cpu(weights, at::kFloat, "weights");
+  TORCH_CHECK(outputs.dim() == 3 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
+              outputs.size(0) == ids.size(0) && outputs.size(1) == ids.size(1),
+              "group_partials: expected outputs [T, K, H], ids and weights [T, K]");
+  TORCH_CHECK(group_size > 0, "group_size: expected > 0, found ", group_size);
+  const int64_t T = ids.size(0), Kt = ids.size(1), H = outputs.size(2);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> first(T + 1, 0);  // output row of each token's first group
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t prev = -1, n = 0;
+    for (int64_t k = 0; k < Kt; ++k) {
+      const int64_t e = id[t * Kt + k];
+      if (e < 0) continue;
+      TORCH_CHECK(e > prev, "ids: expected each row's valid ids distinct and ascending");
+      if (prev < 0 || e / group_size != prev / group_size) ++n;
+      prev = e;
+    }
+    first[t + 1] = first[t] + n;
+  }
+  at::Tensor acc = at::empty({first[T], H}, outputs.options());
+  acc.zero_();
+  const float* y = outputs.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* a = acc.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t r = first[t] - 1, group = -1;
+      for (int64_t k = 0; k < Kt; ++k) {
+        const int64_t e = id[t * Kt + k];
+        if (e < 0) continue;
+        if (e / group_size != group) {
+          group = e / group_size;
+          ++r;
+        }
+        const float wk = w[t * Kt + k];
+        const float* yk = y + (t * Kt + k) * H;
+        float* ar = a + r * H;
+        for (int64_t d = 0; d < H; ++d) ar[d] = ar[d] + yk[d] * wk;
+      }
+    }
+  });
+  return acc;
+}
+
 int64_t best_isa() { return resolve_isa(kAuto); }
 
 }  // namespace
@@ -397,5 +451,6 @@ TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
   m.def("moe_expert_outputs(Tensor x, Tensor topk_ids, Tensor w13_blocks, Tensor w13_scales, Tensor w2_blocks, "
         "Tensor w2_scales, Tensor(a!) out, int isa, int act, float beta, float linear_beta) -> ()",
         &moe_expert_outputs);
+  m.def("group_partials(Tensor outputs, Tensor ids, Tensor weights, int group_size) -> Tensor", &group_partials);
   m.def("best_isa() -> int", &best_isa);
 }
