@@ -563,10 +563,18 @@ class MoE(nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h = ffn_norm(x) [N, H] → (the routed experts' input [N, W] (h, or its latent), topk_ids [N, K],
         topk_weights [N, K], shared_out [N, H])."""
+        return *self.select(h), self.shared_out(h)
+
+    def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [N, H] → (the routed experts' input [N, W], topk_ids [N, K], topk_weights [N, K]): what an attention
+        worker sends to the expert workers before it computes the shared experts."""
         ids, weights = route_tokens(self.router(h), self.router_bias, self.cfg)
-        shared = self.shared(h) if self.shared is not None else torch.zeros_like(h)
         z = self.latent_down(h) if self.cfg.moe.latent_size is not None else h
-        return z, ids, weights, shared
+        return z, ids, weights
+
+    def shared_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [N, H] (zeros without shared experts)."""
+        return self.shared(h) if self.shared is not None else torch.zeros_like(h)
 
     def output(self, shared: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """shared_out [N, H] + the routed sum fp32 [N, W] (kernels/moe/combine.py's canonical order, here or from
