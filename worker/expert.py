@@ -177,7 +177,7 @@ class ExpertWorker:
                 # one shard holds every slot sent: its output is the answer (0 where a slot is −1)
                 mod = shards[0][1]
                 dev = mod.gate_up_blocks.device
-                out = mod(hidden.float().to(dev), expert_ids.to(dev)).cpu()
+                out = mod.outputs_fp32(hidden.to(dev), expert_ids.to(dev)).cpu()
             else:
                 out = self._run_shards(shards, mine_of, hidden, expert_ids, n, k, h)
         groups = self.cfg.moe.combine_groups
@@ -197,7 +197,7 @@ class ExpertWorker:
             ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
             for s in range(0, n, self.step_tokens):
                 rows = slice(s, min(n, s + self.step_tokens))
-                res = mod(hidden[rows].float().to(dev), ids[rows].to(dev))        # [t, K, H] fp32
+                res = mod.outputs_fp32(hidden[rows].to(dev), ids[rows].to(dev))   # [t, K, H] fp32
                 pending.append((rows, mine[rows], res))
         for rows, mask, res in pending:
             out[rows][mask] = res.cpu()[mask]
