@@ -44,9 +44,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
+        if norm_kernel.takes(x, self.weight):          # CPU: one C++ op (kernels/norm), rows batch-invariant
+            return norm_kernel.rms_norm(x, self.weight, self.eps)
+        return norm_naive.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -59,10 +60,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        centred = x32 - x32.mean(-1, keepdim=True)
-        normed = centred * pointwise(torch.rsqrt, centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() + self.bias.float()).to(x.dtype)
+        from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
+        if norm_kernel.takes(x, self.weight, self.bias):
+            return norm_kernel.layer_norm(x, self.weight, self.bias, self.eps)
+        return norm_naive.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class Linear(nn.Module):
@@ -132,22 +133,19 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: s
     queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged."""
     if style == "none":
         return x
-    d = x.shape[-1]
+    from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
     cos, sin = cos_sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    if style == "interleaved":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    else:
-        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if norm_kernel.takes(x):                           # CPU: one C++ op (kernels/norm), bitwise the PyTorch form
+        return norm_kernel.rotary(x, cos, sin, style == "interleaved")
+    return norm_naive.rotary(x, cos, sin, style == "interleaved")
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(Σx² + eps) in fp32 (the KDA q/k normalisation as FLA and transformers define it)."""
-    x32 = x.float()
-    return x32 * pointwise(torch.rsqrt, x32.pow(2).sum(-1, keepdim=True) + eps)
+    from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
+    if norm_kernel.takes(x):
+        return norm_kernel.l2_normalize(x, eps)
+    return norm_naive.l2_normalize(x, eps)
 
 
 def gated_activation(a: ActivationConfig) -> GatedActivation:
