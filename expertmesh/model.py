@@ -27,6 +27,7 @@ from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import bmm, linear, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
+from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
 from expertmesh.sampling import Sampler
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.vision import Projector, VisionTower, init_vision_
@@ -44,7 +45,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
         if norm_kernel.takes(x, self.weight):          # CPU: one C++ op (kernels/norm), rows batch-invariant
             return norm_kernel.rms_norm(x, self.weight, self.eps)
         return norm_naive.rms_norm(x, self.weight, self.eps)
@@ -60,7 +60,6 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
         if norm_kernel.takes(x, self.weight, self.bias):
             return norm_kernel.layer_norm(x, self.weight, self.bias, self.eps)
         return norm_naive.layer_norm(x, self.weight, self.bias, self.eps)
@@ -133,7 +132,6 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: s
     queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged."""
     if style == "none":
         return x
-    from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
     cos, sin = cos_sin
     if norm_kernel.takes(x):                           # CPU: one C++ op (kernels/norm), bitwise the PyTorch form
         return norm_kernel.rotary(x, cos, sin, style == "interleaved")
@@ -142,7 +140,6 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: s
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(Σx² + eps) in fp32 (the KDA q/k normalisation as FLA and transformers define it)."""
-    from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
     if norm_kernel.takes(x):
         return norm_kernel.l2_normalize(x, eps)
     return norm_naive.l2_normalize(x, eps)
