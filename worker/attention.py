@@ -21,6 +21,7 @@ from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.grammar import ll_tokenizer
+from expertmesh.kernels import cpu_warmup
 from expertmesh.model import ResidualStream, Segment, SequenceCache, Transformer, materialize_
 from expertmesh.sampling import Sampler
 from expertmesh.sampling_params import SamplingParams
@@ -99,6 +100,8 @@ class AttentionWorker:
                                                     utilization=gpu_memory_utilization, dtype=self.dtype,
                                                     block_size=block_size)
         self.pool = BlockPool(self.cfg, kv_blocks, block_size, device=self.device, dtype=self.dtype)
+        if self.device_kind == "cpu":
+            cpu_warmup.load(cpu_warmup.ATTENTION)     # before serving: not on the first request
         self.sequences: dict[str, _Sequence] = {}
         self.prefixes: dict[str, _Prefix] = {}
         self.lock = threading.RLock()  # one step at a time touches the model and the pool

@@ -18,6 +18,7 @@ import torch
 from expertmesh import memory
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
+from expertmesh.kernels import cpu_warmup
 from expertmesh.kernels.moe.combine import group_partials
 from expertmesh.model import RoutedExperts
 from expertmesh.worker_api import ExpertRequestError, UnknownExpert
@@ -52,6 +53,8 @@ class ExpertWorker:
         self._replace_lock = threading.Lock()            # one set_shards at a time
         self.shards_loaded = self.shards_dropped = 0     # by set_shards since start (live re-plans)
         self._place(assignment, gpu_of, keep=False)
+        if self.device_kind == "cpu":
+            cpu_warmup.load(cpu_warmup.EXPERT)        # before serving: not on the first request
         self.calls = 0
         self.tokens_computed = 0
         # fault injection for tests (a slow worker): every run() sleeps this long first
