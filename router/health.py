@@ -103,4 +103,10 @@ class AttentionHealth:
         except Exception:
             self.down.add(worker)
             return
+        try:        # what it still holds (its disk tier survives a restart; a blip keeps everything)
+            for key, length, tier in self.clients[worker].list_prefixes():
+                if not self.kv.has(key):
+                    self.kv.record_prefix(worker, key, length, tier=tier)
+        except Exception as e:
+            log.warning("list_prefixes on attention worker %d failed: %s", worker, e)
         log.info("attention worker %d is back", worker)
