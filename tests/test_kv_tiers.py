@@ -114,6 +114,21 @@ def test_a_restored_prefix_gives_the_tokens_of_a_recompute(ckpt, model):
     assert cold.cached_tokens == 0 and cold_hits["lower"] == 0 and cold.output == reference
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-host-gib", "-1"], "--kv-host-gib -1.0: expected a size in GiB ≥ 0"),
+    (["--kv-disk-gib", "2"], "--kv-disk-dir and --kv-disk-gib: give both"),
+    (["--kv-disk-dir", "FILE", "--kv-disk-gib", "1"], "not writable"),
+    (["--role", "expert", "--experts", "1:0", "--kv-host-gib", "1"], "only for --role attention")])
+def test_bad_tier_flags_fail_fast_naming_the_flag(argv, words, capsys, tmp_path):
+    from expertmesh.worker.server import main
+    (tmp_path / "file").write_text("")
+    argv = [str(tmp_path / "file" / "kv") if a == "FILE" else a for a in argv]
+    role = [] if "--role" in argv else ["--role", "attention"]
+    with pytest.raises(SystemExit) as e:
+        main([*role, "--checkpoint", str(tmp_path), "--port", "0", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def snapshot(seed: int, length: int = 32) -> PrefixSnapshot:
     g = torch.Generator().manual_seed(seed)
     return PrefixSnapshot(length, {0: torch.randn(length, 24, generator=g), 3: torch.randn(length, 24, generator=g)},
@@ -165,3 +180,36 @@ def test_disk_files_survive_a_restart_and_torn_corrupted_or_foreign_ones_are_nev
     assert list(restarted.disk) == ["k0", "k3"] and restarted.stats["disk"].rejected == 3
     foreign = KVTiers(0, layout_identity('{"name": "tiny"}', torch.bfloat16, 16), tmp_path, 64 * MIB)
     assert not foreign.disk and foreign.stats["disk"].rejected == 2 and not list(tmp_path.glob("*.kv"))
+
+
+@pytest.mark.slow
+def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, model, tmp_path):
+    """`up`-style processes, a 16-block pool and a disk tier only: sessions A, B, C (160-token prompts) push each
+    other's prefixes to disk; B's file is corrupted; the attention worker is killed and started again. A's next turn
+    is served from its file (cached tokens, the reference's tokens); B's file is refused at start (counted in the
+    log), so B's next turn is recomputed — the same tokens."""
+    from test_up import EOS, grpc_generate
+
+    from expertmesh.up import LocalCluster, free_port
+    rng = random.Random(21)
+    prompts = [[rng.randrange(256) for _ in range(160)] for _ in range(3)]
+    disk = tmp_path / "kv"
+    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, kv_blocks=16, kv_disk_dir=disk,
+                      kv_disk_gib=0.05, http_port=free_port(), grpc_port=free_port()) as cluster:
+        address = f"127.0.0.1:{cluster.grpc_port}"
+        outputs = [grpc_generate(address, p, 8)[0] for p in prompts]
+        files = sorted((disk / "attention-0").glob("*.kv"), key=lambda f: f.stat().st_mtime)
+        assert len(files) == 2                       # A's and B's newest prefixes; C's still on the device
+        data = bytearray(files[1].read_bytes())
+        data[-7] ^= 0x01                             # one bit of B's payload
+        files[1].write_bytes(bytes(data))
+        cluster.restart("attention-0")
+        for i, expect_cached in ((0, True), (1, False)):
+            turn2 = prompts[i] + outputs[i] + [rng.randrange(256) for _ in range(16)]
+            tokens, finish = grpc_generate(address, turn2, 8)
+            reference = generate(model, turn2, SamplingParams(max_tokens=8, stop_token_ids=(EOS,)),
+                                 prefill_chunk=CHUNK).tokens
+            assert tokens == reference
+            assert (finish.usage.cached_tokens == 160) if expect_cached else finish.usage.cached_tokens == 0
+        log = "\n".join(cluster.child("attention-0").lines)
+        assert log.count("not served: payload checksum mismatch") == 1, log[-3000:]
