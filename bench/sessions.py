@@ -47,7 +47,7 @@ def text(rng: random.Random, chars: int) -> str:
 
 
 def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int) -> list[dict]:
-    """One agent session; per turn: prompt / cached tokens and seconds."""
+    """One agent session; per turn: prompt / cached tokens, seconds and the reply (content, reasoning, tool calls)."""
     rng = random.Random(seed)
     messages = [{"role": "system", "content": f"Agent {seed}. " + text(rng, 190)},
                 {"role": "user", "content": "Task: " + text(rng, 394)}]
@@ -61,6 +61,8 @@ def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int) -> 
         out.append({"turn": turn + 1, "prompt": r.usage.prompt_tokens, "seconds": seconds,
                     "cached": details.cached_tokens if details else 0})
         m = r.choices[0].message
+        out[-1]["reply"] = [m.content, getattr(m, "reasoning_content", None),
+                            [c.model_dump() for c in m.tool_calls or ()]]
         reply = {"role": "assistant", "content": m.content or ""}
         if getattr(m, "reasoning_content", None):
             reply["reasoning_content"] = m.reasoning_content
@@ -83,22 +85,40 @@ def router_counters(url: str) -> dict[str, float]:
     return out
 
 
-def run_fleet(url: str, sessions: int, args, seed0: int) -> dict:
+def worker_counters(urls: list[str]) -> dict[str, float]:
+    """The attention workers' tier counters (/metrics), summed: per tier hits, demotions, restore bytes and
+    seconds, drops, rejected files."""
+    out: dict[str, float] = {}
+    for url in urls:
+        body = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        for m in re.finditer(r'^expertmesh_kv_tier_(\w+)_total{tier="(\w+)",worker="[^"]*"} ([0-9.e+]+)$', body,
+                             re.MULTILINE):
+            key = f"{m.group(2)}.{m.group(1)}"
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def run_fleet(cluster, sessions: int, args, seed0: int) -> dict:
+    url = cluster.http_url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
     before = router_counters(url)
+    before_w = worker_counters(cluster.metrics_urls)
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
         turns = [t for s in pool.map(lambda i: session(client, seed0 + i, args.turns, args.tool_chars,
                                                        args.max_tokens), range(sessions)) for t in s]
     wall = time.perf_counter() - start
     after = router_counters(url)
+    after_w = worker_counters(cluster.metrics_urls)
     later = [t for t in turns if t["turn"] > 1]
     prompt, cached = sum(t["prompt"] for t in later), sum(t["cached"] for t in later)
     lat = sorted(t["seconds"] for t in turns)
-    return {"sessions": sessions, "cached_ratio": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
+    return {"sessions": sessions, "transcripts": [t["reply"] for t in turns], "cached_ratio": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
             "recomputed_tokens": prompt - cached, "p50_s": statistics.median(lat),
             "p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "wall_s": wall,
-            "tiers": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after)}}
+            "tiers": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after)},
+            "worker_tiers": {k: after_w.get(k, 0.0) - before_w.get(k, 0.0) for k in sorted(after_w)
+                             if not k.startswith("device.")}}
 
 
 def full_scale(host_tib: float = 1.5, pcie_gbs: float = 50.0, nvme_gbs: float = 7.0, tokens: int = 128 * 1024,
@@ -143,8 +163,8 @@ def main(argv=None) -> int:
         label, tiers = deployments[name]
         with LocalCluster(checkpoint, attention_workers=1, expert_workers=2, http_port=free_port(),
                           grpc_port=free_port(), threads=None, kv_blocks=args.kv_blocks, prefill_chunk=64,
-                          prefill_tokens=256, **tiers) as cluster:
-            results[label] = [run_fleet(cluster.http_url, n, args, seed0=1000 * (k + 1))
+                          prefill_tokens=256, attention_metrics=True, **tiers) as cluster:
+            results[label] = [run_fleet(cluster, n, args, seed0=1000 * (k + 1))
                               for k, n in enumerate(fleets)]
         print(f"{label}: done", flush=True)
 
@@ -159,6 +179,19 @@ def main(argv=None) -> int:
             print(f"{label:<28} {r['sessions']:>8} {r['cached_ratio']:>7.3f} {r['vs_baseline']:>6.2f} "
                   f"{r['recomputed_tokens']:>7,} of {r['prompt_tokens']:>6,} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f}"
                   f"  {traffic}")
+    print("\nworker tier traffic (host / disk): demotions in, hits (restores), MiB and seconds restored, drops")
+    for label, rows in results.items():
+        for r in rows:
+            w = r["worker_tiers"]
+            cells = [f"{t}: {w.get(f'{t}.demotions', 0):g} in, {w.get(f'{t}.hits', 0):g} hits, "
+                     f"{w.get(f'{t}.restore_bytes', 0) / 2 ** 20:.1f} MiB / {w.get(f'{t}.restore_seconds', 0):.3f} s, "
+                     f"{w.get(f'{t}.dropped', 0):g} dropped" for t in ("host", "disk")]
+            print(f"{label:<28} {r['sessions']:>8}  " + " | ".join(cells))
+
+    # greedy: every deployment must give every session the same replies, whatever tier its prefixes came from
+    for k, n in enumerate(fleets):
+        same = len({json.dumps(rows[k]["transcripts"]) for rows in results.values()}) == 1
+        print(f"{n} sessions: transcripts identical across {', '.join(results)}: {'yes' if same else 'NO'}")
 
     full = full_scale()
     gib = 2 ** 30

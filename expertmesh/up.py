@@ -87,13 +87,14 @@ class LocalCluster:
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
                  worker_tls_dir: str | Path | None = None, transport: str = "grpc", kv_host_gib: float = 0.0,
-                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0):
+                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0, attention_metrics: bool = False):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
         `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
         serves its rendezvous store on a port of its own, worker/collective.py). `threads`: torch threads per
         process, or None for each role's share of this machine's cores (`threads_for`). `kv_blocks`: each attention
-        worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers."""
+        worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers;
+        `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`)."""
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
@@ -115,6 +116,8 @@ class LocalCluster:
         self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
         self.kv_host_gib, self.kv_disk_gib = kv_host_gib, kv_disk_gib
         self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
+        self.metrics_urls: list[str] = []
+        self.metrics_ports = [free_port(host) for _ in range(attention_workers)] if attention_metrics else []
         self.children: list[Child] = []
         self.router: Child | None = None
         self.plan_path = self.run_dir / "plan.json"
@@ -160,6 +163,9 @@ class LocalCluster:
         args = ["--kv-host-gib", str(self.kv_host_gib)] if self.kv_host_gib else []
         if self.kv_disk_dir is not None:
             args += ["--kv-disk-dir", str(self.kv_disk_dir / f"attention-{i}"), "--kv-disk-gib", str(self.kv_disk_gib)]
+        if self.metrics_ports:
+            args += ["--metrics-port", str(self.metrics_ports[i])]
+            self.metrics_urls.append(f"http://{self.host}:{self.metrics_ports[i]}")
         return args
 
     def child(self, name: str) -> Child:

@@ -12,6 +12,7 @@ from expertmesh.entry.local import build_local_engine
 from expertmesh.model import generate
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.worker.kv_tiers import CorruptFile, KVTiers, PrefixSnapshot, layout_identity
+from expertmesh.worker.metrics import tier_metrics
 from expertmesh.worker_api import NotFound
 
 CHUNK = 16
@@ -76,6 +77,12 @@ def test_a_demoted_prefix_comes_back_bit_identical_from_host_and_from_disk(ckpt,
             assert_bit_identical(saved, device_copy(w, key))
             assert w.tiers.stats[tier].restores == 1 and w.tiers.stats[tier].restore_bytes > 0
             w.close_sequence(f"s-{tier}")
+        metrics = {(f.name, s.labels["tier"]): s.value for f in tier_metrics(w) for s in f.samples
+                   if s.name.endswith("_total") or "_total" not in s.name}
+        assert metrics[("expertmesh_kv_tier_hits", "host")] == metrics[("expertmesh_kv_tier_hits", "disk")] == 1
+        assert metrics[("expertmesh_kv_tier_demotions", "disk")] == 1 and metrics[
+            ("expertmesh_kv_tier_capacity_bytes", "host")] == 64 * MIB
+        assert metrics[("expertmesh_kv_tier_restore_bytes", "disk")] == w.tiers.stats["disk"].restore_bytes > 0
         # a worker without lower tiers drops what it is asked to demote, and says so
         w.tiers.host_bytes, w.tiers.disk_bytes = 0, 0
         assert w.demote_prefix(key)[1] == [key] and key not in w.prefixes
