@@ -157,7 +157,7 @@ def decode(data: bytes, *, key: str, identity: str) -> PrefixSnapshot:
 
 @dataclass
 class TierStats:
-    """One tier's counters since the worker started (bytes are tensor payload bytes)."""
+    """One tier's counters since the worker started (bytes: tensor bytes in host memory, file bytes on disk)."""
     capacity_bytes: int
     used_bytes: int = 0
     entries: int = 0
@@ -253,9 +253,15 @@ class KVTiers:
             dropped.append(old_key)
         path = self.disk_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.kv"
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:         # a full or failing disk costs this prefix, never the step that demoted it
+            tmp.unlink(missing_ok=True)
+            log.warning("KV disk tier: cannot write %s (%s); prefix dropped", path.name, e)
+            self.stats["disk"].dropped += 1
+            return dropped + [key]
         self.disk[key] = _DiskEntry(path, len(data), snap.length)
         self.stats["disk"].demotions += 1
         self._held("disk", len(data), 1)
