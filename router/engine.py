@@ -337,16 +337,19 @@ class Engine:
         req = adm.req
         if adm.hit is not None:
             self.kv.touch(adm.hit, req)
+        candidates = adm.candidates
         if adm.evict:
-            worker = adm.candidates[0][0]
+            worker = candidates[0][0]
             for key in adm.evict:
                 if self.kv.has(key) and not self.kv.is_lower(key):
                     self._evict(worker, key)
                 if self.kv.workers[worker].free_blocks >= adm.need:
                     break
-            else:
-                return False                   # the evictions did not make room
-        for n, (worker, key, length) in enumerate(adm.candidates):
+            else:                              # the evictions did not make room (its sequences hold it):
+                candidates = candidates[1:]    # the next candidate, a worker that fits it now, if there is one
+                if not candidates:
+                    return False
+        for n, (worker, key, length) in enumerate(candidates):
             seq_id = f"{self.instance}-{next(self.seq_ids)}"
             lower = key is not None and self.kv.is_lower(key)
             try:
@@ -384,7 +387,7 @@ class Engine:
                 self.metrics.prefix_hit_tokens.labels(tier).inc(cached)
             self._unqueue(req)
             self._placed(req, worker, seq_id, cached, adm.reserve)
-            return n == 0 and cached == length
+            return candidates is adm.candidates and n == 0 and cached == length    # as planned
         return False
 
     def _placed(self, req: Request, worker: int, seq_id: str, cached: int, reserve: int) -> None:

@@ -220,3 +220,28 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
             assert (finish.usage.cached_tokens == 160) if expect_cached else finish.usage.cached_tokens == 0
         log = "\n".join(cluster.child("attention-0").lines)
         assert log.count("not served: payload checksum mismatch") == 1, log[-3000:]
+
+
+def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckpt, model):
+    """Two attention workers of 16 blocks; the prompt's prefixes (4 blocks) are on one, whose other 12 blocks a
+    sequence holds. The next turn's hit makes room there by demoting them, but restoring the prefix with the turn's
+    reservation needs 6 blocks: the turn is recomputed on the other worker (the reference's tokens) instead of
+    waiting, and the prefix stays cached — in the host tier, not lost."""
+    prompt = [random.Random(8).randrange(256) for _ in range(64)]
+    eng = build_local_engine(ckpt, attention_workers=2, prefill_chunk=CHUNK, kv_blocks=16, kv_growth=16,
+                             kv_tiers={"kv_host_bytes": 64 * MIB})
+    try:
+        eng.generate(prompt, SamplingParams(max_tokens=2))
+        (worker,) = {w for w in eng.kv.prefixes.values()}
+        client = eng.attention[worker]._client
+        client.open_sequence("hog", SamplingParams(max_tokens=1), reserve_tokens=client.pool.free_blocks * 16)
+        eng._refresh(worker)
+        turn2 = prompt + [7] * 16
+        again = eng.generate(turn2, SamplingParams(max_tokens=4), timeout=60)
+        assert again.worker == 1 - worker and again.cached_tokens == 0
+        assert again.output == generate(model, turn2, SamplingParams(max_tokens=4), prefill_chunk=CHUNK).tokens
+        held = [k for k, w in eng.kv.prefixes.items() if w == worker and eng.kv.prefix_len[k] == 64]
+        assert len(held) == 1 and eng.kv.is_lower(held[0]) and client.tiers.tier_of(held[0]) == "host"
+        client.close_sequence("hog")
+    finally:
+        eng.close()
