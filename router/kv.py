@@ -117,7 +117,7 @@ class KVManager:
         return self.victims(worker)[:max(0, over)]
 
     def on_device(self, worker: int) -> list[str]:
-        return [k for k, w in self.prefixes.items() if w == worker and k not in self.lower]
+        return [k for k, w in list(self.prefixes.items()) if w == worker and k not in self.lower]
 
     def is_lower(self, key: str) -> bool:
         """Held below the device pool of its worker: a hit copies it back (restore) before the sequence opens."""
@@ -132,17 +132,19 @@ class KVManager:
 
     def superseded(self, key: str) -> bool:
         """A longer cached prefix of the same conversation exists (it holds all of this one)."""
-        return any(p == key for p in self.parent.values())
+        return key in set(self.parent.values())
 
     def victims(self, worker: int, last: tuple[str, ...] | list[str] = ()) -> list[str]:
         """`worker`'s device prefixes in eviction order (router/eviction.py), the keys of `last` (used by the
         plan being made) after all others, in that order."""
+        # copies first (list() of a dict runs without a thread switch): the health thread records the prefixes of
+        # a worker it takes back while the scheduler plans
         supers = set(self.parent.values())
-        order = {k: i for i, k in enumerate(self.prefixes)}
-        infos = [PrefixInfo(k, self.prefix_len.get(k, 0), order[k], k in supers, self._session(k))
+        order = {k: i for i, k in enumerate(list(self.prefixes))}
+        infos = [PrefixInfo(k, self.prefix_len.get(k, 0), order.get(k, len(order)), k in supers, self._session(k))
                  for k in self.on_device(worker) if k not in last]
-        return [v.key for v in eviction_order(infos)] + [k for k in last if k in order and k not in self.lower
-                                                         and self.prefixes[k] == worker]
+        return [v.key for v in eviction_order(infos)] + [k for k in last if k not in self.lower
+                                                         and self.prefixes.get(k) == worker]
 
     def _session(self, key: str) -> str:
         req = self.user.get(key)
