@@ -1,6 +1,7 @@
 """The KV tiers below an attention worker's device pool (worker/kv_tiers.py): a demoted prefix comes back
 bit-identical from host memory and from disk, a restored prefix gives the tokens a recompute gives, the disk tier's
 files survive a restart and are refused when torn, corrupted or foreign; every tier keeps its byte bound."""
+import json
 import random
 
 import pytest
@@ -245,3 +246,11 @@ def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckp
         client.close_sequence("hog")
     finally:
         eng.close()
+
+
+def test_a_dry_run_reports_the_tier_bounds_it_was_given(capsys):
+    from expertmesh.worker.server import main
+    assert main(["--role", "attention", "--preset", "tiny", "--device", "meta", "--dry-run",
+                 "--kv-host-gib", "0.5"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["kv_host_bytes"] == 2 ** 29 and "kv_disk_bytes" not in line

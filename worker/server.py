@@ -334,8 +334,9 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
     return attention, expert
 
 
-def dry_run(attention, expert) -> str:
-    """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device."""
+def dry_run(attention, expert, kv_tiers: dict | None = None) -> str:
+    """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device; with `kv_tiers`, the
+    lower KV tiers' bounds (host memory beside the device's, disk) as given."""
     total = WorkerMemory()
     for w in (attention, expert):
         if w is None:
@@ -349,6 +350,9 @@ def dry_run(attention, expert) -> str:
     extra = {}
     if attention is not None:
         extra["kv_blocks"] = attention.pool.num_blocks
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            if (kv_tiers or {}).get(name):
+                extra[name] = kv_tiers[name]
     if expert is not None:
         extra["experts"] = len(expert.assignment)
     return total.to_json(**extra)
@@ -605,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"expertmesh worker: error: {e}", file=sys.stderr)
             return 2
-        print(dry_run(attention, expert), flush=True)
+        print(dry_run(attention, expert, kv_tiers), flush=True)
         return 0
 
     stop = stop_on_signals()
