@@ -27,6 +27,7 @@ from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import bmm, linear, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
+from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
 from expertmesh.sampling import Sampler
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.vision import Projector, VisionTower, init_vision_
@@ -44,9 +45,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * pointwise(torch.rsqrt, x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        if norm_kernel.takes(x, self.weight):          # CPU: one C++ op (kernels/norm), rows batch-invariant
+            return norm_kernel.rms_norm(x, self.weight, self.eps)
+        return norm_naive.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -59,10 +60,9 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        centred = x32 - x32.mean(-1, keepdim=True)
-        normed = centred * pointwise(torch.rsqrt, centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() + self.bias.float()).to(x.dtype)
+        if norm_kernel.takes(x, self.weight, self.bias):
+            return norm_kernel.layer_norm(x, self.weight, self.bias, self.eps)
+        return norm_naive.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class Linear(nn.Module):
@@ -132,22 +132,17 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: s
     queries and keys alike, so their dot products are those of the interleaved rotation; "none": unchanged."""
     if style == "none":
         return x
-    d = x.shape[-1]
     cos, sin = cos_sin
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    if style == "interleaved":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    else:
-        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if norm_kernel.takes(x):                           # CPU: one C++ op (kernels/norm), bitwise the PyTorch form
+        return norm_kernel.rotary(x, cos, sin, style == "interleaved")
+    return norm_naive.rotary(x, cos, sin, style == "interleaved")
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(Σx² + eps) in fp32 (the KDA q/k normalisation as FLA and transformers define it)."""
-    x32 = x.float()
-    return x32 * pointwise(torch.rsqrt, x32.pow(2).sum(-1, keepdim=True) + eps)
+    if norm_kernel.takes(x):
+        return norm_kernel.l2_normalize(x, eps)
+    return norm_naive.l2_normalize(x, eps)
 
 
 def gated_activation(a: ActivationConfig) -> GatedActivation:
@@ -532,6 +527,16 @@ class RoutedExperts(nn.Module):
         return moe_ops.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
                                           self.down_blocks, self.down_scales, activation=self.activation)
 
+    def outputs_fp32(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`forward(h.float(), topk_ids)` — fp32 [N, K, W] — with a bf16 h read as it is where the CPU kernel runs
+        (its AVX512-BF16 path; the same bits, kernels/moe/cpu_kernel.py)."""
+        if h.dtype == torch.bfloat16 and h.device.type == "cpu" and moe_ops.cpu_kernel_runs(h, self.gate_up_blocks):
+            local = torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
+            return moe_ops.cpu_kernel.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
+                                                         self.down_blocks, self.down_scales,
+                                                         activation=self.activation, fp32_output=True)
+        return self(h.float(), topk_ids)
+
 
 def routed_sum(cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
@@ -563,10 +568,18 @@ class MoE(nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h = ffn_norm(x) [N, H] → (the routed experts' input [N, W] (h, or its latent), topk_ids [N, K],
         topk_weights [N, K], shared_out [N, H])."""
+        return *self.select(h), self.shared_out(h)
+
+    def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [N, H] → (the routed experts' input [N, W], topk_ids [N, K], topk_weights [N, K]): what an attention
+        worker sends to the expert workers before it computes the shared experts."""
         ids, weights = route_tokens(self.router(h), self.router_bias, self.cfg)
-        shared = self.shared(h) if self.shared is not None else torch.zeros_like(h)
         z = self.latent_down(h) if self.cfg.moe.latent_size is not None else h
-        return z, ids, weights, shared
+        return z, ids, weights
+
+    def shared_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [N, H] (zeros without shared experts)."""
+        return self.shared(h) if self.shared is not None else torch.zeros_like(h)
 
     def output(self, shared: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """shared_out [N, H] + the routed sum fp32 [N, W] (kernels/moe/combine.py's canonical order, here or from

@@ -2,13 +2,23 @@
 
 CPU BLAS picks its kernel by the number of rows: one row goes through a matrix-vector path and a few rows
 through differently blocked GEMMs, so row i of `x @ w.T` changes in the last bits with the batch it sits in.
-Padding the rows to a multiple of `ROW_TILE` (≥ 16) keeps every call on the same blocked kernel, whose per-row
-result does not depend on the other rows — measured on torch 2.13 CPU and checked by tests/test_batch_invariance.py.
 
-On CPU the projections run on a oneDNN prepacked copy of each weight (`packed_weight`): ATen's F.linear reorders
-the weight into oneDNN's blocked layout on every call, which cost half the time of a 16-row linear (bf16 and fp32
-alike: 9 → 17 GB/s of weights). The copy is an extra resident copy of every projection weight on CPU (not of the
-MXFP4 experts); EXPERTMESH_CPU_PACKED_LINEAR=0 turns it off.
+bf16 projections on CPU (`linear` with a bf16 parameter, `bmm` with bf16 operands) run the row-invariant C++
+kernel (`kernels/linear/cpu_kernel.py`) where it is available (built, enabled, a CPU with AVX512-BF16): every
+output element is reduced in one fixed order that depends only on K, so rows need no padding. `linear` runs it on
+the kernel's packed copy of each weight (`kernel_weight`, the same size as the weight: an extra resident copy of
+every bf16 projection weight, in place of oneDNN's copy below). EXPERTMESH_CPU_LINEAR_KERNEL=0 turns it off.
+
+Everything else (fp32, plain-tensor weights, no kernel) pads the rows to a multiple of `ROW_TILE` (≥ 16), which
+keeps every call on the same blocked kernel, whose per-row result does not depend on the other rows — measured
+on torch 2.13 CPU and checked by tests/test_batch_invariance.py. There the projections run on a oneDNN
+prepacked copy of each weight (`packed_weight`): ATen's F.linear reorders the weight into oneDNN's blocked layout
+on every call, which cost half the time of a 16-row linear (bf16 and fp32 alike: 9 → 17 GB/s of weights). The
+copy is an extra resident copy of every projection weight the kernel does not take on CPU (not of the MXFP4
+experts); EXPERTMESH_CPU_PACKED_LINEAR=0 turns it off.
+
+Which path a projection takes depends on the weight and dtypes, never on the number of rows, so a weight's rows
+always come from one path within a process.
 """
 from __future__ import annotations
 
@@ -19,9 +29,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from expertmesh.kernels.linear import cpu_kernel as linear_kernel
+
 ROW_TILE = 16
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}     # id(weight) → ((data_ptr, version), packed)
+_kernel_packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}   # the same, in the linear kernel's layout
 _packed_lock = threading.Lock()
 
 
@@ -33,24 +46,43 @@ def _packing_enabled() -> bool:
 PACKING = _packing_enabled()
 
 
+def _cacheable(weight: torch.Tensor, dtypes) -> bool:
+    """A CPU parameter [N, K] of one of `dtypes` that does not need its gradient: worth a packed copy."""
+    return isinstance(weight, torch.nn.Parameter) and weight.device.type == "cpu" and weight.dtype in dtypes and \
+        weight.dim() == 2 and not (weight.requires_grad and torch.is_grad_enabled())
+
+
+def _cached(cache: dict, weight: torch.Tensor, make) -> torch.Tensor:
+    """make(weight), kept while the parameter lives; made again when it is written in place or re-pointed."""
+    key = (weight.data_ptr(), weight._version)
+    entry = cache.get(id(weight))
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    packed = make(weight.detach().contiguous())
+    with _packed_lock:
+        if id(weight) not in cache:
+            weakref.finalize(weight, cache.pop, id(weight), None)
+        cache[id(weight)] = (key, packed)
+    return packed
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a CPU parameter [N, K] (fp32 / bf16), made on first use and kept while the
     parameter lives; made again when it is written in place or re-pointed (version / storage). None where the
     plain path runs: a temporary tensor (packing per call gains nothing), other dtypes or devices, a weight that
-    needs its gradient, packing off."""
-    if not PACKING or not isinstance(weight, torch.nn.Parameter) or weight.device.type != "cpu" or \
-            weight.dtype not in _PACKED_DTYPES or weight.dim() != 2 or (weight.requires_grad and torch.is_grad_enabled()):
+    needs its gradient, packing off. (`linear` does not ask for it where the kernel takes the weight.)"""
+    if not PACKING or not _cacheable(weight, _PACKED_DTYPES):
         return None
-    key = (weight.data_ptr(), weight._version)
-    entry = _packed.get(id(weight))
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROW_TILE)
-    with _packed_lock:
-        if id(weight) not in _packed:
-            weakref.finalize(weight, _packed.pop, id(weight), None)
-        _packed[id(weight)] = (key, packed)
-    return packed
+    return _cached(_packed, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, ROW_TILE))
+
+
+def kernel_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The row-invariant kernel's packed copy (`kernels.linear.naive.pack_weight`) of a bf16 CPU parameter
+    [N, K], cached as `packed_weight`'s is; None where the kernel does not take the weight (not a bf16 CPU
+    parameter, needs its gradient, the kernel unavailable)."""
+    if not _cacheable(weight, (torch.bfloat16,)) or not linear_kernel.available():
+        return None
+    return _cached(_kernel_packed, weight, linear_kernel.pack_weight)
 
 
 def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
@@ -69,11 +101,22 @@ POINTWISE_GRAIN = 16384  # elements per call, below ATen's parallel grain (32768
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose output rows do not depend on how many other rows are in `x` (x [..., K], weight [N, K])."""
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda:  # GPU path: batch invariance there is the kernels' job, not padding's
         return F.linear(x, weight, bias)
-    packed = packed_weight(weight) if flat.dtype == weight.dtype else None
+    if x.dtype == weight.dtype and not (x.requires_grad and torch.is_grad_enabled()):
+        kw = kernel_weight(weight)
+        if kw is not None:
+            out = linear_kernel.linear(x, kw, weight.shape[0], weight.shape[1])
+            return out if bias is None else out + bias.to(out.dtype)     # elementwise: row-invariant
+    return linear_padded(x, weight, bias, packed_weight(weight) if x.dtype == weight.dtype else None)
+
+
+def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The row-padded path of `linear` (CPU): 16-row tiles, at most MAX_ROWS rows a call, through oneDNN's
+    `packed` copy of the weight when given, else F.linear."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
     outs = []
     for s in range(0, max(flat.shape[0], 1), MAX_ROWS):
         padded, m = pad_rows(flat[s:s + MAX_ROWS])
@@ -88,12 +131,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per-batch-item matmul x [B, M, K] @ weight [B, K, N] → [B, M, N] whose rows do not depend on how many other
-    rows are in `x` (e.g. MLA's per-head absorbed projections over every token of a step). Every call has exactly
-    ROW_TILE rows (the last tile zero-padded): ATen picks bmm's kernel from the whole problem's size, and for small
-    bf16 problems a 64-row call rounds differently from a 16-row one, so only one shape is safe. `x` may be a
-    strided view."""
+    rows are in `x` (e.g. MLA's per-head absorbed projections over every token of a step). `x` may be a strided
+    view. bf16 on CPU runs the row-invariant kernel where it is available (no padding, the weight read where it
+    is); otherwise `bmm_padded`."""
     if x.is_cuda:
         return torch.bmm(x, weight)
+    if x.dtype == weight.dtype == torch.bfloat16 and linear_kernel.available() and \
+            not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
+        return linear_kernel.bmm(x, weight)
+    return bmm_padded(x, weight)
+
+
+def bmm_padded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`bmm` through ATen (CPU): every call has exactly ROW_TILE rows (the last tile zero-padded): ATen picks
+    bmm's kernel from the whole problem's size, and for small bf16 problems a 64-row call rounds differently from a
+    16-row one, so only one shape is safe."""
     m = x.shape[1]
     out = x.new_empty(x.shape[0], m, weight.shape[2])
     for s in range(0, m, ROW_TILE):

@@ -73,3 +73,22 @@ def test_bad_indices_are_refused_naming_them():
         cpu_kernel.paged_attention(q, kv, table, torch.tensor([[0], [-1]]), 0.2, V)
     with pytest.raises(RuntimeError, match="block_table: block 99"):
         cpu_kernel.paged_attention(q, kv, torch.full_like(table, 99), idx, 0.2, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_heads_result_does_not_depend_on_the_heads_beside_it(dtype):
+    """Heads go through the kernel in groups sharing each row read; a head's bits are the same in any group, alone
+    or in a partial group, with dimensions that leave vector tails (d 83, v 70)."""
+    gen = torch.Generator().manual_seed(15)
+    d, v, heads = 83, 70, 7
+    kv = torch.randn(NB, BS, d, generator=gen).to(dtype)
+    table = torch.stack([torch.randperm(NB, generator=gen)[:9] for _ in range(2)]).to(torch.int32)
+    idx = visible_positions(torch.tensor([130, 57], dtype=torch.int32), 130)
+    q = torch.randn(2, heads, d, generator=gen)
+    together = cpu_kernel.paged_attention(q, kv, table, idx, 0.3, v)
+    torch.testing.assert_close(together, paged_sparse_attention_torch(q, kv, table, idx, 0.3, v), rtol=1e-5, atol=1e-5)
+    for h in range(heads):
+        alone = cpu_kernel.paged_attention(q[:, h:h + 1].contiguous(), kv, table, idx, 0.3, v)
+        assert torch.equal(alone[:, 0], together[:, h]), h
+    shifted = cpu_kernel.paged_attention(q[:, 1:].contiguous(), kv, table, idx, 0.3, v)   # other groupings
+    assert torch.equal(shifted, together[:, 1:])

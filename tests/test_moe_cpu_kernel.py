@@ -36,9 +36,9 @@ def built():
 
 
 def _isas() -> list[str]:
-    """portable always; avx2 / avx512 where this CPU has them (the best one is what auto picks)."""
-    best = cpu_kernel.best_isa()
-    return ["portable"] + (["avx2"] if best in ("avx2", "avx512") else []) + (["avx512"] if best == "avx512" else [])
+    """portable always; avx2 / avx512 / avx512bf16 where this CPU has them (the best one is what auto picks)."""
+    order = ["portable", "avx2", "avx512", "avx512bf16"]
+    return order[: order.index(cpu_kernel.best_isa()) + 1]
 
 
 def _weights(E: int, H: int, I: int, seed: int):
@@ -273,3 +273,38 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
                                 (1, 4.0, -1.0, "linear_beta must be >= 0")):
         with pytest.raises(RuntimeError, match=msg):
             ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)
+
+
+@pytest.mark.parametrize("tokens,slots,width,experts,groups", [(1, 4, 1024, 64, 8), (37, 8, 96, 64, 8), (5, 6, 33, 16, 4)])
+def test_group_partials_in_cpp_are_the_definitions_bits(tokens, slots, width, experts, groups):
+    """The C++ group partial sums against combine.group_partials_torch, bitwise, with slots computed elsewhere
+    (−1) anywhere in a row, as the exchange sends them."""
+    from expertmesh.kernels.moe.combine import group_partials, group_partials_torch
+    gen = torch.Generator().manual_seed(tokens * 100 + slots)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:slots].sort().values for _ in range(tokens)])
+    ids[torch.rand(tokens, slots, generator=gen) < 0.3] = -1
+    weights = torch.rand(tokens, slots, generator=gen)
+    outputs = torch.randn(tokens, slots, width, generator=gen)
+    got = group_partials(outputs, ids, weights, experts // groups, groups)
+    want = group_partials_torch(outputs, ids, weights, experts // groups, groups)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_group_partials_refuse_unordered_ids():
+    from expertmesh.kernels.moe import cpu_kernel
+    with pytest.raises(RuntimeError, match="ids: expected each row's valid ids distinct and ascending"):
+        cpu_kernel.group_partials(torch.randn(1, 2, 8), torch.tensor([[5, 3]]), torch.rand(1, 2), 4)
+
+
+def test_bf16_activations_give_the_bits_of_their_fp32_widening():
+    """bf16 x read as it is (the AVX512-BF16 tiles where the CPU has them) gives bitwise the fp32 result of x widened
+    to fp32, on every ISA path, over activations of very different magnitudes."""
+    E, K, H, I, T = 6, 3, 96, 64, 23
+    gen = torch.Generator().manual_seed(41)
+    w = _weights(E, H, I, seed=40)
+    x = (torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen) * 4)).to(torch.bfloat16)
+    ids = torch.randint(-1, E, (T, K), generator=gen)
+    want = moe_expert_outputs_cpu(x.float(), ids, *w, isa="portable")
+    for isa in _isas():
+        got = moe_expert_outputs_cpu(x, ids, *w, isa=isa, fp32_output=True)
+        assert got.dtype == torch.float32 and torch.equal(got, want), isa

@@ -420,8 +420,11 @@ class AttentionWorker:
                 if not layer.is_moe:
                     layer.dense_block(r)
                     continue
-                z, ids, weights, shared = layer.route(r)       # z: the experts' input (the latent of a latent MoE)
-                routed, failed = self.exchange.moe(layer.index, z, ids, weights)
+                h = layer.ffn_input(r)
+                z, ids, weights = layer.moe.select(h)           # z: the experts' input (the latent of a latent MoE)
+                sent = self.exchange.start(layer.index, z, ids, weights)
+                shared = layer.moe.shared_out(h)                # while the expert workers compute
+                routed, failed = self.exchange.finish(sent)
                 for row, why in failed.items():
                     failed_rows.setdefault(row, why)
                 layer.add_moe(r, shared, routed.to(r.current.device))

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,22 @@ class _Call:
     out_token: np.ndarray       # [R] token of each answer row
     out_group: np.ndarray       # [R] group of each answer row
     out_k: np.ndarray           # [R] slot column of a fragment (one slot of a split group), −1 for a whole group
+
+
+@dataclass
+class _Layer:
+    """One MoE layer in flight: what was sent, and what is still to compute (`todo`)."""
+    layer: int
+    hidden: torch.Tensor        # [N, H] as given (its dtype goes on the wire)
+    host: torch.Tensor          # the same on the host
+    ids: np.ndarray             # [N, K] ascending per row
+    w_t: torch.Tensor           # [N, K] fp32, in the ids' order
+    present: np.ndarray         # [N, G] groups each token has slots in
+    todo: np.ndarray            # [N, G] (token, group) pairs not computed yet
+    span: object = None         # the exchange's span, while tracing
+    trace_ctx: object = None
+    jobs: list = field(default_factory=list)               # (call, future) of the last attempt
+    failed: dict = field(default_factory=dict)             # token → why
 
 
 class ExpertExchange:
@@ -158,33 +174,49 @@ class ExpertExchange:
             ) -> tuple[torch.Tensor, dict[int, str]]:
         """hidden [N, H] (the activation dtype: what goes on the wire), topk_ids / topk_weights [N, K]
         → (routed sum fp32 [N, H] in the canonical order, {token: why it failed})."""
-        if not telemetry.tracing_enabled():
-            return self._moe(layer, hidden, topk_ids, topk_weights, None)
-        from opentelemetry import context
-        with telemetry.tracer().start_as_current_span("expert_exchange", attributes={"expertmesh.layer": layer}):
-            return self._moe(layer, hidden, topk_ids, topk_weights, context.get_current())
+        return self.finish(self.start(layer, hidden, topk_ids, topk_weights))
 
-    def _moe(self, layer, hidden, topk_ids, topk_weights, trace_ctx):
-        N, H = hidden.shape
+    def start(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+              ) -> "_Layer":
+        """Send a layer's calls and return at once (the caller computes its shared experts meanwhile); `finish`
+        waits for the answers, redoes what failed and combines."""
+        span = trace_ctx = None
+        if telemetry.tracing_enabled():
+            from opentelemetry import context, trace
+            span = telemetry.tracer().start_span("expert_exchange", attributes={"expertmesh.layer": layer})
+            trace_ctx = trace.set_span_in_context(span, context.get_current())
         ids_t, w_t = sort_slots(topk_ids.cpu(), topk_weights.cpu().float())
-        ids = ids_t.numpy()
-        G = self.n_groups
-        present = present_groups(ids_t, self.group_size, G).numpy()               # [N, G]
-        todo = present.copy()
-        partials = torch.zeros(N, G, H, dtype=torch.float32)
-        failed: dict[int, str] = {}
-        host = hidden.cpu()
+        present = present_groups(ids_t, self.group_size, self.n_groups).numpy()   # [N, G]
+        job = _Layer(layer, hidden, hidden.cpu(), ids_t.numpy(), w_t, present, present.copy(), span, trace_ctx)
+        self._send(job, 0)
+        return job
+
+    def _send(self, job: "_Layer", attempt: int) -> None:
+        with self.lock:
+            down = set(self.down)
+        calls, missing = self.assign(job.layer, job.ids, job.todo, down)
+        for t, experts in missing.items():
+            job.failed.setdefault(t, f"experts without a live replica in layer {job.layer}: {sorted(experts)}")
+            job.todo[t] = False
+        job.jobs = [(c, self.pool.submit(self._run, job.layer, c, job.host, job.w_t, job.hidden.dtype, job.trace_ctx,
+                                         attempt)) for c in calls]
+
+    def finish(self, job: "_Layer") -> tuple[torch.Tensor, dict[int, str]]:
+        try:
+            return self._finish(job)
+        finally:
+            if job.span is not None:
+                job.span.end()
+
+    def _finish(self, job: "_Layer") -> tuple[torch.Tensor, dict[int, str]]:
+        N, H = job.hidden.shape
+        layer, todo = job.layer, job.todo
+        partials = torch.zeros(N, self.n_groups, H, dtype=torch.float32)
         for attempt in range(self.retries + 1):
-            with self.lock:
-                down = set(self.down)
-            calls, missing = self.assign(layer, ids, todo, down)
-            for t, experts in missing.items():
-                failed.setdefault(t, f"experts without a live replica in layer {layer}: {sorted(experts)}")
-                todo[t] = False
-            jobs = [(c, self.pool.submit(self._run, layer, c, host, w_t, hidden.dtype, trace_ctx, attempt))
-                    for c in calls]
+            if attempt:
+                self._send(job, attempt)
             results, lost = [], set()
-            for c, fut in jobs:
+            for c, fut in job.jobs:
                 try:
                     results.append((c, fut.result()))
                 except ConnectionError as e:     # unreachable / deadline: its groups go to replicas
@@ -205,11 +237,11 @@ class ExpertExchange:
             if not lost:
                 break
         for t in np.flatnonzero(todo.any(1)).tolist():
-            failed.setdefault(t, f"expert workers failed for layer {layer}: " + "; ".join(
+            job.failed.setdefault(t, f"expert workers failed for layer {layer}: " + "; ".join(
                 self.last_error.get(w, "") for w in sorted(self.down)))
         with self.lock:
-            np.add.at(self.load[layer], ids.ravel(), 1)
-        return fold_groups(partials, torch.from_numpy(present), hidden.dtype), failed
+            np.add.at(self.load[layer], job.ids.ravel(), 1)
+        return fold_groups(partials, torch.from_numpy(job.present), job.hidden.dtype), job.failed
 
     def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
              trace_ctx=None, attempt: int = 0) -> torch.Tensor:
@@ -231,15 +263,16 @@ class ExpertExchange:
         # rounds every P_g through it anyway)
         out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
         client = self.clients[c.worker]
+        sent = hidden[rows]
         if hasattr(client, "run_grpc"):     # a collective transport (worker/collective.py): a redo goes over gRPC
-            out = client.run_grpc(layer, hidden[rows], ids, w, out_dtype) if attempt else \
-                client.run(layer, hidden[rows], ids, w, out_dtype, rows=len(c.out_token))
+            out = client.run_grpc(layer, sent, ids, w, out_dtype) if attempt else \
+                client.run(layer, sent, ids, w, out_dtype, rows=len(c.out_token))
         else:
-            out = client.run(layer, hidden[rows], ids, w, out_dtype)
+            out = client.run(layer, sent, ids, w, out_dtype)
         if out.shape[0] != len(c.out_token):
             raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")
         with self.lock:
-            self.bytes_sent += hidden[rows].numel() * hidden.element_size() + ids.numel() * 8 + w.numel() * 4
+            self.bytes_sent += sent.numel() * sent.element_size() + ids.numel() * 8 + w.numel() * 4
             self.bytes_received += out.numel() * out.element_size()
         return out
 

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from expertmesh import memory
@@ -153,49 +154,60 @@ class ExpertWorker:
         if shards is None:
             raise UnknownExpert(f"layer {layer}: {self.name} holds no experts of this layer")
         expert_ids = expert_ids.long()
-        valid = expert_ids >= 0
-        if bool((expert_ids >= n_experts).any()) or bool((expert_ids < -1).any()):
-            bad = int(expert_ids.max()) if bool((expert_ids >= n_experts).any()) else int(expert_ids.min())
+        ids = expert_ids.numpy()                # the checks on the host array: a call is a few rows
+        valid = ids >= 0
+        if ids.size and (ids.max() >= n_experts or ids.min() < -1):
+            bad = int(ids.max()) if ids.max() >= n_experts else int(ids.min())
             raise ExpertRequestError(f"expert_ids: {bad} outside [0, {n_experts}) (or −1 for elsewhere)")
-        if expert_ids.shape[1] > 1 and bool((valid[:, 1:] & (expert_ids[:, 1:] <= expert_ids[:, :-1])).any()):
+        if ids.shape[1] > 1 and bool((valid[:, 1:] & (ids[:, 1:] <= ids[:, :-1])).any()):
             raise ExpertRequestError("expert_ids: expected each row's ids distinct and in ascending order")
-        safe_ids = expert_ids.clamp(min=0)
+        safe_ids = ids.clip(min=0)
         mine_of = [valid & (_host_index(mod)[safe_ids] >= 0) for _, mod, _ in shards]   # per shard [n, K]
-        held = mine_of[0] if len(mine_of) == 1 else torch.stack(mine_of).any(0)
-        missing = valid & ~held
-        if bool(missing.any()):
-            e = int(expert_ids[missing][0])
-            raise UnknownExpert(f"expert ({layer}, {e}) is not held by {self.name}")
-        n, k = expert_ids.shape
+        missing = valid & ~np.logical_or.reduce(mine_of)
+        if missing.any():
+            raise UnknownExpert(f"expert ({layer}, {int(ids[missing][0])}) is not held by {self.name}")
+        n, k = ids.shape
         if n * k * h * 4 > self.max_call_bytes:
             raise ExpertRequestError(f"hidden: {n} rows x {k} slots need {n * k * h * 4:,} bytes of workspace, over "
                                      f"this worker's per-call limit of {self.max_call_bytes:,}; split the call")
         with self.lock:
             self.calls += 1
             self.tokens_computed += int(valid.sum())
-            out = torch.zeros(n, k, h, dtype=torch.float32)
-            # every device's pieces are launched before any result is read back, so the devices run at once
-            pending = []
-            for (_, mod, _), mine in zip(shards, mine_of):
+            if len(shards) == 1 and n <= self.step_tokens:
+                # one shard holds every slot sent: its output is the answer (0 where a slot is −1)
+                mod = shards[0][1]
                 dev = mod.gate_up_blocks.device
-                if not bool(mine.any()):
-                    continue
-                ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
-                for s in range(0, n, self.step_tokens):
-                    rows = slice(s, min(n, s + self.step_tokens))
-                    res = mod(hidden[rows].float().to(dev), ids[rows].to(dev))        # [t, K, H] fp32
-                    pending.append((rows, mine[rows], res))
-            for rows, mask, res in pending:
-                out[rows][mask] = res.cpu()[mask]
+                out = mod.outputs_fp32(hidden.to(dev), expert_ids.to(dev)).cpu()
+            else:
+                out = self._run_shards(shards, mine_of, hidden, expert_ids, n, k, h)
         groups = self.cfg.moe.combine_groups
         partials = group_partials(out, expert_ids, weights.float(), n_experts // groups, groups)
         return partials.to(out_dtype)
 
+    def _run_shards(self, shards, mine_of, hidden, expert_ids, n: int, k: int, h: int) -> torch.Tensor:
+        """[n, K, H] fp32 outputs from several shards (devices) or in pieces of step_tokens rows: every device's
+        pieces are launched before any result is read back, so the devices run at once."""
+        out = torch.zeros(n, k, h, dtype=torch.float32)
+        pending = []
+        for (_, mod, _), mine in zip(shards, mine_of):
+            dev = mod.gate_up_blocks.device
+            if not mine.any():
+                continue
+            mine = torch.from_numpy(mine)
+            ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
+            for s in range(0, n, self.step_tokens):
+                rows = slice(s, min(n, s + self.step_tokens))
+                res = mod.outputs_fp32(hidden[rows].to(dev), ids[rows].to(dev))   # [t, K, H] fp32
+                pending.append((rows, mine[rows], res))
+        for rows, mask, res in pending:
+            out[rows][mask] = res.cpu()[mask]
+        return out
 
-def _host_index(mod: RoutedExperts) -> torch.Tensor:
+
+def _host_index(mod: RoutedExperts) -> np.ndarray:
     """A shard's global id → local index table (−1: not held) on the host, kept on the module (a re-plan loads new
     modules, so it never goes stale): which of a call's slots a shard computes, without a per-call set lookup."""
     index = getattr(mod, "_host_global_to_local", None)
     if index is None:
-        index = mod._host_global_to_local = mod.global_to_local.cpu()
+        index = mod._host_global_to_local = mod.global_to_local.cpu().numpy()
     return index

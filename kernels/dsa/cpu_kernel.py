@@ -1,6 +1,7 @@
 """The CPU sparse-attention kernel over a paged latent cache (`kernels/dsa/cpu/paged_attention.cpp`): what
 `sparse.paged_sparse_attention` computes — each sequence's query heads over its selected positions, read from the
-pages where they are — as one C++ loop per (sequence, head), parallel over them, with no gather copy.
+pages where they are — as one C++ loop per (sequence, group of 4 heads), parallel over them, with no gather
+copy: the heads share one latent row, so each row is read (and a bf16 row widened) once per group, not per head.
 
 Numerics (see the C++ header comment): fp32, every reduction in one fixed order that depends only on the sequence's
 own inputs, so a sequence's result does not depend on the batch, the index rows' width or the thread count

@@ -35,6 +35,7 @@ __all__ = [
     "GatedActivation",
     "SWIGLU",
     "moe_expert_outputs",
+    "cpu_kernel_runs",
     "moe_combine",
     "moe_forward",
     "moe_reference",
@@ -47,6 +48,13 @@ __all__ = [
     "dequant_cache",
     "set_dequant_cache_bytes",
 ]
+
+
+def cpu_kernel_runs(x: torch.Tensor, w13_blocks: torch.Tensor) -> bool:
+    """Whether `moe_expert_outputs` runs the fused CPU kernel for these tensors: both on the CPU, the backend not
+    forced, the kernel built."""
+    return x.device.type == "cpu" and w13_blocks.device.type == "cpu" and _configured() == "auto" \
+        and cpu_kernel.available()
 
 
 def moe_expert_outputs(
@@ -66,8 +74,7 @@ def moe_expert_outputs(
         from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
         return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
                                          activation=activation)
-    if x.device.type == "cpu" and w13_blocks.device.type == "cpu" and _configured() == "auto" \
-            and cpu_kernel.available():
+    if cpu_kernel_runs(x, w13_blocks):
         return cpu_kernel.moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
                                              activation=activation)
     return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,

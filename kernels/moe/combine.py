@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from expertmesh.kernels.moe import cpu_kernel
+
 
 def sort_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, K] ids (distinct per row; −1 = absent) and weights → both with each row in ascending id order."""
@@ -37,7 +39,16 @@ def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                    n_groups: int) -> torch.Tensor:
     """outputs [T, K, H] unweighted expert outputs, ids [T, K] in ascending order per row (−1 = absent, its output
     ignored), weights [T, K] → fp32 [R, H]: one P_g per (row, group present), rows in row-major (row, group) order
-    (`present_groups(ids).nonzero()`)."""
+    (`present_groups(ids).nonzero()`). On CPU the C++ loop (kernels/moe/cpu_kernel.py) where it is built: the same
+    operations, so the same bits as `group_partials_torch`."""
+    if outputs.device.type == "cpu" and cpu_kernel.available():
+        return cpu_kernel.group_partials(outputs, ids, weights, group_size)
+    return group_partials_torch(outputs, ids, weights, group_size, n_groups)
+
+
+def group_partials_torch(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int,
+                         n_groups: int) -> torch.Tensor:
+    """`group_partials` in tensor ops: the definition."""
     T, K, H = outputs.shape
     present = present_groups(ids, group_size, n_groups)                         # [T, G]
     index = torch.cumsum(present.flatten(), 0).view(T, n_groups) - 1             # (row, group) → output row
@@ -58,7 +69,7 @@ def fold_groups(partials: torch.Tensor, present: torch.Tensor, dtype: torch.dtyp
     present, ascending, each rounded through `dtype`."""
     T, G, H = partials.shape
     acc = torch.zeros(T, H, dtype=torch.float32, device=partials.device)
-    for g in range(G):
+    for g in present.any(0).nonzero().flatten().tolist():    # a group no row has leaves every row as it is
         p = partials[:, g].to(dtype).float()
         acc = torch.where(present[:, g, None], acc + p, acc)
     return acc

@@ -10,7 +10,11 @@ keep the PyTorch path. `EXPERTMESH_CPU_KERNEL=0` turns it off.
 
 Numerics (see the C++ header comment): fp32, each output element reduced in one fixed order (16 lanes over
 element pairs, per-block scale, fixed lane tree) that depends only on its own row and token, so results are
-batch-invariant by construction and the AVX-512, AVX2 and portable paths give the same bits. The order differs
+batch-invariant by construction and the AVX-512, AVX2 and portable paths give the same bits. bf16 activations
+go in as they are: on CPUs with AVX512-BF16 (`isa="avx512bf16"`, what auto picks there) the gate/up GEMM reads them
+with the bf16 dot-product instruction, whose pair sums are the FMA path's (both products are exact in fp32), so the
+bits are those of widening x to fp32 first, on every path — barring fp32 subnormals, which that instruction
+flushes to zero. The order differs
 from the reference's (dequantise, then a BLAS GEMM), so the two agree to fp32 rounding (a relative error of a
 few 1e-7 per dot product), not bitwise. One more difference: a block whose dequantised value overflows fp32
 (scale 0xFD/0xFE with a large code) is inf in the reference; here the scale multiplies the block's partial sum,
@@ -40,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
 EXTENSION = "expertmesh_mxfp4_cpu"   # build name prefix; the library's op namespace is NAMESPACE
 NAMESPACE = "expertmesh_mxfp4_cpu"   # TORCH_LIBRARY(...) in the source
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 _ACT = {"swiglu": 0, "situ": 1}   # the C++ Act codes
 
 _lock = threading.Lock()
@@ -135,19 +139,30 @@ def moe_expert_outputs(
     out: torch.Tensor | None = None,
     isa: str = "auto",
     activation: GatedActivation = SWIGLU,
+    fp32_output: bool = False,
 ) -> torch.Tensor:
-    """The fused grouped expert GEMM (CPU). Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
+    """The fused grouped expert GEMM (CPU). Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`.
+    bf16 x goes in as it is (the AVX512-BF16 tiles read it; the other paths widen it: the same bits either way);
+    `fp32_output` (without `out`): return the fp32 result as computed, before the rounding to x's dtype."""
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
     act = check_activation(activation)
     ops = _require()
     code = _isa(isa)
     target = out if out is not None and out.dtype == torch.float32 else \
         torch.empty(s.T, s.K, s.H, dtype=torch.float32)
-    ops.moe_expert_outputs(x.float().contiguous(), topk_ids.contiguous(), w13_blocks.contiguous(),
-                           w13_scales.contiguous(), w2_blocks.contiguous(), w2_scales.contiguous(), target, code,
-                           _ACT[act.kind], act.beta, act.linear_beta)
+    ops.moe_expert_outputs((x if x.dtype == torch.bfloat16 else x.float()).contiguous(), topk_ids.contiguous(),
+                           w13_blocks.contiguous(), w13_scales.contiguous(), w2_blocks.contiguous(),
+                           w2_scales.contiguous(), target, code, _ACT[act.kind], act.beta, act.linear_beta)
     if out is None:
-        return target.to(x.dtype)
+        return target if fp32_output else target.to(x.dtype)
     if target is not out:
         out.copy_(target)
     return out
+
+
+def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The canonical per-(row, group) partial sums in C++: the same fp32 operations in the same order as
+    `kernels.moe.combine.group_partials_torch`, so the same bits, without a dozen tensor ops per slot column.
+    Contract: `kernels.moe.combine.group_partials` (n_groups is implied by the ids)."""
+    return _require().group_partials(outputs.float().contiguous(), ids.long().contiguous(),
+                                     weights.float().contiguous(), int(group_size))

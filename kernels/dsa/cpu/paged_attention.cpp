@@ -16,8 +16,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -36,40 +42,142 @@ inline float lane_tree(float* a) {
   return a[0];
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float dot_f32(const float* q, const float* k, int64_t D) {
-  float acc[kLanes] = {0.0f};
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + q[i + l] * k[i + l];
-  for (int l = 0; i + l < D; ++l) acc[l] = acc[l] + q[i + l] * k[i + l];
-  return lane_tree(acc);
-}
+// Rows are read once per group of up to kGroup heads (MLA / DSA heads share one latent cache row) and dotted
+// with the group's queries side by side: independent accumulator chains, so the loop is not bound by the adder's
+// latency, and a bf16 row is widened once per group, not once per head. Widening is exact, and every head keeps
+// the lane order above, so the bits are those of a one-head-at-a-time loop. The AVX-512 path spells the order
+// out with intrinsics (a multiply, then an add: no FMA); the portable loops compute the same operations.
+constexpr int kGroup = 4;
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float dot_bf16(const float* q, const uint16_t* k, int64_t D) {
-  float acc[kLanes] = {0.0f};
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + q[i + l] * bf16_to_float(k[i + l]);
-  for (int l = 0; i + l < D; ++l) acc[l] = acc[l] + q[i + l] * bf16_to_float(k[i + l]);
-  return lane_tree(acc);
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy_f32(float a, const float* v, float* o, int64_t V) {
-  for (int64_t d = 0; d < V; ++d) o[d] = o[d] + a * v[d];
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy_bf16(float a, const uint16_t* v, float* o, int64_t V) {
-  for (int64_t d = 0; d < V; ++d) o[d] = o[d] + a * bf16_to_float(v[d]);
+template <typename T>
+inline float load_f32(const T* p, int64_t i) {
+  if constexpr (std::is_same<T, float>::value) return p[i];
+  else return bf16_to_float(p[i]);
 }
 
 template <typename T>
-void attend(const float* q, const T* kv, const int32_t* table, const int64_t* idx, int64_t W, int64_t MB,
-            int64_t NB, int64_t BS, int64_t D, int64_t V, float scale, float* out,
-            float (*dot)(const float*, const T*, int64_t), void (*axpy)(float, const T*, float*, int64_t)) {
+__attribute__((target_clones("avx2", "default")))
+void dots_portable(const float* const* q, int G, const T* k, int64_t D, float scale, float* out) {
+  for (int g = 0; g < G; ++g) {
+    float acc[kLanes] = {0.0f};
+    int64_t i = 0;
+    for (; i + kLanes <= D; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + q[g][i + l] * load_f32(k, i + l);
+    for (int l = 0; i + l < D; ++l) acc[l] = acc[l] + q[g][i + l] * load_f32(k, i + l);
+    out[g] = lane_tree(acc) * scale;
+  }
+}
+
+// o[g][d] = sum over j in order of e[j * G + g] * rows[j][d], from +0 (then divided by the softmax sum).
+template <typename T>
+__attribute__((target_clones("avx2", "default")))
+void weighted_sum_portable(const float* e, int G, const T* const* rows, int64_t n, float* const* o, int64_t V) {
+  for (int g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < V; ++d) o[g][d] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float a = e[j * G + g];
+      for (int64_t d = 0; d < V; ++d) o[g][d] = o[g][d] + a * load_f32(rows[j], d);
+    }
+  }
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const T* p, __mmask16 m) {
+  if constexpr (std::is_same<T, float>::value) return _mm512_maskz_loadu_ps(m, p);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline float tree512(__m512 a) {  // lanes l + 8, + 4, + 2, + 1, as lane_tree
+  const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+  const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+  return _mm_cvtss_f32(_mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1)));
+}
+
+template <typename T, int G>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dots_avx512(const float* const* q, const T* k, int64_t D,
+                                                                        float scale, float* out) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += kLanes) {
+    const __mmask16 m = D - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (D - i)) - 1);
+    const __m512 kv = load16(k + i, m);
+    for (int g = 0; g < G; ++g)
+      acc[g] = _mm512_mask_add_ps(acc[g], m, acc[g], _mm512_mul_ps(_mm512_maskz_loadu_ps(m, q[g] + i), kv));
+  }
+  for (int g = 0; g < G; ++g) out[g] = tree512(acc[g]) * scale;
+}
+
+// 64 output columns at a time held in registers over all rows (G heads x 4 vectors of accumulators).
+template <typename T, int G>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void weighted_sum_avx512(const float* e, const T* const* rows,
+                                                                                int64_t n, float* const* o, int64_t V) {
+  constexpr int C = 4;
+  for (int64_t d0 = 0; d0 < V; d0 += C * kLanes) {
+    __mmask16 m[C];
+    for (int c = 0; c < C; ++c) {
+      const int64_t left = V - d0 - c * kLanes;
+      m[c] = left >= kLanes ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    }
+    __m512 acc[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 x[C];
+      for (int c = 0; c < C; ++c) x[c] = load16(rows[j] + d0 + c * kLanes, m[c]);
+      for (int g = 0; g < G; ++g) {
+        const __m512 a = _mm512_set1_ps(e[j * G + g]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_add_ps(acc[g][c], _mm512_mul_ps(a, x[c]));
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(o[g] + d0 + c * kLanes, m[c], acc[g][c]);
+  }
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+#endif
+
+template <typename T>
+void dots(const float* const* q, int G, const T* k, int64_t D, float scale, float* out) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (has_avx512()) {
+    switch (G) {
+      case 4: return dots_avx512<T, 4>(q, k, D, scale, out);
+      case 3: return dots_avx512<T, 3>(q, k, D, scale, out);
+      case 2: return dots_avx512<T, 2>(q, k, D, scale, out);
+      default: return dots_avx512<T, 1>(q, k, D, scale, out);
+    }
+  }
+#endif
+  dots_portable(q, G, k, D, scale, out);
+}
+
+template <typename T>
+void weighted_sum(const float* e, int G, const T* const* rows, int64_t n, float* const* o, int64_t V) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (has_avx512()) {
+    switch (G) {
+      case 4: return weighted_sum_avx512<T, 4>(e, rows, n, o, V);
+      case 3: return weighted_sum_avx512<T, 3>(e, rows, n, o, V);
+      case 2: return weighted_sum_avx512<T, 2>(e, rows, n, o, V);
+      default: return weighted_sum_avx512<T, 1>(e, rows, n, o, V);
+    }
+  }
+#endif
+  weighted_sum_portable(e, G, rows, n, o, V);
+}
+
+// Heads h0 .. h0+G-1 of one sequence: q rows [G][D] (stride D), out rows [G][V] (stride V).
+template <typename T>
+void attend(const float* q, int G, const T* kv, const int32_t* table, const int64_t* idx, int64_t W, int64_t MB,
+            int64_t NB, int64_t BS, int64_t D, int64_t V, float scale, float* out) {
   std::vector<const T*> rows;
   rows.reserve(W);
   for (int64_t j = 0; j < W; ++j) {
@@ -82,20 +190,27 @@ void attend(const float* q, const T* kv, const int32_t* table, const int64_t* id
   }
   TORCH_CHECK(!rows.empty(), "indices: a row without any used position");
   const int64_t n = int64_t(rows.size());
-  std::vector<float> l(n);
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    l[j] = dot(q, rows[j], D) * scale;
-    m = l[j] > m ? l[j] : m;
+  const float* qs[kGroup];
+  float* os[kGroup];
+  for (int g = 0; g < G; ++g) {
+    qs[g] = q + g * D;
+    os[g] = out + g * V;
   }
-  float s = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    l[j] = std::exp(l[j] - m);
-    s = s + l[j];
+  std::vector<float> l(n * G);  // [j][g]
+  for (int64_t j = 0; j < n; ++j) dots(qs, G, rows[j], D, scale, l.data() + j * G);
+  float s[kGroup];
+  for (int g = 0; g < G; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = l[j * G + g] > m ? l[j * G + g] : m;
+    s[g] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      l[j * G + g] = std::exp(l[j * G + g] - m);
+      s[g] = s[g] + l[j * G + g];
+    }
   }
-  for (int64_t d = 0; d < V; ++d) out[d] = 0.0f;
-  for (int64_t j = 0; j < n; ++j) axpy(l[j], rows[j], out, V);
-  for (int64_t d = 0; d < V; ++d) out[d] = out[d] / s;
+  weighted_sum(l.data(), G, rows.data(), n, os, V);
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < V; ++d) os[g][d] = os[g][d] / s[g];
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -133,15 +248,19 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor
   float* o = out.data_ptr<float>();
   const bool bf16 = kv.scalar_type() == at::kBFloat16;
   const void* base = kv.data_ptr();
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t groups = (H + kGroup - 1) / kGroup;
+  at::parallel_for(0, B * groups, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H;
+      const int64_t b = i / groups, h0 = (i % groups) * kGroup;
+      const int G = int(std::min<int64_t>(kGroup, H - h0));
+      const float* qg = qs + (b * H + h0) * D;
+      float* og = o + (b * H + h0) * V;
       if (bf16)
-        attend<uint16_t>(qs + i * D, static_cast<const uint16_t*>(base), tab + b * MB, id + b * W, W, MB, NB, BS, D,
-                         V, fscale, o + i * V, dot_bf16, axpy_bf16);
+        attend<uint16_t>(qg, G, static_cast<const uint16_t*>(base), tab + b * MB, id + b * W, W, MB, NB, BS, D, V,
+                         fscale, og);
       else
-        attend<float>(qs + i * D, static_cast<const float*>(base), tab + b * MB, id + b * W, W, MB, NB, BS, D, V,
-                      fscale, o + i * V, dot_f32, axpy_f32);
+        attend<float>(qg, G, static_cast<const float*>(base), tab + b * MB, id + b * W, W, MB, NB, BS, D, V, fscale,
+                      og);
     }
   });
 }

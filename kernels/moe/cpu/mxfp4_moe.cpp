@@ -13,17 +13,20 @@
 //     p = v[2l] * x[2l];  p = fma(v[2l+1], x[2l+1], p);  acc[l] = fma(p, scale_b, acc[l])   for b = 0, 1, ...
 // then acc[l] += acc[l+8], acc[l] += acc[l+4], acc[l] += acc[l+2], acc[l] += acc[l+1]; the result is acc[0].
 // (v: the doubled table value, scale_b: 2^(s_b - 128).) It depends on nothing but the row and the token: not on how many rows or tokens a call has, the tiling, or the
-// thread count (threads split output rows with at::parallel_for). Activations are first rearranged per 32-block
+// thread count (threads split output rows with at::parallel_for). bf16 activations on AVX512-BF16 CPUs take the same
+// per-lane operations through the bf16 dot-product instruction (tile_avx512bf16: the same bits). Activations are first rearranged per 32-block
 // to [even elements | odd elements] so the pairs line up with the low/high nibbles.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -45,7 +48,7 @@ struct ScaleTable {
 };
 const ScaleTable kScale;
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 
 // One call computes R weight rows x TM activation rows. w: R row pointers to packed bytes (K/2 each), s: R scale
 // rows (K/32), x: TM rearranged activation rows (K each), y[r*ystride_r + t*ystride_t] = result.
@@ -165,13 +168,102 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t, int64_t nbloc
       *t.y[r][m] = _mm_cvtss_f32(a1);
     }
 }
+
+// bf16 activations (AVX512-BF16): the same per-lane operations as tile_avx512 with x read as bf16 pairs. A lane's
+// pair product sum v_e x_e + v_o x_o is one dot-product instruction into +0; both products are exact in fp32 (x has
+// 8 significant bits, the doubled table values at most 4), so its one rounding is the FMA path's one rounding and
+// the bits are the same as converting x to fp32 first — barring fp32 subnormals, which the instruction flushes to
+// zero (|x| below 2^-126: not an activation). x stays in its own layout: lane l's pair (2l, 2l+1) is adjacent.
+alignas(64) const uint32_t kE2M1x2Bf16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+                                              0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};
+
+struct TileBf16 {
+  const uint8_t* w[2];
+  const uint8_t* s[2];
+  const uint16_t* x[8];
+  float* y[2][8];
+};
+
+template <int R, int TM>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_avx512bf16(const TileBf16& t, int64_t nblocks) {
+  const __m512i tlo = _mm512_loadu_si512(kE2M1x2Bf16);       // bf16 bits in each dword's low half
+  const __m512i thi = _mm512_slli_epi32(tlo, 16);            // ... and in its high half
+  const __m512i lo4 = _mm512_set1_epi32(15);
+  __m512 acc[R][TM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wb = t.w[r] + 16 * b;
+      if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch), _MM_HINT_T0);
+      const __m512 sc = _mm512_set1_ps(kScale.v[t.s[r][b]]);
+      const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+      const __m512i pair = _mm512_or_si512(_mm512_permutexvar_epi32(_mm512_and_si512(code, lo4), tlo),
+                                           _mm512_permutexvar_epi32(_mm512_srli_epi32(code, 4), thi));
+      for (int m = 0; m < TM; ++m) {
+        const __m512i xb = _mm512_loadu_si512(t.x[m] + 32 * b);
+        const __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)pair, (__m512bh)xb);
+        acc[r][m] = _mm512_fmadd_ps(p, sc, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < TM; ++m) {
+      const __m512 a = acc[r][m];
+      const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+      const __m128 a1 = _mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1));
+      *t.y[r][m] = _mm_cvtss_f32(a1);
+    }
+}
+
+template <int R>
+void run_tile_bf16(int tm, const TileBf16& t, int64_t nblocks) {
+  switch (tm) {
+    case 1: return tile_avx512bf16<R, 1>(t, nblocks);
+    case 2: return tile_avx512bf16<R, 2>(t, nblocks);
+    case 3: return tile_avx512bf16<R, 3>(t, nblocks);
+    case 4: return tile_avx512bf16<R, 4>(t, nblocks);
+    case 5: return tile_avx512bf16<R, 5>(t, nblocks);
+    case 6: return tile_avx512bf16<R, 6>(t, nblocks);
+    case 7: return tile_avx512bf16<R, 7>(t, nblocks);
+    default: return tile_avx512bf16<R, 8>(t, nblocks);
+  }
+}
+
+// gemm_rows for bf16 activation rows (not rearranged) on the AVX512-BF16 path.
+void gemm_rows_bf16(const uint8_t* wb, const uint8_t* ws, int64_t K, const uint16_t* const* x, int64_t M,
+                    float* const* yrow, int64_t n0, int64_t n1) {
+  const int64_t nblocks = K / 32;
+  for (int64_t n = n0; n < n1;) {
+    const int r = (n + 1 < n1) ? 2 : 1;
+    for (int64_t m = 0; m < M;) {
+      const int tm = int(std::min<int64_t>(8, M - m));
+      TileBf16 t;
+      for (int i = 0; i < r; ++i) {
+        t.w[i] = wb + (n + i) * (K / 2);
+        t.s[i] = ws + (n + i) * nblocks;
+        for (int j = 0; j < tm; ++j) t.y[i][j] = yrow[m + j] + n + i;
+      }
+      for (int j = 0; j < tm; ++j) t.x[j] = x[m + j];
+      if (r == 2) run_tile_bf16<2>(tm, t, nblocks);
+      else run_tile_bf16<1>(tm, t, nblocks);
+      m += tm;
+    }
+    n += r;
+  }
+}
 #endif
 
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   static const bool has512 = __builtin_cpu_supports("avx512f");
+  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == kAuto) return has512 ? kAvx512 : (has2 ? kAvx2 : kPortable);
+  if (isa == kAuto) return hasbf16 ? kAvx512Bf16 : has512 ? kAvx512 : (has2 ? kAvx2 : kPortable);
+  TORCH_CHECK(isa != kAvx512Bf16 || hasbf16, "mxfp4 cpu kernel: this CPU has no AVX512-BF16");
   TORCH_CHECK(isa != kAvx512 || has512, "mxfp4 cpu kernel: this CPU has no AVX-512F");
   TORCH_CHECK(isa != kAvx2 || has2, "mxfp4 cpu kernel: this CPU has no AVX2+FMA");
   return isa;
@@ -184,7 +276,7 @@ int64_t resolve_isa(int64_t isa) {
 template <int R, int TM>
 inline void run_tile(int64_t isa, const Tile& t, int64_t nblocks) {
 #ifdef EM_X86
-  if (isa == kAvx512) return tile_avx512<R, TM>(t, nblocks);
+  if (isa == kAvx512 || isa == kAvx512Bf16) return tile_avx512<R, TM>(t, nblocks);  // fp32 rows
   if (isa == kAvx2) return tile_avx2<R, TM>(t, nblocks);
 #endif
   tile_portable<R, TM>(t, nblocks);
@@ -225,11 +317,23 @@ void gemm_rows(int64_t isa, const uint8_t* wb, const uint8_t* ws, int64_t K, con
 }
 
 // src[K] -> dst[K]: per 32-block, even elements then odd elements.
-inline void rearrange(const float* src, float* dst, int64_t K) {
+template <typename T>
+inline float to_f32(T v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else {
+    const uint32_t u = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+}
+
+template <typename T>
+inline void rearrange(const T* src, float* dst, int64_t K) {
   for (int64_t b = 0; b < K; b += 32)
     for (int l = 0; l < 16; ++l) {
-      dst[b + l] = src[b + 2 * l];
-      dst[b + 16 + l] = src[b + 2 * l + 1];
+      dst[b + l] = to_f32(src[b + 2 * l]);
+      dst[b + 16 + l] = to_f32(src[b + 2 * l + 1]);
     }
 }
 
@@ -303,7 +407,9 @@ void gated_act(const float* g, float* dst, int64_t I, int64_t act, float beta, f
 void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w13b, const at::Tensor& w13s,
                         const at::Tensor& w2b, const at::Tensor& w2s, const at::Tensor& out, int64_t isa,
                         int64_t act, double beta, double linear_beta) {
-  check_cpu(x, at::kFloat, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x: expected float32 or bfloat16, found ", x.scalar_type());
+  check_cpu(x, x.scalar_type(), "x");
   check_cpu(ids, at::kLong, "topk_ids");
   check_cpu(w13b, at::kByte, "w13_blocks");
   check_cpu(w13s, at::kByte, "w13_scales");
@@ -342,14 +448,22 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
     if (start[e + 1] > start[e]) active.push_back(e);
   const int64_t A = int64_t(active.size());
 
-  const float* xs = x.data_ptr<float>();
-  std::vector<float> xr(V * H), gu(V * I2), hid(V * I);
+  // bf16 rows go to the AVX512-BF16 tiles as they are; otherwise every row is widened to fp32 and rearranged
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool bf16_tiles = bf16 && isa == kAvx512Bf16;
+  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  const float* xs = bf16 ? nullptr : x.data_ptr<float>();
+  std::vector<float> xr(bf16_tiles ? 0 : V * H), gu(V * I2), hid(V * I);
   std::vector<const float*> xp(V), ap(V);
+  std::vector<const uint16_t*> xq(bf16_tiles ? V : 0);
   std::vector<float*> gp(V), yp(V);
   at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
-      rearrange(xs + (slot[v] / Kt) * H, xr.data() + v * H, H);
-      xp[v] = xr.data() + v * H;
+      const int64_t row = slot[v] / Kt;
+      if (bf16_tiles) xq[v] = xh + row * H;
+      else if (bf16) rearrange(xh + row * H, xr.data() + v * H, H);
+      else rearrange(xs + row * H, xr.data() + v * H, H);
+      xp[v] = bf16_tiles ? nullptr : xr.data() + v * H;
       ap[v] = hid.data() + v * I;
       gp[v] = gu.data() + v * I2;
       yp[v] = y + slot[v] * H;
@@ -362,6 +476,13 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   at::parallel_for(0, A * c1n, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = active[i / c1n], c = i % c1n, v0 = start[e];
+#ifdef EM_X86
+      if (bf16_tiles) {
+        gemm_rows_bf16(b13 + e * I2 * (H / 2), s13 + e * I2 * (H / 32), H, xq.data() + v0, start[e + 1] - v0,
+                       gp.data() + v0, c * kRowChunk, std::min(I2, (c + 1) * kRowChunk));
+        continue;
+      }
+#endif
       gemm_rows(isa, b13 + e * I2 * (H / 2), s13 + e * I2 * (H / 32), H, xp.data() + v0, start[e + 1] - v0,
                 gp.data() + v0, c * kRowChunk, std::min(I2, (c + 1) * kRowChunk));
     }
@@ -388,6 +509,59 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   });
 }
 
+// The canonical group partial sums (kernels/moe/combine.py group_partials): outputs [T, Kt, H] fp32 unweighted
+// expert outputs, ids [T, Kt] global ids ascending per row among the valid ones (-1 absent), weights [T, Kt] fp32
+// -> [R, H] fp32, one row per (row, group present) in row-major order:
+//     P = +0;  P = P + y_k * w_k   for the row's slots of the group in ascending id      (two roundings each)
+// the same fp32 operations in the same order as the PyTorch definition, so the same bits.
+at::Tensor group_partials(const at::Tensor& outputs, const at::Tensor& ids, const at::Tensor& weights,
+                          int64_t group_size) {
+  check_cpu(outputs, at::kFloat, "outputs");
+  check_cpu(ids, at::kLong, "ids");
+  check_cpu(weights, at::kFloat, "weights");
+  TORCH_CHECK(outputs.dim() == 3 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
+              outputs.size(0) == ids.size(0) && outputs.size(1) == ids.size(1),
+              "group_partials: expected outputs [T, K, H], ids and weights [T, K]");
+  TORCH_CHECK(group_size > 0, "group_size: expected > 0, found ", group_size);
+  const int64_t T = ids.size(0), Kt = ids.size(1), H = outputs.size(2);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> first(T + 1, 0);  // output row of each token's first group
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t prev = -1, n = 0;
+    for (int64_t k = 0; k < Kt; ++k) {
+      const int64_t e = id[t * Kt + k];
+      if (e < 0) continue;
+      TORCH_CHECK(e > prev, "ids: expected each row's valid ids distinct and ascending");
+      if (prev < 0 || e / group_size != prev / group_size) ++n;
+      prev = e;
+    }
+    first[t + 1] = first[t] + n;
+  }
+  at::Tensor acc = at::empty({first[T], H}, outputs.options());
+  acc.zero_();
+  const float* y = outputs.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* a = acc.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t r = first[t] - 1, group = -1;
+      for (int64_t k = 0; k < Kt; ++k) {
+        const int64_t e = id[t * Kt + k];
+        if (e < 0) continue;
+        if (e / group_size != group) {
+          group = e / group_size;
+          ++r;
+        }
+        const float wk = w[t * Kt + k];
+        const float* yk = y + (t * Kt + k) * H;
+        float* ar = a + r * H;
+        for (int64_t d = 0; d < H; ++d) ar[d] = ar[d] + yk[d] * wk;
+      }
+    }
+  });
+  return acc;
+}
+
 int64_t best_isa() { return resolve_isa(kAuto); }
 
 }  // namespace
@@ -397,5 +571,6 @@ TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
   m.def("moe_expert_outputs(Tensor x, Tensor topk_ids, Tensor w13_blocks, Tensor w13_scales, Tensor w2_blocks, "
         "Tensor w2_scales, Tensor(a!) out, int isa, int act, float beta, float linear_beta) -> ()",
         &moe_expert_outputs);
+  m.def("group_partials(Tensor outputs, Tensor ids, Tensor weights, int group_size) -> Tensor", &group_partials);
   m.def("best_isa() -> int", &best_isa);
 }

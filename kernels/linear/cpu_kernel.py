@@ -1,0 +1,109 @@
+"""The row-invariant bf16 linear / bmm CPU kernel (`kernels/linear/cpu/row_invariant_linear.cpp`).
+
+Every output element is one fp32 accumulator over the K pairs in order, odd element first, rounded to bf16
+once — the exact per-lane arithmetic of AVX512-BF16's VDPBF16PS, which the fast path issues for 16 output columns
+at a time (register tiles of up to 6 rows × 64 columns). The order depends only on K, never on the number of rows,
+a row's position, the tiling or the thread count (threads split column groups and row chunks, never K), so a
+row's result is bitwise the same in any batch: no row padding is needed. The portable path computes the same
+steps one element at a time and gives the same bits except where a product or partial sum is an fp32 subnormal
+(VDPBF16PS flushes those); `isa="auto"` picks one path per process, from the CPU.
+
+`available()` is true only where the fast path runs (the CPU has AVX512-BF16): elsewhere the kernel would be
+slower than oneDNN and callers keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0` turns it off. Built on first use
+(kernels/cpu_extension.py); a failed build logs one warning and `available()` is False.
+
+Weights: `linear` takes `pack_weight(w)` (kernels/linear/naive.py; N padded to 64 and K to even: for the model's
+projections the same size as the weight), which `kernels.batch_invariant` makes once per parameter in place of
+oneDNN's packed copy. `bmm` reads w [B, K, N] where it is (unit stride along N), no cached copy: a call with
+more than 6 rows packs each 64-column slice once into a per-thread buffer (K × 128 bytes) for its row tiles.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from expertmesh.kernels.cpu_extension import LazyExtension
+from expertmesh.kernels.linear.naive import check_bmm_inputs, check_linear_inputs, pack_weight
+
+__all__ = ["available", "built", "best_isa", "enabled", "linear", "bmm", "pack_weight", "ISAS", "EXTENSION"]
+
+EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
+                          "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
+ISAS = {"auto": 0, "portable": 1, "avx512bf16": 3}
+
+
+def enabled() -> bool:
+    """False when `EXPERTMESH_CPU_LINEAR_KERNEL` is 0/off/false/no/torch."""
+    return os.environ.get("EXPERTMESH_CPU_LINEAR_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no",
+                                                                                        "torch")
+
+
+def built() -> bool:
+    """The extension is built (building it now if it was not tried yet), enabled or not."""
+    return EXTENSION.load() is not None
+
+
+_fast: bool | None = None
+
+
+def available() -> bool:
+    """Enabled, built, and the fast AVX512-BF16 path runs on this CPU."""
+    global _fast
+    if not enabled():
+        return False
+    if _fast is None:
+        _fast = built() and best_isa() == "avx512bf16"
+    return _fast
+
+
+def _require():
+    ops = EXTENSION.load()
+    if ops is None:
+        raise RuntimeError(f"the CPU row-invariant linear kernel is not available ({EXTENSION.build_error})")
+    return ops
+
+
+def best_isa() -> str:
+    """What `isa="auto"` runs on this CPU: avx512bf16 or portable."""
+    return {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
+
+
+def _isa(isa: str) -> int:
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {', '.join(ISAS)}, found {isa!r}")
+    return ISAS[isa]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim (a copy only when it has not)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int, *, isa: str = "auto") -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (W [N, K] given as `pack_weight(W)`) → [..., N] bf16. CPU tensors."""
+    check_linear_inputs(x, w_packed, n, k)
+    if x.device.type != "cpu":
+        raise ValueError(f"x: expected a CPU tensor, found {x.device}")
+    ops = _require()
+    if x.dim() == 2:
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        ops.linear(_rows(x), w_packed, n, k, out, _isa(isa))
+        return out
+    flat = _rows(x.reshape(-1, k))
+    out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
+    ops.linear(flat, w_packed, n, k, out, _isa(isa))
+    return out.reshape(*x.shape[:-1], n)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
+    """x [B, M, K] bf16 @ w [B, K, N] bf16 → [B, M, N] bf16. `x` and `w` may be strided views (copied only when
+    their last dim is not unit-stride). CPU tensors."""
+    check_bmm_inputs(x, w)
+    if x.device.type != "cpu":
+        raise ValueError(f"x: expected a CPU tensor, found {x.device}")
+    ops = _require()
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=torch.bfloat16)
+    ops.bmm(_rows(x), _rows(w), out, _isa(isa))
+    return out

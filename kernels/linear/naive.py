@@ -1,0 +1,77 @@
+"""Row-invariant linear / bmm: the contract, the packed weight layout, and a short PyTorch reference.
+
+    linear(x [M, K] bf16, w_packed, N, K) → y [M, N] bf16,   y[m, n] = round_bf16(Σ_k x[m, k] · w[n, k])
+    bmm(x [B, M, K] bf16, w [B, K, N] bf16) → y [B, M, N],    y[b, m, n] = round_bf16(Σ_k x[b, m, k] · w[b, k, n])
+
+accumulated in fp32, rounded to bf16 once. `w_packed = pack_weight(w)` for w [N, K]: groups of 64 output columns
+with K pairs interleaved, [ceil(N/64), ceil(K/2), 64, 2], zero-padded (the operand layout of AVX512-BF16's
+VDPBF16PS; see kernels/linear/cpu/row_invariant_linear.cpp). The reference computes the same sums with an fp32
+matmul, whose summation order differs from the kernel's fixed one: the two agree to fp32 rounding before the
+bf16 rounding (so within about one bf16 ulp), not bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 64   # output columns per packed group
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ",".join(str(s) for s in t.shape) + "]"
+
+
+def check_linear_inputs(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int) -> None:
+    """Raise ValueError / TypeError naming the tensor that does not fit the contract."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        raise TypeError(f"x: expected a bfloat16 tensor, found {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x: expected [..., K={k}], found {_shape(x)}")
+    if not isinstance(w_packed, torch.Tensor) or w_packed.dtype != torch.bfloat16:
+        raise TypeError(f"w_packed: expected a bfloat16 tensor, found {getattr(w_packed, 'dtype', type(w_packed).__name__)}")
+    want = (-(-n // GROUP), -(-k // 2), GROUP, 2)
+    if tuple(w_packed.shape) != want:
+        raise ValueError(f"w_packed: expected {list(want)} (pack_weight of an [N={n}, K={k}] weight), "
+                         f"found {_shape(w_packed)}")
+    if x.device != w_packed.device:
+        raise ValueError(f"x: on {x.device}, w_packed on {w_packed.device}")
+
+
+def check_bmm_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: expected a bfloat16 tensor, found {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected rank 3, found {_shape(t)}")
+    if w.shape[0] != x.shape[0] or w.shape[1] != x.shape[2]:
+        raise ValueError(f"w: expected [B={x.shape[0]}, K={x.shape[2]}, N] for x {_shape(x)}, found {_shape(w)}")
+    if x.device != w.device:
+        raise ValueError(f"x: on {x.device}, w on {w.device}")
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] bf16 → [ceil(N/64), ceil(K/2), 64, 2]: element [g, p, c, j] = w[64g + c, 2p + j] (0 outside w)."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise TypeError(f"w: expected a 2-D bfloat16 tensor [N, K], found "
+                        f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}")
+    n, k = w.shape
+    g, p = -(-n // GROUP), -(-k // 2)
+    padded = torch.nn.functional.pad(w.detach(), (0, 2 * p - k, 0, g * GROUP - n))
+    return padded.view(g, GROUP, p, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_weight(w_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_weight`: [N, K]."""
+    g, p = w_packed.shape[:2]
+    return w_packed.permute(0, 2, 1, 3).reshape(g * GROUP, 2 * p)[:n, :k]
+
+
+def linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The reference: fp32 matmul of the unpacked weight, rounded to bf16."""
+    check_linear_inputs(x, w_packed, n, k)
+    return (x.float() @ unpack_weight(w_packed, n, k).float().T).to(torch.bfloat16)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The reference: fp32 batched matmul, rounded to bf16."""
+    check_bmm_inputs(x, w)
+    return torch.bmm(x.float(), w.float()).to(torch.bfloat16)

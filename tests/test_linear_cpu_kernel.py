@@ -1,0 +1,181 @@
+"""The row-invariant bf16 linear / bmm CPU kernel (kernels/linear): against the fp32 reference, bitwise row
+invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads), the fast path vs the portable
+loop, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
+import pytest
+import torch
+
+from expertmesh.kernels.linear import cpu_kernel as ck
+from expertmesh.kernels.linear import naive
+
+pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
+
+ISAS = ["auto", "portable"]
+
+
+def _bf16(gen, *shape, scale=1.0):
+    """Random bf16 with no zeros (|v| ≥ 2^-4 · scale): a zero input could hide a wrong product."""
+    v = torch.randn(*shape, generator=gen)
+    v = torch.where(v.abs() < 2 ** -4, torch.full_like(v, 2 ** -4).copysign(v), v)
+    return (v * scale).bfloat16()
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _close(got, x, w):
+    """Within about one bf16 rounding of the fp32 result (the kernel's order differs from the matmul's)."""
+    ref = x.float() @ w.float().T
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=1 / 128, atol=1e-5 * x.shape[-1])
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 37), (513, 129), (40, 31), (7, 1), (130, 256)])
+def test_linear_matches_reference(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, x = _bf16(gen, n, k), _bf16(gen, 5, k)
+    wp = ck.pack_weight(w)
+    assert torch.equal(naive.unpack_weight(wp, n, k), w)
+    got = ck.linear(x, wp, n, k)
+    _close(got, x, w)
+    ref = naive.linear(x, wp, n, k)
+    assert (got.float() - ref.float()).abs().max() <= (ref.float().abs() * 2 ** -7).max()
+    assert torch.equal(ck.linear(x, wp, n, k, isa="portable"), got)   # same bits on both paths
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_linear_rows_are_bitwise_batch_invariant(isa, two_threads):
+    gen = torch.Generator().manual_seed(1)
+    for n, k in [(96, 64), (70, 33)] + ([(576, 1024)] if isa == "auto" else []):
+        w = _bf16(gen, n, k, scale=k ** -0.5)
+        wp = ck.pack_weight(w)
+        row = _bf16(gen, 1, k)
+        alone = ck.linear(row, wp, n, k, isa=isa)[0]
+        for m in (3, 17, 64, 300):
+            for pos in (0, m // 2, m - 1):
+                batch = _bf16(gen, m, k)
+                batch[pos] = row[0]
+                assert torch.equal(ck.linear(batch, wp, n, k, isa=isa)[pos], alone), (n, k, m, pos)
+        torch.set_num_threads(1)
+        batch = _bf16(gen, 300, k)
+        one = ck.linear(batch, wp, n, k, isa=isa)
+        torch.set_num_threads(2)
+        assert torch.equal(ck.linear(batch, wp, n, k, isa=isa), one)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bmm_rows_are_bitwise_batch_invariant(isa, two_threads):
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(3, 48, 80), (2, 37, 70)] + ([(16, 128, 512), (16, 512, 128)] if isa == "auto" else [])
+    for b, k, n in shapes:
+        w = _bf16(gen, b, k, n, scale=k ** -0.5)
+        row = _bf16(gen, b, 1, k)
+        alone = ck.bmm(row, w, isa=isa)[:, 0]
+        torch.testing.assert_close(alone.float(), (row.float() @ w.float())[:, 0], rtol=1 / 128, atol=1e-5 * k)
+        for m in (3, 17, 64, 300):
+            for pos in (0, m // 2, m - 1):
+                tokens = _bf16(gen, m, b, k)                  # token-major: x is a strided view, as the model's
+                tokens[pos] = row[:, 0]
+                got = ck.bmm(tokens.transpose(0, 1), w, isa=isa)
+                assert torch.equal(got[:, pos], alone), (b, k, n, m, pos)
+        tokens = _bf16(gen, 300, b, k).transpose(0, 1)
+        torch.set_num_threads(1)
+        one = ck.bmm(tokens, w, isa=isa)
+        torch.set_num_threads(2)
+        assert torch.equal(ck.bmm(tokens, w, isa=isa), one)
+        assert torch.equal(ck.bmm(tokens.contiguous(), w, isa=isa), one)
+        torch.testing.assert_close(one.float(), tokens.float() @ w.float(), rtol=1 / 128, atol=1e-5 * k)
+
+
+def test_bmm_paths_agree_and_accept_strided_weights():
+    gen = torch.Generator().manual_seed(3)
+    for b, m, k, n in [(2, 5, 37, 70), (3, 9, 64, 200), (1, 1, 1, 3)]:
+        x = _bf16(gen, b, m, k)
+        w = _bf16(gen, b, k, n)
+        got = ck.bmm(x, w)
+        assert torch.equal(ck.bmm(x, w, isa="portable"), got)
+        assert torch.equal(naive.bmm(x, w).float().sub(got.float()).abs().le(got.float().abs() * 2 ** -7 + 1e-6)
+                           .all(), torch.tensor(True))
+        wt = w.transpose(1, 2).contiguous().transpose(1, 2)   # column-major weight: copied to rows, same result
+        assert torch.equal(ck.bmm(x, wt), got)
+        xs = _bf16(gen, b, m, 2 * k)[:, :, ::2]               # non-unit stride along K: copied, same result
+        assert torch.equal(ck.bmm(xs, w), ck.bmm(xs.contiguous(), w))
+
+
+def test_linear_accepts_a_strided_row_view():
+    gen = torch.Generator().manual_seed(4)
+    w = _bf16(gen, 80, 48)
+    wp = ck.pack_weight(w)
+    big = _bf16(gen, 6, 100)
+    x = big[:, 10:58]                                         # rows of a wider tensor (row stride 100)
+    assert torch.equal(ck.linear(x, wp, 80, 48), ck.linear(x.contiguous(), wp, 80, 48))
+    x3 = _bf16(gen, 2, 3, 48)
+    assert ck.linear(x3, wp, 80, 48).shape == (2, 3, 80)
+    assert ck.linear(x3[:, :0], wp, 80, 48).shape == (2, 0, 80)
+
+
+def test_bad_inputs_name_the_tensor():
+    gen = torch.Generator().manual_seed(5)
+    w = _bf16(gen, 32, 16)
+    wp = ck.pack_weight(w)
+    with pytest.raises(TypeError, match="x: expected a bfloat16"):
+        ck.linear(torch.randn(2, 16), wp, 32, 16)
+    with pytest.raises(ValueError, match=r"x: expected \[..., K=16\]"):
+        ck.linear(_bf16(gen, 2, 15), wp, 32, 16)
+    with pytest.raises(ValueError, match="w_packed: expected"):
+        ck.linear(_bf16(gen, 2, 16), wp, 100, 16)
+    with pytest.raises(TypeError, match="w_packed: expected a bfloat16"):
+        ck.linear(_bf16(gen, 2, 16), wp.float(), 32, 16)
+    with pytest.raises(TypeError, match="w: expected a 2-D bfloat16"):
+        ck.pack_weight(torch.randn(32, 16))
+    with pytest.raises(TypeError, match="w: expected a bfloat16"):
+        ck.bmm(_bf16(gen, 2, 3, 16), torch.randn(2, 16, 8))
+    with pytest.raises(ValueError, match="x: expected rank 3"):
+        ck.bmm(_bf16(gen, 3, 16), _bf16(gen, 2, 16, 8))
+    with pytest.raises(ValueError, match=r"w: expected \[B=2, K=16, N\]"):
+        ck.bmm(_bf16(gen, 2, 3, 16), _bf16(gen, 2, 15, 8))
+    with pytest.raises(ValueError, match="isa"):
+        ck.linear(_bf16(gen, 2, 16), wp, 32, 16, isa="sse")
+
+
+@pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
+def test_batch_invariant_uses_the_kernel_for_bf16_parameters(two_threads):
+    from expertmesh.kernels import batch_invariant as bi
+    gen = torch.Generator().manual_seed(6)
+    w = torch.nn.Parameter(_bf16(gen, 96, 64), requires_grad=False)
+    x = _bf16(gen, 1, 64)
+    kw = bi.kernel_weight(w)
+    assert kw is not None and kw is bi.kernel_weight(w)            # cached
+    assert torch.equal(bi.linear(x, w), ck.linear(x, kw, 96, 64))
+    with torch.no_grad():
+        w.mul_(-2)                                                  # written in place: packed again
+    assert bi.kernel_weight(w) is not kw
+    assert torch.equal(bi.linear(x, w), ck.linear(x, ck.pack_weight(w.detach()), 96, 64))
+    assert bi.kernel_weight(torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)) is None   # fp32: oneDNN
+    wb = _bf16(gen, 4, 32, 24)
+    xb = _bf16(gen, 4, 3, 32)
+    assert torch.equal(bi.bmm(xb, wb), ck.bmm(xb, wb))
+
+
+@pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
+def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
+    """The tiny model in bf16 (its projections and MLA's absorbed bmm on the kernel, no oneDNN copies): two
+    sequences stepped together give bitwise the logits each gives alone."""
+    from expertmesh.config import preset
+    from expertmesh.kernels import batch_invariant as bi
+    from expertmesh.model import Segment, Transformer, init_random_
+    model = init_random_(Transformer(preset("tiny")), seed=1).to(torch.bfloat16)
+    a, b = list(range(1, 20)), list(range(100, 105))
+    with torch.no_grad():
+        alone_a = model.step(a, model.new_cache())
+        alone_b = model.step(b, model.new_cache())
+        ca, cb = model.new_cache(), model.new_cache()
+        together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
+    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)
+    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith("weight")]
+    assert any(id(p) in bi._kernel_packed for p in weights)
+    assert not any(id(p) in bi._packed for p in weights if id(p) in bi._kernel_packed)   # one copy, not two
