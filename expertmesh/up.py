@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh.argtypes import nonnegative_int, positive_int
+from expertmesh.argtypes import check_kv_tiers, nonnegative_int, positive_int
 from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ModelConfig
 from expertmesh.planner import ClusterShape, plan_placement
@@ -86,12 +86,15 @@ class LocalCluster:
                  extra_env: dict | None = None,
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
-                 worker_tls_dir: str | Path | None = None, transport: str = "grpc"):
+                 worker_tls_dir: str | Path | None = None, transport: str = "grpc", kv_host_gib: float = 0.0,
+                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0, attention_metrics: bool = False):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
         `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
         serves its rendezvous store on a port of its own, worker/collective.py). `threads`: torch threads per
-        process, or None for each role's share of this machine's cores (`threads_for`)."""
+        process, or None for each role's share of this machine's cores (`threads_for`). `kv_blocks`: each attention
+        worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers;
+        `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`)."""
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
@@ -111,6 +114,10 @@ class LocalCluster:
         # passed to every worker (None: the worker's default, cuda when torch sees one, else cpu)
         self.device_args = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])   # ca.crt, server.crt/key, client.crt/key: mTLS
         self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
+        self.kv_host_gib, self.kv_disk_gib = kv_host_gib, kv_disk_gib
+        self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
+        self.metrics_urls: list[str] = []
+        self.metrics_ports = [free_port(host) for _ in range(attention_workers)] if attention_metrics else []
         self.children: list[Child] = []
         self.router: Child | None = None
         self.plan_path = self.run_dir / "plan.json"
@@ -150,6 +157,16 @@ class LocalCluster:
     def _collective_args(self) -> list[str]:
         """An expert worker's rendezvous store port for the collective transport (a port of its own)."""
         return ["--collective-port", str(free_port(self.host))] if self.transport == "collective" else []
+
+    def _tier_args(self, i: int) -> list[str]:
+        """Attention worker i's KV tier flags (a disk folder of its own under --kv-disk-dir)."""
+        args = ["--kv-host-gib", str(self.kv_host_gib)] if self.kv_host_gib else []
+        if self.kv_disk_dir is not None:
+            args += ["--kv-disk-dir", str(self.kv_disk_dir / f"attention-{i}"), "--kv-disk-gib", str(self.kv_disk_gib)]
+        if self.metrics_ports:
+            args += ["--metrics-port", str(self.metrics_ports[i])]
+            self.metrics_urls.append(f"http://{self.host}:{self.metrics_ports[i]}")
+        return args
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -213,7 +230,7 @@ class LocalCluster:
         attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w, *exchange_tls,
                                                     "--port", str(free_port(self.host)), "--name", f"attention-{i}",
                                                     "--kv-blocks", str(self.kv_blocks),
-                                                    "--block-size", str(self.block_size)])
+                                                    "--block-size", str(self.block_size), *self._tier_args(i)])
                      for i in range(self.n_attention)]
         experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common_w,
                                                "--port", str(free_port(self.host)), "--name", f"expert-{i}",
@@ -332,6 +349,11 @@ def router_options(options: list[str]) -> list[str]:
 
 def run_up(args) -> int:
     passed_to_router = router_options(args.router_options)
+    try:
+        check_kv_tiers(args.kv_host_gib, args.kv_disk_dir, args.kv_disk_gib)
+    except ValueError as e:
+        print(f"expertmesh up: error: {e}", file=sys.stderr)
+        return 2
     if args.checkpoint is None:
         # torch only to write a synthetic checkpoint: the CLI builds up's parser for every command, the router's too
         from expertmesh.checkpoint import default_checkpoint
@@ -348,7 +370,8 @@ def run_up(args) -> int:
                            prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens, echo=args.verbose,
                            tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
-                           transport=args.transport, router_args=passed_to_router)
+                           transport=args.transport, router_args=passed_to_router, kv_blocks=args.kv_blocks,
+                           kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib)
     stop = stop_on_signals()
     print(f"starting {args.attention_workers} attention + {args.expert_workers} expert workers "
           f"from {checkpoint} ...", flush=True)
@@ -399,6 +422,15 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
                    help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
                         f"{DEFAULT_PREFILL_TOKENS})")
+    p.add_argument("--kv-blocks", type=positive_int, default=512,
+                   help="each attention worker's device KV pool, in blocks of 16 tokens (default 512)")
+    p.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="each attention worker's host-memory tier for prefixes demoted off the device (0: none)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="local-disk tier below the host tier: attention worker i keeps its files in DIR/attention-i "
+                        "(reused by a later run of the same model)")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB",
+                   help="each attention worker's bound in --kv-disk-dir")
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
     p.add_argument("--device", type=_device, default=None,
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")

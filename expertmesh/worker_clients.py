@@ -106,8 +106,8 @@ class _Client:
 
 
 class RemoteAttention(_Client):
-    """An attention worker over gRPC: AttentionWorker's methods (info, open/close_sequence, save/drop_prefix,
-    connect_experts, run_step, expert_load)."""
+    """An attention worker over gRPC: AttentionWorker's methods (info, open/close_sequence, save/drop/demote_prefix,
+    list_prefixes, connect_experts, run_step, expert_load)."""
 
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: WorkerError, grpc.StatusCode.NOT_FOUND: NotFound,
                grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks, grpc.StatusCode.FAILED_PRECONDITION: NotConnected}
@@ -149,6 +149,14 @@ class RemoteAttention(_Client):
 
     def drop_prefix(self, key: str) -> int:
         return self._call(self.stub.DropPrefix, worker_pb2.DropPrefixRequest(key=key)).free_blocks
+
+    def demote_prefix(self, key: str) -> tuple[int, list[str]]:
+        r = self._call(self.stub.DemotePrefix, worker_pb2.DropPrefixRequest(key=key))
+        return r.free_blocks, list(r.dropped)
+
+    def list_prefixes(self) -> list[tuple[str, int, str]]:
+        r = self._call(self.stub.ListPrefixes, worker_pb2.InfoRequest())
+        return [(p.key, p.length, p.tier) for p in r.prefixes]
 
     def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0, transport: str = "grpc") -> None:
         """Tell the worker to dispatch to these expert workers (RemoteExpert clients: their addresses and

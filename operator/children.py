@@ -19,11 +19,13 @@ import numpy as np
 from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIVE_PORT, COMPONENT_ATTENTION,
                                         COMPONENT_EXPERT, COMPONENT_ROUTER, FETCH_CONTAINER, HEALTH_PORT,
                                         LABEL_COMPONENT, PLAN_DIR, PLAN_HASH_ANNOTATION, PLAN_PATH,
-                                        TEMPLATE_HASH_ANNOTATION, WORKER_PORT, WORKER_TLS_DIR, attention_name,
+                                        KV_DISK_MOUNT, TEMPLATE_HASH_ANNOTATION, WORKER_PORT, WORKER_TLS_DIR,
+                                        attention_name,
                                         checkpoint_path, expert_name, labels, load_configmap_name, object_meta,
                                         plan_configmap_name, router_name, selector_labels, worker_addresses,
                                         worker_tls_secret_name)
-from expertmesh.operator.spec import GPU_RESOURCE, MoEDeploymentSpec
+from expertmesh.operator.spec import GIB, GPU_RESOURCE, MoEDeploymentSpec
+from expertmesh.operator.validation import parse_quantity
 from expertmesh.operator.worker_tls import worker_tls_args
 
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
@@ -141,7 +143,60 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
     return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
             "--port", str(WORKER_PORT), "--health-port", str(HEALTH_PORT), "--name", "$(POD_NAME)",
             "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size),
-            *worker_tls_args(spec, "attention")]
+            *kv_tier_args(spec), *worker_tls_args(spec, "attention")]
+
+
+KV_DISK_VOLUME = "kv-disk"
+# an emptyDir's sizeLimit evicts the pod when passed: room above the tier's own bound (file system blocks)
+KV_DISK_SLACK = 1.05
+
+
+def kv_tier_args(spec: MoEDeploymentSpec) -> list[str]:
+    """spec.kv.hostGiB / spec.kv.disk → the attention worker's tier flags (the disk tier on its volume)."""
+    kv = spec.kv
+    out = ["--kv-host-gib", f"{kv.host_gib:g}"] if kv.host_gib else []
+    if kv.disk is not None:
+        out += ["--kv-disk-dir", KV_DISK_MOUNT, "--kv-disk-gib", f"{kv.disk.size_gib:g}"]
+    return out
+
+
+def _mib(n_bytes) -> str:
+    return f"{math.ceil(n_bytes / 2 ** 20)}Mi"
+
+
+def attention_resources(spec: MoEDeploymentSpec) -> dict:
+    """The attention container's resources: the spec's, with the host tier's bytes added to the memory request
+    (and to the limit when there is one)."""
+    aw = spec.attention_workers
+    out = _resources(aw.resources, aw.gpus_per_pod)
+    host = spec.kv.host_gib * GIB
+    if host:
+        for where in ("requests", "limits"):
+            have = out.get(where, {}).get("memory")
+            if have is not None or where == "requests":
+                out.setdefault(where, {})["memory"] = _mib(host + (float(parse_quantity(have)) if have else 0))
+    return out
+
+
+def kv_disk_volume(spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, mounts, volumeClaimTemplates) of the attention pods' disk tier: an emptyDir with a sizeLimit, a
+    node directory, or a claim per pod."""
+    disk = spec.kv.disk
+    if disk is None:
+        return [], [], []
+    mounts = [{"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT}]
+    if disk.pvc is not None:
+        claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": _mib(
+            disk.size_gib * GIB * KV_DISK_SLACK)}}}
+        if disk.pvc.storage_class_name:
+            claim["storageClassName"] = disk.pvc.storage_class_name
+        return [], mounts, [{"metadata": {"name": KV_DISK_VOLUME}, "spec": claim}]
+    if disk.host_path is not None:     # a folder per pod: two attention pods on one node never share files
+        mounts[0]["subPathExpr"] = "$(POD_NAME)"
+        return [{"name": KV_DISK_VOLUME, "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"}}], \
+            mounts, []
+    return [{"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}}], \
+        mounts, []
 
 
 def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
@@ -227,16 +282,22 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
                  "ports": [{"name": "grpc", "containerPort": WORKER_PORT},
                            {"name": "health", "containerPort": HEALTH_PORT}],
                  "env": _env(spec, "expertmesh-attention", name),
-                 "resources": _resources(aw.resources, aw.gpus_per_pod), **_grpc_probes()}
+                 "resources": attention_resources(spec), **_grpc_probes()}
+    pod = _pod_spec(name, COMPONENT_ATTENTION, spec, container, spread=True)
+    volumes, mounts, claims = kv_disk_volume(spec)
+    pod["volumes"] += volumes
+    pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
+    sts = {
+        "serviceName": attention_name(name), "replicas": aw.replicas, "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector_labels(name, COMPONENT_ATTENTION)},
+        "template": {"metadata": {"labels": labels(name, COMPONENT_ATTENTION, spec)}, "spec": pod},
+    }
+    if claims:
+        sts["volumeClaimTemplates"] = claims
     return _stamped({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": object_meta(attention_name(name), namespace, COMPONENT_ATTENTION, spec, instance=name),
-        "spec": {
-            "serviceName": attention_name(name), "replicas": aw.replicas, "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector_labels(name, COMPONENT_ATTENTION)},
-            "template": {"metadata": {"labels": labels(name, COMPONENT_ATTENTION, spec)},
-                         "spec": _pod_spec(name, COMPONENT_ATTENTION, spec, container, spread=True)},
-        },
+        "spec": sts,
     })
 
 

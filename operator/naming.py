@@ -40,6 +40,7 @@ PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 CHECKPOINT_MOUNT = "/mnt/checkpoint"
 CACHE_MOUNT = "/var/cache/expertmesh"   # fetched checkpoints, one directory per source
+KV_DISK_MOUNT = "/var/cache/expertmesh-kv"           # the attention workers' disk tier (spec.kv.disk)
 FETCH_CONTAINER = "fetch"
 
 

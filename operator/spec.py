@@ -56,6 +56,7 @@ MAX_GPU_MEMORY_GIB = 4096
 MAX_REDUNDANT_EXPERTS = 16384  # per MoE layer; the planner caps it further to E x (pods - 1) and to memory
 MAX_CONTEXT = 2 ** 24          # tokens
 MAX_BLOCK_SIZE = 1024          # tokens per KV page
+MAX_KV_TIER_GIB = 2 ** 20      # a KV tier's bound (host memory or disk), GiB
 MAX_THINKING = 2 ** 24         # reasoning tokens
 MAX_SECONDS = 7 * 24 * 3600    # intervals and grace periods
 MAX_IMBALANCE = 1000.0
@@ -331,10 +332,35 @@ class PlacementSpec(_Spec):
                                                   "re-planned onto the survivors")
 
 
+class KVDiskPVC(_Spec):
+    storage_class_name: Optional[DNSName] = Field(None, description="the claims' storage class (default: the "
+                                                                       "cluster's)")
+
+
+class KVDiskSpec(_Spec):
+    """Each attention worker's disk tier (below its host tier): a volume of its own, `sizeGiB` the tier's bound.
+    On an emptyDir (default) it survives a worker's restart inside its pod; on a PVC (one claim per pod) or a node
+    directory (hostPath, e.g. local NVMe) it survives the pod too — files are checked before reuse."""
+    size_gib: float = Field(gt=0, le=MAX_KV_TIER_GIB, alias="sizeGiB", description="the tier's bound, GiB")
+    pvc: Optional[KVDiskPVC] = Field(None, description="a PersistentVolumeClaim per attention pod "
+                                                       "(volumeClaimTemplates) of sizeGiB")
+    host_path: Optional[AbsolutePath] = Field(None, description="a node directory (hostPath) instead of a volume")
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> "KVDiskSpec":
+        if self.pvc is not None and self.host_path is not None:
+            raise ValueError("kv.disk: give pvc or hostPath, not both (neither: an emptyDir)")
+        return self
+
+
 class KVSpec(_Spec):
     max_context: Optional[int] = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's "
                                                                                "max_context")
     block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV page")
+    host_gib: float = Field(0.0, ge=0, le=MAX_KV_TIER_GIB, alias="hostGiB",
+                            description="each attention worker's host-memory tier for prefixes demoted off the "
+                                        "device, GiB (added to its memory request and limit); 0: none")
+    disk: Optional[KVDiskSpec] = Field(None, description="each attention worker's disk tier below the host tier")
 
 
 class ThinkingSpec(_Spec):

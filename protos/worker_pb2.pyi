@@ -148,6 +148,30 @@ class DropPrefixRequest(_message.Message):
     key: str
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
+class DemotedPrefix(_message.Message):
+    __slots__ = ("free_blocks", "dropped")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, free_blocks: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CachedPrefix(_message.Message):
+    __slots__ = ("key", "length", "tier")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    length: int
+    tier: str
+    def __init__(self, key: _Optional[str] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class PrefixList(_message.Message):
+    __slots__ = ("prefixes",)
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    prefixes: _containers.RepeatedCompositeFieldContainer[CachedPrefix]
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ...) -> None: ...
+
 class FreeBlocks(_message.Message):
     __slots__ = ("free_blocks",)
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,16 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
                 _registered_method=True)
+        self.DemotePrefix = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/DemotePrefix',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.DemotedPrefix.FromString,
+                _registered_method=True)
+        self.ListPrefixes = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/ListPrefixes',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.PrefixList.FromString,
+                _registered_method=True)
         self.ConnectExperts = channel.unary_unary(
                 '/expertmesh.v1.AttentionWorker/ConnectExperts',
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.ConnectExpertsRequest.SerializeToString,
@@ -120,7 +130,23 @@ class AttentionWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropPrefix(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forget a cached prefix in every tier (device, host, disk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DemotePrefix(self, request, context):
+        """Move a cached prefix off the device pool into the worker's lower tiers (host memory, then disk: each with a
+        byte bound; dropped where there are none); answers the keys dropped for good (itself, or older ones).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrefixes(self, request, context):
+        """Every cached prefix with its tier (a router that lost its index of this worker learns it back).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -180,6 +206,16 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     servicer.DropPrefix,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
+            ),
+            'DemotePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.DemotePrefix,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.DemotedPrefix.SerializeToString,
+            ),
+            'ListPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrefixes,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.PrefixList.SerializeToString,
             ),
             'ConnectExperts': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectExperts,
@@ -360,6 +396,60 @@ class AttentionWorker:
             '/expertmesh.v1.AttentionWorker/DropPrefix',
             expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DemotePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/DemotePrefix',
+            expertmesh_dot_protos_dot_worker__pb2.DropPrefixRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.DemotedPrefix.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/ListPrefixes',
+            expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.PrefixList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -336,17 +336,22 @@ class Engine:
         """Open one request's sequence on the first candidate that takes it; True when that was the first."""
         req = adm.req
         if adm.hit is not None:
-            self.kv.touch(adm.hit)
+            self.kv.touch(adm.hit, req)
+        candidates = adm.candidates
         if adm.evict:
-            worker = adm.candidates[0][0]
+            worker = candidates[0][0]
             for key in adm.evict:
-                self._drop_prefix(worker, key)
+                if self.kv.has(key) and not self.kv.is_lower(key):
+                    self._evict(worker, key)
                 if self.kv.workers[worker].free_blocks >= adm.need:
                     break
-            else:
-                return False                   # the drops did not make room
-        for n, (worker, key, length) in enumerate(adm.candidates):
+            else:                              # the evictions did not make room (its sequences hold it):
+                candidates = candidates[1:]    # the next candidate, a worker that fits it now, if there is one
+                if not candidates:
+                    return False
+        for n, (worker, key, length) in enumerate(candidates):
             seq_id = f"{self.instance}-{next(self.seq_ids)}"
+            lower = key is not None and self.kv.is_lower(key)
             try:
                 # images wholly inside the cached prefix are not sent: their rows are in the cache already
                 images = [ImageSpan(pos, img.pixels) for pos, img in req.images if pos + img.tokens > length]
@@ -360,7 +365,11 @@ class Engine:
             except ConnectionError as e:   # unreachable or hung: down (no request waits on it again) until it
                 self.health.mark_down(worker, e)    # answers its health check; the next candidate is tried
                 continue
-            except Exception as e:  # out of blocks or prefix gone: try the next candidate
+            except OutOfBlocks as e:   # no room there now (a restore needs the prefix's blocks too): the next one
+                log.debug("open_sequence on %d: %s", worker, e)
+                self._refresh(worker)
+                continue
+            except Exception as e:  # prefix gone (or a lower tier's copy refused): try the next candidate
                 log.debug("open_sequence on %d failed: %s", worker, e)
                 if key is not None:              # forgotten here, so dropped there too: never pinned unknown
                     self.kv.forget(key)
@@ -370,9 +379,15 @@ class Engine:
                         pass
                 self._refresh(worker)
                 continue
+            if key is not None:
+                req.last_key = key
+                tier = "lower" if lower else "device"
+                self.kv.restored(key)
+                self.metrics.prefix_hits.labels(tier).inc()
+                self.metrics.prefix_hit_tokens.labels(tier).inc(cached)
             self._unqueue(req)
             self._placed(req, worker, seq_id, cached, adm.reserve)
-            return n == 0 and cached == length
+            return candidates is adm.candidates and n == 0 and cached == length    # as planned
         return False
 
     def _placed(self, req: Request, worker: int, seq_id: str, cached: int, reserve: int) -> None:
@@ -396,6 +411,23 @@ class Engine:
         self.kv.forget(key)
         self.kv.workers[worker].free_blocks = self.attention[worker].drop_prefix(key)
 
+    def _evict(self, worker: int, key: str) -> None:
+        """Take a prefix off `worker`'s device pool: dropped when superseded (a longer prefix of its conversation
+        holds all of it), else demoted to the worker's lower tiers (router/eviction.py); the keys the worker
+        reports dropped for good leave the index."""
+        if self.kv.superseded(key):
+            self._drop_prefix(worker, key)
+            self.metrics.prefix_evictions.labels("dropped_superseded").inc()
+            return
+        free, dropped = self.attention[worker].demote_prefix(key)
+        self.kv.workers[worker].free_blocks = free
+        self.kv.demoted(key)
+        if key not in dropped:
+            self.metrics.prefix_evictions.labels("demoted").inc()
+        for k in dropped:
+            self.kv.forget(k)
+        self.metrics.prefix_evictions.labels("dropped").inc(len(dropped))
+
     def _grow(self, growth: list[Growth]) -> bool:
         """Extend the reservations that ran out; while a worker is out of blocks, make room as each growth says.
         False when anything but a plain extension happened (the running set or the prefixes changed)."""
@@ -417,10 +449,10 @@ class Engine:
                     plain = False
                     break
                 plain = False
-                while evict and not self.kv.has(evict[0]):
-                    evict.pop(0)                       # dropped meanwhile
+                while evict and (not self.kv.has(evict[0]) or self.kv.is_lower(evict[0])):
+                    evict.pop(0)                       # evicted meanwhile
                 if evict:
-                    self._drop_prefix(w, evict.pop(0))
+                    self._evict(w, evict.pop(0))
                     continue
                 while victims and not (victims[0] in self.running and victims[0].worker == w):
                     victims.pop(0)                     # preempted, recovered or finished meanwhile
@@ -448,6 +480,7 @@ class Engine:
         schedule, so the same tokens."""
         self.kv.workers[req.worker].sequences -= 1
         req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
+        req.last_key = None
         req.queued_at = time.monotonic()
         if req in self.running:
             self.running.remove(req)
@@ -531,9 +564,14 @@ class Engine:
         self.kv.workers[w].free_blocks = update.free_blocks
         self.health.experts_down_by[w] = update.experts_down
         self.stats.exchange_bytes += update.exchange_bytes
-        for key, length in update.saved:
-            for stale in self.kv.record_prefix(w, key, length):
-                self.kv.workers[w].free_blocks = self.attention[w].drop_prefix(stale)
+        for p in batch:
+            if p.chain_key is None or p.req.seq_id in done.failed:
+                continue
+            if p.snapshot is not None:       # it extends the last prefix its request reached: one conversation
+                for victim in self.kv.record_prefix(w, p.snapshot, p.end, parent=p.req.last_key, user=p.req):
+                    if self.kv.has(victim) and not self.kv.is_lower(victim):
+                        self._evict(w, victim)
+            p.req.last_key = p.chain_key
         if done.image_encodes:
             record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)
         for u in update.seqs:

@@ -97,6 +97,15 @@ class AttentionHealth:
     def _take_back(self, worker: int) -> None:
         try:
             self.connect(worker)                # a restarted worker has no expert table
+        except Exception:
+            return
+        try:        # what it still holds, known before a request is placed (its disk tier survives a restart)
+            for key, length, tier in self.clients[worker].list_prefixes():
+                if not self.kv.has(key):
+                    self.kv.record_prefix(worker, key, length, tier=tier)
+        except Exception as e:
+            log.warning("list_prefixes on attention worker %d failed: %s", worker, e)
+        try:
             self.down.discard(worker)
             self.retry_closes(worker)
             self.kv.workers[worker].free_blocks = self.clients[worker].info(owner=self.owner)["free_blocks"]

@@ -1,5 +1,10 @@
 """The router's KV manager: which attention worker holds each sequence, free blocks per worker, and the
-prefix cache index (token-block hashes → the worker and key of a saved prefix).
+prefix cache index (token-block hashes → the worker and key of a saved prefix, in any of its tiers).
+
+The router owns the index; each worker owns its tiers. A prefix is on its worker's device pool or below it (host
+memory, disk: worker/kv_tiers.py); to make room the router asks the worker to demote a prefix (router/eviction.py
+picks which), the worker moves it down within its byte bounds and answers with the keys it finally dropped, which
+the index forgets. A key found gone later (NotFound) is forgotten too: the engine falls back to the next candidate.
 
 Prefixes are saved at multiples of `chunk` tokens (the prefill chunk, itself a multiple of the KV block),
 so a request that reuses one prefills exactly the chunks a fresh run would: same numbers, fewer tokens.
@@ -9,6 +14,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from expertmesh.router.eviction import ANSWERED, PrefixInfo, eviction_order, session_state
 
 
 class PrefixHasher:
@@ -61,6 +68,9 @@ class KVManager:
         # key → worker index, in LRU order (oldest first)
         self.prefixes: OrderedDict[str, int] = OrderedDict()
         self.prefix_len: dict[str, int] = {}
+        self.lower: set[str] = set()           # keys held below their worker's device pool (host / disk)
+        self.parent: dict[str, str] = {}       # key → the cached shorter prefix of the same conversation it extends
+        self.user: dict[str, object] = {}      # key → the request that last saved or hit it (its session state)
 
     def blocks_for(self, worker: int, tokens: int, cached: int = 0) -> int:
         bs = self.workers[worker].block_size
@@ -77,29 +87,84 @@ class KVManager:
                 best = (self.prefixes[key], key, length)
         return best
 
-    def touch(self, key: str) -> None:
-        """Mark a saved prefix as the most recently used (evicted last)."""
+    def touch(self, key: str, user: object | None = None) -> None:
+        """Mark a saved prefix as the most recently used (evicted last); `user`: the request now using it."""
         if key in self.prefixes:
             self.prefixes.move_to_end(key)
+            if user is not None:
+                self.user[key] = user
 
     def eviction_candidates(self, worker: int) -> list[str]:
-        """Saved prefixes on `worker`, least recently used first."""
+        """Saved prefixes on `worker` (any tier), least recently used first."""
         return [k for k, w in self.prefixes.items() if w == worker]
 
-    def record_prefix(self, worker: int, key: str, length: int) -> list[str]:
-        """Note a saved prefix; returns the keys to drop to stay within the per-worker cap."""
+    def record_prefix(self, worker: int, key: str, length: int, *, parent: str | None = None,
+                      user: object | None = None, tier: str = "device") -> list[str]:
+        """Note a saved prefix (extending cached prefix `parent`, saved by request `user`); returns the keys to
+        take off the device to stay within the per-worker cap of device prefixes, victims first."""
         self.prefixes[key] = worker
         self.prefix_len[key] = length
         self.prefixes.move_to_end(key)
-        mine = self.eviction_candidates(worker)
-        drop = mine[: max(0, len(mine) - self.max_prefixes)]
-        for k in drop:
-            self.forget(k)
-        return drop
+        if parent is not None and parent != key:
+            self.parent[key] = parent
+        if user is not None:
+            self.user[key] = user
+        if tier == "device":
+            self.lower.discard(key)
+        else:
+            self.lower.add(key)
+        over = len(self.on_device(worker)) - self.max_prefixes
+        return self.victims(worker)[:max(0, over)]
+
+    def on_device(self, worker: int) -> list[str]:
+        return [k for k, w in list(self.prefixes.items()) if w == worker and k not in self.lower]
+
+    def is_lower(self, key: str) -> bool:
+        """Held below the device pool of its worker: a hit copies it back (restore) before the sequence opens."""
+        return key in self.lower
+
+    def demoted(self, key: str) -> None:
+        if key in self.prefixes:
+            self.lower.add(key)
+
+    def restored(self, key: str) -> None:
+        self.lower.discard(key)
+
+    def superseded(self, key: str) -> bool:
+        """A longer cached prefix of the same conversation exists (it holds all of this one)."""
+        return key in set(self.parent.values())
+
+    def victims(self, worker: int, last: tuple[str, ...] | list[str] = ()) -> list[str]:
+        """`worker`'s device prefixes in eviction order (router/eviction.py), the keys of `last` (used by the
+        plan being made) after all others, in that order."""
+        # copies first (list() of a dict runs without a thread switch): the health thread records the prefixes of
+        # a worker it takes back while the scheduler plans
+        supers = set(self.parent.values())
+        order = {k: i for i, k in enumerate(list(self.prefixes))}
+        infos = [PrefixInfo(k, self.prefix_len.get(k, 0), order.get(k, len(order)), k in supers, self._session(k))
+                 for k in self.on_device(worker) if k not in last]
+        return [v.key for v in eviction_order(infos)] + [k for k in last if k not in self.lower
+                                                         and self.prefixes.get(k) == worker]
+
+    def _session(self, key: str) -> str:
+        req = self.user.get(key)
+        if req is None:
+            return ANSWERED
+        return session_state(done=req.done, awaiting_tool=req.awaiting_tool, tools_offered=req.tools_offered,
+                             continued=req.cached_tokens > 0)
 
     def forget(self, key: str) -> None:
         self.prefixes.pop(key, None)
         self.prefix_len.pop(key, None)
+        self.lower.discard(key)
+        self.user.pop(key, None)
+        up = self.parent.pop(key, None)
+        for k, p in list(self.parent.items()):     # its longer prefixes now extend its own parent
+            if p == key:
+                if up is None:
+                    del self.parent[k]
+                else:
+                    self.parent[k] = up
 
     def has(self, key: str) -> bool:
         return key in self.prefixes

@@ -41,6 +41,13 @@ class RouterMetrics:
         self.prompt_tokens = Counter("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_tokens = Counter("expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache",
                                      registry=r)
+        self.prefix_hits = Counter("expertmesh_prefix_hits", "Admissions that reused a cached prefix, by the tier it was "
+                                   "in on its worker (device, or lower: host / disk, restored)", ["tier"], registry=r)
+        self.prefix_hit_tokens = Counter("expertmesh_prefix_hit_tokens", "Prompt tokens served from a cached prefix, "
+                                         "by tier", ["tier"], registry=r)
+        self.prefix_evictions = Counter("expertmesh_prefix_evictions", "Prefixes taken off a device pool: demoted "
+                                        "(to host / disk), dropped_superseded (a longer one holds it), dropped (no "
+                                        "tier kept it)", ["action"], registry=r)
         self.generation_tokens = Counter("expertmesh_generation_tokens", "Generated tokens", registry=r)
         self.reasoning_tokens = Counter("expertmesh_reasoning_tokens", "Generated reasoning tokens", registry=r)
         self.requests = Counter("expertmesh_requests", "Finished requests by outcome", ["outcome"], registry=r)

@@ -83,6 +83,10 @@ class Request:
     trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
     queue_span: object | None = None
     hasher: PrefixHasher | None = None          # hash chain of tokens fed so far (prefix-cache keys)
+    last_key: str | None = None                 # the prefix key of the last chunk boundary it reached (or hit)
+    # what session-aware eviction reads (router/eviction.py), set by the API layer
+    tools_offered: bool = False                 # the request carried tool definitions (an agent's turn)
+    awaiting_tool: bool = False                 # it ended with tool calls: the client will be back with results
     # params.prompt_logprobs: position (1..len(prompt)-1) → entry; params.logprobs: one entry per output token,
     # set before the token's event
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)

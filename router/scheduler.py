@@ -3,13 +3,16 @@
 `schedule()` turns the waiting queue, the running batch and the router's view of the KV (free blocks per attention
 worker, the prefix-cache index, the workers marked down) into one step's plan:
   * admission, in arrival order while fewer than `max_running` run: a request goes where the longest cached prefix
-    of its prompt lives (pinned there: the cached tokens are not computed again), else to the live worker with the
-    most free blocks that holds its reservation (what it has + `kv_growth` tokens), else — nothing fits, nothing is
-    cached for it — prefixes cached on the live worker with the most free blocks are dropped, least recently used
-    first, until it fits. A head of the queue that fits nowhere keeps the ones behind it waiting (first come, first
+    of its prompt lives, in any tier of that worker (pinned there: the cached tokens are not computed again; a
+    prefix below the device is restored, after demoting device prefixes there if the pool lacks room for it), unless
+    that worker runs `affinity_slack` or more sequences beyond the least loaded live worker — then the prompt is
+    recomputed elsewhere (moving the prefix would cost a restore on a busy worker anyway); else to the live worker
+    with the most free blocks that holds its reservation (what it has + `kv_growth` tokens), else — nothing fits,
+    nothing is cached for it — prefixes cached on the live worker with the most free blocks are demoted, in the
+    session-aware order of router/eviction.py, until it fits. A head of the queue that fits nowhere keeps the ones behind it waiting (first come, first
     served); those that waited longer than `max_queue_wait` are refused;
   * growth: a decoding sequence whose reservation does not cover the token it feeds reserves `kv_growth` more; when
-    its worker is out of blocks, the prefixes cached there go first (least recently used first), then the youngest
+    its worker is out of blocks, the prefixes cached there go first (router/eviction.py's order), then the youngest
     other sequences there are preempted (requeued: they replay what they had, the same tokens, later); a sequence
     alone on a worker that cannot hold more of it ends with "length";
   * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
@@ -51,6 +54,7 @@ class Limits:
     max_context: int
     max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
     prefill_tokens: int = 0           # prompt chunks end at its multiples (0: at prefill_chunk's)
+    affinity_slack: int = 4           # a prefix hit is recomputed elsewhere on a worker this many sequences busier
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,13 @@ class Admission:
     reserve: int                                      # tokens of KV to reserve
     candidates: list[tuple[int, str | None, int]]     # (worker, prefix key or None, cached tokens), in order
     hit: str | None = None                            # the longest cached prefix of its prompt (marked used)
-    evict: list[str] = field(default_factory=list)    # first drop these prefixes on the candidate's worker, in
+    evict: list[str] = field(default_factory=list)    # first evict these prefixes on the candidate's worker, in
     need: int = 0                                     # order, until it has `need` free blocks (none: not placed)
 
 
 @dataclass
 class Growth:
-    """Reserve `target` tokens for a sequence; while its worker is out of blocks, drop the next prefix of `evict`,
+    """Reserve `target` tokens for a sequence; while its worker is out of blocks, evict the next prefix of `evict`,
     then preempt the next of `preempt` (youngest first); with both spent the request ends with "length"."""
     req: Request
     target: int
@@ -93,6 +97,7 @@ class Planned:
     sample: bool
     snapshot: str | None = None
     hasher: PrefixHasher | None = None    # its hash chain advanced to `end` (what the request keeps once sent)
+    chain_key: str | None = None          # the prefix key of tokens[:end] when `end` is a chunk boundary
 
     @property
     def end(self) -> int:
@@ -163,10 +168,14 @@ class _View:
             self.touched.remove(key)
         self.touched.append(key)
 
-    def lru(self, worker: int) -> list[str]:
-        """Prefixes cached on `worker`, least recently used first."""
-        held = [k for k, w in self.kv.prefixes.items() if w == worker]
-        return [k for k in held if k not in self.touched] + [k for k in self.touched if k in held]
+    def evictable(self, worker: int) -> list[str]:
+        """Prefixes on `worker`'s device pool, victims first (router/eviction.py; those this plan used last)."""
+        return self.kv.victims(worker, self.touched)
+
+    def overloaded(self, worker: int, limits: Limits) -> bool:
+        """Running `affinity_slack` or more sequences beyond the least loaded live worker."""
+        live = [n for w, n in self.sequences.items() if w not in self.down]
+        return len(live) > 1 and self.sequences[worker] >= min(live) + limits.affinity_slack
 
     def choose_worker(self, need: int) -> int | None:
         """The live worker with the most free blocks that fits `need` (then the fewest sequences, the lowest index)."""
@@ -186,16 +195,23 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
     adm = Admission(req, reserve, [], hit=hit[1] if hit is not None else None)
     if hit is not None:
         view.touch(hit[1])
-        if hit[0] in view.down:
+        worker, key, _ = hit
+        # a prefix below the device comes back whole: the reservation's blocks, none shared
+        need = view.kv.blocks_for(worker, reserve, 0 if view.kv.is_lower(key) else hit[2])
+        if worker in view.down or view.overloaded(worker, limits):
             hit = None
-        else:
+        elif view.free[worker] < need:
+            adm.evict, adm.need = view.evictable(worker), need     # the hit itself last (demoted: then restored)
+            if not adm.evict:
+                hit = None
+        if hit is not None:
             adm.candidates.append(hit)
     w = view.choose_worker(view.kv.blocks_for(0, reserve))
     if w is not None:
         adm.candidates.append((w, None, 0))
     elif hit is None and len(view.down) < len(view.kv.workers):
         target = max((x.index for x in view.kv.workers if x.index not in view.down), key=lambda i: view.free[i])
-        adm.evict = view.lru(target)
+        adm.evict = view.evictable(target)
         if adm.evict:
             adm.candidates.append((target, None, 0))
             adm.need = view.kv.blocks_for(target, reserve)
@@ -218,11 +234,11 @@ def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, l
             plan.expire = [r for r in waiting if now - r.queued_at > limits.max_queue_wait]
             break
         plan.admissions.append(adm)
-        worker, _, cached = adm.candidates[0]
+        worker, key, cached = adm.candidates[0]
         seqs.append(Seq(req, worker, cached, adm.reserve))
         if adm.evict:
-            break           # what the drops free only the worker can say: the rest wait for the next plan
-        view.take(worker, adm.reserve, cached)
+            break           # what the evictions free only the worker can say: the rest wait for the next plan
+        view.take(worker, adm.reserve, 0 if key is not None and kv.is_lower(key) else cached)
     plan.growth = plan_growth(seqs, view, limits)
     plan.batches = plan_batches(seqs, kv, limits)
     return plan
@@ -236,7 +252,7 @@ def plan_growth(seqs: list[Seq], view: _View, limits: Limits) -> list[Growth]:
             continue
         target = min(len(s.req.prompt) + s.req.params.max_tokens, limits.max_context, s.reserved + limits.kv_growth)
         youngest_first = [o.req for o in reversed(seqs) if o.worker == s.worker and o.req is not s.req]
-        out.append(Growth(s.req, target, view.lru(s.worker), youngest_first))
+        out.append(Growth(s.req, target, view.evictable(s.worker), youngest_first))
     return out
 
 
@@ -285,7 +301,7 @@ def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
         return
     own = p.req.hasher
     p.hasher = own.copy() if own is not None and own.length <= end else PrefixHasher(chunk, kv.salt)
-    key = p.hasher.advance(p.req.hash_tokens, end)
+    key = p.chain_key = p.hasher.advance(p.req.hash_tokens, end)
     if not kv.has(key):
         p.snapshot = key
 

@@ -290,7 +290,8 @@ class ChatRun:
                                 temperature=params.temperature, api=self.request.api, tier=t.tier if t.on else None,
                                 auto_tier=t.auto)
         images = self.request.images
-        self.req = submit(self.engine, self.prompt, params, self.span, **({"images": images} if images else {}))
+        self.req = submit(self.engine, self.prompt, params, self.span, tools_offered=bool(self.request.tools),
+                          **({"images": images} if images else {}))
 
     def fail(self, error: Exception) -> APIError:
         """End the span with `error`; what the client is told of it."""
@@ -366,6 +367,7 @@ class ChatRun:
             parsed.content = parsed.content[:at] if at >= 0 else parsed.content
             parsed.tool_calls = []
         out = self.req.output
+        self.req.awaiting_tool = bool(parsed.tool_calls)      # its cached prefix is kept warm longest
         reason = "stop" if self.stop_hit is not None else "tool_calls" if parsed.tool_calls else \
             "stop" if out and out[-1] in self.fmt.markers.stop else "length"
         counted = ThinkingState(self.control)     # the sampler's count, replayed over the tokens it gave

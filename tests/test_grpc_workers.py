@@ -200,6 +200,11 @@ def test_remote_matches_local(servers, clients, ckpt):
         assert w.open_sequence("c", greedy, reserve_tokens=24, prefix_key="prefix-a") == len(prompt_a)
     run_step(5, [StepSegment("c", prompt_b[:3], True)])
     assert local.expert_load() == remote.expert_load() and sum(local.expert_load()[cfg.moe_layers[0]]) > 0
+    listed = local.list_prefixes()
+    assert listed == remote.list_prefixes() and [(k, t) for k, _, t in listed] == [("prefix-a", "device"),
+                                                                                  ("prefix-b", "device")]
+    demoted = local.demote_prefix("prefix-b")          # no lower tier on these workers: dropped, and said so
+    assert demoted == remote.demote_prefix("prefix-b") and demoted[1] == ["prefix-b"]
     for key in ("prefix-a", "prefix-b", "never-saved"):
         assert local.drop_prefix(key) == remote.drop_prefix(key)
     for s in ("a", "b", "c"):
@@ -416,7 +421,7 @@ def test_reflection_lists_services(servers, clients):
         "expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
     assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "ExtendSequence", "SavePrefix", "DropPrefix",
-                                                 "ConnectExperts", "RunStep", "ExpertLoad"]
+                                                 "DemotePrefix", "ListPrefixes", "ConnectExperts", "RunStep", "ExpertLoad"]
     assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == \
         _services_v1(clients["shard"].channel) == {"expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
 

@@ -218,24 +218,29 @@ def test_a_blip_on_every_attention_worker_requeues_instead_of_failing(ckpt):
         e.close()
 
 
-def test_a_prefix_the_router_forgets_after_a_failed_open_is_dropped_on_the_worker(eng):
+@pytest.mark.parametrize("failure, kept", [("OutOfBlocks", True), ("NotFound", False), ("RuntimeError", False)])
+def test_a_prefix_whose_open_fails_is_held_on_both_sides_or_on_neither(eng, failure, kept):
+    """No room for it (OutOfBlocks): the prefix is still good — kept in the router's index and on the worker (a later
+    request restores or reuses it); gone or broken: forgotten by the router and dropped on the worker. Never held
+    by the worker alone (a leak), never indexed by the router alone (pinned to nothing)."""
+    from expertmesh import worker_api
+    error = getattr(worker_api, failure, RuntimeError)
     eng.generate(PROMPT, SamplingParams(max_tokens=2))            # saves the prompt's chunks as prefixes
     w = worker(eng)
-    orig, refused, pinned = w.open_sequence, [], []
+    orig, refused, held = w.open_sequence, [], []
 
     def refuse_prefixed(seq_id, params, *, prefix_key=None, **kw):
-        from expertmesh.worker_api import OutOfBlocks
         if prefix_key is not None:
             refused.append(prefix_key)
-            raise OutOfBlocks("no blocks left")
-        pinned.extend(k for k in refused if k in w.prefixes)    # the router's next try: is it still held there?
+            raise error(f"refused {prefix_key}")
+        held.extend((k in w.prefixes, eng.kv.has(k)) for k in refused)   # the router's next try: both sides' view
         return orig(seq_id, params, **kw)
     w.open_sequence = refuse_prefixed
     try:
         assert len(eng.generate(PROMPT, SamplingParams(max_tokens=2), timeout=30).output) == 2
     finally:
         del w.open_sequence
-    assert refused and pinned == []                              # forgotten by the router, dropped by the worker
+    assert refused and held and all(h == (kept, kept) for h in held), held
 
 
 def test_the_operator_folder_does_not_shadow_the_standard_library():

@@ -200,7 +200,7 @@ def test_crd_and_children_validate_against_kubernetes_schemas(tiny_plan):
                            scheduling={"nodeSelector": {"pool": "gpu"}, "topologySpreadKey": "kubernetes.io/hostname",
                                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                         "effect": "NoSchedule"}]},
-                           expertWorkers={"gpusPerPod": 8}))
+                           expertWorkers={"gpusPerPod": 8}, kv={"hostGiB": 8, "disk": {"sizeGiB": 10, "pvc": {}}}))
     kv.validate(crd.build_crd(), "1.30", strict=True)
     for child in build_children("kimi", "serving", full, cfg, plan):
         kv.validate(child, "1.30", strict=True)
@@ -646,3 +646,51 @@ def test_an_inline_kimi_k3_config_resolves():
     cfg = resolve_model(parse_spec({**tiny(), "model": {"config": {"model_type": "kimi_k3", "text_config": text},
                                                         "checkpoint": {"uri": "/w"}}}))
     assert cfg.model_type == "kimi_k3" and cfg.moe.latent_size == 32 and cfg.activation.kind == "situ"
+
+
+@pytest.mark.parametrize("disk, volume", [
+    ({"sizeGiB": 100}, {"emptyDir": {"sizeLimit": "107520Mi"}}),
+    ({"sizeGiB": 100, "hostPath": "/mnt/nvme/kv"}, {"hostPath": {"path": "/mnt/nvme/kv", "type": "DirectoryOrCreate"}}),
+    ({"sizeGiB": 100, "pvc": {"storageClassName": "local-nvme"}}, None)])
+def test_kv_tiers_become_attention_worker_flags_memory_and_a_disk_volume(tiny_plan, disk, volume):
+    """spec.kv.hostGiB → --kv-host-gib and the memory request / limit grow by it; spec.kv.disk → --kv-disk-dir on
+    its own volume (an emptyDir with a sizeLimit, a node folder per pod, or a claim per pod) and --kv-disk-gib."""
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(kv={"hostGiB": 64, "disk": disk},
+                           attentionWorkers={"resources": {"requests": {"memory": "16Gi"},
+                                                           "limits": {"memory": "32Gi"}}}))
+    by = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", spec, cfg, plan)}
+    sts = by[("StatefulSet", "kimi-attention")]["spec"]
+    pod, c = sts["template"]["spec"], sts["template"]["spec"]["containers"][0]
+    opt = dict(zip(c["args"][3::2], c["args"][4::2]))
+    assert (opt["--kv-host-gib"], opt["--kv-disk-dir"], opt["--kv-disk-gib"]) == ("64", "/var/cache/expertmesh-kv",
+                                                                                   "100")
+    assert c["resources"]["requests"]["memory"] == f"{(16 + 64) * 1024}Mi"
+    assert c["resources"]["limits"]["memory"] == f"{(32 + 64) * 1024}Mi"
+    mount = {m["name"]: m for m in c["volumeMounts"]}["kv-disk"]
+    assert mount["mountPath"] == "/var/cache/expertmesh-kv"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    if volume is None:
+        assert "kv-disk" not in vols
+        (claim,) = sts["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == "kv-disk" and claim["spec"]["storageClassName"] == "local-nvme"
+        assert claim["spec"]["resources"]["requests"]["storage"] == "107520Mi"
+    else:
+        assert {k: v for k, v in vols["kv-disk"].items() if k != "name"} == volume
+        assert "volumeClaimTemplates" not in sts
+        assert mount.get("subPathExpr") == ("$(POD_NAME)" if "hostPath" in volume else None)
+    # without tiers: no flag, no volume, the spec's resources as they are
+    plain = parse_spec(tiny())
+    att = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", plain, cfg, plan)}[
+        ("StatefulSet", "kimi-attention")]["spec"]["template"]["spec"]
+    assert not any(a.startswith("--kv-host") or a.startswith("--kv-disk") for a in att["containers"][0]["args"])
+    assert "kv-disk" not in {v["name"] for v in att["volumes"]}
+
+
+@pytest.mark.parametrize("kv, words", [
+    ({"hostGiB": -1}, "hostGiB"), ({"disk": {"sizeGiB": 0}}, "sizeGiB"),
+    ({"disk": {"sizeGiB": 1, "hostPath": "/x", "pvc": {}}}, "pvc or hostPath"),
+    ({"disk": {"sizeGiB": 1, "hostPath": "relative"}}, "hostPath")])
+def test_bad_kv_tier_fields_are_refused_naming_them(kv, words):
+    with pytest.raises(SpecError, match=words):
+        parse_spec(tiny(kv=kv))

@@ -133,9 +133,13 @@ def test_when_nothing_fits_cached_prefixes_are_dropped_least_recently_used_first
     adm = schedule(waiting(2), [], kv, limits=LIMITS).admissions
     assert len(adm) == 1                                            # what drops free only the worker knows
     assert adm[0].candidates == [(1, None, 0)] and adm[0].evict == ["c", "a"] and adm[0].need == 3
-    # a prefix hit on a live worker is tried instead of evicting
+    # a prefix hit on a live worker is kept: room for the rest (56 tokens reserved, 32 cached: 2 blocks) is made on
+    # its worker, the hit itself evicted last (demoted there, it would be restored)
     req = waiting(1, length=40)[0]
     key = cache_prefix(kv, req.prompt, 0, 32)
+    adm = schedule([req], [], kv, limits=LIMITS).admissions[0]
+    assert adm.candidates == [(0, key, 32)] and adm.evict == ["b", key] and adm.need == 2
+    kv.workers[0].free_blocks = 2                                   # room enough: nothing evicted
     adm = schedule([req], [], kv, limits=LIMITS).admissions[0]
     assert adm.candidates == [(0, key, 32)] and adm.evict == []
 
@@ -384,3 +388,63 @@ def test_requests_that_can_never_run_are_refused_naming_the_field():
     assert (e.value.param, e.value.prompt_tokens, e.value.context) == ("max_tokens", 20, 512)
     with pytest.raises(RequestError, match="token id 300"):
         check_request([1, 300], ok, vocab_size=256, kv=kv, limits=LIMITS)
+
+
+# ------------------------------------------------------------------ session-aware eviction, tiers, placement
+def test_eviction_order_drops_superseded_prefixes_first_and_keeps_sessions_awaiting_tools_warm_longest():
+    from expertmesh.router.eviction import (ANSWERED, AWAITING_TOOL, ONE_SHOT, RUNNING, PrefixInfo, Victim,
+                                            eviction_order)
+    infos = [PrefixInfo("tool-new", 320, 1, False, AWAITING_TOOL), PrefixInfo("tool-old", 256, 0, True, AWAITING_TOOL),
+             PrefixInfo("answered", 64, 2, False, ANSWERED), PrefixInfo("one-shot-recent", 64, 9, False, ONE_SHOT),
+             PrefixInfo("one-shot-old", 64, 3, False, ONE_SHOT), PrefixInfo("running", 64, 4, False, RUNNING)]
+    assert eviction_order(infos) == [Victim("tool-old", False), Victim("one-shot-old", True),
+                                     Victim("one-shot-recent", True), Victim("answered", True),
+                                     Victim("running", True), Victim("tool-new", True)]
+    assert eviction_order([]) == []
+
+
+def test_a_sessions_older_prefixes_are_superseded_by_its_newest_and_the_index_stays_linked_when_one_goes():
+    kv = kv_of(64)
+    turn1 = Request(prompt=[1] * 40, params=SamplingParams(max_tokens=4))
+    turn1.finish_reason, turn1.awaiting_tool, turn1.tools_offered = "stop", True, True
+    one_shot = Request(prompt=[2] * 40, params=SamplingParams(max_tokens=4))
+    one_shot.finish_reason = "stop"
+    kv.record_prefix(0, "s16", 16, user=turn1)
+    kv.record_prefix(0, "o16", 16, user=one_shot)
+    kv.record_prefix(0, "s32", 32, parent="s16", user=turn1)
+    kv.record_prefix(0, "s48", 48, parent="s32", user=turn1)
+    assert kv.superseded("s16") and kv.superseded("s32") and not kv.superseded("s48")
+    assert kv.victims(0) == ["s16", "s32", "o16", "s48"]        # older prefixes, the one-shot, the session last
+    kv.forget("s32")                                            # s48 now extends s16
+    assert kv.parent == {"s48": "s16"} and kv.superseded("s16")
+    kv.demoted("s48")                                           # below the device: no victim of the device pool
+    assert kv.is_lower("s48") and kv.victims(0) == ["s16", "o16"] and kv.has("s48")
+    kv.restored("s48")
+    assert kv.victims(0, last=["s16"]) == ["o16", "s48", "s16"]   # used by the plan being made: last
+
+
+def test_a_hit_below_the_device_is_placed_with_room_for_its_whole_reservation():
+    req = waiting(1, length=40)[0]                              # reserves 56 tokens: 4 blocks
+    kv = kv_of(3, 64, prefixes={"old": (0, 16)})
+    key = cache_prefix(kv, req.prompt, 0, 32)
+    kv.demoted(key)
+    adm = schedule([req], [], kv, limits=LIMITS).admissions[0]
+    # the prefix is restored whole (no shared blocks): 4 blocks needed on its worker, 3 free → room made there
+    assert adm.candidates[0] == (0, key, 32) and adm.evict == ["old"] and adm.need == 4
+    kv.workers[0].free_blocks = 4
+    plan = schedule([req], [], kv, limits=LIMITS)
+    assert plan.admissions[0].candidates[0] == (0, key, 32) and plan.admissions[0].evict == []
+
+
+def test_a_hit_on_an_overloaded_worker_is_recomputed_on_another():
+    req = waiting(1, length=40)[0]
+    kv = kv_of(64, 64)
+    key = cache_prefix(kv, req.prompt, 0, 32)
+    busy = [running(0, 20, 40, seed=s) for s in range(LIMITS.affinity_slack)]
+    kv.workers[0].sequences = len(busy)
+    limits = Limits(**{**LIMITS.__dict__, "max_running": 64})
+    adm = schedule([req], busy, kv, limits=limits).admissions[0]
+    assert adm.hit == key and adm.candidates == [(1, None, 0)]
+    kv.workers[0].sequences = LIMITS.affinity_slack - 1          # within the slack: the prefix wins
+    adm = schedule([req], busy[1:], kv, limits=limits).admissions[0]
+    assert adm.candidates[0] == (0, key, 32)

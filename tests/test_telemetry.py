@@ -97,3 +97,25 @@ def test_metrics_agree_with_usage(server):
     assert _metric(text, "expertmesh_expert_load_imbalance_max") >= 1.0
     assert 'expertmesh_worker_call_duration_seconds_count{method="run_step",worker="attention-0"}' in text
     assert _metric(text, "expertmesh_expert_exchange_bytes_total") > 0
+
+
+def test_a_restore_from_a_lower_kv_tier_is_a_span(server):
+    """worker/attention.py copies a prefix back from host / disk inside a `kv.restore` span: tier, bytes, tokens."""
+    from expertmesh.sampling_params import SamplingParams
+    engine = server[1]
+    engine.generate([(5 * j + 1) % 256 for j in range(40)], SamplingParams(max_tokens=2))
+    w = engine.attention[0]._client
+    key = max(w.prefixes, key=lambda k: w.prefixes[k].length)
+    length = w.prefixes[key].length
+    w.tiers.host_bytes = 2 ** 26                  # this deployment has no host tier: one for the test
+    try:
+        assert w.demote_prefix(key)[1] == [] and w.tiers.tier_of(key) == "host"
+        EXPORTER.clear()
+        assert w.open_sequence("traced", SamplingParams(max_tokens=1), reserve_tokens=length + 1,
+                               prefix_key=key) == length
+        w.close_sequence("traced")
+    finally:
+        w.tiers.host_bytes = 0
+    (span,) = [s for s in EXPORTER.get_finished_spans() if s.name == "kv.restore"]
+    a = span.attributes
+    assert a["expertmesh.kv.tier"] == "host" and a["expertmesh.kv.tokens"] == length and a["expertmesh.kv.bytes"] > 0

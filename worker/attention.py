@@ -11,13 +11,14 @@ by row, so a sequence's numbers do not depend on the batch it is in.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from expertmesh import memory
+from expertmesh import memory, telemetry
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.grammar import ll_tokenizer
@@ -29,7 +30,11 @@ from expertmesh.tokenizer import load_tokenizer
 from expertmesh.vision import SequenceImages
 from expertmesh.worker.exchange import ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
+from expertmesh.worker.kv_tiers import CorruptFile, KVTiers, PrefixSnapshot, layout_identity, synchronize, to_device, \
+    to_host
 from expertmesh.worker_api import NotConnected, NotFound, OutOfBlocks, StepDone, StepSegment, TokenLogprobs, WorkerError
+
+log = logging.getLogger("expertmesh.worker")
 
 
 def token_logprobs(seq_id: str, position: int, logprobs: torch.Tensor, token_ids: list[int], n: int) -> TokenLogprobs:
@@ -68,11 +73,14 @@ class AttentionWorker:
     def __init__(self, checkpoint: Checkpoint | str | ModelConfig, *, kv_blocks: int | None = 512,
                  block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                 lease_seconds: float = 30.0):
+                 lease_seconds: float = 30.0, kv_host_bytes: int = 0, kv_disk_dir: str | None = None,
+                 kv_disk_bytes: int = 0):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
-        (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`."""
+        (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`.
+        `kv_host_bytes` / `kv_disk_bytes` (in `kv_disk_dir`): the lower tiers' bounds for demoted prefixes
+        (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped)."""
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
@@ -103,7 +111,12 @@ class AttentionWorker:
         if self.device_kind == "cpu":
             cpu_warmup.load(cpu_warmup.ATTENTION)     # before serving: not on the first request
         self.sequences: dict[str, _Sequence] = {}
-        self.prefixes: dict[str, _Prefix] = {}
+        self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
+        self.device_prefix_hits = 0                      # sequences opened from a prefix on the device
+        if kv_disk_bytes and kv_disk_dir is None:
+            raise WorkerError("--kv-disk-gib: needs --kv-disk-dir")
+        self.tiers = KVTiers(kv_host_bytes, layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
+                             kv_disk_dir, kv_disk_bytes)
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
         self._lltok_lock = threading.Lock()   # the grammar tokenizer is built once (_grammar_tokenizer)
         self.calls = 0
@@ -178,7 +191,9 @@ class AttentionWorker:
             if prefix_key is not None:
                 prefix = self.prefixes.get(prefix_key)
                 if prefix is None:
-                    raise NotFound(f"prefix_key {prefix_key!r}: no such cached prefix on {self.name}")
+                    prefix = self._restore(prefix_key, reserve_tokens)
+                else:
+                    self.device_prefix_hits += 1
                 kv = prefix.kv.fork(prefix.length)
                 for layer, (state, conv) in prefix.kda_states.items():
                     cache.layers[layer].state = state.clone()
@@ -253,12 +268,85 @@ class AttentionWorker:
         self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=length)
 
     def drop_prefix(self, key: str) -> int:
+        """Forget prefix `key` in every tier."""
         with self.lock:
             self.calls += 1
             prefix = self.prefixes.pop(key, None)
             if prefix is not None:
                 prefix.kv.free()
+            self.tiers.discard(key)
             return self.pool.free_blocks
+
+    def demote_prefix(self, key: str) -> tuple[int, list[str]]:
+        """Move prefix `key` off the device pool into the lower tiers (dropped where there are none) → (free
+        blocks after, keys now dropped for good: `key` itself when no tier holds it, older ones a full tier let
+        go). A key held only below the device stays there."""
+        with self.lock:
+            self.calls += 1
+            prefix = self.prefixes.pop(key, None)
+            if prefix is None:
+                return self.pool.free_blocks, [] if self.tiers.tier_of(key) else [key]
+            dropped = self.tiers.put(key, self._snapshot(prefix)) if self.tiers.enabled else [key]
+            prefix.kv.free()
+            return self.pool.free_blocks, dropped
+
+    def list_prefixes(self) -> list[tuple[str, int, str]]:
+        """(key, length, tier) of every cached prefix: device, host, disk (a restarted router's index, or the one
+        that marked this worker down, learns them back)."""
+        with self.lock:
+            return [(k, p.length, "device") for k, p in self.prefixes.items()] + self.tiers.keys()
+
+    def _snapshot(self, prefix: _Prefix) -> PrefixSnapshot:
+        """A host copy of a device prefix: its pages gathered to [length, D] per layer, its KDA states."""
+        latent, index_k = {}, {}
+        for layer in self.cfg.latent_kv_layers:
+            lat, ik = prefix.kv.read(layer, prefix.length)
+            latent[layer] = to_host(lat)
+            if ik is not None:
+                index_k[layer] = to_host(ik)
+        kda = {i: (to_host(state), to_host(conv)) for i, (state, conv) in prefix.kda_states.items()}
+        synchronize(self.device)
+        return PrefixSnapshot(prefix.length, latent, index_k, kda)
+
+    def _restore(self, key: str, reserve_tokens: int) -> _Prefix:
+        """Copy a prefix held in a lower tier back into device blocks (bit-identical) and cache it there again;
+        NotFound when no tier holds it or its file fails a check, OutOfBlocks when the pool cannot hold it and a
+        sequence of `reserve_tokens` forked from it (then it stays where it was)."""
+        length = self.tiers.length_of(key)
+        if length is None:
+            raise NotFound(f"prefix_key {key!r}: no such cached prefix on {self.name}")
+        bs = self.pool.block_size
+        need = -(-max(reserve_tokens, length) // bs) + (1 if length % bs else 0)   # + a partial block's copy
+        if self.pool.free_blocks < need:
+            raise OutOfBlocks(f"KV pool: {self.pool.free_blocks} free blocks, restoring prefix {key!r} for "
+                              f"{reserve_tokens} tokens needs {need}")
+        start = time.perf_counter()        # the time counted and traced includes reading (and checking) a file
+        with telemetry.tracer().start_as_current_span(
+                "kv.restore", attributes={"expertmesh.kv.tier": self.tiers.tier_of(key),
+                                          "expertmesh.kv.tokens": length}) as span:
+            try:
+                snap, tier = self.tiers.load(key)
+            except CorruptFile as e:
+                log.warning("prefix %s: disk copy not served: %s", key, e)
+                raise NotFound(f"prefix_key {key!r}: its disk copy failed a check; not served") from None
+            span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
+            kv = PagedSequenceKV(self.pool)
+            try:
+                kv.reserve(snap.length)
+            except OutOfBlocks:
+                kv.free()
+                raise
+            for layer in self.cfg.latent_kv_layers:
+                ik = snap.index_k.get(layer)
+                kv.write(layer, 0, to_device(snap.latent[layer], self.device),
+                         None if ik is None else to_device(ik, self.device))
+            kv.length = snap.length
+            states = {i: (to_device(state, self.device), to_device(conv, self.device))
+                      for i, (state, conv) in snap.kda.items()}
+            synchronize(self.device)
+        self.tiers.restored(key, tier, snap.nbytes, time.perf_counter() - start)
+        prefix = self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=snap.length)
+        return prefix
 
     def _seq(self, seq_id: str) -> _Sequence:
         seq = self.sequences.get(seq_id)

@@ -1,5 +1,5 @@
 """A worker's Prometheus metrics (`--metrics-port`): calls, latency and errors per method, KV blocks and
-sequences (attention role), (token, expert) pairs computed (expert role)."""
+sequences, the KV tiers' bytes and traffic (attention role), (token, expert) pairs computed (expert role)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -38,6 +38,7 @@ class _State:
             seqs = GaugeMetricFamily("expertmesh_sequences", "Open sequences", labels=["worker"])
             seqs.add_metric([info["name"]], info["sequences"])
             yield seqs
+            yield from tier_metrics(att)
         if exp is not None:
             done = CounterMetricFamily("expertmesh_expert_slots_computed", "(token, expert) pairs computed",
                                        labels=["worker"])
@@ -46,6 +47,38 @@ class _State:
             held = GaugeMetricFamily("expertmesh_experts_held", "(layer, expert) shards held", labels=["worker"])
             held.add_metric([exp.name], len(exp.assignment))
             yield held
+
+
+def tier_metrics(att):
+    """Per KV tier (device, host, disk; worker/kv_tiers.py): bytes used and capacity, prefixes held, demotions in,
+    restores (hits served by copying back), restore bytes and seconds, prefixes dropped, disk files rejected."""
+    name, tiers = att.name, att.tiers.snapshot_stats()
+    pool = att.pool
+    block_bytes = sum(t[0].numel() * t.element_size() for t in list(pool.latent.values()) + list(pool.index_k.values()))
+    gauges = {f: GaugeMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"]) for f, doc in (
+        ("used_bytes", "Bytes held by cached KV in the tier"), ("capacity_bytes", "The tier's byte bound"),
+        ("prefixes", "Cached prefixes held in the tier"))}
+    gauges["used_bytes"].add_metric([name, "device"], (pool.num_blocks - pool.free_blocks) * block_bytes)
+    gauges["capacity_bytes"].add_metric([name, "device"], pool.num_blocks * block_bytes)
+    gauges["prefixes"].add_metric([name, "device"], len(att.prefixes))
+    counters = {f: CounterMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"]) for f, doc in (
+        ("hits", "Prefixes served from the tier (device: used in place; host / disk: restored)"),
+        ("demotions", "Prefixes that entered the tier from the one above"),
+        ("restore_bytes", "Bytes copied back to the device from the tier"),
+        ("restore_seconds", "Time spent restoring from the tier"),
+        ("dropped", "Prefixes that left the tier for no lower one"),
+        ("rejected", "Disk files deleted unserved: torn, corrupted or of another model / layout"))}
+    counters["hits"].add_metric([name, "device"], att.device_prefix_hits)
+    for tier, st in tiers.items():
+        gauges["used_bytes"].add_metric([name, tier], st.used_bytes)
+        gauges["capacity_bytes"].add_metric([name, tier], st.capacity_bytes)
+        gauges["prefixes"].add_metric([name, tier], st.entries)
+        for field, value in (("hits", st.restores), ("demotions", st.demotions), ("restore_bytes", st.restore_bytes),
+                             ("restore_seconds", st.restore_seconds), ("dropped", st.dropped),
+                             ("rejected", st.rejected)):
+            counters[field].add_metric([name, tier], value)
+    yield from gauges.values()
+    yield from counters.values()
 
 
 METRICS = WorkerMetrics()

@@ -25,6 +25,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh import memory, telemetry
+from expertmesh.argtypes import check_kv_tiers
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig, preset
 from expertmesh.health_port import serve_health_only
@@ -148,6 +149,16 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     @_rpc
     def DropPrefix(self, request, context):
         return worker_pb2.FreeBlocks(free_blocks=self.worker.drop_prefix(request.key))
+
+    @_rpc
+    def DemotePrefix(self, request, context):
+        free, dropped = self.worker.demote_prefix(request.key)
+        return worker_pb2.DemotedPrefix(free_blocks=free, dropped=dropped)
+
+    @_rpc
+    def ListPrefixes(self, request, context):
+        return worker_pb2.PrefixList(prefixes=[worker_pb2.CachedPrefix(key=k, length=n, tier=t)
+                                               for k, n, t in self.worker.list_prefixes()])
 
     @_rpc
     def ConnectExperts(self, request, context):
@@ -294,10 +305,11 @@ def all_experts(cfg) -> list[tuple[int, int]]:
 def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blocks: int | None = 512,
                   block_size: int = 16, name: str | None = None, device: str | None = None, dtype=None,
                   gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                  lease_seconds: float = 30.0):
+                  lease_seconds: float = 30.0, kv_tiers: dict | None = None):
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
     expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
-    --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held."""
+    --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held.
+    `kv_tiers`: the attention role's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes)."""
 
     if role not in ROLES:
         raise ValueError(f"role: expected one of {list(ROLES)}, found {role!r}")
@@ -310,7 +322,8 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
         attention = AttentionWorker(checkpoint, kv_blocks=kv_blocks, block_size=block_size,
                                     name=name or "attention-0", device=device, dtype=dtype,
                                     gpu_memory_utilization=gpu_memory_utilization,
-                                    device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds)
+                                    device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
+                                    **(kv_tiers or {}))
     if role in ("expert", "both"):
         pairs = all_experts(cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
         if device == "cuda" and gpu_of:
@@ -321,8 +334,9 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
     return attention, expert
 
 
-def dry_run(attention, expert) -> str:
-    """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device."""
+def dry_run(attention, expert, kv_tiers: dict | None = None) -> str:
+    """The one JSON line of `--dry-run`: resident bytes of the built worker(s), per device; with `kv_tiers`, the
+    lower KV tiers' bounds (host memory beside the device's, disk) as given."""
     total = WorkerMemory()
     for w in (attention, expert):
         if w is None:
@@ -336,6 +350,9 @@ def dry_run(attention, expert) -> str:
     extra = {}
     if attention is not None:
         extra["kv_blocks"] = attention.pool.num_blocks
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            if (kv_tiers or {}).get(name):
+                extra[name] = kv_tiers[name]
     if expert is not None:
         extra["experts"] = len(expert.assignment)
     return total.to_json(**extra)
@@ -345,7 +362,8 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
           device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
-          collective_port: int | None = None, health_port: int | None = None) -> grpc.Server:
+          collective_port: int | None = None, health_port: int | None = None,
+          kv_tiers: dict | None = None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     `collective_port`: an expert role also serves the collective transport (worker/collective.py), its
@@ -357,7 +375,8 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     attention, expert = build_workers(role, checkpoint, assignment=assignment, gpu_of=gpu_of, kv_blocks=kv_blocks,
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
-                                      device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds)
+                                      device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
+                                      kv_tiers=kv_tiers)
     if expert is not None and expert.device_kind == "cpu":
         # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
         # first RunExperts call would overrun the caller's deadline and mark this worker down
@@ -450,6 +469,16 @@ def plan_assignment(path: str, ordinal: int, gpu_of: dict | None = None) -> list
     return pairs
 
 
+def kv_tier_options(args) -> dict:
+    """--kv-host-gib / --kv-disk-dir / --kv-disk-gib → AttentionWorker's tier arguments (ValueError naming the flag:
+    argtypes.check_kv_tiers, or tiers on a worker without the attention role)."""
+    check_kv_tiers(args.kv_host_gib, args.kv_disk_dir, args.kv_disk_gib)
+    if (args.kv_host_gib or args.kv_disk_gib) and args.role == "expert":
+        raise ValueError("--kv-host-gib/--kv-disk-gib: only for --role attention or both")
+    return {"kv_host_bytes": int(args.kv_host_gib * 2 ** 30), "kv_disk_dir": args.kv_disk_dir,
+            "kv_disk_bytes": int(args.kv_disk_gib * 2 ** 30)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="expertmesh worker", description="an attention / expert worker (gRPC)")
     p.add_argument("--role", choices=ROLES, required=True)
@@ -476,6 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ordinal", type=int, help="this expert worker's ordinal in --plan")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of the attention role")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
+                   help="attention role: host-memory tier for prefixes demoted off the device pool, at most this "
+                        "many GiB (pinned on cuda; 0: none — a demoted prefix is dropped)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="attention role: local-disk tier below the host tier, one checksummed file per prefix "
+                        "(reused after a restart when the files match this model and layout)")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB",
+                   help="attention role: at most this many GiB in --kv-disk-dir (needed with --kv-disk-dir)")
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--grace", type=float, default=10.0, help=f"seconds in-flight calls get on shutdown; the process ends {SHUTDOWN_SLACK_S:g} s after "
@@ -553,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--expert-tls-cert/--expert-tls-key: need --expert-tls-ca")
         if args.kv_blocks <= 0 or args.block_size <= 0:
             raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
+        kv_tiers = kv_tier_options(args)
     except (ValueError, OSError) as e:
         parser.error(str(e))
     name = args.name
@@ -571,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"expertmesh worker: error: {e}", file=sys.stderr)
             return 2
-        print(dry_run(attention, expert), flush=True)
+        print(dry_run(attention, expert, kv_tiers), flush=True)
         return 0
 
     stop = stop_on_signals()
@@ -581,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
                        expert_tls=expert_tls, lease_seconds=args.lease_seconds,
-                       collective_port=args.collective_port, health_port=args.health_port)
+                       collective_port=args.collective_port, health_port=args.health_port, kv_tiers=kv_tiers)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2

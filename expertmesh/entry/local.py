@@ -13,15 +13,16 @@ from expertmesh.worker.expert import ExpertWorker
 def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
                        redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
                        placement=None, lease_seconds: float = 30.0, serving_cfg=None, dtype=None,
-                       **engine_kw) -> Engine:
+                       kv_tiers: dict | None = None, **engine_kw) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
     --max-context, --thinking-budgets) for the engine; the workers keep the checkpoint's. `dtype`: the attention
-    workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`."""
+    workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`. `kv_tiers`:
+    every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes)."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
     attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}",
-                                 lease_seconds=lease_seconds, dtype=dtype)
+                                 lease_seconds=lease_seconds, dtype=dtype, **(kv_tiers or {}))
                  for i in range(attention_workers)]
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
     return Engine(serving_cfg or cfg, attention, experts, placement, **engine_kw)
