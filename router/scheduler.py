@@ -6,8 +6,11 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     of its prompt lives, in any tier of that worker (pinned there: the cached tokens are not computed again; a
     prefix below the device is restored, after demoting device prefixes there if the pool lacks room for it), unless
     that worker runs `affinity_slack` or more sequences beyond the least loaded live worker — then the prompt is
-    recomputed elsewhere (moving the prefix would cost a restore on a busy worker anyway); else to the live worker
-    with the most free blocks that holds its reservation (what it has + `kv_growth` tokens), else — nothing fits,
+    recomputed elsewhere (moving the prefix would cost a restore on a busy worker anyway); with no cached prefix
+    known, to its session's worker (`affinity_worker`: rendezvous hashing of the prompt's first chunk over the live
+    workers, the same on every router replica) when that one holds its reservation and is not `affinity_slack`
+    sequences busier than the least loaded; else to the live worker with the most free blocks that holds its
+    reservation (what it has + `kv_growth` tokens), else — nothing fits,
     nothing is cached for it — prefixes cached on the live worker with the most free blocks are demoted, in the
     session-aware order of router/eviction.py, until it fits. A head of the queue that fits nowhere keeps the ones behind it waiting (first come, first
     served); those that waited longer than `max_queue_wait` are refused;
@@ -36,7 +39,9 @@ of blocks; when a worker did answer otherwise, the engine plans the rest of the 
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from expertmesh.router.kv import KVManager, PrefixHasher
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError, TokenLogprob
@@ -55,6 +60,7 @@ class Limits:
     max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
     prefill_tokens: int = 0           # prompt chunks end at its multiples (0: at prefill_chunk's)
     affinity_slack: int = 4           # a prefix hit is recomputed elsewhere on a worker this many sequences busier
+    session_affinity: bool = True     # no prefix known: place by the session-affinity key (else by load alone)
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,24 @@ def reserve_tokens(tokens: int, prompt_len: int, max_tokens: int, limits: Limits
     return min(prompt_len + max_tokens, limits.max_context, tokens + limits.kv_growth)
 
 
+def affinity_key(tokens: list[int], chunk: int) -> bytes | None:
+    """A conversation's session-affinity key: the hash of its prompt's first `chunk` tokens, which every turn of
+    the conversation starts with (the turns resend the history). Unsalted, so every router instance computes the
+    same key; None for a prompt shorter than a chunk (placed by load)."""
+    if chunk <= 0 or len(tokens) < chunk:
+        return None
+    return hashlib.sha256(b"expertmesh-affinity-v1" + b"".join(t.to_bytes(4, "little") for t in tokens[:chunk])
+                          ).digest()
+
+
+def affinity_worker(key: bytes, workers: Iterable[int]) -> int | None:
+    """Rendezvous (highest-random-weight) hashing: of `workers` (attention worker indices — the same list on every
+    router replica), the one whose hash with `key` is highest; None for no workers. A pure function of its
+    arguments: the same key goes to the same worker on any router instance, and a worker leaving the set moves
+    only the keys that went to it (the others' highest weight is unchanged)."""
+    return max(workers, key=lambda w: (hashlib.sha256(key + w.to_bytes(4, "little")).digest(), -w), default=None)
+
+
 def check_request(prompt: list[int], params: SamplingParams, *, vocab_size: int, kv: KVManager,
                   limits: Limits) -> None:
     """Refuse what can never run, naming the field: RequestError, ContextLengthExceeded."""
@@ -182,6 +206,16 @@ class _View:
         fits = [w for w, free in self.free.items() if free >= need and w not in self.down]
         return max(fits, key=lambda w: (self.free[w], -self.sequences[w], -w)) if fits else None
 
+    def session_worker(self, req: Request, need: int, limits: Limits) -> int | None:
+        """Its session's worker (affinity_worker over the live workers) when it fits `need` blocks and is not
+        overloaded; None otherwise, or for a prompt shorter than a chunk, or with one live worker."""
+        key = affinity_key(req.hash_prompt, limits.prefill_chunk) if limits.session_affinity else None
+        live = [w.index for w in self.kv.workers if w.index not in self.down]
+        if key is None or len(live) < 2:
+            return None
+        w = affinity_worker(key, live)
+        return w if self.free[w] >= need and not self.overloaded(w, limits) else None
+
     def take(self, worker: int, reserve: int, cached: int) -> None:
         self.free[worker] -= self.kv.blocks_for(worker, reserve, cached)
         self.sequences[worker] += 1
@@ -206,7 +240,12 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
                 hit = None
         if hit is not None:
             adm.candidates.append(hit)
-    w = view.choose_worker(view.kv.blocks_for(0, reserve))
+    fresh = view.kv.blocks_for(0, reserve)
+    w = view.choose_worker(fresh)
+    if w is not None and adm.hit is None:        # no prefix known here: its session's worker, then today's choice
+        mine = view.session_worker(req, fresh, limits)
+        if mine is not None and mine != w:
+            adm.candidates.append((mine, None, 0))
     if w is not None:
         adm.candidates.append((w, None, 0))
     elif hit is None and len(view.down) < len(view.kv.workers):

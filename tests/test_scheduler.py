@@ -1,5 +1,6 @@
 """The scheduler's pure decisions (router/scheduler.py) on plain data: no workers, no threads, no clocks."""
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,6 +9,8 @@ from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV, prefix_hashe
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError
 from expertmesh.router.scheduler import (
     Limits,
+    affinity_key,
+    affinity_worker,
     Planned,
     check_request,
     finish_reason,
@@ -20,8 +23,9 @@ from expertmesh.sampling_params import SamplingParams
 from expertmesh.worker_api import StepDone, TokenLogprobs
 
 CHUNK, BS = 16, 16
+# placement by load alone: the session-affinity tests ("session affinity" below) turn it on
 LIMITS = Limits(prefill_chunk=CHUNK, max_batch_tokens=64, max_running=8, kv_growth=16, max_context=512,
-                max_queue_wait=10.0)
+                max_queue_wait=10.0, session_affinity=False)
 SALT = b"router-salt"
 
 
@@ -448,3 +452,68 @@ def test_a_hit_on_an_overloaded_worker_is_recomputed_on_another():
     kv.workers[0].sequences = LIMITS.affinity_slack - 1          # within the slack: the prefix wins
     adm = schedule([req], busy[1:], kv, limits=limits).admissions[0]
     assert adm.candidates[0] == (0, key, 32)
+
+
+# ------------------------------------------------------------------ session affinity (no shared state)
+AFFINE = dataclasses.replace(LIMITS, session_affinity=True)
+
+
+def test_affinity_worker_is_rendezvous_hashing_and_a_lost_worker_moves_only_its_keys():
+    keys = [affinity_key([k, 5, 9] * 6, CHUNK) for k in range(400)]
+    assert affinity_key([1] * (CHUNK - 1), CHUNK) is None                   # shorter than a chunk: no key
+    assert affinity_key([1] * CHUNK + [2], CHUNK) == affinity_key([1] * CHUNK + [3, 4], CHUNK)   # first chunk only
+    four = {k: affinity_worker(k, [0, 1, 2, 3]) for k in keys}
+    assert four == {k: affinity_worker(k, [3, 1, 0, 2]) for k in keys}      # the set decides, not its order
+    assert all(n > 60 for n in np.bincount(list(four.values()), minlength=4))     # spread: 400 keys, ~100 each
+    three = {k: affinity_worker(k, [0, 1, 3]) for k in keys}                # worker 2 goes down
+    assert all(three[k] == four[k] for k in keys if four[k] != 2)           # only its keys move...
+    assert {three[k] for k in keys if four[k] == 2} == {0, 1, 3}            # ...spread over the others
+    assert affinity_worker(keys[0], []) is None
+
+
+def test_a_session_lands_on_its_worker_on_any_router_whatever_its_salt():
+    """Two routers with different salts and equal free blocks: a conversation's turns (same first chunk) go to
+    the same worker on both, the session's worker, not the most free one; prompts shorter than a chunk go by load."""
+    turn1 = [(3 * j) % 200 + 1 for j in range(40)]
+    turn2 = turn1 + [9] * 30
+    key = affinity_key(turn1, CHUNK)
+    target = affinity_worker(key, [0, 1, 2])
+    free = [40, 40, 40]
+    free[(target + 1) % 3] = 50                                           # the most free one is another
+    routers = [KVManager([WorkerKV(i, BS, 64, f) for i, f in enumerate(free)], chunk=CHUNK, salt=salt)
+               for salt in (b"router-a", b"router-b")]
+    for kv in routers:
+        for prompt in (turn1, turn2):
+            (adm,) = schedule([Request(prompt=prompt, params=SamplingParams(max_tokens=8))], [], kv,
+                              limits=AFFINE).admissions
+            assert adm.candidates == [(target, None, 0), ((target + 1) % 3, None, 0)]   # then today's choice
+    short = Request(prompt=turn1[:CHUNK - 1], params=SamplingParams(max_tokens=8))
+    assert schedule([short], [], routers[0], limits=AFFINE).admissions[0].candidates == [((target + 1) % 3, None, 0)]
+    # with a worker down, the session's worker among the others (or the same one, when it is not the lost one)
+    gone = (target + 2) % 3
+    (adm,) = schedule([Request(prompt=turn1, params=SamplingParams(max_tokens=8))], [], routers[1], limits=AFFINE,
+                      down=frozenset({gone})).admissions
+    assert adm.candidates[0][0] == affinity_worker(key, [w for w in range(3) if w != gone]) == target
+
+
+def test_the_session_worker_yields_to_a_known_prefix_to_load_and_to_room():
+    turn1 = [(7 * j) % 200 + 1 for j in range(40)]
+    target = affinity_worker(affinity_key(turn1, CHUNK), [0, 1])
+    other = 1 - target
+    req = lambda: Request(prompt=turn1 + [4] * 8, params=SamplingParams(max_tokens=8))   # noqa: E731
+    # a prefix known here wins: pinned to its worker, even the other one
+    kv = kv_of(40, 40)
+    cache_prefix(kv, turn1, other, 32)
+    assert schedule([req()], [], kv, limits=AFFINE).admissions[0].candidates[0] == (other, kv.find_prefix(
+        req().hash_prompt)[1], 32)
+    # overloaded by the affinity_slack rule: today's least-loaded choice
+    kv = kv_of(40, 40)
+    kv.workers[target].sequences = AFFINE.affinity_slack
+    busy = [running(target, 20, 40, seed=s) for s in range(AFFINE.affinity_slack)]
+    assert schedule([req()], busy, kv, limits=AFFINE).admissions[0].candidates == [(other, None, 0)]
+    kv.workers[target].sequences = AFFINE.affinity_slack - 1             # within the slack: its session's worker
+    assert schedule([req()], busy[1:], kv, limits=AFFINE).admissions[0].candidates[0] == (target, None, 0)
+    # no room for its reservation there: the worker that has it
+    free = [40, 40]
+    free[target] = 2
+    assert schedule([req()], [], kv_of(*free), limits=AFFINE).admissions[0].candidates == [(other, None, 0)]
