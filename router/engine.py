@@ -88,14 +88,18 @@ class Engine:
                  max_running: int = 64,
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
-                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None):
+                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None,
+                 prefix_salt: bytes | None = None, prefix_index_refresh: float = 5.0):
         """`prefill_chunk`: the prefix cache's granularity (prompt chunks end at its multiples); `prefill_tokens`:
         prompt chunks end at its multiples (0: at prefill_chunk's); `max_batch_tokens`: tokens per step (None: 256,
         or prefill_tokens + max_running if more, so a chunk always fits beside every decoding sequence); `max_queue_wait`:
         seconds a request may wait for KV room before it is refused (429, retry later);
         `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out);
         `transport`: how attention workers exchange each MoE layer with the expert workers (grpc | collective:
-        worker/collective.py)."""
+        worker/collective.py); `prefix_salt`: the secret prefix keys are salted with (None: a random one of this
+        instance; router replicas given the same one compute the same keys, so each hits the prefixes the others
+        saved); `prefix_index_refresh`: seconds between two reads of every live worker's cached prefixes into the
+        index (what other replicas saved or dropped there; 0: only when a worker is taken back)."""
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
@@ -124,12 +128,18 @@ class Engine:
         self.plan = LivePlan(cfg, placement, self.attention, self.experts, self.expert_clients, pool=self.pool,
                              wake=self.cv, transport=transport, probe_interval=health_interval)
         infos = [_first_info(a, startup_timeout) for a in self.attention]
-        # sequence ids and prefix keys are this router instance's own: a client's request id never reaches a
-        # worker, and no other party can compute (to replace or drop) the prefix keys it saves there
+        # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
+        # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
+        # prefix keys saved there
+        if prefix_salt is not None and not prefix_salt:
+            raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
         self.instance = os.urandom(6).hex()
         self.seq_ids = itertools.count()
         self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
-                             for i, info in enumerate(infos)], chunk=prefill_chunk, salt=os.urandom(16))
+                             for i, info in enumerate(infos)], chunk=prefill_chunk,
+                            salt=prefix_salt if prefix_salt is not None else os.urandom(16))
+        self.prefix_index_refresh = prefix_index_refresh
+        self._listings: dict[int, tuple[set[str], list]] = {}    # worker → (keys known, its ListPrefixes) to merge
         self.health = AttentionHealth(self.attention, self.kv, owner=self.instance, interval=health_interval,
                                       connect=self.plan.connect)
         self._last_refresh = 0.0
@@ -143,6 +153,8 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
         threading.Thread(target=self.health.watch, args=(lambda: self.closed,), name="health", daemon=True).start()
+        if prefix_index_refresh > 0:
+            threading.Thread(target=self._watch_prefixes, name="prefix-index", daemon=True).start()
 
     # ------------------------------------------------------------------ public
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -281,6 +293,7 @@ class Engine:
                         now=time.monotonic(), admit=admit)
 
     def _step(self) -> None:
+        self._merge_listings()
         plan = self._schedule()
         if plan.blocked and self._refresh_all():      # the counts may be stale: plan on the workers' own
             plan = self._schedule()
@@ -294,6 +307,36 @@ class Engine:
             plan = self._schedule(admit=False)
         if plan.batches:
             self._run(plan.batches)
+
+    # ------------------------------------------------------------------ the prefix index across router replicas
+    def _watch_prefixes(self) -> None:
+        while not self.closed:
+            time.sleep(self.prefix_index_refresh)
+            self.read_prefix_index()
+
+    def read_prefix_index(self) -> None:
+        """Read every live worker's cached prefixes (ListPrefixes: keys only, a cheap call) for the scheduler to
+        merge into the index before its next plan (KVManager.learn): the prefixes router replicas sharing this
+        one's salt saved there become hits here, those they dropped are forgotten. The calls run here (the
+        prefix-index thread), the merge on the scheduler thread, which alone changes the index while it plans."""
+        for i, client in enumerate(self.attention):
+            if i in self.attention_down:
+                continue
+            known = {k for k, w in list(self.kv.prefixes.items()) if w == i}   # list(): one atomic copy
+            try:
+                listing = client.list_prefixes()
+            except Exception as e:       # a worker that does not answer is the heartbeat's business
+                log.debug("list_prefixes on attention worker %d failed: %s", i, e)
+                continue
+            with self.cv:
+                self._listings[i] = (known, listing)
+
+    def _merge_listings(self) -> None:
+        with self.cv:
+            listings, self._listings = self._listings, {}
+        for i, (known, listing) in listings.items():
+            if i not in self.attention_down:
+                self.kv.learn(i, listing, known)
 
     def _refresh_all(self, interval: float = 0.5) -> bool:
         """Re-read every live worker's free blocks (at most every `interval` s): the router's counts go stale when

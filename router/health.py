@@ -100,9 +100,7 @@ class AttentionHealth:
         except Exception:
             return
         try:        # what it still holds, known before a request is placed (its disk tier survives a restart)
-            for key, length, tier in self.clients[worker].list_prefixes():
-                if not self.kv.has(key):
-                    self.kv.record_prefix(worker, key, length, tier=tier)
+            self.kv.learn(worker, self.clients[worker].list_prefixes())
         except Exception as e:
             log.warning("list_prefixes on attention worker %d failed: %s", worker, e)
         try:

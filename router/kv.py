@@ -166,5 +166,24 @@ class KVManager:
                 else:
                     self.parent[k] = up
 
+    def learn(self, worker: int, listing: list[tuple[str, int, str]], known: set[str] | None = None) -> None:
+        """Merge what `worker` says it holds (its ListPrefixes: (key, length, tier)) into the index: keys new here
+        are recorded (saved by another router replica sharing this one's salt, or before this router was there),
+        keys of this worker change tier as it says, and those of `known` — this worker's keys in the index when the
+        listing was asked for — that it no longer lists are forgotten (another replica dropped them)."""
+        listed = set()
+        for key, length, tier in listing:
+            listed.add(key)
+            if key not in self.prefixes:
+                self.record_prefix(worker, key, length, tier=tier)
+            elif self.prefixes[key] == worker:
+                if tier == "device":
+                    self.lower.discard(key)
+                else:
+                    self.lower.add(key)
+        for key in (known or set()) - listed:
+            if self.prefixes.get(key) == worker:
+                self.forget(key)
+
     def has(self, key: str) -> bool:
         return key in self.prefixes

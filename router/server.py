@@ -8,7 +8,7 @@ import sys
 import threading
 
 from expertmesh import telemetry
-from expertmesh.argtypes import positive_float, positive_int
+from expertmesh.argtypes import nonnegative_float, positive_float, positive_int
 from expertmesh.chat_formats import load_chat
 from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ThinkingBudgets
@@ -168,6 +168,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
                         "taken from the command line, where `ps` would show them")
+    p.add_argument("--prefix-salt-file", default=None, metavar="PATH",
+                   help="salt prefix keys with this file's bytes, the secret shared by the router replicas of a "
+                        "deployment: with the same salt every replica computes the same keys and hits the prefixes "
+                        "the others saved on the workers (default: a random salt of this router instance)")
+    p.add_argument("--prefix-index-refresh-s", type=nonnegative_float, default=5.0, metavar="SECONDS",
+                   help="how often to read every attention worker's cached prefixes into this router's index (what "
+                        "other replicas saved or dropped there); 0: only when a worker is taken back (default 5)")
     p.add_argument("--worker-tls-ca", help="connect to workers over TLS, verifying them with this CA (PEM)")
     p.add_argument("--worker-tls-cert", help="client certificate for mutual TLS with the workers")
     p.add_argument("--worker-tls-key", help="private key of --worker-tls-cert")
@@ -196,6 +203,22 @@ def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str
     return cfg.model_copy(update=update) if update else cfg
 
 
+def read_prefix_salt(path: str | None) -> bytes | None:
+    """The bytes of --prefix-salt-file (None without one: a random salt per instance). ValueError naming the flag
+    when the file is missing, unreadable or empty — replicas that silently fell back to random salts would never
+    see each other's prefixes."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            salt = f.read()
+    except OSError as e:
+        raise ValueError(f"--prefix-salt-file {path}: cannot read it ({e.strerror or e})") from None
+    if not salt:
+        raise ValueError(f"--prefix-salt-file {path}: the file is empty; expected the router replicas' shared secret")
+    return salt
+
+
 def run(args) -> int:
     # Imported here, not at the top: every `expertmesh` command builds this module's parser (cli.py, up.py), and
     # the engine, the HTTP app and the gRPC service (FastAPI, uvicorn, grpc, numpy, Pillow) load only for a router.
@@ -208,6 +231,11 @@ def run(args) -> int:
     if args.prefill_tokens % args.prefill_chunk:
         print(f"expertmesh router: --prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk "
               f"{args.prefill_chunk}", file=sys.stderr)
+        return 2
+    try:
+        prefix_salt = read_prefix_salt(args.prefix_salt_file)
+    except ValueError as e:
+        print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
     try:
         ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context,
@@ -228,6 +256,7 @@ def run(args) -> int:
                                  max_batch_tokens=args.max_batch_tokens,
                                  max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
                                  kv_growth=args.kv_growth, transport=args.transport,
+                                 prefix_salt=prefix_salt, prefix_index_refresh=args.prefix_index_refresh_s,
                                  image_limits=ImageLimits(
                                      max_bytes=args.max_image_bytes, max_source_pixels=args.max_image_source_pixels,
                                      max_side=args.max_image_side, max_aspect=args.max_image_aspect,

@@ -3,6 +3,7 @@ bit-identical from host memory and from disk, a restored prefix gives the tokens
 files survive a restart and are refused when torn, corrupted or foreign; every tier keeps its byte bound."""
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -254,3 +255,55 @@ def test_a_dry_run_reports_the_tier_bounds_it_was_given(capsys):
                  "--kv-host-gib", "0.5"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["kv_host_bytes"] == 2 ** 29 and "kv_disk_bytes" not in line
+
+
+# ------------------------------------------------------------------ router replicas: shared salt, session affinity
+def replica(eng, **kw):
+    """Another router over `eng`'s workers (as a second replica of the router Deployment)."""
+    from expertmesh.router.engine import Engine
+    return Engine(eng.cfg, [a._client for a in eng.attention], [e._client for e in eng.experts], eng.placement,
+                  prefill_chunk=CHUNK, **kw)
+
+
+def test_router_replicas_with_one_salt_share_prefixes_and_others_still_place_the_session_alike(ckpt, model):
+    """Router A serves a session's first turn on one of two attention workers. Router B, sharing A's salt, learns
+    A's prefixes from the workers (its periodic ListPrefixes read) and serves the second turn from them (cached
+    tokens, the reference's greedy tokens) on the same worker; router C, salted otherwise, finds nothing cached but
+    places the turn on the same worker (session affinity) and computes the same tokens."""
+    salt = b"the-deployment's-router-salt"
+    rng = random.Random(35)
+    turn1 = [rng.randrange(256) for _ in range(80)]
+    a = build_local_engine(ckpt, attention_workers=2, prefill_chunk=CHUNK, prefix_salt=salt, prefix_index_refresh=0)
+    b = c = None
+    try:
+        first = a.generate(turn1, SamplingParams(max_tokens=4))
+        turn2 = turn1 + first.output + [rng.randrange(256) for _ in range(16)]
+        reference = generate(model, turn2, SamplingParams(max_tokens=6), prefill_chunk=CHUNK).tokens
+        b = replica(a, prefix_salt=salt, prefix_index_refresh=0.05)
+        deadline = time.monotonic() + 10
+        while len(b._listings) < 2 and time.monotonic() < deadline:     # its prefix-index thread read both workers
+            time.sleep(0.02)
+        second = b.generate(turn2, SamplingParams(max_tokens=6), timeout=60)
+        assert second.error is None and second.worker == first.worker and second.cached_tokens == 80
+        assert second.output == reference
+        c = replica(a, prefix_salt=b"another-salt", prefix_index_refresh=0)
+        c.read_prefix_index()
+        other = c.generate(turn2, SamplingParams(max_tokens=6), timeout=60)
+        assert other.worker == first.worker and other.cached_tokens == 0 and other.output == reference
+    finally:
+        for eng in (a, b, c):
+            if eng is not None:
+                eng.close()
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "missing", "cannot read it"),
+    (lambda d: d, "cannot read it"),                                     # a directory
+    (lambda d: (d / "empty").write_bytes(b"") or d / "empty", "the file is empty")])
+def test_a_bad_prefix_salt_file_is_refused_naming_the_flag(make, words, tmp_path, capsys):
+    from expertmesh.router.server import main
+    path = make(tmp_path)
+    assert main(["--checkpoint", str(tmp_path), "--plan", str(tmp_path / "plan.json"), "--attention", "a:1",
+                 "--experts", "b:1", "--prefix-salt-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prefix-salt-file {path}: {words}" in err, err
