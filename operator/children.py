@@ -26,6 +26,7 @@ from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIV
                                         worker_tls_secret_name)
 from expertmesh.operator.spec import GIB, GPU_RESOURCE, MoEDeploymentSpec
 from expertmesh.operator.validation import parse_quantity
+from expertmesh.operator.router_salt import router_salt_volume
 from expertmesh.operator.worker_tls import worker_tls_args
 
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
@@ -218,7 +219,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]
             "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
             "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
             *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec),
-            *worker_tls_args(spec, "router")]
+            *worker_tls_args(spec, "router"), *router_salt_volume(name, spec)[2]]
 
 
 def _hash(obj) -> str:
@@ -349,6 +350,10 @@ def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) 
         "livenessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 20,
                           "failureThreshold": 3, "timeoutSeconds": 5},
     }
+    pod = _pod_spec(name, COMPONENT_ROUTER, spec, container)
+    volumes, mounts, _ = router_salt_volume(name, spec)      # replicas > 1: their shared prefix-key salt
+    pod["volumes"] += volumes
+    pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
     return _stamped({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": object_meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name,
@@ -357,7 +362,7 @@ def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) 
             "replicas": r.replicas,
             "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
             "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec)},  # nothing of the plan
-                         "spec": _pod_spec(name, COMPONENT_ROUTER, spec, container)},
+                         "spec": pod},
         },
     })
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
@@ -41,7 +42,7 @@ from expertmesh.operator.children import build_children, load_configmap, revisio
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
                                         load_configmap_name, load_url, name_error, plan_configmap_name,
-                                        worker_tls_secret_name)
+                                        router_salt_secret_name, worker_tls_secret_name)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.pods import PodInfo, assess, pod_info
@@ -49,6 +50,7 @@ from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION,
                                       resolve_model)
 from expertmesh.operator.status import (decide, failed_status, now_rfc3339, placement_status, seconds_since,
                                         set_condition, summarize_plan, with_weights)
+from expertmesh.operator.router_salt import SALT_BYTES, router_salt_secret, shares_salt
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
 from expertmesh.planner import PlanError
@@ -170,6 +172,19 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
     await _api(deps.kube.create_once(secret), retry)
 
 
+async def _ensure_router_salt(deps: Deps, owner: dict, name: str, namespace: str, spec, retry: int = 0) -> None:
+    """Create the router replicas' shared prefix-key salt Secret once (spec.router.replicas > 1): kept as it is
+    across reconciles and operator restarts (a new salt would orphan every cached prefix); deleted with the
+    resource (owner)."""
+    if not shares_salt(spec):
+        return
+    if await _api(deps.kube.get("v1", "Secret", namespace, router_salt_secret_name(name)), retry) is not None:
+        return
+    secret = router_salt_secret(name, namespace, spec, os.urandom(SALT_BYTES))
+    kopf.adopt(secret, owner=owner)
+    await _api(deps.kube.create_once(secret), retry)
+
+
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
                           retry: int = 0) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
@@ -177,6 +192,7 @@ async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, sp
     children = build_children(name, namespace, spec, cfg, plan)
     check_children(children)
     await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
+    await _ensure_router_salt(deps, owner, name, namespace, spec, retry)
     rev, templates = revision(children), template_hashes(children)
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
     for child in children:

@@ -35,6 +35,7 @@ COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-w
 WORKER_PORT = 50061
 HEALTH_PORT = 50062         # plaintext, grpc.health.v1 only: the kubelet's gRPC probes (no client certificate)
 WORKER_TLS_DIR = "/etc/expertmesh-tls"   # the N-worker-tls Secret, mounted in every pod
+ROUTER_SALT_DIR = "/etc/expertmesh-router-salt"   # the N-router-salt Secret, in the router pods (replicas > 1)
 COLLECTIVE_PORT = 29500     # spec.transport collective: each expert pod's rendezvous store (worker/collective.py)
 PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
@@ -66,6 +67,10 @@ def router_name(name: str) -> str:
 
 def worker_tls_secret_name(name: str) -> str:
     return f"{name}-worker-tls"
+
+
+def router_salt_secret_name(name: str) -> str:
+    return f"{name}-router-salt"
 
 
 # ------------------------------------------------------------------------------------------------ name bounds

@@ -3,7 +3,8 @@
 This list is the contract the Helm chart's (Cluster)Role is tested against: every API call in `handlers.py`
 and everything Kopf itself needs (watching, patching its resource, posting events, CRD discovery) must be
 covered here, and the chart must grant no less. Keep it minimal: no `*`; secrets only get/create (the
-deployment's worker-TLS Secret, created once; the router reads its API key from its Secret through the pod's env,
+deployment's worker-TLS Secret and, with several router replicas, their prefix-salt Secret, each created once; the
+router reads its API key from its Secret through the pod's env,
 not through the operator).
 """
 from __future__ import annotations

@@ -14,6 +14,7 @@ Only the router's HTTP load endpoint is stubbed (`fetch_load`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import itertools
@@ -340,6 +341,26 @@ async def test_create_applies_children_and_reports_status():
         assert st["expertWorkers"]["ready"] == 2 and st["router"] == {"ready": 1, "desired": 1}
         assert {x["type"]: x["status"] for x in st["conditions"]} == {
             "PlacementReady": "True", "WorkersReady": "True", "RouterReady": "True", "Degraded": "False"}
+
+
+async def test_router_replicas_get_one_prefix_salt_secret_kept_across_reconciles():
+    """One router: no salt Secret (its own random salt). Two: the operator creates N-router-salt (32 random bytes,
+    owned by the resource) and the router pods read it through --prefix-salt-file; a later reconcile keeps it."""
+    async with operator() as c:
+        await c.create_moe("kimi", tiny_spec())
+        await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="Deploying")
+        assert c.get("v1/secrets", "kimi-router-salt") is None
+        await c.patch_moe("kimi", {"spec": {"router": {"replicas": 2}}})
+        await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
+        secret = c.get("v1/secrets", "kimi-router-salt")      # made before the router pods that mount it
+        assert len(base64.b64decode(secret["data"]["salt"])) == 32
+        assert [r["name"] for r in secret["metadata"]["ownerReferences"]] == ["kimi"]
+        router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
+        assert "--prefix-salt-file" in router["args"]
+        await c.patch_moe("kimi", {"spec": {"router": {"replicas": 3}}})
+        await eventually(lambda: c.status("kimi").get("observedGeneration") == 3, what="generation 3 handled")
+        assert c.get("apps/v1/deployments", "kimi-router")["spec"]["replicas"] == 3
+        assert c.get("v1/secrets", "kimi-router-salt")["data"] == secret["data"]
 
 
 async def test_update_replicas_replans_with_new_hash_and_delete_finalizes():

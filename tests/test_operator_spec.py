@@ -29,6 +29,7 @@ from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 from expertmesh.operator.status import (condition, decide, placement_status, seconds_since, set_condition,
                                         weights_condition, with_weights)
+from expertmesh.operator.router_salt import router_salt_secret
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
 from expertmesh.planner import PlanError, imbalance, moved_shards, zipf_loads
@@ -195,7 +196,7 @@ def test_crd_and_children_validate_against_kubernetes_schemas(tiny_plan):
     kv = pytest.importorskip("kubernetes_validate")
     spec, cfg, plan = tiny_plan
     full = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4317"},
-                           router={"apiKeySecretRef": {"name": "keys", "key": "api"},
+                           router={"apiKeySecretRef": {"name": "keys", "key": "api"}, "replicas": 2,
                                    "resources": {"limits": {"cpu": "2", "memory": "4Gi"}}},
                            scheduling={"nodeSelector": {"pool": "gpu"}, "topologySpreadKey": "kubernetes.io/hostname",
                                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
@@ -313,6 +314,32 @@ def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
         assert "tls" not in text.lower(), c["metadata"]["name"]
     with pytest.raises(SpecError, match="workerTls"):
         parse_spec(tiny(security={"workerTls": "maybe"}))
+
+
+def test_router_replicas_share_a_prefix_salt_secret_and_one_router_needs_none(tiny_plan):
+    """Several router replicas mount the deployment's N-router-salt Secret and run with --prefix-salt-file (the
+    same prefix keys on every replica); one router gets neither (its own random salt); no worker pod mounts it."""
+    _, cfg, plan = tiny_plan
+    for replicas in (1, 3):
+        spec = parse_spec(tiny(router={"replicas": replicas}))
+        by = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", spec, cfg, plan)}
+        router = by[("Deployment", "kimi-router")]
+        assert router["spec"]["replicas"] == replicas
+        pod = router["spec"]["template"]["spec"]
+        args, vols = pod["containers"][0]["args"], {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        if replicas == 1:
+            assert "--prefix-salt-file" not in args and "router-salt" not in vols and "router-salt" not in mounts
+        else:
+            assert args[args.index("--prefix-salt-file") + 1] == "/etc/expertmesh-router-salt/salt"
+            assert vols["router-salt"]["secret"] == {"secretName": "kimi-router-salt", "defaultMode": 0o400}
+            assert mounts["router-salt"] == {"name": "router-salt", "mountPath": "/etc/expertmesh-router-salt",
+                                             "readOnly": True}
+        for sts in ("kimi-attention", "kimi-expert"):
+            assert "router-salt" not in json.dumps(by[("StatefulSet", sts)])
+    secret = router_salt_secret("kimi", "serving", spec, b"\x00salt\xff")
+    assert (secret["kind"], secret["metadata"]["name"], secret["type"]) == ("Secret", "kimi-router-salt", "Opaque")
+    assert base64.b64decode(secret["data"]["salt"]) == b"\x00salt\xff"     # the router reads the file's bytes
 
 
 def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(tiny_plan):
