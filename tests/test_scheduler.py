@@ -517,3 +517,18 @@ def test_the_session_worker_yields_to_a_known_prefix_to_load_and_to_room():
     free = [40, 40]
     free[target] = 2
     assert schedule([req()], [], kv_of(*free), limits=AFFINE).admissions[0].candidates == [(other, None, 0)]
+
+
+def test_the_index_learns_a_workers_prefix_list_without_losing_what_it_saved_meanwhile():
+    """KVManager.learn (another replica's saves and drops, read from the worker): new keys recorded with their
+    tier, tiers corrected, keys known when the list was asked for and no longer listed forgotten — but not a key
+    saved here after it was asked for, nor a key of another worker."""
+    kv = kv_of(64, 64, prefixes={"mine": (0, 32), "dropped": (0, 16), "demoted": (0, 48), "theirs": (1, 16)})
+    known = {"mine", "dropped", "demoted"}
+    kv.record_prefix(0, "saved-meanwhile", 64)
+    kv.learn(0, [("mine", 32, "device"), ("demoted", 48, "host"), ("new", 80, "disk")], known)
+    assert kv.has("mine") and not kv.has("dropped") and kv.has("saved-meanwhile") and kv.has("theirs")
+    assert kv.is_lower("demoted") and kv.is_lower("new") and not kv.is_lower("mine")
+    assert (kv.prefixes["new"], kv.prefix_len["new"]) == (0, 80)
+    kv.learn(0, [("demoted", 48, "device")])
+    assert not kv.is_lower("demoted") and kv.has("new")              # no `known`: nothing forgotten
