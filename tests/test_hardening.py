@@ -9,6 +9,7 @@ from expertmesh.checkpoint import Checkpoint, create_checkpoint
 from expertmesh.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.kv import prefix_hashes
+from expertmesh.router.scheduler import affinity_key, affinity_worker
 from expertmesh.sampling_params import SamplingParams
 from expertmesh.entry.local import build_local_engine
 
@@ -105,7 +106,9 @@ def test_a_failing_sampler_fails_only_its_own_request(eng, monkeypatch):
 
 
 def test_a_hung_attention_worker_is_failed_over_and_its_sequences_closed_later(ckpt):
-    ps = [PROMPT[:30], PROMPT[:35]]
+    # two sessions, one on each worker (session affinity places a prompt by its first chunk)
+    side = [affinity_worker(affinity_key(PROMPT[k:k + 30], CHUNK), [0, 1]) for k in range(10)]
+    ps = [PROMPT[side.index(w):side.index(w) + 30] for w in (0, 1)]
     ref = build_local_engine(ckpt, prefill_chunk=CHUNK)
     try:
         want = [ref.generate(p, SamplingParams(max_tokens=10)).output for p in ps]
