@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Triton kernels run on CPU tensors under Triton's interpreter in tests (CI has no GPU).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -26,3 +28,13 @@ def _serialize_ast_parse() -> None:
 
 
 _serialize_ast_parse()
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two threads for the test (row-invariance must hold with several threads available)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

@@ -19,14 +19,6 @@ def _bf16(gen, *shape, scale=1.0):
     return (v * scale).bfloat16()
 
 
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _close(got, x, w):
     """Within about one bf16 rounding of the fp32 result (the kernel's order differs from the matmul's)."""
     ref = x.float() @ w.float().T

@@ -22,14 +22,6 @@ def _rand(gen, *shape, dtype=torch.float32, scale=1.0, shift=0.0):
     return (v * scale + shift).to(dtype)
 
 
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _close(got, ref):
     """fp32: to fp32 rounding (the row sums run in another order); bf16: within one bf16 ulp of the reference."""
     assert got.dtype == ref.dtype and got.shape == ref.shape

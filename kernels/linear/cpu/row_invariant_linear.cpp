@@ -154,6 +154,16 @@ EM_TARGET inline void load_pair(__m512i* v, const uint16_t* w, int64_t ldw, __mm
 // One column group of a [K, N] weight (w at column n0 of row 0, ncols valid) into the packed layout
 // ([Kp/2, 64, 2], columns in order, zero outside w): the same pairs the kn tile would build, stored once so that
 // several row tiles can share them.
+// The last row of an odd K as pairs (w[K-1], 0) in the layout load_pair gives: r0 = that row, 64 columns masked.
+EM_TARGET inline void load_last_row(__m512i* v, const uint16_t* r0, __mmask32 m0, __mmask32 m1) {
+  const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0), a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
+  const __m512i z = _mm512_setzero_si512();
+  v[0] = _mm512_unpacklo_epi16(a0, z);
+  v[1] = _mm512_unpackhi_epi16(a0, z);
+  v[2] = _mm512_unpacklo_epi16(a1, z);
+  v[3] = _mm512_unpackhi_epi16(a1, z);
+}
+
 EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
   const __mmask32 m0 = mask32(ncols), m1 = mask32(ncols - 32);
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -165,13 +175,7 @@ EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, 
       load_pair<false, false>(v, w, ldw, m0, m1, p);
     } else {
       if (!(K & 1)) break;
-      const uint16_t* r0 = w + (K - 1) * ldw;
-      const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0), a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
-      const __m512i z = _mm512_setzero_si512();
-      v[0] = _mm512_unpacklo_epi16(a0, z);
-      v[1] = _mm512_unpackhi_epi16(a0, z);
-      v[2] = _mm512_unpacklo_epi16(a1, z);
-      v[3] = _mm512_unpackhi_epi16(a1, z);
+      load_last_row(v, w + (K - 1) * ldw, m0, m1);
     }
     uint16_t* dst = buf + p * (2 * kCols);
     for (int h = 0; h < 2; ++h) {
@@ -202,13 +206,7 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
     if (PACKED) {
       for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_si512(w + P * (2 * kCols) + 32 * c);  // zero-padded
     } else {
-      const uint16_t* r0 = w + (K - 1) * ldw;
-      const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0), a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
-      const __m512i z = _mm512_setzero_si512();
-      v[0] = _mm512_unpacklo_epi16(a0, z);
-      v[1] = _mm512_unpackhi_epi16(a0, z);
-      v[2] = _mm512_unpacklo_epi16(a1, z);
-      v[3] = _mm512_unpackhi_epi16(a1, z);
+      load_last_row(v, w + (K - 1) * ldw, m0, m1);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(t.x[r][K - 1]));

@@ -134,6 +134,15 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Tile& t, int64_t nblock
     }
 }
 
+// The 16 lanes folded as lane_tree does: l + (l+8), + (l+4), + (l+2), + (l+1).
+__attribute__((target("avx512f"))) inline float lane_tree512(__m512 a) {
+  const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+  const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+  return _mm_cvtss_f32(_mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1)));
+}
+
 template <int R, int TM>
 __attribute__((target("avx512f"))) void tile_avx512(const Tile& t, int64_t nblocks) {
   const __m512 tab = _mm512_loadu_ps(kE2M1x2);
@@ -158,15 +167,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t, int64_t nbloc
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < TM; ++m) {
-      const __m512 a = acc[r][m];
-      const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
-      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
-      const __m128 a1 = _mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1));
-      *t.y[r][m] = _mm_cvtss_f32(a1);
-    }
+    for (int m = 0; m < TM; ++m) *t.y[r][m] = lane_tree512(acc[r][m]);
 }
 
 // bf16 activations (AVX512-BF16): the same per-lane operations as tile_avx512 with x read as bf16 pairs. A lane's
@@ -208,15 +209,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_avx512bf16(cons
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < TM; ++m) {
-      const __m512 a = acc[r][m];
-      const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-      const __m128 a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
-      const __m128 a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
-      const __m128 a1 = _mm_add_ss(a2, _mm_shuffle_ps(a2, a2, 1));
-      *t.y[r][m] = _mm_cvtss_f32(a1);
-    }
+    for (int m = 0; m < TM; ++m) *t.y[r][m] = lane_tree512(acc[r][m]);
 }
 
 template <int R>
