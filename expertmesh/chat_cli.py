@@ -12,9 +12,12 @@ from expertmesh.argtypes import positive_int
 
 
 def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, max_tokens: int, api_key: str | None,
-                out=sys.stdout, err=sys.stderr, temperature: float = 0.0) -> dict:
-    """Send one chat turn; print reasoning (dimmed, to `err`) and the answer (to `out`) as they stream.
-    Returns the assistant message to append to the history."""
+                out=None, err=None, temperature: float = 0.0) -> dict:
+    """Send one chat turn; print reasoning (dimmed, to `err`) and the answer (to `out`) as they stream (default:
+    sys.stderr / sys.stdout as they are at the call, not at import). Returns the assistant message to append to the
+    history."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
             "thinking_budget": thinking, "temperature": temperature, "stream_options": {"include_usage": True}}
