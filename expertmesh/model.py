@@ -523,17 +523,19 @@ class RoutedExperts(nn.Module):
     def forward(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """h [N, W], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, W] unweighted outputs (0 where
         the expert is not held here or the id is −1)."""
-        local = torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
-        return moe_ops.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
+        return moe_ops.moe_expert_outputs(h, self._local_ids(topk_ids), self.gate_up_blocks, self.gate_up_scales,
                                           self.down_blocks, self.down_scales, activation=self.activation)
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """GLOBAL expert ids [N, K] (−1: skip) → this shard's local ids (−1 where skipped or not held)."""
+        return torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
 
     def outputs_fp32(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`forward(h.float(), topk_ids)` — fp32 [N, K, W] — with a bf16 h read as it is where the CPU kernel runs
         (its AVX512-BF16 path; the same bits, kernels/moe/cpu_kernel.py)."""
         if h.dtype == torch.bfloat16 and h.device.type == "cpu" and moe_ops.cpu_kernel_runs(h, self.gate_up_blocks):
-            local = torch.where(topk_ids >= 0, self.global_to_local[topk_ids.clamp(min=0)], -1)
-            return moe_ops.cpu_kernel.moe_expert_outputs(h, local, self.gate_up_blocks, self.gate_up_scales,
-                                                         self.down_blocks, self.down_scales,
+            return moe_ops.cpu_kernel.moe_expert_outputs(h, self._local_ids(topk_ids), self.gate_up_blocks,
+                                                         self.gate_up_scales, self.down_blocks, self.down_scales,
                                                          activation=self.activation, fp32_output=True)
         return self(h.float(), topk_ids)
 
