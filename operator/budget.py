@@ -107,7 +107,8 @@ def _fields(child: dict) -> str:
     if kind == "ConfigMap":
         return "spec.model (MoE layers x experts)"
     if kind == "Deployment":
-        return "spec.attentionWorkers.replicas and spec.expertWorkers.replicas (the router is given every address)"
+        return ("spec.attentionWorkers.replicas, spec.prefillWorkers.replicas and spec.expertWorkers.replicas (the "
+                "router is given every address)")
     return "spec.scheduling, spec.*.resources and spec.model.checkpoint"
 
 

@@ -1,8 +1,8 @@
 """The child objects of a MoEDeployment (named in naming.py), built from the spec, the model config and the plan: the
-plan and load ConfigMaps, the worker StatefulSets with their headless Services, the expert PodDisruptionBudget, the
-router Deployment and Service, the workers' NetworkPolicies, and the pods' containers (the checkpoint fetch init
-container among them). Pure: plain dicts in the shape of Kubernetes objects; owner references are left to the
-handlers (`kopf.adopt`).
+plan and load ConfigMaps, the worker StatefulSets with their headless Services (one per attention pool: pools.py),
+the autoscaled pools' HorizontalPodAutoscalers, the expert PodDisruptionBudget, the router Deployment and Service, the
+workers' NetworkPolicies, and the pods' containers (the checkpoint fetch init container among them). Pure: plain dicts
+in the shape of Kubernetes objects; owner references are left to the handlers (`kopf.adopt`).
 
 A new plan changes the plan ConfigMap only, never a pod template (placement_policy.changed_ordinals).
 """
@@ -12,19 +12,19 @@ import hashlib
 import json
 import math
 import shlex
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIVE_PORT, COMPONENT_ATTENTION,
-                                        COMPONENT_EXPERT, COMPONENT_ROUTER, FETCH_CONTAINER, HEALTH_PORT,
-                                        LABEL_COMPONENT, PLAN_DIR, PLAN_HASH_ANNOTATION, PLAN_PATH,
-                                        KV_DISK_MOUNT, TEMPLATE_HASH_ANNOTATION, WORKER_PORT, WORKER_TLS_DIR,
-                                        attention_name,
-                                        checkpoint_path, expert_name, labels, load_configmap_name, object_meta,
-                                        plan_configmap_name, router_name, selector_labels, worker_addresses,
-                                        worker_tls_secret_name)
-from expertmesh.operator.spec import GIB, GPU_RESOURCE, MoEDeploymentSpec
+                                        COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER, FETCH_CONTAINER,
+                                        HEALTH_PORT, LABEL_COMPONENT, PLAN_DIR, PLAN_HASH_ANNOTATION,
+                                        PLAN_PATH, KV_DISK_MOUNT, TEMPLATE_HASH_ANNOTATION, WORKER_PORT,
+                                        WORKER_TLS_DIR, checkpoint_path, expert_name, labels, load_configmap_name,
+                                        network_policy_name, object_meta, plan_configmap_name, prefill_name,
+                                        router_name, selector_labels, statefulset_addresses, worker_tls_secret_name)
+from expertmesh.operator.pools import METRIC_SERIES, MIXED, PREFILL, Pool, PoolKV, attention_pools, spec_pool_kv
+from expertmesh.operator.spec import GIB, GPU_RESOURCE, KVDiskSpec, MoEDeploymentSpec
 from expertmesh.operator.validation import parse_quantity
 from expertmesh.operator.router_salt import router_salt_volume
 from expertmesh.operator.worker_tls import worker_tls_args
@@ -138,13 +138,14 @@ def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
     return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
 
 
-def attention_worker_args(spec: MoEDeploymentSpec, cfg) -> list[str]:
-    max_context = spec.kv.max_context or cfg.max_context
-    kv_blocks = math.ceil(max_context / spec.kv.block_size)
+def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> list[str]:
+    """An attention worker of a pool (`role`: mixed, prefill or decode — pools.py): its KV sized for the role
+    (pools.pool_kv), `--pool` unless mixed (the worker's default)."""
+    kv = spec_pool_kv(spec, cfg, role)
     return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
             "--port", str(WORKER_PORT), "--health-port", str(HEALTH_PORT), "--name", "$(POD_NAME)",
-            "--kv-blocks", str(kv_blocks), "--block-size", str(spec.kv.block_size),
-            *kv_tier_args(spec), *worker_tls_args(spec, "attention")]
+            "--kv-blocks", str(kv.blocks), "--block-size", str(spec.kv.block_size),
+            *(["--pool", role] if role != MIXED else []), *kv_tier_args(kv), *worker_tls_args(spec, "attention")]
 
 
 KV_DISK_VOLUME = "kv-disk"
@@ -152,9 +153,9 @@ KV_DISK_VOLUME = "kv-disk"
 KV_DISK_SLACK = 1.05
 
 
-def kv_tier_args(spec: MoEDeploymentSpec) -> list[str]:
-    """spec.kv.hostGiB / spec.kv.disk → the attention worker's tier flags (the disk tier on its volume)."""
-    kv = spec.kv
+def kv_tier_args(kv: PoolKV) -> list[str]:
+    """A pool's KV tiers (spec.kv.hostGiB / spec.kv.disk, where pools.pool_kv puts them) → the attention worker's
+    tier flags (the disk tier on its volume)."""
     out = ["--kv-host-gib", f"{kv.host_gib:g}"] if kv.host_gib else []
     if kv.disk is not None:
         out += ["--kv-disk-dir", KV_DISK_MOUNT, "--kv-disk-gib", f"{kv.disk.size_gib:g}"]
@@ -165,12 +166,12 @@ def _mib(n_bytes) -> str:
     return f"{math.ceil(n_bytes / 2 ** 20)}Mi"
 
 
-def attention_resources(spec: MoEDeploymentSpec) -> dict:
-    """The attention container's resources: the spec's, with the host tier's bytes added to the memory request
-    (and to the limit when there is one)."""
-    aw = spec.attention_workers
-    out = _resources(aw.resources, aw.gpus_per_pod)
-    host = spec.kv.host_gib * GIB
+def attention_resources(workers, host_gib: float) -> dict:
+    """An attention pool's container resources: its spec's (`workers`: spec.attentionWorkers or
+    spec.prefillWorkers), with its host tier's bytes added to the memory request (and to the limit when there is
+    one)."""
+    out = _resources(workers.resources, workers.gpus_per_pod)
+    host = host_gib * GIB
     if host:
         for where in ("requests", "limits"):
             have = out.get(where, {}).get("memory")
@@ -179,10 +180,9 @@ def attention_resources(spec: MoEDeploymentSpec) -> dict:
     return out
 
 
-def kv_disk_volume(spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, mounts, volumeClaimTemplates) of the attention pods' disk tier: an emptyDir with a sizeLimit, a
+def kv_disk_volume(disk: Optional[KVDiskSpec]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, mounts, volumeClaimTemplates) of an attention pool's disk tier: an emptyDir with a sizeLimit, a
     node directory, or a claim per pod."""
-    disk = spec.kv.disk
     if disk is None:
         return [], [], []
     mounts = [{"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT}]
@@ -213,10 +213,26 @@ def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
     return out
 
 
-def router_args(name: str, namespace: str, spec: MoEDeploymentSpec) -> list[str]:
-    att, exp = worker_addresses(name, namespace, spec)
+def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool]) -> list[str]:
+    """The router's worker lists: `--attention` the attention StatefulSet's pods (the decode pool beside a prefill
+    pool), `--experts` the expert pods, and with a prefill pool `--prefill` its pods (and `--prefill-min-tokens`
+    when set) — each pool's pods as many as it has now (an autoscaled pool's change re-renders them: the router
+    rolls)."""
+    def addresses(pool: Pool) -> str:
+        return ",".join(statefulset_addresses(name, namespace, pool.statefulset, pool.replicas))
+    exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
+    out = ["--attention", addresses(pools[0]), "--experts", ",".join(exp)]
+    for pool in pools[1:]:
+        out += ["--prefill", addresses(pool)]
+        if pool.workers.min_prompt_tokens:
+            out += ["--prefill-min-tokens", str(pool.workers.min_prompt_tokens)]
+    return out
+
+
+def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: Optional[list[Pool]] = None) -> list[str]:
+    pools = pools or attention_pools(name, spec)
     return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
-            "--attention", ",".join(att), "--experts", ",".join(exp), "--host", "0.0.0.0",
+            *router_pool_args(name, namespace, spec, pools), "--host", "0.0.0.0",
             "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
             *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec),
             *worker_tls_args(spec, "router"), *router_salt_volume(name, spec)[2]]
@@ -277,29 +293,66 @@ def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: st
     }
 
 
-def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg) -> dict:
-    aw = spec.attention_workers
-    container = {"name": "attention", "command": ["expertmesh"], "args": attention_worker_args(spec, cfg),
+def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg,
+                          pool: Optional[Pool] = None) -> dict:
+    """An attention pool's StatefulSet (`pool`: default the attention workers' — pools.attention_pools): its pods run
+    the attention worker for the pool's role, with its KV (pools.pool_kv), resources, tiers and replicas."""
+    pool = pool or attention_pools(name, spec)[0]
+    kv = spec_pool_kv(spec, cfg, pool.role)
+    container = {"name": "prefill" if pool.role == PREFILL else "attention", "command": ["expertmesh"],
+                 "args": attention_worker_args(spec, cfg, pool.role),
                  "ports": [{"name": "grpc", "containerPort": WORKER_PORT},
                            {"name": "health", "containerPort": HEALTH_PORT}],
-                 "env": _env(spec, "expertmesh-attention", name),
-                 "resources": attention_resources(spec), **_grpc_probes()}
-    pod = _pod_spec(name, COMPONENT_ATTENTION, spec, container, spread=True)
-    volumes, mounts, claims = kv_disk_volume(spec)
+                 "env": _env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name),
+                 "resources": attention_resources(pool.workers, kv.host_gib), **_grpc_probes()}
+    pod = _pod_spec(name, pool.component, spec, container, spread=True)
+    volumes, mounts, claims = kv_disk_volume(kv.disk)
     pod["volumes"] += volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
     sts = {
-        "serviceName": attention_name(name), "replicas": aw.replicas, "podManagementPolicy": "Parallel",
-        "selector": {"matchLabels": selector_labels(name, COMPONENT_ATTENTION)},
-        "template": {"metadata": {"labels": labels(name, COMPONENT_ATTENTION, spec)}, "spec": pod},
+        "serviceName": pool.statefulset, "replicas": pool.replicas, "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector_labels(name, pool.component)},
+        "template": {"metadata": {"labels": labels(name, pool.component, spec)}, "spec": pod},
     }
     if claims:
         sts["volumeClaimTemplates"] = claims
     return _stamped({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": object_meta(attention_name(name), namespace, COMPONENT_ATTENTION, spec, instance=name),
+        "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
         "spec": sts,
     })
+
+
+def _quantity(x: float) -> str:
+    """A positive number as a Kubernetes quantity: an integer as it is, else in thousandths (0.8 → 800m)."""
+    return str(int(x)) if float(x).is_integer() else f"{max(1, round(x * 1000))}m"
+
+
+# the Prometheus label that carries the router pod's app.kubernetes.io/instance (the MoEDeployment's name), as a
+# PodMonitor's podTargetLabels writes it: the HPAs select their deployment's series by it (docs/operator.md)
+METRIC_INSTANCE_LABEL = "app_kubernetes_io_instance"
+
+
+def pool_hpa(name: str, namespace: str, spec: MoEDeploymentSpec, pool: Pool) -> dict:
+    """An autoscaled pool's HorizontalPodAutoscaler (autoscaling/v2) on its StatefulSet: minReplicas..maxReplicas,
+    one External metric — the router's series of the pool (`pool` label: prefill or decode) for this deployment,
+    through the Prometheus adapter — at the spec's target (AverageValue per pod for the waiting counts, Value for
+    kv_utilization: pools.METRIC_SERIES)."""
+    a = pool.autoscale
+    series, kind = METRIC_SERIES[a.metric]
+    target = {"type": kind, "averageValue" if kind == "AverageValue" else "value": _quantity(a.target)}
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": pool.statefulset},
+            "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
+            "metrics": [{"type": "External", "external": {
+                "metric": {"name": series, "selector": {"matchLabels": {
+                    "pool": pool.metric_pool, METRIC_INSTANCE_LABEL: name}}},
+                "target": target}}],
+        },
+    }
 
 
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
@@ -336,14 +389,15 @@ def expert_pdb(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
     }
 
 
-def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
+def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan,
+                      pools: Optional[list[Pool]] = None) -> dict:
     r = spec.router
     env = _env(spec, "expertmesh-router", name)
     if r.api_key_secret_ref is not None:
         env.append({"name": "EXPERTMESH_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": r.api_key_secret_ref.name, "key": r.api_key_secret_ref.key}}})
     container = {
-        "name": "router", "command": ["expertmesh"], "args": router_args(name, namespace, spec),
+        "name": "router", "command": ["expertmesh"], "args": router_args(name, namespace, spec, pools),
         "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
         "env": env, "resources": _resources(r.resources, 0),
         "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
@@ -378,24 +432,29 @@ def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
     }
 
 
-def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str) -> dict:
+def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str,
+                          pools: Optional[list[Pool]] = None) -> dict:
     """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
-    filter): the router the workers' gRPC port, the attention workers the expert workers' (the per-layer
-    exchange and its control). With `transport: collective` the attention and expert pods also reach each other on
-    any TCP port: the rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections listen on
-    ephemeral ports, in either direction."""
-    def peers(component_: str) -> list[dict]:
-        return [{"podSelector": {"matchLabels": selector_labels(name, component_)}}]
+    filter): the router the workers' gRPC port, every attention pool the expert workers' (the per-layer
+    exchange and its control), the prefill pool the decode pool's (the hand-off of a prefilled sequence). With
+    `transport: collective` the attention pools and the expert pods also reach each other on any TCP port: the
+    rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections listen on ephemeral ports, in
+    either direction."""
+    pools = pools or attention_pools(name, spec)
+    def peers(*components: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": selector_labels(name, c)}} for c in components]
     grpc_port = [{"protocol": "TCP", "port": WORKER_PORT}]
+    attention = [p.component for p in pools]
     ingress = [{"from": peers(COMPONENT_ROUTER), "ports": grpc_port}]
-    other = {COMPONENT_ATTENTION: COMPONENT_EXPERT, COMPONENT_EXPERT: COMPONENT_ATTENTION}[component]
-    if spec.transport == "collective":
-        ingress.append({"from": peers(other)})
-    elif component == COMPONENT_EXPERT:
-        ingress.append({"from": peers(COMPONENT_ATTENTION), "ports": grpc_port})
+    if component == COMPONENT_EXPERT:
+        ingress.append({"from": peers(*attention), **({} if spec.transport == "collective" else {"ports": grpc_port})})
+    elif spec.transport == "collective":
+        ingress.append({"from": peers(COMPONENT_EXPERT)})
+    if component == COMPONENT_ATTENTION and COMPONENT_PREFILL in attention:
+        ingress.append({"from": peers(COMPONENT_PREFILL), "ports": grpc_port})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": object_meta(f"{name}-{component}-ingress", namespace, component, spec, instance=name),
+        "metadata": object_meta(network_policy_name(name, component), namespace, component, spec, instance=name),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name, component)},
             "policyTypes": ["Ingress"],
@@ -404,17 +463,37 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
     }
 
 
-def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> list[dict]:
-    """Every child object, in apply order (the ConfigMap before the pods that mount it)."""
+def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan,
+                   observed: Optional[dict[str, int]] = None) -> list[dict]:
+    """Every child object, in apply order (the ConfigMap before the pods that mount it, a StatefulSet before its
+    autoscaler). `observed`: component → the replicas of an autoscaled pool's StatefulSet now (pools.py: kept, not
+    reset; the router lists that many)."""
+    pools = attention_pools(name, spec, observed)
     return [
         plan_configmap(name, namespace, spec, cfg, plan),
-        headless_service(name, namespace, spec, attention_name(name), COMPONENT_ATTENTION),
+        *(headless_service(name, namespace, spec, p.statefulset, p.component) for p in pools),
         headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
-        attention_statefulset(name, namespace, spec, cfg),
+        *(attention_statefulset(name, namespace, spec, cfg, p) for p in pools),
         expert_statefulset(name, namespace, spec, plan),
+        *(pool_hpa(name, namespace, spec, p) for p in pools if p.autoscale is not None),
         expert_pdb(name, namespace, spec),
-        router_deployment(name, namespace, spec, plan),
+        router_deployment(name, namespace, spec, plan, pools),
         router_service(name, namespace, spec),
-        worker_network_policy(name, namespace, spec, COMPONENT_ATTENTION),
-        worker_network_policy(name, namespace, spec, COMPONENT_EXPERT),
+        *(worker_network_policy(name, namespace, spec, p.component, pools) for p in pools),
+        worker_network_policy(name, namespace, spec, COMPONENT_EXPERT, pools),
     ]
+
+
+def absent_children(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the children this spec does not have but an earlier one may have made: the
+    prefill pool's objects once it is gone (replicas 0, no autoscale), a pool's HorizontalPodAutoscaler once the pool
+    is no longer autoscaled (left alone it would keep resizing the StatefulSet the operator now sizes). The handler
+    deletes those the MoEDeployment owns."""
+    pools = attention_pools(name, spec)
+    out = []
+    if not any(p.component == COMPONENT_PREFILL for p in pools):
+        out += [("apps/v1", "StatefulSet", prefill_name(name)), ("v1", "Service", prefill_name(name)),
+                ("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(name, COMPONENT_PREFILL)),
+                ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name))]
+    out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
+    return out

@@ -7,6 +7,9 @@ back through the Kubernetes API edge (kube.py).
     pod events (worker/router pods) → readiness counts; a lost expert pod → Degraded, and once it has been
                                      lost for placement.replanGraceSeconds a re-plan onto the survivors when
                                      some expert has no live replica left
+    StatefulSet events (attention   → an autoscaled pool resized by its HorizontalPodAutoscaler: its replicas are kept
+      pools' replicas)               (never reset to the spec's) and the router's worker lists follow (re-applied:
+                                     the router rolls)
     timer (every REBALANCE_TICK)   → Degraded / Deploying: re-assess (a re-plan may be due, or rolled out); Ready: every
                                      placement.rebalanceIntervalSeconds read the router's /v1/load and re-plan
                                      when the observed imbalance exceeds placement.imbalanceThreshold
@@ -38,20 +41,23 @@ import kopf
 from expertmesh.fetch import parse_progress
 from expertmesh.operator.budget import (PLAN_MEMORY_BUDGET, PLAN_WORK_BUDGET, BudgetError, check_children,
                                         check_plan_budget)
-from expertmesh.operator.children import build_children, load_configmap, revision, template_hashes
+from expertmesh.operator.children import (absent_children, build_children, load_configmap, revision,
+                                          template_hashes)
 from expertmesh.operator.kube import Kube, KubeError
-from expertmesh.operator.naming import (FETCH_CONTAINER, LABEL_INSTANCE, POD_MANAGED_LABELS, endpoints,
-                                        load_configmap_name, load_url, name_error, plan_configmap_name,
+from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_PREFILL, FETCH_CONTAINER, LABEL_COMPONENT,
+                                        LABEL_INSTANCE, LABEL_MANAGED_BY, OPERATOR_NAME, POD_MANAGED_LABELS,
+                                        endpoints, load_configmap_name, load_url, name_error, plan_configmap_name,
                                         router_salt_secret_name, worker_tls_secret_name)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.pods import PodInfo, assess, pod_info
+from expertmesh.operator.pools import attention_pools
 from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
                                       resolve_model)
 from expertmesh.operator.status import (decide, failed_status, now_rfc3339, placement_status, seconds_since,
                                         set_condition, summarize_plan, with_weights)
 from expertmesh.operator.router_salt import SALT_BYTES, router_salt_secret, shares_salt
-from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
+from expertmesh.operator.worker_tls import missing_hosts, worker_tls_hosts, worker_tls_secret
 from expertmesh.plan import PlacementPlan
 from expertmesh.planner import PlanError
 from expertmesh.tls import pki_pems
@@ -87,6 +93,7 @@ class Deps:
     plans: dict = field(default_factory=dict)
     loads: dict = field(default_factory=dict)
     last_check: dict = field(default_factory=dict)
+    scales: dict = field(default_factory=dict)     # (namespace, StatefulSet) → the attention pool's replicas last seen
     # planning: its process (deadline, memory limit) and the estimated cost the operator agrees to compute
     planning: PlanRunner = field(default_factory=PlanRunner)
     plan_memory: int = PLAN_MEMORY_BUDGET
@@ -165,7 +172,13 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
     (new certificates would split running pods into two trust domains); deleted with the resource (owner)."""
     if not spec.security.worker_tls:
         return
-    if await _api(deps.kube.get("v1", "Secret", namespace, worker_tls_secret_name(name)), retry) is not None:
+    existing = await _api(deps.kube.get("v1", "Secret", namespace, worker_tls_secret_name(name)), retry)
+    if existing is not None:
+        missing = missing_hosts(existing, worker_tls_hosts(name, namespace)) if spec.prefill_workers.enabled else []
+        if missing:   # made by an operator before the prefill pool's name was in it: kept (see docs/operator.md)
+            log.warning("%s/%s: the Secret %s names no %s: the router cannot verify the prefill workers; delete it and "
+                        "restart the pods to re-issue", namespace, name, worker_tls_secret_name(name),
+                        ", ".join(missing))
         return
     secret = worker_tls_secret(name, namespace, spec, pki_pems(worker_tls_hosts(name, namespace), days=3650))
     kopf.adopt(secret, owner=owner)
@@ -185,11 +198,44 @@ async def _ensure_router_salt(deps: Deps, owner: dict, name: str, namespace: str
     await _api(deps.kube.create_once(secret), retry)
 
 
+async def _observed_replicas(deps: Deps, namespace: str, name: str, spec, retry: int = 0) -> dict[str, int]:
+    """component → the replicas of each autoscaled attention pool's StatefulSet now (what its HorizontalPodAutoscaler
+    set); a pool whose StatefulSet does not exist yet is left out (pools.pool_replicas: minReplicas)."""
+    out: dict[str, int] = {}
+    for pool in attention_pools(name, spec):
+        if pool.autoscale is None:
+            continue
+        sts = await _api(deps.kube.get("apps/v1", "StatefulSet", namespace, pool.statefulset), retry)
+        replicas = ((sts or {}).get("spec") or {}).get("replicas")
+        if isinstance(replicas, int) and not isinstance(replicas, bool):
+            out[pool.component] = replicas
+    return out
+
+
+def _pool_sizes(name: str, spec, observed: dict[str, int]) -> dict[str, int]:
+    return {p.component: p.replicas for p in attention_pools(name, spec, observed)}
+
+
+async def _delete_absent(deps: Deps, owner: dict, name: str, namespace: str, spec, retry: int = 0) -> None:
+    """Delete the children this spec no longer has (children.absent_children) — only those this MoEDeployment
+    owns."""
+    uid = (owner.get("metadata") or {}).get("uid")
+    for api_version, kind, child in absent_children(name, spec):
+        obj = await _api(deps.kube.get(api_version, kind, namespace, child), retry)
+        owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+        if obj is not None and uid and any(r.get("uid") == uid for r in owners):
+            await _api(deps.kube.delete(api_version, kind, namespace, child), retry)
+            log.info("%s/%s: deleted %s %s (no longer in the spec)", namespace, name, kind, child)
+
+
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
-                          retry: int = 0) -> tuple[str, dict[str, str]]:
+                          retry: int = 0, observed: Optional[dict[str, int]] = None) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
-    pod-template hashes per component. BudgetError (nothing sent) when a child is larger than the API takes."""
-    children = build_children(name, namespace, spec, cfg, plan)
+    pod-template hashes per component. BudgetError (nothing sent) when a child is larger than the API takes.
+    `observed`: the autoscaled pools' replicas now (read here when not given): kept as they are."""
+    if observed is None:
+        observed = await _observed_replicas(deps, namespace, name, spec, retry)
+    children = build_children(name, namespace, spec, cfg, plan, observed)
     check_children(children)
     await _ensure_worker_tls(deps, owner, name, namespace, spec, retry)  # before the pods that mount it
     await _ensure_router_salt(deps, owner, name, namespace, spec, retry)
@@ -197,6 +243,7 @@ async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, sp
     kopf.adopt(children, owner=owner)  # owner references (garbage collection), namespace, owner labels
     for child in children:
         await _api(deps.kube.apply(child), retry)
+    await _delete_absent(deps, owner, name, namespace, spec, retry)
     return rev, templates
 
 
@@ -253,8 +300,9 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
             raise fail(str(e), "ClusterTooSmall") from None
         except PlanningFailed as e:
             raise fail(f"spec.expertWorkers: {e}", "PlanBudgetExceeded") from None
+        observed = await _observed_replicas(deps, namespace, name, parsed, retry)
         try:
-            rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry)
+            rev, templates = await _apply_children(deps, body, name, namespace, parsed, cfg, plan, retry, observed)
         except BudgetError as e:
             raise fail(str(e), "ObjectTooLarge") from None
         except KubeError as e:  # not transient: the API refused a child (e.g. a quota or an admission webhook)
@@ -268,7 +316,7 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         if new_plan:
             base["placement"] = {}
         pods = _pods(expertmesh_pods, namespace, name)
-        a = assess(parsed, plan, pods, templates)
+        a = assess(parsed, plan, pods, templates, _pool_sizes(name, parsed, observed))
         decision = decide(name, parsed, plan, base, a, generation)
         conds = set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
                               summarize_plan(plan), generation)
@@ -285,7 +333,9 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
 
 # ------------------------------------------------------------------------------------------------ pods
 async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
-    """Re-assess one MoEDeployment against its pods; re-plan around lost expert pods when needed."""
+    """Re-assess one MoEDeployment against its pods; re-plan around lost expert pods when needed; follow an
+    autoscaled pool's new size (its StatefulSet's replicas, set by its HorizontalPodAutoscaler) into the router's
+    worker lists."""
     async with deps.lock((namespace, name)):
         body = await _api(deps.kube.get(API_VERSION, KIND, namespace, name))
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
@@ -301,12 +351,27 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
         plan = await _read_plan(deps, namespace, name)
         if plan is None or plan.plan_hash() != (status.get("placement") or {}).get("planHash"):
             return  # a reconciliation is writing a new plan right now; its status comes next
-        children = build_children(name, namespace, spec, cfg, plan)
-        if revision(children) != status.get("revision"):
-            return  # the spec changed and its reconciliation has not finished: its status comes next
+        observed = await _observed_replicas(deps, namespace, name, spec)
+        children = build_children(name, namespace, spec, cfg, plan, observed)
         generation = (body.get("metadata") or {}).get("generation")
+        rev, templates = revision(children), template_hashes(children)
+        follow: dict = {}
+        if rev != status.get("revision"):
+            if not observed or status.get("observedGeneration") != generation:
+                return  # the spec changed and its reconciliation has not finished: its status comes next
+            # the spec is handled, so what changed is an autoscaled pool's size: keep it, re-render the router
+            try:
+                rev, templates = await _apply_children(deps, body, name, namespace, spec, cfg, plan,
+                                                       observed=observed)
+            except BudgetError as e:
+                logger.warning(f"following the autoscaled pools' size {observed}: {e}")
+                return
+            logger.info(f"autoscaled pools now {_pool_sizes(name, spec, observed)}: router worker lists re-rendered")
+            follow = {"revision": rev}
+            status = {**status, **follow, "phase": "Deploying" if status.get("phase") == "Ready" else
+                      status.get("phase")}
         pods = _pods(index, namespace, name)
-        a = assess(spec, plan, pods, template_hashes(children))
+        a = assess(spec, plan, pods, templates, _pool_sizes(name, spec, observed))
         decision = decide(name, spec, plan, status, a, generation)
         update = decision.status
         if decision.replan_excluding is not None:
@@ -315,7 +380,8 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
         if update:
             update = with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
                                   generation)
-        if update and _changed(status, update):
+        update = {**follow, **update}
+        if update and (follow or _changed(status, update)):
             await _api(deps.kube.patch_status(namespace, name, update))
 
 
@@ -464,6 +530,25 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Optional[Ca
                 await observe(memo.deps, namespace, instance, expertmesh_pods, logger)
             except kopf.TemporaryError as e:  # event handlers are not retried: the next pod event will be
                 logger.warning(f"observing pods of {instance}: {e}")
+
+    @kopf.on.event("apps", "v1", "statefulsets", id="pool_scale", labels={LABEL_MANAGED_BY: OPERATOR_NAME},
+                   registry=reg)
+    async def pool_scale(namespace: str, body, memo, logger, expertmesh_pods, **_: Any) -> None:
+        """An attention pool's StatefulSet changed size (its HorizontalPodAutoscaler): re-assess its deployment,
+        which re-renders the router's worker lists. Other changes of the StatefulSet (its status) are skipped."""
+        meta = body.get("metadata") or {}
+        lab = meta.get("labels") or {}
+        instance, replicas = lab.get(LABEL_INSTANCE), (body.get("spec") or {}).get("replicas")
+        key = (namespace, meta.get("name"))
+        if lab.get(LABEL_COMPONENT) not in (COMPONENT_ATTENTION, COMPONENT_PREFILL) or not instance or \
+                memo.deps.scales.get(key) == replicas:
+            return
+        memo.deps.scales[key] = replicas
+        try:
+            await observe(memo.deps, namespace, instance, expertmesh_pods, logger)
+        except kopf.TemporaryError as e:  # event handlers are not retried: forget the size, the next event retries
+            memo.deps.scales.pop(key, None)
+            logger.warning(f"following the size of {key[1]}: {e}")
 
     kopf.timer(id="check_load", interval=rebalance_tick, initial_delay=rebalance_tick, **res)(check_load)
     return reg

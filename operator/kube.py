@@ -8,7 +8,8 @@ module adds only:
   - a (connect, read) deadline on every call, and one client per event loop (a connection pool belongs to its loop);
   - one error type, `KubeError`, carrying the HTTP status (None: no response) and whether a retry may help;
   - `get` → None for a missing object, `apply` falling back to create where the server does not know the object
-    (an API without server-side apply answers 404), `create_once` keeping an object that exists (409).
+    (an API without server-side apply answers 404), `create_once` keeping an object that exists (409), `delete`
+    → False for a missing one.
 """
 from __future__ import annotations
 
@@ -116,6 +117,17 @@ class Kube:
             await self._call(_what("create", obj), self._client().create(codecs.from_dict(obj)))
         except KubeError as e:
             if e.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete an object (its dependents in the background, as kubectl does); False when it was not there."""
+        try:
+            await self._call(f"delete {kind} {namespace}/{name}",
+                             self._client().delete(resource(api_version, kind), name, namespace=namespace))
+        except KubeError as e:
+            if e.status == 404:
                 return False
             raise
         return True

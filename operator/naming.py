@@ -4,7 +4,9 @@ paths inside the pods. Pure: plain strings and dicts from the resource's name, n
 Children of a `MoEDeployment` named N in namespace NS (built by children.py):
   ConfigMap    N-plan        plan.json (the placement plan) + config.json (the model config)
   ConfigMap    N-load        the router's last observed expert load (kept for a restarted operator or a new leader)
-  StatefulSet  N-attention   attention workers (+ headless Service N-attention)
+  StatefulSet  N-attention   attention workers (+ headless Service N-attention): the decode pool beside a prefill pool
+  StatefulSet  N-prefill     prefill workers, when spec.prefillWorkers asks for a pool (+ headless Service N-prefill)
+  HPA          N-attention / N-prefill   a pool's HorizontalPodAutoscaler, when its spec has `autoscale`
   StatefulSet  N-expert      expert workers, ordinal i holds plan.experts_of(i) (+ headless Service N-expert,
                              PodDisruptionBudget N-expert)
   Deployment   N-router      the router (+ Service N-router: http and grpc)
@@ -17,7 +19,8 @@ import hashlib
 import re
 from typing import Optional
 
-from expertmesh.operator.spec import MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MoEDeploymentSpec
+from expertmesh.operator.spec import (MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MAX_PREFILL_REPLICAS,
+                                      MoEDeploymentSpec)
 from expertmesh.operator.validation import DNS1035_LABEL, LABEL_VALUE
 
 OPERATOR_NAME = "expertmesh-operator"
@@ -32,6 +35,8 @@ TEMPLATE_HASH_ANNOTATION = "expertmesh.dev/template-hash"  # tells pods of the c
 POD_MANAGED_LABELS = {LABEL_NAME: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}  # what the pod watch selects
 
 COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-worker", "expert-worker"
+COMPONENT_PREFILL = "prefill-worker"   # the prefill pool's attention workers (spec.prefillWorkers)
+WORKER_COMPONENTS = (COMPONENT_ATTENTION, COMPONENT_PREFILL, COMPONENT_EXPERT)
 WORKER_PORT = 50061
 HEALTH_PORT = 50062         # plaintext, grpc.health.v1 only: the kubelet's gRPC probes (no client certificate)
 WORKER_TLS_DIR = "/etc/expertmesh-tls"   # the N-worker-tls Secret, mounted in every pod
@@ -57,12 +62,21 @@ def attention_name(name: str) -> str:
     return f"{name}-attention"
 
 
+def prefill_name(name: str) -> str:
+    return f"{name}-prefill"
+
+
 def expert_name(name: str) -> str:
     return f"{name}-expert"
 
 
 def router_name(name: str) -> str:
     return f"{name}-router"
+
+
+def network_policy_name(name: str, component: str) -> str:
+    """The NetworkPolicy admitting a worker component's peers (`<name>-<component>-ingress`)."""
+    return f"{name}-{component}-ingress"
 
 
 def worker_tls_secret_name(name: str) -> str:
@@ -86,9 +100,9 @@ def max_name_length() -> int:
     """The longest MoEDeployment name whose every child name is valid: the StatefulSets' names (with the longest
     suffix the operator appends) within 52 characters, Services' within a 63-character DNS label, and pod hostnames
     (<statefulset>-<highest ordinal>) within 63."""
-    statefulsets = (attention_name, expert_name)
-    services = (attention_name, expert_name, router_name)
-    ordinal = len(str(max(MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS) - 1))
+    statefulsets = (attention_name, prefill_name, expert_name)
+    services = (attention_name, prefill_name, expert_name, router_name)
+    ordinal = len(str(max(MAX_ATTENTION_REPLICAS, MAX_PREFILL_REPLICAS, MAX_EXPERT_REPLICAS) - 1))
     return min(STATEFULSET_NAME_MAX - max(map(_suffix, statefulsets)),
                DNS_LABEL_MAX - max(map(_suffix, services)),
                DNS_LABEL_MAX - max(_suffix(f) + 1 + ordinal for f in statefulsets))
@@ -146,10 +160,18 @@ def pod_dns(name: str, namespace: str, statefulset: str, ordinal: int, port: int
     return f"{statefulset}-{ordinal}.{statefulset}.{namespace}.svc:{port}"
 
 
-def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec) -> tuple[list[str], list[str]]:
-    """(attention, expert) worker addresses in ordinal order, as the router is given them."""
-    att = [pod_dns(name, namespace, attention_name(name), i) for i in range(spec.attention_workers.replicas)]
-    exp = [pod_dns(name, namespace, expert_name(name), i) for i in range(spec.expert_workers.replicas)]
+def statefulset_addresses(name: str, namespace: str, statefulset: str, replicas: int) -> list[str]:
+    """The gRPC addresses of a StatefulSet's pods 0..replicas-1, in ordinal order."""
+    return [pod_dns(name, namespace, statefulset, i) for i in range(replicas)]
+
+
+def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec,
+                     attention_replicas: Optional[int] = None) -> tuple[list[str], list[str]]:
+    """(attention, expert) worker addresses in ordinal order, as the router is given them (`attention_replicas`: the
+    attention StatefulSet's replicas when they are not the spec's — an autoscaled pool)."""
+    att = statefulset_addresses(name, namespace, attention_name(name),
+                                spec.attention_workers.replicas if attention_replicas is None else attention_replicas)
+    exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
     return att, exp
 
 

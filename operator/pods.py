@@ -5,10 +5,10 @@ live replica). Pure: pod objects (dicts) in, plain data out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
-from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_ROUTER, FETCH_CONTAINER,
-                                        LABEL_COMPONENT, LABEL_INSTANCE, TEMPLATE_HASH_ANNOTATION)
+from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER,
+                                        FETCH_CONTAINER, LABEL_COMPONENT, LABEL_INSTANCE, TEMPLATE_HASH_ANNOTATION)
 from expertmesh.operator.spec import MoEDeploymentSpec
 from expertmesh.plan import PlacementPlan
 
@@ -37,7 +37,8 @@ def pod_info(body: dict) -> Optional[PodInfo]:
     meta = body.get("metadata") or {}
     lab = meta.get("labels") or {}
     component = lab.get(LABEL_COMPONENT)
-    if component not in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT) or LABEL_INSTANCE not in lab:
+    if component not in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL, COMPONENT_EXPERT) or \
+            LABEL_INSTANCE not in lab:
         return None
     name = meta.get("name", "")
     ordinal = None
@@ -81,15 +82,15 @@ class Assessment:
     def rolled_out(self) -> bool:
         """Every pod the plan needs is live."""
         return not self.lost_experts and all(self.ready[c] >= self.desired[c]
-                                             for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION))
+                                             for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL))
 
     @property
     def ready_workers(self) -> int:
-        return self.ready[COMPONENT_ATTENTION] + self.ready[COMPONENT_EXPERT]
+        return self.ready[COMPONENT_ATTENTION] + self.ready[COMPONENT_PREFILL] + self.ready[COMPONENT_EXPERT]
 
     @property
     def desired_workers(self) -> int:
-        return self.desired[COMPONENT_ATTENTION] + self.desired[COMPONENT_EXPERT]
+        return self.desired[COMPONENT_ATTENTION] + self.desired[COMPONENT_PREFILL] + self.desired[COMPONENT_EXPERT]
 
 
 def plan_ordinals(plan: PlacementPlan) -> list[int]:
@@ -98,13 +99,15 @@ def plan_ordinals(plan: PlacementPlan) -> list[int]:
 
 
 def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
-           templates: dict[str, str]) -> Assessment:
+           templates: dict[str, str], pools: Optional[Mapping[str, int]] = None) -> Assessment:
     """Count live pods of the current templates (`templates`: component → template hash, see
     `children.template_hashes`); find the plan-holding expert pods that are not live on the current template, and the
-    experts they leave without a live replica."""
+    experts they leave without a live replica. `pools`: attention pool component → its pods now (pools.py: an
+    autoscaled pool's are its StatefulSet's); default the spec's attention workers and no prefill pool."""
     pods = list(pods)
-    desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: spec.attention_workers.replicas,
-               COMPONENT_EXPERT: plan.cluster.pods}
+    pools = pools if pools is not None else {COMPONENT_ATTENTION: spec.attention_workers.replicas}
+    desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: pools.get(COMPONENT_ATTENTION, 0),
+               COMPONENT_PREFILL: pools.get(COMPONENT_PREFILL, 0), COMPONENT_EXPERT: plan.cluster.pods}
 
     def live(component: str, current: bool = True) -> set:
         return {p.ordinal if component != COMPONENT_ROUTER else p.name for p in pods
@@ -118,7 +121,7 @@ def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo]
     unserved = sorted({(layer, e) for o in lost for layer, e in plan.experts_of(o)
                        if not any(r in live_exp for r in plan.replicas(layer, e))})
     ready = {COMPONENT_ROUTER: len(live(COMPONENT_ROUTER)), COMPONENT_ATTENTION: len(live(COMPONENT_ATTENTION)),
-             COMPONENT_EXPERT: len([o for o in holding if o in live_exp])}
+             COMPONENT_PREFILL: len(live(COMPONENT_PREFILL)), COMPONENT_EXPERT: len([o for o in holding if o in live_exp])}
     desired[COMPONENT_EXPERT] = len(holding)
     return Assessment(ready=ready, desired=desired, lost_experts=lost, unserved=unserved,
                       live_expert_ordinals=live(COMPONENT_EXPERT, current=False))

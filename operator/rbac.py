@@ -21,6 +21,8 @@ class Rule(NamedTuple):
 
 
 _CHILD = ("get", "create", "patch")  # read (previous plan), create, server-side apply; GC deletes them
+# children a later spec may no longer have (the prefill pool's, a pool's autoscaler): deleted by the operator
+_CHILD_DELETED = (*_CHILD, "delete")
 
 RULES: tuple[Rule, ...] = (
     # the custom resource: watched by Kopf, finalizers/annotations patched, status written
@@ -31,11 +33,14 @@ RULES: tuple[Rule, ...] = (
     Rule(GROUP, f"{PLURAL}/finalizers", ("update",)),
     # children (owner references make the garbage collector delete them with the resource)
     Rule("", "configmaps", _CHILD),
-    Rule("", "services", _CHILD),
-    Rule("apps", "statefulsets", _CHILD),
+    Rule("", "services", _CHILD_DELETED),
+    # StatefulSets also watched: an autoscaled pool's replicas (the HorizontalPodAutoscaler's) re-render the router
+    Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
     Rule("apps", "deployments", _CHILD),
     Rule("policy", "poddisruptionbudgets", _CHILD),
-    Rule("networking.k8s.io", "networkpolicies", _CHILD),
+    Rule("networking.k8s.io", "networkpolicies", _CHILD_DELETED),
+    # an autoscaled pool's HorizontalPodAutoscaler (spec.*Workers.autoscale)
+    Rule("autoscaling", "horizontalpodautoscalers", _CHILD_DELETED),
     # N-worker-tls (spec.security.workerTLS): read to keep it across re-plans and restarts, created when absent
     Rule("", "secrets", ("get", "create")),
     # worker pods: watched for readiness and loss (never deleted: a new plan is adopted live)

@@ -50,6 +50,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # server refuses a spec past them; the operator checks them again for resources created before)
 MAX_ROUTER_REPLICAS = 64
 MAX_ATTENTION_REPLICAS = 512   # the router is given every worker's address in one argument (Linux: 128 KiB each)
+MAX_PREFILL_REPLICAS = 512     # likewise (--prefill)
 MAX_EXPERT_REPLICAS = 512
 MAX_GPUS_PER_POD = 16
 MAX_GPU_MEMORY_GIB = 4096
@@ -69,6 +70,7 @@ MAX_CONFIG_KEYS = 256          # top-level keys of an inline model config
 MAX_MODEL_LAYERS = 1024        # layers of an inline model config (checked before it is built)
 MESSAGE_MAX = 32768            # a condition's message (metav1.Condition's bound)
 MAX_INT64 = 2 ** 63 - 1
+MAX_AUTOSCALE_TARGET = 2 ** 24 # an autoscaling target: tokens or requests waiting per pod (kv_utilization: at most 1)
 
 # Applied to nested objects with all-default fields so the API server fills their defaults in even when the
 # user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
@@ -285,15 +287,77 @@ class RouterSpec(_Spec):
         return self
 
 
+# the router's per-pool series (label pool="prefill"|"decode") an attention pool may be autoscaled on
+POOL_METRICS = ("prefill_tokens_waiting", "requests_waiting", "kv_utilization")
+
+
+class AutoscaleSpec(_Spec):
+    """A HorizontalPodAutoscaler (autoscaling/v2) on the pool's StatefulSet, driven by one of the router's per-pool
+    metrics (an External metric served through the Prometheus adapter: docs/operator.md). `target`: for
+    prefill_tokens_waiting and requests_waiting the pool's total per pod (the HPA's AverageValue: it keeps about
+    `target` waiting per pod); for kv_utilization the pool's fraction of KV in use, 0..1 (the HPA's Value). While a
+    pool is autoscaled the operator keeps the StatefulSet's replicas as the HPA sets them (minReplicas at first)."""
+    min_replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="the fewest pods (at least 1)")
+    max_replicas: int = Field(ge=1, le=MAX_ATTENTION_REPLICAS, description="the most pods")
+    metric: Literal["prefill_tokens_waiting", "requests_waiting", "kv_utilization"] = Field(
+        "requests_waiting", description="the router's per-pool series: expertmesh_pool_<metric>{pool=...}")
+    target: float = Field(gt=0, le=MAX_AUTOSCALE_TARGET,
+                          description="per pod for prefill_tokens_waiting / requests_waiting; the pool's fraction "
+                                      "(0..1] for kv_utilization")
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_at_least_min(cls, v: int, info) -> int:
+        low = info.data.get("min_replicas")
+        if low is not None and v < low:
+            raise ValueError(f"maxReplicas={v} must be at least minReplicas={low}")
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _fraction(cls, v: float, info) -> float:
+        if info.data.get("metric") == "kv_utilization" and v > 1:
+            raise ValueError(f"target={v:g}: kv_utilization is a fraction, at most 1")
+        return v
+
+
 class AttentionWorkersSpec(_Spec):
-    replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS)
+    """The attention workers: with no prefill pool they run prompts and decode alike (pool `mixed`); beside a prefill
+    pool (spec.prefillWorkers) they are the decode pool (`--pool decode`)."""
+    replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="pods (with autoscale: the HPA's)")
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    autoscale: Optional[AutoscaleSpec] = Field(None, description="a HorizontalPodAutoscaler on this pool")
 
     @model_validator(mode="after")
     def _gpus(self) -> "AttentionWorkersSpec":
         self.resources.check_gpus(self.gpus_per_pod)
         return self
+
+
+class PrefillWorkersSpec(_Spec):
+    """The prefill pool (prefill/decode disaggregation): attention workers run with `--pool prefill`; they run the
+    prompts and hand each sequence (KV and recurrent state) to a decode worker (the attention workers). The prefill
+    pool holds the prefix cache and spec.kv's host and disk tiers. replicas 0 and no autoscale: no prefill pool."""
+    replicas: int = Field(0, ge=0, le=MAX_PREFILL_REPLICAS,
+                          description="pods; 0: no prefill pool, the attention workers run prompts too")
+    gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    autoscale: Optional[AutoscaleSpec] = Field(None, description="a HorizontalPodAutoscaler on this pool (a prefill "
+                                                                 "pool of minReplicas..maxReplicas pods)")
+    min_prompt_tokens: int = Field(0, ge=0, le=MAX_CONTEXT,
+                                   description="prompts shorter than this skip the prefill pool (a decode worker runs "
+                                               "them; the router's --prefill-min-tokens); 0: every prompt goes there")
+
+    @model_validator(mode="after")
+    def _gpus(self) -> "PrefillWorkersSpec":
+        self.resources.check_gpus(self.gpus_per_pod)
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """A prefill pool exists (replicas >= 1, or autoscaled: at least minReplicas >= 1)."""
+        return self.replicas >= 1 or self.autoscale is not None
 
 
 class ExpertWorkersSpec(_Spec):
@@ -439,6 +503,7 @@ class MoEDeploymentSpec(_Spec):
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
     attention_workers: AttentionWorkersSpec = Field(default_factory=AttentionWorkersSpec,
                                                     json_schema_extra=_DEFAULT_EMPTY)
+    prefill_workers: PrefillWorkersSpec = Field(default_factory=PrefillWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
     expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=_DEFAULT_EMPTY)
     kv: KVSpec = Field(default_factory=KVSpec, json_schema_extra=_DEFAULT_EMPTY)
@@ -523,6 +588,7 @@ class MoEDeploymentStatus(_Status):
     desired_workers: Optional[Count] = None
     expert_workers: Optional[ScaleStatus] = None
     attention_workers: Optional[WorkerCounts] = None
+    prefill_workers: Optional[WorkerCounts] = Field(None, description="the prefill pool's pods (absent without one)")
     router: Optional[WorkerCounts] = None
     endpoints: Optional[Endpoints] = None
     lost_since: list[LostWorker] = Field(default_factory=list, max_length=MAX_EXPERT_REPLICAS)

@@ -8,8 +8,8 @@ import datetime as _dt
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_ROUTER, selector_labels,
-                                        selector_string)
+from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER,
+                                        selector_labels, selector_string)
 from expertmesh.operator.pods import Assessment, PodInfo
 from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec
 from expertmesh.plan import PlacementPlan
@@ -147,13 +147,28 @@ class Decision:
 
 
 def counts_status(a: Assessment, spec: MoEDeploymentSpec, name: str) -> dict:
+    """The pod counts: every worker, each pool (`prefillWorkers` beside `attentionWorkers` — the decode pool — when
+    there is a prefill pool; null removes it from the status when there is none) and the router."""
     return {
         "readyWorkers": a.ready_workers, "desiredWorkers": a.desired_workers,
         "expertWorkers": {"replicas": spec.expert_workers.replicas, "ready": a.ready[COMPONENT_EXPERT],
                           "selector": selector_string(selector_labels(name, COMPONENT_EXPERT))},
         "attentionWorkers": {"ready": a.ready[COMPONENT_ATTENTION], "desired": a.desired[COMPONENT_ATTENTION]},
+        "prefillWorkers": {"ready": a.ready[COMPONENT_PREFILL], "desired": a.desired[COMPONENT_PREFILL]}
+        if spec.prefill_workers.enabled else None,
         "router": {"ready": a.ready[COMPONENT_ROUTER], "desired": a.desired[COMPONENT_ROUTER]},
     }
+
+
+def _workers_message(a: Assessment, spec: MoEDeploymentSpec) -> str:
+    """`2/2 expert and 1/1 attention workers ready`; with a prefill pool `2/2 expert, 1/1 attention (decode) and 1/1
+    prefill workers ready`."""
+    def n(c: str) -> str:
+        return f"{a.ready[c]}/{a.desired[c]}"
+    if spec.prefill_workers.enabled:
+        return (f"{n(COMPONENT_EXPERT)} expert, {n(COMPONENT_ATTENTION)} attention (decode) and "
+                f"{n(COMPONENT_PREFILL)} prefill workers ready")
+    return f"{n(COMPONENT_EXPERT)} expert and {n(COMPONENT_ATTENTION)} attention workers ready"
 
 
 def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict, a: Assessment,
@@ -182,9 +197,8 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
                           "RouterAvailable" if r_ok else "RouterUnavailable",
                           f"{a.ready[COMPONENT_ROUTER]}/{a.desired[COMPONENT_ROUTER]} router pods ready",
                           generation, now)
-    w_ok = not a.lost_experts and a.ready[COMPONENT_ATTENTION] >= a.desired[COMPONENT_ATTENTION]
-    w_msg = (f"{a.ready[COMPONENT_EXPERT]}/{a.desired[COMPONENT_EXPERT]} expert and "
-             f"{a.ready[COMPONENT_ATTENTION]}/{a.desired[COMPONENT_ATTENTION]} attention workers ready")
+    w_ok = not a.lost_experts and all(a.ready[c] >= a.desired[c] for c in (COMPONENT_ATTENTION, COMPONENT_PREFILL))
+    w_msg = _workers_message(a, spec)
     replan: Optional[list[int]] = None
     if a.rolled_out:
         conds = set_condition(conds, "WorkersReady", "True", "AllWorkersReady", w_msg, generation, now)

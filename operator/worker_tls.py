@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import base64
 
-from expertmesh.operator.naming import (WORKER_TLS_DIR, attention_name, expert_name, object_meta,
+from expertmesh.operator.naming import (WORKER_TLS_DIR, attention_name, expert_name, object_meta, prefill_name,
                                         worker_tls_secret_name)
 from expertmesh.operator.spec import MoEDeploymentSpec
 
 
 def worker_tls_hosts(name: str, namespace: str) -> tuple[str, ...]:
-    """The names the workers are reached by (naming.pod_dns): any pod of either headless Service."""
-    return tuple(f"*.{sts}.{namespace}.svc" for sts in (attention_name(name), expert_name(name)))
+    """The names the workers are reached by (naming.pod_dns): any pod of the attention, prefill (whether or not the
+    spec has a prefill pool yet: the Secret is made once) and expert headless Services."""
+    return tuple(f"*.{sts}.{namespace}.svc" for sts in (attention_name(name), prefill_name(name), expert_name(name)))
+
+
+def missing_hosts(secret: dict, hosts: tuple[str, ...]) -> list[str]:
+    """The `hosts` the Secret's server certificate does not name (a Secret made before the prefill pool's name was
+    in it: delete it and restart the pods to re-issue)."""
+    from cryptography import x509   # only when a Secret is checked
+    pem = base64.b64decode(((secret or {}).get("data") or {}).get("server.crt", ""))
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                    .get_values_for_type(x509.DNSName))
+    except (ValueError, x509.ExtensionNotFound):
+        names = set()
+    return [h for h in hosts if h not in names]
 
 
 def worker_tls_secret(name: str, namespace: str, spec: MoEDeploymentSpec, pems: dict[str, bytes]) -> dict:

@@ -304,7 +304,8 @@ def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
         pem[leaf].verify_directly_issued_by(pem["ca.crt"])
         assert list(pem[leaf].extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [usage]
     names = pem["server.crt"].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["*.kimi-attention.serving.svc", "*.kimi-expert.serving.svc"]
+    assert names.get_values_for_type(x509.DNSName) == ["*.kimi-attention.serving.svc", "*.kimi-prefill.serving.svc",
+                                                      "*.kimi-expert.serving.svc"]
     att, exp = worker_addresses("kimi", "serving", spec)   # what the router dials is covered by a wildcard
     assert all(a.split(":")[0].split(".", 1)[1] in {n[2:] for n in names.get_values_for_type(x509.DNSName)}
                for a in att + exp)
