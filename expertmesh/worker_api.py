@@ -6,7 +6,7 @@ a caller needs neither the model nor torch.
 
 Errors and the gRPC status each travels as (worker/server.py sends the message as the details; the clients raise
 the same class again): WorkerError / ExpertRequestError → INVALID_ARGUMENT, NotFound / UnknownExpert → NOT_FOUND,
-OutOfBlocks → RESOURCE_EXHAUSTED, NotConnected → FAILED_PRECONDITION; WorkerUnavailable is raised by a client when
+OutOfBlocks → RESOURCE_EXHAUSTED, NotConnected → FAILED_PRECONDITION, HandOffFailed → ABORTED; WorkerUnavailable is raised by a client when
 the worker cannot be reached in time, RemoteError for any other failed call.
 """
 from __future__ import annotations
@@ -33,6 +33,11 @@ class NotConnected(RuntimeError):
 
 class OutOfBlocks(RuntimeError):
     """An attention worker's KV pool has no free block left (the router's admission should have prevented this)."""
+
+
+class HandOffFailed(RuntimeError):
+    """A hand-off the receiving attention worker refused or that could not reach it: the sequence stays open on the
+    sender, unchanged (the sender itself is fine — not a reason to mark it down)."""
 
 
 class ExpertRequestError(ValueError):
@@ -97,6 +102,14 @@ class StepDone:
     experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
     exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
     image_encodes: list[ImageEncode] = field(default_factory=list)   # images encoded in this step
+
+
+@dataclass
+class HandOffResult:
+    """A sequence moved from a prefill-pool worker to a decode-pool one (AttentionWorker.hand_off)."""
+    free_blocks: int            # the sender's, after it closed its copy
+    bytes: int                  # tensor bytes moved (KV, indexer keys, recurrent + conv state)
+    seconds: float              # export + transfer + import
 
 
 @dataclass

@@ -21,6 +21,8 @@ from expertmesh.sampling_params import sampling_to_proto, thinking_to_proto
 from expertmesh.wire_arrays import array_from_proto, array_to_proto
 from expertmesh.worker_api import (
     ExpertRequestError,
+    HandOffFailed,
+    HandOffResult,
     ImageEncode,
     NotConnected,
     NotFound,
@@ -107,10 +109,11 @@ class _Client:
 
 class RemoteAttention(_Client):
     """An attention worker over gRPC: AttentionWorker's methods (info, open/close_sequence, save/drop/demote_prefix,
-    list_prefixes, connect_experts, run_step, expert_load)."""
+    list_prefixes, connect_experts, run_step, expert_load, hand_off, import_sequence)."""
 
     _errors = {grpc.StatusCode.INVALID_ARGUMENT: WorkerError, grpc.StatusCode.NOT_FOUND: NotFound,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks, grpc.StatusCode.FAILED_PRECONDITION: NotConnected}
+               grpc.StatusCode.RESOURCE_EXHAUSTED: OutOfBlocks, grpc.StatusCode.FAILED_PRECONDITION: NotConnected,
+               grpc.StatusCode.ABORTED: HandOffFailed}
 
     def __init__(self, address: str, *, timeout: float = 30.0, name: str | None = None, wait_for_ready: bool = False,
                  tls=None, step_timeout: float | None = None):
@@ -124,7 +127,7 @@ class RemoteAttention(_Client):
         i = self._call(self.stub.Info, worker_pb2.InfoRequest(owner=owner))
         return {"name": i.name, "model": i.model, "block_size": i.block_size, "total_blocks": i.total_blocks,
                 "free_blocks": i.free_blocks, "sequences": i.sequences, "prefixes": i.prefixes,
-                "experts_down": list(i.experts_down)}
+                "experts_down": list(i.experts_down), "pool": i.pool or "mixed"}
 
     def open_sequence(self, seq_id: str, params, *, reserve_tokens: int, prefix_key: str | None = None,
                       owner: str = "", images: list | None = None) -> int:
@@ -184,6 +187,28 @@ class RemoteAttention(_Client):
         return StepDone(d.step_id, {t.seq_id: t.token for t in d.tokens}, d.free_blocks, logprobs,
                         {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes,
                         [ImageEncode(e.seq_id, e.tokens, e.seconds) for e in d.image_encodes])
+
+    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "") -> HandOffResult:
+        """AttentionWorker.hand_off: `to` is a RemoteAttention (its address goes over; the worker sends the
+        sequence there itself — the router never carries KV)."""
+        r = self._call(self.stub.HandOff, worker_pb2.HandOffRequest(
+            seq_id=seq_id, to_address=to.address, to_seq_id=to_seq_id, reserve_tokens=reserve_tokens, owner=owner),
+            self.step_timeout)
+        return HandOffResult(r.free_blocks, r.bytes, r.seconds)
+
+    def import_sequence(self, seq_id: str, params, snap, sampler_state: bytes, observed: list[int], *,
+                        reserve_tokens: int, owner: str = "") -> int:
+        """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors)."""
+        from expertmesh.tensors import (
+            to_proto,  # torch: the attention workers' path, never the router's
+        )
+        req = worker_pb2.ImportSequenceRequest(
+            seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
+            length=snap.length, sampler_state=sampler_state, observed=observed,
+            tensors=[worker_pb2.NamedTensor(name=n, tensor=to_proto(t, n)) for n, t in snap.named_tensors()])
+        if getattr(params, "thinking", None) is not None:
+            req.thinking.CopyFrom(thinking_to_proto(params.thinking))
+        return self._call(self.stub.ImportSequence, req).free_blocks
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())

@@ -8,6 +8,60 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class HandOffRequest(_message.Message):
+    __slots__ = ("seq_id", "to_address", "to_seq_id", "reserve_tokens", "owner")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TO_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    to_address: str
+    to_seq_id: str
+    reserve_tokens: int
+    owner: str
+    def __init__(self, seq_id: _Optional[str] = ..., to_address: _Optional[str] = ..., to_seq_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class HandOffDone(_message.Message):
+    __slots__ = ("free_blocks", "bytes", "seconds")
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    free_blocks: int
+    bytes: int
+    seconds: float
+    def __init__(self, free_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _tensor_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportSequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "params", "thinking", "reserve_tokens", "owner", "length", "tensors", "sampler_state", "observed")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    params: _sampling_pb2.SamplingParams
+    thinking: ThinkingControl
+    reserve_tokens: int
+    owner: str
+    length: int
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    sampler_state: bytes
+    observed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., thinking: _Optional[_Union[ThinkingControl, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., length: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., observed: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ConnectExpertsRequest(_message.Message):
     __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s", "transport")
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
@@ -41,7 +95,7 @@ class InfoRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class AttentionInfo(_message.Message):
-    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down")
+    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down", "pool")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +104,7 @@ class AttentionInfo(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_DOWN_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     block_size: int
@@ -58,7 +113,8 @@ class AttentionInfo(_message.Message):
     sequences: int
     prefixes: int
     experts_down: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ...) -> None: ...
+    pool: str
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
     __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner", "images", "thinking")

@@ -90,6 +90,16 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.FromString,
                 _registered_method=True)
+        self.HandOff = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/HandOff',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.HandOffDone.FromString,
+                _registered_method=True)
+        self.ImportSequence = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/ImportSequence',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
+                _registered_method=True)
 
 
 class AttentionWorkerServicer:
@@ -174,6 +184,25 @@ class AttentionWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request, context):
+        """Prefill → decode (router to the prefill-pool worker): move a sequence whose prompt is done to the attention
+        worker at to_address — this worker sends it there itself (ImportSequence), then closes its own copy.
+        Errors: NOT_FOUND (unknown seq_id), INVALID_ARGUMENT (a sequence not yet past its prompt), RESOURCE_EXHAUSTED
+        (the receiver has no room), ABORTED (the receiver refused it or could not be reached; the sequence stays here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSequence(self, request, context):
+        """The receiving side of HandOff (worker to worker): open seq_id from the sender's KV, recurrent state and
+        sampler state. Errors: INVALID_ARGUMENT (a tensor that does not fit this worker's model / layout, a taken
+        seq_id), RESOURCE_EXHAUSTED (no room for reserve_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +260,16 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     servicer.ExpertLoad,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.SerializeToString,
+            ),
+            'HandOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.HandOffRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.HandOffDone.SerializeToString,
+            ),
+            'ImportSequence': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportSequence,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +570,60 @@ class AttentionWorker:
             '/expertmesh.v1.AttentionWorker/ExpertLoad',
             expertmesh_dot_protos_dot_worker__pb2.InfoRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.ExpertLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/HandOff',
+            expertmesh_dot_protos_dot_worker__pb2.HandOffRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.HandOffDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSequence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/ImportSequence',
+            expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -421,7 +421,8 @@ def test_reflection_lists_services(servers, clients):
         "expertmesh.v1.AttentionWorker", "expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
     assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "ExtendSequence", "SavePrefix", "DropPrefix",
-                                                 "DemotePrefix", "ListPrefixes", "ConnectExperts", "RunStep", "ExpertLoad"]
+                                                 "DemotePrefix", "ListPrefixes", "ConnectExperts", "RunStep", "ExpertLoad",
+                                                 "HandOff", "ImportSequence"]
     assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == \
         _services_v1(clients["shard"].channel) == {"expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,19 @@ from expertmesh.worker.exchange import ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import CorruptFile, KVTiers, PrefixSnapshot, layout_identity, synchronize, to_device, \
     to_host
-from expertmesh.worker_api import NotConnected, NotFound, OutOfBlocks, StepDone, StepSegment, TokenLogprobs, WorkerError
+from expertmesh.worker_api import (
+    HandOffFailed,
+    HandOffResult,
+    NotConnected,
+    NotFound,
+    OutOfBlocks,
+    StepDone,
+    StepSegment,
+    TokenLogprobs,
+    WorkerError,
+)
+
+POOLS = ("mixed", "prefill", "decode")
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -59,6 +71,7 @@ class _Sequence:
     generating: bool = False     # the prompt is done: fed tokens are output (the penalties count them)
     owner: str = ""              # the router instance that opened it ("" = no lease)
     images: object = None        # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
+    observed: list[int] = field(default_factory=list)   # output tokens fed (what a hand-off replays into a sampler)
 
 
 @dataclass
@@ -74,13 +87,17 @@ class AttentionWorker:
                  block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
                  lease_seconds: float = 30.0, kv_host_bytes: int = 0, kv_disk_dir: str | None = None,
-                 kv_disk_bytes: int = 0):
+                 kv_disk_bytes: int = 0, pool: str = "mixed"):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
         (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`.
         `kv_host_bytes` / `kv_disk_bytes` (in `kv_disk_dir`): the lower tiers' bounds for demoted prefixes
-        (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped)."""
+        (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped). `pool`: prefill | decode | mixed — the
+        label its metrics and Info carry (the router decides what runs where; any worker computes anything)."""
+        if pool not in POOLS:
+            raise WorkerError(f"--pool: expected one of {', '.join(POOLS)}, found {pool!r}")
+        self.pool_role = pool
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
@@ -113,6 +130,10 @@ class AttentionWorker:
         self.sequences: dict[str, _Sequence] = {}
         self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
         self.device_prefix_hits = 0                      # sequences opened from a prefix on the device
+        self.prompt_tokens_computed = 0                  # prompt tokens this worker's steps computed
+        self.handoffs = {"sent": 0, "received": 0}       # sequences moved to / from another attention worker
+        self.handoff_bytes = {"sent": 0, "received": 0}
+        self.handoff_seconds = 0.0                       # sender side: export + transfer + import
         if kv_disk_bytes and kv_disk_dir is None:
             raise WorkerError("--kv-disk-gib: needs --kv-disk-dir")
         self.tiers = KVTiers(kv_host_bytes, layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
@@ -161,7 +182,8 @@ class AttentionWorker:
         return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
                 "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
                 "sequences": len(self.sequences), "prefixes": len(self.prefixes),
-                "experts_down": sorted(self.exchange.down) if self.exchange is not None else []}
+                "experts_down": sorted(self.exchange.down) if self.exchange is not None else [],
+                "pool": self.pool_role}
 
     # ------------------------------------------------------------------ sequences
     def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
@@ -170,23 +192,10 @@ class AttentionWorker:
         `images` (worker_api.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
         already cached (0 without a prefix)."""
         seq_images = self._sequence_images(images) if images else None
-        # the sampler (its grammar compiled) before the step lock: a large schema never holds up the steps, and
-        # bad params (an uncompilable grammar, a tokenizer that cannot serve grammars) fail before any block is
-        # reserved, as the request's own error — never an internal one the router would retry
-        try:
-            sampler = Sampler(params, self._grammar_tokenizer() if params.grammar is not None else None)
-        except WorkerError:
-            raise
-        except Exception as e:
-            raise WorkerError(f"params: {e}" if isinstance(e, ValueError) else
-                              f"params: grammar: constrained decoding failed on {self.name}: "
-                              f"{type(e).__name__}: {e}") from None
+        sampler = self._sampler(params)
         with self.lock:
             self.calls += 1
-            if seq_id in self.sequences:
-                raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
-            if reserve_tokens <= 0 or reserve_tokens > self.cfg.max_context:
-                raise WorkerError(f"reserve_tokens={reserve_tokens}: expected 1..{self.cfg.max_context}")
+            self._check_new(seq_id, reserve_tokens)
             cache = self.model.new_cache()
             if prefix_key is not None:
                 prefix = self.prefixes.get(prefix_key)
@@ -212,6 +221,25 @@ class AttentionWorker:
                                                images=seq_images)
             self.renew(owner)
             return cache.length
+
+    def _sampler(self, params: SamplingParams) -> Sampler:
+        """The sequence's sampler (its grammar compiled), made before the step lock: a large schema never holds up
+        the steps, and bad params (an uncompilable grammar, a tokenizer that cannot serve grammars) fail before any
+        block is reserved, as the request's own error — never an internal one the router would retry."""
+        try:
+            return Sampler(params, self._grammar_tokenizer() if params.grammar is not None else None)
+        except WorkerError:
+            raise
+        except Exception as e:
+            raise WorkerError(f"params: {e}" if isinstance(e, ValueError) else
+                              f"params: grammar: constrained decoding failed on {self.name}: "
+                              f"{type(e).__name__}: {e}") from None
+
+    def _check_new(self, seq_id: str, reserve_tokens: int) -> None:
+        if seq_id in self.sequences:
+            raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
+        if reserve_tokens <= 0 or reserve_tokens > self.cfg.max_context:
+            raise WorkerError(f"reserve_tokens={reserve_tokens}: expected 1..{self.cfg.max_context}")
 
     def _grammar_tokenizer(self):
         """The llguidance view of the checkpoint's tokenizer, built on the first constrained request (it reads
@@ -330,23 +358,122 @@ class AttentionWorker:
                 log.warning("prefix %s: disk copy not served: %s", key, e)
                 raise NotFound(f"prefix_key {key!r}: its disk copy failed a check; not served") from None
             span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
-            kv = PagedSequenceKV(self.pool)
-            try:
-                kv.reserve(snap.length)
-            except OutOfBlocks:
-                kv.free()
-                raise
-            for layer in self.cfg.latent_kv_layers:
-                ik = snap.index_k.get(layer)
-                kv.write(layer, 0, to_device(snap.latent[layer], self.device),
-                         None if ik is None else to_device(ik, self.device))
-            kv.length = snap.length
-            states = {i: (to_device(state, self.device), to_device(conv, self.device))
-                      for i, (state, conv) in snap.kda.items()}
-            synchronize(self.device)
+            kv, states = self._load(snap, snap.length)
         self.tiers.restored(key, tier, snap.nbytes, time.perf_counter() - start)
         prefix = self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=snap.length)
         return prefix
+
+    # ------------------------------------------------------------------ hand-off (prefill pool → decode pool)
+    def export_sequence(self, seq_id: str) -> tuple[SamplingParams, PrefixSnapshot, bytes, list[int]]:
+        """A host copy of a sequence past its prompt: (params, its cache as a snapshot — KV [0, length), indexer
+        keys, KDA recurrent + conv state —, its sampler's generator state, the output tokens fed so far). The
+        sequence stays open here (hand_off closes it once the receiver has it)."""
+        with self.lock:
+            seq = self._seq(seq_id)
+            if not seq.generating:
+                raise WorkerError(f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its "
+                                  f"first sampled token)")
+            kda = {i: (c.state, c.conv) for i, c in enumerate(seq.cache.layers) if self.cfg.layer_types[i] == "kda"}
+            snap = self._snapshot(_Prefix(kv=seq.kv, kda_states=kda, length=seq.cache.length))
+            state = seq.sampler.generator.get_state().numpy().tobytes()
+            return seq.params, snap, state, list(seq.observed)
+
+    def import_sequence(self, seq_id: str, params: SamplingParams, snap: PrefixSnapshot, sampler_state: bytes,
+                        observed: list[int], *, reserve_tokens: int, owner: str = "") -> int:
+        """Open `seq_id` from another worker's export_sequence: its cache copied in bit for bit, its sampler
+        rebuilt from `params` at the generator state given with `observed` (output tokens already fed) replayed —
+        the next token sampled here is the one the sender would have sampled. Returns the free blocks after."""
+        self._check_snapshot(snap)
+        sampler = self._sampler(params)
+        try:
+            sampler.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+        except (RuntimeError, ValueError) as e:
+            raise WorkerError(f"sampler_state: not a generator state of this build ({e})") from None
+        for t in observed:
+            sampler.observe(t)
+        with self.lock:
+            self.calls += 1
+            self._check_new(seq_id, reserve_tokens)
+            if reserve_tokens <= snap.length:
+                raise WorkerError(f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens "
+                                  f"handed off (room for the next one)")
+            kv, states = self._load(snap, reserve_tokens)
+            cache = self.model.new_cache()
+            for layer, (state, conv) in states.items():
+                cache.layers[layer].state, cache.layers[layer].conv = state, conv
+            for i in self.cfg.latent_kv_layers:
+                cache.layers[i] = PagedDSACache(kv, i)
+            cache.length = snap.length
+            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, generating=True,
+                                               owner=owner, observed=list(observed))
+            self.renew(owner)
+            self.handoffs["received"] += 1
+            self.handoff_bytes["received"] += snap.nbytes
+            return self.pool.free_blocks
+
+    def _check_snapshot(self, snap: PrefixSnapshot) -> None:
+        """WorkerError naming the tensor when a snapshot does not fit this worker's model and KV layout."""
+        if not 0 < snap.length < self.cfg.max_context:
+            raise WorkerError(f"length={snap.length}: expected 1..{self.cfg.max_context - 1}")
+        want = {f"latent.{i}": (snap.length, self.pool.latent[i].shape[-1]) for i in self.cfg.latent_kv_layers}
+        want |= {f"index_k.{i}": (snap.length, t.shape[-1]) for i, t in self.pool.index_k.items()}
+        fresh = self.model.new_cache()
+        for i, kind in enumerate(self.cfg.layer_types):
+            if kind == "kda":
+                want[f"kda_state.{i}"] = tuple(fresh.layers[i].state.shape)
+                want[f"kda_conv.{i}"] = tuple(fresh.layers[i].conv.shape)
+        got = dict(snap.named_tensors())
+        for name in sorted(set(want) | set(got)):
+            if name not in got:
+                raise WorkerError(f"tensors: {name} missing")
+            if name not in want:
+                raise WorkerError(f"tensors: {name} is not a tensor of this model")
+            dtype = torch.float32 if name.startswith("kda") else self.dtype
+            if tuple(got[name].shape) != want[name] or got[name].dtype != dtype:
+                raise WorkerError(f"tensors: {name} expected {str(dtype).removeprefix('torch.')} {list(want[name])}, "
+                                  f"found {str(got[name].dtype).removeprefix('torch.')} {list(got[name].shape)}")
+
+    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "") -> HandOffResult:
+        """Move sequence `seq_id` to attention worker `to` (an AttentionWorker, or a RemoteAttention client of
+        it) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room; HandOffFailed: it refused
+        or could not be reached — in both cases the sequence stays open here, unchanged."""
+        start = time.perf_counter()
+        with telemetry.tracer().start_as_current_span("kv.handoff", attributes={"expertmesh.kv.to": str(
+                getattr(to, "address", getattr(to, "name", "")))}) as span:
+            params, snap, state, observed = self.export_sequence(seq_id)
+            span.set_attribute("expertmesh.kv.tokens", snap.length)
+            span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
+            try:
+                to.import_sequence(to_seq_id, params, snap, state, observed, reserve_tokens=reserve_tokens,
+                                   owner=owner)
+            except OutOfBlocks:
+                raise
+            except Exception as e:
+                raise HandOffFailed(f"to {getattr(to, 'name', to)}: {type(e).__name__}: {e}") from None
+            free = self.close_sequence(seq_id)
+        seconds = time.perf_counter() - start
+        self.handoffs["sent"] += 1
+        self.handoff_bytes["sent"] += snap.nbytes
+        self.handoff_seconds += seconds
+        return HandOffResult(free, snap.nbytes, seconds)
+
+    def _load(self, snap: PrefixSnapshot, reserve_tokens: int) -> tuple[PagedSequenceKV, dict]:
+        """A host snapshot into new device blocks reserving `reserve_tokens` (≥ its length; OutOfBlocks when the
+        pool cannot, nothing kept) → (block table of `snap.length` tokens, KDA layer → (state, conv) on the device)."""
+        kv = PagedSequenceKV(self.pool)
+        try:
+            kv.reserve(max(reserve_tokens, snap.length))
+        except OutOfBlocks:
+            kv.free()
+            raise
+        for layer in self.cfg.latent_kv_layers:
+            ik = snap.index_k.get(layer)
+            kv.write(layer, 0, to_device(snap.latent[layer], self.device),
+                     None if ik is None else to_device(ik, self.device))
+        kv.length = snap.length
+        states = {i: (to_device(state, self.device), to_device(conv, self.device)) for i, (state, conv) in snap.kda.items()}
+        synchronize(self.device)
+        return kv, states
 
     def _seq(self, seq_id: str) -> _Sequence:
         seq = self.sequences.get(seq_id)
@@ -462,6 +589,9 @@ class AttentionWorker:
             if seq.generating:                 # past the prompt, every fed token is output (sampled or forced)
                 for t in fed:
                     seq.sampler.observe(t)
+                seq.observed += fed
+            else:
+                self.prompt_tokens_computed += len(fed)
             try:        # a sampler that fails (e.g. parameters it cannot compute with) fails its sequence only
                 if seg_in.sample:
                     out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])

@@ -1,5 +1,6 @@
 """A worker's Prometheus metrics (`--metrics-port`): calls, latency and errors per method, KV blocks and
-sequences, the KV tiers' bytes and traffic (attention role), (token, expert) pairs computed (expert role)."""
+sequences, the KV tiers' bytes and traffic, prompt tokens computed and hand-offs (attention role), (token, expert)
+pairs computed (expert role)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -39,6 +40,7 @@ class _State:
             seqs.add_metric([info["name"]], info["sequences"])
             yield seqs
             yield from tier_metrics(att)
+            yield from handoff_metrics(att)
         if exp is not None:
             done = CounterMetricFamily("expertmesh_expert_slots_computed", "(token, expert) pairs computed",
                                        labels=["worker"])
@@ -47,6 +49,29 @@ class _State:
             held = GaugeMetricFamily("expertmesh_experts_held", "(layer, expert) shards held", labels=["worker"])
             held.add_metric([exp.name], len(exp.assignment))
             yield held
+
+
+def handoff_metrics(att):
+    """Prompt tokens this worker computed, under its pool (prefill | decode | mixed), and the sequences / KV bytes it
+    handed to or took from another attention worker (prefill → decode disaggregation)."""
+    prefill = CounterMetricFamily("expertmesh_prefill_tokens", "Prompt tokens computed, by pool",
+                                  labels=["worker", "pool"])
+    prefill.add_metric([att.name, att.pool_role], att.prompt_tokens_computed)
+    yield prefill
+    moved = CounterMetricFamily("expertmesh_kv_transfer_bytes", "KV, indexer-key and recurrent-state bytes handed "
+                                "to (sent) or taken from (received) another attention worker",
+                                labels=["worker", "direction"])
+    count = CounterMetricFamily("expertmesh_kv_handoffs", "Sequences handed off, by direction",
+                                labels=["worker", "direction"])
+    for direction in ("sent", "received"):
+        moved.add_metric([att.name, direction], att.handoff_bytes[direction])
+        count.add_metric([att.name, direction], att.handoffs[direction])
+    yield moved
+    yield count
+    seconds = CounterMetricFamily("expertmesh_kv_handoff_seconds", "Time spent handing sequences off (export, "
+                                  "transfer, import; sender side)", labels=["worker"])
+    seconds.add_metric([att.name], att.handoff_seconds)
+    yield seconds
 
 
 def tier_metrics(att):

@@ -4,7 +4,8 @@ grpc.health.v1 health service and server reflection (v1 and v1alpha).
 The servicers only translate: messages → the local objects' arguments, results → messages, and the workers'
 exceptions → status codes (the message, which names the field, goes along as the details):
   WorkerError / ExpertRequestError / ValueError → INVALID_ARGUMENT,  NotFound / UnknownExpert → NOT_FOUND,
-  OutOfBlocks → RESOURCE_EXHAUSTED,  anything else → INTERNAL (logged with its traceback).
+  OutOfBlocks → RESOURCE_EXHAUSTED,  HandOffFailed → ABORTED,  anything else → INTERNAL (logged with its
+  traceback).
 Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new calls are refused, in-flight ones get `--grace` seconds;
 the process ends `--grace` + 5 s after the signal whatever is still running (expertmesh/shutdown.py).
 """
@@ -15,7 +16,9 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -40,12 +43,21 @@ from expertmesh.sampling_params import sampling_from_proto, thinking_from_proto
 from expertmesh.shutdown import exit_after, stop_on_signals
 from expertmesh.tensors import from_proto, to_proto
 from expertmesh.tls import ClientTLS, ServerTLS
-from expertmesh.worker.attention import AttentionWorker
+from expertmesh.worker.attention import POOLS, AttentionWorker
 from expertmesh.worker.collective import CollectiveExpert, CollectiveServer, backend_for
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
-from expertmesh.worker_api import ImageSpan, NotConnected, NotFound, OutOfBlocks, StepSegment, UnknownExpert
-from expertmesh.worker_clients import RemoteExpert
+from expertmesh.worker.kv_tiers import PrefixSnapshot
+from expertmesh.worker_api import (
+    HandOffFailed,
+    ImageSpan,
+    NotConnected,
+    NotFound,
+    OutOfBlocks,
+    StepSegment,
+    UnknownExpert,
+)
+from expertmesh.worker_clients import RemoteAttention, RemoteExpert
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -64,6 +76,8 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, OutOfBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, HandOffFailed):
+        return grpc.StatusCode.ABORTED
     if isinstance(exc, ValueError):      # WorkerError, ExpertRequestError, tensor / params decoding
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -106,10 +120,33 @@ def _rpc(method):
     return wrapper
 
 
+_SNAPSHOT_TENSOR = re.compile(r"(latent|index_k|kda_state|kda_conv)\.\d+")
+
+
+def snapshot_from_proto(length: int, tensors) -> PrefixSnapshot:
+    """ImportSequenceRequest.tensors → PrefixSnapshot; ValueError naming the entry that is not one."""
+    named = {}
+    for n, t in enumerate(tensors):
+        if not _SNAPSHOT_TENSOR.fullmatch(t.name) or t.name in named:
+            raise ValueError(f"tensors[{n}].name: expected a new latent|index_k|kda_state|kda_conv.<layer>, "
+                             f"found {t.name!r}")
+        named[t.name] = from_proto(t.tensor, f"tensors[{t.name}]")
+    for name in named:
+        kind, layer = name.split(".")
+        if kind.startswith("kda") and f"kda_{'conv' if kind == 'kda_state' else 'state'}.{layer}" not in named:
+            raise ValueError(f"tensors: {name} without its kda_state / kda_conv pair")
+    return PrefixSnapshot.from_named(length, named)
+
+
 class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
-    def __init__(self, worker, expert_tls=None):
+    def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0):
+        """`expert_tls`: expertmesh.tls.ClientTLS for the calls to expert workers, and to the attention workers
+        this one hands sequences off to; `handoff_timeout`: the deadline of one such hand-off."""
         self.worker = worker
-        self.expert_tls = expert_tls     # expertmesh.tls.ClientTLS for the calls to expert workers
+        self.expert_tls = expert_tls
+        self.handoff_timeout = handoff_timeout
+        self._peers: dict[str, RemoteAttention] = {}     # address → client of an attention worker handed off to
+        self._peers_lock = threading.Lock()
 
     @_rpc
     def Info(self, request, context):
@@ -117,7 +154,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         return worker_pb2.AttentionInfo(name=i["name"], model=i["model"], block_size=i["block_size"],
                                         total_blocks=i["total_blocks"], free_blocks=i["free_blocks"],
                                         sequences=i["sequences"], prefixes=i["prefixes"],
-                                        experts_down=i["experts_down"])
+                                        experts_down=i["experts_down"], pool=i["pool"])
 
     @_rpc
     def OpenSequence(self, request, context):
@@ -189,6 +226,32 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
         snapshots = {s.seq_id: s.key for s in request.snapshot_keys} or None
         return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
+
+    @_rpc
+    def HandOff(self, request, context):
+        if not request.to_address:
+            raise ValueError("to_address: required (host:port of the receiving attention worker)")
+        with self._peers_lock:
+            peer = self._peers.get(request.to_address)
+            if peer is None:
+                peer = self._peers[request.to_address] = RemoteAttention(
+                    request.to_address, timeout=self.handoff_timeout, tls=self.expert_tls)
+        done = self.worker.hand_off(request.seq_id, peer, request.to_seq_id, reserve_tokens=request.reserve_tokens,
+                                    owner=request.owner)
+        return worker_pb2.HandOffDone(free_blocks=done.free_blocks, bytes=done.bytes, seconds=done.seconds)
+
+    @_rpc
+    def ImportSequence(self, request, context):
+        if not request.HasField("params"):
+            raise ValueError("params: required")
+        params = sampling_from_proto(request.params)
+        if request.HasField("thinking"):
+            params = dataclasses.replace(params, thinking=thinking_from_proto(request.thinking))
+        snap = snapshot_from_proto(request.length, request.tensors)
+        free = self.worker.import_sequence(request.seq_id, params, snap, request.sampler_state,
+                                           list(request.observed), reserve_tokens=request.reserve_tokens,
+                                           owner=request.owner)
+        return worker_pb2.FreeBlocks(free_blocks=free)
 
     @_rpc
     def ExpertLoad(self, request, context):
@@ -305,7 +368,7 @@ def all_experts(cfg) -> list[tuple[int, int]]:
 def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blocks: int | None = 512,
                   block_size: int = 16, name: str | None = None, device: str | None = None, dtype=None,
                   gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                  lease_seconds: float = 30.0, kv_tiers: dict | None = None):
+                  lease_seconds: float = 30.0, kv_tiers: dict | None = None, pool: str = "mixed"):
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
     expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
     --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held.
@@ -323,7 +386,7 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
                                     name=name or "attention-0", device=device, dtype=dtype,
                                     gpu_memory_utilization=gpu_memory_utilization,
                                     device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
-                                    **(kv_tiers or {}))
+                                    pool=pool, **(kv_tiers or {}))
     if role in ("expert", "both"):
         pairs = all_experts(cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
         if device == "cuda" and gpu_of:
@@ -363,7 +426,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
           device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
           collective_port: int | None = None, health_port: int | None = None,
-          kv_tiers: dict | None = None) -> grpc.Server:
+          kv_tiers: dict | None = None, pool: str = "mixed") -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     `collective_port`: an expert role also serves the collective transport (worker/collective.py), its
@@ -376,7 +439,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
                                       device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
-                                      kv_tiers=kv_tiers)
+                                      kv_tiers=kv_tiers, pool=pool)
     if expert is not None and expert.device_kind == "cpu":
         # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
         # first RunExperts call would overrun the caller's deadline and mark this worker down
@@ -513,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(reused after a restart when the files match this model and layout)")
     p.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB",
                    help="attention role: at most this many GiB in --kv-disk-dir (needed with --kv-disk-dir)")
+    p.add_argument("--pool", choices=POOLS, default="mixed",
+                   help="attention role: the pool this worker serves in — prefill (runs prompts, hands each sequence "
+                        "to a decode worker), decode, or mixed (both: one pool); the router decides what runs where, "
+                        "this labels Info and /metrics")
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--grace", type=float, default=10.0, help=f"seconds in-flight calls get on shutdown; the process ends {SHUTDOWN_SLACK_S:g} s after "
@@ -591,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.kv_blocks <= 0 or args.block_size <= 0:
             raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
         kv_tiers = kv_tier_options(args)
+        if args.pool != "mixed" and args.role == "expert":
+            raise ValueError(f"--pool {args.pool}: only for --role attention or both (expert workers serve every pool)")
     except (ValueError, OSError) as e:
         parser.error(str(e))
     name = args.name
@@ -619,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
                        expert_tls=expert_tls, lease_seconds=args.lease_seconds,
-                       collective_port=args.collective_port, health_port=args.health_port, kv_tiers=kv_tiers)
+                       collective_port=args.collective_port, health_port=args.health_port, kv_tiers=kv_tiers,
+                       pool=args.pool)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
