@@ -87,19 +87,24 @@ class LocalCluster:
                  router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
                  tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
                  worker_tls_dir: str | Path | None = None, transport: str = "grpc", kv_host_gib: float = 0.0,
-                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0, attention_metrics: bool = False):
+                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0, attention_metrics: bool = False,
+                 prefill_workers: int = 0):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
         `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
         serves its rendezvous store on a port of its own, worker/collective.py). `threads`: torch threads per
         process, or None for each role's share of this machine's cores (`threads_for`). `kv_blocks`: each attention
         worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers;
-        `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`)."""
+        `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`: the decode pool's,
+        then the prefill pool's); `prefill_workers`: a prefill pool of that many attention workers (prefill-<i>,
+        `--pool prefill`) beside the `attention_workers` (then `--pool decode`; router/disagg.py)."""
+        if prefill_workers < 0:
+            raise ValueError(f"prefill_workers={prefill_workers}: expected ≥ 0")
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
         self.checkpoint = str(checkpoint)
-        self.n_attention, self.n_expert = attention_workers, expert_workers
+        self.n_attention, self.n_expert, self.n_prefill = attention_workers, expert_workers, prefill_workers
         self.redundant = redundant_experts
         self.expert_replicas = expert_replicas
         self.http_port, self.grpc_port, self.host = http_port, grpc_port, host
@@ -117,7 +122,8 @@ class LocalCluster:
         self.kv_host_gib, self.kv_disk_gib = kv_host_gib, kv_disk_gib
         self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
         self.metrics_urls: list[str] = []
-        self.metrics_ports = [free_port(host) for _ in range(attention_workers)] if attention_metrics else []
+        self.metrics_ports = [free_port(host) for _ in range(attention_workers + prefill_workers)] \
+            if attention_metrics else []
         self.children: list[Child] = []
         self.router: Child | None = None
         self.plan_path = self.run_dir / "plan.json"
@@ -132,7 +138,7 @@ class LocalCluster:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         role = name.split("-", 1)[0]
-        share = {"attention": self.n_attention, "expert": self.n_expert}.get(role)
+        share = {"attention": self.n_attention, "expert": self.n_expert, "prefill": self.n_prefill}.get(role)
         return max(1, cores // share) if share else 1
 
     def _env(self, name: str) -> dict:
@@ -158,11 +164,11 @@ class LocalCluster:
         """An expert worker's rendezvous store port for the collective transport (a port of its own)."""
         return ["--collective-port", str(free_port(self.host))] if self.transport == "collective" else []
 
-    def _tier_args(self, i: int) -> list[str]:
-        """Attention worker i's KV tier flags (a disk folder of its own under --kv-disk-dir)."""
+    def _tier_args(self, i: int, name: str) -> list[str]:
+        """The KV tier flags of attention worker `name`, the i-th (a disk folder of its own under --kv-disk-dir)."""
         args = ["--kv-host-gib", str(self.kv_host_gib)] if self.kv_host_gib else []
         if self.kv_disk_dir is not None:
-            args += ["--kv-disk-dir", str(self.kv_disk_dir / f"attention-{i}"), "--kv-disk-gib", str(self.kv_disk_gib)]
+            args += ["--kv-disk-dir", str(self.kv_disk_dir / name), "--kv-disk-gib", str(self.kv_disk_gib)]
         if self.metrics_ports:
             args += ["--metrics-port", str(self.metrics_ports[i])]
             self.metrics_urls.append(f"http://{self.host}:{self.metrics_ports[i]}")
@@ -227,11 +233,15 @@ class LocalCluster:
             d = self.tls_dir
             router_tls += ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         common_w = common + worker_tls + self.device_args
-        attention = [self._spawn(f"attention-{i}", ["worker", "--role", "attention", *common_w, *exchange_tls,
-                                                    "--port", str(free_port(self.host)), "--name", f"attention-{i}",
-                                                    "--kv-blocks", str(self.kv_blocks),
-                                                    "--block-size", str(self.block_size), *self._tier_args(i)])
+        def attention_worker(i: int, name: str, pool: str) -> Child:
+            return self._spawn(name, ["worker", "--role", "attention", *common_w, *exchange_tls,
+                                      "--port", str(free_port(self.host)), "--name", name, "--pool", pool,
+                                      "--kv-blocks", str(self.kv_blocks), "--block-size", str(self.block_size),
+                                      *self._tier_args(i, name)])
+
+        attention = [attention_worker(i, f"attention-{i}", "decode" if self.n_prefill else "mixed")
                      for i in range(self.n_attention)]
+        prefill = [attention_worker(self.n_attention + i, f"prefill-{i}", "prefill") for i in range(self.n_prefill)]
         experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common_w,
                                                "--port", str(free_port(self.host)), "--name", f"expert-{i}",
                                                "--plan", str(self.plan_path), "--ordinal", str(i),
@@ -239,10 +249,11 @@ class LocalCluster:
                                self.worker_env.get(f"expert-{i}"))
                    for i in range(self.n_expert)]
         try:
-            self._wait_ready(attention + experts, timeout)
+            self._wait_ready(attention + prefill + experts, timeout)
             self.router = self._spawn("router", [
                 "router", *common, "--plan", str(self.plan_path),
                 "--attention", ",".join(c.address for c in attention),
+                *(["--prefill", ",".join(c.address for c in prefill)] if prefill else []),
                 "--experts", ",".join(c.address for c in experts),
                 "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                 "--prefill-chunk", str(self.prefill_chunk), "--prefill-tokens", str(self.prefill_tokens),
@@ -327,7 +338,7 @@ def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: i
 
 
 # router options `up` sets itself (addresses, plan, TLS, the deployment's shape): not for `up -- ...`
-UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--experts", "--host", "--http-port",
+UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--prefill", "--experts", "--host", "--http-port",
                            "--grpc-port", "--prefill-chunk", "--prefill-tokens", "--transport", "--worker-tls-ca",
                            "--worker-tls-cert",
                            "--worker-tls-key", "--worker-tls-server-name", "--tls-cert", "--tls-key",
@@ -371,10 +382,12 @@ def run_up(args) -> int:
                            tls_dir=args.tls_dir,
                            device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
                            transport=args.transport, router_args=passed_to_router, kv_blocks=args.kv_blocks,
-                           kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib)
+                           kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
+                           prefill_workers=args.prefill_workers)
     stop = stop_on_signals()
-    print(f"starting {args.attention_workers} attention + {args.expert_workers} expert workers "
-          f"from {checkpoint} ...", flush=True)
+    pools = f"{args.prefill_workers} prefill + {args.attention_workers} decode" if args.prefill_workers else \
+        str(args.attention_workers)
+    print(f"starting {pools} attention + {args.expert_workers} expert workers from {checkpoint} ...", flush=True)
     cluster.start()
     print(f"expertmesh up: HTTP {cluster.http_url}  (OpenAI-compatible: {cluster.http_url}/v1)\n"
           f"               gRPC {args.host}:{args.grpc_port}\n"
@@ -406,6 +419,10 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
     p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
     p.add_argument("--attention-workers", type=positive_int, default=1)
+    p.add_argument("--prefill-workers", type=nonnegative_int, default=0,
+                   help="a prefill pool of this many attention workers: they run the prompts and hand each sequence "
+                        "(KV + recurrent state) to one of the --attention-workers, which then form the decode pool "
+                        "(0: one colocated pool). Router options for it: `-- --prefill-min-tokens N`")
     p.add_argument("--expert-workers", type=positive_int, default=2)
     p.add_argument("--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer")
     p.add_argument("--expert-replicas", type=positive_int, default=1,
@@ -427,7 +444,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
                    help="each attention worker's host-memory tier for prefixes demoted off the device (0: none)")
     p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
-                   help="local-disk tier below the host tier: attention worker i keeps its files in DIR/attention-i "
+                   help="local-disk tier below the host tier: each attention worker keeps its files in DIR/<its name> "
                         "(reused by a later run of the same model)")
     p.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB",
                    help="each attention worker's bound in --kv-disk-dir")

@@ -11,7 +11,10 @@ Each scheduler step (the scheduler thread):
      the expert workers directly at each MoE layer, and returns sampled tokens;
   5. apply each result (scheduler.update_from_output): tokens and log-probs to the requests, finished ones closed,
      saved prefixes recorded. A worker that fails is marked down (router/health.py) and its requests go back to
-     the queue to replay what they had elsewhere — the same tokens.
+     the queue to replay what they had elsewhere — the same tokens;
+  6. with a prefill pool (router/disagg.py): hand each sequence whose prompt a prefill worker finished to a decode
+     worker — the call runs beside the next steps (the sequence sits them out), the prefill worker sends the KV
+     itself, and a hand-off that fails leaves the sequence where it was (or, its prefill worker gone, replays it).
 The router's traffic is token ids and plan entries — independent of hidden size and layer count. Workers are
 reached through clients with the same methods whether in process or over gRPC. The request and its errors live in
 router/request.py, the KV / prefix index in router/kv.py.
@@ -26,9 +29,11 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from expertmesh import telemetry
 from expertmesh.config import ModelConfig
+from expertmesh.router.disagg import Pools, choose_decode
 from expertmesh.router.health import AttentionHealth, serving
 from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
@@ -56,7 +61,15 @@ from expertmesh.router.scheduler import (
 )
 from expertmesh.router.tracing import StepTrace, record_image_encodes
 from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker_api import ImageSpan, NotConnected, OutOfBlocks, StepDone, StepSegment, WorkerError
+from expertmesh.worker_api import (
+    HandOffFailed,
+    ImageSpan,
+    NotConnected,
+    OutOfBlocks,
+    StepDone,
+    StepSegment,
+    WorkerError,
+)
 
 log = logging.getLogger("expertmesh.router")
 
@@ -89,7 +102,8 @@ class Engine:
                  max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
                  metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
                  max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None,
-                 prefix_salt: bytes | None = None, prefix_index_refresh: float = 5.0):
+                 prefix_salt: bytes | None = None, prefix_index_refresh: float = 5.0, prefill: list | None = None,
+                 prefill_min_tokens: int = 0):
         """`prefill_chunk`: the prefix cache's granularity (prompt chunks end at its multiples); `prefill_tokens`:
         prompt chunks end at its multiples (0: at prefill_chunk's); `max_batch_tokens`: tokens per step (None: 256,
         or prefill_tokens + max_running if more, so a chunk always fits beside every decoding sequence); `max_queue_wait`:
@@ -99,7 +113,9 @@ class Engine:
         worker/collective.py); `prefix_salt`: the secret prefix keys are salted with (None: a random one of this
         instance; router replicas given the same one compute the same keys, so each hits the prefixes the others
         saved); `prefix_index_refresh`: seconds between two reads of every live worker's cached prefixes into the
-        index (what other replicas saved or dropped there; 0: only when a worker is taken back)."""
+        index (what other replicas saved or dropped there; 0: only when a worker is taken back); `prefill`: the
+        prefill pool's attention workers (`attention` is then the decode pool; none: one colocated pool), prompts
+        shorter than `prefill_min_tokens` skipping it (router/disagg.py)."""
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
@@ -109,7 +125,9 @@ class Engine:
         self.model_name = model_name or cfg.name
         self.metrics = metrics or RouterMetrics()
         self.metrics.bind(self)
-        self.attention = [InstrumentedClient(a, self.metrics, "attention") for a in attention]
+        self.pools = Pools.of(len(attention), len(prefill or ()), prefill_min_tokens)
+        self.attention = [InstrumentedClient(a, self.metrics, "attention") for a in list(attention) + list(prefill or ())]
+        self.transit: dict[Request, object] = {}      # request → its hand-off's future (prefill → decode)
         self.experts = [InstrumentedClient(e, self.metrics, "expert") for e in experts]
         if prefill_tokens and prefill_tokens % prefill_chunk:
             raise ValueError(f"prefill_tokens: {prefill_tokens} is not a multiple of prefill_chunk {prefill_chunk}")
@@ -128,6 +146,10 @@ class Engine:
         self.plan = LivePlan(cfg, placement, self.attention, self.experts, self.expert_clients, pool=self.pool,
                              wake=self.cv, transport=transport, probe_interval=health_interval)
         infos = [_first_info(a, startup_timeout) for a in self.attention]
+        for i, info in enumerate(infos):
+            if info.get("pool", "mixed") != self.pools.name(i):
+                log.warning("attention worker %d (%s) says it serves pool %r; this router uses it in %r", i,
+                            info.get("name"), info.get("pool"), self.pools.name(i))
         # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
         # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
         # prefix keys saved there
@@ -279,7 +301,7 @@ class Engine:
                     self._fail(req, e)
 
     def _drop_cancelled(self) -> None:
-        for req in [r for r in self.running if r.cancelled]:
+        for req in [r for r in self.running if r.cancelled and r not in self.transit]:
             self._finish(req, "cancelled")
         with self.cv:
             for req in [r for r in self.waiting if r.cancelled]:
@@ -289,10 +311,12 @@ class Engine:
     def _schedule(self, admit: bool = True) -> StepPlan:
         with self.cv:
             waiting = list(self.waiting)
-        return schedule(waiting, self.running, self.kv, limits=self.limits, down=frozenset(self.attention_down),
-                        now=time.monotonic(), admit=admit)
+        running = [r for r in self.running if r not in self.transit]
+        return schedule(waiting, running, self.kv, limits=self.limits, down=frozenset(self.attention_down),
+                        now=time.monotonic(), admit=admit, pools=self.pools)
 
     def _step(self) -> None:
+        self._land_handoffs()
         self._merge_listings()
         plan = self._schedule()
         if plan.blocked and self._refresh_all():      # the counts may be stale: plan on the workers' own
@@ -307,6 +331,11 @@ class Engine:
             plan = self._schedule(admit=False)
         if plan.batches:
             self._run(plan.batches)
+        if self.pools.split:
+            self._start_handoffs()
+        if not plan.batches and self.transit:
+            with self.cv:                    # only hand-offs in flight: wait for one to land (or new work)
+                self.cv.wait(timeout=0.01)
 
     # ------------------------------------------------------------------ the prefix index across router replicas
     def _watch_prefixes(self) -> None:
@@ -625,6 +654,8 @@ class Engine:
             req.prompt_logprobs.update(u.prompt_logprobs)
             req.computed = u.computed
             self.stats.prefilled_tokens += u.prefilled
+            if u.prefilled:
+                self.metrics.prefill_tokens.labels(self.pools.name(w)).inc(u.prefilled)
             if u.diverged is not None:
                 log.warning("request %s: replay diverged at %d", req.request_id, u.diverged[0])
             if u.token is not None:
@@ -646,6 +677,86 @@ class Engine:
         self.stats.generated_tokens += 1
         self.metrics.generation_tokens.inc()
         req._emit("token", token)
+
+    # ------------------------------------------------------------------ prefill → decode hand-offs
+    def _start_handoffs(self) -> None:
+        """Move every sequence whose prompt a prefill worker finished to a decode worker with room
+        (disagg.choose_decode), each call in the pool beside the next steps; one with no room yet waits (it decodes
+        where it is meanwhile) and is tried again after the next step."""
+        down = frozenset(self.attention_down)
+        for req in self.running:
+            if req in self.transit or req.done or req.worker in down or self.pools.name(req.worker) != "prefill" \
+                    or req.computed < len(req.prompt):
+                continue
+            to = choose_decode(self.kv, self.pools, down, req.reserved)
+            if to is None:
+                continue
+            blocks = self.kv.blocks_for(to, req.reserved)
+            self.kv.workers[to].free_blocks -= blocks            # promised: later choices see it taken
+            self.kv.workers[to].sequences += 1
+            to_seq = f"{self.instance}-{next(self.seq_ids)}"
+            future = self.pool.submit(self._hand_off, req, req.worker, to, to_seq)
+            self.transit[req] = (future, req.worker, to, to_seq, blocks)
+            future.add_done_callback(lambda _f: self._wake())
+
+    def _wake(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+    def _hand_off(self, req: Request, src: int, to: int, to_seq: str):
+        """The call (a pool thread): the prefill worker sends the sequence to the decode worker itself; traced as
+        `kv.handoff` under the request's trace (the workers' spans join it)."""
+        def call():
+            return self.attention[src].hand_off(req.seq_id, self.attention[to]._client, to_seq,
+                                                reserve_tokens=req.reserved, owner=self.instance)
+        if req.trace_ctx is None:
+            return call()
+        span = telemetry.tracer().start_span("kv.handoff", context=req.trace_ctx, attributes={
+            "expertmesh.handoff.from": self.attention[src].name, "expertmesh.handoff.to": self.attention[to].name,
+            "expertmesh.kv.tokens": req.computed})
+        with trace.use_span(span, end_on_exit=True, record_exception=True):
+            done = call()
+            span.set_attribute("expertmesh.kv.bytes", done.bytes)
+            return done
+
+    def _land_handoffs(self) -> None:
+        """Apply the hand-offs that finished (the scheduler thread): the request now runs on its decode worker;
+        or, when it failed, stays on its prefill worker (the receiver refused or had no room) or — the prefill
+        worker gone — goes back to the queue to replay, its copy on the decode worker (if it got there) closed."""
+        for req, (future, src, to, to_seq, blocks) in list(self.transit.items()):
+            if not future.done():
+                continue
+            del self.transit[req]
+            self.kv.workers[to].sequences -= 1
+            self.kv.workers[to].free_blocks += blocks
+            try:
+                done = future.result()
+            except (OutOfBlocks, HandOffFailed) as e:
+                log.info("hand-off of %s to attention worker %d: %s; it stays on %d", req.request_id, to, e, src)
+                self.metrics.handoffs.labels("refused").inc()
+                self.health.close(to, to_seq)            # in case it got there and only the answer was lost
+                self._refresh(to)
+                continue
+            except Exception as e:
+                log.warning("hand-off of %s from attention worker %d failed: %s; replaying it", req.request_id,
+                            src, e)
+                self.metrics.handoffs.labels("failed").inc()
+                if isinstance(e, ConnectionError):
+                    self.health.mark_down(src, e)
+                self.health.close(to, to_seq)
+                if req in self.running:
+                    self._recover(req)
+                continue
+            self.metrics.handoffs.labels("moved").inc()
+            self.metrics.kv_transfer_bytes.inc(done.bytes)
+            self.metrics.handoff_seconds.observe(done.seconds)
+            self.kv.workers[src].free_blocks = done.free_blocks
+            self.kv.workers[src].sequences -= 1
+            self.kv.workers[to].sequences += 1
+            req.worker, req.seq_id = to, to_seq
+            self._refresh(to)
+            if req not in self.running:              # ended meanwhile (close() failed it): not left open there
+                self.health.close(to, to_seq)
 
     # ------------------------------------------------------------------ ending requests
     def _release(self, req: Request) -> None:

@@ -11,6 +11,8 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from expertmesh.router.disagg import pool_load
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -60,6 +62,16 @@ class RouterMetrics:
                                               buckets=LATENCY_BUCKETS, registry=r)
         self.image_tokens = Counter("expertmesh_image_tokens", "Image tokens produced by the vision encoder",
                                     registry=r)
+        self.prefill_tokens = Counter("expertmesh_prefill_tokens", "Prompt tokens computed, by the pool of the "
+                                      "attention worker that computed them (prefill | decode | mixed)", ["pool"],
+                                      registry=r)
+        self.handoffs = Counter("expertmesh_kv_handoffs", "Prefill → decode hand-offs: moved, refused (the decode "
+                                "worker had no room or refused; the sequence stayed), failed (the prefill worker "
+                                "failed; the request replayed)", ["outcome"], registry=r)
+        self.kv_transfer_bytes = Counter("expertmesh_kv_transfer_bytes", "KV, indexer-key and recurrent-state bytes "
+                                         "moved by hand-offs (worker to worker)", registry=r)
+        self.handoff_seconds = Histogram("expertmesh_kv_handoff_seconds", "Hand-off time (export, transfer, import)",
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.engine = None
         r.register(_StateCollector(self))
 
@@ -132,3 +144,18 @@ class _StateCollector:
         steps = CounterMetricFamily("expertmesh_scheduler_steps", "Scheduler steps run")
         steps.add_metric([], s.steps)
         yield steps
+        yield from pool_metrics(eng)
+
+
+def pool_metrics(eng):
+    """Per attention pool (router/disagg.py): what a HorizontalPodAutoscaler scales each pool on."""
+    loads = pool_load(eng.pools, eng.kv, frozenset(eng.attention_down), list(eng.waiting), list(eng.running))
+    families = {f: GaugeMetricFamily(f"expertmesh_pool_{f}", doc, labels=["pool"]) for f, doc in (
+        ("requests_waiting", "Requests waiting to enter the pool (decode: also sequences waiting for a hand-off)"),
+        ("prefill_tokens_waiting", "Prompt tokens bound for the pool, not computed yet"),
+        ("kv_utilization", "Used / total KV blocks over the pool's live attention workers"),
+        ("live_workers", "Attention workers of the pool not marked down"))}
+    for pool, load in loads.items():
+        for f, family in families.items():
+            family.add_metric([pool], getattr(load, f))
+    yield from families.values()

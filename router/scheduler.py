@@ -26,7 +26,10 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     `max_batch_tokens`, in arrival order (a chunk that does not fit waits); the last chunk samples unless the
     request only scores its prompt;
   * snapshots: a sequence reaching a multiple of the chunk saves its cache as a prefix under its hash-chain key,
-    unless that prefix is cached already.
+    unless that prefix is cached already;
+  * pools (prefill/decode disaggregation, router/disagg.py): a request is placed within the pool it is prefilled
+    in — the prefill pool first when it is live and the prompt long enough, the decode pool when the prefill pool
+    cannot take it now — and decode workers save no prefixes while the prefill pool is live.
 `update_from_output()` turns one attention worker's step result into what changes: per request the tokens computed,
 its log-probs, the token it accepts and whether it finishes (stop token, max_tokens, context) or fails, and the
 prefixes saved.
@@ -43,6 +46,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from expertmesh.router.disagg import Pools
 from expertmesh.router.kv import KVManager, PrefixHasher
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError, TokenLogprob
 from expertmesh.sampling_params import SamplingParams, check_sampling
@@ -257,17 +261,38 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
     return adm if adm.candidates else None
 
 
+def place_in_pools(req: Request, view: _View, limits: Limits, pools: Pools | None) -> Admission | None:
+    """`place` within the pool the request is prefilled in (router/disagg.py): the prefill pool when it is live
+    and the prompt long enough, else — or when no prefill worker can take it now — the decode pool."""
+    if pools is None or not pools.split:
+        return place(req, view, limits)
+    base = view.down
+    first = pools.bound_for(len(req.prompt), base)
+    adm = None
+    try:
+        for pool in (first, "decode") if first == "prefill" else (first,):
+            view.down = base | pools.excluded(pool)
+            adm = place(req, view, limits)
+            if adm is not None:
+                break
+    finally:
+        view.down = base
+    return adm
+
+
 def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, limits: Limits,
-             down: frozenset[int] = frozenset(), now: float = 0.0, admit: bool = True) -> StepPlan:
+             down: frozenset[int] = frozenset(), now: float = 0.0, admit: bool = True,
+             pools: Pools | None = None) -> StepPlan:
     """One step's plan (see the module's docstring). `running`: placed requests in admission order, none cancelled;
-    `waiting`: the queue, head first; `admit=False`: plan growth and batches of the running ones only."""
+    `waiting`: the queue, head first; `admit=False`: plan growth and batches of the running ones only; `pools`:
+    the attention workers' pools (None: one pool)."""
     plan = StepPlan()
     view = _View(kv, frozenset(down))
     seqs = [Seq(r, r.worker, r.computed, r.reserved) for r in running]
     for req in waiting if admit else ():
         if len(seqs) >= limits.max_running:
             break
-        adm = place(req, view, limits)
+        adm = place_in_pools(req, view, limits, pools)
         if adm is None:
             plan.blocked = True
             plan.expire = [r for r in waiting if now - r.queued_at > limits.max_queue_wait]
@@ -279,7 +304,7 @@ def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, l
             break           # what the evictions free only the worker can say: the rest wait for the next plan
         view.take(worker, adm.reserve, 0 if key is not None and kv.is_lower(key) else cached)
     plan.growth = plan_growth(seqs, view, limits)
-    plan.batches = plan_batches(seqs, kv, limits)
+    plan.batches = plan_batches(seqs, kv, limits, pools.no_snapshot(frozenset(down)) if pools else frozenset())
     return plan
 
 
@@ -295,9 +320,10 @@ def plan_growth(seqs: list[Seq], view: _View, limits: Limits) -> list[Growth]:
     return out
 
 
-def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, list[Planned]]:
+def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits,
+                 no_snapshot: frozenset[int] = frozenset()) -> dict[int, list[Planned]]:
     """{attention worker: its batch}, decoding sequences first, then prefill chunks within the token budget; each
-    entry with the prefix to save after it, if any."""
+    entry with the prefix to save after it, if any (none on the workers of `no_snapshot`)."""
     batches: dict[int, list[Planned]] = {}
     budget = limits.max_batch_tokens
     decoding = [s for s in seqs if s.computed >= len(s.req.prompt)]
@@ -314,9 +340,11 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits) -> dict[int, li
         sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
         batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed:end], sample))
         budget -= end - s.computed
-    for items in batches.values():
+    for worker, items in batches.items():
         for p in items:
             _snapshot(p, kv, limits)
+            if worker in no_snapshot:
+                p.snapshot = None
     return batches
 
 

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from expertmesh import telemetry
-from expertmesh.argtypes import nonnegative_float, positive_float, positive_int
+from expertmesh.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from expertmesh.chat_formats import load_chat
 from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ThinkingBudgets
@@ -54,18 +54,19 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
 
 
 def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
-                        control_timeout: float | None = None, **kw):
+                        control_timeout: float | None = None, prefill: list[str] | None = None, **kw):
     """`timeout`: each expert call's deadline (a step's adds one per expert worker); `control_timeout` (default and
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
-    down until it answers its health check."""
+    down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine          # the engine and the workers' clients: see run
     from expertmesh.worker_clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
     control = min(control_timeout or timeout, timeout)
-    att = [RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in attention]
+    att, pre = ([RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in addresses]
+                for addresses in (attention, prefill or ()))
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
-    return Engine(cfg, att, exp, plan, call_timeout=step_timeout, **kw)
+    return Engine(cfg, att, exp, plan, call_timeout=step_timeout, prefill=pre or None, **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replan-drain-seconds", type=float, default=5.0, metavar="SECONDS",
                    help="after switching to a new plan, wait this long before expert workers drop the shards it "
                         "gave up, so other router replicas following the same plan switch first (default 5)")
-    p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers")
+    p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers (with "
+                                                       "--prefill: the decode pool)")
+    p.add_argument("--prefill", default="", metavar="HOST:PORT,...",
+                   help="the prefill pool: attention workers that run prompts and hand each sequence to a decode "
+                        "worker (--attention) once its first token is sampled; none: one colocated pool")
+    p.add_argument("--prefill-min-tokens", type=nonnegative_int, default=0, metavar="TOKENS",
+                   help="prompts shorter than this are prefilled on the decode pool (skipping the hand-off)")
     p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
@@ -250,6 +257,8 @@ def run(args) -> int:
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
                                  [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
+                                 prefill=[a for a in args.prefill.split(",") if a],
+                                 prefill_min_tokens=args.prefill_min_tokens,
                                  control_timeout=args.control_timeout,
                                  tls=worker_tls,
                                  prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,

@@ -13,16 +13,22 @@ from expertmesh.worker.expert import ExpertWorker
 def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
                        redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
                        placement=None, lease_seconds: float = 30.0, serving_cfg=None, dtype=None,
-                       kv_tiers: dict | None = None, **engine_kw) -> Engine:
+                       kv_tiers: dict | None = None, prefill_workers: int = 0, **engine_kw) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
     --max-context, --thinking-budgets) for the engine; the workers keep the checkpoint's. `dtype`: the attention
     workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`. `kv_tiers`:
-    every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes)."""
+    every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
+    `prefill_workers`: a prefill pool of that many attention workers beside the `attention_workers` of the decode
+    pool (router/disagg.py; 0: one colocated pool)."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
-    attention = [AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=f"attention-{i}",
-                                 lease_seconds=lease_seconds, dtype=dtype, **(kv_tiers or {}))
-                 for i in range(attention_workers)]
+
+    def attention(name: str, pool: str) -> AttentionWorker:
+        return AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=name, lease_seconds=lease_seconds,
+                               dtype=dtype, pool=pool, **(kv_tiers or {}))
+
+    decode = [attention(f"attention-{i}", "decode" if prefill_workers else "mixed") for i in range(attention_workers)]
+    prefill = [attention(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
-    return Engine(serving_cfg or cfg, attention, experts, placement, **engine_kw)
+    return Engine(serving_cfg or cfg, decode, experts, placement, prefill=prefill or None, **engine_kw)
