@@ -20,6 +20,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
@@ -31,6 +32,9 @@ import openai
 from expertmesh.checkpoint import default_checkpoint
 from expertmesh.config import preset
 from expertmesh.up import LocalCluster, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
+from _report import sequence_cache_bytes, write_json  # noqa: E402
 
 WORDS = ("build", "test", "deploy", "cache", "token", "layer", "router", "worker", "expert", "shard", "queue",
          "batch", "latency", "memory", "tier", "disk", "host", "restore", "plan", "session", "agent", "tool")
@@ -124,11 +128,9 @@ def run_fleet(cluster, sessions: int, args, seed0: int) -> dict:
 def full_scale(host_tib: float = 1.5, pcie_gbs: float = 50.0, nvme_gbs: float = 7.0, tokens: int = 128 * 1024,
                flops: float = 400e12) -> dict:
     """The full-2.8t arithmetic for one `tokens`-token session (bf16 KV, fp32 KDA state)."""
-    cfg = preset("full-2.8t")
-    kv = tokens * cfg.kv_bytes_per_token_all_layers(2)
-    state = cfg.recurrent_state_bytes_per_sequence
+    kv, state = sequence_cache_bytes(tokens)
     total = kv + state
-    prefill_s = 2 * cfg.active_params * tokens / flops
+    prefill_s = 2 * preset("full-2.8t").active_params * tokens / flops
     return {"tokens": tokens, "kv_bytes": kv, "kda_state_bytes": state, "session_bytes": total,
             "sessions_per_host": int(host_tib * 2 ** 40 // total), "host_tib": host_tib,
             "restore_pcie_s": total / (pcie_gbs * 1e9), "restore_nvme_s": total / (nvme_gbs * 1e9),
@@ -203,11 +205,7 @@ def main(argv=None) -> int:
           f"2 x 104B active x {full['tokens']:,} tokens = {full['prefill_s']:.0f} s at an assumed "
           f"{full['prefill_flops_assumed'] / 1e12:.0f} TFLOP/s sustained (one GPU's bf16 dense peak ~40% MFU; "
           f"attention FLOPs left out, which only lengthens the prefill)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                               "results": results, "full_2_8t": full}, indent=2))
-        print(f"wrote {args.json}")
+    write_json(args.json, args, results=results, full_2_8t=full)
     return 0
 
 
