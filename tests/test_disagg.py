@@ -238,8 +238,15 @@ def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_pref
             'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0}
         moved = scrape(decode_metrics, "expertmesh_kv_transfer_bytes_total")
         assert moved['expertmesh_kv_transfer_bytes_total{direction="received",worker="attention-0"}'] > 0
+        # a follow-up turn (the first turn + its answer + more) hits the prefix the first turn saved in the prefill pool
+        follow = prompts[2] + want[tuple(prompts[2])] + [11, 12, 13]
+        hits = scrape(c.http_url, "expertmesh_prefix_hit_tokens_total")
+        assert generate_grpc(address, follow) == generate(model, follow, greedy, prefill_chunk=CHUNK).tokens
+        assert scrape(c.http_url, "expertmesh_prefix_hit_tokens_total") != hits
+        assert scrape(decode_metrics, "expertmesh_prefill_tokens_total") == {
+            'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0}
         router = scrape(c.http_url, "expertmesh_")
-        assert router['expertmesh_kv_handoffs_total{outcome="moved"}'] == len(prompts)
+        assert router['expertmesh_kv_handoffs_total{outcome="moved"}'] == len(prompts) + 1
         assert router['expertmesh_pool_live_workers{pool="prefill"}'] == 1.0
         assert 'expertmesh_prefill_tokens_total{pool="decode"}' not in router
 
