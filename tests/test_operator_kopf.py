@@ -39,7 +39,7 @@ from expertmesh.config import preset
 from expertmesh.operator.handlers import Deps, _api, _read_load, build_registry
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
-                                        router_name)
+                                        prefill_name, router_name)
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from expertmesh.operator.status import condition as condition_of
@@ -190,13 +190,25 @@ class Cluster:
             json={"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}},
             headers={"Content-Type": "application/merge-patch+json"}))
 
+    async def scale(self, statefulset: str, replicas: int):
+        """What a HorizontalPodAutoscaler does: set a StatefulSet's replicas."""
+        return await self._ok(self.emu.patch(
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets/{statefulset}", json={"spec": {"replicas": replicas}},
+            headers={"Content-Type": "application/merge-patch+json"}))
+
+    def router_arg(self, name: str, flag: str):
+        args = self.get("apps/v1/deployments", router_name(name))["spec"]["template"]["spec"]["containers"][0]["args"]
+        return args[args.index(flag) + 1] if flag in args else None
+
     async def delete_pod(self, pod: str):
         return await self._ok(self.emu.delete(f"/api/v1/namespaces/{NS}/pods/{pod}"))
 
     async def start_pods(self, name: str):
         """What the StatefulSet / Deployment controllers and kubelets would do: every pod, Ready."""
-        for sts in (attention_name(name), expert_name(name)):
+        for sts in (attention_name(name), prefill_name(name), expert_name(name)):
             obj = self.get("apps/v1/statefulsets", sts)
+            if obj is None:     # no prefill pool
+                continue
             for i in range(obj["spec"]["replicas"]):
                 await self.put_pod(f"{sts}-{i}", obj["spec"]["template"])
         dep = self.get("apps/v1/deployments", router_name(name))
@@ -763,3 +775,106 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
         finally:
             peering_log.removeHandler(kopf_logs)
             peering_log.setLevel(level)
+
+
+# ------------------------------------------------------------------------------------------------ pools (#36)
+def _pool_addresses(statefulset: str, n: int) -> str:
+    return ",".join(f"{statefulset}-{i}.{statefulset}.{NS}.svc:50061" for i in range(n))
+
+
+async def test_a_prefill_pool_gets_its_statefulset_the_routers_list_and_status():
+    """prefillWorkers.replicas 1: both StatefulSets (the attention workers --pool decode, the prefill workers --pool
+    prefill), the router's --prefill list, status for both pools; back to 0: the prefill objects are deleted, the
+    router colocated again and status.prefillWorkers gone."""
+    async with operator() as c:
+        spec = tiny_spec()
+        spec["prefillWorkers"] = {"replicas": 1, "gpusPerPod": 0}
+        await c.create_moe("kimi", spec)
+        await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="Deploying")
+        pre, dec = c.get("apps/v1/statefulsets", "kimi-prefill"), c.get("apps/v1/statefulsets", "kimi-attention")
+        uid = c.moe("kimi")["metadata"]["uid"]
+        for obj in (pre, c.get("v1/services", "kimi-prefill"),
+                    c.get("networking.k8s.io/v1/networkpolicies", "kimi-prefill-worker-ingress")):
+            assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
+        pre_args, dec_args = (s["spec"]["template"]["spec"]["containers"][0]["args"] for s in (pre, dec))
+        assert pre_args[pre_args.index("--pool") + 1] == "prefill" and dec_args[dec_args.index("--pool") + 1] == "decode"
+        assert pre["spec"]["replicas"] == 1
+        assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 1)
+        assert c.router_arg("kimi", "--attention") == _pool_addresses("kimi-attention", 1)
+        await c.start_pods("kimi")
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready")
+        st = c.status("kimi")
+        assert st["prefillWorkers"] == {"ready": 1, "desired": 1} and st["attentionWorkers"] == {"ready": 1,
+                                                                                               "desired": 1}
+        assert (st["readyWorkers"], st["desiredWorkers"]) == (4, 4)
+        assert "1/1 prefill workers ready" in c.condition("kimi", "WorkersReady")["message"]
+
+        await c.patch_moe("kimi", {"spec": {"prefillWorkers": {"replicas": 0}}})
+        await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
+        await eventually(lambda: c.get("apps/v1/statefulsets", "kimi-prefill") is None, what="prefill deleted")
+        assert c.get("v1/services", "kimi-prefill") is None
+        assert c.get("networking.k8s.io/v1/networkpolicies", "kimi-prefill-worker-ingress") is None
+        assert c.router_arg("kimi", "--prefill") is None
+        args = c.get("apps/v1/statefulsets", "kimi-attention")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--pool" not in args
+        assert c.status("kimi").get("prefillWorkers") is None
+
+
+async def test_an_autoscaled_pool_keeps_the_hpas_replicas_and_the_router_follows():
+    """prefillWorkers.autoscale: an HPA on the prefill StatefulSet, which starts at minReplicas; the HPA's resize
+    (here played by the test) is kept — not reset by the operator, not by a later reconcile — and re-renders the
+    router's --prefill list; autoscale removed: the HPA is deleted and the spec's replicas apply again."""
+    async with operator() as c:
+        spec = tiny_spec()
+        spec["prefillWorkers"] = {"gpusPerPod": 0, "autoscale": {"minReplicas": 1, "maxReplicas": 4,
+                                                                 "metric": "prefill_tokens_waiting", "target": 2048}}
+        await ready_deployment(c, "kimi", spec)
+        hpa = c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-prefill")
+        assert hpa["spec"]["scaleTargetRef"]["name"] == "kimi-prefill" and hpa["spec"]["maxReplicas"] == 4
+        assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "expertmesh_pool_prefill_tokens_waiting"
+        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 1
+        assert c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-attention") is None   # not autoscaled
+        router_template = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]
+
+        await asyncio.sleep(1.0)    # the pods' events handled: what follows the resize is its StatefulSet's event
+        await c.scale("kimi-prefill", 3)                       # the HPA scales the pool up
+        await eventually(lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 3),
+                         what="the router lists 3 prefill workers")
+        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 3
+        assert c.get("apps/v1/deployments", "kimi-router")["spec"]["template"] != router_template   # it rolls
+        await eventually(lambda: c.status("kimi").get("prefillWorkers") == {"ready": 1, "desired": 3},
+                         what="status: 1/3 prefill workers")
+        assert c.status("kimi")["phase"] == "Deploying"
+        await c.start_pods("kimi")
+        await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready at 3 prefill workers")
+        assert c.status("kimi")["prefillWorkers"] == {"ready": 3, "desired": 3}
+
+        await c.patch_moe("kimi", {"spec": {"router": {"replicas": 2}}})   # an unrelated change: a reconcile
+        await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
+        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 3       # kept, not reset
+        assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 3)
+
+        await c.scale("kimi-prefill", 2)                       # and down
+        await eventually(lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 2),
+                         what="the router lists 2 prefill workers")
+
+        await c.patch_moe("kimi", {"spec": {"prefillWorkers": {"autoscale": None, "replicas": 1}}})
+        await eventually(lambda: c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-prefill") is None,
+                         what="the HPA deleted")
+        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 1
+        assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 1)
+
+
+async def test_bad_autoscale_fields_fail_naming_them():
+    async with operator() as c:
+        bad = tiny_spec()
+        bad["prefillWorkers"] = {"autoscale": {"minReplicas": 3, "maxReplicas": 2, "target": 10}}
+        await c.create_moe("bad", bad)
+        await eventually(lambda: c.status("bad").get("phase") == "Failed", what="Failed")
+        cond = c.condition("bad", "PlacementReady")
+        assert cond["reason"] == "InvalidSpec" and "spec.prefillWorkers.autoscale.maxReplicas" in cond["message"]
+        assert c.get("apps/v1/statefulsets", "bad-prefill") is None
+        await c.patch_moe("bad", {"spec": {"prefillWorkers": {"autoscale": {"maxReplicas": 4}}}})
+        await eventually(lambda: c.status("bad").get("phase") == "Deploying", what="Deploying after the fix")
+        assert c.get("autoscaling/v2/horizontalpodautoscalers", "bad-prefill")["spec"]["minReplicas"] == 3
+        assert c.get("apps/v1/statefulsets", "bad-prefill")["spec"]["replicas"] == 3
