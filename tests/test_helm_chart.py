@@ -106,6 +106,10 @@ VALUE_SETS = {
                                             "checkpoint": {"uri": "/unused", "pvc": {"claimName": "weights",
                                                                                      "path": "/tiny"}}},
                                 "operator": {"watchNamespace": "models"}}, RELEASE),
+    "example-pools": ({"example": {"enabled": True, "attentionWorkers": 2, "prefillWorkers": {
+        "replicas": 2, "minPromptTokens": 32, "autoscale": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                                                            "metric": "requests_waiting", "target": 3}},
+        "attentionAutoscale": {"enabled": True, "maxReplicas": 5, "target": 0.75}}}, RELEASE),
     "custom-image": ({"image": {"repository": "registry.example.com/ml/expertmesh", "tag": "0.1.0-cu129",
                                 "pullPolicy": "Always"},
                       "imagePullSecrets": [{"name": "regcred"}], "example": {"enabled": True}}, RELEASE),
@@ -428,7 +432,7 @@ def test_example_off_by_default():
     assert not by_kind(docs, KIND) and not by_kind(docs, "Pod")
 
 
-@pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "long-release"])
+@pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "long-release", "example-pools"])
 def test_example_and_its_helm_test(set_name):
     values, release = VALUE_SETS[set_name]
     ex_values = values["example"]
@@ -442,6 +446,21 @@ def test_example_and_its_helm_test(set_name):
     assert spec.attention_workers.replicas == ex_values.get("attentionWorkers", 1)
     assert spec.transport == ex_values.get("transport", "grpc")
     assert spec.expert_workers.gpus_per_pod == spec.attention_workers.gpus_per_pod == 0
+    # the pools: a prefill pool only when the values ask for one, autoscalers only when enabled
+    pre = ex_values.get("prefillWorkers", {})
+    pre_auto, att_auto = pre.get("autoscale", {}), ex_values.get("attentionAutoscale", {})
+    assert spec.prefill_workers.enabled == bool(pre.get("replicas") or pre_auto.get("enabled"))
+    assert ("prefillWorkers" in ex["spec"]) == spec.prefill_workers.enabled
+    assert spec.prefill_workers.replicas == pre.get("replicas", 0)
+    assert spec.prefill_workers.min_prompt_tokens == pre.get("minPromptTokens", 0)
+    for auto, got in ((pre_auto, spec.prefill_workers.autoscale), (att_auto, spec.attention_workers.autoscale)):
+        assert (got is not None) == bool(auto.get("enabled"))
+        if got is not None:
+            defaults = yaml.safe_load((CHART / "values.yaml").read_text())["example"]
+            want = {**(defaults["prefillWorkers"]["autoscale"] if auto is pre_auto else
+                       defaults["attentionAutoscale"]), **auto}
+            assert (got.min_replicas, got.max_replicas, got.metric, got.target) == (
+                want["minReplicas"], want["maxReplicas"], want["metric"], want["target"])
     pvc = ex_values.get("checkpoint", {}).get("pvc")
     if pvc:
         assert spec.model.checkpoint.pvc.claim_name == pvc["claimName"] and spec.model.checkpoint.uri is None
@@ -539,7 +558,7 @@ def test_crd_is_structural_and_valid():
         kubernetes_validate.validate(c, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "custom-image"])
+@pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "custom-image", "example-pools"])
 def test_example_matches_crd_schema(set_name):
     values, release = VALUE_SETS[set_name]
     schema = _crd_schema(_crd())
@@ -576,6 +595,10 @@ BAD_VALUES = [
     ({"example": {"transport": "nccl"}}, "/example/transport"),
     ({"example": {"name": "Not_A_Label"}}, "/example/name"),
     ({"example": {"name": "x" * 41}}, "/example/name"),
+    ({"example": {"prefillWorkers": {"replicas": -1}}}, "/example/prefillWorkers/replicas"),
+    ({"example": {"prefillWorkers": {"autoscale": {"metric": "gpu"}}}}, "/example/prefillWorkers/autoscale/metric"),
+    ({"example": {"attentionAutoscale": {"target": 0}}}, "/example/attentionAutoscale/target"),
+    ({"example": {"attentionAutoscale": {"maxReplicas": 0}}}, "/example/attentionAutoscale/maxReplicas"),
     ({"networkPolicy": {"enabled": "no"}}, "/networkPolicy/enabled"),
 ]
 
@@ -585,3 +608,24 @@ def test_bad_values_fail_naming_the_value(values, named):
     proc = run_helm("template", RELEASE, str(CHART), *_set_args(values), check=False)
     assert proc.returncode != 0, f"helm template accepted {values}"
     assert named in proc.stderr, f"error does not name {named!r}:\n{proc.stderr}"
+
+
+def test_example_pools_become_the_operators_prefill_pool_and_autoscalers():
+    """The example with a prefill pool and both autoscalers: the operator (its pure rendering, from the rendered
+    MoEDeployment) makes the prefill StatefulSet, an HPA per pool and the router's --prefill list."""
+    from expertmesh.operator.children import build_children
+    from expertmesh.operator.placement_policy import plan_for
+    values, release = VALUE_SETS["example-pools"]
+    ex = one(render(values, release), KIND)
+    name, spec = ex["metadata"]["name"], parse_spec(ex["spec"])
+    cfg = resolve_model(spec)
+    by = {(c["kind"], c["metadata"]["name"]): c for c in build_children(name, NAMESPACE, spec, cfg,
+                                                                          plan_for(spec, cfg))}
+    pre = values["example"]["prefillWorkers"]["autoscale"]
+    assert by[("StatefulSet", f"{name}-prefill")]["spec"]["replicas"] == pre["minReplicas"]
+    assert by[("HorizontalPodAutoscaler", f"{name}-prefill")]["spec"]["maxReplicas"] == pre["maxReplicas"]
+    att = by[("HorizontalPodAutoscaler", attention_name(name))]["spec"]
+    assert att["metrics"][0]["external"]["metric"]["name"] == "expertmesh_pool_kv_utilization"
+    args = by[("Deployment", router_name(name))]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert len(args[args.index("--prefill") + 1].split(",")) == pre["minReplicas"]
+    assert args[args.index("--prefill-min-tokens") + 1] == "32"

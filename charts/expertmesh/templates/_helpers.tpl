@@ -160,3 +160,17 @@ seccompProfile:
 {{- define "expertmesh.peering" -}}
 {{- if gt (int .Values.operator.replicas) 1 }}true{{ end }}
 {{- end }}
+
+{{/*
+An example pool's `autoscale` (spec.*Workers.autoscale) from its values ({enabled, minReplicas, maxReplicas, metric,
+target}); nothing when not enabled.
+*/}}
+{{- define "expertmesh.exampleAutoscale" -}}
+{{- if .enabled }}
+autoscale:
+  minReplicas: {{ .minReplicas }}
+  maxReplicas: {{ .maxReplicas }}
+  metric: {{ .metric }}
+  target: {{ .target }}
+{{- end }}
+{{- end }}
