@@ -37,6 +37,7 @@ from expertmesh.worker_api import (
 )
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+HANDOFF_PIECE_BYTES = 4 * 1024 * 1024     # one message of a streamed hand-off
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -60,7 +61,8 @@ class _Client:
             self.channel = grpc.insecure_channel(address, options=options)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def _call(self, method, request, timeout: float | None = None):
+    def _call(self, method, request, timeout: float | None = None, sizes: tuple[int, int] | None = None):
+        """`sizes`: (bytes sent, received) to count for a streamed request (default: the messages' sizes)."""
         metadata = telemetry.inject_metadata() or None       # W3C traceparent of the current span, if any
         try:
             response = method(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready,
@@ -68,8 +70,9 @@ class _Client:
         except grpc.RpcError as e:
             raise self._error(e) from None
         # serialized message bytes each way (what the data path costs on the wire, before HTTP/2 framing)
-        self.bytes_sent += request.ByteSize()
-        self.bytes_received += response.ByteSize()
+        sent, received = sizes or (request.ByteSize(), response.ByteSize())
+        self.bytes_sent += sent
+        self.bytes_received += received
         return response
 
     def _error(self, e: grpc.RpcError) -> Exception:
@@ -197,18 +200,23 @@ class RemoteAttention(_Client):
         return HandOffResult(r.free_blocks, r.bytes, r.seconds)
 
     def import_sequence(self, seq_id: str, params, snap, sampler_state: bytes, observed: list[int], *,
-                        reserve_tokens: int, owner: str = "") -> int:
-        """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors)."""
-        from expertmesh.tensors import (
-            to_proto,  # torch: the attention workers' path, never the router's
-        )
-        req = worker_pb2.ImportSequenceRequest(
+                        reserve_tokens: int, owner: str = "", identity: str = "") -> int:
+        """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors),
+        streamed: the header, then the cache as a KV-tier file (`identity`: the sender's model and dtype) in pieces
+        of HANDOFF_PIECE_BYTES."""
+        from expertmesh.worker.kv_tiers import encode     # torch: the attention workers' path, never the router's
+        cache = encode(seq_id, identity, snap)
+        header = worker_pb2.ImportSequenceRequest(
             seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
-            length=snap.length, sampler_state=sampler_state, observed=observed,
-            tensors=[worker_pb2.NamedTensor(name=n, tensor=to_proto(t, n)) for n, t in snap.named_tensors()])
+            cache_bytes=len(cache), sampler_state=sampler_state, observed=observed)
         if getattr(params, "thinking", None) is not None:
-            req.thinking.CopyFrom(thinking_to_proto(params.thinking))
-        return self._call(self.stub.ImportSequence, req).free_blocks
+            header.thinking.CopyFrom(thinking_to_proto(params.thinking))
+        def parts():                     # one piece in memory at a time beside the cache
+            yield worker_pb2.ImportSequencePart(header=header)
+            view = memoryview(cache)
+            for i in range(0, len(cache), HANDOFF_PIECE_BYTES):
+                yield worker_pb2.ImportSequencePart(cache=bytes(view[i:i + HANDOFF_PIECE_BYTES]))
+        return self._call(self.stub.ImportSequence, parts(), sizes=(len(cache), 0)).free_blocks
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())

@@ -32,23 +32,14 @@ class HandOffDone(_message.Message):
     seconds: float
     def __init__(self, free_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
-class NamedTensor(_message.Message):
-    __slots__ = ("name", "tensor")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    TENSOR_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    tensor: _tensor_pb2.Tensor
-    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
-
 class ImportSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "params", "thinking", "reserve_tokens", "owner", "length", "tensors", "sampler_state", "observed")
+    __slots__ = ("seq_id", "params", "thinking", "reserve_tokens", "owner", "cache_bytes", "sampler_state", "observed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     THINKING_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
@@ -56,11 +47,18 @@ class ImportSequenceRequest(_message.Message):
     thinking: ThinkingControl
     reserve_tokens: int
     owner: str
-    length: int
-    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    cache_bytes: int
     sampler_state: bytes
     observed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., thinking: _Optional[_Union[ThinkingControl, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., length: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., observed: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., thinking: _Optional[_Union[ThinkingControl, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., observed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ImportSequencePart(_message.Message):
+    __slots__ = ("header", "cache")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    header: ImportSequenceRequest
+    cache: bytes
+    def __init__(self, header: _Optional[_Union[ImportSequenceRequest, _Mapping]] = ..., cache: _Optional[bytes] = ...) -> None: ...
 
 class ConnectExpertsRequest(_message.Message):
     __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s", "transport")

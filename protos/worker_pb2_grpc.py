@@ -95,9 +95,9 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.HandOffRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.HandOffDone.FromString,
                 _registered_method=True)
-        self.ImportSequence = channel.unary_unary(
+        self.ImportSequence = channel.stream_unary(
                 '/expertmesh.v1.AttentionWorker/ImportSequence',
-                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.SerializeToString,
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
                 _registered_method=True)
 
@@ -194,10 +194,10 @@ class AttentionWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ImportSequence(self, request, context):
-        """The receiving side of HandOff (worker to worker): open seq_id from the sender's KV, recurrent state and
-        sampler state. Errors: INVALID_ARGUMENT (a tensor that does not fit this worker's model / layout, a taken
-        seq_id), RESOURCE_EXHAUSTED (no room for reserve_tokens).
+    def ImportSequence(self, request_iterator, context):
+        """The receiving side of HandOff (worker to worker), streamed: a header, then the cache in pieces. It opens seq_id
+        from the sender's KV, recurrent state and sampler state. Errors: INVALID_ARGUMENT (a cache that does not fit
+        this worker's model / layout or fails its checksum, a taken seq_id), RESOURCE_EXHAUSTED (no room).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -266,9 +266,9 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.HandOffRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.HandOffDone.SerializeToString,
             ),
-            'ImportSequence': grpc.unary_unary_rpc_method_handler(
+            'ImportSequence': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportSequence,
-                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.FromString,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
             ),
     }
@@ -608,7 +608,7 @@ class AttentionWorker:
             _registered_method=True)
 
     @staticmethod
-    def ImportSequence(request,
+    def ImportSequence(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -618,11 +618,11 @@ class AttentionWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/expertmesh.v1.AttentionWorker/ImportSequence',
-            expertmesh_dot_protos_dot_worker__pb2.ImportSequenceRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
             options,
             channel_credentials,

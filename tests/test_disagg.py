@@ -193,6 +193,58 @@ def test_a_handed_off_sequence_is_bit_identical_and_a_bad_one_is_refused(ckpt):
         AttentionWorker(ckpt, kv_blocks=4, pool="both")
 
 
+def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(ckpt, monkeypatch):
+    from expertmesh import worker_clients
+    from expertmesh.protos import worker_pb2
+    from expertmesh.sampling_params import sampling_to_proto
+    from expertmesh.worker.kv_tiers import encode
+    from expertmesh.worker.server import serve, shutdown
+    from expertmesh.worker_clients import RemoteAttention
+    src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)
+    src.connect_experts(*local_experts(ckpt))
+    src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
+    src.run_step(1, [StepSegment("a", [random.Random(6).randrange(256) for _ in range(37)], True)])
+    params, snap, state, observed = src.export_sequence("a")
+    server = serve("attention", ckpt, 0, kv_blocks=8)
+    client = RemoteAttention(f"127.0.0.1:{server.port}", timeout=30)
+    try:
+        monkeypatch.setattr(worker_clients, "HANDOFF_PIECE_BYTES", 1000)       # many pieces
+        client.import_sequence("b", params, snap, state, observed, reserve_tokens=40, identity=src.handoff_identity)
+        assert client.bytes_sent > 10 * 1000
+        _, got, got_state, _ = server.attention.export_sequence("b")
+        for (name, x), (_, y) in zip(snap.named_tensors(), got.named_tensors()):
+            assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), name
+        assert got_state == state
+
+        cache = encode("c", src.handoff_identity, snap)
+        header = worker_pb2.ImportSequenceRequest(seq_id="c", params=sampling_to_proto(params), reserve_tokens=40,
+                                                  cache_bytes=len(cache), sampler_state=state)
+
+        def send(*parts):
+            return client._call(client.stub.ImportSequence, iter(parts))
+        flipped = bytearray(cache)
+        flipped[-3] ^= 1
+        for parts, error in (
+                ([worker_pb2.ImportSequencePart(cache=cache)], "parts\\[0\\]: expected the header"),
+                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache[:-1])],
+                 "bytes arrived"),
+                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache + b"x")],
+                 "within cache_bytes"),
+                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=bytes(flipped))],
+                 "checksum")):
+            with pytest.raises(WorkerError, match=error):
+                send(*parts)
+        foreign = encode("c", "kv-v1-another-model", snap)
+        with pytest.raises(WorkerError, match="foreign"):
+            send(worker_pb2.ImportSequencePart(header=worker_pb2.ImportSequenceRequest(
+                seq_id="c", params=sampling_to_proto(params), reserve_tokens=40, cache_bytes=len(foreign))),
+                worker_pb2.ImportSequencePart(cache=foreign))
+        assert client.info()["sequences"] == 1                  # refused ones left nothing; still serving
+    finally:
+        client.close()
+        shutdown(server, 1)
+
+
 def local_experts(ckpt):
     from expertmesh.replica_table import ReplicaTable
     from expertmesh.up import make_placement

@@ -138,6 +138,8 @@ class AttentionWorker:
             raise WorkerError("--kv-disk-gib: needs --kv-disk-dir")
         self.tiers = KVTiers(kv_host_bytes, layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
                              kv_disk_dir, kv_disk_bytes)
+        # what a handed-off cache must come from: the same model and dtype (any block size: it travels as tokens)
+        self.handoff_identity = layout_identity(self.cfg.model_dump_json(), self.dtype, 0)
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
         self._lltok_lock = threading.Lock()   # the grammar tokenizer is built once (_grammar_tokenizer)
         self.calls = 0
@@ -379,10 +381,14 @@ class AttentionWorker:
             return seq.params, snap, state, list(seq.observed)
 
     def import_sequence(self, seq_id: str, params: SamplingParams, snap: PrefixSnapshot, sampler_state: bytes,
-                        observed: list[int], *, reserve_tokens: int, owner: str = "") -> int:
+                        observed: list[int], *, reserve_tokens: int, owner: str = "", identity: str = "") -> int:
         """Open `seq_id` from another worker's export_sequence: its cache copied in bit for bit, its sampler
         rebuilt from `params` at the generator state given with `observed` (output tokens already fed) replayed —
-        the next token sampled here is the one the sender would have sampled. Returns the free blocks after."""
+        the next token sampled here is the one the sender would have sampled. `identity`: the sender's
+        handoff_identity (checked when given). Returns the free blocks after."""
+        if identity and identity != self.handoff_identity:
+            raise WorkerError(f"identity: the cache comes from another model or dtype ({identity!r}, this worker "
+                              f"takes {self.handoff_identity!r})")
         self._check_snapshot(snap)
         sampler = self._sampler(params)
         try:
@@ -445,7 +451,7 @@ class AttentionWorker:
             span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
             try:
                 to.import_sequence(to_seq_id, params, snap, state, observed, reserve_tokens=reserve_tokens,
-                                   owner=owner)
+                                   owner=owner, identity=self.handoff_identity)
             except OutOfBlocks:
                 raise
             except Exception as e:

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ from expertmesh.worker.attention import POOLS, AttentionWorker
 from expertmesh.worker.collective import CollectiveExpert, CollectiveServer, backend_for
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
-from expertmesh.worker.kv_tiers import PrefixSnapshot
+from expertmesh.worker.kv_tiers import CorruptFile, decode
 from expertmesh.worker_api import (
     HandOffFailed,
     ImageSpan,
@@ -120,29 +119,13 @@ def _rpc(method):
     return wrapper
 
 
-_SNAPSHOT_TENSOR = re.compile(r"(latent|index_k|kda_state|kda_conv)\.\d+")
-
-
-def snapshot_from_proto(length: int, tensors) -> PrefixSnapshot:
-    """ImportSequenceRequest.tensors → PrefixSnapshot; ValueError naming the entry that is not one."""
-    named = {}
-    for n, t in enumerate(tensors):
-        if not _SNAPSHOT_TENSOR.fullmatch(t.name) or t.name in named:
-            raise ValueError(f"tensors[{n}].name: expected a new latent|index_k|kda_state|kda_conv.<layer>, "
-                             f"found {t.name!r}")
-        named[t.name] = from_proto(t.tensor, f"tensors[{t.name}]")
-    for name in named:
-        kind, layer = name.split(".")
-        if kind.startswith("kda") and f"kda_{'conv' if kind == 'kda_state' else 'state'}.{layer}" not in named:
-            raise ValueError(f"tensors: {name} without its kda_state / kda_conv pair")
-    return PrefixSnapshot.from_named(length, named)
-
-
 class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
-    def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0):
+    def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0, max_handoff_bytes: int = 64 * 2 ** 30):
         """`expert_tls`: expertmesh.tls.ClientTLS for the calls to expert workers, and to the attention workers
-        this one hands sequences off to; `handoff_timeout`: the deadline of one such hand-off."""
+        this one hands sequences off to; `handoff_timeout`: the deadline of one such hand-off; `max_handoff_bytes`:
+        the largest sequence cache this worker takes."""
         self.worker = worker
+        self.max_handoff_bytes = max_handoff_bytes
         self.expert_tls = expert_tls
         self.handoff_timeout = handoff_timeout
         self._peers: dict[str, RemoteAttention] = {}     # address → client of an attention worker handed off to
@@ -241,13 +224,30 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         return worker_pb2.HandOffDone(free_blocks=done.free_blocks, bytes=done.bytes, seconds=done.seconds)
 
     @_rpc
-    def ImportSequence(self, request, context):
+    def ImportSequence(self, parts, context):
+        header = next(parts, None)
+        if header is None or header.WhichOneof("part") != "header":
+            raise ValueError("parts[0]: expected the header (ImportSequenceRequest)")
+        request = header.header
         if not request.HasField("params"):
             raise ValueError("params: required")
         params = sampling_from_proto(request.params)
         if request.HasField("thinking"):
             params = dataclasses.replace(params, thinking=thinking_from_proto(request.thinking))
-        snap = snapshot_from_proto(request.length, request.tensors)
+        if not 0 < request.cache_bytes <= self.max_handoff_bytes:
+            raise ValueError(f"cache_bytes={request.cache_bytes}: expected 1..{self.max_handoff_bytes}")
+        cache = bytearray()
+        for n, part in enumerate(parts, 1):
+            if part.WhichOneof("part") != "cache" or len(cache) + len(part.cache) > request.cache_bytes:
+                raise ValueError(f"parts[{n}]: expected a piece of the cache within cache_bytes="
+                                 f"{request.cache_bytes}")
+            cache += part.cache
+        if len(cache) != request.cache_bytes:
+            raise ValueError(f"cache: {len(cache)} bytes arrived, cache_bytes says {request.cache_bytes}")
+        try:
+            snap = decode(cache, key=request.seq_id, identity=self.worker.handoff_identity)
+        except CorruptFile as e:
+            raise ValueError(f"cache: {e}") from None
         free = self.worker.import_sequence(request.seq_id, params, snap, request.sampler_state,
                                            list(request.observed), reserve_tokens=request.reserve_tokens,
                                            owner=request.owner)
@@ -346,16 +346,25 @@ def add_servicer(server: grpc.Server, service: str, servicer) -> None:
         request_cls = getattr(worker_pb2, method.input_type.name)
         call = getattr(servicer, method.name)
 
-        def parse_then_call(raw: bytes, context):
+        def parse(raw: bytes, context):
             try:
-                request = request_cls.FromString(raw)
+                return request_cls.FromString(raw)
             except DecodeError:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name}: the request is not a valid "
                                                                 f"{request_cls.DESCRIPTOR.full_name} message")
-            return call(request, context)
-        return grpc.unary_unary_rpc_method_handler(
-            parse_then_call, request_deserializer=None,
-            response_serializer=getattr(worker_pb2, method.output_type.name).SerializeToString)
+
+        def parse_then_call(raw: bytes, context):
+            return call(parse(raw, context), context)
+
+        def parse_stream_then_call(raws, context):
+            return call((parse(raw, context) for raw in raws), context)
+
+        serialize = getattr(worker_pb2, method.output_type.name).SerializeToString
+        if method.client_streaming:
+            return grpc.stream_unary_rpc_method_handler(parse_stream_then_call, request_deserializer=None,
+                                                        response_serializer=serialize)
+        return grpc.unary_unary_rpc_method_handler(parse_then_call, request_deserializer=None,
+                                                   response_serializer=serialize)
 
     handlers = {m.name: handler(m) for m in descriptor.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
