@@ -616,6 +616,24 @@ def test_cli_namespace_scoped_or_clusterwide():
     assert (kw["priority"], kw["clusterwide"], "standalone" in kw) == (7, True, False)
 
 
+def _reachable(children: list[dict], prefix: str) -> set:
+    """(source workload, target workload, ports or None for any) that the NetworkPolicies named `prefix`* admit,
+    between the workloads of `children`."""
+    pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
+            for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+    allowed = set()
+    for p in (c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].startswith(prefix)):
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        sel = p["spec"]["podSelector"]["matchLabels"]
+        for target in (n for n, lab in pods.items() if sel.items() <= lab.items()):
+            for rule in p["spec"]["ingress"]:
+                ports = tuple(sorted(q["port"] for q in rule["ports"])) if "ports" in rule else None
+                for source in rule["from"]:
+                    src = source["podSelector"]["matchLabels"]
+                    allowed |= {(n, target, ports) for n, lab in pods.items() if src.items() <= lab.items()}
+    return allowed
+
+
 @pytest.mark.parametrize("transport", ["grpc", "collective"])
 def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, monkeypatch):
     """Who may open a connection to whom, on which ports (None: any): the router the workers' gRPC port, the
@@ -625,18 +643,7 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
     spec = parse_spec(tiny(transport=transport))
     children = build_children("kimi", "serving", spec, cfg, plan) + \
         build_children("other", "serving", parse_spec(tiny(transport="collective")), cfg, plan)
-    pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
-            for c in children if c["kind"] in ("StatefulSet", "Deployment")}
-    allowed = set()
-    for p in (c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].startswith("kimi-")):
-        assert p["spec"]["policyTypes"] == ["Ingress"]
-        sel = p["spec"]["podSelector"]["matchLabels"]
-        for target in (n for n, lab in pods.items() if sel.items() <= lab.items()):
-            for rule in p["spec"]["ingress"]:
-                ports = tuple(sorted(q["port"] for q in rule["ports"])) if "ports" in rule else None
-                for source in rule["from"]:
-                    src = source["podSelector"]["matchLabels"]
-                    allowed |= {(n, target, ports) for n, lab in pods.items() if src.items() <= lab.items()}
+    allowed = _reachable(children, "kimi-")
     grpc = (WORKER_PORT,)
     want = {("kimi-router", "kimi-attention", grpc), ("kimi-router", "kimi-expert", grpc)}
     want |= {("kimi-attention", "kimi-expert", grpc)} if transport == "grpc" else \
@@ -925,18 +932,7 @@ def test_prefill_pods_reach_the_decode_and_expert_workers(tiny_plan, transport):
     (the hand-off); nobody else reaches it."""
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(transport=transport, prefillWorkers={"replicas": 1}))
-    children = build_children("kimi", "serving", spec, cfg, plan)
-    pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
-            for c in children if c["kind"] in ("StatefulSet", "Deployment")}
-    allowed = set()
-    for p in (c for c in children if c["kind"] == "NetworkPolicy"):
-        sel = p["spec"]["podSelector"]["matchLabels"]
-        for target in (n for n, lab in pods.items() if sel.items() <= lab.items()):
-            for rule in p["spec"]["ingress"]:
-                ports = tuple(q["port"] for q in rule["ports"]) if "ports" in rule else None
-                for source in rule["from"]:
-                    src = source["podSelector"]["matchLabels"]
-                    allowed |= {(n, target, ports) for n, lab in pods.items() if src.items() <= lab.items()}
+    allowed = _reachable(build_children("kimi", "serving", spec, cfg, plan), "kimi-")
     grpc = (WORKER_PORT,)
     want = {("kimi-router", w, grpc) for w in ("kimi-attention", "kimi-prefill", "kimi-expert")}
     want.add(("kimi-prefill", "kimi-attention", grpc))
