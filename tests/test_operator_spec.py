@@ -972,3 +972,22 @@ def test_status_reports_both_pools(tiny_plan):
     plain = parse_spec(tiny())
     pods, th = _pods(plain, build_children("kimi", "ns", plain, cfg, plan), plan)
     assert decide("kimi", plain, plan, st, assess(plain, plan, pods, th), 1, NOW).status["prefillWorkers"] is None
+
+
+def test_the_pools_args_parse_with_the_real_router_and_worker_clis(tiny_plan):
+    """What the operator renders is what the router and the worker accept (their own parsers; nothing is started):
+    --prefill / --prefill-min-tokens, --pool and each pool's KV flags."""
+    from expertmesh.router.server import add_arguments as router_arguments
+    from expertmesh.worker.server import build_parser   # the worker's parser (imports torch)
+    _, cfg, plan = tiny_plan
+    spec = parse_spec(tiny(prefillWorkers={"replicas": 2, "minPromptTokens": 64}, kv={"hostGiB": 1}))
+    by = _by(build_children("kimi", "serving", spec, cfg, plan))
+    p = argparse.ArgumentParser()
+    router_arguments(p)
+    r = p.parse_args(by[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+    assert r.prefill.split(",") == [f"kimi-prefill-{i}.kimi-prefill.serving.svc:50061" for i in range(2)]
+    assert r.prefill_min_tokens == 64 and r.attention == "kimi-attention-0.kimi-attention.serving.svc:50061"
+    seq = -(-cfg.max_context // spec.kv.block_size)
+    for sts, pool, blocks, host in (("kimi-prefill", "prefill", 2 * seq, 1.0), ("kimi-attention", "decode", seq, 0.0)):
+        w = build_parser().parse_args(by[("StatefulSet", sts)]["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+        assert (w.role, w.pool, w.kv_blocks, w.kv_host_gib) == ("attention", pool, blocks, host)
