@@ -204,7 +204,7 @@ class RemoteAttention(_Client):
         """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors),
         streamed: the header, then the cache as a KV-tier file (`identity`: the sender's model and dtype) in pieces
         of HANDOFF_PIECE_BYTES."""
-        from expertmesh.worker.kv_tiers import encode     # torch: the attention workers' path, never the router's
+        from expertmesh.kv_snapshot import encode     # torch: the attention workers' path, never the router's
         cache = encode(seq_id, identity, snap)
         header = worker_pb2.ImportSequenceRequest(
             seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,

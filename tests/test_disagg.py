@@ -25,7 +25,7 @@ from expertmesh.sampling_params import SamplingParams
 from expertmesh.tokenizer import ByteTokenizer
 from expertmesh.up import LocalCluster, free_port
 from expertmesh.worker.attention import AttentionWorker
-from expertmesh.worker.kv_tiers import PrefixSnapshot
+from expertmesh.kv_snapshot import PrefixSnapshot
 from expertmesh.worker_api import OutOfBlocks, StepSegment, WorkerError
 
 CHUNK = 16
@@ -197,7 +197,7 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
     from expertmesh import worker_clients
     from expertmesh.protos import worker_pb2
     from expertmesh.sampling_params import sampling_to_proto
-    from expertmesh.worker.kv_tiers import encode
+    from expertmesh.kv_snapshot import encode
     from expertmesh.worker.server import serve, shutdown
     from expertmesh.worker_clients import RemoteAttention
     src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)

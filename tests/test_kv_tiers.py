@@ -13,7 +13,8 @@ from expertmesh.config import preset
 from expertmesh.entry.local import build_local_engine
 from expertmesh.model import generate
 from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker.kv_tiers import CorruptFile, KVTiers, PrefixSnapshot, layout_identity
+from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.worker.kv_tiers import KVTiers
 from expertmesh.worker.metrics import tier_metrics
 from expertmesh.worker_api import NotFound
 

@@ -23,6 +23,7 @@ from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig
 from expertmesh.grammar import ll_tokenizer
 from expertmesh.kernels import cpu_warmup
+from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
 from expertmesh.model import ResidualStream, Segment, SequenceCache, Transformer, materialize_
 from expertmesh.sampling import Sampler
 from expertmesh.sampling_params import SamplingParams
@@ -30,8 +31,7 @@ from expertmesh.tokenizer import load_tokenizer
 from expertmesh.vision import SequenceImages
 from expertmesh.worker.exchange import ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
-from expertmesh.worker.kv_tiers import CorruptFile, KVTiers, PrefixSnapshot, layout_identity, synchronize, to_device, \
-    to_host
+from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
 from expertmesh.worker_api import (
     HandOffFailed,
     HandOffResult,

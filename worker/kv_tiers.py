@@ -7,72 +7,26 @@ oldest entries down (host → disk → dropped); the keys finally dropped are re
 The order inside a tier is the order the router demoted in, which follows its session-aware policy
 (router/eviction.py): the least valuable prefix entered first and leaves first.
 
-Disk files (one per prefix, `<sha256(key)[:40]>.kv`), written to a temporary name then renamed (a crash leaves
-no half file under the real name):
-    b"EMKVTIER" | u32 little-endian header length | header (JSON) | payload
-The header holds the format version, the worker's `identity` (model config + dtype + block size: a file of another
-model or layout is foreign), the key, the length, each tensor's name / dtype / shape / offset, the payload size and
-its sha256. A file whose header does not parse, whose identity or key differ, whose payload is short or whose
+Disk files (one per prefix, `<sha256(key)[:40]>.kv`, in expertmesh/kv_snapshot.py's format, the worker's
+`identity` being model config + dtype + block size), written to a temporary name then renamed (a crash leaves no
+half file under the real name). A file whose header does not parse, whose identity or key differ, whose payload is short or whose
 checksum fails is deleted and counted (`rejected`), never served. On CUDA the host tier holds pinned memory and the
 copies are non-blocking (synchronised before use); on CPU the same path copies ordinary tensors.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, decode, encode, read_header
+
 log = logging.getLogger("expertmesh.worker")
-
-MAGIC = b"EMKVTIER"
-VERSION = 1
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
-
-
-@dataclass
-class PrefixSnapshot:
-    """A cached prefix off the device: `length` tokens."""
-    length: int
-    latent: dict[int, torch.Tensor]                    # latent-KV layer → [length, kv_lora_rank + rope_dim]
-    index_k: dict[int, torch.Tensor]                   # DSA layer → [length, indexer head_dim]
-    kda: dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer → (recurrent state [H, K, V] fp32, conv tail)
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor under a stable name (the disk file's order)."""
-        out = [(f"latent.{i}", t) for i, t in sorted(self.latent.items())]
-        out += [(f"index_k.{i}", t) for i, t in sorted(self.index_k.items())]
-        for i, (state, conv) in sorted(self.kda.items()):
-            out += [(f"kda_state.{i}", state), (f"kda_conv.{i}", conv)]
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
-
-    @staticmethod
-    def from_named(length: int, tensors: dict[str, torch.Tensor]) -> "PrefixSnapshot":
-        snap = PrefixSnapshot(length, {}, {}, {})
-        for name, t in tensors.items():
-            kind, layer = name.rsplit(".", 1)
-            if kind == "latent":
-                snap.latent[int(layer)] = t
-            elif kind == "index_k":
-                snap.index_k[int(layer)] = t
-        for name, t in tensors.items():
-            kind, layer = name.rsplit(".", 1)
-            if kind == "kda_state":
-                snap.kda[int(layer)] = (t, tensors[f"kda_conv.{layer}"])
-        return snap
-
-    def map(self, fn) -> "PrefixSnapshot":
-        return PrefixSnapshot.from_named(self.length, {n: fn(t) for n, t in self.named_tensors()})
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -94,65 +48,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def synchronize(device: torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def layout_identity(cfg_json: str, dtype: torch.dtype, block_size: int) -> str:
-    """What a disk file must match to be served here: the model config, the KV dtype, the block size."""
-    h = hashlib.sha256(f"{cfg_json}|{dtype}|{block_size}".encode()).hexdigest()
-    return f"kv-v{VERSION}-{h[:32]}"
-
-
-class CorruptFile(Exception):
-    """A disk-tier file that must not be served (torn, corrupted, foreign); the message says why."""
-
-
-def encode(key: str, identity: str, snap: PrefixSnapshot) -> bytes:
-    """The file bytes of one prefix (format in the module docstring)."""
-    entries, chunks, offset = [], [], 0
-    for name, t in snap.named_tensors():
-        raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, len(raw)])
-        chunks.append(raw)
-        offset += len(raw)
-    payload = b"".join(chunks)
-    header = json.dumps({"version": VERSION, "identity": identity, "key": key, "length": snap.length,
-                         "tensors": entries, "payload_bytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + payload
-
-
-def read_header(data: bytes) -> tuple[dict, int]:
-    """(header, payload offset) of file bytes `data`; CorruptFile when it is not a tier file."""
-    if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
-        raise CorruptFile("not a KV tier file (bad magic)")
-    (n,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
-    start = len(MAGIC) + 4
-    try:
-        header = json.loads(data[start:start + n])
-        header["key"], header["length"], header["payload_bytes"], header["sha256"], header["tensors"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptFile(f"unreadable header ({type(e).__name__})") from None
-    return header, start + n
-
-
-def decode(data: bytes, *, key: str, identity: str) -> PrefixSnapshot:
-    """The snapshot in file bytes `data`, checked: identity, key, payload size and sha256 (CorruptFile if not)."""
-    header, start = read_header(data)
-    if header.get("version") != VERSION or header.get("identity") != identity:
-        raise CorruptFile(f"foreign file (identity {header.get('identity')!r}, expected {identity!r})")
-    if header["key"] != key:
-        raise CorruptFile(f"holds key {header['key']!r}, expected {key!r}")
-    payload = data[start:]
-    if len(payload) != header["payload_bytes"]:
-        raise CorruptFile(f"torn: {len(payload)} payload bytes, header says {header['payload_bytes']}")
-    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
-        raise CorruptFile("payload checksum mismatch")
-    tensors = {}
-    for name, dtype, shape, offset, nbytes in header["tensors"]:
-        raw = bytearray(payload[offset:offset + nbytes])
-        tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape) \
-            if nbytes else torch.empty(shape, dtype=_DTYPES[dtype])
-    return PrefixSnapshot.from_named(int(header["length"]), tensors)
 
 
 @dataclass

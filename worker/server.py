@@ -46,7 +46,7 @@ from expertmesh.worker.attention import POOLS, AttentionWorker
 from expertmesh.worker.collective import CollectiveExpert, CollectiveServer, backend_for
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
-from expertmesh.worker.kv_tiers import CorruptFile, decode
+from expertmesh.kv_snapshot import CorruptFile, decode
 from expertmesh.worker_api import (
     HandOffFailed,
     ImageSpan,
