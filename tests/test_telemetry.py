@@ -72,6 +72,29 @@ def test_one_request_one_trace_with_the_expected_tree(server):
     assert all(by_id[s.parent.span_id].name == "attention.run_step" for s in exchange)
 
 
+def test_a_prefill_to_decode_hand_off_is_traced_under_its_request(server):
+    """router/engine.py: `kv.handoff` under the request's root, the prefill worker's `kv.send` inside it (bytes,
+    tokens), then the decode worker's steps."""
+    from expertmesh.sampling_params import SamplingParams
+    split = build_local_engine(server[1].attention[0]._client.ckpt, prefill_chunk=16, prefill_workers=1)
+    try:
+        EXPORTER.clear()
+        with telemetry.tracer().start_as_current_span("request") as root:
+            out = split.generate([(7 * j + 3) % 256 for j in range(40)], SamplingParams(max_tokens=3))
+        assert len(out.output) == 3
+    finally:
+        split.close()
+    spans = EXPORTER.get_finished_spans()
+    (routed,) = [s for s in spans if s.name == "kv.handoff"]
+    (sent,) = [s for s in spans if s.name == "kv.send"]
+    assert routed.parent.span_id == root.get_span_context().span_id
+    assert sent.parent.span_id == routed.context.span_id
+    assert routed.attributes["expertmesh.handoff.from"] == "prefill-0"
+    assert routed.attributes["expertmesh.handoff.to"] == "attention-0"
+    assert sent.attributes["expertmesh.kv.tokens"] == 40
+    assert routed.attributes["expertmesh.kv.bytes"] == sent.attributes["expertmesh.kv.bytes"] > 0
+
+
 def _metric(text: str, name: str, labels: str = "") -> float:
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
     assert m, f"{name}{labels} not in /metrics"

@@ -444,7 +444,7 @@ class AttentionWorker:
         it) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room; HandOffFailed: it refused
         or could not be reached — in both cases the sequence stays open here, unchanged."""
         start = time.perf_counter()
-        with telemetry.tracer().start_as_current_span("kv.handoff", attributes={"expertmesh.kv.to": str(
+        with telemetry.tracer().start_as_current_span("kv.send", attributes={"expertmesh.kv.to": str(
                 getattr(to, "address", getattr(to, "name", "")))}) as span:
             params, snap, state, observed = self.export_sequence(seq_id)
             span.set_attribute("expertmesh.kv.tokens", snap.length)
