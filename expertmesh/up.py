@@ -161,7 +161,8 @@ class LocalCluster:
         return child
 
     def _collective_args(self) -> list[str]:
-        """An expert worker's rendezvous store port for the collective transport (a port of its own)."""
+        """The rendezvous store port of an expert worker, or of a decode-pool attention worker (the hand-offs sent
+        to it), for the collective transport (a port of its own)."""
         return ["--collective-port", str(free_port(self.host))] if self.transport == "collective" else []
 
     def _tier_args(self, i: int, name: str) -> list[str]:
@@ -237,7 +238,8 @@ class LocalCluster:
             return self._spawn(name, ["worker", "--role", "attention", *common_w, *exchange_tls,
                                       "--port", str(free_port(self.host)), "--name", name, "--pool", pool,
                                       "--kv-blocks", str(self.kv_blocks), "--block-size", str(self.block_size),
-                                      *self._tier_args(i, name)])
+                                      *self._tier_args(i, name),
+                                      *(self._collective_args() if pool == "decode" else [])])
 
         attention = [attention_worker(i, f"attention-{i}", "decode" if self.n_prefill else "mixed")
                      for i in range(self.n_attention)]

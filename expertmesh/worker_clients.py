@@ -191,13 +191,25 @@ class RemoteAttention(_Client):
                         {f.seq_id: f.reason for f in d.failed}, list(d.experts_down), d.exchange_bytes,
                         [ImageEncode(e.seq_id, e.tokens, e.seconds) for e in d.image_encodes])
 
-    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "") -> HandOffResult:
+    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "",
+                 transport: str = "grpc") -> HandOffResult:
         """AttentionWorker.hand_off: `to` is a RemoteAttention (its address goes over; the worker sends the
-        sequence there itself — the router never carries KV)."""
+        sequence there itself — the router never carries KV), over `transport` (grpc | collective)."""
         r = self._call(self.stub.HandOff, worker_pb2.HandOffRequest(
-            seq_id=seq_id, to_address=to.address, to_seq_id=to_seq_id, reserve_tokens=reserve_tokens, owner=owner),
-            self.step_timeout)
+            seq_id=seq_id, to_address=to.address, to_seq_id=to_seq_id, reserve_tokens=reserve_tokens, owner=owner,
+            transport=transport), self.step_timeout)
         return HandOffResult(r.free_blocks, r.bytes, r.seconds)
+
+    @staticmethod
+    def import_header(seq_id: str, params, cache_bytes: int, sampler_state: bytes, observed: list[int], *,
+                      reserve_tokens: int, owner: str = "") -> worker_pb2.ImportSequenceRequest:
+        """The first part of a hand-off (ImportSequence stream, or a collective pair's OP_IMPORT)."""
+        header = worker_pb2.ImportSequenceRequest(
+            seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
+            cache_bytes=cache_bytes, sampler_state=sampler_state, observed=observed)
+        if getattr(params, "thinking", None) is not None:
+            header.thinking.CopyFrom(thinking_to_proto(params.thinking))
+        return header
 
     def import_sequence(self, seq_id: str, params, snap, sampler_state: bytes, observed: list[int], *,
                         reserve_tokens: int, owner: str = "", identity: str = "") -> int:
@@ -206,17 +218,21 @@ class RemoteAttention(_Client):
         of HANDOFF_PIECE_BYTES."""
         from expertmesh.kv_snapshot import encode     # torch: the attention workers' path, never the router's
         cache = encode(seq_id, identity, snap)
-        header = worker_pb2.ImportSequenceRequest(
-            seq_id=seq_id, params=sampling_to_proto(params), reserve_tokens=reserve_tokens, owner=owner,
-            cache_bytes=len(cache), sampler_state=sampler_state, observed=observed)
-        if getattr(params, "thinking", None) is not None:
-            header.thinking.CopyFrom(thinking_to_proto(params.thinking))
+        header = self.import_header(seq_id, params, len(cache), sampler_state, observed,
+                                    reserve_tokens=reserve_tokens, owner=owner)
+
         def parts():                     # one piece in memory at a time beside the cache
             yield worker_pb2.ImportSequencePart(header=header)
             view = memoryview(cache)
             for i in range(0, len(cache), HANDOFF_PIECE_BYTES):
                 yield worker_pb2.ImportSequencePart(cache=bytes(view[i:i + HANDOFF_PIECE_BYTES]))
         return self._call(self.stub.ImportSequence, parts(), sizes=(len(cache), 0)).free_blocks
+
+    def open_collective(self, group_id: str, timeout: float) -> tuple[int, str]:
+        """Ask the worker to start its rank of the torch.distributed pair `group_id` (hand-offs sent to it)."""
+        r = self._call(self.stub.OpenCollective, worker_pb2.OpenCollectiveRequest(group_id=group_id,
+                                                                                 timeout_s=timeout))
+        return r.store_port, r.backend
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())

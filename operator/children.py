@@ -23,7 +23,7 @@ from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIV
                                         WORKER_TLS_DIR, checkpoint_path, expert_name, labels, load_configmap_name,
                                         network_policy_name, object_meta, plan_configmap_name, prefill_name,
                                         router_name, selector_labels, statefulset_addresses, worker_tls_secret_name)
-from expertmesh.operator.pools import METRIC_SERIES, MIXED, PREFILL, Pool, PoolKV, attention_pools, spec_pool_kv
+from expertmesh.operator.pools import DECODE, METRIC_SERIES, MIXED, PREFILL, Pool, PoolKV, attention_pools, spec_pool_kv
 from expertmesh.operator.spec import GIB, GPU_RESOURCE, KVDiskSpec, MoEDeploymentSpec
 from expertmesh.operator.validation import parse_quantity
 from expertmesh.operator.router_salt import router_salt_volume
@@ -299,11 +299,12 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     the attention worker for the pool's role, with its KV (pools.pool_kv), resources, tiers and replicas."""
     pool = pool or attention_pools(name, spec)[0]
     kv = spec_pool_kv(spec, cfg, pool.role)
+    ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
+    env = _env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name)
+    if spec.transport == "collective" and pool.role == DECODE:
+        ports, env = _collective_store(ports, env)       # the hand-offs sent to it (the prefill pods learn it over gRPC)
     container = {"name": "prefill" if pool.role == PREFILL else "attention", "command": ["expertmesh"],
-                 "args": attention_worker_args(spec, cfg, pool.role),
-                 "ports": [{"name": "grpc", "containerPort": WORKER_PORT},
-                           {"name": "health", "containerPort": HEALTH_PORT}],
-                 "env": _env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name),
+                 "args": attention_worker_args(spec, cfg, pool.role), "ports": ports, "env": env,
                  "resources": attention_resources(pool.workers, kv.host_gib), **_grpc_probes()}
     pod = _pod_spec(name, pool.component, spec, container, spread=True)
     volumes, mounts, claims = kv_disk_volume(kv.disk)
@@ -355,13 +356,18 @@ def pool_hpa(name: str, namespace: str, spec: MoEDeploymentSpec, pool: Pool) -> 
     }
 
 
+def _collective_store(ports: list[dict], env: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A worker container's ports and env with its collective rendezvous store (worker --collective-port)."""
+    return (ports + [{"name": "collective", "containerPort": COLLECTIVE_PORT}],
+            env + [{"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)}])
+
+
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
     ew = spec.expert_workers
     ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
     env = _env(spec, "expertmesh-expert", name)
     if spec.transport == "collective":     # the pod's rendezvous store; the attention pods learn it over gRPC
-        ports.append({"name": "collective", "containerPort": COLLECTIVE_PORT})
-        env.append({"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)})
+        ports, env = _collective_store(ports, env)
     container = {"name": "expert", "command": expert_worker_command(spec), "ports": ports, "env": env,
                  "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes()}
     return _stamped({
@@ -437,9 +443,9 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
     """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
     filter): the router the workers' gRPC port, every attention pool the expert workers' (the per-layer
     exchange and its control), the prefill pool the decode pool's (the hand-off of a prefilled sequence). With
-    `transport: collective` the attention pools and the expert pods also reach each other on any TCP port: the
-    rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections listen on ephemeral ports, in
-    either direction."""
+    `transport: collective` the attention pools and the expert pods, and the prefill and decode pools, also reach
+    each other on any TCP port: the rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections
+    listen on ephemeral ports, in either direction."""
     pools = pools or attention_pools(name, spec)
     def peers(*components: str) -> list[dict]:
         return [{"podSelector": {"matchLabels": selector_labels(name, c)}} for c in components]
@@ -450,8 +456,11 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
         ingress.append({"from": peers(*attention), **({} if spec.transport == "collective" else {"ports": grpc_port})})
     elif spec.transport == "collective":
         ingress.append({"from": peers(COMPONENT_EXPERT)})
+    collective = {} if spec.transport == "collective" else {"ports": grpc_port}
     if component == COMPONENT_ATTENTION and COMPONENT_PREFILL in attention:
-        ingress.append({"from": peers(COMPONENT_PREFILL), "ports": grpc_port})
+        ingress.append({"from": peers(COMPONENT_PREFILL), **collective})
+    if component == COMPONENT_PREFILL and spec.transport == "collective":
+        ingress.append({"from": peers(COMPONENT_ATTENTION)})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": object_meta(network_policy_name(name, component), namespace, component, spec, instance=name),

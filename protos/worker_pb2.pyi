@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandOffRequest(_message.Message):
-    __slots__ = ("seq_id", "to_address", "to_seq_id", "reserve_tokens", "owner")
+    __slots__ = ("seq_id", "to_address", "to_seq_id", "reserve_tokens", "owner", "transport")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TO_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TO_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     to_address: str
     to_seq_id: str
     reserve_tokens: int
     owner: str
-    def __init__(self, seq_id: _Optional[str] = ..., to_address: _Optional[str] = ..., to_seq_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, seq_id: _Optional[str] = ..., to_address: _Optional[str] = ..., to_seq_id: _Optional[str] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class HandOffDone(_message.Message):
     __slots__ = ("free_blocks", "bytes", "seconds")

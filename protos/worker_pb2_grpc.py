@@ -100,6 +100,11 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
                 _registered_method=True)
+        self.OpenCollective = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/OpenCollective',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionWorkerServicer:
@@ -203,6 +208,15 @@ class AttentionWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenCollective(self, request, context):
+        """Start this worker's rank (1) of a two-rank torch.distributed pair `group_id` with the calling attention worker
+        (rank 0), which sends hand-offs over it (as ExpertWorker.OpenCollective). Errors: FAILED_PRECONDITION (started
+        without --collective-port), INVALID_ARGUMENT (bad group_id / timeout_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +284,11 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     servicer.ImportSequence,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.SerializeToString,
+            ),
+            'OpenCollective': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenCollective,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -624,6 +643,33 @@ class AttentionWorker:
             '/expertmesh.v1.AttentionWorker/ImportSequence',
             expertmesh_dot_protos_dot_worker__pb2.ImportSequencePart.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.FreeBlocks.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenCollective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/OpenCollective',
+            expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -708,7 +708,8 @@ class Engine:
         `kv.handoff` under the request's trace (the workers' spans join it)."""
         def call():
             return self.attention[src].hand_off(req.seq_id, self.attention[to]._client, to_seq,
-                                                reserve_tokens=req.reserved, owner=self.instance)
+                                                reserve_tokens=req.reserved, owner=self.instance,
+                                                transport=self.transport)
         if req.trace_ctx is None:
             return call()
         span = telemetry.tracer().start_span("kv.handoff", context=req.trace_ctx, attributes={

@@ -325,3 +325,39 @@ def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_pref
         before = scrape(decode_metrics, "expertmesh_prefill_tokens_total")
         assert generate_grpc(address, prompts[3]) == want[tuple(prompts[3])]
         assert scrape(decode_metrics, "expertmesh_prefill_tokens_total") == before
+
+
+@pytest.mark.slow
+def test_hand_offs_over_collective_pairs_and_over_grpc_without_one(ckpt, prompts):
+    """`--transport collective`: the decode worker serves a store (`--collective-port`), each hand-off goes over a
+    gloo pair with it — same tokens; to a worker with no store the same client hands off over gRPC."""
+    from expertmesh.worker.collective import CollectiveAttention
+    from expertmesh.worker.server import serve, shutdown
+    from expertmesh.worker_clients import RemoteAttention
+    model = ckpt.load_model()
+    greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
+    grpc_port = free_port()
+    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, prefill_workers=1, http_port=free_port(),
+                      grpc_port=grpc_port, attention_metrics=True, transport="collective") as c:
+        decode_metrics, _ = c.metrics_urls
+        got = [generate_grpc(f"127.0.0.1:{grpc_port}", p) for p in prompts]
+        assert got == [generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts]
+        imports = scrape(decode_metrics, "expertmesh_collective_calls_total")
+        received = scrape(decode_metrics, "expertmesh_kv_handoffs_total")
+        # the first hand-off may go over gRPC while the pair forms; the others over the pair
+        assert imports['expertmesh_collective_calls_total{op="import"}'] >= len(prompts) - 1
+        assert received['expertmesh_kv_handoffs_total{direction="received",worker="attention-0"}'] == len(prompts)
+
+    src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)
+    src.connect_experts(*local_experts(ckpt))
+    src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
+    src.run_step(1, [StepSegment("a", prompts[2][:30], True)])
+    plain = serve("attention", ckpt, 0, kv_blocks=8)                 # no --collective-port: no pair
+    peer = CollectiveAttention(RemoteAttention(f"127.0.0.1:{plain.port}", timeout=10))
+    try:
+        done = src.hand_off("a", peer, "b", reserve_tokens=40)
+        assert done.bytes > 0 and "b" in plain.attention.sequences and not peer.formed
+        assert peer.grpc_calls == 1 and peer.collective_calls == 0
+    finally:
+        peer.close()
+        shutdown(plain, 1)

@@ -422,7 +422,7 @@ def test_reflection_lists_services(servers, clients):
     service = DescriptorPool(db).FindServiceByName("expertmesh.v1.AttentionWorker")
     assert [m.name for m in service.methods] == ["Info", "OpenSequence", "CloseSequence", "ExtendSequence", "SavePrefix", "DropPrefix",
                                                  "DemotePrefix", "ListPrefixes", "ConnectExperts", "RunStep", "ExpertLoad",
-                                                 "HandOff", "ImportSequence"]
+                                                 "HandOff", "ImportSequence", "OpenCollective"]
     assert set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services()) == \
         _services_v1(clients["shard"].channel) == {"expertmesh.v1.ExpertWorker", "grpc.health.v1.Health", *reflection}
 

@@ -929,19 +929,25 @@ def test_bad_pool_fields_are_refused_naming_them(over, field):
 def test_prefill_pods_reach_the_decode_and_expert_workers(tiny_plan, transport):
     """With a prefill pool: the router reaches it on the gRPC port; it reaches the expert workers as the attention
     workers do (gRPC port; any port with the collective transport, both ways) and the decode workers' gRPC port
-    (the hand-off); nobody else reaches it."""
+    (the hand-off; with the collective transport any port, both ways: its pairs, and the decode pods serve their
+    rendezvous store); nobody else reaches it."""
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(transport=transport, prefillWorkers={"replicas": 1}))
-    allowed = _reachable(build_children("kimi", "serving", spec, cfg, plan), "kimi-")
+    children = build_children("kimi", "serving", spec, cfg, plan)
+    allowed = _reachable(children, "kimi-")
     grpc = (WORKER_PORT,)
     want = {("kimi-router", w, grpc) for w in ("kimi-attention", "kimi-prefill", "kimi-expert")}
-    want.add(("kimi-prefill", "kimi-attention", grpc))
     if transport == "grpc":
-        want |= {("kimi-attention", "kimi-expert", grpc), ("kimi-prefill", "kimi-expert", grpc)}
+        want |= {("kimi-attention", "kimi-expert", grpc), ("kimi-prefill", "kimi-expert", grpc),
+                 ("kimi-prefill", "kimi-attention", grpc)}
     else:
-        want |= {(a, b, None) for x in ("kimi-attention", "kimi-prefill") for a, b in ((x, "kimi-expert"),
-                                                                                       ("kimi-expert", x))}
+        want |= {(a, b, None) for x, y in (("kimi-attention", "kimi-expert"), ("kimi-prefill", "kimi-expert"),
+                                           ("kimi-prefill", "kimi-attention")) for a, b in ((x, y), (y, x))}
     assert allowed == want
+    envs = {c["metadata"]["name"]: {e["name"] for e in c["spec"]["template"]["spec"]["containers"][0]["env"]}
+            for c in children if c["kind"] == "StatefulSet"}
+    stores = {n for n, env in envs.items() if "EXPERTMESH_COLLECTIVE_PORT" in env}
+    assert stores == (set() if transport == "grpc" else {"kimi-attention", "kimi-expert"})   # not the prefill pool
 
 
 def test_status_reports_both_pools(tiny_plan):

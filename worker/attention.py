@@ -439,10 +439,12 @@ class AttentionWorker:
                 raise WorkerError(f"tensors: {name} expected {str(dtype).removeprefix('torch.')} {list(want[name])}, "
                                   f"found {str(got[name].dtype).removeprefix('torch.')} {list(got[name].shape)}")
 
-    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "") -> HandOffResult:
-        """Move sequence `seq_id` to attention worker `to` (an AttentionWorker, or a RemoteAttention client of
-        it) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room; HandOffFailed: it refused
-        or could not be reached — in both cases the sequence stays open here, unchanged."""
+    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "",
+                 transport: str = "grpc") -> HandOffResult:
+        """Move sequence `seq_id` to attention worker `to` (an AttentionWorker, or a client of it: RemoteAttention,
+        collective.CollectiveAttention) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room;
+        HandOffFailed: it refused or could not be reached — in both cases the sequence stays open here, unchanged.
+        `transport`: what the gRPC servicer picks `to`'s client by; here `to` is called as given."""
         start = time.perf_counter()
         with telemetry.tracer().start_as_current_span("kv.send", attributes={"expertmesh.kv.to": str(
                 getattr(to, "address", getattr(to, "name", "")))}) as span:

@@ -1,4 +1,5 @@
-"""The per-layer expert exchange over torch.distributed (gloo on CPU, NCCL on CUDA) beside gRPC.
+"""The per-layer expert exchange, and prefill → decode hand-offs, over torch.distributed (gloo on CPU, NCCL on
+CUDA) beside gRPC.
 
 Transport interface: an expert client has `run(layer, hidden, ids, weights, out_dtype)` → partial sums (what
 worker/exchange.py calls, one call per expert worker per MoE layer). `RemoteExpert` (router/remote.py) does it over
@@ -21,7 +22,15 @@ One call = header, tensors, answer. The attention worker posts, without waiting 
 output [R, H] (always sent, zeros on an error) and, on an error, the message bytes. Sizes go first, so the
 variable-size exchange needs only point-to-point send/recv, which gloo and NCCL both support.
 
-Faults. Every wait on the attention side has the call deadline. A failed or timed-out collective call drops the
+Hand-offs (prefill → decode, worker/attention.py's hand_off) take the same road between two attention workers: the
+decode worker serves a store (`--collective-port`), the prefill worker forms a pair with it (`OpenCollective` on the
+AttentionWorker service) and `CollectiveAttention.import_sequence` sends header int64[8] (OP_IMPORT, the length of
+the ImportSequenceRequest header, the cache's length), the header's bytes and the cache's bytes (a kv_snapshot
+file, checksummed); the answer is int64[2] (status, message length), int64[1] (the receiver's free blocks) and, on
+an error, the message. A pair that fails (or is not formed yet) sends the hand-off over gRPC instead (the
+ImportSequence stream): the transport never decides whether a hand-off happens.
+
+Faults. Every wait on the sending side has the call deadline. A failed or timed-out collective call drops the
 pair (aborted, never waited on again) and raises WorkerUnavailable: the exchange marks the expert worker down and
 redoes the layer's lost groups over gRPC on the replicas (same bits). While a pair is not formed, calls go over
 gRPC. The pair is formed again in the background after the expert worker answers its gRPC health check (the
@@ -43,12 +52,20 @@ import uuid
 
 import torch
 
-from expertmesh.worker_api import ExpertRequestError, RemoteError, UnknownExpert, WorkerUnavailable
+from expertmesh.worker_api import (
+    ExpertRequestError,
+    NotFound,
+    OutOfBlocks,
+    RemoteError,
+    UnknownExpert,
+    WorkerError,
+    WorkerUnavailable,
+)
 
 log = logging.getLogger("expertmesh.worker")
 
-OP_RUN, OP_PING = 1, 2
-STATUS_OK, STATUS_INVALID, STATUS_NOT_FOUND, STATUS_ERROR = 0, 1, 2, 3
+OP_RUN, OP_PING, OP_IMPORT = 1, 2, 3
+STATUS_OK, STATUS_INVALID, STATUS_NOT_FOUND, STATUS_ERROR, STATUS_NO_ROOM = 0, 1, 2, 3, 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RENDEZVOUS_TIMEOUT_S = 20.0
 IDLE = datetime.timedelta(days=365)      # an expert rank waits this long for the next call (an idle pair is fine)
@@ -101,11 +118,14 @@ def _device_of(backend: str) -> torch.device:
 
 # ---------------------------------------------------------------------------------------------- expert side
 class CollectiveServer:
-    """The expert worker's side: the rendezvous store on `port` and one serving thread per open pair."""
+    """A worker's side: the rendezvous store on `port` and one serving thread per open pair. `expert` (an
+    ExpertWorker) serves the expert exchange's calls, `attention` (an AttentionWorker) hand-offs sent to it;
+    `import_cache(header, cache)` → free blocks: how a hand-off's bytes become a sequence (worker/server.py)."""
 
-    def __init__(self, expert, host: str, port: int, backend: str = "gloo"):
+    def __init__(self, host: str, port: int, backend: str = "gloo", *, expert=None, attention=None,
+                 import_cache=None):
         import torch.distributed as dist
-        self.expert, self.backend = expert, backend
+        self.expert, self.attention, self.import_cache, self.backend = expert, attention, import_cache, backend
         try:
             # bound here, on --host only (TCPStore alone listens on every interface), and handed to the store
             self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -118,9 +138,10 @@ class CollectiveServer:
         self.port = self.store.port
         self.pairs = 0                  # pairs being served now
         self.calls = 0                  # RunExperts calls received over pairs
+        self.imports = 0                # hand-offs received over pairs
 
     def open(self, group_id: str, peer_host: str, timeout: float) -> None:
-        """Start rank 1 of `group_id` (returns at once; the attention worker joins as rank 0 within `timeout`)."""
+        """Start rank 1 of `group_id` (returns at once; the caller joins as rank 0 within `timeout`)."""
         if not group_id or len(group_id) > 64 or not group_id.replace("-", "").isalnum():
             raise ValueError(f"group_id: expected up to 64 letters, digits or '-', found {group_id!r}")
         threading.Thread(target=self._serve, args=(group_id, local_address_towards(peer_host), timeout),
@@ -139,45 +160,75 @@ class CollectiveServer:
             while True:
                 head = torch.zeros(8, dtype=torch.int64, device=dev)
                 group.recv([head], 0, 0).wait(IDLE)               # the next call, however long that takes
-                op, layer, n, k, h, in_dt, out_dt, rows = head.tolist()
+                op = int(head[0])
                 if op == OP_PING:
                     group.send([torch.zeros(2, dtype=torch.int64, device=dev)], 0, 0).wait(op_timeout)
                     continue
-                hidden = torch.empty(n, h, dtype=DTYPES[in_dt], device=dev)
-                ids = torch.empty(n, k, dtype=torch.int64, device=dev)
-                weights = torch.empty(n, k, dtype=torch.float32, device=dev)
-                for w in [group.recv([t], 0, 0) for t in (hidden, ids, weights)]:
-                    w.wait(op_timeout)
-                self.calls += 1                 # before the answer goes: whoever has it sees the call counted
-                status, message, out = STATUS_OK, b"", None
-                try:
-                    out = self.expert.run(layer, hidden.cpu(), ids.cpu(), weights.cpu(), DTYPES[out_dt])
-                    if out.shape != (rows, h):
-                        raise RuntimeError(f"{rows} answer rows expected, computed {list(out.shape)}")
-                except Exception as e:
-                    status = STATUS_NOT_FOUND if isinstance(e, UnknownExpert) else \
-                        STATUS_INVALID if isinstance(e, ExpertRequestError) else STATUS_ERROR
-                    message = (str(e) if status != STATUS_ERROR else f"{type(e).__name__}: {e}").encode()[:65536]
-                    if status == STATUS_ERROR:
-                        log.exception("collective RunExperts failed")
-                    out = torch.zeros(rows, h, dtype=DTYPES[out_dt])
+                serve = {OP_RUN: self._run, OP_IMPORT: self._import}.get(op)
+                if serve is None:
+                    raise RuntimeError(f"unknown op {op}")
+                status, message, out = serve(group, head.tolist(), dev, op_timeout)
                 works = [group.send([torch.tensor([status, len(message)], dtype=torch.int64, device=dev)], 0, 0),
                          group.send([out.to(dev).contiguous()], 0, 0)]
                 if message:
                     works.append(group.send([torch.frombuffer(bytearray(message), dtype=torch.uint8).to(dev)], 0, 0))
                 for w in works:
                     w.wait(op_timeout)
-        except Exception as e:          # the attention side closed the pair (dropped, restarted, shut down)
+        except Exception as e:          # the other side closed the pair (dropped, restarted, shut down)
             log.info("collective pair %s closed: %s", group_id[:8], str(e).splitlines()[0][:200])
         finally:
             self.pairs -= 1
             _abandon(group)
 
+    @staticmethod
+    def _failure(e: Exception) -> tuple[int, bytes]:
+        status = STATUS_NOT_FOUND if isinstance(e, (UnknownExpert, NotFound)) else \
+            STATUS_NO_ROOM if isinstance(e, OutOfBlocks) else \
+            STATUS_INVALID if isinstance(e, (ExpertRequestError, WorkerError, ValueError)) else STATUS_ERROR
+        if status == STATUS_ERROR:
+            log.exception("collective call failed")
+        return status, (str(e) if status != STATUS_ERROR else f"{type(e).__name__}: {e}").encode()[:65536]
+
+    def _run(self, group, head: list[int], dev, op_timeout):
+        """OP_RUN: one expert exchange call → (status, message, output [R, H])."""
+        _, layer, n, k, h, in_dt, out_dt, rows = head
+        hidden = torch.empty(n, h, dtype=DTYPES[in_dt], device=dev)
+        ids = torch.empty(n, k, dtype=torch.int64, device=dev)
+        weights = torch.empty(n, k, dtype=torch.float32, device=dev)
+        for w in [group.recv([t], 0, 0) for t in (hidden, ids, weights)]:
+            w.wait(op_timeout)
+        self.calls += 1                 # before the answer goes: whoever has it sees the call counted
+        try:
+            if self.expert is None:
+                raise ExpertRequestError("this worker holds no experts (an attention worker)")
+            out = self.expert.run(layer, hidden.cpu(), ids.cpu(), weights.cpu(), DTYPES[out_dt])
+            if out.shape != (rows, h):
+                raise RuntimeError(f"{rows} answer rows expected, computed {list(out.shape)}")
+            return STATUS_OK, b"", out
+        except Exception as e:
+            return (*self._failure(e), torch.zeros(rows, h, dtype=DTYPES[out_dt]))
+
+    def _import(self, group, head: list[int], dev, op_timeout):
+        """OP_IMPORT: one hand-off → (status, message, the free blocks after as int64 [1])."""
+        _, header_len, cache_len = head[:3]
+        header = torch.empty(header_len, dtype=torch.uint8, device=dev)
+        cache = torch.empty(cache_len, dtype=torch.uint8, device=dev)
+        for w in [group.recv([header], 0, 0), group.recv([cache], 0, 0)]:
+            w.wait(op_timeout)
+        self.imports += 1
+        try:
+            if self.import_cache is None:
+                raise WorkerError("this worker takes no hand-offs (an expert worker)")
+            free = self.import_cache(header.cpu().numpy().tobytes(), cache.cpu().numpy().tobytes())
+            return STATUS_OK, b"", torch.tensor([free], dtype=torch.int64)
+        except Exception as e:
+            return (*self._failure(e), torch.zeros(1, dtype=torch.int64))
+
 
 # ---------------------------------------------------------------------------------------------- attention side
-class CollectiveExpert:
-    """An expert worker reached over a torch.distributed pair, with its gRPC client (`remote`, a RemoteExpert)
-    for control, health and fallback. Same `run` contract as RemoteExpert."""
+class _PairClient:
+    """The calling side of a torch.distributed pair with a worker, beside its gRPC client (`remote`: control,
+    health, fallback): formed in the background, dropped on a failure, formed again once the worker answers."""
 
     def __init__(self, remote, *, retry_interval: float = 1.0):
         self.remote = remote
@@ -259,6 +310,37 @@ class CollectiveExpert:
     def formed(self) -> bool:
         return self.group is not None
 
+    def _over_pair(self, group, call):
+        """Run `call(group)` → (result, status, message) holding the pair; a broken or timed-out pair (peer dead,
+        hung, restarted) is dropped and raises WorkerUnavailable."""
+        try:
+            with self.lock:
+                if self.group is not group:
+                    raise RuntimeError("the pair was dropped meanwhile")
+                return call(group)
+        except Exception as e:          # gloo / NCCL
+            self.drop(e)
+            raise WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
+                                    f"{str(e).splitlines()[0][:300]}") from None
+
+    def _answer(self, group, dev, out: torch.Tensor, deadline) -> tuple[int, str]:
+        """Receive an answer's status and `out` (filled), and the message on an error."""
+        answer = torch.zeros(2, dtype=torch.int64, device=dev)
+        for w in (group.recv([answer], 1, 0), group.recv([out], 1, 0)):
+            w.wait(deadline)
+        status, length = answer.tolist()
+        message = ""
+        if status != STATUS_OK:
+            buf = torch.empty(length, dtype=torch.uint8, device=dev)
+            group.recv([buf], 1, 0).wait(deadline)
+            message = bytes(buf.cpu().tolist()).decode(errors="replace")
+        return status, message
+
+
+class CollectiveExpert(_PairClient):
+    """An expert worker reached over a torch.distributed pair, with its gRPC client (`remote`, a RemoteExpert)
+    for control, health and fallback. Same `run` contract as RemoteExpert."""
+
     # -- data
     def run_grpc(self, layer, hidden, expert_ids, weights, out_dtype=torch.float32) -> torch.Tensor:
         self.grpc_calls += 1
@@ -272,15 +354,8 @@ class CollectiveExpert:
         if group is None or rows is None:
             self.form()
             return self.run_grpc(layer, hidden, expert_ids, weights, out_dtype)
-        try:
-            with self.lock:
-                if self.group is not group:
-                    raise RuntimeError("the pair was dropped meanwhile")
-                out, status, message = self._exchange(group, layer, hidden, expert_ids, weights, out_dtype, rows)
-        except Exception as e:          # gloo / NCCL: a broken or timed-out pair (peer dead, hung, restarted)
-            self.drop(e)
-            raise WorkerUnavailable(f"{self.name} ({self.address}): collective exchange failed: "
-                                    f"{str(e).splitlines()[0][:300]}") from None
+        out, status, message = self._over_pair(
+            group, lambda g: self._exchange(g, layer, hidden, expert_ids, weights, out_dtype, rows))
         self.collective_calls += 1
         if status != STATUS_OK:
             cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
@@ -293,17 +368,53 @@ class CollectiveExpert:
         head = torch.tensor([OP_RUN, layer, n, ids.shape[1], h, DTYPES.index(hidden.dtype),
                              DTYPES.index(out_dtype), rows], dtype=torch.int64)
         sends = [head, hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous()]
-        answer = torch.zeros(2, dtype=torch.int64, device=dev)
         out = torch.empty(rows, h, dtype=out_dtype, device=dev)
         deadline = datetime.timedelta(seconds=self.timeout)
-        works = [group.send([t.to(dev)], 1, 0) for t in sends] + [group.recv([answer], 1, 0),
-                                                                   group.recv([out], 1, 0)]
-        for w in works:
+        for w in [group.send([t.to(dev)], 1, 0) for t in sends]:
             w.wait(deadline)
-        status, length = answer.tolist()
-        message = ""
-        if status != STATUS_OK:
-            buf = torch.empty(length, dtype=torch.uint8, device=dev)
-            group.recv([buf], 1, 0).wait(deadline)
-            message = bytes(buf.cpu().tolist()).decode(errors="replace")
+        status, message = self._answer(group, dev, out, deadline)
         return out.cpu(), status, message
+
+
+class CollectiveAttention(_PairClient):
+    """An attention worker that takes hand-offs, reached over a torch.distributed pair beside its gRPC client
+    (`remote`, a RemoteAttention): `import_sequence` as RemoteAttention's, over the pair when it is formed, else —
+    or when the pair fails — over gRPC."""
+
+    def import_sequence(self, seq_id: str, params, snap, sampler_state: bytes, observed: list[int], *,
+                        reserve_tokens: int, owner: str = "", identity: str = "") -> int:
+        group = self.group
+        if group is not None:
+            from expertmesh.kv_snapshot import encode
+            header = self.remote.import_header(seq_id, params, 0, sampler_state, observed,
+                                               reserve_tokens=reserve_tokens, owner=owner)
+            cache = encode(seq_id, identity, snap)
+            header.cache_bytes = len(cache)
+            try:
+                free, status, message = self._over_pair(group, lambda g: self._send(g, header, cache))
+            except WorkerUnavailable as e:
+                log.warning("%s: hand-off over gRPC instead: %s", self.name, e)
+            else:
+                self.collective_calls += 1
+                if status == STATUS_OK:
+                    return free
+                cls = {STATUS_INVALID: WorkerError, STATUS_NOT_FOUND: NotFound, STATUS_NO_ROOM: OutOfBlocks}.get(status)
+                raise cls(message) if cls else RemoteError(f"{self.name} ({self.address}): {message}")
+        else:
+            self.form()
+        self.grpc_calls += 1
+        return self.remote.import_sequence(seq_id, params, snap, sampler_state, observed,
+                                           reserve_tokens=reserve_tokens, owner=owner, identity=identity)
+
+    def _send(self, group, header, cache: bytes):
+        dev = _device_of(self.backend)
+        raw = header.SerializeToString()
+        head = torch.tensor([OP_IMPORT, len(raw), len(cache), 0, 0, 0, 0, 0], dtype=torch.int64)
+        sends = [head, torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+                 torch.frombuffer(bytearray(cache), dtype=torch.uint8)]
+        free = torch.zeros(1, dtype=torch.int64, device=dev)
+        deadline = datetime.timedelta(seconds=self.timeout)
+        for w in [group.send([t.to(dev)], 1, 0) for t in sends]:
+            w.wait(deadline)
+        status, message = self._answer(group, dev, free, deadline)
+        return int(free[0]), status, message

@@ -41,6 +41,13 @@ class _State:
             yield seqs
             yield from tier_metrics(att)
             yield from handoff_metrics(att)
+        collective = getattr(server, "collective", None)
+        if collective is not None:
+            calls = CounterMetricFamily("expertmesh_collective_calls", "Calls served over torch.distributed pairs: "
+                                        "expert exchange (run), hand-offs taken (import)", labels=["op"])
+            calls.add_metric(["run"], collective.calls)
+            calls.add_metric(["import"], collective.imports)
+            yield calls
         if exp is not None:
             done = CounterMetricFamily("expertmesh_expert_slots_computed", "(token, expert) pairs computed",
                                        labels=["worker"])

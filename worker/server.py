@@ -43,7 +43,7 @@ from expertmesh.shutdown import exit_after, stop_on_signals
 from expertmesh.tensors import from_proto, to_proto
 from expertmesh.tls import ClientTLS, ServerTLS
 from expertmesh.worker.attention import POOLS, AttentionWorker
-from expertmesh.worker.collective import CollectiveExpert, CollectiveServer, backend_for
+from expertmesh.worker.collective import CollectiveAttention, CollectiveExpert, CollectiveServer, backend_for
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
 from expertmesh.kv_snapshot import CorruptFile, decode
@@ -120,15 +120,18 @@ def _rpc(method):
 
 
 class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
-    def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0, max_handoff_bytes: int = 64 * 2 ** 30):
+    def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0, max_handoff_bytes: int = 64 * 2 ** 30,
+                 collective=None):
         """`expert_tls`: expertmesh.tls.ClientTLS for the calls to expert workers, and to the attention workers
         this one hands sequences off to; `handoff_timeout`: the deadline of one such hand-off; `max_handoff_bytes`:
-        the largest sequence cache this worker takes."""
+        the largest sequence cache this worker takes; `collective`: worker/collective.CollectiveServer (with
+        --collective-port): hand-offs sent to this worker over torch.distributed pairs."""
         self.worker = worker
+        self.collective = collective
         self.max_handoff_bytes = max_handoff_bytes
         self.expert_tls = expert_tls
         self.handoff_timeout = handoff_timeout
-        self._peers: dict[str, RemoteAttention] = {}     # address → client of an attention worker handed off to
+        self._peers: dict[tuple[str, str], object] = {}   # (address, transport) → client of a worker handed off to
         self._peers_lock = threading.Lock()
 
     @_rpc
@@ -214,44 +217,64 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     def HandOff(self, request, context):
         if not request.to_address:
             raise ValueError("to_address: required (host:port of the receiving attention worker)")
+        if request.transport not in ("", "grpc", "collective"):
+            raise ValueError(f"transport: expected grpc or collective, found {request.transport!r}")
+        transport = request.transport or "grpc"
         with self._peers_lock:
-            peer = self._peers.get(request.to_address)
+            peer = self._peers.get((request.to_address, transport))
             if peer is None:
-                peer = self._peers[request.to_address] = RemoteAttention(
-                    request.to_address, timeout=self.handoff_timeout, tls=self.expert_tls)
+                peer = RemoteAttention(request.to_address, timeout=self.handoff_timeout, tls=self.expert_tls)
+                if transport == "collective":
+                    peer = CollectiveAttention(peer)
+                self._peers[request.to_address, transport] = peer
         done = self.worker.hand_off(request.seq_id, peer, request.to_seq_id, reserve_tokens=request.reserve_tokens,
                                     owner=request.owner)
         return worker_pb2.HandOffDone(free_blocks=done.free_blocks, bytes=done.bytes, seconds=done.seconds)
 
     @_rpc
     def ImportSequence(self, parts, context):
-        header = next(parts, None)
-        if header is None or header.WhichOneof("part") != "header":
+        first = next(parts, None)
+        if first is None or first.WhichOneof("part") != "header":
             raise ValueError("parts[0]: expected the header (ImportSequenceRequest)")
-        request = header.header
-        if not request.HasField("params"):
-            raise ValueError("params: required")
-        params = sampling_from_proto(request.params)
-        if request.HasField("thinking"):
-            params = dataclasses.replace(params, thinking=thinking_from_proto(request.thinking))
-        if not 0 < request.cache_bytes <= self.max_handoff_bytes:
-            raise ValueError(f"cache_bytes={request.cache_bytes}: expected 1..{self.max_handoff_bytes}")
+        request = first.header
+        self._check_size(request.cache_bytes)
         cache = bytearray()
         for n, part in enumerate(parts, 1):
             if part.WhichOneof("part") != "cache" or len(cache) + len(part.cache) > request.cache_bytes:
                 raise ValueError(f"parts[{n}]: expected a piece of the cache within cache_bytes="
                                  f"{request.cache_bytes}")
             cache += part.cache
+        return worker_pb2.FreeBlocks(free_blocks=self._import(request, cache))
+
+    def import_cache(self, header: bytes, cache: bytes) -> int:
+        """A hand-off that came over a collective pair (worker/collective.py): the ImportSequenceRequest's bytes and
+        the cache's → the free blocks after."""
+        request = worker_pb2.ImportSequenceRequest.FromString(header)
+        self._check_size(request.cache_bytes)
+        return self._import(request, cache)
+
+    def _check_size(self, cache_bytes: int) -> None:
+        if not 0 < cache_bytes <= self.max_handoff_bytes:
+            raise ValueError(f"cache_bytes={cache_bytes}: expected 1..{self.max_handoff_bytes}")
+
+    def _import(self, request, cache) -> int:
+        if not request.HasField("params"):
+            raise ValueError("params: required")
+        params = sampling_from_proto(request.params)
+        if request.HasField("thinking"):
+            params = dataclasses.replace(params, thinking=thinking_from_proto(request.thinking))
         if len(cache) != request.cache_bytes:
             raise ValueError(f"cache: {len(cache)} bytes arrived, cache_bytes says {request.cache_bytes}")
         try:
             snap = decode(cache, key=request.seq_id, identity=self.worker.handoff_identity)
         except CorruptFile as e:
             raise ValueError(f"cache: {e}") from None
-        free = self.worker.import_sequence(request.seq_id, params, snap, request.sampler_state,
-                                           list(request.observed), reserve_tokens=request.reserve_tokens,
-                                           owner=request.owner)
-        return worker_pb2.FreeBlocks(free_blocks=free)
+        return self.worker.import_sequence(request.seq_id, params, snap, request.sampler_state, list(request.observed),
+                                           reserve_tokens=request.reserve_tokens, owner=request.owner)
+
+    @_rpc
+    def OpenCollective(self, request, context):
+        return open_collective(self.collective, self.worker.name, request, context)
 
     @_rpc
     def ExpertLoad(self, request, context):
@@ -324,17 +347,22 @@ class ExpertServicer(worker_pb2_grpc.ExpertWorkerServicer):
 
     @_rpc
     def OpenCollective(self, request, context):
-        if self.collective is None:
-            raise NotConnected(f"{self.worker.name}: no collective transport (started without --collective-port)")
-        if not 0 < request.timeout_s <= 600:
-            raise ValueError(f"timeout_s: expected seconds in (0, 600], found {request.timeout_s}")
-        peer = context.peer()                  # "ipv4:10.0.0.5:41234" / "ipv6:[::1]:41234": where the pair goes
-        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "127.0.0.1"
-        self.collective.open(request.group_id, host, request.timeout_s)
-        return worker_pb2.OpenCollectiveResponse(store_port=self.collective.port, backend=self.collective.backend)
+        return open_collective(self.collective, self.worker.name, request, context)
 
 
 # ---------------------------------------------------------------------------------------------- server
+def open_collective(collective, name: str, request, context) -> worker_pb2.OpenCollectiveResponse:
+    """Start this worker's rank of the caller's pair (OpenCollective, both services)."""
+    if collective is None:
+        raise NotConnected(f"{name}: no collective transport (started without --collective-port)")
+    if not 0 < request.timeout_s <= 600:
+        raise ValueError(f"timeout_s: expected seconds in (0, 600], found {request.timeout_s}")
+    peer = context.peer()                  # "ipv4:10.0.0.5:41234" / "ipv6:[::1]:41234": where the pair goes
+    host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "127.0.0.1"
+    collective.open(request.group_id, host, request.timeout_s)
+    return worker_pb2.OpenCollectiveResponse(store_port=collective.port, backend=collective.backend)
+
+
 def add_servicer(server: grpc.Server, service: str, servicer) -> None:
     """Register `servicer`'s methods for `service` (full name) as the generated add_*_to_server would, except
     that requests arrive as bytes and are parsed here: a request that is not a valid message gets
@@ -438,7 +466,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           kv_tiers: dict | None = None, pool: str = "mixed") -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
-    `collective_port`: an expert role also serves the collective transport (worker/collective.py), its
+    `collective_port`: also serve the collective transport (worker/collective.py: expert calls, hand-offs), its
     rendezvous store on this port (0: any free one).
     `health_port`: also serve grpc.health.v1 alone, plaintext, on this port (0: any free one) — what Kubernetes
     gRPC probes reach when the real port requires mutual TLS; `.health_server` / `.health_port` are set.
@@ -464,12 +492,16 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
                  ("grpc.so_reuseport", 0)],        # a taken port must fail, not be shared
         maximum_concurrent_rpcs=16 * max_workers)  # the queue of calls waiting for a thread has a bound
     services = []
-    if attention is not None:
-        add_servicer(server, ATTENTION_SERVICE, AttentionServicer(attention, expert_tls))
-        services.append(ATTENTION_SERVICE)
+    attention_servicer = AttentionServicer(attention, expert_tls) if attention is not None else None
     collective = None
-    if expert is not None and collective_port is not None:
-        collective = CollectiveServer(expert, host, collective_port, backend_for(expert.device_kind))
+    if collective_port is not None:
+        collective = CollectiveServer(host, collective_port, backend_for((expert or attention).device_kind),
+                                      expert=expert, attention=attention,
+                                      import_cache=attention_servicer.import_cache if attention_servicer else None)
+    if attention_servicer is not None:
+        attention_servicer.collective = collective
+        add_servicer(server, ATTENTION_SERVICE, attention_servicer)
+        services.append(ATTENTION_SERVICE)
     if expert is not None:
         add_servicer(server, EXPERT_SERVICE, ExpertServicer(expert, collective))
         services.append(EXPERT_SERVICE)
@@ -602,9 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-port", type=int,
                    default=int(os.environ["EXPERTMESH_COLLECTIVE_PORT"]) if os.environ.get(
                        "EXPERTMESH_COLLECTIVE_PORT") else None,
-                   help="expert role: also serve the collective transport (torch.distributed: gloo on cpu, nccl on "
-                        "cuda), its rendezvous store on this port (default: $EXPERTMESH_COLLECTIVE_PORT; none: "
-                        "gRPC only)")
+                   help="also serve the collective transport (torch.distributed: gloo on cpu, nccl on cuda) — the "
+                        "expert exchange's calls (expert role) and hand-offs sent to this worker (attention role) — its "
+                        "rendezvous store on this port (default: $EXPERTMESH_COLLECTIVE_PORT; none: gRPC only)")
     p.add_argument("--lease-seconds", type=float, default=30.0,
                    help="attention role: close the sequences of a router silent this long (it heartbeats every "
                         "second); 0 = never")
