@@ -3,7 +3,8 @@
 Real processes on loopback (`expertmesh up`'s LocalCluster, the embedded tiny model unless --checkpoint): a
 decode-heavy background load — `--decoders` streams, each sending short prompts with long outputs back to back —
 and, every `--long-every` seconds, a `--long-tokens`-token prompt (a tool output arriving) with a short answer.
-For each deployment, side by side in one run: the decode streams' inter-token latency p50 / p99, the long prompts'
+For each deployment, side by side in one run: the decode streams' inter-token latency p50 / p99 (and p99 after
+each request's second token, and the first→second token gap, which holds a hand-off), the long prompts'
 time to first token p50 / p99, the background tokens/s, and — with a prefill pool — the hand-off bytes and seconds
 per 1K prompt tokens (router /metrics) and the prompt tokens each pool computed. Greedy: the long prompts' answers
 must be the same in every deployment. Then the full-2.8t arithmetic: KV + KDA state bytes of a 32K-token hand-off
@@ -75,6 +76,8 @@ def run_load(cluster, args, seed: int) -> dict:
     before = router_counters(cluster.http_url)
     stop = threading.Event()
     gaps: list[float] = []
+    later: list[float] = []             # gaps after a request's second token (a hand-off precedes the second)
+    firsts: list[float] = []            # first token → second token
     decoded = [0]
     lock = threading.Lock()
 
@@ -84,6 +87,9 @@ def run_load(cluster, args, seed: int) -> dict:
             _, times = stream(stub, [rng.randrange(256) for _ in range(args.short_tokens)], args.decode_tokens)
             with lock:
                 gaps.extend(b - a for a, b in zip(times, times[1:]))
+                later.extend(b - a for a, b in zip(times[1:], times[2:]))
+                if len(times) > 1:
+                    firsts.append(times[1] - times[0])
                 decoded[0] += len(times)
 
     rng = random.Random(seed)
@@ -113,6 +119,8 @@ def run_load(cluster, args, seed: int) -> dict:
     moved = delta.get("expertmesh_kv_transfer_bytes_total", 0.0)
     handoff_s = delta.get("expertmesh_kv_handoff_seconds_sum", 0.0)
     return {"itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
+            "itl_p99_after_second_ms": 1e3 * percentile(later, 99),
+            "first_gap_p50_ms": 1e3 * percentile(firsts, 50),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "long_prompts": len(ttft),
             "decode_tok_s": decoded[0] / elapsed, "prompt_tokens_by_pool": {
                 k.split('"')[1]: v for k, v in delta.items() if k.startswith("expertmesh_prefill_tokens_total")},
@@ -156,14 +164,16 @@ def main(argv=None) -> int:
 
     print(f"\n{args.decoders} decode streams ({args.short_tokens}-token prompts, {args.decode_tokens} tokens each) + a "
           f"{args.long_tokens}-token prompt every {args.long_every:g} s, {args.seconds:g} s per deployment")
-    print(f"{'deployment':<32} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'TTFT p50 s':>10} {'TTFT p99 s':>10} "
-          f"{'decode tok/s':>12}  prompt tokens by pool; hand-off per 1K prompt tokens")
+    print(f"{'deployment':<32} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99 after 2nd':>13} {'1st gap p50':>11} "
+          f"{'TTFT p50 s':>10} {'TTFT p99 s':>10} {'decode tok/s':>12}  prompt tokens by pool; hand-off per 1K "
+          f"prompt tokens")
     for label, r in results.items():
         pools = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(r["prompt_tokens_by_pool"].items()))
         moved = "" if r["handoff_bytes_per_1k_prompt"] is None else (
             f"; {r['handoffs']:.0f} hand-offs, {r['handoff_bytes_per_1k_prompt'] / 2 ** 20:.2f} MiB and "
             f"{1e3 * r['handoff_s_per_1k_prompt']:.1f} ms per 1K prompt tokens")
-        print(f"{label:<32} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {r['ttft_p50_s']:>10.2f} "
+        print(f"{label:<32} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {r['itl_p99_after_second_ms']:>13.1f} "
+              f"{r['first_gap_p50_ms']:>11.1f} {r['ttft_p50_s']:>10.2f} "
               f"{r['ttft_p99_s']:>10.2f} {r['decode_tok_s']:>12.1f}  {pools}{moved}")
     answers = [r["answers"][:min(len(x["answers"]) for x in results.values())] for r in results.values()]
     print(f"long prompts' greedy answers identical across deployments: "

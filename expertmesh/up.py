@@ -130,15 +130,16 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
     def threads_for(self, name: str) -> int:
-        """Torch threads of the process `name` (attention-i, expert-i, router). With `threads` None, each role's
-        share of the cores this process may run on: a step runs the attention workers and the expert workers in
-        turn (attention waits while the experts of its layer compute), so the attention workers share all the
-        cores and so do the expert workers; the router does no tensor math."""
+        """Torch threads of the process `name` (attention-i, prefill-i, expert-i, router). With `threads` None, each
+        role's share of the cores this process may run on: a step runs the attention workers and the expert workers
+        in turn (attention waits while the experts of its layer compute), so the attention workers (of both pools)
+        share all the cores and so do the expert workers; the router does no tensor math."""
         if self.threads is not None:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         role = name.split("-", 1)[0]
-        share = {"attention": self.n_attention, "expert": self.n_expert, "prefill": self.n_prefill}.get(role)
+        attention = self.n_attention + self.n_prefill          # both pools' workers: attention processes
+        share = {"attention": attention, "prefill": attention, "expert": self.n_expert}.get(role)
         return max(1, cores // share) if share else 1
 
     def _env(self, name: str) -> dict:

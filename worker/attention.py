@@ -128,6 +128,11 @@ class AttentionWorker:
         if self.device_kind == "cpu":
             cpu_warmup.load(cpu_warmup.ATTENTION)     # before serving: not on the first request
         self.sequences: dict[str, _Sequence] = {}
+        # sequences handed off to this worker, installed without waiting for the step in progress (import_sequence)
+        # and merged into `sequences` by the next call that holds the step lock (_merge_arrivals)
+        self._arrivals: dict[str, _Sequence] = {}
+        self._leaving: set[str] = set()          # handed off from here: closed at the next merge
+        self._arrivals_lock = threading.Lock()
         self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
         self.device_prefix_hits = 0                      # sequences opened from a prefix on the device
         self.prompt_tokens_computed = 0                  # prompt tokens this worker's steps computed
@@ -173,6 +178,7 @@ class AttentionWorker:
             time.sleep(max(0.05, self.lease_seconds / 4))
             now = time.monotonic()
             with self.lock:
+                self._merge_arrivals()
                 stale = [s for s, seq in self.sequences.items()
                          if seq.owner and now - self.last_seen.get(seq.owner, 0.0) > self.lease_seconds]
                 for seq_id in stale:
@@ -181,9 +187,12 @@ class AttentionWorker:
 
     def info(self, owner: str = "") -> dict:
         self.renew(owner)
+        self._try_merge()              # a hand-off's blocks freed soon after it, though no step comes (heartbeats)
+        with self._arrivals_lock:
+            arriving = len(self._arrivals)
         return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
                 "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
-                "sequences": len(self.sequences), "prefixes": len(self.prefixes),
+                "sequences": len(self.sequences) + arriving, "prefixes": len(self.prefixes),
                 "experts_down": sorted(self.exchange.down) if self.exchange is not None else [],
                 "pool": self.pool_role}
 
@@ -238,6 +247,7 @@ class AttentionWorker:
                               f"{type(e).__name__}: {e}") from None
 
     def _check_new(self, seq_id: str, reserve_tokens: int) -> None:
+        self._merge_arrivals()
         if seq_id in self.sequences:
             raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
         if reserve_tokens <= 0 or reserve_tokens > self.cfg.max_context:
@@ -275,6 +285,7 @@ class AttentionWorker:
     def close_sequence(self, seq_id: str) -> int:
         with self.lock:
             self.calls += 1
+            self._merge_arrivals()
             seq = self.sequences.pop(seq_id, None)
             if seq is None:
                 raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
@@ -369,16 +380,27 @@ class AttentionWorker:
     def export_sequence(self, seq_id: str) -> tuple[SamplingParams, PrefixSnapshot, bytes, list[int]]:
         """A host copy of a sequence past its prompt: (params, its cache as a snapshot — KV [0, length), indexer
         keys, KDA recurrent + conv state —, its sampler's generator state, the output tokens fed so far). The
-        sequence stays open here (hand_off closes it once the receiver has it)."""
-        with self.lock:
-            seq = self._seq(seq_id)
-            if not seq.generating:
-                raise WorkerError(f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its "
-                                  f"first sampled token)")
+        sequence stays open here (hand_off closes it once the receiver has it).
+
+        Without the step lock: a sequence being handed off is in no step (the router leaves it out), and its pages
+        are copied through a fork of its block table (the full blocks retained under the pool's own lock), so
+        nothing frees them under the copy — the hand-off does not wait for the step in progress."""
+        self._try_merge()
+        with self._arrivals_lock:
+            seq = self.sequences.get(seq_id) or self._arrivals.get(seq_id)
+        if seq is None:
+            raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
+        if not seq.generating:
+            raise WorkerError(f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its "
+                              f"first sampled token)")
+        length = seq.cache.length
+        kv = seq.kv.fork(length)
+        try:
             kda = {i: (c.state, c.conv) for i, c in enumerate(seq.cache.layers) if self.cfg.layer_types[i] == "kda"}
-            snap = self._snapshot(_Prefix(kv=seq.kv, kda_states=kda, length=seq.cache.length))
-            state = seq.sampler.generator.get_state().numpy().tobytes()
-            return seq.params, snap, state, list(seq.observed)
+            snap = self._snapshot(_Prefix(kv=kv, kda_states=kda, length=length))
+        finally:
+            kv.free()
+        return seq.params, snap, seq.sampler.generator.get_state().numpy().tobytes(), list(seq.observed)
 
     def import_sequence(self, seq_id: str, params: SamplingParams, snap: PrefixSnapshot, sampler_state: bytes,
                         observed: list[int], *, reserve_tokens: int, owner: str = "", identity: str = "") -> int:
@@ -397,25 +419,31 @@ class AttentionWorker:
             raise WorkerError(f"sampler_state: not a generator state of this build ({e})") from None
         for t in observed:
             sampler.observe(t)
-        with self.lock:
-            self.calls += 1
-            self._check_new(seq_id, reserve_tokens)
-            if reserve_tokens <= snap.length:
-                raise WorkerError(f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens "
-                                  f"handed off (room for the next one)")
-            kv, states = self._load(snap, reserve_tokens)
-            cache = self.model.new_cache()
-            for layer, (state, conv) in states.items():
-                cache.layers[layer].state, cache.layers[layer].conv = state, conv
-            for i in self.cfg.latent_kv_layers:
-                cache.layers[i] = PagedDSACache(kv, i)
-            cache.length = snap.length
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, generating=True,
-                                               owner=owner, observed=list(observed))
-            self.renew(owner)
-            self.handoffs["received"] += 1
-            self.handoff_bytes["received"] += snap.nbytes
-            return self.pool.free_blocks
+        if not snap.length < reserve_tokens <= self.cfg.max_context:
+            raise WorkerError(f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens handed "
+                              f"off (room for the next one), at most {self.cfg.max_context}")
+        # no step lock: the blocks taken here are this sequence's alone (the pool's free list has its own lock), so
+        # the copy runs beside a step in progress and the sequence is there for the next one
+        kv, states = self._load(snap, reserve_tokens)
+        cache = self.model.new_cache()
+        for layer, (state, conv) in states.items():
+            cache.layers[layer].state, cache.layers[layer].conv = state, conv
+        for i in self.cfg.latent_kv_layers:
+            cache.layers[i] = PagedDSACache(kv, i)
+        cache.length = snap.length
+        seq = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, generating=True, owner=owner,
+                        observed=list(observed))
+        with self._arrivals_lock:
+            if seq_id in self.sequences or seq_id in self._arrivals:
+                kv.free()
+                raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
+            self._arrivals[seq_id] = seq
+        self.calls += 1
+        self.renew(owner)
+        self.handoffs["received"] += 1
+        self.handoff_bytes["received"] += snap.nbytes
+        self._try_merge()
+        return self.pool.free_blocks
 
     def _check_snapshot(self, snap: PrefixSnapshot) -> None:
         """WorkerError naming the tensor when a snapshot does not fit this worker's model and KV layout."""
@@ -458,7 +486,10 @@ class AttentionWorker:
                 raise
             except Exception as e:
                 raise HandOffFailed(f"to {getattr(to, 'name', to)}: {type(e).__name__}: {e}") from None
-            free = self.close_sequence(seq_id)
+            with self._arrivals_lock:           # closed by the next call that holds the step lock
+                self._leaving.add(seq_id)
+        self._try_merge()
+        free = self.pool.free_blocks
         seconds = time.perf_counter() - start
         self.handoffs["sent"] += 1
         self.handoff_bytes["sent"] += snap.nbytes
@@ -483,7 +514,28 @@ class AttentionWorker:
         synchronize(self.device)
         return kv, states
 
+    def _merge_arrivals(self) -> None:
+        """Move the sequences handed off to this worker into `sequences`, close those handed off from it (the
+        caller holds the step lock)."""
+        with self._arrivals_lock:
+            self.sequences.update(self._arrivals)
+            self._arrivals.clear()
+            leaving, self._leaving = self._leaving, set()
+        for seq_id in leaving:
+            seq = self.sequences.pop(seq_id, None)
+            if seq is not None:
+                seq.kv.free()
+
+    def _try_merge(self) -> None:
+        """_merge_arrivals now if no step runs (else the step's own calls do it)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._merge_arrivals()
+            finally:
+                self.lock.release()
+
     def _seq(self, seq_id: str) -> _Sequence:
+        self._merge_arrivals()
         seq = self.sequences.get(seq_id)
         if seq is None:
             raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")

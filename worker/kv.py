@@ -6,6 +6,8 @@ the full blocks of the prefix; a partly filled block is never shared (it is copi
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from expertmesh.config import ModelConfig
@@ -28,27 +30,34 @@ class BlockPool:
                         for i in self.kv_layers if cfg.layer_types[i] == "dsa"}
         self.refcount = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        # the free list and the counts have a lock of their own: a hand-off lands (its blocks taken and written)
+        # while a step runs on other blocks (AttentionWorker.import_sequence)
+        self.lock = threading.Lock()
 
     @property
     def free_blocks(self) -> int:
         return len(self.free)
 
     def allocate(self) -> int:
-        if not self.free:
-            raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens in use")
-        b = self.free.pop()
-        self.refcount[b] = 1
-        return b
+        with self.lock:
+            if not self.free:
+                raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens in "
+                                  f"use")
+            b = self.free.pop()
+            self.refcount[b] = 1
+            return b
 
     def retain(self, block: int) -> None:
-        self.refcount[block] += 1
+        with self.lock:
+            self.refcount[block] += 1
 
     def release(self, block: int) -> None:
-        self.refcount[block] -= 1
-        if self.refcount[block] == 0:
-            self.free.append(block)
-        elif self.refcount[block] < 0:
-            raise RuntimeError(f"KV block {block} released more often than retained")
+        with self.lock:
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                self.free.append(block)
+            elif self.refcount[block] < 0:
+                raise RuntimeError(f"KV block {block} released more often than retained")
 
 
 class PagedSequenceKV:
