@@ -157,6 +157,29 @@ def test_a_follow_up_turn_hits_the_prefix_saved_in_the_prefill_pool(engines, pro
     assert split.attention[0]._client.prompt_tokens_computed == 0
 
 
+def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefilled(ckpt, prompts):
+    """A decode worker too small for a sequence's reservation never gets it: the sequence finishes on its prefill
+    worker with the same tokens; one that fits is handed off."""
+    from expertmesh.router.engine import Engine
+    from expertmesh.up import make_placement
+    from expertmesh.worker.expert import ExpertWorker
+    placement = make_placement(ckpt.cfg, 1, 0)
+    decode = AttentionWorker(ckpt, kv_blocks=3, name="attention-0", pool="decode")       # 48 tokens
+    prefill = AttentionWorker(ckpt, kv_blocks=64, name="prefill-0", pool="prefill")
+    engine = Engine(ckpt.cfg, [decode], [ExpertWorker(ckpt, placement.experts_of(0))], placement, prefill=[prefill],
+                    prefill_chunk=CHUNK)
+    try:
+        model = ckpt.load_model()
+        greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
+        long, short = prompts[2], prompts[1]             # 70 + 10 tokens: no room there; 21 + 10: room
+        assert engine.generate(long, greedy).output == generate(model, long, greedy, prefill_chunk=CHUNK).tokens
+        assert decode.handoffs["received"] == 0 and prefill.handoffs["sent"] == 0
+        assert engine.generate(short, greedy).output == generate(model, short, greedy, prefill_chunk=CHUNK).tokens
+        assert decode.handoffs["received"] == 1 and decode.prompt_tokens_computed == 0
+    finally:
+        engine.close()
+
+
 def test_a_handed_off_sequence_is_bit_identical_and_a_bad_one_is_refused(ckpt):
     src = AttentionWorker(ckpt, kv_blocks=16, name="prefill-0", pool="prefill", lease_seconds=0)
     dst = AttentionWorker(ckpt, kv_blocks=4, name="attention-0", pool="decode", lease_seconds=0)
