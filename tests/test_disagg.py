@@ -298,14 +298,16 @@ def scrape(url: str, name: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_prefill_worker(ckpt, prompts):
+def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_prefill_worker(ckpt, prompts, tmp_path):
+    """Workers under mutual TLS, as `expertmesh up` runs them: the prefill worker hands off with its client key."""
+    from expertmesh.tls import ephemeral_pki
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     want = {tuple(p): generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts}
     grpc_port = free_port()
     address = f"127.0.0.1:{grpc_port}"
     with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, prefill_workers=1, http_port=free_port(),
-                      grpc_port=grpc_port, attention_metrics=True) as c:
+                      grpc_port=grpc_port, attention_metrics=True, worker_tls_dir=ephemeral_pki(tmp_path)) as c:
         decode_metrics, _ = c.metrics_urls
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda p: generate_grpc(address, p), prompts)) == [want[tuple(p)] for p in prompts]
