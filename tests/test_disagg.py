@@ -143,6 +143,9 @@ def test_disaggregated_tokens_equal_colocated_and_the_decode_pool_computes_no_pr
     assert decode.handoffs["received"] == prefill.handoffs["sent"] >= 3 * len(prompts)
     assert decode.handoff_bytes["received"] == prefill.handoff_bytes["sent"] > 0
     assert split.metrics.handoffs.labels("moved")._value.get() == prefill.handoffs["sent"]
+    deadline = time.monotonic() + 5          # a handed-off copy is closed once its worker's step in progress ends
+    while (decode.sequences or prefill.sequences) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not decode.sequences and not prefill.sequences
 
 

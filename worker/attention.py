@@ -133,6 +133,7 @@ class AttentionWorker:
         self._arrivals: dict[str, _Sequence] = {}
         self._leaving: set[str] = set()          # handed off from here: closed at the next merge
         self._arrivals_lock = threading.Lock()
+        self._merge_wanted = threading.Event()   # the merger thread merges once the step in progress ends
         self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
         self.device_prefix_hits = 0                      # sequences opened from a prefix on the device
         self.prompt_tokens_computed = 0                  # prompt tokens this worker's steps computed
@@ -156,6 +157,7 @@ class AttentionWorker:
         self.expired = 0
         if lease_seconds > 0:
             threading.Thread(target=self._sweep, name="lease-sweep", daemon=True).start()
+        threading.Thread(target=self._merger, name="handoff-merge", daemon=True).start()
 
     def memory(self):
         """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
@@ -527,12 +529,21 @@ class AttentionWorker:
                 seq.kv.free()
 
     def _try_merge(self) -> None:
-        """_merge_arrivals now if no step runs (else the step's own calls do it)."""
+        """_merge_arrivals now if no step runs, else as soon as the step in progress ends (the merger thread)."""
         if self.lock.acquire(blocking=False):
             try:
                 self._merge_arrivals()
             finally:
                 self.lock.release()
+        else:
+            self._merge_wanted.set()
+
+    def _merger(self) -> None:
+        while True:
+            self._merge_wanted.wait()
+            self._merge_wanted.clear()
+            with self.lock:
+                self._merge_arrivals()
 
     def _seq(self, seq_id: str) -> _Sequence:
         self._merge_arrivals()
