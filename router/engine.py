@@ -26,7 +26,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -83,6 +84,16 @@ def _public(error: Exception) -> Exception:
     return RuntimeError(f"the step failed on a worker ({type(error).__name__}); see the router log")
 
 
+@dataclass
+class _InTransit:
+    """A hand-off in flight: its call, from / to which attention worker, the sequence id there, the blocks promised."""
+    future: Future
+    src: int
+    to: int
+    to_seq: str
+    blocks: int
+
+
 def _first_info(client, timeout: float) -> dict:
     """A worker that is still starting (pods start in any order) is waited for, up to `timeout`."""
     deadline = time.monotonic() + timeout
@@ -127,7 +138,7 @@ class Engine:
         self.metrics.bind(self)
         self.pools = Pools.of(len(attention), len(prefill or ()), prefill_min_tokens)
         self.attention = [InstrumentedClient(a, self.metrics, "attention") for a in list(attention) + list(prefill or ())]
-        self.transit: dict[Request, object] = {}      # request → its hand-off's future (prefill → decode)
+        self.transit: dict[Request, _InTransit] = {}  # requests being handed off (prefill → decode)
         self.experts = [InstrumentedClient(e, self.metrics, "expert") for e in experts]
         if prefill_tokens and prefill_tokens % prefill_chunk:
             raise ValueError(f"prefill_tokens: {prefill_tokens} is not a multiple of prefill_chunk {prefill_chunk}")
@@ -691,12 +702,13 @@ class Engine:
             to = choose_decode(self.kv, self.pools, down, req.reserved)
             if to is None:
                 continue
+            # promised (later choices see it taken); what the receiver reserves exactly: blocks_for(reserved)
             blocks = self.kv.blocks_for(to, req.reserved)
-            self.kv.workers[to].free_blocks -= blocks            # promised: later choices see it taken
+            self.kv.workers[to].free_blocks -= blocks
             self.kv.workers[to].sequences += 1
             to_seq = f"{self.instance}-{next(self.seq_ids)}"
             future = self.pool.submit(self._hand_off, req, req.worker, to, to_seq)
-            self.transit[req] = (future, req.worker, to, to_seq, blocks)
+            self.transit[req] = _InTransit(future, req.worker, to, to_seq, blocks)
             future.add_done_callback(lambda _f: self._wake())
 
     def _wake(self) -> None:
@@ -724,21 +736,22 @@ class Engine:
         """Apply the hand-offs that finished (the scheduler thread): the request now runs on its decode worker;
         or, when it failed, stays on its prefill worker (the receiver refused or had no room) or — the prefill
         worker gone — goes back to the queue to replay, its copy on the decode worker (if it got there) closed."""
-        for req, (future, src, to, to_seq, blocks) in list(self.transit.items()):
-            if not future.done():
+        for req, t in list(self.transit.items()):
+            if not t.future.done():
                 continue
             del self.transit[req]
-            self.kv.workers[to].sequences -= 1
-            self.kv.workers[to].free_blocks += blocks
-            try:
-                done = future.result()
-            except (OutOfBlocks, HandOffFailed) as e:
+            src, to, to_seq = t.src, t.to, t.to_seq
+            e = t.future.exception()
+            if e is not None:               # not there: the promise is taken back
+                self.kv.workers[to].sequences -= 1
+                self.kv.workers[to].free_blocks += t.blocks
+            if isinstance(e, (OutOfBlocks, HandOffFailed)):
                 log.info("hand-off of %s to attention worker %d: %s; it stays on %d", req.request_id, to, e, src)
                 self.metrics.handoffs.labels("refused").inc()
                 self.health.close(to, to_seq)            # in case it got there and only the answer was lost
                 self._refresh(to)
                 continue
-            except Exception as e:
+            if e is not None:
                 log.warning("hand-off of %s from attention worker %d failed: %s; replaying it", req.request_id,
                             src, e)
                 self.metrics.handoffs.labels("failed").inc()
@@ -748,14 +761,13 @@ class Engine:
                 if req in self.running:
                     self._recover(req)
                 continue
+            done = t.future.result()
             self.metrics.handoffs.labels("moved").inc()
             self.metrics.kv_transfer_bytes.inc(done.bytes)
             self.metrics.handoff_seconds.observe(done.seconds)
             self.kv.workers[src].free_blocks = done.free_blocks
             self.kv.workers[src].sequences -= 1
-            self.kv.workers[to].sequences += 1
             req.worker, req.seq_id = to, to_seq
-            self._refresh(to)
             if req not in self.running:              # ended meanwhile (close() failed it): not left open there
                 self.health.close(to, to_seq)
 

@@ -11,6 +11,7 @@ by row, so a sequence's numbers do not depend on the batch it is in.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -128,10 +129,11 @@ class AttentionWorker:
         if self.device_kind == "cpu":
             cpu_warmup.load(cpu_warmup.ATTENTION)     # before serving: not on the first request
         self.sequences: dict[str, _Sequence] = {}
-        # sequences handed off to this worker, installed without waiting for the step in progress (import_sequence)
-        # and merged into `sequences` by the next call that holds the step lock (_merge_arrivals)
+        # sequences handed off to this worker, installed without waiting for the step in progress (import_sequence),
+        # and those handed off from it, still open: merged into / closed in `sequences` under the step lock
+        # (_merge_arrivals: at once when no step runs, else by the merger thread when the step ends)
         self._arrivals: dict[str, _Sequence] = {}
-        self._leaving: set[str] = set()          # handed off from here: closed at the next merge
+        self._leaving: set[str] = set()
         self._arrivals_lock = threading.Lock()
         self._merge_wanted = threading.Event()   # the merger thread merges once the step in progress ends
         self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
@@ -189,7 +191,6 @@ class AttentionWorker:
 
     def info(self, owner: str = "") -> dict:
         self.renew(owner)
-        self._try_merge()              # a hand-off's blocks freed soon after it, though no step comes (heartbeats)
         with self._arrivals_lock:
             arriving = len(self._arrivals)
         return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
@@ -447,17 +448,20 @@ class AttentionWorker:
         self._try_merge()
         return self.pool.free_blocks
 
+    @functools.cached_property
+    def _kda_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes a handed-off KDA state must have (read once from a fresh cache)."""
+        fresh = self.model.new_cache()
+        return {f"kda_{part}.{i}": tuple(getattr(c, part).shape) for i, c in enumerate(fresh.layers)
+                if self.cfg.layer_types[i] == "kda" for part in ("state", "conv")}
+
     def _check_snapshot(self, snap: PrefixSnapshot) -> None:
         """WorkerError naming the tensor when a snapshot does not fit this worker's model and KV layout."""
         if not 0 < snap.length < self.cfg.max_context:
             raise WorkerError(f"length={snap.length}: expected 1..{self.cfg.max_context - 1}")
         want = {f"latent.{i}": (snap.length, self.pool.latent[i].shape[-1]) for i in self.cfg.latent_kv_layers}
         want |= {f"index_k.{i}": (snap.length, t.shape[-1]) for i, t in self.pool.index_k.items()}
-        fresh = self.model.new_cache()
-        for i, kind in enumerate(self.cfg.layer_types):
-            if kind == "kda":
-                want[f"kda_state.{i}"] = tuple(fresh.layers[i].state.shape)
-                want[f"kda_conv.{i}"] = tuple(fresh.layers[i].conv.shape)
+        want |= self._kda_shapes
         got = dict(snap.named_tensors())
         for name in sorted(set(want) | set(got)):
             if name not in got:
@@ -488,7 +492,7 @@ class AttentionWorker:
                 raise
             except Exception as e:
                 raise HandOffFailed(f"to {getattr(to, 'name', to)}: {type(e).__name__}: {e}") from None
-            with self._arrivals_lock:           # closed by the next call that holds the step lock
+            with self._arrivals_lock:           # closed under the step lock (_merge_arrivals)
                 self._leaving.add(seq_id)
         self._try_merge()
         free = self.pool.free_blocks
@@ -519,6 +523,8 @@ class AttentionWorker:
     def _merge_arrivals(self) -> None:
         """Move the sequences handed off to this worker into `sequences`, close those handed off from it (the
         caller holds the step lock)."""
+        if not self._arrivals and not self._leaving:     # the common case, every step: no lock taken
+            return
         with self._arrivals_lock:
             self.sequences.update(self._arrivals)
             self._arrivals.clear()

@@ -386,10 +386,9 @@ class CollectiveAttention(_PairClient):
         group = self.group
         if group is not None:
             from expertmesh.kv_snapshot import encode
-            header = self.remote.import_header(seq_id, params, 0, sampler_state, observed,
-                                               reserve_tokens=reserve_tokens, owner=owner)
             cache = encode(seq_id, identity, snap)
-            header.cache_bytes = len(cache)
+            header = self.remote.import_header(seq_id, params, len(cache), sampler_state, observed,
+                                               reserve_tokens=reserve_tokens, owner=owner)
             try:
                 free, status, message = self._over_pair(group, lambda g: self._send(g, header, cache))
             except WorkerUnavailable as e:
