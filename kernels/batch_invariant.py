@@ -114,12 +114,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   packed: torch.Tensor | None = None) -> torch.Tensor:
     """The row-padded path of `linear` (CPU): 16-row tiles, at most MAX_ROWS rows a call, through oneDNN's
-    `packed` copy of the weight when given, else F.linear."""
+    `packed` copy of the weight when given, else F.linear on exactly ROW_TILE rows a call: ATen's fp32 GEMM picks
+    its blocking from M, and on AMX-class CPUs (MKL) a row's bits change above ~64-128 rows for K ≥ 1024, so only
+    one shape is safe there (as in `bmm_padded`)."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     outs = []
-    for s in range(0, max(flat.shape[0], 1), MAX_ROWS):
-        padded, m = pad_rows(flat[s:s + MAX_ROWS])
+    rows = MAX_ROWS if packed is not None else ROW_TILE
+    for s in range(0, max(flat.shape[0], 1), rows):
+        padded, m = pad_rows(flat[s:s + rows])
         if packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(padded.contiguous(), packed, bias, "none", [], "")
         else:
