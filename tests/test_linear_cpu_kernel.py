@@ -1,6 +1,7 @@
 """The row-invariant bf16 linear / bmm CPU kernel (kernels/linear): against the fp32 reference, bitwise row
-invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads), the fast path vs the portable
-loop, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
+invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads) on every path this CPU runs,
+the AVX512-BF16 path vs the portable loop (same bits), the AMX path against the reference, odd shapes, strided
+inputs, bad inputs, and its use by kernels.batch_invariant."""
 import pytest
 import torch
 
@@ -9,7 +10,20 @@ from expertmesh.kernels.linear import naive
 
 pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
 
-ISAS = ["auto", "portable"]
+
+
+def _runs(isa: str) -> bool:
+    try:
+        ck.linear(torch.ones(1, 2, dtype=torch.bfloat16), ck.pack_weight(torch.ones(1, 2, dtype=torch.bfloat16)), 1, 2,
+                  isa=isa)
+        return True
+    except RuntimeError:                   # "this CPU has no ..."
+        return False
+
+
+FAST = [isa for isa in ("avx512bf16", "amx") if ck.built() and _runs(isa)]
+ISAS = ["auto", "portable"] + FAST
+VDPBF16 = ["avx512bf16"] if "avx512bf16" in FAST else []     # the path the portable loop reproduces bit for bit
 
 
 def _bf16(gen, *shape, scale=1.0):
@@ -36,13 +50,16 @@ def test_linear_matches_reference(n, k):
     _close(got, x, w)
     ref = naive.linear(x, wp, n, k)
     assert (got.float() - ref.float()).abs().max() <= (ref.float().abs() * 2 ** -7).max()
-    assert torch.equal(ck.linear(x, wp, n, k, isa="portable"), got)   # same bits on both paths
+    for isa in VDPBF16:                   # same bits on both paths (AMX: its own, checked against the reference)
+        assert torch.equal(ck.linear(x, wp, n, k, isa="portable"), ck.linear(x, wp, n, k, isa=isa))
+    for isa in FAST:
+        _close(ck.linear(x, wp, n, k, isa=isa), x, w)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_linear_rows_are_bitwise_batch_invariant(isa, two_threads):
     gen = torch.Generator().manual_seed(1)
-    for n, k in [(96, 64), (70, 33)] + ([(576, 1024)] if isa == "auto" else []):
+    for n, k in [(96, 64), (70, 33)] + ([(576, 1024), (200, 47)] if isa != "portable" else []):
         w = _bf16(gen, n, k, scale=k ** -0.5)
         wp = ck.pack_weight(w)
         row = _bf16(gen, 1, k)
@@ -62,7 +79,7 @@ def test_linear_rows_are_bitwise_batch_invariant(isa, two_threads):
 @pytest.mark.parametrize("isa", ISAS)
 def test_bmm_rows_are_bitwise_batch_invariant(isa, two_threads):
     gen = torch.Generator().manual_seed(2)
-    shapes = [(3, 48, 80), (2, 37, 70)] + ([(16, 128, 512), (16, 512, 128)] if isa == "auto" else [])
+    shapes = [(3, 48, 80), (2, 37, 70)] + ([(16, 128, 512), (16, 512, 128)] if isa != "portable" else [])
     for b, k, n in shapes:
         w = _bf16(gen, b, k, n, scale=k ** -0.5)
         row = _bf16(gen, b, 1, k)
@@ -89,7 +106,11 @@ def test_bmm_paths_agree_and_accept_strided_weights():
         x = _bf16(gen, b, m, k)
         w = _bf16(gen, b, k, n)
         got = ck.bmm(x, w)
-        assert torch.equal(ck.bmm(x, w, isa="portable"), got)
+        for isa in VDPBF16:
+            assert torch.equal(ck.bmm(x, w, isa="portable"), ck.bmm(x, w, isa=isa))
+        for isa in FAST:
+            torch.testing.assert_close(ck.bmm(x, w, isa=isa).float(), x.float() @ w.float(), rtol=1 / 128,
+                                       atol=1e-5 * k)
         assert torch.equal(naive.bmm(x, w).float().sub(got.float()).abs().le(got.float().abs() * 2 ** -7 + 1e-6)
                            .all(), torch.tensor(True))
         wt = w.transpose(1, 2).contiguous().transpose(1, 2)   # column-major weight: copied to rows, same result

@@ -16,6 +16,9 @@
 // the tiling (rows per tile, columns per group) or the thread count (threads split output column groups and row
 // chunks, never K), so a row's result is bitwise the same in any batch.
 //
+// A third path, AMX-BF16 (isa amx, below), runs the pairs in the same order through the tile unit, whose internal
+// rounding is its own: a process resolves `auto` once (amx where the CPU and OS offer it), so rows stay invariant.
+//
 // One difference between the two paths: VDPBF16PS treats subnormal inputs as zero and flushes subnormal results
 // (it ignores MXCSR); the portable loop keeps IEEE subnormals. They give the same bits unless a product or a
 // partial sum falls below 2^-126 in magnitude. A process always uses one path for every call (`isa = auto`
@@ -39,13 +42,19 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define EM_X86 1
+#endif
+#if defined(EM_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define EM_AMX 1
 #endif
 
 namespace {
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx512Bf16 = 3 };
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx512Bf16 = 3, kAmx = 4 };
 
 constexpr int64_t kCols = 64;  // output columns per group: 4 vectors of 16 fp32 lanes
 constexpr int kMR = 6;         // rows per register tile (6 x 4 accumulators + 4 weight vectors + 1 broadcast)
@@ -237,13 +246,111 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
 }
 #endif
 
+
+#ifdef EM_AMX
+// ------------------------------------------------------------------------------------------------------ AMX
+// AMX-BF16 (TDPBF16PS): C[16 rows, 16 fp32 columns] += A[16 rows, 16 K pairs] . B[16 K pairs, 16 columns of
+// (even, odd) pairs]. B is the packed layout as it stands: one 16-column slice of a group over 16 pairs is 16 rows
+// of 64 bytes, 256 bytes apart. Each output element is one fp32 accumulator that starts at +0 and takes the K
+// pairs in order, 16 pairs per instruction, the last block holding the remaining 1..16 pairs (its own tile shape,
+// fixed by K): which instruction sees which pairs depends only on K, and an element's arithmetic inside the tile
+// unit depends only on its own row of A and column of B. So, as on the other paths, a row's result does not
+// depend on M, its position, the tiling or the thread count. The bits are the tile unit's own (its internal order
+// and rounding of the pair products are not the VDPBF16PS steps above), so a process uses AMX for every call or
+// for none (isa auto resolves once).
+constexpr int64_t kAmxRows = 16;    // rows per AMX tile
+constexpr int64_t kAmxPairs = 16;   // K pairs per TDPBF16PS (64 bytes of A per row)
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+    // Linux gives a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18);
+    // it refuses where the kernel or the hypervisor does not support it.
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+// tmm0-3: C, columns 16c .. 16c+15 of the group; tmm4 / tmm5: A / B of a full block of 16 pairs; tmm6 / tmm7: A / B
+// of the last block (tail pairs, 1..16).
+__attribute__((target("amx-tile"))) inline void amx_configure(int64_t tail) {
+  AmxConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = uint8_t(kAmxRows);
+    cfg.colsb[i] = 64;
+  }
+  cfg.colsb[6] = uint16_t(4 * tail);
+  cfg.rows[7] = uint8_t(tail);
+  // Not _tile_loadconfig: GCC 12's declares only the first 8 bytes of the config as read, so -O3 drops the
+  // stores of the rest. Here the whole 64-byte struct is the operand.
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// Up to 16 rows against one packed column group. a: the rows' x copied into a [16, KA] buffer, zero past K (KA =
+// 32 * blocks); w: the group ([Kp/2, 64, 2]); c: [16, 64] fp32 scratch. Needs amx_configure(tail) on this thread.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+void tile_amx(const uint16_t* a, int64_t KA, const uint16_t* w, int64_t blocks, float* c, uint16_t* const* y,
+              int mr, int64_t ncols) {
+  const int64_t sa = KA * 2, sw = 2 * kCols * 2, sc = kCols * 4;  // strides in bytes
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+// One block: A into tile TA, then each 16-column slice of B into TB and onto its accumulator (tile numbers are
+// part of the instruction, so a macro, not a function).
+#define EM_AMX_BLOCK(TA, TB, blk)                                  \
+  do {                                                             \
+    const uint16_t* wb = w + (blk) * kAmxPairs * 2 * kCols;        \
+    _tile_loadd(TA, a + (blk) * 2 * kAmxPairs, sa);                \
+    _tile_loadd(TB, wb, sw);                                       \
+    _tile_dpbf16ps(0, TA, TB);                                     \
+    _tile_loadd(TB, wb + 32, sw);                                  \
+    _tile_dpbf16ps(1, TA, TB);                                     \
+    _tile_loadd(TB, wb + 64, sw);                                  \
+    _tile_dpbf16ps(2, TA, TB);                                     \
+    _tile_loadd(TB, wb + 96, sw);                                  \
+    _tile_dpbf16ps(3, TA, TB);                                     \
+  } while (0)
+  for (int64_t blk = 0; blk + 1 < blocks; ++blk) EM_AMX_BLOCK(4, 5, blk);
+  EM_AMX_BLOCK(6, 7, blocks - 1);  // the last block: its own tile shapes (1..16 pairs)
+#undef EM_AMX_BLOCK
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  _tile_stored(2, c + 32, sc);
+  _tile_stored(3, c + 48, sc);
+  for (int r = 0; r < mr; ++r)
+    for (int q = 0; q < 4; ++q) {
+      const int64_t left = ncols - 16 * q;
+      if (left <= 0) break;
+      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      _mm256_mask_storeu_epi16(y[r] + 16 * q, m, round_to_bf16(_mm512_loadu_ps(c + r * kCols + 16 * q)));
+    }
+}
+
+__attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
+#endif
+
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;
-  TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16, "row-invariant linear: unknown isa code ", isa);
+#ifdef EM_AMX
+  const bool amx = has && amx_usable();
+#else
+  const bool amx = false;
+#endif
+  if (isa == kAuto) return amx ? kAmx : (has ? kAvx512Bf16 : kPortable);
+  TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16 || isa == kAmx, "row-invariant linear: unknown isa code ", isa);
   TORCH_CHECK(isa != kAvx512Bf16 || has, "row-invariant linear: this CPU has no AVX512-BF16");
+  TORCH_CHECK(isa != kAmx || amx, "row-invariant linear: this CPU (or its operating system) offers no AMX-BF16");
   return isa;
 #else
   TORCH_CHECK(isa == kAuto || isa == kPortable, "row-invariant linear: only the portable path exists on this CPU");
@@ -302,8 +409,55 @@ struct Gemm {
   int64_t B, M, N, K;
 };
 
+#ifdef EM_AMX
+// The AMX path of run_gemm: work items as there (batch item, column group, row chunk), rows in tiles of 16. Each
+// tile's rows are copied into a zero-padded [16, KA] buffer (the A operand needs whole 64-byte rows; a copy of the
+// rows is small next to their products with a column group); kn weights are packed per item as on the other path.
+template <bool PACKED>
+void run_gemm_amx(const Gemm& g) {
+  const int64_t G = (g.N + kCols - 1) / kCols;
+  const int64_t P = (g.K + (g.K & 1)) / 2;
+  const int64_t blocks = (P + kAmxPairs - 1) / kAmxPairs, tail = P - (blocks - 1) * kAmxPairs;
+  const int64_t KA = blocks * 2 * kAmxPairs;
+  const int64_t MC = g.M <= 8 * kAmxRows ? g.M : 8 * kAmxRows;   // a group's weight stays in L2 over 8 tiles
+  const int64_t MCn = (g.M + MC - 1) / MC;
+  const int64_t items = g.B * G * MCn;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> a(size_t(kAmxRows * KA), 0);
+    std::vector<uint16_t> buf(PACKED ? 0 : size_t(P) * 2 * kCols);
+    alignas(64) float c[kAmxRows * kCols];
+    uint16_t* y[kAmxRows];
+    amx_configure(tail);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t mc = i % MCn, gi = (i / MCn) % G, b = i / (MCn * G);
+      const int64_t ncols = std::min<int64_t>(kCols, g.N - gi * kCols);
+      const uint16_t* w = PACKED ? g.w + gi * P * 2 * kCols : g.w + b * g.swb + gi * kCols;
+      if (!PACKED) {
+        pack_group_avx512(w, g.ldw, ncols, g.K, buf.data());
+        w = buf.data();
+      }
+      const int64_t m_end = std::min(g.M, (mc + 1) * MC);
+      for (int64_t m = mc * MC; m < m_end; m += kAmxRows) {
+        const int mr = int(std::min<int64_t>(kAmxRows, m_end - m));
+        for (int r = 0; r < mr; ++r) {
+          uint16_t* row = a.data() + r * KA;
+          std::memcpy(row, g.x + b * g.sxb + (m + r) * g.sxm, size_t(g.K) * 2);
+          std::memset(row + g.K, 0, size_t(KA - g.K) * 2);
+          y[r] = g.y + b * g.syb + (m + r) * g.sym + gi * kCols;
+        }
+        tile_amx(a.data(), KA, w, blocks, c, y, mr, ncols);
+      }
+    }
+    amx_release();
+  });
+}
+#endif
+
 template <bool PACKED>
 void run_gemm(int64_t isa, const Gemm& g) {
+#ifdef EM_AMX
+  if (isa == kAmx) return run_gemm_amx<PACKED>(g);
+#endif
   const int64_t G = (g.N + kCols - 1) / kCols;
   const int64_t Kp = g.K + (g.K & 1);
   // rows per work item: all of them for decode-sized M (one pass over the weight), else chunks of 16 tiles so
