@@ -120,14 +120,14 @@ def main() -> None:
         raise SystemExit(f"the row-invariant kernel is not available here (enabled={cpu_kernel.enabled()}, "
                          f"build error: {cpu_kernel.EXTENSION.build_error})")
     lin, bmm = run(args.quick, args.stat)
-    head = f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, isa {cpu_kernel.best_isa()}, {args.stat} ms"
+    head = f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, isa {cpu_kernel.default_isa()}, {args.stat} ms"
     _print(f"linear y[M,N] = x[M,K] @ w[N,K]^T — {head}", lin, "K->N")
     print()
     _print("bmm y[B,M,N] = x[B,M,K] @ w[B,K,N] (x strided, token-major)", bmm, "BxK->N")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick,
-                isa=cpu_kernel.best_isa(), stat=args.stat)
+                isa=cpu_kernel.default_isa(), stat=args.stat)
     out.write_text(json.dumps(dict(meta=meta, linear=lin, bmm=bmm), indent=2))
     print(f"wrote {out}")
 

@@ -192,3 +192,23 @@ def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith("weight")]
     assert any(id(p) in bi._kernel_packed for p in weights)
     assert not any(id(p) in bi._packed for p in weights if id(p) in bi._kernel_packed)   # one copy, not two
+
+
+def test_the_isa_of_auto_comes_from_the_environment(monkeypatch):
+    """EXPERTMESH_CPU_LINEAR_ISA picks what isa="auto" runs (once per process); an unknown or absent path is refused
+    naming the variable."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = _bf16(gen, 70, 200), _bf16(gen, 9, 200)
+    wp = ck.pack_weight(w)
+    for isa in ["portable"] + FAST:
+        monkeypatch.setattr(ck, "_default", None)
+        monkeypatch.setenv("EXPERTMESH_CPU_LINEAR_ISA", isa)
+        assert ck.default_isa() == isa
+        assert torch.equal(ck.linear(x, wp, 70, 200), ck.linear(x, wp, 70, 200, isa=isa))
+    monkeypatch.setattr(ck, "_default", None)
+    monkeypatch.setenv("EXPERTMESH_CPU_LINEAR_ISA", "sse")
+    with pytest.raises(ValueError, match="EXPERTMESH_CPU_LINEAR_ISA"):
+        ck.default_isa()
+    monkeypatch.setattr(ck, "_default", None)
+    monkeypatch.delenv("EXPERTMESH_CPU_LINEAR_ISA")
+    assert ck.default_isa() == ck.best_isa()

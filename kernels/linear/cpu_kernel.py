@@ -11,11 +11,12 @@ steps one element at a time and gives the same bits except where a product or pa
 Two fast paths: `avx512bf16` (the steps above, VDPBF16PS) and `amx` (AMX-BF16 tiles: TDPBF16PS over 16 K pairs
 at a time, in K order; the tile unit's own rounding, which agrees with the VDPBF16PS steps on all but a few
 outputs in ten thousand — each row's bits still depend only on K, never on M, the tiling or the threads).
-`isa="auto"` resolves once per process: amx where the CPU has AMX-BF16 and the kernel grants the process the tile
-state (Linux arch_prctl), else avx512bf16 where the CPU has AVX512-BF16, else portable — so every call of a
-process runs the same arithmetic and rows stay batch-invariant. On this project's CPU AMX computes a 256-row
-call of the benchmark model's projections 5-6x faster than VDPBF16PS; a one-row linear ~15% slower, and a
-one-row bmm ~3x slower (it packs the weight's slices per call) — small next to a decode step.
+`isa="auto"` resolves once per process, so every call of a process runs the same arithmetic and rows stay
+batch-invariant: `EXPERTMESH_CPU_LINEAR_ISA` (amx | avx512bf16 | portable) when set, else avx512bf16 where the CPU
+has AVX512-BF16, else portable. AMX is not the default yet: on this project's CPU it computes a 256-row call of the
+benchmark model's projections 5-6x faster than VDPBF16PS, but a one-row linear ~15% slower and a one-row bmm ~3x
+slower (it packs the weight's slices per call), and bench/peer.py measured decode inter-token latency up by
+5-11 ms (in-process / `up`) with it — more than the prefill gain is worth in output tokens/s at 64 new tokens.
 
 `available()` is true only where a fast path runs: elsewhere the kernel would be slower than oneDNN and callers
 keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0` turns it off. Built on first use (kernels/cpu_extension.py); a
@@ -36,7 +37,7 @@ import torch
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.linear.naive import check_bmm_inputs, check_linear_inputs, pack_weight
 
-__all__ = ["available", "built", "best_isa", "enabled", "linear", "bmm", "pack_weight", "ISAS", "EXTENSION"]
+__all__ = ["available", "built", "best_isa", "default_isa", "enabled", "linear", "bmm", "pack_weight", "ISAS", "EXTENSION"]
 
 EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
                           "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
@@ -63,7 +64,7 @@ def available() -> bool:
     if not enabled():
         return False
     if _fast is None:
-        _fast = built() and best_isa() in ("avx512bf16", "amx")
+        _fast = built() and default_isa() in ("avx512bf16", "amx")
     return _fast
 
 
@@ -75,14 +76,37 @@ def _require():
 
 
 def best_isa() -> str:
-    """What `isa="auto"` runs on this CPU: amx, avx512bf16 or portable."""
+    """The kernel's own choice on this CPU: avx512bf16 or portable (amx only through EXPERTMESH_CPU_LINEAR_ISA)."""
     return {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
 
 
 def _isa(isa: str) -> int:
     if isa not in ISAS:
         raise ValueError(f"isa: expected one of {', '.join(ISAS)}, found {isa!r}")
-    return ISAS[isa]
+    return ISAS[default_isa() if isa == "auto" else isa]
+
+
+_default: str | None = None
+
+
+def default_isa() -> str:
+    """The path `isa="auto"` runs in this process: EXPERTMESH_CPU_LINEAR_ISA when set (amx, avx512bf16, portable;
+    refused with the variable named when this CPU has no such path), else the kernel's own choice."""
+    global _default
+    if _default is None:
+        want = os.environ.get("EXPERTMESH_CPU_LINEAR_ISA", "").strip().lower()
+        if want and want not in ISAS:
+            raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA: expected one of {', '.join(ISAS)}, found {want!r}")
+        if want and want != "auto":
+            try:
+                _require().linear(torch.ones(1, 2, dtype=torch.bfloat16), pack_weight(torch.ones(
+                    1, 2, dtype=torch.bfloat16)), 1, 2, torch.empty(1, 1, dtype=torch.bfloat16), ISAS[want])
+            except RuntimeError as e:
+                raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA={want}: {e}") from None
+            _default = want
+        else:
+            _default = {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
+    return _default
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

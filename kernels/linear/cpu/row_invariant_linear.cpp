@@ -17,7 +17,7 @@
 // chunks, never K), so a row's result is bitwise the same in any batch.
 //
 // A third path, AMX-BF16 (isa amx, below), runs the pairs in the same order through the tile unit, whose internal
-// rounding is its own: a process resolves `auto` once (amx where the CPU and OS offer it), so rows stay invariant.
+// rounding is its own: a process picks one path for every call (EXPERTMESH_CPU_LINEAR_ISA), so rows stay invariant.
 //
 // One difference between the two paths: VDPBF16PS treats subnormal inputs as zero and flushes subnormal results
 // (it ignores MXCSR); the portable loop keeps IEEE subnormals. They give the same bits unless a product or a
@@ -257,7 +257,7 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
 // unit depends only on its own row of A and column of B. So, as on the other paths, a row's result does not
 // depend on M, its position, the tiling or the thread count. The bits are the tile unit's own (its internal order
 // and rounding of the pair products are not the VDPBF16PS steps above), so a process uses AMX for every call or
-// for none (isa auto resolves once).
+// for none (cpu_kernel.py resolves isa auto once per process).
 constexpr int64_t kAmxRows = 16;    // rows per AMX tile
 constexpr int64_t kAmxPairs = 16;   // K pairs per TDPBF16PS (64 bytes of A per row)
 
@@ -347,7 +347,7 @@ int64_t resolve_isa(int64_t isa) {
 #else
   const bool amx = false;
 #endif
-  if (isa == kAuto) return amx ? kAmx : (has ? kAvx512Bf16 : kPortable);
+  if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;  // amx only when asked for (cpu_kernel.py: why)
   TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16 || isa == kAmx, "row-invariant linear: unknown isa code ", isa);
   TORCH_CHECK(isa != kAvx512Bf16 || has, "row-invariant linear: this CPU has no AVX512-BF16");
   TORCH_CHECK(isa != kAmx || amx, "row-invariant linear: this CPU (or its operating system) offers no AMX-BF16");
