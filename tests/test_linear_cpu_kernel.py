@@ -11,17 +11,7 @@ from expertmesh.kernels.linear import naive
 pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
 
 
-
-def _runs(isa: str) -> bool:
-    try:
-        ck.linear(torch.ones(1, 2, dtype=torch.bfloat16), ck.pack_weight(torch.ones(1, 2, dtype=torch.bfloat16)), 1, 2,
-                  isa=isa)
-        return True
-    except RuntimeError:                   # "this CPU has no ..."
-        return False
-
-
-FAST = [isa for isa in ("avx512bf16", "amx") if ck.built() and _runs(isa)]
+FAST = [isa for isa in ("avx512bf16", "amx") if ck.built() and ck.runs(isa)]
 ISAS = ["auto", "portable"] + FAST
 VDPBF16 = ["avx512bf16"] if "avx512bf16" in FAST else []     # the path the portable loop reproduces bit for bit
 

@@ -37,7 +37,8 @@ import torch
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.linear.naive import check_bmm_inputs, check_linear_inputs, pack_weight
 
-__all__ = ["available", "built", "best_isa", "default_isa", "enabled", "linear", "bmm", "pack_weight", "ISAS", "EXTENSION"]
+__all__ = ["available", "built", "best_isa", "default_isa", "runs", "enabled", "linear", "bmm", "pack_weight", "ISAS",
+           "EXTENSION"]
 
 EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
                           "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
@@ -80,6 +81,11 @@ def best_isa() -> str:
     return {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
 
 
+def runs(isa: str) -> bool:
+    """Whether the path `isa` (a key of ISAS) runs on this CPU and operating system."""
+    return bool(_require().isa_runs(ISAS[isa]))
+
+
 def _isa(isa: str) -> int:
     if isa not in ISAS:
         raise ValueError(f"isa: expected one of {', '.join(ISAS)}, found {isa!r}")
@@ -98,14 +104,12 @@ def default_isa() -> str:
         if want and want not in ISAS:
             raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA: expected one of {', '.join(ISAS)}, found {want!r}")
         if want and want != "auto":
-            try:
-                _require().linear(torch.ones(1, 2, dtype=torch.bfloat16), pack_weight(torch.ones(
-                    1, 2, dtype=torch.bfloat16)), 1, 2, torch.empty(1, 1, dtype=torch.bfloat16), ISAS[want])
-            except RuntimeError as e:
-                raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA={want}: {e}") from None
+            if not runs(want):
+                raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA={want}: this CPU (or its operating system) has no such "
+                                 "path")
             _default = want
         else:
-            _default = {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
+            _default = best_isa()
     return _default
 
 

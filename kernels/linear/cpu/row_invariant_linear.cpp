@@ -246,7 +246,6 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
 }
 #endif
 
-
 #ifdef EM_AMX
 // ------------------------------------------------------------------------------------------------------ AMX
 // AMX-BF16 (TDPBF16PS): C[16 rows, 16 fp32 columns] += A[16 rows, 16 K pairs] . B[16 K pairs, 16 columns of
@@ -342,15 +341,16 @@ int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#ifdef EM_AMX
-  const bool amx = has && amx_usable();
-#else
-  const bool amx = false;
-#endif
   if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;  // amx only when asked for (cpu_kernel.py: why)
   TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16 || isa == kAmx, "row-invariant linear: unknown isa code ", isa);
   TORCH_CHECK(isa != kAvx512Bf16 || has, "row-invariant linear: this CPU has no AVX512-BF16");
-  TORCH_CHECK(isa != kAmx || amx, "row-invariant linear: this CPU (or its operating system) offers no AMX-BF16");
+#ifdef EM_AMX
+  // asked for the tile state only when AMX is asked for
+  TORCH_CHECK(isa != kAmx || (has && amx_usable()), "row-invariant linear: this CPU (or its operating system) offers "
+              "no AMX-BF16");
+#else
+  TORCH_CHECK(isa != kAmx, "row-invariant linear: AMX runs only on x86-64 Linux");
+#endif
   return isa;
 #else
   TORCH_CHECK(isa == kAuto || isa == kPortable, "row-invariant linear: only the portable path exists on this CPU");
@@ -554,10 +554,20 @@ void bmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out, int64_
 
 int64_t best_isa() { return resolve_isa(kAuto); }
 
+bool isa_runs(int64_t isa) {
+  try {
+    resolve_isa(isa);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertmesh_linear_cpu, m) {
   m.def("linear(Tensor x, Tensor w_packed, int N, int K, Tensor(a!) out, int isa) -> ()", &linear);
   m.def("bmm(Tensor x, Tensor w, Tensor(a!) out, int isa) -> ()", &bmm);
   m.def("best_isa() -> int", &best_isa);
+  m.def("isa_runs(int isa) -> bool", &isa_runs);
 }
