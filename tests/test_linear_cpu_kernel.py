@@ -1,7 +1,7 @@
 """The row-invariant bf16 linear / bmm CPU kernel (kernels/linear): against the fp32 reference, bitwise row
 invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads) on every path this CPU runs,
-the AVX512-BF16 path vs the portable loop (same bits), the AMX path against the reference, odd shapes, strided
-inputs, bad inputs, and its use by kernels.batch_invariant."""
+the AVX512-BF16 path vs the portable loop (same bits), the AMX path (tiles and its 1-2 row vector path) against the
+tile-order reference bit for bit, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
 import pytest
 import torch
 
@@ -54,7 +54,7 @@ def test_linear_rows_are_bitwise_batch_invariant(isa, two_threads):
         wp = ck.pack_weight(w)
         row = _bf16(gen, 1, k)
         alone = ck.linear(row, wp, n, k, isa=isa)[0]
-        for m in (3, 17, 64, 300):
+        for m in (2, 3, 17, 64, 300):
             for pos in (0, m // 2, m - 1):
                 batch = _bf16(gen, m, k)
                 batch[pos] = row[0]
@@ -75,7 +75,7 @@ def test_bmm_rows_are_bitwise_batch_invariant(isa, two_threads):
         row = _bf16(gen, b, 1, k)
         alone = ck.bmm(row, w, isa=isa)[:, 0]
         torch.testing.assert_close(alone.float(), (row.float() @ w.float())[:, 0], rtol=1 / 128, atol=1e-5 * k)
-        for m in (3, 17, 64, 300):
+        for m in (2, 3, 17, 64, 300):
             for pos in (0, m // 2, m - 1):
                 tokens = _bf16(gen, m, b, k)                  # token-major: x is a strided view, as the model's
                 tokens[pos] = row[:, 0]
@@ -88,6 +88,32 @@ def test_bmm_rows_are_bitwise_batch_invariant(isa, two_threads):
         assert torch.equal(ck.bmm(tokens, w, isa=isa), one)
         assert torch.equal(ck.bmm(tokens.contiguous(), w, isa=isa), one)
         torch.testing.assert_close(one.float(), tokens.float() @ w.float(), rtol=1 / 128, atol=1e-5 * k)
+
+
+@pytest.mark.skipif("amx" not in FAST, reason="this CPU (or its operating system) has no AMX-BF16")
+@pytest.mark.parametrize("k", [1, 31, 32, 33, 64, 100, 513])
+def test_amx_gives_the_tile_order_reference_bits(k, two_threads):
+    """The AMX path, in tiles (3+ rows) and on the vector units (1-2 rows), gives exactly the bits of the tile
+    unit's order spelled out in PyTorch (naive.matmul_in_tile_order): the hardware is the oracle of that order."""
+    gen = torch.Generator().manual_seed(10_000 + k)
+    n, half = 70, k // 2
+    # Each row's products cancel in pairs (x = [u, -u reversed, t], w = [v, v reversed, s]), so what is left is the
+    # fp32 rounding of the partial sums (plus t.s, small): only the tile unit's own order gives those bits — the
+    # VDPBF16PS order differs on most outputs here.
+    u, v = _bf16(gen, 19, half), _bf16(gen, n, half)
+    x = torch.cat([u, -u.flip(1), _bf16(gen, 19, k - 2 * half, scale=2 ** -12)], 1)
+    w = torch.cat([v, v.flip(1), _bf16(gen, n, k - 2 * half)], 1)
+    want = naive.matmul_in_tile_order(x, w)
+    assert want.ne(0).any()
+    wp = ck.pack_weight(w)
+    for rows in (slice(0, 1), slice(4, 6), slice(0, 19)):
+        assert torch.equal(ck.linear(x[rows], wp, n, k, isa="amx"), want[rows]), rows
+    wb = torch.stack([w.T, w.T.flip(1)])                     # bmm: [2, K, N], the second item's columns reversed
+    xb = torch.stack([x, x.flip(0)])
+    got = ck.bmm(xb, wb, isa="amx")
+    assert torch.equal(got[0], want) and torch.equal(got[1], want.flip(0).flip(1))
+    for rows in (slice(0, 1), slice(3, 5)):
+        assert torch.equal(ck.bmm(xb[:, rows], wb, isa="amx")[0], want[rows]), rows
 
 
 def test_bmm_paths_agree_and_accept_strided_weights():

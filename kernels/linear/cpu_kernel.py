@@ -8,15 +8,16 @@ row's result is bitwise the same in any batch: no row padding is needed. The por
 steps one element at a time and gives the same bits except where a product or partial sum is an fp32 subnormal
 (VDPBF16PS flushes those); `isa="auto"` picks one path per process, from the CPU.
 
-Two fast paths: `avx512bf16` (the steps above, VDPBF16PS) and `amx` (AMX-BF16 tiles: TDPBF16PS over 16 K pairs
-at a time, in K order; the tile unit's own rounding, which agrees with the VDPBF16PS steps on all but a few
-outputs in ten thousand — each row's bits still depend only on K, never on M, the tiling or the threads).
-`isa="auto"` resolves once per process, so every call of a process runs the same arithmetic and rows stay
-batch-invariant: `EXPERTMESH_CPU_LINEAR_ISA` (amx | avx512bf16 | portable) when set, else avx512bf16 where the CPU
-has AVX512-BF16, else portable. AMX is not the default yet: on this project's CPU it computes a 256-row call of the
-benchmark model's projections 5-6x faster than VDPBF16PS, but a one-row linear ~15% slower and a one-row bmm ~3x
-slower (it packs the weight's slices per call), and bench/peer.py measured decode inter-token latency up by
-5-11 ms (in-process / `up`) with it — more than the prefill gain is worth in output tokens/s at 64 new tokens.
+Two fast paths: `avx512bf16` (the steps above, VDPBF16PS) and `amx` (AMX-BF16). The tile unit sums in its own
+order, found bitwise on this project's CPU and spelled out in `naive.matmul_in_tile_order`: K in blocks of 16
+pairs, in each block the even and the odd products summed apart in fp32, then c = c + (S_even + S_odd). Calls
+of 3+ rows run TDPBF16PS tiles; calls of 1-2 rows (decode), where a 16-row tile would be mostly empty and a bmm
+would pack its weight per call, run that same order on the vector units (two FMA chains per column vector,
+subnormals flushed as the tile unit does): the same bits either way, so rows stay batch-invariant, and one-row
+calls cost what VDPBF16PS costs. `isa="auto"` resolves once per process, so every call of a process runs the same
+arithmetic: `EXPERTMESH_CPU_LINEAR_ISA` (amx | avx512bf16 | portable) when set, else amx where the CPU has AMX-BF16
+and Linux grants the tile state, else avx512bf16 where it has AVX512-BF16, else portable. On this project's CPU
+AMX computes a 256-row call of the benchmark model's projections 5-6x faster than VDPBF16PS.
 
 `available()` is true only where a fast path runs: elsewhere the kernel would be slower than oneDNN and callers
 keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0` turns it off. Built on first use (kernels/cpu_extension.py); a
@@ -77,7 +78,7 @@ def _require():
 
 
 def best_isa() -> str:
-    """The kernel's own choice on this CPU: avx512bf16 or portable (amx only through EXPERTMESH_CPU_LINEAR_ISA)."""
+    """The kernel's own choice on this CPU: amx, avx512bf16 or portable."""
     return {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
 
 

@@ -7,7 +7,8 @@ accumulated in fp32, rounded to bf16 once. `w_packed = pack_weight(w)` for w [N,
 with K pairs interleaved, [ceil(N/64), ceil(K/2), 64, 2], zero-padded (the operand layout of AVX512-BF16's
 VDPBF16PS; see kernels/linear/cpu/row_invariant_linear.cpp). The reference computes the same sums with an fp32
 matmul, whose summation order differs from the kernel's fixed one: the two agree to fp32 rounding before the
-bf16 rounding (so within about one bf16 ulp), not bitwise.
+bf16 rounding (so within about one bf16 ulp), not bitwise. `matmul_in_tile_order` spells out, step by step, the
+order of the kernel's AMX path (the tile unit's per-instruction sums): it gives that path's bits exactly.
 """
 from __future__ import annotations
 
@@ -75,3 +76,26 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The reference: fp32 batched matmul, rounded to bf16."""
     check_bmm_inputs(x, w)
     return torch.bmm(x.float(), w.float()).to(torch.bfloat16)
+
+
+TILE_PAIRS = 16   # K pairs per AMX TDPBF16PS
+
+
+def matmul_in_tile_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 @ w [N, K]^T → [M, N] bf16, summed as AMX-BF16's TDPBF16PS does (the kernel's isa amx, found
+    bitwise on this project's CPU): K in blocks of 16 pairs (2p, 2p+1); in each block the even products and the odd
+    products are summed apart in fp32, in pair order from +0, and the accumulator (from +0) takes their sum:
+    c = c + (S_even + S_odd). A bf16 product is exact in fp32, so every `+` below is one fp32 rounding. Subnormals
+    are not flushed here (the tile unit flushes them): the same bits for inputs with none. Slow: tests only."""
+    m, k = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, k % 2))
+    wf = torch.nn.functional.pad(w.float(), (0, k % 2))
+    c = torch.zeros(m, w.shape[0])
+    pairs = xf.shape[1] // 2
+    for p0 in range(0, pairs, TILE_PAIRS):
+        s_even, s_odd = torch.zeros_like(c), torch.zeros_like(c)
+        for p in range(p0, min(pairs, p0 + TILE_PAIRS)):
+            s_even = s_even + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+            s_odd = s_odd + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        c = c + (s_even + s_odd)
+    return c.to(torch.bfloat16)

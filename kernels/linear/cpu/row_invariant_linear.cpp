@@ -16,8 +16,9 @@
 // the tiling (rows per tile, columns per group) or the thread count (threads split output column groups and row
 // chunks, never K), so a row's result is bitwise the same in any batch.
 //
-// A third path, AMX-BF16 (isa amx, below), runs the pairs in the same order through the tile unit, whose internal
-// rounding is its own: a process picks one path for every call (EXPERTMESH_CPU_LINEAR_ISA), so rows stay invariant.
+// A third path, AMX-BF16 (isa amx, below), sums in the tile unit's order (blocks of 16 pairs, even and odd products
+// summed apart, then added to the accumulator), on the tile unit for calls of 3+ rows and on the vector units for
+// 1-2 rows, with the same bits; a process picks one path for every call (cpu_kernel.py), so rows stay invariant.
 //
 // One difference between the two paths: VDPBF16PS treats subnormal inputs as zero and flushes subnormal results
 // (it ignores MXCSR); the portable loop keeps IEEE subnormals. They give the same bits unless a product or a
@@ -39,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -194,6 +196,32 @@ EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, 
   }
 }
 
+// The accumulators of MR rows (acc[r][c]: columns 16c .. 16c+15 of the group) rounded to bf16 into the rows' y.
+// kn: vector 2h holds columns 32h + {0-3, 8-11, 16-19, 24-27} and vector 2h+1 columns 32h + {4-7, 12-15, 20-23,
+// 28-31} (unpack works inside 128-bit lanes): put them back in order.
+template <int MR, bool PACKED>
+EM_TARGET inline void store_rows(const Tile& t, const __m512 (&acc)[MR][4]) {
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < MR; ++r) {
+    __m512 out[4];
+    if (PACKED) {
+      for (int c = 0; c < 4; ++c) out[c] = acc[r][c];
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        out[2 * h] = _mm512_permutex2var_ps(acc[r][2 * h], lo_idx, acc[r][2 * h + 1]);
+        out[2 * h + 1] = _mm512_permutex2var_ps(acc[r][2 * h], hi_idx, acc[r][2 * h + 1]);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = t.ncols - 16 * c;
+      if (left <= 0) break;
+      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+      _mm256_mask_storeu_epi16(t.y[r] + 16 * c, m, round_to_bf16(out[c]));
+    }
+  }
+}
+
 template <int MR, bool PACKED, bool STREAM>
 EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
   __m512 acc[MR][4];
@@ -222,27 +250,7 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
       for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, (__m512bh)v[c]);
     }
   }
-  // columns 16c .. 16c+15 of the group. kn: vector 2h holds columns 32h + {0-3, 8-11, 16-19, 24-27} and vector
-  // 2h+1 columns 32h + {4-7, 12-15, 20-23, 28-31} (unpack works inside 128-bit lanes): put them back in order.
-  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int r = 0; r < MR; ++r) {
-    __m512 out[4];
-    if (PACKED) {
-      for (int c = 0; c < 4; ++c) out[c] = acc[r][c];
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        out[2 * h] = _mm512_permutex2var_ps(acc[r][2 * h], lo_idx, acc[r][2 * h + 1]);
-        out[2 * h + 1] = _mm512_permutex2var_ps(acc[r][2 * h], hi_idx, acc[r][2 * h + 1]);
-      }
-    }
-    for (int c = 0; c < 4; ++c) {
-      const int64_t left = t.ncols - 16 * c;
-      if (left <= 0) break;
-      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
-      _mm256_mask_storeu_epi16(t.y[r] + 16 * c, m, round_to_bf16(out[c]));
-    }
-  }
+  store_rows<MR, PACKED>(t, acc);
 }
 #endif
 
@@ -254,9 +262,9 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
 // pairs in order, 16 pairs per instruction, the last block holding the remaining 1..16 pairs (its own tile shape,
 // fixed by K): which instruction sees which pairs depends only on K, and an element's arithmetic inside the tile
 // unit depends only on its own row of A and column of B. So, as on the other paths, a row's result does not
-// depend on M, its position, the tiling or the thread count. The bits are the tile unit's own (its internal order
-// and rounding of the pair products are not the VDPBF16PS steps above), so a process uses AMX for every call or
-// for none (cpu_kernel.py resolves isa auto once per process).
+// depend on M, its position, the tiling or the thread count. The tile unit's order is not the VDPBF16PS steps
+// above (tile_amx_vec below spells it out), so a process uses AMX for every call or for none (cpu_kernel.py
+// resolves isa auto once per process).
 constexpr int64_t kAmxRows = 16;    // rows per AMX tile
 constexpr int64_t kAmxPairs = 16;   // K pairs per TDPBF16PS (64 bytes of A per row)
 
@@ -335,13 +343,74 @@ void tile_amx(const uint16_t* a, int64_t KA, const uint16_t* w, int64_t blocks, 
 }
 
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
+
+// The tile unit's arithmetic on the vector units, for calls with few rows (an AMX tile costs the same for one row as
+// for 16, and the tile path packs a bmm weight per call). What TDPBF16PS computes per output element, found
+// bitwise on this project's CPU (tests/test_linear_kernel.py compares the two paths): over one instruction's K
+// pairs, the even products and the odd products are summed apart, each in fp32 in pair order starting at +0, and
+// their sum is added to the accumulator — c = c + (S_even + S_odd) — with subnormal inputs read as zero and
+// subnormal results flushed (MXCSR DAZ + FTZ here). A bf16 product is exact in fp32, so one FMA is one such
+// step. Blocks of 16 pairs as on the tile path (the last block 1..16 pairs), so the bits are the tile path's.
+constexpr int kAmxVecRows = 2;  // rows per register tile: 2 x (4 accumulators + 8 partial sums)
+
+template <int MR, bool PACKED, bool STREAM>
+EM_TARGET void tile_amx_vec(const Tile& t, int64_t K) {
+  const int64_t P = K / 2, Pp = (K + 1) / 2;  // whole pairs; pairs with a padded last one
+  const __mmask32 m0 = mask32(t.ncols), m1 = mask32(t.ncols - 32);
+  const __m512i odd_mask = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  __m512i v[4];
+  for (int64_t p0 = 0; p0 < Pp; p0 += kAmxPairs) {
+    const int64_t p1 = std::min(Pp, p0 + kAmxPairs);
+    __m512 se[MR][4], so[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < 4; ++c) se[r][c] = so[r][c] = _mm512_setzero_ps();
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512 xe[MR], xo[MR];
+      if (p < P) {
+        load_pair<PACKED, STREAM>(v, t.w, t.ldw, m0, m1, p);
+        for (int r = 0; r < MR; ++r) {
+          xe[r] = _mm512_set1_ps(bf16_to_float(t.x[r][2 * p]));
+          xo[r] = _mm512_set1_ps(bf16_to_float(t.x[r][2 * p + 1]));
+        }
+      } else {  // odd K: the pair (x[K-1], 0) . (w[K-1], 0)
+        if (PACKED) {
+          for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_si512(t.w + P * (2 * kCols) + 32 * c);  // zero-padded
+        } else {
+          load_last_row(v, t.w + (K - 1) * t.ldw, m0, m1);
+        }
+        for (int r = 0; r < MR; ++r) {
+          xe[r] = _mm512_set1_ps(bf16_to_float(t.x[r][K - 1]));
+          xo[r] = _mm512_setzero_ps();
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v[c], 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v[c], odd_mask));
+        for (int r = 0; r < MR; ++r) {
+          se[r][c] = _mm512_fmadd_ps(xe[r], we, se[r][c]);
+          so[r][c] = _mm512_fmadd_ps(xo[r], wo, so[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_add_ps(se[r][c], so[r][c]));
+  }
+  store_rows<MR, PACKED>(t, acc);
+}
 #endif
 
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;  // amx only when asked for (cpu_kernel.py: why)
+#ifdef EM_AMX
+  if (isa == kAuto) return has ? (amx_usable() ? kAmx : kAvx512Bf16) : kPortable;
+#else
+  if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;
+#endif
   TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16 || isa == kAmx, "row-invariant linear: unknown isa code ", isa);
   TORCH_CHECK(isa != kAvx512Bf16 || has, "row-invariant linear: this CPU has no AVX512-BF16");
 #ifdef EM_AMX
@@ -366,8 +435,23 @@ void run_tile_mr(const Tile& t, int64_t K, bool stream) {
 #endif
 }
 
+#ifdef EM_AMX
+template <int MR, bool PACKED>
+void run_amx_vec_mr(const Tile& t, int64_t K, bool stream) {
+  if (stream) return tile_amx_vec<MR, PACKED, true>(t, K);
+  return tile_amx_vec<MR, PACKED, false>(t, K);
+}
+#endif
+
 template <bool PACKED>
 void run_tile(int64_t isa, const Tile& t, int mr, int64_t K, bool stream) {
+#ifdef EM_AMX
+  static_assert(kAmxVecRows == 2, "run_tile dispatches 1 or 2 rows to tile_amx_vec");
+  if (isa == kAmx) {
+    if (mr == 1) return run_amx_vec_mr<1, PACKED>(t, K, stream);
+    return run_amx_vec_mr<2, PACKED>(t, K, stream);
+  }
+#endif
 #ifdef EM_X86
   if (isa == kAvx512Bf16) {
     switch (mr) {
@@ -392,7 +476,7 @@ void pack_group_portable(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t 
 
 void pack_group(int64_t isa, const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
 #ifdef EM_X86
-  if (isa == kAvx512Bf16) return pack_group_avx512(w, ldw, ncols, K, buf);
+  if (isa == kAvx512Bf16 || isa == kAmx) return pack_group_avx512(w, ldw, ncols, K, buf);
 #endif
   pack_group_portable(w, ldw, ncols, K, buf);
 }
@@ -453,22 +537,40 @@ void run_gemm_amx(const Gemm& g) {
 }
 #endif
 
+// AMX calls with fewer rows than this run the tile unit's arithmetic on the vector units (tile_amx_vec): the same
+// bits, faster where a tile would be mostly empty (bench/linear_kernel.py measured the crossover).
+constexpr int64_t kAmxMinRows = 3;
+
+#ifdef EM_X86
+// Subnormal inputs read as zero, subnormal results flushed (MXCSR DAZ + FTZ) while alive, as the tile unit does.
+struct FlushSubnormals {
+  unsigned saved;
+  FlushSubnormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+};
+#endif
+
 template <bool PACKED>
 void run_gemm(int64_t isa, const Gemm& g) {
 #ifdef EM_AMX
-  if (isa == kAmx) return run_gemm_amx<PACKED>(g);
+  if (isa == kAmx && g.M >= kAmxMinRows) return run_gemm_amx<PACKED>(g);
 #endif
+  const int64_t mr_max = isa == kAmx ? kAmxVecRows : kMR;
   const int64_t G = (g.N + kCols - 1) / kCols;
   const int64_t Kp = g.K + (g.K & 1);
   // rows per work item: all of them for decode-sized M (one pass over the weight), else chunks of 16 tiles so
   // both threads have work and a column group's weight stays in cache across its row tiles.
-  const int64_t MC = g.M <= 16 * kMR ? g.M : 16 * kMR;
+  const int64_t MC = g.M <= 16 * mr_max ? g.M : 16 * mr_max;
   const int64_t MCn = (g.M + MC - 1) / MC;
   const int64_t items = g.B * G * MCn;
   // kn weights and more than one row tile per item: the item packs its column group once (into a per-thread
   // buffer, K x 128 bytes) and runs the packed tiles on it — the same pairs in the same order, so the same bits.
-  const bool repack = !PACKED && MC > kMR;
+  const bool repack = !PACKED && MC > mr_max;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+#ifdef EM_X86
+    std::optional<FlushSubnormals> flush;
+    if (isa == kAmx) flush.emplace();
+#endif
     std::vector<uint16_t> buf(repack ? size_t(Kp / 2) * 2 * kCols : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mc = i % MCn, gi = (i / MCn) % G, b = i / (MCn * G);
@@ -481,8 +583,8 @@ void run_gemm(int64_t isa, const Gemm& g) {
         t.w = buf.data();
       }
       const int64_t m_end = std::min(g.M, (mc + 1) * MC);
-      for (int64_t m = mc * MC; m < m_end; m += kMR) {
-        const int mr = int(std::min<int64_t>(kMR, m_end - m));
+      for (int64_t m = mc * MC; m < m_end; m += mr_max) {
+        const int mr = int(std::min<int64_t>(mr_max, m_end - m));
         for (int r = 0; r < mr; ++r) {
           t.x[r] = g.x + b * g.sxb + (m + r) * g.sxm;
           t.y[r] = g.y + b * g.syb + (m + r) * g.sym + gi * kCols;
