@@ -23,6 +23,8 @@ from expertmesh.kernels.moe.cpu_kernel import enabled
 
 EXTENSION = LazyExtension("expertmesh_dsa_cpu", Path(__file__).parent / "cpu" / "paged_attention.cpp",
                           "expertmesh_dsa_cpu", what="CPU paged-attention kernel", probe="paged_attention")
+DENSE_EXTENSION = LazyExtension("expertmesh_attention_amx", Path(__file__).parent / "cpu" / "dense_attention_amx.cpp",
+                                "expertmesh_attention_amx", what="AMX dense-attention kernel", probe="dense_attention")
 
 
 def available() -> bool:
@@ -46,4 +48,33 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32)
     ops.paged_attention(q.float().contiguous(), kv_cache.contiguous(), block_table.to(torch.int32).contiguous(),
                         indices.to(torch.int64).contiguous(), float(scale), out)
+    return out
+
+
+_dense_runs: bool | None = None
+
+
+def dense_runs_for(q: torch.Tensor) -> bool:
+    """Whether `dense_attention` runs for `q`: bf16 on CPU, the backend not forced, the kernel enabled and built,
+    and the CPU (and Linux) offering AMX-BF16."""
+    global _dense_runs
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or _configured() != "auto" or not enabled():
+        return False
+    if _dense_runs is None:
+        ops = DENSE_EXTENSION.load()
+        _dense_runs = ops is not None and bool(ops.runs())
+    return _dense_runs
+
+
+def dense_attention(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
+                    v_dim: int) -> torch.Tensor:
+    """q [B,T,H,D] bf16 over kv [B,n,D] bf16, query t seeing positions 0 .. q_pos[t] (q_pos None: all n) →
+    [B,T,H,v_dim] fp32, on AMX-BF16 (kernels/dsa/cpu/dense_attention_amx.cpp: the numerics, and why a query's
+    bits do not depend on the call's other queries)."""
+    ops = DENSE_EXTENSION.load()
+    if ops is None:
+        raise RuntimeError(f"the AMX dense-attention kernel is not available ({DENSE_EXTENSION.build_error})")
+    out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v_dim, dtype=torch.float32)
+    pos = torch.empty(0, dtype=torch.int64) if q_pos is None else q_pos.to(torch.int64).contiguous()
+    ops.dense_attention(q.contiguous(), kv.contiguous(), pos, float(scale), out)
     return out

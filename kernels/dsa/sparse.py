@@ -8,7 +8,9 @@ a masked dense pass) and agrees to rounding.
 - `dsa_prefill`: queries in blocks sized so one block's working set (indexer logits [bq, Hi, n], gathered
   entries [bq, k, D]) stays under PREFILL_BLOCK_BYTES: memory O(block * Tk), never O(Tq * Tk * H). A causal
   block only scores the positions its last query can see. When topk covers everything a block can see, the
-  indexer is skipped (it would select all visible positions) and attention runs densely over them.
+  indexer is skipped (it would select all visible positions) and attention runs densely over them — on CPUs with
+  AMX-BF16, for all such queries at once in the dense-attention kernel (cpu_kernel.dense_attention: bf16 products,
+  fp32 logits and softmax; a query's bits do not depend on the other queries of the call).
 - `dsa_decode_paged`: one query per sequence over a paged cache. The indexer walks the pages in chunks of
   DECODE_CHUNK_TOKENS (the chunk's keys gathered into a reused buffer, one batched GEMM, ReLU, weighted
   head sum); top-k; then attention over at most topk gathered entries. Cost per token: the indexer pass over
@@ -19,7 +21,12 @@ from __future__ import annotations
 import torch
 
 from expertmesh.kernels.batch_invariant import ROW_TILE
-from expertmesh.kernels.dsa.cpu_kernel import paged_attention as paged_attention_cpu, runs_for as cpu_kernel_runs_for
+from expertmesh.kernels.dsa.cpu_kernel import (
+    dense_attention as dense_attention_cpu,
+    dense_runs_for,
+    paged_attention as paged_attention_cpu,
+    runs_for as cpu_kernel_runs_for,
+)
 from expertmesh.kernels.dsa.naive import (
     MIN_COLS,
     DSAShapes,
@@ -88,6 +95,24 @@ def _attend_dense(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None,
     return torch.matmul(torch.softmax(logits, dim=-1), kvf[:, None, :, :v_dim])
 
 
+def _dense_attention_prefix(q: torch.Tensor, kv: torch.Tensor, causal: bool, topk: int, scale: float, v_dim: int,
+                            o: torch.Tensor) -> int:
+    """Where the AMX dense-attention kernel runs (cpu_kernel.dense_runs_for): the leading queries of q [B,Tq,H,D]
+    that see at most `topk` positions of kv [B,Tk,D] attend densely in one kernel call, into o; returns how many
+    (0 elsewhere: every query goes through the blocks)."""
+    if not dense_runs_for(q) or kv.dtype != torch.bfloat16:
+        return 0
+    Tq, Tk = q.shape[1], kv.shape[1]
+    if not causal:
+        return Tq if topk >= Tk else 0
+    first = max(0, min(Tq, topk - (Tk - Tq)))              # query i sees Tk - Tq + i + 1 positions
+    if first:
+        n = Tk - Tq + first
+        q_pos = torch.arange(Tk - Tq, n, device=q.device)
+        o[:, :first] = dense_attention_cpu(q[:, :first], kv[:, :n], q_pos, scale, v_dim)
+    return first
+
+
 def _block_rows(shp: DSAShapes) -> int:
     k = min(shp.topk, shp.Tk)
     per_query = 4 * (shp.Hi * shp.Tk + k * (shp.D + shp.H) + shp.H * shp.Tk)
@@ -138,7 +163,16 @@ def dsa_prefill(
     indices = torch.empty(B, Tq, k_all, dtype=torch.int64, device=q.device) if return_indices else None
     bq = _block_rows(shp)
     kv_rows = kv.reshape(B * Tk, shp.D)                         # once: a copy only if kv is a strided view
-    for i0 in range(0, Tq, bq):
+    # Queries that see no more than topk positions attend to all of them: on AMX, one call of the dense kernel for
+    # all of those (their bits do not depend on which other queries share the call)
+    first = _dense_attention_prefix(q, kv, causal, shp.topk, shp.scale, shp.v_dim, o)
+    if first and indices is not None:
+        q_pos = torch.arange(Tk - Tq, Tk - Tq + first, device=q.device) if causal else None
+        n = Tk - Tq + first if causal else Tk
+        idx = _visible_positions(q_pos, n) if causal else torch.arange(n, device=q.device).expand(first, n)
+        indices[:, :first, :n] = idx
+        indices[:, :first, n:] = -1
+    for i0 in range(first, Tq, bq):
         i1 = min(Tq, i0 + bq)
         n = Tk - Tq + i1 if causal else Tk                     # positions any query of the block can see
         q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device) if causal else None
@@ -173,8 +207,9 @@ def mla_prefill(q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v
     scale = D ** -0.5 if scale is None else scale
     v_dim = D if v_dim is None else v_dim
     o = torch.empty(B, Tq, H, v_dim, dtype=q.dtype, device=q.device)
+    first = _dense_attention_prefix(q, kv, True, Tk, scale, v_dim, o)        # AMX: every query in one call
     bq = max(1, min(Tq, PREFILL_BLOCK_BYTES // (4 * H * Tk)))
-    for i0 in range(0, Tq, bq):
+    for i0 in range(first, Tq, bq):
         i1 = min(Tq, i0 + bq)
         n = Tk - Tq + i1
         q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device)
