@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from expertmesh import telemetry
-from expertmesh.kernels.moe.combine import fold_groups, present_groups, sort_slots
+from expertmesh.kernels.moe.combine import fold_rows, present_groups, sort_slots
 from expertmesh.replica_table import ReplicaTable
 
 log = logging.getLogger("expertmesh.worker")
@@ -211,7 +211,9 @@ class ExpertExchange:
     def _finish(self, job: "_Layer") -> tuple[torch.Tensor, dict[int, str]]:
         N, H = job.hidden.shape
         layer, todo = job.layer, job.todo
-        partials = torch.zeros(N, self.n_groups, H, dtype=torch.float32)
+        # the P_g that arrived: whole rows as they came, and P_g summed here from per-slot fragments
+        got_tokens, got_groups, got_rows = [], [], []
+        summed: dict[tuple[int, int], torch.Tensor] = {}
         for attempt in range(self.retries + 1):
             if attempt:
                 self._send(job, attempt)
@@ -227,12 +229,14 @@ class ExpertExchange:
                 keep = np.ones(len(c.out_token), dtype=bool) if not lost else np.array(
                     [(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())], dtype=bool)
                 whole = keep & (c.out_k < 0)
-                partials[c.out_token[whole], c.out_group[whole]] = out[torch.from_numpy(whole)].float()
+                got_tokens.append(c.out_token[whole])
+                got_groups.append(c.out_group[whole])
+                got_rows.append(out if whole.all() else out[torch.from_numpy(whole)])
                 todo[c.out_token[whole], c.out_group[whole]] = False
                 sel = np.flatnonzero(keep & (c.out_k >= 0))
                 fragments += [(int(c.out_k[i]), int(c.out_token[i]), int(c.out_group[i]), out[i]) for i in sel]
             for k, t, g, row in sorted(fragments, key=lambda f: f[0]):   # P_g from its slots, ascending id
-                partials[t, g] = partials[t, g] + row.float()
+                summed[t, g] = summed.get((t, g), torch.zeros(H)) + row.float()
                 todo[t, g] = False
             if not lost:
                 break
@@ -241,7 +245,16 @@ class ExpertExchange:
                 self.last_error.get(w, "") for w in sorted(self.down)))
         with self.lock:
             np.add.at(self.load[layer], job.ids.ravel(), 1)
-        return fold_groups(partials, torch.from_numpy(job.present), job.hidden.dtype), job.failed
+        if summed:
+            got_tokens.append(np.array([t for t, _ in summed], dtype=np.int64))
+            got_groups.append(np.array([g for _, g in summed], dtype=np.int64))
+            got_rows.append(torch.stack(list(summed.values())))
+        if not got_rows:
+            return torch.zeros(N, H), job.failed
+        rows = got_rows[0] if len(got_rows) == 1 else torch.cat([r.float() for r in got_rows])
+        # a (token, group) missing (its experts failed) adds nothing, as its zero P_g would
+        return fold_rows(torch.from_numpy(np.concatenate(got_tokens)), torch.from_numpy(np.concatenate(got_groups)),
+                         rows, N, job.hidden.dtype), job.failed
 
     def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
              trace_ctx=None, attempt: int = 0) -> torch.Tensor:

@@ -67,11 +67,28 @@ def group_partials_torch(outputs: torch.Tensor, ids: torch.Tensor, weights: torc
 def fold_groups(partials: torch.Tensor, present: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """partials fp32 [T, G, H] (P_g; anything where absent), present bool [T, G] → fp32 [T, H]: the groups
     present, ascending, each rounded through `dtype`."""
-    T, G, H = partials.shape
-    acc = torch.zeros(T, H, dtype=torch.float32, device=partials.device)
-    for g in present.any(0).nonzero().flatten().tolist():    # a group no row has leaves every row as it is
-        p = partials[:, g].to(dtype).float()
-        acc = torch.where(present[:, g, None], acc + p, acc)
+    tokens, groups = present.nonzero(as_tuple=True)
+    return fold_rows(tokens, groups, partials[tokens, groups], partials.shape[0], dtype)
+
+
+def fold_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_tokens: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """`fold_groups` from the present P_g alone: rows [R, H] (fp32 or `dtype`) of the distinct (token, group) pairs
+    tokens [R], groups [R] → fp32 [n_tokens, H]. A group's rows go in with one index_add_ (a token at most once per
+    group: each of its rows is one rounded fp32 add), the groups ascending: the same steps as the fold."""
+    acc = torch.zeros(n_tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0:
+        return acc
+    groups = torch.as_tensor(groups, device=rows.device).long()
+    tokens = torch.as_tensor(tokens, device=rows.device).long()
+    rounded = rows.to(dtype).float()
+    order = torch.argsort(groups, stable=True)
+    bounds = torch.unique_consecutive(groups[order], return_counts=True)[1].tolist()
+    start = 0
+    for count in bounds:
+        seg = order[start:start + count]
+        acc.index_add_(0, tokens[seg], rounded[seg])
+        start += count
     return acc
 
 
