@@ -14,7 +14,8 @@ from expertmesh.kernels.norm import cpu_kernel as norm_kernel
 
 log = logging.getLogger(__name__)
 
-ATTENTION = {"linear": linear_kernel.available, "norm": norm_kernel.available, "paged attention": dsa_kernel.available}
+ATTENTION = {"linear": linear_kernel.available, "norm": norm_kernel.available, "paged attention": dsa_kernel.available,
+             "dense attention (AMX)": dsa_kernel.dense_available}
 EXPERT = {"mxfp4": moe_kernel.available}
 
 

@@ -18,10 +18,10 @@ PROBE = textwrap.dedent("""
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.expert import ExpertWorker
     before = {"linear": linear.EXTENSION._tried, "norm": norm.EXTENSION._tried, "dsa": dsa.EXTENSION._tried,
-              "mxfp4": moe._tried}
+              "dense": dsa.DENSE_EXTENSION._tried, "mxfp4": moe._tried}
     AttentionWorker(sys.argv[1], kv_blocks=8)
     attention = {"linear": linear.EXTENSION.ops is not None, "norm": norm.EXTENSION.ops is not None,
-                 "dsa": dsa.EXTENSION.ops is not None, "mxfp4": moe._tried}
+                 "dsa": dsa.EXTENSION.ops is not None, "dense": dsa.DENSE_EXTENSION._tried, "mxfp4": moe._tried}
     ExpertWorker(sys.argv[1], [(1, 0)])
     print(json.dumps({"before": before, "attention": attention, "expert": moe._ops is not None}))
 """)
@@ -35,5 +35,5 @@ def test_workers_load_their_cpu_kernels_before_the_first_request(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert not any(seen["before"].values()), seen          # importing loads nothing
-    assert seen["attention"] == {"linear": True, "norm": True, "dsa": True, "mxfp4": False}, seen
+    assert seen["attention"] == {"linear": True, "norm": True, "dsa": True, "dense": True, "mxfp4": False}, seen
     assert seen["expert"] is True

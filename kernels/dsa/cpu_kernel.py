@@ -54,16 +54,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 _dense_runs: bool | None = None
 
 
-def dense_runs_for(q: torch.Tensor) -> bool:
-    """Whether `dense_attention` runs for `q`: bf16 on CPU, the backend not forced, the kernel enabled and built,
-    and the CPU (and Linux) offering AMX-BF16."""
+def dense_available() -> bool:
+    """The AMX dense-attention kernel is enabled, built (building it now if it was not tried yet) and runs here:
+    the CPU (and Linux) offer AMX-BF16."""
     global _dense_runs
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or _configured() != "auto" or not enabled():
+    if not enabled():
         return False
     if _dense_runs is None:
         ops = DENSE_EXTENSION.load()
         _dense_runs = ops is not None and bool(ops.runs())
     return _dense_runs
+
+
+def dense_runs_for(q: torch.Tensor) -> bool:
+    """Whether `dense_attention` runs for `q`: bf16 on CPU, the backend not forced, `dense_available()`."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and _configured() == "auto" and dense_available()
 
 
 def dense_attention(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
