@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertmesh.kernels.moe.combine import group_partials, grouped_combine
+from expertmesh.kernels.moe.combine import fold_groups, fold_rows, group_partials, grouped_combine
 from expertmesh.replica_table import ReplicaTable
 from expertmesh.worker.exchange import ExpertExchange
 
@@ -81,6 +81,30 @@ def test_the_combine_does_not_depend_on_slot_order_and_is_the_sum():
     assert torch.equal(grouped_combine(out[7:9], ids[7:9], weights[7:9], n_experts=E, n_groups=G), ref[7:9])
     bf = grouped_combine(out, ids, weights, n_experts=E, n_groups=G, dtype=torch.bfloat16)
     assert not torch.equal(bf, ref) and torch.allclose(bf, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fold_of_the_rows_that_arrived_is_the_masked_fold(dtype):
+    """fold_rows / fold_groups against the definition spelled out per token: acc = +0, then acc + round(P_g) for the
+    groups present, ascending (absent groups' garbage — NaN here — never read; -0 and wide-range values kept)."""
+    gen = torch.Generator().manual_seed(5)
+    for T in (1, 2, 37):
+        partials = torch.randn(T, G, 24, generator=gen) * torch.exp2(torch.randint(-20, 20, (T, G, 1), generator=gen))
+        present = torch.rand(T, G, generator=gen) < 0.5
+        present[0] = False
+        present[0, G - 1] = True
+        partials[~present] = float("nan")
+        partials[-1, :, :2] = -0.0
+        want = torch.zeros(T, 24)
+        for t in range(T):
+            for g in range(G):
+                if present[t, g]:
+                    want[t] = want[t] + partials[t, g].to(dtype).float()
+        assert torch.equal(fold_groups(partials, present, dtype).view(torch.int32), want.view(torch.int32))
+        tokens, groups = present.nonzero(as_tuple=True)
+        shuffled = torch.randperm(len(tokens), generator=gen)                  # rows may arrive in any order
+        got = fold_rows(tokens[shuffled].numpy(), groups[shuffled].numpy(), partials[tokens, groups][shuffled], T, dtype)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -253,8 +253,7 @@ class ExpertExchange:
             return torch.zeros(N, H), job.failed
         rows = got_rows[0] if len(got_rows) == 1 else torch.cat([r.float() for r in got_rows])
         # a (token, group) missing (its experts failed) adds nothing, as its zero P_g would
-        return fold_rows(torch.from_numpy(np.concatenate(got_tokens)), torch.from_numpy(np.concatenate(got_groups)),
-                         rows, N, job.hidden.dtype), job.failed
+        return fold_rows(np.concatenate(got_tokens), np.concatenate(got_groups), rows, N, job.hidden.dtype), job.failed
 
     def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
              trace_ctx=None, attempt: int = 0) -> torch.Tensor:

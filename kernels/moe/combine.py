@@ -15,6 +15,7 @@ attention worker (`fold_fragments`). The reference model runs `grouped_combine`,
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from expertmesh.kernels.moe import cpu_kernel
@@ -71,24 +72,25 @@ def fold_groups(partials: torch.Tensor, present: torch.Tensor, dtype: torch.dtyp
     return fold_rows(tokens, groups, partials[tokens, groups], partials.shape[0], dtype)
 
 
-def fold_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_tokens: int,
-              dtype: torch.dtype) -> torch.Tensor:
+def fold_rows(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """`fold_groups` from the present P_g alone: rows [R, H] (fp32 or `dtype`) of the distinct (token, group) pairs
-    tokens [R], groups [R] → fp32 [n_tokens, H]. A group's rows go in with one index_add_ (a token at most once per
-    group: each of its rows is one rounded fp32 add), the groups ascending: the same steps as the fold."""
+    tokens [R], groups [R] (numpy or torch integers) → fp32 [n_tokens, H]. A group's rows go in with one
+    index_add_ (a token at most once per group: each of its rows is one rounded fp32 add), the groups ascending:
+    the same steps as the fold. The grouping runs in numpy: a decode step has a handful of rows per layer, where
+    torch's per-op cost would be most of the time."""
     acc = torch.zeros(n_tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
     if rows.shape[0] == 0:
         return acc
-    groups = torch.as_tensor(groups, device=rows.device).long()
-    tokens = torch.as_tensor(tokens, device=rows.device).long()
-    rounded = rows.to(dtype).float()
-    order = torch.argsort(groups, stable=True)
-    bounds = torch.unique_consecutive(groups[order], return_counts=True)[1].tolist()
-    start = 0
-    for count in bounds:
-        seg = order[start:start + count]
-        acc.index_add_(0, tokens[seg], rounded[seg])
-        start += count
+    tokens = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    groups = groups.cpu().numpy() if isinstance(groups, torch.Tensor) else np.asarray(groups)
+    rounded = rows.float() if dtype == torch.float32 else rows.to(dtype).float()
+    order = np.argsort(groups, kind="stable")
+    cuts = np.flatnonzero(np.diff(groups[order])) + 1
+    for seg in np.split(order, cuts):
+        if len(seg) == 1:
+            acc[int(tokens[seg[0]])] += rounded[int(seg[0])]
+        else:
+            acc.index_add_(0, torch.from_numpy(tokens[seg]).to(rows.device), rounded[torch.from_numpy(seg)])
     return acc
 
 
