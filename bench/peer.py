@@ -81,6 +81,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -332,12 +333,12 @@ class Server:
             self.proc.wait(10)
 
 
-def expertmesh_server(model_dir: Path, dtype: str, logdir: Path) -> Server:
+def expertmesh_server(model_dir: Path, dtype: str, logdir: Path, up_args: tuple[str, ...] = ()) -> Server:
     exe = Path(sys.executable).parent / "expertmesh"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "expertmesh.cli"]
     port = free_port()
     cmd += ["up", "--checkpoint", str(model_dir), "--http-port", str(port), "--grpc-port", str(free_port()),
-            "--dtype", dtype]
+            "--dtype", dtype, *up_args]
     return Server("expertmesh", cmd, port, logdir / "expertmesh-up.log")
 
 
@@ -573,6 +574,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", help="comma-separated concurrent requests (default 1,8)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64; --quick 32)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--up-args", default="", help="more arguments for `expertmesh up`, e.g. \"--expert-workers 1\"")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--install-only", action="store_true", help="build the model and install vLLM, then stop")
@@ -602,8 +604,8 @@ def main(argv=None) -> int:
     if args.install_only:
         return 0 if (args.skip_vllm or vllm_python) else 1
 
-    meta = {"dtype": args.dtype, "max_tokens": max_tokens, "rounds": rounds, "prompt_lens": prompt_lens,
-            "concurrency": concurrency, "model": args.model, "model_facts": model_facts,
+    meta = {"dtype": args.dtype, "up_args": args.up_args, "max_tokens": max_tokens, "rounds": rounds,
+            "prompt_lens": prompt_lens, "concurrency": concurrency, "model": args.model, "model_facts": model_facts,
             "expertmesh_dir": str(em_dir), "vllm_dir": str(vllm_dir), "vllm_install": install_facts,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                         "loadavg_start": load_start}, "quick": args.quick, "argv": sys.argv[1:]}
@@ -611,7 +613,7 @@ def main(argv=None) -> int:
     submits, engine, systems = {}, None, {}
     try:
         # start-ups one at a time, each alone on the machine (as far as this benchmark goes)
-        em = servers["expertmesh"] = expertmesh_server(em_dir, args.dtype, logdir)
+        em = servers["expertmesh"] = expertmesh_server(em_dir, args.dtype, logdir, tuple(shlex.split(args.up_args)))
         log(f"starting expertmesh: {' '.join(em.cmd)}  (log {em.logfile})")
         em.start(args.startup_timeout)
         systems["expertmesh"] = {"startup_s": em.startup_s, "memory_idle": em.memory(), "cmd": em.cmd}
