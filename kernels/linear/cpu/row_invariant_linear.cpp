@@ -301,12 +301,13 @@ __attribute__((target("amx-tile"))) inline void amx_configure(int64_t tail) {
   asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
-// Up to 16 rows against one packed column group. a: the rows' x copied into a [16, KA] buffer, zero past K (KA =
-// 32 * blocks); w: the group ([Kp/2, 64, 2]); c: [16, 64] fp32 scratch. Needs amx_configure(tail) on this thread.
+// Up to 16 rows against one packed column group. a: 16 rows of 32 * blocks elements, `sa` bytes apart, zero past
+// K (x itself, or its rows copied into a padded buffer); w: the group ([Kp/2, 64, 2]); c: [16, 64] fp32 scratch.
+// Needs amx_configure(tail) on this thread.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-void tile_amx(const uint16_t* a, int64_t KA, const uint16_t* w, int64_t blocks, float* c, uint16_t* const* y,
+void tile_amx(const uint16_t* a, int64_t sa, const uint16_t* w, int64_t blocks, float* c, uint16_t* const* y,
               int mr, int64_t ncols) {
-  const int64_t sa = KA * 2, sw = 2 * kCols * 2, sc = kCols * 4;  // strides in bytes
+  const int64_t sw = 2 * kCols * 2, sc = kCols * 4;  // strides in bytes
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -494,9 +495,10 @@ struct Gemm {
 };
 
 #ifdef EM_AMX
-// The AMX path of run_gemm: work items as there (batch item, column group, row chunk), rows in tiles of 16. Each
-// tile's rows are copied into a zero-padded [16, KA] buffer (the A operand needs whole 64-byte rows; a copy of the
-// rows is small next to their products with a column group); kn weights are packed per item as on the other path.
+// The AMX path of run_gemm: work items as there (batch item, column group, row chunk), rows in tiles of 16. A
+// whole tile of a K that fills its last block (K a multiple of 32: the model's projections) is read where x is;
+// otherwise the tile's rows are copied into a zero-padded [16, KA] buffer (the A operand takes whole 64-byte
+// rows, and a short tile must not read past x). kn weights are packed per item as on the other path.
 template <bool PACKED>
 void run_gemm_amx(const Gemm& g) {
   const int64_t G = (g.N + kCols - 1) / kCols;
@@ -523,13 +525,18 @@ void run_gemm_amx(const Gemm& g) {
       const int64_t m_end = std::min(g.M, (mc + 1) * MC);
       for (int64_t m = mc * MC; m < m_end; m += kAmxRows) {
         const int mr = int(std::min<int64_t>(kAmxRows, m_end - m));
+        const uint16_t* x0 = g.x + b * g.sxb + m * g.sxm;
+        for (int r = 0; r < mr; ++r) y[r] = g.y + b * g.syb + (m + r) * g.sym + gi * kCols;
+        if (KA == g.K && mr == kAmxRows) {
+          tile_amx(x0, g.sxm * 2, w, blocks, c, y, mr, ncols);
+          continue;
+        }
         for (int r = 0; r < mr; ++r) {
           uint16_t* row = a.data() + r * KA;
-          std::memcpy(row, g.x + b * g.sxb + (m + r) * g.sxm, size_t(g.K) * 2);
+          std::memcpy(row, x0 + r * g.sxm, size_t(g.K) * 2);
           std::memset(row + g.K, 0, size_t(KA - g.K) * 2);
-          y[r] = g.y + b * g.syb + (m + r) * g.sym + gi * kCols;
         }
-        tile_amx(a.data(), KA, w, blocks, c, y, mr, ncols);
+        tile_amx(a.data(), KA * 2, w, blocks, c, y, mr, ncols);
       }
     }
     amx_release();
