@@ -95,6 +95,19 @@ def _attend_dense(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None,
     return torch.matmul(torch.softmax(logits, dim=-1), kvf[:, None, :, :v_dim])
 
 
+def _every_visible(q_pos: torch.Tensor | None, n: int, rows: int, device) -> torch.Tensor:
+    """The indices of queries that attend to all they see: q_pos [rows] (causal; None: all n visible) → [rows, n],
+    -1 in a query's future."""
+    return _visible_positions(q_pos, n) if q_pos is not None else torch.arange(n, device=device).expand(rows, n)
+
+
+def _put_indices(indices: torch.Tensor, i0: int, idx: torch.Tensor) -> None:
+    """Rows i0 .. of indices [B, Tq, k] from idx [(B,) rows, w ≤ k], -1 past w."""
+    i1, w = i0 + idx.shape[-2], idx.shape[-1]
+    indices[:, i0:i1, :w] = idx
+    indices[:, i0:i1, w:] = -1
+
+
 def _dense_attention_prefix(q: torch.Tensor, kv: torch.Tensor, causal: bool, topk: int, scale: float, v_dim: int,
                             o: torch.Tensor) -> int:
     """Where the AMX dense-attention kernel runs (cpu_kernel.dense_runs_for): the leading queries of q [B,Tq,H,D]
@@ -168,10 +181,7 @@ def dsa_prefill(
     first = _dense_attention_prefix(q, kv, causal, shp.topk, shp.scale, shp.v_dim, o)
     if first and indices is not None:
         q_pos = torch.arange(Tk - Tq, Tk - Tq + first, device=q.device) if causal else None
-        n = Tk - Tq + first if causal else Tk
-        idx = _visible_positions(q_pos, n) if causal else torch.arange(n, device=q.device).expand(first, n)
-        indices[:, :first, :n] = idx
-        indices[:, :first, n:] = -1
+        _put_indices(indices, 0, _every_visible(q_pos, Tk - Tq + first if causal else Tk, first, q.device))
     for i0 in range(first, Tq, bq):
         i1 = min(Tq, i0 + bq)
         n = Tk - Tq + i1 if causal else Tk                     # positions any query of the block can see
@@ -180,8 +190,7 @@ def dsa_prefill(
             o[:, i0:i1] = _attend_dense(q[:, i0:i1], kv[:, :n], q_pos, shp.scale, shp.v_dim)
             if indices is None:
                 continue
-            idx = (_visible_positions(q_pos, n) if causal else torch.arange(n, device=q.device).expand(i1 - i0, n))
-            idx = idx.expand(B, i1 - i0, n)
+            idx = _every_visible(q_pos, n, i1 - i0, q.device)
         else:
             s = indexer_scores(index_q[:, i0:i1], index_k[:, :n], index_weights[:, i0:i1])  # [B,bq,n]
             if causal:
@@ -189,8 +198,7 @@ def dsa_prefill(
             idx = select_topk(s, shp.topk)                                                  # [B,bq,topk]
             o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv_rows, Tk, idx, shp.scale, shp.v_dim)
         if indices is not None:
-            indices[:, i0:i1, :idx.shape[-1]] = idx
-            indices[:, i0:i1, idx.shape[-1]:] = -1
+            _put_indices(indices, i0, idx)
     return (o, indices) if return_indices else o
 
 

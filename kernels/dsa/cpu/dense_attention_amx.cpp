@@ -77,12 +77,6 @@ __attribute__((target("amx-tile"))) void configure(int64_t tail) {
   asm volatile("ldtilecfg %0" : : "m"(cfg));  // not _tile_loadconfig: GCC 12 lets -O3 drop the config's stores
 }
 
-EM_AVX512 inline uint16_t bf16_round(float f) {  // round to nearest even (no NaN reaches here)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 EM_AVX512 inline __m512i bf16_round_ps(__m512 a) {  // 16 floats -> 16 bf16 in the low halves of 32-bit lanes
   const __m512i u = _mm512_castps_si512(a);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
