@@ -87,6 +87,11 @@ def matmul_in_tile_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     products are summed apart in fp32, in pair order from +0, and the accumulator (from +0) takes their sum:
     c = c + (S_even + S_odd). A bf16 product is exact in fp32, so every `+` below is one fp32 rounding. Subnormals
     are not flushed here (the tile unit flushes them): the same bits for inputs with none. Slow: tests only."""
+    return matmul_in_tile_order_fp32(x, w).to(torch.bfloat16)
+
+
+def matmul_in_tile_order_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`matmul_in_tile_order` before its rounding to bf16: the fp32 accumulators [M, N]."""
     m, k = x.shape
     xf = torch.nn.functional.pad(x.float(), (0, k % 2))
     wf = torch.nn.functional.pad(w.float(), (0, k % 2))
@@ -98,4 +103,4 @@ def matmul_in_tile_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             s_even = s_even + xf[:, 2 * p, None] * wf[None, :, 2 * p]
             s_odd = s_odd + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
         c = c + (s_even + s_odd)
-    return c.to(torch.bfloat16)
+    return c

@@ -27,6 +27,7 @@ import torch
 
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation, gated_act
 from expertmesh.kernels.batch_invariant import linear
+from expertmesh.kernels.linear.naive import matmul_in_tile_order_fp32
 from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -155,6 +156,14 @@ def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
 
 
 # ------------------------------------------------------------------------------------------------- reference
+def _expert_slots(topk_ids: torch.Tensor, n_experts: int):
+    """(e, token indices, slot indices) of every expert with slots in topk_ids, ascending e."""
+    for e in range(n_experts):
+        t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
+        if t_idx.numel():
+            yield e, t_idx, k_idx
+
+
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -175,10 +184,7 @@ def moe_expert_outputs(
     check_activation(activation)
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     xf = x.float()
-    for e in range(s.E):
-        t_idx, k_idx = (topk_ids == e).nonzero(as_tuple=True)
-        if t_idx.numel() == 0:
-            continue
+    for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
         w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)   # [2I, H]
         w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)      # [H, I]
         result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2, activation=activation)
@@ -222,3 +228,32 @@ def moe_reference(
     return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales,
                                           activation=activation),
                        topk_weights)
+
+
+def moe_expert_outputs_tile_order(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    *,
+    activation: GatedActivation = SWIGLU,
+) -> torch.Tensor:
+    """What the CPU kernel's isa amx computes, spelled out (slow: tests only): x bf16 [T, H] → fp32 [T, K, H].
+    Each expert's weights decoded to bf16 (the exact MXFP4 values), gate | up = the tile-order sum of x's row and
+    each weight row (`kernels.linear.naive.matmul_in_tile_order_fp32`), h = act(gate, up) in fp32 rounded to bf16,
+    out = the tile-order sum of h and W2's rows. Slots with id -1 are exactly 0."""
+    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales)
+    check_activation(activation)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x: expected bfloat16 (the tile unit's operand), found {x.dtype}")
+    result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
+    for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
+        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.bfloat16)   # [2I, H]
+        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.bfloat16)      # [H, I]
+        gate_up = matmul_in_tile_order_fp32(x[t_idx], w13)
+        i = gate_up.shape[1] // 2
+        h = gated_act(gate_up[:, :i], gate_up[:, i:], activation).to(torch.bfloat16)
+        result[t_idx, k_idx] = matmul_in_tile_order_fp32(h, w2)
+    return result

@@ -16,6 +16,8 @@
 // thread count (threads split output rows with at::parallel_for). bf16 activations on AVX512-BF16 CPUs take the same
 // per-lane operations through the bf16 dot-product instruction (tile_avx512bf16: the same bits). Activations are first rearranged per 32-block
 // to [even elements | odd elements] so the pairs line up with the low/high nibbles.
+//
+// One more path, isa amx (bf16 activations on AMX-BF16 CPUs), sums in the tile unit's order instead: see "AMX" below.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,8 +32,14 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define EM_X86 1
+#endif
+#if defined(EM_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define EM_AMX 1
 #endif
 
 namespace {
@@ -48,7 +56,7 @@ struct ScaleTable {
 };
 const ScaleTable kScale;
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
 // One call computes R weight rows x TM activation rows. w: R row pointers to packed bytes (K/2 each), s: R scale
 // rows (K/32), x: TM rearranged activation rows (K each), y[r*ystride_r + t*ystride_t] = result.
@@ -250,12 +258,251 @@ void gemm_rows_bf16(const uint8_t* wb, const uint8_t* ws, int64_t K, const uint1
 }
 #endif
 
+
+#ifdef EM_AMX
+// ------------------------------------------------------------------------------------------------------ AMX
+// isa amx (bf16 activations only): a DIFFERENT reduction order from the paths above, the tile unit's. Each 32-block
+// of a weight row is decoded to bf16 with its scale folded in — v * 2^(s - 127), the exact MXFP4 value (a value
+// with at most 2 significant bits times a power of two: exact in bf16 unless it overflows to inf, scale 0xFF gives
+// NaN) — and the sum is what TDPBF16PS computes (kernels/linear/naive.py matmul_in_tile_order): per 32-block, the
+// even products and the odd products summed apart in fp32 from +0 in pair order, the accumulator (from +0) taking
+// c = c + (S_even + S_odd); subnormal inputs read as zero, subnormal results flushed. The expert MLP's activation
+// h is rounded to bf16 (nearest even) before the down projection. Every call runs on the tile unit, whatever its
+// rows: weight rows are the A operand (16 rows x one 32-block per tile, decoded into a buffer), activation rows the
+// B operand (16 columns, zero past the call's rows), so a row's bits depend only on its own inputs: not on the
+// number of rows, their order or the thread count. The same bits as kernels/moe/naive.py
+// moe_expert_outputs_tile_order up to the activation's libm rounding.
+constexpr int64_t kTile = 16;  // rows of A, columns of B, pairs per block
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+    // Linux gives a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes: tmm0-3 accumulators (4 groups of 16 activation rows), tmm4 A, tmm5 B.
+__attribute__((target("amx-tile"))) inline void amx_configure() {
+  AmxConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = uint8_t(kTile);
+    cfg.colsb[i] = 64;
+  }
+  asm volatile("ldtilecfg %0" : : "m"(cfg));  // the whole 64-byte struct as the operand (see the linear kernel)
+}
+
+__attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
+
+// kFolded.v[s][c]: the bf16 bits of code c's value at scale byte s, v * 2^(s - 127) (a vpermw table; 16 words used).
+struct FoldedTable {
+  alignas(64) uint16_t v[256][32] = {};
+  FoldedTable() {
+    for (int s = 0; s < 256; ++s)
+      for (int c = 0; c < 16; ++c) {
+        const float f = kE2M1x2[c] * kScale.v[s];  // (2v) * 2^(s - 128): exact in fp32 (NaN for s = 255)
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof u);
+        v[s][c] = std::isnan(f) ? uint16_t(0x7FC0) : uint16_t(u >> 16);  // exact in bf16 (<= 2 significant bits)
+      }
+  }
+};
+const FoldedTable kFolded;
+
+// Rows [n0, n0 + rows) of an MXFP4 weight (K elements each) decoded into A tiles: dst [K/32][16 rows][32] bf16,
+// rows past `rows` zero. One 32-block of a row is 16 dwords of (even, odd) bf16 pairs: byte l's low nibble is
+// element 2l, its high nibble element 2l + 1.
+__attribute__((target("avx512f,avx512bw"))) void decode_strip(const uint8_t* wb, const uint8_t* ws, int64_t K,
+                                                                int64_t n0, int64_t rows, uint16_t* dst) {
+  const int64_t nb = K / 32;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);  // word 2l: byte l's low nibble, word 2l + 1: its high one
+  for (int64_t r = 0; r < kTile; ++r) {
+    if (r >= rows) {
+      for (int64_t b = 0; b < nb; ++b) std::memset(dst + (b * kTile + r) * 32, 0, 64);
+      continue;
+    }
+    const uint8_t* w = wb + (n0 + r) * (K / 2);
+    const uint8_t* s = ws + (n0 + r) * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * b)));
+      const __m512i idx = _mm512_and_si512(_mm512_or_si512(code, _mm512_slli_epi32(code, 12)), nibbles);
+      _mm512_storeu_si512(dst + (b * kTile + r) * 32, _mm512_permutexvar_epi16(idx, _mm512_load_si512(kFolded.v[s[b]])));
+    }
+  }
+}
+
+// M activation rows (bf16, K each) into B tiles: dst [ceil(M/16)][K/32][16 pairs][16 columns] dwords, column c of
+// group g being row 16g + c (zero past M).
+void pack_rows(const uint16_t* const* rows, int64_t M, int64_t K, uint32_t* dst) {
+  const int64_t nb = K / 32, groups = (M + kTile - 1) / kTile;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = 0; c < kTile; ++c) {
+      const int64_t m = g * kTile + c;
+      uint32_t* out = dst + g * nb * kTile * kTile + c;
+      if (m >= M) {
+        for (int64_t i = 0; i < nb * kTile; ++i) out[i * kTile] = 0;
+        continue;
+      }
+      for (int64_t i = 0; i < nb * kTile; ++i) std::memcpy(out + i * kTile, rows[m] + 2 * i, 4);
+    }
+}
+
+// C[group j][weight row r][column c] = the tile-order sum over K of A row r and B group j column c, NG groups.
+template <int NG>
+__attribute__((target("amx-tile,amx-bf16"))) void strip_tiles(const uint16_t* a, const uint32_t* b, int64_t nb,
+                                                               float* c) {
+  const int64_t gstride = nb * kTile * kTile;  // dwords per B group
+  _tile_zero(0);
+  if constexpr (NG > 1) _tile_zero(1);
+  if constexpr (NG > 2) _tile_zero(2);
+  if constexpr (NG > 3) _tile_zero(3);
+  for (int64_t k = 0; k < nb; ++k) {
+    _tile_loadd(4, a + k * kTile * 32, 64);
+    const uint32_t* bk = b + k * kTile * kTile;
+    _tile_loadd(5, bk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NG > 1) {
+      _tile_loadd(5, bk + gstride, 64);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (NG > 2) {
+      _tile_loadd(5, bk + 2 * gstride, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NG > 3) {
+      _tile_loadd(5, bk + 3 * gstride, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NG > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NG > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NG > 3) _tile_stored(3, c + 768, 64);
+}
+
+// yrow[m][n] = the tile-order sum of weight row n and activation row m, for rows n in [n0, n0 + 16) ∩ [0, N) and
+// the M rows packed in b (pack_rows). a: a strip buffer (K * 16 bf16). Needs amx_configure() on this thread.
+void gemm_strip_amx(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, int64_t n0, const uint32_t* b,
+                    int64_t M, float* const* yrow, uint16_t* a) {
+  const int64_t nb = K / 32, rows = std::min<int64_t>(kTile, N - n0), groups = (M + kTile - 1) / kTile;
+  decode_strip(wb, ws, K, n0, rows, a);
+  alignas(64) float c[4 * kTile * kTile];
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int ng = int(std::min<int64_t>(4, groups - g0));
+    const uint32_t* bg = b + g0 * nb * kTile * kTile;
+    switch (ng) {
+      case 1: strip_tiles<1>(a, bg, nb, c); break;
+      case 2: strip_tiles<2>(a, bg, nb, c); break;
+      case 3: strip_tiles<3>(a, bg, nb, c); break;
+      default: strip_tiles<4>(a, bg, nb, c); break;
+    }
+    for (int j = 0; j < ng; ++j)
+      for (int64_t col = 0; col < kTile; ++col) {
+        const int64_t m = (g0 + j) * kTile + col;
+        if (m >= M) break;
+        float* y = yrow[m] + n0;
+        for (int64_t r = 0; r < rows; ++r) y[r] = c[(j * kTile + r) * kTile + col];
+      }
+  }
+}
+
+// The same sums on the vector units, for experts with few rows (a tile costs the same for 1 row as for 16 here,
+// and its loads dominate): lanes are 16 weight rows, the even and the odd products of each 32-block summed apart
+// by two FMA chains in pair order from +0, then c = c + (S_even + S_odd), with MXCSR DAZ + FTZ as the tile unit
+// reads and writes (FlushSubnormals). A weight is (2v) * 2^(s - 128) in fp32, the folded bf16 value exactly (a
+// subnormal one is flushed either way); an x * w product is exact in fp32, so each FMA is one rounding as there.
+constexpr int64_t kVecRows = 8;  // experts with at most this many rows take the vector path
+
+struct FlushSubnormals {
+  unsigned saved;
+  FlushSubnormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+};
+
+// x: the rows widened to fp32 (exact), K each.
+template <int MR>
+__attribute__((target("avx512f,avx512bw"))) void strip_vec(const uint8_t* wb, const uint8_t* ws, int64_t K,
+                                                            int64_t n0, int64_t rows, const float* const* x,
+                                                            float* const* y) {
+  const int64_t nb = K / 32;
+  alignas(64) int32_t off[kTile];
+  for (int64_t l = 0; l < kTile; ++l) off[l] = int32_t((n0 + std::min(l, rows - 1)) * (K / 2));  // lanes past rows
+  const __m512i voff = _mm512_load_si512(off);                                                 // repeat the last
+  const __m512 tab = _mm512_loadu_ps(kE2M1x2);
+  const __m512i lo4 = _mm512_set1_epi32(15);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(64) float sc[kTile];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < kTile; ++l) sc[l] = kScale.v[ws[(n0 + std::min(l, rows - 1)) * nb + b]];
+    const __m512 vsc = _mm512_load_ps(sc);
+    __m512 se[MR], so[MR];
+    for (int m = 0; m < MR; ++m) se[m] = so[m] = _mm512_setzero_ps();
+    for (int q = 0; q < 4; ++q) {  // bytes 4q .. 4q + 3 of the block in every row: pairs 4q .. 4q + 3
+      const __m512i words = _mm512_i32gather_epi32(voff, wb + 16 * b + 4 * q, 1);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t p = 4 * q + j;
+        const __m512i code = _mm512_srli_epi32(words, 8 * j);
+        const __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, lo4), tab), vsc);
+        const __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(code, 4), lo4), tab),
+                                        vsc);
+        for (int m = 0; m < MR; ++m) {
+          se[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][32 * b + 2 * p]), we, se[m]);
+          so[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][32 * b + 2 * p + 1]), wo, so[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_add_ps(acc[m], _mm512_add_ps(se[m], so[m]));
+  }
+  const __mmask16 keep = rows >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1u);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y[m] + n0, keep, acc[m]);
+}
+
+void gemm_strip_vec(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, int64_t n0, const float* const* x,
+                    int64_t M, float* const* y) {
+  const int64_t rows = std::min<int64_t>(kTile, N - n0);
+  switch (M) {
+    case 1: return strip_vec<1>(wb, ws, K, n0, rows, x, y);
+    case 2: return strip_vec<2>(wb, ws, K, n0, rows, x, y);
+    case 3: return strip_vec<3>(wb, ws, K, n0, rows, x, y);
+    case 4: return strip_vec<4>(wb, ws, K, n0, rows, x, y);
+    case 5: return strip_vec<5>(wb, ws, K, n0, rows, x, y);
+    case 6: return strip_vec<6>(wb, ws, K, n0, rows, x, y);
+    case 7: return strip_vec<7>(wb, ws, K, n0, rows, x, y);
+    default: return strip_vec<8>(wb, ws, K, n0, rows, x, y);
+  }
+}
+
+inline uint16_t round_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return 0x7FC0;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+#endif
+
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   static const bool has512 = __builtin_cpu_supports("avx512f");
   static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == kAuto) return hasbf16 ? kAvx512Bf16 : has512 ? kAvx512 : (has2 ? kAvx2 : kPortable);
+#ifdef EM_AMX
+  TORCH_CHECK(isa != kAmx || (hasbf16 && amx_usable()), "mxfp4 cpu kernel: this CPU (or its operating system) offers "
+              "no AMX-BF16");
+  if (isa == kAmx) return isa;
+#else
+  TORCH_CHECK(isa != kAmx, "mxfp4 cpu kernel: AMX needs x86-64 Linux");
+#endif
   TORCH_CHECK(isa != kAvx512Bf16 || hasbf16, "mxfp4 cpu kernel: this CPU has no AVX512-BF16");
   TORCH_CHECK(isa != kAvx512 || has512, "mxfp4 cpu kernel: this CPU has no AVX-512F");
   TORCH_CHECK(isa != kAvx2 || has2, "mxfp4 cpu kernel: this CPU has no AVX2+FMA");
@@ -338,10 +585,44 @@ void check_cpu(const at::Tensor& t, at::ScalarType dt, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-// x [M, K] fp32, blocks [N, K/2], scales [N, K/32] -> out [M, N] fp32 (preallocated).
+#ifdef EM_AMX
+// The tile unit's GEMM: M bf16 rows xs (K apart) against N MXFP4 weight rows -> y [M, N] fp32, threads over strips
+// of 16 weight rows.
+void gemm_amx(const uint16_t* xs, int64_t M, int64_t K, const uint8_t* wb, const uint8_t* ws, int64_t N, float* y) {
+  std::vector<const uint16_t*> xp(M);
+  std::vector<float*> yp(M);
+  for (int64_t m = 0; m < M; ++m) {
+    xp[m] = xs + m * K;
+    yp[m] = y + m * N;
+  }
+  if (M <= kVecRows) {
+    std::vector<float> xf(size_t(M * K));
+    std::vector<const float*> xfp(M);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = to_f32(xs[m * K + k]);
+      xfp[m] = xf.data() + m * K;
+    }
+    at::parallel_for(0, (N + kTile - 1) / kTile, 1, [&](int64_t s0, int64_t s1) {
+      FlushSubnormals flush;
+      for (int64_t s = s0; s < s1; ++s) gemm_strip_vec(wb, ws, K, N, s * kTile, xfp.data(), M, yp.data());
+    });
+    return;
+  }
+  std::vector<uint32_t> packed(size_t((M + kTile - 1) / kTile * K * kTile / 2));
+  pack_rows(xp.data(), M, K, packed.data());
+  at::parallel_for(0, (N + kTile - 1) / kTile, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<uint16_t> a(size_t(K * kTile));
+    amx_configure();
+    for (int64_t s = s0; s < s1; ++s) gemm_strip_amx(wb, ws, K, N, s * kTile, packed.data(), M, yp.data(), a.data());
+    amx_release();
+  });
+}
+#endif
+
+// x [M, K] fp32 (bf16 for isa amx), blocks [N, K/2], scales [N, K/32] -> out [M, N] fp32 (preallocated).
 void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales, const at::Tensor& out,
                   int64_t isa) {
-  check_cpu(x, at::kFloat, "x");
+  check_cpu(x, isa == kAmx ? at::kBFloat16 : at::kFloat, "x");
   check_cpu(blocks, at::kByte, "blocks");
   check_cpu(scales, at::kByte, "scales");
   check_cpu(out, at::kFloat, "out");
@@ -351,6 +632,12 @@ void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tenso
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "mxfp4_linear: out shape");
   if (M == 0 || N == 0) return;
   isa = resolve_isa(isa);
+#ifdef EM_AMX
+  if (isa == kAmx) {
+    return gemm_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, blocks.data_ptr<uint8_t>(),
+                    scales.data_ptr<uint8_t>(), N, out.data_ptr<float>());
+  }
+#endif
   std::vector<float> xr(M * K);
   std::vector<const float*> xp(M);
   std::vector<float*> yp(M);
@@ -393,6 +680,84 @@ void gated_act(const float* g, float* dst, int64_t I, int64_t act, float beta, f
     dst[j] = a * u;
   }
 }
+
+#ifdef EM_AMX
+// moe_expert_outputs on the tile unit (isa amx). start/slot/active: the (token, slot) pairs sorted by expert.
+void moe_amx(const uint16_t* xh, int64_t H, int64_t I, int64_t Kt, const std::vector<int64_t>& start,
+             const std::vector<int64_t>& slot, const std::vector<int64_t>& active, const at::Tensor& w13b,
+             const at::Tensor& w13s, const at::Tensor& w2b, const at::Tensor& w2s, float* y, int64_t act, float beta,
+             float lb) {
+  const int64_t V = start.back(), A = int64_t(active.size()), I2 = 2 * I;
+  // each active expert's rows packed as B tiles: groups of 16 rows, H (then I) elements each
+  std::vector<int64_t> goff(A + 1, 0);  // first 16-row group of each active expert
+  for (int64_t i = 0; i < A; ++i) {
+    const int64_t e = active[i];
+    goff[i + 1] = goff[i] + (start[e + 1] - start[e] + kTile - 1) / kTile;
+  }
+  std::vector<const uint16_t*> xp(V);
+  std::vector<float*> gp(V), yp(V);
+  std::vector<float> gu(size_t(V * I2));
+  std::vector<uint16_t> hb(size_t(V * I));
+  std::vector<const uint16_t*> hp(V);
+  for (int64_t v = 0; v < V; ++v) {
+    xp[v] = xh + (slot[v] / Kt) * H;
+    gp[v] = gu.data() + v * I2;
+    hp[v] = hb.data() + v * I;
+    yp[v] = y + slot[v] * H;
+  }
+  std::vector<uint32_t> packed(size_t(goff[A] * std::max(H, I) * kTile / 2));
+  std::vector<float> wide(size_t(V * std::max(H, I)));
+  std::vector<const float*> wp(V);
+  // each expert's rows as its path reads them: B tiles, or widened to fp32 for the vector path
+  auto pack = [&](const std::vector<const uint16_t*>& rows, int64_t K) {
+    at::parallel_for(0, A, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t e = active[i], n = start[e + 1] - start[e];
+        if (n > kVecRows) {
+          pack_rows(rows.data() + start[e], n, K, packed.data() + goff[i] * K * kTile / 2);
+          continue;
+        }
+        for (int64_t v = start[e]; v < start[e + 1]; ++v) {
+          float* dst = wide.data() + v * K;
+          for (int64_t k = 0; k < K; ++k) dst[k] = to_f32(rows[v][k]);
+          wp[v] = dst;
+        }
+      }
+    });
+  };
+  // work items: (active expert, 16-row strip of the weight)
+  auto gemm = [&](const at::Tensor& wb, const at::Tensor& ws, int64_t N, int64_t K, std::vector<float*>& out) {
+    const uint8_t* b = wb.data_ptr<uint8_t>();
+    const uint8_t* s = ws.data_ptr<uint8_t>();
+    const int64_t strips = (N + kTile - 1) / kTile;
+    at::parallel_for(0, A * strips, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<uint16_t> a(size_t(K * kTile));
+      FlushSubnormals flush;
+      amx_configure();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t j = i / strips, e = active[j], v0 = start[e], n = start[e + 1] - v0;
+        const uint8_t* be = b + e * N * (K / 2);
+        const uint8_t* se = s + e * N * (K / 32);
+        if (n <= kVecRows) gemm_strip_vec(be, se, K, N, (i % strips) * kTile, wp.data() + v0, n, out.data() + v0);
+        else gemm_strip_amx(be, se, K, N, (i % strips) * kTile, packed.data() + goff[j] * K * kTile / 2, n,
+                            out.data() + v0, a.data());
+      }
+      amx_release();
+    });
+  };
+  pack(xp, H);
+  gemm(w13b, w13s, I2, H, gp);
+  at::parallel_for(0, V, 16, [&](int64_t v0, int64_t v1) {  // the activation, then h rounded to bf16
+    std::vector<float> h(I);
+    for (int64_t v = v0; v < v1; ++v) {
+      gated_act(gp[v], h.data(), I, act, beta, lb);
+      for (int64_t j = 0; j < I; ++j) hb[v * I + j] = round_bf16(h[j]);
+    }
+  });
+  pack(hp, I);
+  gemm(w2b, w2s, H, I, yp);
+}
+#endif
 
 // The grouped expert GEMM: x [T, H] fp32, ids [T, Kt] int64 (local ids, -1 skip), w13 [E, 2I, H/2] (+ scales),
 // w2 [E, H, I/2] (+ scales) -> out [T, Kt, H] fp32 (preallocated; skipped slots written as 0). act: 0 SwiGLU,
@@ -440,6 +805,13 @@ void moe_expert_outputs(const at::Tensor& x, const at::Tensor& ids, const at::Te
   for (int64_t e = 0; e < E; ++e)
     if (start[e + 1] > start[e]) active.push_back(e);
   const int64_t A = int64_t(active.size());
+#ifdef EM_AMX
+  if (isa == kAmx) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x: isa amx takes bfloat16 activations, found ", x.scalar_type());
+    return moe_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), H, I, Kt, start, slot, active, w13b, w13s, w2b,
+                   w2s, y, act, fbeta, flb);
+  }
+#endif
 
   // bf16 rows go to the AVX512-BF16 tiles as they are; otherwise every row is widened to fp32 and rearranged
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -557,6 +929,16 @@ at::Tensor group_partials(const at::Tensor& outputs, const at::Tensor& ids, cons
 
 int64_t best_isa() { return resolve_isa(kAuto); }
 
+bool amx_runs() {
+#ifdef EM_AMX
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has && amx_usable();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
@@ -566,4 +948,5 @@ TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
         &moe_expert_outputs);
   m.def("group_partials(Tensor outputs, Tensor ids, Tensor weights, int group_size) -> Tensor", &group_partials);
   m.def("best_isa() -> int", &best_isa);
+  m.def("amx_runs() -> bool", &amx_runs);
 }
