@@ -498,7 +498,9 @@ async def test_lost_pod_without_replicas_replans_onto_survivors():
         assert set(new.experts_of(0)) >= set(old.experts_of(0)) and set(new.experts_of(2)) >= set(old.experts_of(2))
         assert st["placement"]["movedShards"] == len(old.experts_of(1))  # only the lost pod's experts move
         assert c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
-        assert st["phase"] == "Deploying"
+        # Deploying as the re-plan writes it; the next assessment may already find every pod the new plan needs live
+        # (the survivors, still on the old plan) and say Degraded, routing around the lost worker
+        assert st["phase"] in ("Deploying", "Degraded"), st["phase"]
         assert PLAN_HASH_ANNOTATION not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"][
             "metadata"]["annotations"]
         # the survivors roll onto the new plan, the lost pod comes back: it rejoins and all is Ready again
