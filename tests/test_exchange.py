@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from expertmesh.kernels.moe.combine import fold_groups, fold_rows, group_partials, grouped_combine
+from expertmesh.kernels.moe.combine import fold_groups, fold_rows, fold_rows_torch, group_partials, grouped_combine
 from expertmesh.replica_table import ReplicaTable
 from expertmesh.worker.exchange import ExpertExchange
 
@@ -83,8 +83,9 @@ def test_the_combine_does_not_depend_on_slot_order_and_is_the_sum():
     assert not torch.equal(bf, ref) and torch.allclose(bf, ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("fold", [fold_rows, fold_rows_torch])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fold_of_the_rows_that_arrived_is_the_masked_fold(dtype):
+def test_the_fold_of_the_rows_that_arrived_is_the_masked_fold(dtype, fold):
     """fold_rows / fold_groups against the definition spelled out per token: acc = +0, then acc + round(P_g) for the
     groups present, ascending (absent groups' garbage — NaN here — never read; -0 and wide-range values kept)."""
     gen = torch.Generator().manual_seed(5)
@@ -103,8 +104,10 @@ def test_the_fold_of_the_rows_that_arrived_is_the_masked_fold(dtype):
         assert torch.equal(fold_groups(partials, present, dtype).view(torch.int32), want.view(torch.int32))
         tokens, groups = present.nonzero(as_tuple=True)
         shuffled = torch.randperm(len(tokens), generator=gen)                  # rows may arrive in any order
-        got = fold_rows(tokens[shuffled].numpy(), groups[shuffled].numpy(), partials[tokens, groups][shuffled], T, dtype)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        rows = partials[tokens, groups][shuffled]
+        for sent in (rows, rows.to(dtype)):                                   # rows as fp32 or as they travel
+            got = fold(tokens[shuffled].numpy(), groups[shuffled].numpy(), sent, T, dtype)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

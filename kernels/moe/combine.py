@@ -74,10 +74,20 @@ def fold_groups(partials: torch.Tensor, present: torch.Tensor, dtype: torch.dtyp
 
 def fold_rows(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """`fold_groups` from the present P_g alone: rows [R, H] (fp32 or `dtype`) of the distinct (token, group) pairs
-    tokens [R], groups [R] (numpy or torch integers) → fp32 [n_tokens, H]. A group's rows go in with one
-    index_add_ (a token at most once per group: each of its rows is one rounded fp32 add), the groups ascending:
-    the same steps as the fold. The grouping runs in numpy: a decode step has a handful of rows per layer, where
-    torch's per-op cost would be most of the time."""
+    tokens [R], groups [R] (numpy or torch integers) → fp32 [n_tokens, H]: per token, +0 then + round(P_g) for its
+    groups ascending. On CPU the C++ loop (kernels/moe/cpu_kernel.py) where it is built, bf16 or fp32 rounding: the
+    same adds, so the same bits as `fold_rows_torch`."""
+    if rows.device.type == "cpu" and rows.shape[0] and dtype in (torch.float32, torch.bfloat16) and \
+            cpu_kernel.available():
+        as_tensor = lambda a: a.cpu() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
+        return cpu_kernel.fold_rows(as_tensor(tokens), as_tensor(groups), rows, n_tokens, dtype)
+    return fold_rows_torch(tokens, groups, rows, n_tokens, dtype)
+
+
+def fold_rows_torch(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """`fold_rows` in tensor ops: a group's rows go in with one index_add_ (a token at most once per group: each of
+    its rows is one rounded fp32 add), the groups ascending: the same steps as the fold. The grouping runs in
+    numpy: a decode step has a handful of rows per layer, where torch's per-op cost would be most of the time."""
     acc = torch.zeros(n_tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
     if rows.shape[0] == 0:
         return acc

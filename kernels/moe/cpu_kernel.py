@@ -213,3 +213,18 @@ def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     Contract: `kernels.moe.combine.group_partials` (n_groups is implied by the ids)."""
     return _require().group_partials(outputs.float().contiguous(), ids.long().contiguous(),
                                      weights.float().contiguous(), int(group_size))
+
+
+def fold_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_tokens: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The routed sum from the present P_g in C++: the same fp32 adds in the same order as
+    `kernels.moe.combine.fold_rows_torch`, so the same bits, in one pass over the rows (threads split tokens).
+    Contract: `kernels.moe.combine.fold_rows`; dtype float32 or bfloat16 (the rounding of each P_g)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, found {dtype}")
+    if rows.dtype == torch.bfloat16 and dtype == torch.float32:
+        rows = rows.float()
+    elif rows.dtype not in (torch.float32, torch.bfloat16):
+        rows = rows.float()
+    return _require().fold_rows(tokens.long().contiguous(), groups.long().contiguous(), rows.contiguous(),
+                                int(n_tokens), dtype == torch.bfloat16)

@@ -56,6 +56,13 @@ struct ScaleTable {
 };
 const ScaleTable kScale;
 
+inline uint16_t round_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return 0x7FC0;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmx = 5 };
 
 // One call computes R weight rows x TM activation rows. w: R row pointers to packed bytes (K/2 each), s: R scale
@@ -482,12 +489,6 @@ void gemm_strip_vec(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, 
   }
 }
 
-inline uint16_t round_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if (std::isnan(f)) return 0x7FC0;
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 #endif
 
 int64_t resolve_isa(int64_t isa) {
@@ -927,6 +928,62 @@ at::Tensor group_partials(const at::Tensor& outputs, const at::Tensor& ids, cons
   return acc;
 }
 
+// The routed sum from the P_g rows that arrived (kernels/moe/combine.py fold_rows): rows [R, H] fp32 or bf16 of the
+// distinct (token, group) pairs tokens [R], groups [R] -> fp32 [n_tokens, H]: per token, acc = +0, then
+// acc = acc + round(P_g) for its groups ascending (round: through bf16 when round_bf16, else none) — the same fp32
+// adds in the same order as the definition, so the same bits; threads split tokens.
+at::Tensor fold_rows(const at::Tensor& tokens, const at::Tensor& groups, const at::Tensor& rows, int64_t n_tokens,
+                     bool round_to_bf16) {
+  check_cpu(tokens, at::kLong, "tokens");
+  check_cpu(groups, at::kLong, "groups");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "rows: expected float32 or bfloat16, found ", rows.scalar_type());
+  check_cpu(rows, rows.scalar_type(), "rows");
+  TORCH_CHECK(rows.dim() == 2 && tokens.dim() == 1 && groups.sizes() == tokens.sizes() &&
+              tokens.size(0) == rows.size(0), "fold_rows: expected rows [R, H], tokens and groups [R]");
+  const int64_t R = rows.size(0), H = rows.size(1);
+  at::Tensor acc = at::empty({n_tokens, H}, rows.options().dtype(at::kFloat));
+  acc.zero_();
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int64_t* gr = groups.data_ptr<int64_t>();
+  std::vector<int64_t> start(n_tokens + 1, 0), order(R);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(tk[r] >= 0 && tk[r] < n_tokens, "tokens: ", tk[r], " outside [0, ", n_tokens, ")");
+    ++start[tk[r] + 1];
+  }
+  for (int64_t t = 0; t < n_tokens; ++t) start[t + 1] += start[t];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < R; ++r) order[fill[tk[r]]++] = r;
+  }
+  for (int64_t t = 0; t < n_tokens; ++t) {  // each token's rows in ascending group
+    std::sort(order.begin() + start[t], order.begin() + start[t + 1],
+              [&](int64_t a, int64_t b) { return gr[a] < gr[b]; });
+    for (int64_t i = start[t] + 1; i < start[t + 1]; ++i)
+      TORCH_CHECK(gr[order[i]] != gr[order[i - 1]], "groups: token ", t, " has two rows of group ", gr[order[i]]);
+  }
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
+  const float* rf = bf16 ? nullptr : rows.data_ptr<float>();
+  const uint16_t* rh = bf16 ? reinterpret_cast<const uint16_t*>(rows.data_ptr()) : nullptr;
+  float* a = acc.data_ptr<float>();
+  at::parallel_for(0, n_tokens, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* at_ = a + t * H;
+      for (int64_t i = start[t]; i < start[t + 1]; ++i) {
+        const int64_t r = order[i];
+        if (bf16) {
+          for (int64_t d = 0; d < H; ++d) at_[d] = at_[d] + to_f32(rh[r * H + d]);
+        } else if (round_to_bf16) {
+          for (int64_t d = 0; d < H; ++d) at_[d] = at_[d] + to_f32(round_bf16(rf[r * H + d]));
+        } else {
+          for (int64_t d = 0; d < H; ++d) at_[d] = at_[d] + rf[r * H + d];
+        }
+      }
+    }
+  });
+  return acc;
+}
+
 int64_t best_isa() { return resolve_isa(kAuto); }
 
 bool amx_runs() {
@@ -947,6 +1004,7 @@ TORCH_LIBRARY(expertmesh_mxfp4_cpu, m) {
         "Tensor w2_scales, Tensor(a!) out, int isa, int act, float beta, float linear_beta) -> ()",
         &moe_expert_outputs);
   m.def("group_partials(Tensor outputs, Tensor ids, Tensor weights, int group_size) -> Tensor", &group_partials);
+  m.def("fold_rows(Tensor tokens, Tensor groups, Tensor rows, int n_tokens, bool round_bf16) -> Tensor", &fold_rows);
   m.def("best_isa() -> int", &best_isa);
   m.def("amx_runs() -> bool", &amx_runs);
 }
