@@ -42,9 +42,9 @@ from expertmesh.model import FP32_PARAMETERS
 
 DEVICES = ("cuda", "cpu", "meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# tokens per call the workspace is sized for: the router's default --max-batch-tokens; expert calls are cut
-# into pieces of at most this many tokens
-STEP_TOKENS = 256
+# tokens per call the workspace is sized for: the router's default prompt tokens per step (--prefill-tokens); expert
+# calls are cut into pieces of at most this many tokens
+STEP_TOKENS = 1024
 GIB = 2 ** 30
 
 

@@ -19,10 +19,11 @@ log = logging.getLogger("expertmesh.router")
 
 # The prefix cache's granularity (prompt chunks end at its multiples): multi-turn chats find their history cached
 # to within 64 tokens. Prompt tokens per prefill step: on CPU a step has a large fixed cost (every weight read once,
-# the routed experts decoded once), so a 1,000-token prompt reaches its first token in 3.7 s in steps of up to 256
-# against 5.1 s in steps of 64 (bench/peer.py's model, bf16, expertmesh up).
+# the routed experts decoded once), so a 1,000-token prompt reaches its first token in 1.35-1.50 s in one step of
+# 1,024 against 1.42-1.56 s in steps of 512 and 1.77 s in steps of 256 (bench/peer.py's model, bf16, expertmesh up,
+# AMX experts; steps of 64 took 5.1 s before them). vLLM batches 2,048 or more prompt tokens a step.
 DEFAULT_PREFILL_CHUNK = 64
-DEFAULT_PREFILL_TOKENS = 256
+DEFAULT_PREFILL_TOKENS = 1024
 
 
 def load_plan(path: str):
