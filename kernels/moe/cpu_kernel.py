@@ -25,11 +25,12 @@ bf16 activations on CPUs with AMX-BF16 (and Linux granting the tile state) take 
 bf16 value (scale folded in), each output summed as TDPBF16PS does (per 32-block, even and odd products apart,
 then added to the accumulator; subnormals flushed) and h rounded to bf16 between the GEMMs:
 `naive.moe_expert_outputs_tile_order` spells it out and the tests hold both of its routes to it bit for bit —
-experts with 9+ rows on the tile unit (weights as A tiles, 16 rows of activations as B), fewer on the vector units
-emulating it (a tile costs the same for 1 row as for 16). A process runs one path for all calls, so rows stay
-batch-invariant. Measured (/tmp script, 32 experts H 1024, I 512, ids on half the slots, 2 threads, two runs):
-256 tokens 14.1 / 16.8 ms on avx512bf16 → 4.8 / 6.8 ms on amx; one token (3 experts) 0.18 / 0.22 → 0.27 / 0.29 ms,
-8 tokens 0.68 / 0.76 → 1.10 / 1.01 ms (decoding the active experts' weights dominates small calls on either path).
+experts with 3+ rows on the tile unit (weights as A tiles, 16 rows of activations as B), 1-2 rows on the vector
+units emulating it (a tile costs the same for 1 row as for 16). A process runs one path for all calls, so rows stay
+batch-invariant. `bench/moe_cpu.py` (one expert worker's share of bench/peer.py's model, 2 threads) measured
+amx / avx512bf16 ms: 1024 tokens 21.7 / 64.3 (3.0x), 256 tokens 7.6 / 16.1 (2.1x), 64 tokens 4.1 / 4.1, but
+1 token 0.10 / 0.08 and 8 tokens 1.19 / 0.80 (0.67-0.77x: a call decodes every expert it touches, and decode
+steps give each few rows).
 
 The activation (SwiGLU, or SiTU: `kernels.activation`) runs between the two GEMMs one element at a time with the
 scalar libm functions (std::exp for σ, std::tanh for SiTU's caps), the same code for every row and ISA path; they

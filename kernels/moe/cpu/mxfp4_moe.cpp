@@ -422,12 +422,12 @@ void gemm_strip_amx(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, 
   }
 }
 
-// The same sums on the vector units, for experts with few rows (a tile costs the same for 1 row as for 16 here,
-// and its loads dominate): lanes are 16 weight rows, the even and the odd products of each 32-block summed apart
+// The same sums on the vector units, for experts with 1-2 rows (a tile costs the same for 1 row as for 16 here,
+// and its loads dominate; from 3 rows on the tiles are faster: bench/moe_cpu.py): lanes are 16 weight rows, the even and the odd products of each 32-block summed apart
 // by two FMA chains in pair order from +0, then c = c + (S_even + S_odd), with MXCSR DAZ + FTZ as the tile unit
 // reads and writes (FlushSubnormals). A weight is (2v) * 2^(s - 128) in fp32, the folded bf16 value exactly (a
 // subnormal one is flushed either way); an x * w product is exact in fp32, so each FMA is one rounding as there.
-constexpr int64_t kVecRows = 8;  // experts with at most this many rows take the vector path
+constexpr int64_t kVecRows = 2;  // experts with at most this many rows take the vector path
 
 struct FlushSubnormals {
   unsigned saved;
