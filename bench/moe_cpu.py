@@ -46,8 +46,12 @@ def main() -> None:
     args = parser.parse_args()
     if cpu_kernel.load() is None:
         raise SystemExit(f"the fused CPU kernel is not built here: {cpu_kernel.build_error}")
-    paths = [p for p, ok in (("avx512bf16", cpu_kernel.best_isa() == "avx512bf16"), ("amx", cpu_kernel.amx_runs()))
-             if ok or print(f"{p}: not on this CPU, left out")]
+    paths = []
+    for path, runs in (("avx512bf16", cpu_kernel.best_isa() == "avx512bf16"), ("amx", cpu_kernel.amx_runs())):
+        if runs:
+            paths.append(path)
+        else:
+            print(f"{path}: not on this CPU, left out")
     gen = torch.Generator().manual_seed(0)
     w = (*quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5),
          *quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5))

@@ -28,8 +28,8 @@ then added to the accumulator; subnormals flushed) and h rounded to bf16 between
 experts with 3+ rows on the tile unit (weights as A tiles, 16 rows of activations as B), 1-2 rows on the vector
 units emulating it (a tile costs the same for 1 row as for 16). A process runs one path for all calls, so rows stay
 batch-invariant. `bench/moe_cpu.py` (one expert worker's share of bench/peer.py's model, 2 threads) measured
-amx / avx512bf16 ms: 1024 tokens 21.7 / 64.3 (3.0x), 256 tokens 7.6 / 16.1 (2.1x), 64 tokens 4.1 / 4.1, but
-1 token 0.10 / 0.08 and 8 tokens 1.19 / 0.80 (0.67-0.77x: a call decodes every expert it touches, and decode
+amx / avx512bf16 ms: 1024 tokens 11.2 / 53.4 (4.8x), 256 tokens 4.4 / 13.9 (3.2x), 64 tokens 3.6 / 3.7, but
+1 token 0.09 / 0.07 and 8 tokens 1.03 / 0.71 (0.69-0.79x: a call decodes every expert it touches, and decode
 steps give each few rows).
 
 The activation (SwiGLU, or SiTU: `kernels.activation`) runs between the two GEMMs one element at a time with the
@@ -223,9 +223,7 @@ def fold_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_
     Contract: `kernels.moe.combine.fold_rows`; dtype float32 or bfloat16 (the rounding of each P_g)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, found {dtype}")
-    if rows.dtype == torch.bfloat16 and dtype == torch.float32:
-        rows = rows.float()
-    elif rows.dtype not in (torch.float32, torch.bfloat16):
+    if not (rows.dtype == dtype == torch.bfloat16):     # bf16 rows are read as they are only when bf16 is the rounding
         rows = rows.float()
     return _require().fold_rows(tokens.long().contiguous(), groups.long().contiguous(), rows.contiguous(),
                                 int(n_tokens), dtype == torch.bfloat16)

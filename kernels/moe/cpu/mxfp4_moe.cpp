@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -55,6 +56,13 @@ struct ScaleTable {
   }
 };
 const ScaleTable kScale;
+
+// A work buffer every element of which is written before it is read: not zeroed (a prefill call's buffers are
+// megabytes; std::vector would clear them first).
+template <typename T>
+std::unique_ptr<T[]> scratch(size_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
 
 inline uint16_t round_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16)
   uint32_t u;
@@ -609,12 +617,12 @@ void gemm_amx(const uint16_t* xs, int64_t M, int64_t K, const uint8_t* wb, const
     });
     return;
   }
-  std::vector<uint32_t> packed(size_t((M + kTile - 1) / kTile * K * kTile / 2));
-  pack_rows(xp.data(), M, K, packed.data());
+  const auto packed = scratch<uint32_t>(size_t((M + kTile - 1) / kTile * K * kTile / 2));
+  pack_rows(xp.data(), M, K, packed.get());
   at::parallel_for(0, (N + kTile - 1) / kTile, 1, [&](int64_t s0, int64_t s1) {
     std::vector<uint16_t> a(size_t(K * kTile));
     amx_configure();
-    for (int64_t s = s0; s < s1; ++s) gemm_strip_amx(wb, ws, K, N, s * kTile, packed.data(), M, yp.data(), a.data());
+    for (int64_t s = s0; s < s1; ++s) gemm_strip_amx(wb, ws, K, N, s * kTile, packed.get(), M, yp.data(), a.data());
     amx_release();
   });
 }
@@ -697,17 +705,17 @@ void moe_amx(const uint16_t* xh, int64_t H, int64_t I, int64_t Kt, const std::ve
   }
   std::vector<const uint16_t*> xp(V);
   std::vector<float*> gp(V), yp(V);
-  std::vector<float> gu(size_t(V * I2));
-  std::vector<uint16_t> hb(size_t(V * I));
+  const auto gu = scratch<float>(size_t(V * I2));
+  const auto hb = scratch<uint16_t>(size_t(V * I));
   std::vector<const uint16_t*> hp(V);
   for (int64_t v = 0; v < V; ++v) {
     xp[v] = xh + (slot[v] / Kt) * H;
-    gp[v] = gu.data() + v * I2;
-    hp[v] = hb.data() + v * I;
+    gp[v] = gu.get() + v * I2;
+    hp[v] = hb.get() + v * I;
     yp[v] = y + slot[v] * H;
   }
-  std::vector<uint32_t> packed(size_t(goff[A] * std::max(H, I) * kTile / 2));
-  std::vector<float> wide(size_t(V * std::max(H, I)));
+  const auto packed = scratch<uint32_t>(size_t(goff[A] * std::max(H, I) * kTile / 2));  // tile experts' groups
+  const auto wide = scratch<float>(size_t(V * std::max(H, I)));                        // vector experts' rows
   std::vector<const float*> wp(V);
   // each expert's rows as its path reads them: B tiles, or widened to fp32 for the vector path
   auto pack = [&](const std::vector<const uint16_t*>& rows, int64_t K) {
@@ -715,11 +723,11 @@ void moe_amx(const uint16_t* xh, int64_t H, int64_t I, int64_t Kt, const std::ve
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t e = active[i], n = start[e + 1] - start[e];
         if (n > kVecRows) {
-          pack_rows(rows.data() + start[e], n, K, packed.data() + goff[i] * K * kTile / 2);
+          pack_rows(rows.data() + start[e], n, K, packed.get() + goff[i] * K * kTile / 2);
           continue;
         }
         for (int64_t v = start[e]; v < start[e + 1]; ++v) {
-          float* dst = wide.data() + v * K;
+          float* dst = wide.get() + v * K;
           for (int64_t k = 0; k < K; ++k) dst[k] = to_f32(rows[v][k]);
           wp[v] = dst;
         }
@@ -740,7 +748,7 @@ void moe_amx(const uint16_t* xh, int64_t H, int64_t I, int64_t Kt, const std::ve
         const uint8_t* be = b + e * N * (K / 2);
         const uint8_t* se = s + e * N * (K / 32);
         if (n <= kVecRows) gemm_strip_vec(be, se, K, N, (i % strips) * kTile, wp.data() + v0, n, out.data() + v0);
-        else gemm_strip_amx(be, se, K, N, (i % strips) * kTile, packed.data() + goff[j] * K * kTile / 2, n,
+        else gemm_strip_amx(be, se, K, N, (i % strips) * kTile, packed.get() + goff[j] * K * kTile / 2, n,
                             out.data() + v0, a.data());
       }
       amx_release();
