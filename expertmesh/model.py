@@ -24,7 +24,7 @@ from torch import nn
 from expertmesh.config import ActivationConfig, ModelConfig, RopeConfig
 from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
 from expertmesh.kernels.activation import GatedActivation, gated_act
-from expertmesh.kernels.batch_invariant import bmm, linear, pointwise
+from expertmesh.kernels.batch_invariant import bmm, linear, linear_fused, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
@@ -78,6 +78,19 @@ class Linear(nn.Module):
         # in fp32 under bf16 activations, as the published models do; a no-op on the fp32 reference path
         y = linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype), self.weight)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+def project(x: torch.Tensor, *layers: Linear) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] for projections that share their input: those in x's dtype without a bias as
+    one fused call where the kernel takes them (bf16 on CPU: the same bits as separate calls, the weights streamed
+    as one), the others (fp32 weights, biases) one by one."""
+    fuse = [i for i, l in enumerate(layers) if l.bias is None and l.weight.dtype == x.dtype]
+    if len(fuse) < 2:
+        return [l(x) for l in layers]
+    out: list = [None] * len(layers)
+    for i, y in zip(fuse, linear_fused(x, [layers[i].weight for i in fuse])):
+        out[i] = y
+    return [y if y is not None else l(x) for y, l in zip(out, layers)]
 
 
 class RotaryTable:
@@ -160,7 +173,8 @@ class GatedMLP(nn.Module):
         self.activation = gated_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gated_act(self.gate(x), self.up(x), self.activation).to(x.dtype))
+        gate, up = project(x, self.gate, self.up)
+        return self.down(gated_act(gate, up, self.activation).to(x.dtype))
 
 
 class ShortConv(nn.Module):
@@ -276,15 +290,17 @@ class KDAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         n, nh, d = x.shape[0], self.n_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3·inner]
+        gate_in = self.g_proj if self.full_rank_gate else self.g_a
+        q, k, v, f_a, b, g_in = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a, self.b_proj, gate_in)
+        qkv = torch.cat([q, k, v], dim=-1)                                         # [N, 3·inner]
         a = self.A_log.float().exp().repeat_interleave(d)                          # [inner]
-        f = self.f_b(self.f_a(x)).float() + self.dt_bias.float()                   # [N, inner]
+        f = self.f_b(f_a).float() + self.dt_bias.float()                           # [N, inner]
         if self.gate_lower_bound is None:
             g = -a * pointwise(F.softplus, f)
         else:
             g = self.gate_lower_bound * pointwise(torch.sigmoid, a * f)
-        beta = pointwise(torch.sigmoid, self.b_proj(x))                            # [N, nH]
-        out_gate = pointwise(torch.sigmoid, self.g_proj(x) if self.full_rank_gate else self.g_b(self.g_a(x)))
+        beta = pointwise(torch.sigmoid, b)                                         # [N, nH]
+        out_gate = pointwise(torch.sigmoid, g_in if self.full_rank_gate else self.g_b(g_in))
         convs = (self.q_conv, self.k_conv, self.v_conv)
         conv_weight = torch.cat([c.weight[:, 0] for c in convs])                   # [3·inner, kernel]
         conv_bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
@@ -403,22 +419,27 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         m, ix = self.m, self.ix
         n = x.shape[0]
+        # the projections of x (and below of q_lat) as one call each where the kernel fuses them (same bits)
+        first = self.q_proj if m.q_lora_rank is None else self.q_a
+        from_x = project(x, first, self.kv_a, *((self.index_k,) if self.indexed else ()),
+                         *((self.gate,) if self.gate is not None else ()))
+        kv = from_x[1]                                                              # [N, kv_lora + rope]
         if m.q_lora_rank is None:
-            q_lat, q = None, self.q_proj(x)
+            q_lat, q, index_q = None, from_x[0], None
         else:
-            q_lat = self.q_a_norm(self.q_a(x))                                      # [N, q_lora]
-            q = self.q_b(q_lat)
+            q_lat = self.q_a_norm(from_x[0])                                        # [N, q_lora]
+            q, *index_q = project(q_lat, self.q_b, *((self.index_q,) if self.indexed else ()))
+            index_q = index_q[0] if index_q else None
         q = q.view(n, m.n_heads, self.qk_dim)
-        kv = self.kv_a(x)
         c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])                              # [N, kv_lora]
         k_pe = kv[:, m.kv_lora_rank:]                                               # [N, rope]
-        index_q = index_k = index_w = None
+        index_k = index_w = None
         if self.indexed:
-            index_q = self.index_q(q_lat).view(n, ix.n_heads, ix.head_dim)
-            index_k = self.index_k_norm(self.index_k(x))                            # [N, Di]
+            index_q = index_q.reshape(n, ix.n_heads, ix.head_dim)
+            index_k = self.index_k_norm(from_x[2])                                  # [N, Di]
             # the indexer's softmax scale (Di^-1/2) and head weighting (Hi^-1/2) folded into the weights
             index_w = self.index_w(x).float() * (ix.n_heads * ix.head_dim) ** -0.5  # [N, Hi]
-        gate = pointwise(torch.sigmoid, self.gate(x)) if self.gate is not None else None  # [N, nH·v]
+        gate = pointwise(torch.sigmoid, from_x[-1]) if self.gate is not None else None  # [N, nH·v]
         w_uk, w_uv_t = self._absorbed()
         # every row of the step at once (rows stay batch-invariant: the absorbed projection pads to fixed tiles,
         # the rotations are elementwise): q_nope·W_uk per head, then RoPE at each row's own position

@@ -7,7 +7,10 @@ bf16 projections on CPU (`linear` with a bf16 parameter, `bmm` with bf16 operand
 kernel (`kernels/linear/cpu_kernel.py`) where it is available (built, enabled, a CPU with AVX512-BF16): every
 output element is reduced in one fixed order that depends only on K, so rows need no padding. `linear` runs it on
 the kernel's packed copy of each weight (`kernel_weight`, the same size as the weight: an extra resident copy of
-every bf16 projection weight, in place of oneDNN's copy below). EXPERTMESH_CPU_LINEAR_KERNEL=0 turns it off.
+every bf16 projection weight, in place of oneDNN's copy below). Projections that share their input
+(`linear_fused`: MLA's q_a | kv_a | indexer k | gate, q_b | indexer q, an MLP's gate | up, KDA's input projections)
+run as one call on a packed copy of their concatenation, kept in place of their separate copies: the same bits, one
+stream of weights. EXPERTMESH_CPU_LINEAR_KERNEL=0 turns it off.
 
 Everything else (fp32, plain-tensor weights, no kernel) pads the rows to a multiple of `ROW_TILE` (≥ 16), which
 keeps every call on the same blocked kernel, whose per-row result does not depend on the other rows — measured
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +39,7 @@ ROW_TILE = 16
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}     # id(weight) → ((data_ptr, version), packed)
 _kernel_packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}   # the same, in the linear kernel's layout
+_fused_packed: dict[tuple[int, ...], tuple[tuple, torch.Tensor]] = {}  # ids of weights → (keys, packed concatenation)
 _packed_lock = threading.Lock()
 
 
@@ -83,6 +88,42 @@ def kernel_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if not _cacheable(weight, (torch.bfloat16,)) or not linear_kernel.available():
         return None
     return _cached(_kernel_packed, weight, linear_kernel.pack_weight)
+
+
+def fused_kernel_weight(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The row-invariant kernel's packed copy of the concatenation [ΣN_i, K] of bf16 CPU parameters [N_i, K] that
+    share K, kept while they all live and made again when any is written in place or re-pointed; None where the
+    kernel does not take every one of them (see `kernel_weight`). It stands in for their separate copies."""
+    if len({w.shape[1] for w in weights}) != 1 or not linear_kernel.available() or \
+            not all(_cacheable(w, (torch.bfloat16,)) for w in weights):
+        return None
+    ids = tuple(id(w) for w in weights)
+    keys = tuple((w.data_ptr(), w._version) for w in weights)
+    entry = _fused_packed.get(ids)
+    if entry is not None and entry[0] == keys:
+        return entry[1]
+    packed = linear_kernel.pack_weight(torch.cat([w.detach() for w in weights]))
+    with _packed_lock:
+        if ids not in _fused_packed:
+            for w in weights:
+                weakref.finalize(w, _fused_packed.pop, ids, None)
+        _fused_packed[ids] = (keys, packed)
+    return packed
+
+
+def linear_fused(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """[`linear`(x, w) for w in weights] (x [..., K], each w [N_i, K], no bias). Where the row-invariant kernel
+    takes them all, one call on `fused_kernel_weight`: the input is read once and the weights stream as one, and
+    every output is bitwise the separate call's (each output column's order depends only on K, never on which
+    other columns share the call). Otherwise one `linear` per weight."""
+    if len(weights) > 1 and not x.is_cuda and all(w.dtype == x.dtype for w in weights) and \
+            not (x.requires_grad and torch.is_grad_enabled()):
+        kw = fused_kernel_weight(weights)
+        if kw is not None:
+            sizes = [w.shape[0] for w in weights]
+            out = linear_kernel.linear(x, kw, sum(sizes), weights[0].shape[1])
+            return list(out.split(sizes, dim=-1))
+    return [linear(x, w) for w in weights]
 
 
 def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:

@@ -191,6 +191,49 @@ def test_batch_invariant_uses_the_kernel_for_bf16_parameters(two_threads):
 
 
 @pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
+@pytest.mark.parametrize("isa", FAST)
+def test_fused_projections_give_each_projection_s_own_bits(two_threads, monkeypatch, isa):
+    """linear_fused (projections that share an input, one kernel call on their packed concatenation) gives every
+    output bitwise what its own `linear` gives, for decode-sized and tile-sized calls and widths that are not
+    multiples of the kernel's 64-column groups; rewriting one weight in place repacks the concatenation."""
+    from expertmesh.kernels import batch_invariant as bi
+    monkeypatch.setattr(ck, "_default", isa)
+    gen = torch.Generator().manual_seed(8)
+    k = 96
+    weights = [torch.nn.Parameter(_bf16(gen, n, k), requires_grad=False) for n in (64, 40, 128, 7)]
+    for m in (1, 2, 3, 17, 40):
+        x = _bf16(gen, m, k)
+        fused = bi.linear_fused(x, weights)
+        assert [y.shape for y in fused] == [(m, w.shape[0]) for w in weights]
+        for y, w in zip(fused, weights):
+            assert torch.equal(y, ck.linear(x, ck.pack_weight(w.detach()), w.shape[0], k))
+    assert bi.fused_kernel_weight(weights) is bi.fused_kernel_weight(weights)          # cached
+    x = _bf16(gen, 3, 32, k)                                                              # leading dims kept
+    with torch.no_grad():
+        weights[1].mul_(-3)
+    for y, w in zip(bi.linear_fused(x, weights), weights):
+        assert torch.equal(y, bi.linear(x, w))
+    assert bi.fused_kernel_weight(weights[:2] + [torch.nn.Parameter(torch.randn(5, k), requires_grad=False)]) is None
+
+
+def test_project_keeps_fp32_and_biased_projections_apart():
+    """model.project: bf16 projections without a bias fused, an fp32 one (routing, indexer weights) and a biased
+    one computed alone, results in the order asked."""
+    from expertmesh.model import Linear, project
+    gen = torch.Generator().manual_seed(9)
+    layers = [Linear(48, 64), Linear(48, 10), Linear(48, 16, bias=True), Linear(48, 64)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight, generator=gen)
+        if layer.bias is not None:
+            torch.nn.init.normal_(layer.bias, generator=gen)
+    layers = [layers[0].bfloat16(), layers[1], layers[2].bfloat16(), layers[3].bfloat16()]
+    x = _bf16(gen, 5, 48)
+    with torch.no_grad():
+        for y, layer in zip(project(x, *layers), layers):
+            assert torch.equal(y, layer(x))
+
+
+@pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
 def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
     """The tiny model in bf16 (its projections and MLA's absorbed bmm on the kernel, no oneDNN copies): two
     sequences stepped together give bitwise the logits each gives alone."""
