@@ -91,8 +91,8 @@ class LocalCluster:
                  prefill_workers: int = 0):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
-        `transport`: the per-layer expert exchange, grpc or collective (torch.distributed: each expert worker
-        serves its rendezvous store on a port of its own, worker/collective.py). `threads`: torch threads per
+        `transport`: the per-layer expert exchange, grpc or collective (point-to-point pairs, worker/collective.py:
+        each expert worker serves its rendezvous store on a port of its own; the CLI's default). `threads`: torch threads per
         process, or None for each role's share of this machine's cores (`threads_for`). `kv_blocks`: each attention
         worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers;
         `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`: the decode pool's,
@@ -456,10 +456,10 @@ def add_arguments(p) -> None:
                    help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
-                   help="per-layer expert exchange: grpc, or collective (torch.distributed pairs: gloo on cpu, nccl "
-                        "on cuda; gRPC stays for health and fallback). The collective data connections are not "
-                        "encrypted: loopback only here")
+    p.add_argument("--transport", choices=("grpc", "collective"), default="collective",
+                   help="per-layer expert exchange: collective (default: point-to-point pairs, a TCP connection per "
+                        "pair on cpu, NCCL on cuda; gRPC stays for control, health and fallback; on loopback here, "
+                        "not encrypted) or grpc (every call over the workers' mutual-TLS gRPC)")
     p.add_argument("--insecure-workers", action="store_true",
                    help="workers accept plain gRPC from any local process (default: mutual TLS with certificates "
                         "generated for this run)")

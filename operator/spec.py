@@ -514,7 +514,7 @@ class MoEDeploymentSpec(_Spec):
     security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=_DEFAULT_EMPTY)
     transport: Literal["grpc", "collective"] = Field(
         "grpc", description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
-                            "collective (torch.distributed pairs: NCCL on GPUs, gloo on CPU; gRPC stays for "
+                            "collective (point-to-point pairs: NCCL on GPUs, TCP on CPU; gRPC stays for "
                             "control, health and fallback)")
 
     def to_yaml_dict(self) -> dict:

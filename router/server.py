@@ -131,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds one remote image fetch may take in all (connecting, headers and the whole body)")
     p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
                    help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
-                        "(torch.distributed pairs, gloo on cpu / nccl on cuda; expert workers need --collective-port; "
+                        "(point-to-point pairs, tcp on cpu / nccl on cuda; expert workers need --collective-port; "
                         "gRPC stays for health and fallback)")
     p.add_argument("--call-timeout", type=float, default=30.0,
                    help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")

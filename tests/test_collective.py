@@ -1,4 +1,4 @@
-"""`expertmesh up --transport collective`: the per-layer expert exchange over torch.distributed (gloo on CPU) pairs,
+"""`expertmesh up --transport collective`: the per-layer expert exchange over point-to-point pairs (TCP on CPU),
 real processes on loopback. Token-exact against the in-process reference model, as over gRPC (tests/test_up.py),
 and real faults on an expert rank (SIGKILL, SIGSTOP) with two replicas of every expert: same tokens, no hang,
 the pair re-formed once the worker is back."""
@@ -28,10 +28,11 @@ def ckpt_dir(tmp_path_factory):
     return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("collective") / "tiny", seed=0)
 
 
-def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
-    """One expert server with a collective port and its two clients in this process: over the pair, RunExperts
-    gives exactly gRPC's bytes on fresh random calls (fp32 and bf16), errors keep their type and the pair; an
-    expert worker without --collective-port keeps being called over gRPC."""
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
+    """One expert server with a collective port and its two clients in this process: over the pair (either CPU
+    backend), RunExperts gives exactly gRPC's bytes on fresh random calls (fp32 and bf16), errors keep their type
+    and the pair; an expert worker without --collective-port keeps being called over gRPC."""
     import torch
 
     from expertmesh.kernels.moe.combine import present_groups
@@ -40,7 +41,8 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
     from expertmesh.worker_api import ExpertRequestError, UnknownExpert
     cfg = Checkpoint(ckpt_dir).cfg
     groups = cfg.moe.combine_groups
-    server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0)
+    server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0,
+                   collective_backend=backend)
     plain = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="plain")
     grpc_only = RemoteExpert(f"127.0.0.1:{server.port}", timeout=5)
     pair = CollectiveExpert(RemoteExpert(f"127.0.0.1:{server.port}", timeout=5))
@@ -50,7 +52,7 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
         listening = subprocess.run(["ss", "-tlnH", f"sport = :{server.collective.port}"], capture_output=True,
                                    text=True).stdout.split()
         assert f"127.0.0.1:{server.collective.port}" in listening      # the store: on --host only, as gRPC
-        assert wait_until(lambda: pair.formed, 20)
+        assert wait_until(lambda: pair.formed, 20) and pair.backend == backend
         for seed, (dtype, out_dtype) in enumerate([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                    (torch.bfloat16, torch.float32)]):
             hidden, ids, w = expert_call(cfg, 9 + seed, 3, seed, held=[e for l, e in SUBSET if l == 1])
@@ -71,6 +73,65 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir):
             c.close()
         shutdown(server, 1.0)
         shutdown(plain, 1.0)
+
+
+def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
+    """SocketPair (the tcp backend): the connecting rank's key is checked by the listening rank before anything is
+    served (a connection without it is refused), tensors of any dtype arrive byte for byte in posting order, a
+    closed peer ends a receive with an error instead of a hang, and an unknown backend is refused by name."""
+    import datetime
+    import socket
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from expertmesh.worker.collective import SocketPair, backend_for, new_group
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    # rank 0's own client of the store (a store client blocked in get() holds its connection)
+    client = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
+    ranks = {}
+
+    def rank1(group_id):
+        try:
+            ranks[group_id] = new_group("tcp", store, group_id, 1, "127.0.0.1", 5)
+        except Exception as e:
+            ranks[group_id] = e
+    # an intruder that learned the address (not the key) is refused
+    t = threading.Thread(target=rank1, args=("g1",))
+    t.start()
+    prefixed = dist.PrefixStore("expertmesh/g1/", client)
+    host, port = prefixed.get("address").decode().rsplit(":", 1)
+    prefixed.set("secret", b"0" * 32)
+    with socket.create_connection((host, int(port))) as intruder:
+        intruder.sendall(b"1" * 32)
+        t.join(10)
+    assert isinstance(ranks["g1"], ConnectionError)
+    # the real pair
+    t = threading.Thread(target=rank1, args=("g2",))
+    t.start()
+    a = new_group("tcp", client, "g2", 0, "127.0.0.1", 5)
+    t.join(10)
+    b = ranks["g2"]
+    assert isinstance(a, SocketPair) and isinstance(b, SocketPair)
+    gen = torch.Generator().manual_seed(3)
+    sent = [torch.randn(5, 7, generator=gen).bfloat16(), torch.randint(-9, 9, (3, 4), generator=gen),
+            torch.randn(2, generator=gen)]
+    got = [torch.empty_like(x) for x in sent]
+    posted = [a.send([x], 1, 0) for x in sent]
+    receiving = threading.Thread(target=lambda: [b.recv([x], 0, 0).wait(datetime.timedelta(seconds=5)) for x in got])
+    receiving.start()
+    for w in posted:
+        w.wait(datetime.timedelta(seconds=5))
+    receiving.join(10)
+    assert all(torch.equal(x, y) for x, y in zip(sent, got))
+    a.abort()
+    with pytest.raises((ConnectionError, OSError)):
+        b.recv([torch.empty(4)], 0, 0).wait(datetime.timedelta(seconds=5))
+    b.abort()
+    with pytest.raises(ValueError, match="collective backend"):
+        backend_for("cpu", "mpi")
+    assert backend_for("cpu") == "tcp" and backend_for("cuda") == "nccl"
 
 
 @pytest.fixture(scope="module")

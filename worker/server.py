@@ -43,7 +43,13 @@ from expertmesh.shutdown import exit_after, stop_on_signals
 from expertmesh.tensors import from_proto, to_proto
 from expertmesh.tls import ClientTLS, ServerTLS
 from expertmesh.worker.attention import POOLS, AttentionWorker
-from expertmesh.worker.collective import CollectiveAttention, CollectiveExpert, CollectiveServer, backend_for
+from expertmesh.worker.collective import (
+    BACKENDS,
+    CollectiveAttention,
+    CollectiveExpert,
+    CollectiveServer,
+    backend_for,
+)
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
 from expertmesh.kv_snapshot import CorruptFile, decode
@@ -462,12 +468,13 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           block_size: int = 16, name: str | None = None, max_workers: int = 16, tls=None,
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
           device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
-          collective_port: int | None = None, health_port: int | None = None,
+          collective_port: int | None = None, collective_backend: str = "auto", health_port: int | None = None,
           kv_tiers: dict | None = None, pool: str = "mixed") -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     `collective_port`: also serve the collective transport (worker/collective.py: expert calls, hand-offs), its
-    rendezvous store on this port (0: any free one).
+    rendezvous store on this port (0: any free one); `collective_backend`: its pairs' backend (worker/collective.py's
+    `backend_for`: auto = tcp on cpu, nccl on cuda).
     `health_port`: also serve grpc.health.v1 alone, plaintext, on this port (0: any free one) — what Kubernetes
     gRPC probes reach when the real port requires mutual TLS; `.health_server` / `.health_port` are set.
     Returns the started server, with `.port` (the bound port), `.health`, `.attention` / `.expert` (the local
@@ -495,7 +502,8 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
     attention_servicer = AttentionServicer(attention, expert_tls) if attention is not None else None
     collective = None
     if collective_port is not None:
-        collective = CollectiveServer(host, collective_port, backend_for((expert or attention).device_kind),
+        collective = CollectiveServer(host, collective_port,
+                                      backend_for((expert or attention).device_kind, collective_backend),
                                       expert=expert, attention=attention,
                                       import_cache=attention_servicer.import_cache if attention_servicer else None)
     if attention_servicer is not None:
@@ -634,9 +642,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-port", type=int,
                    default=int(os.environ["EXPERTMESH_COLLECTIVE_PORT"]) if os.environ.get(
                        "EXPERTMESH_COLLECTIVE_PORT") else None,
-                   help="also serve the collective transport (torch.distributed: gloo on cpu, nccl on cuda) — the "
+                   help="also serve the collective transport (point-to-point pairs: TCP on cpu, NCCL on cuda) — the "
                         "expert exchange's calls (expert role) and hand-offs sent to this worker (attention role) — its "
                         "rendezvous store on this port (default: $EXPERTMESH_COLLECTIVE_PORT; none: gRPC only)")
+    p.add_argument("--collective-backend", choices=BACKENDS, default="auto",
+                   help="the collective pairs' backend: tcp (one TCP connection per pair), gloo (torch.distributed), "
+                        "nccl (torch.distributed on GPUs); auto: nccl on cuda, tcp on cpu")
     p.add_argument("--lease-seconds", type=float, default=30.0,
                    help="attention role: close the sequences of a router silent this long (it heartbeats every "
                         "second); 0 = never")
@@ -729,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
                        tls=tls, device=device, dtype=args.dtype, gpu_of=gpu_of or None,
                        gpu_memory_utilization=args.gpu_memory_utilization, device_memory_bytes=device_memory,
                        expert_tls=expert_tls, lease_seconds=args.lease_seconds,
-                       collective_port=args.collective_port, health_port=args.health_port, kv_tiers=kv_tiers,
+                       collective_port=args.collective_port,
+                       collective_backend=args.collective_backend, health_port=args.health_port, kv_tiers=kv_tiers,
                        pool=args.pool)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
