@@ -63,11 +63,21 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
             same(fallback.run(1, hidden, ids, w, out_dtype, rows=rows), want)
         assert pair.collective_calls == 3 and pair.grpc_calls == 0 and not fallback.formed
         assert fallback.grpc_calls == 3
+        # split calls (the exchange's): sent now, received later on the caller's thread; a second call posted
+        # before the first answer was read receives that answer first, so both keep theirs
+        calls = [expert_call(cfg, 5 + i, 3, 10 + i, held=[e for l, e in SUBSET if l == 1]) for i in range(2)]
+        wants = [grpc_only.run(1, h, i, w, torch.float32) for h, i, w in calls]
+        posted = [pair.post(1, h, i, w, torch.float32, rows=want.shape[0]) for (h, i, w), want in zip(calls, wants)]
+        for p, want in zip(reversed(posted), reversed(wants)):
+            same(p.result(), want)
+        same(posted[0].result(), wants[0])                                  # read once, kept
+        assert fallback.post(1, *calls[0], torch.float32, rows=wants[0].shape[0]) is None   # no pair: use run
+        assert pair.collective_calls == 5
         with pytest.raises(UnknownExpert, match="expert \\(1, 7\\) is not held by shard"):
             pair.run(1, hidden[:1], torch.tensor([[7]]), w[:1, :1], rows=1)
         with pytest.raises(ExpertRequestError, match="expert_ids"):
             pair.run(1, hidden[:1], torch.tensor([[99]]), w[:1, :1], rows=1)
-        assert pair.formed and server.collective.calls == 5       # errors answered on the pair, which stays
+        assert pair.formed and server.collective.calls == 7       # errors answered on the pair, which stays
     finally:
         for c in (pair, fallback, grpc_only):
             c.close()

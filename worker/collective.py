@@ -404,6 +404,13 @@ class _PairClient:
             log.log(level, "%s: collective pair dropped: %s", self.name, str(reason).splitlines()[0][:300])
             _abandon(group)
 
+    def _drop_locked(self, group, reason) -> None:
+        """`drop` from a holder of the lock, if `group` is still the pair."""
+        if self.group is group:
+            self.group = None
+            log.warning("%s: collective pair dropped: %s", self.name, str(reason).splitlines()[0][:300])
+            _abandon(group)
+
     def health(self, service: str = "", timeout: float | None = None) -> str:
         status = self.remote.health(service, timeout)
         if status == "SERVING":
@@ -449,9 +456,75 @@ class _PairClient:
         return status, message
 
 
+class Posted:
+    """A call sent over a pair whose answer is still on the wire: `result()` receives it on the calling thread
+    (once; later calls return the same or raise the same), → [R, H] as `CollectiveExpert.run`."""
+
+    def __init__(self, client: "CollectiveExpert", group, out: torch.Tensor):
+        self.client, self.group, self.out = client, group, out
+        self._value = self._error = None
+        self.done = False
+
+    def result(self) -> torch.Tensor:
+        with self.client.lock:
+            if not self.done:
+                self._receive()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _receive(self) -> None:          # under the client's lock
+        self.done = True
+        if self.client._posted is self:
+            self.client._posted = None
+        try:
+            if self.client.group is not self.group:
+                raise RuntimeError("the pair was dropped meanwhile")
+            deadline = datetime.timedelta(seconds=self.client.timeout)
+            status, message = self.client._answer(self.group, self.out.device, self.out, deadline)
+        except Exception as e:           # gloo / NCCL / socket: as _over_pair
+            self.client._drop_locked(self.group, e)
+            self._error = WorkerUnavailable(f"{self.client.name} ({self.client.address}): collective call failed: "
+                                            f"{str(e).splitlines()[0][:300]}")
+            return
+        self.client.collective_calls += 1
+        if status != STATUS_OK:
+            cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
+            self._error = cls(message) if cls else RemoteError(f"{self.client.name} ({self.client.address}): {message}")
+        else:
+            self._value = self.out.cpu()
+
+
 class CollectiveExpert(_PairClient):
-    """An expert worker reached over a torch.distributed pair, with its gRPC client (`remote`, a RemoteExpert)
-    for control, health and fallback. Same `run` contract as RemoteExpert."""
+    """An expert worker reached over a pair, with its gRPC client (`remote`, a RemoteExpert) for control, health
+    and fallback. Same `run` contract as RemoteExpert; `post` splits a call in two (send now, receive later)."""
+
+    _posted: Posted | None = None        # a call sent whose answer is not received yet (the wire is a FIFO)
+
+    def post(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+             out_dtype: torch.dtype, rows: int) -> Posted | None:
+        """Send the call of `run` over the pair now, on this thread, and return its `Posted` — whose result() then
+        receives the answer, on that caller's thread: no thread in between, and the caller computes meanwhile
+        (the exchange's shared experts). None while no pair is formed (call `run`: gRPC). A send that fails drops
+        the pair and raises WorkerUnavailable. An earlier call's answer not yet received is received first."""
+        group = self.group
+        if group is None:
+            self.form()
+            return None
+        dev = _device_of(self.backend)
+        with self.lock:
+            if self._posted is not None:
+                self._posted._receive()
+            try:
+                if self.group is not group:
+                    raise RuntimeError("the pair was dropped meanwhile")
+                out = self._send_call(group, dev, layer, hidden, expert_ids, weights, out_dtype, rows)
+            except Exception as e:
+                self._drop_locked(group, e)
+                raise WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
+                                        f"{str(e).splitlines()[0][:300]}") from None
+            self._posted = Posted(self, group, out)
+            return self._posted
 
     # -- data
     def run_grpc(self, layer, hidden, expert_ids, weights, out_dtype=torch.float32) -> torch.Tensor:
@@ -476,16 +549,22 @@ class CollectiveExpert(_PairClient):
 
     def _exchange(self, group, layer, hidden, ids, weights, out_dtype, rows):
         dev = _device_of(self.backend)
+        if self._posted is not None:
+            self._posted._receive()
+        out = self._send_call(group, dev, layer, hidden, ids, weights, out_dtype, rows)
+        status, message = self._answer(group, dev, out, datetime.timedelta(seconds=self.timeout))
+        return out.cpu(), status, message
+
+    def _send_call(self, group, dev, layer, hidden, ids, weights, out_dtype, rows) -> torch.Tensor:
+        """Send one OP_RUN call → the (empty) tensor its answer goes into."""
         n, h = hidden.shape
         head = torch.tensor([OP_RUN, layer, n, ids.shape[1], h, DTYPES.index(hidden.dtype),
                              DTYPES.index(out_dtype), rows], dtype=torch.int64)
         sends = [head, hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous()]
-        out = torch.empty(rows, h, dtype=out_dtype, device=dev)
         deadline = datetime.timedelta(seconds=self.timeout)
         for w in [group.send([t.to(dev)], 1, 0) for t in sends]:
             w.wait(deadline)
-        status, message = self._answer(group, dev, out, deadline)
-        return out.cpu(), status, message
+        return torch.empty(rows, h, dtype=out_dtype, device=dev)
 
 
 class CollectiveAttention(_PairClient):
