@@ -97,9 +97,8 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
     import torch.distributed as dist
 
     from expertmesh.worker.collective import SocketPair, backend_for, new_group
-    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
-    # rank 0's own client of the store (a store client blocked in get() holds its connection)
-    client = dist.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=10))
+    store = client = dist.HashStore()        # both ranks in this process: an in-memory store (get waits, set wakes)
+    store.set_timeout(datetime.timedelta(seconds=10))
     ranks = {}
 
     def rank1(group_id):
