@@ -338,7 +338,10 @@ def test_prefill_rejects_more_causal_queries_than_context():
     (2, torch.randn(15, 4, 9), r"index_k_cache: expected shape \[num_blocks=15, block_size=4, Di=8\]"),
     (0, torch.randn(2, 4), r"q: expected shape \[B, H, D\], found \[2, 4\]"),
 ])
-def test_decode_rejects_bad_inputs(index, value, match):
+@pytest.mark.parametrize("host_check_max", [4096, 0])     # the values checked as host integers, and as tensors
+def test_decode_rejects_bad_inputs(index, value, match, host_check_max, monkeypatch):
+    from expertmesh.kernels.dsa import naive
+    monkeypatch.setattr(naive, "HOST_CHECK_MAX_BLOCKS", host_check_max)
     x = list(_paged_inputs([3, 4], 2, 16, 2, 8, 4, 6, seed=10))
     x[index] = value
     for fn in (dsa_decode_paged_torch, dsa_decode_paged_reference):

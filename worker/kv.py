@@ -79,8 +79,15 @@ class PagedSequenceKV:
     def write(self, layer: int, start: int, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
         """Tokens start .. start+n-1 of `layer` into their pages (one indexed store per tensor)."""
         bs = self.pool.block_size
+        n = latent.shape[0]
+        if n and start // bs == (start + n - 1) // bs:      # inside one block (every decode step): slice stores
+            block, off = self.blocks[start // bs], start % bs
+            self.pool.latent[layer][block, off:off + n] = latent
+            if index_k is not None:
+                self.pool.index_k[layer][block, off:off + n] = index_k
+            return
         dev = self.pool.latent[layer].device
-        pos = torch.arange(start, start + latent.shape[0], device=dev)
+        pos = torch.arange(start, start + n, device=dev)
         blocks = torch.tensor(self.blocks, dtype=torch.int64, device=dev)[pos // bs]
         self.pool.latent[layer][blocks, pos % bs] = latent
         if index_k is not None:

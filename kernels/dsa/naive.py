@@ -152,6 +152,9 @@ class PagedShapes:
         return min(self.topk, self.max_blocks * self.block_size)
 
 
+HOST_CHECK_MAX_BLOCKS = 4096   # block tables up to this size have their values checked as host integers
+
+
 def check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk,
                         scale=None, v_dim=None, out=None) -> PagedShapes:
     """The contract of `dsa_decode_paged`; raise ValueError naming the tensor, expected vs found.
@@ -180,7 +183,17 @@ def check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, i
                          f"{nb}, {bs}, {mb}")
     topk, scale, v_dim = _check_scalars(topk, scale, v_dim, D)
     _check_out(out, (B, H, v_dim), q.dtype, dev)
-    if not q.is_cuda and B > 0:
+    if not q.is_cuda and B > 0 and block_table.numel() <= HOST_CHECK_MAX_BLOCKS:
+        # a decode step's small tables: the same checks on host integers (a dozen tensor ops saved per layer)
+        lens, table = context_lens.tolist(), block_table.tolist()
+        if min(lens) < 1 or max(lens) > mb * bs:
+            raise ValueError(f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
+                             f"sequence's new entry is already cached), found {lens}")
+        used = [b for row, n in zip(table, lens) for b in row[:(n + bs - 1) // bs]]
+        if used and (min(used) < 0 or max(used) >= nb):
+            raise ValueError(f"block_table: expected the blocks each sequence uses to lie in [0, num_blocks={nb}), "
+                             f"found ids from {min(used)} to {max(used)}")
+    elif not q.is_cuda and B > 0:
         lens = context_lens.long()
         if int(lens.min()) < 1 or int(lens.max()) > mb * bs:
             raise ValueError(f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
