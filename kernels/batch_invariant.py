@@ -12,7 +12,12 @@ every bf16 projection weight, in place of oneDNN's copy below). Projections that
 run as one call on a packed copy of their concatenation, kept in place of their separate copies: the same bits, one
 stream of weights. EXPERTMESH_CPU_LINEAR_KERNEL=0 turns it off.
 
-Everything else (fp32, plain-tensor weights, no kernel) pads the rows to a multiple of `ROW_TILE` (≥ 16), which
+fp32 projections (the routing and indexer-head weights under bf16 activations; every projection of an fp32
+model) run the kernel's fp32 linear where it is available: one fixed summation order per K (16 lanes, folded by
+halves), no padding, one thread for a decode step's small calls (oneDNN's padded 16-row call cost ~0.15 ms each
+inside a decode step, two per layer).
+
+Everything else (plain-tensor weights in other dtypes, no kernel) pads the rows to a multiple of `ROW_TILE` (≥ 16), which
 keeps every call on the same blocked kernel, whose per-row result does not depend on the other rows — measured
 on torch 2.13 CPU and checked by tests/test_batch_invariance.py. There the projections run on a oneDNN
 prepacked copy of each weight (`packed_weight`): ATen's F.linear reorders the weight into oneDNN's blocked layout
@@ -149,6 +154,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if kw is not None:
             out = linear_kernel.linear(x, kw, weight.shape[0], weight.shape[1])
             return out if bias is None else out + bias.to(out.dtype)     # elementwise: row-invariant
+        if x.dtype == torch.float32 and linear_kernel.available() and not (weight.requires_grad and
+                                                                             torch.is_grad_enabled()):
+            out = linear_kernel.linear_fp32(x, weight.detach())
+            return out if bias is None else out + bias.to(out.dtype)
     return linear_padded(x, weight, bias, packed_weight(weight) if x.dtype == weight.dtype else None)
 
 

@@ -216,6 +216,42 @@ def test_fused_projections_give_each_projection_s_own_bits(two_threads, monkeypa
     assert bi.fused_kernel_weight(weights[:2] + [torch.nn.Parameter(torch.randn(5, k), requires_grad=False)]) is None
 
 
+@pytest.mark.skipif(not ck.built(), reason="the kernel did not build here")
+@pytest.mark.parametrize("vector", [False, True])
+def test_fp32_linear_gives_the_lane_order_reference_bits_in_any_batch(two_threads, vector):
+    """The fp32 linear (routing / indexer-head weights): bitwise `naive.linear_fp32_in_lane_order` on fresh random
+    inputs, K with and without a short last chunk, N off the 3-column blocks, 1-40 rows; a row's bits the same
+    alone and in any batch; both paths the same bits. Summing in another order (ATen's) gives other bits here."""
+    from expertmesh.kernels.linear.naive import linear_fp32_in_lane_order
+    if vector and not ck.EXTENSION.load().f32_vector():
+        pytest.skip("no AVX-512 here")
+    gen = torch.Generator().manual_seed(11)
+    differs = False
+    for m, n, k in [(1, 64, 1024), (40, 16, 1024), (9, 7, 37), (3, 70, 200), (1, 1, 1), (17, 5, 16)]:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        y = ck.linear_fp32(x, w, vector=vector)
+        assert torch.equal(y, linear_fp32_in_lane_order(x, w))
+        for i in range(m):
+            assert torch.equal(ck.linear_fp32(x[i:i + 1], w, vector=vector), y[i:i + 1])
+        differs |= not torch.equal(y, x @ w.T)
+    assert differs
+    with pytest.raises(ValueError, match="linear_fp32"):
+        ck.linear_fp32(x.bfloat16(), w)
+
+
+def test_batch_invariant_runs_fp32_weights_on_the_kernel():
+    """bi.linear with an fp32 parameter takes the fp32 kernel where the fast path runs (no oneDNN copy made)."""
+    from expertmesh.kernels import batch_invariant as bi
+    from expertmesh.kernels.linear.naive import linear_fp32_in_lane_order
+    gen = torch.Generator().manual_seed(12)
+    w = torch.nn.Parameter(torch.randn(24, 64, generator=gen), requires_grad=False)
+    x = torch.randn(5, 64, generator=gen)
+    if not ck.available():
+        pytest.skip("the fast path needs AVX512-BF16 (or the kernel is off)")
+    assert torch.equal(bi.linear(x, w), linear_fp32_in_lane_order(x, w))
+    assert id(w) not in bi._packed
+
+
 def test_project_keeps_fp32_and_biased_projections_apart():
     """model.project: bf16 projections without a bias fused, an fp32 one (routing, indexer weights) and a biased
     one computed alone, results in the order asked."""

@@ -38,8 +38,8 @@ import torch
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.linear.naive import check_bmm_inputs, check_linear_inputs, pack_weight
 
-__all__ = ["available", "built", "best_isa", "default_isa", "runs", "enabled", "linear", "bmm", "pack_weight", "ISAS",
-           "EXTENSION"]
+__all__ = ["available", "built", "best_isa", "default_isa", "runs", "enabled", "linear", "linear_fp32", "bmm",
+           "pack_weight", "ISAS", "EXTENSION"]
 
 EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
                           "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
@@ -133,6 +133,22 @@ def linear(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int, *, isa: str 
     out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
     ops.linear(flat, w_packed, n, k, out, _isa(isa))
     return out.reshape(*x.shape[:-1], n)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, *, vector: bool | None = None) -> torch.Tensor:
+    """x [..., K] fp32 @ w [N, K]^T fp32 → [..., N] fp32, each element summed in the one order of
+    `naive.linear_fp32_in_lane_order` (it depends only on K: a row's bits are the same in any batch). `vector`:
+    the AVX-512 path (default where the CPU has it) or the portable one; the same bits. CPU tensors."""
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear_fp32: expected x [..., K] and w [N, K] fp32, found x {x.dtype} {list(x.shape)}, "
+                         f"w {w.dtype} {list(w.shape)}")
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"linear_fp32: expected CPU tensors, found {x.device}, {w.device}")
+    ops = _require()
+    flat = _rows(x.reshape(-1, x.shape[-1]))
+    out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
+    ops.linear_f32(flat, w.contiguous(), out, bool(ops.f32_vector()) if vector is None else vector)
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:

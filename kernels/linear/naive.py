@@ -104,3 +104,22 @@ def matmul_in_tile_order_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             s_odd = s_odd + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
         c = c + (s_even + s_odd)
     return c
+
+
+FP32_LANES = 16   # the fp32 linear's partial sums (one AVX-512 vector)
+
+
+def linear_fp32_in_lane_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ w [N, K]^T fp32 → [M, N] fp32 as the kernel's fp32 linear sums (`cpu_kernel.linear_fp32`):
+    16 lanes, lane j adds the rounded products x[k]·w[k] of k = 16c + j in ascending c from +0 (a short last chunk
+    only its first lanes), then the lanes folded by halves: l[i] += l[i + 8], then + 4, + 2, + 1. Slow: tests."""
+    m, k = x.shape
+    acc = torch.zeros(m, w.shape[0], FP32_LANES)
+    for c0 in range(0, k, FP32_LANES):
+        r = min(FP32_LANES, k - c0)
+        acc[..., :r] = acc[..., :r] + x[:, None, c0:c0 + r] * w[None, :, c0:c0 + r]
+    h = FP32_LANES // 2
+    while h >= 1:
+        acc = acc[..., :h] + acc[..., h:2 * h]
+        h //= 2
+    return acc[..., 0]
