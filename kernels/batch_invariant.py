@@ -42,9 +42,11 @@ from expertmesh.kernels.linear import cpu_kernel as linear_kernel
 
 ROW_TILE = 16
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
-_packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}     # id(weight) → ((data_ptr, version), packed)
-_kernel_packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}   # the same, in the linear kernel's layout
-_fused_packed: dict[tuple[int, ...], tuple[tuple, torch.Tensor]] = {}  # ids of weights → (keys, packed concatenation)
+# (id(weight),) → (((data_ptr, version),), packed): oneDNN's copies, the linear kernel's, and the kernel's copies of
+# concatenated weights (ids and keys of each weight, in order)
+_packed: dict[tuple[int, ...], tuple[tuple, torch.Tensor]] = {}
+_kernel_packed: dict[tuple[int, ...], tuple[tuple, torch.Tensor]] = {}
+_fused_packed: dict[tuple[int, ...], tuple[tuple, torch.Tensor]] = {}
 _packed_lock = threading.Lock()
 
 
@@ -62,17 +64,20 @@ def _cacheable(weight: torch.Tensor, dtypes) -> bool:
         weight.dim() == 2 and not (weight.requires_grad and torch.is_grad_enabled())
 
 
-def _cached(cache: dict, weight: torch.Tensor, make) -> torch.Tensor:
-    """make(weight), kept while the parameter lives; made again when it is written in place or re-pointed."""
-    key = (weight.data_ptr(), weight._version)
-    entry = cache.get(id(weight))
+def _cached(cache: dict, weights: tuple[torch.Tensor, ...], make) -> torch.Tensor:
+    """make(the weights), kept while they all live (keyed by their ids); made again when any is written in place
+    or re-pointed (version / storage)."""
+    ids = tuple(id(w) for w in weights)
+    key = tuple((w.data_ptr(), w._version) for w in weights)
+    entry = cache.get(ids)
     if entry is not None and entry[0] == key:
         return entry[1]
-    packed = make(weight.detach().contiguous())
+    packed = make(*(w.detach().contiguous() for w in weights))
     with _packed_lock:
-        if id(weight) not in cache:
-            weakref.finalize(weight, cache.pop, id(weight), None)
-        cache[id(weight)] = (key, packed)
+        if ids not in cache:
+            for w in weights:
+                weakref.finalize(w, cache.pop, ids, None)
+        cache[ids] = (key, packed)
     return packed
 
 
@@ -83,7 +88,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     needs its gradient, packing off. (`linear` does not ask for it where the kernel takes the weight.)"""
     if not PACKING or not _cacheable(weight, _PACKED_DTYPES):
         return None
-    return _cached(_packed, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, ROW_TILE))
+    return _cached(_packed, (weight,), lambda w: torch.ops.mkldnn._reorder_linear_weight(w, ROW_TILE))
 
 
 def kernel_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -92,7 +97,7 @@ def kernel_weight(weight: torch.Tensor) -> torch.Tensor | None:
     parameter, needs its gradient, the kernel unavailable)."""
     if not _cacheable(weight, (torch.bfloat16,)) or not linear_kernel.available():
         return None
-    return _cached(_kernel_packed, weight, linear_kernel.pack_weight)
+    return _cached(_kernel_packed, (weight,), linear_kernel.pack_weight)
 
 
 def fused_kernel_weight(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -102,18 +107,7 @@ def fused_kernel_weight(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if len({w.shape[1] for w in weights}) != 1 or not linear_kernel.available() or \
             not all(_cacheable(w, (torch.bfloat16,)) for w in weights):
         return None
-    ids = tuple(id(w) for w in weights)
-    keys = tuple((w.data_ptr(), w._version) for w in weights)
-    entry = _fused_packed.get(ids)
-    if entry is not None and entry[0] == keys:
-        return entry[1]
-    packed = linear_kernel.pack_weight(torch.cat([w.detach() for w in weights]))
-    with _packed_lock:
-        if ids not in _fused_packed:
-            for w in weights:
-                weakref.finalize(w, _fused_packed.pop, ids, None)
-        _fused_packed[ids] = (keys, packed)
-    return packed
+    return _cached(_fused_packed, tuple(weights), lambda *ws: linear_kernel.pack_weight(torch.cat(ws)))
 
 
 def linear_fused(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -249,7 +249,7 @@ def test_batch_invariant_runs_fp32_weights_on_the_kernel():
     if not ck.available():
         pytest.skip("the fast path needs AVX512-BF16 (or the kernel is off)")
     assert torch.equal(bi.linear(x, w), linear_fp32_in_lane_order(x, w))
-    assert id(w) not in bi._packed
+    assert (id(w),) not in bi._packed
 
 
 def test_project_keeps_fp32_and_biased_projections_apart():
@@ -285,8 +285,12 @@ def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
         together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
     assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith("weight")]
-    assert any(id(p) in bi._kernel_packed for p in weights)
-    assert not any(id(p) in bi._packed for p in weights if id(p) in bi._kernel_packed)   # one copy, not two
+    alone = {i for (i,) in bi._kernel_packed}
+    fused = {i for ids in bi._fused_packed for i in ids}
+    assert any(id(p) in alone for p in weights) and any(id(p) in fused for p in weights)
+    kernel = alone | fused
+    assert not any((id(p),) in bi._packed for p in weights if id(p) in kernel)   # one copy, not two
+    assert not any(id(p) in alone for p in weights if id(p) in fused)
 
 
 def test_the_isa_of_auto_comes_from_the_environment(monkeypatch):

@@ -9,8 +9,8 @@ exchange's own either way, so the tokens are bit-identical.
 
 Backends (`backend_for`; the serving worker picks, `--collective-backend`): `tcp` on CPU — one TCP connection per
 pair, each tensor one send and one receive on the calling thread. A call over gRPC crosses the channel's and the
-server's threads and costs ~0.5 ms on an idle loopback, 1.7 ms a direction on a loaded 2-core machine, per MoE
-layer; over the socket ~0.03 ms idle. gloo (the earlier CPU backend, still selectable) hands every message to a
+server's threads: ~0.5 ms a round trip on an idle loopback; decoding on a loaded 2-core machine, 1.1 ms from the
+call to the expert handler and 0.65 ms back, per MoE layer. A socket round trip is ~0.03 ms idle. gloo (the earlier CPU backend, still selectable) hands every message to a
 device thread and back; `nccl` on CUDA (tensors stay on the GPU).
 
 Groups. One two-rank group per (attention worker, expert worker) pair, never one group over all ranks: a dead or
@@ -138,9 +138,10 @@ class SocketPair:
     the pairs here use: send / recv of whole CPU tensors to / from the other rank (each a `_Op` whose
     wait(timeout) moves the bytes) and abort. For the exchange's point-to-point calls between two processes it
     is a plain stream: one system call each way per tensor, no device thread or completion hand-off in between
-    (gloo's), which on a loaded machine cost more than the bytes. Rendezvous through the pair's store: rank 1
-    listens on `address` and publishes host:port, rank 0 connects and sends the group's key (the random
-    group id given over mutual-TLS gRPC), which rank 1 checks before it serves the connection."""
+    (gloo's), which on a loaded machine cost more than the bytes. Rendezvous through the pair's store (its keys
+    under the random group id given over mutual-TLS gRPC): rank 1 listens on `address` and publishes host:port,
+    rank 0 sets a random key in the store, connects and sends it first; rank 1 checks it before it serves the
+    connection."""
 
     def __init__(self, sock: socket.socket):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -437,10 +438,14 @@ class _PairClient:
                 if self.group is not group:
                     raise RuntimeError("the pair was dropped meanwhile")
                 return call(group)
-        except Exception as e:          # gloo / NCCL
+        except Exception as e:          # gloo / NCCL / socket
             self.drop(e)
-            raise WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
-                                    f"{str(e).splitlines()[0][:300]}") from None
+            raise self._unavailable(e) from None
+
+    def _unavailable(self, e: Exception) -> WorkerUnavailable:
+        """What a failed call on the pair raises (the pair is dropped by then)."""
+        return WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
+                                 f"{str(e).splitlines()[0][:300]}")
 
     def _answer(self, group, dev, out: torch.Tensor, deadline) -> tuple[int, str]:
         """Receive an answer's status and `out` (filled), and the message on an error."""
@@ -484,13 +489,11 @@ class Posted:
             status, message = self.client._answer(self.group, self.out.device, self.out, deadline)
         except Exception as e:           # gloo / NCCL / socket: as _over_pair
             self.client._drop_locked(self.group, e)
-            self._error = WorkerUnavailable(f"{self.client.name} ({self.client.address}): collective call failed: "
-                                            f"{str(e).splitlines()[0][:300]}")
+            self._error = self.client._unavailable(e)
             return
         self.client.collective_calls += 1
         if status != STATUS_OK:
-            cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
-            self._error = cls(message) if cls else RemoteError(f"{self.client.name} ({self.client.address}): {message}")
+            self._error = self.client._error_of(status, message)
         else:
             self._value = self.out.cpu()
 
@@ -521,8 +524,7 @@ class CollectiveExpert(_PairClient):
                 out = self._send_call(group, dev, layer, hidden, expert_ids, weights, out_dtype, rows)
             except Exception as e:
                 self._drop_locked(group, e)
-                raise WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
-                                        f"{str(e).splitlines()[0][:300]}") from None
+                raise self._unavailable(e) from None
             self._posted = Posted(self, group, out)
             return self._posted
 
@@ -543,9 +545,13 @@ class CollectiveExpert(_PairClient):
             group, lambda g: self._exchange(g, layer, hidden, expert_ids, weights, out_dtype, rows))
         self.collective_calls += 1
         if status != STATUS_OK:
-            cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
-            raise cls(message) if cls else RemoteError(f"{self.name} ({self.address}): {message}")
+            raise self._error_of(status, message)
         return out
+
+    def _error_of(self, status: int, message: str) -> Exception:
+        """The exception an error answer stands for (the types gRPC's status codes map to)."""
+        cls = {STATUS_INVALID: ExpertRequestError, STATUS_NOT_FOUND: UnknownExpert}.get(status)
+        return cls(message) if cls else RemoteError(f"{self.name} ({self.address}): {message}")
 
     def _exchange(self, group, layer, hidden, ids, weights, out_dtype, rows):
         dev = _device_of(self.backend)
