@@ -134,6 +134,17 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
         w.wait(datetime.timedelta(seconds=5))
     receiving.join(10)
     assert all(torch.equal(x, y) for x, y in zip(sent, got))
+    # several tensors in one send (a call's header and inputs): one larger than the (shrunk) send buffer (sendmsg
+    # sends part of it and the rest follows), an empty one in between; read back one by one
+    together = [torch.arange(8), torch.randn(1024, 1024, generator=gen).bfloat16(), torch.empty(0),
+                torch.randint(0, 255, (17,), dtype=torch.uint8, generator=gen)]
+    got = [torch.empty_like(x) for x in together]
+    a.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    receiving = threading.Thread(target=lambda: [b.recv([x], 0, 0).wait(datetime.timedelta(seconds=5)) for x in got])
+    receiving.start()
+    a.send_all(together, 5.0)
+    receiving.join(10)
+    assert all(torch.equal(x, y) for x, y in zip(together, got))
     a.abort()
     with pytest.raises((ConnectionError, OSError)):
         b.recv([torch.empty(4)], 0, 0).wait(datetime.timedelta(seconds=5))

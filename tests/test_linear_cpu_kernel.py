@@ -135,6 +135,24 @@ def test_bmm_paths_agree_and_accept_strided_weights():
         assert torch.equal(ck.bmm(xs, w), ck.bmm(xs.contiguous(), w))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bmm_on_a_packed_weight_gives_bmm_s_bits(isa, two_threads):
+    """bmm_packed (the weight packed once, `naive.pack_bmm_weight`) gives exactly `bmm`'s bits on every path: odd K,
+    N off the 64-column groups, 1-2 rows (AMX's vector path), tiles, a strided token-major x."""
+    gen = torch.Generator().manual_seed(7)
+    for b, k, n in [(3, 37, 70), (2, 64, 200), (16, 128, 130), (1, 1, 3)]:
+        w = _bf16(gen, b, k, n, scale=k ** -0.5)
+        wp = naive.pack_bmm_weight(w)
+        assert wp.shape == (b, -(-n // 64), -(-k // 2), 64, 2)
+        for m in (1, 2, 3, 17, 40):
+            x = _bf16(gen, m, b, k).transpose(0, 1)
+            assert torch.equal(ck.bmm_packed(x, wp, n, k, isa=isa), ck.bmm(x, w, isa=isa)), (b, k, n, m)
+    with pytest.raises(ValueError, match="w_packed: expected"):
+        ck.bmm_packed(_bf16(gen, 2, 1, 16), naive.pack_bmm_weight(_bf16(gen, 2, 16, 8)), 70, 16)
+    with pytest.raises(ValueError, match=r"x: expected a bfloat16 \[B, M, K=16\]"):
+        ck.bmm_packed(_bf16(gen, 2, 1, 15), naive.pack_bmm_weight(_bf16(gen, 2, 16, 8)), 8, 16)
+
+
 def test_linear_accepts_a_strided_row_view():
     gen = torch.Generator().manual_seed(4)
     w = _bf16(gen, 80, 48)
@@ -188,6 +206,10 @@ def test_batch_invariant_uses_the_kernel_for_bf16_parameters(two_threads):
     wb = _bf16(gen, 4, 32, 24)
     xb = _bf16(gen, 4, 3, 32)
     assert torch.equal(bi.bmm(xb, wb), ck.bmm(xb, wb))
+    assert (id(wb),) in bi._kernel_packed                           # a tensor of its own: its packed copy, kept
+    assert torch.equal(bi._kernel_packed[id(wb), ][1], naive.pack_bmm_weight(wb))
+    view = wb.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :20]   # a view: the plain kernel, nothing kept
+    assert torch.equal(bi.bmm(xb, view), ck.bmm(xb, view)) and (id(view),) not in bi._kernel_packed
 
 
 @pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")

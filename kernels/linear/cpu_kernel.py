@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 
 from expertmesh.kernels.cpu_extension import LazyExtension
-from expertmesh.kernels.linear.naive import check_bmm_inputs, check_linear_inputs, pack_weight
+from expertmesh.kernels.linear.naive import GROUP, check_bmm_inputs, check_linear_inputs, pack_bmm_weight, pack_weight
 
 __all__ = ["available", "built", "best_isa", "default_isa", "runs", "enabled", "linear", "linear_fp32", "bmm",
-           "pack_weight", "ISAS", "EXTENSION"]
+           "bmm_packed", "pack_weight", "pack_bmm_weight", "ISAS", "EXTENSION"]
 
 EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
                           "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
@@ -149,6 +149,23 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, *, vector: bool | None = None)
     out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
     ops.linear_f32(flat, w.contiguous(), out, bool(ops.f32_vector()) if vector is None else vector)
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def bmm_packed(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int, *, isa: str = "auto") -> torch.Tensor:
+    """`bmm`(x, w) with w [B, K, N] given as `naive.pack_bmm_weight(w)`: the same bits, the weight read from
+    contiguous memory (`bmm` packs each column group per call from K strided rows). CPU tensors."""
+    b = x.shape[0] if x.dim() == 3 else None
+    want = (b, -(-n // GROUP), -(-k // 2), GROUP, 2)
+    if x.dim() != 3 or x.dtype != torch.bfloat16 or x.shape[2] != k:
+        raise ValueError(f"x: expected a bfloat16 [B, M, K={k}] tensor, found {x.dtype} {list(x.shape)}")
+    if w_packed.dtype != torch.bfloat16 or tuple(w_packed.shape) != want:
+        raise ValueError(f"w_packed: expected a bfloat16 {list(want)} tensor (pack_bmm_weight of a [B, K={k}, "
+                         f"N={n}] weight), found {w_packed.dtype} {list(w_packed.shape)}")
+    if x.device.type != "cpu" or w_packed.device.type != "cpu":
+        raise ValueError(f"bmm_packed: expected CPU tensors, found {x.device}, {w_packed.device}")
+    out = torch.empty(x.shape[0], x.shape[1], n, dtype=torch.bfloat16)
+    _require().bmm_packed(_rows(x), w_packed, n, k, out, _isa(isa))
+    return out
 
 
 def bmm(x: torch.Tensor, w: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:

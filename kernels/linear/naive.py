@@ -60,6 +60,18 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return padded.view(g, GROUP, p, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_bmm_weight(w: torch.Tensor) -> torch.Tensor:
+    """A bmm weight w [B, K, N] bf16 → [B, ceil(N/64), ceil(K/2), 64, 2]: each w[b] packed as `pack_weight` packs
+    its transpose [N, K] (what `cpu_kernel.bmm_packed` reads; the same sums as `bmm` on w)."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 3:
+        raise TypeError(f"w: expected a 3-D bfloat16 tensor [B, K, N], found "
+                        f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}")
+    b, k, n = w.shape
+    g, p = -(-n // GROUP), -(-k // 2)
+    padded = torch.nn.functional.pad(w.detach().transpose(1, 2), (0, 2 * p - k, 0, g * GROUP - n))
+    return padded.reshape(b, g, GROUP, p, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
 def unpack_weight(w_packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `pack_weight`: [N, K]."""
     g, p = w_packed.shape[:2]

@@ -488,7 +488,7 @@ struct Gemm {
   const uint16_t* x;
   int64_t sxb, sxm;
   const uint16_t* w;
-  int64_t swb, ldw;  // packed: swb = group stride is computed; kn: batch stride and K-row stride
+  int64_t swb, ldw;  // batch stride; kn: and the K-row stride (packed: ldw unused, a group's stride computed)
   uint16_t* y;
   int64_t syb, sym;
   int64_t B, M, N, K;
@@ -517,7 +517,7 @@ void run_gemm_amx(const Gemm& g) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mc = i % MCn, gi = (i / MCn) % G, b = i / (MCn * G);
       const int64_t ncols = std::min<int64_t>(kCols, g.N - gi * kCols);
-      const uint16_t* w = PACKED ? g.w + gi * P * 2 * kCols : g.w + b * g.swb + gi * kCols;
+      const uint16_t* w = PACKED ? g.w + b * g.swb + gi * P * 2 * kCols : g.w + b * g.swb + gi * kCols;
       if (!PACKED) {
         pack_group_avx512(w, g.ldw, ncols, g.K, buf.data());
         w = buf.data();
@@ -582,7 +582,7 @@ void run_gemm(int64_t isa, const Gemm& g) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mc = i % MCn, gi = (i / MCn) % G, b = i / (MCn * G);
       Tile t;
-      t.w = PACKED ? g.w + gi * (Kp / 2) * (2 * kCols) : g.w + b * g.swb + gi * kCols;
+      t.w = PACKED ? g.w + b * g.swb + gi * (Kp / 2) * (2 * kCols) : g.w + b * g.swb + gi * kCols;
       t.ldw = g.ldw;
       t.ncols = std::min<int64_t>(kCols, g.N - gi * kCols);
       if (repack) {
@@ -659,6 +659,33 @@ void bmm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out, int64_
   }
   Gemm g{cptr(x), x.stride(0), x.stride(1), cptr(w), w.stride(0), w.stride(1), mptr(out), M * N, N, B, M, N, K};
   run_gemm<false>(resolve_isa(isa), g);
+}
+
+// x [B, M, K] bf16 (unit stride along K), w_packed [B, ceil(N/64), Kp/2, 64, 2] bf16 (each w[b] [K, N] packed as
+// pack_weight packs its transpose) -> out [B, M, N] bf16 (preallocated, contiguous). The kn path's pairs in the
+// kn path's order (it packs each column group per item the same way), so bmm's bits; the weight streams from
+// contiguous memory instead of 128-byte pieces of K strided rows.
+void bmm_packed(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& out, int64_t isa) {
+  check_bf16(x, "x");
+  check_bf16(w, "w_packed");
+  check_bf16(out, "out");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == K && (x.stride(2) == 1 || K <= 1), "x: expected [B, M, ", K,
+              "] with unit stride along K, found ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(N >= 0 && K >= 0, "bmm_packed: N and K must be >= 0");
+  const int64_t B = x.size(0), M = x.size(1), G = (N + kCols - 1) / kCols, Kp = K + (K & 1);
+  TORCH_CHECK(w.dim() == 5 && w.size(0) == B && w.size(1) == G && w.size(2) == Kp / 2 && w.size(3) == kCols &&
+                  w.size(4) == 2 && w.is_contiguous(),
+              "w_packed: expected a contiguous [", B, ", ", G, ", ", Kp / 2, ", 64, 2] tensor (pack_bmm_weight of a [",
+              B, ", ", K, ", ", N, "] weight), found ", w.sizes());
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == M && out.size(2) == N && out.is_contiguous(),
+              "out: expected a contiguous [", B, ", ", M, ", ", N, "] tensor");
+  if (B == 0 || M == 0 || N == 0) return;
+  if (K == 0) {
+    out.zero_();
+    return;
+  }
+  Gemm g{cptr(x), x.stride(0), x.stride(1), cptr(w), G * (Kp / 2) * 2 * kCols, 0, mptr(out), M * N, N, B, M, N, K};
+  run_gemm<true>(resolve_isa(isa), g);
 }
 
 // ---------------------------------------------------------------------------------------------- fp32 linear
@@ -789,6 +816,7 @@ bool isa_runs(int64_t isa) {
 TORCH_LIBRARY(expertmesh_linear_cpu, m) {
   m.def("linear(Tensor x, Tensor w_packed, int N, int K, Tensor(a!) out, int isa) -> ()", &linear);
   m.def("bmm(Tensor x, Tensor w, Tensor(a!) out, int isa) -> ()", &bmm);
+  m.def("bmm_packed(Tensor x, Tensor w_packed, int N, int K, Tensor(a!) out, int isa) -> ()", &bmm_packed);
   m.def("best_isa() -> int", &best_isa);
   m.def("isa_runs(int isa) -> bool", &isa_runs);
   m.def("linear_f32(Tensor x, Tensor w, Tensor(a!) out, bool vector) -> ()", &linear_f32);
