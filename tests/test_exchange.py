@@ -132,6 +132,39 @@ def test_whole_groups_come_back_as_one_row_each():
     assert all((c.out_k < 0).all() for c in calls)
 
 
+def test_the_whole_group_assignment_is_the_general_one():
+    """assign's fast path (every group to compute has a live holder of the whole group, no partial holders) gives
+    exactly the calls of the general path — same workers, request rows, ids, answer rows — for any batch, any
+    (token, group) pairs still to do and any workers down; it stands aside where it does not apply."""
+    rng = np.random.default_rng(9)
+    whole_layouts = {"groups whole on one worker": LAYOUTS["groups whole on one worker"],
+                     "whole groups on two of three workers": {e: [e // 4 % 3, (e // 4 + 1) % 3] for e in range(E)}}
+    fields = ("rows", "ids", "out_token", "out_group", "out_k")
+    for name, holders in whole_layouts.items():
+        ex, clients = exchange(holders)
+        for trial in range(60):
+            n = int(rng.integers(1, 40))
+            _, ids, _ = routed(n, 100 + trial)
+            ids = ids.sort(1).values.numpy()
+            todo = _present(torch.from_numpy(ids)) & (rng.random((n, G)) < (1.0 if trial % 2 else 0.7))
+            down = {int(rng.integers(len(clients)))} if trial % 3 == 0 and len(clients) == 3 else set()
+            fast = ex._assign_whole_groups(LAYER, ids, todo, down)
+            calls, missing = ex._assign(LAYER, ids, todo, down)
+            assert fast is not None and missing == {}, (name, trial)
+            assert [c.worker for c in fast] == [c.worker for c in calls], (name, trial)
+            for a, b in zip(fast, calls):
+                for f in fields:
+                    x, y = getattr(a, f), getattr(b, f)
+                    assert x.dtype == y.dtype and np.array_equal(x, y), (name, trial, f)
+    for name in ("groups split across workers", "hot experts replicated"):
+        ex, _ = exchange(LAYOUTS[name])
+        _, ids, _ = routed(8, 1)
+        assert ex._assign_whole_groups(LAYER, ids.sort(1).values.numpy(), _present(ids), set()) is None, name
+    ex, _ = exchange(LAYOUTS["groups whole on one worker"])
+    _, ids, _ = routed(8, 1)
+    assert ex._assign_whole_groups(LAYER, ids.sort(1).values.numpy(), _present(ids), {0}) is None  # no live holder
+
+
 def _present(ids):
     p = np.zeros((ids.shape[0], G), dtype=bool)
     p[np.arange(ids.shape[0])[:, None], ids.numpy() // (E // G)] = True

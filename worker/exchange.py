@@ -80,6 +80,7 @@ class ExpertExchange:
         self.load = {l: np.zeros(n_experts, dtype=np.int64) for l in table.moe_layers}
         self.bytes_sent = self.bytes_received = 0
         self._holds = {l: table.holds(l, len(clients)) for l in table.moe_layers}
+        self._whole = {l: self._whole_holders(h) for l, h in self._holds.items()}
         self.pool = ThreadPoolExecutor(max_workers=max(2, len(clients)), thread_name_prefix="exchange")
         self.probe_interval = probe_interval
         self.closed = False
@@ -115,10 +116,52 @@ class ExpertExchange:
                         self.down.discard(w)
 
     # ------------------------------------------------------------------ who computes what
+    def _whole_holders(self, holds: np.ndarray) -> np.ndarray | None:
+        """holds bool [W, E] → bool [G, W] (worker w holds all of group g), where every worker that holds an expert
+        of a group holds the whole group (a group-aware plan without partial replicas); None otherwise."""
+        by_group = holds.reshape(holds.shape[0], self.n_groups, self.group_size)
+        whole, some = by_group.all(2), by_group.any(2)
+        return whole.T.copy() if np.array_equal(whole, some) else None
+
     def assign(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
                ) -> tuple[list[_Call], dict[int, set[int]]]:
         """ids [N, K] ascending per row; todo bool [N, G] the (token, group) pairs still to compute
         → (one _Call per expert worker with work, {token: experts without a live holder})."""
+        calls = self._assign_whole_groups(layer, ids, todo, down)
+        return (calls, {}) if calls is not None else self._assign(layer, ids, todo, down)
+
+    def _assign_whole_groups(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
+                             ) -> list[_Call] | None:
+        """`assign` where every group to compute has a live holder of the whole group and no worker holds part of
+        one (the common case: a group-aware plan, nothing down): each (token, group) goes whole to the same
+        worker `_assign` picks — the ((token + group) mod holders)-th live holder in worker order — in a few array
+        operations instead of its general ones (inside `up`'s decode steps 0.29 -> 0.17 ms a layer; 97 -> 34 us
+        warm). None where it does not apply."""
+        whole = self._whole.get(layer)
+        if whole is None:
+            return None
+        live = whole.copy()                                                     # [G, W]
+        live[:, sorted(down)] = False
+        n_live = live.sum(1)                                                    # [G]
+        tok, grp = np.nonzero(todo)                                             # (token, group) pairs, row-major
+        if (n_live[grp] == 0).any():
+            return None
+        holders = np.argsort(~live, axis=1, kind="stable")                      # [G, W] live holders first, in order
+        worker = holders[grp, (tok + grp) % n_live[grp]]                        # [P]
+        assigned = np.full(todo.shape, -1, dtype=np.int64)
+        assigned[tok, grp] = worker
+        slot_worker = np.take_along_axis(assigned, ids // self.group_size, 1)    # [N, K]
+        calls = []
+        for w in np.unique(worker).tolist():
+            mine = worker == w
+            rows = np.unique(tok[mine])
+            calls.append(_Call(w, rows, np.where(slot_worker[rows] == w, ids[rows], -1), tok[mine], grp[mine],
+                               np.full(int(mine.sum()), -1, dtype=np.int64)))
+        return calls
+
+    def _assign(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
+                ) -> tuple[list[_Call], dict[int, set[int]]]:
+        """`assign` in general: replicas of part of a group, fragments, experts without a live holder."""
         N, K = ids.shape
         G, W = self.n_groups, len(self.clients)
         holds = self._holds[layer].copy()
