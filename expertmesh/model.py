@@ -500,8 +500,8 @@ def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg
         grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)
         group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [N, G]
         keep = group_score.topk(moe.topk_group, dim=-1).indices
-        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)
     topk_ids = choice.topk(moe.top_k, dim=-1).indices                              # [N, K], best first
     weights = scores.gather(1, topk_ids)
     if moe.norm_topk_prob:
