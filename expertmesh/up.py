@@ -135,8 +135,8 @@ class LocalCluster:
         compute), so the attention workers (of both pools: they step at the same time) share the cores this process
         may run on, and every expert worker gets all of them — a layer's experts rarely split evenly, and the worker
         with the larger share then goes on over both cores once the other is done (2 cores, 1 + 2 workers, 8
-        concurrent decodes: ITL 81-85 ms vs 88-97 with a core each; one decode 45-50 vs 46-50 ms; a 1,000-token
-        prefill no slower). The router does no tensor math."""
+        concurrent decodes: ITL p50 81-85 ms vs 88-97 with a core each; one decode 45-50 vs 46-50 ms). The router
+        does no tensor math."""
         if self.threads is not None:
             return self.threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -222,5 +222,8 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     if width != d:
         flat = torch.cat([flat, flat.new_zeros(flat.shape[0], width - d)], dim=1)
     rows = max(1, POINTWISE_GRAIN // width)
-    out = fn(flat) if flat.shape[0] <= rows else torch.cat([fn(flat[s:s + rows]) for s in range(0, flat.shape[0], rows)])
+    if flat.shape[0] <= rows:
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(flat[s:s + rows]) for s in range(0, flat.shape[0], rows)])
     return out[:, :d].reshape(*lead, d) if x.dim() else out[0, 0]
