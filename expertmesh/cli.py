@@ -189,6 +189,8 @@ def _set_threads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from expertmesh.shutdown import die_with_parent
+    die_with_parent()              # a child of `up`: gone with it
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["fetch"]:  # the pods' init container: no torch, starts in a fraction of a second
         from expertmesh.fetch import main as fetch_main

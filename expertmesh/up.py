@@ -25,7 +25,7 @@ from expertmesh.checkpoint_config import checkpoint_config
 from expertmesh.config import ModelConfig
 from expertmesh.planner import ClusterShape, plan_placement
 from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, add_arguments as router_arguments
-from expertmesh.shutdown import stop_on_signals
+from expertmesh.shutdown import PARENT_ENV, stop_on_signals
 from expertmesh.tls import ephemeral_pki
 
 
@@ -157,8 +157,8 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
         cmd = [sys.executable, "-m", "expertmesh.cli", *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**self._env(name), **(env or {})}, start_new_session=True,
-                                preexec_fn=_die_with_parent(os.getpid()))
+                                env={**self._env(name), **(env or {}), PARENT_ENV: str(os.getpid())},
+                                start_new_session=True)     # the child dies with us: shutdown.die_with_parent
         child = Child(name, proc, list(args))
         threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
         self.children.append(child)
@@ -300,22 +300,6 @@ class LocalCluster:
     def http_url(self) -> str:
         scheme = "https" if self.tls_dir is not None else "http"
         return f"{scheme}://{self.host}:{self.http_port}"
-
-
-def _die_with_parent(parent: int):
-    """A preexec_fn: the child gets SIGTERM when the process that started it dies, even by SIGKILL (Linux
-    PR_SET_PDEATHSIG; it follows the starting *thread*, so children are started from the main thread), and exits
-    at once if that already happened. Elsewhere: nothing (`stop()` still ends them)."""
-    def setup() -> None:
-        try:
-            import ctypes
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)              # PR_SET_PDEATHSIG
-        except OSError:
-            return
-        if os.getppid() != parent:
-            os._exit(1)
-    return setup
 
 
 def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0,

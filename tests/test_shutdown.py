@@ -55,3 +55,51 @@ def test_a_burst_of_sigterms_stops_the_process_every_time():
             p.kill()
             p.wait()
     assert hung == 0
+
+
+DIES_WITH_PARENT = """
+import os, sys, time
+from expertmesh.shutdown import PARENT_ENV, die_with_parent
+die_with_parent()
+print("running", PARENT_ENV in os.environ, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_child_of_up_dies_with_it_and_never_outlives_it():
+    """die_with_parent (what `up`'s children run first, instead of a preexec_fn): with its parent's pid the child
+    runs (the variable not passed on) and gets SIGTERM when that parent is SIGKILLed; with another pid — its parent
+    already gone — it exits at once; without the variable nothing changes."""
+    import os
+    import signal
+
+    from expertmesh.shutdown import PARENT_ENV
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    ok = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT, "0"], env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0 and ok.stdout == "running False\n"
+    gone = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT, "0"], env={**env, PARENT_ENV: "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and gone.stdout == ""
+    # a middle process starts the child with its own pid and is SIGKILLed: the child gets SIGTERM from the kernel
+    middle = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys, time
+p = subprocess.Popen([sys.executable, "-c", {DIES_WITH_PARENT!r}, "60"],
+                     env={{**os.environ, {PARENT_ENV!r}: str(os.getpid())}}, stdout=subprocess.PIPE, text=True)
+print(p.pid, p.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    pid, state = middle.stdout.readline().split(" ", 1)
+    assert state.strip() == "running False"
+    middle.kill()
+    middle.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(int(pid), signal.SIGKILL)
+        raise AssertionError("the child outlived its SIGKILLed parent")
