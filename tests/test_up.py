@@ -229,13 +229,13 @@ def test_router_options_after_the_double_dash_are_checked_before_anything_starts
         assert e.value.code == 2 and named in capsys.readouterr().err
 
 
-def test_default_threads_share_the_cores_among_attention_workers_and_give_each_expert_worker_all(tmp_path, monkeypatch):
-    """`up`'s torch threads per process (nothing started): attention workers of both pools split the cores, every
-    expert worker gets all of them, the router one; `threads` set is one count for all."""
+def test_default_threads_share_the_cores_among_the_workers_of_a_role(tmp_path, monkeypatch):
+    """`up`'s torch threads per process (nothing started): the attention workers of both pools split the cores, so
+    do the expert workers, the router has one; `threads` set is one count for all."""
     import os
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     c = LocalCluster(tmp_path, attention_workers=1, prefill_workers=1, expert_workers=3, threads=None,
                      run_dir=tmp_path / "run")
-    assert [c.threads_for(n) for n in ("attention-0", "prefill-0", "expert-0", "expert-2", "router")] == [4, 4, 8, 8, 1]
+    assert [c.threads_for(n) for n in ("attention-0", "prefill-0", "expert-0", "expert-2", "router")] == [4, 4, 2, 2, 1]
     c = LocalCluster(tmp_path, expert_workers=2, threads=3, run_dir=tmp_path / "run")
     assert {c.threads_for(n) for n in ("attention-0", "expert-1", "router")} == {3}
