@@ -134,7 +134,7 @@ class LocalCluster:
         role's share of the cores this process may run on: a step runs the attention workers and the expert workers
         in turn (attention waits while the experts of its layer compute), so the attention workers (of both pools)
         share all the cores and so do the expert workers; the router does no tensor math. (Every expert worker on
-        all the cores decoded 8 sequences faster on 2 cores, ITL p50 81-85 vs 88-97 ms, but the expert workers load
+        all the cores decoded 8 sequences faster on 2 cores, ITL p50 81-87 vs 88-97 ms, but the expert workers load
         at the same time: healthy after 60.0 s instead of 14.8 s.)"""
         if self.threads is not None:
             return self.threads

@@ -182,8 +182,9 @@ class SocketPair:
     def send_all(self, tensors: list[torch.Tensor], timeout: float | None) -> None:
         """Send several tensors back to back in one system call where the socket takes them (sendmsg of their
         buffers, the rest after a partial send; the receiver reads them one by one as usual): a call's header and
-        inputs reach the peer together. (Inside `up`'s decode steps a call's send measured 0.15-0.17 ms either
-        way: the cost is the loopback delivery and the peer's wake-up, not the number of calls.)"""
+        inputs reach the peer together. (Inside `up`'s decode steps the exchange's start, sends included, took
+        0.67 ms a layer before and 0.69 after: the cost is the loopback delivery and the peer's wake-up, not the
+        number of system calls.)"""
         views = [v for v in (_bytes_of(t) for t in tensors) if len(v)]
         self.sock.settimeout(timeout)
         while views:
