@@ -611,6 +611,16 @@ void check_bf16(const at::Tensor& t, const char* name) {
 const uint16_t* cptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
 uint16_t* mptr(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr()); }
 
+// A checked call on packed weights (linear, bmm_packed): nothing to do for an empty output, zeros for K = 0.
+void run_packed(const Gemm& g, const at::Tensor& out, int64_t isa) {
+  if (g.B == 0 || g.M == 0 || g.N == 0) return;
+  if (g.K == 0) {
+    out.zero_();
+    return;
+  }
+  run_gemm<true>(resolve_isa(isa), g);
+}
+
 // x [M, K] bf16 (unit stride along K), w_packed [ceil(N/64), Kp/2, 64, 2] bf16 -> out [M, N] bf16 (preallocated,
 // contiguous).
 void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, const at::Tensor& out, int64_t isa) {
@@ -627,14 +637,7 @@ void linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, cons
               K, "] weight), found ", w.sizes());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N && out.is_contiguous(),
               "out: expected a contiguous [", x.size(0), ", ", N, "] tensor");
-  const int64_t M = x.size(0);
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    out.zero_();
-    return;
-  }
-  Gemm g{cptr(x), 0, x.stride(0), cptr(w), 0, 0, mptr(out), 0, N, 1, M, N, K};
-  run_gemm<true>(resolve_isa(isa), g);
+  run_packed(Gemm{cptr(x), 0, x.stride(0), cptr(w), 0, 0, mptr(out), 0, N, 1, x.size(0), N, K}, out, isa);
 }
 
 // x [B, M, K] bf16 (unit stride along K), w [B, K, N] bf16 (unit stride along N) -> out [B, M, N] bf16
@@ -679,13 +682,8 @@ void bmm_packed(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K, 
               B, ", ", K, ", ", N, "] weight), found ", w.sizes());
   TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == M && out.size(2) == N && out.is_contiguous(),
               "out: expected a contiguous [", B, ", ", M, ", ", N, "] tensor");
-  if (B == 0 || M == 0 || N == 0) return;
-  if (K == 0) {
-    out.zero_();
-    return;
-  }
-  Gemm g{cptr(x), x.stride(0), x.stride(1), cptr(w), G * (Kp / 2) * 2 * kCols, 0, mptr(out), M * N, N, B, M, N, K};
-  run_gemm<true>(resolve_isa(isa), g);
+  run_packed(Gemm{cptr(x), x.stride(0), x.stride(1), cptr(w), G * (Kp / 2) * 2 * kCols, 0, mptr(out), M * N, N, B,
+                  M, N, K}, out, isa);
 }
 
 // ---------------------------------------------------------------------------------------------- fp32 linear
