@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 up: install
-	$(VENV)/bin/expertmesh up
+	$(VENV)/bin/expertmesh up --expert-workers 2
 
 test: install
 	scripts/install-tools.sh

@@ -4,12 +4,12 @@ One random-weight model in DeepSeek-V3.2's shape (bench/_peer_models.py: hidden 
 top-4, 855M parameters, `index_topk` 4,096 — above every context here, so DSA selects every token and the model is
 exactly dense MLA) is served three ways:
 
-  expertmesh   `expertmesh up --checkpoint DIR --dtype D` (model_type deepseek_v32; defaults: 1 attention + 2
-               expert workers as processes, 1 torch thread each), client over HTTP;
+  expertmesh   `expertmesh up --checkpoint DIR --dtype D` (model_type deepseek_v32; defaults: 1 attention worker
+               and one expert worker per two cores, as processes; on 2 cores 1 + 1), client over HTTP;
   vllm         vLLM's CPU build on the same weight files relabelled `deepseek_v3` (`--max-model-len 4096`,
                `--dtype D`), client over HTTP;
   inprocess    expertmesh's in-process deployment in this process (`expertmesh.entry.local.build_local_engine`, the
-               same 1 + 2 workers with direct calls, `Engine.submit(...).stream()`), no HTTP — so the cost of the
+               same workers with direct calls, `Engine.submit(...).stream()`), no HTTP — so the cost of the
                distribution (processes, gRPC, the HTTP front) and the cost of the compute show apart.
 
 The same client for both servers: the official `openai` package, `/v1/completions`, streamed, token-id prompts
@@ -416,16 +416,19 @@ def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float
 
 
 def build_inprocess(model_dir: Path, dtype: str):
-    """(engine, facts): build_local_engine with `up`'s default topology (1 attention + 2 expert workers) and its
-    router's prefill steps, at `dtype` — the same steps, so the same greedy tokens."""
+    """(engine, facts): build_local_engine with `up`'s default topology (1 attention worker, `default_expert_workers`)
+    and its router's prefill steps, at `dtype` — the same steps, so the same greedy tokens."""
     import torch
 
     from expertmesh.entry.local import build_local_engine
     from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
+    from expertmesh.up import default_expert_workers
+    experts = default_expert_workers()
     facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK,
-             "prefill_tokens": DEFAULT_PREFILL_TOKENS}
+             "prefill_tokens": DEFAULT_PREFILL_TOKENS, "expert_workers": experts}
     t0 = time.perf_counter()
-    engine = build_local_engine(str(model_dir), attention_workers=1, expert_workers=2, dtype=getattr(torch, dtype),
+    engine = build_local_engine(str(model_dir), attention_workers=1, expert_workers=experts,
+                                dtype=getattr(torch, dtype),
                                 prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_tokens=DEFAULT_PREFILL_TOKENS)
     facts["startup_s"] = time.perf_counter() - t0
     return engine, facts

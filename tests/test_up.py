@@ -154,7 +154,8 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
     import time
     http, grpc_port = free_port(), free_port()
     up = subprocess.Popen([sys.executable, "-m", "expertmesh.cli", "up", "--checkpoint", str(ckpt_dir),
-                           "--http-port", str(http), "--grpc-port", str(grpc_port), "--", "--max-context", "384"],
+                           "--expert-workers", "2", "--http-port", str(http), "--grpc-port", str(grpc_port),
+                           "--", "--max-context", "384"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "PYTHONSAFEPATH": "1"})
     try:
@@ -227,6 +228,19 @@ def test_router_options_after_the_double_dash_are_checked_before_anything_starts
         with pytest.raises(SystemExit) as e:
             router_options(bad)
         assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_default_expert_workers_one_per_two_cores(monkeypatch):
+    """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one."""
+    import os
+    from expertmesh.up import add_arguments, default_expert_workers
+    assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    assert default_expert_workers() == 3
+    import argparse
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).expert_workers is None and p.parse_args(["--expert-workers", "2"]).expert_workers == 2
 
 
 def test_default_threads_share_the_cores_among_the_workers_of_a_role(tmp_path, monkeypatch):
