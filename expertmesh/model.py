@@ -465,17 +465,19 @@ class LatentAttention(nn.Module):
                 # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
                 # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length
                 pg = cache.pages()
-                if self.indexed:
-                    o_lat = dsa_ops.dsa_decode_paged(q_full[rows], pg.latent, pg.index_k, pg.block_table,
-                                                     pg.context_lens, index_q[rows], index_w[rows], topk,
-                                                     scale=self.scale, v_dim=m.kv_lora_rank)
+                if self.indexed:                              # written in place: [1, nH, kv_lora]
+                    dsa_ops.dsa_decode_paged(q_full[rows], pg.latent, pg.index_k, pg.block_table, pg.context_lens,
+                                             index_q[rows], index_w[rows], topk, scale=self.scale,
+                                             v_dim=m.kv_lora_rank, out=o_lat_all[rows])
+                    continue
                 else:
                     o_lat = dsa_ops.mla_decode_paged(q_full[rows], pg.latent, pg.block_table, pg.context_lens,
                                                      scale=self.scale, v_dim=m.kv_lora_rank)
-            elif self.indexed:
-                o_lat = dsa_ops.dsa_prefill(q_full[rows][None], cache.latent[None], index_q[rows][None],
-                                            cache.index_k[None], index_w[rows][None], topk, causal=True,
-                                            scale=self.scale, v_dim=m.kv_lora_rank)[0]  # [T, nH, kv_lora]
+            elif self.indexed:                                # written in place: [T, nH, kv_lora]
+                dsa_ops.dsa_prefill(q_full[rows][None], cache.latent[None], index_q[rows][None], cache.index_k[None],
+                                    index_w[rows][None], topk, causal=True, scale=self.scale, v_dim=m.kv_lora_rank,
+                                    out=o_lat_all[rows][None])
+                continue
             else:
                 o_lat = dsa_ops.mla_prefill(q_full[rows][None], cache.latent[None], scale=self.scale,
                                             v_dim=m.kv_lora_rank)[0]
