@@ -63,21 +63,37 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+_HANDED_OUT: dict[int, None] = {}           # the ports free_port returned lately, oldest first
+_HANDED_OUT_LOCK = threading.Lock()
+_REMEMBERED = 4096
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now, chosen below the kernel's ephemeral range: a port from that range (what binding
-    port 0 returns) can be taken by any outgoing connection before the child process binds it."""
+    port 0 returns) can be taken by any outgoing connection before the child process binds it. Never one it
+    returned among its last 4,096 answers in this process: a port handed to a child that has not bound it yet is
+    still free, and a cluster picks a dozen in a row (a make test run failed once when an attention worker could
+    not bind the port it was given; 2,000 picks without this check repeated 146 ports)."""
     low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _HANDED_OUT_LOCK:
+        for _ in range(200):
+            port = random.randrange(max(1024, low - 12000), low)
+            if port in _HANDED_OUT:
                 continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            break
+        else:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        _HANDED_OUT[port] = None
+        if len(_HANDED_OUT) > _REMEMBERED:
+            del _HANDED_OUT[next(iter(_HANDED_OUT))]
+        return port
 
 
 @dataclass

@@ -230,6 +230,13 @@ def test_router_options_after_the_double_dash_are_checked_before_anything_starts
         assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_free_port_never_repeats_a_recent_answer():
+    """A cluster takes its ports one after another before any child binds them: free_port must not hand out a
+    port twice (2,000 random picks among the 12,000 below the ephemeral range would repeat one almost surely)."""
+    ports = [free_port() for _ in range(2000)]
+    assert len(set(ports)) == len(ports)
+
+
 def test_default_expert_workers_one_per_two_cores(monkeypatch):
     """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one."""
     import os
