@@ -35,12 +35,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def default_expert_workers(cores: int | None = None) -> int:
-    """`up`'s expert workers when not given: one per two cores, at least one. Every expert worker is a process
-    beside the attention workers on the same cores, and a decode step waits for the slowest of a layer's calls: on
-    2 cores, 1 attention + 2 expert workers decoded 8 sequences at ITL p50 92.5-102.0 ms and 1 + 1 at 81.7-91.0 ms
-    (one sequence 48.0-50.9 vs 46.2-48.9 ms), with the same start-up (16.1 vs 15.8 s to healthy)."""
-    return max(1, (usable_cores() if cores is None else cores) // 2)
+def default_expert_workers(cores: int | None = None, replicas: int = 1) -> int:
+    """`up`'s expert workers when not given: one per two cores, at least one and at least `replicas` (the expert
+    workers every expert must be on: --expert-replicas). Every expert worker is a process beside the attention
+    workers on the same cores, and a decode step waits for the slowest of a layer's calls: on 2 cores, 1 attention
+    + 2 expert workers decoded 8 sequences at ITL p50 92.5-102.0 ms and 1 + 1 at 81.7-91.0 ms (one sequence
+    48.0-50.9 vs 46.2-48.9 ms), with the same start-up (16.1 vs 15.8 s to healthy)."""
+    return max(1, replicas, (usable_cores() if cores is None else cores) // 2)
 
 
 def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None,
@@ -393,7 +394,7 @@ def run_up(args) -> int:
         # workers answer only callers holding this run's client key (mutual TLS), never any local process
         worker_tls = ephemeral_pki(Path(tempfile.mkdtemp(prefix="expertmesh-pki-")), (args.host, "localhost"))
     if args.expert_workers is None:
-        args.expert_workers = default_expert_workers()
+        args.expert_workers = default_expert_workers(replicas=args.expert_replicas)
     cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                            redundant_experts=args.redundant_experts, expert_replicas=args.expert_replicas,
                            http_port=args.http_port,
@@ -444,7 +445,8 @@ def add_arguments(p) -> None:
                         "(KV + recurrent state) to one of the --attention-workers, which then form the decode pool "
                         "(0: one colocated pool). Router options for it: `-- --prefill-min-tokens N`")
     p.add_argument("--expert-workers", type=positive_int, default=None,
-                   help="default: one per two cores this process may run on, at least 1 (default_expert_workers)")
+                   help="default: one per two cores this process may run on, at least 1 and at least "
+                        "--expert-replicas (default_expert_workers)")
     p.add_argument("--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer")
     p.add_argument("--expert-replicas", type=positive_int, default=1,
                    help="every expert on at least this many expert workers (2: losing one fails no request)")

@@ -238,10 +238,13 @@ def test_free_port_never_repeats_a_recent_answer():
 
 
 def test_default_expert_workers_one_per_two_cores(monkeypatch):
-    """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one."""
+    """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one and
+    at least --expert-replicas."""
     import os
     from expertmesh.up import add_arguments, default_expert_workers
     assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]      # --expert-replicas R
+    assert default_expert_workers(16, replicas=2) == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
     assert default_expert_workers() == 3
     import argparse
