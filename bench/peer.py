@@ -577,7 +577,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", help="comma-separated concurrent requests (default 1,8)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64; --quick 32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--up-args", default="", help="more arguments for `expertmesh up`, e.g. \"--expert-workers 1\"")
+    p.add_argument("--up-args", default="",
+                   help="more arguments for `expertmesh up`, e.g. \"--expert-workers 2\" (up's default is one "
+                        "expert worker per two cores)")
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--install-only", action="store_true", help="build the model and install vLLM, then stop")

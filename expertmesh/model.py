@@ -470,9 +470,8 @@ class LatentAttention(nn.Module):
                                              index_q[rows], index_w[rows], topk, scale=self.scale,
                                              v_dim=m.kv_lora_rank, out=o_lat_all[rows])
                     continue
-                else:
-                    o_lat = dsa_ops.mla_decode_paged(q_full[rows], pg.latent, pg.block_table, pg.context_lens,
-                                                     scale=self.scale, v_dim=m.kv_lora_rank)
+                o_lat = dsa_ops.mla_decode_paged(q_full[rows], pg.latent, pg.block_table, pg.context_lens,
+                                                 scale=self.scale, v_dim=m.kv_lora_rank)
             elif self.indexed:                                # written in place: [T, nH, kv_lora]
                 dsa_ops.dsa_prefill(q_full[rows][None], cache.latent[None], index_q[rows][None], cache.index_k[None],
                                     index_w[rows][None], topk, causal=True, scale=self.scale, v_dim=m.kv_lora_rank,
