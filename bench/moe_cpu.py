@@ -5,7 +5,9 @@ activation rows per B tile; experts with at most 8 rows emulate its order on the
 The shape is one expert worker's share of the peer benchmark's model (bench/peer.py: 64 experts top-4, H 1024,
 I 512, two expert workers): 32 experts, ids on half of a token's 4 slots, T tokens per call (1 and 8: decode;
 256 and 1024: prefill steps). Each call decodes every expert it touches, so `MB/s` is the MXFP4 bytes of the
-touched experts per second and `GFLOP/s` counts 2 · 3 · H · I per (token, slot). Median ms over interleaved
+touched experts per second and `GFLOP/s` counts 2 · 3 · H · I per (token, slot). Those calls reuse one layer's
+weights, warm in cache; a second table decodes as a worker does, cold: one worker's experts of 7 layers (64 each,
+all 4 slots, ~360 MB), the layers in turn and fresh experts at random on every call, 1 and 2 tokens. Median ms over interleaved
 repeats (both paths in each round); `x` = avx512bf16 ms / amx ms (> 1: amx faster). Skipped paths (no AMX-BF16 /
 no AVX512-BF16 here) are left out with a message.
 
@@ -82,7 +84,31 @@ def main() -> None:
         r["x_vs_avx512bf16"] = speedup
         print(f"{r['tokens']:>6} {r['experts']:>7} {r['isa']:>10} {r['ms']:>8.3f} {r['MB_s']:>8.0f} "
               f"{r['GFLOP_s']:>8.1f} {'' if speedup is None else f'{speedup:.2f}':>6}")
-    write_json(args.out, args, rows=rows)
+    cold = _cold_decode(paths, gen, calls=70 if args.quick else 420)
+    write_json(args.out, args, rows=rows, cold=cold)
+
+
+def _cold_decode(paths: list[str], gen: torch.Generator, calls: int, layers: int = 7, experts: int = 64) -> list:
+    """Median / p90 ms per call of decode-sized calls on weights out of cache (see the module's docstring)."""
+    weights = [(*quantize_mxfp4(torch.randn(experts, 2 * I, H, generator=gen) * H ** -0.5),
+                *quantize_mxfp4(torch.randn(experts, H, I, generator=gen) * I ** -0.5)) for _ in range(layers)]
+    rows = []
+    print(f"cold decode: {layers} layers x {experts} experts in turn, {TOP_K} fresh experts a token, {calls} calls")
+    print(f"{'tokens':>6} {'isa':>10} {'p50 ms':>8} {'p90 ms':>8}")
+    for T in (1, 2):
+        x = torch.randn(T, H, generator=gen).bfloat16()
+        times = {p: [] for p in paths}
+        for i in range(calls):
+            for p in paths:                        # each path its own experts: none left warm by the other
+                ids = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(T)])
+                t0 = time.perf_counter()
+                cpu_kernel.moe_expert_outputs(x, ids, *weights[i % layers], isa=p)
+                times[p].append(1e3 * (time.perf_counter() - t0))
+        for p in paths:
+            v = sorted(times[p])
+            rows.append({"tokens": T, "isa": p, "p50_ms": statistics.median(v), "p90_ms": v[9 * len(v) // 10]})
+            print(f"{T:>6} {p:>10} {rows[-1]['p50_ms']:>8.3f} {rows[-1]['p90_ms']:>8.3f}")
+    return rows
 
 
 if __name__ == "__main__":
