@@ -1,7 +1,7 @@
 """The CPU MXFP4 kernel's tile-unit path (isa amx, kernels/moe/cpu/mxfp4_moe.cpp): the weights decoded to bf16 with
 their scale folded in, sums in AMX-BF16's order. Held bit for bit to the PyTorch spelling of that order
 (`kernels.linear.naive.matmul_in_tile_order_fp32`, `kernels.moe.naive.moe_expert_outputs_tile_order`) on both of
-its routes — the tile unit for experts with 3 or more rows, the vector units emulating it for 1-2 — on inputs
+its routes — the tile unit for experts with 9 or more rows, the vector units emulating it for 1-8 — on inputs
 whose products cancel, where the vector paths' order gives other bits (so the checks can fail); a token's rows
 are the same alone and in any batch, at any thread count; `isa="auto"` runs it for bf16 activations where the CPU
 and Linux offer AMX, EXPERTMESH_CPU_MOE_ISA overrides. Skipped where the extension cannot be built or the CPU has
@@ -57,18 +57,19 @@ def test_dense_gemm_is_the_tile_order_bit_for_bit(M, N, K):
 
 @pytest.mark.parametrize("act", list(ACTS))
 def test_moe_is_its_tile_order_reference_bit_for_bit(act):
-    """Experts with 1 and 2 rows (vector route), 3+ and 17+ rows (tile route, one and two groups of 16) in one
+    """Experts with 1, 2 and 8 rows (vector route), 9+ and 17+ rows (tile route, one and two groups of 16) in one
     call; slots off the shard are 0."""
-    T, Kt, E, H, I = 60, 4, 12, 128, 64
+    T, Kt, E, H, I = 60, 4, 14, 128, 64
     gen = torch.Generator().manual_seed(7)
     w = _weights(E, H, I, seed=3)
     x = _cancelling(T, H, gen)
-    ids = torch.stack([torch.randperm(E - 5, generator=gen)[:Kt] + 5 for _ in range(T)])     # experts 5.. at random
+    ids = torch.stack([torch.randperm(E - 7, generator=gen)[:Kt] + 5 for _ in range(T)])     # experts 5-11 at random
     ids[torch.rand(T, Kt, generator=gen) < 0.3] = -1
     ids[:54, 0] = torch.arange(54) % 3                                      # experts 0-2: 18 rows each
     ids[55, 1], ids[56, 1], ids[57, 1] = 3, 4, 4                             # expert 3: one row, expert 4: two
+    ids[:8, 2], ids[8:17, 2] = 12, 13                                      # expert 12: 8 rows, expert 13: 9
     rows = torch.bincount(ids[ids >= 0], minlength=E)
-    assert rows[0] > 16 and rows[3] == 1 and rows[4] == 2 and (rows[5:] > 2).any(), rows
+    assert rows[0] > 16 and rows[3] == 1 and rows[4] == 2 and rows[12] == 8 and rows[13] == 9, rows
     activation = ACTS[act]
     got = cpu_kernel.moe_expert_outputs(x, ids, *w, isa="amx", activation=activation, fp32_output=True)
     want = moe_expert_outputs_tile_order(x, ids, *w, activation=activation)

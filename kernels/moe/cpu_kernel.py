@@ -25,12 +25,12 @@ bf16 activations on CPUs with AMX-BF16 (and Linux granting the tile state) take 
 bf16 value (scale folded in), each output summed as TDPBF16PS does (per 32-block, even and odd products apart,
 then added to the accumulator; subnormals flushed) and h rounded to bf16 between the GEMMs:
 `naive.moe_expert_outputs_tile_order` spells it out and the tests hold both of its routes to it bit for bit —
-experts with 3+ rows on the tile unit (weights as A tiles, 16 rows of activations as B), 1-2 rows on the vector
+experts with 9+ rows on the tile unit (weights as A tiles, 16 rows of activations as B), 1-8 rows on the vector
 units emulating it (a tile costs the same for 1 row as for 16). A process runs one path for all calls, so rows stay
 batch-invariant. `bench/moe_cpu.py` (one expert worker's share of bench/peer.py's model, 2 threads) measured
-amx / avx512bf16 ms: 1024 tokens 11.2 / 53.4 (4.8x), 256 tokens 4.4 / 13.9 (3.2x), 64 tokens 3.6 / 3.7, but
-1 token 0.09 / 0.07 and 8 tokens 1.03 / 0.71 (0.69-0.79x: a call decodes every expert it touches, and decode
-steps give each few rows).
+amx / avx512bf16 ms: 1024 tokens 15.1 / 61.0 (4.0x), 256 tokens 5.8 / 15.0 (2.6x), 64 tokens 2.7 / 3.9,
+16 tokens 1.23 / 1.51, 8 tokens 0.71 / 0.81, 1 token 0.077 / 0.079; cold (a decoding worker's 7 layers x 64
+experts, fresh experts every call) 1 token 0.268 / 0.274, 2 tokens 0.519 / 0.536.
 
 The activation (SwiGLU, or SiTU: `kernels.activation`) runs between the two GEMMs one element at a time with the
 scalar libm functions (std::exp for σ, std::tanh for SiTU's caps), the same code for every row and ISA path; they
