@@ -263,3 +263,18 @@ def test_default_threads_share_the_cores_among_the_workers_of_a_role(tmp_path, m
     assert [c.threads_for(n) for n in ("attention-0", "prefill-0", "expert-0", "expert-2", "router")] == [4, 4, 2, 2, 1]
     c = LocalCluster(tmp_path, expert_workers=2, threads=3, run_dir=tmp_path / "run")
     assert {c.threads_for(n) for n in ("attention-0", "expert-1", "router")} == {3}
+
+
+def test_decode_threads_share_the_cores_among_all_the_workers(tmp_path, monkeypatch):
+    """With the threads left to `up`, every worker gets --decode-threads: the cores over all the worker processes
+    (a decode layer runs the shared experts and every expert call at once); with `threads` given, none."""
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    c = LocalCluster(tmp_path, attention_workers=1, prefill_workers=1, expert_workers=2, threads=None,
+                     run_dir=tmp_path / "run")
+    assert c.decode_threads() == 2 and c._decode_args() == ["--decode-threads", "2"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert LocalCluster(tmp_path, expert_workers=1, threads=None, run_dir=tmp_path / "run").decode_threads() == 1
+    assert LocalCluster(tmp_path, expert_workers=3, threads=None, run_dir=tmp_path / "run").decode_threads() == 1
+    c = LocalCluster(tmp_path, expert_workers=2, threads=3, run_dir=tmp_path / "run")
+    assert c.decode_threads() is None and c._decode_args() == []

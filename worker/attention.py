@@ -33,6 +33,7 @@ from expertmesh.vision import SequenceImages
 from expertmesh.worker.exchange import ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
+from expertmesh.worker.threads import DecodeThreads
 from expertmesh.worker_api import (
     HandOffFailed,
     HandOffResult,
@@ -88,17 +89,23 @@ class AttentionWorker:
                  block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
                  gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
                  lease_seconds: float = 30.0, kv_host_bytes: int = 0, kv_disk_dir: str | None = None,
-                 kv_disk_bytes: int = 0, pool: str = "mixed"):
+                 kv_disk_bytes: int = 0, pool: str = "mixed", decode_threads: int | None = None):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
         (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`.
         `kv_host_bytes` / `kv_disk_bytes` (in `kv_disk_dir`): the lower tiers' bounds for demoted prefixes
         (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped). `pool`: prefill | decode | mixed — the
-        label its metrics and Info carry (the router decides what runs where; any worker computes anything)."""
+        label its metrics and Info carry (the router decides what runs where; any worker computes anything).
+        `decode_threads`: torch threads for a decode step's shared experts, which run while the expert workers
+        compute (worker/threads.py: for expert workers on the same cores; None: all)."""
         if pool not in POOLS:
             raise WorkerError(f"--pool: expected one of {', '.join(POOLS)}, found {pool!r}")
         self.pool_role = pool
+        try:
+            self.threads = DecodeThreads(decode_threads)
+        except ValueError as e:
+            raise WorkerError(str(e)) from None
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
@@ -630,7 +637,8 @@ class AttentionWorker:
                 h = layer.ffn_input(r)
                 z, ids, weights = layer.moe.select(h)           # z: the experts' input (the latent of a latent MoE)
                 sent = self.exchange.start(layer.index, z, ids, weights)
-                shared = layer.moe.shared_out(h)                # while the expert workers compute
+                with self.threads.rows(h.shape[0]):
+                    shared = layer.moe.shared_out(h)            # while the expert workers compute
                 routed, failed = self.exchange.finish(sent)
                 for row, why in failed.items():
                     failed_rows.setdefault(row, why)

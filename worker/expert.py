@@ -21,19 +21,23 @@ from expertmesh.config import ModelConfig
 from expertmesh.kernels import cpu_warmup
 from expertmesh.kernels.moe.combine import group_partials
 from expertmesh.model import RoutedExperts
+from expertmesh.worker.threads import DecodeThreads
 from expertmesh.worker_api import ExpertRequestError, UnknownExpert
 
 
 class ExpertWorker:
     def __init__(self, checkpoint: Checkpoint | str | ModelConfig, assignment: list[tuple[int, int]],
                  name: str = "expert-0", *, device: str = "cpu", gpu_of: dict[tuple[int, int], int] | None = None,
-                 step_tokens: int | None = None, max_call_bytes: int = 256 * 2 ** 20):
+                 step_tokens: int | None = None, max_call_bytes: int = 256 * 2 ** 20, decode_threads: int | None = None):
         """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan). `gpu_of`: the
         plan's GPU index of each pair (default 0): on cuda GPU g's experts live on cuda:g (one process per pod,
         one device rank per GPU — see expertmesh/memory.py), on cpu all on the one device, on meta nowhere
         (`checkpoint` may then be a ModelConfig: nothing is read). Experts stay packed in MXFP4 (uint8 blocks +
         E8M0 scales) and are multiplied from the packed form; calls are cut into pieces of `step_tokens` tokens
-        so the workspace stays within memory.expert_workspace_bytes."""
+        so the workspace stays within memory.expert_workspace_bytes. `decode_threads`: torch threads for calls of
+        decode size, which run while the attention workers compute their shared experts (worker/threads.py: for
+        attention workers on the same cores; None: all)."""
+        self.threads = DecodeThreads(decode_threads)
         if isinstance(checkpoint, ModelConfig):
             if device != "meta":
                 raise ExpertRequestError("checkpoint: a model config without weights only builds on --device meta")
@@ -173,7 +177,7 @@ class ExpertWorker:
         if n * k * h * 4 > self.max_call_bytes:
             raise ExpertRequestError(f"hidden: {n} rows x {k} slots need {n * k * h * 4:,} bytes of workspace, over "
                                      f"this worker's per-call limit of {self.max_call_bytes:,}; split the call")
-        with self.lock:
+        with self.lock, self.threads.rows(n):
             self.calls += 1
             self.tokens_computed += int(valid.sum())
             if len(shards) == 1 and n <= self.step_tokens:

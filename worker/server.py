@@ -27,7 +27,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh import memory, telemetry
-from expertmesh.argtypes import check_kv_tiers
+from expertmesh.argtypes import check_kv_tiers, positive_int
 from expertmesh.checkpoint import Checkpoint
 from expertmesh.config import ModelConfig, preset
 from expertmesh.health_port import serve_health_only
@@ -411,11 +411,13 @@ def all_experts(cfg) -> list[tuple[int, int]]:
 def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blocks: int | None = 512,
                   block_size: int = 16, name: str | None = None, device: str | None = None, dtype=None,
                   gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                  lease_seconds: float = 30.0, kv_tiers: dict | None = None, pool: str = "mixed"):
+                  lease_seconds: float = 30.0, kv_tiers: dict | None = None, pool: str = "mixed",
+                  decode_threads: int | None = None):
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
     expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
     --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held.
-    `kv_tiers`: the attention role's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes)."""
+    `kv_tiers`: the attention role's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
+    `decode_threads`: torch threads for decode-sized work that overlaps the other role's (worker/threads.py)."""
 
     if role not in ROLES:
         raise ValueError(f"role: expected one of {list(ROLES)}, found {role!r}")
@@ -429,14 +431,15 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
                                     name=name or "attention-0", device=device, dtype=dtype,
                                     gpu_memory_utilization=gpu_memory_utilization,
                                     device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
-                                    pool=pool, **(kv_tiers or {}))
+                                    pool=pool, decode_threads=decode_threads, **(kv_tiers or {}))
     if role in ("expert", "both"):
         pairs = all_experts(cfg) if assignment is None else [(int(l), int(e)) for l, e in assignment]
         if device == "cuda" and gpu_of:
             need, have = max(gpu_of.values()) + 1, torch.cuda.device_count()
             if need > have:
                 raise ValueError(f"--plan: this worker's experts are placed on {need} GPUs, torch sees {have}")
-        expert = ExpertWorker(checkpoint, pairs, name=name or "expert-0", device=device, gpu_of=gpu_of)
+        expert = ExpertWorker(checkpoint, pairs, name=name or "expert-0", device=device, gpu_of=gpu_of,
+                              decode_threads=decode_threads)
     return attention, expert
 
 
@@ -469,7 +472,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
           device: str | None = None, dtype=None, gpu_of=None, gpu_memory_utilization: float | None = None,
           device_memory_bytes: int | None = None, expert_tls=None, lease_seconds: float = 30.0,
           collective_port: int | None = None, collective_backend: str = "auto", health_port: int | None = None,
-          kv_tiers: dict | None = None, pool: str = "mixed") -> grpc.Server:
+          kv_tiers: dict | None = None, pool: str = "mixed", decode_threads: int | None = None) -> grpc.Server:
     """Load the worker(s) of `role` from `checkpoint` (a directory or a Checkpoint) and serve them on host:port
     (0 → a free port). `assignment`: the (layer, expert) pairs an expert role holds; None → all of them.
     `collective_port`: also serve the collective transport (worker/collective.py: expert calls, hand-offs), its
@@ -483,7 +486,7 @@ def serve(role: str, checkpoint, port: int, host: str = "127.0.0.1", *, assignme
                                       block_size=block_size, name=name, device=device, dtype=dtype,
                                       gpu_memory_utilization=gpu_memory_utilization,
                                       device_memory_bytes=device_memory_bytes, lease_seconds=lease_seconds,
-                                      kv_tiers=kv_tiers, pool=pool)
+                                      kv_tiers=kv_tiers, pool=pool, decode_threads=decode_threads)
     if expert is not None and expert.device_kind == "cpu":
         # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
         # first RunExperts call would overrun the caller's deadline and mark this worker down
@@ -631,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "this labels Info and /metrics")
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--decode-threads", type=positive_int, default=None, metavar="N",
+                   help="torch threads for decode-sized work (at most 16 token rows) that overlaps the other role's: "
+                        "an expert worker's calls, an attention worker's shared experts. For workers sharing cores "
+                        "(expertmesh up sets it there); default: all ($EXPERTMESH_TORCH_THREADS)")
     p.add_argument("--grace", type=float, default=10.0, help=f"seconds in-flight calls get on shutdown; the process ends {SHUTDOWN_SLACK_S:g} s after "
                         "that, done or not")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -742,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
                        expert_tls=expert_tls, lease_seconds=args.lease_seconds,
                        collective_port=args.collective_port,
                        collective_backend=args.collective_backend, health_port=args.health_port, kv_tiers=kv_tiers,
-                       pool=args.pool)
+                       pool=args.pool, decode_threads=args.decode_threads)
     except (OSError, ValueError) as e:     # port taken, bad checkpoint, experts it lacks: one clear line
         print(f"expertmesh worker: error: {e}", file=sys.stderr)
         return 2
