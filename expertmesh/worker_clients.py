@@ -177,12 +177,14 @@ class RemoteAttention(_Client):
             transport=transport))
 
     def run_step(self, step_id: int, segments: list[StepSegment],
-                 snapshot_keys: dict[str, str] | None = None) -> StepDone:
+                 snapshot_keys: dict[str, str | tuple[str, int]] | None = None) -> StepDone:
+        """AttentionWorker.run_step (a snapshot: a key, or (key, length))."""
+        snaps = [(s, *((k, 0) if isinstance(k, str) else k)) for s, k in (snapshot_keys or {}).items()]
         req = worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample)
                       for s in segments],
-            snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k) for s, k in (snapshot_keys or {}).items()])
+            snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k, length=n) for s, k, n in snaps])
         d = self._call(self.stub.RunStep, req, self.step_timeout)
         logprobs = [TokenLogprobs(lp.seq_id, lp.position, array_from_proto(lp.token_ids, "token_ids"),
                                   array_from_proto(lp.logprobs, "logprobs"), array_from_proto(lp.top_ids, "top_ids"),

@@ -245,12 +245,14 @@ class StepSegment(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
 
 class SnapshotKey(_message.Message):
-    __slots__ = ("seq_id", "key")
+    __slots__ = ("seq_id", "key", "length")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     key: str
-    def __init__(self, seq_id: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+    length: int
+    def __init__(self, seq_id: _Optional[str] = ..., key: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RunStepRequest(_message.Message):
     __slots__ = ("step_id", "segments", "snapshot_keys")

@@ -199,7 +199,7 @@ class Engine:
         return Limits(prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens,
                       max_batch_tokens=self.max_batch_tokens,
                       max_running=self.max_running, kv_growth=self.kv_growth, max_context=self.cfg.max_context,
-                      max_queue_wait=self.max_queue_wait)
+                      max_queue_wait=self.max_queue_wait, snapshot_within_step=not self.cfg.n_kda_layers)
 
     def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None, **kw) -> Request:
         """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
@@ -584,7 +584,8 @@ class Engine:
             with tracing.layer("step", 0):
                 futures = {w: self.pool.submit(self.attention[w].run_step, step_id,
                                                [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
-                                               {p.req.seq_id: p.snapshot for p in batches[w] if p.snapshot} or None)
+                                               {p.req.seq_id: p.snapshot if p.snapshot_at is None else
+                                                (p.snapshot, p.snapshot_at) for p in batches[w] if p.snapshot} or None)
                            for w in workers}
                 results = self._gather(futures)
         except ConnectionError as e:
@@ -651,7 +652,7 @@ class Engine:
             if p.chain_key is None or p.req.seq_id in done.failed:
                 continue
             if p.snapshot is not None:       # it extends the last prefix its request reached: one conversation
-                for victim in self.kv.record_prefix(w, p.snapshot, p.end, parent=p.req.last_key, user=p.req):
+                for victim in self.kv.record_prefix(w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req):
                     if self.kv.has(victim) and not self.kv.is_lower(victim):
                         self._evict(w, victim)
             p.req.last_key = p.chain_key

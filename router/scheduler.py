@@ -21,12 +21,13 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
   * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
     (`prefill_end`), which ends at the next multiple of `prefill_tokens` (one granule, `prefill_chunk`, when unset),
     or earlier at the prompt's last multiple of `prefill_chunk` — the prefix cache's granularity, so the prefix a
-    follow-up turn starts with is saved — or at its end: fixed by the prompt alone, so a sequence computes the same
+    follow-up turn starts with is saved; not where the workers save a prefix inside a step (a model without
+    recurrent layers: `snapshot_within_step`) — or at its end: fixed by the prompt alone, so a sequence computes the same
     chunks whatever runs beside it (a long prompt never stalls decoding for more than a chunk), within
     `max_batch_tokens`, in arrival order (a chunk that does not fit waits); the last chunk samples unless the
     request only scores its prompt;
-  * snapshots: a sequence reaching a multiple of the chunk saves its cache as a prefix under its hash-chain key,
-    unless that prefix is cached already;
+  * snapshots: a sequence reaching or passing a multiple of the chunk in a step saves its cache up to the step's
+    last one as a prefix under its hash-chain key, unless that prefix is cached already;
   * pools (prefill/decode disaggregation, router/disagg.py): a request is placed within the pool it is prefilled
     in — the prefill pool first when it is live and the prompt long enough, the decode pool when the prefill pool
     cannot take it now — and decode workers save no prefixes while the prefill pool is live.
@@ -65,6 +66,9 @@ class Limits:
     prefill_tokens: int = 0           # prompt chunks end at its multiples (0: at prefill_chunk's)
     affinity_slack: int = 4           # a prefix hit is recomputed elsewhere on a worker this many sequences busier
     session_affinity: bool = True     # no prefix known: place by the session-affinity key (else by load alone)
+    # the workers save a prefix inside a step (a model without recurrent layers: its cache at any position is its
+    # pages), so a prompt's chunks need not stop at its last multiple of prefill_chunk to save it
+    snapshot_within_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,18 +104,24 @@ class Growth:
 @dataclass
 class Planned:
     """One request's share of a step: the tokens it feeds from position `start` and whether a token is sampled
-    after them; `snapshot`: the prefix key to save its cache under after the step."""
+    after them; `snapshot`: the prefix key to save its cache's first `prefix_end` tokens under after the step."""
     req: Request
     start: int
     tokens: list[int]
     sample: bool
     snapshot: str | None = None
-    hasher: PrefixHasher | None = None    # its hash chain advanced to `end` (what the request keeps once sent)
-    chain_key: str | None = None          # the prefix key of tokens[:end] when `end` is a chunk boundary
+    snapshot_at: int | None = None        # where the prefix ends inside the step (a chunk boundary); None: at `end`
+    hasher: PrefixHasher | None = None    # its hash chain advanced to `prefix_end` (what the request keeps once sent)
+    chain_key: str | None = None          # the prefix key of the tokens up to `prefix_end`
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def prefix_end(self) -> int:
+        """The length of the prefix this entry saves (or keys, when it is cached already)."""
+        return self.end if self.snapshot_at is None else self.snapshot_at
 
 
 @dataclass
@@ -351,24 +361,28 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits,
 def prefill_end(computed: int, prompt_len: int, limits: Limits) -> int:
     """Where a prompt's next chunk ends, from `computed` tokens: at the next multiple of `prefill_tokens` (of the
     granularity g = `prefill_chunk` when unset), or earlier at the prompt's last multiple of g (a stop of its own:
-    that prefix is snapshotted, and a chat's next turn starts with it), or at the prompt's end. The ends depend on
-    the prompt alone — never on the batch — so a sequence's numbers do not either."""
+    that prefix is snapshotted, and a chat's next turn starts with it — unless the workers save it inside the step:
+    `snapshot_within_step`), or at the prompt's end. The ends depend on the prompt alone — never on the batch — so a
+    sequence's numbers do not either."""
     g = limits.prefill_chunk
     step = max(limits.prefill_tokens, g)
     end = min(prompt_len, (computed // step + 1) * step)
     last_mark = prompt_len // g * g
-    return last_mark if computed < last_mark < end else end
+    return last_mark if computed < last_mark < end and not limits.snapshot_within_step else end
 
 
 def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
-    """At a multiple of the chunk (below the context): advance a copy of the request's hash chain (a new chain
-    when the request is new or replays) and save the prefix under its key unless it is cached."""
-    end, chunk = p.end, limits.prefill_chunk
-    if end % chunk or end >= limits.max_context:
+    """At the entry's last multiple of the chunk — its end, or inside it with `snapshot_within_step` — below the
+    context: advance a copy of the request's hash chain (a new chain when the request is new or replays) and save
+    the prefix under its key unless it is cached."""
+    chunk = limits.prefill_chunk
+    mark = p.end // chunk * chunk
+    if mark <= p.start or mark >= limits.max_context or (mark != p.end and not limits.snapshot_within_step):
         return
     own = p.req.hasher
-    p.hasher = own.copy() if own is not None and own.length <= end else PrefixHasher(chunk, kv.salt)
-    key = p.chain_key = p.hasher.advance(p.req.hash_tokens, end)
+    p.hasher = own.copy() if own is not None and own.length <= mark else PrefixHasher(chunk, kv.salt)
+    key = p.chain_key = p.hasher.advance(p.req.hash_tokens, mark)
+    p.snapshot_at = mark if mark != p.end else None
     if not kv.has(key):
         p.snapshot = key
 
@@ -414,7 +428,7 @@ def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int
     runs: dict[str, list[TokenLogprobs]] = {}
     for run in done.logprobs:
         runs.setdefault(run.seq_id, []).append(run)
-    saved = [(p.snapshot, p.end) for p in batch if p.snapshot is not None and p.req.seq_id not in done.failed]
+    saved = [(p.snapshot, p.prefix_end) for p in batch if p.snapshot is not None and p.req.seq_id not in done.failed]
     seqs = []
     for p in batch:
         req = p.req

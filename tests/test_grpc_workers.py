@@ -302,6 +302,8 @@ def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
         w.open_sequence("e", params, reserve_tokens=8)
     both_raise(WorkerError, lambda w: w.run_step(51, [StepSegment("e", [5, 6, 7] * 3, True)]))    # past its reserve
     both_raise(WorkerError, lambda w: w.run_step(52, [StepSegment("e", [1], True), StepSegment("e", [2], True)]))
+    # a prefix inside the step: the length travels (SnapshotKey.length) and this KDA model refuses it, naming it
+    both_raise(WorkerError, lambda w: w.run_step(53, [StepSegment("e", [5, 6, 7], True)], {"e": ("k", 2)}))
     for w in (local, remote):
         w.close_sequence("e")
     assert local.info() == remote.info()

@@ -265,6 +265,35 @@ def test_larger_prefill_steps_snapshot_where_chunks_of_the_granularity_would():
     assert saved == [keys[48], keys[96], None]
 
 
+def test_within_step_snapshots_run_a_prompt_in_whole_steps_and_save_the_same_prefixes():
+    """Where the workers save a prefix inside a step (no recurrent layers), a 90-token prompt in steps of 48 ends at
+    48 and 90 (not 80, its last multiple of 16): the second step saves the prefix of 80, under the key steps of 16
+    would use, and the request's chain stops there; a prompt shorter than a step runs whole, saving its last multiple
+    of 16; a step ending on a multiple, and decoding across one, save at their end as before."""
+    limits = Limits(prefill_chunk=CHUNK, max_batch_tokens=128, max_running=8, kv_growth=16, max_context=512,
+                    prefill_tokens=3 * CHUNK, snapshot_within_step=True)
+    assert [prefill_end(c, n, limits) for c, n in ((0, 90), (48, 90), (0, 40), (0, 10), (48, 100), (96, 100))] == \
+        [48, 90, 40, 10, 96, 100]
+    req = running(0, 0, 128, length=90, seed=4)
+    keys = dict(prefix_hashes(req.tokens, CHUNK, SALT))
+    steps = []
+    while req.computed < len(req.prompt):
+        p = schedule([], [req], kv_of(64), limits=limits).batches[0][0]
+        steps.append((p.end, p.snapshot, p.prefix_end, p.hasher.length))
+        req.computed, req.hasher = p.end, p.hasher
+    assert steps == [(48, keys[48], 48, 48), (90, keys[80], 80, 80)]
+    short = running(0, 0, 64, length=40, seed=6)
+    dec = running(0, 47, 60, length=40, output=8, seed=3)          # decoding 47 → 48
+    odd = running(0, 0, 64, length=10, seed=2)                      # no multiple of 16 in (0, 10]
+    by_req = {p.req: p for p in schedule([], [short, dec, odd], kv_of(64), limits=limits).batches[0]}
+    assert (by_req[short].end, by_req[short].snapshot_at) == (40, 32)
+    assert by_req[short].snapshot == dict(prefix_hashes(short.tokens, CHUNK, SALT))[32]
+    assert (by_req[dec].prefix_end, by_req[dec].snapshot) == (48, dict(prefix_hashes(dec.hash_tokens, CHUNK, SALT))[48])
+    assert by_req[odd].snapshot is None and by_req[odd].hasher is None
+    done = StepDone(1, {short.seq_id: 5}, 10, [], {})
+    assert update_from_output([by_req[short]], done, max_context=512).saved == [(by_req[short].snapshot, 32)]
+
+
 def test_the_last_chunk_samples_unless_the_request_only_scores_its_prompt():
     gen = running(0, 16, 40, length=20, seed=1)
     score = running(0, 16, 40, length=20, max_tokens=0, seed=2, prompt_logprobs=0)

@@ -309,10 +309,12 @@ class AttentionWorker:
             self._save_prefix(seq, key)
             return self.pool.free_blocks
 
-    def _save_prefix(self, seq: _Sequence, key: str) -> None:
+    def _save_prefix(self, seq: _Sequence, key: str, length: int | None = None) -> None:
+        """The sequence's cache (or its first `length` tokens: its pages alone, a model without KDA layers) as
+        prefix `key`."""
         if key in self.prefixes:
             return
-        length = seq.cache.length
+        length = seq.cache.length if length is None else length
         kv = seq.kv.fork(length)
         states = {i: (c.state.clone(), c.conv.clone()) for i, c in enumerate(seq.cache.layers)
                   if self.cfg.layer_types[i] == "kda"}
@@ -589,10 +591,12 @@ class AttentionWorker:
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
     def run_step(self, step_id: int, segments: list[StepSegment],
-                 snapshot_keys: dict[str, str] | None = None) -> StepDone:
+                 snapshot_keys: dict[str, str | tuple[str, int]] | None = None) -> StepDone:
         """Run one step for `segments` (each a sequence's next tokens): every layer, the expert exchange, then
-        sampling. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step. Sequences whose
-        experts had no live replica are reported in `failed` (their caches do not advance); the others go on."""
+        sampling. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step: a key (the whole
+        cache), or (key, length) for its first `length` tokens — inside the step only where the model has no
+        recurrent (KDA) layers, whose state exists at a step's end alone. Sequences whose experts had no live
+        replica are reported in `failed` (their caches do not advance); the others go on."""
         with self.lock:
             self.calls += 1
             if self.exchange is None and self.cfg.moe_layers:
@@ -619,6 +623,11 @@ class AttentionWorker:
                 if seq.images is not None:
                     with_images.append((seq, s, start))
                 start += len(s.token_ids)
+            fed = {s.seq_id: len(s.token_ids) for s in segments}
+            for seq_id, snapshot in (snapshot_keys or {}).items():
+                if seq_id in self.sequences:
+                    self._check_snapshot_length(seq_id, self.sequences[seq_id].cache.length + fed.get(seq_id, 0),
+                                                snapshot)
             bytes_before = self.exchange.bytes_sent + self.exchange.bytes_received if self.exchange else 0
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
             image_encodes = []
@@ -691,8 +700,22 @@ class AttentionWorker:
             seq.kv.length = seg.cache.length
         for seq_id, key in snapshot_keys.items():
             if seq_id in self.sequences and seq_id not in failed:
-                self._save_prefix(self.sequences[seq_id], key)
+                key, length = (key, 0) if isinstance(key, str) else key
+                self._save_prefix(self.sequences[seq_id], key, length or None)
         return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed)
+
+    def _check_snapshot_length(self, seq_id: str, after: int, snapshot) -> None:
+        """WorkerError naming the field unless a (key, length) snapshot fits the sequence, `after` tokens long after
+        the step: 0 < length ≤ after, and length = after where the model has recurrent (KDA) layers."""
+        if isinstance(snapshot, str) or not snapshot[1]:
+            return
+        length = snapshot[1]
+        if not 0 < length <= after:
+            raise WorkerError(f"snapshot_keys[{seq_id}].length: expected 1..{after} (the sequence's length after "
+                              f"the step), found {length}")
+        if length < after and self.cfg.n_kda_layers:
+            raise WorkerError(f"snapshot_keys[{seq_id}].length: {length} is inside the step, but this model's "
+                              f"recurrent (KDA) state exists at a step's end alone ({after}); give 0")
 
     @staticmethod
     def _logprobs(seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor,

@@ -216,7 +216,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     @_rpc
     def RunStep(self, request, context):
         segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
-        snapshots = {s.seq_id: s.key for s in request.snapshot_keys} or None
+        snapshots = {s.seq_id: (s.key, s.length) if s.length else s.key for s in request.snapshot_keys} or None
         return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
 
     @_rpc
