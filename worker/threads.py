@@ -40,7 +40,8 @@ class DecodeThreads:
     def rows(self, rows: int):
         """Run the block on `count(rows)` threads, then back on `full`. The count is set for the calling thread
         (OpenMP's omp_set_num_threads; torch also keeps it as the default of threads that start using torch
-        meanwhile) and always reset to `full` after, so no thread stays on the decode count."""
+        meanwhile) and reset to `full` after every use, so a worker thread that picked the decode count up that
+        way is back on `full` from its next call on."""
         if self.decode is None:
             yield
             return
