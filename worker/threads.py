@@ -6,8 +6,8 @@ one machine), each running its full thread count puts twice as many threads as c
 descheduled OpenMP partners. A worker started with `decode_threads` runs that overlapping work — an expert
 worker's calls, an attention worker's shared experts — on that many threads when it has at most `DECODE_ROWS`
 token rows (decode steps); larger (prefill) work keeps every thread. Measured with `up` on 2 cores, one sequence
-decoding: 1 thread each took the layer's shared experts from 0.83-0.92 to 0.50 ms and its routed ones from 0.90 to
-0.72 ms (no partner to wait for), and the inter-token latency from 42.3-43.8 to 39.1-41.3 ms. In a pod with cores
+decoding: 1 thread each took the layer's shared experts from 0.83-0.86 to 0.50 ms and its routed ones from
+0.90-0.94 to 0.72 ms (no partner to wait for), and the inter-token latency from 42.3-43.8 to 39.1-41.3 ms. In a pod with cores
 of its own a worker keeps the default (None: all threads).
 
 Which thread computes which output never changes its bits: every kernel the overlapping work runs (the MXFP4 MoE

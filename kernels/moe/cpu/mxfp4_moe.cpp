@@ -433,7 +433,7 @@ void gemm_strip_amx(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, 
 
 // The same sums on the vector units, for experts with 1-8 rows (a tile costs the same for 1 row as for 16 here and
 // its weight decode dominates; cold, 4 experts x 8 rows took 0.55 ms this way vs 0.62 ms in tiles, 4 x 3 rows 0.35
-// vs 0.52): lanes are 16 weight rows, the even and the odd products of each 32-block summed apart
+// vs 0.48): lanes are 16 weight rows, the even and the odd products of each 32-block summed apart
 // by two FMA chains in pair order from +0, then c = c + (S_even + S_odd), with MXCSR DAZ + FTZ as the tile unit
 // reads and writes (FlushSubnormals). A weight is (2v) * 2^(s - 128) in fp32, the folded bf16 value exactly (a
 // subnormal one is flushed either way); an x * w product is exact in fp32, so each FMA is one rounding as there.
