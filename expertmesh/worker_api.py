@@ -71,6 +71,11 @@ class StepSegment:
     sample: bool                # sample a token after this segment's last position
 
 
+def snapshot_parts(snapshot: str | tuple[str, int]) -> tuple[str, int]:
+    """A run_step snapshot — a prefix key (the whole cache), or (key, length) — as (key, length), 0 = whole."""
+    return (snapshot, 0) if isinstance(snapshot, str) else snapshot
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities of a sequence's tokens at positions `position`, `position + 1`, ... (each under the

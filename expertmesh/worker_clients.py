@@ -34,6 +34,7 @@ from expertmesh.worker_api import (
     UnknownExpert,
     WorkerError,
     WorkerUnavailable,
+    snapshot_parts,
 )
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -179,7 +180,7 @@ class RemoteAttention(_Client):
     def run_step(self, step_id: int, segments: list[StepSegment],
                  snapshot_keys: dict[str, str | tuple[str, int]] | None = None) -> StepDone:
         """AttentionWorker.run_step (a snapshot: a key, or (key, length))."""
-        snaps = [(s, *((k, 0) if isinstance(k, str) else k)) for s, k in (snapshot_keys or {}).items()]
+        snaps = [(s, *snapshot_parts(k)) for s, k in (snapshot_keys or {}).items()]
         req = worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample)

@@ -44,6 +44,7 @@ from expertmesh.worker_api import (
     StepSegment,
     TokenLogprobs,
     WorkerError,
+    snapshot_parts,
 )
 
 POOLS = ("mixed", "prefill", "decode")
@@ -624,10 +625,11 @@ class AttentionWorker:
                     with_images.append((seq, s, start))
                 start += len(s.token_ids)
             fed = {s.seq_id: len(s.token_ids) for s in segments}
-            for seq_id, snapshot in (snapshot_keys or {}).items():
-                if seq_id in self.sequences:
+            snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
+            for seq_id, (_, length) in snapshots.items():
+                if length and seq_id in self.sequences:
                     self._check_snapshot_length(seq_id, self.sequences[seq_id].cache.length + fed.get(seq_id, 0),
-                                                snapshot)
+                                                length)
             bytes_before = self.exchange.bytes_sent + self.exchange.bytes_received if self.exchange else 0
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
             image_encodes = []
@@ -658,7 +660,7 @@ class AttentionWorker:
                 why = next((failed_rows[r] for r in range(seg.start, seg.start + seg.length) if r in failed_rows), None)
                 if why is not None:
                     failed[s.seq_id] = why
-            done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshot_keys or {})
+            done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshots)
             done.image_encodes = image_encodes
             if self.exchange is not None:
                 done.experts_down = sorted(self.exchange.down)
@@ -666,7 +668,7 @@ class AttentionWorker:
             return done
 
     def _finish_step(self, step_id: int, segs: list[Segment], segments: list[StepSegment], tokens: list[int],
-                     x: torch.Tensor, failed: dict[str, str], snapshot_keys: dict[str, str]) -> StepDone:
+                     x: torch.Tensor, failed: dict[str, str], snapshots: dict[str, tuple[str, int]]) -> StepDone:
         """Logits (every row of a segment scoring its prompt, else the last), sampling, log-probs, snapshots."""
         keep = [i for i, s in enumerate(segments) if s.seq_id not in failed]
         seqs = [self.sequences[segments[i].seq_id] for i in keep]
@@ -698,18 +700,14 @@ class AttentionWorker:
                 continue
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
-        for seq_id, key in snapshot_keys.items():
+        for seq_id, (key, length) in snapshots.items():
             if seq_id in self.sequences and seq_id not in failed:
-                key, length = (key, 0) if isinstance(key, str) else key
                 self._save_prefix(self.sequences[seq_id], key, length or None)
         return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed)
 
-    def _check_snapshot_length(self, seq_id: str, after: int, snapshot) -> None:
-        """WorkerError naming the field unless a (key, length) snapshot fits the sequence, `after` tokens long after
-        the step: 0 < length ≤ after, and length = after where the model has recurrent (KDA) layers."""
-        if isinstance(snapshot, str) or not snapshot[1]:
-            return
-        length = snapshot[1]
+    def _check_snapshot_length(self, seq_id: str, after: int, length: int) -> None:
+        """WorkerError naming the field unless a snapshot of `length` tokens fits the sequence, `after` tokens long
+        after the step: 0 < length ≤ after, and length = after where the model has recurrent (KDA) layers."""
         if not 0 < length <= after:
             raise WorkerError(f"snapshot_keys[{seq_id}].length: expected 1..{after} (the sequence's length after "
                               f"the step), found {length}")

@@ -450,7 +450,8 @@ struct FlushSubnormals {
 // of one dword per lane (bytes 4q .. 4q + 3: pairs 4q .. 4q + 3) — a gather of the same dwords cost more than the
 // arithmetic. A strip's rows are one run of 16 x K/2 bytes and a thread's work items run strip after strip, so
 // each block prefetches 4 lines of the next strip: it is in cache when its turn comes (cold weights — 4 random
-// experts of 64 a token, a layer at a time — ran 2.2x faster with it, bench/moe_cpu.py's second table).
+// experts of 64 a token, a layer at a time — one thread: 0.73 -> 0.46 ms a call with it; gathers and prefetch
+// together 1.03 -> 0.46 ms).
 template <int MR>
 __attribute__((target("avx512f,avx512bw"))) void strip_vec(const uint8_t* wb, const uint8_t* ws, int64_t K,
                                                             int64_t n0, int64_t rows, const float* const* x,
