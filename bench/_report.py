@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from expertmesh.config import preset
+from expertmesh.model.config import preset
 
 
 def write_json(path: str | None, args, **payload) -> None:

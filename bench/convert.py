@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.config import preset
-from expertmesh.convert import convert_checkpoint
-from expertmesh.hf_config import config_from_hf
-from expertmesh.hf_layout import tensor_names
-from expertmesh.model import module_shapes
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.model.config import preset
+from expertmesh.checkpoint.convert import convert_checkpoint
+from expertmesh.checkpoint.hf_config import config_from_hf
+from expertmesh.checkpoint.hf_layout import tensor_names
+from expertmesh.model.transformer import module_shapes
 
 
 def small_deepseek_config(n_layers: int) -> dict:

@@ -33,9 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.wire.sampling_params import SamplingParams
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -73,7 +73,7 @@ def _run(submit, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
 def _params(max_tokens: int) -> SamplingParams:
     """Greedy, stopping at EOS as the router's gRPC Generate does when no stop token is given: both sides
     produce the same tokens, so the same count (checked in main)."""
-    from expertmesh.tokenizer import ByteTokenizer
+    from expertmesh.chat.tokenizer import ByteTokenizer
     return SamplingParams(max_tokens=max_tokens, temperature=0, stop_token_ids=tuple(ByteTokenizer().eos_ids))
 
 
@@ -111,7 +111,7 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
     import httpx
 
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.entry.up import LocalCluster, free_port
     cfg = Checkpoint(ckpt_dir).cfg
     grpc_port = free_port()
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
@@ -161,7 +161,7 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
 
 def _wait_pairs(cluster, n: int, timeout: float = 60.0) -> None:
     """Until every expert worker serves `n` collective pairs (they form in the background after connect)."""
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     deadline = time.monotonic() + timeout
     for c in cluster.workers:
         if c.name.startswith("expert-"):
@@ -179,12 +179,12 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     import torch
 
     from expertmesh.kernels.moe.combine import present_groups
-    from expertmesh.model import route_tokens
-    from expertmesh.replica_table import ReplicaTable
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.model.transformer import route_tokens
+    from expertmesh.placement.replica_table import ReplicaTable
+    from expertmesh.entry.up import LocalCluster, free_port
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.exchange import ExpertExchange
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     cfg = Checkpoint(ckpt_dir).cfg
     E, layer = cfg.moe.n_routed_experts, cfg.moe_layers[0]
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
@@ -192,7 +192,7 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     cluster.start()
     rows, exchanges = [], {}
     try:
-        from expertmesh.plan import PlacementPlan
+        from expertmesh.placement.plan import PlacementPlan
         plan = PlacementPlan.from_json(cluster.plan_path.read_text())
         table = ReplicaTable.from_placement(plan, cfg.moe_layers, E)
         addresses = [c.address for c in sorted(cluster.workers, key=lambda c: c.name) if c.name.startswith("expert-")]
@@ -277,9 +277,9 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> l
     import numpy as np
     import torch
 
-    from expertmesh.model import route_tokens
-    from expertmesh.planner import ClusterShape, plan_placement
-    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.model.transformer import route_tokens
+    from expertmesh.placement.planner import ClusterShape, plan_placement
+    from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.exchange import ExpertExchange
     cfg = cfg or preset("full-2.8t")
     E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.expert_hidden_size

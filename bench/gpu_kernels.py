@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/gpu_kernels.py: no CUDA device here; nothing to measure")
         return 0
-    from expertmesh.config import preset
+    from expertmesh.model.config import preset
     cfg = preset("full-2.8t")
     roof = device_roofline()
     print(f"device {torch.cuda.get_device_name()}: copy {roof['copy_GBps']:.0f} GB/s, "

@@ -36,10 +36,10 @@ from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 def _sizes() -> tuple[int, int, int, int, str]:
     try:
-        from expertmesh.config import preset
+        from expertmesh.model.config import preset
         cfg = preset("small")
         return (cfg.hidden_size, cfg.moe.expert_intermediate_size, cfg.moe.n_routed_experts, cfg.moe.top_k,
-                "expertmesh.config small")
+                "expertmesh.model.config small")
     except Exception:  # the preset module may not be importable in every checkout
         return 1024, 512, 32, 4, "built-in small sizes"
 

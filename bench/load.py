@@ -266,7 +266,7 @@ class InProcess:
                  max_waiting: int):
         from expertmesh.router.http import build_app, serve_http
         from expertmesh.entry.local import build_local_engine
-        from expertmesh.up import free_port
+        from expertmesh.entry.up import free_port
         self.engine = build_local_engine(checkpoint, attention_workers=attention_workers,
                                          expert_workers=expert_workers, max_running=max_running,
                                          max_waiting=max_waiting)
@@ -285,7 +285,7 @@ class MultiProcess:
 
     def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int,
                  max_waiting: int):
-        from expertmesh.up import LocalCluster, free_port
+        from expertmesh.entry.up import LocalCluster, free_port
         # the router process has no --max-running flag: it runs with the Engine's default
         self.cluster = LocalCluster(checkpoint, attention_workers=attention_workers, expert_workers=expert_workers,
                                     http_port=free_port(), grpc_port=free_port(),
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         checkpoint = args.checkpoint
     else:
-        from expertmesh.checkpoint import default_checkpoint
+        from expertmesh.checkpoint.loader import default_checkpoint
         checkpoint = str(default_checkpoint(args.preset))
     kw = dict(attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               max_running=args.max_running, max_waiting=args.max_waiting)

@@ -1,6 +1,6 @@
 """Row norms and rotary embeddings on CPU: the PyTorch forms vs the one-op C++ kernel, side by side.
 
-  naive    kernels.norm.naive (what expertmesh/model.py ran before: ~12-15 ATen ops per call, the rsqrt through
+  naive    kernels.norm.naive (what expertmesh/model/transformer.py ran before: ~12-15 ATen ops per call, the rsqrt through
            kernels.batch_invariant.pointwise)
   kernel   kernels.norm.cpu_kernel (one op: kernels/norm/cpu/norm_rotary.cpp)
 
@@ -85,8 +85,8 @@ def run_ops(quick: bool) -> list[dict]:
 
 def run_model(quick: bool) -> dict:
     """Top-level op count and wall time of one decode step of the tiny model, kernel on vs off."""
-    from expertmesh.config import preset
-    from expertmesh.model import Transformer, init_random_
+    from expertmesh.model.config import preset
+    from expertmesh.model.transformer import Transformer, init_random_
 
     model = init_random_(Transformer(preset("tiny")), seed=0)
     prompt = list(range(3, 19))

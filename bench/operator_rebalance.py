@@ -26,8 +26,8 @@ import openai  # noqa: E402
 from kube_harness import LocalNode  # noqa: E402
 from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spec  # noqa: E402
 
-from expertmesh.checkpoint import create_checkpoint  # noqa: E402
-from expertmesh.config import preset  # noqa: E402
+from expertmesh.checkpoint.loader import create_checkpoint  # noqa: E402
+from expertmesh.model.config import preset  # noqa: E402
 from expertmesh.operator.naming import expert_name, pod_dns, router_name, worker_tls_secret_name  # noqa: E402
 
 NAME = "kimi"
@@ -56,7 +56,7 @@ async def served_plan(node: LocalNode, endpoint: str) -> str | None:
 
 def experts_held(node: LocalNode, plan) -> bool:
     """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     for o in range(plan.cluster.pods):
         with node.tls_client(RemoteExpert, pod_dns(NAME, NS, expert_name(NAME), o),
                              worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS

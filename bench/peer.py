@@ -335,7 +335,7 @@ class Server:
 
 def expertmesh_server(model_dir: Path, dtype: str, logdir: Path, up_args: tuple[str, ...] = ()) -> Server:
     exe = Path(sys.executable).parent / "expertmesh"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "expertmesh.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "expertmesh.entry.cli"]
     port = free_port()
     cmd += ["up", "--checkpoint", str(model_dir), "--http-port", str(port), "--grpc-port", str(free_port()),
             "--dtype", dtype, *up_args]
@@ -397,7 +397,7 @@ def http_submit(server: Server, timeout: float):
 
 
 def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float):
-    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.wire.sampling_params import SamplingParams
 
     def one(prompt: list[int], max_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(eos_ids))
@@ -422,7 +422,7 @@ def build_inprocess(model_dir: Path, dtype: str):
 
     from expertmesh.entry.local import build_local_engine
     from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
-    from expertmesh.up import default_expert_workers
+    from expertmesh.entry.up import default_expert_workers
     experts = default_expert_workers()
     facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK,
              "prefill_tokens": DEFAULT_PREFILL_TOKENS, "expert_workers": experts}
@@ -641,7 +641,7 @@ def main(argv=None) -> int:
                 log(f"vLLM unavailable: {e}")
                 notes.append(f"vLLM could not serve: {e}")
         if not args.skip_inprocess:
-            from expertmesh.tokenizer import load_tokenizer
+            from expertmesh.chat.tokenizer import load_tokenizer
             before = memory([os.getpid()])
             engine, ifacts = build_inprocess(em_dir, args.dtype)
             tok = load_tokenizer(em_dir)

@@ -12,8 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from expertmesh.config import preset
-from expertmesh.planner import ClusterShape, plan_placement, zipf_loads
+from expertmesh.model.config import preset
+from expertmesh.placement.planner import ClusterShape, plan_placement, zipf_loads
 
 GIB = 2 ** 30
 PODS, GPUS, MEMORY_GIB = 16, 8, 141

@@ -24,8 +24,8 @@ def child(ckpt: str, mode: str, requests: int, tokens: int) -> None:
 
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-    from expertmesh import telemetry
-    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.runtime import telemetry
+    from expertmesh.wire.sampling_params import SamplingParams
     from expertmesh.entry.local import build_local_engine
 
     class Sink(SpanExporter):
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
         return 0
-    from expertmesh.checkpoint import create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import create_checkpoint
+    from expertmesh.model.config import preset
     ckpt = str(create_checkpoint(preset("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0))
     requests, tokens = (4, 16) if args.quick else (8, 48)
     best: dict[str, float] = {}

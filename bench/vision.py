@@ -2,7 +2,7 @@
 
     python bench/vision.py [--repeats 20] [--json bench/results/vision.json]
 
-Times `expertmesh.vision.encode_image` (tower + projector, fp32) on random pixels, one image at a time (as the
+Times `expertmesh.model.vision.encode_image` (tower + projector, fp32) on random pixels, one image at a time (as the
 attention worker runs it); prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from expertmesh.config import preset
-from expertmesh.model import Transformer, init_random_
-from expertmesh.vision import encode_image
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import Transformer, init_random_
+from expertmesh.model.vision import encode_image
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ have, and refuses a shape past them naming its fields — nothing is computed fo
 1 MiB, a container argument over Linux's 128 KiB), naming the spec fields it grows with — nothing is sent. Planning
 itself runs in planning.PlanRunner, under a deadline and a memory limit.
 
-The estimates follow expertmesh.planner.plan_placement (L MoE layers, E experts, P pods, G devices per pod,
+The estimates follow expertmesh.placement.planner.plan_placement (L MoE layers, E experts, P pods, G devices per pod,
 N = P·G devices, r redundant slots per layer after its caps, K = min(P-1, r)):
   - replica_counts: an [L, E, K] float64 quotient table and its argsort (16·L·E·K bytes);
   - _pack: pod_has [L, E, P] bools, loads / rotations / candidate masks over [L, N] (~64·L·N bytes), and one

@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Optional
 import aiohttp
 import kopf
 
-from expertmesh.fetch import parse_progress
+from expertmesh.checkpoint.fetch import parse_progress
 from expertmesh.operator.budget import (PLAN_MEMORY_BUDGET, PLAN_WORK_BUDGET, BudgetError, check_children,
                                         check_plan_budget)
 from expertmesh.operator.children import (absent_children, build_children, load_configmap, revision,
@@ -58,9 +58,9 @@ from expertmesh.operator.status import (decide, failed_status, now_rfc3339, plac
                                         set_condition, summarize_plan, with_weights)
 from expertmesh.operator.router_salt import SALT_BYTES, router_salt_secret, shares_salt
 from expertmesh.operator.worker_tls import missing_hosts, worker_tls_hosts, worker_tls_secret
-from expertmesh.plan import PlacementPlan
-from expertmesh.planner import PlanError
-from expertmesh.tls import pki_pems
+from expertmesh.placement.plan import PlacementPlan
+from expertmesh.placement.planner import PlanError
+from expertmesh.runtime.tls import pki_pems
 
 log = logging.getLogger("expertmesh.operator")
 

@@ -1,6 +1,6 @@
 """Placement policy: which plan a MoEDeployment gets — for its spec, around lost expert pods, under observed load.
 
-Pure functions over the planner (`expertmesh.planner`): they decide between the minimal-movement plan (every
+Pure functions over the planner (`expertmesh.placement.planner`): they decide between the minimal-movement plan (every
 still-valid shard stays) and a fresh one, renumber a plan around lost pods, and judge the router's load statistics.
 A new plan reaches the pods through the plan ConfigMap only (see `changed_ordinals`).
 """
@@ -12,8 +12,8 @@ from typing import Iterable, Optional
 import numpy as np
 
 from expertmesh.operator.spec import GIB, MoEDeploymentSpec
-from expertmesh.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
-from expertmesh.planner import PlanError, imbalance, moved_shards, plan_placement
+from expertmesh.placement.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
+from expertmesh.placement.planner import PlanError, imbalance, moved_shards, plan_placement
 
 
 def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:

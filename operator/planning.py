@@ -3,7 +3,7 @@ rebalance) run in one child process, one plan at a time, each under a deadline a
 
 Why a process and not a thread: a thread cannot be stopped at its deadline, and its memory is the operator's — a
 plan past every estimate would still take the operator down with it (the chart gives it 1 GiB), and every
-MoEDeployment with it. The child holds the planner's imports (expertmesh.memory brings torch, ~240 MiB) instead of
+MoEDeployment with it. The child holds the planner's imports (expertmesh.model.memory brings torch, ~240 MiB) instead of
 the operator; it is started on the first plan, killed at a deadline (and started again for the next plan), and
 exits after `idle` seconds without a plan. Its data segment is limited (RLIMIT_DATA) to what its imports took plus
 `memory_limit`: an allocation past it raises MemoryError there, which comes back as PlanningFailed.
@@ -21,15 +21,15 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional
 
-from expertmesh.process_limits import limit_data_segment
+from expertmesh.runtime.process_limits import limit_data_segment
 
 MIB = 2 ** 20
 PLAN_DEADLINE = 60.0                # seconds one plan may take
 PLAN_MEMORY_LIMIT = 512 * MIB       # the planning process's data beyond its imports
 START_DEADLINE = 120.0              # starting the process and importing the planner (torch among it)
 IDLE_SECONDS = 300.0                # the process exits after this long without a plan
-# imported by the child before its memory is limited (the planner imports expertmesh.memory on its first call)
-WARM_MODULES = ("expertmesh.operator.placement_policy", "expertmesh.memory")
+# imported by the child before its memory is limited (the planner imports expertmesh.model.memory on its first call)
+WARM_MODULES = ("expertmesh.operator.placement_policy", "expertmesh.model.memory")
 
 
 class PlanningFailed(Exception):

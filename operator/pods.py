@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Optional
 from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER,
                                         FETCH_CONTAINER, LABEL_COMPONENT, LABEL_INSTANCE, TEMPLATE_HASH_ANNOTATION)
 from expertmesh.operator.spec import MoEDeploymentSpec
-from expertmesh.plan import PlacementPlan
+from expertmesh.placement.plan import PlacementPlan
 
 
 @dataclass(frozen=True)

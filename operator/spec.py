@@ -23,8 +23,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 from pydantic.alias_generators import to_camel
 
-from expertmesh.config import ModelConfig, ThinkingBudgets, preset
-from expertmesh.hf_config import MODEL_TYPES, HFCheckpointError, config_from_hf
+from expertmesh.model.config import ModelConfig, ThinkingBudgets, preset
+from expertmesh.checkpoint.hf_config import MODEL_TYPES, HFCheckpointError, config_from_hf
 from expertmesh.operator.validation import (ABSOLUTE_PATH, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, IMAGE_REPOSITORY,
                                             IMAGE_REPOSITORY_MAX, IMAGE_TAG, LABEL_VALUE, LABEL_VALUE_MAX, NO_SPACE,
                                             PATH_MAX, QUALIFIED_NAME, QUALIFIED_NAME_MAX, QUANTITY, QUANTITY_MAX,
@@ -631,7 +631,7 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-HF_MODEL_TYPES = MODEL_TYPES      # the Hugging Face configs expertmesh.hf_config maps
+HF_MODEL_TYPES = MODEL_TYPES      # the Hugging Face configs expertmesh.checkpoint.hf_config maps
 MAX_EXPERTS = 65536   # routed experts per MoE layer of an inline model config
 
 

@@ -12,7 +12,7 @@ from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, C
                                         selector_labels, selector_string)
 from expertmesh.operator.pods import Assessment, PodInfo
 from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec
-from expertmesh.plan import PlacementPlan
+from expertmesh.placement.plan import PlacementPlan
 
 
 def now_rfc3339(now: Optional[_dt.datetime] = None) -> str:

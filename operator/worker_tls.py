@@ -34,7 +34,7 @@ def missing_hosts(secret: dict, hosts: tuple[str, ...]) -> list[str]:
 
 
 def worker_tls_secret(name: str, namespace: str, spec: MoEDeploymentSpec, pems: dict[str, bytes]) -> dict:
-    """The Secret holding `pems` (expertmesh.tls.pki_pems(worker_tls_hosts(...))). Everything but the CA key, which
+    """The Secret holding `pems` (expertmesh.runtime.tls.pki_pems(worker_tls_hosts(...))). Everything but the CA key, which
     only signs and is not needed once the certificates exist."""
     data = {k: base64.b64encode(v).decode() for k, v in sorted(pems.items()) if k != "ca.key"}
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",

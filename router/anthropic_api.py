@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat import Message, RenderedPrompt, message_images
+from expertmesh.chat.format import Message, RenderedPrompt, message_images
 from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import PromptOptions, prompt_tools, render_prompt
 from expertmesh.router.dependencies import Served, anthropic_key, served, served_model

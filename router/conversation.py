@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from expertmesh.chat import (
+from expertmesh.chat.format import (
     BuiltinChat,
     ChatError,
     ChatFormat,

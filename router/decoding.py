@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from expertmesh.chat import ChatFormat, Phase
+from expertmesh.chat.format import ChatFormat, Phase
 
 
 class TokenDecoder(Protocol):

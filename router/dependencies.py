@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import Depends, Header, Request
 
-from expertmesh.chat import ChatFormat
+from expertmesh.chat.format import ChatFormat
 from expertmesh.router.engine import Engine
 from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.images import ImageBudget, request_images

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from expertmesh import telemetry
-from expertmesh.config import ModelConfig
+from expertmesh.runtime import telemetry
+from expertmesh.model.config import ModelConfig
 from expertmesh.router.disagg import Pools, choose_decode
 from expertmesh.router.health import AttentionHealth, serving
 from expertmesh.router.instrument import InstrumentedClient
@@ -61,8 +61,8 @@ from expertmesh.router.scheduler import (
     update_from_output,
 )
 from expertmesh.router.tracing import StepTrace, record_image_encodes
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker_api import (
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import (
     HandOffFailed,
     ImageSpan,
     NotConnected,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass
 
-from expertmesh.chat import ChatError
+from expertmesh.chat.format import ChatError
 from expertmesh.router.request import (
     ContextLengthExceeded,
     EngineClosed,

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from expertmesh.router.kv import KVManager
-from expertmesh.worker_api import NotFound
+from expertmesh.wire.worker_api import NotFound
 
 log = logging.getLogger("expertmesh.router")
 

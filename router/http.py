@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from expertmesh.chat import BuiltinChat, ChatFormat
+from expertmesh.chat.format import BuiltinChat, ChatFormat
 from expertmesh.router import anthropic_api, openai_api, responses_api
 from expertmesh.router.dependencies import Served, given_key, served
 from expertmesh.router.engine import Engine
@@ -170,7 +170,7 @@ async def load(s: Served = Depends(served)):
 def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
               chat: ChatFormat | None = None, response_store=None, reasoning_memory: bool = True,
               image_decoder: ImageDecoder | None = None) -> FastAPI:
-    """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat_formats.load_chat(dir)`); default: the
+    """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat.load.load_chat(dir)`); default: the
     built-in format over the byte tokenizer. `response_store`: the Responses API's stored responses
     (router/response_store.ResponseStore; default: this replica's, bounded). `reasoning_memory`: give chat
     histories that drop the reasoning of answers generated here their reasoning back. `image_decoder`: the pool
@@ -202,7 +202,7 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
 def serve_http(app: FastAPI, host: str, port: int, tls=None, request_timeout: float = REQUEST_TIMEOUT,
                write_timeout: float = WRITE_TIMEOUT):
     """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop).
-    `tls` (expertmesh.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA.
+    `tls` (expertmesh.runtime.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA.
     Slow clients are cut off (router/http_timeouts.py): a request must arrive within `request_timeout` seconds, and
     a client that stops reading for `write_timeout` seconds is disconnected."""
     extra = {"http": deadline_protocol(request_timeout, write_timeout)}

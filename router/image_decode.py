@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from expertmesh.process_limits import data_segment_bytes, limit_data_segment
+from expertmesh.runtime.process_limits import data_segment_bytes, limit_data_segment
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 

@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from expertmesh.config import VisionConfig
+from expertmesh.model.config import VisionConfig
 from expertmesh.router.errors import APIError
 from expertmesh.router.image_decode import FORMATS as PIL_FORMATS
 from expertmesh.router.image_decode import DecodeFailed, ImageDecoder

@@ -7,7 +7,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from expertmesh import telemetry
+from expertmesh.runtime import telemetry
 
 _TRACED_METHODS = {"run_step", "open_sequence", "close_sequence"}
 

@@ -1,4 +1,4 @@
-"""The one message parser: what each API sends as a conversation → `expertmesh.chat.Message`s (and the Responses
+"""The one message parser: what each API sends as a conversation → `expertmesh.chat.format.Message`s (and the Responses
 API's segments), with its tools in the chat form the templates render.
 
 The APIs differ in vocabulary, not in structure: a message has a role, content (a string, or a list of typed parts:
@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from expertmesh.chat import Message, ToolCall
+from expertmesh.chat.format import Message, ToolCall
 from expertmesh.router.errors import APIError
 from expertmesh.router.images import is_remote
 from expertmesh.router.response_store import ResponseStore, Segment

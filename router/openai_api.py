@@ -12,7 +12,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat import Message, message_images
+from expertmesh.chat.format import Message, message_images
 from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import (
     answer_segment,
@@ -41,7 +41,7 @@ from expertmesh.router.serving import (
     start_samples,
     thinking_headers,
 )
-from expertmesh.sampling_params import MAX_LOGPROBS, SamplingParams
+from expertmesh.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
 router = APIRouter(dependencies=[Depends(openai_key)])
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from expertmesh.config import VisionConfig
+from expertmesh.model.config import VisionConfig
 
 
 @dataclass(frozen=True)

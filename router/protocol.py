@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from expertmesh.sampling_params import MAX_LOGPROBS
+from expertmesh.wire.sampling_params import MAX_LOGPROBS
 
 
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512    # OpenAI's bounds on `metadata`
@@ -52,7 +52,7 @@ MAX_SAMPLES = 16          # `n`: parallel samples of one request
 
 class SamplingFields(AcceptedNoOps):
     """Sampling parameters beyond OpenAI's core ones (vLLM's names), shared by completions and chat; the vocabulary
-    and everything else is checked with the rest (expertmesh.sampling.check_sampling), a 400 naming the field.
+    and everything else is checked with the rest (expertmesh.model.sampling.check_sampling), a 400 naming the field.
     What RL and eval tools send, as vLLM honours it: `n` parallel samples (sharing the prompt's cached KV, each its
     own seeded generator: seed + i), `ignore_eos` (generate to max_tokens), `return_token_ids`."""
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES)

@@ -15,8 +15,8 @@ import time
 from concurrent.futures import Executor
 from typing import Callable
 
-from expertmesh.config import ModelConfig
-from expertmesh.replica_table import ReplicaTable
+from expertmesh.model.config import ModelConfig
+from expertmesh.placement.replica_table import ReplicaTable
 
 log = logging.getLogger("expertmesh.router")
 

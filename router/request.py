@@ -10,8 +10,8 @@ from typing import Callable
 
 from expertmesh.router.kv import PrefixHasher
 from expertmesh.router.prepared_image import hash_view
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker_api import TokenLogprobs
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import TokenLogprobs
 
 
 class RequestError(ValueError):

@@ -35,7 +35,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from expertmesh.chat import Message
+from expertmesh.chat.format import Message
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat import message_images
+from expertmesh.chat.format import message_images
 from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import (
     NO_OPTIONS,

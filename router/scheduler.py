@@ -50,8 +50,8 @@ from typing import Iterable
 from expertmesh.router.disagg import Pools
 from expertmesh.router.kv import KVManager, PrefixHasher
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError, TokenLogprob
-from expertmesh.sampling_params import SamplingParams, check_sampling
-from expertmesh.worker_api import StepDone, TokenLogprobs
+from expertmesh.wire.sampling_params import SamplingParams, check_sampling
+from expertmesh.wire.worker_api import StepDone, TokenLogprobs
 
 
 @dataclass(frozen=True)

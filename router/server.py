@@ -7,13 +7,13 @@ import os
 import sys
 import threading
 
-from expertmesh import telemetry
-from expertmesh.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
-from expertmesh.chat_formats import load_chat
-from expertmesh.checkpoint_config import checkpoint_config
-from expertmesh.config import ThinkingBudgets
+from expertmesh.runtime import telemetry
+from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+from expertmesh.chat.load import load_chat
+from expertmesh.checkpoint.config import checkpoint_config
+from expertmesh.model.config import ThinkingBudgets
 from expertmesh.router.response_store import ResponseStore, default_replica
-from expertmesh.shutdown import exit_after, stop_on_signals
+from expertmesh.runtime.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
 
@@ -27,7 +27,7 @@ DEFAULT_PREFILL_TOKENS = 1024
 
 
 def load_plan(path: str):
-    from expertmesh.plan import PlacementPlan   # numpy: not for every `expertmesh` command (see run)
+    from expertmesh.placement.plan import PlacementPlan   # numpy: not for every `expertmesh` command (see run)
     with open(path) as f:
         return PlacementPlan.from_json(f.read())
 
@@ -60,7 +60,7 @@ def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, 
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine          # the engine and the workers' clients: see run
-    from expertmesh.worker_clients import RemoteAttention, RemoteExpert
+    from expertmesh.wire.clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
     control = min(control_timeout or timeout, timeout)
@@ -228,12 +228,12 @@ def read_prefix_salt(path: str | None) -> bytes | None:
 
 
 def run(args) -> int:
-    # Imported here, not at the top: every `expertmesh` command builds this module's parser (cli.py, up.py), and
+    # Imported here, not at the top: every `expertmesh` command builds this module's parser (entry/cli.py, entry/up.py), and
     # the engine, the HTTP app and the gRPC service (FastAPI, uvicorn, grpc, numpy, Pillow) load only for a router.
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.router.prepared_image import ImageLimits
-    from expertmesh.tls import ClientTLS, ServerTLS
+    from expertmesh.runtime.tls import ClientTLS, ServerTLS
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     if args.prefill_tokens % args.prefill_chunk:

@@ -19,7 +19,7 @@ import hmac
 import uuid
 from dataclasses import dataclass, field
 
-from expertmesh.chat import (
+from expertmesh.chat.format import (
     BuiltinChat,
     ChatError,
     ChatFormat,
@@ -34,8 +34,8 @@ from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.request import Request
 from expertmesh.router.tracing import RequestSpan
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.thinking import AUTO_TIER, ThinkingState, auto_tier
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.chat.thinking import AUTO_TIER, ThinkingState, auto_tier
 
 
 # ----------------------------------------------------------------------------------------------- access

@@ -10,7 +10,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from expertmesh import telemetry
+from expertmesh.runtime import telemetry
 
 
 class StepTrace:
@@ -80,7 +80,7 @@ class RequestSpan:
     def __init__(self, operation: str, model: str, *, max_tokens: int | None = None,
                  temperature: float | None = None, api: str = "openai", tier: str | None = None,
                  auto_tier: str | None = None):
-        """`auto_tier`: why reasoning_effort auto chose `tier` (expertmesh.thinking.auto_tier)."""
+        """`auto_tier`: why reasoning_effort auto chose `tier` (expertmesh.chat.thinking.auto_tier)."""
         self.span = None
         if not telemetry.tracing_enabled():
             return
@@ -91,9 +91,9 @@ class RequestSpan:
         if temperature is not None:
             attrs["gen_ai.request.temperature"] = temperature
         if tier is not None:
-            attrs["expertmesh.thinking.tier"] = tier
+            attrs["expertmesh.chat.thinking.tier"] = tier
         if auto_tier is not None:
-            attrs["expertmesh.thinking.auto"] = auto_tier
+            attrs["expertmesh.chat.thinking.auto"] = auto_tier
         self.span = telemetry.tracer().start_span(f"{operation} {model}", kind=SpanKind.SERVER, attributes=attrs)
 
     @contextlib.contextmanager

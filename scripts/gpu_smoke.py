@@ -28,12 +28,12 @@ import grpc
 import httpx
 import torch
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.model import generate
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.entry.up import LocalCluster, free_port
 
 MEAN_TOL, MAX_TOL = 0.15, 0.6
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 48, 16
@@ -77,7 +77,7 @@ def nccl_check(root: Path) -> dict:
     """tiny over NCCL pairs vs over gRPC: pairs formed, every expert call on them, the same greedy tokens."""
     import time
 
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     ckpt = create_checkpoint(preset("tiny"), root / "nccl-tiny", seed=0)
     prompts = [[(7 * i + j) % 256 for j in range(20 + 5 * i)] for i in range(3)]
     env = {"expert-0": {"CUDA_VISIBLE_DEVICES": "1"}} if torch.cuda.device_count() > 1 else {}

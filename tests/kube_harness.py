@@ -11,7 +11,7 @@
     single container as a process — command + args with Kubernetes' `$(VAR)` expansion over the container env
     (fieldRefs metadata.name / metadata.namespace / status.podIP), HOSTNAME = the pod's hostname, volumes mapped to
     host directories (a ConfigMap or Secret volume materialised from its data at start, a PVC volume from
-    `volumes[claimName]`), the image's `expertmesh` entry point = this checkout's `python -m expertmesh.cli`, a
+    `volumes[claimName]`), the image's `expertmesh` entry point = this checkout's `python -m expertmesh.entry.cli`, a
     `/bin/sh -c` script run by the real /bin/sh; init containers run first, one after the other, each to
     completion (a failed one is restarted with the back-off; the pod is Pending with `initContainerStatuses`
     meanwhile; a hostPath volume is a directory of the node, shared by its pods; a ConfigMap volume follows its
@@ -53,8 +53,8 @@ from urllib.parse import urlsplit, urlunsplit
 import kmock
 
 from expertmesh.operator.naming import COMPONENT_ROUTER, LABEL_COMPONENT, TEMPLATE_HASH_ANNOTATION
-from expertmesh.tls import client_tls_from_dir
-from expertmesh.up import free_port
+from expertmesh.runtime.tls import client_tls_from_dir
+from expertmesh.entry.up import free_port
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _DNS_ADDRESS = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+svc(\.cluster\.local)?:\d+$")
@@ -510,7 +510,7 @@ class LocalNode:
         for i, tok in enumerate(tokens):
             prev = tokens[i - 1] if i else ""
             if i == 0 and tok == "expertmesh":  # the image's entry point: this checkout's CLI
-                out += [sys.executable, "-m", "expertmesh.cli"]
+                out += [sys.executable, "-m", "expertmesh.entry.cli"]
                 continue
             for mount, host in mounts.items():
                 if tok == mount or tok.startswith(mount.rstrip("/") + "/"):

@@ -11,10 +11,10 @@ import jsonschema
 import openai
 import pytest
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.entry.up import LocalCluster, free_port
 
 API_KEY = "sk-test-agent-api"
 CONTEXT = 384        # room for a rendered list of two tools (the byte tokenizer: one token per byte) and a call

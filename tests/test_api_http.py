@@ -7,9 +7,9 @@ import openai
 import anthropic
 import pytest
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.entry.up import LocalCluster, free_port
 
 API_KEY = "sk-test-0123456789"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",
@@ -200,7 +200,7 @@ def test_anthropic_errors(server):
 
 
 def test_chat_cli_streams_and_keeps_history(server, capsys, monkeypatch):
-    from expertmesh.cli import main
+    from expertmesh.entry.cli import main
     assert main(["chat", "--url", server[0], "--api-key", API_KEY, "--thinking", "low", "--max-tokens", "12",
                  "Hello"]) == 0
     err = capsys.readouterr().err

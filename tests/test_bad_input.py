@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.checkpoint_files import CheckpointError
-from expertmesh.cli import main
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.checkpoint.files import CheckpointError
+from expertmesh.entry.cli import main
+from expertmesh.model.config import preset
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import MAX_BODY_BYTES, build_app, serve_http
 from expertmesh.entry.local import build_local_engine
-from expertmesh.up import free_port
+from expertmesh.entry.up import free_port
 
 USER = [{"role": "user", "content": "hi"}]
 CMPL, CHAT, MSGS = "/v1/completions", "/v1/chat/completions", "/v1/messages"
@@ -139,7 +139,7 @@ ANSWERED = [{"role": "user", "content": "x"},
                 {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
 NOT_STR_SAFE = "must be a 400 naming the field, not a 500 from an AttributeError/TypeError deep in the template"
 
-TINY_TOP_P = ("top_p=1e-46 (> 0, so accepted) → 500 'invalid multinomial distribution': expertmesh/sampling.py "
+TINY_TOP_P = ("top_p=1e-46 (> 0, so accepted) → 500 'invalid multinomial distribution': expertmesh/model/sampling.py "
               "Sampler.sample compares float32 probability mass with top_p, which rounds to 0.0 in float32, so "
               "every token is masked; either sample (200) or refuse with 400 naming top_p")
 BODY_PARSE = ("FastAPI's generic body-parse HTTPException ('There was an error parsing the body') escapes "
@@ -482,7 +482,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-UNCAUGHT = "an uncaught {} traceback instead of a one-line error naming {} and exit status 2 (expertmesh/cli.py main " \
+UNCAUGHT = "an uncaught {} traceback instead of a one-line error naming {} and exit status 2 (expertmesh/entry/cli.py main " \
            "catches only ValueError and FileNotFoundError)"
 CLI_CASES = [
     pytest.param(["plan", "--preset", "nope", "--expert-pods", "2"], ["--preset", "'nope'"], id="plan-bad-preset"),

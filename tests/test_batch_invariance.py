@@ -87,8 +87,8 @@ def _check_pointwise(pointwise, gen, F):
 
 def test_model_rows_do_not_depend_on_the_other_sequences():
     """Two sequences stepped together give bitwise the logits each gives alone."""
-    from expertmesh.config import preset
-    from expertmesh.model import Segment, Transformer, init_random_
+    from expertmesh.model.config import preset
+    from expertmesh.model.transformer import Segment, Transformer, init_random_
     model = init_random_(Transformer(preset("tiny")), seed=1)
     a, b = list(range(1, 30)), list(range(100, 107))
     alone_a = model.step(a, model.new_cache())

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from expertmesh.chat import (ChatError, Message, ToolCall, builtin_markers, parse_output, render, thinking_control,
+from expertmesh.chat.format import (ChatError, Message, ToolCall, builtin_markers, parse_output, render, thinking_control,
                              tier_from_request, validate_history)
-from expertmesh.config import preset
-from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.model.config import preset
+from expertmesh.chat.tokenizer import ByteTokenizer
 from test_thinking import run as emitted   # what the worker's sampler emits under a thinking control
 
 T = ByteTokenizer()

@@ -16,10 +16,10 @@ from hf_fixtures import (
     write_checkpoint,
 )
 
-from expertmesh.chat import ChatError, Message, thinking_control
-from expertmesh.thinking import ThinkingState
-from expertmesh.chat_formats import NoChatTemplate, load_chat
-from expertmesh.chat_template import ChatTemplateError, TemplateChat
+from expertmesh.chat.format import ChatError, Message, thinking_control
+from expertmesh.chat.thinking import ThinkingState
+from expertmesh.chat.load import NoChatTemplate, load_chat
+from expertmesh.chat.jinja_template import ChatTemplateError, TemplateChat
 from expertmesh.router.decoding import ChatDecoder
 from expertmesh.router.messages import openai_messages
 
@@ -214,7 +214,7 @@ def test_chat_template_jinja_wins_and_named_tool_use_template_is_picked_with_too
 
 
 def test_prefix_stability_checked_at_load(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="expertmesh.chat_template"):
+    with caplog.at_level(logging.WARNING, logger="expertmesh.chat.jinja_template"):
         load_chat(write_checkpoint(tmp_path / "stable"))
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         fmt = load_chat(write_checkpoint(tmp_path / "unstable", template=CHATML_DROPS_OLD_REASONING))
@@ -250,13 +250,13 @@ def served(tmp_path_factory):
     """A tiny model whose vocabulary covers the test tokenizer, served in process with the checkpoint's format."""
     import grpc
 
-    from expertmesh.checkpoint import Checkpoint, create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.model.config import preset
     from expertmesh.protos import router_pb2_grpc
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.up import free_port
+    from expertmesh.entry.up import free_port
     cfg = preset("tiny").model_copy(update={"vocab_size": 512})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("served") / "ckpt", seed=0)
     write_checkpoint(d, generation_eos=["<|im_end|>", "</s>"])

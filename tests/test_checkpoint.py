@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint, inspect_checkpoint
-from expertmesh.checkpoint_files import CheckpointError
-from expertmesh.cli import main
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint, inspect_checkpoint
+from expertmesh.checkpoint.files import CheckpointError
+from expertmesh.entry.cli import main
+from expertmesh.model.config import preset
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ import pytest
 from test_faults import PROMPTS, run_with_fault, stream
 from test_grpc_workers import SUBSET, expert_call, same
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.model import generate
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.tokenizer import ByteTokenizer
-from expertmesh.up import LocalCluster, free_port
-from expertmesh.worker_clients import RemoteExpert
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import generate
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.wire.clients import RemoteExpert
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
@@ -38,7 +38,7 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
     from expertmesh.kernels.moe.combine import present_groups
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.worker_api import ExpertRequestError, UnknownExpert
+    from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
     cfg = Checkpoint(ckpt_dir).cfg
     groups = cfg.moe.combine_groups
     server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0,
@@ -166,7 +166,7 @@ def cluster(ckpt_dir, tmp_path_factory):
     """As `expertmesh up --transport collective` runs it (mutual TLS between the processes: pairs are opened over
     it): 2 attention workers, 3 expert workers, every expert on 2 of them; a 2 s deadline on every expert call (the
     collective waits too), so a hung rank is noticed quickly."""
-    from expertmesh.tls import ClientTLS, ephemeral_pki
+    from expertmesh.runtime.tls import ClientTLS, ephemeral_pki
     pki = ephemeral_pki(tmp_path_factory.mktemp("pki"))
     c = LocalCluster(ckpt_dir, attention_workers=2, expert_workers=3, expert_replicas=2, http_port=free_port(),
                      grpc_port=free_port(), transport="collective", router_args=["--call-timeout", "2"],

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from expertmesh.config import ModelConfig, interleaved_layer_types, preset
+from expertmesh.model.config import ModelConfig, interleaved_layer_types, preset
 
 
 def test_full_preset_reproduces_published_totals():
@@ -31,7 +31,7 @@ def test_expert_bytes_are_4_25_bits_per_weight():
 
 def test_param_count_matches_the_built_model():
     import torch
-    from expertmesh.model import Transformer
+    from expertmesh.model.transformer import Transformer
     cfg = preset("tiny")
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -101,7 +101,7 @@ def test_unknown_preset():
 
 
 def test_config_json_round_trip(tmp_path):
-    from expertmesh.config import load_config
+    from expertmesh.model.config import load_config
     cfg = preset("small")
     (tmp_path / "config.json").write_text(cfg.model_dump_json())
     assert load_config(tmp_path / "config.json") == cfg

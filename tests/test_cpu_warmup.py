@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
 
 PROBE = textwrap.dedent("""
     import json, sys

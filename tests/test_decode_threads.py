@@ -8,21 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.worker.threads import DECODE_ROWS, DecodeThreads
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from expertmesh.checkpoint import Checkpoint, create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.model.config import preset
     path = tmp_path_factory.mktemp("ckpt")
     create_checkpoint(preset("tiny"), path, seed=0)
     return Checkpoint(path)
 
 
 def _pair(ckpt, dtype, decode_threads):
-    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.expert import ExpertWorker
     from expertmesh.worker.server import all_experts
@@ -36,7 +36,7 @@ def _pair(ckpt, dtype, decode_threads):
 
 def _spy(monkeypatch) -> list[tuple[str, int, int]]:
     """(what, token rows, torch threads) of every shared-expert and routed-expert computation."""
-    from expertmesh.model import MoE, RoutedExperts
+    from expertmesh.model.transformer import MoE, RoutedExperts
     seen = []
     shared, routed = MoE.shared_out, RoutedExperts.outputs_fp32
 
@@ -54,7 +54,7 @@ def _spy(monkeypatch) -> list[tuple[str, int, int]]:
 
 
 def _generate(worker, prompt: list[int]) -> list[int]:
-    from expertmesh.worker_api import StepSegment
+    from expertmesh.wire.worker_api import StepSegment
     worker.open_sequence("s", SamplingParams(max_tokens=8), reserve_tokens=len(prompt) + 4)
     out = [worker.run_step(1, [StepSegment("s", prompt, True)]).tokens["s"]]
     for step in range(2, 5):
@@ -101,6 +101,6 @@ def test_decode_threads_count_and_restore(two_threads):
 
 def test_worker_refuses_a_bad_decode_threads(ckpt):
     from expertmesh.worker.attention import AttentionWorker
-    from expertmesh.worker_api import WorkerError
+    from expertmesh.wire.worker_api import WorkerError
     with pytest.raises(WorkerError, match="decode_threads"):
         AttentionWorker(ckpt, kv_blocks=4, block_size=8, decode_threads=0)

@@ -1,18 +1,18 @@
-"""Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/memory.py)."""
+"""Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/model/memory.py)."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from expertmesh import memory
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.model import memory
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.worker import server
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
-from expertmesh.worker_api import StepSegment
+from expertmesh.wire.worker_api import StepSegment
 
 GIB = 2 ** 30
 
@@ -24,7 +24,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_plan(tmp_path_factory):
-    from expertmesh.planner import ClusterShape, plan_placement
+    from expertmesh.placement.planner import ClusterShape, plan_placement
     cfg = preset("full-2.8t")
     plan = plan_placement(cfg, ClusterShape(16, 8, 141 * GIB), redundant_slots=32)
     path = tmp_path_factory.mktemp("plan") / "plan.json"
@@ -106,7 +106,7 @@ def test_expert_worker_splits_gpus_same_bits(ckpt):
 
 
 def _prompt_logprobs(worker, experts, tokens):
-    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.placement.replica_table import ReplicaTable
     cfg = worker.cfg
     table = ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1),
                                                          dtype=np.int64))
@@ -155,6 +155,6 @@ def test_cuda_refused_without_cuda():
 
 
 def test_up_passes_device_through():
-    from expertmesh.up import LocalCluster
+    from expertmesh.entry.up import LocalCluster
     c = LocalCluster("/nonexistent", device="cpu", dtype="bfloat16")
     assert c.device_args == ["--device", "cpu", "--dtype", "bfloat16"]

@@ -12,21 +12,21 @@ import grpc
 import pytest
 import torch
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model import generate
+from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.disagg import Pools, choose_decode, pool_load
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.request import Request
 from expertmesh.router.scheduler import Limits, schedule
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.tokenizer import ByteTokenizer
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.worker.attention import AttentionWorker
-from expertmesh.kv_snapshot import PrefixSnapshot
-from expertmesh.worker_api import OutOfBlocks, StepSegment, WorkerError
+from expertmesh.wire.kv_snapshot import PrefixSnapshot
+from expertmesh.wire.worker_api import OutOfBlocks, StepSegment, WorkerError
 
 CHUNK = 16
 EOS = ByteTokenizer().eos_id
@@ -164,7 +164,7 @@ def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefill
     """A decode worker too small for a sequence's reservation never gets it: the sequence finishes on its prefill
     worker with the same tokens; one that fits is handed off."""
     from expertmesh.router.engine import Engine
-    from expertmesh.up import make_placement
+    from expertmesh.entry.up import make_placement
     from expertmesh.worker.expert import ExpertWorker
     placement = make_placement(ckpt.cfg, 1, 0)
     decode = AttentionWorker(ckpt, kv_blocks=3, name="attention-0", pool="decode")       # 48 tokens
@@ -220,12 +220,12 @@ def test_a_handed_off_sequence_is_bit_identical_and_a_bad_one_is_refused(ckpt):
 
 
 def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(ckpt, monkeypatch):
-    from expertmesh import worker_clients
+    from expertmesh.wire import clients as worker_clients
     from expertmesh.protos import worker_pb2
-    from expertmesh.sampling_params import sampling_to_proto
-    from expertmesh.kv_snapshot import encode
+    from expertmesh.wire.sampling_params import sampling_to_proto
+    from expertmesh.wire.kv_snapshot import encode
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.worker_clients import RemoteAttention
+    from expertmesh.wire.clients import RemoteAttention
     src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)
     src.connect_experts(*local_experts(ckpt))
     src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
@@ -272,8 +272,8 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
 
 
 def local_experts(ckpt):
-    from expertmesh.replica_table import ReplicaTable
-    from expertmesh.up import make_placement
+    from expertmesh.placement.replica_table import ReplicaTable
+    from expertmesh.entry.up import make_placement
     from expertmesh.worker.expert import ExpertWorker
     placement = make_placement(ckpt.cfg, 1, 0)
     table = ReplicaTable.from_placement(placement, ckpt.cfg.moe_layers, ckpt.cfg.moe.n_routed_experts)
@@ -303,7 +303,7 @@ def scrape(url: str, name: str) -> dict[str, float]:
 @pytest.mark.slow
 def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_prefill_worker(ckpt, prompts, tmp_path):
     """Workers under mutual TLS, as `expertmesh up` runs them: the prefill worker hands off with its client key."""
-    from expertmesh.tls import ephemeral_pki
+    from expertmesh.runtime.tls import ephemeral_pki
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     want = {tuple(p): generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts}
@@ -361,7 +361,7 @@ def test_hand_offs_over_collective_pairs_and_over_grpc_without_one(ckpt, prompts
     gloo pair with it — same tokens; to a worker with no store the same client hands off over gRPC."""
     from expertmesh.worker.collective import CollectiveAttention
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.worker_clients import RemoteAttention
+    from expertmesh.wire.clients import RemoteAttention
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     grpc_port = free_port()

@@ -4,15 +4,15 @@ import random
 
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model import LatentAttention, generate
+from expertmesh.model.transformer import LatentAttention, generate
 from expertmesh.router.engine import QueueFull, RequestError
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.up import make_placement
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.entry.up import make_placement
 from expertmesh.worker.kv import PagedSequenceKV
-from expertmesh.worker_api import NotFound, WorkerError
+from expertmesh.wire.worker_api import NotFound, WorkerError
 
 CHUNK = 16
 

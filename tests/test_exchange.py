@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from expertmesh.kernels.moe.combine import fold_groups, fold_rows, fold_rows_torch, group_partials, grouped_combine
-from expertmesh.replica_table import ReplicaTable
+from expertmesh.placement.replica_table import ReplicaTable
 from expertmesh.worker.exchange import ExpertExchange
 
 E, G, K, H = 16, 4, 4, 8

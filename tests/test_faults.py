@@ -8,13 +8,13 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
-from expertmesh.grammar import json_schema_grammar
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.chat.grammar import json_schema_grammar
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
-from expertmesh.tokenizer import ByteTokenizer
-from expertmesh.up import LocalCluster, free_port
-from expertmesh.worker_clients import RemoteAttention
+from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.wire.clients import RemoteAttention
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id

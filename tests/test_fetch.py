@@ -13,11 +13,11 @@ import tracemalloc
 
 import pytest
 
-from expertmesh import fetch as f
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.cli import main
-from expertmesh.config import preset
-from expertmesh.tls import ephemeral_pki
+from expertmesh.checkpoint import fetch as f
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.entry.cli import main
+from expertmesh.model.config import preset
+from expertmesh.runtime.tls import ephemeral_pki
 
 from fetch_server import Faults, FileServer
 

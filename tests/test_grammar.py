@@ -1,4 +1,4 @@
-"""expertmesh/grammar.py (llguidance): the fast mask equals the matcher's token-by-token answer on random
+"""expertmesh/chat/grammar.py (llguidance): the fast mask equals the matcher's token-by-token answer on random
 logits, and sampling under it yields JSON that validates against the schema (checked by jsonschema)."""
 import json
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertmesh.grammar import Constraint, GrammarError, json_schema_grammar, ll_tokenizer
-from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.chat.grammar import Constraint, GrammarError, json_schema_grammar, ll_tokenizer
+from expertmesh.chat.tokenizer import ByteTokenizer
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -61,8 +61,8 @@ def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(to
     """The Sampler as the worker drives it (sample, then observe the token fed back) on random logits of the
     model's (padded) vocabulary: free until the end-of-thinking marker, then JSON that validates, then the
     format's stop token; padded ids beyond the tokenizer are never chosen."""
-    from expertmesh.sampling import Sampler
-    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.model.sampling import Sampler
+    from expertmesh.wire.sampling_params import SamplingParams
     t, lltok = tok
     params = SamplingParams(temperature=1.0, seed=3, stop_token_ids=(t.end_id, t.eos_id),
                             grammar=json_schema_grammar(SCHEMA, "s"), grammar_after_token=t.think_end_id)
@@ -85,7 +85,7 @@ def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(to
 def test_the_fast_mask_equals_the_matcher_on_special_tokens_after_free_text():
     """A grammar whose free-text rule may end right before a special-token terminal: llguidance's bitmask admits
     every special id there; the mask must admit only the one the grammar names (the matcher's answer)."""
-    from expertmesh.grammar import Constraint
+    from expertmesh.chat.grammar import Constraint
     t = ByteTokenizer()
     lltok = ll_tokenizer(t)
     end = t.special_to_id[sorted(t.special_to_id)[0]] if hasattr(t, "special_to_id") else t.eos_ids[0]

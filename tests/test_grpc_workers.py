@@ -18,8 +18,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.protos import sampling_pb2, tensor_pb2, worker_pb2, worker_pb2_grpc
-from expertmesh.sampling_params import SamplingParams, sampling_from_proto, sampling_to_proto
-from expertmesh.tensors import DTYPES, from_proto, to_proto
+from expertmesh.wire.sampling_params import SamplingParams, sampling_from_proto, sampling_to_proto
+from expertmesh.wire.tensors import DTYPES, from_proto, to_proto
 
 KV_BLOCKS, BLOCK_SIZE = 16, 8
 SUBSET = [(1, 0), (1, 1), (1, 5), (2, 3)]     # a partial expert shard
@@ -28,8 +28,8 @@ SUBSET = [(1, 0), (1, 1), (1, 5), (2, 3)]     # a partial expert shard
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from expertmesh.checkpoint import Checkpoint, create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.model.config import preset
     path = tmp_path_factory.mktemp("ckpt")
     create_checkpoint(preset("tiny"), path, seed=0)
     return Checkpoint(path)
@@ -54,7 +54,7 @@ def servers(ckpt):
 
 @pytest.fixture(scope="module")
 def clients(servers):
-    from expertmesh.worker_clients import RemoteAttention, RemoteExpert
+    from expertmesh.wire.clients import RemoteAttention, RemoteExpert
     addr = f"127.0.0.1:{servers['both'].port}"
     c = {"attention": RemoteAttention(addr, timeout=30.0, name="w"),
          "expert": RemoteExpert(addr, timeout=30.0, name="w"),
@@ -70,7 +70,7 @@ def all_on_one(cfg):
     """A replica table with every expert on expert worker 0."""
     import numpy as np
 
-    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.placement.replica_table import ReplicaTable
     return ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1), dtype=np.int64))
 
 
@@ -157,7 +157,7 @@ def test_sampling_params_round_trip():
 # ---------------------------------------------------------------------------------------------- remote == local
 def test_remote_matches_local(servers, clients, ckpt):
     """Every remote method returns exactly what the local object returns for the same calls."""
-    from expertmesh.worker_api import StepSegment
+    from expertmesh.wire.worker_api import StepSegment
     cfg = ckpt.cfg
     local, remote = servers["local"]["attention"], clients["attention"]
     lexp, rexp = servers["local"]["expert"], clients["expert"]
@@ -217,7 +217,7 @@ def test_two_steps_on_one_sequence_at_once_run_one_after_the_other(servers, clie
     are serialized by the worker: the sequence advances by both, as two steps in a row do on the local worker,
     and the next step agrees token for token (before steps were one call under the worker lock, a second step
     on a sequence corrupted its cache)."""
-    from expertmesh.worker_api import StepSegment
+    from expertmesh.wire.worker_api import StepSegment
     local, remote = servers["local"]["attention"], clients["attention"]
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, ckpt.cfg.vocab_size, (9,), generator=g).tolist()
@@ -276,7 +276,7 @@ def _code(call, *args):
 def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.worker_api import NotConnected, NotFound, OutOfBlocks, StepSegment, WorkerError
+    from expertmesh.wire.worker_api import NotConnected, NotFound, OutOfBlocks, StepSegment, WorkerError
     local, remote = servers["local"]["attention"], clients["attention"]
     stub = worker_pb2_grpc.AttentionWorkerStub(remote.channel)
     params = SamplingParams(max_tokens=4)
@@ -310,13 +310,13 @@ def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
     # a table that does not fit the model is INVALID_ARGUMENT naming it; a step before any table, FAILED_PRECONDITION
     import numpy as np
 
-    from expertmesh.replica_table import ReplicaTable
+    from expertmesh.placement.replica_table import ReplicaTable
     bad = ReplicaTable((1,), np.zeros((1, ckpt.cfg.moe.n_routed_experts, 1), dtype=np.int64))
     both_raise(WorkerError, lambda w: w.connect_experts([clients["expert"]], bad))
     fresh_local = AttentionWorker(ckpt, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="fresh")
     fresh = serve("attention", ckpt, 0, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, name="fresh")
     try:
-        from expertmesh.worker_clients import RemoteAttention
+        from expertmesh.wire.clients import RemoteAttention
         with RemoteAttention(f"127.0.0.1:{fresh.port}", timeout=10.0) as fresh_remote:
             for w in (fresh_local, fresh_remote):
                 w.open_sequence("s", params, reserve_tokens=8)
@@ -330,7 +330,7 @@ def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
 
 
 def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
-    from expertmesh.worker_api import ExpertRequestError, UnknownExpert
+    from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
     local, remote = servers["local"]["shard"], clients["shard"]
     stub = worker_pb2_grpc.ExpertWorkerStub(remote.channel)
     h = ckpt.cfg.hidden_size
@@ -367,10 +367,10 @@ def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
 
 
 def test_unreachable_and_deadline_raise_worker_unavailable(servers):
-    from expertmesh.worker_api import WorkerUnavailable
-    from expertmesh.worker_clients import RemoteAttention, RemoteExpert
+    from expertmesh.wire.worker_api import WorkerUnavailable
+    from expertmesh.wire.clients import RemoteAttention, RemoteExpert
     assert issubclass(WorkerUnavailable, ConnectionError)
-    from expertmesh.up import free_port
+    from expertmesh.entry.up import free_port
     with RemoteAttention(f"127.0.0.1:{free_port()}", timeout=5.0) as dead:
         with pytest.raises(WorkerUnavailable, match="UNAVAILABLE"):
             dead.info()
@@ -431,8 +431,8 @@ def test_reflection_lists_services(servers, clients):
 
 def test_shutdown_refuses_new_calls(ckpt):
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.worker_api import WorkerUnavailable
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.worker_api import WorkerUnavailable
+    from expertmesh.wire.clients import RemoteExpert
     server = serve("expert", ckpt, 0, assignment=[(1, 0)])
     with RemoteExpert(f"127.0.0.1:{server.port}", timeout=5.0) as c:
         assert c.health() == "SERVING" and c.info()["experts"] == [(1, 0)]
@@ -445,7 +445,7 @@ def test_shutdown_refuses_new_calls(ckpt):
 
 # ---------------------------------------------------------------------------------------------- the process
 def test_main_prints_ready_and_exits_0_on_sigterm(ckpt, tmp_path):
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     cmd = [sys.executable, "-m", "expertmesh.worker.server", "--role", "expert", "--checkpoint", str(ckpt.path),
            "--port", "0", "--experts", "1:0-2,3:4", "--name", "expert-7"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -483,9 +483,9 @@ def test_main_rejects_bad_arguments(ckpt, capsys):
 
 
 def test_plan_assignment(ckpt, tmp_path):
-    pytest.importorskip("expertmesh.plan")
-    pytest.importorskip("expertmesh.planner")
-    from expertmesh.up import make_placement
+    pytest.importorskip("expertmesh.placement.plan")
+    pytest.importorskip("expertmesh.placement.planner")
+    from expertmesh.entry.up import make_placement
     from expertmesh.worker.server import plan_assignment
     plan = make_placement(ckpt.cfg, 2)
     path = tmp_path / "plan.json"

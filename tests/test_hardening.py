@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.kv import prefix_hashes
 from expertmesh.router.scheduler import affinity_key, affinity_worker
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.entry.local import build_local_engine
 
 CHUNK = 16
@@ -90,7 +90,7 @@ def test_a_request_that_cannot_get_kv_room_is_refused_after_the_queue_wait(eng):
 
 
 def test_a_failing_sampler_fails_only_its_own_request(eng, monkeypatch):
-    from expertmesh import sampling
+    from expertmesh.model import sampling
     orig = sampling.Sampler.sample
 
     def sample(self, logits):
@@ -165,7 +165,7 @@ def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
     import torch
 
     from expertmesh.worker.expert import ExpertWorker
-    from expertmesh.worker_api import ExpertRequestError
+    from expertmesh.wire.worker_api import ExpertRequestError
     w = ExpertWorker(ckpt, [(1, e) for e in range(16)], max_call_bytes=64 * 4 * 64 * 4)   # 64 rows of top-4
     h = torch.randn(65, ckpt.cfg.hidden_size)
     ids = torch.arange(4).repeat(65, 1)
@@ -175,7 +175,7 @@ def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
 
 
 def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatch):
-    from expertmesh import checkpoint
+    from expertmesh.checkpoint import loader as checkpoint
     monkeypatch.setattr(checkpoint, "DEFAULT_CHECKPOINT_DIR", tmp_path)
     real = checkpoint.create_checkpoint
 
@@ -198,7 +198,7 @@ def test_the_default_checkpoint_cache_is_written_atomically(tmp_path, monkeypatc
 def test_a_blip_on_every_attention_worker_requeues_instead_of_failing(ckpt):
     """The only attention worker fails two steps in a row (a connection blip): its requests go back to the queue
     and replay once it answers — the same tokens, no error (before: every in-flight stream failed)."""
-    from expertmesh.worker_api import WorkerUnavailable
+    from expertmesh.wire.worker_api import WorkerUnavailable
     ref = build_local_engine(ckpt, prefill_chunk=CHUNK)
     try:
         want = ref.generate(PROMPT, SamplingParams(max_tokens=12)).output
@@ -226,7 +226,7 @@ def test_a_prefix_whose_open_fails_is_held_on_both_sides_or_on_neither(eng, fail
     """No room for it (OutOfBlocks): the prefix is still good — kept in the router's index and on the worker (a later
     request restores or reuses it); gone or broken: forgotten by the router and dropped on the worker. Never held
     by the worker alone (a leak), never indexed by the router alone (pinned to nothing)."""
-    from expertmesh import worker_api
+    from expertmesh.wire import worker_api
     error = getattr(worker_api, failure, RuntimeError)
     eng.generate(PROMPT, SamplingParams(max_tokens=2))            # saves the prompt's chunks as prefixes
     w = worker(eng)
@@ -265,7 +265,7 @@ def test_the_operator_folder_does_not_shadow_the_standard_library():
 
 def _serve(app, **timeouts):
     from expertmesh.router.http import serve_http
-    from expertmesh.up import free_port
+    from expertmesh.entry.up import free_port
     port = free_port()
     server, thread = serve_http(app, "127.0.0.1", port, **timeouts)
     return port, server, thread

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 from hf_fixtures import DEEPSEEK, DEEPSEEK_TOKENS, KIMI, KIMI_TOOL_TOKENS, build_large_bpe, write_checkpoint
 
-from expertmesh.chat_formats import load_chat
-from expertmesh.grammar import Constraint, ll_tokenizer
+from expertmesh.chat.load import load_chat
+from expertmesh.chat.grammar import Constraint, ll_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["C", "F"]}},
@@ -33,11 +33,11 @@ def hermes(tmp_path_factory):
     `<tool_call>`) chat template, served in process over HTTP."""
     import openai
 
-    from expertmesh.checkpoint import Checkpoint, create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.model.config import preset
     from expertmesh.entry.local import build_local_engine
     from expertmesh.router.http import build_app, serve_http
-    from expertmesh.up import free_port
+    from expertmesh.entry.up import free_port
     tk = build_large_bpe(32_000)
     cfg = preset("tiny").model_copy(update={"vocab_size": tk.get_vocab_size() + 14})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("hermes") / "ckpt", seed=0)
@@ -116,7 +116,7 @@ def test_tool_choice_required_and_named_return_a_valid_call_on_a_hermes_template
 def test_forced_call_grammar_spells_each_section_format(tmp_path, template, extra):
     """#12, the other template formats: the forced call's grammar is the format's own markup, which parses back as
     the call."""
-    from expertmesh.chat import Message
+    from expertmesh.chat.format import Message
     from expertmesh.router.constraints import answer_grammar
     fmt = load_chat(write_checkpoint(tmp_path, template=template, extra_special=extra))
     assert fmt.markers.tool_close == fmt.tokenizer.special(fmt.tool_format.close)
@@ -247,9 +247,9 @@ class DripServer:
 def cluster(tmp_path_factory):
     """`expertmesh up`'s processes on the tiny checkpoint (vision encoder included): stored responses bounded at
     1 MiB, remote images from the drip server within 2 s, clients that stop reading cut off after 3 s."""
-    from expertmesh.checkpoint import create_checkpoint
-    from expertmesh.config import preset
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.checkpoint.loader import create_checkpoint
+    from expertmesh.model.config import preset
+    from expertmesh.entry.up import LocalCluster, free_port
     drip = DripServer()
     ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("served") / "tiny", seed=0)
     c = LocalCluster(ck, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=free_port(),
@@ -367,7 +367,7 @@ def test_the_store_counts_pixels_and_shared_segments_once():
     """#4 in the store itself: pixels count, and a chain's shared segments and images count once."""
     import numpy as np
 
-    from expertmesh.chat import Message
+    from expertmesh.chat.format import Message
     from expertmesh.router.prepared_image import PreparedImage
     from expertmesh.router.response_store import ResponseStore, Segment, StoredResponse
     img = PreparedImage(np.zeros((1400, 1792, 3), dtype=np.uint8), "d" * 64, 3200, (1792, 1400))   # 7.5 MB

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from expertmesh.tokenizer import ByteTokenizer, CheckpointTokenizer, TokenizerError, load_tokenizer
+from expertmesh.chat.tokenizer import ByteTokenizer, CheckpointTokenizer, TokenizerError, load_tokenizer
 from hf_fixtures import auto_tokenizer, write_checkpoint
 
 TEXTS = ["Hello world", "The weather in Paris is sunny today.", "  leading and trailing spaces  ",

@@ -1,4 +1,4 @@
-"""Kimi K3's chat format (expertmesh/chat_k3.py) and TikToken tokenizer on the tiny K3 tokenizer of k3_fixtures:
+"""Kimi K3's chat format (expertmesh/chat/k3.py) and TikToken tokenizer on the tiny K3 tokenizer of k3_fixtures:
 
 - rendering equals `Kimi-K3.jinja`'s, text and ids, for every conversation of tests/data/k3/chat_cases.json
   (written by scripts/k3_chat_oracle.py from the llama-cpp-python 0.3.36 template);
@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expertmesh.chat import BuiltinChat, ChatError, Message, ToolCall, thinking_control
-from expertmesh.chat_formats import NoChatTemplate, load_chat
-from expertmesh.chat_k3 import K3Chat, MAX_TAG_BYTES
-from expertmesh.thinking import ThinkingState
-from expertmesh.tokenizer import TikTokenTokenizer, TokenizerError, load_tokenizer, split_long_runs
+from expertmesh.chat.format import BuiltinChat, ChatError, Message, ToolCall, thinking_control
+from expertmesh.chat.load import NoChatTemplate, load_chat
+from expertmesh.chat.k3 import K3Chat, MAX_TAG_BYTES
+from expertmesh.chat.thinking import ThinkingState
+from expertmesh.chat.tokenizer import TikTokenTokenizer, TokenizerError, load_tokenizer, split_long_runs
 from k3_fixtures import tokenizer_digest, write_k3_tokenizer
 
 DATA = json.loads((Path(__file__).parent / "data" / "k3" / "chat_cases.json").read_text())
@@ -501,7 +501,7 @@ def test_k3_grammars_accept_what_the_template_writes_and_constrain_sampling(fmt)
     import jsonschema
     import numpy as np
 
-    from expertmesh.grammar import Constraint, ll_tokenizer
+    from expertmesh.chat.grammar import Constraint, ll_tokenizer
     lltok = ll_tokenizer(fmt.tokenizer)
     params = WEATHER["function"]["parameters"] | {"required": ["city"]}
     forced = [{"name": "get_weather", "parameters": params}]

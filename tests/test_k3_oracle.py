@@ -30,10 +30,10 @@ from k3_checkpoint import (
 )
 from safetensors import safe_open
 
-from expertmesh.checkpoint import Checkpoint
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4
-from expertmesh.model import generate
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.model.transformer import generate
+from expertmesh.wire.sampling_params import SamplingParams
 
 ORACLE = json.loads((Path(__file__).parent / "data" / "k3" / "oracle.json").read_text())
 LOGPROB_TOL = 2e-3          # the issue's bar; the float64 reference of the spec agrees with llama.cpp to ~2e-4
@@ -161,7 +161,7 @@ def test_k3_with_dsa_indexer_serves_its_full_attention_layers_as_dsa(k3, tmp_pat
 @pytest.fixture(scope="module", params=VARIANTS)
 def served(request, k3):
     """`expertmesh up --checkpoint DIR`: router + 1 attention + 2 expert workers as processes, one per variant."""
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.entry.up import LocalCluster, free_port
     grpc_port, http_port = free_port(), free_port()
     with LocalCluster(k3[request.param], attention_workers=1, expert_workers=2, http_port=http_port,
                       grpc_port=grpc_port, prefill_chunk=PREFILL_CHUNK):
@@ -188,7 +188,7 @@ def test_up_prompt_logprobs_equal_llama_cpp(served, k3):
     token's log-prob, and the top 5 (keyed by token text there, built as the router builds them)."""
     import openai
 
-    from expertmesh.tokenizer import load_tokenizer
+    from expertmesh.chat.tokenizer import load_tokenizer
     variant, _, http_port = served
     tok = load_tokenizer(k3[variant])
 

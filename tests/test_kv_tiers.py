@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model import generate
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.model.transformer import generate
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
 from expertmesh.worker.kv_tiers import KVTiers
 from expertmesh.worker.metrics import tier_metrics
-from expertmesh.worker_api import NotFound
+from expertmesh.wire.worker_api import NotFound
 
 CHUNK = 16
 MIB = 2 ** 20
@@ -200,7 +200,7 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
     log), so B's next turn is recomputed — the same tokens."""
     from test_up import EOS, grpc_generate
 
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.entry.up import LocalCluster, free_port
     rng = random.Random(21)
     prompts = [[rng.randrange(256) for _ in range(160)] for _ in range(3)]
     disk = tmp_path / "kv"

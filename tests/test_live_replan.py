@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.model import generate
-from expertmesh.planner import ClusterShape, moved_shards, plan_placement
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import generate
+from expertmesh.placement.planner import ClusterShape, moved_shards, plan_placement
 from expertmesh.router.server import build_remote_engine
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.worker.server import serve, shutdown
-from expertmesh.worker_clients import RemoteExpert
+from expertmesh.wire.clients import RemoteExpert
 
 MAX_TOKENS = 24
 CHUNK = 16

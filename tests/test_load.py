@@ -10,13 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.entry.local import build_local_engine
-from expertmesh.up import free_port
+from expertmesh.entry.up import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from expertmesh.config import preset
-from expertmesh.model import Transformer, generate, init_random_, route_tokens
-from expertmesh.sampling_params import SamplingParams
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import Transformer, generate, init_random_, route_tokens
+from expertmesh.wire.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_rotary_table_equals_the_angles_computed_directly_and_does_not_depend_on
     whether it is asked for alone or inside a longer span."""
     import random
 
-    from expertmesh.config import RopeConfig, YarnConfig
-    from expertmesh.model import RotaryTable
+    from expertmesh.model.config import RopeConfig, YarnConfig
+    from expertmesh.model.transformer import RotaryTable
     rng = random.Random(7)
     for rope in (RopeConfig(theta=10_000.0),
                  RopeConfig(theta=50_000.0, yarn=YarnConfig(factor=32.0, original_max_position_embeddings=4096))):

@@ -4,7 +4,7 @@ odd widths, both rotary layouts on strided [T, H, D] views, bad inputs, and the 
 import pytest
 import torch
 
-from expertmesh import model as M
+from expertmesh.model import transformer as M
 from expertmesh.kernels.norm import cpu_kernel as ck
 from expertmesh.kernels.norm import naive
 

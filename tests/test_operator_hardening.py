@@ -34,7 +34,7 @@ from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.spec import (MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MoEDeploymentSpec,
                                       MoEDeploymentStatus, parse_spec, resolve_model)
 from expertmesh.operator.validation import LABEL_VALUE
-from expertmesh.planner import PlanError
+from expertmesh.placement.planner import PlanError
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use

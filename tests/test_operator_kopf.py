@@ -35,7 +35,7 @@ import pytest
 import yaml
 from kmock._internal import enums
 
-from expertmesh.config import preset
+from expertmesh.model.config import preset
 from expertmesh.operator.handlers import Deps, _api, _read_load, build_registry
 from expertmesh.operator.kube import Kube, KubeError
 from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
@@ -43,8 +43,8 @@ from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, ex
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from expertmesh.operator.status import condition as condition_of
-from expertmesh.plan import PlacementPlan
-from expertmesh.planner import imbalance, moved_shards, zipf_loads
+from expertmesh.placement.plan import PlacementPlan
+from expertmesh.placement.planner import imbalance, moved_shards, zipf_loads
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use

@@ -15,7 +15,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from expertmesh.config import preset
+from expertmesh.model.config import preset
 from expertmesh.operator import crd, rbac
 from expertmesh.operator.children import (_pod_spec, _volumes, absent_children, build_children, fetch_container,
                                           revision, router_serving_args, template_hashes)
@@ -31,9 +31,9 @@ from expertmesh.operator.status import (condition, decide, placement_status, sec
                                         weights_condition, with_weights)
 from expertmesh.operator.router_salt import router_salt_secret
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
-from expertmesh.plan import PlacementPlan
-from expertmesh.planner import PlanError, imbalance, moved_shards, zipf_loads
-from expertmesh.tls import pki_pems
+from expertmesh.placement.plan import PlacementPlan
+from expertmesh.placement.planner import PlanError, imbalance, moved_shards, zipf_loads
+from expertmesh.runtime.tls import pki_pems
 
 TINY_EXPERT_BYTES = 3264
 

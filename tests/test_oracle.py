@@ -23,11 +23,11 @@ from transformers import (  # noqa: E402
     KimiLinearForCausalLM,
 )
 
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.checkpoint_files import CheckpointError  # noqa: E402
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.checkpoint.files import CheckpointError  # noqa: E402
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from expertmesh.model import Segment, generate
-from expertmesh.sampling_params import SamplingParams  # noqa: E402
+from expertmesh.model.transformer import Segment, generate
+from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 
 LOGPROB_TOL = 2e-3          # fp32 on CPU (the issue's bar); seen: a few 1e-6
 PROMPT_LEN, NEW_TOKENS, INDEX_TOPK = 40, 12, 8
@@ -124,7 +124,7 @@ def test_through_up_matches_transformers(relatives, prompt):
     import openai
 
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
-    from expertmesh.up import LocalCluster, free_port
+    from expertmesh.entry.up import LocalCluster, free_port
     for model_type in ("kimi_linear", "deepseek_v32"):
         hf, path = relatives[model_type]
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:]
@@ -231,8 +231,8 @@ def test_tied_embeddings_share_one_tensor(tmp_path, prompt):
 
 def test_fp32_tensors_keep_their_dtype(relatives, tmp_path):
     """The routing bias, KDA decay and indexer weights stay fp32 (a bf16 copy changes near-tie routing)."""
-    from expertmesh.checkpoint import expected_tensors
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import expected_tensors
+    from expertmesh.model.config import preset
     specs = expected_tensors(preset("tiny"))
     assert specs["layers.1.moe.router_bias"].dtype == torch.float32
     assert specs["layers.0.attn.A_log"].dtype == torch.float32
@@ -292,8 +292,8 @@ def test_fp8_block_scaled_weights_dequantize(relatives, tmp_path, prompt):
 def test_convert_to_mxfp4_is_exact_and_resumable(relatives, tmp_path, prompt):
     """`expertmesh checkpoint convert`: experts become 4.25-bit MXFP4, the model computes bitwise the same
     logits as the float source, and a rerun after an interrupted shard redoes only what is missing."""
-    from expertmesh.checkpoint import inspect_checkpoint
-    from expertmesh.cli import main
+    from expertmesh.checkpoint.loader import inspect_checkpoint
+    from expertmesh.entry.cli import main
     _, src = relatives["kimi_linear"]
     out = tmp_path / "mx"
     assert main(["checkpoint", "convert", str(src), "--out", str(out)]) == 0
@@ -304,7 +304,7 @@ def test_convert_to_mxfp4_is_exact_and_resumable(relatives, tmp_path, prompt):
     assert torch.equal(a.step(prompt, a.new_cache()), b.step(prompt, b.new_cache()))
     shard = out / "model-layer-00002.safetensors"
     shard.rename(shard.with_suffix(".partial"))                  # as if killed while writing it
-    from expertmesh.convert import convert_checkpoint
+    from expertmesh.checkpoint.convert import convert_checkpoint
     report = convert_checkpoint(src, out)
     assert report.skipped == report.shards - 1 and shard.exists()
     c = Checkpoint(out).load_model()

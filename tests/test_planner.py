@@ -1,4 +1,4 @@
-"""The placement-plan schema (expertmesh/plan.py), the planner (expertmesh/planner.py) and `expertmesh plan`."""
+"""The placement-plan schema (expertmesh/placement/plan.py), the planner (expertmesh/placement/planner.py) and `expertmesh plan`."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from expertmesh.config import preset
+from expertmesh.model.config import preset
 from expertmesh.operator import plan_cli
-from expertmesh.planner import (
+from expertmesh.placement.planner import (
     ClusterShape,
     PlanError,
     group_homes,
@@ -25,7 +25,7 @@ from expertmesh.planner import (
     replica_counts,
     zipf_loads,
 )
-from expertmesh.plan import PlacementPlan
+from expertmesh.placement.plan import PlacementPlan
 
 GIB = 2 ** 30
 TINY = preset("tiny")
@@ -444,7 +444,7 @@ def test_cli_as_a_module():
 
 @pytest.mark.parametrize("pods,redundant", [(2, 0), (3, 0), (3, 2), (2, 16)])
 def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
-    from expertmesh.up import make_placement
+    from expertmesh.entry.up import make_placement
     cfg = preset("tiny")
     plan = make_placement(cfg, pods, redundant)                 # what `up` and the in-process engine use
     S = cfg.moe.n_routed_experts // cfg.moe.combine_groups
@@ -467,7 +467,7 @@ def test_group_homes_full_preset():
 
 
 def test_min_replicas_puts_every_expert_on_distinct_pods():
-    from expertmesh.up import make_placement
+    from expertmesh.entry.up import make_placement
     cfg = preset("tiny")
     plan = make_placement(cfg, 3, min_replicas=2)
     for layer in cfg.moe_layers:

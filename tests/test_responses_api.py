@@ -12,16 +12,16 @@ import httpx
 import openai
 import pytest
 
-from expertmesh.chat import Message, ToolCall
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.chat.format import Message, ToolCall
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.router.conversation import system_and_rest
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, Segment, StoredResponse
 from expertmesh.router.server import serving_config
 from expertmesh.router.truncation import Piece, plan_truncation, rounds
 from expertmesh.entry.local import build_local_engine
-from expertmesh.up import free_port
+from expertmesh.entry.up import free_port
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -59,7 +59,7 @@ def stack(tmp_path_factory):
     port, other = free_port(), free_port()
     srv, thread = serve_http(build_app(engine, response_store=ResponseStore(replica="a")), "127.0.0.1", port)
     srv2, thread2 = serve_http(build_app(engine, response_store=ResponseStore(replica="b")), "127.0.0.1", other)
-    from expertmesh.tokenizer import ByteTokenizer
+    from expertmesh.chat.tokenizer import ByteTokenizer
     yield type("Stack", (), {"url": f"http://127.0.0.1:{port}", "url_b": f"http://127.0.0.1:{other}",
                              "engine": engine, "script": script, "tok": ByteTokenizer()})
     for s, t in ((srv, thread), (srv2, thread2)):

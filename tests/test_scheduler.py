@@ -19,8 +19,8 @@ from expertmesh.router.scheduler import (
     schedule,
     update_from_output,
 )
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker_api import StepDone, TokenLogprobs
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import StepDone, TokenLogprobs
 
 CHUNK, BS = 16, 16
 # placement by load alone: the session-affinity tests ("session affinity" below) turn it on

@@ -4,8 +4,8 @@ import queue
 
 import pytest
 
-from expertmesh.chat import ChatError
-from expertmesh.config import preset
+from expertmesh.chat.format import ChatError
+from expertmesh.model.config import preset
 from expertmesh.router.errors import KINDS, APIError, as_api_error
 from expertmesh.router.messages import ANTHROPIC, OPENAI, RESPONSES, openai_messages, read_content, remote_image_urls
 from expertmesh.router.request import ContextLengthExceeded, EngineClosed, QueueFull, RequestError

@@ -1,11 +1,11 @@
-"""expertmesh.shutdown: a process whose shutdown is stuck still ends at its deadline (a real process)."""
+"""expertmesh.runtime.shutdown: a process whose shutdown is stuck still ends at its deadline (a real process)."""
 import subprocess
 import sys
 import time
 
 STUCK = """
 import threading, time
-from expertmesh.shutdown import exit_after
+from expertmesh.runtime.shutdown import exit_after
 threading.Thread(target=time.sleep, args=(120,)).start()   # a non-daemon thread: interpreter exit waits on it
 exit_after({deadline}, "demo")
 """
@@ -21,7 +21,7 @@ def test_a_stuck_shutdown_ends_at_its_deadline_naming_the_process():
 
 
 def test_a_shutdown_that_finishes_in_time_exits_normally():
-    quick = "from expertmesh.shutdown import exit_after\nexit_after(30, 'demo')\nprint('bye')"
+    quick = "from expertmesh.runtime.shutdown import exit_after\nexit_after(30, 'demo')\nprint('bye')"
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", quick], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "bye\n" and "exiting now" not in done.stderr
@@ -29,7 +29,7 @@ def test_a_shutdown_that_finishes_in_time_exits_normally():
 
 
 WAITS_FOR_A_SIGNAL = """
-from expertmesh.shutdown import stop_on_signals
+from expertmesh.runtime.shutdown import stop_on_signals
 stop = stop_on_signals()
 print("ready", flush=True)
 while not stop.wait(0.0001):
@@ -59,7 +59,7 @@ def test_a_burst_of_sigterms_stops_the_process_every_time():
 
 DIES_WITH_PARENT = """
 import os, sys, time
-from expertmesh.shutdown import PARENT_ENV, die_with_parent
+from expertmesh.runtime.shutdown import PARENT_ENV, die_with_parent
 die_with_parent()
 print("running", PARENT_ENV in os.environ, flush=True)
 time.sleep(float(sys.argv[1]))
@@ -73,7 +73,7 @@ def test_a_child_of_up_dies_with_it_and_never_outlives_it():
     import os
     import signal
 
-    from expertmesh.shutdown import PARENT_ENV
+    from expertmesh.runtime.shutdown import PARENT_ENV
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
     ok = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT, "0"], env=env, capture_output=True, text=True,
                         timeout=60)

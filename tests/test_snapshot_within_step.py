@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.worker_api import StepSegment, WorkerError
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import StepSegment, WorkerError
 
 CHUNK = 16
 
 
 def _checkpoint(path, layer_types):
-    from expertmesh.checkpoint import Checkpoint, create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.model.config import preset
     create_checkpoint(preset("tiny").model_copy(update={"layer_types": layer_types}), path, seed=0)
     return Checkpoint(path)
 

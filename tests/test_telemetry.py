@@ -7,12 +7,12 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from expertmesh import telemetry
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
+from expertmesh.runtime import telemetry
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.entry.local import build_local_engine
-from expertmesh.up import free_port
+from expertmesh.entry.up import free_port
 
 EXPORTER = InMemorySpanExporter()
 
@@ -51,7 +51,7 @@ def test_one_request_one_trace_with_the_expected_tree(server):
     assert root.name == "chat tiny" and len({s.context.trace_id for s in spans}) == 1
     a = root.attributes
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "tiny"
-    assert a["gen_ai.request.max_tokens"] == 6 and a["expertmesh.thinking.tier"] == "low"
+    assert a["gen_ai.request.max_tokens"] == 6 and a["expertmesh.chat.thinking.tier"] == "low"
     assert a["gen_ai.usage.input_tokens"] == r.usage.prompt_tokens
     assert a["gen_ai.usage.output_tokens"] == r.usage.completion_tokens
     assert a["gen_ai.usage.reasoning_tokens"] == r.usage.completion_tokens_details.reasoning_tokens
@@ -75,7 +75,7 @@ def test_one_request_one_trace_with_the_expected_tree(server):
 def test_a_prefill_to_decode_hand_off_is_traced_under_its_request(server):
     """router/engine.py: `kv.handoff` under the request's root, the prefill worker's `kv.send` inside it (bytes,
     tokens), then the decode worker's steps."""
-    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.wire.sampling_params import SamplingParams
     split = build_local_engine(server[1].attention[0]._client.ckpt, prefill_chunk=16, prefill_workers=1)
     try:
         EXPORTER.clear()
@@ -124,7 +124,7 @@ def test_metrics_agree_with_usage(server):
 
 def test_a_restore_from_a_lower_kv_tier_is_a_span(server):
     """worker/attention.py copies a prefix back from host / disk inside a `kv.restore` span: tier, bytes, tokens."""
-    from expertmesh.sampling_params import SamplingParams
+    from expertmesh.wire.sampling_params import SamplingParams
     engine = server[1]
     engine.generate([(5 * j + 1) % 256 for j in range(40)], SamplingParams(max_tokens=2))
     w = engine.attention[0]._client

@@ -1,15 +1,15 @@
-"""expertmesh/thinking.py: the thinking section bounded where tokens are sampled — the state machine alone, its
+"""expertmesh/chat/thinking.py: the thinking section bounded where tokens are sampled — the state machine alone, its
 wire form, and the Sampler running it with a grammar that starts where thinking ends."""
 import random
 
 import pytest
 import torch
 
-from expertmesh.grammar import json_schema_grammar, ll_tokenizer
-from expertmesh.sampling import Sampler
-from expertmesh.sampling_params import SamplingParams, thinking_from_proto, thinking_to_proto
-from expertmesh.thinking import ThinkingControl, ThinkingState
-from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.chat.grammar import json_schema_grammar, ll_tokenizer
+from expertmesh.model.sampling import Sampler
+from expertmesh.wire.sampling_params import SamplingParams, thinking_from_proto, thinking_to_proto
+from expertmesh.chat.thinking import ThinkingControl, ThinkingState
+from expertmesh.chat.tokenizer import ByteTokenizer
 
 START, CLOSE, THINK, SEP, OPEN, RESP, EOT, EOS, ROLE = 300, 301, 302, 303, 304, 305, 306, 307, 308
 K3_CLOSE = (CLOSE, THINK, SEP, OPEN, RESP, SEP)
@@ -122,6 +122,6 @@ def test_the_sampler_cuts_thinking_and_starts_the_grammar_after_the_close():
     (["user", "assistant", "tool", "assistant", "user"], "high"),    # a new task after a finished tool loop
     ([], "high")])
 def test_the_auto_tier_plans_new_tasks_high_and_tool_rounds_low(roles, tier):
-    from expertmesh.thinking import auto_tier
+    from expertmesh.chat.thinking import auto_tier
     got, why = auto_tier(roles)
     assert got == tier and why

@@ -6,10 +6,10 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.entry.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_health_port_is_plaintext_health_only_while_the_worker_port_requires_mtl
     SERVING; the same raw client is refused on the worker's real port, and the health port serves nothing else."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from expertmesh.tls import ephemeral_pki, server_tls_from_dir
+    from expertmesh.runtime.tls import ephemeral_pki, server_tls_from_dir
     from expertmesh.worker.server import serve, shutdown
     ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
     server = serve("expert", ck, 0, tls=server_tls_from_dir(ephemeral_pki(tmp_path / "pki")), health_port=0)

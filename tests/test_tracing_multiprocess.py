@@ -9,9 +9,9 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.entry.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

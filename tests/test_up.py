@@ -5,13 +5,13 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.checkpoint import Checkpoint, create_checkpoint
-from expertmesh.config import preset
-from expertmesh.model import generate
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.tokenizer import ByteTokenizer
-from expertmesh.up import LocalCluster, free_port
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.entry.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, N_TOKENS = 16, 32
@@ -56,7 +56,7 @@ def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
     (1, 1, 0, "grpc"), (1, 2, 0, "grpc"), (2, 3, 2, "grpc"),
     (1, 2, 0, "collective"), (2, 3, 2, "collective")])          # the same layouts over torch.distributed pairs
 def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant, transport):
-    from expertmesh.worker_clients import RemoteExpert
+    from expertmesh.wire.clients import RemoteExpert
     prompts, ref = reference
     grpc_port = free_port()
     with LocalCluster(ckpt_dir, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
@@ -153,7 +153,7 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
     import sys
     import time
     http, grpc_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "expertmesh.cli", "up", "--checkpoint", str(ckpt_dir),
+    up = subprocess.Popen([sys.executable, "-m", "expertmesh.entry.cli", "up", "--checkpoint", str(ckpt_dir),
                            "--expert-workers", "2", "--http-port", str(http), "--grpc-port", str(grpc_port),
                            "--", "--max-context", "384"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -219,7 +219,7 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
 
 
 def test_router_options_after_the_double_dash_are_checked_before_anything_starts(capsys):
-    from expertmesh.up import router_options
+    from expertmesh.entry.up import router_options
     assert router_options(["--", "--max-context", "384", "--image-fetch-allow=example.org"]) == [
         "--max-context", "384", "--image-fetch-allow=example.org"]
     assert router_options([]) == []
@@ -241,7 +241,7 @@ def test_default_expert_workers_one_per_two_cores(monkeypatch):
     """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one and
     at least --expert-replicas."""
     import os
-    from expertmesh.up import add_arguments, default_expert_workers
+    from expertmesh.entry.up import add_arguments, default_expert_workers
     assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
     assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]      # --expert-replicas R
     assert default_expert_workers(16, replicas=2) == 8

@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from expertmesh.checkpoint import create_checkpoint
-from expertmesh.config import preset
-from expertmesh.model import Transformer
-from expertmesh.up import LocalCluster, free_port
-from expertmesh.vision import encode_image
+from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.model.config import preset
+from expertmesh.model.transformer import Transformer
+from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.model.vision import encode_image
 
 KEY = "sk-vision-test"
 SIDE = 112                        # 8×8 patches → 4×4 = 16 image tokens on the tiny encoder

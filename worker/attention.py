@@ -19,22 +19,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh import memory, telemetry
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.config import ModelConfig
-from expertmesh.grammar import ll_tokenizer
+from expertmesh.model import memory
+
+from expertmesh.runtime import telemetry
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.model.config import ModelConfig
+from expertmesh.chat.grammar import ll_tokenizer
 from expertmesh.kernels import cpu_warmup
-from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
-from expertmesh.model import ResidualStream, Segment, SequenceCache, Transformer, materialize_
-from expertmesh.sampling import Sampler
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.tokenizer import load_tokenizer
-from expertmesh.vision import SequenceImages
+from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.model.transformer import ResidualStream, Segment, SequenceCache, Transformer, materialize_
+from expertmesh.model.sampling import Sampler
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.chat.tokenizer import load_tokenizer
+from expertmesh.model.vision import SequenceImages
 from expertmesh.worker.exchange import ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
 from expertmesh.worker.threads import DecodeThreads
-from expertmesh.worker_api import (
+from expertmesh.wire.worker_api import (
     HandOffFailed,
     HandOffResult,
     NotConnected,
@@ -170,7 +172,7 @@ class AttentionWorker:
         threading.Thread(target=self._merger, name="handoff-merge", daemon=True).start()
 
     def memory(self):
-        """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from memory.py."""
+        """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from model/memory.py."""
         mem = memory.WorkerMemory()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(

@@ -60,7 +60,7 @@ import uuid
 
 import torch
 
-from expertmesh.worker_api import (
+from expertmesh.wire.worker_api import (
     ExpertRequestError,
     NotFound,
     OutOfBlocks,
@@ -604,7 +604,7 @@ class CollectiveAttention(_PairClient):
                         reserve_tokens: int, owner: str = "", identity: str = "") -> int:
         group = self.group
         if group is not None:
-            from expertmesh.kv_snapshot import encode
+            from expertmesh.wire.kv_snapshot import encode
             cache = encode(seq_id, identity, snap)
             header = self.remote.import_header(seq_id, params, len(cache), sampler_state, observed,
                                                reserve_tokens=reserve_tokens, owner=owner)

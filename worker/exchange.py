@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertmesh import telemetry
+from expertmesh.runtime import telemetry
 from expertmesh.kernels.moe.combine import fold_rows, present_groups, sort_slots
-from expertmesh.replica_table import ReplicaTable
+from expertmesh.placement.replica_table import ReplicaTable
 
 log = logging.getLogger("expertmesh.worker")
 

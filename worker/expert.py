@@ -15,14 +15,14 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from expertmesh import memory
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.config import ModelConfig
+from expertmesh.model import memory
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.model.config import ModelConfig
 from expertmesh.kernels import cpu_warmup
 from expertmesh.kernels.moe.combine import group_partials
-from expertmesh.model import RoutedExperts
+from expertmesh.model.transformer import RoutedExperts
 from expertmesh.worker.threads import DecodeThreads
-from expertmesh.worker_api import ExpertRequestError, UnknownExpert
+from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
 
 
 class ExpertWorker:
@@ -31,7 +31,7 @@ class ExpertWorker:
                  step_tokens: int | None = None, max_call_bytes: int = 256 * 2 ** 20, decode_threads: int | None = None):
         """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan). `gpu_of`: the
         plan's GPU index of each pair (default 0): on cuda GPU g's experts live on cuda:g (one process per pod,
-        one device rank per GPU — see expertmesh/memory.py), on cpu all on the one device, on meta nowhere
+        one device rank per GPU — see expertmesh/model/memory.py), on cpu all on the one device, on meta nowhere
         (`checkpoint` may then be a ModelConfig: nothing is read). Experts stay packed in MXFP4 (uint8 blocks +
         E8M0 scales) and are multiplied from the packed form; calls are cut into pieces of `step_tokens` tokens
         so the workspace stays within memory.expert_workspace_bytes. `decode_threads`: torch threads for calls of

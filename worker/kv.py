@@ -10,9 +10,9 @@ import threading
 
 import torch
 
-from expertmesh.config import ModelConfig
-from expertmesh.model import CachePages
-from expertmesh.worker_api import OutOfBlocks
+from expertmesh.model.config import ModelConfig
+from expertmesh.model.transformer import CachePages
+from expertmesh.wire.worker_api import OutOfBlocks
 
 
 class BlockPool:

@@ -7,7 +7,7 @@ oldest entries down (host → disk → dropped); the keys finally dropped are re
 The order inside a tier is the order the router demoted in, which follows its session-aware policy
 (router/eviction.py): the least valuable prefix entered first and leaves first.
 
-Disk files (one per prefix, `<sha256(key)[:40]>.kv`, in expertmesh/kv_snapshot.py's format, the worker's
+Disk files (one per prefix, `<sha256(key)[:40]>.kv`, in expertmesh/wire/kv_snapshot.py's format, the worker's
 `identity` being model config + dtype + block size), written to a temporary name then renamed (a crash leaves no
 half file under the real name). A file whose header does not parse, whose identity or key differ, whose payload is short or whose
 checksum fails is deleted and counted (`rejected`), never served. On CUDA the host tier holds pinned memory and the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from expertmesh.kv_snapshot import CorruptFile, PrefixSnapshot, decode, encode, read_header
+from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, decode, encode, read_header
 
 log = logging.getLogger("expertmesh.worker")
 

@@ -7,7 +7,7 @@ exceptions → status codes (the message, which names the field, goes along as t
   OutOfBlocks → RESOURCE_EXHAUSTED,  HandOffFailed → ABORTED,  anything else → INTERNAL (logged with its
   traceback).
 Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, new calls are refused, in-flight ones get `--grace` seconds;
-the process ends `--grace` + 5 s after the signal whatever is still running (expertmesh/shutdown.py).
+the process ends `--grace` + 5 s after the signal whatever is still running (expertmesh/runtime/shutdown.py).
 """
 from __future__ import annotations
 
@@ -26,22 +26,24 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from expertmesh import memory, telemetry
-from expertmesh.argtypes import check_kv_tiers, positive_int
-from expertmesh.checkpoint import Checkpoint
-from expertmesh.config import ModelConfig, preset
-from expertmesh.health_port import serve_health_only
+from expertmesh.model import memory
+
+from expertmesh.runtime import telemetry
+from expertmesh.runtime.argtypes import check_kv_tiers, positive_int
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.model.config import ModelConfig, preset
+from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.kernels.dsa import cpu_kernel as dsa_cpu_kernel
 from expertmesh.kernels.moe import cpu_kernel
-from expertmesh.memory import WorkerMemory
-from expertmesh.plan import PlacementPlan
+from expertmesh.model.memory import WorkerMemory
+from expertmesh.placement.plan import PlacementPlan
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.reflection import enable_reflection
-from expertmesh.replica_table import ReplicaTable
-from expertmesh.sampling_params import sampling_from_proto, thinking_from_proto
-from expertmesh.shutdown import exit_after, stop_on_signals
-from expertmesh.tensors import from_proto, to_proto
-from expertmesh.tls import ClientTLS, ServerTLS
+from expertmesh.runtime.reflection import enable_reflection
+from expertmesh.placement.replica_table import ReplicaTable
+from expertmesh.wire.sampling_params import sampling_from_proto, thinking_from_proto
+from expertmesh.runtime.shutdown import exit_after, stop_on_signals
+from expertmesh.wire.tensors import from_proto, to_proto
+from expertmesh.runtime.tls import ClientTLS, ServerTLS
 from expertmesh.worker.attention import POOLS, AttentionWorker
 from expertmesh.worker.collective import (
     BACKENDS,
@@ -52,8 +54,8 @@ from expertmesh.worker.collective import (
 )
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
-from expertmesh.kv_snapshot import CorruptFile, decode
-from expertmesh.worker_api import (
+from expertmesh.wire.kv_snapshot import CorruptFile, decode
+from expertmesh.wire.worker_api import (
     HandOffFailed,
     ImageSpan,
     NotConnected,
@@ -62,7 +64,7 @@ from expertmesh.worker_api import (
     StepSegment,
     UnknownExpert,
 )
-from expertmesh.worker_clients import RemoteAttention, RemoteExpert
+from expertmesh.wire.clients import RemoteAttention, RemoteExpert
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -128,7 +130,7 @@ def _rpc(method):
 class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     def __init__(self, worker, expert_tls=None, handoff_timeout: float = 60.0, max_handoff_bytes: int = 64 * 2 ** 30,
                  collective=None):
-        """`expert_tls`: expertmesh.tls.ClientTLS for the calls to expert workers, and to the attention workers
+        """`expert_tls`: expertmesh.runtime.tls.ClientTLS for the calls to expert workers, and to the attention workers
         this one hands sequences off to; `handoff_timeout`: the deadline of one such hand-off; `max_handoff_bytes`:
         the largest sequence cache this worker takes; `collective`: worker/collective.CollectiveServer (with
         --collective-port): hand-offs sent to this worker over torch.distributed pairs."""
@@ -414,7 +416,7 @@ def build_workers(role: str, checkpoint, *, assignment=None, gpu_of=None, kv_blo
                   lease_seconds: float = 30.0, kv_tiers: dict | None = None, pool: str = "mixed",
                   decode_threads: int | None = None):
     """The (attention, expert) worker objects of `role` (None where the role has none), on `device` (see
-    expertmesh/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
+    expertmesh/model/memory.py: devices, dtypes, the process model). `checkpoint`: a directory, a Checkpoint, or on
     --device meta a ModelConfig (nothing read). `gpu_of`: the plan's GPU of each (layer, expert) held.
     `kv_tiers`: the attention role's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
     `decode_threads`: torch threads for decode-sized work that overlaps the other role's (worker/threads.py)."""

@@ -1,6 +1,6 @@
 """Row norms and rotary embeddings in PyTorch: the readable reference of the CPU kernel (cpu_kernel.py) and the
 path everywhere it does not run (GPU, fp16 / fp64 inputs, autograd, the kernel off or not built). These are the
-bodies `expertmesh/model.py` had before the kernel, moved as they were.
+bodies `expertmesh/model/transformer.py` had before the kernel, moved as they were.
 
     rms_norm(x, weight, eps)           y = x · rsqrt(mean(x²) + eps) · weight          (fp32 math, x's dtype out)
     layer_norm(x, weight, bias, eps)   c = x − mean(x);  y = c · rsqrt(mean(c²) + eps) · weight + bias

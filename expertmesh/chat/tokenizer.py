@@ -14,7 +14,7 @@ All offer the one small interface the router and the chat formats use:
 Synthetic checkpoints have no tokenizer.json and use the byte tokenizer: ids 0..255 are the bytes of the UTF-8
 text, the special tokens follow. Every tokenizer also gives each id's bytes (`decode_bytes`: what the id adds to
 decoded text, b"" for a special token) and its special tokens (`id_to_special`), which constrained decoding
-(expertmesh/grammar.py) reads.
+(expertmesh/chat/grammar.py) reads.
 """
 from __future__ import annotations
 
@@ -292,7 +292,7 @@ class CheckpointTokenizer(NamedSpecials):
         """The bytes `ids` decode to, token by token: a byte-level BPE token through GPT-2's byte ↔ character
         table (a token may hold part of a UTF-8 character), a SentencePiece byte-fallback token (`<0x0A>`) as its
         byte and ▁ as a space, an added token that is not special as its text; a special token (and an id outside
-        the vocabulary) as nothing. Constrained decoding (grammar.py) reads one id at a time."""
+        the vocabulary) as nothing. Constrained decoding (chat/grammar.py) reads one id at a time."""
         table = self._id_bytes
         return b"".join(table[i] for i in map(int, ids) if 0 <= i < len(table))
 

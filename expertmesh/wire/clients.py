@@ -1,13 +1,13 @@
 """gRPC clients of the workers, with the same methods, return types and exceptions as the in-process workers
 (worker/attention.py's AttentionWorker, worker/expert.py's ExpertWorker), so the router's engine and the attention
-workers' expert exchange use either without knowing which. The types are those of expertmesh/worker_api.py.
+workers' expert exchange use either without knowing which. The types are those of expertmesh/wire/worker_api.py.
 
 Status codes map back to the workers' exceptions (the server sends the local message as the details):
   INVALID_ARGUMENT → WorkerError / ExpertRequestError,  NOT_FOUND → NotFound / UnknownExpert,
   RESOURCE_EXHAUSTED → OutOfBlocks (attention),  UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED → WorkerUnavailable,
   anything else → RemoteError. Every call carries a deadline (`timeout` seconds).
 
-No torch here: arrays travel as numpy (wire_arrays.py). Only the expert data path (`RemoteExpert.run`, called by
+No torch here: arrays travel as numpy (wire/arrays.py). Only the expert data path (`RemoteExpert.run`, called by
 attention workers) moves torch tensors, and imports the torch codec when it is called.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh import telemetry
+from expertmesh.runtime import telemetry
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.sampling_params import sampling_to_proto, thinking_to_proto
-from expertmesh.wire_arrays import array_from_proto, array_to_proto
-from expertmesh.worker_api import (
+from expertmesh.wire.sampling_params import sampling_to_proto, thinking_to_proto
+from expertmesh.wire.arrays import array_from_proto, array_to_proto
+from expertmesh.wire.worker_api import (
     ExpertRequestError,
     HandOffFailed,
     HandOffResult,
@@ -56,7 +56,7 @@ class _Client:
         self.bytes_sent = self.bytes_received = 0
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        if tls is not None:          # expertmesh.tls.ClientTLS: verify the worker, present our certificate
+        if tls is not None:          # expertmesh.runtime.tls.ClientTLS: verify the worker, present our certificate
             self.channel = grpc.secure_channel(address, tls.credentials(), options=options + tls.options())
         else:
             self.channel = grpc.insecure_channel(address, options=options)
@@ -219,7 +219,7 @@ class RemoteAttention(_Client):
         """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors),
         streamed: the header, then the cache as a KV-tier file (`identity`: the sender's model and dtype) in pieces
         of HANDOFF_PIECE_BYTES."""
-        from expertmesh.kv_snapshot import encode     # torch: the attention workers' path, never the router's
+        from expertmesh.wire.kv_snapshot import encode     # torch: the attention workers' path, never the router's
         cache = encode(seq_id, identity, snap)
         header = self.import_header(seq_id, params, len(cache), sampler_state, observed,
                                     reserve_tokens=reserve_tokens, owner=owner)
@@ -268,7 +268,7 @@ class RemoteExpert(_Client):
         """ExpertWorker.run over gRPC (torch tensors in and out; out_dtype default float32): → [R, H] per-(row,
         group) partial sums."""
         # torch only here, the attention workers' data path: the router process never imports it
-        from expertmesh.tensors import from_proto, to_proto
+        from expertmesh.wire.tensors import from_proto, to_proto
         out = "float32" if out_dtype is None else str(out_dtype).removeprefix("torch.")
         req = worker_pb2.RunExpertsRequest(layer=layer, hidden=to_proto(hidden, "hidden"),
                                            expert_ids=to_proto(expert_ids, "expert_ids"),

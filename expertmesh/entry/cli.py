@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from expertmesh.argtypes import nonnegative_int, positive_int
+from expertmesh.runtime.argtypes import nonnegative_int, positive_int
 
 
 def _table(rows: list[tuple[str, str]], headers: tuple[str, str] = ("figure", "value")) -> str:
@@ -18,7 +18,7 @@ def _table(rows: list[tuple[str, str]], headers: tuple[str, str] = ("figure", "v
 
 # ----------------------------------------------------------------------------------------------- model
 def cmd_model_describe(args) -> int:
-    from expertmesh.config import preset
+    from expertmesh.model.config import preset
     cfg = preset(args.preset)
     if args.json:
         print(json.dumps({"config": cfg.model_dump(), "total_params": cfg.total_params,
@@ -33,8 +33,8 @@ def cmd_model_describe(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 def cmd_checkpoint_create(args) -> int:
-    from expertmesh.checkpoint import create_checkpoint
-    from expertmesh.config import preset
+    from expertmesh.checkpoint.loader import create_checkpoint
+    from expertmesh.model.config import preset
     cfg = preset(args.preset)
     out = create_checkpoint(cfg, args.out, seed=args.seed, layers_per_shard=args.layers_per_shard, progress=True)
     print(f"wrote {cfg.name} checkpoint (seed {args.seed}) to {out}")
@@ -42,7 +42,7 @@ def cmd_checkpoint_create(args) -> int:
 
 
 def cmd_checkpoint_convert(args) -> int:
-    from expertmesh.convert import convert_checkpoint
+    from expertmesh.checkpoint.convert import convert_checkpoint
     r = convert_checkpoint(args.src, args.out, progress=True)
     print(f"wrote {r.out}: {r.shards} shards ({r.skipped} already done), read {r.bytes_read / 1e9:.3f} GB, "
           f"wrote {r.bytes_written / 1e9:.3f} GB in {r.seconds:.1f} s ({r.gb_per_s:.3f} GB/s read)")
@@ -50,7 +50,7 @@ def cmd_checkpoint_convert(args) -> int:
 
 
 def cmd_checkpoint_inspect(args) -> int:
-    from expertmesh.checkpoint import inspect_checkpoint
+    from expertmesh.checkpoint.loader import inspect_checkpoint
     info = inspect_checkpoint(args.dir)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -76,10 +76,10 @@ def cmd_checkpoint_inspect(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
-    from expertmesh.checkpoint import Checkpoint, default_checkpoint
-    from expertmesh.model import generate
-    from expertmesh.sampling_params import SamplingParams
-    from expertmesh.tokenizer import load_tokenizer
+    from expertmesh.checkpoint.loader import Checkpoint, default_checkpoint
+    from expertmesh.model.transformer import generate
+    from expertmesh.wire.sampling_params import SamplingParams
+    from expertmesh.chat.tokenizer import load_tokenizer
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
     model = Checkpoint(path).load_model(dense_attention=args.dense)
     tok = load_tokenizer(path)
@@ -138,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     u = sub.add_parser("up", help="run router + workers locally as processes (the embedded default)")
-    from expertmesh import up as up_mod
+    from expertmesh.entry import up as up_mod
     up_mod.add_arguments(u)
     u.set_defaults(func=up_mod.run_up)
 
     ch = sub.add_parser("chat", help="chat with a running router (streams; interactive without a prompt)")
-    from expertmesh import chat_cli
+    from expertmesh.entry import chat_cli
     chat_cli.add_arguments(ch)
     ch.set_defaults(func=chat_cli.run)
 
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fe = sub.add_parser("fetch", help="fetch a checkpoint (http(s)://, hf://) into a cache directory, every file "
                                       "verified by sha256 (the pods' init container)")
-    from expertmesh import fetch as fetch_mod
+    from expertmesh.checkpoint import fetch as fetch_mod
     fetch_mod.add_arguments(fe)
     fe.set_defaults(func=fetch_mod.run)
 
@@ -189,11 +189,11 @@ def _set_threads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from expertmesh.shutdown import die_with_parent
+    from expertmesh.runtime.shutdown import die_with_parent
     die_with_parent()              # a child of `up`: gone with it
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["fetch"]:  # the pods' init container: no torch, starts in a fraction of a second
-        from expertmesh.fetch import main as fetch_main
+        from expertmesh.checkpoint.fetch import main as fetch_main
         return int(fetch_main(argv[1:]) or 0)
     if argv[:1] in (["generate"], ["checkpoint"]):
         _set_threads()

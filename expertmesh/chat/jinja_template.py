@@ -37,7 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from expertmesh.chat import (
+from expertmesh.chat.format import (
     ChatError,
     ChatMarkers,
     Message,
@@ -50,9 +50,9 @@ from expertmesh.chat import (
     tool_call_id,
     validate_history,
 )
-from expertmesh.tokenizer import CheckpointTokenizer, read_json
+from expertmesh.chat.tokenizer import CheckpointTokenizer, read_json
 
-log = logging.getLogger("expertmesh.chat_template")
+log = logging.getLogger("expertmesh.chat.jinja_template")
 
 MARK_START, MARK_END = "\U000f0000", "\U000f0001"   # transformers' private-use marks around sanitized tokens
 THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|think|>", "<|/think|>"))

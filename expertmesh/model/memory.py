@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh.checkpoint import expected_tensors, is_routed_expert
-from expertmesh.config import ModelConfig
+from expertmesh.checkpoint.loader import expected_tensors, is_routed_expert
+from expertmesh.model.config import ModelConfig
 from expertmesh.kernels.moe import dequant_cache
-from expertmesh.model import FP32_PARAMETERS
+from expertmesh.model.transformer import FP32_PARAMETERS
 
 DEVICES = ("cuda", "cpu", "meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

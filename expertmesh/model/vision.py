@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.config import VisionConfig
-from expertmesh.worker_api import ImageEncode, ImageSpan
+from expertmesh.model.config import VisionConfig
+from expertmesh.wire.worker_api import ImageEncode, ImageSpan
 
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5    # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
 

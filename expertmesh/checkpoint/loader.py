@@ -3,7 +3,7 @@
 Two layouts load through one `Checkpoint`:
   - the native layout below (what `expertmesh checkpoint create` writes);
   - Hugging Face directories of the published relatives (config.json model_type `kimi_linear` or
-    `deepseek_v32`), their names, dtypes and expert layouts mapped by `expertmesh.hf_layout`.
+    `deepseek_v32`), their names, dtypes and expert layouts mapped by `expertmesh.checkpoint.hf_layout`.
 
 Native layout of a checkpoint directory:
   config.json                        the ModelConfig
@@ -37,11 +37,11 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from expertmesh.checkpoint_config import is_hugging_face, mapped_config_error, native_config, read_raw_config
-from expertmesh.checkpoint_files import CONFIG_FILE, INDEX_FILE, CheckpointError, read_header
-from expertmesh.config import ModelConfig, preset
-from expertmesh.hf_layout import HFLayout
-from expertmesh.model import RoutedExperts, Transformer, init_random_, materialize_, module_shapes, stored_dtype
+from expertmesh.checkpoint.config import is_hugging_face, mapped_config_error, native_config, read_raw_config
+from expertmesh.checkpoint.files import CONFIG_FILE, INDEX_FILE, CheckpointError, read_header
+from expertmesh.model.config import ModelConfig, preset
+from expertmesh.checkpoint.hf_layout import HFLayout
+from expertmesh.model.transformer import RoutedExperts, Transformer, init_random_, materialize_, module_shapes, stored_dtype
 
 FORMAT = "expertmesh-mxfp4"
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"   # synthetic ones, per preset

@@ -1,7 +1,7 @@
 """A checkpoint directory's model config, read without tensors or torch: native (`config.json` in this project's
-format) or a Hugging Face directory of a published relative (its config.json mapped by hf_config.py, with the
+format) or a Hugging Face directory of a published relative (its config.json mapped by checkpoint/hf_config.py, with the
 safetensors headers for the optional tensors it implies). The router, which holds no weights, needs no more; the
-weight loader (checkpoint.py) reads its config the same way and then checks every tensor.
+weight loader (checkpoint/loader.py) reads its config the same way and then checks every tensor.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from expertmesh.checkpoint_files import CONFIG_FILE, CheckpointError, safetensors_headers
-from expertmesh.config import ModelConfig, load_config
-from expertmesh.hf_config import config_from_hf
+from expertmesh.checkpoint.files import CONFIG_FILE, CheckpointError, safetensors_headers
+from expertmesh.model.config import ModelConfig, load_config
+from expertmesh.checkpoint.hf_config import config_from_hf
 
 
 def read_raw_config(path: Path) -> dict:

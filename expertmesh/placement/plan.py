@@ -1,6 +1,6 @@
 """The placement-plan schema: which (layer, expert) shards each GPU of each expert worker holds.
 
-Shared by the planner (`expertmesh.planner`, which makes plans), the operator (which stores a plan in
+Shared by the planner (`expertmesh.placement.planner`, which makes plans), the operator (which stores a plan in
 a ConfigMap and puts `plan_hash()` on pods as an annotation), expert workers (`experts_of(ordinal)`: what to
 load) and the router (`replicas(layer, expert)`: where to send tokens).
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from expertmesh.protos import sampling_pb2, worker_pb2
-from expertmesh.thinking import ThinkingControl
+from expertmesh.chat.thinking import ThinkingControl
 
 MAX_SEED = 2 ** 63 - 1
 MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
@@ -60,11 +60,11 @@ class SamplingParams:
     # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
     logprobs: int | None = None          # of each generated token, with this many top alternatives
     prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
-    # constrained decoding (expertmesh/grammar.py): an llguidance grammar the output follows, from the token after
+    # constrained decoding (expertmesh/chat/grammar.py): an llguidance grammar the output follows, from the token after
     # the first `grammar_after_token` in the output (the end of thinking), or from the first token when None
     grammar: str | None = None
     grammar_after_token: int | None = None
-    # a chat turn's thinking section (expertmesh/thinking.py): counted, cut at its limit and closed whole by the
+    # a chat turn's thinking section (expertmesh/chat/thinking.py): counted, cut at its limit and closed whole by the
     # sampler; with it, a grammar applies from the answer's first token (grammar_after_token unused). Not part of
     # the public SamplingParams message: workers get it in OpenSequence.
     thinking: ThinkingControl | None = None

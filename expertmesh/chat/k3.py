@@ -74,7 +74,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from expertmesh.chat import (
+from expertmesh.chat.format import (
     ChatError,
     ChatMarkers,
     Message,
@@ -86,9 +86,9 @@ from expertmesh.chat import (
     tool_call_id,
     validate_history,
 )
-from expertmesh.chat_template import arguments_value
-from expertmesh.grammar import JSON_OPTIONS
-from expertmesh.tokenizer import TokenizerError
+from expertmesh.chat.jinja_template import arguments_value
+from expertmesh.chat.grammar import JSON_OPTIONS
+from expertmesh.chat.tokenizer import TokenizerError
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 XTML_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)

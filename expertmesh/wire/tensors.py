@@ -1,5 +1,5 @@
 """torch tensors ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (DESIGN: "Tensors on the
-wire"), the workers' side of `expertmesh/wire_arrays.py` (same bytes, same checks) with bfloat16 as a dtype of its
+wire"), the workers' side of `expertmesh/wire/arrays.py` (same bytes, same checks) with bfloat16 as a dtype of its
 own. Decoding is exact (bitwise), so a remote call returns the same numbers as a local one."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from expertmesh.protos import tensor_pb2
-from expertmesh.wire_arrays import array_from_proto, array_to_proto
+from expertmesh.wire.arrays import array_from_proto, array_to_proto
 
 # wire name → torch dtype; bool travels as one byte per element (0 / 1)
 DTYPES: dict[str, torch.dtype] = {

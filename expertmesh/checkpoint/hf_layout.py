@@ -1,6 +1,6 @@
 """Hugging Face checkpoints of the published relatives, loaded as they are.
 
-A directory with `config.json` of a published relative (hf_config.py maps it to a ModelConfig: model types
+A directory with `config.json` of a published relative (checkpoint/hf_config.py maps it to a ModelConfig: model types
 `kimi_linear`, `deepseek_v32` and the Kimi Linear + DSA hybrid) and `*.safetensors` shards under the published
 tensor names; `tensor_names` maps our module names to the published names (first candidate present wins).
 
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from expertmesh.checkpoint_files import safetensors_headers
-from expertmesh.config import MXFP4_BLOCK, ModelConfig
-from expertmesh.hf_config import HFCheckpointError, config_from_hf, moe_prefix
+from expertmesh.checkpoint.files import safetensors_headers
+from expertmesh.model.config import MXFP4_BLOCK, ModelConfig
+from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf, moe_prefix
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
-from expertmesh.model import module_shapes
+from expertmesh.model.transformer import module_shapes
 
-log = logging.getLogger("expertmesh.checkpoint")
+log = logging.getLogger("expertmesh.checkpoint.loader")
 
 _FLOAT_DTYPES = {"F32", "BF16", "F16"}
 _FP8 = "F8_E4M3"

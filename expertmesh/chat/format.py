@@ -3,7 +3,7 @@ checkpoint's format).
 
 A chat format turns messages into prompt ids and generated ids back into reasoning, content and tool calls. Three
 exist: the built-in one below (byte tokenizer, synthetic checkpoints), a checkpoint's own Jinja chat template
-(`expertmesh.chat_template`) and Kimi K3's XTML format (`expertmesh.chat_k3`). The router sees only what they share:
+(`expertmesh.chat.jinja_template`) and Kimi K3's XTML format (`expertmesh.chat.k3`). The router sees only what they share:
 
     fmt.tokenizer, fmt.markers (ChatMarkers), fmt.supports_thinking, fmt.trim_whitespace
     fmt.render(messages, tools=..., thinking=..., thinking_effort=..., tool_choice=..., response_format=...)
@@ -39,8 +39,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from expertmesh.thinking import Phase, ThinkingControl
-from expertmesh.tokenizer import ByteTokenizer
+from expertmesh.chat.thinking import Phase, ThinkingControl
+from expertmesh.chat.tokenizer import ByteTokenizer
 
 
 
@@ -308,7 +308,7 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
 
 def thinking_control(m: ChatMarkers, phase: Phase, limit: int | None) -> ThinkingControl:
     """A chat format's markers, where its generation starts and the reasoning limit → what the attention worker's
-    sampler enforces (expertmesh/thinking.py): reasoning counted and cut at `limit` with the format's whole close
+    sampler enforces (expertmesh/chat/thinking.py): reasoning counted and cut at `limit` with the format's whole close
     (K3's is ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩), template tokens kept out of the answer. A format with no
     thinking section starts in the answer."""
     close = m.think_end_ids or ((m.think_end,) if m.think_end is not None else ())
@@ -341,7 +341,7 @@ def check_render_options(*, thinking_effort: str | None = None, tool_choice=None
 class ChatFormat(Protocol):
     """What the router needs of a chat format (BuiltinChat, chat_template.TemplateChat, chat_k3.K3Chat,
     chat_formats.NoChatTemplate)."""
-    tokenizer: object               # Byte- | Checkpoint- | TikTokenTokenizer: the interface in expertmesh.tokenizer
+    tokenizer: object               # Byte- | Checkpoint- | TikTokenTokenizer: the interface in expertmesh.chat.tokenizer
     markers: ChatMarkers
     supports_thinking: bool
     trim_whitespace: bool           # parse_output strips the whitespace around reasoning and content

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from expertmesh.tokenizer import VOCAB_SIZE, ByteTokenizer
+from expertmesh.chat.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 # kda: Kimi Delta Attention; mla: full multi-head latent attention (Kimi Linear's global layers); dsa: MLA whose
 # queries each attend only to the lightning indexer's top-k past tokens (DeepSeek-V3.2).
@@ -297,7 +297,7 @@ class ModelConfig(_Strict):
                                 "None: the plain residual stream")
     tie_word_embeddings: bool = False
     init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
-    vision: VisionConfig | None = Field(None, description="image input (expertmesh/vision.py); None: text only")
+    vision: VisionConfig | None = Field(None, description="image input (expertmesh/model/vision.py); None: text only")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -625,7 +625,7 @@ def preset(name: str) -> ModelConfig:
 
 def load_config(path) -> ModelConfig:
     """Read an expertmesh `config.json` (as written by `ModelConfig.model_dump_json`); Hugging Face configs are
-    mapped by `expertmesh.hf_layout`."""
+    mapped by `expertmesh.checkpoint.hf_layout`."""
     import json
     from pathlib import Path
     text = Path(path).read_text()

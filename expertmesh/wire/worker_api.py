@@ -1,6 +1,6 @@
 """The workers' services as their callers see them — the router, and the attention workers' expert exchange: what
 a scheduler step sends and gets back, and the errors each service answers with. Both the in-process workers and the
-gRPC clients (worker_clients.py) speak these types, so a caller never knows which it holds. Plain data: numeric
+gRPC clients (wire/clients.py) speak these types, so a caller never knows which it holds. Plain data: numeric
 fields are arrays (torch tensors from an in-process worker, numpy arrays off the wire — both have `.tolist()`), so
 a caller needs neither the model nor torch.
 

@@ -8,7 +8,7 @@ import sys
 
 import httpx
 
-from expertmesh.argtypes import positive_int
+from expertmesh.runtime.argtypes import positive_int
 
 
 def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, max_tokens: int, api_key: str | None,

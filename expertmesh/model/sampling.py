@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from expertmesh.grammar import Constraint, GrammarError
-from expertmesh.sampling_params import TINY_TEMPERATURE, check_sampling
-from expertmesh.thinking import ThinkingState
+from expertmesh.chat.grammar import Constraint, GrammarError
+from expertmesh.wire.sampling_params import TINY_TEMPERATURE, check_sampling
+from expertmesh.chat.thinking import ThinkingState
 
 
 class Sampler:
@@ -13,7 +13,7 @@ class Sampler:
     frequency penalties over the tokens generated so far (`observe`) — then greedy when temperature == 0 (or below
     TINY_TEMPERATURE), else temperature, top-k, min-p and top-p, and a draw from the sequence's own seeded generator.
 
-    With `params.thinking` (expertmesh/thinking.py) the drawn token may be overridden: the end of thinking forced
+    With `params.thinking` (expertmesh/chat/thinking.py) the drawn token may be overridden: the end of thinking forced
     at the tier's limit and completed when multi-token, a template token kept out of the answer.
 
     With `params.grammar` (constrained decoding) the sequence's own grammar matcher masks the logits once the

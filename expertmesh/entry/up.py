@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh.argtypes import check_kv_tiers, nonnegative_int, positive_int
-from expertmesh.checkpoint_config import checkpoint_config
-from expertmesh.config import ModelConfig
-from expertmesh.planner import ClusterShape, plan_placement
+from expertmesh.runtime.argtypes import check_kv_tiers, nonnegative_int, positive_int
+from expertmesh.checkpoint.config import checkpoint_config
+from expertmesh.model.config import ModelConfig
+from expertmesh.placement.planner import ClusterShape, plan_placement
 from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, add_arguments as router_arguments
-from expertmesh.shutdown import PARENT_ENV, stop_on_signals
-from expertmesh.tls import ephemeral_pki
+from expertmesh.runtime.shutdown import PARENT_ENV, stop_on_signals
+from expertmesh.runtime.tls import ephemeral_pki
 
 
 # ----------------------------------------------------------------------------------------------- placement
@@ -198,7 +198,7 @@ class LocalCluster:
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
-        cmd = [sys.executable, "-m", "expertmesh.cli", *args]
+        cmd = [sys.executable, "-m", "expertmesh.entry.cli", *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**self._env(name), **(env or {}), PARENT_ENV: str(os.getpid())},
                                 start_new_session=True)     # the child dies with us: shutdown.die_with_parent
@@ -400,7 +400,7 @@ def run_up(args) -> int:
         return 2
     if args.checkpoint is None:
         # torch only to write a synthetic checkpoint: the CLI builds up's parser for every command, the router's too
-        from expertmesh.checkpoint import default_checkpoint
+        from expertmesh.checkpoint.loader import default_checkpoint
         args.checkpoint = str(default_checkpoint(args.preset))
     checkpoint = args.checkpoint
     worker_tls = None
@@ -440,7 +440,7 @@ def run_up(args) -> int:
 
 def _device(value: str) -> str:
     # torch (is CUDA visible?) only when --device is given: the CLI builds up's parser for the router's command too
-    from expertmesh.memory import DeviceError, check_device
+    from expertmesh.model.memory import DeviceError, check_device
     try:
         kind = check_device(value)
     except DeviceError as e:

@@ -1,13 +1,13 @@
-"""Which chat format a checkpoint speaks (`load_chat`): Kimi K3's XTML format (chat_k3.py) for a K3 checkpoint,
-its own Jinja chat template with its tokenizer.json (chat_template.py), the built-in format over the byte tokenizer
-(chat.py) for synthetic checkpoints, or none — a tokenizer without a template serves completions only
+"""Which chat format a checkpoint speaks (`load_chat`): Kimi K3's XTML format (chat/k3.py) for a K3 checkpoint,
+its own Jinja chat template with its tokenizer.json (chat/jinja_template.py), the built-in format over the byte tokenizer
+(chat/format.py) for synthetic checkpoints, or none — a tokenizer without a template serves completions only
 (`NoChatTemplate`)."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from expertmesh.chat import (
+from expertmesh.chat.format import (
     BuiltinChat,
     ChatError,
     ChatFormat,
@@ -18,11 +18,11 @@ from expertmesh.chat import (
     check_render_options,
     split_reasoning,
 )
-from expertmesh.chat_k3 import XTML_TOKENS, K3Chat
-from expertmesh.chat_template import load_template_chat
-from expertmesh.tokenizer import ByteTokenizer, TikTokenTokenizer, TokenizerError, load_tokenizer, read_json
+from expertmesh.chat.k3 import XTML_TOKENS, K3Chat
+from expertmesh.chat.jinja_template import load_template_chat
+from expertmesh.chat.tokenizer import ByteTokenizer, TikTokenTokenizer, TokenizerError, load_tokenizer, read_json
 
-log = logging.getLogger("expertmesh.chat_formats")
+log = logging.getLogger("expertmesh.chat.load")
 
 
 class NoChatTemplate:

@@ -21,16 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.config import ActivationConfig, ModelConfig, RopeConfig
+from expertmesh.model.config import ActivationConfig, ModelConfig, RopeConfig
 from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
 from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import bmm, linear, linear_fused, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
-from expertmesh.sampling import Sampler
-from expertmesh.sampling_params import SamplingParams
-from expertmesh.vision import Projector, VisionTower, init_vision_
+from expertmesh.model.sampling import Sampler
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.model.vision import Projector, VisionTower, init_vision_
 
 # A KDA prefill of at least this many tokens runs the chunked form, shorter ones the recurrent form.
 # The rule depends only on the token count, so every deployment makes the same choice.
@@ -717,7 +717,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight       # one tensor: the checkpoint holds embed.weight only
-        if cfg.vision is not None:                        # image input (expertmesh/vision.py): kimi_k25's names
+        if cfg.vision is not None:                        # image input (expertmesh/model/vision.py): kimi_k25's names
             self.vision_tower = VisionTower(cfg.vision)
             self.mm_projector = Projector(cfg.vision, cfg.hidden_size)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from expertmesh.config import ModelConfig
-from expertmesh.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
+from expertmesh.model.config import ModelConfig
+from expertmesh.placement.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
 
 __all__ = ["ClusterShape", "PlanError", "LayerImbalance", "plan_placement", "replica_counts", "zipf_loads",
            "imbalance", "moved_shards", "pods_needed", "check_loads"]
@@ -339,7 +339,7 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
         raise ValueError(f"redundant_slots: expected an integer >= 0, found {redundant_slots!r}")
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
-    from expertmesh.memory import expert_slot_bytes, expert_workspace_bytes   # imports torch: only when planning
+    from expertmesh.model.memory import expert_slot_bytes, expert_workspace_bytes   # imports torch: only when planning
     arr = check_loads(cfg, loads)
     L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)   # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus
@@ -401,7 +401,7 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     if int(per_gpu.max()) * B + workspace > shape.gpu_memory_bytes:
         notes.append(f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
                      f"expert worker's per-device workspace ({workspace / GIB:.3g} GiB, "
-                     f"expertmesh.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve")
+                     f"expertmesh.model.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve")
     workers = tuple(
         WorkerPlacement(ordinal=p, gpus=tuple(
             GpuPlacement(gpu=g, shards=tuple(pairs[bounds[p * G + g]:bounds[p * G + g + 1]]),

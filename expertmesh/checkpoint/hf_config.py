@@ -1,6 +1,6 @@
 """config.json of the published relatives → ModelConfig (no tensors read; no torch): what a Hugging Face
 directory's model is, for the router (which needs the config only), the operator and the weight loader
-(expertmesh/hf_layout.py) alike.
+(expertmesh/checkpoint/hf_layout.py) alike.
 
 Model types: `kimi_linear` (Kimi Linear: KDA + NoPE MLA layers), `deepseek_v32` (DeepSeek-V3.2: MLA + lightning
 indexer on every layer), `kimi_k3` (Kimi K3: a wrapper whose `text_config` is Kimi Linear's with SiTU, attention
@@ -14,8 +14,8 @@ with): the KDA q/k L2-norm and the KDA output norm use `rms_norm_eps` (vLLM: a f
 """
 from __future__ import annotations
 
-from expertmesh.checkpoint_files import CheckpointError
-from expertmesh.config import (
+from expertmesh.checkpoint.files import CheckpointError
+from expertmesh.model.config import (
     MXFP4_BLOCK,
     ActivationConfig,
     IndexerConfig,
