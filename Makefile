@@ -1,5 +1,5 @@
 # make up    — run the system locally on the embedded default (tiny synthetic checkpoint)
-# make test  — create .venv if missing, install, run the whole test suite
+# make test  — create .venv if missing, install, check formatting and lint (ruff), run the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 # library's `operator` module when imported under that name, but nothing else from the root should shadow either.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install up test bench clean
+.PHONY: install up lint test bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ install: $(STAMP)
 up: install
 	$(VENV)/bin/expertmesh up --expert-workers 2
 
-test: install
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	scripts/install-tools.sh
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q
 

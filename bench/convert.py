@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.model.config import preset
 from expertmesh.checkpoint.convert import convert_checkpoint
 from expertmesh.checkpoint.hf_config import config_from_hf
 from expertmesh.checkpoint.hf_layout import tensor_names
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.model.config import preset
 from expertmesh.model.transformer import module_shapes
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 
 from expertmesh.checkpoint.loader import default_checkpoint
-from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import sequence_cache_bytes, write_json  # noqa: E402

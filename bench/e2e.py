@@ -110,8 +110,8 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
     import grpc
     import httpx
 
-    from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     cfg = Checkpoint(ckpt_dir).cfg
     grpc_port = free_port()
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
@@ -178,13 +178,13 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     import numpy as np
     import torch
 
+    from expertmesh.entry.up import LocalCluster, free_port
     from expertmesh.kernels.moe.combine import present_groups
     from expertmesh.model.transformer import route_tokens
     from expertmesh.placement.replica_table import ReplicaTable
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.wire.clients import RemoteExpert
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.exchange import ExpertExchange
-    from expertmesh.wire.clients import RemoteExpert
     cfg = Checkpoint(ckpt_dir).cfg
     E, layer = cfg.moe.n_routed_experts, cfg.moe_layers[0]
     cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-
 REL_TOL = 2e-2      # bf16 kernels vs their references (relative L2 error); more fails the run
 
 

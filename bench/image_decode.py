@@ -49,11 +49,11 @@ def run_mode(mode: str, side: int, requests: int) -> dict:
     import httpx
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-    from expertmesh.model.config import preset
     from expertmesh.entry.local import build_local_engine
+    from expertmesh.entry.up import free_port
+    from expertmesh.model.config import preset
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.router.image_decode import ImageDecoder, decode_pixels
-    from expertmesh.entry.up import free_port
     ck = create_checkpoint(preset("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0)
     engine = build_local_engine(Checkpoint(ck))
     decoder = ImageDecoder(2, processes=mode == "process")

@@ -82,7 +82,6 @@ def run(quick: bool, stat: str = "median") -> tuple[list[dict], list[dict]]:
                                  current_gflops=flop / t["current"] / 1e9, kernel_gflops=flop / t["kernel"] / 1e9,
                                  speedup=t["current"] / t["kernel"],
                                  diff_ulps=_ulps(fns["kernel"](), fns["current"]())))
-        del onednn, packed, w
     bmm_rows = []
     for B, K, N in BMM_SHAPES:
         w = (torch.randn(B, K, N, generator=gen) * K ** -0.5).bfloat16()

@@ -264,9 +264,9 @@ class InProcess:
 
     def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int,
                  max_waiting: int):
-        from expertmesh.router.http import build_app, serve_http
         from expertmesh.entry.local import build_local_engine
         from expertmesh.entry.up import free_port
+        from expertmesh.router.http import build_app, serve_http
         self.engine = build_local_engine(checkpoint, attention_workers=attention_workers,
                                          expert_workers=expert_workers, max_running=max_running,
                                          max_waiting=max_waiting)

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
 from expertmesh.model.config import preset
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.entry.local import build_local_engine
 
 PREFILL_CHUNK = 1024   # long prompts prefill in large chunks (the bench measures decode, not prefill)
 BLOCK_SIZE = 64

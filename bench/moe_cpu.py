@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import write_json  # noqa: E402
+
 from expertmesh.kernels.moe import cpu_kernel  # noqa: E402
 from expertmesh.kernels.mxfp4 import quantize_mxfp4  # noqa: E402
 

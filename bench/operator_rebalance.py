@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 from kube_harness import LocalNode  # noqa: E402
-from test_operator_kopf import NS, _uids as uids, eventually, operator, tiny_spec  # noqa: E402
+from test_operator_kopf import NS, eventually, operator, tiny_spec  # noqa: E402
+from test_operator_kopf import _uids as uids  # noqa: E402
 
 from expertmesh.checkpoint.loader import create_checkpoint  # noqa: E402
 from expertmesh.model.config import preset  # noqa: E402

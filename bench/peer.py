@@ -421,8 +421,8 @@ def build_inprocess(model_dir: Path, dtype: str):
     import torch
 
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
     from expertmesh.entry.up import default_expert_workers
+    from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
     experts = default_expert_workers()
     facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK,
              "prefill_tokens": DEFAULT_PREFILL_TOKENS, "expert_workers": experts}

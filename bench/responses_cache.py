@@ -22,10 +22,10 @@ from pathlib import Path
 import openai
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
-from expertmesh.router.http import build_app, serve_http
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
+from expertmesh.model.config import preset
+from expertmesh.router.http import build_app, serve_http
 
 SYSTEM = "You are a careful assistant; think step by step before answering. " * 4
 

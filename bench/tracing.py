@@ -24,9 +24,9 @@ def child(ckpt: str, mode: str, requests: int, tokens: int) -> None:
 
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+    from expertmesh.entry.local import build_local_engine
     from expertmesh.runtime import telemetry
     from expertmesh.wire.sampling_params import SamplingParams
-    from expertmesh.entry.local import build_local_engine
 
     class Sink(SpanExporter):
         def export(self, spans):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 

@@ -18,8 +18,8 @@ estimated at 56 MiB and peaks at 30 MiB in about 2 s.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from expertmesh.operator.spec import MoEDeploymentSpec, SpecError
 
@@ -119,7 +119,7 @@ def _args(child: dict) -> Iterable[tuple[str, str]]:
             yield c.get("name", "?"), arg
 
 
-def child_size_error(child: dict) -> Optional[str]:
+def child_size_error(child: dict) -> str | None:
     kind, name = child.get("kind"), (child.get("metadata") or {}).get("name", "")
     size = len(json.dumps(child, separators=(",", ":")).encode())
     if kind == "ConfigMap":

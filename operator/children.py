@@ -12,21 +12,45 @@ import hashlib
 import json
 import math
 import shlex
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
-from expertmesh.operator.naming import (CACHE_MOUNT, CHECKPOINT_MOUNT, COLLECTIVE_PORT, COMPONENT_ATTENTION,
-                                        COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER, FETCH_CONTAINER,
-                                        HEALTH_PORT, LABEL_COMPONENT, PLAN_DIR, PLAN_HASH_ANNOTATION,
-                                        PLAN_PATH, KV_DISK_MOUNT, TEMPLATE_HASH_ANNOTATION, WORKER_PORT,
-                                        WORKER_TLS_DIR, checkpoint_path, expert_name, labels, load_configmap_name,
-                                        network_policy_name, object_meta, plan_configmap_name, prefill_name,
-                                        router_name, selector_labels, statefulset_addresses, worker_tls_secret_name)
+from expertmesh.operator.naming import (
+    CACHE_MOUNT,
+    CHECKPOINT_MOUNT,
+    COLLECTIVE_PORT,
+    COMPONENT_ATTENTION,
+    COMPONENT_EXPERT,
+    COMPONENT_PREFILL,
+    COMPONENT_ROUTER,
+    FETCH_CONTAINER,
+    HEALTH_PORT,
+    KV_DISK_MOUNT,
+    LABEL_COMPONENT,
+    PLAN_DIR,
+    PLAN_HASH_ANNOTATION,
+    PLAN_PATH,
+    TEMPLATE_HASH_ANNOTATION,
+    WORKER_PORT,
+    WORKER_TLS_DIR,
+    checkpoint_path,
+    expert_name,
+    labels,
+    load_configmap_name,
+    network_policy_name,
+    object_meta,
+    plan_configmap_name,
+    prefill_name,
+    router_name,
+    selector_labels,
+    statefulset_addresses,
+    worker_tls_secret_name,
+)
 from expertmesh.operator.pools import DECODE, METRIC_SERIES, MIXED, PREFILL, Pool, PoolKV, attention_pools, spec_pool_kv
+from expertmesh.operator.router_salt import router_salt_volume
 from expertmesh.operator.spec import GIB, GPU_RESOURCE, KVDiskSpec, MoEDeploymentSpec
 from expertmesh.operator.validation import parse_quantity
-from expertmesh.operator.router_salt import router_salt_volume
 from expertmesh.operator.worker_tls import worker_tls_args
 
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
@@ -180,7 +204,7 @@ def attention_resources(workers, host_gib: float) -> dict:
     return out
 
 
-def kv_disk_volume(disk: Optional[KVDiskSpec]) -> tuple[list[dict], list[dict], list[dict]]:
+def kv_disk_volume(disk: KVDiskSpec | None) -> tuple[list[dict], list[dict], list[dict]]:
     """(volumes, mounts, volumeClaimTemplates) of an attention pool's disk tier: an emptyDir with a sizeLimit, a
     node directory, or a claim per pod."""
     if disk is None:
@@ -229,7 +253,7 @@ def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: 
     return out
 
 
-def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: Optional[list[Pool]] = None) -> list[str]:
+def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool] | None = None) -> list[str]:
     pools = pools or attention_pools(name, spec)
     return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
             *router_pool_args(name, namespace, spec, pools), "--host", "0.0.0.0",
@@ -294,7 +318,7 @@ def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: st
 
 
 def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg,
-                          pool: Optional[Pool] = None) -> dict:
+                          pool: Pool | None = None) -> dict:
     """An attention pool's StatefulSet (`pool`: default the attention workers' — pools.attention_pools): its pods run
     the attention worker for the pool's role, with its KV (pools.pool_kv), resources, tiers and replicas."""
     pool = pool or attention_pools(name, spec)[0]
@@ -396,7 +420,7 @@ def expert_pdb(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
 
 
 def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan,
-                      pools: Optional[list[Pool]] = None) -> dict:
+                      pools: list[Pool] | None = None) -> dict:
     r = spec.router
     env = _env(spec, "expertmesh-router", name)
     if r.api_key_secret_ref is not None:
@@ -439,7 +463,7 @@ def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
 
 
 def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str,
-                          pools: Optional[list[Pool]] = None) -> dict:
+                          pools: list[Pool] | None = None) -> dict:
     """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
     filter): the router the workers' gRPC port, every attention pool the expert workers' (the per-layer
     exchange and its control), the prefill pool the decode pool's (the hand-off of a prefilled sequence). With
@@ -473,7 +497,7 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
 
 
 def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan,
-                   observed: Optional[dict[str, int]] = None) -> list[dict]:
+                   observed: dict[str, int] | None = None) -> list[dict]:
     """Every child object, in apply order (the ConfigMap before the pods that mount it, a StatefulSet before its
     autoscaler). `observed`: component → the replicas of an autoscaled pool's StatefulSet now (pools.py: kept, not
     reset; the router lists that many)."""

@@ -23,8 +23,17 @@ from typing import Any
 import yaml
 
 from expertmesh.operator.naming import MAX_NAME_LENGTH, NAME_PATTERN, STATEFULSET_NAME_MAX
-from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION,
-                                      MoEDeploymentSpec, MoEDeploymentStatus)
+from expertmesh.operator.spec import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    MoEDeploymentSpec,
+    MoEDeploymentStatus,
+)
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "charts" / "expertmesh" / "crds" / f"{CRD_NAME}.yaml"
@@ -226,7 +235,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m expertmesh.operator.crd", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None, help=f"write the CRD here (default: stdout)")
+    p.add_argument("--out", type=Path, default=None, help="write the CRD here (default: stdout)")
     p.add_argument("--check", action="store_true",
                    help=f"compare with --out (default {DEFAULT_PATH.name} in the chart); exit 1 when stale")
     args = p.parse_args(argv)

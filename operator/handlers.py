@@ -32,31 +32,56 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any
 
 import aiohttp
 import kopf
 
 from expertmesh.checkpoint.fetch import parse_progress
-from expertmesh.operator.budget import (PLAN_MEMORY_BUDGET, PLAN_WORK_BUDGET, BudgetError, check_children,
-                                        check_plan_budget)
-from expertmesh.operator.children import (absent_children, build_children, load_configmap, revision,
-                                          template_hashes)
+from expertmesh.operator.budget import (
+    PLAN_MEMORY_BUDGET,
+    PLAN_WORK_BUDGET,
+    BudgetError,
+    check_children,
+    check_plan_budget,
+)
+from expertmesh.operator.children import absent_children, build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
-from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_PREFILL, FETCH_CONTAINER, LABEL_COMPONENT,
-                                        LABEL_INSTANCE, LABEL_MANAGED_BY, OPERATOR_NAME, POD_MANAGED_LABELS,
-                                        endpoints, load_configmap_name, load_url, name_error, plan_configmap_name,
-                                        router_salt_secret_name, worker_tls_secret_name)
+from expertmesh.operator.naming import (
+    COMPONENT_ATTENTION,
+    COMPONENT_PREFILL,
+    FETCH_CONTAINER,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    OPERATOR_NAME,
+    POD_MANAGED_LABELS,
+    endpoints,
+    load_configmap_name,
+    load_url,
+    name_error,
+    plan_configmap_name,
+    router_salt_secret_name,
+    worker_tls_secret_name,
+)
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.planning import PlanningFailed, PlanRunner
 from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.pools import attention_pools
-from expertmesh.operator.spec import (API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec,
-                                      resolve_model)
-from expertmesh.operator.status import (decide, failed_status, now_rfc3339, placement_status, seconds_since,
-                                        set_condition, summarize_plan, with_weights)
 from expertmesh.operator.router_salt import SALT_BYTES, router_salt_secret, shares_salt
+from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, parse_spec, resolve_model
+from expertmesh.operator.status import (
+    decide,
+    failed_status,
+    now_rfc3339,
+    placement_status,
+    seconds_since,
+    set_condition,
+    summarize_plan,
+    with_weights,
+)
 from expertmesh.operator.worker_tls import missing_hosts, worker_tls_hosts, worker_tls_secret
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import PlanError
@@ -86,7 +111,7 @@ class Deps:
     fetch_load: Callable[[str, float], Awaitable[dict]] = _fetch_load_http
     load_timeout: float = LOAD_TIMEOUT
     # the tail of a container's log (namespace, pod, container) → text; default: the API's pods/log
-    read_log: Optional[Callable[[str, str, str], Awaitable[str]]] = None
+    read_log: Callable[[str, str, str], Awaitable[str]] | None = None
     # per-resource state: one reconciliation at a time per MoEDeployment; plans parsed once per hash;
     # the last observed load (used when re-planning around a lost pod)
     locks: dict = field(default_factory=dict)
@@ -107,7 +132,7 @@ class Deps:
         return self.locks.setdefault(key, asyncio.Lock())
 
 
-def configure_settings(settings: kopf.OperatorSettings, peering_lifetime: Optional[int] = None) -> None:
+def configure_settings(settings: kopf.OperatorSettings, peering_lifetime: int | None = None) -> None:
     """Keep Kopf's bookkeeping in annotations under our prefix (status stays the CRD's structural status)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -140,7 +165,7 @@ async def _api(call: Awaitable, retry: int = 0):
         raise
 
 
-async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> Optional[PlacementPlan]:
+async def _read_plan(deps: Deps, namespace: str, name: str, retry: int = 0) -> PlacementPlan | None:
     cm = await _api(deps.kube.get("v1", "ConfigMap", namespace, plan_configmap_name(name)), retry)
     text = ((cm or {}).get("data") or {}).get("plan.json")
     if not text:
@@ -229,7 +254,7 @@ async def _delete_absent(deps: Deps, owner: dict, name: str, namespace: str, spe
 
 
 async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
-                          retry: int = 0, observed: Optional[dict[str, int]] = None) -> tuple[str, dict[str, str]]:
+                          retry: int = 0, observed: dict[str, int] | None = None) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
     pod-template hashes per component. BudgetError (nothing sent) when a child is larger than the API takes.
     `observed`: the autoscaled pools' replicas now (read here when not given): kept as they are."""
@@ -254,10 +279,10 @@ def _pods(index, namespace: str, name: str) -> list[PodInfo]:
         return []
 
 
-async def _fetch_progress(deps: Deps, namespace: str, pods: list[PodInfo]) -> dict[str, Optional[float]]:
+async def _fetch_progress(deps: Deps, namespace: str, pods: list[PodInfo]) -> dict[str, float | None]:
     """pod → the percentage of its checkpoint fetch, from the last progress line of its fetch container's log
     (None when the log cannot be read yet)."""
-    async def one(p: PodInfo) -> Optional[float]:
+    async def one(p: PodInfo) -> float | None:
         try:
             return parse_progress(await deps.read_log(namespace, p.name, FETCH_CONTAINER))
         except Exception:  # not started, gone, or the API refused: no figure this time
@@ -491,8 +516,8 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
 
 
 # ------------------------------------------------------------------------------------------------ registry
-def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Optional[Callable[..., Any]] = None,
-                   peering_lifetime: Optional[int] = None) -> kopf.OperatorRegistry:
+def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Callable[..., Any] | None = None,
+                   peering_lifetime: int | None = None) -> kopf.OperatorRegistry:
     """A fresh registry with every handler (no module-level state, so tests can run several operators).
 
     login: Kopf's authentication handler; default `kopf.login_via_client` (as kubectl: the pod's service

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import Optional
 
-import httpx2 as httpx   # lightkube's HTTP client
+import httpx2 as httpx  # lightkube's HTTP client
 from lightkube import ApiError, AsyncClient, KubeConfig, codecs
 from lightkube.config.models import Cluster, User
 from lightkube.generic_resource import create_namespaced_resource
@@ -31,7 +30,7 @@ MoEDeployment = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 
 
 class KubeError(Exception):
-    def __init__(self, status: Optional[int], message: str):
+    def __init__(self, status: int | None, message: str):
         super().__init__(f"{status or 'no response'}: {message}")
         self.status = status
 
@@ -59,12 +58,12 @@ class Kube:
         self._clients = weakref.WeakKeyDictionary()   # event loop → AsyncClient
 
     @classmethod
-    def from_environment(cls) -> "Kube":
+    def from_environment(cls) -> Kube:
         """Connect as kubectl does: the pod's service account in a cluster, else KUBECONFIG / ~/.kube/config."""
         return cls(KubeConfig.from_env())
 
     @classmethod
-    def for_url(cls, url: str) -> "Kube":
+    def for_url(cls, url: str) -> Kube:
         """A plain-HTTP API server without authentication (tests' in-memory emulator)."""
         return cls(KubeConfig.from_one(cluster=Cluster(server=url.rstrip("/")), user=User()))
 
@@ -88,7 +87,7 @@ class Kube:
         except httpx.HTTPError as e:  # connection refused, TLS, timeouts: no response at all
             raise KubeError(None, f"{what}: {type(e).__name__}: {e}") from None
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict]:
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
             obj = await self._call(f"GET {kind} {namespace}/{name}",
                                    self._client().get(resource(api_version, kind), name, namespace=namespace))

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Optional
 
-from expertmesh.operator.spec import (MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MAX_PREFILL_REPLICAS,
-                                      MoEDeploymentSpec)
+from expertmesh.operator.spec import (
+    MAX_ATTENTION_REPLICAS,
+    MAX_EXPERT_REPLICAS,
+    MAX_PREFILL_REPLICAS,
+    MoEDeploymentSpec,
+)
 from expertmesh.operator.validation import DNS1035_LABEL, LABEL_VALUE
 
 OPERATOR_NAME = "expertmesh-operator"
@@ -112,7 +115,7 @@ MAX_NAME_LENGTH = max_name_length()
 NAME_PATTERN = DNS1035_LABEL   # Service names: a letter first, no dots
 
 
-def name_error(name: str) -> Optional[str]:
+def name_error(name: str) -> str | None:
     """What is wrong with a MoEDeployment's `metadata.name` for its children (None: nothing). The CRD's schema and
     CEL rule refuse such names at the API server; the operator says the same for a resource created before them."""
     if len(name) > MAX_NAME_LENGTH:
@@ -124,7 +127,7 @@ def name_error(name: str) -> Optional[str]:
     return None
 
 
-def version_label(tag: str) -> Optional[str]:
+def version_label(tag: str) -> str | None:
     """The `app.kubernetes.io/version` label value of an image tag: a tag may be 128 characters and start with '_',
     a label value neither; cut to 63 and trimmed to alphanumerics at both ends (None when nothing is left)."""
     value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", tag[:63])
@@ -166,7 +169,7 @@ def statefulset_addresses(name: str, namespace: str, statefulset: str, replicas:
 
 
 def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec,
-                     attention_replicas: Optional[int] = None) -> tuple[list[str], list[str]]:
+                     attention_replicas: int | None = None) -> tuple[list[str], list[str]]:
     """(attention, expert) worker addresses in ordinal order, as the router is given them (`attention_replicas`: the
     attention StatefulSet's replicas when they are not the spec's — an autoscaled pool)."""
     att = statefulset_addresses(name, namespace, attention_name(name),

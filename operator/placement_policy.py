@@ -6,8 +6,8 @@ A new plan reaches the pods through the plan ConfigMap only (see `changed_ordina
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 import numpy as np
 
@@ -23,7 +23,7 @@ def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:
                         gpu_memory_bytes=int(ew.gpu_memory_gib * GIB), reserve_bytes=int(ew.reserve_gib * GIB))
 
 
-def compatible(previous: Optional[PlacementPlan], cfg) -> Optional[PlacementPlan]:
+def compatible(previous: PlacementPlan | None, cfg) -> PlacementPlan | None:
     """`previous` when it is a plan of this model (so its shards can stay put), else None."""
     if previous is None:
         return None
@@ -32,7 +32,7 @@ def compatible(previous: Optional[PlacementPlan], cfg) -> Optional[PlacementPlan
     return previous if same else None
 
 
-def plan_for(spec: MoEDeploymentSpec, cfg, previous: Optional[PlacementPlan] = None, loads=None,
+def plan_for(spec: MoEDeploymentSpec, cfg, previous: PlacementPlan | None = None, loads=None,
              reuse: bool = True) -> PlacementPlan:
     """The plan for a spec on all its expert pods. With a previous plan of this model, the minimal-movement
     plan (every still-valid shard stays) is preferred; when that is out of balance — expected imbalance above
@@ -61,7 +61,7 @@ def choose(incremental: PlacementPlan, fresh: PlacementPlan, threshold: float, l
     return fresh if a > threshold and b < a else incremental
 
 
-def moved_from(previous: Optional[PlacementPlan], plan: PlacementPlan, cfg) -> int:
+def moved_from(previous: PlacementPlan | None, plan: PlacementPlan, cfg) -> int:
     """Shards `plan` places where `previous` (of the same model) did not have them; 0 without one."""
     previous = compatible(previous, cfg)
     return 0 if previous is None else moved_shards(previous, plan)
@@ -126,13 +126,13 @@ def _with_workers(plan: PlacementPlan, gpus_by_ordinal, figures: PlanFigures, no
 # the mounted plan and adopts it live (router/server.watch_plan → Engine.replan): the expert workers load their
 # new shards, the router switches the attention workers' replica table between two steps, the expert workers
 # drop the shards they gave up. A pod that starts reads the plan in force from the same ConfigMap.
-def _shards(plan: Optional[PlacementPlan], ordinal: int) -> tuple:
+def _shards(plan: PlacementPlan | None, ordinal: int) -> tuple:
     if plan is None or ordinal >= len(plan.workers):
         return ()
     return tuple((g.gpu, tuple(g.shards)) for g in plan.workers[ordinal].gpus if g.shards)
 
 
-def changed_ordinals(previous: Optional[PlacementPlan], plan: PlacementPlan) -> list[int]:
+def changed_ordinals(previous: PlacementPlan | None, plan: PlacementPlan) -> list[int]:
     """Expert ordinals whose shards (per device) differ between `previous` and `plan`."""
     n = max(len(plan.workers), len(previous.workers) if previous is not None else 0)
     return [o for o in range(n) if _shards(previous, o) != _shards(plan, o)]
@@ -163,8 +163,8 @@ def parse_load(payload: dict, cfg) -> np.ndarray:
 class Rebalance:
     """The timer's verdict on observed load: `plan` is the new plan (None: keep the current one)."""
     observed: float                    # imbalance of the current plan under the observed load
-    plan: Optional[PlacementPlan] = None
-    expected: Optional[float] = None   # imbalance of the new plan under the same load
+    plan: PlacementPlan | None = None
+    expected: float | None = None   # imbalance of the new plan under the same load
     moved: int = 0
     reason: str = ""
 

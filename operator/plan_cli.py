@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from expertmesh.model.config import PRESET_NAMES, preset
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
+from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 GIB = 2 ** 30
 
@@ -137,7 +137,7 @@ def run(args) -> int:
     for label, cells in rows:
         print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
-    from expertmesh.model import memory   # imports torch: only for this table, not for every `expertmesh` command
+    from expertmesh.model import memory  # imports torch: only for this table, not for every `expertmesh` command
     plan = main[1]
     worst = max(range(plan.cluster.pods), key=lambda o: plan.workers[o].bytes)
     em = memory.plan_expert_memory(cfg, plan, worst)

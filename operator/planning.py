@@ -18,8 +18,9 @@ import concurrent.futures
 import importlib
 import multiprocessing
 import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Optional
+from typing import Any
 
 from expertmesh.runtime.process_limits import limit_data_segment
 
@@ -36,7 +37,7 @@ class PlanningFailed(Exception):
     """A plan that did not finish within the deadline or the memory limit, or whose process died."""
 
 
-def _start(memory_limit: Optional[int]) -> None:
+def _start(memory_limit: int | None) -> None:
     """The child's initializer: import the planner, then cap the data segment at what that took + the limit."""
     for name in WARM_MODULES:
         importlib.import_module(name)   # here, not at the top: only the planning process needs torch
@@ -61,10 +62,10 @@ class PlanRunner:
     """One planning process, one plan at a time (later callers wait their turn; the deadline counts from the
     start of their own plan)."""
 
-    def __init__(self, deadline: float = PLAN_DEADLINE, memory_limit: Optional[int] = PLAN_MEMORY_LIMIT,
+    def __init__(self, deadline: float = PLAN_DEADLINE, memory_limit: int | None = PLAN_MEMORY_LIMIT,
                  idle: float = IDLE_SECONDS, start_deadline: float = START_DEADLINE):
         self.deadline, self.memory_limit, self.idle, self.start_deadline = deadline, memory_limit, idle, start_deadline
-        self._pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._locks: dict[int, asyncio.Lock] = {}
         self._last = 0.0
         self.started = 0   # planning processes started (tests read it)
@@ -80,7 +81,7 @@ class PlanRunner:
             self.started += 1
             try:  # the start (a new interpreter importing the planner) is not counted against a plan's deadline
                 await asyncio.wait_for(asyncio.wrap_future(self._pool.submit(_ready)), self.start_deadline)
-            except (asyncio.TimeoutError, BrokenProcessPool, OSError) as e:
+            except (TimeoutError, BrokenProcessPool, OSError) as e:
                 self._kill()
                 raise PlanningFailed(f"the planning process did not start within {self.start_deadline:g} s: "
                                      f"{type(e).__name__} {e}") from None
@@ -95,7 +96,7 @@ class PlanRunner:
             future = pool.submit(_call, fn, args, kwargs)
             try:
                 status, value = await asyncio.wait_for(asyncio.wrap_future(future), self.deadline)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._kill()
                 raise PlanningFailed(f"planning did not finish within {self.deadline:g} s") from None
             except BrokenProcessPool:

@@ -4,11 +4,19 @@ live replica). Pure: pod objects (dicts) in, plain data out.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
 
-from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER,
-                                        FETCH_CONTAINER, LABEL_COMPONENT, LABEL_INSTANCE, TEMPLATE_HASH_ANNOTATION)
+from expertmesh.operator.naming import (
+    COMPONENT_ATTENTION,
+    COMPONENT_EXPERT,
+    COMPONENT_PREFILL,
+    COMPONENT_ROUTER,
+    FETCH_CONTAINER,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    TEMPLATE_HASH_ANNOTATION,
+)
 from expertmesh.operator.spec import MoEDeploymentSpec
 from expertmesh.placement.plan import PlacementPlan
 
@@ -18,12 +26,12 @@ class PodInfo:
     """What the operator needs of one of its pods."""
     name: str
     component: str
-    ordinal: Optional[int]  # StatefulSet ordinal (None for router pods)
+    ordinal: int | None  # StatefulSet ordinal (None for router pods)
     ready: bool
-    template_hash: Optional[str]  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
+    template_hash: str | None  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
     deleting: bool = False
     uid: str = ""
-    fetch: Optional[str] = None   # the checkpoint fetch (init container): None (none), running, done, failed
+    fetch: str | None = None   # the checkpoint fetch (init container): None (none), running, done, failed
     fetch_error: str = ""         # a failed fetch's termination message (its last log line names the file)
     node: str = ""                # the node it runs on (pods of one node share the checkpoint cache)
 
@@ -32,7 +40,7 @@ class PodInfo:
         return self.ready and not self.deleting
 
 
-def pod_info(body: dict) -> Optional[PodInfo]:
+def pod_info(body: dict) -> PodInfo | None:
     """A PodInfo from a pod object; None when the pod is not one of ours."""
     meta = body.get("metadata") or {}
     lab = meta.get("labels") or {}
@@ -55,7 +63,7 @@ def pod_info(body: dict) -> Optional[PodInfo]:
                    fetch=fetch, fetch_error=fetch_error, node=(body.get("spec") or {}).get("nodeName") or "")
 
 
-def _fetch_state(pod_status: dict) -> tuple[Optional[str], str]:
+def _fetch_state(pod_status: dict) -> tuple[str | None, str]:
     """(None | "running" | "done" | "failed", message) of the fetch init container in a pod's status."""
     cs = next((c for c in pod_status.get("initContainerStatuses") or [] if c.get("name") == FETCH_CONTAINER), None)
     if cs is None:
@@ -99,7 +107,7 @@ def plan_ordinals(plan: PlacementPlan) -> list[int]:
 
 
 def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
-           templates: dict[str, str], pools: Optional[Mapping[str, int]] = None) -> Assessment:
+           templates: dict[str, str], pools: Mapping[str, int] | None = None) -> Assessment:
     """Count live pods of the current templates (`templates`: component → template hash, see
     `children.template_hashes`); find the plan-holding expert pods that are not live on the current template, and the
     experts they leave without a live replica. `pools`: attention pool component → its pods now (pools.py: an

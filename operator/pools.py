@@ -14,12 +14,17 @@ within [minReplicas, maxReplicas]; minReplicas before the StatefulSet exists.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
 
 from expertmesh.operator.naming import COMPONENT_ATTENTION, COMPONENT_PREFILL, attention_name, prefill_name
-from expertmesh.operator.spec import AttentionWorkersSpec, AutoscaleSpec, KVDiskSpec, MoEDeploymentSpec, \
-    PrefillWorkersSpec
+from expertmesh.operator.spec import (
+    AttentionWorkersSpec,
+    AutoscaleSpec,
+    KVDiskSpec,
+    MoEDeploymentSpec,
+    PrefillWorkersSpec,
+)
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 
@@ -40,11 +45,11 @@ class Pool:
     component: str                # its pods' app.kubernetes.io/component label
     statefulset: str              # its StatefulSet's (and headless Service's, and HPA's) name
     field: str                    # its spec field, for messages: spec.attentionWorkers / spec.prefillWorkers
-    workers: Union[AttentionWorkersSpec, PrefillWorkersSpec]
+    workers: AttentionWorkersSpec | PrefillWorkersSpec
     replicas: int                 # pods now: the spec's, or an autoscaled pool's StatefulSet's
 
     @property
-    def autoscale(self) -> Optional[AutoscaleSpec]:
+    def autoscale(self) -> AutoscaleSpec | None:
         return self.workers.autoscale
 
     @property
@@ -53,7 +58,7 @@ class Pool:
         return PREFILL if self.role == PREFILL else DECODE
 
 
-def pool_replicas(spec_replicas: int, autoscale: Optional[AutoscaleSpec], observed: Optional[int]) -> int:
+def pool_replicas(spec_replicas: int, autoscale: AutoscaleSpec | None, observed: int | None) -> int:
     """A pool's pods: `spec_replicas` unless it is autoscaled; then the StatefulSet's current replicas (`observed`,
     what the HorizontalPodAutoscaler set — never overwritten) within [minReplicas, maxReplicas], or minReplicas
     when the StatefulSet does not exist yet."""
@@ -64,7 +69,7 @@ def pool_replicas(spec_replicas: int, autoscale: Optional[AutoscaleSpec], observ
     return min(max(observed, autoscale.min_replicas), autoscale.max_replicas)
 
 
-def attention_pools(name: str, spec: MoEDeploymentSpec, observed: Optional[Mapping[str, int]] = None) -> list[Pool]:
+def attention_pools(name: str, spec: MoEDeploymentSpec, observed: Mapping[str, int] | None = None) -> list[Pool]:
     """The deployment's attention pools, the attention StatefulSet's first: [mixed] or [decode, prefill].
     `observed`: component → the replicas of that pool's StatefulSet now (read only for autoscaled pools)."""
     observed = observed or {}
@@ -89,11 +94,11 @@ class PoolKV:
     """One attention worker's KV: its device pool and the tiers below it."""
     blocks: int                     # --kv-blocks: device KV pages of block_size tokens
     host_gib: float = 0.0           # --kv-host-gib (0: no host tier)
-    disk: Optional[KVDiskSpec] = None  # --kv-disk-dir / --kv-disk-gib on its volume (None: no disk tier)
+    disk: KVDiskSpec | None = None  # --kv-disk-dir / --kv-disk-gib on its volume (None: no disk tier)
 
 
 def pool_kv(role: str, *, max_context: int, block_size: int, host_gib: float = 0.0,
-            disk: Optional[KVDiskSpec] = None) -> PoolKV:
+            disk: KVDiskSpec | None = None) -> PoolKV:
     """How much KV one worker of a pool holds, for its role. A sequence of the deployment's context needs
     S = ceil(max_context / block_size) pages.
 

@@ -17,20 +17,40 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from expertmesh.model.config import ModelConfig, ThinkingBudgets, preset
 from expertmesh.checkpoint.hf_config import MODEL_TYPES, HFCheckpointError, config_from_hf
-from expertmesh.operator.validation import (ABSOLUTE_PATH, DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX, IMAGE_REPOSITORY,
-                                            IMAGE_REPOSITORY_MAX, IMAGE_TAG, LABEL_VALUE, LABEL_VALUE_MAX, NO_SPACE,
-                                            PATH_MAX, QUALIFIED_NAME, QUALIFIED_NAME_MAX, QUANTITY, QUANTITY_MAX,
-                                            SECRET_KEY, URL_MAX, VOLUME_PATH, absolute_path_error, dns_subdomain_error,
-                                            is_extended_resource, label_value_error, parse_quantity,
-                                            qualified_name_error, relative_path_error, resource_name_error)
+from expertmesh.model.config import ModelConfig, ThinkingBudgets, preset
+from expertmesh.operator.validation import (
+    ABSOLUTE_PATH,
+    DNS1123_SUBDOMAIN,
+    DNS1123_SUBDOMAIN_MAX,
+    IMAGE_REPOSITORY,
+    IMAGE_REPOSITORY_MAX,
+    IMAGE_TAG,
+    LABEL_VALUE,
+    LABEL_VALUE_MAX,
+    NO_SPACE,
+    PATH_MAX,
+    QUALIFIED_NAME,
+    QUALIFIED_NAME_MAX,
+    QUANTITY,
+    QUANTITY_MAX,
+    SECRET_KEY,
+    URL_MAX,
+    VOLUME_PATH,
+    absolute_path_error,
+    dns_subdomain_error,
+    is_extended_resource,
+    label_value_error,
+    parse_quantity,
+    qualified_name_error,
+    relative_path_error,
+    resource_name_error,
+)
 
 GROUP = "expertmesh.dev"
 VERSION = "v1alpha1"
@@ -82,7 +102,7 @@ class _Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False)
 
 
-def _checked(check, max_length: int, pattern: Optional[str] = None, **field):
+def _checked(check, max_length: int, pattern: str | None = None, **field):
     """A string field bounded by `max_length` and, in the schema, `pattern`; pydantic runs `check` (value → what is
     wrong, or None) so that the message says what was expected in words rather than as a regular expression."""
     def run(value: str) -> str:
@@ -112,7 +132,7 @@ Endpoint = _checked(_pattern_check(NO_SPACE, "an endpoint without spaces or cont
                     min_length=1)
 
 
-def _check_quantity(value: Union[int, str]) -> Union[int, str]:
+def _check_quantity(value: int | str) -> int | str:
     if isinstance(value, int) and not 0 <= value <= MAX_RESOURCE_INT:
         raise ValueError(f"{value} must be between 0 and {MAX_RESOURCE_INT}")
     parse_quantity(value)   # ValueError naming the value
@@ -126,7 +146,7 @@ def _check_resource_name(name: str) -> str:
     return name
 
 
-IntOrString = Union[int, str]  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
+IntOrString = int | str  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
 Quantity = Annotated[IntOrString, AfterValidator(_check_quantity), Field(json_schema_extra={
     "pattern": QUANTITY, "maxLength": QUANTITY_MAX, "minimum": 0, "maximum": MAX_RESOURCE_INT})]
 ResourceName = Annotated[str, Field(max_length=QUALIFIED_NAME_MAX), AfterValidator(_check_resource_name)]
@@ -139,7 +159,7 @@ class Resources(_Spec):
     requests: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
 
     @model_validator(mode="after")
-    def _requests_within_limits(self) -> "Resources":
+    def _requests_within_limits(self) -> Resources:
         for name, request in self.requests.items():
             limit = self.limits.get(name)
             if is_extended_resource(name) and limit is None:
@@ -188,7 +208,7 @@ class CheckpointCache(_Spec):
     or a PersistentVolumeClaim (ReadWriteMany: one fetch for the whole cluster)."""
     host_path: AbsolutePath = Field("/var/cache/expertmesh", description="node directory (hostPath): absolute, "
                                                                          "no '..'")
-    claim_name: Optional[DNSName] = Field(None, description="a PVC to use instead of the hostPath")
+    claim_name: DNSName | None = Field(None, description="a PVC to use instead of the hostPath")
 
 
 FETCHED_SCHEMES = ("http://", "https://", "hf://", "s3://")
@@ -199,25 +219,25 @@ class CheckpointSource(_Spec):
     """Where the checkpoint lives: a PVC mounted into every pod, a path inside the image, or a remote source
     (http(s)://BASE or s3://BUCKET/PREFIX with an expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init
     container fetches into the cache volume, verifying every file's size and sha256."""
-    pvc: Optional[PVCSource] = None
-    uri: Optional[str] = Field(None, min_length=1, max_length=URL_MAX, json_schema_extra={"pattern": URI_PATTERN},
+    pvc: PVCSource | None = None
+    uri: str | None = Field(None, min_length=1, max_length=URL_MAX, json_schema_extra={"pattern": URI_PATTERN},
                                description="http(s)://…, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, or an absolute "
                                            "path inside the image")
     cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
-    token_secret_ref: Optional[SecretKeyRef] = Field(
+    token_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)")
-    endpoint: Optional[URL] = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in "
+    endpoint: URL | None = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in "
                                                       "region)")
-    region: Optional[str] = Field(None, min_length=1, max_length=64, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+    region: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                                   description="s3://: the signing region (default us-east-1)")
-    credentials_secret: Optional[DNSName] = Field(
+    credentials_secret: DNSName | None = Field(
         None, description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
                           "AWS_SESSION_TOKEN) become the fetch container's environment")
     format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
 
     @field_validator("uri")
     @classmethod
-    def _uri(cls, v: Optional[str]) -> Optional[str]:
+    def _uri(cls, v: str | None) -> str | None:
         if v is None:
             return v
         if v.startswith("-"):   # it becomes a command-line argument of the fetch and worker containers
@@ -231,7 +251,7 @@ class CheckpointSource(_Spec):
         return v
 
     @model_validator(mode="after")
-    def _one_source(self) -> "CheckpointSource":
+    def _one_source(self) -> CheckpointSource:
         if (self.pvc is None) == (self.uri is None):
             raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
         if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
@@ -255,16 +275,16 @@ class CheckpointSource(_Spec):
 
 
 class ModelSpec(_Spec):
-    preset: Optional[Literal["tiny", "small", "full-2.8t"]] = Field(
+    preset: Literal["tiny", "small", "full-2.8t"] | None = Field(
         None, description="a built-in model preset; exclusive with config")
-    config: Optional[dict[str, Any]] = Field(
+    config: dict[str, Any] | None = Field(
         None, max_length=MAX_CONFIG_KEYS,
         description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
                     "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset")
     checkpoint: CheckpointSource
 
     @model_validator(mode="after")
-    def _one_model(self) -> "ModelSpec":
+    def _one_model(self) -> ModelSpec:
         if (self.preset is None) == (self.config is None):
             raise ValueError("set exactly one of model.preset and model.config")
         return self
@@ -276,11 +296,11 @@ class RouterSpec(_Spec):
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(50051, ge=1, le=65535)
-    api_key_secret_ref: Optional[SecretKeyRef] = Field(
+    api_key_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding the API key clients must present")
 
     @model_validator(mode="after")
-    def _ports(self) -> "RouterSpec":
+    def _ports(self) -> RouterSpec:
         if self.http_port == self.grpc_port:
             raise ValueError(f"router.httpPort and router.grpcPort must differ (both {self.http_port})")
         self.resources.check_gpus(0)
@@ -327,10 +347,10 @@ class AttentionWorkersSpec(_Spec):
     replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="pods (with autoscale: the HPA's)")
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
-    autoscale: Optional[AutoscaleSpec] = Field(None, description="a HorizontalPodAutoscaler on this pool")
+    autoscale: AutoscaleSpec | None = Field(None, description="a HorizontalPodAutoscaler on this pool")
 
     @model_validator(mode="after")
-    def _gpus(self) -> "AttentionWorkersSpec":
+    def _gpus(self) -> AttentionWorkersSpec:
         self.resources.check_gpus(self.gpus_per_pod)
         return self
 
@@ -343,14 +363,14 @@ class PrefillWorkersSpec(_Spec):
                           description="pods; 0: no prefill pool, the attention workers run prompts too")
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
-    autoscale: Optional[AutoscaleSpec] = Field(None, description="a HorizontalPodAutoscaler on this pool (a prefill "
+    autoscale: AutoscaleSpec | None = Field(None, description="a HorizontalPodAutoscaler on this pool (a prefill "
                                                                  "pool of minReplicas..maxReplicas pods)")
     min_prompt_tokens: int = Field(0, ge=0, le=MAX_CONTEXT,
                                    description="prompts shorter than this skip the prefill pool (a decode worker runs "
                                                "them; the router's --prefill-min-tokens); 0: every prompt goes there")
 
     @model_validator(mode="after")
-    def _gpus(self) -> "PrefillWorkersSpec":
+    def _gpus(self) -> PrefillWorkersSpec:
         self.resources.check_gpus(self.gpus_per_pod)
         return self
 
@@ -373,7 +393,7 @@ class ExpertWorkersSpec(_Spec):
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
 
     @model_validator(mode="after")
-    def _reserve(self) -> "ExpertWorkersSpec":
+    def _reserve(self) -> ExpertWorkersSpec:
         if self.reserve_gib >= self.gpu_memory_gib:
             raise ValueError(f"expertWorkers.reserveGiB={self.reserve_gib} must be below "
                              f"expertWorkers.gpuMemoryGiB={self.gpu_memory_gib}")
@@ -397,7 +417,7 @@ class PlacementSpec(_Spec):
 
 
 class KVDiskPVC(_Spec):
-    storage_class_name: Optional[DNSName] = Field(None, description="the claims' storage class (default: the "
+    storage_class_name: DNSName | None = Field(None, description="the claims' storage class (default: the "
                                                                        "cluster's)")
 
 
@@ -406,25 +426,25 @@ class KVDiskSpec(_Spec):
     On an emptyDir (default) it survives a worker's restart inside its pod; on a PVC (one claim per pod) or a node
     directory (hostPath, e.g. local NVMe) it survives the pod too — files are checked before reuse."""
     size_gib: float = Field(gt=0, le=MAX_KV_TIER_GIB, alias="sizeGiB", description="the tier's bound, GiB")
-    pvc: Optional[KVDiskPVC] = Field(None, description="a PersistentVolumeClaim per attention pod "
+    pvc: KVDiskPVC | None = Field(None, description="a PersistentVolumeClaim per attention pod "
                                                        "(volumeClaimTemplates) of sizeGiB")
-    host_path: Optional[AbsolutePath] = Field(None, description="a node directory (hostPath) instead of a volume")
+    host_path: AbsolutePath | None = Field(None, description="a node directory (hostPath) instead of a volume")
 
     @model_validator(mode="after")
-    def _one_volume(self) -> "KVDiskSpec":
+    def _one_volume(self) -> KVDiskSpec:
         if self.pvc is not None and self.host_path is not None:
             raise ValueError("kv.disk: give pvc or hostPath, not both (neither: an emptyDir)")
         return self
 
 
 class KVSpec(_Spec):
-    max_context: Optional[int] = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's "
+    max_context: int | None = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's "
                                                                                "max_context")
     block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV page")
     host_gib: float = Field(0.0, ge=0, le=MAX_KV_TIER_GIB, alias="hostGiB",
                             description="each attention worker's host-memory tier for prefixes demoted off the "
                                         "device, GiB (added to its memory request and limit); 0: none")
-    disk: Optional[KVDiskSpec] = Field(None, description="each attention worker's disk tier below the host tier")
+    disk: KVDiskSpec | None = Field(None, description="each attention worker's disk tier below the host tier")
 
 
 class ThinkingSpec(_Spec):
@@ -434,7 +454,7 @@ class ThinkingSpec(_Spec):
     max: int = Field(gt=0, le=MAX_THINKING)
 
     @model_validator(mode="after")
-    def _order(self) -> "ThinkingSpec":
+    def _order(self) -> ThinkingSpec:
         if not self.low <= self.high <= self.max:
             raise ValueError(f"thinking limits must satisfy low <= high <= max, got "
                              f"low={self.low} high={self.high} max={self.max}")
@@ -442,7 +462,7 @@ class ThinkingSpec(_Spec):
 
 
 class TelemetrySpec(_Spec):
-    otlp_endpoint: Optional[Endpoint] = Field(None, description="e.g. http://otel-collector:4317")
+    otlp_endpoint: Endpoint | None = Field(None, description="e.g. http://otel-collector:4317")
     protocol: Literal["grpc", "http/protobuf"] = "grpc"
 
 
@@ -468,14 +488,14 @@ class Toleration(_Spec):
         {"rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
          "message": "an empty key needs operator Exists"},
     ]})
-    key: Optional[QualifiedName] = None
-    operator: Optional[Literal["Exists", "Equal"]] = None
-    value: Optional[LabelValue] = None
-    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
-    toleration_seconds: Optional[int] = Field(None, ge=0, le=MAX_TOLERATION_SECONDS)
+    key: QualifiedName | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_TOLERATION_SECONDS)
 
     @model_validator(mode="after")
-    def _rules(self) -> "Toleration":
+    def _rules(self) -> Toleration:
         if self.toleration_seconds is not None and self.effect != "NoExecute":
             raise ValueError(f"tolerationSeconds needs effect NoExecute (effect is {self.effect!r})")
         if self.operator == "Exists" and self.value:
@@ -488,7 +508,7 @@ class Toleration(_Spec):
 class SchedulingSpec(_Spec):
     node_selector: dict[QualifiedNameKey, LabelValue] = Field(default_factory=dict, max_length=MAX_NODE_SELECTOR)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
-    topology_spread_key: Optional[QualifiedName] = Field(
+    topology_spread_key: QualifiedName | None = Field(
         None, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
 
 
@@ -507,7 +527,7 @@ class MoEDeploymentSpec(_Spec):
     expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=_DEFAULT_EMPTY)
     kv: KVSpec = Field(default_factory=KVSpec, json_schema_extra=_DEFAULT_EMPTY)
-    thinking: Optional[ThinkingSpec] = None
+    thinking: ThinkingSpec | None = None
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=_DEFAULT_EMPTY)
     image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=_DEFAULT_EMPTY)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
@@ -540,7 +560,7 @@ class Condition(_Status):
                         description="CamelCase, machine-readable")
     message: str = Field("", max_length=MESSAGE_MAX)
     last_transition_time: Time = Field(description="RFC 3339; changes only when status flips")
-    observed_generation: Optional[int] = Field(None, ge=0, le=MAX_INT64)
+    observed_generation: int | None = Field(None, ge=0, le=MAX_INT64)
 
 
 class PlacementStatus(_Status):
@@ -552,7 +572,7 @@ class PlacementStatus(_Status):
     moved_shards: Count = 0
     lost_workers: list[Annotated[int, Field(ge=0, le=MAX_EXPERT_REPLICAS)]] = Field(
         default_factory=list, max_length=MAX_EXPERT_REPLICAS, description="expert ordinals the plan routes around")
-    observed_imbalance: Optional[Ratio] = Field(None, description="imbalance of the plan under the router's "
+    observed_imbalance: Ratio | None = Field(None, description="imbalance of the plan under the router's "
                                                                   "last observed load")
 
 
@@ -579,21 +599,21 @@ class Endpoints(_Status):
 
 
 class MoEDeploymentStatus(_Status):
-    phase: Optional[Literal["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]] = None
+    phase: Literal["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"] | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
-    observed_generation: Optional[int] = Field(None, ge=0, le=MAX_INT64)
-    revision: Optional[Hash] = Field(None, description="hash of the children last applied (changes roll pods)")
-    placement: Optional[PlacementStatus] = None
-    ready_workers: Optional[Count] = None
-    desired_workers: Optional[Count] = None
-    expert_workers: Optional[ScaleStatus] = None
-    attention_workers: Optional[WorkerCounts] = None
-    prefill_workers: Optional[WorkerCounts] = Field(None, description="the prefill pool's pods (absent without one)")
-    router: Optional[WorkerCounts] = None
-    endpoints: Optional[Endpoints] = None
+    observed_generation: int | None = Field(None, ge=0, le=MAX_INT64)
+    revision: Hash | None = Field(None, description="hash of the children last applied (changes roll pods)")
+    placement: PlacementStatus | None = None
+    ready_workers: Count | None = None
+    desired_workers: Count | None = None
+    expert_workers: ScaleStatus | None = None
+    attention_workers: WorkerCounts | None = None
+    prefill_workers: WorkerCounts | None = Field(None, description="the prefill pool's pods (absent without one)")
+    router: WorkerCounts | None = None
+    endpoints: Endpoints | None = None
     lost_since: list[LostWorker] = Field(default_factory=list, max_length=MAX_EXPERT_REPLICAS)
-    last_rebalance_time: Optional[Time] = None
-    message: Optional[str] = Field(None, max_length=MESSAGE_MAX,
+    last_rebalance_time: Time | None = None
+    message: str | None = Field(None, max_length=MESSAGE_MAX,
                                    description="why the phase is what it is, when not Ready")
 
 
@@ -635,7 +655,7 @@ HF_MODEL_TYPES = MODEL_TYPES      # the Hugging Face configs expertmesh.checkpoi
 MAX_EXPERTS = 65536   # routed experts per MoE layer of an inline model config
 
 
-def _config_size_error(config: dict) -> Optional[str]:
+def _config_size_error(config: dict) -> str | None:
     """An inline config whose size alone is out of bounds, found before it is built (a Hugging Face config's
     `num_hidden_layers` becomes a tuple of that many layer types)."""
     for prefix, part in (("", config), ("text_config.", config.get("text_config"))):

@@ -5,19 +5,26 @@ status to merge (Kopf's patch) out.
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
-from expertmesh.operator.naming import (COMPONENT_ATTENTION, COMPONENT_EXPERT, COMPONENT_PREFILL, COMPONENT_ROUTER,
-                                        selector_labels, selector_string)
+from expertmesh.operator.naming import (
+    COMPONENT_ATTENTION,
+    COMPONENT_EXPERT,
+    COMPONENT_PREFILL,
+    COMPONENT_ROUTER,
+    selector_labels,
+    selector_string,
+)
 from expertmesh.operator.pods import Assessment, PodInfo
 from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec
 from expertmesh.placement.plan import PlacementPlan
 
 
-def now_rfc3339(now: Optional[_dt.datetime] = None) -> str:
-    now = now or _dt.datetime.now(_dt.timezone.utc)
-    return now.astimezone(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+def now_rfc3339(now: _dt.datetime | None = None) -> str:
+    now = now or _dt.datetime.now(_dt.UTC)
+    return now.astimezone(_dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def clip(message: str, limit: int = MESSAGE_MAX) -> str:
@@ -28,8 +35,8 @@ def clip(message: str, limit: int = MESSAGE_MAX) -> str:
 _CONDITION_ORDER = {"PlacementReady": 0, "WeightsReady": 1, "WorkersReady": 2, "RouterReady": 3, "Degraded": 4}
 
 
-def set_condition(conditions: Optional[list[dict]], type_: str, status: str, reason: str, message: str = "",
-                  generation: Optional[int] = None, now: Optional[str] = None) -> list[dict]:
+def set_condition(conditions: list[dict] | None, type_: str, status: str, reason: str, message: str = "",
+                  generation: int | None = None, now: str | None = None) -> list[dict]:
     """A new condition list with `type_` set; its `lastTransitionTime` is kept unless `status` flips."""
     now = now or now_rfc3339()
     message = clip(message or "")
@@ -48,12 +55,12 @@ def set_condition(conditions: Optional[list[dict]], type_: str, status: str, rea
     return sorted(out, key=lambda c: _CONDITION_ORDER.get(c.get("type"), 99))
 
 
-def condition(status: dict, type_: str) -> Optional[dict]:
+def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in (status or {}).get("conditions", []) or [] if c.get("type") == type_), None)
 
 
-def failed_status(status: Optional[dict], message: str, generation: Optional[int], reason: str,
-                  now: Optional[str] = None) -> dict:
+def failed_status(status: dict | None, message: str, generation: int | None, reason: str,
+                  now: str | None = None) -> dict:
     """Status for a spec that cannot be deployed as written (a bad field, a cluster too small for the model)."""
     conds = (status or {}).get("conditions", []) or []
     conds = set_condition(conds, "PlacementReady", "False", reason, message, generation, now)
@@ -63,8 +70,8 @@ def failed_status(status: Optional[dict], message: str, generation: Optional[int
     return {"phase": "Failed", "message": clip(message), "conditions": conds, "observedGeneration": generation}
 
 
-def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: Optional[int] = None,
-                     observed_imbalance: Optional[float] = None) -> dict[str, Any]:
+def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: int | None = None,
+                     observed_imbalance: float | None = None) -> dict[str, Any]:
     """`status.placement` (camelCase) from a plan's figures."""
     f = plan.figures
     out = {
@@ -95,7 +102,7 @@ def summarize_plan(plan: PlacementPlan) -> str:
 
 
 def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
-                      progress: dict[str, Optional[float]]) -> Optional[tuple[str, str, str]]:
+                      progress: dict[str, float | None]) -> tuple[str, str, str] | None:
     """(status, reason, message) of the WeightsReady condition for a fetched checkpoint (None otherwise):
     FetchFailed naming the pod and what its fetch said (a corrupted file by name); Downloading N% (`progress`:
     pod name → percent read from its fetch log; the pods of one node share its cache — one downloads, the others
@@ -125,7 +132,7 @@ def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
 
 
 def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
-                 progress: dict[str, Optional[float]], generation: Optional[int]) -> dict:
+                 progress: dict[str, float | None], generation: int | None) -> dict:
     """`update` (a status patch) with the WeightsReady condition, and while pods fetch or a fetch failed, its
     message (`Downloading 37% …`) as the status message."""
     cond = weights_condition(spec, pods, progress)
@@ -143,7 +150,7 @@ class Decision:
     """What the observed pods call for: the status to merge in, and whether to re-plan.
     `replan_excluding` None: keep the plan; a list: re-plan around these expert ordinals ([] = onto all)."""
     status: dict
-    replan_excluding: Optional[list[int]] = None
+    replan_excluding: list[int] | None = None
 
 
 def counts_status(a: Assessment, spec: MoEDeploymentSpec, name: str) -> dict:
@@ -172,7 +179,7 @@ def _workers_message(a: Assessment, spec: MoEDeploymentSpec) -> str:
 
 
 def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict, a: Assessment,
-           generation: Optional[int], now: Optional[str] = None) -> Decision:
+           generation: int | None, now: str | None = None) -> Decision:
     """The phase state machine over observed pods.
 
     Deploying — until every pod the plan needs is live on the current template (pods starting or rolling are
@@ -199,7 +206,7 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
                           generation, now)
     w_ok = not a.lost_experts and all(a.ready[c] >= a.desired[c] for c in (COMPONENT_ATTENTION, COMPONENT_PREFILL))
     w_msg = _workers_message(a, spec)
-    replan: Optional[list[int]] = None
+    replan: list[int] | None = None
     if a.rolled_out:
         conds = set_condition(conds, "WorkersReady", "True", "AllWorkersReady", w_msg, generation, now)
         if lost_before:
@@ -252,13 +259,13 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
     return Decision(status=out, replan_excluding=replan)
 
 
-def seconds_since(rfc3339: Optional[str], now: Optional[_dt.datetime] = None) -> float:
+def seconds_since(rfc3339: str | None, now: _dt.datetime | None = None) -> float:
     """Seconds from an RFC 3339 time (as the status keeps them) to now; +inf when absent or unreadable."""
     try:
         then = _parse_time(rfc3339)
     except (TypeError, ValueError, AttributeError):
         return float("inf")
-    return ((now or _dt.datetime.now(_dt.timezone.utc)) - then).total_seconds()
+    return ((now or _dt.datetime.now(_dt.UTC)) - then).total_seconds()
 
 
 def _parse_time(text: str) -> _dt.datetime:

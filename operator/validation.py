@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Optional
 
 # DNS-1123 label (RFC 1123): Secret keys of a pod's volume, namespaces, most object names' parts
 DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -61,7 +60,7 @@ def _match(pattern: str, value: str) -> bool:
     return re.fullmatch(pattern, value) is not None
 
 
-def dns_subdomain_error(value: str) -> Optional[str]:
+def dns_subdomain_error(value: str) -> str | None:
     if len(value) > DNS1123_SUBDOMAIN_MAX:
         return f"must be at most {DNS1123_SUBDOMAIN_MAX} characters"
     if not _match(DNS1123_SUBDOMAIN, value):
@@ -69,7 +68,7 @@ def dns_subdomain_error(value: str) -> Optional[str]:
     return None
 
 
-def label_value_error(value: str) -> Optional[str]:
+def label_value_error(value: str) -> str | None:
     if len(value) > LABEL_VALUE_MAX:
         return f"must be at most {LABEL_VALUE_MAX} characters (a label value)"
     if not _match(LABEL_VALUE, value):
@@ -77,7 +76,7 @@ def label_value_error(value: str) -> Optional[str]:
     return None
 
 
-def qualified_name_error(value: str) -> Optional[str]:
+def qualified_name_error(value: str) -> str | None:
     """A label key (also a node-selector, toleration or topology key): `[prefix/]name`, the prefix a DNS-1123
     subdomain of at most 253 characters, the name at most 63."""
     prefix, _, name = value.rpartition("/")
@@ -91,7 +90,7 @@ def qualified_name_error(value: str) -> Optional[str]:
     return None
 
 
-def absolute_path_error(value: str) -> Optional[str]:
+def absolute_path_error(value: str) -> str | None:
     if len(value) > PATH_MAX:
         return f"must be at most {PATH_MAX} characters"
     if not value.startswith("/"):
@@ -101,7 +100,7 @@ def absolute_path_error(value: str) -> Optional[str]:
     return None
 
 
-def relative_path_error(value: str) -> Optional[str]:
+def relative_path_error(value: str) -> str | None:
     """A path inside a volume: absolute or relative to its root, never above it."""
     return absolute_path_error("/" + value.lstrip("/")) if value.strip("/") else None
 
@@ -127,7 +126,7 @@ def parse_quantity(value) -> Decimal:
         raise ValueError(f"{text!r} is not a quantity") from None
 
 
-def resource_name_error(name: str) -> Optional[str]:
+def resource_name_error(name: str) -> str | None:
     """A container resource's name: cpu, memory, ephemeral-storage, hugepages-<size>, or an extended resource
     DOMAIN/NAME outside the kubernetes.io domain."""
     if name in NATIVE_RESOURCES or HUGEPAGES.fullmatch(name):

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import base64
 
-from expertmesh.operator.naming import (WORKER_TLS_DIR, attention_name, expert_name, object_meta, prefill_name,
-                                        worker_tls_secret_name)
+from expertmesh.operator.naming import (
+    WORKER_TLS_DIR,
+    attention_name,
+    expert_name,
+    object_meta,
+    prefill_name,
+    worker_tls_secret_name,
+)
 from expertmesh.operator.spec import MoEDeploymentSpec
 
 
@@ -22,7 +28,7 @@ def worker_tls_hosts(name: str, namespace: str) -> tuple[str, ...]:
 def missing_hosts(secret: dict, hosts: tuple[str, ...]) -> list[str]:
     """The `hosts` the Secret's server certificate does not name (a Secret made before the prefill pool's name was
     in it: delete it and restart the pods to re-issue)."""
-    from cryptography import x509   # only when a Secret is checked
+    from cryptography import x509  # only when a Secret is checked
     pem = base64.b64decode(((secret or {}).get("data") or {}).get("server.crt", ""))
     try:
         cert = x509.load_pem_x509_certificate(pem)

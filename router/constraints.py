@@ -27,8 +27,15 @@ from dataclasses import dataclass
 
 import llguidance
 
+from expertmesh.chat.grammar import (
+    JSON_OPTIONS,
+    GrammarError,
+    cached_ll_tokenizer,
+    json_schema_grammar,
+    probe,
+    validate,
+)
 from expertmesh.chat.jinja_template import ARGUMENTS, NAME, NAME_JSON
-from expertmesh.chat.grammar import JSON_OPTIONS, GrammarError, cached_ll_tokenizer, json_schema_grammar, probe, validate
 from expertmesh.router.errors import APIError
 
 SCHEMA_BUDGET_BYTES = 256 * 1024      # one schema's JSON (OpenAI's own bound: 120,000 characters of names and enums)

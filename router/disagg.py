@@ -31,7 +31,7 @@ class Pools:
     min_tokens: int = 0
 
     @staticmethod
-    def of(decode: int, prefill: int, min_tokens: int = 0) -> "Pools":
+    def of(decode: int, prefill: int, min_tokens: int = 0) -> Pools:
         if decode < 1:
             raise ValueError("attention: expected at least one decode-pool worker beside the prefill pool")
         if min_tokens < 0:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from expertmesh.runtime import telemetry
 from expertmesh.model.config import ModelConfig
 from expertmesh.router.disagg import Pools, choose_decode
 from expertmesh.router.health import AttentionHealth, serving
@@ -61,6 +60,7 @@ from expertmesh.router.scheduler import (
     update_from_output,
 )
 from expertmesh.router.tracing import StepTrace, record_image_encodes
+from expertmesh.runtime import telemetry
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import (
     HandOffFailed,

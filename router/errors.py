@@ -53,7 +53,7 @@ class APIError(Exception):
         self._status: int | None = None
 
     @classmethod
-    def of_status(cls, status: int, message: str) -> "APIError":
+    def of_status(cls, status: int, message: str) -> APIError:
         """The error for an HTTP status the web framework answered with (404 no such route, 405, ...): its kind
         from the table, the status kept as it was."""
         e = cls(message, kind=_BY_STATUS.get(status, "invalid_request" if status < 500 else "internal"))

@@ -28,9 +28,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat.format import BuiltinChat, ChatFormat
-from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
-from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.router.constraints import check_grammar
 from expertmesh.router.conversation import render_prompt
 from expertmesh.router.engine import Engine
@@ -46,6 +44,8 @@ from expertmesh.router.serving import (
     prompt_options,
     start_chat,
 )
+from expertmesh.runtime.health_port import serve_health_only
+from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.wire.sampling_params import SamplingParams, check_sampling, sampling_from_proto
 
 CHAT_SAMPLING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from expertmesh.router.kv import KVManager
 from expertmesh.wire.worker_api import NotFound

@@ -25,8 +25,8 @@ from expertmesh.router import anthropic_api, openai_api, responses_api
 from expertmesh.router.dependencies import Served, given_key, served
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
-from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.http_timeouts import REQUEST_TIMEOUT, WRITE_TIMEOUT, deadline_protocol
+from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, default_replica
 from expertmesh.router.serving import check_key
 

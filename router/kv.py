@@ -28,7 +28,7 @@ class PrefixHasher:
         self.length = 0
         self._h = hashlib.sha256(b"expertmesh-prefix-v1" + salt)
 
-    def copy(self) -> "PrefixHasher":
+    def copy(self) -> PrefixHasher:
         """An independent chain in the same state (the scheduler plans with copies; the engine keeps the one sent)."""
         other = PrefixHasher.__new__(PrefixHasher)
         other.chunk, other.length, other._h = self.chunk, self.length, self._h.copy()

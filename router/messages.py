@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from expertmesh.chat.format import Message, ToolCall
 from expertmesh.router.errors import APIError

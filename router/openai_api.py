@@ -139,7 +139,7 @@ class TextCompletion:
         return "stop" if self.text.stopped or self.run.req.finish_reason == "stop" else "length"
 
     @staticmethod
-    def usage(choices: list["TextCompletion"]) -> dict:
+    def usage(choices: list[TextCompletion]) -> dict:
         """The prompt once (the samples share it), every sample's output."""
         u = choices[0].run.usage()
         completion = sum(c.run.usage().completion for c in choices)

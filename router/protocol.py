@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from expertmesh.wire.sampling_params import MAX_LOGPROBS
 
-
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512    # OpenAI's bounds on `metadata`
 
 

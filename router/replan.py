@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Callable
 
 from expertmesh.model.config import ModelConfig
 from expertmesh.placement.replica_table import ReplicaTable

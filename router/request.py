@@ -5,8 +5,8 @@ from __future__ import annotations
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from expertmesh.router.kv import PrefixHasher
 from expertmesh.router.prepared_image import hash_view
@@ -48,11 +48,11 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
     @staticmethod
-    def entries(run: TokenLogprobs) -> list["TokenLogprob"]:
+    def entries(run: TokenLogprobs) -> list[TokenLogprob]:
         return [TokenLogprob(t, lp, list(zip(ids, lps))) for t, lp, ids, lps in
                 zip(run.token_ids.tolist(), run.logprobs.tolist(), run.top_ids.tolist(), run.top_logprobs.tolist())]
 
-    def forced(self, token: int) -> "TokenLogprob":
+    def forced(self, token: int) -> TokenLogprob:
         """The entry for `token` fed instead of this sampled one (same position, same alternatives)."""
         return TokenLogprob(token, dict(self.top).get(token), self.top)
 
@@ -63,7 +63,7 @@ class Request:
     params: SamplingParams
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     # called with each sampled token; may return a different token to force (thinking budgets)
-    token_filter: Callable[["Request", int], int] | None = None
+    token_filter: Callable[[Request, int], int] | None = None
     # runtime state
     worker: int = -1
     seq_id: str = ""
@@ -77,7 +77,7 @@ class Request:
     queued_at: float = field(default_factory=time.monotonic)   # entered the waiting queue (again, after a failover)
     first_token_at: float | None = None
     last_token_at: float = 0.0
-    events: "queue.Queue" = field(default_factory=queue.Queue)   # ("token", id) / ("done", None)
+    events: queue.Queue = field(default_factory=queue.Queue)   # ("token", id) / ("done", None)
     cancelled: bool = False
     notify: Callable[[], None] | None = None    # called after each event (wakes an async consumer)
     trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
@@ -136,7 +136,7 @@ class Request:
             else:
                 return
 
-    def wait(self, timeout: float | None = None) -> "Request":
+    def wait(self, timeout: float | None = None) -> Request:
         for _ in self.stream(timeout):
             pass
         return self

@@ -44,8 +44,8 @@ of blocks; when a worker did answer otherwise, the engine plans the rest of the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from expertmesh.router.disagg import Pools
 from expertmesh.router.kv import KVManager, PrefixHasher

@@ -7,12 +7,12 @@ import os
 import sys
 import threading
 
-from expertmesh.runtime import telemetry
-from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from expertmesh.chat.load import load_chat
 from expertmesh.checkpoint.config import checkpoint_config
 from expertmesh.model.config import ThinkingBudgets
 from expertmesh.router.response_store import ResponseStore, default_replica
+from expertmesh.runtime import telemetry
+from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from expertmesh.runtime.shutdown import exit_after, stop_on_signals
 
 log = logging.getLogger("expertmesh.router")
@@ -27,7 +27,7 @@ DEFAULT_PREFILL_TOKENS = 1024
 
 
 def load_plan(path: str):
-    from expertmesh.placement.plan import PlacementPlan   # numpy: not for every `expertmesh` command (see run)
+    from expertmesh.placement.plan import PlacementPlan  # numpy: not for every `expertmesh` command (see run)
     with open(path) as f:
         return PlacementPlan.from_json(f.read())
 
@@ -59,7 +59,7 @@ def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, 
     """`timeout`: each expert call's deadline (a step's adds one per expert worker); `control_timeout` (default and
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
-    from expertmesh.router.engine import Engine          # the engine and the workers' clients: see run
+    from expertmesh.router.engine import Engine  # the engine and the workers' clients: see run
     from expertmesh.wire.clients import RemoteAttention, RemoteExpert
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
@@ -108,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (default: 256, or --prefill-tokens + 64 if more, so a prompt chunk always "
                         "fits beside every decoding sequence; at least --prefill-tokens)")
     p.add_argument("--max-waiting", type=int, default=256)
-    from expertmesh.router.prepared_image import ImageLimits   # numpy: not for every `expertmesh` command (see run)
+    from expertmesh.router.prepared_image import ImageLimits  # numpy: not for every `expertmesh` command (see run)
     d = ImageLimits()
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
     p.add_argument("--max-image-pixels-per-request", type=int, default=d.max_pixels_per_request,

@@ -28,6 +28,7 @@ from expertmesh.chat.format import (
     thinking_control,
     tier_from_request,
 )
+from expertmesh.chat.thinking import AUTO_TIER, ThinkingState, auto_tier
 from expertmesh.router.conversation import PromptOptions, tool_choice_option
 from expertmesh.router.decoding import StopCut, TokenDecoder, decoder_for
 from expertmesh.router.engine import Engine
@@ -35,7 +36,6 @@ from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.request import Request
 from expertmesh.router.tracing import RequestSpan
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.thinking import AUTO_TIER, ThinkingState, auto_tier
 
 
 # ----------------------------------------------------------------------------------------------- access
@@ -87,7 +87,7 @@ class Thinking:
     exact: int | None = None
     auto: str | None = None
 
-    def for_round(self, roles: list[str]) -> "Thinking":
+    def for_round(self, roles: list[str]) -> Thinking:
         """The tier of this round: "auto" decided from the conversation's roles (thinking.auto_tier)."""
         if self.tier != AUTO_TIER:
             return self

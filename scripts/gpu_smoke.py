@@ -29,11 +29,11 @@ import httpx
 import torch
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.entry.up import LocalCluster, free_port
 
 MEAN_TOL, MAX_TOL = 0.15, 0.6
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 48, 16

@@ -8,9 +8,9 @@ import http.server
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Faults:
     cut: dict = field(default_factory=dict)       # path → cut the next response off after this many bytes (once)
     delay: float = 0.0                            # seconds to sleep per 64 KiB chunk served (slow link)
     requests: list = field(default_factory=list)  # (path, Range header or None, status)
-    auth: Optional[Callable[[str, dict], bool]] = None  # (url path, headers) → allowed; else 403
+    auth: Callable[[str, dict], bool] | None = None  # (url path, headers) → allowed; else 403
     redirect: dict = field(default_factory=dict)  # path → Location to answer 302 with (every request)
     oversize: dict = field(default_factory=dict)  # path → bytes sent after the file's own (None: without end), or
     #                                               as a redirect's body; no Content-Length, the body ends when the
@@ -31,7 +31,7 @@ class Faults:
 
 
 class FileServer:
-    def __init__(self, root: Path, faults: Optional[Faults] = None, tls: Optional[tuple[Path, Path]] = None):
+    def __init__(self, root: Path, faults: Faults | None = None, tls: tuple[Path, Path] | None = None):
         """`tls`: (certificate, key) PEM files — the server speaks HTTPS."""
         self.root, self.faults = Path(root), faults or Faults()
         server = self
@@ -116,7 +116,7 @@ class FileServer:
         self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="fetch-server")
 
-    def __enter__(self) -> "FileServer":
+    def __enter__(self) -> FileServer:
         self.thread.start()
         return self
 
@@ -125,9 +125,9 @@ class FileServer:
         self.httpd.server_close()
 
 
-def _unbounded(data: bytes, extra: Optional[int], pad: Optional[int]):
+def _unbounded(data: bytes, extra: int | None, pad: int | None):
     """`pad` spaces, the file, then `extra` more bytes; None: that part never ends."""
-    def run(n: Optional[int], chunk: bytes):
+    def run(n: int | None, chunk: bytes):
         while n is None or n > 0:
             piece = chunk if n is None else chunk[:n]
             yield piece

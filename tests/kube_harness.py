@@ -47,14 +47,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import kmock
 
+from expertmesh.entry.up import free_port
 from expertmesh.operator.naming import COMPONENT_ROUTER, LABEL_COMPONENT, TEMPLATE_HASH_ANNOTATION
 from expertmesh.runtime.tls import client_tls_from_dir
-from expertmesh.entry.up import free_port
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _DNS_ADDRESS = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+svc(\.cluster\.local)?:\d+$")
@@ -110,9 +109,9 @@ class Process:
 class LocalNode:
     NODE = "local-node"
 
-    def __init__(self, emu, namespace: str, run_dir: Path, volumes: Optional[dict[str, Path]] = None, *,
+    def __init__(self, emu, namespace: str, run_dir: Path, volumes: dict[str, Path] | None = None, *,
                  tick: float = 0.1, backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0),
-                 env: Optional[dict[str, str]] = None, echo: bool = False):
+                 env: dict[str, str] | None = None, echo: bool = False):
         self.emu, self.ns = emu, namespace
         self.run_dir = Path(run_dir)
         self.volumes = {k: Path(v) for k, v in (volumes or {}).items()}  # PVC claimName → host directory
@@ -124,11 +123,11 @@ class LocalNode:
         self.history: list[Process] = []             # every process ever started, in order
         self.stage: dict[str, int] = {}              # pod uid → index of its running container (inits first)
         self.errors: list[str] = []                  # unexpected failures of the loop (a test asserts none)
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> "LocalNode":
+    async def __aenter__(self) -> LocalNode:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._task = asyncio.create_task(self._loop(), name="local-node")
         return self
@@ -198,7 +197,7 @@ class LocalNode:
         return [_plain(obj.raw) for (r, ns, _), obj in list(self.emu.objects.items())
                 if r == res and ns == self.ns and not obj.deleted]
 
-    def _get(self, resource: str, name: str) -> Optional[dict]:
+    def _get(self, resource: str, name: str) -> dict | None:
         key = (kmock.resource(resource), self.ns, name)
         if key not in self.emu.objects or self.emu.objects[key].deleted:
             return None
@@ -213,7 +212,7 @@ class LocalNode:
                    for c in (pod.get("status") or {}).get("conditions") or [])
 
     @staticmethod
-    def _template_hash(obj: dict) -> Optional[str]:
+    def _template_hash(obj: dict) -> str | None:
         return ((obj.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
 
     # ------------------------------------------------------------------ writing through the API
@@ -231,8 +230,8 @@ class LocalNode:
     def _pods_path(self, name: str = "") -> str:
         return f"/api/v1/namespaces/{self.ns}/pods" + (f"/{name}" if name else "")
 
-    async def _create_pod(self, name: str, owner: dict, template: dict, hostname: Optional[str] = None,
-                          subdomain: Optional[str] = None) -> None:
+    async def _create_pod(self, name: str, owner: dict, template: dict, hostname: str | None = None,
+                          subdomain: str | None = None) -> None:
         meta = template.get("metadata") or {}
         spec = dict(template["spec"], nodeName=self.NODE)
         if hostname:
@@ -410,7 +409,7 @@ class LocalNode:
         u = urlsplit(url)
         return urlunsplit(u._replace(netloc=self.resolve(u.netloc)))
 
-    def _mounts(self, pod: dict, container: dict, pod_dir: Path) -> Optional[dict[str, Path]]:
+    def _mounts(self, pod: dict, container: dict, pod_dir: Path) -> dict[str, Path] | None:
         """mountPath → host directory; ConfigMap volumes are written out now. None: a volume is not available
         yet (the pod waits, as in ContainerCreating)."""
         volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
@@ -445,7 +444,7 @@ class LocalNode:
                 raise ValueError(f"pod {pod['metadata']['name']}: volume {mnt['name']} of an unsupported kind")
         return out
 
-    def secret_dir(self, name: str, d: Path, mode: int = 0o600) -> Optional[Path]:
+    def secret_dir(self, name: str, d: Path, mode: int = 0o600) -> Path | None:
         """A Secret's data keys decoded into files of `d` (as a Secret volume shows them); None: no such Secret."""
         secret = self._get("v1/secrets", name)
         if secret is None:
@@ -549,7 +548,7 @@ class LocalNode:
             return ["/bin/sh", "-c", script]
         return self._rewrite(argv, pod, container, mounts)
 
-    def _start(self, pod: dict, restarts: int = 0, last_failure: str = "") -> Optional[Process]:
+    def _start(self, pod: dict, restarts: int = 0, last_failure: str = "") -> Process | None:
         meta, spec = pod["metadata"], pod["spec"]
         name, uid = meta["name"], meta.get("uid", "")
         inits = spec.get("initContainers") or []
@@ -592,7 +591,7 @@ class LocalNode:
                     print(f"[{proc.pod}#{proc.restarts}] {line}", file=sys.stderr)
 
     # ------------------------------------------------------------------ for tests
-    def process(self, pod: str) -> Optional[Process]:
+    def process(self, pod: str) -> Process | None:
         return self.running.get(pod)
 
     async def read_log(self, namespace: str, pod: str, container: str) -> str:

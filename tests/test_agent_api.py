@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
-from expertmesh.entry.up import LocalCluster, free_port
 
 API_KEY = "sk-test-agent-api"
 CONTEXT = 384        # room for a rendered list of two tools (the byte tokenizer: one token per byte) and a call

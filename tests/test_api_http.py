@@ -2,14 +2,14 @@
 multi-process deployment on loopback."""
 import json
 
+import anthropic
 import httpx
 import openai
-import anthropic
 import pytest
 
 from expertmesh.checkpoint.loader import create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.model.config import preset
 
 API_KEY = "sk-test-0123456789"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather for a city",

@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.checkpoint.files import CheckpointError
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.cli import main
+from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import MAX_BODY_BYTES, build_app, serve_http
-from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 
 USER = [{"role": "user", "content": "hi"}]
 CMPL, CHAT, MSGS = "/v1/completions", "/v1/chat/completions", "/v1/messages"

@@ -1,7 +1,6 @@
 """Row results of the batch-invariant linear must not depend on the other rows in the call."""
-import torch
-
 import pytest
+import torch
 
 from expertmesh.kernels.batch_invariant import PACKING, bmm, linear, packed_weight
 
@@ -63,6 +62,7 @@ def test_bmm_rows_do_not_depend_on_batch(dtype):
 
 def test_pointwise_rows_do_not_depend_on_batch():
     import torch.nn.functional as F
+
     from expertmesh.kernels.batch_invariant import pointwise
     gen = torch.Generator().manual_seed(2)
     threads = torch.get_num_threads()

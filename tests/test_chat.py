@@ -2,12 +2,21 @@
 import json
 
 import pytest
+from test_thinking import run as emitted  # what the worker's sampler emits under a thinking control
 
-from expertmesh.chat.format import (ChatError, Message, ToolCall, builtin_markers, parse_output, render, thinking_control,
-                             tier_from_request, validate_history)
-from expertmesh.model.config import preset
+from expertmesh.chat.format import (
+    ChatError,
+    Message,
+    ToolCall,
+    builtin_markers,
+    parse_output,
+    render,
+    thinking_control,
+    tier_from_request,
+    validate_history,
+)
 from expertmesh.chat.tokenizer import ByteTokenizer
-from test_thinking import run as emitted   # what the worker's sampler emits under a thinking control
+from expertmesh.model.config import preset
 
 T = ByteTokenizer()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

@@ -17,9 +17,9 @@ from hf_fixtures import (
 )
 
 from expertmesh.chat.format import ChatError, Message, thinking_control
-from expertmesh.chat.thinking import ThinkingState
-from expertmesh.chat.load import NoChatTemplate, load_chat
 from expertmesh.chat.jinja_template import ChatTemplateError, TemplateChat
+from expertmesh.chat.load import NoChatTemplate, load_chat
+from expertmesh.chat.thinking import ThinkingState
 from expertmesh.router.decoding import ChatDecoder
 from expertmesh.router.messages import openai_messages
 
@@ -251,12 +251,12 @@ def served(tmp_path_factory):
     import grpc
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.entry.local import build_local_engine
+    from expertmesh.entry.up import free_port
     from expertmesh.model.config import preset
     from expertmesh.protos import router_pb2_grpc
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
-    from expertmesh.entry.local import build_local_engine
-    from expertmesh.entry.up import free_port
     cfg = preset("tiny").model_copy(update={"vocab_size": 512})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("served") / "ckpt", seed=0)
     write_checkpoint(d, generation_eos=["<|im_end|>", "</s>"])

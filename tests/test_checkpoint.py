@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint, inspect_checkpoint
 from expertmesh.checkpoint.files import CheckpointError
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint, inspect_checkpoint
 from expertmesh.entry.cli import main
 from expertmesh.model.config import preset
 

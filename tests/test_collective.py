@@ -10,13 +10,13 @@ import pytest
 from test_faults import PROMPTS, run_with_fault, stream
 from test_grpc_workers import SUBSET, expert_call, same
 
+from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
-from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.wire.clients import RemoteExpert
+from expertmesh.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
@@ -36,9 +36,9 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
     import torch
 
     from expertmesh.kernels.moe.combine import present_groups
+    from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
     cfg = Checkpoint(ckpt_dir).cfg
     groups = cfg.moe.combine_groups
     server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0,

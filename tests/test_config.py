@@ -31,6 +31,7 @@ def test_expert_bytes_are_4_25_bits_per_weight():
 
 def test_param_count_matches_the_built_model():
     import torch
+
     from expertmesh.model.transformer import Transformer
     cfg = preset("tiny")
     with torch.device("meta"):

@@ -100,7 +100,7 @@ def test_decode_threads_count_and_restore(two_threads):
 
 
 def test_worker_refuses_a_bad_decode_threads(ckpt):
-    from expertmesh.worker.attention import AttentionWorker
     from expertmesh.wire.worker_api import WorkerError
+    from expertmesh.worker.attention import AttentionWorker
     with pytest.raises(WorkerError, match="decode_threads"):
         AttentionWorker(ckpt, kv_blocks=4, block_size=8, decode_threads=0)

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from expertmesh.model import memory
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.model import memory
 from expertmesh.model.config import preset
 from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import StepSegment
 from expertmesh.worker import server
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
-from expertmesh.wire.worker_api import StepSegment
 
 GIB = 2 ** 30
 

@@ -12,21 +12,21 @@ import grpc
 import pytest
 import torch
 
+from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.disagg import Pools, choose_decode, pool_load
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.request import Request
 from expertmesh.router.scheduler import Limits, schedule
-from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.worker.attention import AttentionWorker
 from expertmesh.wire.kv_snapshot import PrefixSnapshot
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import OutOfBlocks, StepSegment, WorkerError
+from expertmesh.worker.attention import AttentionWorker
 
 CHUNK = 16
 EOS = ByteTokenizer().eos_id
@@ -163,8 +163,8 @@ def test_a_follow_up_turn_hits_the_prefix_saved_in_the_prefill_pool(engines, pro
 def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefilled(ckpt, prompts):
     """A decode worker too small for a sequence's reservation never gets it: the sequence finishes on its prefill
     worker with the same tokens; one that fits is handed off."""
-    from expertmesh.router.engine import Engine
     from expertmesh.entry.up import make_placement
+    from expertmesh.router.engine import Engine
     from expertmesh.worker.expert import ExpertWorker
     placement = make_placement(ckpt.cfg, 1, 0)
     decode = AttentionWorker(ckpt, kv_blocks=3, name="attention-0", pool="decode")       # 48 tokens
@@ -220,12 +220,12 @@ def test_a_handed_off_sequence_is_bit_identical_and_a_bad_one_is_refused(ckpt):
 
 
 def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(ckpt, monkeypatch):
-    from expertmesh.wire import clients as worker_clients
     from expertmesh.protos import worker_pb2
-    from expertmesh.wire.sampling_params import sampling_to_proto
-    from expertmesh.wire.kv_snapshot import encode
-    from expertmesh.worker.server import serve, shutdown
+    from expertmesh.wire import clients as worker_clients
     from expertmesh.wire.clients import RemoteAttention
+    from expertmesh.wire.kv_snapshot import encode
+    from expertmesh.wire.sampling_params import sampling_to_proto
+    from expertmesh.worker.server import serve, shutdown
     src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)
     src.connect_experts(*local_experts(ckpt))
     src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
@@ -272,8 +272,8 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
 
 
 def local_experts(ckpt):
-    from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.entry.up import make_placement
+    from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.expert import ExpertWorker
     placement = make_placement(ckpt.cfg, 1, 0)
     table = ReplicaTable.from_placement(placement, ckpt.cfg.moe_layers, ckpt.cfg.moe.n_routed_experts)
@@ -359,9 +359,9 @@ def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_pref
 def test_hand_offs_over_collective_pairs_and_over_grpc_without_one(ckpt, prompts):
     """`--transport collective`: the decode worker serves a store (`--collective-port`), each hand-off goes over a
     gloo pair with it — same tokens; to a worker with no store the same client hands off over gRPC."""
+    from expertmesh.wire.clients import RemoteAttention
     from expertmesh.worker.collective import CollectiveAttention
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.wire.clients import RemoteAttention
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     grpc_port = free_port()

@@ -17,9 +17,9 @@ from expertmesh.kernels.dsa import (
     paged_indexer_scores,
     paged_sparse_attention,
     select_topk,
+    sparse,
     topk_indices_reference,
 )
-from expertmesh.kernels.dsa import sparse
 
 NAN = float("nan")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -5,14 +5,14 @@ import random
 import pytest
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import make_placement
+from expertmesh.model.config import preset
 from expertmesh.model.transformer import LatentAttention, generate
 from expertmesh.router.engine import QueueFull, RequestError
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.entry.up import make_placement
-from expertmesh.worker.kv import PagedSequenceKV
 from expertmesh.wire.worker_api import NotFound, WorkerError
+from expertmesh.worker.kv import PagedSequenceKV
 
 CHUNK = 16
 

@@ -8,12 +8,12 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.checkpoint.loader import create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.chat.grammar import json_schema_grammar
-from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.model.config import preset
+from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.clients import RemoteAttention
 
 pytestmark = pytest.mark.slow

@@ -12,14 +12,13 @@ import shutil
 import tracemalloc
 
 import pytest
+from fetch_server import Faults, FileServer
 
 from expertmesh.checkpoint import fetch as f
 from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.cli import main
 from expertmesh.model.config import preset
 from expertmesh.runtime.tls import ephemeral_pki
-
-from fetch_server import Faults, FileServer
 
 LAYER = "model-layers-00001-00001.safetensors"
 

@@ -15,14 +15,15 @@ import time
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
-from expertmesh.router.http import build_app, serve_http
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
+from expertmesh.model.config import preset
+from expertmesh.router.http import build_app, serve_http
 
 MAX_EXAMPLES = 60
 TIMEOUT = 10.0                  # any answer comes well within this; none is a hang

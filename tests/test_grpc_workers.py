@@ -274,9 +274,9 @@ def _code(call, *args):
 
 
 def test_attention_errors_map_to_status_codes(servers, clients, ckpt):
+    from expertmesh.wire.worker_api import NotConnected, NotFound, OutOfBlocks, StepSegment, WorkerError
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.server import serve, shutdown
-    from expertmesh.wire.worker_api import NotConnected, NotFound, OutOfBlocks, StepSegment, WorkerError
     local, remote = servers["local"]["attention"], clients["attention"]
     stub = worker_pb2_grpc.AttentionWorkerStub(remote.channel)
     params = SamplingParams(max_tokens=4)
@@ -367,8 +367,8 @@ def test_expert_errors_map_to_status_codes(servers, clients, ckpt):
 
 
 def test_unreachable_and_deadline_raise_worker_unavailable(servers):
-    from expertmesh.wire.worker_api import WorkerUnavailable
     from expertmesh.wire.clients import RemoteAttention, RemoteExpert
+    from expertmesh.wire.worker_api import WorkerUnavailable
     assert issubclass(WorkerUnavailable, ConnectionError)
     from expertmesh.entry.up import free_port
     with RemoteAttention(f"127.0.0.1:{free_port()}", timeout=5.0) as dead:
@@ -430,9 +430,9 @@ def test_reflection_lists_services(servers, clients):
 
 
 def test_shutdown_refuses_new_calls(ckpt):
-    from expertmesh.worker.server import serve, shutdown
-    from expertmesh.wire.worker_api import WorkerUnavailable
     from expertmesh.wire.clients import RemoteExpert
+    from expertmesh.wire.worker_api import WorkerUnavailable
+    from expertmesh.worker.server import serve, shutdown
     server = serve("expert", ckpt, 0, assignment=[(1, 0)])
     with RemoteExpert(f"127.0.0.1:{server.port}", timeout=5.0) as c:
         assert c.health() == "SERVING" and c.info()["experts"] == [(1, 0)]

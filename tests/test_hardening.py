@@ -6,12 +6,12 @@ import time
 import pytest
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
 from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.kv import prefix_hashes
 from expertmesh.router.scheduler import affinity_key, affinity_worker
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.entry.local import build_local_engine
 
 CHUNK = 16
 PROMPT = [(5 * i + 1) % 256 for i in range(40)]
@@ -164,8 +164,8 @@ def test_a_dead_routers_sequences_are_closed_when_its_lease_runs_out(ckpt):
 def test_an_oversized_expert_call_is_refused_naming_the_limit(ckpt):
     import torch
 
-    from expertmesh.worker.expert import ExpertWorker
     from expertmesh.wire.worker_api import ExpertRequestError
+    from expertmesh.worker.expert import ExpertWorker
     w = ExpertWorker(ckpt, [(1, e) for e in range(16)], max_call_bytes=64 * 4 * 64 * 4)   # 64 rows of top-4
     h = torch.randn(65, ckpt.cfg.hidden_size)
     ids = torch.arange(4).repeat(65, 1)
@@ -264,8 +264,8 @@ def test_the_operator_folder_does_not_shadow_the_standard_library():
 
 
 def _serve(app, **timeouts):
-    from expertmesh.router.http import serve_http
     from expertmesh.entry.up import free_port
+    from expertmesh.router.http import serve_http
     port = free_port()
     server, thread = serve_http(app, "127.0.0.1", port, **timeouts)
     return port, server, thread

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 from hf_fixtures import DEEPSEEK, DEEPSEEK_TOKENS, KIMI, KIMI_TOOL_TOKENS, build_large_bpe, write_checkpoint
 
-from expertmesh.chat.load import load_chat
 from expertmesh.chat.grammar import Constraint, ll_tokenizer
+from expertmesh.chat.load import load_chat
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["C", "F"]}},
@@ -34,10 +34,10 @@ def hermes(tmp_path_factory):
     import openai
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-    from expertmesh.model.config import preset
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.router.http import build_app, serve_http
     from expertmesh.entry.up import free_port
+    from expertmesh.model.config import preset
+    from expertmesh.router.http import build_app, serve_http
     tk = build_large_bpe(32_000)
     cfg = preset("tiny").model_copy(update={"vocab_size": tk.get_vocab_size() + 14})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("hermes") / "ckpt", seed=0)
@@ -248,8 +248,8 @@ def cluster(tmp_path_factory):
     """`expertmesh up`'s processes on the tiny checkpoint (vision encoder included): stored responses bounded at
     1 MiB, remote images from the drip server within 2 s, clients that stop reading cut off after 3 s."""
     from expertmesh.checkpoint.loader import create_checkpoint
-    from expertmesh.model.config import preset
     from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.model.config import preset
     drip = DripServer()
     ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("served") / "tiny", seed=0)
     c = LocalCluster(ck, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=free_port(),
@@ -539,7 +539,6 @@ def test_grpc_clients_that_never_read_do_not_take_the_api_down(cluster):
     """#3: 500 streams on one connection that are never read held the 32-thread pool: the public gRPC API was
     unavailable for ≥ 90 s. Now one connection gets at most 16 streams at once, a stream whose client stops reading
     is cancelled after the write deadline (3 s here), and another client is served meanwhile."""
-    import grpc
 
     from expertmesh.protos import router_pb2, sampling_pb2
     c, _ = cluster

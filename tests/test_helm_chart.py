@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import tomllib
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import jsonschema
@@ -22,7 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from expertmesh.operator import main as operator_main, rbac
+from expertmesh.operator import main as operator_main
+from expertmesh.operator import rbac
 from expertmesh.operator.naming import attention_name, router_name
 from expertmesh.operator.spec import API_VERSION, KIND, parse_spec, resolve_model
 
@@ -65,7 +66,7 @@ def _set_args(values: dict) -> list[str]:
     return [a for k, v in values.items() for a in ("--set-json", f"{k}={json.dumps(v)}")]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _render(values_json: str, release: str, include_crds: bool) -> tuple:
     args = ["template", release, str(CHART), "--namespace", NAMESPACE, "--kube-version", f"v{K8S_VERSION}",
             *_set_args(json.loads(values_json))]

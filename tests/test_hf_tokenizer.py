@@ -3,9 +3,9 @@ characters, and stops at the checkpoint's EOS ids; bad files are refused in one 
 import json
 
 import pytest
+from hf_fixtures import auto_tokenizer, write_checkpoint
 
 from expertmesh.chat.tokenizer import ByteTokenizer, CheckpointTokenizer, TokenizerError, load_tokenizer
-from hf_fixtures import auto_tokenizer, write_checkpoint
 
 TEXTS = ["Hello world", "The weather in Paris is sunny today.", "  leading and trailing spaces  ",
          "café ✓ 日本語 🌍 mixed", "special strings <|im_end|> and <think> inside", "line\nbreaks\n\n\ttabs", "x"]

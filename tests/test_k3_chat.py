@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from k3_fixtures import tokenizer_digest, write_k3_tokenizer
 
 from expertmesh.chat.format import BuiltinChat, ChatError, Message, ToolCall, thinking_control
+from expertmesh.chat.k3 import MAX_TAG_BYTES, K3Chat
 from expertmesh.chat.load import NoChatTemplate, load_chat
-from expertmesh.chat.k3 import K3Chat, MAX_TAG_BYTES
 from expertmesh.chat.thinking import ThinkingState
 from expertmesh.chat.tokenizer import TikTokenTokenizer, TokenizerError, load_tokenizer, split_long_runs
-from k3_fixtures import tokenizer_digest, write_k3_tokenizer
 
 DATA = json.loads((Path(__file__).parent / "data" / "k3" / "chat_cases.json").read_text())
 CASES = {c["name"]: c for c in DATA["cases"]}

@@ -19,12 +19,12 @@ import openai
 import pytest
 from k3_checkpoint import write_k3_checkpoint
 
-from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.chat.load import load_chat
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.server import serving_config
-from expertmesh.entry.up import free_port
 
 CASES = json.loads((Path(__file__).parent / "data" / "k3" / "chat_cases.json").read_text())["cases"]
 BUDGETS = (16, 24, 32)        # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary

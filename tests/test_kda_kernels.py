@@ -12,8 +12,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from expertmesh.kernels.backend import use_backend  # noqa: E402
 from expertmesh.kernels.kda import chunk_kda, fused_recurrent_kda, kda_recurrent_reference  # noqa: E402
-from expertmesh.kernels.kda.chunk import _decayed_grams, chunk_kda as chunk_kda_torch  # noqa: E402
-from expertmesh.kernels.kda.chunk import prepare_chunks, state_passing_torch  # noqa: E402
+from expertmesh.kernels.kda.chunk import _decayed_grams, prepare_chunks, state_passing_torch  # noqa: E402  # noqa: E402
+from expertmesh.kernels.kda.chunk import chunk_kda as chunk_kda_torch
 from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda as fused_recurrent_kda_torch  # noqa: E402
 from expertmesh.kernels.kda.naive import check_kda_inputs  # noqa: E402
 

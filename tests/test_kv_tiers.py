@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.entry.local import build_local_engine
+from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
-from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import NotFound
 from expertmesh.worker.kv_tiers import KVTiers
 from expertmesh.worker.metrics import tier_metrics
-from expertmesh.wire.worker_api import NotFound
 
 CHUNK = 16
 MIB = 2 ** 20

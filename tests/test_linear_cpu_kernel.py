@@ -295,8 +295,8 @@ def test_project_keeps_fp32_and_biased_projections_apart():
 def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
     """The tiny model in bf16 (its projections and MLA's absorbed bmm on the kernel, no oneDNN copies): two
     sequences stepped together give bitwise the logits each gives alone."""
-    from expertmesh.model.config import preset
     from expertmesh.kernels import batch_invariant as bi
+    from expertmesh.model.config import preset
     from expertmesh.model.transformer import Segment, Transformer, init_random_
     model = init_random_(Transformer(preset("tiny")), seed=1).to(torch.bfloat16)
     a, b = list(range(1, 20)), list(range(100, 105))

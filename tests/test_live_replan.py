@@ -13,9 +13,9 @@ from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.placement.planner import ClusterShape, moved_shards, plan_placement
 from expertmesh.router.server import build_remote_engine
+from expertmesh.wire.clients import RemoteExpert
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.worker.server import serve, shutdown
-from expertmesh.wire.clients import RemoteExpert
 
 MAX_TOKENS = 24
 CHUNK = 16

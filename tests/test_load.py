@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -7,14 +7,14 @@ import openai
 import pytest
 import torch
 
+from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.engine import RequestError
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 
 CHUNK = 16
 TOL = 1e-4          # fp32: chunked prefill + decode vs one whole-sequence forward

@@ -231,7 +231,7 @@ def test_dispatcher_uses_the_kernel_on_cpu_and_the_switches_turn_it_off(monkeypa
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
-    T, K, E, H, I = 4, 2, 3, 64, 32
+    T, _K, E, H, I = 4, 2, 3, 64, 32
     w = _weights(E, H, I, seed=10)
     x = torch.randn(T, H)
     ids = torch.tensor([[0, 1], [2, -1], [1, 0], [-1, -1]])

@@ -4,9 +4,9 @@ odd widths, both rotary layouts on strided [T, H, D] views, bad inputs, and the 
 import pytest
 import torch
 
-from expertmesh.model import transformer as M
 from expertmesh.kernels.norm import cpu_kernel as ck
 from expertmesh.kernels.norm import naive
+from expertmesh.model import transformer as M
 
 pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
 
@@ -136,7 +136,7 @@ def test_rows_are_bitwise_batch_invariant(dtype, two_threads):
 
 def test_bad_inputs_name_the_tensor():
     x = torch.randn(4, 8)
-    w, b = torch.randn(8), torch.randn(8)
+    w, _b = torch.randn(8), torch.randn(8)
     cos, sin = torch.randn(4, 4), torch.randn(4, 4)
     cases = [
         (lambda: ck.rms_norm(x.half(), w, EPS), TypeError, "x: expected float32 or bfloat16"),

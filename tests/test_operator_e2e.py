@@ -32,15 +32,15 @@ from fetch_server import Faults, FileServer
 from kube_harness import LocalNode
 from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
 
+from expertmesh.checkpoint.fetch import INDEX_NAME, write_index
 from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.model.config import preset
-from expertmesh.checkpoint.fetch import INDEX_NAME, write_index
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.naming import attention_name, expert_name, pod_dns, router_name, worker_tls_secret_name
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
 from expertmesh.operator.status import condition
-from expertmesh.wire.worker_api import WorkerUnavailable
 from expertmesh.wire.clients import RemoteAttention, RemoteExpert
+from expertmesh.wire.worker_api import WorkerUnavailable
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use

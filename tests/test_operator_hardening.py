@@ -20,8 +20,21 @@ import time
 import kmock
 import pytest
 import yaml
-from test_operator_kopf import (KIND, MOE, NS, PLURAL, Cluster, Emulator, emulator, eventually, no_load, operator,
-                                operator_process, run_operator, tiny_spec)
+from test_operator_kopf import (
+    KIND,
+    MOE,
+    NS,
+    PLURAL,
+    Cluster,
+    Emulator,
+    emulator,
+    eventually,
+    no_load,
+    operator,
+    operator_process,
+    run_operator,
+    tiny_spec,
+)
 
 from expertmesh.operator import crd
 from expertmesh.operator.budget import ARG_MAX, check_children, estimate
@@ -31,8 +44,14 @@ from expertmesh.operator.kube import Kube
 from expertmesh.operator.naming import LABEL_VERSION, MAX_NAME_LENGTH, STATEFULSET_NAME_MAX, expert_name, name_error
 from expertmesh.operator.placement_policy import plan_for
 from expertmesh.operator.planning import PlanningFailed, PlanRunner
-from expertmesh.operator.spec import (MAX_ATTENTION_REPLICAS, MAX_EXPERT_REPLICAS, MoEDeploymentSpec,
-                                      MoEDeploymentStatus, parse_spec, resolve_model)
+from expertmesh.operator.spec import (
+    MAX_ATTENTION_REPLICAS,
+    MAX_EXPERT_REPLICAS,
+    MoEDeploymentSpec,
+    MoEDeploymentStatus,
+    parse_spec,
+    resolve_model,
+)
 from expertmesh.operator.validation import LABEL_VALUE
 from expertmesh.placement.planner import PlanError
 

@@ -38,8 +38,14 @@ from kmock._internal import enums
 from expertmesh.model.config import preset
 from expertmesh.operator.handlers import Deps, _api, _read_load, build_registry
 from expertmesh.operator.kube import Kube, KubeError
-from expertmesh.operator.naming import (PLAN_HASH_ANNOTATION, attention_name, expert_name, plan_configmap_name,
-                                        prefill_name, router_name)
+from expertmesh.operator.naming import (
+    PLAN_HASH_ANNOTATION,
+    attention_name,
+    expert_name,
+    plan_configmap_name,
+    prefill_name,
+    router_name,
+)
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load
 from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from expertmesh.operator.status import condition as condition_of
@@ -736,7 +742,7 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
         await c._ok(emu.post("/apis/kopf.dev/v1/clusterkopfpeerings", json={
             "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "expertmesh"}}))
         def peers() -> dict:
-            for (res, ns, name), obj in list(emu.objects.items()):
+            for (res, _ns, name), obj in list(emu.objects.items()):
                 if res == kmock.resource("kopf.dev/v1/clusterkopfpeerings") and name == "expertmesh" and not obj.deleted:
                     return _plain(obj.raw).get("status") or {}
             return {}

@@ -17,19 +17,42 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from expertmesh.model.config import preset
 from expertmesh.operator import crd, rbac
-from expertmesh.operator.children import (_pod_spec, _volumes, absent_children, build_children, fetch_container,
-                                          revision, router_serving_args, template_hashes)
+from expertmesh.operator.children import (
+    _pod_spec,
+    _volumes,
+    absent_children,
+    build_children,
+    fetch_container,
+    revision,
+    router_serving_args,
+    template_hashes,
+)
 from expertmesh.operator.kube import resource
 from expertmesh.operator.main import add_arguments, operator_kwargs
-from expertmesh.operator.naming import (COLLECTIVE_PORT, COMPONENT_EXPERT, COMPONENT_ROUTER, LABEL_COMPONENT,
-                                        LABEL_INSTANCE, PLAN_HASH_ANNOTATION, WORKER_PORT, checkpoint_path,
-                                        worker_addresses)
+from expertmesh.operator.naming import (
+    COLLECTIVE_PORT,
+    COMPONENT_EXPERT,
+    COMPONENT_ROUTER,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    PLAN_HASH_ANNOTATION,
+    WORKER_PORT,
+    checkpoint_path,
+    worker_addresses,
+)
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.pods import PodInfo, assess, pod_info
-from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
-from expertmesh.operator.status import (condition, decide, placement_status, seconds_since, set_condition,
-                                        weights_condition, with_weights)
 from expertmesh.operator.router_salt import router_salt_secret
+from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
+from expertmesh.operator.status import (
+    condition,
+    decide,
+    placement_status,
+    seconds_since,
+    set_condition,
+    weights_condition,
+    with_weights,
+)
 from expertmesh.operator.worker_tls import worker_tls_hosts, worker_tls_secret
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import PlanError, imbalance, moved_shards, zipf_loads
@@ -438,7 +461,8 @@ def test_changed_ordinals_are_the_expert_pods_whose_shards_move(tiny_plan):
 
 def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     # the router's own parser checks the flags: imported here, so the operator's tests load no serving stack otherwise
-    from expertmesh.router.server import add_arguments as router_arguments, serving_config
+    from expertmesh.router.server import add_arguments as router_arguments
+    from expertmesh.router.server import serving_config
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
     router = {(c["kind"], c["metadata"]["name"]): c for c in build_children(
@@ -670,7 +694,7 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
 
 
 def test_seconds_since_reads_status_times():
-    now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 1, 1, 0, 5, tzinfo=dt.UTC)
     assert seconds_since(NOW, now) == 300.0  # the last load read, kept in status.lastRebalanceTime
     assert seconds_since(None, now) == seconds_since("garbage", now) == float("inf")
 
@@ -984,7 +1008,7 @@ def test_the_pools_args_parse_with_the_real_router_and_worker_clis(tiny_plan):
     """What the operator renders is what the router and the worker accept (their own parsers; nothing is started):
     --prefill / --prefill-min-tokens, --pool and each pool's KV flags."""
     from expertmesh.router.server import add_arguments as router_arguments
-    from expertmesh.worker.server import build_parser   # the worker's parser (imports torch)
+    from expertmesh.worker.server import build_parser  # the worker's parser (imports torch)
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(prefillWorkers={"replicas": 2, "minPromptTokens": 64}, kv={"hostGiB": 1}))
     by = _by(build_children("kimi", "serving", spec, cfg, plan))

@@ -23,10 +23,10 @@ from transformers import (  # noqa: E402
     KimiLinearForCausalLM,
 )
 
-from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.checkpoint.files import CheckpointError  # noqa: E402
+from expertmesh.checkpoint.loader import Checkpoint  # noqa: E402
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from expertmesh.model.transformer import Segment, generate
+from expertmesh.model.transformer import Segment, generate  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 
 LOGPROB_TOL = 2e-3          # fp32 on CPU (the issue's bar); seen: a few 1e-6
@@ -123,8 +123,8 @@ def test_through_up_matches_transformers(relatives, prompt):
     `/v1/completions` returns (echo + logprobs, max_tokens 0), read with the openai client, equal its logits'."""
     import openai
 
-    from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
     for model_type in ("kimi_linear", "deepseek_v32"):
         hf, path = relatives[model_type]
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:]

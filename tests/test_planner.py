@@ -10,10 +10,12 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from expertmesh.model.config import preset
 from expertmesh.operator import plan_cli
+from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import (
     ClusterShape,
     PlanError,
@@ -25,7 +27,6 @@ from expertmesh.placement.planner import (
     replica_counts,
     zipf_loads,
 )
-from expertmesh.placement.plan import PlacementPlan
 
 GIB = 2 ** 30
 TINY = preset("tiny")

@@ -14,14 +14,14 @@ import pytest
 
 from expertmesh.chat.format import Message, ToolCall
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
+from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.conversation import system_and_rest
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, Segment, StoredResponse
 from expertmesh.router.server import serving_config
 from expertmesh.router.truncation import Piece, plan_truncation, rounds
-from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -188,7 +188,8 @@ def test_parameters_are_honoured_or_refused_naming_them(stack, extra, param):
 
 
 def test_near_valid_input_items_get_an_answer_or_a_400_never_a_5xx(stack):
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
     junk = st.one_of(st.none(), st.integers(-2, 2), st.booleans(), st.lists(st.integers(), max_size=2),
                      st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
     text = st.one_of(st.text(max_size=8), st.just("\ud800"))

@@ -5,12 +5,12 @@ import httpx
 import openai
 import pytest
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
-from expertmesh.entry.local import build_local_engine
-from expertmesh.router.http import build_app, serve_http
 from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
+from expertmesh.model.config import preset
+from expertmesh.router.http import build_app, serve_http
 
 CHUNK = 16
 T = ByteTokenizer()

@@ -9,9 +9,9 @@ from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV, prefix_hashe
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError
 from expertmesh.router.scheduler import (
     Limits,
+    Planned,
     affinity_key,
     affinity_worker,
-    Planned,
     check_request,
     finish_reason,
     prefill_end,
@@ -425,8 +425,15 @@ def test_requests_that_can_never_run_are_refused_naming_the_field():
 
 # ------------------------------------------------------------------ session-aware eviction, tiers, placement
 def test_eviction_order_drops_superseded_prefixes_first_and_keeps_sessions_awaiting_tools_warm_longest():
-    from expertmesh.router.eviction import (ANSWERED, AWAITING_TOOL, ONE_SHOT, RUNNING, PrefixInfo, Victim,
-                                            eviction_order)
+    from expertmesh.router.eviction import (
+        ANSWERED,
+        AWAITING_TOOL,
+        ONE_SHOT,
+        RUNNING,
+        PrefixInfo,
+        Victim,
+        eviction_order,
+    )
     infos = [PrefixInfo("tool-new", 320, 1, False, AWAITING_TOOL), PrefixInfo("tool-old", 256, 0, True, AWAITING_TOOL),
              PrefixInfo("answered", 64, 2, False, ANSWERED), PrefixInfo("one-shot-recent", 64, 9, False, ONE_SHOT),
              PrefixInfo("one-shot-old", 64, 3, False, ONE_SHOT), PrefixInfo("running", 64, 4, False, RUNNING)]

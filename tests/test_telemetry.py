@@ -7,12 +7,12 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from expertmesh.runtime import telemetry
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
-from expertmesh.router.http import build_app, serve_http
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
+from expertmesh.model.config import preset
+from expertmesh.router.http import build_app, serve_http
+from expertmesh.runtime import telemetry
 
 EXPORTER = InMemorySpanExporter()
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from expertmesh.chat.grammar import json_schema_grammar, ll_tokenizer
-from expertmesh.model.sampling import Sampler
-from expertmesh.wire.sampling_params import SamplingParams, thinking_from_proto, thinking_to_proto
 from expertmesh.chat.thinking import ThinkingControl, ThinkingState
 from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.model.sampling import Sampler
+from expertmesh.wire.sampling_params import SamplingParams, thinking_from_proto, thinking_to_proto
 
 START, CLOSE, THINK, SEP, OPEN, RESP, EOT, EOS, ROLE = 300, 301, 302, 303, 304, 305, 306, 307, 308
 K3_CLOSE = (CLOSE, THINK, SEP, OPEN, RESP, SEP)

@@ -7,9 +7,9 @@ import httpx
 import pytest
 
 from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.entry.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from expertmesh.chat.tokenizer import VOCAB_SIZE, ByteTokenizer
 from expertmesh.model.sampling import Sampler
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 
 def test_byte_round_trip_and_specials():

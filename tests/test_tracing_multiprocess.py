@@ -10,8 +10,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from expertmesh.checkpoint.loader import create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.model.config import preset
 
 pytestmark = pytest.mark.slow
 

@@ -5,13 +5,13 @@ import grpc
 import httpx
 import pytest
 
+from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.entry.up import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, N_TOKENS = 16, 32
@@ -241,6 +241,7 @@ def test_default_expert_workers_one_per_two_cores(monkeypatch):
     """`up` without --expert-workers: one expert worker per two cores of this process's affinity, at least one and
     at least --expert-replicas."""
     import os
+
     from expertmesh.entry.up import add_arguments, default_expert_workers
     assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
     assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]      # --expert-replicas R

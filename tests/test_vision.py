@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from expertmesh.checkpoint.loader import create_checkpoint
+from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import Transformer
-from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.vision import encode_image
 
 KEY = "sk-vision-test"

@@ -19,23 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expertmesh.model import memory
-
-from expertmesh.runtime import telemetry
-from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.model.config import ModelConfig
 from expertmesh.chat.grammar import ll_tokenizer
-from expertmesh.kernels import cpu_warmup
-from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
-from expertmesh.model.transformer import ResidualStream, Segment, SequenceCache, Transformer, materialize_
-from expertmesh.model.sampling import Sampler
-from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.chat.tokenizer import load_tokenizer
+from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.kernels import cpu_warmup
+from expertmesh.model import memory
+from expertmesh.model.config import ModelConfig
+from expertmesh.model.sampling import Sampler
+from expertmesh.model.transformer import ResidualStream, Segment, SequenceCache, Transformer, materialize_
 from expertmesh.model.vision import SequenceImages
-from expertmesh.worker.exchange import ExpertExchange
-from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
-from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
-from expertmesh.worker.threads import DecodeThreads
+from expertmesh.runtime import telemetry
+from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import (
     HandOffFailed,
     HandOffResult,
@@ -48,6 +43,10 @@ from expertmesh.wire.worker_api import (
     WorkerError,
     snapshot_parts,
 )
+from expertmesh.worker.exchange import ExpertExchange
+from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
+from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
+from expertmesh.worker.threads import DecodeThreads
 
 POOLS = ("mixed", "prefill", "decode")
 

@@ -149,7 +149,7 @@ class SocketPair:
         self.sock = sock
 
     @classmethod
-    def rendezvous(cls, store, rank: int, address: str, timeout: float) -> "SocketPair":
+    def rendezvous(cls, store, rank: int, address: str, timeout: float) -> SocketPair:
         if rank == 1:
             family = socket.AF_INET6 if ":" in address else socket.AF_INET
             with socket.create_server((address, 0), family=family, backlog=1) as listener:
@@ -489,7 +489,7 @@ class Posted:
     """A call sent over a pair whose answer is still on the wire: `result()` receives it on the calling thread
     (once; later calls return the same or raise the same), → [R, H] as `CollectiveExpert.run`."""
 
-    def __init__(self, client: "CollectiveExpert", group, out: torch.Tensor):
+    def __init__(self, client: CollectiveExpert, group, out: torch.Tensor):
         self.client, self.group, self.out = client, group, out
         self._value = self._error = None
         self.done = False

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertmesh.runtime import telemetry
 from expertmesh.kernels.moe.combine import fold_rows, present_groups, sort_slots
 from expertmesh.placement.replica_table import ReplicaTable
+from expertmesh.runtime import telemetry
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -222,7 +222,7 @@ class ExpertExchange:
         return self.finish(self.start(layer, hidden, topk_ids, topk_weights))
 
     def start(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-              ) -> "_Layer":
+              ) -> _Layer:
         """Send a layer's calls and return at once (the caller computes its shared experts meanwhile); `finish`
         waits for the answers, redoes what failed and combines."""
         span = trace_ctx = None
@@ -236,7 +236,7 @@ class ExpertExchange:
         self._send(job, 0)
         return job
 
-    def _send(self, job: "_Layer", attempt: int) -> None:
+    def _send(self, job: _Layer, attempt: int) -> None:
         with self.lock:
             down = set(self.down)
         calls, missing = self.assign(job.layer, job.ids, job.todo, down)
@@ -245,7 +245,7 @@ class ExpertExchange:
             job.todo[t] = False
         job.jobs = [(c, self._submit(job, c, attempt)) for c in calls]
 
-    def _submit(self, job: "_Layer", c: _Call, attempt: int):
+    def _submit(self, job: _Layer, c: _Call, attempt: int):
         """Start one call → something with result(): over a formed pair (a client with `post`), sent from this
         thread now and received by `finish`'s thread — no thread hop either way; otherwise on the pool."""
         client = self.clients[c.worker]
@@ -261,14 +261,14 @@ class ExpertExchange:
                 return _Answer(self, c, posted, sent, ids, w)
         return self.pool.submit(self._run, job.layer, c, job.host, job.w_t, job.hidden.dtype, job.trace_ctx, attempt)
 
-    def finish(self, job: "_Layer") -> tuple[torch.Tensor, dict[int, str]]:
+    def finish(self, job: _Layer) -> tuple[torch.Tensor, dict[int, str]]:
         try:
             return self._finish(job)
         finally:
             if job.span is not None:
                 job.span.end()
 
-    def _finish(self, job: "_Layer") -> tuple[torch.Tensor, dict[int, str]]:
+    def _finish(self, job: _Layer) -> tuple[torch.Tensor, dict[int, str]]:
         N, H = job.hidden.shape
         layer, todo = job.layer, job.todo
         # the P_g that arrived: whole rows as they came, and P_g summed here from per-slot fragments
@@ -295,7 +295,7 @@ class ExpertExchange:
                 todo[c.out_token[whole], c.out_group[whole]] = False
                 sel = np.flatnonzero(keep & (c.out_k >= 0))
                 fragments += [(int(c.out_k[i]), int(c.out_token[i]), int(c.out_group[i]), out[i]) for i in sel]
-            for k, t, g, row in sorted(fragments, key=lambda f: f[0]):   # P_g from its slots, ascending id
+            for _k, t, g, row in sorted(fragments, key=lambda f: f[0]):   # P_g from its slots, ascending id
                 summed[t, g] = summed.get((t, g), torch.zeros(H)) + row.float()
                 todo[t, g] = False
             if not lost:

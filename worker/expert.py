@@ -15,14 +15,14 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from expertmesh.model import memory
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.model.config import ModelConfig
 from expertmesh.kernels import cpu_warmup
 from expertmesh.kernels.moe.combine import group_partials
+from expertmesh.model import memory
+from expertmesh.model.config import ModelConfig
 from expertmesh.model.transformer import RoutedExperts
-from expertmesh.worker.threads import DecodeThreads
 from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
+from expertmesh.worker.threads import DecodeThreads
 
 
 class ExpertWorker:
@@ -130,7 +130,7 @@ class ExpertWorker:
         workspace from memory.expert_workspace_bytes."""
         mem = memory.WorkerMemory()
         per_device: dict[str, list] = defaultdict(list)
-        for layer, shards in self.experts.items():
+        for _layer, shards in self.experts.items():
             for label, mod, _ in shards:
                 per_device[label].append(mod)
         for label, mods in sorted(per_device.items()):

@@ -104,7 +104,7 @@ class PagedSequenceKV:
         ik = self.pool.index_k[layer].index_select(0, idx).reshape(-1, self.pool.index_k[layer].shape[-1])
         return lat[:length], ik[:length]
 
-    def fork(self, length: int) -> "PagedSequenceKV":
+    def fork(self, length: int) -> PagedSequenceKV:
         """A new table sharing this one's first `length` tokens (full blocks shared, a partial block copied)."""
         bs = self.pool.block_size
         child = PagedSequenceKV(self.pool)

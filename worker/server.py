@@ -26,24 +26,34 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from expertmesh.model import memory
-
-from expertmesh.runtime import telemetry
-from expertmesh.runtime.argtypes import check_kv_tiers, positive_int
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.model.config import ModelConfig, preset
-from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.kernels.dsa import cpu_kernel as dsa_cpu_kernel
 from expertmesh.kernels.moe import cpu_kernel
+from expertmesh.model import memory
+from expertmesh.model.config import ModelConfig, preset
 from expertmesh.model.memory import WorkerMemory
 from expertmesh.placement.plan import PlacementPlan
-from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.placement.replica_table import ReplicaTable
-from expertmesh.wire.sampling_params import sampling_from_proto, thinking_from_proto
+from expertmesh.protos import worker_pb2, worker_pb2_grpc
+from expertmesh.runtime import telemetry
+from expertmesh.runtime.argtypes import check_kv_tiers, positive_int
+from expertmesh.runtime.health_port import serve_health_only
+from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.runtime.shutdown import exit_after, stop_on_signals
-from expertmesh.wire.tensors import from_proto, to_proto
 from expertmesh.runtime.tls import ClientTLS, ServerTLS
+from expertmesh.wire.clients import RemoteAttention, RemoteExpert
+from expertmesh.wire.kv_snapshot import CorruptFile, decode
+from expertmesh.wire.sampling_params import sampling_from_proto, thinking_from_proto
+from expertmesh.wire.tensors import from_proto, to_proto
+from expertmesh.wire.worker_api import (
+    HandOffFailed,
+    ImageSpan,
+    NotConnected,
+    NotFound,
+    OutOfBlocks,
+    StepSegment,
+    UnknownExpert,
+)
 from expertmesh.worker.attention import POOLS, AttentionWorker
 from expertmesh.worker.collective import (
     BACKENDS,
@@ -54,17 +64,6 @@ from expertmesh.worker.collective import (
 )
 from expertmesh.worker.expert import ExpertWorker
 from expertmesh.worker.metrics import METRICS, serve_metrics
-from expertmesh.wire.kv_snapshot import CorruptFile, decode
-from expertmesh.wire.worker_api import (
-    HandOffFailed,
-    ImageSpan,
-    NotConnected,
-    NotFound,
-    OutOfBlocks,
-    StepSegment,
-    UnknownExpert,
-)
-from expertmesh.wire.clients import RemoteAttention, RemoteExpert
 
 log = logging.getLogger("expertmesh.worker")
 

@@ -43,7 +43,6 @@ from expertmesh.chat.thinking import Phase, ThinkingControl
 from expertmesh.chat.tokenizer import ByteTokenizer
 
 
-
 class ChatError(ValueError):
     """A malformed conversation; the message names the message index and the field."""
 

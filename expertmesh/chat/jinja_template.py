@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 from expertmesh.chat.format import (
     ChatError,

@@ -86,8 +86,8 @@ from expertmesh.chat.format import (
     tool_call_id,
     validate_history,
 )
-from expertmesh.chat.jinja_template import arguments_value
 from expertmesh.chat.grammar import JSON_OPTIONS
+from expertmesh.chat.jinja_template import arguments_value
 from expertmesh.chat.tokenizer import TokenizerError
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -190,7 +190,7 @@ def schema_types(tools: list[dict] | None) -> dict[str, dict[str, str | None]]:
 class _Pieces:
     """Special ids and text, in order; `ids()` tokenizes each text run between two specials as one piece."""
 
-    def __init__(self, chat: "K3Chat"):
+    def __init__(self, chat: K3Chat):
         self.chat, self.items = chat, []
 
     def special(self, token: str) -> None:
@@ -417,7 +417,7 @@ class K3Chat:
                 body.append(t)
         return parse_items(lex(self, body), len(body), phase, schema_types(tools), salt)
 
-    def stream_parser(self, *, phase: Phase, salt: str = "", tools: list[dict] | None = None) -> "K3StreamParser":
+    def stream_parser(self, *, phase: Phase, salt: str = "", tools: list[dict] | None = None) -> K3StreamParser:
         """A parser for one stream (never share one between requests)."""
         return K3StreamParser(self, phase=phase, salt=salt, tools=tools)
 

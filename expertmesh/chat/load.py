@@ -18,8 +18,8 @@ from expertmesh.chat.format import (
     check_render_options,
     split_reasoning,
 )
-from expertmesh.chat.k3 import XTML_TOKENS, K3Chat
 from expertmesh.chat.jinja_template import load_template_chat
+from expertmesh.chat.k3 import XTML_TOKENS, K3Chat
 from expertmesh.chat.tokenizer import ByteTokenizer, TikTokenTokenizer, TokenizerError, load_tokenizer, read_json
 
 log = logging.getLogger("expertmesh.chat.load")

@@ -105,7 +105,7 @@ class ByteTokenizer:
         """The raw bytes of the non-special ids (for streaming: decode once a UTF-8 sequence is complete)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < N_BYTES)
 
-    def stream_decoder(self, *, skip_special: bool = True) -> "ByteStreamDecoder":
+    def stream_decoder(self, *, skip_special: bool = True) -> ByteStreamDecoder:
         return ByteStreamDecoder(self, skip_special)
 
 
@@ -258,7 +258,7 @@ class CheckpointTokenizer(NamedSpecials):
         text = self.backend.decode(ids, skip_special_tokens=skip_special)
         return _clean_up_spaces(text) if self.cleanup_spaces else text
 
-    def stream_decoder(self, *, skip_special: bool = True) -> "TokenStreamDecoder":
+    def stream_decoder(self, *, skip_special: bool = True) -> TokenStreamDecoder:
         return TokenStreamDecoder(self, skip_special)
 
     @cached_property
@@ -600,7 +600,7 @@ class TikTokenTokenizer(NamedSpecials):
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def stream_decoder(self, *, skip_special: bool = True) -> "TikTokenStreamDecoder":
+    def stream_decoder(self, *, skip_special: bool = True) -> TikTokenStreamDecoder:
         return TikTokenStreamDecoder(self, skip_special)
 
 

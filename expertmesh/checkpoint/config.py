@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from expertmesh.checkpoint.files import CONFIG_FILE, CheckpointError, safetensors_headers
-from expertmesh.model.config import ModelConfig, load_config
 from expertmesh.checkpoint.hf_config import config_from_hf
+from expertmesh.model.config import ModelConfig, load_config
 
 
 def read_raw_config(path: Path) -> dict:

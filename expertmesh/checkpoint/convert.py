@@ -21,8 +21,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.checkpoint.files import INDEX_FILE, CheckpointError
+from expertmesh.checkpoint.loader import Checkpoint
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

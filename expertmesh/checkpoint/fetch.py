@@ -55,9 +55,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 INDEX_NAME = "expertmesh-index.json"
 INDEX_FORMAT = "expertmesh-index/1"
@@ -84,8 +84,8 @@ class TransientError(Exception):
 class FileEntry:
     path: str
     size: int
-    sha256: Optional[str] = None
-    git_sha1: Optional[str] = None   # the git blob id (Hub files not stored in LFS)
+    sha256: str | None = None
+    git_sha1: str | None = None   # the git blob id (Hub files not stored in LFS)
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Source:
     base: str = ""
     headers: dict = field(default_factory=dict)
     kind: str = "http"        # http | hf | s3 | local
-    sign: Optional[Callable[[str, str, dict], dict]] = None
+    sign: Callable[[str, str, dict], dict] | None = None
     index_url: str = ""
 
 
@@ -106,7 +106,7 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def sigv4_headers(method: str, url: str, headers: dict, *, access_key: str, secret_key: str, region: str,
-                  amz_date: str, session_token: Optional[str] = None, service: str = "s3") -> dict:
+                  amz_date: str, session_token: str | None = None, service: str = "s3") -> dict:
     """`headers` plus the AWS Signature Version 4 headers of a request without a body (x-amz-date,
     x-amz-content-sha256, Authorization; every given header is signed)."""
     import hmac
@@ -476,7 +476,7 @@ def _backoff(attempt: int, base: float, cap: float = 60.0) -> float:
     return min(cap, base * 2 ** attempt) * (0.5 + random.random() / 2)
 
 
-def _check_file(fh, entry: FileEntry) -> Optional[str]:
+def _check_file(fh, entry: FileEntry) -> str | None:
     """None when the open file `fh` matches the index entry, else what is wrong."""
     size = os.fstat(fh.fileno()).st_size
     if size != entry.size:
@@ -488,7 +488,7 @@ def _check_file(fh, entry: FileEntry) -> Optional[str]:
     return None if got == entry.git_sha1 else f"git blob id {got}, the index says {entry.git_sha1}"
 
 
-def _check(path: Path, entry: FileEntry) -> Optional[str]:
+def _check(path: Path, entry: FileEntry) -> str | None:
     with open(path, "rb") as fh:
         return _check_file(fh, entry)
 
@@ -581,7 +581,7 @@ class _Cache:
             os.unlink(name, dir_fd=dfd)
         return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=dfd)
 
-    def regular(self, dfd: int, name: str, rel: str) -> Optional[os.stat_result]:
+    def regular(self, dfd: int, name: str, rel: str) -> os.stat_result | None:
         """The stat of the regular file at `rel`, None when there is none (anything else there is cleared)."""
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -592,7 +592,7 @@ class _Cache:
         self.clear(dfd, name, rel, "file")
         return None
 
-    def check(self, dfd: int, name: str, rel: str, entry: FileEntry) -> Optional[str]:
+    def check(self, dfd: int, name: str, rel: str, entry: FileEntry) -> str | None:
         with os.fdopen(self.open(dfd, name, rel, os.O_RDONLY), "rb") as fh:
             return _check_file(fh, entry)
 
@@ -798,7 +798,7 @@ def _retrying(fn, retries: int, backoff: float, out, what: str, reset=None):
             time.sleep(delay)
 
 
-def parse_progress(log: str) -> Optional[float]:
+def parse_progress(log: str) -> float | None:
     """The percentage of the last `FETCH <pct>% …` line of a log, or None."""
     for line in reversed(log.splitlines()):
         mt = PROGRESS_RE.match(line.strip())

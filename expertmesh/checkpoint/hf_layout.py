@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 
 from expertmesh.checkpoint.files import safetensors_headers
-from expertmesh.model.config import MXFP4_BLOCK, ModelConfig
 from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf, moe_prefix
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
+from expertmesh.model.config import MXFP4_BLOCK, ModelConfig
 from expertmesh.model.transformer import module_shapes
 
 log = logging.getLogger("expertmesh.checkpoint.loader")

@@ -28,9 +28,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from pydantic import ValidationError
@@ -39,9 +39,16 @@ from safetensors.torch import save_file
 
 from expertmesh.checkpoint.config import is_hugging_face, mapped_config_error, native_config, read_raw_config
 from expertmesh.checkpoint.files import CONFIG_FILE, INDEX_FILE, CheckpointError, read_header
-from expertmesh.model.config import ModelConfig, preset
 from expertmesh.checkpoint.hf_layout import HFLayout
-from expertmesh.model.transformer import RoutedExperts, Transformer, init_random_, materialize_, module_shapes, stored_dtype
+from expertmesh.model.config import ModelConfig, preset
+from expertmesh.model.transformer import (
+    RoutedExperts,
+    Transformer,
+    init_random_,
+    materialize_,
+    module_shapes,
+    stored_dtype,
+)
 
 FORMAT = "expertmesh-mxfp4"
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"   # synthetic ones, per preset

@@ -76,10 +76,10 @@ def cmd_checkpoint_inspect(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
+    from expertmesh.chat.tokenizer import load_tokenizer
     from expertmesh.checkpoint.loader import Checkpoint, default_checkpoint
     from expertmesh.model.transformer import generate
     from expertmesh.wire.sampling_params import SamplingParams
-    from expertmesh.chat.tokenizer import load_tokenizer
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
     model = Checkpoint(path).load_model(dense_attention=args.dense)
     tok = load_tokenizer(path)

@@ -4,8 +4,8 @@ the distributed system must give exactly its greedy tokens."""
 from __future__ import annotations
 
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.router.engine import Engine
 from expertmesh.entry.up import make_placement
+from expertmesh.router.engine import Engine
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
 

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh.runtime.argtypes import check_kv_tiers, nonnegative_int, positive_int
 from expertmesh.checkpoint.config import checkpoint_config
 from expertmesh.model.config import ModelConfig
 from expertmesh.placement.planner import ClusterShape, plan_placement
-from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS, add_arguments as router_arguments
+from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
+from expertmesh.router.server import add_arguments as router_arguments
+from expertmesh.runtime.argtypes import check_kv_tiers, nonnegative_int, positive_int
 from expertmesh.runtime.shutdown import PARENT_ENV, stop_on_signals
 from expertmesh.runtime.tls import ephemeral_pki
 
@@ -262,7 +263,7 @@ class LocalCluster:
                     raise TimeoutError(f"{c.name} not ready after {timeout:.0f}s:\n" + "\n".join(c.lines[-30:]))
                 time.sleep(0.05)
 
-    def start(self, timeout: float = 120.0) -> "LocalCluster":
+    def start(self, timeout: float = 120.0) -> LocalCluster:
         cfg = checkpoint_config(self.checkpoint)
         plan = make_placement(cfg, self.n_expert, self.redundant, min_replicas=self.expert_replicas)
         self.plan_path.write_text(plan.to_json())
@@ -333,7 +334,7 @@ class LocalCluster:
                     c.proc.kill()
                     c.proc.wait()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -345,7 +346,7 @@ class LocalCluster:
         return f"{scheme}://{self.host}:{self.http_port}"
 
 
-def supervise(cluster: "LocalCluster", stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0,
+def supervise(cluster: LocalCluster, stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0,
               out=sys.stderr) -> int:
     """Keep the deployment serving: a process that exits is started again on its port (backoff 1, 2, 4, ... s);
     more than `max_restarts` restarts of one process within `window` seconds gives up (returns 1)."""

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from expertmesh.chat.tokenizer import VOCAB_SIZE, ByteTokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # kda: Kimi Delta Attention; mla: full multi-head latent attention (Kimi Linear's global layers); dsa: MLA whose
 # queries each attend only to the lightning indexer's top-k past tokens (DeepSeek-V3.2).
@@ -56,7 +59,7 @@ class MoEConfig(_Strict):
         return self.n_routed_experts // (self.combine_group_size or self.n_routed_experts // self.n_group)
 
     @model_validator(mode="after")
-    def _check(self) -> "MoEConfig":
+    def _check(self) -> MoEConfig:
         if self.combine_group_size is not None and self.n_routed_experts % self.combine_group_size:
             raise ValueError(f"moe.combine_group_size={self.combine_group_size} does not divide "
                              f"moe.n_routed_experts={self.n_routed_experts}")
@@ -99,7 +102,7 @@ class MLAConfig(_Strict):
     norm_eps: float = Field(1e-6, gt=0, description="eps of the q / kv latent RMSNorms (published: 1e-6)")
 
     @model_validator(mode="after")
-    def _check(self) -> "MLAConfig":
+    def _check(self) -> MLAConfig:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         return self
@@ -160,7 +163,7 @@ class RopeConfig(_Strict):
     theta: float = Field(50_000.0, gt=0)
     yarn: YarnConfig | None = None
 
-    def inv_freq(self, dim: int) -> "torch.Tensor":
+    def inv_freq(self, dim: int) -> torch.Tensor:
         """Inverse frequencies [dim/2] (float64) of a `dim`-wide rotary slice, YaRN-blended when configured:
         high frequencies kept (extrapolation), low ones divided by `factor` (interpolation), a linear ramp
         between the correction dims of beta_fast / beta_slow rotations."""
@@ -213,7 +216,7 @@ class ThinkingBudgets(_Strict):
     max: int = Field(gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "ThinkingBudgets":
+    def _check(self) -> ThinkingBudgets:
         if not self.low <= self.high <= self.max:
             raise ValueError(
                 f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}")
@@ -248,7 +251,7 @@ class VisionConfig(_Strict):
     max_patches_per_side: int = Field(512, gt=0, description="patches along either side; likewise")
 
     @model_validator(mode="after")
-    def _check(self) -> "VisionConfig":
+    def _check(self) -> VisionConfig:
         head_dim, rem = divmod(self.hidden_size, self.num_attention_heads)
         if rem or head_dim % 4:
             raise ValueError(f"vision.hidden_size={self.hidden_size} / num_attention_heads="
@@ -300,7 +303,7 @@ class ModelConfig(_Strict):
     vision: VisionConfig | None = Field(None, description="image input (expertmesh/model/vision.py); None: text only")
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         if self.hidden_size % MXFP4_BLOCK:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}")

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh.checkpoint.loader import expected_tensors, is_routed_expert
-from expertmesh.model.config import ModelConfig
 from expertmesh.kernels.moe import dequant_cache
+from expertmesh.model.config import ModelConfig
 from expertmesh.model.transformer import FP32_PARAMETERS
 
 DEVICES = ("cuda", "cpu", "meta")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from expertmesh.chat.grammar import Constraint, GrammarError
-from expertmesh.wire.sampling_params import TINY_TEMPERATURE, check_sampling
 from expertmesh.chat.thinking import ThinkingState
+from expertmesh.wire.sampling_params import TINY_TEMPERATURE, check_sampling
 
 
 class Sampler:

@@ -21,16 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertmesh.model.config import ActivationConfig, ModelConfig, RopeConfig
-from expertmesh.kernels import dsa as dsa_ops, kda as kda_ops, moe as moe_ops
+from expertmesh.kernels import dsa as dsa_ops
+from expertmesh.kernels import kda as kda_ops
+from expertmesh.kernels import moe as moe_ops
 from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import bmm, linear, linear_fused, pointwise
 from expertmesh.kernels.moe.combine import grouped_combine
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
-from expertmesh.kernels.norm import cpu_kernel as norm_kernel, naive as norm_naive
+from expertmesh.kernels.norm import cpu_kernel as norm_kernel
+from expertmesh.kernels.norm import naive as norm_naive
+from expertmesh.model.config import ActivationConfig, ModelConfig, RopeConfig
 from expertmesh.model.sampling import Sampler
-from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.model.vision import Projector, VisionTower, init_vision_
+from expertmesh.wire.sampling_params import SamplingParams
 
 # A KDA prefill of at least this many tokens runs the chunked form, shorter ones the recurrent form.
 # The rule depends only on the token count, so every deployment makes the same choice.
@@ -199,7 +202,7 @@ class DSACache:
         if index_k is not None:
             self.index_k = torch.cat([self.index_k, index_k])
 
-    def pages(self) -> "CachePages":
+    def pages(self) -> CachePages:
         """The cache as one page (what the paged decode kernels read; same bits as any paging of it)."""
         n, dev = self.latent.shape[0], self.latent.device
         return CachePages(self.latent[None], None if self.index_k is None else self.index_k[None],

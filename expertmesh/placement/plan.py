@@ -143,7 +143,7 @@ class PlacementPlan(_Frozen):
     _derived: _Derived = PrivateAttr()
 
     @model_validator(mode="after")
-    def _check(self) -> "PlacementPlan":
+    def _check(self) -> PlacementPlan:
         layers, E, c = self.moe_layers, self.n_experts, self.cluster
         if any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0:
             raise ValueError(f"moe_layers: expected strictly increasing layer indices >= 0, found {list(layers)}")
@@ -262,7 +262,7 @@ class PlacementPlan(_Frozen):
             raise ValueError(f"gpu {gpu}: expected an index in [0, {self.cluster.gpus_per_pod})")
         return list(self.workers[worker].gpus[gpu].shards)
 
-    def model_copy(self, *, update=None, deep: bool = False) -> "PlacementPlan":
+    def model_copy(self, *, update=None, deep: bool = False) -> PlacementPlan:
         """A copy; with `update`, validated again (pydantic's model_copy would skip the invariant checks)."""
         if not update:
             return super().model_copy(deep=deep)
@@ -274,7 +274,7 @@ class PlacementPlan(_Frozen):
         return self.model_dump_json(indent=indent)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "PlacementPlan":
+    def from_json(cls, text: str | bytes) -> PlacementPlan:
         """Parse and validate; a bad plan raises ValueError (pydantic's ValidationError) naming the field."""
         return cls.model_validate_json(text)
 

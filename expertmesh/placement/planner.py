@@ -339,7 +339,7 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
         raise ValueError(f"redundant_slots: expected an integer >= 0, found {redundant_slots!r}")
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
-    from expertmesh.model.memory import expert_slot_bytes, expert_workspace_bytes   # imports torch: only when planning
+    from expertmesh.model.memory import expert_slot_bytes, expert_workspace_bytes  # imports torch: only when planning
     arr = check_loads(cfg, loads)
     L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)   # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus

@@ -15,7 +15,7 @@ class ReplicaTable:
     table: np.ndarray
 
     @classmethod
-    def from_placement(cls, placement, moe_layers, n_experts: int) -> "ReplicaTable":
+    def from_placement(cls, placement, moe_layers, n_experts: int) -> ReplicaTable:
         rows = [[sorted(placement.replicas(l, e)) for e in range(n_experts)] for l in moe_layers]
         width = max(1, max(len(r) for layer in rows for r in layer))
         table = np.full((len(rows), n_experts, width), -1, dtype=np.int64)

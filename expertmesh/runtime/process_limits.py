@@ -3,10 +3,8 @@ process's data segment — heap and anonymous mappings, what RLIMIT_DATA counts 
 so an allocation past it raises MemoryError there instead of growing until the node's OOM killer picks a victim."""
 from __future__ import annotations
 
-from typing import Optional
 
-
-def data_segment_bytes() -> Optional[int]:
+def data_segment_bytes() -> int | None:
     """This process's data segment (what RLIMIT_DATA counts), from /proc; None where there is no /proc."""
     try:
         with open("/proc/self/status") as f:

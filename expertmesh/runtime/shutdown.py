@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 
-
 PARENT_ENV = "EXPERTMESH_DIE_WITH_PARENT"     # set by `up` on its children: the pid of the process to die with
 
 

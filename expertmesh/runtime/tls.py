@@ -69,7 +69,7 @@ def pki_pems(hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     out: dict[str, bytes] = {}
 
     def name(cn: str) -> x509.Name:

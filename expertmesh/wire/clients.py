@@ -15,10 +15,10 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.runtime import telemetry
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
-from expertmesh.wire.sampling_params import sampling_to_proto, thinking_to_proto
+from expertmesh.runtime import telemetry
 from expertmesh.wire.arrays import array_from_proto, array_to_proto
+from expertmesh.wire.sampling_params import sampling_to_proto, thinking_to_proto
 from expertmesh.wire.worker_api import (
     ExpertRequestError,
     HandOffFailed,
@@ -219,7 +219,7 @@ class RemoteAttention(_Client):
         """AttentionWorker.import_sequence over gRPC (called by a prefill worker: `snap` holds torch tensors),
         streamed: the header, then the cache as a KV-tier file (`identity`: the sender's model and dtype) in pieces
         of HANDOFF_PIECE_BYTES."""
-        from expertmesh.wire.kv_snapshot import encode     # torch: the attention workers' path, never the router's
+        from expertmesh.wire.kv_snapshot import encode  # torch: the attention workers' path, never the router's
         cache = encode(seq_id, identity, snap)
         header = self.import_header(seq_id, params, len(cache), sampler_state, observed,
                                     reserve_tokens=reserve_tokens, owner=owner)

@@ -45,7 +45,7 @@ class PrefixSnapshot:
         return sum(t.numel() * t.element_size() for _, t in self.named_tensors())
 
     @staticmethod
-    def from_named(length: int, tensors: dict[str, torch.Tensor]) -> "PrefixSnapshot":
+    def from_named(length: int, tensors: dict[str, torch.Tensor]) -> PrefixSnapshot:
         snap = PrefixSnapshot(length, {}, {}, {})
         for name, t in tensors.items():
             kind, layer = name.rsplit(".", 1)
@@ -59,7 +59,7 @@ class PrefixSnapshot:
                 snap.kda[int(layer)] = (t, tensors[f"kda_conv.{layer}"])
         return snap
 
-    def map(self, fn) -> "PrefixSnapshot":
+    def map(self, fn) -> PrefixSnapshot:
         return PrefixSnapshot.from_named(self.length, {n: fn(t) for n, t in self.named_tensors()})
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from expertmesh.protos import sampling_pb2, worker_pb2
 from expertmesh.chat.thinking import ThinkingControl
+from expertmesh.protos import sampling_pb2, worker_pb2
 
 MAX_SEED = 2 ** 63 - 1
 MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)

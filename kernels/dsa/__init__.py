@@ -24,14 +24,18 @@ from expertmesh.kernels.dsa.naive import (
 )
 from expertmesh.kernels.dsa.sparse import (
     dsa_decode_paged as dsa_decode_paged_torch,
+)
+from expertmesh.kernels.dsa.sparse import (
     dsa_prefill,
     lightning_indexer,
-    mla_decode_paged as mla_decode_paged_torch,
     mla_prefill,
     paged_indexer_scores,
     paged_sparse_attention,
     select_topk,
     visible_positions,
+)
+from expertmesh.kernels.dsa.sparse import (
+    mla_decode_paged as mla_decode_paged_torch,
 )
 
 __all__ = [

@@ -23,8 +23,14 @@ import torch
 from expertmesh.kernels.batch_invariant import ROW_TILE
 from expertmesh.kernels.dsa.cpu_kernel import (
     dense_attention as dense_attention_cpu,
+)
+from expertmesh.kernels.dsa.cpu_kernel import (
     dense_runs_for,
+)
+from expertmesh.kernels.dsa.cpu_kernel import (
     paged_attention as paged_attention_cpu,
+)
+from expertmesh.kernels.dsa.cpu_kernel import (
     runs_for as cpu_kernel_runs_for,
 )
 from expertmesh.kernels.dsa.naive import (

@@ -79,7 +79,8 @@ def fold_rows(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: torch.dt
     same adds, so the same bits as `fold_rows_torch`."""
     if rows.device.type == "cpu" and rows.shape[0] and dtype in (torch.float32, torch.bfloat16) and \
             cpu_kernel.available():
-        as_tensor = lambda a: a.cpu() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
+        def as_tensor(a):
+            return a.cpu() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
         return cpu_kernel.fold_rows(as_tensor(tokens), as_tensor(groups), rows, n_tokens, dtype)
     return fold_rows_torch(tokens, groups, rows, n_tokens, dtype)
 

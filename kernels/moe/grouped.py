@@ -17,7 +17,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -83,7 +83,7 @@ class DequantCache:
         return w
 
 
-def _dropper(cache_ref: "weakref.ref[DequantCache]", key) -> Callable:
+def _dropper(cache_ref: weakref.ref[DequantCache], key) -> Callable:
     def drop(_):
         cache = cache_ref()
         if cache is not None:
