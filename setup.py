@@ -1,4 +1,5 @@
 """Map the design's top-level folders into the one `expertmesh` import namespace (see DESIGN.md)."""
+
 from setuptools import find_packages, setup
 
 FOLDERS = {

@@ -33,6 +33,7 @@ which would blur inter-token latency).
 The build writes into a sibling `.partial` directory and renames it in, so an interrupted build leaves nothing
 half-written; a directory whose `peer-model.json` records a different spec is rebuilt.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,33 +43,74 @@ import time
 from pathlib import Path
 
 BOS, EOS, UNK = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<unk>"
-SPEC_VERSION = 1          # bump when the build below changes what it writes
+SPEC_VERSION = 1  # bump when the build below changes what it writes
 
 DSV32 = dict(
-    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1, n_group=8,
-    topk_group=4, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=4096,
-    index_head_dim=128, index_n_heads=16, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
-    tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=512,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    index_topk=4096,
+    index_head_dim=128,
+    index_n_heads=16,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
-V32_ONLY_FIELDS = ("index_topk", "index_head_dim", "index_n_heads", "index_topk_freq", "index_topk_pattern",
-                   "layer_types", "mlp_layer_types")
+V32_ONLY_FIELDS = (
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+    "index_topk_freq",
+    "index_topk_pattern",
+    "layer_types",
+    "mlp_layer_types",
+)
 MODELS = {"dsv32": DSV32}
 
 
 def write_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
     """tokenizer.json (word level, whitespace split) + tokenizer_config.json naming the special tokens."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
     vocab = {BOS: 0, EOS: 1, UNK: 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, UNK)])
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "unk_token": UNK,
-        "add_bos_token": False, "add_eos_token": False, "model_max_length": max_length,
-        "clean_up_tokenization_spaces": False}, indent=1))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "unk_token": UNK,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "model_max_length": max_length,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=1,
+        )
+    )
 
 
 def vllm_config(raw: dict) -> dict:
@@ -77,8 +119,13 @@ def vllm_config(raw: dict) -> dict:
     builds no correction bias and refuses the tensor; without `scoring_func` it would route with softmax where
     DeepSeek-V3 / V3.2 (and expertmesh) use sigmoid)."""
     v3 = {k: v for k, v in raw.items() if k not in V32_ONLY_FIELDS}
-    v3.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
-              scoring_func="sigmoid", moe_layer_freq=1)
+    v3.update(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        moe_layer_freq=1,
+    )
     return v3
 
 
@@ -132,6 +179,7 @@ def _build(name: str, seed: int, out: Path) -> dict:
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
     shape = MODELS[name]
     cfg = DeepseekV32Config(**shape)
     torch.manual_seed(seed)
@@ -143,7 +191,7 @@ def _build(name: str, seed: int, out: Path) -> dict:
                 # quantize per expert matrix: one [rows, cols] at a time keeps the peak small
                 flat = p.view(-1, p.shape[-1]) if p.dim() > 2 else p
                 for i in range(0, flat.shape[0], 4096):
-                    rows = flat[i:i + 4096]
+                    rows = flat[i : i + 4096]
                     rows.copy_(dequantize_mxfp4(*quantize_mxfp4(rows.float()), dtype=torch.float32))
         model.lm_head.weight[specials] = 0
     model = model.to(torch.bfloat16)
@@ -161,6 +209,12 @@ def _build(name: str, seed: int, out: Path) -> dict:
             _link_or_copy(f, vd / f.name)
     raw = json.loads((em / "config.json").read_text())
     write_vllm_config(em, vd)
-    return {"parameters": n_params, "model_type_expertmesh": raw["model_type"], "model_type_vllm": "deepseek_v3",
-            "index_topk": raw.get("index_topk"), "max_position_embeddings": raw["max_position_embeddings"],
-            "dtype_stored": "bfloat16", "bytes": sum(f.stat().st_size for f in em.glob("*.safetensors"))}
+    return {
+        "parameters": n_params,
+        "model_type_expertmesh": raw["model_type"],
+        "model_type_vllm": "deepseek_v3",
+        "index_topk": raw.get("index_topk"),
+        "max_position_embeddings": raw["max_position_embeddings"],
+        "dtype_stored": "bfloat16",
+        "bytes": sum(f.stat().st_size for f in em.glob("*.safetensors")),
+    }

@@ -1,4 +1,5 @@
 """What the benchmarks share: the JSON results file, and the full-2.8t arithmetic of one sequence's cache."""
+
 from __future__ import annotations
 
 import json

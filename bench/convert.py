@@ -9,6 +9,7 @@ logits compared with the source's (they must agree: the experts are the same val
 
     python bench/convert.py [--quick] [--out bench/results/convert.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,33 @@ from expertmesh.model.transformer import module_shapes
 
 def small_deepseek_config(n_layers: int) -> dict:
     s = preset("small")
-    return {"model_type": "deepseek_v32", "vocab_size": s.vocab_size, "hidden_size": s.hidden_size,
-            "intermediate_size": s.dense_intermediate_size, "moe_intermediate_size": s.moe.expert_intermediate_size,
-            "num_hidden_layers": n_layers, "num_attention_heads": s.mla.n_heads,
-            "num_key_value_heads": s.mla.n_heads, "n_routed_experts": s.moe.n_routed_experts,
-            "num_experts_per_tok": s.moe.top_k, "n_group": s.moe.n_group, "topk_group": s.moe.topk_group,
-            "n_shared_experts": s.moe.n_shared_experts, "routed_scaling_factor": s.moe.routed_scaling_factor,
-            "q_lora_rank": s.mla.q_lora_rank, "kv_lora_rank": s.mla.kv_lora_rank,
-            "qk_nope_head_dim": s.mla.qk_nope_head_dim, "qk_rope_head_dim": s.mla.qk_rope_head_dim,
-            "v_head_dim": s.mla.v_head_dim, "index_topk": s.indexer.index_topk, "index_head_dim": s.indexer.head_dim,
-            "index_n_heads": s.indexer.n_heads, "first_k_dense_replace": s.first_k_dense,
-            "max_position_embeddings": s.max_context, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    return {
+        "model_type": "deepseek_v32",
+        "vocab_size": s.vocab_size,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.dense_intermediate_size,
+        "moe_intermediate_size": s.moe.expert_intermediate_size,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": s.mla.n_heads,
+        "num_key_value_heads": s.mla.n_heads,
+        "n_routed_experts": s.moe.n_routed_experts,
+        "num_experts_per_tok": s.moe.top_k,
+        "n_group": s.moe.n_group,
+        "topk_group": s.moe.topk_group,
+        "n_shared_experts": s.moe.n_shared_experts,
+        "routed_scaling_factor": s.moe.routed_scaling_factor,
+        "q_lora_rank": s.mla.q_lora_rank,
+        "kv_lora_rank": s.mla.kv_lora_rank,
+        "qk_nope_head_dim": s.mla.qk_nope_head_dim,
+        "qk_rope_head_dim": s.mla.qk_rope_head_dim,
+        "v_head_dim": s.mla.v_head_dim,
+        "index_topk": s.indexer.index_topk,
+        "index_head_dim": s.indexer.head_dim,
+        "index_n_heads": s.indexer.n_heads,
+        "first_k_dense_replace": s.first_k_dense,
+        "max_position_embeddings": s.max_context,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }
 
 
 def write_synthetic(path: Path, raw: dict) -> int:
@@ -111,14 +128,25 @@ def main() -> None:
         a, b = Checkpoint(src).load_model(), Checkpoint(dst).load_model()
         prompt = list(range(3, 40))
         same = torch.equal(a.step(prompt, a.new_cache()), b.step(prompt, b.new_cache()))
-    row = {"source_gb": src_bytes / 1e9, "read_gb": report.bytes_read / 1e9, "written_gb": report.bytes_written / 1e9,
-           "seconds": wall, "gb_per_s": report.bytes_read / 1e9 / wall, "shards": report.shards,
-           "peak_rss_growth_mib": (rss1 - rss0) / 1024, "peak_anon_growth_mib": (sampler.peak - anon0) / 1024,
-           "logits_equal_after_convert": same}
-    print(f"{'source GB':>9}  {'read GB':>8}  {'written GB':>10}  {'seconds':>7}  {'GB/s':>6}  {'RSS +MiB':>8}  "
-          f"{'anon +MiB':>9}  same")
-    print(f"{row['source_gb']:9.3f}  {row['read_gb']:8.3f}  {row['written_gb']:10.3f}  {row['seconds']:7.2f}  "
-          f"{row['gb_per_s']:6.3f}  {row['peak_rss_growth_mib']:8.1f}  {row['peak_anon_growth_mib']:9.1f}  {same}")
+    row = {
+        "source_gb": src_bytes / 1e9,
+        "read_gb": report.bytes_read / 1e9,
+        "written_gb": report.bytes_written / 1e9,
+        "seconds": wall,
+        "gb_per_s": report.bytes_read / 1e9 / wall,
+        "shards": report.shards,
+        "peak_rss_growth_mib": (rss1 - rss0) / 1024,
+        "peak_anon_growth_mib": (sampler.peak - anon0) / 1024,
+        "logits_equal_after_convert": same,
+    }
+    print(
+        f"{'source GB':>9}  {'read GB':>8}  {'written GB':>10}  {'seconds':>7}  {'GB/s':>6}  {'RSS +MiB':>8}  "
+        f"{'anon +MiB':>9}  same"
+    )
+    print(
+        f"{row['source_gb']:9.3f}  {row['read_gb']:8.3f}  {row['written_gb']:10.3f}  {row['seconds']:7.2f}  "
+        f"{row['gb_per_s']:6.3f}  {row['peak_rss_growth_mib']:8.1f}  {row['peak_anon_growth_mib']:9.1f}  {same}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
 

@@ -13,6 +13,7 @@ and its time at 400 Gb/s and over NVLink.
     python bench/disagg.py [--deployments colocated,colocated2,disagg] [--seconds 40] [--decoders 4]
                            [--long-tokens 1000] [--long-every 3] [--json bench/results/disagg.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,22 @@ from expertmesh.checkpoint.loader import default_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import sequence_cache_bytes, write_json  # noqa: E402
 
-DEPLOYMENTS = {"colocated": ("colocated, 1 attention worker", {"attention_workers": 1}),
-               "colocated2": ("colocated, 2 attention workers", {"attention_workers": 2}),
-               "disagg": ("1 prefill + 1 decode worker", {"attention_workers": 1, "prefill_workers": 1})}
+DEPLOYMENTS = {
+    "colocated": ("colocated, 1 attention worker", {"attention_workers": 1}),
+    "colocated2": ("colocated, 2 attention workers", {"attention_workers": 2}),
+    "disagg": ("1 prefill + 1 decode worker", {"attention_workers": 1, "prefill_workers": 1}),
+}
 
 
 def stream(stub, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens of one request and the monotonic time each arrived."""
-    req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), params=sampling_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0))          # no stop token: every request runs max_tokens
+    req = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=prompt),
+        params=sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )  # no stop token: every request runs max_tokens
     tokens, times = [], []
     for ev in stub.Generate(req, timeout=600):
         if ev.HasField("token"):
@@ -60,8 +65,14 @@ def router_counters(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith(("expertmesh_prefill_tokens_total", "expertmesh_kv_transfer_bytes_total",
-                            "expertmesh_kv_handoff_seconds_sum", "expertmesh_kv_handoff_seconds_count")):
+        if line.startswith(
+            (
+                "expertmesh_prefill_tokens_total",
+                "expertmesh_kv_transfer_bytes_total",
+                "expertmesh_kv_handoff_seconds_sum",
+                "expertmesh_kv_handoff_seconds_count",
+            )
+        ):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -72,12 +83,12 @@ def run_load(cluster, args, seed: int) -> dict:
     address = f"127.0.0.1:{cluster.grpc_port}"
     channel = grpc.insecure_channel(address)
     stub = router_pb2_grpc.RouterStub(channel)
-    stream(stub, [1, 2, 3], 2)                          # warm: kernels loaded, connections up
+    stream(stub, [1, 2, 3], 2)  # warm: kernels loaded, connections up
     before = router_counters(cluster.http_url)
     stop = threading.Event()
     gaps: list[float] = []
-    later: list[float] = []             # gaps after a request's second token (a hand-off precedes the second)
-    firsts: list[float] = []            # first token → second token
+    later: list[float] = []  # gaps after a request's second token (a hand-off precedes the second)
+    firsts: list[float] = []  # first token → second token
     decoded = [0]
     lock = threading.Lock()
 
@@ -93,7 +104,9 @@ def run_load(cluster, args, seed: int) -> dict:
                 decoded[0] += len(times)
 
     rng = random.Random(seed)
-    longs = [[rng.randrange(256) for _ in range(args.long_tokens)] for _ in range(int(args.seconds // args.long_every) + 1)]
+    longs = [
+        [rng.randrange(256) for _ in range(args.long_tokens)] for _ in range(int(args.seconds // args.long_every) + 1)
+    ]
     threads = [threading.Thread(target=decoder, args=(k,), daemon=True) for k in range(args.decoders)]
     start = time.monotonic()
     for t in threads:
@@ -118,25 +131,40 @@ def run_load(cluster, args, seed: int) -> dict:
     prefill_pool = delta.get('expertmesh_prefill_tokens_total{pool="prefill"}', 0.0)
     moved = delta.get("expertmesh_kv_transfer_bytes_total", 0.0)
     handoff_s = delta.get("expertmesh_kv_handoff_seconds_sum", 0.0)
-    return {"itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
-            "itl_p99_after_second_ms": 1e3 * percentile(later, 99),
-            "first_gap_p50_ms": 1e3 * percentile(firsts, 50),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "long_prompts": len(ttft),
-            "decode_tok_s": decoded[0] / elapsed, "prompt_tokens_by_pool": {
-                k.split('"')[1]: v for k, v in delta.items() if k.startswith("expertmesh_prefill_tokens_total")},
-            "handoffs": delta.get("expertmesh_kv_handoff_seconds_count", 0.0), "handoff_bytes": moved,
-            "handoff_bytes_per_1k_prompt": 1000 * moved / prefill_pool if prefill_pool else None,
-            "handoff_s_per_1k_prompt": 1000 * handoff_s / prefill_pool if prefill_pool else None,
-            "answers": answers}
+    return {
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
+        "itl_p99_after_second_ms": 1e3 * percentile(later, 99),
+        "first_gap_p50_ms": 1e3 * percentile(firsts, 50),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "long_prompts": len(ttft),
+        "decode_tok_s": decoded[0] / elapsed,
+        "prompt_tokens_by_pool": {
+            k.split('"')[1]: v for k, v in delta.items() if k.startswith("expertmesh_prefill_tokens_total")
+        },
+        "handoffs": delta.get("expertmesh_kv_handoff_seconds_count", 0.0),
+        "handoff_bytes": moved,
+        "handoff_bytes_per_1k_prompt": 1000 * moved / prefill_pool if prefill_pool else None,
+        "handoff_s_per_1k_prompt": 1000 * handoff_s / prefill_pool if prefill_pool else None,
+        "answers": answers,
+    }
 
 
 def full_scale(tokens: int = 32 * 1024, network_gbit: float = 400.0, nvlink_gbs: float = 450.0) -> dict:
     """The full-2.8t arithmetic for one `tokens`-token hand-off (bf16 latent KV + indexer keys, fp32 KDA state)."""
     kv, state = sequence_cache_bytes(tokens)
     total = kv + state
-    return {"tokens": tokens, "kv_bytes": kv, "kda_state_bytes": state, "handoff_bytes": total,
-            "network_gbit": network_gbit, "network_s": total / (network_gbit / 8 * 1e9),
-            "nvlink_gbs": nvlink_gbs, "nvlink_s": total / (nvlink_gbs * 1e9)}
+    return {
+        "tokens": tokens,
+        "kv_bytes": kv,
+        "kda_state_bytes": state,
+        "handoff_bytes": total,
+        "network_gbit": network_gbit,
+        "network_s": total / (network_gbit / 8 * 1e9),
+        "nvlink_gbs": nvlink_gbs,
+        "nvlink_s": total / (nvlink_gbs * 1e9),
+    }
 
 
 def main(argv=None) -> int:
@@ -157,33 +185,56 @@ def main(argv=None) -> int:
     results = {}
     for name in args.deployments.split(","):
         label, shape = DEPLOYMENTS[name]
-        with LocalCluster(checkpoint, expert_workers=2, http_port=free_port(), grpc_port=free_port(), threads=None,
-                          prefill_chunk=64, prefill_tokens=args.prefill_tokens, **shape) as cluster:
+        with LocalCluster(
+            checkpoint,
+            expert_workers=2,
+            http_port=free_port(),
+            grpc_port=free_port(),
+            threads=None,
+            prefill_chunk=64,
+            prefill_tokens=args.prefill_tokens,
+            **shape,
+        ) as cluster:
             results[label] = run_load(cluster, args, seed=7)
         print(f"{label}: done", flush=True)
 
-    print(f"\n{args.decoders} decode streams ({args.short_tokens}-token prompts, {args.decode_tokens} tokens each) + a "
-          f"{args.long_tokens}-token prompt every {args.long_every:g} s, {args.seconds:g} s per deployment")
-    print(f"{'deployment':<32} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99 after 2nd':>13} {'1st gap p50':>11} "
-          f"{'TTFT p50 s':>10} {'TTFT p99 s':>10} {'decode tok/s':>12}  prompt tokens by pool; hand-off per 1K "
-          f"prompt tokens")
+    print(
+        f"\n{args.decoders} decode streams ({args.short_tokens}-token prompts, {args.decode_tokens} tokens each) + a "
+        f"{args.long_tokens}-token prompt every {args.long_every:g} s, {args.seconds:g} s per deployment"
+    )
+    print(
+        f"{'deployment':<32} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99 after 2nd':>13} {'1st gap p50':>11} "
+        f"{'TTFT p50 s':>10} {'TTFT p99 s':>10} {'decode tok/s':>12}  prompt tokens by pool; hand-off per 1K "
+        f"prompt tokens"
+    )
     for label, r in results.items():
         pools = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(r["prompt_tokens_by_pool"].items()))
-        moved = "" if r["handoff_bytes_per_1k_prompt"] is None else (
-            f"; {r['handoffs']:.0f} hand-offs, {r['handoff_bytes_per_1k_prompt'] / 2 ** 20:.2f} MiB and "
-            f"{1e3 * r['handoff_s_per_1k_prompt']:.1f} ms per 1K prompt tokens")
-        print(f"{label:<32} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {r['itl_p99_after_second_ms']:>13.1f} "
-              f"{r['first_gap_p50_ms']:>11.1f} {r['ttft_p50_s']:>10.2f} "
-              f"{r['ttft_p99_s']:>10.2f} {r['decode_tok_s']:>12.1f}  {pools}{moved}")
-    answers = [r["answers"][:min(len(x["answers"]) for x in results.values())] for r in results.values()]
-    print(f"long prompts' greedy answers identical across deployments: "
-          f"{'yes' if all(a == answers[0] for a in answers) else 'NO'} ({len(answers[0])} compared)")
+        moved = (
+            ""
+            if r["handoff_bytes_per_1k_prompt"] is None
+            else (
+                f"; {r['handoffs']:.0f} hand-offs, {r['handoff_bytes_per_1k_prompt'] / 2**20:.2f} MiB and "
+                f"{1e3 * r['handoff_s_per_1k_prompt']:.1f} ms per 1K prompt tokens"
+            )
+        )
+        print(
+            f"{label:<32} {r['itl_p50_ms']:>10.1f} {r['itl_p99_ms']:>10.1f} {r['itl_p99_after_second_ms']:>13.1f} "
+            f"{r['first_gap_p50_ms']:>11.1f} {r['ttft_p50_s']:>10.2f} "
+            f"{r['ttft_p99_s']:>10.2f} {r['decode_tok_s']:>12.1f}  {pools}{moved}"
+        )
+    answers = [r["answers"][: min(len(x["answers"]) for x in results.values())] for r in results.values()]
+    print(
+        f"long prompts' greedy answers identical across deployments: "
+        f"{'yes' if all(a == answers[0] for a in answers) else 'NO'} ({len(answers[0])} compared)"
+    )
     full = full_scale()
-    gib = 2 ** 30
-    print(f"\nfull-2.8t, one {full['tokens'] // 1024}K-token hand-off: KV {full['kv_bytes'] / gib:.2f} GiB + KDA state "
-          f"{full['kda_state_bytes'] / 2 ** 20:.1f} MiB = {full['handoff_bytes'] / gib:.2f} GiB; "
-          f"{full['network_s']:.3f} s at {full['network_gbit']:g} Gb/s, {full['nvlink_s']:.4f} s over NVLink "
-          f"({full['nvlink_gbs']:g} GB/s per direction)")
+    gib = 2**30
+    print(
+        f"\nfull-2.8t, one {full['tokens'] // 1024}K-token hand-off: KV {full['kv_bytes'] / gib:.2f} GiB + KDA state "
+        f"{full['kda_state_bytes'] / 2**20:.1f} MiB = {full['handoff_bytes'] / gib:.2f} GiB; "
+        f"{full['network_s']:.3f} s at {full['network_gbit']:g} Gb/s, {full['nvlink_s']:.4f} s over NVLink "
+        f"({full['nvlink_gbs']:g} GB/s per direction)"
+    )
     write_json(args.json, args, results=results, full_2_8t=full)
     return 0
 

@@ -19,6 +19,7 @@ prompts and max_tokens), and what moves where:
 
     python bench/e2e.py [--quick] [--presets tiny,small] [--transport grpc,collective] [--out bench/results/e2e.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,23 +67,30 @@ def _run(submit, concurrency: int, prompt_len: int, max_tokens: int) -> dict:
             decode_rates.append(b)
             tokens += n
     wall = time.perf_counter() - t0
-    return {"ttft_p50_ms": 1000 * statistics.median(ttft), "per_seq_tok_s": statistics.mean(decode_rates),
-            "total_tok_s": tokens / wall, "tokens": tokens}
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "per_seq_tok_s": statistics.mean(decode_rates),
+        "total_tok_s": tokens / wall,
+        "tokens": tokens,
+    }
 
 
 def _params(max_tokens: int) -> SamplingParams:
     """Greedy, stopping at EOS as the router's gRPC Generate does when no stop token is given: both sides
     produce the same tokens, so the same count (checked in main)."""
     from expertmesh.chat.tokenizer import ByteTokenizer
+
     return SamplingParams(max_tokens=max_tokens, temperature=0, stop_token_ids=tuple(ByteTokenizer().eos_ids))
 
 
 def bench_inprocess(ckpt, concurrencies, prompt_len, max_tokens):
     from expertmesh.entry.local import build_local_engine
+
     eng = build_local_engine(ckpt, attention_workers=1, expert_workers=2, max_running=64, max_waiting=256)
 
     def submit(p, n):
         return eng.submit(p, _params(n)).stream(300)
+
     try:
         _run(submit, 1, prompt_len, 4)  # warm-up
         return {c: _run(submit, c, prompt_len, max_tokens) for c in concurrencies}
@@ -112,10 +120,12 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
 
     from expertmesh.entry.up import LocalCluster, free_port
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
+
     cfg = Checkpoint(ckpt_dir).cfg
     grpc_port = free_port()
-    cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
-                           grpc_port=grpc_port, transport=transport)
+    cluster = LocalCluster(
+        ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=grpc_port, transport=transport
+    )
     cluster.start()
     if transport == "collective":
         _wait_pairs(cluster, 1)
@@ -126,20 +136,25 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
     worker_ports = {int(c.address.rsplit(":", 1)[1]) for c in cluster.children if c.name != "router"}
 
     def submit(prompt, n):
-        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
-                                         params=sampling_pb2.SamplingParams(max_tokens=n, temperature=0))
+        req = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt), params=sampling_pb2.SamplingParams(max_tokens=n, temperature=0)
+        )
         for ev in stub.Generate(req, timeout=300):
             if ev.HasField("token"):
                 yield 1
 
     def counters():
         text = client.get("/metrics").text
+
         def total(name):
             return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-        return {"messages": total("expertmesh_worker_message_bytes_total"),
-                "exchange": total("expertmesh_expert_exchange_bytes_total"),
-                "tokens": total("expertmesh_prompt_tokens_total") + total("expertmesh_generation_tokens_total"),
-                "tcp": _router_tcp_bytes(router.proc.pid, worker_ports)}
+
+        return {
+            "messages": total("expertmesh_worker_message_bytes_total"),
+            "exchange": total("expertmesh_expert_exchange_bytes_total"),
+            "tokens": total("expertmesh_prompt_tokens_total") + total("expertmesh_generation_tokens_total"),
+            "tcp": _router_tcp_bytes(router.proc.pid, worker_ports),
+        }
 
     try:
         list(submit([1, 2, 3], 2))
@@ -149,9 +164,11 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
             out[c] = _run(submit, c, prompt_len, max_tokens)
             b = counters()
             fed = max(1.0, b["tokens"] - a["tokens"])
-            out[c].update(router_tcp_per_token=(b["tcp"] - a["tcp"]) / fed,
-                          router_messages_per_token=(b["messages"] - a["messages"]) / fed,
-                          exchange_per_token_layer=(b["exchange"] - a["exchange"]) / fed / cfg.n_moe_layers)
+            out[c].update(
+                router_tcp_per_token=(b["tcp"] - a["tcp"]) / fed,
+                router_messages_per_token=(b["messages"] - a["messages"]) / fed,
+                exchange_per_token_layer=(b["exchange"] - a["exchange"]) / fed / cfg.n_moe_layers,
+            )
         return out
     finally:
         channel.close()
@@ -162,6 +179,7 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
 def _wait_pairs(cluster, n: int, timeout: float = 60.0) -> None:
     """Until every expert worker serves `n` collective pairs (they form in the background after connect)."""
     from expertmesh.wire.clients import RemoteExpert
+
     deadline = time.monotonic() + timeout
     for c in cluster.workers:
         if c.name.startswith("expert-"):
@@ -185,14 +203,22 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     from expertmesh.wire.clients import RemoteExpert
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.exchange import ExpertExchange
+
     cfg = Checkpoint(ckpt_dir).cfg
     E, layer = cfg.moe.n_routed_experts, cfg.moe_layers[0]
-    cluster = LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(),
-                           grpc_port=free_port(), transport="collective")
+    cluster = LocalCluster(
+        ckpt_dir,
+        attention_workers=1,
+        expert_workers=2,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        transport="collective",
+    )
     cluster.start()
     rows, exchanges = [], {}
     try:
         from expertmesh.placement.plan import PlacementPlan
+
         plan = PlacementPlan.from_json(cluster.plan_path.read_text())
         table = ReplicaTable.from_placement(plan, cfg.moe_layers, E)
         addresses = [c.address for c in sorted(cluster.workers, key=lambda c: c.name) if c.name.startswith("expert-")]
@@ -212,7 +238,7 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
             ids, w = route_tokens(torch.randn(b, E, generator=g), torch.zeros(E), cfg)
             results, row = {}, {"batch": b}
             for t, ex in exchanges.items():
-                for _ in range(3):                                   # warm-up
+                for _ in range(3):  # warm-up
                     results[t], failed = ex.moe(layer, hidden, ids, w)
                     assert not failed, failed
                 times = []
@@ -239,11 +265,13 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     return rows, wire
 
 
-def _bench_wire(clients: dict, layer: int, hidden_size: int, reps: int,
-                sizes=(64 * 2 ** 10, 2 ** 20, 16 * 2 ** 20)) -> list[dict]:
+def _bench_wire(
+    clients: dict, layer: int, hidden_size: int, reps: int, sizes=(64 * 2**10, 2**20, 16 * 2**20)
+) -> list[dict]:
     """The transports alone: hidden states of `size` bytes to one expert worker with every slot −1 (nothing to
     compute, an empty answer) — the outbound wire cost of a call, without the experts' work."""
     import torch
+
     rows = []
     for size in sizes:
         n = max(1, size // (4 * hidden_size))
@@ -251,11 +279,14 @@ def _bench_wire(clients: dict, layer: int, hidden_size: int, reps: int,
         ids, w = torch.full((n, 1), -1, dtype=torch.int64), torch.zeros(n, 1)
         row = {"bytes": n * hidden_size * 4}
         for t, client in clients.items():
-            call = (lambda: client.run(layer, hidden, ids, w, rows=0)) if t == "collective" else \
-                (lambda: client.run(layer, hidden, ids, w))
+            call = (
+                (lambda: client.run(layer, hidden, ids, w, rows=0))
+                if t == "collective"
+                else (lambda: client.run(layer, hidden, ids, w))
+            )
             call()
             times = []
-            for _ in range(max(3, reps // (4 if size > 2 ** 20 else 1))):
+            for _ in range(max(3, reps // (4 if size > 2**20 else 1))):
                 t0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t0)
@@ -281,6 +312,7 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> l
     from expertmesh.placement.planner import ClusterShape, plan_placement
     from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.exchange import ExpertExchange
+
     cfg = cfg or preset("full-2.8t")
     E, K, H = cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.expert_hidden_size
     G = cfg.moe.combine_groups
@@ -288,7 +320,7 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> l
     ids = route_tokens(torch.randn(batch, E, generator=g), torch.zeros(E), cfg)[0].sort(1).values.numpy()
     rows_out = []
     for grouped in (True, False):
-        plan = plan_placement(cfg, ClusterShape(pods, 8, 141 * 2 ** 30, 0), 32, group_aware=grouped)
+        plan = plan_placement(cfg, ClusterShape(pods, 8, 141 * 2**30, 0), 32, group_aware=grouped)
         layer = cfg.moe_layers[0]
         table = ReplicaTable.from_placement(plan, [layer], E)
         ex = ExpertExchange([object()] * pods, table, n_experts=E, n_groups=G)
@@ -299,12 +331,20 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> l
         assert not missing
         sent_rows = sum(len(c.rows) for c in calls)
         back_rows = sum(len(c.out_token) for c in calls)
-        per_layer = sent_rows * (H * 2 + K * 12) + back_rows * H * 2      # hidden bf16 + ids int64 + weights fp32
+        per_layer = sent_rows * (H * 2 + K * 12) + back_rows * H * 2  # hidden bf16 + ids int64 + weights fp32
         step = per_layer * cfg.n_moe_layers
-        rows_out.append({"plan": "group-aware" if grouped else "free", "pods_per_token": sent_rows / batch,
-                         "rows_back_per_token": back_rows / batch, "bytes_per_layer": per_layer,
-                         "bytes_per_step": step, "ms_at_100gbps": step * 8 / 100e9 * 1e3,
-                         "ms_at_400gbps": step * 8 / 400e9 * 1e3, "imbalance": plan.figures.imbalance})
+        rows_out.append(
+            {
+                "plan": "group-aware" if grouped else "free",
+                "pods_per_token": sent_rows / batch,
+                "rows_back_per_token": back_rows / batch,
+                "bytes_per_layer": per_layer,
+                "bytes_per_step": step,
+                "ms_at_100gbps": step * 8 / 100e9 * 1e3,
+                "ms_at_400gbps": step * 8 / 400e9 * 1e3,
+                "imbalance": plan.figures.imbalance,
+            }
+        )
     return rows_out
 
 
@@ -313,8 +353,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--out", default="bench/results/e2e.json")
-    p.add_argument("--transport", default="grpc",
-                   help="comma-separated per-layer exchange transports to run side by side: grpc,collective")
+    p.add_argument(
+        "--transport",
+        default="grpc",
+        help="comma-separated per-layer exchange transports to run side by side: grpc,collective",
+    )
     p.add_argument("--exchange-batches", default="1,8,32,128", help="decode batch sizes of the exchange table")
     args = p.parse_args(argv)
     transports = [t for t in args.transport.split(",") if t]
@@ -335,64 +378,102 @@ def main(argv=None) -> int:
             a, b = inproc[c], multi[t][c]
             if a["tokens"] != b["tokens"]:
                 raise RuntimeError(f"{name} c={c}: {a['tokens']} tokens in process, {b['tokens']} over {t}")
-            rows.append({"preset": name, "concurrency": c, "transport": t, "inproc_tok_s": a["total_tok_s"],
-                         "multi_tok_s": b["total_tok_s"], "ratio_multi_over_inproc": b["total_tok_s"] / a["total_tok_s"],
-                         "inproc_ttft_ms": a["ttft_p50_ms"], "multi_ttft_ms": b["ttft_p50_ms"],
-                         "router_tcp_bytes_per_token": b["router_tcp_per_token"],
-                         "router_message_bytes_per_token": b["router_messages_per_token"],
-                         "exchange_bytes_per_token_layer": b["exchange_per_token_layer"],
-                         "exchange_least": least, "exchange_per_slot": per_slot})
+            rows.append(
+                {
+                    "preset": name,
+                    "concurrency": c,
+                    "transport": t,
+                    "inproc_tok_s": a["total_tok_s"],
+                    "multi_tok_s": b["total_tok_s"],
+                    "ratio_multi_over_inproc": b["total_tok_s"] / a["total_tok_s"],
+                    "inproc_ttft_ms": a["ttft_p50_ms"],
+                    "multi_ttft_ms": b["ttft_p50_ms"],
+                    "router_tcp_bytes_per_token": b["router_tcp_per_token"],
+                    "router_message_bytes_per_token": b["router_messages_per_token"],
+                    "exchange_bytes_per_token_layer": b["exchange_per_token_layer"],
+                    "exchange_least": least,
+                    "exchange_per_slot": per_slot,
+                }
+            )
         if len(transports) > 1:
             layer_rows, wire = bench_exchange(str(d), batches, transports, reps=20 if args.quick else 100)
             exchange_rows += [{"preset": name, **r} for r in layer_rows]
             wire_rows += [{"preset": name, **r} for r in wire]
-    hdr = (f"{'preset':6} {'conc':>4} {'transport':>10} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} "
-           f"{'TTFT in ms':>10} "
-           f"{'TTFT mp ms':>10} {'router TCP B/tok':>16} {'router msg B/tok':>16} {'exch B/tok/layer':>16} "
-           f"{'least':>6} {'per-slot':>8}")
+    hdr = (
+        f"{'preset':6} {'conc':>4} {'transport':>10} {'inproc tok/s':>12} {'multi tok/s':>11} {'ratio':>6} "
+        f"{'TTFT in ms':>10} "
+        f"{'TTFT mp ms':>10} {'router TCP B/tok':>16} {'router msg B/tok':>16} {'exch B/tok/layer':>16} "
+        f"{'least':>6} {'per-slot':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['preset']:6} {r['concurrency']:>4} {r['transport']:>10} {r['inproc_tok_s']:>12.1f} "
-              f"{r['multi_tok_s']:>11.1f} "
-              f"{r['ratio_multi_over_inproc']:>6.2f} {r['inproc_ttft_ms']:>10.1f} {r['multi_ttft_ms']:>10.1f} "
-              f"{r['router_tcp_bytes_per_token']:>16.0f} {r['router_message_bytes_per_token']:>16.0f} "
-              f"{r['exchange_bytes_per_token_layer']:>16.0f} {r['exchange_least']:>6} {r['exchange_per_slot']:>8}")
+        print(
+            f"{r['preset']:6} {r['concurrency']:>4} {r['transport']:>10} {r['inproc_tok_s']:>12.1f} "
+            f"{r['multi_tok_s']:>11.1f} "
+            f"{r['ratio_multi_over_inproc']:>6.2f} {r['inproc_ttft_ms']:>10.1f} {r['multi_ttft_ms']:>10.1f} "
+            f"{r['router_tcp_bytes_per_token']:>16.0f} {r['router_message_bytes_per_token']:>16.0f} "
+            f"{r['exchange_bytes_per_token_layer']:>16.0f} {r['exchange_least']:>6} {r['exchange_per_slot']:>8}"
+        )
     if exchange_rows:
-        print("\none MoE layer's expert exchange from an attention process to 2 expert worker processes on loopback "
-              "(ExpertExchange.moe: assign, calls, combine; routed sums bit-identical across transports), µs")
-        hdr = f"{'preset':6} {'batch':>5} {'calls':>5} " + " ".join(
-            f"{t + ' p50':>15} {t + ' p90':>15}" for t in transports) + f" {'grpc/coll':>9}"
+        print(
+            "\none MoE layer's expert exchange from an attention process to 2 expert worker processes on loopback "
+            "(ExpertExchange.moe: assign, calls, combine; routed sums bit-identical across transports), µs"
+        )
+        hdr = (
+            f"{'preset':6} {'batch':>5} {'calls':>5} "
+            + " ".join(f"{t + ' p50':>15} {t + ' p90':>15}" for t in transports)
+            + f" {'grpc/coll':>9}"
+        )
         print(hdr)
         print("-" * len(hdr))
         for r in exchange_rows:
             ratio = r["grpc_us_p50"] / r["collective_us_p50"] if {"grpc", "collective"} <= set(transports) else 0
-            print(f"{r['preset']:6} {r['batch']:>5} {r['calls']:>5} " + " ".join(
-                f"{r[t + '_us_p50']:>15.0f} {r[t + '_us_p90']:>15.0f}" for t in transports) + f" {ratio:>9.2f}")
+            print(
+                f"{r['preset']:6} {r['batch']:>5} {r['calls']:>5} "
+                + " ".join(f"{r[t + '_us_p50']:>15.0f} {r[t + '_us_p90']:>15.0f}" for t in transports)
+                + f" {ratio:>9.2f}"
+            )
     if wire_rows:
-        print("\nthe wire alone: one call's hidden states to one expert worker, nothing to compute (all slots -1), "
-              "median ms and MB/s")
+        print(
+            "\nthe wire alone: one call's hidden states to one expert worker, nothing to compute (all slots -1), "
+            "median ms and MB/s"
+        )
         hdr = f"{'preset':6} {'MiB':>6} " + " ".join(f"{t + ' ms':>14} {t + ' MB/s':>16}" for t in transports)
         print(hdr)
         print("-" * len(hdr))
         for r in wire_rows:
-            print(f"{r['preset']:6} {r['bytes'] / 2 ** 20:>6.2f} " + " ".join(
-                f"{r[t + '_ms_p50']:>14.2f} {r['bytes'] / r[t + '_ms_p50'] / 1e3:>16.0f}" for t in transports))
+            print(
+                f"{r['preset']:6} {r['bytes'] / 2**20:>6.2f} "
+                + " ".join(
+                    f"{r[t + '_ms_p50']:>14.2f} {r['bytes'] / r[t + '_ms_p50'] / 1e3:>16.0f}" for t in transports
+                )
+            )
     projection = project_full()
-    print("\nfull-2.8t projection: 16 expert pods x 8 GPUs, 32 redundant/layer, batch 256 per attention worker, bf16 "
-          "on the wire, per attention worker (the step's weight-read limit on H200s is ~11.5 ms, issue #14)")
-    hdr = (f"{'plan':12} {'pods/token':>10} {'rows back/token':>15} {'MB/layer':>9} {'GB/step':>8} "
-           f"{'ms @100Gb/s':>11} {'ms @400Gb/s':>11} {'imbalance':>9}")
+    print(
+        "\nfull-2.8t projection: 16 expert pods x 8 GPUs, 32 redundant/layer, batch 256 per attention worker, bf16 "
+        "on the wire, per attention worker (the step's weight-read limit on H200s is ~11.5 ms, issue #14)"
+    )
+    hdr = (
+        f"{'plan':12} {'pods/token':>10} {'rows back/token':>15} {'MB/layer':>9} {'GB/step':>8} "
+        f"{'ms @100Gb/s':>11} {'ms @400Gb/s':>11} {'imbalance':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in projection:
-        print(f"{r['plan']:12} {r['pods_per_token']:>10.2f} {r['rows_back_per_token']:>15.2f} "
-              f"{r['bytes_per_layer'] / 1e6:>9.1f} {r['bytes_per_step'] / 1e9:>8.2f} {r['ms_at_100gbps']:>11.1f} "
-              f"{r['ms_at_400gbps']:>11.1f} {r['imbalance']:>9.3f}")
+        print(
+            f"{r['plan']:12} {r['pods_per_token']:>10.2f} {r['rows_back_per_token']:>15.2f} "
+            f"{r['bytes_per_layer'] / 1e6:>9.1f} {r['bytes_per_step'] / 1e9:>8.2f} {r['ms_at_100gbps']:>11.1f} "
+            f"{r['ms_at_400gbps']:>11.1f} {r['imbalance']:>9.3f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"serving": rows, "exchange": exchange_rows, "wire": wire_rows,
-                               "projection_full_2_8t": projection}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"serving": rows, "exchange": exchange_rows, "wire": wire_rows, "projection_full_2_8t": projection},
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

@@ -4,6 +4,7 @@ torch's dense bf16 equivalent, after checking each kernel against its PyTorch re
 
     python bench/gpu_kernels.py [--quick] [--out bench/results/gpu_kernels.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-REL_TOL = 2e-2      # bf16 kernels vs their references (relative L2 error); more fails the run
+REL_TOL = 2e-2  # bf16 kernels vs their references (relative L2 error); more fails the run
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -37,29 +38,30 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def device_roofline() -> dict:
-    n = 1 << 28                                   # 1 GiB of bf16
+    n = 1 << 28  # 1 GiB of bf16
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     t = timed(lambda: dst.copy_(src))
     copy_gbs = 2 * src.numel() * 2 / t / 1e9
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     t = timed(lambda: a @ a, iters=10)
-    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / t / 1e12}
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": 2 * 8192**3 / t / 1e12}
 
 
 def bench_moe(cfg, quick: bool) -> list[dict]:
     from expertmesh.kernels.backend import use_backend
     from expertmesh.kernels.moe import moe_expert_outputs
     from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
     h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
-    e = 16 if quick else 64                       # one expert worker GPU's shard of a layer
+    e = 16 if quick else 64  # one expert worker GPU's shard of a layer
     g = torch.Generator(device="cuda").manual_seed(0)
     w13b, w13s = quantize_mxfp4(torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.02)
     w2b, w2s = quantize_mxfp4(torch.randn(e, h, i, device="cuda", generator=g) * 0.02)
     dense13 = dequantize_mxfp4(w13b, w13s, torch.bfloat16)
     dense2 = dequantize_mxfp4(w2b, w2s, torch.bfloat16)
     rows = []
-    for t in ((1, 16, 64) if quick else (1, 4, 16, 64, 256)):
+    for t in (1, 16, 64) if quick else (1, 4, 16, 64, 256):
         x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.randint(0, e, (t, cfg.moe.top_k), device="cuda", generator=g)
         with use_backend("triton"):
@@ -77,20 +79,30 @@ def bench_moe(cfg, quick: bool) -> list[dict]:
                 gu = torch.bmm(x[:, None, :], dense13[sel].transpose(1, 2))[:, 0]
                 a = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
                 torch.bmm(a[:, None, :], dense2[sel].transpose(1, 2))
-        rows.append({"op": "moe_mxfp4", "T": t, "rel_err": rel_err(out, ref), "ms": sec * 1e3,
-                     "GBps": weight_bytes / sec / 1e9, "TFLOPs": flops / sec / 1e12,
-                     "dense_bf16_ms": timed(dense) * 1e3})
+
+        rows.append(
+            {
+                "op": "moe_mxfp4",
+                "T": t,
+                "rel_err": rel_err(out, ref),
+                "ms": sec * 1e3,
+                "GBps": weight_bytes / sec / 1e9,
+                "TFLOPs": flops / sec / 1e12,
+                "dense_bf16_ms": timed(dense) * 1e3,
+            }
+        )
     return rows
 
 
 def bench_dsa(cfg, quick: bool) -> list[dict]:
     from expertmesh.kernels.backend import use_backend
     from expertmesh.kernels.dsa import dsa_decode_paged
+
     m, ix = cfg.mla, cfg.indexer
     d, hq, bs = m.kv_lora_rank + m.qk_rope_head_dim, m.n_heads, 64
     g = torch.Generator(device="cuda").manual_seed(1)
     rows = []
-    for ctx in ((4096, 32768) if quick else (4096, 16384, 65536, 131072)):
+    for ctx in (4096, 32768) if quick else (4096, 16384, 65536, 131072):
         nb = ctx // bs
         kv = torch.randn(nb, bs, d, device="cuda", generator=g, dtype=torch.bfloat16)
         ik = torch.randn(nb, bs, ix.head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -106,20 +118,30 @@ def bench_dsa(cfg, quick: bool) -> list[dict]:
             sec = timed(lambda: dsa_decode_paged(*args, **kw))
         with use_backend("torch"):
             ref = dsa_decode_paged(*args, **kw)
-        read = ctx * ix.head_dim * 2 + min(ctx, ix.index_topk) * d * 2      # index keys + selected entries
+        read = ctx * ix.head_dim * 2 + min(ctx, ix.index_topk) * d * 2  # index keys + selected entries
         dense_q, dense_kv = q.float(), kv.reshape(-1, d).float()
 
         def dense():
             p = torch.softmax(dense_q @ dense_kv.T * kw["scale"], dim=-1)
             return p @ dense_kv[:, : m.kv_lora_rank]
-        rows.append({"op": "dsa_decode", "context": ctx, "rel_err": rel_err(out, ref), "ms": sec * 1e3,
-                     "GBps": read / sec / 1e9, "dense_mla_ms": timed(dense) * 1e3})
+
+        rows.append(
+            {
+                "op": "dsa_decode",
+                "context": ctx,
+                "rel_err": rel_err(out, ref),
+                "ms": sec * 1e3,
+                "GBps": read / sec / 1e9,
+                "dense_mla_ms": timed(dense) * 1e3,
+            }
+        )
     return rows
 
 
 def bench_kda(cfg, quick: bool) -> list[dict]:
     from expertmesh.kernels.backend import use_backend
     from expertmesh.kernels.kda import chunk_kda, fused_recurrent_kda
+
     a = cfg.kda
     g = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -139,8 +161,16 @@ def bench_kda(cfg, quick: bool) -> list[dict]:
             ref, _ = call()
         state_bytes = 2 * b * a.n_heads * a.head_dim * a.head_dim * 4
         io_bytes = 4 * (q.numel() * 4 + beta.numel())
-        rows.append({"op": fn.__name__, "B": b, "T": t, "rel_err": rel_err(out, ref), "ms": sec * 1e3,
-                     "GBps": (state_bytes + io_bytes) / sec / 1e9})
+        rows.append(
+            {
+                "op": fn.__name__,
+                "B": b,
+                "T": t,
+                "rel_err": rel_err(out, ref),
+                "ms": sec * 1e3,
+                "GBps": (state_bytes + io_bytes) / sec / 1e9,
+            }
+        )
     return rows
 
 
@@ -153,10 +183,13 @@ def main(argv=None) -> int:
         print("bench/gpu_kernels.py: no CUDA device here; nothing to measure")
         return 0
     from expertmesh.model.config import preset
+
     cfg = preset("full-2.8t")
     roof = device_roofline()
-    print(f"device {torch.cuda.get_device_name()}: copy {roof['copy_GBps']:.0f} GB/s, "
-          f"bf16 matmul {roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print(
+        f"device {torch.cuda.get_device_name()}: copy {roof['copy_GBps']:.0f} GB/s, "
+        f"bf16 matmul {roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+    )
     rows = bench_moe(cfg, args.quick) + bench_dsa(cfg, args.quick) + bench_kda(cfg, args.quick)
     for r in rows:
         r["pct_of_copy_bw"] = 100 * r["GBps"] / roof["copy_GBps"]

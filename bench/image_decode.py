@@ -8,6 +8,7 @@ the decoder processes' peak (RUSAGE_CHILDREN). Also `inline`: decoding on the ev
 
     python bench/image_decode.py [--side 7000] [--requests 4] [--json bench/results/image_decode.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,16 @@ def png_1bit(width: int, height: int) -> bytes:
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     row = b"\0" * (1 + (width + 7) // 8)
     z = zlib.compressobj(9)
     data = b"".join(z.compress(row) for _ in range(height)) + z.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)) +
-            chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+        + chunk(b"IDAT", data)
+        + chunk(b"IEND", b"")
+    )
 
 
 def peak_rss_mib() -> float:
@@ -54,22 +60,42 @@ def run_mode(mode: str, side: int, requests: int) -> dict:
     from expertmesh.model.config import preset
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.router.image_decode import ImageDecoder, decode_pixels
+
     ck = create_checkpoint(preset("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0)
     engine = build_local_engine(Checkpoint(ck))
     decoder = ImageDecoder(2, processes=mode == "process")
-    if mode == "inline":                          # decode on the event loop itself (what main did)
+    if mode == "inline":  # decode on the event loop itself (what main did)
+
         async def inline(data, source, resized, padded):
             return decode_pixels(data, source, resized, padded)
+
         decoder.decode = inline
     decoder.warm()
     port = free_port()
     srv, thread = serve_http(build_app(engine, image_decoder=decoder), "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
-    body = {"model": "tiny", "max_tokens": 1, "reasoning_effort": "none", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "?"}, {"type": "image_url", "image_url": {
-            "url": "data:image/png;base64," + base64.b64encode(png_1bit(side, side)).decode()}}]}]}
-    httpx.post(url + "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "warm"}]},
-               timeout=120)
+    body = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "reasoning_effort": "none",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "?"},
+                    {
+                        "type": "image_url",
+                        "image_url": {
+                            "url": "data:image/png;base64," + base64.b64encode(png_1bit(side, side)).decode()
+                        },
+                    },
+                ],
+            }
+        ],
+    }
+    httpx.post(
+        url + "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "warm"}]}, timeout=120
+    )
     time.sleep(1.0)
     before = peak_rss_mib()
     latencies, stop = [], threading.Event()
@@ -81,12 +107,16 @@ def run_mode(mode: str, side: int, requests: int) -> dict:
                 c.get(url + "/health")
                 latencies.append(time.monotonic() - t)
                 stop.wait(0.02)
+
     poller = threading.Thread(target=poll)
     poller.start()
     start = time.monotonic()
     with ThreadPoolExecutor(requests) as pool:
-        codes = list(pool.map(lambda _: httpx.post(url + "/v1/chat/completions", json=body, timeout=600).status_code,
-                              range(requests)))
+        codes = list(
+            pool.map(
+                lambda _: httpx.post(url + "/v1/chat/completions", json=body, timeout=600).status_code, range(requests)
+            )
+        )
     took = time.monotonic() - start
     stop.set()
     poller.join()
@@ -94,10 +124,17 @@ def run_mode(mode: str, side: int, requests: int) -> dict:
     srv.should_exit = True
     decoder.close()
     engine.close()
-    return {"mode": mode, "side": side, "requests": requests, "statuses": sorted(set(codes)),
-            "seconds": round(took, 2), "health_worst_ms": round(max(latencies) * 1000, 1),
-            "health_polls": len(latencies), "router_peak_growth_mib": round(peak_rss_mib() - before, 1),
-            "decoder_peak_mib": round(children, 1) if mode == "process" else None}
+    return {
+        "mode": mode,
+        "side": side,
+        "requests": requests,
+        "statuses": sorted(set(codes)),
+        "seconds": round(took, 2),
+        "health_worst_ms": round(max(latencies) * 1000, 1),
+        "health_polls": len(latencies),
+        "router_peak_growth_mib": round(peak_rss_mib() - before, 1),
+        "decoder_peak_mib": round(children, 1) if mode == "process" else None,
+    }
 
 
 def main(argv=None) -> int:
@@ -112,15 +149,21 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, "--one", mode, "--side", str(args.side), "--requests",
-                              str(args.requests)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--side", str(args.side), "--requests", str(args.requests)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.requests} concurrent requests, one {args.side}×{args.side} 1-bit PNG each")
     print(f"{'mode':8} {'answered':>9} {'/health worst':>14} {'router peak +':>14} {'decoder peak':>13}")
     for r in rows:
         dec = f"{r['decoder_peak_mib']:.0f} MiB" if r["decoder_peak_mib"] is not None else "—"
-        print(f"{r['mode']:8} {r['seconds']:>8.2f}s {r['health_worst_ms']:>12.0f}ms {r['router_peak_growth_mib']:>10.0f} "
-              f"MiB {dec:>13}")
+        print(
+            f"{r['mode']:8} {r['seconds']:>8.2f}s {r['health_worst_ms']:>12.0f}ms {r['router_peak_growth_mib']:>10.0f} "
+            f"MiB {dec:>13}"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -7,6 +7,7 @@ sequence, prints every table and writes one JSON file.
 
     python bench/kernels.py [--quick] [--only moe,kda,dsa,mxfp4cpu] [--no-llamacpp] [--out bench/results/kernels.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ SECTIONS = ("moe", "kda", "dsa", "mxfp4cpu")
 
 def _median_s(fn, repeats: int) -> float:
     import time
+
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -81,7 +83,7 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     threads = torch.get_num_threads()
     thread_counts = sorted({1, threads})
 
-    def rand_mxfp4(*shape):   # random codes, scales near 2^0 (the decode cost does not depend on the values)
+    def rand_mxfp4(*shape):  # random codes, scales near 2^0 (the decode cost does not depend on the values)
         blocks = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), dtype=torch.uint8, generator=gen)
         scales = torch.randint(118, 127, (*shape[:-1], shape[-1] // 32), dtype=torch.uint8, generator=gen)
         return blocks, scales
@@ -94,26 +96,27 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     # the small preset's MoE layer at one token: 32 experts top-4, H 1024, I 512; 8 layers' worth of experts
     n_layers, E, H, I, Kt = 8, 32, 1024, 512, 4
     layers = [(*rand_mxfp4(E, 2 * I, H), *rand_mxfp4(E, H, I)) for _ in range(n_layers)]
-    e_bytes = sum(t[0].numel() for t in layers[0])             # one expert's blocks + scales bytes (w13 + w2)
-    calls = [(torch.randn(1, H, generator=gen), torch.randperm(E, generator=gen)[:Kt].reshape(1, Kt))
-             for _ in range(n_layers)]
+    e_bytes = sum(t[0].numel() for t in layers[0])  # one expert's blocks + scales bytes (w13 + w2)
+    calls = [
+        (torch.randn(1, H, generator=gen), torch.randperm(E, generator=gen)[:Kt].reshape(1, Kt))
+        for _ in range(n_layers)
+    ]
     warm_reps = 16
 
     timings = {
         "proj_cold": lambda: [cpu_kernel.mxfp4_linear(px, pb[e], ps[e]) for e in range(n_exp)],
         "proj_warm": lambda: [cpu_kernel.mxfp4_linear(px, pb[0], ps[0]) for _ in range(warm_reps)],
         "layer_cold": lambda: [moe_expert_outputs_cpu(xi, ids, *w) for (xi, ids), w in zip(calls, layers)],
-        "layer_warm": lambda: [moe_expert_outputs_cpu(calls[0][0], calls[0][1], *layers[0])
-                               for _ in range(warm_reps)],
+        "layer_warm": lambda: [moe_expert_outputs_cpu(calls[0][0], calls[0][1], *layers[0]) for _ in range(warm_reps)],
     }
     per_call = {"proj_cold": n_exp, "proj_warm": warm_reps, "layer_cold": n_layers, "layer_warm": warm_reps}
     copy_bytes = {"proj": n_exp * p_bytes, "layer": n_layers * E * e_bytes}
     src = torch.ones(max(copy_bytes.values()), dtype=torch.uint8)
     dst = torch.empty_like(src)
 
-    ours: dict = {}      # (key, threads) -> [seconds per call, one per round]
-    copy: dict = {}      # (proj|layer, threads) -> [GB/s, one per round]
-    llama: dict = {}     # threads -> [llamacpp.run() dict, one per round]
+    ours: dict = {}  # (key, threads) -> [seconds per call, one per round]
+    copy: dict = {}  # (proj|layer, threads) -> [GB/s, one per round]
+    llama: dict = {}  # threads -> [llamacpp.run() dict, one per round]
     for r in range(rounds):
         for nt in thread_counts:
             torch.set_num_threads(nt)
@@ -143,10 +146,15 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     shapes = [
         ("proj_cold", f"full-2.8t proj {N}x{K} T=1", "cold", p_bytes, "proj", (["proj_cold32"], 32)),
         ("proj_warm", f"full-2.8t proj {N}x{K} T=1", "warm", p_bytes, "proj", (["proj_warm"], 1)),
-        ("layer_cold", f"small MoE layer E{E} top{Kt} {2 * I}x{H}+{H}x{I} T=1", "cold", Kt * e_bytes, "layer",
-         None),
-        ("layer_warm", f"small MoE layer E{E} top{Kt} {2 * I}x{H}+{H}x{I} T=1", "warm", Kt * e_bytes, "layer",
-         (["small_w13", "small_w2"], 1)),
+        ("layer_cold", f"small MoE layer E{E} top{Kt} {2 * I}x{H}+{H}x{I} T=1", "cold", Kt * e_bytes, "layer", None),
+        (
+            "layer_warm",
+            f"small MoE layer E{E} top{Kt} {2 * I}x{H}+{H}x{I} T=1",
+            "warm",
+            Kt * e_bytes,
+            "layer",
+            (["small_w13", "small_w2"], 1),
+        ),
     ]
     rows = []
     for key, shape, cache, nbytes, copy_key, lkeys in shapes:
@@ -154,30 +162,54 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
             t = min(ours[(key, nt)])
             c = max(copy[(copy_key, nt)])
             l_best, l_med = llama_ms(nt, *lkeys) if lkeys else (None, None)
-            rows.append({
-                "shape": shape, "cache": cache, "threads": nt, "isa": cpu_kernel.best_isa(),
-                "ms": 1e3 * t, "ours_GB_s": nbytes / t / 1e9, "copy_GB_s": c,
-                "ours/copy": nbytes / t / 1e9 / c,
-                "llama_ms": l_best, "llama_GB_s": nbytes / (l_best / 1e3) / 1e9 if l_best else None,
-                "llama/ours": l_best / (1e3 * t) if l_best else None,
-                "ms_median": 1e3 * sorted(ours[(key, nt)])[len(ours[(key, nt)]) // 2],
-                "llama_ms_median": l_med, "rounds": len(ours[(key, nt)]),
-            })
+            rows.append(
+                {
+                    "shape": shape,
+                    "cache": cache,
+                    "threads": nt,
+                    "isa": cpu_kernel.best_isa(),
+                    "ms": 1e3 * t,
+                    "ours_GB_s": nbytes / t / 1e9,
+                    "copy_GB_s": c,
+                    "ours/copy": nbytes / t / 1e9 / c,
+                    "llama_ms": l_best,
+                    "llama_GB_s": nbytes / (l_best / 1e3) / 1e9 if l_best else None,
+                    "llama/ours": l_best / (1e3 * t) if l_best else None,
+                    "ms_median": 1e3 * sorted(ours[(key, nt)])[len(ours[(key, nt)]) // 2],
+                    "llama_ms_median": l_med,
+                    "rounds": len(ours[(key, nt)]),
+                }
+            )
     # llama.cpp's own nearest MXFP4 perf cases (unpatched upstream list), first round only
     for nt in thread_counts:
         first = (llama.get(nt) or [{}])[0]
         for k in ("upstream_mm_4096x14336", "upstream_mmid_2880"):
             if k in first:
-                rows.append({"shape": f"llama.cpp {k}", "cache": "warm", "threads": nt, "isa": None, "ms": None,
-                             "llama_ms": first[k]["us"] / 1e3, "llama_params": first[k]["params"]})
+                rows.append(
+                    {
+                        "shape": f"llama.cpp {k}",
+                        "cache": "warm",
+                        "threads": nt,
+                        "isa": None,
+                        "ms": None,
+                        "llama_ms": first[k]["us"] / 1e3,
+                        "llama_params": first[k]["params"],
+                    }
+                )
 
     # the PyTorch path this kernel replaces, for reference: dequantise + GEMV; grouped path without its cache
-    t_torch = _median_s(lambda: [torch.nn.functional.linear(px, dequantize_mxfp4(pb[e], ps[e], torch.float32))
-                                 for e in range(4)], 1) / 4
+    t_torch = (
+        _median_s(
+            lambda: [torch.nn.functional.linear(px, dequantize_mxfp4(pb[e], ps[e], torch.float32)) for e in range(4)], 1
+        )
+        / 4
+    )
     set_dequant_cache_bytes(0)
     try:
-        t_torch_layer = _median_s(lambda: [moe_expert_outputs_grouped(xi, ids, *w)
-                                           for (xi, ids), w in zip(calls, layers)], 1) / n_layers
+        t_torch_layer = (
+            _median_s(lambda: [moe_expert_outputs_grouped(xi, ids, *w) for (xi, ids), w in zip(calls, layers)], 1)
+            / n_layers
+        )
     finally:
         set_dequant_cache_bytes(256 * 2**20)
     for row in rows:
@@ -193,14 +225,14 @@ def _load(name: str):
     return module
 
 
-_HIDDEN = {"llama_params", "ms_median", "llama_ms_median", "rounds"}   # in the JSON, not the printed table
+_HIDDEN = {"llama_params", "ms_median", "llama_ms_median", "rounds"}  # in the JSON, not the printed table
 
 
 def _print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n== {title} ==")
     if not rows:
         return
-    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in _HIDDEN]   # union, first-seen order
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in _HIDDEN]  # union, first-seen order
     widths = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
     print("  ".join(f"{k:>{widths[k]}}" for k in keys))
     for r in rows:
@@ -218,8 +250,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default=",".join(SECTIONS))
     p.add_argument("--out", default="bench/results/kernels.json")
-    p.add_argument("--no-llamacpp", action="store_true",
-                   help="mxfp4cpu: skip the llama.cpp side-by-side (otherwise built on first use, minutes)")
+    p.add_argument(
+        "--no-llamacpp",
+        action="store_true",
+        help="mxfp4cpu: skip the llama.cpp side-by-side (otherwise built on first use, minutes)",
+    )
     args = p.parse_args(argv)
     results = {}
     for name in [s for s in args.only.split(",") if s]:

@@ -5,6 +5,7 @@ the reference side by side in one run (interleaved, median of repeats) and check
 
     python bench/kernels_kda.py [--quick] [--out bench/results/kernels_kda.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,15 @@ def _inputs(B: int, T: int, seed: int = 0):
 
 
 def _time_pair(fast, ref, repeats: int) -> tuple[float, float]:
-    fast(), ref()                                                    # warm-up
+    fast(), ref()  # warm-up
     tf, tr = [], []
-    for _ in range(repeats):                                         # interleaved: same machine load for both
-        t0 = time.perf_counter(); fast(); tf.append(time.perf_counter() - t0)  # noqa: E702
-        t0 = time.perf_counter(); ref(); tr.append(time.perf_counter() - t0)   # noqa: E702
+    for _ in range(repeats):  # interleaved: same machine load for both
+        t0 = time.perf_counter()
+        fast()
+        tf.append(time.perf_counter() - t0)  # noqa: E702
+        t0 = time.perf_counter()
+        ref()
+        tr.append(time.perf_counter() - t0)  # noqa: E702
     return statistics.median(tf), statistics.median(tr)
 
 
@@ -56,15 +61,41 @@ def run(quick: bool) -> list[dict]:
             fast = lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             ref = lambda: kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             tf, tr = _time_pair(fast, ref, repeats)
-            rows.append(dict(op="chunk_kda (prefill)", B=1, T=T, H=H, K=K, V=V, fast_ms=tf * 1e3, ref_ms=tr * 1e3,
-                             speedup=tr / tf, tokens_per_s=T / tf, rel_err=_rel(fast()[0], ref()[0])))
+            rows.append(
+                dict(
+                    op="chunk_kda (prefill)",
+                    B=1,
+                    T=T,
+                    H=H,
+                    K=K,
+                    V=V,
+                    fast_ms=tf * 1e3,
+                    ref_ms=tr * 1e3,
+                    speedup=tr / tf,
+                    tokens_per_s=T / tf,
+                    rel_err=_rel(fast()[0], ref()[0]),
+                )
+            )
         for B in [1, 8] if quick else [1, 4, 8, 16, 32]:
             q, k, v, g, beta, h0 = _inputs(B, 1, seed=B)
             fast = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             ref = lambda: kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             tf, tr = _time_pair(fast, ref, repeats * 5)
-            rows.append(dict(op="fused_recurrent_kda (decode)", B=B, T=1, H=H, K=K, V=V, fast_ms=tf * 1e3,
-                             ref_ms=tr * 1e3, speedup=tr / tf, tokens_per_s=B / tf, rel_err=_rel(fast()[0], ref()[0])))
+            rows.append(
+                dict(
+                    op="fused_recurrent_kda (decode)",
+                    B=B,
+                    T=1,
+                    H=H,
+                    K=K,
+                    V=V,
+                    fast_ms=tf * 1e3,
+                    ref_ms=tr * 1e3,
+                    speedup=tr / tf,
+                    tokens_per_s=B / tf,
+                    rel_err=_rel(fast()[0], ref()[0]),
+                )
+            )
     return rows
 
 
@@ -77,8 +108,10 @@ def main() -> None:
     print(f"KDA kernels, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, H={H} K={K} V={V}")
     print(f"{'op':30} {'B':>3} {'T':>5} {'fast ms':>9} {'ref ms':>9} {'speedup':>8} {'tok/s':>9} {'rel err':>8}")
     for r in rows:
-        print(f"{r['op']:30} {r['B']:>3} {r['T']:>5} {r['fast_ms']:>9.2f} {r['ref_ms']:>9.2f} {r['speedup']:>7.1f}x "
-              f"{r['tokens_per_s']:>9.0f} {r['rel_err']:>8.1e}")
+        print(
+            f"{r['op']:30} {r['B']:>3} {r['T']:>5} {r['fast_ms']:>9.2f} {r['ref_ms']:>9.2f} {r['speedup']:>7.1f}x "
+            f"{r['tokens_per_s']:>9.0f} {r['rel_err']:>8.1e}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick)

@@ -34,6 +34,7 @@ Numerics differ by design: ggml quantises the f32 activations to Q8_0 and does i
 
     python bench/llamacpp.py [--threads 1,2] [--build-only]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,34 +54,66 @@ JOBS = int(os.environ.get("EXPERTMESH_LLAMACPP_JOBS", "2"))
 # (key, what it is, test case C++ added to the perf list or None for upstream's own, op, prefix of its params);
 # keys are what bench/kernels.py looks up
 CASES = [
-    ("proj_warm", "MUL_MAT mxfp4 2304x7168 n=1",
-     "new test_mul_mat(GGML_TYPE_MXFP4, GGML_TYPE_F32, 2304, 1, 7168, {1, 1}, {1, 1})",
-     "MUL_MAT", "type_a=mxfp4,type_b=f32,m=2304,n=1,k=7168,bs=[1,1],nr=[1,1],"),
-    ("proj_cold32", "MUL_MAT mxfp4 2304x7168 n=1 bs=[32,1]",
-     "new test_mul_mat(GGML_TYPE_MXFP4, GGML_TYPE_F32, 2304, 1, 7168, {32, 1}, {1, 1})",
-     "MUL_MAT", "type_a=mxfp4,type_b=f32,m=2304,n=1,k=7168,bs=[32,1],nr=[1,1],"),
-    ("small_w13", "MUL_MAT_ID mxfp4 E32 top4 1024x1024 n=1",
-     "new test_mul_mat_id(GGML_TYPE_MXFP4, GGML_TYPE_F32, 32, 4, false, 1024, 1, 1024)",
-     "MUL_MAT_ID", "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=1024,n=1,k=1024,"),
-    ("small_w2", "MUL_MAT_ID mxfp4 E32 top4 1024x512 n=1",
-     "new test_mul_mat_id(GGML_TYPE_MXFP4, GGML_TYPE_F32, 32, 4, false, 1024, 1, 512)",
-     "MUL_MAT_ID", "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=1024,n=1,k=512,"),
+    (
+        "proj_warm",
+        "MUL_MAT mxfp4 2304x7168 n=1",
+        "new test_mul_mat(GGML_TYPE_MXFP4, GGML_TYPE_F32, 2304, 1, 7168, {1, 1}, {1, 1})",
+        "MUL_MAT",
+        "type_a=mxfp4,type_b=f32,m=2304,n=1,k=7168,bs=[1,1],nr=[1,1],",
+    ),
+    (
+        "proj_cold32",
+        "MUL_MAT mxfp4 2304x7168 n=1 bs=[32,1]",
+        "new test_mul_mat(GGML_TYPE_MXFP4, GGML_TYPE_F32, 2304, 1, 7168, {32, 1}, {1, 1})",
+        "MUL_MAT",
+        "type_a=mxfp4,type_b=f32,m=2304,n=1,k=7168,bs=[32,1],nr=[1,1],",
+    ),
+    (
+        "small_w13",
+        "MUL_MAT_ID mxfp4 E32 top4 1024x1024 n=1",
+        "new test_mul_mat_id(GGML_TYPE_MXFP4, GGML_TYPE_F32, 32, 4, false, 1024, 1, 1024)",
+        "MUL_MAT_ID",
+        "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=1024,n=1,k=1024,",
+    ),
+    (
+        "small_w2",
+        "MUL_MAT_ID mxfp4 E32 top4 1024x512 n=1",
+        "new test_mul_mat_id(GGML_TYPE_MXFP4, GGML_TYPE_F32, 32, 4, false, 1024, 1, 512)",
+        "MUL_MAT_ID",
+        "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=1024,n=1,k=512,",
+    ),
     # upstream's own nearest MXFP4 perf cases (unpatched), reported alongside
-    ("upstream_mm_4096x14336", "upstream MUL_MAT mxfp4 4096x14336 n=1", None,
-     "MUL_MAT", "type_a=mxfp4,type_b=f32,m=4096,n=1,k=14336,bs=[1,1],nr=[1,1],"),
-    ("upstream_mmid_2880", "upstream MUL_MAT_ID mxfp4 E32 top4 2880x2880 n=1", None,
-     "MUL_MAT_ID", "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=2880,n=1,k=2880,"),
+    (
+        "upstream_mm_4096x14336",
+        "upstream MUL_MAT mxfp4 4096x14336 n=1",
+        None,
+        "MUL_MAT",
+        "type_a=mxfp4,type_b=f32,m=4096,n=1,k=14336,bs=[1,1],nr=[1,1],",
+    ),
+    (
+        "upstream_mmid_2880",
+        "upstream MUL_MAT_ID mxfp4 E32 top4 2880x2880 n=1",
+        None,
+        "MUL_MAT_ID",
+        "type_a=mxfp4,type_b=f32,n_mats=32,n_used=4,b=0,m=2880,n=1,k=2880,",
+    ),
 ]
-PARAMS_FILTER = (r"type_a=mxfp4,type_b=f32,(n_mats=32,n_used=4,b=0,)?"
-                 r"m=(2304|1024|4096|2880),n=1,k=(7168|1024|512|14336|2880),")
+PARAMS_FILTER = (
+    r"type_a=mxfp4,type_b=f32,(n_mats=32,n_used=4,b=0,)?"
+    r"m=(2304|1024|4096|2880),n=1,k=(7168|1024|512|14336|2880),"
+)
 PARAMS_OURS = r"type_a=mxfp4,type_b=f32,(n_mats=32,n_used=4,b=0,)?m=(2304|1024),n=1,k=(7168|1024|512),"
 
 THREADS_NEEDLE = "ggml_backend_set_n_threads_fn(backend.get(), std::max<int>(1, N_THREADS/2));"
-THREADS_PATCH = ("ggml_backend_set_n_threads_fn(backend.get(), getenv(\"EXPERTMESH_GGML_THREADS\") ? "
-                 "std::max<int>(1, atoi(getenv(\"EXPERTMESH_GGML_THREADS\"))) : std::max<int>(1, N_THREADS/2));"
-                 "  // expertmesh patch")
-PERF_NEEDLE = ("static std::vector<std::unique_ptr<test_case>> make_test_cases_perf() {\n"
-               "    std::vector<std::unique_ptr<test_case>> test_cases;\n")
+THREADS_PATCH = (
+    'ggml_backend_set_n_threads_fn(backend.get(), getenv("EXPERTMESH_GGML_THREADS") ? '
+    'std::max<int>(1, atoi(getenv("EXPERTMESH_GGML_THREADS"))) : std::max<int>(1, N_THREADS/2));'
+    "  // expertmesh patch"
+)
+PERF_NEEDLE = (
+    "static std::vector<std::unique_ptr<test_case>> make_test_cases_perf() {\n"
+    "    std::vector<std::unique_ptr<test_case>> test_cases;\n"
+)
 
 CMAKELISTS = """cmake_minimum_required(VERSION 3.14)
 project(expertmesh_llamacpp_bench C CXX)
@@ -105,8 +138,9 @@ def _run(cmd: list[str], log: Path, **kw) -> None:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kw)
     if r.returncode != 0:
         tail = log.read_text().strip().splitlines()[-15:]
-        raise Unavailable(f"`{' '.join(map(str, cmd[:4]))} ...` failed (rc {r.returncode}); log {log}:\n  "
-                          + "\n  ".join(tail))
+        raise Unavailable(
+            f"`{' '.join(map(str, cmd[:4]))} ...` failed (rc {r.returncode}); log {log}:\n  " + "\n  ".join(tail)
+        )
 
 
 def _sdist() -> Path:
@@ -116,8 +150,22 @@ def _sdist() -> Path:
         return found[0]
     d.mkdir(parents=True, exist_ok=True)
     print(f"llama.cpp: downloading the llama-cpp-python=={VERSION} sdist into {d} (once)", flush=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(d),
-          f"llama-cpp-python=={VERSION}"], CACHE / "download.log", timeout=1800)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(d),
+            f"llama-cpp-python=={VERSION}",
+        ],
+        CACHE / "download.log",
+        timeout=1800,
+    )
     found = sorted(d.glob(f"llama_cpp_python-{VERSION}.tar.gz"))
     if not found:
         raise Unavailable(f"pip download left no llama_cpp_python-{VERSION}.tar.gz in {d}")
@@ -132,8 +180,11 @@ def _sources() -> Path:
     sdist = _sdist()
     prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith(prefix + "ggml/") or m.name == prefix + "tests/test-backend-ops.cpp"]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix + "ggml/") or m.name == prefix + "tests/test-backend-ops.cpp"
+        ]
         if not members:
             raise Unavailable(f"{sdist} has no {prefix}ggml/")
         kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
@@ -144,13 +195,16 @@ def _sources() -> Path:
 def patch_source(text: str) -> str:
     """The test-backend-ops.cpp copy: thread count from $EXPERTMESH_GGML_THREADS, our cases first in the perf list."""
     if THREADS_NEEDLE not in text or PERF_NEEDLE not in text:
-        raise Unavailable(f"test-backend-ops.cpp of llama-cpp-python {VERSION} does not match the patch "
-                          "(set EXPERTMESH_LLAMACPP_VERSION=0.3.36, the version it was written for)")
-    added = "".join(f"    test_cases.emplace_back({cpp});   // expertmesh: {what}\n"
-                    for _, what, cpp, _, _ in CASES if cpp)
-    return (text.replace(THREADS_NEEDLE, THREADS_PATCH)
-                .replace(PERF_NEEDLE, PERF_NEEDLE + "    // expertmesh patch: our shapes (bench/llamacpp.py)\n"
-                         + added))
+        raise Unavailable(
+            f"test-backend-ops.cpp of llama-cpp-python {VERSION} does not match the patch "
+            "(set EXPERTMESH_LLAMACPP_VERSION=0.3.36, the version it was written for)"
+        )
+    added = "".join(
+        f"    test_cases.emplace_back({cpp});   // expertmesh: {what}\n" for _, what, cpp, _, _ in CASES if cpp
+    )
+    return text.replace(THREADS_NEEDLE, THREADS_PATCH).replace(
+        PERF_NEEDLE, PERF_NEEDLE + "    // expertmesh patch: our shapes (bench/llamacpp.py)\n" + added
+    )
 
 
 def build() -> Path:
@@ -164,7 +218,7 @@ def build() -> Path:
     patched = patch_source((src / "tests" / "test-backend-ops.cpp").read_text())
     copy = build_dir / "test-backend-ops.cpp"
     if exe.exists() and copy.exists() and copy.read_text() == patched:
-        return exe                                   # built from this very patch (a changed patch rebuilds one TU)
+        return exe  # built from this very patch (a changed patch rebuilds one TU)
     build_dir.mkdir(parents=True, exist_ok=True)
     copy.write_text(patched)
     (build_dir / "CMakeLists.txt").write_text(CMAKELISTS.replace("{ggml}", (src / "ggml").as_posix()))
@@ -173,11 +227,27 @@ def build() -> Path:
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     t0 = time.perf_counter()
     print(f"llama.cpp: building ggml CPU + test-backend-ops in {build_dir} ({JOBS} jobs; log {log})", flush=True)
-    _run(["cmake", "-S", str(build_dir), "-B", str(build_dir / "out"), *gen, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
-          f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={build_dir / 'out' / 'bin'}"], log, timeout=600)
-    _run(["cmake", "--build", str(build_dir / "out"), "--target", "test-backend-ops", "-j", str(JOBS)], log,
-         timeout=3600)
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(build_dir),
+            "-B",
+            str(build_dir / "out"),
+            *gen,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DGGML_BUILD_TESTS=OFF",
+            "-DGGML_BUILD_EXAMPLES=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+            f"-DCMAKE_RUNTIME_OUTPUT_DIRECTORY={build_dir / 'out' / 'bin'}",
+        ],
+        log,
+        timeout=600,
+    )
+    _run(
+        ["cmake", "--build", str(build_dir / "out"), "--target", "test-backend-ops", "-j", str(JOBS)], log, timeout=3600
+    )
     if not exe.exists():
         raise Unavailable(f"the build finished without {exe}; see {log}")
     print(f"llama.cpp: built in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -206,8 +276,7 @@ def run(threads: int, exe: Path | None = None, upstream: bool = True) -> dict[st
     Each case runs for >= 1 s after its tensors are filled (the cold one fills 282 MB: seconds)."""
     exe = exe or build()
     env = dict(os.environ, EXPERTMESH_GGML_THREADS=str(threads))
-    cmd = [str(exe), "perf", "-b", "CPU", "-o", "MUL_MAT,MUL_MAT_ID", "-p",
-           PARAMS_FILTER if upstream else PARAMS_OURS]
+    cmd = [str(exe), "perf", "-b", "CPU", "-o", "MUL_MAT,MUL_MAT_ID", "-p", PARAMS_FILTER if upstream else PARAMS_OURS]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode != 0:
         raise Unavailable(f"test-backend-ops perf exited {r.returncode}:\n{(r.stdout + r.stderr)[-2000:]}")
@@ -234,8 +303,10 @@ def main(argv=None) -> int:
             return 0
         for t in [int(s) for s in args.threads.split(",") if s]:
             for key, row in run(t, exe).items():
-                print(f"threads={t}  {key:24s} {row['us']:10.2f} us/run  {row['runs']:6d} runs  "
-                      f"{row['op']}({row['params']})")
+                print(
+                    f"threads={t}  {key:24s} {row['us']:10.2f} us/run  {row['runs']:6d} runs  "
+                    f"{row['op']}({row['params']})"
+                )
     except Unavailable as exc:
         print(f"llama.cpp: unavailable: {exc}")
         return 1

@@ -13,6 +13,7 @@ load (after the queue drained), and the serving process's RSS before / after a w
 the process, so its RSS includes them). `--multiprocess`: `LocalCluster` (router + workers as processes;
 RSS is the router process's). `run_load(base_url, clients, seconds, ...)` is what tests/test_load.py reuses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ from pathlib import Path
 import httpx
 
 ERROR_KINDS = ("429", "503", "5xx", "4xx", "timeout", "stream_error", "other")
-KV_LINE = re.compile(r'^expertmesh_kv_blocks\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
+KV_LINE = re.compile(r"^expertmesh_kv_blocks\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$")
 BUCKET_LINE = re.compile(r'^(?P<name>\w+)_bucket\{le="(?P<le>[^"]+)"\}\s+(?P<value>\S+)$')
 
 
@@ -38,6 +39,7 @@ def rss_bytes(pid: int | None = None) -> int:
     pid = os.getpid() if pid is None else pid
     try:
         import psutil
+
         return int(psutil.Process(pid).memory_info().rss)
     except ImportError:
         pass
@@ -104,8 +106,12 @@ def openai_error_shaped(body: bytes) -> bool:
         err = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return False
-    return isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str) \
+    return (
+        isinstance(err, dict)
+        and isinstance(err.get("message"), str)
+        and isinstance(err.get("type"), str)
         and {"param", "code"} <= set(err)
+    )
 
 
 def wait_idle(base_url: str, timeout: float = 120.0, headers: dict | None = None) -> dict:
@@ -121,14 +127,30 @@ def wait_idle(base_url: str, timeout: float = 120.0, headers: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------- load
-async def _client(i: int, http: httpx.AsyncClient, model: str, stop_at: float, stats: dict, *, seed: int,
-                  prompt_range: tuple[int, int], output_range: tuple[int, int], backoff: float) -> None:
+async def _client(
+    i: int,
+    http: httpx.AsyncClient,
+    model: str,
+    stop_at: float,
+    stats: dict,
+    *,
+    seed: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    backoff: float,
+) -> None:
     rng = random.Random(seed * 100_003 + i)
     while time.monotonic() < stop_at:
         n_prompt = rng.randint(*prompt_range)
-        body = {"model": model, "prompt": [rng.randrange(256) for _ in range(n_prompt)],
-                "max_tokens": rng.randint(*output_range), "temperature": 0.8, "seed": rng.randrange(2 ** 31),
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": [rng.randrange(256) for _ in range(n_prompt)],
+            "max_tokens": rng.randint(*output_range),
+            "temperature": 0.8,
+            "seed": rng.randrange(2**31),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         stats["sent"] += 1
         t0 = time.perf_counter()
         chunk_times: list[float] = []
@@ -137,15 +159,16 @@ async def _client(i: int, http: httpx.AsyncClient, model: str, stop_at: float, s
                 if r.status_code != 200:
                     data = await r.aread()
                     elapsed = time.perf_counter() - t0
-                    kind = str(r.status_code) if r.status_code in (429, 503) else \
-                        "5xx" if r.status_code >= 500 else "4xx"
+                    kind = (
+                        str(r.status_code) if r.status_code in (429, 503) else "5xx" if r.status_code >= 500 else "4xx"
+                    )
                     stats["errors"][kind] += 1
                     if r.status_code == 429:
                         stats["rejected_latency_s"].append(elapsed)
                         if not openai_error_shaped(data):
                             stats["bad_error_bodies"] += 1
                             _example(stats, "429", data)
-                        await asyncio.sleep(backoff * (0.5 + rng.random()))   # jittered back-off
+                        await asyncio.sleep(backoff * (0.5 + rng.random()))  # jittered back-off
                     else:
                         _example(stats, kind, f"{r.status_code} {data[:300]!r}")
                     continue
@@ -196,13 +219,21 @@ def _example(stats: dict, kind: str, what) -> None:
 
 
 async def _load(base_url: str, clients: int, seconds: float, **kw) -> dict:
-    stats = {"sent": 0, "completed": 0, "output_tokens": 0, "prompt_tokens": 0, "ttft_s": [], "itl_s": [],
-             "rejected_latency_s": [], "bad_error_bodies": 0, "errors": {k: 0 for k in ERROR_KINDS},
-             "examples": {}}
+    stats = {
+        "sent": 0,
+        "completed": 0,
+        "output_tokens": 0,
+        "prompt_tokens": 0,
+        "ttft_s": [],
+        "itl_s": [],
+        "rejected_latency_s": [],
+        "bad_error_bodies": 0,
+        "errors": {k: 0 for k in ERROR_KINDS},
+        "examples": {},
+    }
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     timeout = httpx.Timeout(kw.pop("request_timeout"), connect=10.0)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout,
-                                 headers=kw.pop("headers")) as http:
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout, headers=kw.pop("headers")) as http:
         model = kw.pop("model") or (await http.get("/v1/models")).json()["data"][0]["id"]
         stop_at = time.monotonic() + seconds
         t0 = time.perf_counter()
@@ -211,10 +242,21 @@ async def _load(base_url: str, clients: int, seconds: float, **kw) -> dict:
     return stats
 
 
-def run_load(base_url: str, clients: int = 64, seconds: float = 30.0, *, prompt_range: tuple[int, int] = (4, 200),
-             output_range: tuple[int, int] = (4, 64), seed: int = 0, model: str | None = None,
-             request_timeout: float = 60.0, backoff: float = 0.05, server_pid: int | None = None,
-             api_key: str | None = None, drain_timeout: float = 120.0) -> dict:
+def run_load(
+    base_url: str,
+    clients: int = 64,
+    seconds: float = 30.0,
+    *,
+    prompt_range: tuple[int, int] = (4, 200),
+    output_range: tuple[int, int] = (4, 64),
+    seed: int = 0,
+    model: str | None = None,
+    request_timeout: float = 60.0,
+    backoff: float = 0.05,
+    server_pid: int | None = None,
+    api_key: str | None = None,
+    drain_timeout: float = 120.0,
+) -> dict:
     """Run `clients` concurrent streaming clients for `seconds` (in-flight requests then finish), wait until
     the router is idle, and return the figures (plain data; `errors` counts by kind in ERROR_KINDS).
 
@@ -224,37 +266,62 @@ def run_load(base_url: str, clients: int = 64, seconds: float = 30.0, *, prompt_
     metrics_before = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
     kv_before = kv_blocks(metrics_before)
     rss_before = rss_bytes(server_pid)
-    stats = asyncio.run(_load(base_url, clients, seconds, prompt_range=prompt_range, output_range=output_range,
-                              seed=seed, model=model, request_timeout=request_timeout, backoff=backoff,
-                              headers=headers))
+    stats = asyncio.run(
+        _load(
+            base_url,
+            clients,
+            seconds,
+            prompt_range=prompt_range,
+            output_range=output_range,
+            seed=seed,
+            model=model,
+            request_timeout=request_timeout,
+            backoff=backoff,
+            headers=headers,
+        )
+    )
     t_drain = time.perf_counter()
     wait_idle(base_url, drain_timeout, headers)
     drain_s = time.perf_counter() - t_drain
     metrics_after = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
     kv_after = kv_blocks(metrics_after)
     server_q = {}
-    for short, name in (("ttft", "expertmesh_time_to_first_token_seconds"),
-                        ("itl", "expertmesh_inter_token_latency_seconds")):
+    for short, name in (
+        ("ttft", "expertmesh_time_to_first_token_seconds"),
+        ("itl", "expertmesh_inter_token_latency_seconds"),
+    ):
         b, a = histogram_buckets(metrics_before, name), histogram_buckets(metrics_after, name)
         for q in (0.5, 0.99):
             v = histogram_quantile(b, a, q)
             server_q[f"server_{short}_p{int(q * 100)}_ms"] = None if v is None else 1000 * v
     wall = stats["wall_s"]
-    ms = lambda v: None if v is None else 1000 * v   # noqa: E731
+    ms = lambda v: None if v is None else 1000 * v  # noqa: E731
     return {
-        "clients": clients, "seconds": seconds, "wall_s": wall, "drain_s": drain_s,
-        "sent": stats["sent"], "completed": stats["completed"],
+        "clients": clients,
+        "seconds": seconds,
+        "wall_s": wall,
+        "drain_s": drain_s,
+        "sent": stats["sent"],
+        "completed": stats["completed"],
         "requests_per_s": stats["completed"] / wall if wall else 0.0,
-        "output_tokens": stats["output_tokens"], "output_tokens_per_s": stats["output_tokens"] / wall if wall else 0.0,
+        "output_tokens": stats["output_tokens"],
+        "output_tokens_per_s": stats["output_tokens"] / wall if wall else 0.0,
         "prompt_tokens": stats["prompt_tokens"],
-        "ttft_p50_ms": ms(quantile(stats["ttft_s"], 0.5)), "ttft_p99_ms": ms(quantile(stats["ttft_s"], 0.99)),
-        "itl_p50_ms": ms(quantile(stats["itl_s"], 0.5)), "itl_p99_ms": ms(quantile(stats["itl_s"], 0.99)),
+        "ttft_p50_ms": ms(quantile(stats["ttft_s"], 0.5)),
+        "ttft_p99_ms": ms(quantile(stats["ttft_s"], 0.99)),
+        "itl_p50_ms": ms(quantile(stats["itl_s"], 0.5)),
+        "itl_p99_ms": ms(quantile(stats["itl_s"], 0.99)),
         **server_q,
         "rejected_p50_ms": ms(quantile(stats["rejected_latency_s"], 0.5)),
         "rejected_max_ms": ms(max(stats["rejected_latency_s"], default=None)),
-        "errors": stats["errors"], "bad_error_bodies": stats["bad_error_bodies"], "examples": stats["examples"],
-        "kv_free_before": kv_before["free"], "kv_free_after": kv_after["free"], "kv_total": kv_after["total"],
-        "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(server_pid),
+        "errors": stats["errors"],
+        "bad_error_bodies": stats["bad_error_bodies"],
+        "examples": stats["examples"],
+        "kv_free_before": kv_before["free"],
+        "kv_free_after": kv_after["free"],
+        "kv_total": kv_after["total"],
+        "rss_before_bytes": rss_before,
+        "rss_after_bytes": rss_bytes(server_pid),
     }
 
 
@@ -262,14 +329,18 @@ def run_load(base_url: str, clients: int = 64, seconds: float = 30.0, *, prompt_
 class InProcess:
     """In-process engine (in-process workers) behind the real HTTP server on loopback."""
 
-    def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int,
-                 max_waiting: int):
+    def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int, max_waiting: int):
         from expertmesh.entry.local import build_local_engine
         from expertmesh.entry.up import free_port
         from expertmesh.router.http import build_app, serve_http
-        self.engine = build_local_engine(checkpoint, attention_workers=attention_workers,
-                                         expert_workers=expert_workers, max_running=max_running,
-                                         max_waiting=max_waiting)
+
+        self.engine = build_local_engine(
+            checkpoint,
+            attention_workers=attention_workers,
+            expert_workers=expert_workers,
+            max_running=max_running,
+            max_waiting=max_waiting,
+        )
         port = free_port()
         self.server, self.thread = serve_http(build_app(self.engine), "127.0.0.1", port)
         self.url, self.pid = f"http://127.0.0.1:{port}", os.getpid()
@@ -283,13 +354,18 @@ class InProcess:
 class MultiProcess:
     """`LocalCluster`: router + workers as processes (the router's RSS is reported)."""
 
-    def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int,
-                 max_waiting: int):
+    def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int, max_waiting: int):
         from expertmesh.entry.up import LocalCluster, free_port
+
         # the router process has no --max-running flag: it runs with the Engine's default
-        self.cluster = LocalCluster(checkpoint, attention_workers=attention_workers, expert_workers=expert_workers,
-                                    http_port=free_port(), grpc_port=free_port(),
-                                    router_args=["--max-waiting", str(max_waiting)])
+        self.cluster = LocalCluster(
+            checkpoint,
+            attention_workers=attention_workers,
+            expert_workers=expert_workers,
+            http_port=free_port(),
+            grpc_port=free_port(),
+            router_args=["--max-waiting", str(max_waiting)],
+        )
         self.cluster.start()
         self.url, self.pid = self.cluster.http_url, self.cluster.router.proc.pid
 
@@ -321,10 +397,12 @@ def table(rounds: dict[str, dict], rss: dict[str, int]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     colw = max(22, *(len(c) for c in cols))
-    lines = [f"{'figure':<{width}}  " + "  ".join(f"{c:>{colw}}" for c in cols),
-             "-" * width + "  " + "  ".join("-" * colw for _ in cols)]
+    lines = [
+        f"{'figure':<{width}}  " + "  ".join(f"{c:>{colw}}" for c in cols),
+        "-" * width + "  " + "  ".join("-" * colw for _ in cols),
+    ]
     lines += [f"{name:<{width}}  " + "  ".join(f"{fn(rounds[c]):>{colw}}" for c in cols) for name, fn in rows]
-    mib = 2 ** 20
+    mib = 2**20
     lines.append("(KV blocks not free after the load are held by the prefix cache, evicted on demand)")
     lines.append("")
     lines.append("RSS of the serving process: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in rss.items()))
@@ -341,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--multiprocess", dest="mode", action="store_const", const="multiprocess")
     p.add_argument("--quick", action="store_true", help="8 clients, 5 s rounds (smoke run)")
     p.add_argument("--clients", type=int, default=None, help="concurrent clients (default 64; --quick 8)")
-    p.add_argument("--seconds", type=float, default=None, help="load duration of the measured round "
-                                                               "(default 30; --quick 5)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="load duration of the measured round (default 30; --quick 5)"
+    )
     p.add_argument("--warmup-seconds", type=float, default=None, help="warm-up round (default: a third of --seconds)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the synthetic --preset one)")
     p.add_argument("--preset", default="tiny")
@@ -363,9 +442,14 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = args.checkpoint
     else:
         from expertmesh.checkpoint.loader import default_checkpoint
+
         checkpoint = str(default_checkpoint(args.preset))
-    kw = dict(attention_workers=args.attention_workers, expert_workers=args.expert_workers,
-              max_running=args.max_running, max_waiting=args.max_waiting)
+    kw = dict(
+        attention_workers=args.attention_workers,
+        expert_workers=args.expert_workers,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+    )
     deployment = InProcess(checkpoint, **kw) if mode == "inprocess" else MultiProcess(checkpoint, **kw)
     rss = {"start": rss_bytes(deployment.pid)}
     try:
@@ -376,14 +460,19 @@ def main(argv: list[str] | None = None) -> int:
         rss["end"] = rss_bytes(deployment.pid)
     finally:
         deployment.close()
-    print(f"load: {mode}, checkpoint {checkpoint}, {args.attention_workers} attention + {args.expert_workers} expert "
-          f"workers, max_waiting {args.max_waiting}" + (f", max_running {args.max_running}" if mode == "inprocess"
-                                                         else ""))
+    print(
+        f"load: {mode}, checkpoint {checkpoint}, {args.attention_workers} attention + {args.expert_workers} expert "
+        f"workers, max_waiting {args.max_waiting}"
+        + (f", max_running {args.max_running}" if mode == "inprocess" else "")
+    )
     print(table(rounds, rss))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"mode": mode, "checkpoint": checkpoint, "args": vars(args), "rounds": rounds,
-                               "rss_bytes": rss}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"mode": mode, "checkpoint": checkpoint, "args": vars(args), "rounds": rounds, "rss_bytes": rss}, indent=1
+        )
+    )
     print(f"wrote {out}")
     return 0
 

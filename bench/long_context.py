@@ -12,6 +12,7 @@ dense-attention decode (or copying the cache every step) grows linearly.
 --quick: the `small` preset, contexts 2K → 32K (its maximum), 8 decode tokens each; otherwise 2K, 4K, 8K,
 16K, 32K with 24 decode tokens. Prints a table and writes {"contexts": [...], "decode_ms": [...], ...}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ from expertmesh.entry.local import build_local_engine
 from expertmesh.model.config import preset
 from expertmesh.wire.sampling_params import SamplingParams
 
-PREFILL_CHUNK = 1024   # long prompts prefill in large chunks (the bench measures decode, not prefill)
+PREFILL_CHUNK = 1024  # long prompts prefill in large chunks (the bench measures decode, not prefill)
 BLOCK_SIZE = 64
 
 
@@ -56,19 +57,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpoint(create_checkpoint(cfg, Path(tmp) / "small", seed=0))
         blocks = -(-top // BLOCK_SIZE) + 4
-        engine = build_local_engine(ckpt, kv_blocks=blocks, block_size=BLOCK_SIZE, prefill_chunk=PREFILL_CHUNK,
-                                    max_batch_tokens=PREFILL_CHUNK)
+        engine = build_local_engine(
+            ckpt, kv_blocks=blocks, block_size=BLOCK_SIZE, prefill_chunk=PREFILL_CHUNK, max_batch_tokens=PREFILL_CHUNK
+        )
         try:
-            decode_ms(engine, 256, 4, seed=99)                     # warm-up (allocator, kernels' first calls)
+            decode_ms(engine, 256, 4, seed=99)  # warm-up (allocator, kernels' first calls)
             rows = [(c, *decode_ms(engine, c, new_tokens, seed=c)) for c in contexts]
         finally:
             engine.close()
     print(f"{'context':>8}  {'decode ms/token':>15}  {'vs first':>8}  {'prefill s':>9}")
     for c, ms, prefill in rows:
         print(f"{c:8d}  {ms:15.1f}  {ms / rows[0][1]:8.2f}  {prefill:9.1f}")
-    result = {"preset": cfg.name, "contexts": [r[0] for r in rows], "decode_ms": [r[1] for r in rows],
-              "prefill_s": [r[2] for r in rows], "decode_tokens": new_tokens, "index_topk": cfg.indexer.index_topk,
-              "last_over_first": rows[-1][1] / rows[0][1]}
+    result = {
+        "preset": cfg.name,
+        "contexts": [r[0] for r in rows],
+        "decode_ms": [r[1] for r in rows],
+        "prefill_s": [r[2] for r in rows],
+        "decode_tokens": new_tokens,
+        "index_topk": cfg.indexer.index_topk,
+        "last_over_first": rows[-1][1] / rows[0][1],
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

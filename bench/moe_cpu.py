@@ -13,6 +13,7 @@ no AVX512-BF16 here) are left out with a message.
 
     python bench/moe_cpu.py [--quick] [--out bench/results/moe_cpu.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import write_json  # noqa: E402
 
 from expertmesh.kernels.moe import cpu_kernel  # noqa: E402
@@ -56,8 +57,10 @@ def main() -> None:
         else:
             print(f"{path}: not on this CPU, left out")
     gen = torch.Generator().manual_seed(0)
-    w = (*quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5),
-         *quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5))
+    w = (
+        *quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5),
+        *quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5),
+    )
     expert_bytes = sum(t[0].numel() for t in w)
     tokens = (1, 8, 256) if args.quick else (1, 8, 16, 64, 256, 1024)
     repeats, rounds = (3, 1) if args.quick else (10, 3)
@@ -65,7 +68,7 @@ def main() -> None:
     for T in tokens:
         x = torch.randn(T, H, generator=gen).bfloat16()
         ids = torch.randint(0, 2 * E, (T, TOP_K), generator=gen)
-        ids[ids >= E] = -1                                       # the other worker's half of the slots
+        ids[ids >= E] = -1  # the other worker's half of the slots
         touched = int(ids[ids >= 0].unique().numel())
         times = {p: [] for p in paths}
         for _ in range(rounds):
@@ -74,8 +77,16 @@ def main() -> None:
         slots = int((ids >= 0).sum())
         for p in paths:
             ms = statistics.median(times[p])
-            rows.append({"tokens": T, "experts": touched, "isa": p, "ms": ms,
-                         "MB_s": touched * expert_bytes / ms / 1e3, "GFLOP_s": 6 * H * I * slots / ms / 1e6})
+            rows.append(
+                {
+                    "tokens": T,
+                    "experts": touched,
+                    "isa": p,
+                    "ms": ms,
+                    "MB_s": touched * expert_bytes / ms / 1e3,
+                    "GFLOP_s": 6 * H * I * slots / ms / 1e6,
+                }
+            )
     print(f"CPU MoE kernel, bf16 activations, {E} experts H {H} I {I}, {torch.get_num_threads()} threads")
     print(f"{'tokens':>6} {'experts':>7} {'isa':>10} {'ms':>8} {'MB/s':>8} {'GFLOP/s':>8} {'x':>6}")
     by = {(r["tokens"], r["isa"]): r for r in rows}
@@ -83,16 +94,23 @@ def main() -> None:
         other = by.get((r["tokens"], "avx512bf16"))
         speedup = other["ms"] / r["ms"] if other and r["isa"] == "amx" else None
         r["x_vs_avx512bf16"] = speedup
-        print(f"{r['tokens']:>6} {r['experts']:>7} {r['isa']:>10} {r['ms']:>8.3f} {r['MB_s']:>8.0f} "
-              f"{r['GFLOP_s']:>8.1f} {'' if speedup is None else f'{speedup:.2f}':>6}")
+        print(
+            f"{r['tokens']:>6} {r['experts']:>7} {r['isa']:>10} {r['ms']:>8.3f} {r['MB_s']:>8.0f} "
+            f"{r['GFLOP_s']:>8.1f} {'' if speedup is None else f'{speedup:.2f}':>6}"
+        )
     cold = _cold_decode(paths, gen, calls=70 if args.quick else 420)
     write_json(args.out, args, rows=rows, cold=cold)
 
 
 def _cold_decode(paths: list[str], gen: torch.Generator, calls: int, layers: int = 7, experts: int = 64) -> list:
     """Median / p90 ms per call of decode-sized calls on weights out of cache (see the module's docstring)."""
-    weights = [(*quantize_mxfp4(torch.randn(experts, 2 * I, H, generator=gen) * H ** -0.5),
-                *quantize_mxfp4(torch.randn(experts, H, I, generator=gen) * I ** -0.5)) for _ in range(layers)]
+    weights = [
+        (
+            *quantize_mxfp4(torch.randn(experts, 2 * I, H, generator=gen) * H**-0.5),
+            *quantize_mxfp4(torch.randn(experts, H, I, generator=gen) * I**-0.5),
+        )
+        for _ in range(layers)
+    ]
     rows = []
     print(f"cold decode: {layers} layers x {experts} experts in turn, {TOP_K} fresh experts a token, {calls} calls")
     print(f"{'tokens':>6} {'isa':>10} {'p50 ms':>8} {'p90 ms':>8}")
@@ -100,7 +118,7 @@ def _cold_decode(paths: list[str], gen: torch.Generator, calls: int, layers: int
         x = torch.randn(T, H, generator=gen).bfloat16()
         times = {p: [] for p in paths}
         for i in range(calls):
-            for p in paths:                        # each path its own experts: none left warm by the other
+            for p in paths:  # each path its own experts: none left warm by the other
                 ids = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(T)])
                 t0 = time.perf_counter()
                 cpu_kernel.moe_expert_outputs(x, ids, *weights[i % layers], isa=p)

@@ -5,6 +5,7 @@ round trip (dequantise(quantise(x)) error) so a fast wrong run would show.
 
     python bench/mxfp4.py [--quick] [--out bench/results/mxfp4.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
 def _median_time(fn, repeats: int) -> float:
-    fn()                                                             # warm-up
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -31,8 +32,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def run(quick: bool) -> list[dict]:
-    sizes = [(1024, 1024), (4, 1024, 1024)] if quick else [(1024, 1024), (1024, 512), (8, 1024, 1024),
-                                                           (32, 1024, 1024)]
+    sizes = [(1024, 1024), (4, 1024, 1024)] if quick else [(1024, 1024), (1024, 512), (8, 1024, 1024), (32, 1024, 1024)]
     repeats = 2 if quick else 5
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -46,10 +46,19 @@ def run(quick: bool) -> list[dict]:
             td32 = _median_time(lambda: dequantize_mxfp4(blocks, scales, torch.float32), repeats)
             y = dequantize_mxfp4(blocks, scales, torch.float32)
             rel = ((y - x.float()).norm() / x.float().norm()).item()
-            rows.append(dict(shape=list(shape), elements=n, quantize_ms=tq * 1e3, quantize_gbps=2 * n / tq / 1e9,
-                             dequant_bf16_ms=td * 1e3, dequant_bf16_gbps=2 * n / td / 1e9,
-                             dequant_fp32_ms=td32 * 1e3, dequant_fp32_gbps=4 * n / td32 / 1e9,
-                             roundtrip_rel_err=rel))
+            rows.append(
+                dict(
+                    shape=list(shape),
+                    elements=n,
+                    quantize_ms=tq * 1e3,
+                    quantize_gbps=2 * n / tq / 1e9,
+                    dequant_bf16_ms=td * 1e3,
+                    dequant_bf16_gbps=2 * n / td / 1e9,
+                    dequant_fp32_ms=td32 * 1e3,
+                    dequant_fp32_gbps=4 * n / td32 / 1e9,
+                    roundtrip_rel_err=rel,
+                )
+            )
     return rows
 
 
@@ -59,15 +68,21 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/mxfp4.json")
     args = parser.parse_args()
     rows = run(args.quick)
-    print(f"MXFP4, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads (GB/s of bf16 in/out; "
-          f"fp32 dequant counts fp32 bytes)")
-    print(f"{'shape':>16} {'quant ms':>9} {'GB/s':>6} {'deq bf16 ms':>12} {'GB/s':>6} {'deq fp32 ms':>12} {'GB/s':>6} "
-          f"{'rt err':>7}")
+    print(
+        f"MXFP4, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads (GB/s of bf16 in/out; "
+        f"fp32 dequant counts fp32 bytes)"
+    )
+    print(
+        f"{'shape':>16} {'quant ms':>9} {'GB/s':>6} {'deq bf16 ms':>12} {'GB/s':>6} {'deq fp32 ms':>12} {'GB/s':>6} "
+        f"{'rt err':>7}"
+    )
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
-        print(f"{shape:>16} {r['quantize_ms']:>9.2f} {r['quantize_gbps']:>6.2f} {r['dequant_bf16_ms']:>12.2f} "
-              f"{r['dequant_bf16_gbps']:>6.2f} {r['dequant_fp32_ms']:>12.2f} {r['dequant_fp32_gbps']:>6.2f} "
-              f"{r['roundtrip_rel_err']:>7.3f}")
+        print(
+            f"{shape:>16} {r['quantize_ms']:>9.2f} {r['quantize_gbps']:>6.2f} {r['dequant_bf16_ms']:>12.2f} "
+            f"{r['dequant_bf16_gbps']:>6.2f} {r['dequant_fp32_ms']:>12.2f} {r['dequant_fp32_gbps']:>6.2f} "
+            f"{r['roundtrip_rel_err']:>7.3f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(), quick=args.quick)

@@ -15,6 +15,7 @@ step's best-of wall time.
 
     python bench/norm_cpu.py [--quick] [--model] [--out bench/results/norm_cpu.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,10 @@ def _time_pair(fns: dict, budget_s: float, min_reps: int = 5, max_reps: int = 40
     for fn in fns.values():
         fn()
     per = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, int(2e-4 / per))                                  # calls per timing: ≥ ~0.1 ms per sample
+    inner = max(1, int(2e-4 / per))  # calls per timing: ≥ ~0.1 ms per sample
     reps = int(min(max_reps, max(min_reps, budget_s / (per * inner))))
     best = {k: float("inf") for k in fns}
-    for _ in range(reps):                                            # interleaved: the same machine load for both
+    for _ in range(reps):  # interleaved: the same machine load for both
         for name, fn in fns.items():
             t = time.perf_counter()
             for _ in range(inner):
@@ -61,8 +62,7 @@ def _cases(gen, rows: int, d: int, dtype: torch.dtype):
         "layer_norm": (lambda: naive.layer_norm(x, w, b, EPS), lambda: cpu_kernel.layer_norm(x, w, b, EPS)),
         "l2_normalize": (lambda: naive.l2_normalize(x, EPS), lambda: cpu_kernel.l2_normalize(x, EPS)),
         "rotary_half": (lambda: naive.rotary(x, cos, sin, False), lambda: cpu_kernel.rotary(x, cos, sin, False)),
-        "rotary_interleaved": (lambda: naive.rotary(x, cos, sin, True),
-                               lambda: cpu_kernel.rotary(x, cos, sin, True)),
+        "rotary_interleaved": (lambda: naive.rotary(x, cos, sin, True), lambda: cpu_kernel.rotary(x, cos, sin, True)),
     }
 
 
@@ -77,9 +77,18 @@ def run_ops(quick: bool) -> list[dict]:
                     ref, got = nv().float(), kn().float()
                     diff = ((got - ref).abs().max() / ref.abs().max()).item()
                     t = _time_pair({"naive": nv, "kernel": kn}, budget)
-                    out.append(dict(op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, D=d,
-                                    naive_us=t["naive"] * 1e6, kernel_us=t["kernel"] * 1e6,
-                                    speedup=t["naive"] / t["kernel"], diff=diff))
+                    out.append(
+                        dict(
+                            op=op,
+                            dtype=str(dtype).removeprefix("torch."),
+                            rows=rows,
+                            D=d,
+                            naive_us=t["naive"] * 1e6,
+                            kernel_us=t["kernel"] * 1e6,
+                            speedup=t["naive"] / t["kernel"],
+                            diff=diff,
+                        )
+                    )
     return out
 
 
@@ -136,8 +145,10 @@ def main() -> None:
     rows = run_ops(args.quick)
     print(f"{'op':<20}{'dtype':<10}{'rows':>6}{'D':>6}{'naive µs':>11}{'kernel µs':>11}{'×':>7}{'diff':>10}")
     for r in rows:
-        print(f"{r['op']:<20}{r['dtype']:<10}{r['rows']:>6}{r['D']:>6}{r['naive_us']:>11.1f}{r['kernel_us']:>11.1f}"
-              f"{r['speedup']:>7.1f}{r['diff']:>10.1e}")
+        print(
+            f"{r['op']:<20}{r['dtype']:<10}{r['rows']:>6}{r['D']:>6}{r['naive_us']:>11.1f}{r['kernel_us']:>11.1f}"
+            f"{r['speedup']:>7.1f}{r['diff']:>10.1e}"
+        )
     result = {"threads": 1, "stat": "min of interleaved repeats", "ops": rows}
     if args.model:
         m = run_model(args.quick)
@@ -145,8 +156,10 @@ def main() -> None:
         print(f"\ntiny model ({m['layers']} layers), one decode step after a 16-token prompt:")
         for label in ("naive", "kernel"):
             v = m[label]
-            print(f"  {label:<7} {v['top_level_ops']:>5} top-level ops ({v['norm_kernel_ops']} norm-kernel ops), "
-                  f"best {v['decode_step_ms']:.2f} ms")
+            print(
+                f"  {label:<7} {v['top_level_ops']:>5} top-level ops ({v['norm_kernel_ops']} norm-kernel ops), "
+                f"best {v['decode_step_ms']:.2f} ms"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

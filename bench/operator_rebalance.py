@@ -8,6 +8,7 @@ every served answer kept its greedy tokens, and how long until the router served
 
     python bench/operator_rebalance.py [--out bench/results/operator_rebalance.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,15 @@ from expertmesh.operator.naming import expert_name, pod_dns, router_name, worker
 
 NAME = "kimi"
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
-CLIENTS = 4   # concurrent chat clients, back to back
+CLIENTS = 4  # concurrent chat clients, back to back
 
 
 async def chat(node: LocalNode, endpoint: str, prompt: str):
     base = node.resolve_url(f"http://{endpoint}")  # the Service's ready pod, now (the router may have moved)
     async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30) as client:
-        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                 max_completion_tokens=8, temperature=0)
+        r = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_completion_tokens=8, temperature=0
+        )
     msg = r.choices[0].message
     return json.dumps([getattr(msg, "reasoning_content", None), msg.content])  # the greedy tokens, as text
 
@@ -58,9 +60,11 @@ async def served_plan(node: LocalNode, endpoint: str) -> str | None:
 def experts_held(node: LocalNode, plan) -> bool:
     """Every expert pod holds exactly its shards of `plan` (asked over gRPC)."""
     from expertmesh.wire.clients import RemoteExpert
+
     for o in range(plan.cluster.pods):
-        with node.tls_client(RemoteExpert, pod_dns(NAME, NS, expert_name(NAME), o),
-                             worker_tls_secret_name(NAME), timeout=10) as w:  # the workers serve mutual TLS
+        with node.tls_client(
+            RemoteExpert, pod_dns(NAME, NS, expert_name(NAME), o), worker_tls_secret_name(NAME), timeout=10
+        ) as w:  # the workers serve mutual TLS
             if sorted(w.info()["experts"]) != sorted(plan.experts_of(o)):
                 return False
     return True
@@ -76,9 +80,17 @@ async def run(tmp: Path) -> dict:
                 await eventually(lambda: c.status(NAME).get("phase") == "Ready", timeout=180, what="Ready")
                 endpoint = c.status(NAME)["endpoints"]["http"]
                 expected = {p: await chat(node, endpoint, p) for p in PROMPTS}
-                before, templates = uids(c), {k: c.get(*k)["spec"]["template"] for k in (
-                    ("apps/v1/statefulsets", expert_name(NAME)), ("apps/v1/deployments", router_name(NAME)))}
-                results: list[tuple[float, float, str, object]] = []   # (start, end, prompt, answer or error)
+                before, templates = (
+                    uids(c),
+                    {
+                        k: c.get(*k)["spec"]["template"]
+                        for k in (
+                            ("apps/v1/statefulsets", expert_name(NAME)),
+                            ("apps/v1/deployments", router_name(NAME)),
+                        )
+                    },
+                )
+                results: list[tuple[float, float, str, object]] = []  # (start, end, prompt, answer or error)
                 stop = asyncio.Event()
 
                 async def traffic(i: int):
@@ -109,8 +121,10 @@ async def run(tmp: Path) -> dict:
                 await eventually(lambda: len(results) >= n + 2 * CLIENTS, timeout=60, what="traffic after")
                 stop.set()
                 await asyncio.gather(*tasks)
-                while not (held := await asyncio.to_thread(experts_held, node, c.plan(NAME))) and \
-                        time.monotonic() - t1 < 30:      # drained --replan-drain-seconds after the switch
+                while (
+                    not (held := await asyncio.to_thread(experts_held, node, c.plan(NAME)))
+                    and time.monotonic() - t1 < 30
+                ):  # drained --replan-drain-seconds after the switch
                     await asyncio.sleep(0.2)
                 after = uids(c)
                 same_templates = all(c.get(*k)["spec"]["template"] == v for k, v in templates.items())
@@ -126,7 +140,8 @@ async def run(tmp: Path) -> dict:
         "pods_kept": sorted(p for p in before if after.get(p) == before[p]),
         "pod_templates_unchanged": same_templates,
         "expert_pods_hold_the_new_plan": held,
-        "requests": len(results), "requests_failed": len(failed),
+        "requests": len(results),
+        "requests_failed": len(failed),
         "requests_during_replan": sum(1 for a, b, *_ in results if a < t1 and b > t0),
         "failures": sorted({type(e).__name__ for e in failed}),
         "tokens_changed": sum(1 for _, _, p, r in results if isinstance(r, str) and r != expected[p]),

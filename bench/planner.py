@@ -4,6 +4,7 @@
 
     python bench/planner.py [--quick] [--out bench/results/planner.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from pathlib import Path
 from expertmesh.model.config import preset
 from expertmesh.placement.planner import ClusterShape, plan_placement, zipf_loads
 
-GIB = 2 ** 30
+GIB = 2**30
 PODS, GPUS, MEMORY_GIB = 16, 8, 141
 REDUNDANT = (0, 8, 16, 32)
 
@@ -43,35 +44,61 @@ def run(quick: bool = False) -> list[dict]:
             plans[name, r] = plan
             f = plan.figures
             base = base if base is not None else f.imbalance
-            rows.append({"case": "plan", "loads": name, "pods": PODS, "redundant": r, "plan_s": seconds,
-                         "physical": f.physical_experts, "shards_gpu_min": f.shards_per_gpu_min,
-                         "shards_gpu_max": f.shards_per_gpu_max, "imbalance": f.imbalance,
-                         "imbalance_worst": f.imbalance_worst_layer, "imbalance_vs_r0": f.imbalance / base,
-                         "moved": None})
+            rows.append(
+                {
+                    "case": "plan",
+                    "loads": name,
+                    "pods": PODS,
+                    "redundant": r,
+                    "plan_s": seconds,
+                    "physical": f.physical_experts,
+                    "shards_gpu_min": f.shards_per_gpu_min,
+                    "shards_gpu_max": f.shards_per_gpu_max,
+                    "imbalance": f.imbalance,
+                    "imbalance_worst": f.imbalance_worst_layer,
+                    "imbalance_vs_r0": f.imbalance / base,
+                    "moved": None,
+                }
+            )
     smaller = ClusterShape(PODS - 1, GPUS, MEMORY_GIB * GIB, 0)
     for name, arr in loads.items():
         prev = plans[name, 32]
         plan, seconds = _timed(lambda: plan_placement(cfg, smaller, 32, arr, previous=prev), repeats)
         f = plan.figures
-        rows.append({"case": "replan -1 pod", "loads": name, "pods": PODS - 1, "redundant": 32, "plan_s": seconds,
-                     "physical": f.physical_experts, "shards_gpu_min": f.shards_per_gpu_min,
-                     "shards_gpu_max": f.shards_per_gpu_max, "imbalance": f.imbalance,
-                     "imbalance_worst": f.imbalance_worst_layer,
-                     "imbalance_vs_r0": f.imbalance / plans[name, 0].figures.imbalance,
-                     "moved": f.moved_shards, "lost_pod_shards": len(prev.experts_of(PODS - 1))})
+        rows.append(
+            {
+                "case": "replan -1 pod",
+                "loads": name,
+                "pods": PODS - 1,
+                "redundant": 32,
+                "plan_s": seconds,
+                "physical": f.physical_experts,
+                "shards_gpu_min": f.shards_per_gpu_min,
+                "shards_gpu_max": f.shards_per_gpu_max,
+                "imbalance": f.imbalance,
+                "imbalance_worst": f.imbalance_worst_layer,
+                "imbalance_vs_r0": f.imbalance / plans[name, 0].figures.imbalance,
+                "moved": f.moved_shards,
+                "lost_pod_shards": len(prev.experts_of(PODS - 1)),
+            }
+        )
     return rows
 
 
 def _print(rows: list[dict]) -> None:
-    head = (f"{'case':<14} {'loads':<9} {'pods':>4} {'r':>3} {'plan ms':>8} {'physical':>8} {'shards/GPU':>10} "
-            f"{'imbal':>7} {'worst':>7} {'vs r=0':>7} {'moved':>6}")
+    head = (
+        f"{'case':<14} {'loads':<9} {'pods':>4} {'r':>3} {'plan ms':>8} {'physical':>8} {'shards/GPU':>10} "
+        f"{'imbal':>7} {'worst':>7} {'vs r=0':>7} {'moved':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         moved = "-" if r["moved"] is None else f"{r['moved']}"
-        print(f"{r['case']:<14} {r['loads']:<9} {r['pods']:>4} {r['redundant']:>3} {r['plan_s'] * 1000:>8.0f} "
-              f"{r['physical']:>8} {str(r['shards_gpu_min']) + '-' + str(r['shards_gpu_max']):>10} "
-              f"{r['imbalance']:>7.3f} {r['imbalance_worst']:>7.3f} {r['imbalance_vs_r0']:>7.3f} {moved:>6}")
+        print(
+            f"{r['case']:<14} {r['loads']:<9} {r['pods']:>4} {r['redundant']:>3} {r['plan_s'] * 1000:>8.0f} "
+            f"{r['physical']:>8} {str(r['shards_gpu_min']) + '-' + str(r['shards_gpu_max']):>10} "
+            f"{r['imbalance']:>7.3f} {r['imbalance_worst']:>7.3f} {r['imbalance_vs_r0']:>7.3f} {moved:>6}"
+        )
 
 
 def main() -> None:
@@ -82,8 +109,18 @@ def main() -> None:
     rows = run(args.quick)
     _print(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "planner", "preset": "full-2.8t", "cluster": [PODS, GPUS, MEMORY_GIB],
-                                    "quick": args.quick, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "bench": "planner",
+                "preset": "full-2.8t",
+                "cluster": [PODS, GPUS, MEMORY_GIB],
+                "quick": args.quick,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -12,6 +12,7 @@ cached / prompt tokens for each way a client can carry the history:
 
     python bench/responses_cache.py [--turns 5] [--json bench/results/responses_cache.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def chat_session(client, turns: int, *, keep_reasoning: bool, seed: int) -> list
     ratios = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn}: what comes next?"})
-        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, seed=seed + turn,
-                                           reasoning_effort="medium")
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, seed=seed + turn, reasoning_effort="medium"
+        )
         if turn:
             ratios.append(r.usage.prompt_tokens_details.cached_tokens / r.usage.prompt_tokens)
         m = r.choices[0].message
@@ -50,9 +52,14 @@ def chat_session(client, turns: int, *, keep_reasoning: bool, seed: int) -> list
 def responses_session(client, turns: int) -> list[float]:
     prev, ratios = None, []
     for turn in range(turns):
-        r = client.responses.create(model="tiny", instructions=SYSTEM, input=f"Question {turn}: what comes next?",
-                                    previous_response_id=prev, max_output_tokens=24,
-                                    reasoning={"effort": "medium"})
+        r = client.responses.create(
+            model="tiny",
+            instructions=SYSTEM,
+            input=f"Question {turn}: what comes next?",
+            previous_response_id=prev,
+            max_output_tokens=24,
+            reasoning={"effort": "medium"},
+        )
         if turn:
             ratios.append(r.usage.input_tokens_details.cached_tokens / r.usage.input_tokens)
         prev = r.id
@@ -72,16 +79,13 @@ def main(argv=None) -> int:
         for memory in (True, False):
             port = free_port()
             servers.append(serve_http(build_app(engine, reasoning_memory=memory), "127.0.0.1", port))
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                                   timeout=120)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
             if memory:
                 columns["chat, keeps reasoning"] = chat_session(client, args.turns, keep_reasoning=True, seed=100)
-                columns["chat, strips (memory on)"] = chat_session(client, args.turns, keep_reasoning=False,
-                                                                   seed=200)
+                columns["chat, strips (memory on)"] = chat_session(client, args.turns, keep_reasoning=False, seed=200)
                 columns["responses, previous_response_id"] = responses_session(client, args.turns)
             else:
-                columns["chat, strips (memory off)"] = chat_session(client, args.turns, keep_reasoning=False,
-                                                                    seed=200)
+                columns["chat, strips (memory off)"] = chat_session(client, args.turns, keep_reasoning=False, seed=200)
     finally:
         for srv, thread in servers:
             srv.should_exit = True

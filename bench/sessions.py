@@ -13,6 +13,7 @@ PCIe / NVMe bandwidth against the prefill it replaces.
     python bench/sessions.py [--sessions 2,16] [--turns 5] [--kv-blocks 512] [--kv-host-gib 1]
                              [--json bench/results/sessions.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,43 @@ from expertmesh.checkpoint.loader import default_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))    # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import sequence_cache_bytes, write_json  # noqa: E402
 
-WORDS = ("build", "test", "deploy", "cache", "token", "layer", "router", "worker", "expert", "shard", "queue",
-         "batch", "latency", "memory", "tier", "disk", "host", "restore", "plan", "session", "agent", "tool")
-TOOLS = [{"type": "function", "function": {"name": "run", "description": "run a shell command",
-                                           "parameters": {"type": "object", "properties": {
-                                               "cmd": {"type": "string"}}, "required": ["cmd"]}}}]
+WORDS = (
+    "build",
+    "test",
+    "deploy",
+    "cache",
+    "token",
+    "layer",
+    "router",
+    "worker",
+    "expert",
+    "shard",
+    "queue",
+    "batch",
+    "latency",
+    "memory",
+    "tier",
+    "disk",
+    "host",
+    "restore",
+    "plan",
+    "session",
+    "agent",
+    "tool",
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "run a shell command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+        },
+    }
+]
 
 
 def text(rng: random.Random, chars: int) -> str:
@@ -53,20 +83,32 @@ def text(rng: random.Random, chars: int) -> str:
 def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int) -> list[dict]:
     """One agent session; per turn: prompt / cached tokens, seconds and the reply (content, reasoning, tool calls)."""
     rng = random.Random(seed)
-    messages = [{"role": "system", "content": f"Agent {seed}. " + text(rng, 190)},
-                {"role": "user", "content": "Task: " + text(rng, 394)}]
+    messages = [
+        {"role": "system", "content": f"Agent {seed}. " + text(rng, 190)},
+        {"role": "user", "content": "Task: " + text(rng, 394)},
+    ]
     out = []
     for turn in range(turns):
         start = time.perf_counter()
-        r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=max_tokens,
-                                           temperature=0, reasoning_effort="low")
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0, reasoning_effort="low"
+        )
         seconds = time.perf_counter() - start
         details = r.usage.prompt_tokens_details
-        out.append({"turn": turn + 1, "prompt": r.usage.prompt_tokens, "seconds": seconds,
-                    "cached": details.cached_tokens if details else 0})
+        out.append(
+            {
+                "turn": turn + 1,
+                "prompt": r.usage.prompt_tokens,
+                "seconds": seconds,
+                "cached": details.cached_tokens if details else 0,
+            }
+        )
         m = r.choices[0].message
-        out[-1]["reply"] = [m.content, getattr(m, "reasoning_content", None),
-                            [c.model_dump() for c in m.tool_calls or ()]]
+        out[-1]["reply"] = [
+            m.content,
+            getattr(m, "reasoning_content", None),
+            [c.model_dump() for c in m.tool_calls or ()],
+        ]
         reply = {"role": "assistant", "content": m.content or ""}
         if getattr(m, "reasoning_content", None):
             reply["reasoning_content"] = m.reasoning_content
@@ -95,8 +137,9 @@ def worker_counters(urls: list[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for url in urls:
         body = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-        for m in re.finditer(r'^expertmesh_kv_tier_(\w+)_total{tier="(\w+)",worker="[^"]*"} ([0-9.e+]+)$', body,
-                             re.MULTILINE):
+        for m in re.finditer(
+            r'^expertmesh_kv_tier_(\w+)_total{tier="(\w+)",worker="[^"]*"} ([0-9.e+]+)$', body, re.MULTILINE
+        ):
             key = f"{m.group(2)}.{m.group(1)}"
             out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
@@ -109,32 +152,60 @@ def run_fleet(cluster, sessions: int, args, seed0: int) -> dict:
     before_w = worker_counters(cluster.metrics_urls)
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        turns = [t for s in pool.map(lambda i: session(client, seed0 + i, args.turns, args.tool_chars,
-                                                       args.max_tokens), range(sessions)) for t in s]
+        turns = [
+            t
+            for s in pool.map(
+                lambda i: session(client, seed0 + i, args.turns, args.tool_chars, args.max_tokens), range(sessions)
+            )
+            for t in s
+        ]
     wall = time.perf_counter() - start
     after = router_counters(url)
     after_w = worker_counters(cluster.metrics_urls)
     later = [t for t in turns if t["turn"] > 1]
     prompt, cached = sum(t["prompt"] for t in later), sum(t["cached"] for t in later)
     lat = sorted(t["seconds"] for t in turns)
-    return {"sessions": sessions, "transcripts": [t["reply"] for t in turns], "cached_ratio": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
-            "recomputed_tokens": prompt - cached, "p50_s": statistics.median(lat),
-            "p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "wall_s": wall,
-            "tiers": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after)},
-            "worker_tiers": {k: after_w.get(k, 0.0) - before_w.get(k, 0.0) for k in sorted(after_w)
-                             if not k.startswith("device.")}}
+    return {
+        "sessions": sessions,
+        "transcripts": [t["reply"] for t in turns],
+        "cached_ratio": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "recomputed_tokens": prompt - cached,
+        "p50_s": statistics.median(lat),
+        "p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+        "wall_s": wall,
+        "tiers": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after)},
+        "worker_tiers": {
+            k: after_w.get(k, 0.0) - before_w.get(k, 0.0) for k in sorted(after_w) if not k.startswith("device.")
+        },
+    }
 
 
-def full_scale(host_tib: float = 1.5, pcie_gbs: float = 50.0, nvme_gbs: float = 7.0, tokens: int = 128 * 1024,
-               flops: float = 400e12) -> dict:
+def full_scale(
+    host_tib: float = 1.5,
+    pcie_gbs: float = 50.0,
+    nvme_gbs: float = 7.0,
+    tokens: int = 128 * 1024,
+    flops: float = 400e12,
+) -> dict:
     """The full-2.8t arithmetic for one `tokens`-token session (bf16 KV, fp32 KDA state)."""
     kv, state = sequence_cache_bytes(tokens)
     total = kv + state
     prefill_s = 2 * preset("full-2.8t").active_params * tokens / flops
-    return {"tokens": tokens, "kv_bytes": kv, "kda_state_bytes": state, "session_bytes": total,
-            "sessions_per_host": int(host_tib * 2 ** 40 // total), "host_tib": host_tib,
-            "restore_pcie_s": total / (pcie_gbs * 1e9), "restore_nvme_s": total / (nvme_gbs * 1e9),
-            "prefill_s": prefill_s, "prefill_flops_assumed": flops, "pcie_gbs": pcie_gbs, "nvme_gbs": nvme_gbs}
+    return {
+        "tokens": tokens,
+        "kv_bytes": kv,
+        "kda_state_bytes": state,
+        "session_bytes": total,
+        "sessions_per_host": int(host_tib * 2**40 // total),
+        "host_tib": host_tib,
+        "restore_pcie_s": total / (pcie_gbs * 1e9),
+        "restore_nvme_s": total / (nvme_gbs * 1e9),
+        "prefill_s": prefill_s,
+        "prefill_flops_assumed": flops,
+        "pcie_gbs": pcie_gbs,
+        "nvme_gbs": nvme_gbs,
+    }
 
 
 def main(argv=None) -> int:
@@ -146,8 +217,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="max_tokens of each turn")
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--kv-host-gib", type=float, default=1.0)
-    p.add_argument("--disk-host-gib", type=float, default=0.004,
-                   help="the host tier of the +disk deployment (small, so that the disk tier sees traffic)")
+    p.add_argument(
+        "--disk-host-gib",
+        type=float,
+        default=0.004,
+        help="the host tier of the +disk deployment (small, so that the disk tier sees traffic)",
+    )
     p.add_argument("--kv-disk-gib", type=float, default=1.0)
     p.add_argument("--deployments", default="device,host,disk", help="which of device,host,disk to run")
     p.add_argument("--json", default="bench/results/sessions.json")
@@ -155,39 +230,58 @@ def main(argv=None) -> int:
     fleets = [int(s) for s in args.sessions.split(",")]
     checkpoint = default_checkpoint("tiny")
     disk_dir = Path(tempfile.mkdtemp(prefix="expertmesh-kv-disk-"))
-    deployments = {"device": ("device only", {}),
-                   "host": (f"+host {args.kv_host_gib:g} GiB", {"kv_host_gib": args.kv_host_gib}),
-                   "disk": (f"+host {args.disk_host_gib:g} +disk {args.kv_disk_gib:g} GiB",
-                            {"kv_host_gib": args.disk_host_gib, "kv_disk_dir": disk_dir,
-                             "kv_disk_gib": args.kv_disk_gib})}
+    deployments = {
+        "device": ("device only", {}),
+        "host": (f"+host {args.kv_host_gib:g} GiB", {"kv_host_gib": args.kv_host_gib}),
+        "disk": (
+            f"+host {args.disk_host_gib:g} +disk {args.kv_disk_gib:g} GiB",
+            {"kv_host_gib": args.disk_host_gib, "kv_disk_dir": disk_dir, "kv_disk_gib": args.kv_disk_gib},
+        ),
+    }
     results = {}
     for name in args.deployments.split(","):
         label, tiers = deployments[name]
-        with LocalCluster(checkpoint, attention_workers=1, expert_workers=2, http_port=free_port(),
-                          grpc_port=free_port(), threads=None, kv_blocks=args.kv_blocks, prefill_chunk=64,
-                          prefill_tokens=256, attention_metrics=True, **tiers) as cluster:
-            results[label] = [run_fleet(cluster, n, args, seed0=1000 * (k + 1))
-                              for k, n in enumerate(fleets)]
+        with LocalCluster(
+            checkpoint,
+            attention_workers=1,
+            expert_workers=2,
+            http_port=free_port(),
+            grpc_port=free_port(),
+            threads=None,
+            kv_blocks=args.kv_blocks,
+            prefill_chunk=64,
+            prefill_tokens=256,
+            attention_metrics=True,
+            **tiers,
+        ) as cluster:
+            results[label] = [run_fleet(cluster, n, args, seed0=1000 * (k + 1)) for k, n in enumerate(fleets)]
         print(f"{label}: done", flush=True)
 
     print(f"\n{args.turns} turns, --kv-blocks {args.kv_blocks}, cached ratio over turns 2..{args.turns}")
-    print(f"{'deployment':<28} {'sessions':>8} {'cached':>7} {'vs ' + str(fleets[0]):>6} {'recomputed':>16} "
-          f"{'p50 s':>6} {'p90 s':>6}  tier traffic")
+    print(
+        f"{'deployment':<28} {'sessions':>8} {'cached':>7} {'vs ' + str(fleets[0]):>6} {'recomputed':>16} "
+        f"{'p50 s':>6} {'p90 s':>6}  tier traffic"
+    )
     for label, rows in results.items():
         base = rows[0]["cached_ratio"]
         for r in rows:
             r["vs_baseline"] = r["cached_ratio"] / base if base else 0.0
             traffic = " ".join(f"{k}={v:g}" for k, v in r["tiers"].items() if v)
-            print(f"{label:<28} {r['sessions']:>8} {r['cached_ratio']:>7.3f} {r['vs_baseline']:>6.2f} "
-                  f"{r['recomputed_tokens']:>7,} of {r['prompt_tokens']:>6,} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f}"
-                  f"  {traffic}")
+            print(
+                f"{label:<28} {r['sessions']:>8} {r['cached_ratio']:>7.3f} {r['vs_baseline']:>6.2f} "
+                f"{r['recomputed_tokens']:>7,} of {r['prompt_tokens']:>6,} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f}"
+                f"  {traffic}"
+            )
     print("\nworker tier traffic (host / disk): demotions in, hits (restores), MiB and seconds restored, drops")
     for label, rows in results.items():
         for r in rows:
             w = r["worker_tiers"]
-            cells = [f"{t}: {w.get(f'{t}.demotions', 0):g} in, {w.get(f'{t}.hits', 0):g} hits, "
-                     f"{w.get(f'{t}.restore_bytes', 0) / 2 ** 20:.1f} MiB / {w.get(f'{t}.restore_seconds', 0):.3f} s, "
-                     f"{w.get(f'{t}.dropped', 0):g} dropped" for t in ("host", "disk")]
+            cells = [
+                f"{t}: {w.get(f'{t}.demotions', 0):g} in, {w.get(f'{t}.hits', 0):g} hits, "
+                f"{w.get(f'{t}.restore_bytes', 0) / 2**20:.1f} MiB / {w.get(f'{t}.restore_seconds', 0):.3f} s, "
+                f"{w.get(f'{t}.dropped', 0):g} dropped"
+                for t in ("host", "disk")
+            ]
             print(f"{label:<28} {r['sessions']:>8}  " + " | ".join(cells))
 
     # greedy: every deployment must give every session the same replies, whatever tier its prefixes came from
@@ -196,15 +290,19 @@ def main(argv=None) -> int:
         print(f"{n} sessions: transcripts identical across {', '.join(results)}: {'yes' if same else 'NO'}")
 
     full = full_scale()
-    gib = 2 ** 30
-    print(f"\nfull-2.8t, one {full['tokens'] // 1024}K-token session: KV {full['kv_bytes'] / gib:.2f} GiB + KDA state "
-          f"{full['kda_state_bytes'] / 2 ** 20:.1f} MiB = {full['session_bytes'] / gib:.2f} GiB; "
-          f"{full['host_tib']:g} TiB of host memory holds {full['sessions_per_host']} sessions")
-    print(f"restore: {full['restore_pcie_s']:.2f} s over PCIe Gen5 x16 ({full['pcie_gbs']:g} GB/s), "
-          f"{full['restore_nvme_s']:.2f} s from NVMe ({full['nvme_gbs']:g} GB/s); the prefill it replaces: "
-          f"2 x 104B active x {full['tokens']:,} tokens = {full['prefill_s']:.0f} s at an assumed "
-          f"{full['prefill_flops_assumed'] / 1e12:.0f} TFLOP/s sustained (one GPU's bf16 dense peak ~40% MFU; "
-          f"attention FLOPs left out, which only lengthens the prefill)")
+    gib = 2**30
+    print(
+        f"\nfull-2.8t, one {full['tokens'] // 1024}K-token session: KV {full['kv_bytes'] / gib:.2f} GiB + KDA state "
+        f"{full['kda_state_bytes'] / 2**20:.1f} MiB = {full['session_bytes'] / gib:.2f} GiB; "
+        f"{full['host_tib']:g} TiB of host memory holds {full['sessions_per_host']} sessions"
+    )
+    print(
+        f"restore: {full['restore_pcie_s']:.2f} s over PCIe Gen5 x16 ({full['pcie_gbs']:g} GB/s), "
+        f"{full['restore_nvme_s']:.2f} s from NVMe ({full['nvme_gbs']:g} GB/s); the prefill it replaces: "
+        f"2 x 104B active x {full['tokens']:,} tokens = {full['prefill_s']:.0f} s at an assumed "
+        f"{full['prefill_flops_assumed'] / 1e12:.0f} TFLOP/s sustained (one GPU's bf16 dense peak ~40% MFU; "
+        f"attention FLOPs left out, which only lengthens the prefill)"
+    )
     write_json(args.json, args, results=results, full_2_8t=full)
     return 0
 

@@ -5,6 +5,7 @@ of making and ending spans, not of the network).
 
     python bench/tracing.py [--quick] [--out bench/results/tracing.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = {"off": {}, "default (layers 1/16)": {"EXPERTMESH_TRACE_LAYER_EVERY": "16"},
-         "every step": {"EXPERTMESH_TRACE_LAYER_EVERY": "1"}}
+MODES = {
+    "off": {},
+    "default (layers 1/16)": {"EXPERTMESH_TRACE_LAYER_EVERY": "16"},
+    "every step": {"EXPERTMESH_TRACE_LAYER_EVERY": "1"},
+}
 
 
 def child(ckpt: str, mode: str, requests: int, tokens: int) -> None:
@@ -71,13 +75,19 @@ def main(argv=None) -> int:
         return 0
     from expertmesh.checkpoint.loader import create_checkpoint
     from expertmesh.model.config import preset
+
     ckpt = str(create_checkpoint(preset("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0))
     requests, tokens = (4, 16) if args.quick else (8, 48)
     best: dict[str, float] = {}
-    for _ in range(args.rounds):      # modes interleaved, best of the rounds: the machine is shared and noisy
+    for _ in range(args.rounds):  # modes interleaved, best of the rounds: the machine is shared and noisy
         for mode, env in MODES.items():
-            out = subprocess.run([sys.executable, __file__, "--child", ckpt, mode, str(requests), str(tokens)],
-                                 env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", ckpt, mode, str(requests), str(tokens)],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             tok_s = json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
             best[mode] = max(best.get(mode, 0.0), tok_s)
     rows = [{"mode": mode, "tok_s": best[mode]} for mode in MODES]

@@ -10,6 +10,7 @@ and β_lin = `activation_situ_linear_beta` = 25.0.) Every MoE expert kernel take
 u' = β_lin·tanh(u/β_lin), h = a·u'. The reference below runs each transcendental through
 `kernels.batch_invariant.pointwise`, so a row's result never depends on the other rows of the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,6 +38,7 @@ def _number(name: str, value) -> float:
 class GatedActivation:
     """Which act(gate, up) a gated MLP applies. `beta` / `linear_beta` are SiTU's soft caps (ignored by swiglu);
     linear_beta = 0 leaves the up projection uncapped. Invalid values raise ValueError naming the field."""
+
     kind: Literal["swiglu", "situ"] = "swiglu"
     beta: float = 4.0
     linear_beta: float = 25.0
@@ -79,7 +81,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation 
     if gate.shape != up.shape:
         raise ValueError(f"up: expected the shape of gate {list(gate.shape)}, found {list(up.shape)}")
     if act.kind == "swiglu":
-        return pointwise(F.silu, gate).float() * up.float()   # IEEE multiply: the same bits on every path
+        return pointwise(F.silu, gate).float() * up.float()  # IEEE multiply: the same bits on every path
     g, u = gate.float(), up.float()
     beta, lin = act.beta, act.linear_beta
     a = pointwise(lambda t: beta * torch.tanh(t / beta) * torch.sigmoid(t), g)

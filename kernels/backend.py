@@ -4,6 +4,7 @@
 `EXPERTMESH_KERNEL_BACKEND` (auto|torch|triton) or `set_backend()` forces one; forcing `triton` on CPU
 tensors only works under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI tests the kernels.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -28,6 +28,7 @@ experts); EXPERTMESH_CPU_PACKED_LINEAR=0 turns it off.
 Which path a projection takes depends on the weight and dtypes, never on the number of rows, so a weight's rows
 always come from one path within a process.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,11 @@ _packed_lock = threading.Lock()
 
 
 def _packing_enabled() -> bool:
-    return (os.environ.get("EXPERTMESH_CPU_PACKED_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        os.environ.get("EXPERTMESH_CPU_PACKED_LINEAR", "1") != "0"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 PACKING = _packing_enabled()
@@ -60,8 +64,13 @@ PACKING = _packing_enabled()
 
 def _cacheable(weight: torch.Tensor, dtypes) -> bool:
     """A CPU parameter [N, K] of one of `dtypes` that does not need its gradient: worth a packed copy."""
-    return isinstance(weight, torch.nn.Parameter) and weight.device.type == "cpu" and weight.dtype in dtypes and \
-        weight.dim() == 2 and not (weight.requires_grad and torch.is_grad_enabled())
+    return (
+        isinstance(weight, torch.nn.Parameter)
+        and weight.device.type == "cpu"
+        and weight.dtype in dtypes
+        and weight.dim() == 2
+        and not (weight.requires_grad and torch.is_grad_enabled())
+    )
 
 
 def _cached(cache: dict, weights: tuple[torch.Tensor, ...], make) -> torch.Tensor:
@@ -104,8 +113,11 @@ def fused_kernel_weight(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The row-invariant kernel's packed copy of the concatenation [ΣN_i, K] of bf16 CPU parameters [N_i, K] that
     share K, kept while they all live and made again when any is written in place or re-pointed; None where the
     kernel does not take every one of them (see `kernel_weight`). It stands in for their separate copies."""
-    if len({w.shape[1] for w in weights}) != 1 or not linear_kernel.available() or \
-            not all(_cacheable(w, (torch.bfloat16,)) for w in weights):
+    if (
+        len({w.shape[1] for w in weights}) != 1
+        or not linear_kernel.available()
+        or not all(_cacheable(w, (torch.bfloat16,)) for w in weights)
+    ):
         return None
     return _cached(_fused_packed, tuple(weights), lambda *ws: linear_kernel.pack_weight(torch.cat(ws)))
 
@@ -115,8 +127,12 @@ def linear_fused(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch
     takes them all, one call on `fused_kernel_weight`: the input is read once and the weights stream as one, and
     every output is bitwise the separate call's (each output column's order depends only on K, never on which
     other columns share the call). Otherwise one `linear` per weight."""
-    if len(weights) > 1 and not x.is_cuda and all(w.dtype == x.dtype for w in weights) and \
-            not (x.requires_grad and torch.is_grad_enabled()):
+    if (
+        len(weights) > 1
+        and not x.is_cuda
+        and all(w.dtype == x.dtype for w in weights)
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
         kw = fused_kernel_weight(weights)
         if kw is not None:
             sizes = [w.shape[0] for w in weights]
@@ -134,8 +150,8 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> tuple[torch.Tensor, int]:
     return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])]), m
 
 
-MAX_ROWS = 1024           # rows per GEMM call: keeps every call inside the checked set of shapes
-POINTWISE_WIDTH = 64     # pad rows to whole SIMD vectors (AVX-512 fp32 = 16 lanes; 64 covers every ISA)
+MAX_ROWS = 1024  # rows per GEMM call: keeps every call inside the checked set of shapes
+POINTWISE_WIDTH = 64  # pad rows to whole SIMD vectors (AVX-512 fp32 = 16 lanes; 64 covers every ISA)
 POINTWISE_GRAIN = 16384  # elements per call, below ATen's parallel grain (32768): one thread, no chunk tails
 
 
@@ -147,16 +163,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         kw = kernel_weight(weight)
         if kw is not None:
             out = linear_kernel.linear(x, kw, weight.shape[0], weight.shape[1])
-            return out if bias is None else out + bias.to(out.dtype)     # elementwise: row-invariant
-        if x.dtype == torch.float32 and linear_kernel.available() and not (weight.requires_grad and
-                                                                             torch.is_grad_enabled()):
+            return out if bias is None else out + bias.to(out.dtype)  # elementwise: row-invariant
+        if (
+            x.dtype == torch.float32
+            and linear_kernel.available()
+            and not (weight.requires_grad and torch.is_grad_enabled())
+        ):
             out = linear_kernel.linear_fp32(x, weight.detach())
             return out if bias is None else out + bias.to(out.dtype)
     return linear_padded(x, weight, bias, packed_weight(weight) if x.dtype == weight.dtype else None)
 
 
-def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear_padded(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """The row-padded path of `linear` (CPU): 16-row tiles, at most MAX_ROWS rows a call, through oneDNN's
     `packed` copy of the weight when given, else F.linear on exactly ROW_TILE rows a call: ATen's fp32 GEMM picks
     its blocking from M, and on AMX-class CPUs (MKL) a row's bits change above ~64-128 rows for K ≥ 1024, so only
@@ -166,7 +186,7 @@ def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     outs = []
     rows = MAX_ROWS if packed is not None else ROW_TILE
     for s in range(0, max(flat.shape[0], 1), rows):
-        padded, m = pad_rows(flat[s:s + rows])
+        padded, m = pad_rows(flat[s : s + rows])
         if packed is not None:
             out = torch.ops.mkldnn._linear_pointwise(padded.contiguous(), packed, bias, "none", [], "")
         else:
@@ -185,9 +205,12 @@ def bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     memory; in a decode step, one row per head on a 2 MB weight, 0.245 -> 0.204 ms a call in process)."""
     if x.is_cuda:
         return torch.bmm(x, weight)
-    if x.dtype == weight.dtype == torch.bfloat16 and linear_kernel.available() and \
-            not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
-        if weight._base is None and weight.is_contiguous():     # a tensor of its own (MLA's absorbed halves)
+    if (
+        x.dtype == weight.dtype == torch.bfloat16
+        and linear_kernel.available()
+        and not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+    ):
+        if weight._base is None and weight.is_contiguous():  # a tensor of its own (MLA's absorbed halves)
             packed = _cached(_kernel_packed, (weight,), linear_kernel.pack_bmm_weight)
             return linear_kernel.bmm_packed(x, packed, weight.shape[2], weight.shape[1])
         return linear_kernel.bmm(x, weight)
@@ -201,11 +224,11 @@ def bmm_padded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m = x.shape[1]
     out = x.new_empty(x.shape[0], m, weight.shape[2])
     for s in range(0, m, ROW_TILE):
-        part = x[:, s:s + ROW_TILE]
+        part = x[:, s : s + ROW_TILE]
         rows = part.shape[1]
         if rows != ROW_TILE:
             part = torch.cat([part, part.new_zeros(part.shape[0], ROW_TILE - rows, part.shape[2])], dim=1)
-        out[:, s:s + rows] = torch.bmm(part, weight)[:, :rows]
+        out[:, s : s + rows] = torch.bmm(part, weight)[:, :rows]
     return out
 
 
@@ -225,5 +248,5 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     if flat.shape[0] <= rows:
         out = fn(flat)
     else:
-        out = torch.cat([fn(flat[s:s + rows]) for s in range(0, flat.shape[0], rows)])
+        out = torch.cat([fn(flat[s : s + rows]) for s in range(0, flat.shape[0], rows)])
     return out[:, :d].reshape(*lead, d) if x.dim() else out[0, 0]

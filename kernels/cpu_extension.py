@@ -3,6 +3,7 @@
 directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), once per process; later processes load the
 cached library. A build is named after a hash of its source, so checkouts with different versions of a kernel
 sharing one cache never rebuild over each other or load the other's library."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,15 @@ def build_ops(prefix: str, source: Path, namespace: str):
     """Build (or load the cached build of) `source` and return its op namespace `torch.ops.<namespace>`; raises
     what the build raises."""
     from torch.utils.cpp_extension import load as cpp_load
-    cpp_load(name=build_name(prefix, source), sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-             is_python_module=False, verbose=False)
+
+    cpp_load(
+        name=build_name(prefix, source),
+        sources=[str(source)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        is_python_module=False,
+        verbose=False,
+    )
     return getattr(torch.ops, namespace)
 
 
@@ -54,13 +62,14 @@ class LazyExtension:
             t0 = time.perf_counter()
             try:
                 ops = build_ops(self.prefix, self.source, self.namespace)
-                getattr(ops, self.probe)                          # resolves the op: fails here, not later
+                getattr(ops, self.probe)  # resolves the op: fails here, not later
                 self.ops = ops
-            except Exception as exc:   # no compiler / ninja, a build error, an unloadable library
+            except Exception as exc:  # no compiler / ninja, a build error, an unloadable library
                 text = str(exc).strip()
                 self.build_error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
-                logging.getLogger(__name__).warning("expertmesh: the %s could not be built (%s); using the PyTorch "
-                                                    "path", self.what, self.build_error)
+                logging.getLogger(__name__).warning(
+                    "expertmesh: the %s could not be built (%s); using the PyTorch path", self.what, self.build_error
+                )
             self.build_seconds = time.perf_counter() - t0
             self._tried = True
             return self.ops

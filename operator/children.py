@@ -6,6 +6,7 @@ in the shape of Kubernetes objects; owner references are left to the handlers (`
 
 A new plan changes the plan ConfigMap only, never a pod template (placement_policy.changed_ordinals).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,34 +63,50 @@ def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
     ck = spec.model.checkpoint
     env = []
     if ck.token_secret_ref is not None:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}}})
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}},
+            }
+        )
     if ck.endpoint is not None:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": ck.endpoint})
     if ck.region is not None:
         env.append({"name": "AWS_REGION", "value": ck.region})
-    out = {"name": FETCH_CONTAINER, "image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy,
-           "command": ["expertmesh"], "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
-           "env": env, "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
-           # a failure's last log line (it names the file) becomes the container's termination message
-           "terminationMessagePolicy": "FallbackToLogsOnError",
-           "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}
+    out = {
+        "name": FETCH_CONTAINER,
+        "image": spec.image.ref,
+        "imagePullPolicy": spec.image.pull_policy,
+        "command": ["expertmesh"],
+        "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
+        "env": env,
+        "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
+        # a failure's last log line (it names the file) becomes the container's termination message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    }
     if ck.credentials_secret is not None:  # the keys as environment variables (never on the command line)
         out["envFrom"] = [{"secretRef": {"name": ck.credentials_secret}}]
     return out
 
 
 def _env(spec: MoEDeploymentSpec, service: str, name: str) -> list[dict]:
-    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
     t = spec.telemetry
     if t.otlp_endpoint:
-        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
-                {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
-                {"name": "OTEL_SERVICE_NAME", "value": service},
-                {"name": "OTEL_RESOURCE_ATTRIBUTES",
-                 "value": f"service.namespace=expertmesh,expertmesh.deployment={name},"
-                          "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}]
+        env += [
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
+            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
+            {"name": "OTEL_SERVICE_NAME", "value": service},
+            {
+                "name": "OTEL_RESOURCE_ATTRIBUTES",
+                "value": f"service.namespace=expertmesh,expertmesh.deployment={name},"
+                "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)",
+            },
+        ]
     return env
 
 
@@ -105,40 +122,54 @@ def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]
     mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
     pvc = spec.model.checkpoint.pvc
     if pvc is not None:
-        vols.append({"name": "checkpoint",
-                     "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}})
+        vols.append(
+            {"name": "checkpoint", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}}
+        )
         mounts.append({"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT, "readOnly": pvc.read_only})
     ck = spec.model.checkpoint
     if ck.fetched:
         cache = ck.cache
-        vols.append({"name": "checkpoint-cache", **(
-            {"persistentVolumeClaim": {"claimName": cache.claim_name}} if cache.claim_name is not None else
-            {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})})
+        vols.append(
+            {
+                "name": "checkpoint-cache",
+                **(
+                    {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+                    if cache.claim_name is not None
+                    else {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+                ),
+            }
+        )
         mounts.append({"name": "checkpoint-cache", "mountPath": CACHE_MOUNT})
     if spec.security.worker_tls:
-        vols.append({"name": "worker-tls", "secret": {"secretName": worker_tls_secret_name(name),
-                                                      "defaultMode": 0o400}})
+        vols.append(
+            {"name": "worker-tls", "secret": {"secretName": worker_tls_secret_name(name), "defaultMode": 0o400}}
+        )
         mounts.append({"name": "worker-tls", "mountPath": WORKER_TLS_DIR, "readOnly": True})
     return vols, mounts
 
 
 def _grpc_probes(port: int = HEALTH_PORT) -> dict:
     return {
-        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10,
-                         "failureThreshold": STARTUP_SECONDS // 10},
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": STARTUP_SECONDS // 10},
         "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3,
-                          "timeoutSeconds": 5},
+        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 5},
     }
 
 
-def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict,
-              spread: bool = False) -> dict:
+def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict, spread: bool = False) -> dict:
     vols, mounts = _volumes(name, spec)
-    container = {"image": spec.image.ref, "imagePullPolicy": spec.image.pull_policy, "volumeMounts": mounts,
-                 **container}
-    pod: dict[str, Any] = {"containers": [container], "volumes": vols,
-                           "terminationGracePeriodSeconds": 60, "enableServiceLinks": False}
+    container = {
+        "image": spec.image.ref,
+        "imagePullPolicy": spec.image.pull_policy,
+        "volumeMounts": mounts,
+        **container,
+    }
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": vols,
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+    }
     if spec.model.checkpoint.fetched:
         pod["initContainers"] = [fetch_container(spec, mounts)]
     sch = spec.scheduling
@@ -147,18 +178,37 @@ def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dic
     if sch.tolerations:
         pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sch.tolerations]
     if spread and sch.topology_spread_key:
-        pod["topologySpreadConstraints"] = [{
-            "maxSkew": 1, "topologyKey": sch.topology_spread_key, "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": selector_labels(name, component)}}]
+        pod["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": sch.topology_spread_key,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector_labels(name, component)},
+            }
+        ]
     return pod
 
 
 def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
     """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
     (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
-    fixed = ["expertmesh", "worker", "--role", "expert", "--plan", PLAN_PATH,
-             "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0", "--port", str(WORKER_PORT),
-             "--health-port", str(HEALTH_PORT), *worker_tls_args(spec, "expert")]
+    fixed = [
+        "expertmesh",
+        "worker",
+        "--role",
+        "expert",
+        "--plan",
+        PLAN_PATH,
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--health-port",
+        str(HEALTH_PORT),
+        *worker_tls_args(spec, "expert"),
+    ]
     return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
 
 
@@ -166,10 +216,28 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> li
     """An attention worker of a pool (`role`: mixed, prefill or decode — pools.py): its KV sized for the role
     (pools.pool_kv), `--pool` unless mixed (the worker's default)."""
     kv = spec_pool_kv(spec, cfg, role)
-    return ["worker", "--role", "attention", "--checkpoint", checkpoint_path(spec), "--host", "0.0.0.0",
-            "--port", str(WORKER_PORT), "--health-port", str(HEALTH_PORT), "--name", "$(POD_NAME)",
-            "--kv-blocks", str(kv.blocks), "--block-size", str(spec.kv.block_size),
-            *(["--pool", role] if role != MIXED else []), *kv_tier_args(kv), *worker_tls_args(spec, "attention")]
+    return [
+        "worker",
+        "--role",
+        "attention",
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--health-port",
+        str(HEALTH_PORT),
+        "--name",
+        "$(POD_NAME)",
+        "--kv-blocks",
+        str(kv.blocks),
+        "--block-size",
+        str(spec.kv.block_size),
+        *(["--pool", role] if role != MIXED else []),
+        *kv_tier_args(kv),
+        *worker_tls_args(spec, "attention"),
+    ]
 
 
 KV_DISK_VOLUME = "kv-disk"
@@ -187,7 +255,7 @@ def kv_tier_args(kv: PoolKV) -> list[str]:
 
 
 def _mib(n_bytes) -> str:
-    return f"{math.ceil(n_bytes / 2 ** 20)}Mi"
+    return f"{math.ceil(n_bytes / 2**20)}Mi"
 
 
 def attention_resources(workers, host_gib: float) -> dict:
@@ -211,17 +279,17 @@ def kv_disk_volume(disk: KVDiskSpec | None) -> tuple[list[dict], list[dict], lis
         return [], [], []
     mounts = [{"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT}]
     if disk.pvc is not None:
-        claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": _mib(
-            disk.size_gib * GIB * KV_DISK_SLACK)}}}
+        claim = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}},
+        }
         if disk.pvc.storage_class_name:
             claim["storageClassName"] = disk.pvc.storage_class_name
         return [], mounts, [{"metadata": {"name": KV_DISK_VOLUME}, "spec": claim}]
-    if disk.host_path is not None:     # a folder per pod: two attention pods on one node never share files
+    if disk.host_path is not None:  # a folder per pod: two attention pods on one node never share files
         mounts[0]["subPathExpr"] = "$(POD_NAME)"
-        return [{"name": KV_DISK_VOLUME, "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"}}], \
-            mounts, []
-    return [{"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}}], \
-        mounts, []
+        return [{"name": KV_DISK_VOLUME, "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"}}], mounts, []
+    return [{"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}}], mounts, []
 
 
 def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
@@ -242,8 +310,10 @@ def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: 
     pool), `--experts` the expert pods, and with a prefill pool `--prefill` its pods (and `--prefill-min-tokens`
     when set) — each pool's pods as many as it has now (an autoscaled pool's change re-renders them: the router
     rolls)."""
+
     def addresses(pool: Pool) -> str:
         return ",".join(statefulset_addresses(name, namespace, pool.statefulset, pool.replicas))
+
     exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
     out = ["--attention", addresses(pools[0]), "--experts", ",".join(exp)]
     for pool in pools[1:]:
@@ -255,11 +325,24 @@ def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: 
 
 def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool] | None = None) -> list[str]:
     pools = pools or attention_pools(name, spec)
-    return ["router", "--checkpoint", checkpoint_path(spec), "--plan", PLAN_PATH,
-            *router_pool_args(name, namespace, spec, pools), "--host", "0.0.0.0",
-            "--http-port", str(spec.router.http_port), "--grpc-port", str(spec.router.grpc_port),
-            *(["--transport", spec.transport] if spec.transport != "grpc" else []), *router_serving_args(spec),
-            *worker_tls_args(spec, "router"), *router_salt_volume(name, spec)[2]]
+    return [
+        "router",
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--plan",
+        PLAN_PATH,
+        *router_pool_args(name, namespace, spec, pools),
+        "--host",
+        "0.0.0.0",
+        "--http-port",
+        str(spec.router.http_port),
+        "--grpc-port",
+        str(spec.router.grpc_port),
+        *(["--transport", spec.transport] if spec.transport != "grpc" else []),
+        *router_serving_args(spec),
+        *worker_tls_args(spec, "router"),
+        *router_salt_volume(name, spec)[2],
+    ]
 
 
 def _hash(obj) -> str:
@@ -277,8 +360,13 @@ def _stamped(workload: dict) -> dict:
 
 def template_hashes(children: list[dict]) -> dict[str, str]:
     """component → the pod-template hash of its workload among `children`."""
-    return {c["metadata"]["labels"][LABEL_COMPONENT]: c["spec"]["template"]["metadata"]["annotations"][
-        TEMPLATE_HASH_ANNOTATION] for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+    return {
+        c["metadata"]["labels"][LABEL_COMPONENT]: c["spec"]["template"]["metadata"]["annotations"][
+            TEMPLATE_HASH_ANNOTATION
+        ]
+        for c in children
+        if c["kind"] in ("StatefulSet", "Deployment")
+    }
 
 
 def revision(children: list[dict]) -> str:
@@ -289,36 +377,49 @@ def revision(children: list[dict]) -> str:
 
 def plan_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan) -> dict:
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {**object_meta(plan_configmap_name(name), namespace, "plan", spec, instance=name),
-                     "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()}},
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            **object_meta(plan_configmap_name(name), namespace, "plan", spec, instance=name),
+            "annotations": {PLAN_HASH_ANNOTATION: plan.plan_hash()},
+        },
         "data": {"plan.json": plan.to_json(), "config.json": cfg.model_dump_json(indent=1)},
     }
 
 
-def load_configmap(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, loads: np.ndarray,
-                   observed_at: str) -> dict:
+def load_configmap(
+    name: str, namespace: str, spec: MoEDeploymentSpec, cfg, loads: np.ndarray, observed_at: str
+) -> dict:
     """The router's last observed expert load (the body `/v1/load` gave, as `placement_policy.parse_load` reads it
     back): kept in the cluster so a restarted operator or a new leader re-plans around a lost pod with it."""
-    payload = {"moe_layers": list(cfg.moe_layers), "observedAt": observed_at,
-               "tokens": {str(layer): [int(x) for x in loads[i]] for i, layer in enumerate(cfg.moe_layers)}}
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": object_meta(load_configmap_name(name), namespace, "load", spec, instance=name),
-            "data": {"load.json": json.dumps(payload, separators=(",", ":"))}}
+    payload = {
+        "moe_layers": list(cfg.moe_layers),
+        "observedAt": observed_at,
+        "tokens": {str(layer): [int(x) for x in loads[i]] for i, layer in enumerate(cfg.moe_layers)},
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(load_configmap_name(name), namespace, "load", spec, instance=name),
+        "data": {"load.json": json.dumps(payload, separators=(",", ":"))},
+    }
 
 
 def headless_service(name: str, namespace: str, spec: MoEDeploymentSpec, svc: str, component: str) -> dict:
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": object_meta(svc, namespace, component, spec, instance=name),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,  # router resolves pods while they load
-                 "selector": selector_labels(name, component),
-                 "ports": [{"name": "grpc", "port": WORKER_PORT, "targetPort": WORKER_PORT, "protocol": "TCP"}]},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # router resolves pods while they load
+            "selector": selector_labels(name, component),
+            "ports": [{"name": "grpc", "port": WORKER_PORT, "targetPort": WORKER_PORT, "protocol": "TCP"}],
+        },
     }
 
 
-def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg,
-                          pool: Pool | None = None) -> dict:
+def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, pool: Pool | None = None) -> dict:
     """An attention pool's StatefulSet (`pool`: default the attention workers' — pools.attention_pools): its pods run
     the attention worker for the pool's role, with its KV (pools.pool_kv), resources, tiers and replicas."""
     pool = pool or attention_pools(name, spec)[0]
@@ -326,26 +427,37 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
     env = _env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name)
     if spec.transport == "collective" and pool.role == DECODE:
-        ports, env = _collective_store(ports, env)       # the hand-offs sent to it (the prefill pods learn it over gRPC)
-    container = {"name": "prefill" if pool.role == PREFILL else "attention", "command": ["expertmesh"],
-                 "args": attention_worker_args(spec, cfg, pool.role), "ports": ports, "env": env,
-                 "resources": attention_resources(pool.workers, kv.host_gib), **_grpc_probes()}
+        ports, env = _collective_store(ports, env)  # the hand-offs sent to it (the prefill pods learn it over gRPC)
+    container = {
+        "name": "prefill" if pool.role == PREFILL else "attention",
+        "command": ["expertmesh"],
+        "args": attention_worker_args(spec, cfg, pool.role),
+        "ports": ports,
+        "env": env,
+        "resources": attention_resources(pool.workers, kv.host_gib),
+        **_grpc_probes(),
+    }
     pod = _pod_spec(name, pool.component, spec, container, spread=True)
     volumes, mounts, claims = kv_disk_volume(kv.disk)
     pod["volumes"] += volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
     sts = {
-        "serviceName": pool.statefulset, "replicas": pool.replicas, "podManagementPolicy": "Parallel",
+        "serviceName": pool.statefulset,
+        "replicas": pool.replicas,
+        "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector_labels(name, pool.component)},
         "template": {"metadata": {"labels": labels(name, pool.component, spec)}, "spec": pod},
     }
     if claims:
         sts["volumeClaimTemplates"] = claims
-    return _stamped({
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
-        "spec": sts,
-    })
+    return _stamped(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
+            "spec": sts,
+        }
+    )
 
 
 def _quantity(x: float) -> str:
@@ -367,103 +479,165 @@ def pool_hpa(name: str, namespace: str, spec: MoEDeploymentSpec, pool: Pool) -> 
     series, kind = METRIC_SERIES[a.metric]
     target = {"type": kind, "averageValue" if kind == "AverageValue" else "value": _quantity(a.target)}
     return {
-        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
         "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": pool.statefulset},
-            "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
-            "metrics": [{"type": "External", "external": {
-                "metric": {"name": series, "selector": {"matchLabels": {
-                    "pool": pool.metric_pool, METRIC_INSTANCE_LABEL: name}}},
-                "target": target}}],
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [
+                {
+                    "type": "External",
+                    "external": {
+                        "metric": {
+                            "name": series,
+                            "selector": {"matchLabels": {"pool": pool.metric_pool, METRIC_INSTANCE_LABEL: name}},
+                        },
+                        "target": target,
+                    },
+                }
+            ],
         },
     }
 
 
 def _collective_store(ports: list[dict], env: list[dict]) -> tuple[list[dict], list[dict]]:
     """A worker container's ports and env with its collective rendezvous store (worker --collective-port)."""
-    return (ports + [{"name": "collective", "containerPort": COLLECTIVE_PORT}],
-            env + [{"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)}])
+    return (
+        ports + [{"name": "collective", "containerPort": COLLECTIVE_PORT}],
+        env + [{"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)}],
+    )
 
 
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
     ew = spec.expert_workers
     ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
     env = _env(spec, "expertmesh-expert", name)
-    if spec.transport == "collective":     # the pod's rendezvous store; the attention pods learn it over gRPC
+    if spec.transport == "collective":  # the pod's rendezvous store; the attention pods learn it over gRPC
         ports, env = _collective_store(ports, env)
-    container = {"name": "expert", "command": expert_worker_command(spec), "ports": ports, "env": env,
-                 "resources": _resources(ew.resources, ew.gpus_per_pod), **_grpc_probes()}
-    return _stamped({
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": object_meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name,
-                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
-        "spec": {
-            "serviceName": expert_name(name), "replicas": ew.replicas, "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)},
-            # nothing in the pod template changes with the plan: a new plan is published in the ConfigMap
-            # (mounted at PLAN_DIR), it never rolls the StatefulSet
-            "template": {"metadata": {"labels": labels(name, COMPONENT_EXPERT, spec)},
-                         "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True)},
-        },
-    })
+    container = {
+        "name": "expert",
+        "command": expert_worker_command(spec),
+        "ports": ports,
+        "env": env,
+        "resources": _resources(ew.resources, ew.gpus_per_pod),
+        **_grpc_probes(),
+    }
+    return _stamped(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": object_meta(
+                expert_name(name),
+                namespace,
+                COMPONENT_EXPERT,
+                spec,
+                instance=name,
+                annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()},
+            ),
+            "spec": {
+                "serviceName": expert_name(name),
+                "replicas": ew.replicas,
+                "podManagementPolicy": "Parallel",
+                "updateStrategy": {"type": "RollingUpdate"},
+                "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)},
+                # nothing in the pod template changes with the plan: a new plan is published in the ConfigMap
+                # (mounted at PLAN_DIR), it never rolls the StatefulSet
+                "template": {
+                    "metadata": {"labels": labels(name, COMPONENT_EXPERT, spec)},
+                    "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True),
+                },
+            },
+        }
+    )
 
 
 def expert_pdb(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
     return {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
         "metadata": object_meta(expert_name(name), namespace, COMPONENT_EXPERT, spec, instance=name),
         # one at a time: a drained expert pod is re-planned around before the next may go
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, COMPONENT_EXPERT)}},
     }
 
 
-def router_deployment(name: str, namespace: str, spec: MoEDeploymentSpec, plan,
-                      pools: list[Pool] | None = None) -> dict:
+def router_deployment(
+    name: str, namespace: str, spec: MoEDeploymentSpec, plan, pools: list[Pool] | None = None
+) -> dict:
     r = spec.router
     env = _env(spec, "expertmesh-router", name)
     if r.api_key_secret_ref is not None:
-        env.append({"name": "EXPERTMESH_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": r.api_key_secret_ref.name, "key": r.api_key_secret_ref.key}}})
+        env.append(
+            {
+                "name": "EXPERTMESH_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": r.api_key_secret_ref.name, "key": r.api_key_secret_ref.key}},
+            }
+        )
     container = {
-        "name": "router", "command": ["expertmesh"], "args": router_args(name, namespace, spec, pools),
+        "name": "router",
+        "command": ["expertmesh"],
+        "args": router_args(name, namespace, spec, pools),
         "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
-        "env": env, "resources": _resources(r.resources, 0),
+        "env": env,
+        "resources": _resources(r.resources, 0),
         "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 20,
-                          "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": r.http_port},
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+            "timeoutSeconds": 5,
+        },
     }
     pod = _pod_spec(name, COMPONENT_ROUTER, spec, container)
-    volumes, mounts, _ = router_salt_volume(name, spec)      # replicas > 1: their shared prefix-key salt
+    volumes, mounts, _ = router_salt_volume(name, spec)  # replicas > 1: their shared prefix-key salt
     pod["volumes"] += volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
-    return _stamped({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": object_meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name,
-                          annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()}),
-        "spec": {
-            "replicas": r.replicas,
-            "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
-            "template": {"metadata": {"labels": labels(name, COMPONENT_ROUTER, spec)},  # nothing of the plan
-                         "spec": pod},
-        },
-    })
+    return _stamped(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": object_meta(
+                router_name(name),
+                namespace,
+                COMPONENT_ROUTER,
+                spec,
+                instance=name,
+                annotations={PLAN_HASH_ANNOTATION: plan.plan_hash()},
+            ),
+            "spec": {
+                "replicas": r.replicas,
+                "selector": {"matchLabels": selector_labels(name, COMPONENT_ROUTER)},
+                "template": {
+                    "metadata": {"labels": labels(name, COMPONENT_ROUTER, spec)},  # nothing of the plan
+                    "spec": pod,
+                },
+            },
+        }
+    )
 
 
 def router_service(name: str, namespace: str, spec: MoEDeploymentSpec) -> dict:
     r = spec.router
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": object_meta(router_name(name), namespace, COMPONENT_ROUTER, spec, instance=name),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(name, COMPONENT_ROUTER),
-                 "ports": [{"name": "http", "port": r.http_port, "targetPort": r.http_port, "protocol": "TCP"},
-                           {"name": "grpc", "port": r.grpc_port, "targetPort": r.grpc_port, "protocol": "TCP"}]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, COMPONENT_ROUTER),
+            "ports": [
+                {"name": "http", "port": r.http_port, "targetPort": r.http_port, "protocol": "TCP"},
+                {"name": "grpc", "port": r.grpc_port, "targetPort": r.grpc_port, "protocol": "TCP"},
+            ],
+        },
     }
 
 
-def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, component: str,
-                          pools: list[Pool] | None = None) -> dict:
+def worker_network_policy(
+    name: str, namespace: str, spec: MoEDeploymentSpec, component: str, pools: list[Pool] | None = None
+) -> dict:
     """Only this deployment's pods reach its workers (probes come from the kubelet, which NetworkPolicies do not
     filter): the router the workers' gRPC port, every attention pool the expert workers' (the per-layer
     exchange and its control), the prefill pool the decode pool's (the hand-off of a prefilled sequence). With
@@ -471,8 +645,10 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
     each other on any TCP port: the rendezvous store is on COLLECTIVE_PORT, but gloo's and NCCL's pair connections
     listen on ephemeral ports, in either direction."""
     pools = pools or attention_pools(name, spec)
+
     def peers(*components: str) -> list[dict]:
         return [{"podSelector": {"matchLabels": selector_labels(name, c)}} for c in components]
+
     grpc_port = [{"protocol": "TCP", "port": WORKER_PORT}]
     attention = [p.component for p in pools]
     ingress = [{"from": peers(COMPONENT_ROUTER), "ports": grpc_port}]
@@ -486,7 +662,8 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
     if component == COMPONENT_PREFILL and spec.transport == "collective":
         ingress.append({"from": peers(COMPONENT_ATTENTION)})
     return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
         "metadata": object_meta(network_policy_name(name, component), namespace, component, spec, instance=name),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name, component)},
@@ -496,8 +673,9 @@ def worker_network_policy(name: str, namespace: str, spec: MoEDeploymentSpec, co
     }
 
 
-def build_children(name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan,
-                   observed: dict[str, int] | None = None) -> list[dict]:
+def build_children(
+    name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan, observed: dict[str, int] | None = None
+) -> list[dict]:
     """Every child object, in apply order (the ConfigMap before the pods that mount it, a StatefulSet before its
     autoscaler). `observed`: component → the replicas of an autoscaled pool's StatefulSet now (pools.py: kept, not
     reset; the router lists that many)."""
@@ -525,8 +703,11 @@ def absent_children(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, 
     pools = attention_pools(name, spec)
     out = []
     if not any(p.component == COMPONENT_PREFILL for p in pools):
-        out += [("apps/v1", "StatefulSet", prefill_name(name)), ("v1", "Service", prefill_name(name)),
-                ("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(name, COMPONENT_PREFILL)),
-                ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name))]
+        out += [
+            ("apps/v1", "StatefulSet", prefill_name(name)),
+            ("v1", "Service", prefill_name(name)),
+            ("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(name, COMPONENT_PREFILL)),
+            ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name)),
+        ]
     out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
     return out

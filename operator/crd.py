@@ -12,6 +12,7 @@ The pydantic JSON schema (draft 2020-12, `$defs`/`$ref`, `anyOf` for optionals) 
     python -m expertmesh.operator.crd --out charts/expertmesh/crds/moedeployments.expertmesh.dev.yaml
     python -m expertmesh.operator.crd --check      # exits 1 when the committed file is stale
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,14 @@ SCALE = {
     "labelSelectorPath": ".status.expertWorkers.selector",
 }
 
-_DROP = {"title", "additionalProperties", "$defs", "definitions", "discriminator",
-         "propertyNames"}  # map keys: structural schemas cannot constrain them; the operator checks them
+_DROP = {
+    "title",
+    "additionalProperties",
+    "$defs",
+    "definitions",
+    "discriminator",
+    "propertyNames",
+}  # map keys: structural schemas cannot constrain them; the operator checks them
 
 
 class SchemaError(ValueError):
@@ -104,10 +111,13 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             else:
                 out[k] = v
         addl = node.get("additionalProperties")
-        if isinstance(addl, dict) and addl:          # dict[str, X]: keep the value schema
+        if isinstance(addl, dict) and addl:  # dict[str, X]: keep the value schema
             out["additionalProperties"] = resolve(addl, f"{path}.*", stack)
-        elif out.get("type") == "object" and "properties" not in out and (addl is True or addl == {} or
-                                                                          "additionalProperties" not in node):
+        elif (
+            out.get("type") == "object"
+            and "properties" not in out
+            and (addl is True or addl == {} or "additionalProperties" not in node)
+        ):
             out["x-kubernetes-preserve-unknown-fields"] = True  # free-form (dict[str, Any])
         if "enum" in out and "type" not in out:
             out["type"] = _json_type(out["enum"][0])
@@ -119,8 +129,23 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
     return resolve(top, "", ())
 
 
-_KEY_ORDER = ("type", "format", "description", "enum", "default", "minimum", "exclusiveMinimum", "maximum",
-              "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "required")
+_KEY_ORDER = (
+    "type",
+    "format",
+    "description",
+    "enum",
+    "default",
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "required",
+)
 
 
 def _ordered(node: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +165,11 @@ def check_structural(schema: dict[str, Any], path: str = "") -> list[str]:
     for key in ("$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not", "const", "title"):
         if key in schema:
             problems.append(f"{path or '.'}: has {key}")
-    if "type" not in schema and not schema.get("x-kubernetes-int-or-string") and \
-            not schema.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "type" not in schema
+        and not schema.get("x-kubernetes-int-or-string")
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
         problems.append(f"{path or '.'}: has no type")
     if "properties" in schema and "additionalProperties" in schema:
         problems.append(f"{path or '.'}: both properties and additionalProperties")
@@ -179,8 +207,8 @@ METADATA = {
 NAME_RULE = {
     "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
     "message": f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters (lowercase letters, "
-               f"digits and '-', a letter first): the operator names children <name>-attention, <name>-expert, "
-               f"<name>-router, and a StatefulSet's name must stay within {STATEFULSET_NAME_MAX} characters",
+    f"digits and '-', a letter first): the operator names children <name>-attention, <name>-expert, "
+    f"<name>-router, and a StatefulSet's name must stay within {STATEFULSET_NAME_MAX} characters",
 }
 
 
@@ -201,51 +229,63 @@ def build_crd() -> dict[str, Any]:
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
-                      "shortNames": list(SHORT_NAMES), "categories": ["expertmesh"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}, "scale": dict(SCALE)},
-                "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": f"{KIND} ({API_VERSION}): a Mixture-of-Experts model served by a router, "
-                                   "attention workers and expert workers placed by an expert-placement plan.",
-                    "required": ["spec"],
-                    "x-kubernetes-validations": [dict(NAME_RULE)],
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": copy.deepcopy(METADATA),
-                        "spec": spec,
-                        "status": status,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["expertmesh"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}, "scale": dict(SCALE)},
+                    "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": f"{KIND} ({API_VERSION}): a Mixture-of-Experts model served by a router, "
+                            "attention workers and expert workers placed by an expert-placement plan.",
+                            "required": ["spec"],
+                            "x-kubernetes-validations": [dict(NAME_RULE)],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": copy.deepcopy(METADATA),
+                                "spec": spec,
+                                "status": status,
+                            },
+                        }
                     },
-                }},
-            }],
+                }
+            ],
         },
     }
 
 
 def render() -> str:
-    header = ("# Generated by `python -m expertmesh.operator.crd` from operator/spec.py; do not edit by hand.\n")
+    header = "# Generated by `python -m expertmesh.operator.crd` from operator/spec.py; do not edit by hand.\n"
     return header + yaml.safe_dump(build_crd(), sort_keys=False, default_flow_style=False, width=100)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m expertmesh.operator.crd", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None, help="write the CRD here (default: stdout)")
-    p.add_argument("--check", action="store_true",
-                   help=f"compare with --out (default {DEFAULT_PATH.name} in the chart); exit 1 when stale")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help=f"compare with --out (default {DEFAULT_PATH.name} in the chart); exit 1 when stale",
+    )
     args = p.parse_args(argv)
     text = render()
     if args.check:
         path = args.out or DEFAULT_PATH
         current = path.read_text() if path.exists() else None
         if current != text:
-            print(f"{path} is stale: regenerate with `python -m expertmesh.operator.crd --out {path}`",
-                  file=sys.stderr)
+            print(f"{path} is stale: regenerate with `python -m expertmesh.operator.crd --out {path}`", file=sys.stderr)
             return 1
         print(f"{path} is up to date")
         return 0

@@ -25,6 +25,7 @@ event loop, after budget.check_plan_budget agreed to its estimated cost.
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
 async client), `fetch_load` (the HTTP GET of the router's load) and `planning` (the planning process).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -90,8 +91,8 @@ from expertmesh.runtime.tls import pki_pems
 log = logging.getLogger("expertmesh.operator")
 
 PERSISTENCE_PREFIX = "expertmesh.dev"
-LOAD_TIMEOUT = 10.0             # seconds for the router's /v1/load
-REBALANCE_TICK = 15.0           # the timer's period; each resource's own interval is checked against it
+LOAD_TIMEOUT = 10.0  # seconds for the router's /v1/load
+REBALANCE_TICK = 15.0  # the timer's period; each resource's own interval is checked against it
 MAX_BACKOFF = 120.0
 
 
@@ -107,6 +108,7 @@ async def _fetch_load_http(url: str, timeout: float) -> dict:
 @dataclass
 class Deps:
     """Everything the handlers reach outside the process (given to Kopf as `memo`)."""
+
     kube: Kube
     fetch_load: Callable[[str, float], Awaitable[dict]] = _fetch_load_http
     load_timeout: float = LOAD_TIMEOUT
@@ -118,7 +120,7 @@ class Deps:
     plans: dict = field(default_factory=dict)
     loads: dict = field(default_factory=dict)
     last_check: dict = field(default_factory=dict)
-    scales: dict = field(default_factory=dict)     # (namespace, StatefulSet) → the attention pool's replicas last seen
+    scales: dict = field(default_factory=dict)  # (namespace, StatefulSet) → the attention pool's replicas last seen
     # planning: its process (deadline, memory limit) and the estimated cost the operator agrees to compute
     planning: PlanRunner = field(default_factory=PlanRunner)
     plan_memory: int = PLAN_MEMORY_BUDGET
@@ -136,7 +138,8 @@ def configure_settings(settings: kopf.OperatorSettings, peering_lifetime: int | 
     """Keep Kopf's bookkeeping in annotations under our prefix (status stays the CRD's structural status)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PERSISTENCE_PREFIX, key="last-handled-configuration")
+        prefix=PERSISTENCE_PREFIX, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{PERSISTENCE_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING
     settings.networking.request_timeout = 60.0
@@ -200,10 +203,15 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
     existing = await _api(deps.kube.get("v1", "Secret", namespace, worker_tls_secret_name(name)), retry)
     if existing is not None:
         missing = missing_hosts(existing, worker_tls_hosts(name, namespace)) if spec.prefill_workers.enabled else []
-        if missing:   # made by an operator before the prefill pool's name was in it: kept (see docs/operator.md)
-            log.warning("%s/%s: the Secret %s names no %s: the router cannot verify the prefill workers; delete it and "
-                        "restart the pods to re-issue", namespace, name, worker_tls_secret_name(name),
-                        ", ".join(missing))
+        if missing:  # made by an operator before the prefill pool's name was in it: kept (see docs/operator.md)
+            log.warning(
+                "%s/%s: the Secret %s names no %s: the router cannot verify the prefill workers; delete it and "
+                "restart the pods to re-issue",
+                namespace,
+                name,
+                worker_tls_secret_name(name),
+                ", ".join(missing),
+            )
         return
     secret = worker_tls_secret(name, namespace, spec, pki_pems(worker_tls_hosts(name, namespace), days=3650))
     kopf.adopt(secret, owner=owner)
@@ -253,8 +261,17 @@ async def _delete_absent(deps: Deps, owner: dict, name: str, namespace: str, spe
             log.info("%s/%s: deleted %s %s (no longer in the spec)", namespace, name, kind, child)
 
 
-async def _apply_children(deps: Deps, owner: dict, name: str, namespace: str, spec, cfg, plan,
-                          retry: int = 0, observed: dict[str, int] | None = None) -> tuple[str, dict[str, str]]:
+async def _apply_children(
+    deps: Deps,
+    owner: dict,
+    name: str,
+    namespace: str,
+    spec,
+    cfg,
+    plan,
+    retry: int = 0,
+    observed: dict[str, int] | None = None,
+) -> tuple[str, dict[str, str]]:
     """Apply every child; returns the revision (hash of the desired children, for `status.revision`) and the
     pod-template hashes per component. BudgetError (nothing sent) when a child is larger than the API takes.
     `observed`: the autoscaled pools' replicas now (read here when not given): kept as they are."""
@@ -282,11 +299,13 @@ def _pods(index, namespace: str, name: str) -> list[PodInfo]:
 async def _fetch_progress(deps: Deps, namespace: str, pods: list[PodInfo]) -> dict[str, float | None]:
     """pod → the percentage of its checkpoint fetch, from the last progress line of its fetch container's log
     (None when the log cannot be read yet)."""
+
     async def one(p: PodInfo) -> float | None:
         try:
             return parse_progress(await deps.read_log(namespace, p.name, FETCH_CONTAINER))
         except Exception:  # not started, gone, or the API refused: no figure this time
             return None
+
     fetching = [p for p in pods if p.fetch == "running"]
     return dict(zip([p.name for p in fetching], await asyncio.gather(*(one(p) for p in fetching))))
 
@@ -296,11 +315,25 @@ def _changed(current: dict, update: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ reconcile
-async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patch, memo, logger, retry: int = 0,
-                    expertmesh_pods=None, **_: Any) -> None:
+async def reconcile(
+    *,
+    name: str,
+    namespace: str,
+    spec,
+    meta,
+    status,
+    body,
+    patch,
+    memo,
+    logger,
+    retry: int = 0,
+    expertmesh_pods=None,
+    **_: Any,
+) -> None:
     deps: Deps = memo.deps
     generation = meta.get("generation")
     status = dict(status or {})
+
     def fail(message: str, reason: str) -> kopf.PermanentError:
         patch.status.update(failed_status(status, message, generation, reason=reason))
         return kopf.PermanentError(f"{reason}: {message}")
@@ -343,16 +376,27 @@ async def reconcile(*, name: str, namespace: str, spec, meta, status, body, patc
         pods = _pods(expertmesh_pods, namespace, name)
         a = assess(parsed, plan, pods, templates, _pool_sizes(name, parsed, observed))
         decision = decide(name, parsed, plan, base, a, generation)
-        conds = set_condition(decision.status.get("conditions", []), "PlacementReady", "True", "Planned",
-                              summarize_plan(plan), generation)
+        conds = set_condition(
+            decision.status.get("conditions", []), "PlacementReady", "True", "Planned", summarize_plan(plan), generation
+        )
         lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
-        update = with_weights({**decision.status, "conditions": conds}, status, parsed, pods,
-                              await _fetch_progress(deps, namespace, pods), generation)
-        patch.status.update({
-            **update, "observedGeneration": generation, "revision": rev,
-            "placement": placement_status(plan, lost_workers=lost, moved=moved_from(previous, plan, cfg)),
-            "endpoints": endpoints(name, namespace, parsed),
-        })
+        update = with_weights(
+            {**decision.status, "conditions": conds},
+            status,
+            parsed,
+            pods,
+            await _fetch_progress(deps, namespace, pods),
+            generation,
+        )
+        patch.status.update(
+            {
+                **update,
+                "observedGeneration": generation,
+                "revision": rev,
+                "placement": placement_status(plan, lost_workers=lost, moved=moved_from(previous, plan, cfg)),
+                "endpoints": endpoints(name, namespace, parsed),
+            }
+        )
         logger.info(f"plan {plan.plan_hash()} applied: {summarize_plan(plan)}")
 
 
@@ -386,35 +430,61 @@ async def observe(deps: Deps, namespace: str, name: str, index, logger) -> None:
                 return  # the spec changed and its reconciliation has not finished: its status comes next
             # the spec is handled, so what changed is an autoscaled pool's size: keep it, re-render the router
             try:
-                rev, templates = await _apply_children(deps, body, name, namespace, spec, cfg, plan,
-                                                       observed=observed)
+                rev, templates = await _apply_children(deps, body, name, namespace, spec, cfg, plan, observed=observed)
             except BudgetError as e:
                 logger.warning(f"following the autoscaled pools' size {observed}: {e}")
                 return
             logger.info(f"autoscaled pools now {_pool_sizes(name, spec, observed)}: router worker lists re-rendered")
             follow = {"revision": rev}
-            status = {**status, **follow, "phase": "Deploying" if status.get("phase") == "Ready" else
-                      status.get("phase")}
+            status = {
+                **status,
+                **follow,
+                "phase": "Deploying" if status.get("phase") == "Ready" else status.get("phase"),
+            }
         pods = _pods(index, namespace, name)
         a = assess(spec, plan, pods, templates, _pool_sizes(name, spec, observed))
         decision = decide(name, spec, plan, status, a, generation)
         update = decision.status
         if decision.replan_excluding is not None:
-            update = await _replan_around(deps, body, name, namespace, spec, cfg, plan, status, update,
-                                          decision.replan_excluding, generation, logger)
+            update = await _replan_around(
+                deps,
+                body,
+                name,
+                namespace,
+                spec,
+                cfg,
+                plan,
+                status,
+                update,
+                decision.replan_excluding,
+                generation,
+                logger,
+            )
         if update:
-            update = with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods),
-                                  generation)
+            update = with_weights(update, status, spec, pods, await _fetch_progress(deps, namespace, pods), generation)
         update = {**follow, **update}
         if update and (follow or _changed(status, update)):
             await _api(deps.kube.patch_status(namespace, name, update))
 
 
-async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec, cfg, plan, status: dict,
-                         update: dict, lost: list[int], generation, logger) -> dict:
+async def _replan_around(
+    deps: Deps,
+    body: dict,
+    name: str,
+    namespace: str,
+    spec,
+    cfg,
+    plan,
+    status: dict,
+    update: dict,
+    lost: list[int],
+    generation,
+    logger,
+) -> dict:
     loads = deps.loads.get((namespace, name))
     if loads is None:  # this operator has not read the load since it started: the last one kept in the cluster
         loads = await _read_load(deps, namespace, name, cfg)
+
     def degraded(reason: str, message: str) -> dict:
         conds = set_condition(update["conditions"], "Degraded", "True", reason, message, generation)
         return {**update, "phase": "Degraded", "message": message, "conditions": conds}
@@ -422,38 +492,51 @@ async def _replan_around(deps: Deps, body: dict, name: str, namespace: str, spec
     try:
         new = await deps.planning.run(replan_around, spec, cfg, plan, lost, loads=loads)
     except PlanError as e:
-        return degraded("InsufficientMemory", f"expert workers {lost} lost and the survivors cannot hold the "
-                                              f"model: {e}")
+        return degraded(
+            "InsufficientMemory", f"expert workers {lost} lost and the survivors cannot hold the model: {e}"
+        )
     except PlanningFailed as e:
         return degraded("PlanBudgetExceeded", f"re-planning around expert workers {lost}: spec.expertWorkers: {e}")
     if not lost and new.plan_hash() == plan.plan_hash():  # rejoined without moving anything
         conds = set_condition(update["conditions"], "Degraded", "False", "AllReplicasServing", "", generation)
-        return {**update, "phase": "Ready", "message": None, "conditions": conds,
-                "placement": placement_status(new)}
+        return {**update, "phase": "Ready", "message": None, "conditions": conds, "placement": placement_status(new)}
     try:
         rev, _ = await _apply_children(deps, body, name, namespace, spec, cfg, new)
     except BudgetError as e:
         return degraded("ObjectTooLarge", f"re-planning around expert workers {lost}: {e}")
     what = f"re-planned around lost expert workers {lost}" if lost else "re-planned onto every expert worker"
     logger.info(f"{what}: plan {new.plan_hash()}, {new.figures.moved_shards} shards moved")
-    conds = set_condition(update["conditions"], "PlacementReady", "True", "Replanned", summarize_plan(new),
-                          generation)
+    conds = set_condition(update["conditions"], "PlacementReady", "True", "Replanned", summarize_plan(new), generation)
     if lost:
-        conds = set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
-                              f"{what}; rolling out plan {new.plan_hash()}", generation)
-    return {**update, "phase": "Deploying", "message": f"{what}; rolling out plan {new.plan_hash()}",
-            "conditions": conds, "revision": rev,
-            "placement": placement_status(new, lost_workers=lost)}
+        conds = set_condition(
+            conds,
+            "Degraded",
+            "True",
+            "ReplannedOntoSurvivors",
+            f"{what}; rolling out plan {new.plan_hash()}",
+            generation,
+        )
+    return {
+        **update,
+        "phase": "Deploying",
+        "message": f"{what}; rolling out plan {new.plan_hash()}",
+        "conditions": conds,
+        "revision": rev,
+        "placement": placement_status(new, lost_workers=lost),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ load
-async def check_load(*, name: str, namespace: str, spec, status, body, patch, memo, logger,
-                     expertmesh_pods=None, **_: Any) -> None:
+async def check_load(
+    *, name: str, namespace: str, spec, status, body, patch, memo, logger, expertmesh_pods=None, **_: Any
+) -> None:
     """The timer: re-assess a Degraded deployment (a re-plan may be due once its grace period is over) and
     read the load of a Ready one every placement.rebalanceIntervalSeconds."""
     deps: Deps = memo.deps
     status = dict(status or {})
-    if status.get("phase") in ("Degraded", "Deploying") or any(p.fetch == "running" for p in _pods(expertmesh_pods, namespace, name)):
+    if status.get("phase") in ("Degraded", "Deploying") or any(
+        p.fetch == "running" for p in _pods(expertmesh_pods, namespace, name)
+    ):
         # a re-plan due, a re-plan rolled out with no pod event to tell (nothing restarts for a plan), or a
         # checkpoint fetch whose progress goes to the status
         await observe(deps, namespace, name, expertmesh_pods, logger)
@@ -468,8 +551,10 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
     key = (namespace, name)
     now = time.monotonic()
     interval = parsed.placement.rebalance_interval_seconds
-    if now - deps.last_check.get(key, float("-inf")) < interval or \
-            seconds_since(status.get("lastRebalanceTime")) < interval:  # status: survives a restart or failover
+    if (
+        now - deps.last_check.get(key, float("-inf")) < interval
+        or seconds_since(status.get("lastRebalanceTime")) < interval
+    ):  # status: survives a restart or failover
         return
     deps.last_check[key] = now
     try:
@@ -506,18 +591,31 @@ async def check_load(*, name: str, namespace: str, spec, status, body, patch, me
                 patch.status.update(update)
                 return
             generation = (body.get("metadata") or {}).get("generation")
-            conds = set_condition(status.get("conditions", []), "PlacementReady", "True", "Rebalanced",
-                                  f"{verdict.reason}; {summarize_plan(verdict.plan)}", generation)
-            update.update(phase="Deploying", conditions=conds, message=verdict.reason,
-                          placement=placement_status(verdict.plan, moved=verdict.moved,
-                                                     observed_imbalance=verdict.observed))
+            conds = set_condition(
+                status.get("conditions", []),
+                "PlacementReady",
+                "True",
+                "Rebalanced",
+                f"{verdict.reason}; {summarize_plan(verdict.plan)}",
+                generation,
+            )
+            update.update(
+                phase="Deploying",
+                conditions=conds,
+                message=verdict.reason,
+                placement=placement_status(verdict.plan, moved=verdict.moved, observed_imbalance=verdict.observed),
+            )
             logger.info(f"rebalanced: {verdict.reason}, {verdict.moved} shards moved")
         patch.status.update(update)
 
 
 # ------------------------------------------------------------------------------------------------ registry
-def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Callable[..., Any] | None = None,
-                   peering_lifetime: int | None = None) -> kopf.OperatorRegistry:
+def build_registry(
+    *,
+    rebalance_tick: float = REBALANCE_TICK,
+    login: Callable[..., Any] | None = None,
+    peering_lifetime: int | None = None,
+) -> kopf.OperatorRegistry:
     """A fresh registry with every handler (no module-level state, so tests can run several operators).
 
     login: Kopf's authentication handler; default `kopf.login_via_client` (as kubectl: the pod's service
@@ -556,8 +654,9 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Callable[..
             except kopf.TemporaryError as e:  # event handlers are not retried: the next pod event will be
                 logger.warning(f"observing pods of {instance}: {e}")
 
-    @kopf.on.event("apps", "v1", "statefulsets", id="pool_scale", labels={LABEL_MANAGED_BY: OPERATOR_NAME},
-                   registry=reg)
+    @kopf.on.event(
+        "apps", "v1", "statefulsets", id="pool_scale", labels={LABEL_MANAGED_BY: OPERATOR_NAME}, registry=reg
+    )
     async def pool_scale(namespace: str, body, memo, logger, expertmesh_pods, **_: Any) -> None:
         """An attention pool's StatefulSet changed size (its HorizontalPodAutoscaler): re-assess its deployment,
         which re-renders the router's worker lists. Other changes of the StatefulSet (its status) are skipped."""
@@ -565,8 +664,11 @@ def build_registry(*, rebalance_tick: float = REBALANCE_TICK, login: Callable[..
         lab = meta.get("labels") or {}
         instance, replicas = lab.get(LABEL_INSTANCE), (body.get("spec") or {}).get("replicas")
         key = (namespace, meta.get("name"))
-        if lab.get(LABEL_COMPONENT) not in (COMPONENT_ATTENTION, COMPONENT_PREFILL) or not instance or \
-                memo.deps.scales.get(key) == replicas:
+        if (
+            lab.get(LABEL_COMPONENT) not in (COMPONENT_ATTENTION, COMPONENT_PREFILL)
+            or not instance
+            or memo.deps.scales.get(key) == replicas
+        ):
             return
         memo.deps.scales[key] = replicas
         try:

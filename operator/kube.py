@@ -11,6 +11,7 @@ module adds only:
     (an API without server-side apply answers 404), `create_once` keeping an object that exists (409), `delete`
     → False for a missing one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ from lightkube.types import PatchType
 from expertmesh.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "expertmesh-operator"
-API_TIMEOUT = (5.0, 30.0)       # (connect, read) seconds for every Kubernetes call
+API_TIMEOUT = (5.0, 30.0)  # (connect, read) seconds for every Kubernetes call
 MoEDeployment = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 
 
@@ -55,7 +56,7 @@ class Kube:
     def __init__(self, config: KubeConfig, timeout: tuple[float, float] = API_TIMEOUT):
         self.config = config
         self.timeout = timeout
-        self._clients = weakref.WeakKeyDictionary()   # event loop → AsyncClient
+        self._clients = weakref.WeakKeyDictionary()  # event loop → AsyncClient
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -72,8 +73,10 @@ class Kube:
         client = self._clients.get(loop)
         if client is None:
             client = self._clients[loop] = AsyncClient(
-                self.config, field_manager=FIELD_MANAGER,
-                timeout=httpx.Timeout(self.timeout[1], connect=self.timeout[0]))
+                self.config,
+                field_manager=FIELD_MANAGER,
+                timeout=httpx.Timeout(self.timeout[1], connect=self.timeout[0]),
+            )
         return client
 
     @staticmethod
@@ -89,8 +92,10 @@ class Kube:
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            obj = await self._call(f"GET {kind} {namespace}/{name}",
-                                   self._client().get(resource(api_version, kind), name, namespace=namespace))
+            obj = await self._call(
+                f"GET {kind} {namespace}/{name}",
+                self._client().get(resource(api_version, kind), name, namespace=namespace),
+            )
         except KubeError as e:
             if e.status == 404:
                 return None
@@ -123,8 +128,10 @@ class Kube:
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete an object (its dependents in the background, as kubectl does); False when it was not there."""
         try:
-            await self._call(f"delete {kind} {namespace}/{name}",
-                             self._client().delete(resource(api_version, kind), name, namespace=namespace))
+            await self._call(
+                f"delete {kind} {namespace}/{name}",
+                self._client().delete(resource(api_version, kind), name, namespace=namespace),
+            )
         except KubeError as e:
             if e.status == 404:
                 return False
@@ -133,13 +140,25 @@ class Kube:
 
     async def read_log(self, namespace: str, pod: str, container: str, tail_lines: int = 20) -> str:
         """The last lines of a container's log (as `kubectl logs --tail`)."""
+
         async def lines() -> str:
-            return "".join([line async for line in self._client().log(
-                pod, namespace=namespace, container=container, tail_lines=tail_lines)])
+            return "".join(
+                [
+                    line
+                    async for line in self._client().log(
+                        pod, namespace=namespace, container=container, tail_lines=tail_lines
+                    )
+                ]
+            )
+
         return await self._call(f"log {namespace}/{pod}/{container}", lines())
 
     async def patch_status(self, namespace: str, name: str, status: dict) -> dict:
         """A merge patch of a MoEDeployment's status subresource."""
-        out = await self._call(f"patch {KIND} {namespace}/{name} status", self._client().patch(
-            MoEDeployment.Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE))
+        out = await self._call(
+            f"patch {KIND} {namespace}/{name} status",
+            self._client().patch(
+                MoEDeployment.Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
+            ),
+        )
         return out.to_dict()

@@ -8,6 +8,7 @@ several replicas elect a leader through it — each takes a distinct priority (`
 the highest live one handles everything and the others stand by, paused, until its peering entry goes (a clean
 exit removes it at once; a crashed leader's expires after `--peering-lifetime` seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,21 +21,50 @@ DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                   help="watch only this namespace (repeatable; globs allowed); default: the whole cluster")
-    p.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
-                   help=f"liveness endpoint to serve (default {DEFAULT_LIVENESS}; 'none' to disable)")
-    p.add_argument("--peering", default=None, metavar="NAME",
-                   help="(Cluster)KopfPeering name for several operator replicas: one leader, the rest standing by "
-                        "(default: standalone)")
-    p.add_argument("--priority", type=int, default=None, metavar="N",
-                   help="peering priority, the highest live replica leads (default: random, so replicas never tie: "
-                        "Kopf pauses every replica of a tie)")
-    p.add_argument("--peering-lifetime", type=int, default=60, metavar="SECONDS",
-                   help="how long a replica's peering entry outlives its last keep-alive (a crashed leader is "
-                        "replaced after this; default 60)")
-    p.add_argument("--rebalance-tick", type=float, default=None, metavar="SECONDS",
-                   help="how often to check whether a resource's rebalance interval has passed (default 15)")
+    p.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch only this namespace (repeatable; globs allowed); default: the whole cluster",
+    )
+    p.add_argument(
+        "--liveness",
+        default=DEFAULT_LIVENESS,
+        metavar="URL",
+        help=f"liveness endpoint to serve (default {DEFAULT_LIVENESS}; 'none' to disable)",
+    )
+    p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="(Cluster)KopfPeering name for several operator replicas: one leader, the rest standing by "
+        "(default: standalone)",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        metavar="N",
+        help="peering priority, the highest live replica leads (default: random, so replicas never tie: "
+        "Kopf pauses every replica of a tie)",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        metavar="SECONDS",
+        help="how long a replica's peering entry outlives its last keep-alive (a crashed leader is "
+        "replaced after this; default 60)",
+    )
+    p.add_argument(
+        "--rebalance-tick",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how often to check whether a resource's rebalance interval has passed (default 15)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -48,7 +78,7 @@ def operator_kwargs(args) -> dict:
         kw["clusterwide"] = True
     if args.peering:
         kw["peering_name"] = args.peering
-        kw["priority"] = args.priority if args.priority is not None else 1 + secrets.randbelow(2 ** 31 - 1)
+        kw["priority"] = args.priority if args.priority is not None else 1 + secrets.randbelow(2**31 - 1)
     else:
         kw["standalone"] = True
     return kw
@@ -62,16 +92,22 @@ def run(args) -> int:
 
     from expertmesh.operator.handlers import REBALANCE_TICK, Deps, build_registry
     from expertmesh.operator.kube import Kube
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         deps = Deps(kube=Kube.from_environment())
     except ConfigError as e:
-        print(f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "
-              f"~/.kube/config): {e}", file=sys.stderr)
+        print(
+            f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "
+            f"~/.kube/config): {e}",
+            file=sys.stderr,
+        )
         return 2
-    registry = build_registry(rebalance_tick=args.rebalance_tick or REBALANCE_TICK,
-                              peering_lifetime=args.peering_lifetime)
+    registry = build_registry(
+        rebalance_tick=args.rebalance_tick or REBALANCE_TICK, peering_lifetime=args.peering_lifetime
+    )
 
     # Kopf handles SIGINT/SIGTERM itself: it stops watching, lets running handlers finish, then returns
     asyncio.run(kopf.operator(registry=registry, memo=kopf.Memo(deps=deps), **operator_kwargs(args)))

@@ -13,6 +13,7 @@ Children of a `MoEDeployment` named N in namespace NS (built by children.py):
   Secret       N-worker-tls  the deployment's CA + worker server / client certificates (spec.security.workerTLS):
                              created once by the handler (worker_tls.py), never rebuilt from the spec
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,18 +39,18 @@ TEMPLATE_HASH_ANNOTATION = "expertmesh.dev/template-hash"  # tells pods of the c
 POD_MANAGED_LABELS = {LABEL_NAME: "expertmesh", LABEL_MANAGED_BY: OPERATOR_NAME}  # what the pod watch selects
 
 COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_EXPERT = "router", "attention-worker", "expert-worker"
-COMPONENT_PREFILL = "prefill-worker"   # the prefill pool's attention workers (spec.prefillWorkers)
+COMPONENT_PREFILL = "prefill-worker"  # the prefill pool's attention workers (spec.prefillWorkers)
 WORKER_COMPONENTS = (COMPONENT_ATTENTION, COMPONENT_PREFILL, COMPONENT_EXPERT)
 WORKER_PORT = 50061
-HEALTH_PORT = 50062         # plaintext, grpc.health.v1 only: the kubelet's gRPC probes (no client certificate)
-WORKER_TLS_DIR = "/etc/expertmesh-tls"   # the N-worker-tls Secret, mounted in every pod
-ROUTER_SALT_DIR = "/etc/expertmesh-router-salt"   # the N-router-salt Secret, in the router pods (replicas > 1)
-COLLECTIVE_PORT = 29500     # spec.transport collective: each expert pod's rendezvous store (worker/collective.py)
+HEALTH_PORT = 50062  # plaintext, grpc.health.v1 only: the kubelet's gRPC probes (no client certificate)
+WORKER_TLS_DIR = "/etc/expertmesh-tls"  # the N-worker-tls Secret, mounted in every pod
+ROUTER_SALT_DIR = "/etc/expertmesh-router-salt"  # the N-router-salt Secret, in the router pods (replicas > 1)
+COLLECTIVE_PORT = 29500  # spec.transport collective: each expert pod's rendezvous store (worker/collective.py)
 PLAN_DIR = "/etc/expertmesh"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 CHECKPOINT_MOUNT = "/mnt/checkpoint"
-CACHE_MOUNT = "/var/cache/expertmesh"   # fetched checkpoints, one directory per source
-KV_DISK_MOUNT = "/var/cache/expertmesh-kv"           # the attention workers' disk tier (spec.kv.disk)
+CACHE_MOUNT = "/var/cache/expertmesh"  # fetched checkpoints, one directory per source
+KV_DISK_MOUNT = "/var/cache/expertmesh-kv"  # the attention workers' disk tier (spec.kv.disk)
 FETCH_CONTAINER = "fetch"
 
 
@@ -91,8 +92,8 @@ def router_salt_secret_name(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ name bounds
-STATEFULSET_NAME_MAX = 52   # a StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>: a label value
-DNS_LABEL_MAX = 63          # a Service name (DNS-1035 label), a pod's hostname (<statefulset>-<ordinal>)
+STATEFULSET_NAME_MAX = 52  # a StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>: a label value
+DNS_LABEL_MAX = 63  # a Service name (DNS-1035 label), a pod's hostname (<statefulset>-<ordinal>)
 
 
 def _suffix(fn) -> int:
@@ -106,24 +107,30 @@ def max_name_length() -> int:
     statefulsets = (attention_name, prefill_name, expert_name)
     services = (attention_name, prefill_name, expert_name, router_name)
     ordinal = len(str(max(MAX_ATTENTION_REPLICAS, MAX_PREFILL_REPLICAS, MAX_EXPERT_REPLICAS) - 1))
-    return min(STATEFULSET_NAME_MAX - max(map(_suffix, statefulsets)),
-               DNS_LABEL_MAX - max(map(_suffix, services)),
-               DNS_LABEL_MAX - max(_suffix(f) + 1 + ordinal for f in statefulsets))
+    return min(
+        STATEFULSET_NAME_MAX - max(map(_suffix, statefulsets)),
+        DNS_LABEL_MAX - max(map(_suffix, services)),
+        DNS_LABEL_MAX - max(_suffix(f) + 1 + ordinal for f in statefulsets),
+    )
 
 
 MAX_NAME_LENGTH = max_name_length()
-NAME_PATTERN = DNS1035_LABEL   # Service names: a letter first, no dots
+NAME_PATTERN = DNS1035_LABEL  # Service names: a letter first, no dots
 
 
 def name_error(name: str) -> str | None:
     """What is wrong with a MoEDeployment's `metadata.name` for its children (None: nothing). The CRD's schema and
     CEL rule refuse such names at the API server; the operator says the same for a resource created before them."""
     if len(name) > MAX_NAME_LENGTH:
-        return (f"metadata.name {name[:80]!r}: at most {MAX_NAME_LENGTH} characters (the operator names children "
-                f"<name>-attention, <name>-expert, ...: a StatefulSet's name stays within {STATEFULSET_NAME_MAX})")
+        return (
+            f"metadata.name {name[:80]!r}: at most {MAX_NAME_LENGTH} characters (the operator names children "
+            f"<name>-attention, <name>-expert, ...: a StatefulSet's name stays within {STATEFULSET_NAME_MAX})"
+        )
     if not re.fullmatch(NAME_PATTERN, name):
-        return (f"metadata.name {name!r}: must be a DNS-1035 label (lowercase letters, digits and '-', starting with "
-                f"a letter, no '.'): it names the deployment's Services")
+        return (
+            f"metadata.name {name!r}: must be a DNS-1035 label (lowercase letters, digits and '-', starting with "
+            f"a letter, no '.'): it names the deployment's Services"
+        )
     return None
 
 
@@ -151,8 +158,7 @@ def selector_string(sel: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(sel.items()))
 
 
-def object_meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, *, instance: str,
-                **extra) -> dict:
+def object_meta(name: str, namespace: str, component: str, spec: MoEDeploymentSpec, *, instance: str, **extra) -> dict:
     """`metadata` of a child object `name` of the MoEDeployment `instance` (labels included; `extra`: e.g.
     annotations)."""
     return {"name": name, "namespace": namespace, "labels": labels(instance, component, spec), **extra}
@@ -168,12 +174,17 @@ def statefulset_addresses(name: str, namespace: str, statefulset: str, replicas:
     return [pod_dns(name, namespace, statefulset, i) for i in range(replicas)]
 
 
-def worker_addresses(name: str, namespace: str, spec: MoEDeploymentSpec,
-                     attention_replicas: int | None = None) -> tuple[list[str], list[str]]:
+def worker_addresses(
+    name: str, namespace: str, spec: MoEDeploymentSpec, attention_replicas: int | None = None
+) -> tuple[list[str], list[str]]:
     """(attention, expert) worker addresses in ordinal order, as the router is given them (`attention_replicas`: the
     attention StatefulSet's replicas when they are not the spec's — an autoscaled pool)."""
-    att = statefulset_addresses(name, namespace, attention_name(name),
-                                spec.attention_workers.replicas if attention_replicas is None else attention_replicas)
+    att = statefulset_addresses(
+        name,
+        namespace,
+        attention_name(name),
+        spec.attention_workers.replicas if attention_replicas is None else attention_replicas,
+    )
     exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
     return att, exp
 

@@ -4,6 +4,7 @@ Pure functions over the planner (`expertmesh.placement.planner`): they decide be
 still-valid shard stays) and a fresh one, renumber a plan around lost pods, and judge the router's load statistics.
 A new plan reaches the pods through the plan ConfigMap only (see `changed_ordinals`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,21 +20,30 @@ from expertmesh.placement.planner import PlanError, imbalance, moved_shards, pla
 def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:
     """The expert workers of a spec as the planner sees them (a CPU pod counts as one device)."""
     ew = spec.expert_workers
-    return ClusterShape(pods=ew.replicas, gpus_per_pod=ew.devices_per_pod,
-                        gpu_memory_bytes=int(ew.gpu_memory_gib * GIB), reserve_bytes=int(ew.reserve_gib * GIB))
+    return ClusterShape(
+        pods=ew.replicas,
+        gpus_per_pod=ew.devices_per_pod,
+        gpu_memory_bytes=int(ew.gpu_memory_gib * GIB),
+        reserve_bytes=int(ew.reserve_gib * GIB),
+    )
 
 
 def compatible(previous: PlacementPlan | None, cfg) -> PlacementPlan | None:
     """`previous` when it is a plan of this model (so its shards can stay put), else None."""
     if previous is None:
         return None
-    same = (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) == \
-        (cfg.name, cfg.moe_layers, cfg.moe.n_routed_experts, cfg.expert_bytes_mxfp4)
+    same = (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) == (
+        cfg.name,
+        cfg.moe_layers,
+        cfg.moe.n_routed_experts,
+        cfg.expert_bytes_mxfp4,
+    )
     return previous if same else None
 
 
-def plan_for(spec: MoEDeploymentSpec, cfg, previous: PlacementPlan | None = None, loads=None,
-             reuse: bool = True) -> PlacementPlan:
+def plan_for(
+    spec: MoEDeploymentSpec, cfg, previous: PlacementPlan | None = None, loads=None, reuse: bool = True
+) -> PlacementPlan:
     """The plan for a spec on all its expert pods. With a previous plan of this model, the minimal-movement
     plan (every still-valid shard stays) is preferred; when that is out of balance — expected imbalance above
     `placement.imbalanceThreshold`, e.g. pods were added and would stay empty — a fresh plan is taken if it
@@ -71,13 +81,17 @@ def _spread_figures(figures: PlanFigures, workers, expert_bytes: int) -> PlanFig
     """`figures` with the per-GPU shard/byte minimum and mean recomputed over `workers`."""
     per_gpu = [len(g.shards) for w in workers for g in w.gpus]
     mean = sum(per_gpu) / len(per_gpu)
-    return figures.model_copy(update={"shards_per_gpu_min": min(per_gpu), "shards_per_gpu_mean": mean,
-                                      "bytes_per_gpu_min": min(per_gpu) * expert_bytes,
-                                      "bytes_per_gpu_mean": mean * expert_bytes})
+    return figures.model_copy(
+        update={
+            "shards_per_gpu_min": min(per_gpu),
+            "shards_per_gpu_mean": mean,
+            "bytes_per_gpu_min": min(per_gpu) * expert_bytes,
+            "bytes_per_gpu_mean": mean * expert_bytes,
+        }
+    )
 
 
-def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Iterable[int],
-                  loads=None) -> PlacementPlan:
+def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Iterable[int], loads=None) -> PlacementPlan:
     """Re-plan onto the expert pods that are not `lost`, moving as little as possible.
 
     The planner numbers pods 0..P-1 and drops shards of pods past the end, so the lost pods are renumbered to
@@ -94,10 +108,15 @@ def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Itera
         raise PlanError(f"all {P} expert workers are lost: no pod left to plan onto")
     order = survivors + lost  # new index i ← old ordinal order[i]
     permuted = _with_workers(plan, [plan.workers[o].gpus for o in order], plan.figures)
-    shape = ClusterShape(pods=len(survivors), gpus_per_pod=G, gpu_memory_bytes=plan.cluster.gpu_memory_bytes,
-                         reserve_bytes=plan.cluster.reserve_bytes)
-    compact = plan_placement(cfg, shape, redundant_slots=spec.expert_workers.redundant_experts, loads=loads,
-                             previous=permuted)
+    shape = ClusterShape(
+        pods=len(survivors),
+        gpus_per_pod=G,
+        gpu_memory_bytes=plan.cluster.gpu_memory_bytes,
+        reserve_bytes=plan.cluster.reserve_bytes,
+    )
+    compact = plan_placement(
+        cfg, shape, redundant_slots=spec.expert_workers.redundant_experts, loads=loads, previous=permuted
+    )
     empty = tuple(GpuPlacement(gpu=g, shards=(), bytes=0) for g in range(G))
     gpus = [empty] * P
     for i, o in enumerate(survivors):
@@ -105,20 +124,28 @@ def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Itera
     # the planner's note about shards "on pods that no longer exist" means the lost pods here: say so instead
     notes = tuple(n for n in compact.notes if "no longer exist" not in n) + (
         f"expert workers {lost} lost: planned onto the {len(survivors)} survivors {survivors}; the lost "
-        f"ordinals hold no experts",)
+        f"ordinals hold no experts",
+    )
     staged = _with_workers(plan, gpus, compact.figures, notes=notes)
     figures = _spread_figures(compact.figures, staged.workers, plan.expert_bytes).model_copy(
-        update={"moved_shards": moved_shards(plan, staged), "previous_hash": plan.plan_hash()})
+        update={"moved_shards": moved_shards(plan, staged), "previous_hash": plan.plan_hash()}
+    )
     return _with_workers(plan, gpus, figures, notes=notes)
 
 
 def _with_workers(plan: PlacementPlan, gpus_by_ordinal, figures: PlanFigures, notes=None) -> PlacementPlan:
     """A validated copy of `plan` with other per-ordinal GPU placements (and figures/notes)."""
     return PlacementPlan(
-        model_name=plan.model_name, moe_layers=plan.moe_layers, n_experts=plan.n_experts, top_k=plan.top_k,
-        expert_bytes=plan.expert_bytes, cluster=plan.cluster,
+        model_name=plan.model_name,
+        moe_layers=plan.moe_layers,
+        n_experts=plan.n_experts,
+        top_k=plan.top_k,
+        expert_bytes=plan.expert_bytes,
+        cluster=plan.cluster,
         workers=tuple(WorkerPlacement(ordinal=o, gpus=tuple(g)) for o, g in enumerate(gpus_by_ordinal)),
-        figures=figures, notes=plan.notes if notes is None else tuple(notes))
+        figures=figures,
+        notes=plan.notes if notes is None else tuple(notes),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ plan rollout
@@ -162,9 +189,10 @@ def parse_load(payload: dict, cfg) -> np.ndarray:
 @dataclass
 class Rebalance:
     """The timer's verdict on observed load: `plan` is the new plan (None: keep the current one)."""
-    observed: float                    # imbalance of the current plan under the observed load
+
+    observed: float  # imbalance of the current plan under the observed load
     plan: PlacementPlan | None = None
-    expected: float | None = None   # imbalance of the new plan under the same load
+    expected: float | None = None  # imbalance of the new plan under the same load
     moved: int = 0
     reason: str = ""
 
@@ -188,7 +216,13 @@ def rebalance(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, loads: np.ndarr
         best = choose(best, plan_placement(cfg, shape, redundant_slots=r, loads=loads), threshold, loads)
     best_imb = imbalance(best, loads).mean
     if best_imb >= current or best.plan_hash() == plan.plan_hash():
-        return Rebalance(observed=current, reason=f"imbalance {current:.3f} > threshold {threshold}, "
-                                                  f"but no plan does better")
-    return Rebalance(observed=current, plan=best, expected=best_imb, moved=moved_shards(plan, best),
-                     reason=f"imbalance {current:.3f} > threshold {threshold}: re-planned to {best_imb:.3f}")
+        return Rebalance(
+            observed=current, reason=f"imbalance {current:.3f} > threshold {threshold}, but no plan does better"
+        )
+    return Rebalance(
+        observed=current,
+        plan=best,
+        expected=best_imb,
+        moved=moved_shards(plan, best),
+        reason=f"imbalance {current:.3f} > threshold {threshold}: re-planned to {best_imb:.3f}",
+    )

@@ -8,6 +8,7 @@ the given loads (or Zipf-skewed synthetic ones): shards and bytes per GPU, physi
 the expected imbalance of each under both loads, and the planning time. `--json` writes the plan for the given
 loads (uniform without `--loads`) with R redundant slots. A cluster too small exits 2 with the reason on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,25 +24,41 @@ from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="full-2.8t", help="model preset (default full-2.8t)")
     p.add_argument("--expert-pods", type=positive_int, required=True, metavar="N", help="expert worker pods")
     p.add_argument("--gpus-per-pod", type=positive_int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
-    p.add_argument("--gpu-memory-gib", type=positive_float, default=141.0, metavar="GIB", help="memory per GPU (default 141)")
-    p.add_argument("--reserve-gib", type=nonnegative_float, default=0.0, metavar="GIB",
-                   help="per-GPU memory kept for activations and buffers, not experts (default 0)")
-    p.add_argument("--redundant-experts", type=nonnegative_int, default=0, metavar="R",
-                   help="redundant expert slots per layer, all pods together (default 0)")
-    p.add_argument("--loads", type=Path, metavar="FILE",
-                   help="tokens per (MoE layer, expert): .npy or .json [layers][experts]")
+    p.add_argument(
+        "--gpu-memory-gib", type=positive_float, default=141.0, metavar="GIB", help="memory per GPU (default 141)"
+    )
+    p.add_argument(
+        "--reserve-gib",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="GIB",
+        help="per-GPU memory kept for activations and buffers, not experts (default 0)",
+    )
+    p.add_argument(
+        "--redundant-experts",
+        type=nonnegative_int,
+        default=0,
+        metavar="R",
+        help="redundant expert slots per layer, all pods together (default 0)",
+    )
+    p.add_argument(
+        "--loads", type=Path, metavar="FILE", help="tokens per (MoE layer, expert): .npy or .json [layers][experts]"
+    )
     p.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of the synthetic skew without --loads")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the synthetic skew")
     p.add_argument("--previous", type=Path, metavar="PLAN", help="plan in force: report (and minimise) moved shards")
-    p.add_argument("--group-aware", action="store_true",
-                   help="each combine group's experts on one pod (less combine traffic; see plan_placement)")
+    p.add_argument(
+        "--group-aware",
+        action="store_true",
+        help="each combine group's experts on one pod (less combine traffic; see plan_placement)",
+    )
     p.add_argument("--json", type=Path, metavar="OUT", help="write the plan (given loads, R redundant) as JSON")
 
 
@@ -63,7 +80,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 
 def _unit(n_bytes: float) -> tuple[str, int]:
-    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if n_bytes >= size:
             return unit, size
     return "B", 1
@@ -72,8 +89,12 @@ def _unit(n_bytes: float) -> tuple[str, int]:
 def run(args) -> int:
     try:
         cfg = preset(args.preset)
-        shape = ClusterShape(pods=args.expert_pods, gpus_per_pod=args.gpus_per_pod,
-                             gpu_memory_bytes=int(args.gpu_memory_gib * GIB), reserve_bytes=int(args.reserve_gib * GIB))
+        shape = ClusterShape(
+            pods=args.expert_pods,
+            gpus_per_pod=args.gpus_per_pod,
+            gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
+            reserve_bytes=int(args.reserve_gib * GIB),
+        )
         if args.loads is not None:
             skewed, skew_name = read_loads(args.loads), "given loads"
         else:
@@ -92,8 +113,9 @@ def run(args) -> int:
         results = []
         for name, loads, r in columns:
             t0 = time.perf_counter()
-            plan = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous,
-                                  group_aware=args.group_aware)
+            plan = plan_placement(
+                cfg, shape, redundant_slots=r, loads=loads, previous=previous, group_aware=args.group_aware
+            )
             seconds = time.perf_counter() - t0
             results.append((f"{name}, r={r}", plan, seconds, imbalance(plan, uniform), imbalance(plan, skewed)))
     except PlanError as e:
@@ -105,25 +127,40 @@ def run(args) -> int:
 
     main = results[-1 if args.loads is not None else (1 if R > 0 else 0)]
     B = cfg.expert_bytes_mxfp4
-    print(f"expertmesh plan: {cfg.name} ({cfg.n_moe_layers} MoE layers x {cfg.moe.n_routed_experts} experts, "
-          f"{B / _unit(B)[1]:,.1f} {_unit(B)[0]} each in MXFP4) on {shape.pods} pods x {shape.gpus_per_pod} GPUs x "
-          f"{args.gpu_memory_gib:g} GiB (reserve {args.reserve_gib:g} GiB/GPU: {main[1].figures.slots_per_gpu:,} "
-          f"expert slots/GPU)")
+    print(
+        f"expertmesh plan: {cfg.name} ({cfg.n_moe_layers} MoE layers x {cfg.moe.n_routed_experts} experts, "
+        f"{B / _unit(B)[1]:,.1f} {_unit(B)[0]} each in MXFP4) on {shape.pods} pods x {shape.gpus_per_pod} GPUs x "
+        f"{args.gpu_memory_gib:g} GiB (reserve {args.reserve_gib:g} GiB/GPU: {main[1].figures.slots_per_gpu:,} "
+        f"expert slots/GPU)"
+    )
     rows: list[tuple[str, list[str]]] = []
 
     def row(label, fn):
         rows.append((label, [fn(res) for res in results]))
+
     row("logical experts", lambda res: f"{res[1].figures.logical_experts:,}")
     row("physical experts", lambda res: f"{res[1].figures.physical_experts:,}")
-    row("redundant / layer (asked)", lambda res: f"{res[1].figures.redundant_per_layer} "
-                                                  f"({res[1].figures.redundant_requested})")
+    row(
+        "redundant / layer (asked)",
+        lambda res: f"{res[1].figures.redundant_per_layer} ({res[1].figures.redundant_requested})",
+    )
     row("max replicas of an expert", lambda res: f"{int(res[1].replica_counts().max())}")
-    row("shards/GPU min/mean/max", lambda res: f"{res[1].figures.shards_per_gpu_min}/"
-                                               f"{res[1].figures.shards_per_gpu_mean:.1f}/{res[1].figures.shards_per_gpu_max}")
+    row(
+        "shards/GPU min/mean/max",
+        lambda res: (
+            f"{res[1].figures.shards_per_gpu_min}/"
+            f"{res[1].figures.shards_per_gpu_mean:.1f}/{res[1].figures.shards_per_gpu_max}"
+        ),
+    )
     unit, size = _unit(max(res[1].figures.bytes_per_gpu_max for res in results))
-    row(f"{unit}/GPU min/mean/max", lambda res: f"{res[1].figures.bytes_per_gpu_min / size:.2f}/"
-                                                f"{res[1].figures.bytes_per_gpu_mean / size:.2f}/"
-                                                f"{res[1].figures.bytes_per_gpu_max / size:.2f}")
+    row(
+        f"{unit}/GPU min/mean/max",
+        lambda res: (
+            f"{res[1].figures.bytes_per_gpu_min / size:.2f}/"
+            f"{res[1].figures.bytes_per_gpu_mean / size:.2f}/"
+            f"{res[1].figures.bytes_per_gpu_max / size:.2f}"
+        ),
+    )
     row("imbalance uniform (mean/worst)", lambda res: f"{_fmt(res[3].mean)}/{_fmt(res[3].worst)}")
     row(f"imbalance {skew_name} (mean/worst)", lambda res: f"{_fmt(res[4].mean)}/{_fmt(res[4].worst)}")
     if previous is not None:
@@ -138,14 +175,17 @@ def run(args) -> int:
         print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
     from expertmesh.model import memory  # imports torch: only for this table, not for every `expertmesh` command
+
     plan = main[1]
     worst = max(range(plan.cluster.pods), key=lambda o: plan.workers[o].bytes)
     em = memory.plan_expert_memory(cfg, plan, worst)
     am = memory.attention_memory(cfg, kv_blocks=0, block_size=16)
-    print(f"resident per device (as `expertmesh worker --device meta --dry-run` reports): expert worker {worst} "
-          f"max {max(em.devices.values()) / GIB:.2f} GiB (weights {em.weights_bytes / GIB:.2f} GiB over "
-          f"{len(em.devices)} devices, workspace {em.workspace_bytes / GIB:.2f} GiB); attention worker weights "
-          f"{am.weights_bytes / GIB:.2f} GiB bf16 + workspace {am.workspace_bytes / GIB:.2f} GiB before KV")
+    print(
+        f"resident per device (as `expertmesh worker --device meta --dry-run` reports): expert worker {worst} "
+        f"max {max(em.devices.values()) / GIB:.2f} GiB (weights {em.weights_bytes / GIB:.2f} GiB over "
+        f"{len(em.devices)} devices, workspace {em.workspace_bytes / GIB:.2f} GiB); attention worker weights "
+        f"{am.weights_bytes / GIB:.2f} GiB bf16 + workspace {am.workspace_bytes / GIB:.2f} GiB before KV"
+    )
     notes = [(res[0], n) for res in results for n in res[1].notes]
     for name, note in notes:
         print(f"note ({name}): {note}")

@@ -11,6 +11,7 @@ exits after `idle` seconds without a plan. Its data segment is limited (RLIMIT_D
     runner = PlanRunner()
     plan = await runner.run(plan_for, spec, cfg, previous=previous)   # PlanningFailed past the budget
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,11 +25,11 @@ from typing import Any
 
 from expertmesh.runtime.process_limits import limit_data_segment
 
-MIB = 2 ** 20
-PLAN_DEADLINE = 60.0                # seconds one plan may take
-PLAN_MEMORY_LIMIT = 512 * MIB       # the planning process's data beyond its imports
-START_DEADLINE = 120.0              # starting the process and importing the planner (torch among it)
-IDLE_SECONDS = 300.0                # the process exits after this long without a plan
+MIB = 2**20
+PLAN_DEADLINE = 60.0  # seconds one plan may take
+PLAN_MEMORY_LIMIT = 512 * MIB  # the planning process's data beyond its imports
+START_DEADLINE = 120.0  # starting the process and importing the planner (torch among it)
+IDLE_SECONDS = 300.0  # the process exits after this long without a plan
 # imported by the child before its memory is limited (the planner imports expertmesh.model.memory on its first call)
 WARM_MODULES = ("expertmesh.operator.placement_policy", "expertmesh.model.memory")
 
@@ -40,7 +41,7 @@ class PlanningFailed(Exception):
 def _start(memory_limit: int | None) -> None:
     """The child's initializer: import the planner, then cap the data segment at what that took + the limit."""
     for name in WARM_MODULES:
-        importlib.import_module(name)   # here, not at the top: only the planning process needs torch
+        importlib.import_module(name)  # here, not at the top: only the planning process needs torch
     if memory_limit:
         limit_data_segment(memory_limit)
 
@@ -62,13 +63,18 @@ class PlanRunner:
     """One planning process, one plan at a time (later callers wait their turn; the deadline counts from the
     start of their own plan)."""
 
-    def __init__(self, deadline: float = PLAN_DEADLINE, memory_limit: int | None = PLAN_MEMORY_LIMIT,
-                 idle: float = IDLE_SECONDS, start_deadline: float = START_DEADLINE):
+    def __init__(
+        self,
+        deadline: float = PLAN_DEADLINE,
+        memory_limit: int | None = PLAN_MEMORY_LIMIT,
+        idle: float = IDLE_SECONDS,
+        start_deadline: float = START_DEADLINE,
+    ):
         self.deadline, self.memory_limit, self.idle, self.start_deadline = deadline, memory_limit, idle, start_deadline
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._locks: dict[int, asyncio.Lock] = {}
         self._last = 0.0
-        self.started = 0   # planning processes started (tests read it)
+        self.started = 0  # planning processes started (tests read it)
 
     def _lock(self) -> asyncio.Lock:
         return self._locks.setdefault(id(asyncio.get_running_loop()), asyncio.Lock())
@@ -76,15 +82,19 @@ class PlanRunner:
     async def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-                initargs=(self.memory_limit,))
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start,
+                initargs=(self.memory_limit,),
+            )
             self.started += 1
             try:  # the start (a new interpreter importing the planner) is not counted against a plan's deadline
                 await asyncio.wait_for(asyncio.wrap_future(self._pool.submit(_ready)), self.start_deadline)
             except (TimeoutError, BrokenProcessPool, OSError) as e:
                 self._kill()
-                raise PlanningFailed(f"the planning process did not start within {self.start_deadline:g} s: "
-                                     f"{type(e).__name__} {e}") from None
+                raise PlanningFailed(
+                    f"the planning process did not start within {self.start_deadline:g} s: {type(e).__name__} {e}"
+                ) from None
         return self._pool
 
     async def run(self, fn: Callable, *args, **kwargs):
@@ -105,8 +115,9 @@ class PlanRunner:
             finally:
                 self._touch()
         if status == "memory":
-            raise PlanningFailed(f"planning needed more than the planning process's "
-                                 f"{(self.memory_limit or 0) / MIB:,.0f} MiB ({value})")
+            raise PlanningFailed(
+                f"planning needed more than the planning process's {(self.memory_limit or 0) / MIB:,.0f} MiB ({value})"
+            )
         return value
 
     def _touch(self) -> None:
@@ -115,8 +126,11 @@ class PlanRunner:
             asyncio.get_running_loop().call_later(self.idle, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
-        if self._pool is not None and time.monotonic() - self._last >= self.idle and \
-                not any(lock.locked() for lock in self._locks.values()):
+        if (
+            self._pool is not None
+            and time.monotonic() - self._last >= self.idle
+            and not any(lock.locked() for lock in self._locks.values())
+        ):
             self.close()
 
     def _kill(self) -> None:

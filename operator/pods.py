@@ -2,6 +2,7 @@
 the deployment's pods stand (`assess`: live pods per component, lost plan-holding expert pods, experts left without a
 live replica). Pure: pod objects (dicts) in, plain data out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,7 @@ from expertmesh.placement.plan import PlacementPlan
 @dataclass(frozen=True)
 class PodInfo:
     """What the operator needs of one of its pods."""
+
     name: str
     component: str
     ordinal: int | None  # StatefulSet ordinal (None for router pods)
@@ -31,9 +33,9 @@ class PodInfo:
     template_hash: str | None  # the pod template it was created from (see TEMPLATE_HASH_ANNOTATION)
     deleting: bool = False
     uid: str = ""
-    fetch: str | None = None   # the checkpoint fetch (init container): None (none), running, done, failed
-    fetch_error: str = ""         # a failed fetch's termination message (its last log line names the file)
-    node: str = ""                # the node it runs on (pods of one node share the checkpoint cache)
+    fetch: str | None = None  # the checkpoint fetch (init container): None (none), running, done, failed
+    fetch_error: str = ""  # a failed fetch's termination message (its last log line names the file)
+    node: str = ""  # the node it runs on (pods of one node share the checkpoint cache)
 
     @property
     def live(self) -> bool:
@@ -45,8 +47,10 @@ def pod_info(body: dict) -> PodInfo | None:
     meta = body.get("metadata") or {}
     lab = meta.get("labels") or {}
     component = lab.get(LABEL_COMPONENT)
-    if component not in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL, COMPONENT_EXPERT) or \
-            LABEL_INSTANCE not in lab:
+    if (
+        component not in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL, COMPONENT_EXPERT)
+        or LABEL_INSTANCE not in lab
+    ):
         return None
     name = meta.get("name", "")
     ordinal = None
@@ -55,12 +59,21 @@ def pod_info(body: dict) -> PodInfo | None:
         ordinal = int(tail) if tail.isdigit() else None
     st = body.get("status") or {}
     ready = st.get("phase", "Running") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []
+    )
     fetch, fetch_error = _fetch_state(st)
-    return PodInfo(name=name, component=component, ordinal=ordinal, ready=ready,
-                   template_hash=(meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
-                   deleting=bool(meta.get("deletionTimestamp")), uid=meta.get("uid", ""),
-                   fetch=fetch, fetch_error=fetch_error, node=(body.get("spec") or {}).get("nodeName") or "")
+    return PodInfo(
+        name=name,
+        component=component,
+        ordinal=ordinal,
+        ready=ready,
+        template_hash=(meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
+        deleting=bool(meta.get("deletionTimestamp")),
+        uid=meta.get("uid", ""),
+        fetch=fetch,
+        fetch_error=fetch_error,
+        node=(body.get("spec") or {}).get("nodeName") or "",
+    )
 
 
 def _fetch_state(pod_status: dict) -> tuple[str | None, str]:
@@ -80,17 +93,19 @@ def _fetch_state(pod_status: dict) -> tuple[str | None, str]:
 @dataclass
 class Assessment:
     """The pods as observed against the plan in force."""
-    ready: dict[str, int]            # component → live pods (experts: plan-holding ordinals)
+
+    ready: dict[str, int]  # component → live pods (experts: plan-holding ordinals)
     desired: dict[str, int]
-    lost_experts: list[int]          # plan-holding expert ordinals without a live pod
+    lost_experts: list[int]  # plan-holding expert ordinals without a live pod
     unserved: list[tuple[int, int]]  # (layer, expert) left without a live replica
-    live_expert_ordinals: set[int]   # ordinals with a live expert pod, on any plan
+    live_expert_ordinals: set[int]  # ordinals with a live expert pod, on any plan
 
     @property
     def rolled_out(self) -> bool:
         """Every pod the plan needs is live."""
-        return not self.lost_experts and all(self.ready[c] >= self.desired[c]
-                                             for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL))
+        return not self.lost_experts and all(
+            self.ready[c] >= self.desired[c] for c in (COMPONENT_ROUTER, COMPONENT_ATTENTION, COMPONENT_PREFILL)
+        )
 
     @property
     def ready_workers(self) -> int:
@@ -106,30 +121,58 @@ def plan_ordinals(plan: PlacementPlan) -> list[int]:
     return [w.ordinal for w in plan.workers if any(g.shards for g in w.gpus)]
 
 
-def assess(spec: MoEDeploymentSpec, plan: PlacementPlan, pods: Iterable[PodInfo],
-           templates: dict[str, str], pools: Mapping[str, int] | None = None) -> Assessment:
+def assess(
+    spec: MoEDeploymentSpec,
+    plan: PlacementPlan,
+    pods: Iterable[PodInfo],
+    templates: dict[str, str],
+    pools: Mapping[str, int] | None = None,
+) -> Assessment:
     """Count live pods of the current templates (`templates`: component → template hash, see
     `children.template_hashes`); find the plan-holding expert pods that are not live on the current template, and the
     experts they leave without a live replica. `pools`: attention pool component → its pods now (pools.py: an
     autoscaled pool's are its StatefulSet's); default the spec's attention workers and no prefill pool."""
     pods = list(pods)
     pools = pools if pools is not None else {COMPONENT_ATTENTION: spec.attention_workers.replicas}
-    desired = {COMPONENT_ROUTER: spec.router.replicas, COMPONENT_ATTENTION: pools.get(COMPONENT_ATTENTION, 0),
-               COMPONENT_PREFILL: pools.get(COMPONENT_PREFILL, 0), COMPONENT_EXPERT: plan.cluster.pods}
+    desired = {
+        COMPONENT_ROUTER: spec.router.replicas,
+        COMPONENT_ATTENTION: pools.get(COMPONENT_ATTENTION, 0),
+        COMPONENT_PREFILL: pools.get(COMPONENT_PREFILL, 0),
+        COMPONENT_EXPERT: plan.cluster.pods,
+    }
 
     def live(component: str, current: bool = True) -> set:
-        return {p.ordinal if component != COMPONENT_ROUTER else p.name for p in pods
-                if p.component == component and p.live
-                and (not current or p.template_hash == templates.get(component))
-                and (component == COMPONENT_ROUTER or (p.ordinal is not None and p.ordinal < desired[component]))}
+        return {
+            p.ordinal if component != COMPONENT_ROUTER else p.name
+            for p in pods
+            if p.component == component
+            and p.live
+            and (not current or p.template_hash == templates.get(component))
+            and (component == COMPONENT_ROUTER or (p.ordinal is not None and p.ordinal < desired[component]))
+        }
 
     live_exp = live(COMPONENT_EXPERT)
     holding = plan_ordinals(plan)
     lost = [o for o in holding if o not in live_exp]
-    unserved = sorted({(layer, e) for o in lost for layer, e in plan.experts_of(o)
-                       if not any(r in live_exp for r in plan.replicas(layer, e))})
-    ready = {COMPONENT_ROUTER: len(live(COMPONENT_ROUTER)), COMPONENT_ATTENTION: len(live(COMPONENT_ATTENTION)),
-             COMPONENT_PREFILL: len(live(COMPONENT_PREFILL)), COMPONENT_EXPERT: len([o for o in holding if o in live_exp])}
+    unserved = sorted(
+        {
+            (layer, e)
+            for o in lost
+            for layer, e in plan.experts_of(o)
+            if not any(r in live_exp for r in plan.replicas(layer, e))
+        }
+    )
+    ready = {
+        COMPONENT_ROUTER: len(live(COMPONENT_ROUTER)),
+        COMPONENT_ATTENTION: len(live(COMPONENT_ATTENTION)),
+        COMPONENT_PREFILL: len(live(COMPONENT_PREFILL)),
+        COMPONENT_EXPERT: len([o for o in holding if o in live_exp]),
+    }
     desired[COMPONENT_EXPERT] = len(holding)
-    return Assessment(ready=ready, desired=desired, lost_experts=lost, unserved=unserved,
-                      live_expert_ordinals=live(COMPONENT_EXPERT, current=False))
+    return Assessment(
+        ready=ready,
+        desired=desired,
+        lost_experts=lost,
+        unserved=unserved,
+        live_expert_ordinals=live(COMPONENT_EXPERT, current=False),
+    )

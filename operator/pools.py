@@ -11,6 +11,7 @@ workers run prompts and decode, as before. With one there are two:
 An autoscaled pool (`autoscale`) has as many pods as its StatefulSet has now (the HorizontalPodAutoscaler sets them),
 within [minReplicas, maxReplicas]; minReplicas before the StatefulSet exists.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,12 +42,13 @@ METRIC_SERIES = {
 @dataclass(frozen=True)
 class Pool:
     """One attention pool as the children are built from it."""
-    role: str                     # mixed | prefill | decode: the worker's --pool
-    component: str                # its pods' app.kubernetes.io/component label
-    statefulset: str              # its StatefulSet's (and headless Service's, and HPA's) name
-    field: str                    # its spec field, for messages: spec.attentionWorkers / spec.prefillWorkers
+
+    role: str  # mixed | prefill | decode: the worker's --pool
+    component: str  # its pods' app.kubernetes.io/component label
+    statefulset: str  # its StatefulSet's (and headless Service's, and HPA's) name
+    field: str  # its spec field, for messages: spec.attentionWorkers / spec.prefillWorkers
     workers: AttentionWorkersSpec | PrefillWorkersSpec
-    replicas: int                 # pods now: the spec's, or an autoscaled pool's StatefulSet's
+    replicas: int  # pods now: the spec's, or an autoscaled pool's StatefulSet's
 
     @property
     def autoscale(self) -> AutoscaleSpec | None:
@@ -75,11 +77,27 @@ def attention_pools(name: str, spec: MoEDeploymentSpec, observed: Mapping[str, i
     observed = observed or {}
     aw, pw = spec.attention_workers, spec.prefill_workers
     split = pw.enabled
-    pools = [Pool(DECODE if split else MIXED, COMPONENT_ATTENTION, attention_name(name), "spec.attentionWorkers", aw,
-                  pool_replicas(aw.replicas, aw.autoscale, observed.get(COMPONENT_ATTENTION)))]
+    pools = [
+        Pool(
+            DECODE if split else MIXED,
+            COMPONENT_ATTENTION,
+            attention_name(name),
+            "spec.attentionWorkers",
+            aw,
+            pool_replicas(aw.replicas, aw.autoscale, observed.get(COMPONENT_ATTENTION)),
+        )
+    ]
     if split:
-        pools.append(Pool(PREFILL, COMPONENT_PREFILL, prefill_name(name), "spec.prefillWorkers", pw,
-                          pool_replicas(pw.replicas, pw.autoscale, observed.get(COMPONENT_PREFILL))))
+        pools.append(
+            Pool(
+                PREFILL,
+                COMPONENT_PREFILL,
+                prefill_name(name),
+                "spec.prefillWorkers",
+                pw,
+                pool_replicas(pw.replicas, pw.autoscale, observed.get(COMPONENT_PREFILL)),
+            )
+        )
     return pools
 
 
@@ -92,13 +110,15 @@ def autoscaled_components(spec: MoEDeploymentSpec) -> list[str]:
 @dataclass(frozen=True)
 class PoolKV:
     """One attention worker's KV: its device pool and the tiers below it."""
-    blocks: int                     # --kv-blocks: device KV pages of block_size tokens
-    host_gib: float = 0.0           # --kv-host-gib (0: no host tier)
+
+    blocks: int  # --kv-blocks: device KV pages of block_size tokens
+    host_gib: float = 0.0  # --kv-host-gib (0: no host tier)
     disk: KVDiskSpec | None = None  # --kv-disk-dir / --kv-disk-gib on its volume (None: no disk tier)
 
 
-def pool_kv(role: str, *, max_context: int, block_size: int, host_gib: float = 0.0,
-            disk: KVDiskSpec | None = None) -> PoolKV:
+def pool_kv(
+    role: str, *, max_context: int, block_size: int, host_gib: float = 0.0, disk: KVDiskSpec | None = None
+) -> PoolKV:
     """How much KV one worker of a pool holds, for its role. A sequence of the deployment's context needs
     S = ceil(max_context / block_size) pages.
 
@@ -126,5 +146,10 @@ def pool_kv(role: str, *, max_context: int, block_size: int, host_gib: float = 0
 def spec_pool_kv(spec: MoEDeploymentSpec, cfg, role: str) -> PoolKV:
     """pool_kv for a spec: its context (spec.kv.maxContext, else the model's), page size and tiers."""
     kv = spec.kv
-    return pool_kv(role, max_context=kv.max_context or cfg.max_context, block_size=kv.block_size,
-                   host_gib=kv.host_gib, disk=kv.disk)
+    return pool_kv(
+        role,
+        max_context=kv.max_context or cfg.max_context,
+        block_size=kv.block_size,
+        host_gib=kv.host_gib,
+        disk=kv.disk,
+    )

@@ -7,6 +7,7 @@ deployment's worker-TLS Secret and, with several router replicas, their prefix-s
 router reads its API key from its Secret through the pod's env,
 not through the operator).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -15,8 +16,8 @@ from expertmesh.operator.spec import GROUP, PLURAL
 
 
 class Rule(NamedTuple):
-    api_group: str          # "" is the core group
-    resource: str           # plural, with "/subresource" where it applies
+    api_group: str  # "" is the core group
+    resource: str  # plural, with "/subresource" where it applies
     verbs: tuple[str, ...]
 
 
@@ -78,13 +79,20 @@ def allows(granted: list[dict], api_group: str, resource: str, verb: str) -> boo
     """Whether a list of PolicyRules (as in a Role manifest) grants `verb` on `api_group/resource`."""
     for rule in granted:
         groups, resources, verbs = rule.get("apiGroups", []), rule.get("resources", []), rule.get("verbs", [])
-        if (api_group in groups or "*" in groups) and (resource in resources or "*" in resources) \
-                and (verb in verbs or "*" in verbs):
+        if (
+            (api_group in groups or "*" in groups)
+            and (resource in resources or "*" in resources)
+            and (verb in verbs or "*" in verbs)
+        ):
             return True
     return False
 
 
 def missing(granted: list[dict], rules: tuple[Rule, ...] = RULES) -> list[str]:
     """`group/resource:verb` entries of `rules` that `granted` does not allow (empty when it covers them)."""
-    return [f"{r.api_group or 'core'}/{r.resource}:{v}" for r in rules for v in r.verbs
-            if not allows(granted, r.api_group, r.resource, v)]
+    return [
+        f"{r.api_group or 'core'}/{r.resource}:{v}"
+        for r in rules
+        for v in r.verbs
+        if not allows(granted, r.api_group, r.resource, v)
+    ]

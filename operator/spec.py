@@ -13,6 +13,7 @@ built from them. Field names are camelCase in YAML (aliases) and snake_case in P
         checkpoint: {pvc: {claimName: weights, path: /full}, format: expertmesh-mxfp4}
       expertWorkers: {replicas: 16, gpusPerPod: 8, gpuMemoryGiB: 141, reserveGiB: 24, redundantExperts: 32}
 """
+
 from __future__ import annotations
 
 import re
@@ -60,7 +61,7 @@ SINGULAR = "moedeployment"
 SHORT_NAMES = ("moe",)
 API_VERSION = f"{GROUP}/{VERSION}"
 
-GIB = 2 ** 30
+GIB = 2**30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
@@ -69,28 +70,28 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
 # server refuses a spec past them; the operator checks them again for resources created before)
 MAX_ROUTER_REPLICAS = 64
-MAX_ATTENTION_REPLICAS = 512   # the router is given every worker's address in one argument (Linux: 128 KiB each)
-MAX_PREFILL_REPLICAS = 512     # likewise (--prefill)
+MAX_ATTENTION_REPLICAS = 512  # the router is given every worker's address in one argument (Linux: 128 KiB each)
+MAX_PREFILL_REPLICAS = 512  # likewise (--prefill)
 MAX_EXPERT_REPLICAS = 512
 MAX_GPUS_PER_POD = 16
 MAX_GPU_MEMORY_GIB = 4096
 MAX_REDUNDANT_EXPERTS = 16384  # per MoE layer; the planner caps it further to E x (pods - 1) and to memory
-MAX_CONTEXT = 2 ** 24          # tokens
-MAX_BLOCK_SIZE = 1024          # tokens per KV page
-MAX_KV_TIER_GIB = 2 ** 20      # a KV tier's bound (host memory or disk), GiB
-MAX_THINKING = 2 ** 24         # reasoning tokens
-MAX_SECONDS = 7 * 24 * 3600    # intervals and grace periods
+MAX_CONTEXT = 2**24  # tokens
+MAX_BLOCK_SIZE = 1024  # tokens per KV page
+MAX_KV_TIER_GIB = 2**20  # a KV tier's bound (host memory or disk), GiB
+MAX_THINKING = 2**24  # reasoning tokens
+MAX_SECONDS = 7 * 24 * 3600  # intervals and grace periods
 MAX_IMBALANCE = 1000.0
 MAX_TOLERATION_SECONDS = 365 * 24 * 3600
 MAX_RESOURCE_ENTRIES = 16
-MAX_RESOURCE_INT = 10 ** 15    # an integer quantity (bytes, cores, devices)
+MAX_RESOURCE_INT = 10**15  # an integer quantity (bytes, cores, devices)
 MAX_NODE_SELECTOR = 32
 MAX_TOLERATIONS = 32
-MAX_CONFIG_KEYS = 256          # top-level keys of an inline model config
-MAX_MODEL_LAYERS = 1024        # layers of an inline model config (checked before it is built)
-MESSAGE_MAX = 32768            # a condition's message (metav1.Condition's bound)
-MAX_INT64 = 2 ** 63 - 1
-MAX_AUTOSCALE_TARGET = 2 ** 24 # an autoscaling target: tokens or requests waiting per pod (kv_utilization: at most 1)
+MAX_CONFIG_KEYS = 256  # top-level keys of an inline model config
+MAX_MODEL_LAYERS = 1024  # layers of an inline model config (checked before it is built)
+MESSAGE_MAX = 32768  # a condition's message (metav1.Condition's bound)
+MAX_INT64 = 2**63 - 1
+MAX_AUTOSCALE_TARGET = 2**24  # an autoscaling target: tokens or requests waiting per pod (kv_utilization: at most 1)
 
 # Applied to nested objects with all-default fields so the API server fills their defaults in even when the
 # user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
@@ -99,20 +100,22 @@ _DEFAULT_EMPTY = {"default": {}}
 
 class _Spec(BaseModel):
     """camelCase in YAML, unknown fields rejected (a typo is an error, not silently ignored)."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False)
 
 
 def _checked(check, max_length: int, pattern: str | None = None, **field):
     """A string field bounded by `max_length` and, in the schema, `pattern`; pydantic runs `check` (value → what is
     wrong, or None) so that the message says what was expected in words rather than as a regular expression."""
+
     def run(value: str) -> str:
         err = check(value)
         if err:
             raise ValueError(f"{value[:80]!r} {err}")
         return value
+
     extra = {"pattern": pattern} if pattern else {}
-    return Annotated[str, Field(max_length=max_length, json_schema_extra=extra or None, **field),
-                     AfterValidator(run)]
+    return Annotated[str, Field(max_length=max_length, json_schema_extra=extra or None, **field), AfterValidator(run)]
 
 
 def _pattern_check(pattern: str, what: str):
@@ -122,20 +125,29 @@ def _pattern_check(pattern: str, what: str):
 DNSName = _checked(dns_subdomain_error, DNS1123_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN, min_length=1)
 QualifiedName = _checked(qualified_name_error, QUALIFIED_NAME_MAX, QUALIFIED_NAME, min_length=1)
 QualifiedNameKey = _checked(qualified_name_error, QUALIFIED_NAME_MAX, min_length=1)  # a map key: no pattern in a
-LabelValue = _checked(label_value_error, LABEL_VALUE_MAX, LABEL_VALUE)                 # structural schema
-SecretKey = _checked(_pattern_check(SECRET_KEY, "a Secret key (letters, digits, '-', '_' and '.')"),
-                     DNS1123_SUBDOMAIN_MAX, SECRET_KEY, min_length=1)
+LabelValue = _checked(label_value_error, LABEL_VALUE_MAX, LABEL_VALUE)  # structural schema
+SecretKey = _checked(
+    _pattern_check(SECRET_KEY, "a Secret key (letters, digits, '-', '_' and '.')"),
+    DNS1123_SUBDOMAIN_MAX,
+    SECRET_KEY,
+    min_length=1,
+)
 AbsolutePath = _checked(absolute_path_error, PATH_MAX, ABSOLUTE_PATH, min_length=1)
-URL = _checked(_pattern_check(r"^https?://[^\s\x00-\x1f\x7f]+$", "an http:// or https:// URL without spaces"),
-               URL_MAX, r"^https?://[^\s\x00-\x1f\x7f]+$", min_length=1)
-Endpoint = _checked(_pattern_check(NO_SPACE, "an endpoint without spaces or control characters"), URL_MAX, NO_SPACE,
-                    min_length=1)
+URL = _checked(
+    _pattern_check(r"^https?://[^\s\x00-\x1f\x7f]+$", "an http:// or https:// URL without spaces"),
+    URL_MAX,
+    r"^https?://[^\s\x00-\x1f\x7f]+$",
+    min_length=1,
+)
+Endpoint = _checked(
+    _pattern_check(NO_SPACE, "an endpoint without spaces or control characters"), URL_MAX, NO_SPACE, min_length=1
+)
 
 
 def _check_quantity(value: int | str) -> int | str:
     if isinstance(value, int) and not 0 <= value <= MAX_RESOURCE_INT:
         raise ValueError(f"{value} must be between 0 and {MAX_RESOURCE_INT}")
-    parse_quantity(value)   # ValueError naming the value
+    parse_quantity(value)  # ValueError naming the value
     return value
 
 
@@ -147,14 +159,20 @@ def _check_resource_name(name: str) -> str:
 
 
 IntOrString = int | str  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
-Quantity = Annotated[IntOrString, AfterValidator(_check_quantity), Field(json_schema_extra={
-    "pattern": QUANTITY, "maxLength": QUANTITY_MAX, "minimum": 0, "maximum": MAX_RESOURCE_INT})]
+Quantity = Annotated[
+    IntOrString,
+    AfterValidator(_check_quantity),
+    Field(
+        json_schema_extra={"pattern": QUANTITY, "maxLength": QUANTITY_MAX, "minimum": 0, "maximum": MAX_RESOURCE_INT}
+    ),
+]
 ResourceName = Annotated[str, Field(max_length=QUALIFIED_NAME_MAX), AfterValidator(_check_resource_name)]
 
 
 class Resources(_Spec):
     """Container resources (the `resources` of a Kubernetes container, without `claims`). Extended resources
     (e.g. GPUs) must have requests equal to limits; GPUs come from `gpusPerPod`."""
+
     limits: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
     requests: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
 
@@ -168,8 +186,10 @@ class Resources(_Spec):
                 continue
             req, lim = parse_quantity(request), parse_quantity(limit)
             if is_extended_resource(name) and req != lim:
-                raise ValueError(f"requests[{name!r}]={request} must equal limits[{name!r}]={limit} (an extended "
-                                 f"resource cannot be overcommitted)")
+                raise ValueError(
+                    f"requests[{name!r}]={request} must equal limits[{name!r}]={limit} (an extended "
+                    f"resource cannot be overcommitted)"
+                )
             if req > lim:
                 raise ValueError(f"requests[{name!r}]={request} exceeds limits[{name!r}]={limit}")
         return self
@@ -178,15 +198,21 @@ class Resources(_Spec):
         """GPUs are the workers' `gpusPerPod`: a GPU figure in resources must say the same."""
         for where, values in (("limits", self.limits), ("requests", self.requests)):
             if GPU_RESOURCE in values and parse_quantity(values[GPU_RESOURCE]) != Decimal(gpus):
-                raise ValueError(f"resources.{where}[{GPU_RESOURCE!r}]={values[GPU_RESOURCE]} must equal "
-                                 f"gpusPerPod={gpus} (GPUs are requested through gpusPerPod)")
+                raise ValueError(
+                    f"resources.{where}[{GPU_RESOURCE!r}]={values[GPU_RESOURCE]} must equal "
+                    f"gpusPerPod={gpus} (GPUs are requested through gpusPerPod)"
+                )
 
 
 # ------------------------------------------------------------------------------------------------ model
 class PVCSource(_Spec):
     claim_name: DNSName = Field(description="PersistentVolumeClaim holding the checkpoint")
-    path: str = Field("/", max_length=PATH_MAX, json_schema_extra={"pattern": VOLUME_PATH},
-                      description="checkpoint directory inside the volume (no '..': never above its root)")
+    path: str = Field(
+        "/",
+        max_length=PATH_MAX,
+        json_schema_extra={"pattern": VOLUME_PATH},
+        description="checkpoint directory inside the volume (no '..': never above its root)",
+    )
     read_only: bool = True
 
     @field_validator("path")
@@ -206,33 +232,45 @@ class SecretKeyRef(_Spec):
 class CheckpointCache(_Spec):
     """Where fetched checkpoints are kept: a directory on each node (pods on one node fetch once and share it),
     or a PersistentVolumeClaim (ReadWriteMany: one fetch for the whole cluster)."""
-    host_path: AbsolutePath = Field("/var/cache/expertmesh", description="node directory (hostPath): absolute, "
-                                                                         "no '..'")
+
+    host_path: AbsolutePath = Field("/var/cache/expertmesh", description="node directory (hostPath): absolute, no '..'")
     claim_name: DNSName | None = Field(None, description="a PVC to use instead of the hostPath")
 
 
 FETCHED_SCHEMES = ("http://", "https://", "hf://", "s3://")
-URI_PATTERN = r"^[^-\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"   # no option look-alike, no spaces
+URI_PATTERN = r"^[^-\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"  # no option look-alike, no spaces
 
 
 class CheckpointSource(_Spec):
     """Where the checkpoint lives: a PVC mounted into every pod, a path inside the image, or a remote source
     (http(s)://BASE or s3://BUCKET/PREFIX with an expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init
     container fetches into the cache volume, verifying every file's size and sha256."""
+
     pvc: PVCSource | None = None
-    uri: str | None = Field(None, min_length=1, max_length=URL_MAX, json_schema_extra={"pattern": URI_PATTERN},
-                               description="http(s)://…, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, or an absolute "
-                                           "path inside the image")
+    uri: str | None = Field(
+        None,
+        min_length=1,
+        max_length=URL_MAX,
+        json_schema_extra={"pattern": URI_PATTERN},
+        description="http(s)://…, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, or an absolute path inside the image",
+    )
     cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
     token_secret_ref: SecretKeyRef | None = Field(
-        None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)")
-    endpoint: URL | None = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in "
-                                                      "region)")
-    region: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                                  description="s3://: the signing region (default us-east-1)")
+        None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)"
+    )
+    endpoint: URL | None = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in region)")
+    region: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="s3://: the signing region (default us-east-1)",
+    )
     credentials_secret: DNSName | None = Field(
-        None, description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
-                          "AWS_SESSION_TOKEN) become the fetch container's environment")
+        None,
+        description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
+        "AWS_SESSION_TOKEN) become the fetch container's environment",
+    )
     format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
 
     @field_validator("uri")
@@ -240,7 +278,7 @@ class CheckpointSource(_Spec):
     def _uri(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if v.startswith("-"):   # it becomes a command-line argument of the fetch and worker containers
+        if v.startswith("-"):  # it becomes a command-line argument of the fetch and worker containers
             raise ValueError(f"uri {v[:80]!r}: must not start with '-' (it would be read as an option)")
         if not re.fullmatch(URI_PATTERN, v):
             raise ValueError(f"uri {v[:80]!r}: must not contain spaces or control characters")
@@ -255,8 +293,10 @@ class CheckpointSource(_Spec):
         if (self.pvc is None) == (self.uri is None):
             raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
         if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
-            raise ValueError(f"uri {self.uri[:80]!r}: supported sources are http://, https://, "
-                             f"hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX and paths inside the image")
+            raise ValueError(
+                f"uri {self.uri[:80]!r}: supported sources are http://, https://, "
+                f"hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX and paths inside the image"
+            )
         if self.uri is not None and self.uri.startswith("hf://"):
             repo = self.uri[5:].partition("@")[0]
             if repo.count("/") != 1 or not all(repo.split("/")):
@@ -276,11 +316,14 @@ class CheckpointSource(_Spec):
 
 class ModelSpec(_Spec):
     preset: Literal["tiny", "small", "full-2.8t"] | None = Field(
-        None, description="a built-in model preset; exclusive with config")
+        None, description="a built-in model preset; exclusive with config"
+    )
     config: dict[str, Any] | None = Field(
-        None, max_length=MAX_CONFIG_KEYS,
+        None,
+        max_length=MAX_CONFIG_KEYS,
         description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
-                    "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset")
+        "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset",
+    )
     checkpoint: CheckpointSource
 
     @model_validator(mode="after")
@@ -297,7 +340,8 @@ class RouterSpec(_Spec):
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(50051, ge=1, le=65535)
     api_key_secret_ref: SecretKeyRef | None = Field(
-        None, description="Secret key holding the API key clients must present")
+        None, description="Secret key holding the API key clients must present"
+    )
 
     @model_validator(mode="after")
     def _ports(self) -> RouterSpec:
@@ -317,13 +361,18 @@ class AutoscaleSpec(_Spec):
     prefill_tokens_waiting and requests_waiting the pool's total per pod (the HPA's AverageValue: it keeps about
     `target` waiting per pod); for kv_utilization the pool's fraction of KV in use, 0..1 (the HPA's Value). While a
     pool is autoscaled the operator keeps the StatefulSet's replicas as the HPA sets them (minReplicas at first)."""
+
     min_replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="the fewest pods (at least 1)")
     max_replicas: int = Field(ge=1, le=MAX_ATTENTION_REPLICAS, description="the most pods")
     metric: Literal["prefill_tokens_waiting", "requests_waiting", "kv_utilization"] = Field(
-        "requests_waiting", description="the router's per-pool series: expertmesh_pool_<metric>{pool=...}")
-    target: float = Field(gt=0, le=MAX_AUTOSCALE_TARGET,
-                          description="per pod for prefill_tokens_waiting / requests_waiting; the pool's fraction "
-                                      "(0..1] for kv_utilization")
+        "requests_waiting", description="the router's per-pool series: expertmesh_pool_<metric>{pool=...}"
+    )
+    target: float = Field(
+        gt=0,
+        le=MAX_AUTOSCALE_TARGET,
+        description="per pod for prefill_tokens_waiting / requests_waiting; the pool's fraction "
+        "(0..1] for kv_utilization",
+    )
 
     @field_validator("max_replicas")
     @classmethod
@@ -344,6 +393,7 @@ class AutoscaleSpec(_Spec):
 class AttentionWorkersSpec(_Spec):
     """The attention workers: with no prefill pool they run prompts and decode alike (pool `mixed`); beside a prefill
     pool (spec.prefillWorkers) they are the decode pool (`--pool decode`)."""
+
     replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="pods (with autoscale: the HPA's)")
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
@@ -359,15 +409,22 @@ class PrefillWorkersSpec(_Spec):
     """The prefill pool (prefill/decode disaggregation): attention workers run with `--pool prefill`; they run the
     prompts and hand each sequence (KV and recurrent state) to a decode worker (the attention workers). The prefill
     pool holds the prefix cache and spec.kv's host and disk tiers. replicas 0 and no autoscale: no prefill pool."""
-    replicas: int = Field(0, ge=0, le=MAX_PREFILL_REPLICAS,
-                          description="pods; 0: no prefill pool, the attention workers run prompts too")
+
+    replicas: int = Field(
+        0, ge=0, le=MAX_PREFILL_REPLICAS, description="pods; 0: no prefill pool, the attention workers run prompts too"
+    )
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
-    autoscale: AutoscaleSpec | None = Field(None, description="a HorizontalPodAutoscaler on this pool (a prefill "
-                                                                 "pool of minReplicas..maxReplicas pods)")
-    min_prompt_tokens: int = Field(0, ge=0, le=MAX_CONTEXT,
-                                   description="prompts shorter than this skip the prefill pool (a decode worker runs "
-                                               "them; the router's --prefill-min-tokens); 0: every prompt goes there")
+    autoscale: AutoscaleSpec | None = Field(
+        None, description="a HorizontalPodAutoscaler on this pool (a prefill pool of minReplicas..maxReplicas pods)"
+    )
+    min_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_CONTEXT,
+        description="prompts shorter than this skip the prefill pool (a decode worker runs "
+        "them; the router's --prefill-min-tokens); 0: every prompt goes there",
+    )
 
     @model_validator(mode="after")
     def _gpus(self) -> PrefillWorkersSpec:
@@ -381,22 +438,32 @@ class PrefillWorkersSpec(_Spec):
 
 
 class ExpertWorkersSpec(_Spec):
-    replicas: int = Field(2, ge=1, le=MAX_EXPERT_REPLICAS,
-                          description="expert worker pods (StatefulSet ordinals 0..replicas-1)")
+    replicas: int = Field(
+        2, ge=1, le=MAX_EXPERT_REPLICAS, description="expert worker pods (StatefulSet ordinals 0..replicas-1)"
+    )
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU; planned as one device per pod")
-    gpu_memory_gib: float = Field(80.0, gt=0, le=MAX_GPU_MEMORY_GIB, alias="gpuMemoryGiB",
-                                  description="memory of one device, GiB")
-    reserve_gib: float = Field(8.0, ge=0, le=MAX_GPU_MEMORY_GIB, alias="reserveGiB",
-                               description="per-device memory kept free for activations and buffers, GiB")
-    redundant_experts: int = Field(0, ge=0, le=MAX_REDUNDANT_EXPERTS,
-                                   description="extra physical replicas of hot experts, per MoE layer")
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, le=MAX_GPU_MEMORY_GIB, alias="gpuMemoryGiB", description="memory of one device, GiB"
+    )
+    reserve_gib: float = Field(
+        8.0,
+        ge=0,
+        le=MAX_GPU_MEMORY_GIB,
+        alias="reserveGiB",
+        description="per-device memory kept free for activations and buffers, GiB",
+    )
+    redundant_experts: int = Field(
+        0, ge=0, le=MAX_REDUNDANT_EXPERTS, description="extra physical replicas of hot experts, per MoE layer"
+    )
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
 
     @model_validator(mode="after")
     def _reserve(self) -> ExpertWorkersSpec:
         if self.reserve_gib >= self.gpu_memory_gib:
-            raise ValueError(f"expertWorkers.reserveGiB={self.reserve_gib} must be below "
-                             f"expertWorkers.gpuMemoryGiB={self.gpu_memory_gib}")
+            raise ValueError(
+                f"expertWorkers.reserveGiB={self.reserve_gib} must be below "
+                f"expertWorkers.gpuMemoryGiB={self.gpu_memory_gib}"
+            )
         self.resources.check_gpus(self.gpus_per_pod)
         return self
 
@@ -407,27 +474,33 @@ class ExpertWorkersSpec(_Spec):
 
 class PlacementSpec(_Spec):
     strategy: Literal["eplb"] = "eplb"
-    rebalance_interval_seconds: int = Field(300, ge=1, le=MAX_SECONDS,
-                                            description="how often the router's expert load is read")
-    imbalance_threshold: float = Field(1.25, ge=1.0, le=MAX_IMBALANCE,
-                                       description="re-plan when max/mean GPU load under observed traffic exceeds this")
-    replan_grace_seconds: int = Field(120, ge=0, le=MAX_SECONDS,
-                                      description="how long expert pods may be lost before their experts are "
-                                                  "re-planned onto the survivors")
+    rebalance_interval_seconds: int = Field(
+        300, ge=1, le=MAX_SECONDS, description="how often the router's expert load is read"
+    )
+    imbalance_threshold: float = Field(
+        1.25, ge=1.0, le=MAX_IMBALANCE, description="re-plan when max/mean GPU load under observed traffic exceeds this"
+    )
+    replan_grace_seconds: int = Field(
+        120,
+        ge=0,
+        le=MAX_SECONDS,
+        description="how long expert pods may be lost before their experts are re-planned onto the survivors",
+    )
 
 
 class KVDiskPVC(_Spec):
-    storage_class_name: DNSName | None = Field(None, description="the claims' storage class (default: the "
-                                                                       "cluster's)")
+    storage_class_name: DNSName | None = Field(None, description="the claims' storage class (default: the cluster's)")
 
 
 class KVDiskSpec(_Spec):
     """Each attention worker's disk tier (below its host tier): a volume of its own, `sizeGiB` the tier's bound.
     On an emptyDir (default) it survives a worker's restart inside its pod; on a PVC (one claim per pod) or a node
     directory (hostPath, e.g. local NVMe) it survives the pod too — files are checked before reuse."""
+
     size_gib: float = Field(gt=0, le=MAX_KV_TIER_GIB, alias="sizeGiB", description="the tier's bound, GiB")
-    pvc: KVDiskPVC | None = Field(None, description="a PersistentVolumeClaim per attention pod "
-                                                       "(volumeClaimTemplates) of sizeGiB")
+    pvc: KVDiskPVC | None = Field(
+        None, description="a PersistentVolumeClaim per attention pod (volumeClaimTemplates) of sizeGiB"
+    )
     host_path: AbsolutePath | None = Field(None, description="a node directory (hostPath) instead of a volume")
 
     @model_validator(mode="after")
@@ -438,17 +511,22 @@ class KVDiskSpec(_Spec):
 
 
 class KVSpec(_Spec):
-    max_context: int | None = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's "
-                                                                               "max_context")
+    max_context: int | None = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's max_context")
     block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV page")
-    host_gib: float = Field(0.0, ge=0, le=MAX_KV_TIER_GIB, alias="hostGiB",
-                            description="each attention worker's host-memory tier for prefixes demoted off the "
-                                        "device, GiB (added to its memory request and limit); 0: none")
+    host_gib: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_KV_TIER_GIB,
+        alias="hostGiB",
+        description="each attention worker's host-memory tier for prefixes demoted off the "
+        "device, GiB (added to its memory request and limit); 0: none",
+    )
     disk: KVDiskSpec | None = Field(None, description="each attention worker's disk tier below the host tier")
 
 
 class ThinkingSpec(_Spec):
     """Reasoning-token limits per thinking tier; overrides the model's defaults."""
+
     low: int = Field(gt=0, le=MAX_THINKING)
     high: int = Field(gt=0, le=MAX_THINKING)
     max: int = Field(gt=0, le=MAX_THINKING)
@@ -456,8 +534,9 @@ class ThinkingSpec(_Spec):
     @model_validator(mode="after")
     def _order(self) -> ThinkingSpec:
         if not self.low <= self.high <= self.max:
-            raise ValueError(f"thinking limits must satisfy low <= high <= max, got "
-                             f"low={self.low} high={self.high} max={self.max}")
+            raise ValueError(
+                f"thinking limits must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}"
+            )
         return self
 
 
@@ -467,8 +546,9 @@ class TelemetrySpec(_Spec):
 
 
 class ImageSpec(_Spec):
-    repository: str = Field("ghcr.io/expertmesh/expertmesh", min_length=1, max_length=IMAGE_REPOSITORY_MAX,
-                            pattern=IMAGE_REPOSITORY)
+    repository: str = Field(
+        "ghcr.io/expertmesh/expertmesh", min_length=1, max_length=IMAGE_REPOSITORY_MAX, pattern=IMAGE_REPOSITORY
+    )
     tag: str = Field("0.1.0", min_length=1, max_length=128, pattern=IMAGE_TAG)
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
@@ -480,14 +560,25 @@ class ImageSpec(_Spec):
 class Toleration(_Spec):
     """A pod toleration, with the API server's rules: `Exists` takes no value, an empty key needs `Exists`,
     `tolerationSeconds` only with the NoExecute effect."""
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-         "message": "tolerationSeconds needs effect NoExecute"},
-        {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
-         "message": "operator Exists takes no value"},
-        {"rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
-         "message": "an empty key needs operator Exists"},
-    ]})
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                    "message": "tolerationSeconds needs effect NoExecute",
+                },
+                {
+                    "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                    "message": "operator Exists takes no value",
+                },
+                {
+                    "rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+                    "message": "an empty key needs operator Exists",
+                },
+            ]
+        }
+    )
     key: QualifiedName | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: LabelValue | None = None
@@ -509,20 +600,24 @@ class SchedulingSpec(_Spec):
     node_selector: dict[QualifiedNameKey, LabelValue] = Field(default_factory=dict, max_length=MAX_NODE_SELECTOR)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
     topology_spread_key: QualifiedName | None = Field(
-        None, description="spread worker pods over this node label, e.g. kubernetes.io/hostname")
+        None, description="spread worker pods over this node label, e.g. kubernetes.io/hostname"
+    )
 
 
 class SecuritySpec(_Spec):
     worker_tls: bool = Field(
-        True, description="mutual TLS on every worker RPC with per-deployment certificates the operator issues "
-                          "(Secret <name>-worker-tls); false for clusters whose service mesh already does mTLS")
+        True,
+        description="mutual TLS on every worker RPC with per-deployment certificates the operator issues "
+        "(Secret <name>-worker-tls); false for clusters whose service mesh already does mTLS",
+    )
 
 
 class MoEDeploymentSpec(_Spec):
     model: ModelSpec
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
-    attention_workers: AttentionWorkersSpec = Field(default_factory=AttentionWorkersSpec,
-                                                    json_schema_extra=_DEFAULT_EMPTY)
+    attention_workers: AttentionWorkersSpec = Field(
+        default_factory=AttentionWorkersSpec, json_schema_extra=_DEFAULT_EMPTY
+    )
     prefill_workers: PrefillWorkersSpec = Field(default_factory=PrefillWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
     expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=_DEFAULT_EMPTY)
@@ -533,9 +628,11 @@ class MoEDeploymentSpec(_Spec):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
     security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=_DEFAULT_EMPTY)
     transport: Literal["grpc", "collective"] = Field(
-        "grpc", description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
-                            "collective (point-to-point pairs: NCCL on GPUs, TCP on CPU; gRPC stays for "
-                            "control, health and fallback)")
+        "grpc",
+        description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
+        "collective (point-to-point pairs: NCCL on GPUs, TCP on CPU; gRPC stays for "
+        "control, health and fallback)",
+    )
 
     def to_yaml_dict(self) -> dict:
         """The spec as it reads in YAML: camelCase, unset optionals left out."""
@@ -556,8 +653,9 @@ Hash = Annotated[str, Field(max_length=64)]
 class Condition(_Status):
     type: Literal["PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
     status: Literal["True", "False", "Unknown"]
-    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
-                        description="CamelCase, machine-readable")
+    reason: str = Field(
+        max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase, machine-readable"
+    )
     message: str = Field("", max_length=MESSAGE_MAX)
     last_transition_time: Time = Field(description="RFC 3339; changes only when status flips")
     observed_generation: int | None = Field(None, ge=0, le=MAX_INT64)
@@ -571,13 +669,16 @@ class PlacementStatus(_Status):
     plan_hash: Hash
     moved_shards: Count = 0
     lost_workers: list[Annotated[int, Field(ge=0, le=MAX_EXPERT_REPLICAS)]] = Field(
-        default_factory=list, max_length=MAX_EXPERT_REPLICAS, description="expert ordinals the plan routes around")
-    observed_imbalance: Ratio | None = Field(None, description="imbalance of the plan under the router's "
-                                                                  "last observed load")
+        default_factory=list, max_length=MAX_EXPERT_REPLICAS, description="expert ordinals the plan routes around"
+    )
+    observed_imbalance: Ratio | None = Field(
+        None, description="imbalance of the plan under the router's last observed load"
+    )
 
 
 class ScaleStatus(_Status):
     """The expert StatefulSet as the scale subresource reports it."""
+
     replicas: int = Field(ge=0, le=MAX_EXPERT_REPLICAS, description="desired expert worker pods")
     ready: Count
     selector: str = Field(max_length=1024, description="label selector of the expert pods (for autoscalers)")
@@ -613,8 +714,7 @@ class MoEDeploymentStatus(_Status):
     endpoints: Endpoints | None = None
     lost_since: list[LostWorker] = Field(default_factory=list, max_length=MAX_EXPERT_REPLICAS)
     last_rebalance_time: Time | None = None
-    message: str | None = Field(None, max_length=MESSAGE_MAX,
-                                   description="why the phase is what it is, when not Ready")
+    message: str | None = Field(None, max_length=MESSAGE_MAX, description="why the phase is what it is, when not Ready")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -630,8 +730,11 @@ def format_validation_error(err: ValidationError, root: str = "spec", limit: int
     for e in errors[:limit]:
         loc = ".".join([root, *(str(p) for p in e["loc"])])
         msg = e["msg"].removeprefix("Value error, ")
-        got = f" (got {_short(e['input'])})" if e["type"] not in ("missing", "value_error") and \
-            not isinstance(e.get("input"), dict) else ""
+        got = (
+            f" (got {_short(e['input'])})"
+            if e["type"] not in ("missing", "value_error") and not isinstance(e.get("input"), dict)
+            else ""
+        )
         lines.append(f"{loc}: {msg}{got}")
     if len(errors) > limit:
         lines.append(f"and {len(errors) - limit} more")
@@ -651,8 +754,8 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-HF_MODEL_TYPES = MODEL_TYPES      # the Hugging Face configs expertmesh.checkpoint.hf_config maps
-MAX_EXPERTS = 65536   # routed experts per MoE layer of an inline model config
+HF_MODEL_TYPES = MODEL_TYPES  # the Hugging Face configs expertmesh.checkpoint.hf_config maps
+MAX_EXPERTS = 65536  # routed experts per MoE layer of an inline model config
 
 
 def _config_size_error(config: dict) -> str | None:
@@ -692,15 +795,19 @@ def resolve_model(spec: MoEDeploymentSpec):
             raise SpecError(f"spec.model.config: {str(e).removeprefix('config.json: ')}") from None
         except ValidationError as e:
             raise SpecError(format_validation_error(e, root="spec.model.config")) from None
-        except Exception as e:   # a value of the wrong kind deep in a user's config: still the config's fault
+        except Exception as e:  # a value of the wrong kind deep in a user's config: still the config's fault
             raise SpecError(f"spec.model.config: {type(e).__name__}: {str(e)[:200]}") from None
         if len(cfg.layer_types) > MAX_MODEL_LAYERS or cfg.moe.n_routed_experts > MAX_EXPERTS:
-            raise SpecError(f"spec.model.config: {len(cfg.layer_types)} layers x {cfg.moe.n_routed_experts} experts; "
-                            f"at most {MAX_MODEL_LAYERS} layers and {MAX_EXPERTS} experts per layer")
+            raise SpecError(
+                f"spec.model.config: {len(cfg.layer_types)} layers x {cfg.moe.n_routed_experts} experts; "
+                f"at most {MAX_MODEL_LAYERS} layers and {MAX_EXPERTS} experts per layer"
+            )
     if spec.kv.max_context is not None and spec.kv.max_context > cfg.max_context:
         raise SpecError(f"spec.kv.maxContext={spec.kv.max_context} exceeds the model's max_context={cfg.max_context}")
     if spec.kv.max_context is None and cfg.max_context > MAX_CONTEXT:
-        raise SpecError(f"spec.model.config.max_context={cfg.max_context} exceeds {MAX_CONTEXT}: set spec.kv.maxContext")
+        raise SpecError(
+            f"spec.model.config.max_context={cfg.max_context} exceeds {MAX_CONTEXT}: set spec.kv.maxContext"
+        )
     if spec.thinking is not None:
         cfg = cfg.model_copy(update={"thinking": ThinkingBudgets(**spec.thinking.model_dump())})
     return cfg

@@ -2,6 +2,7 @@
 of a fetched checkpoint, and `status.placement` from a plan. Pure: the current status and observations in, the
 status to merge (Kopf's patch) out.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -29,14 +30,21 @@ def now_rfc3339(now: _dt.datetime | None = None) -> str:
 
 def clip(message: str, limit: int = MESSAGE_MAX) -> str:
     """A message within the CRD's bound for status messages (the API server refuses a longer one)."""
-    return message if len(message) <= limit else message[:limit - 3] + "..."
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 _CONDITION_ORDER = {"PlacementReady": 0, "WeightsReady": 1, "WorkersReady": 2, "RouterReady": 3, "Degraded": 4}
 
 
-def set_condition(conditions: list[dict] | None, type_: str, status: str, reason: str, message: str = "",
-                  generation: int | None = None, now: str | None = None) -> list[dict]:
+def set_condition(
+    conditions: list[dict] | None,
+    type_: str,
+    status: str,
+    reason: str,
+    message: str = "",
+    generation: int | None = None,
+    now: str | None = None,
+) -> list[dict]:
     """A new condition list with `type_` set; its `lastTransitionTime` is kept unless `status` flips."""
     now = now or now_rfc3339()
     message = clip(message or "")
@@ -46,12 +54,26 @@ def set_condition(conditions: list[dict] | None, type_: str, status: str, reason
         if c.get("type") == type_:
             found = True
             keep = c.get("status") == status and c.get("lastTransitionTime")
-            c = {"type": type_, "status": status, "reason": reason, "message": message,
-                 "lastTransitionTime": c["lastTransitionTime"] if keep else now, "observedGeneration": generation}
+            c = {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": c["lastTransitionTime"] if keep else now,
+                "observedGeneration": generation,
+            }
         out.append(c)
     if not found:
-        out.append({"type": type_, "status": status, "reason": reason, "message": message,
-                    "lastTransitionTime": now, "observedGeneration": generation})
+        out.append(
+            {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": now,
+                "observedGeneration": generation,
+            }
+        )
     return sorted(out, key=lambda c: _CONDITION_ORDER.get(c.get("type"), 99))
 
 
@@ -59,8 +81,9 @@ def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in (status or {}).get("conditions", []) or [] if c.get("type") == type_), None)
 
 
-def failed_status(status: dict | None, message: str, generation: int | None, reason: str,
-                  now: str | None = None) -> dict:
+def failed_status(
+    status: dict | None, message: str, generation: int | None, reason: str, now: str | None = None
+) -> dict:
     """Status for a spec that cannot be deployed as written (a bad field, a cluster too small for the model)."""
     conds = (status or {}).get("conditions", []) or []
     conds = set_condition(conds, "PlacementReady", "False", reason, message, generation, now)
@@ -70,8 +93,12 @@ def failed_status(status: dict | None, message: str, generation: int | None, rea
     return {"phase": "Failed", "message": clip(message), "conditions": conds, "observedGeneration": generation}
 
 
-def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), moved: int | None = None,
-                     observed_imbalance: float | None = None) -> dict[str, Any]:
+def placement_status(
+    plan: PlacementPlan,
+    lost_workers: Iterable[int] = (),
+    moved: int | None = None,
+    observed_imbalance: float | None = None,
+) -> dict[str, Any]:
     """`status.placement` (camelCase) from a plan's figures."""
     f = plan.figures
     out = {
@@ -91,9 +118,11 @@ def placement_status(plan: PlacementPlan, lost_workers: Iterable[int] = (), move
 def summarize_plan(plan: PlacementPlan) -> str:
     """One line for the PlacementReady condition's message."""
     f, c = plan.figures, plan.cluster
-    text = (f"{f.physical_experts} physical experts for {f.logical_experts} logical over {c.pods} expert pods x "
-            f"{c.gpus_per_pod} devices ({f.bytes_per_gpu_max / GIB:.3g} GiB max per device); expected imbalance "
-            f"{f.imbalance:.3f}")
+    text = (
+        f"{f.physical_experts} physical experts for {f.logical_experts} logical over {c.pods} expert pods x "
+        f"{c.gpus_per_pod} devices ({f.bytes_per_gpu_max / GIB:.3g} GiB max per device); expected imbalance "
+        f"{f.imbalance:.3f}"
+    )
     if f.moved_shards is not None:
         text += f"; {f.moved_shards} shards moved"
     if plan.notes:
@@ -101,8 +130,9 @@ def summarize_plan(plan: PlacementPlan) -> str:
     return text
 
 
-def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
-                      progress: dict[str, float | None]) -> tuple[str, str, str] | None:
+def weights_condition(
+    spec: MoEDeploymentSpec, pods: Iterable[PodInfo], progress: dict[str, float | None]
+) -> tuple[str, str, str] | None:
     """(status, reason, message) of the WeightsReady condition for a fetched checkpoint (None otherwise):
     FetchFailed naming the pod and what its fetch said (a corrupted file by name); Downloading N% (`progress`:
     pod name → percent read from its fetch log; the pods of one node share its cache — one downloads, the others
@@ -131,8 +161,14 @@ def weights_condition(spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
     return "True", "Verified", f"{ck.uri}: every file verified by size and sha256 in the cache"
 
 
-def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iterable[PodInfo],
-                 progress: dict[str, float | None], generation: int | None) -> dict:
+def with_weights(
+    update: dict,
+    status: dict,
+    spec: MoEDeploymentSpec,
+    pods: Iterable[PodInfo],
+    progress: dict[str, float | None],
+    generation: int | None,
+) -> dict:
     """`update` (a status patch) with the WeightsReady condition, and while pods fetch or a fetch failed, its
     message (`Downloading 37% …`) as the status message."""
     cond = weights_condition(spec, pods, progress)
@@ -149,6 +185,7 @@ def with_weights(update: dict, status: dict, spec: MoEDeploymentSpec, pods: Iter
 class Decision:
     """What the observed pods call for: the status to merge in, and whether to re-plan.
     `replan_excluding` None: keep the plan; a list: re-plan around these expert ordinals ([] = onto all)."""
+
     status: dict
     replan_excluding: list[int] | None = None
 
@@ -157,12 +194,17 @@ def counts_status(a: Assessment, spec: MoEDeploymentSpec, name: str) -> dict:
     """The pod counts: every worker, each pool (`prefillWorkers` beside `attentionWorkers` — the decode pool — when
     there is a prefill pool; null removes it from the status when there is none) and the router."""
     return {
-        "readyWorkers": a.ready_workers, "desiredWorkers": a.desired_workers,
-        "expertWorkers": {"replicas": spec.expert_workers.replicas, "ready": a.ready[COMPONENT_EXPERT],
-                          "selector": selector_string(selector_labels(name, COMPONENT_EXPERT))},
+        "readyWorkers": a.ready_workers,
+        "desiredWorkers": a.desired_workers,
+        "expertWorkers": {
+            "replicas": spec.expert_workers.replicas,
+            "ready": a.ready[COMPONENT_EXPERT],
+            "selector": selector_string(selector_labels(name, COMPONENT_EXPERT)),
+        },
         "attentionWorkers": {"ready": a.ready[COMPONENT_ATTENTION], "desired": a.desired[COMPONENT_ATTENTION]},
         "prefillWorkers": {"ready": a.ready[COMPONENT_PREFILL], "desired": a.desired[COMPONENT_PREFILL]}
-        if spec.prefill_workers.enabled else None,
+        if spec.prefill_workers.enabled
+        else None,
         "router": {"ready": a.ready[COMPONENT_ROUTER], "desired": a.desired[COMPONENT_ROUTER]},
     }
 
@@ -170,16 +212,27 @@ def counts_status(a: Assessment, spec: MoEDeploymentSpec, name: str) -> dict:
 def _workers_message(a: Assessment, spec: MoEDeploymentSpec) -> str:
     """`2/2 expert and 1/1 attention workers ready`; with a prefill pool `2/2 expert, 1/1 attention (decode) and 1/1
     prefill workers ready`."""
+
     def n(c: str) -> str:
         return f"{a.ready[c]}/{a.desired[c]}"
+
     if spec.prefill_workers.enabled:
-        return (f"{n(COMPONENT_EXPERT)} expert, {n(COMPONENT_ATTENTION)} attention (decode) and "
-                f"{n(COMPONENT_PREFILL)} prefill workers ready")
+        return (
+            f"{n(COMPONENT_EXPERT)} expert, {n(COMPONENT_ATTENTION)} attention (decode) and "
+            f"{n(COMPONENT_PREFILL)} prefill workers ready"
+        )
     return f"{n(COMPONENT_EXPERT)} expert and {n(COMPONENT_ATTENTION)} attention workers ready"
 
 
-def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict, a: Assessment,
-           generation: int | None, now: str | None = None) -> Decision:
+def decide(
+    name: str,
+    spec: MoEDeploymentSpec,
+    plan: PlacementPlan,
+    status: dict,
+    a: Assessment,
+    generation: int | None,
+    now: str | None = None,
+) -> Decision:
     """The phase state machine over observed pods.
 
     Deploying — until every pod the plan needs is live on the current template (pods starting or rolling are
@@ -200,10 +253,15 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
     since: dict[int, str] = {}
     lost_before = sorted((status.get("placement") or {}).get("lostWorkers", []) or [])
     r_ok = a.ready[COMPONENT_ROUTER] >= a.desired[COMPONENT_ROUTER]
-    conds = set_condition(conds, "RouterReady", "True" if r_ok else "False",
-                          "RouterAvailable" if r_ok else "RouterUnavailable",
-                          f"{a.ready[COMPONENT_ROUTER]}/{a.desired[COMPONENT_ROUTER]} router pods ready",
-                          generation, now)
+    conds = set_condition(
+        conds,
+        "RouterReady",
+        "True" if r_ok else "False",
+        "RouterAvailable" if r_ok else "RouterUnavailable",
+        f"{a.ready[COMPONENT_ROUTER]}/{a.desired[COMPONENT_ROUTER]} router pods ready",
+        generation,
+        now,
+    )
     w_ok = not a.lost_experts and all(a.ready[c] >= a.desired[c] for c in (COMPONENT_ATTENTION, COMPONENT_PREFILL))
     w_msg = _workers_message(a, spec)
     replan: list[int] | None = None
@@ -220,8 +278,15 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
             conds = set_condition(conds, "Degraded", "False", "AllReplicasServing", "", generation, now)
     elif phase in ("Ready", "Degraded"):
         new_phase = "Degraded"
-        conds = set_condition(conds, "WorkersReady", "True" if w_ok else "False",
-                              "AllWorkersReady" if w_ok else "WorkersLost", w_msg, generation, now)
+        conds = set_condition(
+            conds,
+            "WorkersReady",
+            "True" if w_ok else "False",
+            "AllWorkersReady" if w_ok else "WorkersLost",
+            w_msg,
+            generation,
+            now,
+        )
         before = {int(x["ordinal"]): x["since"] for x in status.get("lostSince") or []}
         since = {o: before.get(o, now) for o in a.lost_experts}
         if a.unserved:
@@ -229,8 +294,10 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
             reason = "ExpertsUnavailable"
             newest = max(_parse_time(t) for t in since.values())
             due = newest + _dt.timedelta(seconds=spec.placement.replan_grace_seconds)
-            message = (f"expert workers {a.lost_experts} lost; {len(a.unserved)} experts have no live replica "
-                       f"(e.g. layer {layer} expert {e}): ")
+            message = (
+                f"expert workers {a.lost_experts} lost; {len(a.unserved)} experts have no live replica "
+                f"(e.g. layer {layer} expert {e}): "
+            )
             if _parse_time(now) >= due:
                 message += "re-planning onto the surviving workers"
                 replan = sorted(set(lost_before) | set(a.lost_experts))
@@ -238,8 +305,9 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
                 message += f"re-planning onto the surviving workers at {now_rfc3339(due)} unless they come back"
         elif a.lost_experts:
             reason = "ReplicasServing"
-            message = (f"expert workers {a.lost_experts} lost; every expert they held is served by a replica on "
-                       f"another worker")
+            message = (
+                f"expert workers {a.lost_experts} lost; every expert they held is served by a replica on another worker"
+            )
         elif not w_ok:
             reason, message = "AttentionWorkersUnavailable", w_msg
         else:
@@ -250,12 +318,24 @@ def decide(name: str, spec: MoEDeploymentSpec, plan: PlacementPlan, status: dict
         message = f"rolling out revision {status.get('revision') or '?'} (plan {plan.plan_hash()}): {w_msg}"
         conds = set_condition(conds, "WorkersReady", "False", "PodsStarting", w_msg, generation, now)
         if lost_before:
-            conds = set_condition(conds, "Degraded", "True", "ReplannedOntoSurvivors",
-                                  f"the plan routes around lost expert workers {lost_before}", generation, now)
+            conds = set_condition(
+                conds,
+                "Degraded",
+                "True",
+                "ReplannedOntoSurvivors",
+                f"the plan routes around lost expert workers {lost_before}",
+                generation,
+                now,
+            )
         else:
             conds = set_condition(conds, "Degraded", "False", "AllReplicasServing", "", generation, now)
-    out = {"phase": new_phase, "conditions": conds, "message": message or None,
-           "lostSince": [{"ordinal": o, "since": since[o]} for o in sorted(since)], **counts_status(a, spec, name)}
+    out = {
+        "phase": new_phase,
+        "conditions": conds,
+        "message": message or None,
+        "lostSince": [{"ordinal": o, "since": since[o]} for o in sorted(since)],
+        **counts_status(a, spec, name),
+    }
     return Decision(status=out, replan_excluding=replan)
 
 

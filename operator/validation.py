@@ -7,6 +7,7 @@ The regular expressions are in the subset that Go's RE2 (the API server's OpenAP
 (lengths of a label key's two parts, requests against limits) the operator checks it and the schema carries the
 pattern and a maxLength.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,7 @@ QUANTITY_MAX = 64
 # an absolute path without "." or ".." components, empty components or control characters
 _SEGMENT = r"([^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.[^/.\x00-\x1f\x7f][^/\x00-\x1f\x7f]*|\.\.[^/\x00-\x1f\x7f]+)"
 ABSOLUTE_PATH = rf"^(/{_SEGMENT})*/?$"
-VOLUME_PATH = rf"^/?({_SEGMENT}(/{_SEGMENT})*)?/?$"   # inside a volume: relative or absolute, never above its root
+VOLUME_PATH = rf"^/?({_SEGMENT}(/{_SEGMENT})*)?/?$"  # inside a volume: relative or absolute, never above its root
 PATH_MAX = 1024
 # a container image repository: [registry host[:port]/]path, path components lowercase (the distribution grammar)
 _PATH_COMPONENT = r"[a-z0-9]+(([._]|__|-+)[a-z0-9]+)*"
@@ -50,10 +51,19 @@ URL_MAX = 2048
 NATIVE_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES = re.compile(r"^hugepages-" + QUANTITY[1:])
 
-_BINARY = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
-_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1), "k": Decimal("1e3"),
-            "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"),
-            "E": Decimal("1e18")}
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+    "P": Decimal("1e15"),
+    "E": Decimal("1e18"),
+}
 
 
 def _match(pattern: str, value: str) -> bool:
@@ -81,8 +91,10 @@ def qualified_name_error(value: str) -> str | None:
     subdomain of at most 253 characters, the name at most 63."""
     prefix, _, name = value.rpartition("/")
     if not _match(QUALIFIED_NAME, value):
-        return ("must be a qualified name: [DNS-1123 subdomain/]name, the name alphanumeric at both ends with "
-                "'-', '_' and '.' inside")
+        return (
+            "must be a qualified name: [DNS-1123 subdomain/]name, the name alphanumeric at both ends with "
+            "'-', '_' and '.' inside"
+        )
     if len(name) > LABEL_VALUE_MAX:
         return f"must have a name part of at most {LABEL_VALUE_MAX} characters"
     if len(prefix) > DNS1123_SUBDOMAIN_MAX:
@@ -121,8 +133,8 @@ def parse_quantity(value) -> Decimal:
             return Decimal(number) * _BINARY[suffix]
         if suffix in _DECIMAL:
             return Decimal(number) * _DECIMAL[suffix]
-        return Decimal(number + suffix)       # a decimal exponent, e.g. 1e3
-    except InvalidOperation:                  # pragma: no cover - the pattern admits only numbers
+        return Decimal(number + suffix)  # a decimal exponent, e.g. 1e3
+    except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
         raise ValueError(f"{text!r} is not a quantity") from None
 
 
@@ -132,8 +144,10 @@ def resource_name_error(name: str) -> str | None:
     if name in NATIVE_RESOURCES or HUGEPAGES.fullmatch(name):
         return None
     if "/" not in name:
-        return (f"is not a container resource: expected one of {', '.join(NATIVE_RESOURCES)}, hugepages-<size> "
-                f"or an extended resource DOMAIN/NAME (e.g. nvidia.com/gpu)")
+        return (
+            f"is not a container resource: expected one of {', '.join(NATIVE_RESOURCES)}, hugepages-<size> "
+            f"or an extended resource DOMAIN/NAME (e.g. nvidia.com/gpu)"
+        )
     err = qualified_name_error(name)
     if err:
         return err

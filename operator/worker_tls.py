@@ -4,6 +4,7 @@ The handler creates the Secret once (a CA, a server certificate for the workers'
 and never rebuilds it from the spec: new certificates would split running pods into two trust domains. Every pod
 mounts it at naming.WORKER_TLS_DIR.
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,11 +30,13 @@ def missing_hosts(secret: dict, hosts: tuple[str, ...]) -> list[str]:
     """The `hosts` the Secret's server certificate does not name (a Secret made before the prefill pool's name was
     in it: delete it and restart the pods to re-issue)."""
     from cryptography import x509  # only when a Secret is checked
+
     pem = base64.b64decode(((secret or {}).get("data") or {}).get("server.crt", ""))
     try:
         cert = x509.load_pem_x509_certificate(pem)
-        names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                    .get_values_for_type(x509.DNSName))
+        names = set(
+            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+        )
     except (ValueError, x509.ExtensionNotFound):
         names = set()
     return [h for h in hosts if h not in names]
@@ -43,9 +46,13 @@ def worker_tls_secret(name: str, namespace: str, spec: MoEDeploymentSpec, pems: 
     """The Secret holding `pems` (expertmesh.runtime.tls.pki_pems(worker_tls_hosts(...))). Everything but the CA key, which
     only signs and is not needed once the certificates exist."""
     data = {k: base64.b64encode(v).decode() for k, v in sorted(pems.items()) if k != "ca.key"}
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": object_meta(worker_tls_secret_name(name), namespace, "worker-tls", spec, instance=name),
-            "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": object_meta(worker_tls_secret_name(name), namespace, "worker-tls", spec, instance=name),
+        "data": data,
+    }
 
 
 def worker_tls_args(spec: MoEDeploymentSpec, role: str) -> list[str]:
@@ -57,6 +64,9 @@ def worker_tls_args(spec: MoEDeploymentSpec, role: str) -> list[str]:
     d = WORKER_TLS_DIR
     serve = ["--tls-cert", f"{d}/server.crt", "--tls-key", f"{d}/server.key", "--tls-client-ca", f"{d}/ca.crt"]
     call = {"router": "--worker-tls", "attention": "--expert-tls"}.get(role)
-    client = [f"{call}-ca", f"{d}/ca.crt", f"{call}-cert", f"{d}/client.crt", f"{call}-key", f"{d}/client.key"] \
-        if call else []
+    client = (
+        [f"{call}-ca", f"{d}/ca.crt", f"{call}-cert", f"{d}/client.crt", f"{call}-key", f"{d}/client.key"]
+        if call
+        else []
+    )
     return client if role == "router" else serve + client

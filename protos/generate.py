@@ -8,6 +8,7 @@ the protos import each other as "expertmesh/protos/x.proto" and the generated mo
 `from expertmesh.protos import x_pb2`, which resolves inside the installed package. `*_pb2_grpc.py` is kept only
 for protos that declare a service. The output depends on the grpcio-tools version (its header names it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,15 @@ def generate(out_dir: Path, folder: Path = HERE) -> dict[str, bytes]:
     if not protos:
         raise SystemExit(f"{folder}: no .proto files")
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    args = ["grpc_tools.protoc", f"-I{VIRTUAL}={folder}", f"-I{well_known}",
-            f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
-            *(f"{VIRTUAL}/{p.name}" for p in protos)]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{VIRTUAL}={folder}",
+        f"-I{well_known}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *(f"{VIRTUAL}/{p.name}" for p in protos),
+    ]
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"protoc failed (exit {rc}): {' '.join(args)}")
@@ -55,8 +62,7 @@ def generate(out_dir: Path, folder: Path = HERE) -> dict[str, bytes]:
 
 
 def committed(folder: Path = HERE) -> dict[str, bytes]:
-    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())
-            if f.is_file() and f.name.endswith(GENERATED)}
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file() and f.name.endswith(GENERATED)}
 
 
 def stale(folder: Path = HERE) -> list[str]:
@@ -65,17 +71,19 @@ def stale(folder: Path = HERE) -> list[str]:
         fresh = generate(Path(tmp), folder)
     have = committed(folder)
     problems = [f"{name}: missing" for name in sorted(fresh.keys() - have.keys())]
-    problems += [f"{name}: generated file without a .proto (or without a service)"
-                 for name in sorted(have.keys() - fresh.keys())]
-    problems += [f"{name}: differs from a fresh run" for name in sorted(fresh.keys() & have.keys())
-                 if fresh[name] != have[name]]
+    problems += [
+        f"{name}: generated file without a .proto (or without a service)" for name in sorted(have.keys() - fresh.keys())
+    ]
+    problems += [
+        f"{name}: differs from a fresh run" for name in sorted(fresh.keys() & have.keys()) if fresh[name] != have[name]
+    ]
     return problems
 
 
 def write(folder: Path = HERE) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp), folder)
-    for name in committed(folder).keys() - fresh.keys():   # outputs of a removed proto / service
+    for name in committed(folder).keys() - fresh.keys():  # outputs of a removed proto / service
         (folder / name).unlink()
     for name, data in fresh.items():
         (folder / name).write_bytes(data)
@@ -88,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.check:
         from grpc_tools import grpc_version
+
         problems = stale()
         if problems:
-            print(f"generated code in {HERE} is stale (grpcio-tools {grpc_version.VERSION}); "
-                  f"run `python -m expertmesh.protos.generate`:", file=sys.stderr)
+            print(
+                f"generated code in {HERE} is stale (grpcio-tools {grpc_version.VERSION}); "
+                f"run `python -m expertmesh.protos.generate`:",
+                file=sys.stderr,
+            )
             for line in problems:
                 print(f"  {line}", file=sys.stderr)
             return 1

@@ -1,5 +1,6 @@
 """Anthropic-compatible endpoints: `POST /v1/messages` (streamed with Anthropic's events, or not) and
 `POST /v1/messages/count_tokens`. Errors on these paths come back in Anthropic's shape (router/http.py)."""
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,12 @@ STOP_REASONS = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tok
 @dataclass
 class Prompt:
     messages: list[Message]
-    tools: list[dict] | None              # declared in the prompt
+    tools: list[dict] | None  # declared in the prompt
     thinking: Thinking
     options: PromptOptions
-    grammar: str | None = None           # tool_choice any / tool: the forced call's grammar
-    declared: list[dict] | None = None    # the request's tools (chat-shaped), for typing call arguments
-    images: ImageBudget | None = None     # decoded when the request runs (count_tokens reads only the headers)
+    grammar: str | None = None  # tool_choice any / tool: the forced call's grammar
+    declared: list[dict] | None = None  # the request's tools (chat-shaped), for typing call arguments
+    images: ImageBudget | None = None  # decoded when the request runs (count_tokens reads only the headers)
 
     def render(self, fmt) -> RenderedPrompt:
         return render_prompt(fmt, self.messages, self.tools, self.thinking.on, self.options)
@@ -49,23 +50,33 @@ class Prompt:
 
 async def read_prompt(body: CountTokensBody, s: Served, *, grammar: bool) -> Prompt:
     """The conversation, tools and thinking of a messages request (and with `grammar`, the forced call's)."""
-    thinking = decide_thinking(anthropic=body.thinking or {}, thinking_budget=body.thinking_budget,
-                               budgets=s.engine.cfg.thinking)
+    thinking = decide_thinking(
+        anthropic=body.thinking or {}, thinking_budget=body.thinking_budget, budgets=s.engine.cfg.thinking
+    )
     kind = (body.tool_choice or {}).get("type", "auto")
     if kind not in TOOL_CHOICES:
         raise APIError(f"tool_choice.type: {kind!r} is not one of {', '.join(TOOL_CHOICES)}", param="tool_choice")
     declared = anthropic_tools(body.tools)
     # any / tool force a call: the same grammar as OpenAI's required / named
-    choice = "required" if kind == "any" else \
-        {"type": "function", "function": {"name": body.tool_choice.get("name")}} if kind == "tool" else None
-    forced = await compile_off_loop(answer_grammar, s.fmt, choice, declared, None, ANTHROPIC_FIELDS,
-                                    param="tool_choice") if grammar and choice else None
+    choice = (
+        "required"
+        if kind == "any"
+        else {"type": "function", "function": {"name": body.tool_choice.get("name")}}
+        if kind == "tool"
+        else None
+    )
+    forced = (
+        await compile_off_loop(answer_grammar, s.fmt, choice, declared, None, ANTHROPIC_FIELDS, param="tool_choice")
+        if grammar and choice
+        else None
+    )
     images = await s.images(remote_image_urls(body.messages, ANTHROPIC))
     messages = anthropic_messages(body.system, body.messages, images)
     thinking = thinking.for_round([m.role for m in messages])
     options = prompt_options(thinking, body.tool_choice)
-    return Prompt(messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared,
-                  images)
+    return Prompt(
+        messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared, images
+    )
 
 
 @router.post("/v1/messages/count_tokens")
@@ -90,8 +101,12 @@ class AnthropicMessage:
     @staticmethod
     def usage(r: ChatResult) -> dict:
         u = r.usage
-        return {"input_tokens": u.prompt - u.cached, "cache_read_input_tokens": u.cached,
-                "cache_creation_input_tokens": 0, "output_tokens": u.completion}
+        return {
+            "input_tokens": u.prompt - u.cached,
+            "cache_read_input_tokens": u.cached,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": u.completion,
+        }
 
     def blocks(self, r: ChatResult) -> list[dict]:
         out = []
@@ -104,25 +119,44 @@ class AnthropicMessage:
         return out
 
     def message(self, r: ChatResult) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.name, "content": self.blocks(r),
-                "stop_reason": self.stop_reason(r), "stop_sequence": r.stop_hit, "usage": self.usage(r)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.name,
+            "content": self.blocks(r),
+            "stop_reason": self.stop_reason(r),
+            "stop_sequence": r.stop_hit,
+            "usage": self.usage(r),
+        }
 
     async def events(self):
         run = self.run
-        yield event("message_start", {"message": {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.name, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(run.prompt), "output_tokens": 0}}})
+        yield event(
+            "message_start",
+            {
+                "message": {
+                    "id": self.id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": self.name,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": len(run.prompt), "output_tokens": 0},
+                }
+            },
+        )
         blocks = Blocks()
         try:
             async for kind, text in run.events():
                 for e in blocks.delta("thinking" if kind == "reasoning" else "text", text):
                     yield e
             r = run.finish()
-            if blocks.index == -1:              # nothing streamed: still one (empty) block, as Anthropic sends
+            if blocks.index == -1:  # nothing streamed: still one (empty) block, as Anthropic sends
                 for e in blocks.open("thinking" if run.thinking.on else "text"):
                     yield e
-            if r.unsent:                        # held-back malformed tool call, as text
+            if r.unsent:  # held-back malformed tool call, as text
                 for e in blocks.delta("text", r.unsent, sign=False):
                     yield e
             for e in blocks.close():
@@ -130,8 +164,10 @@ class AnthropicMessage:
             for c in r.tool_calls:
                 for e in blocks.tool_use(c):
                     yield e
-            yield event("message_delta", {"delta": {"stop_reason": self.stop_reason(r), "stop_sequence": r.stop_hit},
-                                          "usage": self.usage(r)})      # cache reads known by now
+            yield event(
+                "message_delta",
+                {"delta": {"stop_reason": self.stop_reason(r), "stop_sequence": r.stop_hit}, "usage": self.usage(r)},
+            )  # cache reads known by now
             yield event("message_stop", {})
         except Exception as e:
             yield event("error", {"error": run.fail(e).anthropic_body()["error"]})
@@ -156,16 +192,20 @@ class Blocks:
     def open(self, kind: str):
         self.index += 1
         self.open_kind = kind
-        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
-                                                                                                  "text": ""}
+        start = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
         yield event("content_block_start", {"index": self.index, "content_block": start})
 
     def close(self, sign: bool = False):
         if self.open_kind is None:
             return
         if sign and self.open_kind == "thinking":
-            yield event("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta",
-                                                                               "signature": ""}})
+            yield event(
+                "content_block_delta", {"index": self.index, "delta": {"type": "signature_delta", "signature": ""}}
+            )
         yield event("content_block_stop", {"index": self.index})
         self.open_kind = None
 
@@ -173,16 +213,24 @@ class Blocks:
         if kind != self.open_kind:
             yield from self.close(sign)
             yield from self.open(kind)
-        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
-                                                                                         "text": text}
+        delta = (
+            {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        )
         yield event("content_block_delta", {"index": self.index, "delta": delta})
 
     def tool_use(self, call):
         self.index += 1
-        yield event("content_block_start", {"index": self.index, "content_block": {
-            "type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}}})
-        yield event("content_block_delta", {"index": self.index, "delta": {"type": "input_json_delta",
-                                                                           "partial_json": call.arguments}})
+        yield event(
+            "content_block_start",
+            {
+                "index": self.index,
+                "content_block": {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}},
+            },
+        )
+        yield event(
+            "content_block_delta",
+            {"index": self.index, "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+        )
         yield event("content_block_stop", {"index": self.index})
 
 
@@ -190,12 +238,26 @@ class Blocks:
 async def messages(http_request: Request, body: MessagesBody = served_model(MessagesBody), s: Served = Depends(served)):
     p = await read_prompt(body, s, grammar=True)
     await p.images.decode()
-    run = start_chat(s.engine, s.fmt, ChatRequest(
-        p.render(s.fmt), p.thinking, tools=p.declared, max_tokens=body.max_tokens,
-        temperature=body.temperature, top_p=body.top_p, sampling={"top_k": body.top_k},
-        stop=body.stop_sequences or [], grammar=p.grammar, images=message_images(p.messages), api="anthropic"))
+    run = start_chat(
+        s.engine,
+        s.fmt,
+        ChatRequest(
+            p.render(s.fmt),
+            p.thinking,
+            tools=p.declared,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            sampling={"top_k": body.top_k},
+            stop=body.stop_sequences or [],
+            grammar=p.grammar,
+            images=message_images(p.messages),
+            api="anthropic",
+        ),
+    )
     reply = AnthropicMessage(run, s.name)
     if body.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream", headers=thinking_headers(p.thinking))
-    return JSONResponse(reply.message(await run.complete(http_request.is_disconnected)),
-                        headers=thinking_headers(p.thinking))
+    return JSONResponse(
+        reply.message(await run.complete(http_request.is_disconnected)), headers=thinking_headers(p.thinking)
+    )

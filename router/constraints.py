@@ -17,6 +17,7 @@ chat format's own tokenizer (grammar.probe: one that compiles but exceeds a limi
 the HTTP handlers run all of it in a small thread pool (`compile_off_loop`) within `COMPILE_SECONDS`, at most
 `MAX_COMPILES_WAITING` waiting (429 beyond): eight concurrent 3.6 MB enum schemas stalled /health 5.5 s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,17 +39,18 @@ from expertmesh.chat.grammar import (
 from expertmesh.chat.jinja_template import ARGUMENTS, NAME, NAME_JSON
 from expertmesh.router.errors import APIError
 
-SCHEMA_BUDGET_BYTES = 256 * 1024      # one schema's JSON (OpenAI's own bound: 120,000 characters of names and enums)
+SCHEMA_BUDGET_BYTES = 256 * 1024  # one schema's JSON (OpenAI's own bound: 120,000 characters of names and enums)
 COMPILE_SECONDS = 10.0
 COMPILE_THREADS = 2
 MAX_COMPILES_WAITING = 32
 
-BUILTIN_CALL = (NAME, "\n", ARGUMENTS)      # the built-in format's call between ⟨tool_call⟩ and ⟨/tool_call⟩
+BUILTIN_CALL = (NAME, "\n", ARGUMENTS)  # the built-in format's call between ⟨tool_call⟩ and ⟨/tool_call⟩
 
 
 @dataclass(frozen=True)
 class Fields:
     """How a request spells the fields a grammar comes from."""
+
     tool_schema: str = "tools.{}.function.parameters"
     format: str = "response_format"
     schema: str = "response_format.json_schema.schema"
@@ -76,8 +78,11 @@ def check_grammar(grammar: str, where: str, tokenizer=None) -> str:
     if tokenizer is not None:
         err = probe(cached_ll_tokenizer(tokenizer), grammar)
         if err:
-            raise refuse(where, f"exceeds the decoder's limits (llguidance: {err.splitlines()[0]}); simplify it (fewer "
-                                f"alternatives in one anyOf / oneOf, less nesting)")
+            raise refuse(
+                where,
+                f"exceeds the decoder's limits (llguidance: {err.splitlines()[0]}); simplify it (fewer "
+                f"alternatives in one anyOf / oneOf, less nesting)",
+            )
     return grammar
 
 
@@ -139,8 +144,14 @@ def forced_tools(choice, tools: list[dict] | None, fields: Fields = CHAT_FIELDS)
     None when the choice does not force a call. A choice naming no tool given is refused naming tool_choice."""
     if choice in (None, "auto", "none"):
         return None
-    listed = [{"name": (t.get("function") or {}).get("name"), "parameters": (t.get("function") or {}).get("parameters"),
-               "where": fields.tool_schema.format(i)} for i, t in enumerate(tools or [])]
+    listed = [
+        {
+            "name": (t.get("function") or {}).get("name"),
+            "parameters": (t.get("function") or {}).get("parameters"),
+            "where": fields.tool_schema.format(i),
+        }
+        for i, t in enumerate(tools or [])
+    ]
     if not listed:
         raise refuse("tool_choice", f"{choice!r} forces a tool call but no tools are given")
     if choice == "required":
@@ -148,8 +159,11 @@ def forced_tools(choice, tools: list[dict] | None, fields: Fields = CHAT_FIELDS)
     name = function_name(choice)
     keep = [t for t in listed if t["name"] == name]
     if name is None or not keep:
-        raise refuse("tool_choice", f"{choice!r} is neither 'auto', 'none', 'required' nor a function among the "
-                                    f"tools ({', '.join(str(t['name']) for t in listed)})")
+        raise refuse(
+            "tool_choice",
+            f"{choice!r} is neither 'auto', 'none', 'required' nor a function among the "
+            f"tools ({', '.join(str(t['name']) for t in listed)})",
+        )
     return keep
 
 
@@ -184,8 +198,7 @@ def response_format_grammar(fmt: dict | None, fields: Fields = CHAT_FIELDS) -> s
     return None if schema is None else json_grammar(*schema)
 
 
-def answer_grammar(fmt, choice, tools, response_format: dict | None = None,
-                   fields: Fields = CHAT_FIELDS) -> str | None:
+def answer_grammar(fmt, choice, tools, response_format: dict | None = None, fields: Fields = CHAT_FIELDS) -> str | None:
     """The grammar a request's forcing `tool_choice` (chat-shaped `tools`) or `response_format` (json_object /
     json_schema) puts on the answer — from its first token (the sampler starts it where thinking ends); None for
     neither. A format with its own tool-call grammar (K3's tagged calls and response section) builds it. The
@@ -213,7 +226,7 @@ def _answer_grammar(fmt, forced, response_format, fields: Fields) -> str | None:
     markers = fmt.markers
     if forced is None:
         return response_format_grammar(response_format, fields)
-    markup = getattr(fmt, "tool_call_markup", BUILTIN_CALL)     # a checkpoint template's format, else built-in
+    markup = getattr(fmt, "tool_call_markup", BUILTIN_CALL)  # a checkpoint template's format, else built-in
     if markers.tool_open is None or markers.tool_close is None or markup is None:
         raise refuse("tool_choice", "forcing a tool call needs a chat format with tool-call marker tokens")
     return tool_call_grammar(forced, markers.tool_open, markers.tool_close, markup)
@@ -230,16 +243,23 @@ async def compile_off_loop(fn, *args, param: str | None = None):
     global _waiting
     with _waiting_lock:
         if _waiting >= MAX_COMPILES_WAITING:
-            raise APIError(f"{param or 'grammar'}: {MAX_COMPILES_WAITING} grammars are being compiled; retry later",
-                           param=param, code="grammar_compiler_busy", kind="rate_limit")
+            raise APIError(
+                f"{param or 'grammar'}: {MAX_COMPILES_WAITING} grammars are being compiled; retry later",
+                param=param,
+                code="grammar_compiler_busy",
+                kind="rate_limit",
+            )
         _waiting += 1
     try:
         future = asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
         try:
             return await asyncio.wait_for(asyncio.shield(future), COMPILE_SECONDS)
         except TimeoutError:
-            raise APIError(f"{param or 'grammar'}: not compiled within {COMPILE_SECONDS:g} s; simplify it",
-                           param=param, code="grammar_too_complex") from None
+            raise APIError(
+                f"{param or 'grammar'}: not compiled within {COMPILE_SECONDS:g} s; simplify it",
+                param=param,
+                code="grammar_too_complex",
+            ) from None
         except ValueError as e:
             raise APIError(str(e), param=getattr(e, "param", None) or param) from None
     finally:

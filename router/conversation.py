@@ -8,6 +8,7 @@ recomputes only the new tokens. A checkpoint's Jinja chat template cannot be ren
 history is rendered from its text (reasoning included) and the cache hits as far as the template keeps earlier
 turns. `truncation: auto` (router/truncation.py decides) is applied here.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -34,6 +35,7 @@ class PromptOptions:
     (K3 states each in a system message): the thinking tier, the tool choice (auto / none / required) and
     response_format. Other formats check them and leave the prompt as it is (constrained decoding and the
     sampler's reasoning cap enforce them there)."""
+
     thinking_effort: str | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -63,12 +65,13 @@ def prompt_tools(fmt: ChatFormat, tools, tool_choice: str | None):
     return tools if tool_choice != "none" or getattr(fmt, "states_tool_choice", False) else None
 
 
-def render_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool,
-                  options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
+def render_prompt(
+    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, options: PromptOptions = NO_OPTIONS
+) -> RenderedPrompt:
     """The chat format's rendering of a request (what the model is fed), a 400 naming what is wrong."""
     try:
         return fmt.render(messages, tools=tools, thinking=thinking, **asdict(options))
-    except ValueError as e:          # ChatError, or text that is not valid Unicode
+    except ValueError as e:  # ChatError, or text that is not valid Unicode
         raise APIError(str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages") from None
 
 
@@ -88,8 +91,9 @@ def system_and_rest(segments: list[Segment], instructions: str | None) -> tuple[
         rest = segments[1:]
     for s in rest:
         if s.role == "system":
-            raise APIError("input: a system / developer message is only allowed first (use `instructions`)",
-                           param="input")
+            raise APIError(
+                "input: a system / developer message is only allowed first (use `instructions`)", param="input"
+            )
     return system, rest
 
 
@@ -97,8 +101,15 @@ def segment_ids(fmt: ChatFormat, seg: Segment) -> list[int]:
     return seg.ids if seg.ids is not None else render_message(seg.message, fmt.tokenizer)
 
 
-def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: list[Segment],
-                        thinking: bool, param: str = "input", options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
+def render_conversation(
+    fmt: ChatFormat,
+    system: str | None,
+    tools,
+    segments: list[Segment],
+    thinking: bool,
+    param: str = "input",
+    options: PromptOptions = NO_OPTIONS,
+) -> RenderedPrompt:
     """The prompt of a conversation (segments after the system message), a 400 naming what is wrong."""
     messages = ([Message("system", system)] if system is not None else []) + [s.message for s in segments]
     try:
@@ -114,15 +125,30 @@ def render_conversation(fmt: ChatFormat, system: str | None, tools, segments: li
         raise APIError(f"{param}: {e}", param=param) from None
 
 
-def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment], thinking: bool, *,
-             limit: int, options: PromptOptions = NO_OPTIONS) -> tuple[list[Segment], TruncationPlan]:
+def truncate(
+    fmt: ChatFormat,
+    system: str | None,
+    tools,
+    segments: list[Segment],
+    thinking: bool,
+    *,
+    limit: int,
+    options: PromptOptions = NO_OPTIONS,
+) -> tuple[list[Segment], TruncationPlan]:
     """`truncation: auto` over a conversation (router/truncation.py decides; this counts and applies)."""
+
     def count(seg: Segment) -> int:
         if splices(fmt):
             return len(segment_ids(fmt, seg))
         m = seg.message
-        return len(fmt.tokenizer.encode(m.content + (m.reasoning or "") +
-                                        "".join(c.name + c.arguments for c in m.tool_calls))) + 4
+        return (
+            len(
+                fmt.tokenizer.encode(
+                    m.content + (m.reasoning or "") + "".join(c.name + c.arguments for c in m.tool_calls)
+                )
+            )
+            + 4
+        )
 
     def short(seg: Segment) -> Segment:
         return Segment(Message("tool", PLACEHOLDER, tool_call_id=seg.message.tool_call_id))
@@ -137,8 +163,9 @@ def truncate(fmt: ChatFormat, system: str | None, tools, segments: list[Segment]
     return [short(segments[i]) if i in shortened else segments[i] for i in plan.keep], plan
 
 
-def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory,
-                options: PromptOptions = NO_OPTIONS) -> RenderedPrompt:
+def chat_prompt(
+    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory, options: PromptOptions = NO_OPTIONS
+) -> RenderedPrompt:
     """The chat endpoints' prompt. With a reasoning memory (router/response_store.ReasoningMemory), reasoning a
     client dropped is put back into the messages, and with the built-in format an answer generated here is
     rendered as exactly the tokens generated (the prefix cache then covers it whole)."""
@@ -146,12 +173,13 @@ def chat_prompt(fmt: ChatFormat, messages: list[Message], tools, thinking: bool,
     if not splices(fmt) or not any(exact):
         return render_prompt(fmt, messages, tools, thinking, options)
     system = messages[0].content if messages[0].role == "system" else None
-    segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1:]
+    segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1 :]
     return render_conversation(fmt, system, tools, segments, thinking, param="messages", options=options)
 
 
-def truncate_messages(fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *,
-                      limit: int, options: PromptOptions = NO_OPTIONS) -> tuple[list[Message], dict | None]:
+def truncate_messages(
+    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *, limit: int, options: PromptOptions = NO_OPTIONS
+) -> tuple[list[Message], dict | None]:
     """Chat completions' `truncation: auto`: the messages that fit and the report (None: nothing dropped)."""
     system = messages[0].content if messages and messages[0].role == "system" else None
     rest = [Segment(m) for m in (messages[1:] if system is not None else messages)]

@@ -1,6 +1,7 @@
 """Generated tokens → text as it may go out: incremental detokenization (never half a character), a chat answer's
 reasoning apart from its content with tool-call markup held back (`ChatDecoder`, or a format's own stream parser:
 `decoder_for`), and stop strings (`StopCut`)."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -10,6 +11,7 @@ from expertmesh.chat.format import ChatFormat, Phase
 
 class TokenDecoder(Protocol):
     """What a chat run streams through: ("reasoning" | "content", text) pieces per token, the rest at the end."""
+
     done: bool
 
     def feed(self, token: int) -> list[tuple[str, str]]: ...
@@ -59,7 +61,7 @@ class ChatDecoder:
         self.in_call = False
         self.done = False
         self.text = self.tok.stream_decoder()
-        self.started, self.held = False, ""      # this section has emitted text; whitespace not yet emitted
+        self.started, self.held = False, ""  # this section has emitted text; whitespace not yet emitted
 
     def _emit(self, kind: str, piece: str, out: list) -> None:
         if not self.trim:
@@ -71,14 +73,14 @@ class ChatDecoder:
             out.append((kind, self.held + body))
             self.held, self.started = "", True
         if self.started:
-            self.held += piece[len(body):]
+            self.held += piece[len(body) :]
 
     def feed(self, token: int) -> list[tuple[str, str]]:
         m, out = self.m, []
         if token in m.stop:
             self.done = True
             return out
-        if self.phase == "maybe":               # the model may open thinking with its first token
+        if self.phase == "maybe":  # the model may open thinking with its first token
             self.phase = "reasoning" if token == m.think_start else "content"
             if self.phase == "reasoning":
                 return out

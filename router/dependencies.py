@@ -1,6 +1,7 @@
 """What the HTTP handlers serve with, as FastAPI dependencies: the served context (`Served`: engine, chat format,
 model name, API key, stored responses, reasoning memory — set on the app by http.build_app), the API-key check
 (Authorization: Bearer …, and Anthropic's x-api-key) and the request body whose `model` must be the one served."""
+
 from __future__ import annotations
 
 import inspect
@@ -20,18 +21,19 @@ from expertmesh.router.serving import check_key, check_model
 class Served:
     engine: Engine
     fmt: ChatFormat
-    name: str                             # the model name the APIs answer to
+    name: str  # the model name the APIs answer to
     api_key: str | None
-    store: ResponseStore                  # the Responses API's stored responses
-    memory: ReasoningMemory | None        # reasoning given back to chat histories that drop it (None: off)
-    created: int                          # /v1/models `created`
-    decoder: ImageDecoder | None = None   # the pool images are decoded in (router/image_decode.py)
+    store: ResponseStore  # the Responses API's stored responses
+    memory: ReasoningMemory | None  # reasoning given back to chat histories that drop it (None: off)
+    created: int  # /v1/models `created`
+    decoder: ImageDecoder | None = None  # the pool images are decoded in (router/image_decode.py)
 
     async def images(self, urls: dict[str, str]) -> ImageBudget:
         """A request's image budget (router/images.py): its remote URLs fetched, its limits and the context."""
         engine = self.engine
-        return await request_images(engine.cfg.vision, engine.image_limits, urls, decoder=self.decoder,
-                                    context=engine.cfg.max_context)
+        return await request_images(
+            engine.cfg.vision, engine.image_limits, urls, decoder=self.decoder, context=engine.cfg.max_context
+        )
 
 
 def served(request: Request) -> Served:
@@ -59,8 +61,9 @@ def openai_key(request: Request, authorization: str | None = Header(default=None
     check_key(served(request).api_key, bearer_token(authorization))
 
 
-def anthropic_key(request: Request, x_api_key: str | None = Header(default=None),
-                  authorization: str | None = Header(default=None)) -> None:
+def anthropic_key(
+    request: Request, x_api_key: str | None = Header(default=None), authorization: str | None = Header(default=None)
+) -> None:
     """Anthropic's routes: x-api-key, or a bearer token."""
     check_key(served(request).api_key, given_key(x_api_key, authorization))
 
@@ -68,10 +71,15 @@ def anthropic_key(request: Request, x_api_key: str | None = Header(default=None)
 def served_model(body_type: type):
     """A dependency giving the request body parsed as `body_type`, its `model` checked against the served one (404
     naming it; a body whose `model` is optional and absent means the served model)."""
+
     def dependency(request: Request, body):
         check_model(served(request).name, body.model)
         return body
-    dependency.__signature__ = inspect.Signature([
-        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
-        inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body_type)])
+
+    dependency.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+            inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body_type),
+        ]
+    )
     return Depends(dependency)

@@ -14,6 +14,7 @@ deployment, unchanged. With them, the router's other attention workers are the "
   * decode workers save no prefixes while the prefill pool is live (nothing would hit them: prompts go to the
     prefill pool), so their KV holds running sequences only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ POOL_KINDS = ("mixed", "prefill", "decode")
 class Pools:
     """`kinds[i]`: the pool of attention worker i (router order: the decode / mixed workers, then the prefill
     ones); `min_tokens`: prompts shorter than this skip the prefill pool."""
+
     kinds: tuple[str, ...]
     min_tokens: int = 0
 
@@ -68,8 +70,9 @@ class Pools:
         return self.members("decode") if self.split and self.prefill_live(down) else frozenset()
 
 
-def choose_decode(kv: KVManager, pools: Pools, down: frozenset[int], reserve: int,
-                  taken: dict[int, int] | None = None) -> int | None:
+def choose_decode(
+    kv: KVManager, pools: Pools, down: frozenset[int], reserve: int, taken: dict[int, int] | None = None
+) -> int | None:
     """The decode worker a sequence with `reserve` tokens of KV moves to: live, with room for the reservation
     after the blocks already promised this round (`taken`: worker → blocks), the most free blocks left, then the
     fewest sequences, then the lowest index; None when no decode worker has room."""
@@ -85,9 +88,10 @@ def choose_decode(kv: KVManager, pools: Pools, down: frozenset[int], reserve: in
 @dataclass(frozen=True)
 class PoolLoad:
     """One pool's signals (router /metrics, what a HorizontalPodAutoscaler scales the pool on)."""
-    requests_waiting: int         # requests waiting to enter the pool (decode: also those waiting for a hand-off)
-    prefill_tokens_waiting: int   # prompt tokens bound for the pool not computed yet
-    kv_utilization: float         # used / total KV blocks over the pool's live workers (0 when none is live)
+
+    requests_waiting: int  # requests waiting to enter the pool (decode: also those waiting for a hand-off)
+    prefill_tokens_waiting: int  # prompt tokens bound for the pool not computed yet
+    kv_utilization: float  # used / total KV blocks over the pool's live workers (0 when none is live)
     live_workers: int
 
 
@@ -106,7 +110,7 @@ def pool_load(pools: Pools, kv: KVManager, down: frozenset[int], waiting: list, 
         pool = pools.name(r.worker)
         if r.computed < len(r.prompt):
             tokens[pool] += len(r.prompt) - r.computed
-        elif pool == "prefill":              # prompt done: waiting for its hand-off to the decode pool
+        elif pool == "prefill":  # prompt done: waiting for its hand-off to the decode pool
             reqs["decode"] += 1
     out = {}
     for p in names:

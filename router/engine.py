@@ -19,6 +19,7 @@ The router's traffic is token ids and plan entries — independent of hidden siz
 reached through clients with the same methods whether in process or over gRPC. The request and its errors live in
 router/request.py, the KV / prefix index in router/kv.py.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -87,6 +88,7 @@ def _public(error: Exception) -> Exception:
 @dataclass
 class _InTransit:
     """A hand-off in flight: its call, from / to which attention worker, the sequence id there, the blocks promised."""
+
     future: Future
     src: int
     to: int
@@ -107,14 +109,32 @@ def _first_info(client, timeout: float) -> dict:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, attention: list, experts: list, placement, *,
-                 prefill_chunk: int = 16, prefill_tokens: int = 0, max_batch_tokens: int | None = None,
-                 max_running: int = 64,
-                 max_waiting: int = 256, call_timeout: float = 60.0, model_name: str | None = None,
-                 metrics=None, health_interval: float = 1.0, startup_timeout: float = 120.0,
-                 max_queue_wait: float = 300.0, kv_growth: int = 256, transport: str = "grpc", image_limits=None,
-                 prefix_salt: bytes | None = None, prefix_index_refresh: float = 5.0, prefill: list | None = None,
-                 prefill_min_tokens: int = 0):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: list,
+        experts: list,
+        placement,
+        *,
+        prefill_chunk: int = 16,
+        prefill_tokens: int = 0,
+        max_batch_tokens: int | None = None,
+        max_running: int = 64,
+        max_waiting: int = 256,
+        call_timeout: float = 60.0,
+        model_name: str | None = None,
+        metrics=None,
+        health_interval: float = 1.0,
+        startup_timeout: float = 120.0,
+        max_queue_wait: float = 300.0,
+        kv_growth: int = 256,
+        transport: str = "grpc",
+        image_limits=None,
+        prefix_salt: bytes | None = None,
+        prefix_index_refresh: float = 5.0,
+        prefill: list | None = None,
+        prefill_min_tokens: int = 0,
+    ):
         """`prefill_chunk`: the prefix cache's granularity (prompt chunks end at its multiples); `prefill_tokens`:
         prompt chunks end at its multiples (0: at prefill_chunk's); `max_batch_tokens`: tokens per step (None: 256,
         or prefill_tokens + max_running if more, so a chunk always fits beside every decoding sequence); `max_queue_wait`:
@@ -130,37 +150,55 @@ class Engine:
         if transport not in ("grpc", "collective"):
             raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
         self.transport = transport
-        self.image_limits = image_limits or ImageLimits()     # what the APIs accept as image input
+        self.image_limits = image_limits or ImageLimits()  # what the APIs accept as image input
         self.kv_growth = max(1, kv_growth)
         self.cfg = cfg
         self.model_name = model_name or cfg.name
         self.metrics = metrics or RouterMetrics()
         self.metrics.bind(self)
         self.pools = Pools.of(len(attention), len(prefill or ()), prefill_min_tokens)
-        self.attention = [InstrumentedClient(a, self.metrics, "attention") for a in list(attention) + list(prefill or ())]
+        self.attention = [
+            InstrumentedClient(a, self.metrics, "attention") for a in list(attention) + list(prefill or ())
+        ]
         self.transit: dict[Request, _InTransit] = {}  # requests being handed off (prefill → decode)
         self.experts = [InstrumentedClient(e, self.metrics, "expert") for e in experts]
         if prefill_tokens and prefill_tokens % prefill_chunk:
             raise ValueError(f"prefill_tokens: {prefill_tokens} is not a multiple of prefill_chunk {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_tokens = max(prefill_tokens, prefill_chunk)
-        self.max_batch_tokens = max(max_batch_tokens or max(256, self.prefill_tokens + max_running),
-                                    self.prefill_tokens)
+        self.max_batch_tokens = max(
+            max_batch_tokens or max(256, self.prefill_tokens + max_running), self.prefill_tokens
+        )
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.max_queue_wait = max_queue_wait
         self.call_timeout = call_timeout
-        self.pool = ThreadPoolExecutor(max_workers=max(8, 2 * (len(self.attention) + len(self.experts))),
-                                       thread_name_prefix="router-call")
-        self.expert_clients = [e._client for e in self.experts]    # what attention workers dispatch to
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(8, 2 * (len(self.attention) + len(self.experts))), thread_name_prefix="router-call"
+        )
+        self.expert_clients = [e._client for e in self.experts]  # what attention workers dispatch to
         self.cv = threading.Condition()
-        self.plan = LivePlan(cfg, placement, self.attention, self.experts, self.expert_clients, pool=self.pool,
-                             wake=self.cv, transport=transport, probe_interval=health_interval)
+        self.plan = LivePlan(
+            cfg,
+            placement,
+            self.attention,
+            self.experts,
+            self.expert_clients,
+            pool=self.pool,
+            wake=self.cv,
+            transport=transport,
+            probe_interval=health_interval,
+        )
         infos = [_first_info(a, startup_timeout) for a in self.attention]
         for i, info in enumerate(infos):
             if info.get("pool", "mixed") != self.pools.name(i):
-                log.warning("attention worker %d (%s) says it serves pool %r; this router uses it in %r", i,
-                            info.get("name"), info.get("pool"), self.pools.name(i))
+                log.warning(
+                    "attention worker %d (%s) says it serves pool %r; this router uses it in %r",
+                    i,
+                    info.get("name"),
+                    info.get("pool"),
+                    self.pools.name(i),
+                )
         # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
         # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
         # prefix keys saved there
@@ -168,18 +206,24 @@ class Engine:
             raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
         self.instance = os.urandom(6).hex()
         self.seq_ids = itertools.count()
-        self.kv = KVManager([WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
-                             for i, info in enumerate(infos)], chunk=prefill_chunk,
-                            salt=prefix_salt if prefix_salt is not None else os.urandom(16))
+        self.kv = KVManager(
+            [
+                WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
+                for i, info in enumerate(infos)
+            ],
+            chunk=prefill_chunk,
+            salt=prefix_salt if prefix_salt is not None else os.urandom(16),
+        )
         self.prefix_index_refresh = prefix_index_refresh
-        self._listings: dict[int, tuple[set[str], list]] = {}    # worker → (keys known, its ListPrefixes) to merge
-        self.health = AttentionHealth(self.attention, self.kv, owner=self.instance, interval=health_interval,
-                                      connect=self.plan.connect)
+        self._listings: dict[int, tuple[set[str], list]] = {}  # worker → (keys known, its ListPrefixes) to merge
+        self.health = AttentionHealth(
+            self.attention, self.kv, owner=self.instance, interval=health_interval, connect=self.plan.connect
+        )
         self._last_refresh = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = EngineStats()
-        self.step_ids = itertools.count(int.from_bytes(os.urandom(6), 'little') << 8)  # unique per router
+        self.step_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)  # unique per router
         self.closed = False
         for i in range(len(self.attention)):
             self.plan.connect(i)
@@ -196,10 +240,16 @@ class Engine:
     @property
     def limits(self) -> Limits:
         """The scheduling settings (the context read from `cfg` each time)."""
-        return Limits(prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens,
-                      max_batch_tokens=self.max_batch_tokens,
-                      max_running=self.max_running, kv_growth=self.kv_growth, max_context=self.cfg.max_context,
-                      max_queue_wait=self.max_queue_wait, snapshot_within_step=not self.cfg.n_kda_layers)
+        return Limits(
+            prefill_chunk=self.prefill_chunk,
+            prefill_tokens=self.prefill_tokens,
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running,
+            kv_growth=self.kv_growth,
+            max_context=self.cfg.max_context,
+            max_queue_wait=self.max_queue_wait,
+            snapshot_within_step=not self.cfg.n_kda_layers,
+        )
 
     def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None, **kw) -> Request:
         """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
@@ -323,14 +373,22 @@ class Engine:
         with self.cv:
             waiting = list(self.waiting)
         running = [r for r in self.running if r not in self.transit]
-        return schedule(waiting, running, self.kv, limits=self.limits, down=frozenset(self.attention_down),
-                        now=time.monotonic(), admit=admit, pools=self.pools)
+        return schedule(
+            waiting,
+            running,
+            self.kv,
+            limits=self.limits,
+            down=frozenset(self.attention_down),
+            now=time.monotonic(),
+            admit=admit,
+            pools=self.pools,
+        )
 
     def _step(self) -> None:
         self._land_handoffs()
         self._merge_listings()
         plan = self._schedule()
-        if plan.blocked and self._refresh_all():      # the counts may be stale: plan on the workers' own
+        if plan.blocked and self._refresh_all():  # the counts may be stale: plan on the workers' own
             plan = self._schedule()
         self._expire(plan.expire)
         if not self._admit(plan.admissions):
@@ -345,7 +403,7 @@ class Engine:
         if self.pools.split:
             self._start_handoffs()
         if not plan.batches and self.transit:
-            with self.cv:                    # only hand-offs in flight: wait for one to land (or new work)
+            with self.cv:  # only hand-offs in flight: wait for one to land (or new work)
                 self.cv.wait(timeout=0.01)
 
     # ------------------------------------------------------------------ the prefix index across router replicas
@@ -362,10 +420,10 @@ class Engine:
         for i, client in enumerate(self.attention):
             if i in self.attention_down:
                 continue
-            known = {k for k, w in list(self.kv.prefixes.items()) if w == i}   # list(): one atomic copy
+            known = {k for k, w in list(self.kv.prefixes.items()) if w == i}  # list(): one atomic copy
             try:
                 listing = client.list_prefixes()
-            except Exception as e:       # a worker that does not answer is the heartbeat's business
+            except Exception as e:  # a worker that does not answer is the heartbeat's business
                 log.debug("list_prefixes on attention worker %d failed: %s", i, e)
                 continue
             with self.cv:
@@ -406,8 +464,13 @@ class Engine:
     def _expire(self, expired: list[Request]) -> None:
         """Refuse requests that waited longer than `max_queue_wait` for KV room (429: retry later)."""
         for req in [r for r in expired if self._unqueue(r)]:
-            self._fail(req, QueueFull(f"no KV room for {len(req.prompt) + req.params.max_tokens} tokens "
-                                      f"(prompt + max_tokens) within {self.max_queue_wait:g} s; retry later"))
+            self._fail(
+                req,
+                QueueFull(
+                    f"no KV room for {len(req.prompt) + req.params.max_tokens} tokens "
+                    f"(prompt + max_tokens) within {self.max_queue_wait:g} s; retry later"
+                ),
+            )
 
     # ------------------------------------------------------------------ applying a plan
     def _admit(self, admissions: list[Admission]) -> bool:
@@ -428,8 +491,8 @@ class Engine:
                     self._evict(worker, key)
                 if self.kv.workers[worker].free_blocks >= adm.need:
                     break
-            else:                              # the evictions did not make room (its sequences hold it):
-                candidates = candidates[1:]    # the next candidate, a worker that fits it now, if there is one
+            else:  # the evictions did not make room (its sequences hold it):
+                candidates = candidates[1:]  # the next candidate, a worker that fits it now, if there is one
                 if not candidates:
                     return False
         for n, (worker, key, length) in enumerate(candidates):
@@ -438,23 +501,28 @@ class Engine:
             try:
                 # images wholly inside the cached prefix are not sent: their rows are in the cache already
                 images = [ImageSpan(pos, img.pixels) for pos, img in req.images if pos + img.tokens > length]
-                cached = self.attention[worker].open_sequence(seq_id, req.params, reserve_tokens=adm.reserve,
-                                                              prefix_key=key, owner=self.instance,
-                                                              **({"images": images} if images else {}))
-            except WorkerError as e:   # the worker refuses the request itself: it must not block the queue
+                cached = self.attention[worker].open_sequence(
+                    seq_id,
+                    req.params,
+                    reserve_tokens=adm.reserve,
+                    prefix_key=key,
+                    owner=self.instance,
+                    **({"images": images} if images else {}),
+                )
+            except WorkerError as e:  # the worker refuses the request itself: it must not block the queue
                 self._unqueue(req)
                 self._fail(req, RequestError(str(e)))
                 return False
-            except ConnectionError as e:   # unreachable or hung: down (no request waits on it again) until it
-                self.health.mark_down(worker, e)    # answers its health check; the next candidate is tried
+            except ConnectionError as e:  # unreachable or hung: down (no request waits on it again) until it
+                self.health.mark_down(worker, e)  # answers its health check; the next candidate is tried
                 continue
-            except OutOfBlocks as e:   # no room there now (a restore needs the prefix's blocks too): the next one
+            except OutOfBlocks as e:  # no room there now (a restore needs the prefix's blocks too): the next one
                 log.debug("open_sequence on %d: %s", worker, e)
                 self._refresh(worker)
                 continue
             except Exception as e:  # prefix gone (or a lower tier's copy refused): try the next candidate
                 log.debug("open_sequence on %d failed: %s", worker, e)
-                if key is not None:              # forgotten here, so dropped there too: never pinned unknown
+                if key is not None:  # forgotten here, so dropped there too: never pinned unknown
                     self.kv.forget(key)
                     try:
                         self.attention[worker].drop_prefix(key)
@@ -470,7 +538,7 @@ class Engine:
                 self.metrics.prefix_hit_tokens.labels(tier).inc(cached)
             self._unqueue(req)
             self._placed(req, worker, seq_id, cached, adm.reserve)
-            return candidates is adm.candidates and n == 0 and cached == length    # as planned
+            return candidates is adm.candidates and n == 0 and cached == length  # as planned
         return False
 
     def _placed(self, req: Request, worker: int, seq_id: str, cached: int, reserve: int) -> None:
@@ -533,14 +601,14 @@ class Engine:
                     break
                 plain = False
                 while evict and (not self.kv.has(evict[0]) or self.kv.is_lower(evict[0])):
-                    evict.pop(0)                       # evicted meanwhile
+                    evict.pop(0)  # evicted meanwhile
                 if evict:
                     self._evict(w, evict.pop(0))
                     continue
                 while victims and not (victims[0] in self.running and victims[0].worker == w):
-                    victims.pop(0)                     # preempted, recovered or finished meanwhile
+                    victims.pop(0)  # preempted, recovered or finished meanwhile
                 if not victims:
-                    self._finish(req, "length")        # the worker's whole KV cannot hold more of it
+                    self._finish(req, "length")  # the worker's whole KV cannot hold more of it
                     break
                 self._preempt(victims.pop(0))
         return plain
@@ -578,15 +646,25 @@ class Engine:
             for p in items:
                 if p.hasher is not None:
                     p.req.hasher = p.hasher
-        tracing = StepTrace(step_id, {w: [(p.req, p.tokens, p.sample) for p in items]
-                                      for w, items in batches.items()}, self.attention)
+        tracing = StepTrace(
+            step_id, {w: [(p.req, p.tokens, p.sample) for p in items] for w, items in batches.items()}, self.attention
+        )
         try:
             with tracing.layer("step", 0):
-                futures = {w: self.pool.submit(self.attention[w].run_step, step_id,
-                                               [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
-                                               {p.req.seq_id: p.snapshot if p.snapshot_at is None else
-                                                (p.snapshot, p.snapshot_at) for p in batches[w] if p.snapshot} or None)
-                           for w in workers}
+                futures = {
+                    w: self.pool.submit(
+                        self.attention[w].run_step,
+                        step_id,
+                        [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
+                        {
+                            p.req.seq_id: p.snapshot if p.snapshot_at is None else (p.snapshot, p.snapshot_at)
+                            for p in batches[w]
+                            if p.snapshot
+                        }
+                        or None,
+                    )
+                    for w in workers
+                }
                 results = self._gather(futures)
         except ConnectionError as e:
             # every attention worker of the step is unreachable (a blip, a restart): the requests wait for one
@@ -623,8 +701,11 @@ class Engine:
         results, pending = {}, dict(futures)
         deadline = time.monotonic() + self.call_timeout
         while pending:
-            wait(list(pending.values()), timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
-                 return_when=FIRST_COMPLETED)
+            wait(
+                list(pending.values()),
+                timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
+                return_when=FIRST_COMPLETED,
+            )
             for w, f in list(pending.items()):
                 if f.done():
                     del pending[w]
@@ -651,7 +732,7 @@ class Engine:
         for p in batch:
             if p.chain_key is None or p.req.seq_id in done.failed:
                 continue
-            if p.snapshot is not None:       # it extends the last prefix its request reached: one conversation
+            if p.snapshot is not None:  # it extends the last prefix its request reached: one conversation
                 for victim in self.kv.record_prefix(w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req):
                     if self.kv.has(victim) and not self.kv.is_lower(victim):
                         self._evict(w, victim)
@@ -697,8 +778,13 @@ class Engine:
         where it is meanwhile) and is tried again after the next step."""
         down = frozenset(self.attention_down)
         for req in self.running:
-            if req in self.transit or req.done or req.worker in down or self.pools.name(req.worker) != "prefill" \
-                    or req.computed < len(req.prompt):
+            if (
+                req in self.transit
+                or req.done
+                or req.worker in down
+                or self.pools.name(req.worker) != "prefill"
+                or req.computed < len(req.prompt)
+            ):
                 continue
             to = choose_decode(self.kv, self.pools, down, req.reserved)
             if to is None:
@@ -719,15 +805,28 @@ class Engine:
     def _hand_off(self, req: Request, src: int, to: int, to_seq: str):
         """The call (a pool thread): the prefill worker sends the sequence to the decode worker itself; traced as
         `kv.handoff` under the request's trace (the workers' spans join it)."""
+
         def call():
-            return self.attention[src].hand_off(req.seq_id, self.attention[to]._client, to_seq,
-                                                reserve_tokens=req.reserved, owner=self.instance,
-                                                transport=self.transport)
+            return self.attention[src].hand_off(
+                req.seq_id,
+                self.attention[to]._client,
+                to_seq,
+                reserve_tokens=req.reserved,
+                owner=self.instance,
+                transport=self.transport,
+            )
+
         if req.trace_ctx is None:
             return call()
-        span = telemetry.tracer().start_span("kv.handoff", context=req.trace_ctx, attributes={
-            "expertmesh.handoff.from": self.attention[src].name, "expertmesh.handoff.to": self.attention[to].name,
-            "expertmesh.kv.tokens": req.computed})
+        span = telemetry.tracer().start_span(
+            "kv.handoff",
+            context=req.trace_ctx,
+            attributes={
+                "expertmesh.handoff.from": self.attention[src].name,
+                "expertmesh.handoff.to": self.attention[to].name,
+                "expertmesh.kv.tokens": req.computed,
+            },
+        )
         with trace.use_span(span, end_on_exit=True, record_exception=True):
             done = call()
             span.set_attribute("expertmesh.kv.bytes", done.bytes)
@@ -743,18 +842,17 @@ class Engine:
             del self.transit[req]
             src, to, to_seq = t.src, t.to, t.to_seq
             e = t.future.exception()
-            if e is not None:               # not there: the promise is taken back
+            if e is not None:  # not there: the promise is taken back
                 self.kv.workers[to].sequences -= 1
                 self.kv.workers[to].free_blocks += t.blocks
             if isinstance(e, (OutOfBlocks, HandOffFailed)):
                 log.info("hand-off of %s to attention worker %d: %s; it stays on %d", req.request_id, to, e, src)
                 self.metrics.handoffs.labels("refused").inc()
-                self.health.close(to, to_seq)            # in case it got there and only the answer was lost
+                self.health.close(to, to_seq)  # in case it got there and only the answer was lost
                 self._refresh(to)
                 continue
             if e is not None:
-                log.warning("hand-off of %s from attention worker %d failed: %s; replaying it", req.request_id,
-                            src, e)
+                log.warning("hand-off of %s from attention worker %d failed: %s; replaying it", req.request_id, src, e)
                 self.metrics.handoffs.labels("failed").inc()
                 if isinstance(e, ConnectionError):
                     self.health.mark_down(src, e)
@@ -769,7 +867,7 @@ class Engine:
             self.kv.workers[src].free_blocks = done.free_blocks
             self.kv.workers[src].sequences -= 1
             req.worker, req.seq_id = to, to_seq
-            if req not in self.running:              # ended meanwhile (close() failed it): not left open there
+            if req not in self.running:  # ended meanwhile (close() failed it): not left open there
                 self.health.close(to, to_seq)
 
     # ------------------------------------------------------------------ ending requests

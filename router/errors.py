@@ -6,6 +6,7 @@ API spells it: `messages[1].content[2]`, `tools.0.function.parameters`) and a ma
 Anthropic error type and gRPC status code; `as_api_error` turns what the engine and the chat format raise into
 one. Plain data: the HTTP app and the gRPC service shape the bodies and statuses from it.
 """
+
 from __future__ import annotations
 
 import queue
@@ -23,10 +24,10 @@ from expertmesh.router.request import (
 
 @dataclass(frozen=True)
 class Kind:
-    status: int            # HTTP
-    openai: str            # OpenAI error `type`
-    anthropic: str         # Anthropic error `type`
-    grpc: str              # grpc.StatusCode name
+    status: int  # HTTP
+    openai: str  # OpenAI error `type`
+    anthropic: str  # Anthropic error `type`
+    grpc: str  # grpc.StatusCode name
 
 
 KINDS: dict[str, Kind] = {
@@ -46,8 +47,9 @@ _BY_STATUS = {k.status: name for name, k in KINDS.items()}
 class APIError(Exception):
     """A refusal or failure a client sees: `kind` (a key of KINDS), the message, the field and the code."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request"):
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request"
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.kind = message, param, code, kind
         self._status: int | None = None
@@ -99,6 +101,6 @@ def as_api_error(e: Exception) -> APIError:
         return APIError(str(e), code="queue_full", kind="rate_limit")
     if isinstance(e, (ExpertsUnavailable, EngineClosed, ConnectionError)):
         return APIError(str(e), code="unavailable", kind="unavailable")
-    if isinstance(e, queue.Empty):          # Request.stream(timeout) ran past the client's deadline
+    if isinstance(e, queue.Empty):  # Request.stream(timeout) ran past the client's deadline
         return APIError("deadline exceeded while generating", kind="deadline")
     return APIError(f"internal error: {type(e).__name__}: {e}", kind="internal")

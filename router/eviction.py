@@ -13,6 +13,7 @@ contain the shorter ones. So, victims first:
 Within a class, least recently used first. Everything outside class 1 is demoted (the worker drops it if it has
 no lower tier or no room).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,17 +25,18 @@ _RANK = {ONE_SHOT: 0, ANSWERED: 1, RUNNING: 2, AWAITING_TOOL: 3}
 @dataclass(frozen=True)
 class PrefixInfo:
     """One cached prefix as the policy reads it."""
+
     key: str
-    length: int              # tokens
-    last_used: int           # larger: used more recently (saved, or hit by an admission)
-    superseded: bool         # a longer cached prefix of the same conversation exists
-    session: str             # ONE_SHOT | ANSWERED | RUNNING | AWAITING_TOOL (of the request that last used it)
+    length: int  # tokens
+    last_used: int  # larger: used more recently (saved, or hit by an admission)
+    superseded: bool  # a longer cached prefix of the same conversation exists
+    session: str  # ONE_SHOT | ANSWERED | RUNNING | AWAITING_TOOL (of the request that last used it)
 
 
 @dataclass(frozen=True)
 class Victim:
     key: str
-    demote: bool             # False: drop it (superseded)
+    demote: bool  # False: drop it (superseded)
 
 
 def eviction_order(prefixes: list[PrefixInfo]) -> list[Victim]:

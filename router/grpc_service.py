@@ -13,6 +13,7 @@ calls at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: the client queues the res
 never a queue); and a stream whose client stops reading — its write blocked on flow control for `write_timeout`
 seconds — is cancelled (`StreamGuard`), which frees its thread and its request's KV.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,7 +65,7 @@ def client_timeout(context) -> float | None:
     """Seconds left before the client's deadline; None without one (gRPC then reports a time_remaining so large
     that a queue wait on it overflows)."""
     remaining = context.time_remaining()
-    return remaining if remaining is not None and remaining < 10 ** 7 else None
+    return remaining if remaining is not None and remaining < 10**7 else None
 
 
 def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
@@ -72,19 +73,22 @@ def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
     tokenizer's EOS) checked as on HTTP, naming `params.FIELD`, and the max_tokens asked for (None: unset)."""
     refused = {"logprobs": "use /v1/completions", "prompt_logprobs": "use /v1/completions"}
     if chat:
-        refused |= {"stop_token_ids": "the chat format's end-of-turn tokens end the answer",
-                    "grammar_after_token": "the grammar applies to the answer, after the thinking section"}
+        refused |= {
+            "stop_token_ids": "the chat format's end-of-turn tokens end the answer",
+            "grammar_after_token": "the grammar applies to the answer, after the thinking section",
+        }
     for name, why in refused.items():
         if len(p.stop_token_ids) if name == "stop_token_ids" else p.HasField(name):
             raise APIError(f"params.{name}: not supported by this gRPC API ({why})", param=f"params.{name}")
     requested = p.max_tokens if p.HasField("max_tokens") else None
-    params = dataclasses.replace(sampling_from_proto(p), stop_token_ids=tuple(p.stop_token_ids) or
-                                 tuple(tokenizer.eos_ids))
+    params = dataclasses.replace(
+        sampling_from_proto(p), stop_token_ids=tuple(p.stop_token_ids) or tuple(tokenizer.eos_ids)
+    )
     if not chat:
         params.max_tokens = max_tokens_for(requested, chat=False, param="params.max_tokens")
     try:
         check_sampling(params)
-        if params.grammar is not None:       # compiled here first: a bad grammar never reaches a worker
+        if params.grammar is not None:  # compiled here first: a bad grammar never reaches a worker
             check_grammar(params.grammar, "grammar", tokenizer)
     except ValueError as e:
         raise APIError(f"params.{e}", param=f"params.{getattr(e, 'param', None) or leading_field(str(e))}") from None
@@ -95,7 +99,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, engine: Engine, api_key: str | None = None, chat: ChatFormat | None = None):
         self.engine = engine
         self.api_key = api_key
-        self.chat = chat or BuiltinChat()     # the checkpoint's tokenizer and chat format
+        self.chat = chat or BuiltinChat()  # the checkpoint's tokenizer and chat format
         self.tok = self.chat.tokenizer
 
     def _admit(self, model: str, context) -> None:
@@ -121,12 +125,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
         try:
             self._admit(request.model, context)
             if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
-                raise APIError(f"request_id: {len(request.request_id.encode())} bytes, more than the "
-                               f"{MAX_REQUEST_ID_BYTES} allowed (it is echoed in every event)", param="request_id")
+                raise APIError(
+                    f"request_id: {len(request.request_id.encode())} bytes, more than the "
+                    f"{MAX_REQUEST_ID_BYTES} allowed (it is echoed in every event)",
+                    param="request_id",
+                )
             prompt = self._prompt(request)
             params, _ = sampling(request.params, self.tok, chat=False)
-            run = CompletionRun(self.engine, prompt, params, api="grpc",
-                                **({"request_id": request.request_id} if request.request_id else {}))
+            run = CompletionRun(
+                self.engine,
+                prompt,
+                params,
+                api="grpc",
+                **({"request_id": request.request_id} if request.request_id else {}),
+            )
         except Exception as e:
             abort(context, e)
         context.add_callback(run.close)
@@ -136,52 +148,86 @@ class RouterService(router_pb2_grpc.RouterServicer):
             for token in req.stream(timeout=client_timeout(context)):
                 # a token's text is what it completes: empty while a character spans several tokens
                 text = decoder.feed(token) if request.return_text else ""
-                yield router_pb2.GenerateEvent(request_id=req.request_id, token=router_pb2.TokenEvent(
-                    index=index, token_id=token, text=text))
+                yield router_pb2.GenerateEvent(
+                    request_id=req.request_id, token=router_pb2.TokenEvent(index=index, token_id=token, text=text)
+                )
                 index += 1
         except Exception as e:  # the engine failed the request, or the client's deadline passed
             run.close()
             abort(context, run.finish(None, e))
         run.finish(req.finish_reason)
         u = run.usage()
-        yield router_pb2.GenerateEvent(request_id=req.request_id, finish=router_pb2.Finish(
-            finish_reason=req.finish_reason or "stop", usage=router_pb2.Usage(
-                prompt_tokens=u.prompt, completion_tokens=u.completion, cached_tokens=u.cached, total_tokens=u.total)))
+        yield router_pb2.GenerateEvent(
+            request_id=req.request_id,
+            finish=router_pb2.Finish(
+                finish_reason=req.finish_reason or "stop",
+                usage=router_pb2.Usage(
+                    prompt_tokens=u.prompt, completion_tokens=u.completion, cached_tokens=u.cached, total_tokens=u.total
+                ),
+            ),
+        )
 
     def Chat(self, request, context):
         """Streaming chat: reasoning and content deltas, structured tool calls, then usage."""
         try:
             self._admit(request.model, context)
-            thinking = decide_thinking(thinking_budget=request.thinking_budget or None,
-                                       disable=request.disable_thinking, budgets=self.engine.cfg.thinking)
+            thinking = decide_thinking(
+                thinking_budget=request.thinking_budget or None,
+                disable=request.disable_thinking,
+                budgets=self.engine.cfg.thinking,
+            )
             messages, tools = grpc_messages(request.messages), grpc_tools(request.tools)
             thinking = thinking.for_round([m.role for m in messages])
             p, max_tokens = sampling(request.params, self.tok, chat=True)
-            run = start_chat(self.engine, self.chat, ChatRequest(
-                render_prompt(self.chat, messages, tools, thinking.on, prompt_options(thinking)), thinking,
-                tools=tools, max_tokens=max_tokens,
-                max_tokens_param="params.max_tokens", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                sampling={k: getattr(p, k) for k in CHAT_SAMPLING}, grammar=p.grammar, api="grpc"))
+            run = start_chat(
+                self.engine,
+                self.chat,
+                ChatRequest(
+                    render_prompt(self.chat, messages, tools, thinking.on, prompt_options(thinking)),
+                    thinking,
+                    tools=tools,
+                    max_tokens=max_tokens,
+                    max_tokens_param="params.max_tokens",
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    seed=p.seed,
+                    sampling={k: getattr(p, k) for k in CHAT_SAMPLING},
+                    grammar=p.grammar,
+                    api="grpc",
+                ),
+            )
         except Exception as e:
             abort(context, e)
         context.add_callback(run.close)
         try:
             for kind, text in run.events_sync(timeout=client_timeout(context)):
-                yield chat_pb2.ChatEvent(reasoning_delta=text) if kind == "reasoning" else \
-                    chat_pb2.ChatEvent(content_delta=text)
+                yield (
+                    chat_pb2.ChatEvent(reasoning_delta=text)
+                    if kind == "reasoning"
+                    else chat_pb2.ChatEvent(content_delta=text)
+                )
         except Exception as e:
             run.close()
             abort(context, run.fail(e))
         r = run.finish()
-        if r.unsent:                                   # held-back malformed tool call, as text
+        if r.unsent:  # held-back malformed tool call, as text
             yield chat_pb2.ChatEvent(content_delta=r.unsent)
         for c in r.tool_calls:
             yield chat_pb2.ChatEvent(tool_call=chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments))
         u = r.usage
-        yield chat_pb2.ChatEvent(finish=chat_pb2.ChatFinish(
-            finish_reason=r.finish_reason, thinking_budget=run.tier if thinking.on else "",
-            usage=chat_pb2.ChatUsage(prompt_tokens=u.prompt, completion_tokens=u.completion, cached_tokens=u.cached,
-                                     reasoning_tokens=u.reasoning, total_tokens=u.total)))
+        yield chat_pb2.ChatEvent(
+            finish=chat_pb2.ChatFinish(
+                finish_reason=r.finish_reason,
+                thinking_budget=run.tier if thinking.on else "",
+                usage=chat_pb2.ChatUsage(
+                    prompt_tokens=u.prompt,
+                    completion_tokens=u.completion,
+                    cached_tokens=u.cached,
+                    reasoning_tokens=u.reasoning,
+                    total_tokens=u.total,
+                ),
+            )
+        )
 
     def ListModels(self, request, context):
         try:
@@ -189,9 +235,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except Exception as e:
             abort(context, e)
         cfg = self.engine.cfg
-        return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(
-            id=self.engine.model_name, max_context=cfg.max_context, vocab_size=cfg.vocab_size,
-            owned_by="expertmesh")])
+        return router_pb2.ListModelsResponse(
+            models=[
+                router_pb2.ModelInfo(
+                    id=self.engine.model_name,
+                    max_context=cfg.max_context,
+                    vocab_size=cfg.vocab_size,
+                    owned_by="expertmesh",
+                )
+            ]
+        )
 
 
 class StreamGuard:
@@ -202,7 +255,7 @@ class StreamGuard:
     def __init__(self, write_timeout: float = WRITE_TIMEOUT, max_per_client: int = 32, tick: float = 0.5):
         self.write_timeout, self.max_per_client, self.tick = write_timeout, max_per_client, tick
         self._lock = threading.Lock()
-        self._writing: dict[int, tuple[float, object]] = {}     # stream → (since when its write waits, context)
+        self._writing: dict[int, tuple[float, object]] = {}  # stream → (since when its write waits, context)
         self._clients: Counter[str] = Counter()
         self.cancelled = 0
         self._stop = threading.Event()
@@ -218,8 +271,11 @@ class StreamGuard:
         client = self.client_of(context)
         with self._lock:
             if self._clients[client] >= self.max_per_client:
-                raise APIError(f"more than {self.max_per_client} calls at once from this client; retry later",
-                               code="too_many_calls", kind="rate_limit")
+                raise APIError(
+                    f"more than {self.max_per_client} calls at once from this client; retry later",
+                    code="too_many_calls",
+                    kind="rate_limit",
+                )
             self._clients[client] += 1
         return client
 
@@ -262,6 +318,7 @@ class StreamGuard:
 
 def _guarded(guard: StreamGuard, call, streaming: bool):
     """A servicer method behind the guard: the per-client bound (and, streaming, the write deadline)."""
+
     def unary(request, context):
         try:
             client = guard.admit(context)
@@ -279,16 +336,18 @@ def _guarded(guard: StreamGuard, call, streaming: bool):
             abort(context, e)
         released = threading.Event()
 
-        def release():                     # once, when the call ends however it ends (a cancel included)
+        def release():  # once, when the call ends however it ends (a cancel included)
             if not released.is_set():
                 released.set()
                 guard.release(client)
+
         if not context.add_callback(release):
             release()
         try:
             yield from guard.stream(context, call(request, context))
         finally:
             release()
+
     return stream if streaming else unary
 
 
@@ -307,33 +366,51 @@ def add_router_service(server: grpc.Server, service: RouterService, guard: Strea
             try:
                 return request_cls.FromString(raw)
             except DecodeError:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name}: the request is not a valid "
-                                                                f"{method.input_type.full_name} message (invalid "
-                                                                f"UTF-8 in a string field, or not protobuf)")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method.name}: the request is not a valid "
+                    f"{method.input_type.full_name} message (invalid "
+                    f"UTF-8 in a string field, or not protobuf)",
+                )
 
         if method.server_streaming:
+
             def stream(raw, context):
                 yield from call(parse(raw, context), context)
+
             return grpc.unary_stream_rpc_method_handler(stream, response_serializer=response_cls.SerializeToString)
 
         def unary(raw, context):
             return call(parse(raw, context), context)
+
         return grpc.unary_unary_rpc_method_handler(unary, response_serializer=response_cls.SerializeToString)
 
     handlers = {m.name: handler(m) for m in descriptor.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
 
 
-def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | None = None, max_workers: int = 64,
-                      tls=None, chat: ChatFormat | None = None, health_port: int | None = None,
-                      max_streams_per_connection: int = 16, max_calls_per_client: int | None = None,
-                      write_timeout: float = WRITE_TIMEOUT):
+def serve_router_grpc(
+    engine: Engine,
+    host: str,
+    port: int,
+    *,
+    api_key: str | None = None,
+    max_workers: int = 64,
+    tls=None,
+    chat: ChatFormat | None = None,
+    health_port: int | None = None,
+    max_streams_per_connection: int = 16,
+    max_calls_per_client: int | None = None,
+    write_timeout: float = WRITE_TIMEOUT,
+):
     """`health_port`: also serve grpc.health.v1 alone, plaintext, there (Kubernetes probes when the port is TLS).
     The bounds (module docstring): `max_workers` calls at once (threads), `max_streams_per_connection`,
     `max_calls_per_client` (default: half the threads), `write_timeout` seconds for a stream's write."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"),
-                         maximum_concurrent_rpcs=max_workers,
-                         options=[("grpc.max_concurrent_streams", max_streams_per_connection)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"),
+        maximum_concurrent_rpcs=max_workers,
+        options=[("grpc.max_concurrent_streams", max_streams_per_connection)],
+    )
     service = RouterService(engine, api_key, chat)
     guard = StreamGuard(write_timeout, max_calls_per_client or max(1, max_workers // 2))
     add_router_service(server, service, guard)
@@ -342,8 +419,11 @@ def serve_router_grpc(engine: Engine, host: str, port: int, *, api_key: str | No
     for name in ("", "expertmesh.v1.Router"):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     enable_reflection([router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, health.SERVICE_NAME], server)
-    bound = server.add_secure_port(f"{host}:{port}", tls.credentials()) if tls is not None \
+    bound = (
+        server.add_secure_port(f"{host}:{port}", tls.credentials())
+        if tls is not None
         else server.add_insecure_port(f"{host}:{port}")
+    )
     if bound == 0:
         raise RuntimeError(f"router gRPC: cannot bind {host}:{port}")
     server.start()

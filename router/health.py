@@ -8,6 +8,7 @@ interval (the heartbeat keeps this router's sequence leases, and says which expe
 takes a down worker back once it answers SERVING again: reconnected to the expert workers (a restarted worker has no
 expert table), the sequences left open there closed, its free blocks read again.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,7 @@ def serving(client, timeout: float | None = None) -> bool:
 
 
 class AttentionHealth:
-    def __init__(self, clients: list, kv: KVManager, *, owner: str, interval: float,
-                 connect: Callable[[int], None]):
+    def __init__(self, clients: list, kv: KVManager, *, owner: str, interval: float, connect: Callable[[int], None]):
         """`owner`: the router instance the heartbeat renews leases for; `connect(i)`: push the expert workers and
         the replica table to attention worker i."""
         self.clients = clients
@@ -42,8 +42,8 @@ class AttentionHealth:
         self.interval = interval
         self.connect = connect
         self.down: set[int] = set()
-        self.experts_down_by: dict[int, set[int]] = {}      # attention worker → expert workers it sees down
-        self.pending_closes: dict[int, list[str]] = {}      # attention worker → sequences to close once it answers
+        self.experts_down_by: dict[int, set[int]] = {}  # attention worker → expert workers it sees down
+        self.pending_closes: dict[int, list[str]] = {}  # attention worker → sequences to close once it answers
 
     @property
     def experts_down(self) -> list[int]:
@@ -66,7 +66,7 @@ class AttentionHealth:
         try:
             self.kv.workers[worker].free_blocks = self.clients[worker].close_sequence(seq_id)
         except NotFound:
-            pass                                    # already gone (a restarted worker)
+            pass  # already gone (a restarted worker)
         except Exception as e:
             log.warning("close_sequence %s on attention worker %d failed, will retry: %s", seq_id, worker, e)
             self.close_later(worker, seq_id)
@@ -86,7 +86,7 @@ class AttentionHealth:
                 if i not in self.down:
                     try:
                         self.experts_down_by[i] = set(client.info(owner=self.owner)["experts_down"])
-                    except ConnectionError as e:      # unreachable or hung: down before a request finds out
+                    except ConnectionError as e:  # unreachable or hung: down before a request finds out
                         self.mark_down(i, e)
                     except Exception:
                         pass
@@ -96,10 +96,10 @@ class AttentionHealth:
 
     def _take_back(self, worker: int) -> None:
         try:
-            self.connect(worker)                # a restarted worker has no expert table
+            self.connect(worker)  # a restarted worker has no expert table
         except Exception:
             return
-        try:        # what it still holds, known before a request is placed (its disk tier survives a restart)
+        try:  # what it still holds, known before a request is placed (its disk tier survives a restart)
             self.kv.learn(worker, self.clients[worker].list_prefixes())
         except Exception as e:
             log.warning("list_prefixes on attention worker %d failed: %s", worker, e)

@@ -7,6 +7,7 @@ kind: 400 for a bad body (naming the field), 401 for a missing or wrong API key 
 judged), 404 for an unknown model, 413 for a body over the limit, 429 when the queue is full, 503 when the needed
 experts or workers are unavailable.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, default_replica
 from expertmesh.router.serving import check_key
 
-MAX_BODY_BYTES = 4 * 2 ** 20
+MAX_BODY_BYTES = 4 * 2**20
 ANTHROPIC_PATHS = "/v1/messages"
 
 
@@ -43,10 +44,23 @@ class BodyLimit:
         self.app, self.limit = app, limit
 
     async def _refuse(self, send, size: str) -> None:
-        body = json.dumps({"error": {"message": f"request body of {size} bytes exceeds the limit of {self.limit}",
-                                     "type": "invalid_request_error", "param": None, "code": "body_too_large"}})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body of {size} bytes exceeds the limit of {self.limit}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "body_too_large",
+                }
+            }
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body.encode()})
 
     async def __call__(self, scope, receive, send):
@@ -63,12 +77,12 @@ class BodyLimit:
                 state["total"] += len(message.get("body", b""))
                 if state["total"] > self.limit:
                     state["too_big"] = True
-                    return {"type": "http.disconnect"}      # stop reading: the app gives up on the body
+                    return {"type": "http.disconnect"}  # stop reading: the app gives up on the body
             return message
 
         async def guarded_send(message):
             if state["too_big"] and not state["started"]:
-                return                                      # our 413 replaces whatever the app answers
+                return  # our 413 replaces whatever the app answers
             if message["type"] == "http.response.start":
                 state["started"] = True
             await send(message)
@@ -91,16 +105,18 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
 def authorized(request: Request) -> bool:
     """Before a body is judged: an unauthenticated client learns nothing of the schema (401 first)."""
     try:
-        check_key(served(request).api_key, given_key(request.headers.get("x-api-key"),
-                                                     request.headers.get("authorization")))
+        check_key(
+            served(request).api_key, given_key(request.headers.get("x-api-key"), request.headers.get("authorization"))
+        )
     except APIError:
         return False
     return True
 
 
 def unauthorized(request: Request) -> JSONResponse:
-    return error_response(request, APIError("invalid or missing API key", code="invalid_api_key",
-                                            kind="authentication"))
+    return error_response(
+        request, APIError("invalid or missing API key", code="invalid_api_key", kind="authentication")
+    )
 
 
 async def on_api_error(request: Request, e: APIError) -> JSONResponse:
@@ -147,8 +163,14 @@ async def health(s: Served = Depends(served)):
     engine = s.engine
     down_experts, down_attention = engine.experts_down, sorted(engine.attention_down)
     status = "ok" if not down_experts and not down_attention else "degraded"
-    return {"status": status, "model": s.name, "running": engine.num_running(), "waiting": engine.num_waiting(),
-            "expert_workers_down": down_experts, "attention_workers_down": down_attention}
+    return {
+        "status": status,
+        "model": s.name,
+        "running": engine.num_running(),
+        "waiting": engine.num_waiting(),
+        "expert_workers_down": down_experts,
+        "attention_workers_down": down_attention,
+    }
 
 
 async def metrics(s: Served = Depends(served)):
@@ -156,35 +178,66 @@ async def metrics(s: Served = Depends(served)):
 
 
 async def models(s: Served = Depends(served)):
-    return {"object": "list", "data": [{"id": s.name, "object": "model", "created": s.created,
-                                        "owned_by": "expertmesh", "max_model_len": s.engine.cfg.max_context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": s.name,
+                "object": "model",
+                "created": s.created,
+                "owned_by": "expertmesh",
+                "max_model_len": s.engine.cfg.max_context,
+            }
+        ],
+    }
 
 
 async def load(s: Served = Depends(served)):
     """Per-(layer, expert) token counts since start: what the operator reads to rebalance."""
     engine = s.engine
-    return {"model": s.name, "moe_layers": engine.cfg.moe_layers, "tokens": engine.load_stats(),
-            "plan_hash": getattr(engine, "plan_hash", None)}
+    return {
+        "model": s.name,
+        "moe_layers": engine.cfg.moe_layers,
+        "tokens": engine.load_stats(),
+        "plan_hash": getattr(engine, "plan_hash", None),
+    }
 
 
-def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-              chat: ChatFormat | None = None, response_store=None, reasoning_memory: bool = True,
-              image_decoder: ImageDecoder | None = None) -> FastAPI:
+def build_app(
+    engine: Engine,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    chat: ChatFormat | None = None,
+    response_store=None,
+    reasoning_memory: bool = True,
+    image_decoder: ImageDecoder | None = None,
+) -> FastAPI:
     """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat.load.load_chat(dir)`); default: the
     built-in format over the byte tokenizer. `response_store`: the Responses API's stored responses
     (router/response_store.ResponseStore; default: this replica's, bounded). `reasoning_memory`: give chat
     histories that drop the reasoning of answers generated here their reasoning back. `image_decoder`: the pool
     images are decoded in (default: two decoder processes, started with the first image)."""
-    try:   # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
-        app = FastAPI(title="expertmesh router", version="0.1.0",
-                      telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    try:  # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
+        app = FastAPI(
+            title="expertmesh router",
+            version="0.1.0",
+            telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+        )
     except TypeError:  # FastAPI releases without built-in telemetry
         app = FastAPI(title="expertmesh router", version="0.1.0")
     chat = chat or BuiltinChat()
     store = response_store if response_store is not None else ResponseStore(replica=default_replica())
-    app.state.served = Served(engine, chat, model_name or engine.model_name, api_key, store,
-                              ReasoningMemory() if reasoning_memory else None, int(time.time()),
-                              image_decoder or (ImageDecoder() if engine.cfg.vision is not None else None))
+    app.state.served = Served(
+        engine,
+        chat,
+        model_name or engine.model_name,
+        api_key,
+        store,
+        ReasoningMemory() if reasoning_memory else None,
+        int(time.time()),
+        image_decoder or (ImageDecoder() if engine.cfg.vision is not None else None),
+    )
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -199,8 +252,14 @@ def build_app(engine: Engine, *, model_name: str | None = None, api_key: str | N
     return app
 
 
-def serve_http(app: FastAPI, host: str, port: int, tls=None, request_timeout: float = REQUEST_TIMEOUT,
-               write_timeout: float = WRITE_TIMEOUT):
+def serve_http(
+    app: FastAPI,
+    host: str,
+    port: int,
+    tls=None,
+    request_timeout: float = REQUEST_TIMEOUT,
+    write_timeout: float = WRITE_TIMEOUT,
+):
     """Run uvicorn in a background thread; returns the server (call `.should_exit = True` to stop).
     `tls` (expertmesh.runtime.tls.ServerTLS) serves HTTPS, requiring client certificates when it has a client CA.
     Slow clients are cut off (router/http_timeouts.py): a request must arrive within `request_timeout` seconds, and

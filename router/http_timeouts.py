@@ -9,6 +9,7 @@ connection — and a stream's task — forever).
   reading), the connection is aborted — the buffer dropped, not flushed — so the streaming handler sees a disconnect
   and its request is cancelled (its KV freed) instead of waiting on the socket.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,23 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 REQUEST_TIMEOUT = 30.0
 WRITE_TIMEOUT = 60.0
-_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-              b"content-length: %d\r\n\r\n%s")
-_BODY = (b'{"error": {"message": "the request did not arrive within %gs", "type": "invalid_request_error", '
-         b'"param": null, "code": "request_timeout"}}')
+_TIMED_OUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
+_BODY = (
+    b'{"error": {"message": "the request did not arrive within %gs", "type": "invalid_request_error", '
+    b'"param": null, "code": "request_timeout"}}'
+)
 
 
 def deadline_protocol(request_timeout: float = REQUEST_TIMEOUT, write_timeout: float = WRITE_TIMEOUT) -> type:
     """An H11Protocol class with these deadlines (for `uvicorn.Config(http=...)`)."""
-    return type("DeadlineH11Protocol", (DeadlineH11Protocol,),
-                {"request_timeout": request_timeout, "write_timeout": write_timeout})
+    return type(
+        "DeadlineH11Protocol",
+        (DeadlineH11Protocol,),
+        {"request_timeout": request_timeout, "write_timeout": write_timeout},
+    )
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -45,7 +53,7 @@ class DeadlineH11Protocol(H11Protocol):
             self._request_timer = self.loop.call_later(self.request_timeout, self._request_too_slow)  # next request
         super().data_received(data)
         if self._request_timer is not None and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
-            self._cancel("_request_timer")            # the whole request is in (or the connection is ending)
+            self._cancel("_request_timer")  # the whole request is in (or the connection is ending)
 
     def pause_writing(self) -> None:
         super().pause_writing()

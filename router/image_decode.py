@@ -13,6 +13,7 @@ own memory is not touched). A child that dies is replaced. Processes rather than
 event loop free too (Pillow releases the GIL while decoding), but its decodes' memory is the router's, bounded only
 by workers × the largest image; bench/image_decode.py measures both.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,16 +40,18 @@ class DecodeFailed(Exception):
         self.busy = busy
 
 
-def decode_pixels(data: bytes, source: tuple[int, int], resized: tuple[int, int], padded: tuple[int, int]
-                  ) -> tuple[bytes, str]:
+def decode_pixels(
+    data: bytes, source: tuple[int, int], resized: tuple[int, int], padded: tuple[int, int]
+) -> tuple[bytes, str]:
     """Encoded bytes → (RGB bytes of the padded canvas, row-major [h, w, 3], and their digest). `source`,
     `resized`, `padded`: (width, height) as decided from the header. Raises ValueError for an image that does not
     decode to what its header said."""
     from PIL import Image
+
     im = Image.open(io.BytesIO(data), formats=list(FORMATS))
     if im.size != tuple(source):
         raise ValueError(f"decodes to {im.size[0]}×{im.size[1]}, not the {source[0]}×{source[1]} of its header")
-    im.seek(0)                                   # GIF / animated WebP: the first frame
+    im.seek(0)  # GIF / animated WebP: the first frame
     im = im.convert("RGB")
     if im.size != tuple(resized):
         im = im.resize(tuple(resized), Image.Resampling.BICUBIC)
@@ -65,7 +68,7 @@ def _decode_in_child(data, source, resized, padded):
         return decode_pixels(data, source, resized, padded)
     except MemoryError:
         return None, "needs more memory to decode than the image decoder allows"
-    except Exception as e:                        # Pillow raises many kinds for a corrupt file
+    except Exception as e:  # Pillow raises many kinds for a corrupt file
         return None, f"not a decodable image: {type(e).__name__}: {e}"
 
 
@@ -82,7 +85,7 @@ def _exit_with(pid: int) -> None:
     forkserver stays too) — three processes left behind per router."""
     try:
         fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):             # no pidfd (not Linux ≥ 5.3): poll
+    except (AttributeError, OSError):  # no pidfd (not Linux ≥ 5.3): poll
         fd = None
     if fd is not None:
         select.select([fd], [], [])
@@ -110,8 +113,14 @@ class ImageDecoder:
     """The bounded decoder pool (see the module docstring). `processes=False`: a thread pool instead (the
     comparison bench/image_decode.py makes; also where spawning is not possible)."""
 
-    def __init__(self, workers: int | None = None, *, max_pending: int = 64, memory_bytes: int = 768 * 2 ** 20,
-                 processes: bool = True):
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        max_pending: int = 64,
+        memory_bytes: int = 768 * 2**20,
+        processes: bool = True,
+    ):
         self.workers = workers or max(1, min(2, os.cpu_count() or 1))
         self.max_pending, self.memory_bytes, self.processes = max_pending, memory_bytes, processes
         self._pool = None
@@ -122,9 +131,12 @@ class ImageDecoder:
         with self._lock:
             if self._pool is None:
                 if self.processes:
-                    self._pool = ProcessPoolExecutor(self.workers, mp_context=_forkserver(),
-                                                     initializer=_init_decoder,
-                                                     initargs=(self.memory_bytes, os.getpid()))
+                    self._pool = ProcessPoolExecutor(
+                        self.workers,
+                        mp_context=_forkserver(),
+                        initializer=_init_decoder,
+                        initargs=(self.memory_bytes, os.getpid()),
+                    )
                 else:
                     self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-decode")
             return self._pool
@@ -146,8 +158,9 @@ class ImageDecoder:
         """One image's pixels and digest (decode_pixels), decoded in the pool; DecodeFailed when it cannot be."""
         with self._lock:
             if self._pending >= self.max_pending:
-                raise DecodeFailed(f"the image decoder is busy ({self.max_pending} images waiting); retry later",
-                                   busy=True)
+                raise DecodeFailed(
+                    f"the image decoder is busy ({self.max_pending} images waiting); retry later", busy=True
+                )
             self._pending += 1
         try:
             pool = self._executor()

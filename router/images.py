@@ -19,6 +19,7 @@ the router is an SSRF hole), within one deadline for the whole fetch (connect, h
 limit and no redirects; a URL is logged without its userinfo and query string. Every refusal is an `ImageError`
 naming the part (e.g. `messages[1].content[2]`), answered with 400, and nothing else in the batch is affected.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,10 @@ class RedactURLs(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(loggable_url(str(a)) if isinstance(a, httpx.URL) or
-                                (isinstance(a, str) and is_remote(a)) else a for a in record.args)
+            record.args = tuple(
+                loggable_url(str(a)) if isinstance(a, httpx.URL) or (isinstance(a, str) and is_remote(a)) else a
+                for a in record.args
+            )
         return True
 
 
@@ -59,9 +62,10 @@ logging.getLogger("httpx").addFilter(RedactURLs())
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 DETAILS = ("auto", "low", "high")
-LOW_DETAIL_PATCHES = 256          # detail "low": at most 16×16 patches (64 image tokens)
-_DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
-                       re.IGNORECASE)
+LOW_DETAIL_PATCHES = 256  # detail "low": at most 16×16 patches (64 image tokens)
+_DATA_URL = re.compile(
+    r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,", re.IGNORECASE
+)
 
 
 class ImageError(APIError):
@@ -87,6 +91,7 @@ def navit_resize(height: int, width: int, v: VisionConfig, max_patches: int) -> 
 class ImagePlan:
     """What an image will be, decided from its header: the source size (width, height), the resized and padded
     sizes (width, height) and the image tokens it becomes."""
+
     source: tuple[int, int]
     resized: tuple[int, int]
     padded: tuple[int, int]
@@ -105,7 +110,7 @@ def read_header(data: bytes, param: str, limits: ImageLimits) -> tuple[int, int]
     try:
         with Image.open(io.BytesIO(data), formats=list(PIL_FORMATS)) as im:
             w, h = im.size
-    except Exception as e:                           # Pillow raises many kinds for a corrupt or unknown file
+    except Exception as e:  # Pillow raises many kinds for a corrupt or unknown file
         raise ImageError(param, f"not a decodable image ({', '.join(FORMATS)}): {type(e).__name__}: {e}") from None
     if w < 1 or h < 1:
         raise ImageError(param, f"{w}×{h} pixels: an image needs at least one pixel each way")
@@ -143,7 +148,7 @@ def data_url_bytes(url: str, param: str) -> bytes:
         raise ImageError(param, "expected a data URL of the form data:image/<png|jpeg|webp|gif>;base64,<data>")
     if m.group("type") and m.group("type").lower() not in FORMATS.values():
         raise ImageError(param, f"media type {m.group('type')!r} is not one of {', '.join(FORMATS.values())}")
-    return decode_base64(url[m.end():], param)
+    return decode_base64(url[m.end() :], param)
 
 
 def is_remote(url) -> bool:
@@ -184,8 +189,11 @@ def url_parts(url: str, param: str) -> tuple[str, int | None]:
 def check_allowed(url: str, param: str, limits: ImageLimits) -> None:
     """Refuse a remote URL unless its host (or host:port) is on the allow-list."""
     if not limits.fetch_allow:
-        raise ImageError(param, "remote image URLs are not enabled on this server (send a data URL; the operator "
-                                "can allow hosts with --image-fetch-allow)")
+        raise ImageError(
+            param,
+            "remote image URLs are not enabled on this server (send a data URL; the operator "
+            "can allow hosts with --image-fetch-allow)",
+        )
     host, port = url_parts(url, param)
     with_port = f"{host}:{port}" if port else host
     if host not in limits.fetch_allow and with_port not in limits.fetch_allow:
@@ -213,15 +221,17 @@ async def fetch_remote(urls: dict[str, str], limits: ImageLimits) -> dict[str, b
                     async for chunk in r.aiter_bytes():
                         body += chunk
                         if len(body) > limits.max_bytes:
-                            raise ImageError(param, f"{shown}: more than {limits.max_bytes} bytes (the per-image "
-                                                    f"limit)")
+                            raise ImageError(
+                                param, f"{shown}: more than {limits.max_bytes} bytes (the per-image limit)"
+                            )
                     return url, bytes(body)
         except TimeoutError:
-            raise ImageError(param, f"fetching {shown} took longer than {limits.fetch_timeout:g} s "
-                                    f"(--image-fetch-timeout)") from None
+            raise ImageError(
+                param, f"fetching {shown} took longer than {limits.fetch_timeout:g} s (--image-fetch-timeout)"
+            ) from None
         except httpx.HTTPError as e:
             raise ImageError(param, f"fetching {shown} failed: {type(e).__name__}") from None
-        except (ValueError, UnicodeError) as e:          # httpx's own URL parsing (InvalidURL is not an HTTPError)
+        except (ValueError, UnicodeError) as e:  # httpx's own URL parsing (InvalidURL is not an HTTPError)
             raise ImageError(param, f"malformed URL: {type(e).__name__}") from None
 
     async with httpx.AsyncClient(timeout=limits.fetch_timeout, follow_redirects=False, trust_env=False) as client:
@@ -232,11 +242,12 @@ async def fetch_remote(urls: dict[str, str], limits: ImageLimits) -> dict[str, b
 class ImageBudget:
     """One request's images, each checked from its header against the per-request limits and the context as it is
     added (nothing decoded yet), then decoded together off the event loop (`decode`)."""
+
     v: VisionConfig | None
     limits: ImageLimits
     fetched: dict[str, bytes] = field(default_factory=dict)
     decoder: ImageDecoder | None = None
-    context: int | None = None                       # the model's context: the images' tokens must fit in it
+    context: int | None = None  # the model's context: the images' tokens must fit in it
     images: list[PreparedImage] = field(default_factory=list)
     pixels: int = 0
     tokens: int = 0
@@ -246,19 +257,27 @@ class ImageBudget:
         if self.v is None:
             raise ImageError(param, "this model takes text only (no vision encoder)")
         if len(self.images) >= self.limits.max_images_per_request:
-            raise ImageError(param, f"more than {self.limits.max_images_per_request} images in one request "
-                                    f"(max_images_per_request)")
+            raise ImageError(
+                param, f"more than {self.limits.max_images_per_request} images in one request (max_images_per_request)"
+            )
         return self.v
 
     def _add(self, data: bytes, param: str, detail: str = "auto") -> PreparedImage:
         plan = plan_image(data, param, self._vision(param), self.limits, detail)
         if self.pixels + plan.encoder_pixels > self.limits.max_pixels_per_request:
-            raise ImageError(param, f"the request's images come to more than {self.limits.max_pixels_per_request} "
-                                    f"encoder pixels (the per-request pixel budget)")
-        tokens = self.tokens + plan.tokens + 2              # its tokens between the image start and end markers
+            raise ImageError(
+                param,
+                f"the request's images come to more than {self.limits.max_pixels_per_request} "
+                f"encoder pixels (the per-request pixel budget)",
+            )
+        tokens = self.tokens + plan.tokens + 2  # its tokens between the image start and end markers
         if self.context is not None and tokens > self.context:
-            raise APIError(f"{param}: the request's images take {tokens} tokens, more than the model's context of "
-                           f"{self.context} tokens", param=param, code="context_length_exceeded")
+            raise APIError(
+                f"{param}: the request's images take {tokens} tokens, more than the model's context of "
+                f"{self.context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         self.pixels += plan.encoder_pixels
         self.tokens = tokens
         img = PreparedImage(None, "", plan.tokens, plan.source)
@@ -283,7 +302,9 @@ class ImageBudget:
     def from_base64(self, media_type, data, param: str) -> PreparedImage:
         self._vision(param)
         if media_type not in FORMATS.values():
-            raise ImageError(f"{param}.source.media_type", f"{media_type!r} is not one of {', '.join(FORMATS.values())}")
+            raise ImageError(
+                f"{param}.source.media_type", f"{media_type!r} is not one of {', '.join(FORMATS.values())}"
+            )
         return self._add(decode_base64(data, f"{param}.source.data"), param)
 
     async def decode(self) -> None:
@@ -293,8 +314,10 @@ class ImageBudget:
         if not pending:
             return
         decoder = self.decoder or default_decoder()
-        results = await asyncio.gather(*(decoder.decode(data, plan.source, plan.resized, plan.padded)
-                                         for _, data, plan, _ in pending), return_exceptions=True)
+        results = await asyncio.gather(
+            *(decoder.decode(data, plan.source, plan.resized, plan.padded) for _, data, plan, _ in pending),
+            return_exceptions=True,
+        )
         for (img, _, plan, param), result in zip(pending, results):
             if isinstance(result, DecodeFailed):
                 if result.busy:
@@ -319,7 +342,13 @@ def default_decoder() -> ImageDecoder:
     return _DEFAULT_DECODER
 
 
-async def request_images(v: VisionConfig | None, limits: ImageLimits, urls: dict[str, str], *,
-                         decoder: ImageDecoder | None = None, context: int | None = None) -> ImageBudget:
+async def request_images(
+    v: VisionConfig | None,
+    limits: ImageLimits,
+    urls: dict[str, str],
+    *,
+    decoder: ImageDecoder | None = None,
+    context: int | None = None,
+) -> ImageBudget:
     """A request's ImageBudget, the remote image URLs it holds ({part: url}) fetched first."""
     return ImageBudget(v, limits, await fetch_remote(urls, limits), decoder, context)

@@ -1,5 +1,6 @@
 """A proxy around a worker client that times every call, counts failures and (on traced steps) records a
 client span — the same for in-process and gRPC clients, so the engine never deals with it."""
+
 from __future__ import annotations
 
 import time
@@ -18,7 +19,7 @@ class InstrumentedClient:
         self._metrics = metrics
         self._role = role
         self.name = getattr(client, "name", role)
-        self.trace_parent = None      # an OpenTelemetry context: set by the engine on the steps it traces
+        self.trace_parent = None  # an OpenTelemetry context: set by the engine on the steps it traces
 
     def __getattr__(self, method: str):
         fn = getattr(self._client, method)
@@ -32,8 +33,11 @@ class InstrumentedClient:
             parent = self.trace_parent
             if parent is not None and method in _TRACED_METHODS:
                 span = telemetry.tracer().start_span(
-                    f"{self._role}.{method}", context=parent, kind=SpanKind.CLIENT,
-                    attributes={"expertmesh.worker": self.name, "rpc.method": method, "rpc.system": "grpc"})
+                    f"{self._role}.{method}",
+                    context=parent,
+                    kind=SpanKind.CLIENT,
+                    attributes={"expertmesh.worker": self.name, "rpc.method": method, "rpc.system": "grpc"},
+                )
             try:
                 if span is not None:
                     with trace.use_span(span, end_on_exit=False):

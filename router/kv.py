@@ -9,6 +9,7 @@ the index forgets. A key found gone later (NotFound) is forgotten too: the engin
 Prefixes are saved at multiples of `chunk` tokens (the prefill chunk, itself a multiple of the KV block),
 so a request that reuses one prefills exactly the chunks a fresh run would: same numbers, fewer tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,7 +38,7 @@ class PrefixHasher:
     def advance(self, tokens: list[int], upto: int) -> str:
         """The key of tokens[:upto] (`upto` a multiple of the chunk, ≥ what was hashed so far)."""
         for end in range(self.length + self.chunk, upto + 1, self.chunk):
-            self._h.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - self.chunk: end]))
+            self._h.update(b"".join(t.to_bytes(4, "little") for t in tokens[end - self.chunk : end]))
             self.length = end
         return self._h.hexdigest()[:32]
 
@@ -68,9 +69,9 @@ class KVManager:
         # key → worker index, in LRU order (oldest first)
         self.prefixes: OrderedDict[str, int] = OrderedDict()
         self.prefix_len: dict[str, int] = {}
-        self.lower: set[str] = set()           # keys held below their worker's device pool (host / disk)
-        self.parent: dict[str, str] = {}       # key → the cached shorter prefix of the same conversation it extends
-        self.user: dict[str, object] = {}      # key → the request that last saved or hit it (its session state)
+        self.lower: set[str] = set()  # keys held below their worker's device pool (host / disk)
+        self.parent: dict[str, str] = {}  # key → the cached shorter prefix of the same conversation it extends
+        self.user: dict[str, object] = {}  # key → the request that last saved or hit it (its session state)
 
     def blocks_for(self, worker: int, tokens: int, cached: int = 0) -> int:
         bs = self.workers[worker].block_size
@@ -98,8 +99,16 @@ class KVManager:
         """Saved prefixes on `worker` (any tier), least recently used first."""
         return [k for k, w in self.prefixes.items() if w == worker]
 
-    def record_prefix(self, worker: int, key: str, length: int, *, parent: str | None = None,
-                      user: object | None = None, tier: str = "device") -> list[str]:
+    def record_prefix(
+        self,
+        worker: int,
+        key: str,
+        length: int,
+        *,
+        parent: str | None = None,
+        user: object | None = None,
+        tier: str = "device",
+    ) -> list[str]:
         """Note a saved prefix (extending cached prefix `parent`, saved by request `user`); returns the keys to
         take off the device to stay within the per-worker cap of device prefixes, victims first."""
         self.prefixes[key] = worker
@@ -114,7 +123,7 @@ class KVManager:
         else:
             self.lower.add(key)
         over = len(self.on_device(worker)) - self.max_prefixes
-        return self.victims(worker)[:max(0, over)]
+        return self.victims(worker)[: max(0, over)]
 
     def on_device(self, worker: int) -> list[str]:
         return [k for k, w in list(self.prefixes.items()) if w == worker and k not in self.lower]
@@ -141,17 +150,25 @@ class KVManager:
         # a worker it takes back while the scheduler plans
         supers = set(self.parent.values())
         order = {k: i for i, k in enumerate(list(self.prefixes))}
-        infos = [PrefixInfo(k, self.prefix_len.get(k, 0), order.get(k, len(order)), k in supers, self._session(k))
-                 for k in self.on_device(worker) if k not in last]
-        return [v.key for v in eviction_order(infos)] + [k for k in last if k not in self.lower
-                                                         and self.prefixes.get(k) == worker]
+        infos = [
+            PrefixInfo(k, self.prefix_len.get(k, 0), order.get(k, len(order)), k in supers, self._session(k))
+            for k in self.on_device(worker)
+            if k not in last
+        ]
+        return [v.key for v in eviction_order(infos)] + [
+            k for k in last if k not in self.lower and self.prefixes.get(k) == worker
+        ]
 
     def _session(self, key: str) -> str:
         req = self.user.get(key)
         if req is None:
             return ANSWERED
-        return session_state(done=req.done, awaiting_tool=req.awaiting_tool, tools_offered=req.tools_offered,
-                             continued=req.cached_tokens > 0)
+        return session_state(
+            done=req.done,
+            awaiting_tool=req.awaiting_tool,
+            tools_offered=req.tools_offered,
+            continued=req.cached_tokens > 0,
+        )
 
     def forget(self, key: str) -> None:
         self.prefixes.pop(key, None)
@@ -159,7 +176,7 @@ class KVManager:
         self.lower.discard(key)
         self.user.pop(key, None)
         up = self.parent.pop(key, None)
-        for k, p in list(self.parent.items()):     # its longer prefixes now extend its own parent
+        for k, p in list(self.parent.items()):  # its longer prefixes now extend its own parent
             if p == key:
                 if up is None:
                     del self.parent[k]

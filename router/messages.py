@@ -10,6 +10,7 @@ read, and how a path into the body is spelled in errors (`messages[1].content[2]
 Images go into an `images.ImageBudget` as they are met (per-request limits); remote URLs are fetched before parsing
 (`remote_image_urls` lists them for `images.fetch_remote`).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,11 +60,11 @@ def _responses_image(part: dict, images, where: str):
 
 @dataclass(frozen=True)
 class Dialect:
-    text_types: tuple[str, ...]          # part types whose `text` is text
-    image_type: str                      # the image part type
-    read_image: Callable                 # (part, images, where) -> PreparedImage
-    image_url: Callable                  # part -> its URL (remote ones are fetched first), or None
-    dotted: bool = False                 # list indices as `.2` (Anthropic) rather than `[2]`
+    text_types: tuple[str, ...]  # part types whose `text` is text
+    image_type: str  # the image part type
+    read_image: Callable  # (part, images, where) -> PreparedImage
+    image_url: Callable  # part -> its URL (remote ones are fetched first), or None
+    dotted: bool = False  # list indices as `.2` (Anthropic) rather than `[2]`
 
     def at(self, where: str, i: int) -> str:
         return f"{where}.{i}" if self.dotted else f"{where}[{i}]"
@@ -71,8 +72,12 @@ class Dialect:
 
 OPENAI = Dialect(("text",), "image_url", _openai_image, _openai_image_url)
 ANTHROPIC = Dialect(("text",), "image", _anthropic_image, _anthropic_image_url, dotted=True)
-RESPONSES = Dialect(("input_text", "output_text", "text", "reasoning_text", "summary_text"), "input_image",
-                    _responses_image, lambda part: part.get("image_url"))
+RESPONSES = Dialect(
+    ("input_text", "output_text", "text", "reasoning_text", "summary_text"),
+    "input_image",
+    _responses_image,
+    lambda part: part.get("image_url"),
+)
 
 
 def read_parts(content, where: str, d: Dialect, *, images=None, other: tuple[str, ...] = ()) -> list[tuple]:
@@ -153,11 +158,23 @@ def openai_messages(raw: list[dict], images=None) -> list[Message]:
             raise APIError(f"{where}.role: {role!r} is not one of {', '.join(OPENAI_ROLES)}", param=f"{where}.role")
         for key in ("reasoning_content", "reasoning", "tool_call_id"):
             _string(m, key, where)
-        content, parts = read_content("" if m.get("content") is None else m["content"], f"{where}.content", OPENAI,
-                                      images=images if role == "user" else None)
+        content, parts = read_content(
+            "" if m.get("content") is None else m["content"],
+            f"{where}.content",
+            OPENAI,
+            images=images if role == "user" else None,
+        )
         reasoning = m.get("reasoning_content") if m.get("reasoning_content") is not None else m.get("reasoning")
-        out.append(Message(role, content, reasoning=reasoning, tool_calls=_openai_calls(m.get("tool_calls"), where),
-                           tool_call_id=m.get("tool_call_id"), parts=parts))
+        out.append(
+            Message(
+                role,
+                content,
+                reasoning=reasoning,
+                tool_calls=_openai_calls(m.get("tool_calls"), where),
+                tool_call_id=m.get("tool_call_id"),
+                parts=parts,
+            )
+        )
     return out
 
 
@@ -183,8 +200,14 @@ def anthropic_messages(system, raw: list[dict], images=None) -> list[Message]:
     tool message), assistant turns of thinking, text and tool_use blocks."""
     out: list[Message] = []
     if system:
-        out.append(Message("system", system if isinstance(system, str) else "".join(
-            b.get("text", "") for b in system if isinstance(b, dict))))
+        out.append(
+            Message(
+                "system",
+                system
+                if isinstance(system, str)
+                else "".join(b.get("text", "") for b in system if isinstance(b, dict)),
+            )
+        )
     for i, m in enumerate(raw):
         where = f"messages.{i}"
         role = m.get("role")
@@ -216,20 +239,31 @@ def anthropic_messages(system, raw: list[dict], images=None) -> list[Message]:
             elif kind == "thinking":
                 thought = value.get("thinking", "")
                 if not isinstance(thought, str):
-                    raise APIError(f"{at}.thinking: expected a string, found {type(thought).__name__}",
-                                   param=f"{at}.thinking")
+                    raise APIError(
+                        f"{at}.thinking: expected a string, found {type(thought).__name__}", param=f"{at}.thinking"
+                    )
                 msg.reasoning = (msg.reasoning or "") + thought
             else:
-                msg.tool_calls.append(ToolCall(value.get("id", ""), value.get("name", ""),
-                                               json.dumps(value.get("input", {}))))
+                msg.tool_calls.append(
+                    ToolCall(value.get("id", ""), value.get("name", ""), json.dumps(value.get("input", {})))
+                )
         out.append(msg)
     return out
 
 
 def anthropic_tools(tools: list[dict] | None) -> list[dict] | None:
     """Anthropic tools ({name, description, input_schema}) → the chat form."""
-    return [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                              "parameters": t.get("input_schema", {})}} for t in (tools or [])] or None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema", {}),
+            },
+        }
+        for t in (tools or [])
+    ] or None
 
 
 # ----------------------------------------------------------------------------------------------- Responses
@@ -244,12 +278,21 @@ def responses_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, t in enumerate(tools or []):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise APIError(f"tools[{i}].type: {kind!r} is not supported (only 'function' tools)",
-                           param=f"tools[{i}].type")
+            raise APIError(
+                f"tools[{i}].type: {kind!r} is not supported (only 'function' tools)", param=f"tools[{i}].type"
+            )
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise APIError(f"tools[{i}].name: expected a non-empty string", param=f"tools[{i}].name")
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                                      "parameters": t.get("parameters") or {}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("parameters") or {},
+                },
+            }
+        )
     return out or None
 
 
@@ -257,15 +300,16 @@ def _responses_text(content, where: str) -> str:
     return read_content(content, where, RESPONSES)[0]
 
 
-MAX_ID_CHARS = 128      # a client's item id or call_id (this server's are 28-32 characters)
+MAX_ID_CHARS = 128  # a client's item id or call_id (this server's are 28-32 characters)
 
 
 def bounded_id(value, where: str) -> str:
     """A client-given id: a string of 1 to MAX_ID_CHARS printable characters, else a 400 naming it."""
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS or not value.isprintable():
         shown = type(value).__name__ if not isinstance(value, str) else f"{len(value)} characters"
-        raise APIError(f"{where}: expected a string of 1 to {MAX_ID_CHARS} printable characters, found {shown}",
-                       param=where)
+        raise APIError(
+            f"{where}: expected a string of 1 to {MAX_ID_CHARS} printable characters, found {shown}", param=where
+        )
     return value
 
 
@@ -274,15 +318,21 @@ def _item_id(item: dict, where: str, prefix: str) -> str:
     return new_item_id(prefix) if item.get("id") in (None, "") else bounded_id(item["id"], f"{where}.id")
 
 
-def responses_input(raw: str | list[dict], store: ResponseStore, images=None, owner: str = ""
-                    ) -> tuple[list[Segment], list[dict]]:
+def responses_input(
+    raw: str | list[dict], store: ResponseStore, images=None, owner: str = ""
+) -> tuple[list[Segment], list[dict]]:
     """Responses input items → segments and the items as listed (ids added). Consecutive assistant-side items
     (reasoning, assistant message, function calls) are one assistant turn; a turn sent back with this server's
     item ids (of a response `owner` stored) keeps its exact tokens, and its reasoning even when the client dropped
     it. Item ids and call ids are strings of bounded length."""
     if isinstance(raw, str):
-        item = {"id": new_item_id("msg"), "type": "message", "role": "user", "status": "completed",
-                "content": [{"type": "input_text", "text": raw}]}
+        item = {
+            "id": new_item_id("msg"),
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_text", "text": raw}],
+        }
         return [Segment(Message("user", raw))], [item]
     segments: list[Segment] = []
     listed: list[dict] = []
@@ -299,7 +349,7 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None, ow
             raise APIError(f"{where}: expected an object", param=where)
         kind, role = item.get("type") or "message", item.get("role")
         if kind == "reasoning" and turn:
-            close_turn()                                   # a new turn starts with its reasoning
+            close_turn()  # a new turn starts with its reasoning
         if kind in ("reasoning", "function_call") or (kind == "message" and role == "assistant"):
             if kind == "message" and any((it.get("type") or "message") == "message" for _, it in turn):
                 close_turn()
@@ -309,13 +359,22 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None, ow
         close_turn()
         if kind == "message":
             if role not in ("user", "system", "developer"):
-                raise APIError(f"{where}.role: {role!r} is not one of user, assistant, system, developer",
-                               param=f"{where}.role")
-            text, parts = read_content(item.get("content", ""), f"{where}.content", RESPONSES,
-                                       images=images if role == "user" else None)
+                raise APIError(
+                    f"{where}.role: {role!r} is not one of user, assistant, system, developer", param=f"{where}.role"
+                )
+            text, parts = read_content(
+                item.get("content", ""), f"{where}.content", RESPONSES, images=images if role == "user" else None
+            )
             segments.append(Segment(Message("system" if role == "developer" else role, text, parts=parts)))
-            listed.append({"id": _item_id(item, where, "msg"), "type": "message", "role": role,
-                           "status": "completed", "content": [{"type": "input_text", "text": text}]})
+            listed.append(
+                {
+                    "id": _item_id(item, where, "msg"),
+                    "type": "message",
+                    "role": role,
+                    "status": "completed",
+                    "content": [{"type": "input_text", "text": text}],
+                }
+            )
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _responses_text(output, f"{where}.output")
@@ -323,8 +382,10 @@ def responses_input(raw: str | list[dict], store: ResponseStore, images=None, ow
             segments.append(Segment(Message("tool", text, tool_call_id=call_id)))
             listed.append({"status": "completed", **item, "id": _item_id(item, where, "fco"), "type": kind})
         else:
-            raise APIError(f"{where}.type: {kind!r} is not supported (message, function_call, function_call_output, "
-                           f"reasoning)", param=f"{where}.type")
+            raise APIError(
+                f"{where}.type: {kind!r} is not supported (message, function_call, function_call_output, reasoning)",
+                param=f"{where}.type",
+            )
     close_turn()
     return segments, listed
 
@@ -355,18 +416,25 @@ def _known_turn(store: ResponseStore, ids: tuple, msg: Message, owner: str = "")
     seg = stored.segments[-1]
     want = [i for i in seg.item_ids if not i.startswith("rs_")]
     got = [i for i in ids if i and not str(i).startswith("rs_")]
-    same = seg.message.content == msg.content and \
-        [(c.id, c.name, c.arguments) for c in seg.message.tool_calls] == \
-        [(c.id, c.name, c.arguments) for c in msg.tool_calls]
+    same = seg.message.content == msg.content and [(c.id, c.name, c.arguments) for c in seg.message.tool_calls] == [
+        (c.id, c.name, c.arguments) for c in msg.tool_calls
+    ]
     return seg if same and want == got else None
 
 
 # ----------------------------------------------------------------------------------------------- gRPC
 def grpc_messages(messages) -> list[Message]:
     """expertmesh.v1.ChatMessage → Message (unset strings are absent)."""
-    return [Message(m.role, m.content, reasoning=m.reasoning or None,
-                    tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
-                    tool_call_id=m.tool_call_id or None) for m in messages]
+    return [
+        Message(
+            m.role,
+            m.content,
+            reasoning=m.reasoning or None,
+            tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls],
+            tool_call_id=m.tool_call_id or None,
+        )
+        for m in messages
+    ]
 
 
 def grpc_tools(tools) -> list[dict] | None:
@@ -377,6 +445,7 @@ def grpc_tools(tools) -> list[dict] | None:
             params = json.loads(t.parameters_json) if t.parameters_json else {}
         except ValueError:
             raise APIError(f"tools[{i}].parameters_json: not valid JSON", param=f"tools[{i}].parameters_json") from None
-        out.append({"type": "function", "function": {"name": t.name, "description": t.description,
-                                                      "parameters": params}})
+        out.append(
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": params}}
+        )
     return out or None

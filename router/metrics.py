@@ -3,6 +3,7 @@
 Counters and histograms are updated by the engine as things happen; gauges that describe current state
 (queue lengths, KV blocks, per-expert load and imbalance) are read from the engine at scrape time.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,59 +20,105 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 @dataclass
 class EngineStats:
     """The engine's running counts (`engine.stats`; some reach /metrics)."""
+
     steps: int = 0
-    attention_calls: int = 0             # router → attention worker step calls
+    attention_calls: int = 0  # router → attention worker step calls
     prompt_tokens: int = 0
-    prefilled_tokens: int = 0            # prompt tokens actually computed (cache hits excluded)
+    prefilled_tokens: int = 0  # prompt tokens actually computed (cache hits excluded)
     cached_tokens: int = 0
     generated_tokens: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
-    exchange_bytes: int = 0              # attention ↔ expert tensor bytes, as the attention workers report
-    recovered: int = 0                   # requests rebuilt on another attention worker
-    preempted: int = 0                   # requests whose KV was taken for others (replayed later)
+    exchange_bytes: int = 0  # attention ↔ expert tensor bytes, as the attention workers report
+    recovered: int = 0  # requests rebuilt on another attention worker
+    preempted: int = 0  # requests whose KV was taken for others (replayed later)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("expertmesh_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("expertmesh_inter_token_latency_seconds", "Time between consecutive tokens of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "expertmesh_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "expertmesh_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.cached_tokens = Counter("expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache",
-                                     registry=r)
-        self.prefix_hits = Counter("expertmesh_prefix_hits", "Admissions that reused a cached prefix, by the tier it was "
-                                   "in on its worker (device, or lower: host / disk, restored)", ["tier"], registry=r)
-        self.prefix_hit_tokens = Counter("expertmesh_prefix_hit_tokens", "Prompt tokens served from a cached prefix, "
-                                         "by tier", ["tier"], registry=r)
-        self.prefix_evictions = Counter("expertmesh_prefix_evictions", "Prefixes taken off a device pool: demoted "
-                                        "(to host / disk), dropped_superseded (a longer one holds it), dropped (no "
-                                        "tier kept it)", ["action"], registry=r)
+        self.cached_tokens = Counter(
+            "expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "expertmesh_prefix_hits",
+            "Admissions that reused a cached prefix, by the tier it was "
+            "in on its worker (device, or lower: host / disk, restored)",
+            ["tier"],
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "expertmesh_prefix_hit_tokens", "Prompt tokens served from a cached prefix, by tier", ["tier"], registry=r
+        )
+        self.prefix_evictions = Counter(
+            "expertmesh_prefix_evictions",
+            "Prefixes taken off a device pool: demoted "
+            "(to host / disk), dropped_superseded (a longer one holds it), dropped (no "
+            "tier kept it)",
+            ["action"],
+            registry=r,
+        )
         self.generation_tokens = Counter("expertmesh_generation_tokens", "Generated tokens", registry=r)
         self.reasoning_tokens = Counter("expertmesh_reasoning_tokens", "Generated reasoning tokens", registry=r)
         self.requests = Counter("expertmesh_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.call_seconds = Histogram("expertmesh_worker_call_duration_seconds", "Router→worker call latency",
-                                      ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.call_errors = Counter("expertmesh_worker_call_errors", "Failed router→worker calls",
-                                   ["worker", "method"], registry=r)
-        self.image_encode_seconds = Histogram("expertmesh_image_encode_seconds",
-                                              "Vision encoder time per image (on the attention worker)",
-                                              buckets=LATENCY_BUCKETS, registry=r)
-        self.image_tokens = Counter("expertmesh_image_tokens", "Image tokens produced by the vision encoder",
-                                    registry=r)
-        self.prefill_tokens = Counter("expertmesh_prefill_tokens", "Prompt tokens computed, by the pool of the "
-                                      "attention worker that computed them (prefill | decode | mixed)", ["pool"],
-                                      registry=r)
-        self.handoffs = Counter("expertmesh_kv_handoffs", "Prefill → decode hand-offs: moved, refused (the decode "
-                                "worker had no room or refused; the sequence stayed), failed (the prefill worker "
-                                "failed; the request replayed)", ["outcome"], registry=r)
-        self.kv_transfer_bytes = Counter("expertmesh_kv_transfer_bytes", "KV, indexer-key and recurrent-state bytes "
-                                         "moved by hand-offs (worker to worker)", registry=r)
-        self.handoff_seconds = Histogram("expertmesh_kv_handoff_seconds", "Hand-off time (export, transfer, import)",
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.call_seconds = Histogram(
+            "expertmesh_worker_call_duration_seconds",
+            "Router→worker call latency",
+            ["worker", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.call_errors = Counter(
+            "expertmesh_worker_call_errors", "Failed router→worker calls", ["worker", "method"], registry=r
+        )
+        self.image_encode_seconds = Histogram(
+            "expertmesh_image_encode_seconds",
+            "Vision encoder time per image (on the attention worker)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.image_tokens = Counter(
+            "expertmesh_image_tokens", "Image tokens produced by the vision encoder", registry=r
+        )
+        self.prefill_tokens = Counter(
+            "expertmesh_prefill_tokens",
+            "Prompt tokens computed, by the pool of the attention worker that computed them (prefill | decode | mixed)",
+            ["pool"],
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "expertmesh_kv_handoffs",
+            "Prefill → decode hand-offs: moved, refused (the decode "
+            "worker had no room or refused; the sequence stayed), failed (the prefill worker "
+            "failed; the request replayed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "expertmesh_kv_transfer_bytes",
+            "KV, indexer-key and recurrent-state bytes moved by hand-offs (worker to worker)",
+            registry=r,
+        )
+        self.handoff_seconds = Histogram(
+            "expertmesh_kv_handoff_seconds",
+            "Hand-off time (export, transfer, import)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine = None
         r.register(_StateCollector(self))
 
@@ -112,8 +159,9 @@ class _StateCollector:
             blocks.add_metric([name, "free"], w.free_blocks)
             blocks.add_metric([name, "used"], w.total_blocks - w.free_blocks)
         yield blocks
-        load = CounterMetricFamily("expertmesh_expert_tokens", "Tokens routed per (layer, expert)",
-                                   labels=["layer", "expert"])
+        load = CounterMetricFamily(
+            "expertmesh_expert_tokens", "Tokens routed per (layer, expert)", labels=["layer", "expert"]
+        )
         imb = GaugeMetricFamily("expertmesh_expert_load_imbalance", "max/mean tokens per expert", labels=["layer"])
         worst = 0.0
         for layer, counts in eng.load_stats().items():
@@ -128,17 +176,22 @@ class _StateCollector:
         overall = GaugeMetricFamily("expertmesh_expert_load_imbalance_max", "Worst per-layer max/mean expert load")
         overall.add_metric([], worst)
         yield overall
-        wire = CounterMetricFamily("expertmesh_worker_message_bytes", "Serialized bytes of router↔worker messages",
-                                   labels=["worker", "direction"])
+        wire = CounterMetricFamily(
+            "expertmesh_worker_message_bytes",
+            "Serialized bytes of router↔worker messages",
+            labels=["worker", "direction"],
+        )
         for c in list(eng.attention) + list(eng.experts):
             sent = getattr(c, "bytes_sent", None)
             if isinstance(sent, int):
                 wire.add_metric([c.name, "sent"], sent)
                 wire.add_metric([c.name, "received"], c.bytes_received)
         yield wire
-        exchange = CounterMetricFamily("expertmesh_expert_exchange_bytes",
-                                       "Tensor bytes between attention and expert workers (as the attention workers "
-                                       "report them; the router does not carry them)")
+        exchange = CounterMetricFamily(
+            "expertmesh_expert_exchange_bytes",
+            "Tensor bytes between attention and expert workers (as the attention workers "
+            "report them; the router does not carry them)",
+        )
         exchange.add_metric([], s.exchange_bytes)
         yield exchange
         steps = CounterMetricFamily("expertmesh_scheduler_steps", "Scheduler steps run")
@@ -150,11 +203,15 @@ class _StateCollector:
 def pool_metrics(eng):
     """Per attention pool (router/disagg.py): what a HorizontalPodAutoscaler scales each pool on."""
     loads = pool_load(eng.pools, eng.kv, frozenset(eng.attention_down), list(eng.waiting), list(eng.running))
-    families = {f: GaugeMetricFamily(f"expertmesh_pool_{f}", doc, labels=["pool"]) for f, doc in (
-        ("requests_waiting", "Requests waiting to enter the pool (decode: also sequences waiting for a hand-off)"),
-        ("prefill_tokens_waiting", "Prompt tokens bound for the pool, not computed yet"),
-        ("kv_utilization", "Used / total KV blocks over the pool's live attention workers"),
-        ("live_workers", "Attention workers of the pool not marked down"))}
+    families = {
+        f: GaugeMetricFamily(f"expertmesh_pool_{f}", doc, labels=["pool"])
+        for f, doc in (
+            ("requests_waiting", "Requests waiting to enter the pool (decode: also sequences waiting for a hand-off)"),
+            ("prefill_tokens_waiting", "Prompt tokens bound for the pool, not computed yet"),
+            ("kv_utilization", "Used / total KV blocks over the pool's live attention workers"),
+            ("live_workers", "Attention workers of the pool not marked down"),
+        )
+    }
     for pool, load in loads.items():
         for f, family in families.items():
             family.add_metric([pool], getattr(load, f))

@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streamed or not), and vLLM's
 `POST /tokenize` / `POST /detokenize`. The bodies are router/protocol.py's; what a parameter means is decided in
 router/serving.py; here a body becomes a serving request, and a run becomes OpenAI's JSON or SSE chunks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -81,7 +82,7 @@ class CompletionLogprobs:
                 continue
             top = {}
             for t, lp in e.top:
-                top.setdefault(self._text(t), lp)      # two ids with one string: the likelier one's value
+                top.setdefault(self._text(t), lp)  # two ids with one string: the likelier one's value
             if e.logprob is not None:
                 top.setdefault(text, e.logprob)
             out["top_logprobs"].append(top)
@@ -116,16 +117,26 @@ class TextCompletion:
     choice. `return_token_ids` (vLLM's): the prompt's ids (the choice's first chunk) and the generated ids (each
     chunk: the ids since the last one)."""
 
-    def __init__(self, body: CompletionBody, run: CompletionRun, tok, name: str, echo_text: str, *, index: int = 0,
-                 rid: str | None = None, created: int | None = None):
+    def __init__(
+        self,
+        body: CompletionBody,
+        run: CompletionRun,
+        tok,
+        name: str,
+        echo_text: str,
+        *,
+        index: int = 0,
+        rid: str | None = None,
+        created: int | None = None,
+    ):
         self.body, self.run, self.tok, self.name, self.echo_text = body, run, tok, name, echo_text
         self.index = index
         self.text = TextStream(tok, [body.stop] if isinstance(body.stop, str) else list(body.stop or []))
         self.lp = CompletionLogprobs(tok)
         self.rid = rid or f"cmpl-{uuid.uuid4().hex[:24]}"
         self.created = created or int(time.time())
-        self.fed = 0       # output tokens given to the text stream (a stop string ends the text, and the logprobs)
-        self.ided = 0      # output tokens whose ids went out in a chunk
+        self.fed = 0  # output tokens given to the text stream (a stop string ends the text, and the logprobs)
+        self.ided = 0  # output tokens whose ids went out in a chunk
         self.prompted = False
 
     def feed(self, token: int) -> str:
@@ -143,8 +154,12 @@ class TextCompletion:
         """The prompt once (the samples share it), every sample's output."""
         u = choices[0].run.usage()
         completion = sum(c.run.usage().completion for c in choices)
-        return {"prompt_tokens": u.prompt, "completion_tokens": completion, "total_tokens": u.prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": u.cached}}
+        return {
+            "prompt_tokens": u.prompt,
+            "completion_tokens": completion,
+            "total_tokens": u.prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached},
+        }
 
     def choice(self, text: str, reason: str | None, logprobs: dict | None = None, upto: int | None = None) -> dict:
         ids = {}
@@ -152,12 +167,17 @@ class TextCompletion:
             if not self.prompted:
                 ids["prompt_token_ids"], self.prompted = list(self.run.prompt), True
             end = self.fed if upto is None else upto
-            ids["token_ids"], self.ided = list(self.run.req.output[self.ided:end]), max(self.ided, end)
+            ids["token_ids"], self.ided = list(self.run.req.output[self.ided : end]), max(self.ided, end)
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason, **ids}
 
     def chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.name,
-                "choices": choices}
+        return {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.name,
+            "choices": choices,
+        }
 
     def echo_logprobs(self) -> dict | None:
         if self.body.logprobs is None:
@@ -169,7 +189,7 @@ class TextCompletion:
         if self.body.logprobs is None:
             return None
         req = self.run.req
-        return self.lp.block(req.output[start:self.fed], req.logprobs[start:self.fed])
+        return self.lp.block(req.output[start : self.fed], req.logprobs[start : self.fed])
 
 
 async def complete_text(c: TextCompletion, is_disconnected) -> dict:
@@ -200,11 +220,12 @@ async def complete_text(c: TextCompletion, is_disconnected) -> dict:
 async def stream_text(c: TextCompletion):
     """One choice's chunks."""
     run = c.run
-    sent = 0                   # output tokens whose logprobs went out
+    sent = 0  # output tokens whose logprobs went out
     echoed = not c.body.echo
 
-    def echo_chunk() -> str:   # once the prompt is scored (with the first event)
+    def echo_chunk() -> str:  # once the prompt is scored (with the first event)
         return sse(c.chunk([c.choice(c.echo_text, None, c.echo_logprobs(), upto=0)]))
+
     try:
         async for token in run.tokens():
             if not echoed:
@@ -241,8 +262,9 @@ async def stream_texts(choices: list[TextCompletion]):
 
 
 @router.post("/v1/completions")
-async def completions(http_request: Request, body: CompletionBody = served_model(CompletionBody),
-                      s: Served = Depends(served)):
+async def completions(
+    http_request: Request, body: CompletionBody = served_model(CompletionBody), s: Served = Depends(served)
+):
     tok = s.fmt.tokenizer
     prompt, echo_text = completion_prompt(body, tok)
     max_tokens = max_tokens_for(body.max_tokens, chat=False, scoring=body.echo)
@@ -250,14 +272,24 @@ async def completions(http_request: Request, body: CompletionBody = served_model
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
-    params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                            stop_token_ids=() if body.ignore_eos else tuple(tok.eos_ids), logprobs=body.logprobs,
-                            prompt_logprobs=prompt_logprobs, **body.sampling_kwargs())
-    runs = await start_samples(lambda seed: CompletionRun(s.engine, prompt, replace(params, seed=seed), model=s.name),
-                               body.n, body.seed)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop_token_ids=() if body.ignore_eos else tuple(tok.eos_ids),
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        **body.sampling_kwargs(),
+    )
+    runs = await start_samples(
+        lambda seed: CompletionRun(s.engine, prompt, replace(params, seed=seed), model=s.name), body.n, body.seed
+    )
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    choices = [TextCompletion(body, run, tok, s.name, echo_text, index=i, rid=rid, created=created)
-               for i, run in enumerate(runs)]
+    choices = [
+        TextCompletion(body, run, tok, s.name, echo_text, index=i, rid=rid, created=created)
+        for i, run in enumerate(runs)
+    ]
     if body.stream:
         return StreamingResponse(stream_texts(choices), media_type="text/event-stream")
     try:
@@ -272,15 +304,20 @@ async def completions(http_request: Request, body: CompletionBody = served_model
 def chat_logprobs(tok, tokens: list[int], entries) -> dict:
     """OpenAI chat `logprobs` for generated tokens (all of them: reasoning, content and tool-call markup, as vLLM
     reports them). A token the server forced (thinking budget) outside the top alternatives has logprob null."""
-    raw = getattr(tok, "decode_bytes", None)    # the byte tokenizer's exact bytes (b"" for a special token)
+    raw = getattr(tok, "decode_bytes", None)  # the byte tokenizer's exact bytes (b"" for a special token)
 
     def item(token: int, logprob) -> dict:
         text = tok.decode([token], skip_special=False)
         # `bytes` carries what `token` cannot: a piece of a UTF-8 sequence (its text is U+FFFD)
         exact = raw([token]) if raw is not None else b""
         return {"token": text, "logprob": logprob, "bytes": list(exact or text.encode("utf-8"))}
-    return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
-                        for t, e in zip(tokens, entries)], "refusal": None}
+
+    return {
+        "content": [
+            {**item(t, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for t, e in zip(tokens, entries)
+        ],
+        "refusal": None,
+    }
 
 
 def top_logprobs(body: ChatBody) -> int | None:
@@ -288,8 +325,9 @@ def top_logprobs(body: ChatBody) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs: requires logprobs: true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]",
-                       param="top_logprobs")
+        raise APIError(
+            f"top_logprobs={body.top_logprobs}: expected an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+        )
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
@@ -304,8 +342,9 @@ async def merged(streams):
             async for item in stream:
                 await queue.put(item)
             await queue.put(done)
-        except Exception as e:           # noqa: BLE001 - handed to the consumer, which raises it
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put(e)
+
     tasks = [asyncio.create_task(pump(st)) for st in streams]
     try:
         left = len(tasks)
@@ -327,13 +366,20 @@ class ChatCompletion:
     `return_token_ids` (vLLM's): the prompt's ids (top level; the first chunk) and each choice's generated ids
     (each chunk: the ids since the last one)."""
 
-    def __init__(self, body: ChatBody, runs: list[ChatRun], s: Served, history: list[Message], n_top: int | None,
-                 report: dict | None):
+    def __init__(
+        self,
+        body: ChatBody,
+        runs: list[ChatRun],
+        s: Served,
+        history: list[Message],
+        n_top: int | None,
+        report: dict | None,
+    ):
         self.body, self.runs, self.s, self.history, self.n_top, self.report = body, runs, s, history, n_top, report
         self.rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.scored = [0] * len(runs)     # per choice: generated tokens whose logprobs went out in a chunk
-        self.ided = [0] * len(runs)       # per choice: generated tokens whose ids went out in a chunk
+        self.scored = [0] * len(runs)  # per choice: generated tokens whose logprobs went out in a chunk
+        self.ided = [0] * len(runs)  # per choice: generated tokens whose ids went out in a chunk
 
     def logprobs(self, i: int, start: int, end: int) -> dict | None:
         if self.n_top is None:
@@ -346,9 +392,13 @@ class ChatCompletion:
         """The prompt once (the samples share it), every sample's output."""
         u = results[0].usage
         completion = sum(r.usage.completion for r in results)
-        return {"prompt_tokens": u.prompt, "completion_tokens": completion, "total_tokens": u.prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": u.cached},
-                "completion_tokens_details": {"reasoning_tokens": sum(r.usage.reasoning for r in results)}}
+        return {
+            "prompt_tokens": u.prompt,
+            "completion_tokens": completion,
+            "total_tokens": u.prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached},
+            "completion_tokens_details": {"reasoning_tokens": sum(r.usage.reasoning for r in results)},
+        }
 
     def remember(self, i: int, r: ChatResult) -> None:
         """What the reasoning memory keeps of this answer (a client may send it back without its reasoning)."""
@@ -359,8 +409,10 @@ class ChatCompletion:
 
     @staticmethod
     def tool_calls(r: ChatResult) -> list[dict]:
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in r.tool_calls]
+        return [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in r.tool_calls
+        ]
 
     def response(self, results: list[ChatResult]) -> dict:
         choices = []
@@ -369,34 +421,55 @@ class ChatCompletion:
             if r.tool_calls:
                 message["tool_calls"] = self.tool_calls(r)
             out = self.runs[i].req.output
-            choices.append({"index": i, "message": message, "finish_reason": r.finish_reason,
-                            "logprobs": self.logprobs(i, 0, len(out)),
-                            **({"token_ids": list(out)} if self.body.return_token_ids else {})})
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.s.name,
-                "choices": choices, "usage": self.usage(results), "thinking_budget": self.runs[0].tier,
-                **({"prompt_token_ids": list(self.runs[0].prompt)} if self.body.return_token_ids else {}),
-                **({"truncation_report": self.report} if self.report else {})}
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": r.finish_reason,
+                    "logprobs": self.logprobs(i, 0, len(out)),
+                    **({"token_ids": list(out)} if self.body.return_token_ids else {}),
+                }
+            )
+        return {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.s.name,
+            "choices": choices,
+            "usage": self.usage(results),
+            "thinking_budget": self.runs[0].tier,
+            **({"prompt_token_ids": list(self.runs[0].prompt)} if self.body.return_token_ids else {}),
+            **({"truncation_report": self.report} if self.report else {}),
+        }
 
     def chunk(self, i: int, delta: dict, reason: str | None = None, upto: int | None = None) -> str:
         lp, ids = None, {}
         if upto is not None and upto > self.scored[i]:
             lp, self.scored[i] = self.logprobs(i, self.scored[i], upto), upto
         if self.body.return_token_ids and upto is not None:
-            ids = {"token_ids": list(self.runs[i].req.output[self.ided[i]:upto])}
+            ids = {"token_ids": list(self.runs[i].req.output[self.ided[i] : upto])}
             self.ided[i] = max(self.ided[i], upto)
-        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.s.name,
-                    "choices": [{"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp, **ids}]})
+        return sse(
+            {
+                "id": self.rid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.s.name,
+                "choices": [{"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp, **ids}],
+            }
+        )
 
     async def choice_chunks(self, i: int):
         """One choice's chunks; its result last (a ChatResult, not a chunk)."""
         run = self.runs[i]
         async for kind, text in run.events():
-            yield self.chunk(i, {"reasoning_content": text} if kind == "reasoning" else {"content": text},
-                             upto=run.consumed)
+            yield self.chunk(
+                i, {"reasoning_content": text} if kind == "reasoning" else {"content": text}, upto=run.consumed
+            )
         r = run.finish()
         self.remember(i, r)
         if r.unsent:
-            yield self.chunk(i, {"content": r.unsent})           # held-back malformed tool call
+            yield self.chunk(i, {"content": r.unsent})  # held-back malformed tool call
         for k, call in enumerate(self.tool_calls(r)):
             yield self.chunk(i, {"tool_calls": [{"index": k, **call}]})
         yield self.chunk(i, {}, r.finish_reason, upto=len(run.req.output))
@@ -405,11 +478,18 @@ class ChatCompletion:
     async def chunks(self):
         first = {"role": "assistant", "content": ""}
         for i in range(len(self.runs)):
-            head = sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                        "model": self.s.name, "choices": [{"index": i, "delta": first, "finish_reason": None,
-                                                           "logprobs": None}],
-                        **({"prompt_token_ids": list(self.runs[0].prompt)}
-                           if self.body.return_token_ids and i == 0 else {})})
+            head = sse(
+                {
+                    "id": self.rid,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.s.name,
+                    "choices": [{"index": i, "delta": first, "finish_reason": None, "logprobs": None}],
+                    **(
+                        {"prompt_token_ids": list(self.runs[0].prompt)} if self.body.return_token_ids and i == 0 else {}
+                    ),
+                }
+            )
             yield head
         results: dict[int, ChatResult] = {}
         try:
@@ -419,9 +499,16 @@ class ChatCompletion:
                 else:
                     yield item
             if (self.body.stream_options or {}).get("include_usage"):
-                yield sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.s.name, "choices": [],
-                           "usage": self.usage([results[i] for i in range(len(self.runs))])})
+                yield sse(
+                    {
+                        "id": self.rid,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.s.name,
+                        "choices": [],
+                        "usage": self.usage([results[i] for i in range(len(self.runs))]),
+                    }
+                )
         except Exception as e:
             yield sse_error(self.runs[0].fail(e))
         finally:
@@ -433,31 +520,51 @@ class ChatCompletion:
 @router.post("/v1/chat/completions")
 async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s: Served = Depends(served)):
     engine, fmt = s.engine, s.fmt
-    grammar = await compile_off_loop(answer_grammar, fmt, body.tool_choice, body.tools, body.response_format,
-                                     CHAT_FIELDS, param="response_format" if body.response_format else "tool_choice")
-    thinking = decide_thinking(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
-                               template_kwargs=body.chat_template_kwargs)
+    grammar = await compile_off_loop(
+        answer_grammar,
+        fmt,
+        body.tool_choice,
+        body.tools,
+        body.response_format,
+        CHAT_FIELDS,
+        param="response_format" if body.response_format else "tool_choice",
+    )
+    thinking = decide_thinking(
+        thinking_budget=body.thinking_budget,
+        reasoning_effort=body.reasoning_effort,
+        template_kwargs=body.chat_template_kwargs,
+    )
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
     n_top = top_logprobs(body)
     images = await s.images(remote_image_urls(body.messages, OPENAI))
-    history = openai_messages(body.messages, images)   # what the client sent (reasoning filled in): the answer's key
-    await images.decode()                              # every image's cost checked from its header first
+    history = openai_messages(body.messages, images)  # what the client sent (reasoning filled in): the answer's key
+    await images.decode()  # every image's cost checked from its header first
     thinking = thinking.for_round([m.role for m in history])
     options = prompt_options(thinking, body.tool_choice, body.response_format)
     tools = prompt_tools(fmt, body.tools, options.tool_choice)
     rendered = chat_prompt(fmt, history, tools, thinking.on, s.memory, options)
     kept, report, headers = history, None, thinking_headers(thinking)
     if body.truncation == "auto":
-        kept, report = truncate_messages(fmt, history, tools, thinking.on, options=options,
-                                         limit=prompt_room(engine.cfg.max_context, max_tokens))
+        kept, report = truncate_messages(
+            fmt, history, tools, thinking.on, options=options, limit=prompt_room(engine.cfg.max_context, max_tokens)
+        )
         if report:
             rendered = render_prompt(fmt, kept, tools, thinking.on, options)
             headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
     request = ChatRequest(
-        rendered, thinking, tools=body.tools, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-        seed=body.seed, sampling={**body.sampling_kwargs(), "logprobs": n_top}, grammar=grammar,
-        images=message_images(kept), stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
-        ignore_eos=body.ignore_eos)
+        rendered,
+        thinking,
+        tools=body.tools,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        sampling={**body.sampling_kwargs(), "logprobs": n_top},
+        grammar=grammar,
+        images=message_images(kept),
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+        ignore_eos=body.ignore_eos,
+    )
     runs = await start_samples(lambda seed: start_chat(engine, fmt, replace(request, seed=seed)), body.n, body.seed)
     reply = ChatCompletion(body, runs, s, history, n_top, report)
     if body.stream:
@@ -482,10 +589,15 @@ async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = 
         raise APIError("prompt / messages: expected exactly one of them", param="prompt")
     if body.messages is not None:
         if not body.add_generation_prompt:
-            raise APIError("add_generation_prompt: only true is supported (the chat endpoint always adds it)",
-                           param="add_generation_prompt")
-        thinking = decide_thinking(thinking_budget=body.thinking_budget, reasoning_effort=body.reasoning_effort,
-                                   template_kwargs=body.chat_template_kwargs)
+            raise APIError(
+                "add_generation_prompt: only true is supported (the chat endpoint always adds it)",
+                param="add_generation_prompt",
+            )
+        thinking = decide_thinking(
+            thinking_budget=body.thinking_budget,
+            reasoning_effort=body.reasoning_effort,
+            template_kwargs=body.chat_template_kwargs,
+        )
         messages = openai_messages(body.messages)
         thinking = thinking.for_round([m.role for m in messages])
         options = prompt_options(thinking, body.tool_choice, body.response_format)

@@ -5,6 +5,7 @@ router/serving.py, and the handlers (openai_api.py, anthropic_api.py, responses_
 Every body forbids unknown fields (a 400 naming the field, never silently ignored) and non-finite numbers (a 400
 saying so, not a misleading range message). Fields accepted although they change nothing here say why.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -13,19 +14,20 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from expertmesh.wire.sampling_params import MAX_LOGPROBS
 
-METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512    # OpenAI's bounds on `metadata`
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on `metadata`
 
 
 class AcceptedNoOps(BaseModel):
     """Parameters accepted although they change nothing here, each for a stated reason. Request bodies forbid any
     other unknown field (a 400 naming it, never silently ignored). Numbers must be finite: NaN / inf are a 400
     saying so (not a misleading range message)."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    user: str | None = None                  # an end-user id for a provider's abuse monitoring: no per-user state
+    user: str | None = None  # an end-user id for a provider's abuse monitoring: no per-user state
     # tags stored with a request (a stored Response keeps and returns them), bounded as OpenAI bounds them
     metadata: dict[str, str] | None = None
-    store: Literal[False] | None = None      # store: false is what this server does anyway
-    parallel_tool_calls: Literal[True] | None = None   # several calls in one turn are parsed and returned
+    store: Literal[False] | None = None  # store: false is what this server does anyway
+    parallel_tool_calls: Literal[True] | None = None  # several calls in one turn are parsed and returned
     service_tier: Literal["auto", "default", "standard_only"] | None = None
 
     @field_validator("metadata")
@@ -46,7 +48,7 @@ class AcceptedNoOps(BaseModel):
 TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]
 
 
-MAX_SAMPLES = 16          # `n`: parallel samples of one request
+MAX_SAMPLES = 16  # `n`: parallel samples of one request
 
 
 class SamplingFields(AcceptedNoOps):
@@ -54,6 +56,7 @@ class SamplingFields(AcceptedNoOps):
     and everything else is checked with the rest (expertmesh.model.sampling.check_sampling), a 400 naming the field.
     What RL and eval tools send, as vLLM honours it: `n` parallel samples (sharing the prompt's cached KV, each its
     own seeded generator: seed + i), `ignore_eos` (generate to max_tokens), `return_token_ids`."""
+
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -65,15 +68,20 @@ class SamplingFields(AcceptedNoOps):
 
     def sampling_kwargs(self) -> dict:
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
-        return {"top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "logit_bias": bias}
+        return {
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": bias,
+        }
 
 
 # ----------------------------------------------------------------------------------------------- OpenAI
 class CompletionBody(SamplingFields):
     model: str
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = None           # unset: serving.max_tokens_for decides (16, OpenAI's default)
+    max_tokens: int | None = None  # unset: serving.max_tokens_for decides (16, OpenAI's default)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
@@ -107,14 +115,15 @@ class ChatBody(SamplingFields):
     reasoning_effort: str | None = None
     thinking_budget: str | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)      # needs logprobs
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
-    truncation: Literal["auto", "disabled"] = "disabled"     # the context-overflow policy (router/truncation.py)
+    truncation: Literal["auto", "disabled"] = "disabled"  # the context-overflow policy (router/truncation.py)
 
 
 class TokenizeBody(BaseModel):
     """vLLM's `POST /tokenize`: a completions prompt, or a chat conversation rendered as the chat endpoint does."""
+
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
@@ -141,6 +150,7 @@ class DetokenizeBody(BaseModel):
 # ----------------------------------------------------------------------------------------------- Anthropic
 class CountTokensBody(AcceptedNoOps):
     """What decides a messages request's prompt (Anthropic `POST /v1/messages/count_tokens`)."""
+
     model: str
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -162,6 +172,7 @@ class MessagesBody(CountTokensBody):
 # ----------------------------------------------------------------------------------------------- Responses
 class ResponsesBody(SamplingFields):
     """`POST /v1/responses`. Every field is honoured or refused (a 400 naming it); unknown fields are refused."""
+
     model: str
     input: str | list[dict]
     instructions: str | None = None
@@ -178,6 +189,6 @@ class ResponsesBody(SamplingFields):
     include: list[str] | None = None
     text: dict | None = None
     background: Literal[False] | None = None
-    prompt_cache_key: str | None = None       # the prefix cache is content-addressed: any key hits the same entries
-    safety_identifier: str | None = None      # like `user`: no per-user state here
-    stream_options: dict | None = None        # include_obfuscation: false (events are not padded)
+    prompt_cache_key: str | None = None  # the prefix cache is content-addressed: any key hits the same entries
+    safety_identifier: str | None = None  # like `user`: no per-user state here
+    stream_options: dict | None = None  # include_obfuscation: false (events are not padded)

@@ -7,6 +7,7 @@ still routes); (2) switch — between two scheduler steps the new table is pushe
 step runs wholly on one table; (3) drain — every expert worker drops the shards the new plan took away. Any replica
 computes an expert's output bit for bit, so the tokens are the ones the old plan would have given.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,19 @@ log = logging.getLogger("expertmesh.router")
 
 
 class LivePlan:
-    def __init__(self, cfg: ModelConfig, placement, attention: list, experts: list, expert_clients: list, *,
-                 pool: Executor, wake: threading.Condition, transport: str, probe_interval: float):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        placement,
+        attention: list,
+        experts: list,
+        expert_clients: list,
+        *,
+        pool: Executor,
+        wake: threading.Condition,
+        transport: str,
+        probe_interval: float,
+    ):
         """`experts`: the clients the router calls (set_shards); `expert_clients`: what the attention workers are
         given to dispatch to; `wake`: the scheduler's condition, notified when a switch waits for it."""
         self.cfg = cfg
@@ -34,8 +46,8 @@ class LivePlan:
         self.wake = wake
         self.transport = transport
         self.probe_interval = probe_interval
-        self.lock = threading.Lock()           # one re-plan at a time
-        self._switch: tuple | None = None      # (placement, table, done event): taken between steps
+        self.lock = threading.Lock()  # one re-plan at a time
+        self._switch: tuple | None = None  # (placement, table, done event): taken between steps
 
     @property
     def plan_hash(self) -> str | None:
@@ -48,9 +60,10 @@ class LivePlan:
 
     def connect(self, worker: int) -> None:
         """Push the expert workers and the table in force to attention worker `worker`."""
-        extra = {"transport": self.transport} if self.transport != "grpc" else {}    # in-process: no transport
-        self.attention[worker].connect_experts(self.expert_clients, self.table, probe_interval=self.probe_interval,
-                                               **extra)
+        extra = {"transport": self.transport} if self.transport != "grpc" else {}  # in-process: no transport
+        self.attention[worker].connect_experts(
+            self.expert_clients, self.table, probe_interval=self.probe_interval, **extra
+        )
 
     def replan(self, placement, timeout: float = 600.0, drain_delay: float = 0.0) -> dict:
         """Adopt `placement` (warm, switch, drain: see the module's docstring). `drain_delay`: seconds between the
@@ -60,19 +73,32 @@ class LivePlan:
         ordinals skipped}."""
         table = ReplicaTable.from_placement(placement, self.cfg.moe_layers, self.cfg.moe.n_routed_experts)
         if table.table.size and int(table.table.max()) >= len(self.experts):
-            raise ValueError(f"plan: places experts on worker {int(table.table.max())}, this router has "
-                             f"{len(self.experts)} expert workers")
+            raise ValueError(
+                f"plan: places experts on worker {int(table.table.max())}, this router has "
+                f"{len(self.experts)} expert workers"
+            )
         with self.lock:
-            shards = [(placement.experts_of(o) if o < len(placement.workers) else [],
-                       {(l, e): g.gpu for g in placement.workers[o].gpus for l, e in g.shards}
-                       if o < len(placement.workers) else None) for o in range(len(self.experts))]
-            before = [set(self.placement.experts_of(o)) if o < len(self.placement.workers) else set()
-                      for o in range(len(self.experts))]
+            shards = [
+                (
+                    placement.experts_of(o) if o < len(placement.workers) else [],
+                    {(l, e): g.gpu for g in placement.workers[o].gpus for l, e in g.shards}
+                    if o < len(placement.workers)
+                    else None,
+                )
+                for o in range(len(self.experts))
+            ]
+            before = [
+                set(self.placement.experts_of(o)) if o < len(self.placement.workers) else set()
+                for o in range(len(self.experts))
+            ]
             unreachable: set[int] = set()
 
             def each_worker(drop_others: bool) -> None:
-                futures = {o: self.pool.submit(self.experts[o].set_shards, pairs, gpu_of, drop_others=drop_others)
-                           for o, (pairs, gpu_of) in enumerate(shards) if o not in unreachable}
+                futures = {
+                    o: self.pool.submit(self.experts[o].set_shards, pairs, gpu_of, drop_others=drop_others)
+                    for o, (pairs, gpu_of) in enumerate(shards)
+                    if o not in unreachable
+                }
                 for o, f in futures.items():
                     try:
                         f.result(timeout=timeout)
@@ -80,10 +106,13 @@ class LivePlan:
                         log.warning("re-plan: expert worker %d unreachable (%s); its replicas serve", o, e)
                         unreachable.add(o)
 
-            each_worker(drop_others=False)                           # warm
-            if table.moe_layers == self.table.moe_layers and table.table.shape == self.table.table.shape \
-                    and (table.table == self.table.table).all():
-                self.placement = placement     # the same routing (e.g. the plan it started with): nothing to push
+            each_worker(drop_others=False)  # warm
+            if (
+                table.moe_layers == self.table.moe_layers
+                and table.table.shape == self.table.table.shape
+                and (table.table == self.table.table).all()
+            ):
+                self.placement = placement  # the same routing (e.g. the plan it started with): nothing to push
             else:
                 done = threading.Event()
                 with self.wake:
@@ -92,12 +121,17 @@ class LivePlan:
                 if not done.wait(timeout):
                     raise TimeoutError(f"re-plan: the scheduler did not switch tables within {timeout} s")
                 time.sleep(drain_delay)
-            each_worker(drop_others=True)                            # drain
+            each_worker(drop_others=True)  # drain
             moved = {o for o, (pairs, _) in enumerate(shards) if set(pairs) != before[o]}
             loaded = sum(len(set(pairs) - before[o]) for o, (pairs, _) in enumerate(shards))
             dropped = sum(len(before[o] - set(pairs)) for o, (pairs, _) in enumerate(shards))
-            log.info("re-planned onto plan %s: %d shards loaded, %d dropped, on expert workers %s", self.plan_hash,
-                     loaded, dropped, sorted(moved))
+            log.info(
+                "re-planned onto plan %s: %d shards loaded, %d dropped, on expert workers %s",
+                self.plan_hash,
+                loaded,
+                dropped,
+                sorted(moved),
+            )
             return {"loaded": loaded, "dropped": dropped, "unreachable": sorted(unreachable)}
 
     def take_switch(self, down: set[int], mark_down: Callable[[int, Exception], None]) -> None:

@@ -1,5 +1,6 @@
 """A request as the engine sees it (prompt, sampling, its stream of events, runtime state), its log-prob
 entries, and the errors the engine answers with (each maps to one HTTP / gRPC status in the API layers)."""
+
 from __future__ import annotations
 
 import queue
@@ -43,21 +44,26 @@ class EngineClosed(RuntimeError):
 class TokenLogprob:
     """One token's log-probability under the model (before temperature / top-k / top-p) and its position's top
     alternatives, most likely first."""
+
     token: int
-    logprob: float | None          # None: a token forced by the server (thinking budget) outside `top`
+    logprob: float | None  # None: a token forced by the server (thinking budget) outside `top`
     top: list[tuple[int, float]]
 
     @staticmethod
     def entries(run: TokenLogprobs) -> list[TokenLogprob]:
-        return [TokenLogprob(t, lp, list(zip(ids, lps))) for t, lp, ids, lps in
-                zip(run.token_ids.tolist(), run.logprobs.tolist(), run.top_ids.tolist(), run.top_logprobs.tolist())]
+        return [
+            TokenLogprob(t, lp, list(zip(ids, lps)))
+            for t, lp, ids, lps in zip(
+                run.token_ids.tolist(), run.logprobs.tolist(), run.top_ids.tolist(), run.top_logprobs.tolist()
+            )
+        ]
 
     def forced(self, token: int) -> TokenLogprob:
         """The entry for `token` fed instead of this sampled one (same position, same alternatives)."""
         return TokenLogprob(token, dict(self.top).get(token), self.top)
 
 
-@dataclass(eq=False)      # a request is itself: `in running`, `remove` compare identity, not prompts
+@dataclass(eq=False)  # a request is itself: `in running`, `remove` compare identity, not prompts
 class Request:
     prompt: list[int]
     params: SamplingParams
@@ -67,32 +73,32 @@ class Request:
     # runtime state
     worker: int = -1
     seq_id: str = ""
-    computed: int = 0                     # tokens of prompt + output already fed to the model
-    reserved: int = 0                     # tokens of KV reserved on its worker (grows as it decodes)
+    computed: int = 0  # tokens of prompt + output already fed to the model
+    reserved: int = 0  # tokens of KV reserved on its worker (grows as it decodes)
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: Exception | None = None
     arrived: float = field(default_factory=time.monotonic)
-    queued_at: float = field(default_factory=time.monotonic)   # entered the waiting queue (again, after a failover)
+    queued_at: float = field(default_factory=time.monotonic)  # entered the waiting queue (again, after a failover)
     first_token_at: float | None = None
     last_token_at: float = 0.0
-    events: queue.Queue = field(default_factory=queue.Queue)   # ("token", id) / ("done", None)
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("token", id) / ("done", None)
     cancelled: bool = False
-    notify: Callable[[], None] | None = None    # called after each event (wakes an async consumer)
-    trace_ctx: object | None = None             # OpenTelemetry context of the request's root span
+    notify: Callable[[], None] | None = None  # called after each event (wakes an async consumer)
+    trace_ctx: object | None = None  # OpenTelemetry context of the request's root span
     queue_span: object | None = None
-    hasher: PrefixHasher | None = None          # hash chain of tokens fed so far (prefix-cache keys)
-    last_key: str | None = None                 # the prefix key of the last chunk boundary it reached (or hit)
+    hasher: PrefixHasher | None = None  # hash chain of tokens fed so far (prefix-cache keys)
+    last_key: str | None = None  # the prefix key of the last chunk boundary it reached (or hit)
     # what session-aware eviction reads (router/eviction.py), set by the API layer
-    tools_offered: bool = False                 # the request carried tool definitions (an agent's turn)
-    awaiting_tool: bool = False                 # it ended with tool calls: the client will be back with results
+    tools_offered: bool = False  # the request carried tool definitions (an agent's turn)
+    awaiting_tool: bool = False  # it ended with tool calls: the client will be back with results
     # params.prompt_logprobs: position (1..len(prompt)-1) → entry; params.logprobs: one entry per output token,
     # set before the token's event
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     images: list = field(default_factory=list)  # (position, router.images.PreparedImage) of the prompt's images
-    hash_prompt: list[int] | None = None        # the prompt as the prefix cache hashes it (images by their pixels)
+    hash_prompt: list[int] | None = None  # the prompt as the prefix cache hashes it (images by their pixels)
 
     def __post_init__(self) -> None:
         if self.hash_prompt is None:

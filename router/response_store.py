@@ -20,6 +20,7 @@ asked to continue another's response answers 404 `previous_response_not_found` n
 balancer can route follow-ups by the id's replica part (sticky sessions), which also keeps the KV prefix on the
 workers of that replica.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,9 +43,10 @@ from expertmesh.chat.format import Message
 class Segment:
     """One message of a conversation and its exact tokens (None: rendered from `message` when needed —
     a chat template that cannot be rendered piece by piece)."""
+
     message: Message
     ids: list[int] | None = None
-    item_ids: tuple[str, ...] = ()     # output item ids of a generated assistant turn (rs_…, msg_…, fc_…)
+    item_ids: tuple[str, ...] = ()  # output item ids of a generated assistant turn (rs_…, msg_…, fc_…)
 
     @property
     def role(self) -> str:
@@ -53,8 +55,12 @@ class Segment:
     def nbytes(self) -> int:
         """The segment's own bytes: its texts and tokens (its images are counted apart: `held`)."""
         m = self.message
-        strings = [m.content, m.reasoning or ""] + [s for c in m.tool_calls for s in (c.arguments, c.name, c.id)] + \
-            [p for p in m.parts or () if isinstance(p, str)] + list(self.item_ids)
+        strings = (
+            [m.content, m.reasoning or ""]
+            + [s for c in m.tool_calls for s in (c.arguments, c.name, c.id)]
+            + [p for p in m.parts or () if isinstance(p, str)]
+            + list(self.item_ids)
+        )
         ids = self.ids.itemsize * len(self.ids) if isinstance(self.ids, array) else 36 * len(self.ids or ())
         return sum(sys.getsizeof(s) for s in strings) + ids + 200
 
@@ -76,12 +82,12 @@ class Segment:
 @dataclass
 class StoredResponse:
     id: str
-    response: dict                       # the Response object as returned (GET /v1/responses/{id})
-    input_items: list[dict]              # the items this request added, with ids (GET …/input_items)
-    segments: list[Segment]              # the conversation the model saw, its answer last
+    response: dict  # the Response object as returned (GET /v1/responses/{id})
+    input_items: list[dict]  # the items this request added, with ids (GET …/input_items)
+    segments: list[Segment]  # the conversation the model saw, its answer last
     created: float = field(default_factory=time.monotonic)
-    nbytes: int = 0                      # its own bytes: the response object and input items
-    owner: str = ""                      # the API key that created it, hashed (owner_of)
+    nbytes: int = 0  # its own bytes: the response object and input items
+    owner: str = ""  # the API key that created it, hashed (owner_of)
 
 
 def owner_of(api_key: str | None) -> str:
@@ -92,15 +98,27 @@ def owner_of(api_key: str | None) -> str:
 class ResponseStore:
     """Thread-safe LRU of stored responses, bounded by count and by bytes, each living at most `ttl` seconds."""
 
-    def __init__(self, *, max_responses: int = 1024, max_bytes: int = 256 * 2 ** 20, ttl: float = 3600.0,
-                 replica: str = "r0", clock=time.monotonic):
+    def __init__(
+        self,
+        *,
+        max_responses: int = 1024,
+        max_bytes: int = 256 * 2**20,
+        ttl: float = 3600.0,
+        replica: str = "r0",
+        clock=time.monotonic,
+    ):
         if not re.fullmatch(r"[a-z0-9-]{1,24}", replica):
             raise ValueError(f"replica {replica!r}: expected 1-24 lowercase letters, digits or '-'")
-        self.max_responses, self.max_bytes, self.ttl, self.replica, self.clock = \
-            max_responses, max_bytes, ttl, replica, clock
+        self.max_responses, self.max_bytes, self.ttl, self.replica, self.clock = (
+            max_responses,
+            max_bytes,
+            ttl,
+            replica,
+            clock,
+        )
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._by_item: dict[str, str] = {}        # output item id → response id
-        self._held: dict[int, list] = {}          # id(segment or image) → [responses holding it, bytes, it]
+        self._by_item: dict[str, str] = {}  # output item id → response id
+        self._held: dict[int, list] = {}  # id(segment or image) → [responses holding it, bytes, it]
         self.bytes = 0
         self._lock = threading.Lock()
 
@@ -206,6 +224,7 @@ class ReasoningMemory:
     def key(before: list[Message], answer: Message) -> str:
         def plain(m: Message) -> list:
             return [m.role, m.content or "", [[c.id, c.name, c.arguments] for c in m.tool_calls], m.tool_call_id]
+
         return hashlib.sha256(json.dumps([[plain(m) for m in before], plain(answer)]).encode()).hexdigest()
 
     def remember(self, before: list[Message], answer: Message, ids: list[int] | None = None) -> None:
@@ -232,6 +251,6 @@ class ReasoningMemory:
                 if not m.reasoning and reasoning:
                     m.reasoning = reasoning
                 if (m.reasoning or "") != reasoning:
-                    ids = None                      # the client changed the reasoning: render what it sent
+                    ids = None  # the client changed the reasoning: render what it sent
             exact.append(found[1] if found is not None and ids is not None else None)
         return exact

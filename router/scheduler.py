@@ -41,6 +41,7 @@ worker may answer otherwise (blocks freed behind the router's back, a prefix gon
 candidates to try next and a growth the prefixes to drop and sequences to preempt while the worker says it is out
 of blocks; when a worker did answer otherwise, the engine plans the rest of the step again from the new state.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,15 +58,16 @@ from expertmesh.wire.worker_api import StepDone, TokenLogprobs
 @dataclass(frozen=True)
 class Limits:
     """The engine's scheduling settings."""
-    prefill_chunk: int                # the prefix cache's granularity: chunks end (and snapshots are) at its multiples
+
+    prefill_chunk: int  # the prefix cache's granularity: chunks end (and snapshots are) at its multiples
     max_batch_tokens: int
     max_running: int
-    kv_growth: int                    # tokens of KV a sequence reserves ahead (when placed, and each time it runs out)
+    kv_growth: int  # tokens of KV a sequence reserves ahead (when placed, and each time it runs out)
     max_context: int
-    max_queue_wait: float = float("inf")    # seconds a request may wait for KV room before it is refused
-    prefill_tokens: int = 0           # prompt chunks end at its multiples (0: at prefill_chunk's)
-    affinity_slack: int = 4           # a prefix hit is recomputed elsewhere on a worker this many sequences busier
-    session_affinity: bool = True     # no prefix known: place by the session-affinity key (else by load alone)
+    max_queue_wait: float = float("inf")  # seconds a request may wait for KV room before it is refused
+    prefill_tokens: int = 0  # prompt chunks end at its multiples (0: at prefill_chunk's)
+    affinity_slack: int = 4  # a prefix hit is recomputed elsewhere on a worker this many sequences busier
+    session_affinity: bool = True  # no prefix known: place by the session-affinity key (else by load alone)
     # the workers save a prefix inside a step (a model without recurrent layers: its cache at any position is its
     # pages), so a prompt's chunks need not stop at its last multiple of prefill_chunk to save it
     snapshot_within_step: bool = False
@@ -74,27 +76,30 @@ class Limits:
 @dataclass(frozen=True)
 class Seq:
     """A placed request as the scheduler reads it."""
+
     req: Request
     worker: int
-    computed: int                     # tokens of prompt + output fed so far
-    reserved: int                     # tokens of KV reserved on its worker
+    computed: int  # tokens of prompt + output fed so far
+    reserved: int  # tokens of KV reserved on its worker
 
 
 @dataclass
 class Admission:
     """Place a waiting request: open its sequence on the first candidate that takes it."""
+
     req: Request
-    reserve: int                                      # tokens of KV to reserve
-    candidates: list[tuple[int, str | None, int]]     # (worker, prefix key or None, cached tokens), in order
-    hit: str | None = None                            # the longest cached prefix of its prompt (marked used)
-    evict: list[str] = field(default_factory=list)    # first evict these prefixes on the candidate's worker, in
-    need: int = 0                                     # order, until it has `need` free blocks (none: not placed)
+    reserve: int  # tokens of KV to reserve
+    candidates: list[tuple[int, str | None, int]]  # (worker, prefix key or None, cached tokens), in order
+    hit: str | None = None  # the longest cached prefix of its prompt (marked used)
+    evict: list[str] = field(default_factory=list)  # first evict these prefixes on the candidate's worker, in
+    need: int = 0  # order, until it has `need` free blocks (none: not placed)
 
 
 @dataclass
 class Growth:
     """Reserve `target` tokens for a sequence; while its worker is out of blocks, evict the next prefix of `evict`,
     then preempt the next of `preempt` (youngest first); with both spent the request ends with "length"."""
+
     req: Request
     target: int
     evict: list[str]
@@ -105,14 +110,15 @@ class Growth:
 class Planned:
     """One request's share of a step: the tokens it feeds from position `start` and whether a token is sampled
     after them; `snapshot`: the prefix key to save its cache's first `prefix_end` tokens under after the step."""
+
     req: Request
     start: int
     tokens: list[int]
     sample: bool
     snapshot: str | None = None
-    snapshot_at: int | None = None        # where the prefix ends inside the step (a chunk boundary); None: at `end`
-    hasher: PrefixHasher | None = None    # its hash chain advanced to `prefix_end` (what the request keeps once sent)
-    chain_key: str | None = None          # the prefix key of the tokens up to `prefix_end`
+    snapshot_at: int | None = None  # where the prefix ends inside the step (a chunk boundary); None: at `end`
+    hasher: PrefixHasher | None = None  # its hash chain advanced to `prefix_end` (what the request keeps once sent)
+    chain_key: str | None = None  # the prefix key of the tokens up to `prefix_end`
 
     @property
     def end(self) -> int:
@@ -127,10 +133,10 @@ class Planned:
 @dataclass
 class StepPlan:
     admissions: list[Admission] = field(default_factory=list)
-    blocked: bool = False                 # the head of the queue fits nowhere in the router's view
-    expire: list[Request] = field(default_factory=list)    # blocked, and waited longer than max_queue_wait
+    blocked: bool = False  # the head of the queue fits nowhere in the router's view
+    expire: list[Request] = field(default_factory=list)  # blocked, and waited longer than max_queue_wait
     growth: list[Growth] = field(default_factory=list)
-    batches: dict[int, list[Planned]] = field(default_factory=dict)   # attention worker → its batch
+    batches: dict[int, list[Planned]] = field(default_factory=dict)  # attention worker → its batch
 
 
 def reserve_tokens(tokens: int, prompt_len: int, max_tokens: int, limits: Limits) -> int:
@@ -146,8 +152,9 @@ def affinity_key(tokens: list[int], chunk: int) -> bytes | None:
     same key; None for a prompt shorter than a chunk (placed by load)."""
     if chunk <= 0 or len(tokens) < chunk:
         return None
-    return hashlib.sha256(b"expertmesh-affinity-v1" + b"".join(t.to_bytes(4, "little") for t in tokens[:chunk])
-                          ).digest()
+    return hashlib.sha256(
+        b"expertmesh-affinity-v1" + b"".join(t.to_bytes(4, "little") for t in tokens[:chunk])
+    ).digest()
 
 
 def affinity_worker(key: bytes, workers: Iterable[int]) -> int | None:
@@ -158,23 +165,31 @@ def affinity_worker(key: bytes, workers: Iterable[int]) -> int | None:
     return max(workers, key=lambda w: (hashlib.sha256(key + w.to_bytes(4, "little")).digest(), -w), default=None)
 
 
-def check_request(prompt: list[int], params: SamplingParams, *, vocab_size: int, kv: KVManager,
-                  limits: Limits) -> None:
+def check_request(prompt: list[int], params: SamplingParams, *, vocab_size: int, kv: KVManager, limits: Limits) -> None:
     """Refuse what can never run, naming the field: RequestError, ContextLengthExceeded."""
     if not prompt:
         raise RequestError("prompt: expected at least one token")
     if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
-        raise RequestError(f"max_tokens={params.max_tokens}: expected a positive integer (0 only when scoring "
-                           f"the prompt with prompt_logprobs)")
+        raise RequestError(
+            f"max_tokens={params.max_tokens}: expected a positive integer (0 only when scoring "
+            f"the prompt with prompt_logprobs)"
+        )
     context = limits.max_context
     counts = {"prompt_tokens": len(prompt), "max_tokens": params.max_tokens, "context": context}
     if len(prompt) >= context and params.max_tokens > 0:
-        raise ContextLengthExceeded(f"prompt: {len(prompt)} tokens, the model's context is {context} "
-                                    f"tokens (at least one must remain to generate)", param="prompt", **counts)
+        raise ContextLengthExceeded(
+            f"prompt: {len(prompt)} tokens, the model's context is {context} "
+            f"tokens (at least one must remain to generate)",
+            param="prompt",
+            **counts,
+        )
     if len(prompt) + params.max_tokens > context:
-        raise ContextLengthExceeded(f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus "
-                                    f"max_tokens exceeds the model's context of {context} tokens",
-                                    param="max_tokens", **counts)
+        raise ContextLengthExceeded(
+            f"max_tokens={params.max_tokens}: the prompt ({len(prompt)} tokens) plus "
+            f"max_tokens exceeds the model's context of {context} tokens",
+            param="max_tokens",
+            **counts,
+        )
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"prompt: token id {bad[0]} outside [0, {vocab_size})")
@@ -187,8 +202,10 @@ def check_request(prompt: list[int], params: SamplingParams, *, vocab_size: int,
         raise RequestError(str(err)) from None
     need = reserve_tokens(len(prompt), len(prompt), params.max_tokens, limits)
     if all(kv.blocks_for(w.index, need) > w.total_blocks for w in kv.workers):
-        raise RequestError(f"prompt: {len(prompt)} tokens (+ the first {need - len(prompt)} to generate) exceed "
-                           f"the KV capacity of every attention worker")
+        raise RequestError(
+            f"prompt: {len(prompt)} tokens (+ the first {need - len(prompt)} to generate) exceed "
+            f"the KV capacity of every attention worker"
+        )
 
 
 class _View:
@@ -249,14 +266,14 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
         if worker in view.down or view.overloaded(worker, limits):
             hit = None
         elif view.free[worker] < need:
-            adm.evict, adm.need = view.evictable(worker), need     # the hit itself last (demoted: then restored)
+            adm.evict, adm.need = view.evictable(worker), need  # the hit itself last (demoted: then restored)
             if not adm.evict:
                 hit = None
         if hit is not None:
             adm.candidates.append(hit)
     fresh = view.kv.blocks_for(0, reserve)
     w = view.choose_worker(fresh)
-    if w is not None and adm.hit is None:        # no prefix known here: its session's worker, then today's choice
+    if w is not None and adm.hit is None:  # no prefix known here: its session's worker, then today's choice
         mine = view.session_worker(req, fresh, limits)
         if mine is not None and mine != w:
             adm.candidates.append((mine, None, 0))
@@ -290,9 +307,17 @@ def place_in_pools(req: Request, view: _View, limits: Limits, pools: Pools | Non
     return adm
 
 
-def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, limits: Limits,
-             down: frozenset[int] = frozenset(), now: float = 0.0, admit: bool = True,
-             pools: Pools | None = None) -> StepPlan:
+def schedule(
+    waiting: list[Request],
+    running: list[Request],
+    kv: KVManager,
+    *,
+    limits: Limits,
+    down: frozenset[int] = frozenset(),
+    now: float = 0.0,
+    admit: bool = True,
+    pools: Pools | None = None,
+) -> StepPlan:
     """One step's plan (see the module's docstring). `running`: placed requests in admission order, none cancelled;
     `waiting`: the queue, head first; `admit=False`: plan growth and batches of the running ones only; `pools`:
     the attention workers' pools (None: one pool)."""
@@ -311,7 +336,7 @@ def schedule(waiting: list[Request], running: list[Request], kv: KVManager, *, l
         worker, key, cached = adm.candidates[0]
         seqs.append(Seq(req, worker, cached, adm.reserve))
         if adm.evict:
-            break           # what the evictions free only the worker can say: the rest wait for the next plan
+            break  # what the evictions free only the worker can say: the rest wait for the next plan
         view.take(worker, adm.reserve, 0 if key is not None and kv.is_lower(key) else cached)
     plan.growth = plan_growth(seqs, view, limits)
     plan.batches = plan_batches(seqs, kv, limits, pools.no_snapshot(frozenset(down)) if pools else frozenset())
@@ -330,8 +355,9 @@ def plan_growth(seqs: list[Seq], view: _View, limits: Limits) -> list[Growth]:
     return out
 
 
-def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits,
-                 no_snapshot: frozenset[int] = frozenset()) -> dict[int, list[Planned]]:
+def plan_batches(
+    seqs: list[Seq], kv: KVManager, limits: Limits, no_snapshot: frozenset[int] = frozenset()
+) -> dict[int, list[Planned]]:
     """{attention worker: its batch}, decoding sequences first, then prefill chunks within the token budget; each
     entry with the prefix to save after it, if any (none on the workers of `no_snapshot`)."""
     batches: dict[int, list[Planned]] = {}
@@ -348,7 +374,7 @@ def plan_batches(seqs: list[Seq], kv: KVManager, limits: Limits,
         if end - s.computed > budget:
             break
         sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
-        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed:end], sample))
+        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed : end], sample))
         budget -= end - s.computed
     for worker, items in batches.items():
         for p in items:
@@ -390,24 +416,26 @@ def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
 @dataclass
 class SeqUpdate:
     """What one step did to one request."""
+
     req: Request
-    error: Exception | None = None        # it fails (nothing else applies)
-    computed: int = 0                     # tokens fed so far, after the step
-    prefilled: int = 0                    # prompt tokens computed by this step
-    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)    # positions not scored before
-    token: int | None = None              # the token it accepts (after its token filter)
-    logprob: TokenLogprob | None = None   # that token's entry (asked for with params.logprobs)
-    finish: str | None = None             # "stop" | "length", after the token if any
-    diverged: tuple[int, int] | None = None   # a greedy replay computed (position, token) otherwise than before
+    error: Exception | None = None  # it fails (nothing else applies)
+    computed: int = 0  # tokens fed so far, after the step
+    prefilled: int = 0  # prompt tokens computed by this step
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # positions not scored before
+    token: int | None = None  # the token it accepts (after its token filter)
+    logprob: TokenLogprob | None = None  # that token's entry (asked for with params.logprobs)
+    finish: str | None = None  # "stop" | "length", after the token if any
+    diverged: tuple[int, int] | None = None  # a greedy replay computed (position, token) otherwise than before
 
 
 @dataclass
 class StepUpdate:
     """What one attention worker's step result changes."""
+
     free_blocks: int
     experts_down: set[int]
     exchange_bytes: int
-    saved: list[tuple[str, int]]          # prefixes now cached on the worker: (key, length)
+    saved: list[tuple[str, int]]  # prefixes now cached on the worker: (key, length)
     seqs: list[SeqUpdate]
 
 
@@ -444,12 +472,12 @@ def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int
                 position = run.position + i
                 if position >= len(req.prompt):
                     sampled = entry
-                elif position not in req.prompt_logprobs:      # a replay scores it again: the first entry stays
+                elif position not in req.prompt_logprobs:  # a replay scores it again: the first entry stays
                     u.prompt_logprobs.setdefault(position, entry)
         if u.computed <= len(req.prompt):
             u.prefilled = len(p.tokens)
         if u.computed == len(req.prompt) and req.params.max_tokens == 0:
-            u.finish = "length"                                # scored the prompt, nothing to generate
+            u.finish = "length"  # scored the prompt, nothing to generate
         elif p.sample and u.computed < len(req.tokens):
             token = done.tokens[req.seq_id]
             if req.params.temperature == 0 and token != req.tokens[u.computed]:

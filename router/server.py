@@ -1,4 +1,5 @@
 """`expertmesh router`: the router process — engine over remote workers, HTTP front and gRPC service."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ DEFAULT_PREFILL_TOKENS = 1024
 
 def load_plan(path: str):
     from expertmesh.placement.plan import PlacementPlan  # numpy: not for every `expertmesh` command (see run)
+
     with open(path) as f:
         return PlacementPlan.from_json(f.read())
 
@@ -42,7 +44,7 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
         first = False
         try:
             plan = load_plan(path)
-        except (OSError, ValueError) as e:   # mid-swap or unreadable: the current table keeps serving
+        except (OSError, ValueError) as e:  # mid-swap or unreadable: the current table keeps serving
             log.warning("--plan %s: not re-read (%s)", path, e)
             continue
         if plan.plan_hash() == last:
@@ -54,135 +56,318 @@ def watch_plan(engine, path: str, stop: threading.Event, interval: float = 1.0, 
             log.exception("re-planning onto plan %s failed; the previous table keeps serving", last)
 
 
-def build_remote_engine(cfg, attention: list[str], experts: list[str], plan, *, timeout: float = 30.0, tls=None,
-                        control_timeout: float | None = None, prefill: list[str] | None = None, **kw):
+def build_remote_engine(
+    cfg,
+    attention: list[str],
+    experts: list[str],
+    plan,
+    *,
+    timeout: float = 30.0,
+    tls=None,
+    control_timeout: float | None = None,
+    prefill: list[str] | None = None,
+    **kw,
+):
     """`timeout`: each expert call's deadline (a step's adds one per expert worker); `control_timeout` (default and
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine  # the engine and the workers' clients: see run
     from expertmesh.wire.clients import RemoteAttention, RemoteExpert
+
     # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
     step_timeout = timeout * (len(experts) + 1)
     control = min(control_timeout or timeout, timeout)
-    att, pre = ([RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in addresses]
-                for addresses in (attention, prefill or ()))
+    att, pre = (
+        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in addresses]
+        for addresses in (attention, prefill or ())
+    )
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
     return Engine(cfg, att, exp, plan, call_timeout=step_timeout, prefill=pre or None, **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory (the router reads its config, tokenizer.json and chat template)")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory (the router reads its config, tokenizer.json and chat template)",
+    )
     p.add_argument("--plan", required=True, help="placement plan JSON (followed: a new plan is adopted live)")
-    p.add_argument("--plan-poll-seconds", type=float, default=1.0, metavar="SECONDS",
-                   help="how often to re-read --plan for a new plan (0: read once at start)")
-    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="SECONDS",
-                   help="after SIGTERM the router drains, and ends this many seconds later, done or not (default 30: "
-                        "below the pods' terminationGracePeriodSeconds, 60, so it ends itself before the kubelet "
-                        "kills it)")
-    p.add_argument("--replan-drain-seconds", type=float, default=5.0, metavar="SECONDS",
-                   help="after switching to a new plan, wait this long before expert workers drop the shards it "
-                        "gave up, so other router replicas following the same plan switch first (default 5)")
-    p.add_argument("--attention", required=True, help="comma-separated host:port of attention workers (with "
-                                                       "--prefill: the decode pool)")
-    p.add_argument("--prefill", default="", metavar="HOST:PORT,...",
-                   help="the prefill pool: attention workers that run prompts and hand each sequence to a decode "
-                        "worker (--attention) once its first token is sampled; none: one colocated pool")
-    p.add_argument("--prefill-min-tokens", type=nonnegative_int, default=0, metavar="TOKENS",
-                   help="prompts shorter than this are prefilled on the decode pool (skipping the hand-off)")
+    p.add_argument(
+        "--plan-poll-seconds",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often to re-read --plan for a new plan (0: read once at start)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after SIGTERM the router drains, and ends this many seconds later, done or not (default 30: "
+        "below the pods' terminationGracePeriodSeconds, 60, so it ends itself before the kubelet "
+        "kills it)",
+    )
+    p.add_argument(
+        "--replan-drain-seconds",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="after switching to a new plan, wait this long before expert workers drop the shards it "
+        "gave up, so other router replicas following the same plan switch first (default 5)",
+    )
+    p.add_argument(
+        "--attention",
+        required=True,
+        help="comma-separated host:port of attention workers (with --prefill: the decode pool)",
+    )
+    p.add_argument(
+        "--prefill",
+        default="",
+        metavar="HOST:PORT,...",
+        help="the prefill pool: attention workers that run prompts and hand each sequence to a decode "
+        "worker (--attention) once its first token is sampled; none: one colocated pool",
+    )
+    p.add_argument(
+        "--prefill-min-tokens",
+        type=nonnegative_int,
+        default=0,
+        metavar="TOKENS",
+        help="prompts shorter than this are prefilled on the decode pool (skipping the hand-off)",
+    )
     p.add_argument("--experts", required=True, help="comma-separated host:port of expert workers, by ordinal")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--health-port", type=int, default=None,
-                   help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes gRPC probes under TLS)")
-    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"the prefix cache's granularity: prompt chunks end at its multiples (so a cached prefix and "
-                        f"a fresh run compute the same chunks) and prefixes are saved there (default "
-                        f"{DEFAULT_PREFILL_CHUNK})")
-    p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
-                   help=f"prompt chunks end at its multiples (and at the prompt's last multiple of --prefill-chunk): "
-                        f"the prompt tokens a sequence prefills per step, a multiple of --prefill-chunk (default "
-                        f"{DEFAULT_PREFILL_TOKENS})")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
-                   help="tokens per step (default: 256, or --prefill-tokens + 64 if more, so a prompt chunk always "
-                        "fits beside every decoding sequence; at least --prefill-tokens)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (Kubernetes gRPC probes under TLS)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"the prefix cache's granularity: prompt chunks end at its multiples (so a cached prefix and "
+        f"a fresh run compute the same chunks) and prefixes are saved there (default "
+        f"{DEFAULT_PREFILL_CHUNK})",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        default=DEFAULT_PREFILL_TOKENS,
+        help=f"prompt chunks end at its multiples (and at the prompt's last multiple of --prefill-chunk): "
+        f"the prompt tokens a sequence prefills per step, a multiple of --prefill-chunk (default "
+        f"{DEFAULT_PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per step (default: 256, or --prefill-tokens + 64 if more, so a prompt chunk always "
+        "fits beside every decoding sequence; at least --prefill-tokens)",
+    )
     p.add_argument("--max-waiting", type=int, default=256)
     from expertmesh.router.prepared_image import ImageLimits  # numpy: not for every `expertmesh` command (see run)
+
     d = ImageLimits()
     p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request)
-    p.add_argument("--max-image-pixels-per-request", type=int, default=d.max_pixels_per_request,
-                   help="encoder pixels (after resizing) over one request's images")
+    p.add_argument(
+        "--max-image-pixels-per-request",
+        type=int,
+        default=d.max_pixels_per_request,
+        help="encoder pixels (after resizing) over one request's images",
+    )
     p.add_argument("--max-image-bytes", type=int, default=d.max_bytes, help="encoded bytes of one image")
-    p.add_argument("--max-image-source-pixels", type=int, default=d.max_source_pixels,
-                   help="decoded width × height of one image before resizing (larger: refused, never decoded)")
-    p.add_argument("--max-image-side", type=int, default=d.max_side,
-                   help="decoded width or height of one image (larger: refused, never decoded)")
-    p.add_argument("--max-image-aspect", type=positive_float, default=d.max_aspect,
-                   help="longer side over shorter side of one image (larger: refused, never decoded)")
-    p.add_argument("--image-decoders", type=int, default=2, metavar="N",
-                   help="processes decoding images (off the event loop), each within --image-decoder-mib")
-    p.add_argument("--image-decoder-mib", type=int, default=768, metavar="MIB",
-                   help="memory one image decoder process may take beyond its start (a decode past it is refused)")
-    p.add_argument("--image-fetch-allow", default="",
-                   help="comma-separated hosts (host or host:port) remote image URLs may be fetched from; empty "
-                        "(default): remote image URLs are refused (SSRF)")
-    p.add_argument("--image-fetch-timeout", type=positive_float, default=d.fetch_timeout,
-                   help="seconds one remote image fetch may take in all (connecting, headers and the whole body)")
-    p.add_argument("--transport", choices=("grpc", "collective"), default="grpc",
-                   help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
-                        "(point-to-point pairs, tcp on cpu / nccl on cuda; expert workers need --collective-port; "
-                        "gRPC stays for health and fallback)")
-    p.add_argument("--call-timeout", type=float, default=30.0,
-                   help="deadline of each worker call (seconds); a step's deadline adds one per expert worker")
-    p.add_argument("--control-timeout", type=positive_float, default=10.0, metavar="SECONDS",
-                   help="deadline of the calls to an attention worker outside a step (opening, growing and closing "
-                        "sequences, prefixes, free-block reads, heartbeats; at most --call-timeout): a hung worker "
-                        "costs one such deadline, then gets no request until it answers its health check again"),
-    p.add_argument("--kv-growth", type=int, default=256, metavar="TOKENS",
-                   help="KV a sequence reserves ahead, at placement and each time it runs out (not prompt + "
-                        "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed")
-    p.add_argument("--max-queue-wait", type=float, default=300.0, metavar="SECONDS",
-                   help="a request that gets no KV room within this long is refused (429, retry later)")
-    p.add_argument("--client-request-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="an HTTP request (line, headers, body) must arrive within this many seconds, else 408")
-    p.add_argument("--client-write-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="disconnect an HTTP client (cancel a gRPC stream) that stops reading its response for this "
-                        "long (its request is cancelled)")
-    p.add_argument("--grpc-threads", type=int, default=64, metavar="N",
-                   help="gRPC calls served at once (one thread each); more are refused (RESOURCE_EXHAUSTED)")
-    p.add_argument("--grpc-streams-per-connection", type=int, default=16, metavar="N",
-                   help="gRPC calls at once on one connection (HTTP/2 max concurrent streams; the client queues more)")
-    p.add_argument("--grpc-calls-per-client", type=int, default=None, metavar="N",
-                   help="gRPC calls at once from one client address (default: half of --grpc-threads; more: "
-                        "RESOURCE_EXHAUSTED)")
-    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
-                   help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
-                        "checkpoint's max_context")
-    p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
-                   help="reasoning-token limits of the thinking tiers low, high and max (default: the checkpoint "
-                        "config's); the router forces the end of thinking at the limit")
-    p.add_argument("--stored-responses", type=int, default=1024, metavar="N",
-                   help="Responses API: keep at most N stored responses (least recently used out first)")
-    p.add_argument("--stored-responses-mib", type=int, default=256, metavar="MIB",
-                   help="Responses API: at most this much memory for stored responses")
-    p.add_argument("--stored-responses-ttl", type=float, default=3600.0, metavar="SECONDS",
-                   help="Responses API: a stored response is forgotten after this long")
-    p.add_argument("--replica", default=None,
-                   help="this router's name in response ids (default: $EXPERTMESH_REPLICA, else the hostname)")
-    p.add_argument("--no-reasoning-memory", action="store_true",
-                   help="do not give chat histories that drop the reasoning of answers generated here their "
-                        "reasoning back")
-    p.add_argument("--api-key-file", default=None,
-                   help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
-                        "taken from the command line, where `ps` would show them")
-    p.add_argument("--prefix-salt-file", default=None, metavar="PATH",
-                   help="salt prefix keys with this file's bytes, the secret shared by the router replicas of a "
-                        "deployment: with the same salt every replica computes the same keys and hits the prefixes "
-                        "the others saved on the workers (default: a random salt of this router instance)")
-    p.add_argument("--prefix-index-refresh-s", type=nonnegative_float, default=5.0, metavar="SECONDS",
-                   help="how often to read every attention worker's cached prefixes into this router's index (what "
-                        "other replicas saved or dropped there); 0: only when a worker is taken back (default 5)")
+    p.add_argument(
+        "--max-image-source-pixels",
+        type=int,
+        default=d.max_source_pixels,
+        help="decoded width × height of one image before resizing (larger: refused, never decoded)",
+    )
+    p.add_argument(
+        "--max-image-side",
+        type=int,
+        default=d.max_side,
+        help="decoded width or height of one image (larger: refused, never decoded)",
+    )
+    p.add_argument(
+        "--max-image-aspect",
+        type=positive_float,
+        default=d.max_aspect,
+        help="longer side over shorter side of one image (larger: refused, never decoded)",
+    )
+    p.add_argument(
+        "--image-decoders",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes decoding images (off the event loop), each within --image-decoder-mib",
+    )
+    p.add_argument(
+        "--image-decoder-mib",
+        type=int,
+        default=768,
+        metavar="MIB",
+        help="memory one image decoder process may take beyond its start (a decode past it is refused)",
+    )
+    p.add_argument(
+        "--image-fetch-allow",
+        default="",
+        help="comma-separated hosts (host or host:port) remote image URLs may be fetched from; empty "
+        "(default): remote image URLs are refused (SSRF)",
+    )
+    p.add_argument(
+        "--image-fetch-timeout",
+        type=positive_float,
+        default=d.fetch_timeout,
+        help="seconds one remote image fetch may take in all (connecting, headers and the whole body)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("grpc", "collective"),
+        default="grpc",
+        help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
+        "(point-to-point pairs, tcp on cpu / nccl on cuda; expert workers need --collective-port; "
+        "gRPC stays for health and fallback)",
+    )
+    p.add_argument(
+        "--call-timeout",
+        type=float,
+        default=30.0,
+        help="deadline of each worker call (seconds); a step's deadline adds one per expert worker",
+    )
+    (
+        p.add_argument(
+            "--control-timeout",
+            type=positive_float,
+            default=10.0,
+            metavar="SECONDS",
+            help="deadline of the calls to an attention worker outside a step (opening, growing and closing "
+            "sequences, prefixes, free-block reads, heartbeats; at most --call-timeout): a hung worker "
+            "costs one such deadline, then gets no request until it answers its health check again",
+        ),
+    )
+    p.add_argument(
+        "--kv-growth",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="KV a sequence reserves ahead, at placement and each time it runs out (not prompt + "
+        "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed",
+    )
+    p.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a request that gets no KV room within this long is refused (429, retry later)",
+    )
+    p.add_argument(
+        "--client-request-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="an HTTP request (line, headers, body) must arrive within this many seconds, else 408",
+    )
+    p.add_argument(
+        "--client-write-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="disconnect an HTTP client (cancel a gRPC stream) that stops reading its response for this "
+        "long (its request is cancelled)",
+    )
+    p.add_argument(
+        "--grpc-threads",
+        type=int,
+        default=64,
+        metavar="N",
+        help="gRPC calls served at once (one thread each); more are refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--grpc-streams-per-connection",
+        type=int,
+        default=16,
+        metavar="N",
+        help="gRPC calls at once on one connection (HTTP/2 max concurrent streams; the client queues more)",
+    )
+    p.add_argument(
+        "--grpc-calls-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gRPC calls at once from one client address (default: half of --grpc-threads; more: RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="serve at most this many tokens per sequence (prompt + output); default and ceiling: the "
+        "checkpoint's max_context",
+    )
+    p.add_argument(
+        "--thinking-budgets",
+        default=None,
+        metavar="LOW,HIGH,MAX",
+        help="reasoning-token limits of the thinking tiers low, high and max (default: the checkpoint "
+        "config's); the router forces the end of thinking at the limit",
+    )
+    p.add_argument(
+        "--stored-responses",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="Responses API: keep at most N stored responses (least recently used out first)",
+    )
+    p.add_argument(
+        "--stored-responses-mib",
+        type=int,
+        default=256,
+        metavar="MIB",
+        help="Responses API: at most this much memory for stored responses",
+    )
+    p.add_argument(
+        "--stored-responses-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="Responses API: a stored response is forgotten after this long",
+    )
+    p.add_argument(
+        "--replica",
+        default=None,
+        help="this router's name in response ids (default: $EXPERTMESH_REPLICA, else the hostname)",
+    )
+    p.add_argument(
+        "--no-reasoning-memory",
+        action="store_true",
+        help="do not give chat histories that drop the reasoning of answers generated here their reasoning back",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
+        "taken from the command line, where `ps` would show them",
+    )
+    p.add_argument(
+        "--prefix-salt-file",
+        default=None,
+        metavar="PATH",
+        help="salt prefix keys with this file's bytes, the secret shared by the router replicas of a "
+        "deployment: with the same salt every replica computes the same keys and hits the prefixes "
+        "the others saved on the workers (default: a random salt of this router instance)",
+    )
+    p.add_argument(
+        "--prefix-index-refresh-s",
+        type=nonnegative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often to read every attention worker's cached prefixes into this router's index (what "
+        "other replicas saved or dropped there); 0: only when a worker is taken back (default 5)",
+    )
     p.add_argument("--worker-tls-ca", help="connect to workers over TLS, verifying them with this CA (PEM)")
     p.add_argument("--worker-tls-cert", help="client certificate for mutual TLS with the workers")
     p.add_argument("--worker-tls-key", help="private key of --worker-tls-cert")
@@ -206,8 +391,10 @@ def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str
             low, high, top = (int(x) for x in parts)
             update["thinking"] = ThinkingBudgets(low=low, high=high, max=top)
         except ValueError as e:  # wrong count, not integers, not positive or not ordered (pydantic's is a ValueError)
-            raise ValueError(f"--thinking-budgets={thinking_budgets!r}: expected LOW,HIGH,MAX positive integers with "
-                             f"low <= high <= max ({str(e).splitlines()[-1].strip()})") from None
+            raise ValueError(
+                f"--thinking-budgets={thinking_budgets!r}: expected LOW,HIGH,MAX positive integers with "
+                f"low <= high <= max ({str(e).splitlines()[-1].strip()})"
+            ) from None
     return cfg.model_copy(update=update) if update else cfg
 
 
@@ -234,11 +421,15 @@ def run(args) -> int:
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.router.prepared_image import ImageLimits
     from expertmesh.runtime.tls import ClientTLS, ServerTLS
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
     if args.prefill_tokens % args.prefill_chunk:
-        print(f"expertmesh router: --prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk "
-              f"{args.prefill_chunk}", file=sys.stderr)
+        print(
+            f"expertmesh router: --prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk "
+            f"{args.prefill_chunk}",
+            file=sys.stderr,
+        )
         return 2
     try:
         prefix_salt = read_prefix_salt(args.prefix_salt_file)
@@ -246,63 +437,106 @@ def run(args) -> int:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
     try:
-        ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context,
-                                  thinking_budgets=args.thinking_budgets)
+        ckpt_cfg = serving_config(
+            checkpoint_config(args.checkpoint), max_context=args.max_context, thinking_budgets=args.thinking_budgets
+        )
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
     chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)
-    worker_tls = ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key,
-                           args.worker_tls_server_name) if args.worker_tls_ca else None
+    worker_tls = (
+        ClientTLS(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key, args.worker_tls_server_name)
+        if args.worker_tls_ca
+        else None
+    )
     public_tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    engine = build_remote_engine(ckpt_cfg, [a for a in args.attention.split(",") if a],
-                                 [e for e in args.experts.split(",") if e], plan, timeout=args.call_timeout,
-                                 prefill=[a for a in args.prefill.split(",") if a],
-                                 prefill_min_tokens=args.prefill_min_tokens,
-                                 control_timeout=args.control_timeout,
-                                 tls=worker_tls,
-                                 prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens,
-                                 max_batch_tokens=args.max_batch_tokens,
-                                 max_waiting=args.max_waiting, max_queue_wait=args.max_queue_wait,
-                                 kv_growth=args.kv_growth, transport=args.transport,
-                                 prefix_salt=prefix_salt, prefix_index_refresh=args.prefix_index_refresh_s,
-                                 image_limits=ImageLimits(
-                                     max_bytes=args.max_image_bytes, max_source_pixels=args.max_image_source_pixels,
-                                     max_side=args.max_image_side, max_aspect=args.max_image_aspect,
-                                     max_images_per_request=args.max_images_per_request,
-                                     max_pixels_per_request=args.max_image_pixels_per_request,
-                                     fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",")
-                                                       if h.strip()),
-                                     fetch_timeout=args.image_fetch_timeout))
+    engine = build_remote_engine(
+        ckpt_cfg,
+        [a for a in args.attention.split(",") if a],
+        [e for e in args.experts.split(",") if e],
+        plan,
+        timeout=args.call_timeout,
+        prefill=[a for a in args.prefill.split(",") if a],
+        prefill_min_tokens=args.prefill_min_tokens,
+        control_timeout=args.control_timeout,
+        tls=worker_tls,
+        prefill_chunk=args.prefill_chunk,
+        prefill_tokens=args.prefill_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        max_waiting=args.max_waiting,
+        max_queue_wait=args.max_queue_wait,
+        kv_growth=args.kv_growth,
+        transport=args.transport,
+        prefix_salt=prefix_salt,
+        prefix_index_refresh=args.prefix_index_refresh_s,
+        image_limits=ImageLimits(
+            max_bytes=args.max_image_bytes,
+            max_source_pixels=args.max_image_source_pixels,
+            max_side=args.max_image_side,
+            max_aspect=args.max_image_aspect,
+            max_images_per_request=args.max_images_per_request,
+            max_pixels_per_request=args.max_image_pixels_per_request,
+            fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",") if h.strip()),
+            fetch_timeout=args.image_fetch_timeout,
+        ),
+    )
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()
     try:
-        store = ResponseStore(max_responses=args.stored_responses, max_bytes=args.stored_responses_mib * 2 ** 20,
-                              ttl=args.stored_responses_ttl, replica=args.replica or default_replica())
+        store = ResponseStore(
+            max_responses=args.stored_responses,
+            max_bytes=args.stored_responses_mib * 2**20,
+            ttl=args.stored_responses_ttl,
+            replica=args.replica or default_replica(),
+        )
     except ValueError as e:
         print(f"expertmesh router: --replica: {e}", file=sys.stderr)
         return 2
     decoder = None
     if ckpt_cfg.vision is not None:
         from expertmesh.router.image_decode import ImageDecoder
-        decoder = ImageDecoder(max(1, args.image_decoders), memory_bytes=args.image_decoder_mib * 2 ** 20)
+
+        decoder = ImageDecoder(max(1, args.image_decoders), memory_bytes=args.image_decoder_mib * 2**20)
         decoder.warm()
-    app = build_app(engine, api_key=api_key, chat=chat, response_store=store,
-                    reasoning_memory=not args.no_reasoning_memory, image_decoder=decoder)
-    http_server, http_thread = serve_http(app, args.host, args.http_port, tls=public_tls,
-                                         request_timeout=args.client_request_timeout,
-                                         write_timeout=args.client_write_timeout)
-    grpc_server = serve_router_grpc(engine, args.host, args.grpc_port, api_key=api_key, tls=public_tls, chat=chat,
-                                    health_port=args.health_port, max_workers=args.grpc_threads,
-                                    max_streams_per_connection=args.grpc_streams_per_connection,
-                                    max_calls_per_client=args.grpc_calls_per_client,
-                                    write_timeout=args.client_write_timeout)
+    app = build_app(
+        engine,
+        api_key=api_key,
+        chat=chat,
+        response_store=store,
+        reasoning_memory=not args.no_reasoning_memory,
+        image_decoder=decoder,
+    )
+    http_server, http_thread = serve_http(
+        app,
+        args.host,
+        args.http_port,
+        tls=public_tls,
+        request_timeout=args.client_request_timeout,
+        write_timeout=args.client_write_timeout,
+    )
+    grpc_server = serve_router_grpc(
+        engine,
+        args.host,
+        args.grpc_port,
+        api_key=api_key,
+        tls=public_tls,
+        chat=chat,
+        health_port=args.health_port,
+        max_workers=args.grpc_threads,
+        max_streams_per_connection=args.grpc_streams_per_connection,
+        max_calls_per_client=args.grpc_calls_per_client,
+        write_timeout=args.client_write_timeout,
+    )
     stop = stop_on_signals()
     if args.plan_poll_seconds > 0:
-        threading.Thread(target=watch_plan, args=(engine, args.plan, stop, args.plan_poll_seconds,
-                                                  args.replan_drain_seconds), name="plan-watch", daemon=True).start()
+        threading.Thread(
+            target=watch_plan,
+            args=(engine, args.plan, stop, args.plan_poll_seconds, args.replan_drain_seconds),
+            name="plan-watch",
+            daemon=True,
+        ).start()
     print(f"READY router {args.host}:{args.http_port}", flush=True)
     stop.wait()
     log.info("shutting down: no new requests, finishing in-flight ones")

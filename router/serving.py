@@ -12,6 +12,7 @@ used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) 
   content the stream held back, finish reason, usage) and records metrics and the span once.
 - A completion run (`CompletionRun`): prompt ids in, tokens out, usage.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,16 +49,27 @@ def check_key(expected: str | None, given: str | None) -> None:
 def check_model(served: str, asked: str | None) -> None:
     """`asked` None: the request names no model (optional there), which means the served one."""
     if asked is not None and asked != served:
-        raise APIError(f"model {asked!r} not found; this router serves {served!r}", param="model",
-                       code="model_not_found", kind="not_found")
+        raise APIError(
+            f"model {asked!r} not found; this router serves {served!r}",
+            param="model",
+            code="model_not_found",
+            kind="not_found",
+        )
 
 
 # ----------------------------------------------------------------------------------------------- parameters
 TEXT_COMPLETION_MAX_TOKENS = 16
 
 
-def max_tokens_for(requested: int | None, *, prompt_tokens: int = 0, context: int = 0, chat: bool = True,
-                   scoring: bool | None = None, param: str = "max_tokens") -> int:
+def max_tokens_for(
+    requested: int | None,
+    *,
+    prompt_tokens: int = 0,
+    context: int = 0,
+    chat: bool = True,
+    scoring: bool | None = None,
+    param: str = "max_tokens",
+) -> int:
     """The one place max_tokens gets its default and its range. Unset: a chat answer (chat completions, Responses,
     gRPC Chat) may use what the context leaves after its prompt (OpenAI's and vLLM's behaviour; an over-long prompt
     keeps 1, so the engine answers context_length_exceeded naming the prompt); a text completion (/v1/completions,
@@ -82,6 +94,7 @@ class Thinking:
     """What a request asks of thinking: on or off, the tier (reported as `thinking_budget`) and, for Anthropic's
     budget_tokens, an exact limit in place of the tier's. Tier "auto" (reasoning_effort / thinking_budget "auto")
     is decided per round by `for_round`; `auto` then says why."""
+
     on: bool = True
     tier: str = "high"
     exact: int | None = None
@@ -106,13 +119,20 @@ class Thinking:
         return self.exact if self.exact is not None else budgets.limit(self.tier)
 
 
-ADAPTIVE_TIER = "high"   # Anthropic thinking.type "adaptive": the model decides, within this tier's limit
-TEMPLATE_SWITCHES = ("enable_thinking", "thinking")   # chat_template_kwargs that turn thinking on / off
+ADAPTIVE_TIER = "high"  # Anthropic thinking.type "adaptive": the model decides, within this tier's limit
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking")  # chat_template_kwargs that turn thinking on / off
 
 
-def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str | None = None,
-                    effort_param: str = "reasoning_effort", template_kwargs: dict | None = None,
-                    anthropic: dict | None = None, disable: bool = False, budgets=None) -> Thinking:
+def decide_thinking(
+    *,
+    thinking_budget: str | None = None,
+    reasoning_effort: str | None = None,
+    effort_param: str = "reasoning_effort",
+    template_kwargs: dict | None = None,
+    anthropic: dict | None = None,
+    disable: bool = False,
+    budgets=None,
+) -> Thinking:
     """Every way a request speaks of thinking, read once: OpenAI `reasoning_effort` (none turns it off; minimal / low
     → low, medium → high, high → max), `thinking_budget` (a tier), `chat_template_kwargs.enable_thinking` /
     `thinking` (as Qwen / vLLM and DeepSeek V3.1 name it; other template kwargs are refused), Anthropic `thinking`
@@ -122,8 +142,10 @@ def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str
     on = reasoning_effort != "none" and not disable
     for key, value in (template_kwargs or {}).items():
         if key not in TEMPLATE_SWITCHES or not isinstance(value, bool):
-            raise APIError(f"chat_template_kwargs.{key}: only enable_thinking / thinking (true or false) are "
-                           f"supported", param=f"chat_template_kwargs.{key}")
+            raise APIError(
+                f"chat_template_kwargs.{key}: only enable_thinking / thinking (true or false) are supported",
+                param=f"chat_template_kwargs.{key}",
+            )
         on = on and value
     budget_tokens, adaptive = None, False
     if anthropic is not None:
@@ -134,22 +156,36 @@ def decide_thinking(*, thinking_budget: str | None = None, reasoning_effort: str
         if kind == "enabled":
             budget_tokens = anthropic.get("budget_tokens")
             if not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool):
-                raise APIError(f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}",
-                               param="thinking.budget_tokens")
+                raise APIError(
+                    f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}",
+                    param="thinking.budget_tokens",
+                )
     if not on and thinking_budget is not None:
         raise APIError("thinking_budget: given while thinking is turned off", param="thinking_budget")
     if reasoning_effort is not None and not isinstance(reasoning_effort, str):
-        raise APIError(f"{effort_param}: expected a string, found {type(reasoning_effort).__name__}",
-                       param=effort_param)
+        raise APIError(
+            f"{effort_param}: expected a string, found {type(reasoning_effort).__name__}", param=effort_param
+        )
     effort = None if reasoning_effort == "none" else reasoning_effort
     if AUTO_TIER in (thinking_budget, effort) and on:
-        return Thinking(on, AUTO_TIER)                  # decided per round (Thinking.for_round)
-    asked = [(p, v) for p, v in (("thinking_budget", thinking_budget), (effort_param, effort),
-                                 ("thinking.budget_tokens", budget_tokens)) if v is not None]
+        return Thinking(on, AUTO_TIER)  # decided per round (Thinking.for_round)
+    asked = [
+        (p, v)
+        for p, v in (
+            ("thinking_budget", thinking_budget),
+            (effort_param, effort),
+            ("thinking.budget_tokens", budget_tokens),
+        )
+        if v is not None
+    ]
     try:
-        tier = tier_from_request(thinking_budget=thinking_budget or (ADAPTIVE_TIER if adaptive else None),
-                                 reasoning_effort=effort, budget_tokens=budget_tokens, budgets=budgets)
-    except ChatError as e:               # names the first field asked (tier_from_request reads them in that order)
+        tier = tier_from_request(
+            thinking_budget=thinking_budget or (ADAPTIVE_TIER if adaptive else None),
+            reasoning_effort=effort,
+            budget_tokens=budget_tokens,
+            budgets=budgets,
+        )
+    except ChatError as e:  # names the first field asked (tier_from_request reads them in that order)
         param = asked[0][0] if asked else "thinking_budget"
         raise APIError(str(e).replace("reasoning_effort:", f"{param}:", 1), param=param) from None
     return Thinking(on, tier, budget_tokens if thinking_budget is None else None)
@@ -189,12 +225,14 @@ async def request_tokens(req: Request):
 def cancel_when_gone(is_disconnected, engine: Engine, req: Request) -> asyncio.Task:
     """Cancel `req` (freeing its batch slot and KV) once `is_disconnected()` (a coroutine function: the client went
     away) says so; the caller cancels the returned task when the request is over."""
+
     async def watch():
         while not req.done:
             if await is_disconnected():
                 engine.cancel(req)
                 return
             await asyncio.sleep(0.25)
+
     return asyncio.get_running_loop().create_task(watch())
 
 
@@ -215,11 +253,12 @@ class ChatRequest:
     order), how to think, how long and how to sample. `sampling`: further SamplingParams fields (top_k, min_p,
     penalties, logit_bias, logprobs). `grammar` (router/constraints.py) applies to the answer: after the
     end-of-thinking marker when generation starts in the reasoning section."""
+
     rendered: RenderedPrompt
     thinking: Thinking
-    tools: list[dict] | None = None        # the declared tools (chat-shaped), for a format that types arguments
-    max_tokens: int | None = None          # None: max_tokens_for's default
-    max_tokens_param: str = "max_tokens"   # how the request names it (errors)
+    tools: list[dict] | None = None  # the declared tools (chat-shaped), for a format that types arguments
+    max_tokens: int | None = None  # None: max_tokens_for's default
+    max_tokens_param: str = "max_tokens"  # how the request names it (errors)
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -228,7 +267,7 @@ class ChatRequest:
     grammar: str | None = None
     images: list = field(default_factory=list)
     api: str = "openai"
-    ignore_eos: bool = False               # generate to max_tokens: the format's stop tokens do not end the answer
+    ignore_eos: bool = False  # generate to max_tokens: the format's stop tokens do not end the answer
 
 
 @dataclass
@@ -247,9 +286,10 @@ class Usage:
 class ChatResult:
     """A chat run's answer, parsed: `unsent` is the content the stream held back (a malformed tool call, kept as
     text) that a streaming transport still owes its client."""
+
     parsed: ParsedOutput
-    finish_reason: str          # stop | length | tool_calls
-    stop_hit: str | None        # the stop string that ended the content
+    finish_reason: str  # stop | length | tool_calls
+    stop_hit: str | None  # the stop string that ended the content
     usage: Usage
     unsent: str = ""
 
@@ -273,8 +313,8 @@ class ChatRun:
         self.thinking = request.thinking
         self.control = thinking_control(fmt.markers, self.phase, request.thinking.limit(engine.cfg.thinking))
         self.req: Request | None = None
-        self.consumed = 0            # generated tokens `events()` has decoded so far
-        self.sent = ""               # content the events gave out
+        self.consumed = 0  # generated tokens `events()` has decoded so far
+        self.sent = ""  # content the events gave out
         self.stop_hit: str | None = None
         self.salt = uuid.uuid4().hex[:8]
         self.span: RequestSpan | None = None
@@ -286,18 +326,34 @@ class ChatRun:
 
     def start(self, params: SamplingParams) -> None:
         t = self.thinking
-        self.span = RequestSpan("chat", self.engine.model_name, max_tokens=params.max_tokens,
-                                temperature=params.temperature, api=self.request.api, tier=t.tier if t.on else None,
-                                auto_tier=t.auto)
+        self.span = RequestSpan(
+            "chat",
+            self.engine.model_name,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            api=self.request.api,
+            tier=t.tier if t.on else None,
+            auto_tier=t.auto,
+        )
         images = self.request.images
-        self.req = submit(self.engine, self.prompt, params, self.span, tools_offered=bool(self.request.tools),
-                          **({"images": images} if images else {}))
+        self.req = submit(
+            self.engine,
+            self.prompt,
+            params,
+            self.span,
+            tools_offered=bool(self.request.tools),
+            **({"images": images} if images else {}),
+        )
 
     def fail(self, error: Exception) -> APIError:
         """End the span with `error`; what the client is told of it."""
         if self.span is not None:
-            self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output) if self.req else 0,
-                             finish_reason=None, error=error)
+            self.span.finish(
+                input_tokens=len(self.prompt),
+                output_tokens=len(self.req.output) if self.req else 0,
+                finish_reason=None,
+                error=error,
+            )
         return as_api_error(error)
 
     def close(self) -> None:
@@ -362,40 +418,68 @@ class ChatRun:
         if self._result is not None:
             return self._result
         parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt, tools=self.request.tools)
-        if self.stop_hit is not None:             # the answer ends before the stop string; nothing after counts
+        if self.stop_hit is not None:  # the answer ends before the stop string; nothing after counts
             at = parsed.content.find(self.stop_hit)
             parsed.content = parsed.content[:at] if at >= 0 else parsed.content
             parsed.tool_calls = []
         out = self.req.output
-        self.req.awaiting_tool = bool(parsed.tool_calls)      # its cached prefix is kept warm longest
-        reason = "stop" if self.stop_hit is not None else "tool_calls" if parsed.tool_calls else \
-            "stop" if out and out[-1] in self.fmt.markers.stop else "length"
-        counted = ThinkingState(self.control)     # the sampler's count, replayed over the tokens it gave
+        self.req.awaiting_tool = bool(parsed.tool_calls)  # its cached prefix is kept warm longest
+        reason = (
+            "stop"
+            if self.stop_hit is not None
+            else "tool_calls"
+            if parsed.tool_calls
+            else "stop"
+            if out and out[-1] in self.fmt.markers.stop
+            else "length"
+        )
+        counted = ThinkingState(self.control)  # the sampler's count, replayed over the tokens it gave
         for t in out:
             counted.observe(t)
         reasoning = counted.reasoning_tokens
         usage = Usage(len(self.prompt), len(out), self.req.cached_tokens, reasoning)
-        unsent = parsed.content[len(self.sent):] if parsed.content.startswith(self.sent) else ""
+        unsent = parsed.content[len(self.sent) :] if parsed.content.startswith(self.sent) else ""
         self._result = ChatResult(parsed, reason, self.stop_hit, usage, unsent)
         self.engine.metrics.reasoning_tokens.inc(reasoning)
         if self.span is not None:
-            self.span.finish(input_tokens=usage.prompt, output_tokens=usage.completion, finish_reason=reason,
-                             reasoning_tokens=reasoning, cached_tokens=usage.cached)
+            self.span.finish(
+                input_tokens=usage.prompt,
+                output_tokens=usage.completion,
+                finish_reason=reason,
+                reasoning_tokens=reasoning,
+                cached_tokens=usage.cached,
+            )
         return self._result
 
 
 def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun:
     """Submit a chat request: its max_tokens resolved (max_tokens_for), its grammar after the thinking section."""
     if request.images and not isinstance(fmt, BuiltinChat):
-        raise APIError("messages: image input needs the built-in chat format (a checkpoint's own chat template "
-                       "does not render images yet)", param="messages")
+        raise APIError(
+            "messages: image input needs the built-in chat format (a checkpoint's own chat template "
+            "does not render images yet)",
+            param="messages",
+        )
     rendered = request.rendered
     run = ChatRun(engine, fmt, request)
-    max_tokens = max_tokens_for(request.max_tokens, prompt_tokens=len(rendered.ids), context=engine.cfg.max_context,
-                                param=request.max_tokens_param)
-    run.start(SamplingParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                             seed=request.seed, stop_token_ids=() if request.ignore_eos else fmt.markers.stop,
-                             **request.sampling, grammar=request.grammar, thinking=run.control))
+    max_tokens = max_tokens_for(
+        request.max_tokens,
+        prompt_tokens=len(rendered.ids),
+        context=engine.cfg.max_context,
+        param=request.max_tokens_param,
+    )
+    run.start(
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop_token_ids=() if request.ignore_eos else fmt.markers.stop,
+            **request.sampling,
+            grammar=request.grammar,
+            thinking=run.control,
+        )
+    )
     return run
 
 
@@ -423,18 +507,28 @@ async def start_samples(start, n: int, seed: int | None) -> list:
         raise
 
 
-
-
-
 # ----------------------------------------------------------------------------------------------- completions
 class CompletionRun:
     """A text completion: prompt ids submitted as they are, its tokens as they arrive."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, *, api: str = "openai",
-                 model: str | None = None, **kw):
+    def __init__(
+        self,
+        engine: Engine,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        api: str = "openai",
+        model: str | None = None,
+        **kw,
+    ):
         self.engine, self.prompt, self.params = engine, prompt, params
-        self.span = RequestSpan("text_completion", model or engine.model_name, max_tokens=params.max_tokens,
-                                temperature=params.temperature, api=api)
+        self.span = RequestSpan(
+            "text_completion",
+            model or engine.model_name,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            api=api,
+        )
         self.req = submit(engine, prompt, params, self.span, **kw)
 
     def tokens(self):
@@ -446,12 +540,15 @@ class CompletionRun:
 
     def finish(self, finish_reason: str | None, error: Exception | None = None) -> APIError | None:
         """End the span; with `error`, what the client is told of it."""
-        self.span.finish(input_tokens=len(self.prompt), output_tokens=len(self.req.output),
-                         finish_reason=None if error else finish_reason, cached_tokens=self.req.cached_tokens,
-                         error=error)
+        self.span.finish(
+            input_tokens=len(self.prompt),
+            output_tokens=len(self.req.output),
+            finish_reason=None if error else finish_reason,
+            cached_tokens=self.req.cached_tokens,
+            error=error,
+        )
         return as_api_error(error) if error is not None else None
 
     def close(self) -> None:
         if not self.req.done:
             self.engine.cancel(self.req)
-

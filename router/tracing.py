@@ -2,6 +2,7 @@
 on one step in EXPERTMESH_TRACE_LAYER_EVERY — per-layer `attention` / `expert_dispatch` spans with the worker
 calls (and, through gRPC metadata, the workers' server spans) under them; an `image_encode` span per image the
 vision encoder ran; and the root span of an API request."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,9 +25,16 @@ class StepTrace:
         tracer = telemetry.tracer()
         for req, toks in items:
             kind = "decode_step" if req.computed >= len(req.prompt) else "prefill_chunk"
-            span = tracer.start_span(kind, context=req.trace_ctx, attributes={
-                "expertmesh.step": step_id, "expertmesh.step.tokens": len(toks),
-                "expertmesh.position": req.computed, "expertmesh.attention_worker": req.worker})
+            span = tracer.start_span(
+                kind,
+                context=req.trace_ctx,
+                attributes={
+                    "expertmesh.step": step_id,
+                    "expertmesh.step.tokens": len(toks),
+                    "expertmesh.position": req.computed,
+                    "expertmesh.attention_worker": req.worker,
+                },
+            )
             self.spans.append(span)
         recording = [s for s in self.spans if s.is_recording()]
         if recording and step_id % telemetry.layer_span_every() in (0, 1 % telemetry.layer_span_every()):
@@ -66,10 +74,12 @@ def record_image_encodes(metrics, encodes: list, by_seq: dict, worker: int) -> N
         metrics.image_tokens.inc(e.tokens)
         req = by_seq.get(e.seq_id)
         if req is not None and req.trace_ctx is not None and telemetry.tracing_enabled():
-            span = telemetry.tracer().start_span("image_encode", context=req.trace_ctx,
-                                                 start_time=end - int(e.seconds * 1e9), attributes={
-                                                     "expertmesh.image.tokens": e.tokens,
-                                                     "expertmesh.attention_worker": worker})
+            span = telemetry.tracer().start_span(
+                "image_encode",
+                context=req.trace_ctx,
+                start_time=end - int(e.seconds * 1e9),
+                attributes={"expertmesh.image.tokens": e.tokens, "expertmesh.attention_worker": worker},
+            )
             span.end(end_time=end)
 
 
@@ -77,15 +87,28 @@ class RequestSpan:
     """The root span of one API request, named and attributed per the OpenTelemetry GenAI conventions
     ("{operation} {model}", gen_ai.*), ended when the request is over (streams included)."""
 
-    def __init__(self, operation: str, model: str, *, max_tokens: int | None = None,
-                 temperature: float | None = None, api: str = "openai", tier: str | None = None,
-                 auto_tier: str | None = None):
+    def __init__(
+        self,
+        operation: str,
+        model: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        api: str = "openai",
+        tier: str | None = None,
+        auto_tier: str | None = None,
+    ):
         """`auto_tier`: why reasoning_effort auto chose `tier` (expertmesh.chat.thinking.auto_tier)."""
         self.span = None
         if not telemetry.tracing_enabled():
             return
-        attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                 "gen_ai.provider.name": "expertmesh", "gen_ai.system": "expertmesh", "expertmesh.api": api}
+        attrs = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": model,
+            "gen_ai.provider.name": "expertmesh",
+            "gen_ai.system": "expertmesh",
+            "expertmesh.api": api,
+        }
         if max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = max_tokens
         if temperature is not None:
@@ -104,9 +127,16 @@ class RequestSpan:
         with trace.use_span(self.span, end_on_exit=False):
             yield
 
-    def finish(self, *, input_tokens: int, output_tokens: int, finish_reason: str | None,
-               reasoning_tokens: int | None = None, cached_tokens: int | None = None,
-               error: Exception | None = None) -> None:
+    def finish(
+        self,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        finish_reason: str | None,
+        reasoning_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        error: Exception | None = None,
+    ) -> None:
         if self.span is None:
             return
         s, self.span = self.span, None

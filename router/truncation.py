@@ -16,6 +16,7 @@ between the fixed part and the limit) when the protected rounds allow it, so tha
 the stored (cut) conversation, hit the prefix cache until the next cut. What was shortened and dropped is
 reported with the answer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,19 +27,19 @@ POLICIES = ("auto", "disabled")
 
 @dataclass(frozen=True)
 class Piece:
-    role: str                        # user | assistant | tool
+    role: str  # user | assistant | tool
     tokens: int
     short_tokens: int | None = None  # the tokens of a tool result once shortened to the placeholder
 
 
 @dataclass
 class TruncationPlan:
-    keep: list[int]                                    # indices kept, in order
+    keep: list[int]  # indices kept, in order
     shortened: list[int] = field(default_factory=list)  # kept tool results replaced by the placeholder
     dropped: list[int] = field(default_factory=list)
     dropped_rounds: int = 0
     tokens_before: int = 0
-    tokens: int = 0                                    # the prompt's tokens after (fixed part included)
+    tokens: int = 0  # the prompt's tokens after (fixed part included)
     fits: bool = True
 
     @property
@@ -46,9 +47,14 @@ class TruncationPlan:
         return bool(self.shortened or self.dropped)
 
     def report(self) -> dict:
-        return {"type": "auto", "dropped_rounds": self.dropped_rounds, "dropped_items": len(self.dropped),
-                "shortened_tool_results": len(self.shortened), "input_tokens_before": self.tokens_before,
-                "input_tokens_after": self.tokens}
+        return {
+            "type": "auto",
+            "dropped_rounds": self.dropped_rounds,
+            "dropped_items": len(self.dropped),
+            "shortened_tool_results": len(self.shortened),
+            "input_tokens_before": self.tokens_before,
+            "input_tokens_after": self.tokens,
+        }
 
 
 def rounds(roles: list[str]) -> list[int]:
@@ -62,8 +68,9 @@ def rounds(roles: list[str]) -> list[int]:
     return out
 
 
-def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_rounds: int = 2,
-                    target: int | None = None) -> TruncationPlan:
+def plan_truncation(
+    pieces: list[Piece], *, fixed: int, limit: int, keep_last_rounds: int = 2, target: int | None = None
+) -> TruncationPlan:
     """What to keep so that `fixed` (header, generation prompt) plus the kept pieces is at most `limit` tokens
     (the window less the reserved output). Pure: counts in, indices out.
 
@@ -79,15 +86,19 @@ def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_ro
     for protect, goal in ((p, g) for p in range(max(1, keep_last_rounds), 0, -1) for g in goals):
         first_protected = last - protect + 1
         total, shortened, dropped = before, [], set()
-        for i, p in enumerate(pieces):                       # 1. oldest tool results first
+        for i, p in enumerate(pieces):  # 1. oldest tool results first
             if total <= goal:
                 break
-            if of[i] < first_protected and p.role == "tool" and p.short_tokens is not None \
-                    and p.short_tokens < p.tokens:
+            if (
+                of[i] < first_protected
+                and p.role == "tool"
+                and p.short_tokens is not None
+                and p.short_tokens < p.tokens
+            ):
                 shortened.append(i)
                 total -= p.tokens - p.short_tokens
         n_rounds = 0
-        for r in range(first_protected):                     # 2. then the oldest rounds
+        for r in range(first_protected):  # 2. then the oldest rounds
             if total <= goal:
                 break
             members = [i for i in range(len(pieces)) if of[i] == r]
@@ -96,7 +107,13 @@ def plan_truncation(pieces: list[Piece], *, fixed: int, limit: int, keep_last_ro
             dropped.update(members)
             n_rounds += 1 if members else 0
         if total <= goal:
-            return TruncationPlan([i for i in range(len(pieces)) if i not in dropped],
-                                  [i for i in shortened if i not in dropped], sorted(dropped), n_rounds,
-                                  before, total, True)
+            return TruncationPlan(
+                [i for i in range(len(pieces)) if i not in dropped],
+                [i for i in shortened if i not in dropped],
+                sorted(dropped),
+                n_rounds,
+                before,
+                total,
+                True,
+            )
     return TruncationPlan(list(range(len(pieces))), tokens_before=before, tokens=before, fits=False)

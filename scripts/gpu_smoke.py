@@ -15,6 +15,7 @@ the same greedy tokens. With one GPU both ranks are on it; with two, the expert 
 
     python scripts/gpu_smoke.py [--presets tiny,small] [--out bench/results/gpu_smoke.json] [--no-nccl]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,26 +51,43 @@ def check(name: str, root: Path) -> dict:
     prompts = [[rng.randrange(256) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
     deltas, divergence = [], []
     http_port, grpc_port = free_port(), free_port()
-    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, http_port=http_port, grpc_port=grpc_port,
-                      device="cuda", dtype="bfloat16"):
+    with LocalCluster(
+        ckpt.path,
+        attention_workers=1,
+        expert_workers=1,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        device="cuda",
+        dtype="bfloat16",
+    ):
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             for p in prompts:
                 with torch.no_grad():
                     want = torch.log_softmax(ref.step(p, ref.new_cache()).float(), -1)[:-1]
                 want = want.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
-                r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=300, json={
-                    "model": name, "prompt": p, "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+                r = httpx.post(
+                    f"http://127.0.0.1:{http_port}/v1/completions",
+                    timeout=300,
+                    json={"model": name, "prompt": p, "echo": True, "logprobs": 0, "max_tokens": 0},
+                ).json()
                 got = torch.tensor(r["choices"][0]["logprobs"]["token_logprobs"][1:])
                 deltas.append((got - want).abs())
-                req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=p), params=sampling_pb2.SamplingParams(
-                    max_tokens=NEW_TOKENS, temperature=0.0))
+                req = router_pb2.GenerateRequest(
+                    token_ids=router_pb2.TokenIds(ids=p),
+                    params=sampling_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                )
                 served = [ev.token.token_id for ev in stub.Generate(req, timeout=300) if ev.HasField("token")]
                 greedy = generate(ref, p, SamplingParams(max_tokens=NEW_TOKENS), prefill_chunk=16).tokens
                 divergence.append(first_divergence(served, greedy))
     d = torch.cat(deltas)
-    row = {"preset": name, "logprob_mean_abs_delta": d.mean().item(), "logprob_max_abs_delta": d.max().item(),
-           "greedy_first_divergence": divergence, "ok": d.mean().item() <= MEAN_TOL and d.max().item() <= MAX_TOL}
+    row = {
+        "preset": name,
+        "logprob_mean_abs_delta": d.mean().item(),
+        "logprob_max_abs_delta": d.max().item(),
+        "greedy_first_divergence": divergence,
+        "ok": d.mean().item() <= MEAN_TOL and d.max().item() <= MAX_TOL,
+    }
     return row
 
 
@@ -78,27 +96,50 @@ def nccl_check(root: Path) -> dict:
     import time
 
     from expertmesh.wire.clients import RemoteExpert
+
     ckpt = create_checkpoint(preset("tiny"), root / "nccl-tiny", seed=0)
     prompts = [[(7 * i + j) % 256 for j in range(20 + 5 * i)] for i in range(3)]
     env = {"expert-0": {"CUDA_VISIBLE_DEVICES": "1"}} if torch.cuda.device_count() > 1 else {}
     out = {}
     for transport in ("collective", "grpc"):
         grpc_port = free_port()
-        cluster = LocalCluster(ckpt, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=grpc_port,
-                               device="cuda", dtype="bfloat16", transport=transport, worker_env=env)
+        cluster = LocalCluster(
+            ckpt,
+            attention_workers=1,
+            expert_workers=1,
+            http_port=free_port(),
+            grpc_port=grpc_port,
+            device="cuda",
+            dtype="bfloat16",
+            transport=transport,
+            worker_env=env,
+        )
         with cluster:
             expert = RemoteExpert(next(c.address for c in cluster.workers if c.name == "expert-0"), timeout=10)
             deadline = time.monotonic() + 60
-            while transport == "collective" and expert.transport_counts()["collective_pairs"] < 1 \
-                    and time.monotonic() < deadline:
+            while (
+                transport == "collective"
+                and expert.transport_counts()["collective_pairs"] < 1
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
             before = expert.transport_counts()
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
-                out[transport] = [[ev.token.token_id for ev in stub.Generate(router_pb2.GenerateRequest(
-                    token_ids=router_pb2.TokenIds(ids=p), params=sampling_pb2.SamplingParams(
-                        max_tokens=NEW_TOKENS, temperature=0.0)), timeout=300) if ev.HasField("token")]
-                    for p in prompts]
+                out[transport] = [
+                    [
+                        ev.token.token_id
+                        for ev in stub.Generate(
+                            router_pb2.GenerateRequest(
+                                token_ids=router_pb2.TokenIds(ids=p),
+                                params=sampling_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                            ),
+                            timeout=300,
+                        )
+                        if ev.HasField("token")
+                    ]
+                    for p in prompts
+                ]
             after = expert.transport_counts()
             expert.close()
             if transport == "collective":
@@ -106,8 +147,13 @@ def nccl_check(root: Path) -> dict:
                 calls["pairs_formed"] = before["collective_pairs"]
                 why = [line for c in cluster.workers for line in c.lines if "collective pair" in line][-3:]
     ok = calls["collective_calls"] > 0 and calls["grpc_calls"] == 0 and out["collective"] == out["grpc"]
-    return {"gpus": torch.cuda.device_count(), **calls,
-            "tokens_equal": out["collective"] == out["grpc"], "log": why, "ok": ok}
+    return {
+        "gpus": torch.cuda.device_count(),
+        **calls,
+        "tokens_equal": out["collective"] == out["grpc"],
+        "log": why,
+        "ok": ok,
+    }
 
 
 def main() -> int:
@@ -124,17 +170,22 @@ def main() -> int:
         nccl = None if args.no_nccl else nccl_check(Path(tmp))
     print(f"{'preset':>7}  {'mean |Δlogprob|':>15}  {'max |Δlogprob|':>14}  greedy first divergence (None = equal)")
     for r in rows:
-        print(f"{r['preset']:>7}  {r['logprob_mean_abs_delta']:15.4f}  {r['logprob_max_abs_delta']:14.4f}  "
-              f"{r['greedy_first_divergence']}  {'ok' if r['ok'] else 'FAILED'}")
+        print(
+            f"{r['preset']:>7}  {r['logprob_mean_abs_delta']:15.4f}  {r['logprob_max_abs_delta']:14.4f}  "
+            f"{r['greedy_first_divergence']}  {'ok' if r['ok'] else 'FAILED'}"
+        )
     if nccl is not None:
-        print(f"NCCL pairs ({nccl['gpus']} GPU(s)): formed {nccl['pairs_formed']}, expert calls over them "
-              f"{nccl['collective_calls']}, over gRPC {nccl['grpc_calls']}, tokens equal to gRPC's "
-              f"{nccl['tokens_equal']}  {'ok' if nccl['ok'] else 'FAILED'}")
+        print(
+            f"NCCL pairs ({nccl['gpus']} GPU(s)): formed {nccl['pairs_formed']}, expert calls over them "
+            f"{nccl['collective_calls']}, over gRPC {nccl['grpc_calls']}, tokens equal to gRPC's "
+            f"{nccl['tokens_equal']}  {'ok' if nccl['ok'] else 'FAILED'}"
+        )
         if not nccl["ok"]:
             print("\n".join(nccl["log"]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tolerance": {"mean": MEAN_TOL, "max": MAX_TOL}, "rows": rows,
-                                          "nccl": nccl}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"tolerance": {"mean": MEAN_TOL, "max": MAX_TOL}, "rows": rows, "nccl": nccl}, indent=1)
+    )
     return 0 if all(r["ok"] for r in rows) and (nccl is None or nccl["ok"]) else 1
 
 

@@ -21,6 +21,7 @@ the template itself keeps that prefix property, and the test parses those ids ba
 
     python scripts/k3_chat_oracle.py [--sdist PATH] [--cache DIR] [--out tests/data/k3/chat_cases.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,56 +41,109 @@ from k3_fixtures import tokenizer_digest, write_k3_tokenizer  # noqa: E402
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 TEMPLATE = "vendor/llama.cpp/models/templates/Kimi-K3.jinja"
-KIMI_PAT = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 
 # ----------------------------------------------------------------------------------------------- conversations
 def fn(name: str, properties: dict, required=(), description: str = "") -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": list(required)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(required)},
+        },
+    }
 
 
 def call(id_: str, name: str, arguments) -> dict:
-    return {"id": id_, "type": "function", "function": {
-        "name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                          ensure_ascii=False)}}
+    return {
+        "id": id_,
+        "type": "function",
+        "function": {
+            "name": name,
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        },
+    }
 
 
-WEATHER = fn("get_weather", {"city": {"type": "string", "description": "City name"},
-                             "days": {"type": "integer"}, "Units": {"type": "string", "enum": ["C", "F"]}},
-             required=["city"], description="Weather forecast for a city.")
-SEARCH = fn("search", {"query": {"type": "string"}, "filters": {"type": "object"}, "limit": {"type": "number"},
-                       "exact": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
-                       "cursor": {"type": ["string", "null"]}}, required=["query"])
+WEATHER = fn(
+    "get_weather",
+    {
+        "city": {"type": "string", "description": "City name"},
+        "days": {"type": "integer"},
+        "Units": {"type": "string", "enum": ["C", "F"]},
+    },
+    required=["city"],
+    description="Weather forecast for a city.",
+)
+SEARCH = fn(
+    "search",
+    {
+        "query": {"type": "string"},
+        "filters": {"type": "object"},
+        "limit": {"type": "number"},
+        "exact": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "cursor": {"type": ["string", "null"]},
+    },
+    required=["query"],
+)
 QUOTED = fn("note", {'say "hi" & bye': {"type": "string"}, "Zeta": {"type": "number"}, "alpha": {"type": "string"}})
 LONG = "Line {} of the log: everything is fine, nothing to report; the value is {}.\n"
-LONG_RESULT = "".join(LONG.format(i, i * 37 % 1000) for i in range(80))     # ~5 KB
+LONG_RESULT = "".join(LONG.format(i, i * 37 % 1000) for i in range(80))  # ~5 KB
 
 TOOL_HISTORY = [
     {"role": "system", "content": "You are a weather agent. Be brief."},
     {"role": "user", "content": "Weather in Paris and Oslo for 2 days?"},
-    {"role": "assistant", "content": "", "reasoning_content": "Two cities: call the tool twice in parallel.",
-     "tool_calls": [call("call_p", "get_weather", {"city": "Paris", "days": 2}),
-                    call("call_o", "get_weather", {"city": "Oslo", "days": 2, "Units": "C"})]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Two cities: call the tool twice in parallel.",
+        "tool_calls": [
+            call("call_p", "get_weather", {"city": "Paris", "days": 2}),
+            call("call_o", "get_weather", {"city": "Oslo", "days": 2, "Units": "C"}),
+        ],
+    },
     # results out of order: the template puts them in the order of the calls
     {"role": "tool", "tool_call_id": "call_o", "content": "Oslo: 12 C, rain"},
     {"role": "tool", "tool_call_id": "call_p", "content": "Paris: 18 C, sun"},
-    {"role": "assistant", "content": "Paris 18 C and sunny; Oslo 12 C with rain.",
-     "reasoning_content": "Both results are in; summarize them."},
+    {
+        "role": "assistant",
+        "content": "Paris 18 C and sunny; Oslo 12 C with rain.",
+        "reasoning_content": "Both results are in; summarize them.",
+    },
     {"role": "user", "content": "And search the news about it."},
-    {"role": "assistant", "content": "Searching.", "reasoning_content": "Use search with filters.",
-     "tool_calls": [call("call_s", "search", {"query": "Paris weather news", "filters": {"lang": "fr", "n": 3},
-                                              "limit": 2.5, "exact": False, "tags": ["météo", "news"],
-                                              "cursor": None})]},
+    {
+        "role": "assistant",
+        "content": "Searching.",
+        "reasoning_content": "Use search with filters.",
+        "tool_calls": [
+            call(
+                "call_s",
+                "search",
+                {
+                    "query": "Paris weather news",
+                    "filters": {"lang": "fr", "n": 3},
+                    "limit": 2.5,
+                    "exact": False,
+                    "tags": ["météo", "news"],
+                    "cursor": None,
+                },
+            )
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_s", "content": LONG_RESULT},
     {"role": "assistant", "content": "Nothing unusual in the news.", "reasoning_content": "  The log is calm.\n"},
     {"role": "user", "content": "Thanks!"},
@@ -97,49 +151,91 @@ TOOL_HISTORY = [
 
 UNICODE = [
     {"role": "system", "content": "Réponds en français. 日本語も大丈夫。"},
-    {"role": "user", "content": "天气怎么样？ Привет 🌍🚀 — naïve café, مرحبا\u200f, e\u0301 combining, tab\tand\r\nCRLF"},
-    {"role": "assistant", "content": "晴れ ☀️", "reasoning_content": "L'utilisateur veut « la météo » 🌦",
-     "tool_calls": [call("c1", "note", {'say "hi" & bye': "«quoted» & <tag> \"dq\"", "Zeta": 7,
-                                        "alpha": "ü\nmulti\nline"})]},
+    {
+        "role": "user",
+        "content": "天气怎么样？ Привет 🌍🚀 — naïve café, مرحبا\u200f, e\u0301 combining, tab\tand\r\nCRLF",
+    },
+    {
+        "role": "assistant",
+        "content": "晴れ ☀️",
+        "reasoning_content": "L'utilisateur veut « la météo » 🌦",
+        "tool_calls": [
+            call("c1", "note", {'say "hi" & bye': '«quoted» & <tag> "dq"', "Zeta": 7, "alpha": "ü\nmulti\nline"})
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "ok ✓"},
     {"role": "user", "content": "Encore une fois: 東京?"},
 ]
 
 ODD = [
     {"role": "user", "content": "Edge cases."},
-    {"role": "assistant", "content": "", "reasoning_content": "   "},           # blank reasoning: an empty think
+    {"role": "assistant", "content": "", "reasoning_content": "   "},  # blank reasoning: an empty think
     {"role": "user", "content": "again"},
     {"role": "assistant", "content": "no reasoning at all"},
     {"role": "user", "content": "a call with text arguments"},
-    {"role": "assistant", "content": "", "reasoning_content": "raw text args",
-     "tool_calls": [call("t1", "search", "not json at all"), call("t2", "search", "[1, 2]"),
-                    call("t3", "search", "")]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "raw text args",
+        "tool_calls": [
+            call("t1", "search", "not json at all"),
+            call("t2", "search", "[1, 2]"),
+            call("t3", "search", ""),
+        ],
+    },
     {"role": "tool", "tool_call_id": "t1", "content": "r1"},
     {"role": "tool", "tool_call_id": "t3", "content": "r3"},
     {"role": "tool", "tool_call_id": "t2", "content": "r2"},
     {"role": "user", "content": ""},
 ]
 
-SCHEMA = {"type": "object", "properties": {"Zeta": {"type": "integer"}, "answer": {"type": "string"},
-                                           "Alpha": {"type": "array", "items": {"type": "number"}},
-                                           "nested": {"type": "object", "properties": {"b": {"type": "boolean"},
-                                                                                      "B": {"type": "null"}}}},
-          "required": ["answer"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "Zeta": {"type": "integer"},
+        "answer": {"type": "string"},
+        "Alpha": {"type": "array", "items": {"type": "number"}},
+        "nested": {"type": "object", "properties": {"b": {"type": "boolean"}, "B": {"type": "null"}}},
+    },
+    "required": ["answer"],
+    "additionalProperties": False,
+}
 
-IMAGE_USER = [{"role": "user", "content": [{"type": "text", "text": "What is in "},
-                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
-                                           {"type": "text", "text": " and in "},
-                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AB=="}},
-                                           {"type": "text", "text": "?"}]}]
+IMAGE_USER = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in "},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+            {"type": "text", "text": " and in "},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AB=="}},
+            {"type": "text", "text": "?"},
+        ],
+    }
+]
 
 
 def cases() -> list[dict]:
     out = []
 
     def add(name, messages, tools=None, images=None, **options):
-        out.append({"name": name, "messages": messages, "tools": tools, "images": images,
-                    "options": {"thinking": True, "thinking_effort": "max", "tool_choice": None,
-                                "response_format": None, "add_generation_prompt": True, **options}})
+        out.append(
+            {
+                "name": name,
+                "messages": messages,
+                "tools": tools,
+                "images": images,
+                "options": {
+                    "thinking": True,
+                    "thinking_effort": "max",
+                    "tool_choice": None,
+                    "response_format": None,
+                    "add_generation_prompt": True,
+                    **options,
+                },
+            }
+        )
+
     hello = [{"role": "user", "content": "Hello, who are you?"}]
     add("hello, thinking max", hello)
     add("hello, thinking low", [{"role": "system", "content": "Be terse."}] + hello, thinking_effort="low")
@@ -151,10 +247,17 @@ def cases() -> list[dict]:
     add("tool history, thinking off", TOOL_HISTORY, [WEATHER, SEARCH], thinking=False)
     add("tool history, tool_choice required", TOOL_HISTORY[:2], [WEATHER, SEARCH], tool_choice="required")
     add("tool history, tool_choice none", TOOL_HISTORY, [WEATHER, SEARCH], tool_choice="none")
-    add("tool history, named tool_choice renders nothing", TOOL_HISTORY[:2], [WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    add("response_format json_schema", hello, response_format={
-        "type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}})
+    add(
+        "tool history, named tool_choice renders nothing",
+        TOOL_HISTORY[:2],
+        [WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    add(
+        "response_format json_schema",
+        hello,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}},
+    )
     add("response_format json_object, thinking off", hello, thinking=False, response_format={"type": "json_object"})
     add("response_format text renders nothing", hello, response_format={"type": "text"})
     add("unicode, quotes and ampersands", UNICODE, [QUOTED], thinking_effort="high")
@@ -170,8 +273,21 @@ def template_text(sdist: Path | None, cache: Path) -> str:
         sdist = cache / SDIST
         if not sdist.exists():
             cache.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                            "llama-cpp-python==0.3.36", "-d", str(cache)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-binary",
+                    ":all:",
+                    "--no-deps",
+                    "llama-cpp-python==0.3.36",
+                    "-d",
+                    str(cache),
+                ],
+                check=True,
+            )
     with tarfile.open(sdist) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("/" + TEMPLATE))
         return tar.extractfile(member).read().decode("utf-8")
@@ -188,7 +304,7 @@ def environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def dictsort(value, case_sensitive=False, by="key", reverse=False):   # llama.cpp: always case-sensitive
+    def dictsort(value, case_sensitive=False, by="key", reverse=False):  # llama.cpp: always case-sensitive
         return sorted(value.items(), key=lambda kv: kv[0 if by == "key" else 1], reverse=reverse)
 
     env = ImmutableSandboxedEnvironment(extensions=[loopcontrols])
@@ -222,10 +338,12 @@ def image_prompt(image: dict) -> str:
 
 def render(template, case: dict, messages: list[dict] | None = None, add_generation_prompt: bool | None = None):
     o = case["options"]
-    variables = {"messages": template_messages(case["messages"] if messages is None else messages),
-                 "add_generation_prompt": o["add_generation_prompt"] if add_generation_prompt is None
-                 else add_generation_prompt,
-                 "thinking": o["thinking"], "thinking_effort": o["thinking_effort"]}
+    variables = {
+        "messages": template_messages(case["messages"] if messages is None else messages),
+        "add_generation_prompt": o["add_generation_prompt"] if add_generation_prompt is None else add_generation_prompt,
+        "thinking": o["thinking"],
+        "thinking_effort": o["thinking_effort"],
+    }
     if case["tools"]:
         variables["tools"] = case["tools"]
     for key in ("tool_choice", "response_format"):
@@ -240,6 +358,7 @@ def render(template, case: dict, messages: list[dict] | None = None, add_generat
 def tiktoken_encoding(directory: Path):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
+
     ranks = load_tiktoken_bpe(str(directory / "tiktoken.model"))
     config = json.loads((directory / "tokenizer_config.json").read_text())
     named = {int(k): v["content"] for k, v in config["added_tokens_decoder"].items()}
@@ -259,7 +378,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ids = write_k3_tokenizer(Path(tmp), config=False)
         enc, digest = tiktoken_encoding(Path(tmp)), tokenizer_digest(Path(tmp))
-    encode = lambda text: enc.encode(text, allowed_special="all")     # noqa: E731 - llama.cpp's parse_special
+    encode = lambda text: enc.encode(text, allowed_special="all")  # noqa: E731 - llama.cpp's parse_special
     out = []
     for case in cases():
         text = render(template, case)
@@ -270,16 +389,22 @@ def main() -> None:
                 if m["role"] != "assistant":
                     continue
                 prompt = encode(render(template, case, case["messages"][:k], add_generation_prompt=True))
-                whole = encode(render(template, case, case["messages"][:k + 1], add_generation_prompt=False))
-                if whole[:len(prompt)] != prompt:
-                    raise SystemExit(f"{case['name']}: the template's own prompt before messages[{k}] is not a "
-                                     f"prefix of its rendering with messages[{k}]")
-                entry["outputs"].append({"message": k, "ids": whole[len(prompt):]})
+                whole = encode(render(template, case, case["messages"][: k + 1], add_generation_prompt=False))
+                if whole[: len(prompt)] != prompt:
+                    raise SystemExit(
+                        f"{case['name']}: the template's own prompt before messages[{k}] is not a "
+                        f"prefix of its rendering with messages[{k}]"
+                    )
+                entry["outputs"].append({"message": k, "ids": whole[len(prompt) :]})
         out.append(entry)
         print(f"{case['name']}: {len(entry['ids'])} ids, {len(entry['outputs'])} outputs")
-    data = {"source": f"llama-cpp-python 0.3.36 sdist, {TEMPLATE}",
-            "template_sha256": hashlib.sha256(source.encode()).hexdigest(),
-            "tokenizer_digest": digest, "special_tokens": ids, "cases": out}
+    data = {
+        "source": f"llama-cpp-python 0.3.36 sdist, {TEMPLATE}",
+        "template_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "tokenizer_digest": digest,
+        "special_tokens": ids,
+        "cases": out,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, ensure_ascii=False, indent=1)
     # id lists on one line each (json.dumps puts each element on its own line; a string never holds a newline)

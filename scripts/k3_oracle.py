@@ -28,6 +28,7 @@ or $EXPERTMESH_K3_ORACLE_CACHE; a rerun resumes an interrupted one):
 The top level of this file needs only the standard library; the `_prepare` / `_convert` / `_gguf-types`
 subcommands run inside the cache's venv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,17 +53,29 @@ SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TORCH = "torch==2.13.0"
 CONVERTER_DEPS = ["numpy~=2.2.6", "safetensors>=0.4", "transformers==4.57.6", "tiktoken>=0.7"]
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
-               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-               "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=ON"]
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DBUILD_SHARED_LIBS=ON",
+]
 BUILD_TARGETS = ["llama", "llama-quantize"]
 
 VARIANTS = ("bf16", "mxfp4")
 SEED = 0
 N_GEN = 20
 TOP = 5
-PROMPT_LENGTHS = (24, 40, 100)      # 100 > 64: crosses llama.cpp's KDA chunk
+PROMPT_LENGTHS = (24, 40, 100)  # 100 > 64: crosses llama.cpp's KDA chunk
 PROMPT_SEED = 2
 
 
@@ -117,8 +130,20 @@ class Cache:
         self.sdist.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.root / "dl.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={VERSION}", "-d", tmp])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={VERSION}",
+                "-d",
+                tmp,
+            ]
+        )
         got = tmp / SDIST
         if not got.exists() or sha256(got) != SDIST_SHA256:
             raise SystemExit(f"{got}: missing or not the expected sdist (sha256 {SDIST_SHA256})")
@@ -135,7 +160,7 @@ class Cache:
         with tarfile.open(self.sdist) as tar:
             try:
                 tar.extractall(tmp, filter="data")
-            except TypeError:                         # Python without extraction filters
+            except TypeError:  # Python without extraction filters
                 tar.extractall(tmp)
         top = tmp / f"llama_cpp_python-{VERSION}"
         shutil.rmtree(self.src, ignore_errors=True)
@@ -147,8 +172,10 @@ class Cache:
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []
             run_logged(["cmake", "-S", self.llama, "-B", self.build, *gen, *CMAKE_FLAGS], self.root / "build.log")
         t = time.time()
-        run_logged(["cmake", "--build", self.build, "--config", "Release", "-j", str(self.jobs),
-                    "--target", *BUILD_TARGETS], self.root / "build.log")
+        run_logged(
+            ["cmake", "--build", self.build, "--config", "Release", "-j", str(self.jobs), "--target", *BUILD_TARGETS],
+            self.root / "build.log",
+        )
         log(f"llama.cpp build step: {time.time() - t:.0f} s")
 
     def tool(self, name: str) -> Path:
@@ -173,17 +200,37 @@ class Cache:
         self.driver.parent.mkdir(parents=True, exist_ok=True)
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
         tmp = self.driver.with_suffix(".partial")
-        run([cxx, "-O2", "-std=c++17", "-I", self.llama / "include", "-I", self.llama / "ggml" / "include",
-             DRIVER_SOURCE, "-L", libdir, "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}", "-o", tmp])
+        run(
+            [
+                cxx,
+                "-O2",
+                "-std=c++17",
+                "-I",
+                self.llama / "include",
+                "-I",
+                self.llama / "ggml" / "include",
+                DRIVER_SOURCE,
+                "-L",
+                libdir,
+                "-lllama",
+                "-lggml",
+                "-lggml-base",
+                f"-Wl,-rpath,{libdir}",
+                "-o",
+                tmp,
+            ]
+        )
         os.replace(tmp, self.driver)
         stamp.write_text(want)
 
     def venv_ready(self) -> bool:
         if not self.python.exists():
             return False
-        probe = ("import torch, numpy, safetensors, transformers, tiktoken, gguf;"
-                 "assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__;"
-                 "assert transformers.__version__ == '4.57.6', transformers.__version__")
+        probe = (
+            "import torch, numpy, safetensors, transformers, tiktoken, gguf;"
+            "assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__;"
+            "assert transformers.__version__ == '4.57.6', transformers.__version__"
+        )
         return subprocess.run([str(self.python), "-c", probe], capture_output=True).returncode == 0
 
     def make_venv(self) -> None:
@@ -192,7 +239,7 @@ class Cache:
         if not self.python.exists():
             run([sys.executable, "-m", "venv", self.venv])
         pip = [self.python, "-m", "pip", "install", "--quiet"]
-        run([*pip, TORCH])                            # torch pinned first: the rest must not pull another one
+        run([*pip, TORCH])  # torch pinned first: the rest must not pull another one
         run([*pip, *CONVERTER_DEPS, TORCH])
         run([*pip, self.llama / "gguf-py", TORCH])
         if not self.venv_ready():
@@ -221,8 +268,12 @@ def prompts_for(special: dict[str, int]) -> list[list[int]]:
     for n in PROMPT_LENGTHS:
         ids = [rng.randrange(n_base) for _ in range(n)]
         if n == PROMPT_LENGTHS[0]:
-            ids[0], ids[5], ids[-2], ids[-1] = (special["<|open|>"], special["<|sep|>"], special["<|close|>"],
-                                                special["<|sep|>"])
+            ids[0], ids[5], ids[-2], ids[-1] = (
+                special["<|open|>"],
+                special["<|sep|>"],
+                special["<|close|>"],
+                special["<|sep|>"],
+            )
         out.append(ids)
     return out
 
@@ -233,25 +284,43 @@ def oracle_variant(cache: Cache, variant: str) -> dict:
     work.mkdir(parents=True)
     hf, src = work / "hf", work / "for-gguf"
     recipe = {"experts": variant, "seed": SEED, "mtp": False, "with_indexer": False}
-    out = in_venv(cache, CHECKPOINT_WRITER, hf, "--experts", variant, "--seed", SEED,
-                  stdout=subprocess.PIPE, text=True).stdout
+    out = in_venv(
+        cache, CHECKPOINT_WRITER, hf, "--experts", variant, "--seed", SEED, stdout=subprocess.PIPE, text=True
+    ).stdout
     digest = json.loads(out.strip().splitlines()[-1])["tensor_digest"]
     config = json.loads((hf / "config.json").read_text())
     text = config["text_config"]
-    special = {v["content"]: int(k)
-               for k, v in json.loads((hf / "tokenizer_config.json").read_text())["added_tokens_decoder"].items()}
+    special = {
+        v["content"]: int(k)
+        for k, v in json.loads((hf / "tokenizer_config.json").read_text())["added_tokens_decoder"].items()
+    }
     in_venv(cache, Path(__file__).resolve(), "_prepare", hf, src)
     gguf = work / "model.f32.gguf"
     conv_log = work / "convert.log"
     with open(conv_log, "w") as f:
         try:
-            in_venv(cache, Path(__file__).resolve(), "_convert", cache.llama, src, "--outfile", gguf,
-                    "--outtype", "f32", stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+            in_venv(
+                cache,
+                Path(__file__).resolve(),
+                "_convert",
+                cache.llama,
+                src,
+                "--outfile",
+                gguf,
+                "--outtype",
+                "f32",
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         except subprocess.CalledProcessError:
             sys.stderr.write(conv_log.read_text()[-4000:])
             raise
-    types = json.loads(in_venv(cache, Path(__file__).resolve(), "_gguf-types", cache.llama, gguf,
-                               stdout=subprocess.PIPE, text=True).stdout)
+    types = json.loads(
+        in_venv(
+            cache, Path(__file__).resolve(), "_gguf-types", cache.llama, gguf, stdout=subprocess.PIPE, text=True
+        ).stdout
+    )
     expected = "MXFP4" if variant == "mxfp4" else "F32"
     if types["experts"] != [expected]:
         raise SystemExit(f"{gguf}: routed experts are {types['experts']}, expected {expected}")
@@ -259,10 +328,16 @@ def oracle_variant(cache: Cache, variant: str) -> dict:
     if variant == "mxfp4":
         run_gguf = work / "model.dequant-f32.gguf"
         with open(work / "quantize.log", "w") as f:
-            run([cache.tool("llama-quantize"), "--allow-requantize", gguf, run_gguf, "F32"], stdout=f,
-                stderr=subprocess.STDOUT)
-        types_run = json.loads(in_venv(cache, Path(__file__).resolve(), "_gguf-types", cache.llama, run_gguf,
-                                       stdout=subprocess.PIPE, text=True).stdout)
+            run(
+                [cache.tool("llama-quantize"), "--allow-requantize", gguf, run_gguf, "F32"],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        types_run = json.loads(
+            in_venv(
+                cache, Path(__file__).resolve(), "_gguf-types", cache.llama, run_gguf, stdout=subprocess.PIPE, text=True
+            ).stdout
+        )
         if types_run["all"] != ["F32"]:
             raise SystemExit(f"{run_gguf}: tensor types {types_run['all']}, expected F32 only")
 
@@ -281,19 +356,28 @@ def oracle_variant(cache: Cache, variant: str) -> dict:
     for p, r in zip(prompts, result["results"]):
         assert r["prompt"] == p
         if stops & set(r["greedy"]):
-            raise SystemExit(f"greedy continuation of a {len(p)}-token prompt holds a stop token "
-                             f"{sorted(stops & set(r['greedy']))}: pick other prompts (PROMPT_SEED)")
-        entries.append({
-            "ids": p,
-            "greedy": r["greedy"],
-            "greedy_logprobs": [round(x, 6) for x in r["greedy_logprobs"]],
-            # how far each greedy choice is from a tie (the smallest top-1 minus top-2 log-prob over the steps)
-            "greedy_min_margin": round(min(row[0][1] - row[1][1] for row in r["greedy_top"]), 6),
-            "prompt_logprobs": [round(x, 6) for x in r["prompt_logprobs"]],
-            "prompt_top5": [[[t, round(lp, 6)] for t, lp in row] for row in r["prompt_top"]],
-        })
-    return {"recipe": recipe, "tensor_digest": digest, "config": config,
-            "gguf": {"routed_experts_converted": expected, "routed_experts_run": "F32"}, "prompts": entries}
+            raise SystemExit(
+                f"greedy continuation of a {len(p)}-token prompt holds a stop token "
+                f"{sorted(stops & set(r['greedy']))}: pick other prompts (PROMPT_SEED)"
+            )
+        entries.append(
+            {
+                "ids": p,
+                "greedy": r["greedy"],
+                "greedy_logprobs": [round(x, 6) for x in r["greedy_logprobs"]],
+                # how far each greedy choice is from a tie (the smallest top-1 minus top-2 log-prob over the steps)
+                "greedy_min_margin": round(min(row[0][1] - row[1][1] for row in r["greedy_top"]), 6),
+                "prompt_logprobs": [round(x, 6) for x in r["prompt_logprobs"]],
+                "prompt_top5": [[[t, round(lp, 6)] for t, lp in row] for row in r["prompt_top"]],
+            }
+        )
+    return {
+        "recipe": recipe,
+        "tensor_digest": digest,
+        "config": config,
+        "gguf": {"routed_experts_converted": expected, "routed_experts_run": "F32"},
+        "prompts": entries,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- venv side
@@ -367,6 +451,7 @@ def prepare_for_gguf(src: Path, dst: Path) -> None:
 
     from safetensors import safe_open
     from safetensors.torch import save_file
+
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     config = json.loads((src / "config.json").read_text())
@@ -377,8 +462,9 @@ def prepare_for_gguf(src: Path, dst: Path) -> None:
     weight_map = {}
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            kept = {n: sf.get_tensor(n) for n in sf.keys()
-                    if not ((m := layer.search(n)) and int(m.group(1)) >= n_layers)}
+            kept = {
+                n: sf.get_tensor(n) for n in sf.keys() if not ((m := layer.search(n)) and int(m.group(1)) >= n_layers)
+            }
         save_file(kept, str(dst / f.name), metadata={"format": "pt"})
         weight_map |= {n: f.name for n in kept}
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -398,6 +484,7 @@ def convert(llama: Path, argv: list[str]) -> None:
     sys.path[:0] = [str(llama), str(llama / "gguf-py")]
     import convert_hf_to_gguf as conv
     from conversion import base
+
     original = base.TextModel.get_vocab_base_pre
 
     def vocab_base_pre(self, tokenizer):
@@ -414,6 +501,7 @@ def convert(llama: Path, argv: list[str]) -> None:
 def gguf_types(llama: Path, path: Path) -> None:
     sys.path.insert(0, str(llama / "gguf-py"))
     import gguf
+
     reader = gguf.GGUFReader(str(path))
     experts = sorted({t.tensor_type.name for t in reader.tensors if "_exps." in t.name})
     print(json.dumps({"experts": experts, "all": sorted({t.tensor_type.name for t in reader.tensors})}))
@@ -423,10 +511,11 @@ def gguf_types(llama: Path, path: Path) -> None:
 def compact_json(data) -> str:
     """Indented JSON with every list of numbers (and of [id, logprob] pairs) on one line."""
     import re
+
     text = json.dumps(data, indent=1)
-    flat = re.compile(r"\[[\s\d.eE+\-,]*\]")                # a list holding only numbers
+    flat = re.compile(r"\[[\s\d.eE+\-,]*\]")  # a list holding only numbers
     text = flat.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "), text)
-    pairs = re.compile(r"\[(\s*\[[^\[\]]*\],?)+\s*\]")      # a list of flat lists
+    pairs = re.compile(r"\[(\s*\[[^\[\]]*\],?)+\s*\]")  # a list of flat lists
     return pairs.sub(lambda m: re.sub(r"\s*\n\s*", "", m.group(0)).replace("],[", "], ["), text)
 
 
@@ -442,11 +531,14 @@ def main(argv: list[str] | None = None) -> int:
         gguf_types(Path(argv[1]), Path(argv[2]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_cache = os.environ.get("EXPERTMESH_K3_ORACLE_CACHE",
-                                   str(Path.home() / ".cache" / "expertmesh" / f"llama.cpp-{VERSION}"))
-    ap.add_argument("--cache", default=default_cache,
-                    help="sdist, llama.cpp build, converter venv, work files (default %(default)s; "
-                         "env EXPERTMESH_K3_ORACLE_CACHE)")
+    default_cache = os.environ.get(
+        "EXPERTMESH_K3_ORACLE_CACHE", str(Path.home() / ".cache" / "expertmesh" / f"llama.cpp-{VERSION}")
+    )
+    ap.add_argument(
+        "--cache",
+        default=default_cache,
+        help="sdist, llama.cpp build, converter venv, work files (default %(default)s; env EXPERTMESH_K3_ORACLE_CACHE)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel build jobs")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON to write (default %(default)s)")
     ap.add_argument("--variant", action="append", choices=VARIANTS, help="only these (default: all)")
@@ -470,19 +562,22 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the bf16 and mxfp4 variants disagree through llama.cpp: the MXFP4 packing is wrong")
     data = {
         "about": "llama.cpp (kimi-k3) on the tiny Kimi K3 checkpoints of tests/k3_checkpoint.py; written by "
-                 "scripts/k3_oracle.py, read by tests/test_k3_oracle.py",
-        "llama_cpp": {"source": f"llama-cpp-python {VERSION} sdist, vendor/llama.cpp", "sdist_sha256": SDIST_SHA256,
-                      "gguf": "convert_hf_to_gguf.py --outtype f32; MXFP4 experts re-expanded with llama-quantize "
-                              "--allow-requantize ... F32",
-                      "run": "CPU, flash attention off, f32 K/V cache, whole prompt in one batch, then greedy one "
-                             "token at a time (scripts/k3_oracle_driver.cpp)"},
+        "scripts/k3_oracle.py, read by tests/test_k3_oracle.py",
+        "llama_cpp": {
+            "source": f"llama-cpp-python {VERSION} sdist, vendor/llama.cpp",
+            "sdist_sha256": SDIST_SHA256,
+            "gguf": "convert_hf_to_gguf.py --outtype f32; MXFP4 experts re-expanded with llama-quantize "
+            "--allow-requantize ... F32",
+            "run": "CPU, flash attention off, f32 K/V cache, whole prompt in one batch, then greedy one "
+            "token at a time (scripts/k3_oracle_driver.cpp)",
+        },
         "prompt_logprobs": "entry i: log p(ids[i+1] | ids[:i+1]); prompt_top5 entry i: the 5 likeliest "
-                           "[id, logprob] at that position",
+        "[id, logprob] at that position",
         "variants": variants,
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if a.variant and out.exists():                    # a partial rerun keeps the other variants
+    if a.variant and out.exists():  # a partial rerun keeps the other variants
         old = json.loads(out.read_text())
         data["variants"] = {**old.get("variants", {}), **variants}
     out.write_text(compact_json(data) + "\n")

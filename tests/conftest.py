@@ -34,6 +34,7 @@ _serialize_ast_parse()
 def two_threads():
     """torch on two threads for the test (row-invariance must hold with several threads available)."""
     import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

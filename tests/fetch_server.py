@@ -2,6 +2,7 @@
 purpose — fail the first requests of a path with 503, cut a response off after some bytes, serve slowly, redirect
 (to another origin: a second server on another port), send more bytes than the file has (or never stop), pad a JSON
 body with whitespace — so retries, resumption, bounds and progress can be tested against real sockets."""
+
 from __future__ import annotations
 
 import http.server
@@ -15,19 +16,19 @@ from pathlib import Path
 
 @dataclass
 class Faults:
-    fail: dict = field(default_factory=dict)      # path → how many requests to answer 503
-    cut: dict = field(default_factory=dict)       # path → cut the next response off after this many bytes (once)
-    delay: float = 0.0                            # seconds to sleep per 64 KiB chunk served (slow link)
+    fail: dict = field(default_factory=dict)  # path → how many requests to answer 503
+    cut: dict = field(default_factory=dict)  # path → cut the next response off after this many bytes (once)
+    delay: float = 0.0  # seconds to sleep per 64 KiB chunk served (slow link)
     requests: list = field(default_factory=list)  # (path, Range header or None, status)
     auth: Callable[[str, dict], bool] | None = None  # (url path, headers) → allowed; else 403
     redirect: dict = field(default_factory=dict)  # path → Location to answer 302 with (every request)
     oversize: dict = field(default_factory=dict)  # path → bytes sent after the file's own (None: without end), or
     #                                               as a redirect's body; no Content-Length, the body ends when the
     #                                               connection closes
-    pad: dict = field(default_factory=dict)       # path → spaces sent before the file's bytes (None: without end);
+    pad: dict = field(default_factory=dict)  # path → spaces sent before the file's bytes (None: without end);
     #                                               no Content-Length (a JSON body that is huge yet parses)
-    headers: list = field(default_factory=list)   # (path, {header: value}) of every request
-    sent: dict = field(default_factory=dict)      # path → body bytes written
+    headers: list = field(default_factory=list)  # (path, {header: value}) of every request
+    sent: dict = field(default_factory=dict)  # path → body bytes written
 
 
 class FileServer:
@@ -101,7 +102,7 @@ class FileServer:
                 cut = f.cut.pop(path, None)
                 if cut is not None:
                     body = body[:cut]
-                self._body(path, (body[i:i + 65536] for i in range(0, len(body), 65536)))
+                self._body(path, (body[i : i + 65536] for i in range(0, len(body), 65536)))
                 if cut is not None:
                     self.close_connection = True
 
@@ -127,13 +128,15 @@ class FileServer:
 
 def _unbounded(data: bytes, extra: int | None, pad: int | None):
     """`pad` spaces, the file, then `extra` more bytes; None: that part never ends."""
+
     def run(n: int | None, chunk: bytes):
         while n is None or n > 0:
             piece = chunk if n is None else chunk[:n]
             yield piece
             if n is not None:
                 n -= len(piece)
+
     yield from run(pad, b" " * 65536)
     for i in range(0, len(data), 65536):
-        yield data[i:i + 65536]
+        yield data[i : i + 65536]
     yield from run(extra, bytes(range(256)) * 256)

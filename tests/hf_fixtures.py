@@ -1,5 +1,6 @@
 """Small Hugging Face tokenizer directories for the tokenizer / chat-template tests: a byte-level BPE trained here
 on a few sentences, special tokens as chat models have them, and realistic chat templates."""
+
 from __future__ import annotations
 
 import json
@@ -7,12 +8,23 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-SENTENCES = ["The weather in Paris is sunny today.", "Tomorrow it will rain in Oslo, café au lait.",
-             "def get_weather(city): return 18", "Ça va très bien ✓ 日本語のテキスト", "Thinking step by step: 2+2=4.",
-             '{"city": "Paris", "unit": "C"}', "You are a helpful assistant. Use tools when needed."]
+SENTENCES = [
+    "The weather in Paris is sunny today.",
+    "Tomorrow it will rain in Oslo, café au lait.",
+    "def get_weather(city): return 18",
+    "Ça va très bien ✓ 日本語のテキスト",
+    "Thinking step by step: 2+2=4.",
+    '{"city": "Paris", "unit": "C"}',
+    "You are a helpful assistant. Use tools when needed.",
+]
 SPECIAL = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-KIMI_TOOL_TOKENS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                    "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+KIMI_TOOL_TOKENS = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
 
 # ChatML with reasoning in every assistant turn (prefix-stable), Hermes tool calls, enable_thinking.
 CHATML = r"""
@@ -53,8 +65,11 @@ CHATML = r"""
 CHATML_DROPS_OLD_REASONING = CHATML.replace(
     "{%- for message in messages %}",
     "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
-    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}\n{%- for message in messages %}", 1).replace(
-    "(message.reasoning_content or '')", "((message.reasoning_content or '') if loop.index0 > ns.last_user else '')")
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}\n{%- for message in messages %}",
+    1,
+).replace(
+    "(message.reasoning_content or '')", "((message.reasoning_content or '') if loop.index0 > ns.last_user else '')"
+)
 
 # No think tokens at all: a model without thinking.
 CHATML_NO_THINKING = r"""
@@ -85,9 +100,18 @@ KIMI = r"""
 """
 
 # DeepSeek V3.1's layout: arguments concatenated as text, the `thinking` variable, fullwidth-bar tokens.
-DEEPSEEK_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>",
-                   "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
-                   "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+DEEPSEEK_TOKENS = [
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+]
 DEEPSEEK = r"""
 {{- bos_token }}
 {%- for message in messages %}
@@ -117,15 +141,24 @@ def build_tokenizer(*, post_processor_bos: bool = True, extra_special: list[str]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL + list(extra_special), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=SPECIAL + list(extra_special),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(SENTENCES * 3, trainer)
     # Qwen keeps its tool-call tags as added tokens that are not special
-    tk.add_tokens([AddedToken("<tool_call>", special=False, normalized=False),
-                   AddedToken("</tool_call>", special=False, normalized=False)])
+    tk.add_tokens(
+        [
+            AddedToken("<tool_call>", special=False, normalized=False),
+            AddedToken("</tool_call>", special=False, normalized=False),
+        ]
+    )
     if post_processor_bos:
-        tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                          special_tokens=[("<s>", tk.token_to_id("<s>"))])
+        tk.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
+        )
     return tk
 
 
@@ -135,40 +168,66 @@ def build_large_bpe(vocab_size: int = 32_000, seed: int = 0) -> Tokenizer:
     pseudo-words drawn from a seeded generator (so English, JSON and tool-call text split into multi-byte tokens,
     and some tokens end inside a UTF-8 character)."""
     import random
+
     rng = random.Random(seed)
     letters = "etaoinshrdlucmfwypvbgkjqxz"
-    words = ["".join(rng.choice(letters[:rng.randint(8, 26)]) for _ in range(rng.randint(2, 9)))
-             for _ in range(60_000)]
-    corpus = SENTENCES * 50 + [" ".join(words[i:i + 12]) for i in range(0, len(words), 12)] + \
-        ["日本語のテキスト ✓ café"] * 20
+    words = [
+        "".join(rng.choice(letters[: rng.randint(8, 26)]) for _ in range(rng.randint(2, 9))) for _ in range(60_000)
+    ]
+    corpus = (
+        SENTENCES * 50
+        + [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+        + ["日本語のテキスト ✓ café"] * 20
+    )
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(corpus, trainer)
-    tk.add_tokens([AddedToken("<tool_call>", special=False, normalized=False),
-                   AddedToken("</tool_call>", special=False, normalized=False)])
+    tk.add_tokens(
+        [
+            AddedToken("<tool_call>", special=False, normalized=False),
+            AddedToken("</tool_call>", special=False, normalized=False),
+        ]
+    )
     return tk
 
 
-def write_checkpoint(directory: Path, *, template: str | list | None = CHATML, config: dict | None = None,
-                     post_processor_bos: bool = True, extra_special: list[str] = (),
-                     generation_eos: list[str] | None = None, jinja_file: str | None = None,
-                     tokenizer: Tokenizer | None = None) -> Path:
+def write_checkpoint(
+    directory: Path,
+    *,
+    template: str | list | None = CHATML,
+    config: dict | None = None,
+    post_processor_bos: bool = True,
+    extra_special: list[str] = (),
+    generation_eos: list[str] | None = None,
+    jinja_file: str | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Path:
     """tokenizer.json + tokenizer_config.json (+ generation_config.json, chat_template.jinja) in `directory`;
     `tokenizer`: another tokenizer than build_tokenizer's (build_large_bpe)."""
     directory.mkdir(parents=True, exist_ok=True)
     tk = tokenizer or build_tokenizer(post_processor_bos=post_processor_bos, extra_special=extra_special)
     tk.save(str(directory / "tokenizer.json"))
-    cfg = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "<|im_end|>",
-           "pad_token": "</s>", **(config or {})}
+    cfg = {
+        "tokenizer_class": "TokenizersBackend",
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "</s>",
+        **(config or {}),
+    }
     if template is not None:
         cfg["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
     if generation_eos is not None:
         (directory / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": [tk.token_to_id(t) for t in generation_eos]}))
+            json.dumps({"eos_token_id": [tk.token_to_id(t) for t in generation_eos]})
+        )
     if jinja_file is not None:
         (directory / "chat_template.jinja").write_text(jinja_file)
     return directory
@@ -176,4 +235,5 @@ def write_checkpoint(directory: Path, *, template: str | list | None = CHATML, c
 
 def auto_tokenizer(directory: Path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(directory))

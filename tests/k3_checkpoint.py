@@ -22,6 +22,7 @@ by running this file); changing anything that alters the weights or the config m
 
     python tests/k3_checkpoint.py OUT_DIR [--experts bf16|mxfp4] [--seed 0] [--mtp] [--with-indexer]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,17 +44,17 @@ VARIANTS = ("bf16", "mxfp4")
 # expertmesh's MXFP4 needs the expert widths (routed_expert_hidden_size, moe_intermediate_size) to be multiples
 # of 32.
 HIDDEN = 64
-HEADS = 4                      # MLA heads = KDA heads = num_key_value_heads
-KDA_HEAD_DIM = 16              # KDA d = HEADS · KDA_HEAD_DIM = 64
+HEADS = 4  # MLA heads = KDA heads = num_key_value_heads
+KDA_HEAD_DIM = 16  # KDA d = HEADS · KDA_HEAD_DIM = 64
 CONV_KERNEL = 4
 DENSE_INTERMEDIATE = 96
-MOE_INTERMEDIATE = 32          # per routed expert; the shared MLP is N_SHARED times as wide
-LATENT = 32                    # routed_expert_hidden_size (< HIDDEN: the latent MoE)
+MOE_INTERMEDIATE = 32  # per routed expert; the shared MLP is N_SHARED times as wide
+LATENT = 32  # routed_expert_hidden_size (< HIDDEN: the latent MoE)
 N_EXPERTS, TOP_K, N_SHARED = 8, 2, 2
 Q_LORA, KV_LORA, QK_NOPE, QK_ROPE, V_HEAD = 32, 32, 16, 8, 16
 N_LAYERS = 6
-FULL_ATTN_LAYERS = [2, 6]      # 1-based, as K3's linear_attn_config has them: layers 1 and 5 are MLA
-ATTN_RES_BLOCK = 2             # 6 layers → 3 banked blocks
+FULL_ATTN_LAYERS = [2, 6]  # 1-based, as K3's linear_attn_config has them: layers 1 and 5 are MLA
+ATTN_RES_BLOCK = 2  # 6 layers → 3 banked blocks
 FIRST_K_DENSE = 1
 INDEXER = {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 16}
 
@@ -67,17 +68,35 @@ QUANTIZATION_CONFIG = {
         "group_0": {
             "targets": ["Linear"],
             "format": "mxfp4-pack-quantized",
-            "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-                        "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": None, "observer": "minmax",
-                        "actorder": None},
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "group",
+                "group_size": 32,
+                "symmetric": True,
+                "dynamic": False,
+                "scale_dtype": "torch.uint8",
+                "zp_dtype": None,
+                "observer": "minmax",
+                "actorder": None,
+            },
             "input_activations": None,
             "output_activations": None,
         }
     },
     # everything but the routed experts stays bf16
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*",
-               "re:.*block_sparse_moe\\.gate$", "re:.*routed_expert_(down|up)_proj$", "re:.*eh_proj$",
-               "re:.*shared_head.*", "re:vision_tower.*", "re:mm_projector.*"],
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\..*",
+        "re:.*block_sparse_moe\\.gate$",
+        "re:.*routed_expert_(down|up)_proj$",
+        "re:.*eh_proj$",
+        "re:.*shared_head.*",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
+    ],
 }
 
 
@@ -87,7 +106,7 @@ def _tokenizer(out: Path) -> dict:
     tokens); → {"vocab_size": BPE ranks + reserved ids, "special": {content: id}}."""
     try:
         import k3_fixtures
-    except ImportError:                               # run as a script under PYTHONSAFEPATH
+    except ImportError:  # run as a script under PYTHONSAFEPATH
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import k3_fixtures
     special = k3_fixtures.write_k3_tokenizer(out, config=False)
@@ -96,8 +115,9 @@ def _tokenizer(out: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- config
-def text_config(vocab_size: int, special: dict[str, int], *, experts: str = "bf16", mtp: bool = False,
-                with_indexer: bool = False) -> dict:
+def text_config(
+    vocab_size: int, special: dict[str, int], *, experts: str = "bf16", mtp: bool = False, with_indexer: bool = False
+) -> dict:
     """K3's `text_config` (KimiLinearConfig keys) for the tiny model. Every key llama.cpp's converter reads with
     `[...]` is present (transformers does not know kimi_k3, so nobody fills in defaults)."""
     kda = [i + 1 for i in range(N_LAYERS) if i + 1 not in FULL_ATTN_LAYERS]
@@ -168,9 +188,15 @@ def wrapper_config(text: dict, special: dict[str, int]) -> dict:
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text,
-        "vision_config": {"model_type": "kimi_k3_vision", "patch_size": 14, "vt_hidden_size": 1024,
-                          "vt_num_hidden_layers": 27, "vt_num_attention_heads": 12, "merge_kernel_size": [2, 2],
-                          "mm_projector_type": "patchmergerv2"},
+        "vision_config": {
+            "model_type": "kimi_k3_vision",
+            "patch_size": 14,
+            "vt_hidden_size": 1024,
+            "vt_num_hidden_layers": 27,
+            "vt_num_attention_heads": 12,
+            "merge_kernel_size": [2, 2],
+            "mm_projector_type": "patchmergerv2",
+        },
         "media_placeholder_token_id": special["<|kimi_image_placeholder|>"],
         "image_placeholder": "<|kimi_image_placeholder|>",
         "pad_token_id": special["[PAD]"],
@@ -179,7 +205,7 @@ def wrapper_config(text: dict, special: dict[str, int]) -> dict:
         "torch_dtype": "bfloat16",
     }
     if "quantization_config" in text:
-        cfg["quantization_config"] = text["quantization_config"]   # where vLLM's KimiK3Config puts it too
+        cfg["quantization_config"] = text["quantization_config"]  # where vLLM's KimiK3Config puts it too
     return cfg
 
 
@@ -208,11 +234,11 @@ def mxfp4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = floor(log2(block max |w|)) − 2, codes the nearest E2M1 value (saturating at 6), never −0."""
     out, inp = w.shape
     blk = w.reshape(out, inp // 32, 32)
-    _, p = torch.frexp(blk.abs().amax(-1))                  # amax = m · 2^p, m in [0.5, 1)
+    _, p = torch.frexp(blk.abs().amax(-1))  # amax = m · 2^p, m in [0.5, 1)
     exp = p - 1 - 2
     x = blk / torch.exp2(exp.double()).float()[..., None]
     grid = torch.tensor(E2M1)
-    mag = (x.abs()[..., None] - grid).abs().argmin(-1)      # nearest magnitude (|x| < 8: max is 6)
+    mag = (x.abs()[..., None] - grid).abs().argmin(-1)  # nearest magnitude (|x| < 8: max is 6)
     code = torch.where((x < 0) & (mag > 0), mag | 8, mag).to(torch.uint8)
     return code.reshape(out, inp), exp
 
@@ -228,11 +254,11 @@ def expert_tensors(name: str, w: torch.Tensor, experts: str) -> dict[str, torch.
     """One routed-expert weight (random fp32) as the variant stores it, values on the MXFP4 grid either way."""
     code, exp = mxfp4_codes(w)
     top = (code & 7).reshape(code.shape[0], -1, 32).amax(-1)
-    assert bool((top >= 6).all()), name               # a ±4 or ±6 in every block: the scale is the canonical one
+    assert bool((top >= 6).all()), name  # a ±4 or ±6 in every block: the scale is the canonical one
     if experts == "bf16":
         v = mxfp4_value(code, exp)
         b = v.bfloat16()
-        assert torch.equal(b.float(), v), name                                  # exact in bf16
+        assert torch.equal(b.float(), v), name  # exact in bf16
         return {name + ".weight": b}
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
     return {name + ".weight_packed": packed.contiguous(), name + ".weight_scale": (exp + 127).to(torch.uint8)}
@@ -263,7 +289,7 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
                 put(L + f"{part}_norm.weight", lambda n: R.norm(n, H))
                 put(L + f"{part}_proj.weight", lambda n: R.normal(n, 1, H, std=0.3).bfloat16())
         A = L + "self_attn."
-        if not mla:                                   # KDA
+        if not mla:  # KDA
             for p in "qkv":
                 put(A + f"{p}_proj.weight", lambda n: R.linear(n, d, H))
                 put(A + f"{p}_conv1d.weight", lambda n: R.normal(n, d, 1, CONV_KERNEL, std=0.5).bfloat16())
@@ -275,7 +301,7 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
             put(A + "g_proj.weight", lambda n: R.linear(n, d, H))
             put(A + "o_norm.weight", lambda n: R.norm(n, KDA_HEAD_DIM))
             put(A + "o_proj.weight", lambda n: R.linear(n, H, d))
-        else:                                         # NoPE MLA, q-LoRA, output gate
+        else:  # NoPE MLA, q-LoRA, output gate
             put(A + "q_a_proj.weight", lambda n: R.linear(n, Q_LORA, H))
             put(A + "q_a_layernorm.weight", lambda n: R.norm(n, Q_LORA))
             put(A + "q_b_proj.weight", lambda n: R.linear(n, HEADS * (QK_NOPE + QK_ROPE), Q_LORA, gain=2.0))
@@ -284,7 +310,7 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
             put(A + "kv_b_proj.weight", lambda n: R.linear(n, HEADS * (QK_NOPE + V_HEAD), KV_LORA))
             put(A + "g_proj.weight", lambda n: R.linear(n, HEADS * V_HEAD, H))
             put(A + "o_proj.weight", lambda n: R.linear(n, H, HEADS * V_HEAD))
-            if "index_topk" in text:                  # DeepSeek-V3.2's lightning indexer (deepseek_v32 names)
+            if "index_topk" in text:  # DeepSeek-V3.2's lightning indexer (deepseek_v32 names)
                 nh, hd = text["index_n_heads"], text["index_head_dim"]
                 put(A + "indexer.wq_b.weight", lambda n: R.linear(n, nh * hd, Q_LORA, gain=2.0))
                 put(A + "indexer.wk.weight", lambda n: R.linear(n, hd, H, gain=2.0))
@@ -306,8 +332,11 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
             put(M + f"shared_experts.{p}.weight", lambda n: R.linear(n, MOE_INTERMEDIATE * N_SHARED, H, gain=2.0))
         put(M + "shared_experts.down_proj.weight", lambda n: R.linear(n, H, MOE_INTERMEDIATE * N_SHARED))
         for e in range(N_EXPERTS):
-            for wn, (o, inp, gain) in (("w1", (MOE_INTERMEDIATE, LATENT, 2.0)), ("w3", (MOE_INTERMEDIATE, LATENT, 2.0)),
-                                       ("w2", (LATENT, MOE_INTERMEDIATE, 1.0))):
+            for wn, (o, inp, gain) in (
+                ("w1", (MOE_INTERMEDIATE, LATENT, 2.0)),
+                ("w3", (MOE_INTERMEDIATE, LATENT, 2.0)),
+                ("w2", (LATENT, MOE_INTERMEDIATE, 1.0)),
+            ):
                 name = PREFIX + M + f"experts.{e}.{wn}"
                 w = R.normal(name, o, inp, std=gain / math.sqrt(inp))
                 T.update(expert_tensors(name, w, experts))
@@ -331,8 +360,9 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------- writing
-def write_k3_checkpoint(out: str | Path, *, experts: str = "bf16", seed: int = 0, mtp: bool = False,
-                        with_indexer: bool = False) -> Path:
+def write_k3_checkpoint(
+    out: str | Path, *, experts: str = "bf16", seed: int = 0, mtp: bool = False, with_indexer: bool = False
+) -> Path:
     """Write the tiny K3 checkpoint into `out` (created; existing files of the same names overwritten)."""
     if experts not in VARIANTS:
         raise ValueError(f"experts: expected one of {VARIANTS}, found {experts!r}")
@@ -342,19 +372,24 @@ def write_k3_checkpoint(out: str | Path, *, experts: str = "bf16", seed: int = 0
     text = text_config(tok["vocab_size"], tok["special"], experts=experts, mtp=mtp, with_indexer=with_indexer)
     config = wrapper_config(text, tok["special"])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "do_sample": False}) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "do_sample": False})
+        + "\n"
+    )
     T = model_tensors(text, experts=experts, seed=seed)
-    names = sorted(T)                                 # two shards + index, like the published checkpoint
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    names = sorted(T)  # two shards + index, like the published checkpoint
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for fname, part in shards.items():
         save_file({n: T[n].contiguous() for n in part}, str(out / fname), metadata={"format": "pt"})
         weight_map |= {n: fname for n in part}
     total = sum(t.numel() * t.element_size() for t in T.values())
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
+    )
     return out
 
 

@@ -4,6 +4,7 @@ tokens can hold pieces of a character), `tokenizer_config.json` (K3's special to
 placed among reserved ids the way Kimi's vocabularies place them after the BPE ranks) and, optionally, a K3
 `config.json`. scripts/k3_chat_oracle.py renders its expected ids with this directory; tests/test_k3_chat.py
 checks that the directory it writes is still the one the data was made with (`tokenizer_digest`)."""
+
 from __future__ import annotations
 
 import base64
@@ -30,9 +31,21 @@ CORPUS = [
 ]
 N_MERGES = 420
 # K3's special tokens at their offsets after the BPE ranks; the other ids up to N_RESERVED are reserved tokens
-SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 5: "<|open|>", 6: "<|close|>", 7: "<|sep|>",
-            10: "<|kimi_image_placeholder|>", 11: "<|media_begin|>", 12: "<|media_content|>", 13: "<|media_end|>",
-            14: "<|media_pad|>", 20: "[UNK]", 21: "[PAD]"}
+SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    5: "<|open|>",
+    6: "<|close|>",
+    7: "<|sep|>",
+    10: "<|kimi_image_placeholder|>",
+    11: "<|media_begin|>",
+    12: "<|media_content|>",
+    13: "<|media_end|>",
+    14: "<|media_pad|>",
+    20: "[UNK]",
+    21: "[PAD]",
+}
 N_RESERVED = 64
 
 
@@ -41,7 +54,7 @@ def train_ranks() -> dict[bytes, int]:
     (ties broken by the pair's bytes, so the result never depends on dict order)."""
     ranks = {bytes([b]): b for b in range(256)}
     words = Counter()
-    for line in CORPUS * 3 + CORPUS[-1:] * 12:       # the non-ASCII line weighs more: merges inside characters
+    for line in CORPUS * 3 + CORPUS[-1:] * 12:  # the non-ASCII line weighs more: merges inside characters
         for w in re.findall(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+", line):
             words[tuple(bytes([b]) for b in w.encode("utf-8"))] += 1
     for _ in range(N_MERGES):
@@ -81,17 +94,42 @@ def write_k3_tokenizer(directory: Path, *, config: bool = True) -> dict[str, int
     lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
     (directory / "tiktoken.model").write_text("\n".join(lines) + "\n")
     ids = special_ids(len(ranks))
-    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                      "special": True} for t, i in sorted(ids.items(), key=lambda kv: kv[1])}
-    tokenizer_config = {"added_tokens_decoder": added, "bos_token": "[BOS]", "eos_token": "[EOS]",
-                        "unk_token": "[UNK]", "pad_token": "[PAD]", "num_reserved_special_tokens": N_RESERVED,
-                        "tokenizer_class": "TikTokenTokenizer", "model_max_length": 1048576}
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t, i in sorted(ids.items(), key=lambda kv: kv[1])
+    }
+    tokenizer_config = {
+        "added_tokens_decoder": added,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "num_reserved_special_tokens": N_RESERVED,
+        "tokenizer_class": "TikTokenTokenizer",
+        "model_max_length": 1048576,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1) + "\n")
     if config:
-        (directory / "config.json").write_text(json.dumps({
-            "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-            "eos_token_id": ids["<|end_of_msg|>"], "media_placeholder_token_id": ids["<|media_pad|>"],
-            "text_config": {"model_type": "kimi_linear", "vocab_size": len(ranks) + N_RESERVED}}, indent=1) + "\n")
+        (directory / "config.json").write_text(
+            json.dumps(
+                {
+                    "model_type": "kimi_k3",
+                    "architectures": ["KimiK3ForConditionalGeneration"],
+                    "eos_token_id": ids["<|end_of_msg|>"],
+                    "media_placeholder_token_id": ids["<|media_pad|>"],
+                    "text_config": {"model_type": "kimi_linear", "vocab_size": len(ranks) + N_RESERVED},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return ids
 
 

@@ -29,6 +29,7 @@ after `grace`, and `orphans()` lists every process group that still has a live m
 Everything runs as a task in the event loop that serves the emulator; its reads come from the emulator's memory,
 its writes go through the emulator's HTTP API (as a real controller's and kubelet's would).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,10 +63,12 @@ _DNS_ADDRESS = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+svc(\.cluster\.lo
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes' `$(VAR)` expansion of command/args/env values: known variables are replaced, `$$` is a
     literal `$`, unknown references stay as written."""
+
     def sub(mt: re.Match) -> str:
         if mt.group(0) == "$$":
             return "$"
         return env.get(mt.group(1), mt.group(0))
+
     return _VAR.sub(sub, text)
 
 
@@ -80,6 +83,7 @@ def _plain(x):
 @dataclass
 class Process:
     """One run of a pod's container."""
+
     pod: str
     uid: str
     component: str
@@ -87,16 +91,16 @@ class Process:
     popen: subprocess.Popen
     restarts: int = 0
     lines: list[str] = field(default_factory=list)
-    address: str = ""              # from the `READY <role> host:port` line
-    marked_ready: bool = False     # the pod's Ready condition has been set for this run
-    exit_reported: bool = False    # the pod has been marked not Ready after this run exited
-    restart_at: float = 0.0        # monotonic time of the next start after an exit (back-off)
-    killed: bool = False           # SIGKILLed because its pod went away
-    container: str = ""            # the container's name
-    init: bool = False             # an init container (run to completion before the next one)
-    last_failure: str = ""         # the previous run's termination message, when it failed
-    inits_done: tuple = ()         # names of the init containers that completed before this one
-    configmaps: tuple = ()         # (ConfigMap name, host directory) of its ConfigMap volumes
+    address: str = ""  # from the `READY <role> host:port` line
+    marked_ready: bool = False  # the pod's Ready condition has been set for this run
+    exit_reported: bool = False  # the pod has been marked not Ready after this run exited
+    restart_at: float = 0.0  # monotonic time of the next start after an exit (back-off)
+    killed: bool = False  # SIGKILLed because its pod went away
+    container: str = ""  # the container's name
+    init: bool = False  # an init container (run to completion before the next one)
+    last_failure: str = ""  # the previous run's termination message, when it failed
+    inits_done: tuple = ()  # names of the init containers that completed before this one
+    configmaps: tuple = ()  # (ConfigMap name, host directory) of its ConfigMap volumes
 
     @property
     def alive(self) -> bool:
@@ -109,9 +113,18 @@ class Process:
 class LocalNode:
     NODE = "local-node"
 
-    def __init__(self, emu, namespace: str, run_dir: Path, volumes: dict[str, Path] | None = None, *,
-                 tick: float = 0.1, backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0),
-                 env: dict[str, str] | None = None, echo: bool = False):
+    def __init__(
+        self,
+        emu,
+        namespace: str,
+        run_dir: Path,
+        volumes: dict[str, Path] | None = None,
+        *,
+        tick: float = 0.1,
+        backoff: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0),
+        env: dict[str, str] | None = None,
+        echo: bool = False,
+    ):
         self.emu, self.ns = emu, namespace
         self.run_dir = Path(run_dir)
         self.volumes = {k: Path(v) for k, v in (volumes or {}).items()}  # PVC claimName → host directory
@@ -119,10 +132,10 @@ class LocalNode:
         self.extra_env = dict(env or {})
         self.echo = echo
         self.ports: dict[tuple[str, int], int] = {}  # (pod name, container port) → loopback port
-        self.running: dict[str, Process] = {}        # pod name → its current process
-        self.history: list[Process] = []             # every process ever started, in order
-        self.stage: dict[str, int] = {}              # pod uid → index of its running container (inits first)
-        self.errors: list[str] = []                  # unexpected failures of the loop (a test asserts none)
+        self.running: dict[str, Process] = {}  # pod name → its current process
+        self.history: list[Process] = []  # every process ever started, in order
+        self.stage: dict[str, int] = {}  # pod uid → index of its running container (inits first)
+        self.errors: list[str] = []  # unexpected failures of the loop (a test asserts none)
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -194,8 +207,11 @@ class LocalNode:
     # ------------------------------------------------------------------ reading the emulator
     def _objects(self, resource: str) -> list[dict]:
         res = kmock.resource(resource)
-        return [_plain(obj.raw) for (r, ns, _), obj in list(self.emu.objects.items())
-                if r == res and ns == self.ns and not obj.deleted]
+        return [
+            _plain(obj.raw)
+            for (r, ns, _), obj in list(self.emu.objects.items())
+            if r == res and ns == self.ns and not obj.deleted
+        ]
 
     def _get(self, resource: str, name: str) -> dict | None:
         key = (kmock.resource(resource), self.ns, name)
@@ -208,16 +224,19 @@ class LocalNode:
 
     @staticmethod
     def _ready(pod: dict) -> bool:
-        return any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for c in (pod.get("status") or {}).get("conditions") or [])
+        return any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
 
     @staticmethod
     def _template_hash(obj: dict) -> str | None:
         return ((obj.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION)
 
     # ------------------------------------------------------------------ writing through the API
-    async def _request(self, method: str, path: str, body=None, ok_missing: bool = False,
-                       content_type: str = "application/json"):
+    async def _request(
+        self, method: str, path: str, body=None, ok_missing: bool = False, content_type: str = "application/json"
+    ):
         call = getattr(self.emu, method)
         kw = {} if body is None else {"json": body, "headers": {"Content-Type": content_type}}
         async with call(path, **kw) as r:
@@ -230,27 +249,47 @@ class LocalNode:
     def _pods_path(self, name: str = "") -> str:
         return f"/api/v1/namespaces/{self.ns}/pods" + (f"/{name}" if name else "")
 
-    async def _create_pod(self, name: str, owner: dict, template: dict, hostname: str | None = None,
-                          subdomain: str | None = None) -> None:
+    async def _create_pod(
+        self, name: str, owner: dict, template: dict, hostname: str | None = None, subdomain: str | None = None
+    ) -> None:
         meta = template.get("metadata") or {}
         spec = dict(template["spec"], nodeName=self.NODE)
         if hostname:
             spec.update(hostname=hostname, subdomain=subdomain)
-        body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": self.ns, "labels": dict(meta.get("labels") or {}),
-                             "annotations": dict(meta.get("annotations") or {}),
-                             "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                                  "name": owner["metadata"]["name"],
-                                                  "uid": owner["metadata"].get("uid", ""), "controller": True}]},
-                "spec": spec, "status": {"phase": "Pending"}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.ns,
+                "labels": dict(meta.get("labels") or {}),
+                "annotations": dict(meta.get("annotations") or {}),
+                "ownerReferences": [
+                    {
+                        "apiVersion": owner["apiVersion"],
+                        "kind": owner["kind"],
+                        "name": owner["metadata"]["name"],
+                        "uid": owner["metadata"].get("uid", ""),
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": spec,
+            "status": {"phase": "Pending"},
+        }
         await self._request("post", self._pods_path(), body)
 
     async def delete_pod(self, name: str) -> None:
         await self._request("delete", self._pods_path(name), ok_missing=True)
 
     async def _patch_pod_status(self, name: str, status: dict) -> None:
-        await self._request("patch", self._pods_path(name) + "/status", {"status": status}, ok_missing=True,
-                            content_type="application/merge-patch+json")
+        await self._request(
+            "patch",
+            self._pods_path(name) + "/status",
+            {"status": status},
+            ok_missing=True,
+            content_type="application/merge-patch+json",
+        )
 
     # ------------------------------------------------------------------ controllers
     async def _controllers(self) -> None:
@@ -263,19 +302,24 @@ class LocalNode:
     @staticmethod
     def _selected(pods: dict[str, dict], selector: dict) -> list[dict]:
         want = (selector or {}).get("matchLabels") or {}
-        return [p for p in pods.values()
-                if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())]
+        return [
+            p for p in pods.values() if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())
+        ]
 
     async def _statefulset(self, sts: dict, pods: dict[str, dict]) -> None:
         name, spec = sts["metadata"]["name"], sts["spec"]
         replicas, template = spec.get("replicas", 1), spec["template"]
         current = self._template_hash(template)
-        mine = {p["metadata"]["name"]: p for p in self._selected(pods, spec["selector"])
-                if p["metadata"]["name"].startswith(f"{name}-")}
+        mine = {
+            p["metadata"]["name"]: p
+            for p in self._selected(pods, spec["selector"])
+            if p["metadata"]["name"].startswith(f"{name}-")
+        }
         for i in range(replicas):
             if f"{name}-{i}" not in mine:
-                await self._create_pod(f"{name}-{i}", sts, template, hostname=f"{name}-{i}",
-                                       subdomain=spec.get("serviceName"))
+                await self._create_pod(
+                    f"{name}-{i}", sts, template, hostname=f"{name}-{i}", subdomain=spec.get("serviceName")
+                )
         for pod_name in mine:
             tail = pod_name.rsplit("-", 1)[-1]
             if tail.isdigit() and int(tail) >= replicas:
@@ -349,19 +393,45 @@ class LocalNode:
         if rc is None:
             state = {"running": {"startedAt": _now()}}
         else:
-            state = {"terminated": {"exitCode": rc if rc >= 0 else 128 - rc, "reason": "Error" if rc else
-                                    "Completed", "message": proc.tail(5)[-1000:]}}
-        this = {"name": proc.container or proc.component, "ready": ready, "started": rc is None,
-                "restartCount": proc.restarts, "state": state, "image": "local",
-                "containerID": f"local://{proc.popen.pid}"}
+            state = {
+                "terminated": {
+                    "exitCode": rc if rc >= 0 else 128 - rc,
+                    "reason": "Error" if rc else "Completed",
+                    "message": proc.tail(5)[-1000:],
+                }
+            }
+        this = {
+            "name": proc.container or proc.component,
+            "ready": ready,
+            "started": rc is None,
+            "restartCount": proc.restarts,
+            "state": state,
+            "image": "local",
+            "containerID": f"local://{proc.popen.pid}",
+        }
         if proc.last_failure:
             this["lastState"] = {"terminated": {"exitCode": 1, "reason": "Error", "message": proc.last_failure}}
-        done = [{"name": n, "ready": True, "restartCount": 0, "image": "local",
-                 "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}} for n in proc.inits_done]
-        out = {"phase": "Pending" if proc.init else "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
-               "conditions": [{"type": "PodScheduled", "status": "True"},
-                              {"type": "Initialized", "status": "False" if proc.init else "True"},
-                              {"type": "ContainersReady", "status": flag}, {"type": "Ready", "status": flag}]}
+        done = [
+            {
+                "name": n,
+                "ready": True,
+                "restartCount": 0,
+                "image": "local",
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed"}},
+            }
+            for n in proc.inits_done
+        ]
+        out = {
+            "phase": "Pending" if proc.init else "Running",
+            "podIP": "127.0.0.1",
+            "hostIP": "127.0.0.1",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "False" if proc.init else "True"},
+                {"type": "ContainersReady", "status": flag},
+                {"type": "Ready", "status": flag},
+            ],
+        }
         if proc.init:
             out["initContainerStatuses"] = done + [this]
         else:
@@ -394,8 +464,9 @@ class LocalNode:
         svc = self._get("v1/services", parts[0])
         if svc is None:
             raise ConnectionError(f"{address}: no Service {parts[0]}")
-        target = next((p.get("targetPort", p["port"]) for p in svc["spec"].get("ports", [])
-                       if p["port"] == int(port)), None)
+        target = next(
+            (p.get("targetPort", p["port"]) for p in svc["spec"].get("ports", []) if p["port"] == int(port)), None
+        )
         if target is None:
             raise ConnectionError(f"{address}: Service {parts[0]} has no port {port}")
         selected = self._selected(self.pods(), {"matchLabels": svc["spec"].get("selector") or {}})
@@ -426,8 +497,11 @@ class LocalNode:
                 self._cm_dirs.append((vol["configMap"]["name"], d))
                 out[mnt["mountPath"]] = d
             elif "secret" in vol:
-                d = self.secret_dir(vol["secret"]["secretName"], pod_dir / "volumes" / mnt["name"],
-                                    vol["secret"].get("defaultMode", 0o644))
+                d = self.secret_dir(
+                    vol["secret"]["secretName"],
+                    pod_dir / "volumes" / mnt["name"],
+                    vol["secret"].get("defaultMode", 0o644),
+                )
                 if d is None:
                     return None
                 out[mnt["mountPath"]] = d
@@ -490,8 +564,12 @@ class LocalNode:
 
     def _env(self, pod: dict, container: dict) -> dict[str, str]:
         meta = pod["metadata"]
-        fields = {"metadata.name": meta["name"], "metadata.namespace": self.ns, "status.podIP": "127.0.0.1",
-                  "spec.nodeName": self.NODE}
+        fields = {
+            "metadata.name": meta["name"],
+            "metadata.namespace": self.ns,
+            "status.podIP": "127.0.0.1",
+            "spec.nodeName": self.NODE,
+        }
         env: dict[str, str] = {}
         for e in container.get("env") or []:
             if "value" in e:
@@ -513,7 +591,7 @@ class LocalNode:
                 continue
             for mount, host in mounts.items():
                 if tok == mount or tok.startswith(mount.rstrip("/") + "/"):
-                    tok = str(host) + tok[len(mount.rstrip("/")):]
+                    tok = str(host) + tok[len(mount.rstrip("/")) :]
                     break
             if tok == "0.0.0.0":
                 tok = "127.0.0.1"
@@ -526,8 +604,11 @@ class LocalNode:
         # DNS is emulated by rewriting names to loopback addresses, so a TLS client is told a name it would have
         # dialled and verified: the first it was given, else (the addresses it dials come from the router) its own
         # pod's name — every worker certificate of a deployment carries the names of all its worker pods
-        own = [f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}.{self.ns}.svc"] \
-            if pod["spec"].get("hostname") and pod["spec"].get("subdomain") else []
+        own = (
+            [f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}.{self.ns}.svc"]
+            if pod["spec"].get("hostname") and pod["spec"].get("subdomain")
+            else []
+        )
         for flag in ("--worker-tls", "--expert-tls"):
             if f"{flag}-ca" in out and f"{flag}-server-name" not in out and (dns_names or own):
                 out += [f"{flag}-server-name", (dns_names or own)[0]]
@@ -540,7 +621,7 @@ class LocalNode:
             # a shell script: rewrite its words, re-quote them (words with a $ stay expandable), run it in sh
             words = shlex.split(argv[2])
             lead = ["exec"] if words[:1] == ["exec"] else []
-            words = self._rewrite(words[len(lead):], pod, container, mounts)
+            words = self._rewrite(words[len(lead) :], pod, container, mounts)
             for w in words:
                 if "$" in w and any(ch in w for ch in '"\\`'):
                     raise ValueError(f"pod {name}: cannot re-quote shell word {w!r}")
@@ -564,14 +645,40 @@ class LocalNode:
         env = self._env(pod, container)
         argv = self._argv(pod, container, env, mounts)
         full_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        full_env.update({"HOSTNAME": spec.get("hostname") or name, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                         "MKL_NUM_THREADS": "1", "EXPERTMESH_TORCH_THREADS": "1", **env, **self.extra_env})
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                                 cwd=str(pod_dir), start_new_session=True)
+        full_env.update(
+            {
+                "HOSTNAME": spec.get("hostname") or name,
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                "EXPERTMESH_TORCH_THREADS": "1",
+                **env,
+                **self.extra_env,
+            }
+        )
+        popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=str(pod_dir),
+            start_new_session=True,
+        )
         component = (meta.get("labels") or {}).get(LABEL_COMPONENT, container["name"])
-        proc = Process(pod=name, uid=uid, component=component, argv=argv, popen=popen, restarts=restarts,
-                       container=container["name"], init=stage < len(inits), last_failure=last_failure,
-                       inits_done=tuple(c["name"] for c in inits[:stage]), configmaps=tuple(self._cm_dirs))
+        proc = Process(
+            pod=name,
+            uid=uid,
+            component=component,
+            argv=argv,
+            popen=popen,
+            restarts=restarts,
+            container=container["name"],
+            init=stage < len(inits),
+            last_failure=last_failure,
+            inits_done=tuple(c["name"] for c in inits[:stage]),
+            configmaps=tuple(self._cm_dirs),
+        )
         log = open(pod_dir / f"run-{container['name']}-{restarts}.log", "w")
         threading.Thread(target=self._pump, args=(proc, log), daemon=True, name=f"log-{name}").start()
         self.running[name] = proc

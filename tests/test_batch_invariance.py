@@ -1,4 +1,5 @@
 """Row results of the batch-invariant linear must not depend on the other rows in the call."""
+
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def test_packed_linear_matches_plain_and_follows_writes_to_the_weight(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(linear(x, w).float(), (x.float() @ w.float().T), **tol)
     with torch.no_grad():
-        w.mul_(-2)                                  # written in place: the packed copy is made again
+        w.mul_(-2)  # written in place: the packed copy is made again
     torch.testing.assert_close(linear(x, w).float(), (x.float() @ w.float().T), **tol)
 
 
@@ -52,9 +53,9 @@ def test_bmm_rows_do_not_depend_on_batch(dtype):
         w = torch.randn(b, k, n, generator=gen).to(dtype)
         x = torch.randn(b, 1, k, generator=gen).to(dtype)
         alone = bmm(x, w)[:, 0]
-        torch.testing.assert_close(alone.float(), (x.float() @ w.float())[:, 0], rtol=2e-2, atol=2e-2 * k ** 0.5)
+        torch.testing.assert_close(alone.float(), (x.float() @ w.float())[:, 0], rtol=2e-2, atol=2e-2 * k**0.5)
         for m in (2, 3, 16, 17, 64, 100):
-            others = torch.randn(m, b, k, generator=gen).to(dtype)    # token-major, as the model holds them
+            others = torch.randn(m, b, k, generator=gen).to(dtype)  # token-major, as the model holds them
             pos = m // 2
             others[pos] = x[:, 0]
             assert torch.equal(bmm(others.transpose(0, 1), w)[:, pos], alone), (b, k, n, m, dtype)
@@ -64,13 +65,14 @@ def test_pointwise_rows_do_not_depend_on_batch():
     import torch.nn.functional as F
 
     from expertmesh.kernels.batch_invariant import pointwise
+
     gen = torch.Generator().manual_seed(2)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)                  # several threads available: the batch must still not matter
+    torch.set_num_threads(2)  # several threads available: the batch must still not matter
     try:
         _check_pointwise(pointwise, gen, F)
     finally:
-        torch.set_num_threads(threads)        # the rest of the suite runs as configured
+        torch.set_num_threads(threads)  # the rest of the suite runs as configured
 
 
 def _check_pointwise(pointwise, gen, F):
@@ -89,10 +91,11 @@ def test_model_rows_do_not_depend_on_the_other_sequences():
     """Two sequences stepped together give bitwise the logits each gives alone."""
     from expertmesh.model.config import preset
     from expertmesh.model.transformer import Segment, Transformer, init_random_
+
     model = init_random_(Transformer(preset("tiny")), seed=1)
     a, b = list(range(1, 30)), list(range(100, 107))
     alone_a = model.step(a, model.new_cache())
     alone_b = model.step(b, model.new_cache())
     ca, cb = model.new_cache(), model.new_cache()
     together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
-    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)
+    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a) :], alone_b)

@@ -1,4 +1,5 @@
 """Chat template, tool-call parsing, thinking tiers and budgets (pure functions)."""
+
 import json
 
 import pytest
@@ -28,8 +29,9 @@ def six_turn_session():
     turns = []
     for n in range(6):
         call = ToolCall(f"call_{n}", "get_weather", json.dumps({"city": f"city-{n}", "unit": "C"}))
-        out = Message("assistant", content=f"checking {n}", reasoning=f"I should call the tool for city {n}.",
-                      tool_calls=[call])
+        out = Message(
+            "assistant", content=f"checking {n}", reasoning=f"I should call the tool for city {n}.", tool_calls=[call]
+        )
         turns.append((list(history), out))
         history += [out, Message("tool", f"{10 + n} degrees", tool_call_id=call.id)]
     return turns, history
@@ -72,6 +74,7 @@ def test_malformed_tool_calls_stay_content(inner):
 
 def test_unclosed_tool_call_and_random_tokens_never_crash():
     import random
+
     rng = random.Random(0)
     for _ in range(200):
         ids = [rng.randrange(T.vocab_size) for _ in range(rng.randrange(0, 40))]
@@ -80,15 +83,23 @@ def test_unclosed_tool_call_and_random_tokens_never_crash():
     assert parsed.tool_calls == [] and "f\n{}" in parsed.content
 
 
-@pytest.mark.parametrize("messages, needle", [
-    ([], "messages: expected at least one message"),
-    ([Message("user", "hi"), Message("tool", "x", tool_call_id="nope")], "messages[1].tool_call_id: 'nope' answers no"),
-    ([Message("user", "hi"), Message("assistant", tool_calls=[ToolCall("a", "f", "{}")]), Message("user", "?")],
-     "messages[1]: tool call 'a' is never answered before messages[2] (user)"),
-    ([Message("user", "hi"), Message("system", "late")], "messages[1]: a system message is only allowed first"),
-    ([Message("robot", "hi")], "messages[0].role: 'robot'"),
-    ([Message("user", "hi"), Message("tool", "x")], "messages[1].tool_call_id: required"),
-])
+@pytest.mark.parametrize(
+    "messages, needle",
+    [
+        ([], "messages: expected at least one message"),
+        (
+            [Message("user", "hi"), Message("tool", "x", tool_call_id="nope")],
+            "messages[1].tool_call_id: 'nope' answers no",
+        ),
+        (
+            [Message("user", "hi"), Message("assistant", tool_calls=[ToolCall("a", "f", "{}")]), Message("user", "?")],
+            "messages[1]: tool call 'a' is never answered before messages[2] (user)",
+        ),
+        ([Message("user", "hi"), Message("system", "late")], "messages[1]: a system message is only allowed first"),
+        ([Message("robot", "hi")], "messages[0].role: 'robot'"),
+        ([Message("user", "hi"), Message("tool", "x")], "messages[1].tool_call_id: required"),
+    ],
+)
 def test_history_errors_name_the_message(messages, needle):
     with pytest.raises(ChatError) as e:
         validate_history(messages)
@@ -101,7 +112,7 @@ def test_tiers():
     assert [tier_from_request(reasoning_effort=e) for e in ("low", "medium", "high")] == ["low", "high", "max"]
     assert tier_from_request(budget_tokens=budgets.low, budgets=budgets) == "low"
     assert tier_from_request(budget_tokens=budgets.low + 1, budgets=budgets) == "high"
-    assert tier_from_request(budget_tokens=10 ** 6, budgets=budgets) == "max"
+    assert tier_from_request(budget_tokens=10**6, budgets=budgets) == "max"
     assert tier_from_request() == "high"
     with pytest.raises(ChatError, match="thinking_budget: 'huge'"):
         tier_from_request(thinking_budget="huge")

@@ -1,5 +1,6 @@
 """A checkpoint's chat template renders the ids transformers' apply_chat_template renders (through the router's own
 message conversion), its markers are found, the model's output parses back, and prefix stability is checked."""
+
 import json
 import logging
 
@@ -23,33 +24,60 @@ from expertmesh.chat.thinking import ThinkingState
 from expertmesh.router.decoding import ChatDecoder
 from expertmesh.router.messages import openai_messages
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def call(i: int, city: str) -> dict:
-    return {"id": f"call_{i}", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "C"})}}
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "C"})},
+    }
 
 
 CONVERSATIONS = {
     "one user message": ([{"role": "user", "content": "Hello"}], None),
-    "system + unicode": ([{"role": "system", "content": "Réponds en français ✓"},
-                          {"role": "user", "content": "Quel temps à Paris? 日本語"}], None),
-    "multi-turn with reasoning": ([
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4", "reasoning_content": "Thinking step by step: 2+2=4."},
-        {"role": "user", "content": "And 3+3?"}], None),
-    "tools, calls and results": ([
-        {"role": "system", "content": "You are a weather agent."},
-        {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": None, "reasoning_content": "Two cities: two calls.",
-         "tool_calls": [call(0, "Paris"), call(1, "Oslo")]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
-        {"role": "tool", "tool_call_id": "call_1", "content": "9 C"},
-        {"role": "assistant", "content": "Paris 18 C, Oslo 9 C.", "reasoning_content": "Done."},
-        {"role": "user", "content": "Thanks!"}], TOOLS),
+    "system + unicode": (
+        [
+            {"role": "system", "content": "Réponds en français ✓"},
+            {"role": "user", "content": "Quel temps à Paris? 日本語"},
+        ],
+        None,
+    ),
+    "multi-turn with reasoning": (
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "Thinking step by step: 2+2=4."},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+        None,
+    ),
+    "tools, calls and results": (
+        [
+            {"role": "system", "content": "You are a weather agent."},
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Two cities: two calls.",
+                "tool_calls": [call(0, "Paris"), call(1, "Oslo")],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "9 C"},
+            {"role": "assistant", "content": "Paris 18 C, Oslo 9 C.", "reasoning_content": "Done."},
+            {"role": "user", "content": "Thanks!"},
+        ],
+        TOOLS,
+    ),
 }
 
 
@@ -74,9 +102,10 @@ def test_rendered_ids_are_apply_chat_templates(chatml, name, thinking):
     fmt, theirs = chatml
     raw, tools = CONVERSATIONS[name]
     ours = fmt.render(openai_messages(raw), tools=tools, thinking=thinking).ids
-    expected = theirs.apply_chat_template(for_transformers(raw), tools=tools, add_generation_prompt=True,
-                                          enable_thinking=thinking)
-    assert ours == expected["input_ids"]       # transformers 5 returns a BatchEncoding by default
+    expected = theirs.apply_chat_template(
+        for_transformers(raw), tools=tools, add_generation_prompt=True, enable_thinking=thinking
+    )
+    assert ours == expected["input_ids"]  # transformers 5 returns a BatchEncoding by default
 
 
 def test_user_typed_control_tokens_stay_text_as_with_sanitize_control_tokens(chatml):
@@ -86,7 +115,7 @@ def test_user_typed_control_tokens_stay_text_as_with_sanitize_control_tokens(cha
     sanitized = theirs.apply_chat_template(raw, add_generation_prompt=True, sanitize_control_tokens=True)
     plain = theirs.apply_chat_template(raw, add_generation_prompt=True)
     assert ours == sanitized["input_ids"] and ours != plain["input_ids"]
-    assert ours.count(fmt.tokenizer.special("<|im_start|>")) == 2          # the template's two, not the user's
+    assert ours.count(fmt.tokenizer.special("<|im_start|>")) == 2  # the template's two, not the user's
 
 
 def test_markers_found_in_the_template_and_vocabulary(chatml):
@@ -98,17 +127,20 @@ def test_markers_found_in_the_template_and_vocabulary(chatml):
     assert tok.special("<|im_start|>") in m.not_in_answer and m.tool_open == tok.special("<tool_call>")
     rendered = fmt.render([Message("user", "hi")], thinking=True)
     assert rendered.phase == "reasoning"
-    assert fmt.render([Message("user", "hi")], thinking=False).phase == "maybe"   # <think></think> closed it
+    assert fmt.render([Message("user", "hi")], thinking=False).phase == "maybe"  # <think></think> closed it
 
 
 def generated(fmt, history: list[Message], reply: Message, tools=None) -> list[int]:
     """What the model emits after the prompt for `reply`, per the template: the rendered turn up to end of turn."""
     prompt = fmt.render(history, tools=tools).ids
-    whole = fmt.tokenizer.encode(fmt.render_text(fmt.template_messages(history + [reply]), tools=tools,
-                                                 add_generation_prompt=False, sanitize=False))
-    assert whole[:len(prompt)] == prompt
-    out = whole[len(prompt):]
-    return out[:out.index(fmt.markers.end_of_turn) + 1]
+    whole = fmt.tokenizer.encode(
+        fmt.render_text(
+            fmt.template_messages(history + [reply]), tools=tools, add_generation_prompt=False, sanitize=False
+        )
+    )
+    assert whole[: len(prompt)] == prompt
+    out = whole[len(prompt) :]
+    return out[: out.index(fmt.markers.end_of_turn) + 1]
 
 
 def test_the_templates_own_tool_calls_parse_back(chatml):
@@ -118,8 +150,10 @@ def test_the_templates_own_tool_calls_parse_back(chatml):
     out = generated(fmt, messages[:2], messages[2], tools)
     parsed = fmt.parse_output(out, phase="reasoning", salt="s")
     assert parsed.reasoning.strip() == "Two cities: two calls." and parsed.content == "" and parsed.finished_thinking
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
-        [("get_weather", {"city": "Paris", "unit": "C"}), ("get_weather", {"city": "Oslo", "unit": "C"})]
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_weather", {"city": "Oslo", "unit": "C"}),
+    ]
     assert len({c.id for c in parsed.tool_calls}) == 2
     # markup that is not a well-formed call stays in the content, as text
     tok = fmt.tokenizer
@@ -136,7 +170,7 @@ def test_streaming_decoder_and_budget_agree_with_parse_output(chatml):
     out = generated(fmt, messages, reply, tools)
     control = thinking_control(fmt.markers, "reasoning", 1000)
     state, emitted = ThinkingState(control), []
-    for t in out:                           # a model that closes thinking itself: nothing is overridden
+    for t in out:  # a model that closes thinking itself: nothing is overridden
         emitted.append(state.next_token(t))
         state.observe(emitted[-1])
     assert emitted == out
@@ -161,30 +195,51 @@ def test_kimi_tool_calls_parse_back_with_their_ids(tmp_path):
     fmt = load_chat(d)
     assert fmt.tool_format.name == "kimi_k2"
     history = [Message("user", "Weather in Paris?")]
-    reply = Message("assistant", "", reasoning="Call it.", tool_calls=openai_messages(
-        [{"role": "assistant", "tool_calls": [{"id": "functions.get_weather:0", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}])[0].tool_calls)
+    reply = Message(
+        "assistant",
+        "",
+        reasoning="Call it.",
+        tool_calls=openai_messages(
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "functions.get_weather:0",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                }
+            ]
+        )[0].tool_calls,
+    )
     parsed = fmt.parse_output(generated(fmt, history, reply), phase=fmt.render(history).phase)
-    assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
-        [("functions.get_weather:0", "get_weather", {"city": "Paris"})]
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("functions.get_weather:0", "get_weather", {"city": "Paris"})
+    ]
     assert parsed.reasoning == "Call it."
 
 
 def test_deepseek_style_template_gets_text_arguments_and_its_thinking_variable(tmp_path):
-    d = write_checkpoint(tmp_path, template=DEEPSEEK, extra_special=DEEPSEEK_TOKENS,
-                         config={"eos_token": "<｜end▁of▁sentence｜>"})
+    d = write_checkpoint(
+        tmp_path, template=DEEPSEEK, extra_special=DEEPSEEK_TOKENS, config={"eos_token": "<｜end▁of▁sentence｜>"}
+    )
     fmt, theirs = load_chat(d), auto_tokenizer(d)
     assert fmt.tool_format.name == "deepseek_v3.1" and fmt.arguments_as_text and fmt.pass_thinking
     raw, tools = CONVERSATIONS["tools, calls and results"]
-    for thinking in (True, False):     # the OpenAI messages as they are: arguments as JSON text
+    for thinking in (True, False):  # the OpenAI messages as they are: arguments as JSON text
         expected = theirs.apply_chat_template(raw, tools=tools, add_generation_prompt=True, thinking=thinking)
         assert fmt.render(openai_messages(raw), tools=tools, thinking=thinking).ids == expected["input_ids"]
     messages = openai_messages(raw)
     parsed = fmt.parse_output(generated(fmt, messages[:2], messages[2], tools), phase="reasoning")
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
-        [("get_weather", {"city": "Paris", "unit": "C"}), ("get_weather", {"city": "Oslo", "unit": "C"})]
-    assert parsed.reasoning == "Two cities: two calls." and fmt.markers.stop == (fmt.tokenizer.special(
-        "<｜end▁of▁sentence｜>"),)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_weather", {"city": "Oslo", "unit": "C"}),
+    ]
+    assert parsed.reasoning == "Two cities: two calls." and fmt.markers.stop == (
+        fmt.tokenizer.special("<｜end▁of▁sentence｜>"),
+    )
 
 
 def test_template_without_think_tokens_has_thinking_off(tmp_path):
@@ -199,8 +254,10 @@ def test_template_without_think_tokens_has_thinking_off(tmp_path):
 
 def test_chat_template_jinja_wins_and_named_tool_use_template_is_picked_with_tools(tmp_path):
     tool_use = CHATML.replace("# Tools", "# Tool use")
-    d = write_checkpoint(tmp_path, template=[{"name": "default", "template": CHATML_NO_THINKING},
-                                             {"name": "tool_use", "template": tool_use}])
+    d = write_checkpoint(
+        tmp_path,
+        template=[{"name": "default", "template": CHATML_NO_THINKING}, {"name": "tool_use", "template": tool_use}],
+    )
     fmt, theirs = load_chat(d), auto_tokenizer(d)
     raw, tools = CONVERSATIONS["tools, calls and results"]
     for t in (tools, None):
@@ -220,7 +277,7 @@ def test_prefix_stability_checked_at_load(tmp_path, caplog):
         fmt = load_chat(write_checkpoint(tmp_path / "unstable", template=CHATML_DROPS_OLD_REASONING))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "turn 3's prompt does not start with turn 2's prompt and output" in warnings[0]
-    assert isinstance(fmt, TemplateChat)                 # it still serves
+    assert isinstance(fmt, TemplateChat)  # it still serves
 
 
 def test_template_errors_name_the_file(tmp_path):
@@ -257,6 +314,7 @@ def served(tmp_path_factory):
     from expertmesh.protos import router_pb2_grpc
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
+
     cfg = preset("tiny").model_copy(update={"vocab_size": 512})
     d = create_checkpoint(cfg, tmp_path_factory.mktemp("served") / "ckpt", seed=0)
     write_checkpoint(d, generation_eos=["<|im_end|>", "</s>"])
@@ -278,6 +336,7 @@ def test_router_serves_with_the_checkpoints_tokenizer_and_template(served):
     import openai
 
     from expertmesh.protos import router_pb2, sampling_pb2
+
     url, stub, theirs, engine = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     raw, tools = CONVERSATIONS["tools, calls and results"]
@@ -289,6 +348,9 @@ def test_router_serves_with_the_checkpoints_tokenizer_and_template(served):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == (full.choices[0].message.content or "")
     text = "The weather in Paris"
-    events = list(stub.Generate(router_pb2.GenerateRequest(text=text, return_text=True,
-                                                           params=sampling_pb2.SamplingParams(max_tokens=4))))
+    events = list(
+        stub.Generate(
+            router_pb2.GenerateRequest(text=text, return_text=True, params=sampling_pb2.SamplingParams(max_tokens=4))
+        )
+    )
     assert events[-1].finish.usage.prompt_tokens == len(theirs(text)["input_ids"])

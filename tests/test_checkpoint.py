@@ -1,4 +1,5 @@
 """Checkpoint format: create, inspect, load, and the loader's errors."""
+
 import json
 import shutil
 
@@ -76,7 +77,9 @@ def _rewrite(path, fn):
 def test_missing_tensor(copy):
     f = copy / "model-layers-00001-00001.safetensors"
     _rewrite(f, lambda t: t.pop("layers.1.moe.router.weight"))
-    with pytest.raises(CheckpointError, match=r"model-layers-00001-00001.safetensors: tensor 'layers.1.moe.router.weight' missing"):
+    with pytest.raises(
+        CheckpointError, match=r"model-layers-00001-00001.safetensors: tensor 'layers.1.moe.router.weight' missing"
+    ):
         Checkpoint(copy)
 
 
@@ -123,7 +126,9 @@ def test_config_mismatch(copy):
     (copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"has shape \[288, 64\], expected \[288, 128\]"):
         Checkpoint(copy)
-    with pytest.raises(CheckpointError, match=r"config does not match the expected one \(hidden_size: expected 64, found 128\)"):
+    with pytest.raises(
+        CheckpointError, match=r"config does not match the expected one \(hidden_size: expected 64, found 128\)"
+    ):
         Checkpoint(copy, expect_config=preset("tiny"))
     cfg["moe"]["top_k"] = 99
     (copy / "config.json").write_text(json.dumps(cfg))

@@ -2,6 +2,7 @@
 real processes on loopback. Token-exact against the in-process reference model, as over gRPC (tests/test_up.py),
 and real faults on an expert rank (SIGKILL, SIGSTOP) with two replicas of every expert: same tokens, no hang,
 the pair re-formed once the worker is back."""
+
 import signal
 import time
 
@@ -20,7 +21,7 @@ from expertmesh.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 EOS = ByteTokenizer().eos_id
-MAX_TOKENS = 40          # test_faults' streams
+MAX_TOKENS = 40  # test_faults' streams
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +40,27 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
     from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
     from expertmesh.worker.collective import CollectiveExpert
     from expertmesh.worker.server import serve, shutdown
+
     cfg = Checkpoint(ckpt_dir).cfg
     groups = cfg.moe.combine_groups
-    server = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0,
-                   collective_backend=backend)
+    server = serve(
+        "expert", ckpt_dir, 0, assignment=SUBSET, name="shard", collective_port=0, collective_backend=backend
+    )
     plain = serve("expert", ckpt_dir, 0, assignment=SUBSET, name="plain")
     grpc_only = RemoteExpert(f"127.0.0.1:{server.port}", timeout=5)
     pair = CollectiveExpert(RemoteExpert(f"127.0.0.1:{server.port}", timeout=5))
     fallback = CollectiveExpert(RemoteExpert(f"127.0.0.1:{plain.port}", timeout=5))
     try:
         import subprocess
-        listening = subprocess.run(["ss", "-tlnH", f"sport = :{server.collective.port}"], capture_output=True,
-                                   text=True).stdout.split()
-        assert f"127.0.0.1:{server.collective.port}" in listening      # the store: on --host only, as gRPC
+
+        listening = subprocess.run(
+            ["ss", "-tlnH", f"sport = :{server.collective.port}"], capture_output=True, text=True
+        ).stdout.split()
+        assert f"127.0.0.1:{server.collective.port}" in listening  # the store: on --host only, as gRPC
         assert wait_until(lambda: pair.formed, 20) and pair.backend == backend
-        for seed, (dtype, out_dtype) in enumerate([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                   (torch.bfloat16, torch.float32)]):
+        for seed, (dtype, out_dtype) in enumerate(
+            [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+        ):
             hidden, ids, w = expert_call(cfg, 9 + seed, 3, seed, held=[e for l, e in SUBSET if l == 1])
             hidden = hidden.to(dtype)
             rows = int(present_groups(ids, cfg.moe.n_routed_experts // groups, groups).sum())
@@ -70,14 +76,14 @@ def test_a_pair_gives_the_grpc_bits_and_errors_in_process(ckpt_dir, backend):
         posted = [pair.post(1, h, i, w, torch.float32, rows=want.shape[0]) for (h, i, w), want in zip(calls, wants)]
         for p, want in zip(reversed(posted), reversed(wants)):
             same(p.result(), want)
-        same(posted[0].result(), wants[0])                                  # read once, kept
-        assert fallback.post(1, *calls[0], torch.float32, rows=wants[0].shape[0]) is None   # no pair: use run
+        same(posted[0].result(), wants[0])  # read once, kept
+        assert fallback.post(1, *calls[0], torch.float32, rows=wants[0].shape[0]) is None  # no pair: use run
         assert pair.collective_calls == 5
         with pytest.raises(UnknownExpert, match="expert \\(1, 7\\) is not held by shard"):
             pair.run(1, hidden[:1], torch.tensor([[7]]), w[:1, :1], rows=1)
         with pytest.raises(ExpertRequestError, match="expert_ids"):
             pair.run(1, hidden[:1], torch.tensor([[99]]), w[:1, :1], rows=1)
-        assert pair.formed and server.collective.calls == 7       # errors answered on the pair, which stays
+        assert pair.formed and server.collective.calls == 7  # errors answered on the pair, which stays
     finally:
         for c in (pair, fallback, grpc_only):
             c.close()
@@ -97,7 +103,8 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
     import torch.distributed as dist
 
     from expertmesh.worker.collective import SocketPair, backend_for, new_group
-    store = client = dist.HashStore()        # both ranks in this process: an in-memory store (get waits, set wakes)
+
+    store = client = dist.HashStore()  # both ranks in this process: an in-memory store (get waits, set wakes)
     store.set_timeout(datetime.timedelta(seconds=10))
     ranks = {}
 
@@ -106,6 +113,7 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
             ranks[group_id] = new_group("tcp", store, group_id, 1, "127.0.0.1", 5)
         except Exception as e:
             ranks[group_id] = e
+
     # an intruder that learned the address (not the key) is refused
     t = threading.Thread(target=rank1, args=("g1",))
     t.start()
@@ -124,8 +132,11 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
     b = ranks["g2"]
     assert isinstance(a, SocketPair) and isinstance(b, SocketPair)
     gen = torch.Generator().manual_seed(3)
-    sent = [torch.randn(5, 7, generator=gen).bfloat16(), torch.randint(-9, 9, (3, 4), generator=gen),
-            torch.randn(2, generator=gen)]
+    sent = [
+        torch.randn(5, 7, generator=gen).bfloat16(),
+        torch.randint(-9, 9, (3, 4), generator=gen),
+        torch.randn(2, generator=gen),
+    ]
     got = [torch.empty_like(x) for x in sent]
     posted = [a.send([x], 1, 0) for x in sent]
     receiving = threading.Thread(target=lambda: [b.recv([x], 0, 0).wait(datetime.timedelta(seconds=5)) for x in got])
@@ -136,8 +147,12 @@ def test_a_socket_pair_checks_its_key_and_notices_a_closed_peer():
     assert all(torch.equal(x, y) for x, y in zip(sent, got))
     # several tensors in one send (a call's header and inputs): one larger than the (shrunk) send buffer (sendmsg
     # sends part of it and the rest follows), an empty one in between; read back one by one
-    together = [torch.arange(8), torch.randn(1024, 1024, generator=gen).bfloat16(), torch.empty(0),
-                torch.randint(0, 255, (17,), dtype=torch.uint8, generator=gen)]
+    together = [
+        torch.arange(8),
+        torch.randn(1024, 1024, generator=gen).bfloat16(),
+        torch.empty(0),
+        torch.randint(0, 255, (17,), dtype=torch.uint8, generator=gen),
+    ]
     got = [torch.empty_like(x) for x in together]
     a.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     receiving = threading.Thread(target=lambda: [b.recv([x], 0, 0).wait(datetime.timedelta(seconds=5)) for x in got])
@@ -167,10 +182,19 @@ def cluster(ckpt_dir, tmp_path_factory):
     it): 2 attention workers, 3 expert workers, every expert on 2 of them; a 2 s deadline on every expert call (the
     collective waits too), so a hung rank is noticed quickly."""
     from expertmesh.runtime.tls import ClientTLS, ephemeral_pki
+
     pki = ephemeral_pki(tmp_path_factory.mktemp("pki"))
-    c = LocalCluster(ckpt_dir, attention_workers=2, expert_workers=3, expert_replicas=2, http_port=free_port(),
-                     grpc_port=free_port(), transport="collective", router_args=["--call-timeout", "2"],
-                     worker_tls_dir=pki)
+    c = LocalCluster(
+        ckpt_dir,
+        attention_workers=2,
+        expert_workers=3,
+        expert_replicas=2,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        transport="collective",
+        router_args=["--call-timeout", "2"],
+        worker_tls_dir=pki,
+    )
     c.grpc_address = f"127.0.0.1:{c.grpc_port}"
     c.client_tls = ClientTLS(str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key"))
     with c:
@@ -229,18 +253,18 @@ def test_a_lost_expert_rank_fails_over_with_the_same_tokens_and_the_pair_comes_b
         elapsed = time.monotonic() - t0
         assert [e for _, e in out] == [None] * len(PROMPTS)
         assert [t for t, _ in out] == reference
-        assert elapsed < 40                                   # deadlines fired; no step waited on the lost rank
+        assert elapsed < 40  # deadlines fired; no step waited on the lost rank
         assert httpx.get(cluster.http_url + "/health").json()["expert_workers_down"] == [1]
     finally:
         if fault == "SIGSTOP":
             victim.proc.send_signal(signal.SIGCONT)
         else:
             cluster.restart("expert-1")
-    assert wait_until(lambda: healthy(cluster) and all_pairs(cluster))   # taken back: pairs re-formed
+    assert wait_until(lambda: healthy(cluster) and all_pairs(cluster))  # taken back: pairs re-formed
     before = counts(cluster)["expert-1"]["collective_calls"]
     tokens, err = stream(cluster.grpc_address, PROMPTS[0])
     assert err is None and tokens == reference[0]
-    assert counts(cluster)["expert-1"]["collective_calls"] > before    # the returned rank serves over its pair
+    assert counts(cluster)["expert-1"]["collective_calls"] > before  # the returned rank serves over its pair
 
 
 def test_every_process_exits_cleanly_on_sigterm_after_the_faults(cluster):

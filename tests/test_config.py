@@ -9,8 +9,15 @@ def test_full_preset_reproduces_published_totals():
     assert cfg.n_layers == 93 and cfg.n_kda_layers == 69 and cfg.n_dsa_layers == 24
     # Kimi K3's published shape: 896 routed experts top-16 on a 3,584 latent, 2 shared, hidden 7168, SiTU,
     # attention residuals, KDA 96 heads x 128 with a full-rank output gate and gate lower bound -5
-    assert (cfg.model_type, cfg.hidden_size, cfg.moe.n_routed_experts, cfg.moe.top_k, cfg.moe.n_shared_experts,
-            cfg.moe.latent_size, cfg.moe.n_group) == ("kimi_k3", 7168, 896, 16, 2, 3584, 1)
+    assert (
+        cfg.model_type,
+        cfg.hidden_size,
+        cfg.moe.n_routed_experts,
+        cfg.moe.top_k,
+        cfg.moe.n_shared_experts,
+        cfg.moe.latent_size,
+        cfg.moe.n_group,
+    ) == ("kimi_k3", 7168, 896, 16, 2, 3584, 1)
     assert (cfg.activation.kind, cfg.activation.beta, cfg.activation.linear_beta) == ("situ", 4.0, 25.0)
     assert cfg.attn_res_block_size and (cfg.kda.n_heads, cfg.kda.head_dim) == (96, 128)
     assert cfg.kda.output_gate == "full_rank" and cfg.kda.gate_lower_bound == -5.0
@@ -33,12 +40,16 @@ def test_param_count_matches_the_built_model():
     import torch
 
     from expertmesh.model.transformer import Transformer
+
     cfg = preset("tiny")
     with torch.device("meta"):
         model = Transformer(cfg)
     n_float = sum(p.numel() for p in model.parameters())
-    n_expert_weights = sum(2 * layer.moe.experts.gate_up_blocks.numel() + 2 * layer.moe.experts.down_blocks.numel()
-                           for layer in model.layers if layer.is_moe)
+    n_expert_weights = sum(
+        2 * layer.moe.experts.gate_up_blocks.numel() + 2 * layer.moe.experts.down_blocks.numel()
+        for layer in model.layers
+        if layer.is_moe
+    )
     assert n_float + n_expert_weights == cfg.total_params
 
 
@@ -76,20 +87,23 @@ def _tiny_dict(**changes):
     return d
 
 
-@pytest.mark.parametrize("changes, needle", [
-    ({"moe__top_k": 17}, "moe.top_k=17 exceeds moe.n_routed_experts=16"),
-    ({"hidden_size": 65}, "hidden_size=65 must be a multiple of the MXFP4 block size 32"),
-    ({"layer_types": ["kda", "mamba"]}, "layer_types"),
-    ({"moe__n_group": 3}, "not divisible by moe.n_group=3"),
-    ({"moe__topk_group": 5}, "moe.topk_group=5 exceeds moe.n_group=4"),
-    ({"moe__top_k": 9}, "exceeds the 8 experts reachable"),
-    ({"moe__expert_intermediate_size": 40}, "moe.expert_intermediate_size=40"),
-    ({"first_k_dense": 9}, "first_k_dense=9 exceeds the 4 layers"),
-    ({"thinking__low": 100}, "low <= high <= max"),
-    ({"mla__qk_rope_head_dim": 7}, "mla.qk_rope_head_dim=7 must be even"),
-    ({"vocab_size": 0}, "vocab_size"),
-    ({"surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"moe__top_k": 17}, "moe.top_k=17 exceeds moe.n_routed_experts=16"),
+        ({"hidden_size": 65}, "hidden_size=65 must be a multiple of the MXFP4 block size 32"),
+        ({"layer_types": ["kda", "mamba"]}, "layer_types"),
+        ({"moe__n_group": 3}, "not divisible by moe.n_group=3"),
+        ({"moe__topk_group": 5}, "moe.topk_group=5 exceeds moe.n_group=4"),
+        ({"moe__top_k": 9}, "exceeds the 8 experts reachable"),
+        ({"moe__expert_intermediate_size": 40}, "moe.expert_intermediate_size=40"),
+        ({"first_k_dense": 9}, "first_k_dense=9 exceeds the 4 layers"),
+        ({"thinking__low": 100}, "low <= high <= max"),
+        ({"mla__qk_rope_head_dim": 7}, "mla.qk_rope_head_dim=7 must be even"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
 def test_invalid_configs_name_the_field(changes, needle):
     with pytest.raises(ValidationError) as err:
         ModelConfig.model_validate(_tiny_dict(**changes))
@@ -103,6 +117,7 @@ def test_unknown_preset():
 
 def test_config_json_round_trip(tmp_path):
     from expertmesh.model.config import load_config
+
     cfg = preset("small")
     (tmp_path / "config.json").write_text(cfg.model_dump_json())
     assert load_config(tmp_path / "config.json") == cfg

@@ -1,5 +1,6 @@
 """Workers load their C++ CPU kernels when they start, not on their first request (kernels/cpu_warmup.py): a
 fresh process that builds an attention worker and an expert worker has every kernel loaded before any step."""
+
 import json
 import os
 import subprocess
@@ -30,10 +31,9 @@ PROBE = textwrap.dedent("""
 def test_workers_load_their_cpu_kernels_before_the_first_request(tmp_path):
     ckpt = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    out = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], capture_output=True, text=True, timeout=600,
-                         env=env)
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert not any(seen["before"].values()), seen          # importing loads nothing
+    assert not any(seen["before"].values()), seen  # importing loads nothing
     assert seen["attention"] == {"linear": True, "norm": True, "dsa": True, "dense": True, "mxfp4": False}, seen
     assert seen["expert"] is True

@@ -2,6 +2,7 @@
 worker's calls, an attention worker's shared experts) on that many torch threads and the rest on all of them, with
 the same tokens as a worker without it; the count is back to the process's after; `up` sets it when it shares the
 cores out itself."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ from expertmesh.worker.threads import DECODE_ROWS, DecodeThreads
 def ckpt(tmp_path_factory):
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
     from expertmesh.model.config import preset
+
     path = tmp_path_factory.mktemp("ckpt")
     create_checkpoint(preset("tiny"), path, seed=0)
     return Checkpoint(path)
@@ -26,6 +28,7 @@ def _pair(ckpt, dtype, decode_threads):
     from expertmesh.worker.attention import AttentionWorker
     from expertmesh.worker.expert import ExpertWorker
     from expertmesh.worker.server import all_experts
+
     cfg = ckpt.cfg
     attention = AttentionWorker(ckpt, kv_blocks=16, block_size=8, dtype=dtype, decode_threads=decode_threads)
     expert = ExpertWorker(ckpt, all_experts(cfg), decode_threads=decode_threads)
@@ -37,6 +40,7 @@ def _pair(ckpt, dtype, decode_threads):
 def _spy(monkeypatch) -> list[tuple[str, int, int]]:
     """(what, token rows, torch threads) of every shared-expert and routed-expert computation."""
     from expertmesh.model.transformer import MoE, RoutedExperts
+
     seen = []
     shared, routed = MoE.shared_out, RoutedExperts.outputs_fp32
 
@@ -55,6 +59,7 @@ def _spy(monkeypatch) -> list[tuple[str, int, int]]:
 
 def _generate(worker, prompt: list[int]) -> list[int]:
     from expertmesh.wire.worker_api import StepSegment
+
     worker.open_sequence("s", SamplingParams(max_tokens=8), reserve_tokens=len(prompt) + 4)
     out = [worker.run_step(1, [StepSegment("s", prompt, True)]).tokens["s"]]
     for step in range(2, 5):
@@ -65,18 +70,22 @@ def _generate(worker, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_sized_work_runs_on_the_decode_threads_with_the_same_tokens(ckpt, dtype, monkeypatch, two_threads):
-    prompt = torch.randint(0, ckpt.cfg.vocab_size, (DECODE_ROWS + 4,),
-                           generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(
+        0, ckpt.cfg.vocab_size, (DECODE_ROWS + 4,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
     seen = _spy(monkeypatch)
     want = _generate(_pair(ckpt, dtype, None), prompt)
-    assert {t for _, _, t in seen} == {2}                        # without it: every thread, always
+    assert {t for _, _, t in seen} == {2}  # without it: every thread, always
     seen.clear()
     got = _generate(_pair(ckpt, dtype, 1), prompt)
     assert got == want
     assert {(what, rows > DECODE_ROWS, threads) for what, rows, threads in seen} == {
-        ("shared", True, 2), ("routed", True, 2),                # the prompt's step: prefill-sized, all threads
-        ("shared", False, 1), ("routed", False, 1)}              # decode steps: the decode threads
-    assert torch.get_num_threads() == 2                          # and back after
+        ("shared", True, 2),
+        ("routed", True, 2),  # the prompt's step: prefill-sized, all threads
+        ("shared", False, 1),
+        ("routed", False, 1),
+    }  # decode steps: the decode threads
+    assert torch.get_num_threads() == 2  # and back after
 
 
 def test_decode_threads_count_and_restore(two_threads):
@@ -85,10 +94,10 @@ def test_decode_threads_count_and_restore(two_threads):
     with t.rows(3):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
-    with pytest.raises(RuntimeError), t.rows(1):                  # restored when the work raises too
+    with pytest.raises(RuntimeError), t.rows(1):  # restored when the work raises too
         raise RuntimeError("boom")
     assert torch.get_num_threads() == 2
-    torch.set_num_threads(1)                                     # a thread left on fewer: full again after
+    torch.set_num_threads(1)  # a thread left on fewer: full again after
     with t.rows(DECODE_ROWS + 1):
         assert torch.get_num_threads() == 2
     off = DecodeThreads(None)
@@ -102,5 +111,6 @@ def test_decode_threads_count_and_restore(two_threads):
 def test_worker_refuses_a_bad_decode_threads(ckpt):
     from expertmesh.wire.worker_api import WorkerError
     from expertmesh.worker.attention import AttentionWorker
+
     with pytest.raises(WorkerError, match="decode_threads"):
         AttentionWorker(ckpt, kv_blocks=4, block_size=8, decode_threads=0)

@@ -1,4 +1,5 @@
 """Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/model/memory.py)."""
+
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ from expertmesh.worker import server
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_plan(tmp_path_factory):
     from expertmesh.placement.planner import ClusterShape, plan_placement
+
     cfg = preset("full-2.8t")
     plan = plan_placement(cfg, ClusterShape(16, 8, 141 * GIB), redundant_slots=32)
     path = tmp_path_factory.mktemp("plan") / "plan.json"
@@ -42,32 +44,61 @@ def test_expert_dry_run_holds_its_slots_packed(full_plan, capsys):
     cfg = preset("full-2.8t")
     total = 0
     for ordinal in (0, 15):
-        out = _dry(["--role", "expert", "--preset", "full-2.8t", "--plan", str(path), "--ordinal", str(ordinal),
-                    "--device", "meta", "--dry-run"], capsys)
+        out = _dry(
+            [
+                "--role",
+                "expert",
+                "--preset",
+                "full-2.8t",
+                "--plan",
+                str(path),
+                "--ordinal",
+                str(ordinal),
+                "--device",
+                "meta",
+                "--dry-run",
+            ],
+            capsys,
+        )
         slots = len(plan.experts_of(ordinal))
         assert out["experts"] == slots
         assert abs(out["weights_bytes"] - slots * cfg.expert_bytes_mxfp4) <= 0.01 * slots * cfg.expert_bytes_mxfp4
         assert sorted(out["devices"]) == [f"cuda:{g}" for g in range(8)]
-        for g, gpu in enumerate(plan.workers[ordinal].gpus):     # each GPU's shards on its own device
+        for g, gpu in enumerate(plan.workers[ordinal].gpus):  # each GPU's shards on its own device
             assert out["devices"][f"cuda:{g}"] >= gpu.bytes
         assert max(out["devices"].values()) <= 141 * GIB
         assert out == json.loads(memory.plan_expert_memory(cfg, plan, ordinal).to_json(experts=slots))
         total += out["weights_bytes"]
-    assert total == sum(len(plan.experts_of(o)) for o in (0, 15)) * plan.expert_bytes   # the planner's bytes
+    assert total == sum(len(plan.experts_of(o)) for o in (0, 15)) * plan.expert_bytes  # the planner's bytes
 
 
 def test_attention_dry_run_is_bf16_non_expert_weights(capsys):
     cfg = preset("full-2.8t")
-    out = _dry(["--role", "attention", "--preset", "full-2.8t", "--device", "meta", "--dry-run",
-                "--gpu-memory-utilization", "0.9", "--device-memory-gib", "141"], capsys)
+    out = _dry(
+        [
+            "--role",
+            "attention",
+            "--preset",
+            "full-2.8t",
+            "--device",
+            "meta",
+            "--dry-run",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--device-memory-gib",
+            "141",
+        ],
+        capsys,
+    )
     # bf16 for everything but the fp32 routing / decay / indexer-head tensors (over all-bf16 102.47 GiB)
     assert out["weights_bytes"] == memory.dense_weight_bytes(cfg, torch.bfloat16)
     assert cfg.dense_bytes_bf16 <= out["weights_bytes"] <= 1.015 * cfg.dense_bytes_bf16
     assert abs(cfg.dense_bytes_bf16 / GIB - 102.47) < 0.05
     assert out["kv_bytes"] == out["kv_blocks"] * memory.kv_block_bytes(cfg, 16, torch.bfloat16) > 0
     assert out["devices"]["cuda:0"] <= 0.9 * 141 * GIB
-    assert out == json.loads(memory.attention_memory(cfg, kv_blocks=out["kv_blocks"], block_size=16)
-                             .to_json(kv_blocks=out["kv_blocks"]))
+    assert out == json.loads(
+        memory.attention_memory(cfg, kv_blocks=out["kv_blocks"], block_size=16).to_json(kv_blocks=out["kv_blocks"])
+    )
 
 
 def test_attention_worker_from_checkpoint_builds_no_experts(ckpt):
@@ -107,9 +138,11 @@ def test_expert_worker_splits_gpus_same_bits(ckpt):
 
 def _prompt_logprobs(worker, experts, tokens):
     from expertmesh.placement.replica_table import ReplicaTable
+
     cfg = worker.cfg
-    table = ReplicaTable(tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1),
-                                                         dtype=np.int64))
+    table = ReplicaTable(
+        tuple(cfg.moe_layers), np.zeros((len(cfg.moe_layers), cfg.moe.n_routed_experts, 1), dtype=np.int64)
+    )
     worker.connect_experts([experts], table)
     worker.open_sequence("s", SamplingParams(max_tokens=1, prompt_logprobs=0), reserve_tokens=len(tokens) + 1)
     r = worker.run_step(1, [StepSegment("s", tokens, True)])
@@ -125,20 +158,23 @@ def test_bf16_worker_agrees_with_fp32_reference(ckpt):
     ref = AttentionWorker(ckpt, kv_blocks=16, block_size=4)
     bf = AttentionWorker(ckpt, kv_blocks=16, block_size=4, dtype="bfloat16")
     assert bf.model.layers[0].attn.q_proj.weight.dtype == torch.bfloat16
-    assert bf.model.layers[1].moe.router.weight.dtype == torch.float32          # FP32_PARAMETERS stay fp32
+    assert bf.model.layers[1].moe.router.weight.dtype == torch.float32  # FP32_PARAMETERS stay fp32
     assert bf.pool.latent[1].dtype == torch.bfloat16 and ref.pool.latent[1].dtype == torch.float32
     a, b = _prompt_logprobs(ref, experts, tokens), _prompt_logprobs(bf, experts, tokens)
     diff = (a - b.float()).abs()
     print("bf16 vs fp32 prompt log-probs: mean", float(diff.mean()), "max", float(diff.max()))
     assert diff.mean() < 0.15 and diff.max() < 0.6, (float(diff.mean()), float(diff.max()))
-    assert diff.max() > 0                                   # it really ran in another dtype
+    assert diff.max() > 0  # it really ran in another dtype
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--device", "gpu"], "--device: expected one of cuda, cpu, meta, found 'gpu'"),
-    (["--device", "cpu", "--dry-run"], "--dry-run: needs --device meta"),
-    (["--device", "meta"], "--device meta: only with --dry-run"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "gpu"], "--device: expected one of cuda, cpu, meta, found 'gpu'"),
+        (["--device", "cpu", "--dry-run"], "--dry-run: needs --device meta"),
+        (["--device", "meta"], "--device meta: only with --dry-run"),
+    ],
+)
 def test_bad_device_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         server.main(["--role", "attention", "--preset", "tiny", "--port", "0", *argv])
@@ -156,5 +192,6 @@ def test_cuda_refused_without_cuda():
 
 def test_up_passes_device_through():
     from expertmesh.entry.up import LocalCluster
+
     c = LocalCluster("/nonexistent", device="cpu", dtype="bfloat16")
     assert c.device_args == ["--device", "cpu", "--dtype", "bfloat16"]

@@ -2,6 +2,7 @@
 hands each sequence — KV, indexer keys, KDA state, sampler state — to a decode worker, which goes on with the same
 tokens as a colocated deployment; the decode pool computes no prompt token while the prefill pool is up; a prefill
 worker killed mid-run fails no request and changes no text."""
+
 import random
 import threading
 import time
@@ -39,12 +40,12 @@ def kv_of(free: list[int]) -> KVManager:
 
 
 def test_pools_route_prompts_by_pool_and_fall_back_to_decode():
-    pools = Pools.of(2, 1, min_tokens=32)        # workers 0, 1: decode; 2: prefill
+    pools = Pools.of(2, 1, min_tokens=32)  # workers 0, 1: decode; 2: prefill
     assert pools.kinds == ("decode", "decode", "prefill") and pools.split
     assert Pools.of(2, 0).kinds == ("mixed", "mixed") and not Pools.of(2, 0).split
     assert pools.bound_for(40, frozenset()) == "prefill"
-    assert pools.bound_for(31, frozenset()) == "decode"                 # short: skips the prefill pool
-    assert pools.bound_for(40, frozenset({2})) == "decode"              # prefill pool down
+    assert pools.bound_for(31, frozenset()) == "decode"  # short: skips the prefill pool
+    assert pools.bound_for(40, frozenset({2})) == "decode"  # prefill pool down
     assert pools.excluded("prefill") == {0, 1} and pools.excluded("decode") == {2}
     assert pools.no_snapshot(frozenset()) == {0, 1} and pools.no_snapshot(frozenset({2})) == frozenset()
     with pytest.raises(ValueError, match="prefill_min_tokens"):
@@ -61,7 +62,7 @@ def test_schedule_places_in_the_prefill_pool_then_decode_when_it_cannot():
     assert [c[0] for c in plan.admissions[0].candidates] == [2]
     plan = schedule([req], [], kv_of([64, 64, 64]), limits=LIMITS, pools=pools, down=frozenset({2}))
     assert {c[0] for c in plan.admissions[0].candidates} <= {0, 1}
-    plan = schedule([req], [], kv_of([64, 64, 1]), limits=LIMITS, pools=pools)      # prefill pool saturated
+    plan = schedule([req], [], kv_of([64, 64, 1]), limits=LIMITS, pools=pools)  # prefill pool saturated
     assert {c[0] for c in plan.admissions[0].candidates} <= {0, 1}
     # no pools: any worker (its session's, then the one with the most free blocks)
     plan = schedule([req], [], kv_of([10, 60, 20]), limits=LIMITS)
@@ -76,7 +77,7 @@ def test_decode_workers_save_no_prefix_while_the_prefill_pool_is_live():
     plan = schedule([], [on_decode, on_prefill], kv_of([64, 64]), limits=LIMITS, pools=pools)
     assert plan.batches[0][0].snapshot is None and plan.batches[1][0].snapshot is not None
     plan = schedule([], [on_decode, on_prefill], kv_of([64, 64]), limits=LIMITS, pools=pools, down=frozenset({1}))
-    assert plan.batches[0][0].snapshot is not None         # prefill pool down: the decode pool caches again
+    assert plan.batches[0][0].snapshot is not None  # prefill pool down: the decode pool caches again
 
 
 def test_choose_decode_takes_the_most_free_live_worker_with_room():
@@ -85,8 +86,8 @@ def test_choose_decode_takes_the_most_free_live_worker_with_room():
     assert choose_decode(kv, pools, frozenset(), reserve=64) == 1
     assert choose_decode(kv, pools, frozenset({1}), reserve=64) == 2
     assert choose_decode(kv, pools, frozenset(), reserve=64, taken={1: 25}) == 2
-    assert choose_decode(kv, pools, frozenset(), reserve=31 * 16) is None      # no decode worker has room
-    assert choose_decode(kv_of([0, 0, 0, 64]), pools, frozenset(), reserve=16) is None   # never the prefill pool
+    assert choose_decode(kv, pools, frozenset(), reserve=31 * 16) is None  # no decode worker has room
+    assert choose_decode(kv_of([0, 0, 0, 64]), pools, frozenset(), reserve=16) is None  # never the prefill pool
 
 
 def test_pool_load_counts_what_waits_for_each_pool():
@@ -136,14 +137,16 @@ def test_disaggregated_tokens_equal_colocated_and_the_decode_pool_computes_no_pr
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     want = [generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts]
     assert [out for out, _ in run(split, prompts, greedy)] == want
-    for params in (SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, logprobs=2),
-                   SamplingParams(max_tokens=10, temperature=0.7, frequency_penalty=0.8, seed=8)):
+    for params in (
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, logprobs=2),
+        SamplingParams(max_tokens=10, temperature=0.7, frequency_penalty=0.8, seed=8),
+    ):
         assert run(split, prompts, params) == run(colocated, prompts, params)
     assert decode.prompt_tokens_computed == 0 and prefill.prompt_tokens_computed >= sum(map(len, prompts))
     assert decode.handoffs["received"] == prefill.handoffs["sent"] >= 3 * len(prompts)
     assert decode.handoff_bytes["received"] == prefill.handoff_bytes["sent"] > 0
     assert split.metrics.handoffs.labels("moved")._value.get() == prefill.handoffs["sent"]
-    deadline = time.monotonic() + 5          # a handed-off copy is closed once its worker's step in progress ends
+    deadline = time.monotonic() + 5  # a handed-off copy is closed once its worker's step in progress ends
     while (decode.sequences or prefill.sequences) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not decode.sequences and not prefill.sequences
@@ -166,15 +169,22 @@ def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefill
     from expertmesh.entry.up import make_placement
     from expertmesh.router.engine import Engine
     from expertmesh.worker.expert import ExpertWorker
+
     placement = make_placement(ckpt.cfg, 1, 0)
-    decode = AttentionWorker(ckpt, kv_blocks=3, name="attention-0", pool="decode")       # 48 tokens
+    decode = AttentionWorker(ckpt, kv_blocks=3, name="attention-0", pool="decode")  # 48 tokens
     prefill = AttentionWorker(ckpt, kv_blocks=64, name="prefill-0", pool="prefill")
-    engine = Engine(ckpt.cfg, [decode], [ExpertWorker(ckpt, placement.experts_of(0))], placement, prefill=[prefill],
-                    prefill_chunk=CHUNK)
+    engine = Engine(
+        ckpt.cfg,
+        [decode],
+        [ExpertWorker(ckpt, placement.experts_of(0))],
+        placement,
+        prefill=[prefill],
+        prefill_chunk=CHUNK,
+    )
     try:
         model = ckpt.load_model()
         greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
-        long, short = prompts[2], prompts[1]             # 70 + 10 tokens: no room there; 21 + 10: room
+        long, short = prompts[2], prompts[1]  # 70 + 10 tokens: no room there; 21 + 10: room
         assert engine.generate(long, greedy).output == generate(model, long, greedy, prefill_chunk=CHUNK).tokens
         assert decode.handoffs["received"] == 0 and prefill.handoffs["sent"] == 0
         assert engine.generate(short, greedy).output == generate(model, short, greedy, prefill_chunk=CHUNK).tokens
@@ -194,9 +204,9 @@ def test_a_handed_off_sequence_is_bit_identical_and_a_bad_one_is_refused(ckpt):
         src.export_sequence("a")
     src.run_step(1, [StepSegment("a", prompt, True)])
     _, before, state, _ = src.export_sequence("a")
-    with pytest.raises(OutOfBlocks):                        # 4 blocks of 16 cannot hold 24 + 70 tokens
+    with pytest.raises(OutOfBlocks):  # 4 blocks of 16 cannot hold 24 + 70 tokens
         src.hand_off("a", dst, "b", reserve_tokens=94)
-    assert "a" in src.sequences and not dst.sequences       # refused: it stays where it was
+    assert "a" in src.sequences and not dst.sequences  # refused: it stays where it was
     done = src.hand_off("a", dst, "b", reserve_tokens=24)
     assert "a" not in src.sequences and done.bytes == before.nbytes > 0
     _, after, state_b, _ = dst.export_sequence("b")
@@ -226,6 +236,7 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
     from expertmesh.wire.kv_snapshot import encode
     from expertmesh.wire.sampling_params import sampling_to_proto
     from expertmesh.worker.server import serve, shutdown
+
     src = AttentionWorker(ckpt, kv_blocks=16, lease_seconds=0)
     src.connect_experts(*local_experts(ckpt))
     src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
@@ -234,7 +245,7 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
     server = serve("attention", ckpt, 0, kv_blocks=8)
     client = RemoteAttention(f"127.0.0.1:{server.port}", timeout=30)
     try:
-        monkeypatch.setattr(worker_clients, "HANDOFF_PIECE_BYTES", 1000)       # many pieces
+        monkeypatch.setattr(worker_clients, "HANDOFF_PIECE_BYTES", 1000)  # many pieces
         client.import_sequence("b", params, snap, state, observed, reserve_tokens=40, identity=src.handoff_identity)
         assert client.bytes_sent > 10 * 1000
         _, got, got_state, _ = server.attention.export_sequence("b")
@@ -243,29 +254,43 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
         assert got_state == state
 
         cache = encode("c", src.handoff_identity, snap)
-        header = worker_pb2.ImportSequenceRequest(seq_id="c", params=sampling_to_proto(params), reserve_tokens=40,
-                                                  cache_bytes=len(cache), sampler_state=state)
+        header = worker_pb2.ImportSequenceRequest(
+            seq_id="c", params=sampling_to_proto(params), reserve_tokens=40, cache_bytes=len(cache), sampler_state=state
+        )
 
         def send(*parts):
             return client._call(client.stub.ImportSequence, iter(parts))
+
         flipped = bytearray(cache)
         flipped[-3] ^= 1
         for parts, error in (
-                ([worker_pb2.ImportSequencePart(cache=cache)], "parts\\[0\\]: expected the header"),
-                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache[:-1])],
-                 "bytes arrived"),
-                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache + b"x")],
-                 "within cache_bytes"),
-                ([worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=bytes(flipped))],
-                 "checksum")):
+            ([worker_pb2.ImportSequencePart(cache=cache)], "parts\\[0\\]: expected the header"),
+            (
+                [worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache[:-1])],
+                "bytes arrived",
+            ),
+            (
+                [worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=cache + b"x")],
+                "within cache_bytes",
+            ),
+            (
+                [worker_pb2.ImportSequencePart(header=header), worker_pb2.ImportSequencePart(cache=bytes(flipped))],
+                "checksum",
+            ),
+        ):
             with pytest.raises(WorkerError, match=error):
                 send(*parts)
         foreign = encode("c", "kv-v1-another-model", snap)
         with pytest.raises(WorkerError, match="foreign"):
-            send(worker_pb2.ImportSequencePart(header=worker_pb2.ImportSequenceRequest(
-                seq_id="c", params=sampling_to_proto(params), reserve_tokens=40, cache_bytes=len(foreign))),
-                worker_pb2.ImportSequencePart(cache=foreign))
-        assert client.info()["sequences"] == 1                  # refused ones left nothing; still serving
+            send(
+                worker_pb2.ImportSequencePart(
+                    header=worker_pb2.ImportSequenceRequest(
+                        seq_id="c", params=sampling_to_proto(params), reserve_tokens=40, cache_bytes=len(foreign)
+                    )
+                ),
+                worker_pb2.ImportSequencePart(cache=foreign),
+            )
+        assert client.info()["sequences"] == 1  # refused ones left nothing; still serving
     finally:
         client.close()
         shutdown(server, 1)
@@ -275,6 +300,7 @@ def local_experts(ckpt):
     from expertmesh.entry.up import make_placement
     from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.expert import ExpertWorker
+
     placement = make_placement(ckpt.cfg, 1, 0)
     table = ReplicaTable.from_placement(placement, ckpt.cfg.moe_layers, ckpt.cfg.moe.n_routed_experts)
     return [ExpertWorker(ckpt, placement.experts_of(0))], table
@@ -284,8 +310,10 @@ def local_experts(ckpt):
 def generate_grpc(address: str, prompt: list[int], on_token=None) -> list[int]:
     """Greedy tokens from the router's gRPC Generate stream (`on_token()` after each)."""
     with grpc.insecure_channel(address) as ch:
-        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), params=sampling_pb2.SamplingParams(
-            max_tokens=10, temperature=0.0, stop_token_ids=[EOS]))
+        req = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt),
+            params=sampling_pb2.SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[EOS]),
+        )
         tokens = []
         for ev in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=180):
             if ev.HasField("token"):
@@ -304,18 +332,28 @@ def scrape(url: str, name: str) -> dict[str, float]:
 def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_prefill_worker(ckpt, prompts, tmp_path):
     """Workers under mutual TLS, as `expertmesh up` runs them: the prefill worker hands off with its client key."""
     from expertmesh.runtime.tls import ephemeral_pki
+
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     want = {tuple(p): generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts}
     grpc_port = free_port()
     address = f"127.0.0.1:{grpc_port}"
-    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, prefill_workers=1, http_port=free_port(),
-                      grpc_port=grpc_port, attention_metrics=True, worker_tls_dir=ephemeral_pki(tmp_path)) as c:
+    with LocalCluster(
+        ckpt.path,
+        attention_workers=1,
+        expert_workers=1,
+        prefill_workers=1,
+        http_port=free_port(),
+        grpc_port=grpc_port,
+        attention_metrics=True,
+        worker_tls_dir=ephemeral_pki(tmp_path),
+    ) as c:
         decode_metrics, _ = c.metrics_urls
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda p: generate_grpc(address, p), prompts)) == [want[tuple(p)] for p in prompts]
         assert scrape(decode_metrics, "expertmesh_prefill_tokens_total") == {
-            'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0}
+            'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0
+        }
         moved = scrape(decode_metrics, "expertmesh_kv_transfer_bytes_total")
         assert moved['expertmesh_kv_transfer_bytes_total{direction="received",worker="attention-0"}'] > 0
         # a follow-up turn (the first turn + its answer + more) hits the prefix the first turn saved in the prefill pool
@@ -324,7 +362,8 @@ def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_pref
         assert generate_grpc(address, follow) == generate(model, follow, greedy, prefill_chunk=CHUNK).tokens
         assert scrape(c.http_url, "expertmesh_prefix_hit_tokens_total") != hits
         assert scrape(decode_metrics, "expertmesh_prefill_tokens_total") == {
-            'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0}
+            'expertmesh_prefill_tokens_total{pool="decode",worker="attention-0"}': 0.0
+        }
         router = scrape(c.http_url, "expertmesh_")
         assert router['expertmesh_kv_handoffs_total{outcome="moved"}'] == len(prompts) + 1
         assert router['expertmesh_pool_live_workers{pool="prefill"}'] == 1.0
@@ -346,8 +385,7 @@ def test_up_with_a_prefill_pool_gives_colocated_texts_and_survives_a_killed_pref
         # back: taken again, and the decode pool stops computing prompts
         c.restart("prefill-0")
         deadline = time.monotonic() + 60
-        while scrape(c.http_url, "expertmesh_pool_live_workers")[
-                'expertmesh_pool_live_workers{pool="prefill"}'] < 1:
+        while scrape(c.http_url, "expertmesh_pool_live_workers")['expertmesh_pool_live_workers{pool="prefill"}'] < 1:
             assert time.monotonic() < deadline, "the restarted prefill worker was not taken back"
             time.sleep(0.5)
         before = scrape(decode_metrics, "expertmesh_prefill_tokens_total")
@@ -362,11 +400,20 @@ def test_hand_offs_over_collective_pairs_and_over_grpc_without_one(ckpt, prompts
     from expertmesh.wire.clients import RemoteAttention
     from expertmesh.worker.collective import CollectiveAttention
     from expertmesh.worker.server import serve, shutdown
+
     model = ckpt.load_model()
     greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))
     grpc_port = free_port()
-    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, prefill_workers=1, http_port=free_port(),
-                      grpc_port=grpc_port, attention_metrics=True, transport="collective") as c:
+    with LocalCluster(
+        ckpt.path,
+        attention_workers=1,
+        expert_workers=1,
+        prefill_workers=1,
+        http_port=free_port(),
+        grpc_port=grpc_port,
+        attention_metrics=True,
+        transport="collective",
+    ) as c:
         decode_metrics, _ = c.metrics_urls
         got = [generate_grpc(f"127.0.0.1:{grpc_port}", p) for p in prompts]
         assert got == [generate(model, p, greedy, prefill_chunk=CHUNK).tokens for p in prompts]
@@ -380,7 +427,7 @@ def test_hand_offs_over_collective_pairs_and_over_grpc_without_one(ckpt, prompts
     src.connect_experts(*local_experts(ckpt))
     src.open_sequence("a", SamplingParams(max_tokens=4), reserve_tokens=40)
     src.run_step(1, [StepSegment("a", prompts[2][:30], True)])
-    plain = serve("attention", ckpt, 0, kv_blocks=8)                 # no --collective-port: no pair
+    plain = serve("attention", ckpt, 0, kv_blocks=8)  # no --collective-port: no pair
     peer = CollectiveAttention(RemoteAttention(f"127.0.0.1:{plain.port}", timeout=10))
     try:
         done = src.hand_off("a", peer, "b", reserve_tokens=40)

@@ -1,5 +1,6 @@
 """The CPU paged-attention kernel (kernels/dsa/cpu/paged_attention.cpp) against the PyTorch path on fresh random
 inputs, and its batch invariance: a sequence's result is the same bits alone or among others."""
+
 import pytest
 import torch
 
@@ -48,9 +49,9 @@ def test_kernel_matches_the_pytorch_path(dtype, topk):
     want = paged_sparse_attention_torch(q, kv, table, idx, 0.11, V)
     assert got.dtype == torch.float32 and got.shape == (4, H, V)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(paged_sparse_attention(q, kv, table, idx, 0.11, V), got)        # what CPU decode runs
+    assert torch.equal(paged_sparse_attention(q, kv, table, idx, 0.11, V), got)  # what CPU decode runs
     with use_backend("torch"):
-        assert torch.equal(paged_sparse_attention(q, kv, table, idx, 0.11, V), want)    # a forced backend
+        assert torch.equal(paged_sparse_attention(q, kv, table, idx, 0.11, V), want)  # a forced backend
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +61,7 @@ def test_a_sequences_result_does_not_depend_on_the_batch(dtype):
     together = cpu_kernel.paged_attention(q, kv, table, idx, 0.2, V)
     for b, n in enumerate([21, 140, 3, 77, 64]):
         pages = -(-n // BS)
-        alone = cpu_kernel.paged_attention(q[b:b + 1], kv, table[b:b + 1, :pages], idx[b:b + 1, :n], 0.2, V)
+        alone = cpu_kernel.paged_attention(q[b : b + 1], kv, table[b : b + 1, :pages], idx[b : b + 1, :n], 0.2, V)
         assert torch.equal(alone[0], together[b]), b
 
 
@@ -88,7 +89,7 @@ def test_a_heads_result_does_not_depend_on_the_heads_beside_it(dtype):
     together = cpu_kernel.paged_attention(q, kv, table, idx, 0.3, v)
     torch.testing.assert_close(together, paged_sparse_attention_torch(q, kv, table, idx, 0.3, v), rtol=1e-5, atol=1e-5)
     for h in range(heads):
-        alone = cpu_kernel.paged_attention(q[:, h:h + 1].contiguous(), kv, table, idx, 0.3, v)
+        alone = cpu_kernel.paged_attention(q[:, h : h + 1].contiguous(), kv, table, idx, 0.3, v)
         assert torch.equal(alone[:, 0], together[:, h]), h
-    shifted = cpu_kernel.paged_attention(q[:, 1:].contiguous(), kv, table, idx, 0.3, v)   # other groupings
+    shifted = cpu_kernel.paged_attention(q[:, 1:].contiguous(), kv, table, idx, 0.3, v)  # other groupings
     assert torch.equal(shifted, together[:, 1:])

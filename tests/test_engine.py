@@ -1,5 +1,6 @@
 """The router engine over in-process workers: token-exact vs the reference, batching, calls, prefix cache, and the
 executor's answers to workers that say no (out of blocks, a prefix gone, a refused request)."""
+
 import random
 
 import pytest
@@ -34,14 +35,21 @@ def reference(ckpt):
     return ps, [generate(model, p, SamplingParams(max_tokens=32), prefill_chunk=CHUNK).tokens for p in ps]
 
 
-@pytest.mark.parametrize("attention, experts, redundant, grouped", [
-    (1, 1, 0, True), (1, 2, 0, True), (2, 3, 0, False), (2, 3, 2, True), (1, 2, 16, True)])
+@pytest.mark.parametrize(
+    "attention, experts, redundant, grouped",
+    [(1, 1, 0, True), (1, 2, 0, True), (2, 3, 0, False), (2, 3, 2, True), (1, 2, 16, True)],
+)
 def test_engine_tokens_equal_reference(ckpt, reference, attention, experts, redundant, grouped):
     """Whole groups pre-reduced on one worker (group-aware plans) or split across workers (per-slot rows folded
     on the attention worker), with and without replicas: the reference's bits."""
     ps, ref = reference
-    eng = build_local_engine(ckpt, attention_workers=attention, expert_workers=experts, prefill_chunk=CHUNK,
-                             placement=make_placement(ckpt.cfg, experts, redundant, group_aware=grouped))
+    eng = build_local_engine(
+        ckpt,
+        attention_workers=attention,
+        expert_workers=experts,
+        prefill_chunk=CHUNK,
+        placement=make_placement(ckpt.cfg, experts, redundant, group_aware=grouped),
+    )
     try:
         reqs = [eng.submit(p, SamplingParams(max_tokens=32)) for p in ps]
         out = [r.wait(120).output for r in reqs]
@@ -68,7 +76,7 @@ def test_batched_equals_alone_and_calls_per_step_are_bounded(ckpt):
     # most once per MoE layer — whatever the number of tokens
     assert steps <= eng.stats.attention_calls - calls <= 2 * steps
     assert 0 < sum(e.calls for e in eng.expert_clients) - expert_calls <= 2 * steps * 3 * cfg.n_moe_layers
-    assert steps < sum(len(p) for p in ps)   # requests really shared steps
+    assert steps < sum(len(p) for p in ps)  # requests really shared steps
 
 
 def test_decoding_sequences_share_one_attention_call_with_the_bits_each_gets_alone(ckpt, monkeypatch):
@@ -81,6 +89,7 @@ def test_decoding_sequences_share_one_attention_call_with_the_bits_each_gets_alo
         done = decode_together(self, decodes, *args, **kw)
         together_calls.append(len(done))
         return done
+
     monkeypatch.setattr(LatentAttention, "_decode_together", counting)
     ps = prompts(4, lo=2, hi=6, seed=21)
     params = SamplingParams(max_tokens=8, logprobs=2)
@@ -102,7 +111,7 @@ def test_prefix_cache_prefills_only_the_remainder(ckpt):
         base = prompts(1, lo=160, hi=161, seed=3)[0]
         first = eng.generate(base, SamplingParams(max_tokens=4))
         before = eng.stats.prefilled_tokens
-        second_prompt = base[:144] + [7] * 16              # shares 90% of its 160 tokens with the first
+        second_prompt = base[:144] + [7] * 16  # shares 90% of its 160 tokens with the first
         second = eng.generate(second_prompt, SamplingParams(max_tokens=4))
         computed = eng.stats.prefilled_tokens - before
         fresh = build_local_engine(ckpt, attention_workers=1, expert_workers=1, prefill_chunk=CHUNK)
@@ -114,7 +123,7 @@ def test_prefix_cache_prefills_only_the_remainder(ckpt):
         eng.close()
     assert first.cached_tokens == 0
     assert second.cached_tokens == 144 and computed == 16
-    assert second.output == cold.output          # reuse at chunk boundaries computes exactly what a cold run does
+    assert second.output == cold.output  # reuse at chunk boundaries computes exactly what a cold run does
 
 
 def test_larger_prefill_steps_keep_the_cache_granularity_at_the_prompts_end(ckpt):
@@ -122,8 +131,10 @@ def test_larger_prefill_steps_keep_the_cache_granularity_at_the_prompts_end(ckpt
     last multiple of the granularity (96) is saved, so a follow-up turn that starts with the whole prompt computes
     only what follows it; a prompt diverging inside a step finds the step boundary before it (64). Cached runs give
     the tokens of cold runs."""
+
     def engine():
         return build_local_engine(ckpt, prefill_chunk=CHUNK, prefill_tokens=4 * CHUNK)
+
     base = prompts(1, lo=100, hi=101, seed=5)[0]
     follow_up = base + [9] * 20
     diverging = base[:80] + [11] * 20
@@ -183,8 +194,9 @@ def test_decode_reads_the_pages_in_place(ckpt, monkeypatch):
     prefill chunks (one read per chunk per MLA/DSA layer), never by a decode step."""
     reads = []
     original = PagedSequenceKV.read
-    monkeypatch.setattr(PagedSequenceKV, "read", lambda self, layer, length: reads.append(length) or
-                        original(self, layer, length))
+    monkeypatch.setattr(
+        PagedSequenceKV, "read", lambda self, layer, length: reads.append(length) or original(self, layer, length)
+    )
     eng = build_local_engine(ckpt, prefill_chunk=CHUNK)
     try:
         prompt = prompts(1, lo=40, hi=41, seed=5)[0]
@@ -227,7 +239,7 @@ def test_kv_grows_as_sequences_decode_and_preemption_replays_the_same_tokens(ckp
     assert out == ref[:6]
     assert eng.stats.preempted > 0 and eng.stats.requests_failed == 0
     full = sum(-(-(len(p) + 32) // 16) for p in ps[:6])
-    assert full > 12                                 # up-front reservations would have serialized them
+    assert full > 12  # up-front reservations would have serialized them
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +278,7 @@ def test_a_sequence_alone_on_a_worker_that_cannot_hold_more_ends_with_length(ckp
     finally:
         eng.close()
     assert req.finish_reason == "length" and req.error is None
-    assert req.output == greedy(model, prompt, 40)[:56 - 40 + 1]
+    assert req.output == greedy(model, prompt, 40)[: 56 - 40 + 1]
 
 
 def test_a_request_that_fits_only_without_the_cached_prefixes_evicts_them(ckpt, model):
@@ -274,8 +286,7 @@ def test_a_request_that_fits_only_without_the_cached_prefixes_evicts_them(ckpt, 
     are dropped (least recently used first, until it fits) instead of the request waiting for room forever."""
     first = [(3 * j + 1) % 256 for j in range(96)]
     second = [(5 * j + 2) % 256 for j in range(40)]
-    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=8, block_size=16, kv_growth=16,
-                             max_queue_wait=5.0)
+    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=8, block_size=16, kv_growth=16, max_queue_wait=5.0)
     try:
         eng.generate(first, SamplingParams(max_tokens=2))
         assert eng.kv.workers[0].free_blocks == 2
@@ -294,6 +305,7 @@ def test_a_request_its_worker_refuses_fails_alone_and_the_queue_moves_on(ckpt):
         if params.seed == 13:
             raise WorkerError("params: refused")
         return orig(seq_id, params, **kw)
+
     w.open_sequence = refuse_seed_13
     try:
         reqs = [eng.submit([1, 2, 3, 4], SamplingParams(max_tokens=3, seed=s)) for s in (12, 13, 14, 15)]
@@ -317,6 +329,7 @@ def test_a_worker_that_no_longer_has_the_planned_prefix_gets_the_whole_prompt(ck
             lost.append(prefix_key)
             raise NotFound(f"prefix_key {prefix_key!r}: no such cached prefix")
         return orig(seq_id, params, **kw)
+
     try:
         eng.generate(base, SamplingParams(max_tokens=2))
         w.open_sequence = prefix_gone

@@ -1,5 +1,6 @@
 """The expert exchange (worker/exchange.py) and the canonical grouped combine (kernels/moe/combine.py): the routed
 sum has the same bits whichever worker, replica or split of a group computed it, in fp32 and bf16."""
+
 import numpy as np
 import pytest
 import torch
@@ -37,8 +38,12 @@ def routed(n, seed):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, H, generator=g)
     # group-limited like the model: 2 groups per token, K distinct experts inside them
-    ids = torch.stack([torch.cat([grp * 4 + torch.randperm(4, generator=g)[:2]
-                                  for grp in torch.randperm(G, generator=g)[:2]]) for _ in range(n)])
+    ids = torch.stack(
+        [
+            torch.cat([grp * 4 + torch.randperm(4, generator=g)[:2] for grp in torch.randperm(G, generator=g)[:2]])
+            for _ in range(n)
+        ]
+    )
     ids = torch.stack([torch.randperm(E, generator=g)[:K] if i % 5 == 4 else r for i, r in enumerate(ids)])
     weights = torch.rand(n, K, generator=g) * 2.5
     return hidden, ids, weights
@@ -53,7 +58,7 @@ def table_of(holders: dict[int, list[int]]) -> ReplicaTable:
     width = max(len(v) for v in holders.values())
     t = np.full((1, E, width), -1, dtype=np.int64)
     for e, ws in holders.items():
-        t[0, e, :len(ws)] = ws
+        t[0, e, : len(ws)] = ws
     return ReplicaTable((LAYER,), t)
 
 
@@ -103,9 +108,9 @@ def test_the_fold_of_the_rows_that_arrived_is_the_masked_fold(dtype, fold):
                     want[t] = want[t] + partials[t, g].to(dtype).float()
         assert torch.equal(fold_groups(partials, present, dtype).view(torch.int32), want.view(torch.int32))
         tokens, groups = present.nonzero(as_tuple=True)
-        shuffled = torch.randperm(len(tokens), generator=gen)                  # rows may arrive in any order
+        shuffled = torch.randperm(len(tokens), generator=gen)  # rows may arrive in any order
         rows = partials[tokens, groups][shuffled]
-        for sent in (rows, rows.to(dtype)):                                   # rows as fp32 or as they travel
+        for sent in (rows, rows.to(dtype)):  # rows as fp32 or as they travel
             got = fold(tokens[shuffled].numpy(), groups[shuffled].numpy(), sent, T, dtype)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -118,7 +123,7 @@ def test_every_layout_gives_the_reference_bits(layout, dtype):
     got, failed = ex.moe(LAYER, hidden.to(dtype), ids, weights)
     assert failed == {}
     assert torch.equal(got, reference(hidden.to(dtype), ids, weights, dtype))
-    assert sum(c.calls for c in clients) <= len(clients)          # one call per expert worker per layer
+    assert sum(c.calls for c in clients) <= len(clients)  # one call per expert worker per layer
     assert ex.load_stats()[LAYER] == np.bincount(ids.ravel().numpy(), minlength=E).tolist()
 
 
@@ -128,7 +133,7 @@ def test_whole_groups_come_back_as_one_row_each():
     calls, missing = ex.assign(LAYER, ids.sort(1).values.numpy(), _present(ids), set())
     assert missing == {}
     rows = sum(len(c.out_token) for c in calls)
-    assert rows == int(_present(ids).sum()) < ids.numel()          # ≤ topk_group rows per token, not top_k
+    assert rows == int(_present(ids).sum()) < ids.numel()  # ≤ topk_group rows per token, not top_k
     assert all((c.out_k < 0).all() for c in calls)
 
 
@@ -137,8 +142,10 @@ def test_the_whole_group_assignment_is_the_general_one():
     exactly the calls of the general path — same workers, request rows, ids, answer rows — for any batch, any
     (token, group) pairs still to do and any workers down; it stands aside where it does not apply."""
     rng = np.random.default_rng(9)
-    whole_layouts = {"groups whole on one worker": LAYOUTS["groups whole on one worker"],
-                     "whole groups on two of three workers": {e: [e // 4 % 3, (e // 4 + 1) % 3] for e in range(E)}}
+    whole_layouts = {
+        "groups whole on one worker": LAYOUTS["groups whole on one worker"],
+        "whole groups on two of three workers": {e: [e // 4 % 3, (e // 4 + 1) % 3] for e in range(E)},
+    }
     fields = ("rows", "ids", "out_token", "out_group", "out_k")
     for name, holders in whole_layouts.items():
         ex, clients = exchange(holders)
@@ -177,7 +184,7 @@ def test_a_lost_worker_fails_over_to_replicas_in_the_same_call_with_the_same_bit
     got, failed = ex.moe(LAYER, hidden, ids, weights)
     assert failed == {} and ex.down == {1}
     assert torch.equal(got, reference(hidden, ids, weights))
-    got2, _ = ex.moe(LAYER, hidden, ids, weights)                    # marked down: not called again
+    got2, _ = ex.moe(LAYER, hidden, ids, weights)  # marked down: not called again
     assert torch.equal(got2, got) and clients[1].calls == 0
 
 

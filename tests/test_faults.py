@@ -1,5 +1,6 @@
 """Fault tests on loopback with real processes: workers SIGKILLed mid-generation, slow workers, router loss.
 Each scenario is bounded in time; greedy tokens are compared with an undisturbed run."""
+
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,12 @@ EOS = ByteTokenizer().eos_id
 PROMPTS = [[(7 * i + j) % 256 for j in range(5 + 3 * i)] for i in range(4)]
 MAX_TOKENS = 40
 # constrained decoding across a failover: the replaying worker's grammar matcher must be fed the output so far
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +35,25 @@ def ckpt_dir(tmp_path_factory):
     return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("faults") / "tiny", seed=0)
 
 
-def stream(address: str, prompt: list[int], first: threading.Event | None = None, timeout: float = 60,
-           grammar: str | None = None):
+def stream(
+    address: str,
+    prompt: list[int],
+    first: threading.Event | None = None,
+    timeout: float = 60,
+    grammar: str | None = None,
+):
     """Greedy generation over gRPC (`grammar`: constrained decoding); sets `first` once a few tokens arrived.
     Returns (tokens, error)."""
     tokens = []
     try:
         with grpc.insecure_channel(address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
-                                             params=sampling_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                                                stop_token_ids=[EOS], grammar=grammar))
+            req = router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=prompt),
+                params=sampling_pb2.SamplingParams(
+                    max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[EOS], grammar=grammar
+                ),
+            )
             for ev in stub.Generate(req, timeout=timeout):
                 if ev.HasField("token"):
                     tokens.append(ev.token.token_id)
@@ -109,8 +122,8 @@ def two_attention(ckpt_dir):
     with cluster(ckpt_dir, router_args=(), attention_workers=2, expert_workers=2) as c:
         c.requests = [(p, None) for p in PROMPTS] + [(p, json_schema_grammar(SCHEMA, "test")) for p in PROMPTS]
         c.undisturbed = undisturbed(c, c.requests)
-        constrained = [ByteTokenizer().decode(t) for t in c.undisturbed[len(PROMPTS):]]
-        assert all(t.startswith('{"a":') for t in constrained), constrained     # the grammar was applied
+        constrained = [ByteTokenizer().decode(t) for t in c.undisturbed[len(PROMPTS) :]]
+        assert all(t.startswith('{"a":') for t in constrained), constrained  # the grammar was applied
         yield c
 
 
@@ -122,18 +135,18 @@ def test_expert_worker_killed_with_replicas_loses_nothing(replicated):
     health = httpx.get(c.http_url + "/health").json()
     assert (health["status"], health["expert_workers_down"]) == ("degraded", [1])
     c.restart("expert-1")
-    assert wait_healthy(c, 20)["status"] == "ok"       # taken back once healthy
+    assert wait_healthy(c, 20)["status"] == "ok"  # taken back once healthy
     assert stream(c.grpc_address, PROMPTS[0])[0] == c.undisturbed[0]
 
 
 def test_slow_expert_worker_fails_over_to_its_replica(replicated):
     c = replicated
-    c.restart("expert-2", env={"EXPERTMESH_FAULT_DELAY_S": "5"})   # every RunExperts call sleeps past the deadline
+    c.restart("expert-2", env={"EXPERTMESH_FAULT_DELAY_S": "5"})  # every RunExperts call sleeps past the deadline
     wait_healthy(c)
     t0 = time.monotonic()
     tokens, err = stream(c.grpc_address, PROMPTS[0], timeout=60)
-    assert time.monotonic() - t0 < 45                     # deadlines fired, nobody waited forever
-    assert err is None and tokens == c.undisturbed[0]       # replicas: the same tokens
+    assert time.monotonic() - t0 < 45  # deadlines fired, nobody waited forever
+    assert err is None and tokens == c.undisturbed[0]  # replicas: the same tokens
 
 
 def test_expert_worker_killed_without_replicas_fails_clearly_then_recovers(plain):
@@ -150,7 +163,7 @@ def test_expert_worker_killed_without_replicas_fails_clearly_then_recovers(plain
     assert not any("127.0.0.1" in e.details() for e in errors) and "127.0.0.1" not in r.text
     c.restart("expert-0")
     wait_healthy(c, 20)
-    assert stream(c.grpc_address, PROMPTS[1]) == (c.undisturbed[1], None)      # service resumes
+    assert stream(c.grpc_address, PROMPTS[1]) == (c.undisturbed[1], None)  # service resumes
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
@@ -158,6 +171,7 @@ def test_attention_worker_lost_streams_continue_identically(two_attention, fault
     """Killed, or hung (SIGSTOP: connections stay open, nothing answers): with the default 30 s call deadline
     (a step may take 90 s) the router notices the hang through the worker's health check within seconds."""
     import signal
+
     c = two_attention
     victim = c.child("attention-0").proc
     t0 = time.monotonic()
@@ -170,7 +184,7 @@ def test_attention_worker_lost_streams_continue_identically(two_attention, fault
         assert (health["status"], health["attention_workers_down"]) == ("degraded", [0])
     finally:
         victim.send_signal(signal.SIGCONT)
-        c.restart("attention-0")                 # whole again for the next scenario
+        c.restart("attention-0")  # whole again for the next scenario
         wait_healthy(c)
 
 
@@ -181,8 +195,9 @@ def test_a_hung_attention_worker_costs_one_deadline_then_is_left_alone(two_atten
     check) — not a deadline each (before: the first alone took ~90 s, open_sequence then a free-block read each
     waiting out the 30 s call deadline, and a hung idle worker was never marked down)."""
     import signal
+
     c = two_attention
-    prompt = [(11 * j) % 256 for j in range(40)]          # two 16-token chunks cached, then pinned there
+    prompt = [(11 * j) % 256 for j in range(40)]  # two 16-token chunks cached, then pinned there
     clients = {n: RemoteAttention(c.child(n).address, timeout=5) for n in ("attention-0", "attention-1")}
     before = {n: cl.info()["prefixes"] for n, cl in clients.items()}
     want, err = stream(c.grpc_address, prompt)
@@ -199,11 +214,11 @@ def test_a_hung_attention_worker_costs_one_deadline_then_is_left_alone(two_atten
             results.append(stream(c.grpc_address, prompt))
             times.append(time.monotonic() - t0)
         assert results == [(want, None)] * 5
-        assert sum(times) < 30 and sorted(times)[-2] < 5, times      # one deadline at most, paid once
+        assert sum(times) < 30 and sorted(times)[-2] < 5, times  # one deadline at most, paid once
         assert httpx.get(c.http_url + "/health").json()["attention_workers_down"] == [int(holder[-1])]
     finally:
         victim.send_signal(signal.SIGCONT)
-    wait_healthy(c)                                                   # taken back once it answers
+    wait_healthy(c)  # taken back once it answers
     assert stream(c.grpc_address, PROMPTS[0]) == (c.undisturbed[0], None)
 
 
@@ -218,5 +233,5 @@ def test_router_restart_ends_requests_clearly_and_a_second_router_serves(plain):
     c._wait_ready([second], 60)
     results = run_with_fault(c.grpc_address, lambda: c.kill("router"))
     assert all(e is not None and e.code() == grpc.StatusCode.UNAVAILABLE for _, e in results)
-    assert stream(f"127.0.0.1:{second_grpc}", PROMPTS[2]) == (c.undisturbed[2], None)   # workers kept running
+    assert stream(f"127.0.0.1:{second_grpc}", PROMPTS[2]) == (c.undisturbed[2], None)  # workers kept running
     assert all(w.proc.poll() is None for w in c.workers if w.name != "router-2")

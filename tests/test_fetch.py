@@ -1,6 +1,7 @@
 """`expertmesh fetch`: a tiny checkpoint over loopback HTTP — verified per file, resumed after a cut connection,
 retried after 503s, skipped on a rerun, a corrupted file refused by name; the Hub layout (hf://) through
 $HF_ENDPOINT; progress lines as the operator parses them."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,26 +33,37 @@ def published(tmp_path_factory):
 
 
 def _same_tree(a, b) -> bool:
-    files = lambda d: {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*")  # noqa: E731
-                       if p.is_file() and f.STATE_DIR not in p.parts and p.name != f.INDEX_NAME}
+    def files(d):
+        return {
+            p.relative_to(d).as_posix(): p.read_bytes()
+            for p in d.rglob("*")  # noqa: E731
+            if p.is_file() and f.STATE_DIR not in p.parts and p.name != f.INDEX_NAME
+        }
+
     return files(a) == files(b)
 
 
 def test_fetch_verifies_resumes_retries_and_skips_what_it_has(published, tmp_path):
     index = json.loads((published / f.INDEX_NAME).read_text())
-    assert {e["path"] for e in index["files"]} >= {"config.json", LAYER} and \
-        all(e["sha256"] == hashlib.sha256((published / e["path"]).read_bytes()).hexdigest() for e in index["files"])
+    assert {e["path"] for e in index["files"]} >= {"config.json", LAYER} and all(
+        e["sha256"] == hashlib.sha256((published / e["path"]).read_bytes()).hexdigest() for e in index["files"]
+    )
     faults = Faults(fail={f.INDEX_NAME: 1, "config.json": 2}, cut={LAYER: 30000})
     lines: list[str] = []
     with FileServer(published, faults) as srv:
         r = f.fetch(srv.url + "/", tmp_path / "cache", backoff=0.01, out=lines.append, progress_every=0)
         assert _same_tree(published, tmp_path / "cache")
-        assert r["files"] == len(index["files"]) and r["downloaded"] == r["bytes"] == sum(
-            e["size"] for e in index["files"]) and r["skipped"] == 0
+        assert (
+            r["files"] == len(index["files"])
+            and r["downloaded"] == r["bytes"] == sum(e["size"] for e in index["files"])
+            and r["skipped"] == 0
+        )
         # 503s retried with backoff; the cut file resumed from where it stopped (one Range request)
         assert sum("retry" in x for x in lines) == 1 + 2 + 1
         assert [(p, rng, s) for p, rng, s in faults.requests if p == LAYER] == [
-            (LAYER, None, 200), (LAYER, "bytes=30000-", 206)]
+            (LAYER, None, 200),
+            (LAYER, "bytes=30000-", 206),
+        ]
         pcts = [f.parse_progress(x) for x in lines if f.parse_progress(x) is not None]
         assert pcts == sorted(pcts) and pcts[-1] == 100.0 and len(set(pcts)) > 3
         assert not list((tmp_path / "cache").rglob("*.partial"))
@@ -107,8 +119,13 @@ def _hub(tmp_path, published, prefix: str = ""):
     siblings = []
     for p in sorted(repo.iterdir()):
         if p.suffix == ".safetensors":  # LFS: sha256; the rest: git blob id
-            siblings.append({"rfilename": p.name, "size": p.stat().st_size,
-                             "lfs": {"sha256": f.sha256_file(p), "size": p.stat().st_size}})
+            siblings.append(
+                {
+                    "rfilename": p.name,
+                    "size": p.stat().st_size,
+                    "lfs": {"sha256": f.sha256_file(p), "size": p.stat().st_size},
+                }
+            )
         else:
             siblings.append({"rfilename": p.name, "size": p.stat().st_size, "blobId": f.git_blob_sha1(p)})
     api = root / "api" / "models" / "org" / "tiny" / "revision" / "v1"
@@ -153,13 +170,20 @@ def test_local_directory_is_verified_in_place_and_progress_parses(published, tmp
 
 def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
     # AWS's documented example (GET Object, first 10 bytes): the signature must come out exactly
-    h = f.sigv4_headers("GET", "https://examplebucket.s3.amazonaws.com/test.txt", {"Range": "bytes=0-9"},
-                        access_key="AKIAIOSFODNN7EXAMPLE", secret_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-                        region="us-east-1", amz_date="20130524T000000Z")
+    h = f.sigv4_headers(
+        "GET",
+        "https://examplebucket.s3.amazonaws.com/test.txt",
+        {"Range": "bytes=0-9"},
+        access_key="AKIAIOSFODNN7EXAMPLE",
+        secret_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+        region="us-east-1",
+        amz_date="20130524T000000Z",
+    )
     assert h["Authorization"] == (
         "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request,"
         "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date,"
-        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
+        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
+    )
     # an S3-compatible endpoint (path-style: /bucket/prefix/...) that checks every request's signature
     store = tmp_path / "store"
     shutil.copytree(published, store / "models" / "tiny")
@@ -169,8 +193,15 @@ def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
         given = {k.lower(): v for k, v in headers.items()}
         signed = given.get("authorization", "").split("SignedHeaders=")[-1].split(",")[0].split(";")
         keep = {k: given[k] for k in signed if k not in ("host", "x-amz-date", "x-amz-content-sha256")}
-        want = f.sigv4_headers("GET", f"http://{given['host']}{path}", keep, access_key="AK", secret_key="SK",
-                               region="eu-west-3", amz_date=given.get("x-amz-date", ""))
+        want = f.sigv4_headers(
+            "GET",
+            f"http://{given['host']}{path}",
+            keep,
+            access_key="AK",
+            secret_key="SK",
+            region="eu-west-3",
+            amz_date=given.get("x-amz-date", ""),
+        )
         seen.append("range" in signed)
         return want["Authorization"] == given.get("authorization")
 
@@ -203,9 +234,13 @@ def test_credentials_go_only_to_their_own_origin(published, tmp_path, monkeypatc
     shutil.copy(repo / "config.json", moved / "config.json")
     cdn = Faults()
     with FileServer(repo, cdn) as other:
-        faults = Faults(redirect={f"org/tiny/resolve/v1/{LAYER}": f"{other.url}/{LAYER}?X-Amz-Signature=presigned",
-                                  "org/tiny/resolve/v1/config.json": "/moved/config.json"},
-                        auth=lambda path, h: h.get("Authorization") == "Bearer hf_secret")
+        faults = Faults(
+            redirect={
+                f"org/tiny/resolve/v1/{LAYER}": f"{other.url}/{LAYER}?X-Amz-Signature=presigned",
+                "org/tiny/resolve/v1/config.json": "/moved/config.json",
+            },
+            auth=lambda path, h: h.get("Authorization") == "Bearer hf_secret",
+        )
         with FileServer(hub, faults) as srv:
             monkeypatch.setenv("HF_ENDPOINT", srv.url)
             monkeypatch.setenv("HF_TOKEN", "hf_secret")
@@ -223,8 +258,13 @@ def test_credentials_go_only_to_their_own_origin(published, tmp_path, monkeypatc
     with FileServer(store / "models" / "tiny", cdn) as other:
         faults = Faults(redirect={f"models/tiny/{LAYER}": f"{other.url}/{LAYER}"})
         with FileServer(store, faults) as srv:
-            for k, v in {"AWS_ENDPOINT_URL_S3": srv.url, "AWS_REGION": "eu-west-3", "AWS_ACCESS_KEY_ID": "AK",
-                         "AWS_SECRET_ACCESS_KEY": "SK", "AWS_SESSION_TOKEN": "session-secret"}.items():
+            for k, v in {
+                "AWS_ENDPOINT_URL_S3": srv.url,
+                "AWS_REGION": "eu-west-3",
+                "AWS_ACCESS_KEY_ID": "AK",
+                "AWS_SECRET_ACCESS_KEY": "SK",
+                "AWS_SESSION_TOKEN": "session-secret",
+            }.items():
                 monkeypatch.setenv(k, v)
             f.fetch("s3://models/tiny", tmp_path / "s3cache", out=lambda _: None)
             assert _same_tree(store / "models" / "tiny", tmp_path / "s3cache")
@@ -245,11 +285,14 @@ def test_a_redirect_from_https_to_http_is_refused(published, tmp_path, monkeypat
             monkeypatch.setenv("HF_ENDPOINT", srv.url)
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                assert main(["fetch", "hf://org/tiny@v1", "--cache", str(tmp_path / "cache"),
-                             "--backoff", "0.01"]) == 1
+                assert main(["fetch", "hf://org/tiny@v1", "--cache", str(tmp_path / "cache"), "--backoff", "0.01"]) == 1
     last = buf.getvalue().splitlines()[-1]
-    assert last.startswith(f"FETCH failed: GET {srv.url}/org/tiny/resolve/v1/config.json: redirected to "
-                           f"{http_srv.url}/config.json") and "https to http" in last, last
+    assert (
+        last.startswith(
+            f"FETCH failed: GET {srv.url}/org/tiny/resolve/v1/config.json: redirected to {http_srv.url}/config.json"
+        )
+        and "https to http" in last
+    ), last
     assert "s3cr3t" not in buf.getvalue()  # a redirect target's query (a presigned URL's signature) is not logged
     assert plain.requests == [] and ("org/tiny/resolve/v1/config.json", None, 302) in faults.requests
 
@@ -258,8 +301,11 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
     size = (published / "config.json").stat().st_size
     faults = Faults(oversize={"config.json": 48 << 20})
     with FileServer(published, faults) as srv:
-        with pytest.raises(f.FetchError, match=rf"checkpoint file 'config.json' from .*: the server sends more than "
-                                               rf"the {size} bytes the index lists"):
+        with pytest.raises(
+            f.FetchError,
+            match=rf"checkpoint file 'config.json' from .*: the server sends more than "
+            rf"the {size} bytes the index lists",
+        ):
             f.fetch(srv.url, tmp_path / "cache", backoff=0.01, out=lambda _: None)
         assert [p for p, _, _ in faults.requests].count("config.json") == 1  # refused at once, not fetched again
         assert not list((tmp_path / "cache").glob("config.json*"))
@@ -275,8 +321,9 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
         assert faults.sent["config.json"] < 2 * size + (24 << 20)
         # a redirect's own body is never read (urllib would hold all of it)
         faults.oversize.clear()
-        with FileServer(published, Faults(redirect={"config.json": f"{srv.url}/config.json"},
-                                           oversize={"config.json": 64 << 20})) as hop:
+        with FileServer(
+            published, Faults(redirect={"config.json": f"{srv.url}/config.json"}, oversize={"config.json": 64 << 20})
+        ) as hop:
             tracemalloc.start()
             try:
                 f.fetch(hop.url, tmp_path / "hop", backoff=0.01, out=lambda _: None, progress_every=1e9)
@@ -290,8 +337,11 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
         (bigger / "config.json").write_bytes((published / "config.json").read_bytes() + b" " * (32 << 20))
         faults = Faults()
         with FileServer(bigger, faults) as big:
-            with pytest.raises(f.FetchError, match=rf"'config.json'.*size {size + (32 << 20)} bytes \(the server's "
-                                                   rf"Content-Length\), the index says {size}"):
+            with pytest.raises(
+                f.FetchError,
+                match=rf"'config.json'.*size {size + (32 << 20)} bytes \(the server's "
+                rf"Content-Length\), the index says {size}",
+            ):
                 f.fetch(big.url, tmp_path / "c3", backoff=0.01, out=lambda _: None)
             assert faults.sent.get("config.json", 0) < (24 << 20)
 
@@ -308,8 +358,10 @@ def test_the_index_is_bounded(published, tmp_path, monkeypatch):
         finally:
             tracemalloc.stop()
         last = buf.getvalue().splitlines()[-1]
-        assert rc == 1 and last == (f"FETCH failed: {srv.url}/{f.INDEX_NAME}: more than {f.MAX_INDEX_BYTES} bytes "
-                                    f"(the limit, --max-index-mib 16)"), last
+        assert rc == 1 and last == (
+            f"FETCH failed: {srv.url}/{f.INDEX_NAME}: more than {f.MAX_INDEX_BYTES} bytes "
+            f"(the limit, --max-index-mib 16)"
+        ), last
         assert peak < 3 * f.MAX_INDEX_BYTES, peak
         # under the bound: fetched as usual
         faults.pad[f.INDEX_NAME] = 1 << 20
@@ -406,13 +458,16 @@ def test_a_bad_index_entry_ends_in_one_failed_line(tmp_path, case):
     assert (cache / "ok.txt").read_bytes() == b"abc" and (cache / f.STATE_DIR / "lock").is_file()
 
 
-@pytest.mark.parametrize("body, says", [
-    ("not json", "not JSON"),
-    ("[" * 100_000, "not JSON"),
-    ('{"format": "expertmesh-index/1", "files": {}}', "not an expertmesh-index/1 index"),
-    ("[]", "not an expertmesh-index/1 index"),
-    (b'{"format": "expertmesh-index/1", "files": [\xff]}', "not JSON"),
-])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("not json", "not JSON"),
+        ("[" * 100_000, "not JSON"),
+        ('{"format": "expertmesh-index/1", "files": {}}', "not an expertmesh-index/1 index"),
+        ("[]", "not an expertmesh-index/1 index"),
+        (b'{"format": "expertmesh-index/1", "files": [\xff]}', "not JSON"),
+    ],
+)
 def test_a_bad_index_ends_in_one_failed_line(tmp_path, body, says):
     served = tmp_path / "served"
     served.mkdir()
@@ -425,18 +480,23 @@ def test_a_bad_index_ends_in_one_failed_line(tmp_path, body, says):
     assert last.startswith(f"FETCH failed: {srv.url}/{f.INDEX_NAME}: {says}"), last
 
 
-@pytest.mark.parametrize("siblings, says", [
-    ({}, "a list of siblings"),
-    ([{"rfilename": "."}], "siblings[0]: file path '.'"),
-    ([{"size": 3, "blobId": "0" * 40}], "siblings[0]: file path None"),
-    ([{"rfilename": "a", "lfs": "x"}], "siblings[0] ('a'): lfs"),
-    ([{"rfilename": "a", "size": "3", "blobId": "0" * 40}], "siblings[0] ('a'): size"),
-    ([{"rfilename": "a", "size": 3, "lfs": {"sha256": "nothex", "size": 3}}], "siblings[0] ('a'): sha256"),
-    ([{"rfilename": "a", "size": 3}], "neither an LFS sha256 nor a blob id"),
-    ([{"rfilename": ".expertmesh-fetch/lock", "size": 3, "blobId": "0" * 40}], "the fetch's own state"),
-    ([{"rfilename": "a", "size": 3, "blobId": "0" * 40}, {"rfilename": "a/b", "size": 3, "blobId": "0" * 40}],
-     "siblings[1]: file path 'a/b' needs 'a' to be a directory"),
-])
+@pytest.mark.parametrize(
+    "siblings, says",
+    [
+        ({}, "a list of siblings"),
+        ([{"rfilename": "."}], "siblings[0]: file path '.'"),
+        ([{"size": 3, "blobId": "0" * 40}], "siblings[0]: file path None"),
+        ([{"rfilename": "a", "lfs": "x"}], "siblings[0] ('a'): lfs"),
+        ([{"rfilename": "a", "size": "3", "blobId": "0" * 40}], "siblings[0] ('a'): size"),
+        ([{"rfilename": "a", "size": 3, "lfs": {"sha256": "nothex", "size": 3}}], "siblings[0] ('a'): sha256"),
+        ([{"rfilename": "a", "size": 3}], "neither an LFS sha256 nor a blob id"),
+        ([{"rfilename": ".expertmesh-fetch/lock", "size": 3, "blobId": "0" * 40}], "the fetch's own state"),
+        (
+            [{"rfilename": "a", "size": 3, "blobId": "0" * 40}, {"rfilename": "a/b", "size": 3, "blobId": "0" * 40}],
+            "siblings[1]: file path 'a/b' needs 'a' to be a directory",
+        ),
+    ],
+)
 def test_a_bad_hub_file_list_ends_in_one_failed_line(tmp_path, monkeypatch, siblings, says):
     api = tmp_path / "hub" / "api" / "models" / "org" / "tiny" / "revision" / "main"
     api.parent.mkdir(parents=True)
@@ -447,8 +507,9 @@ def test_a_bad_hub_file_list_ends_in_one_failed_line(tmp_path, monkeypatch, sibl
         with contextlib.redirect_stdout(buf):
             assert main(["fetch", "hf://org/tiny", "--cache", str(tmp_path / "cache")]) == 1
     last = buf.getvalue().splitlines()[-1]
-    assert last.startswith(f"FETCH failed: {srv.url}/api/models/org/tiny/revision/main?blobs=true: ") and \
-        says in last, last
+    assert (
+        last.startswith(f"FETCH failed: {srv.url}/api/models/org/tiny/revision/main?blobs=true: ") and says in last
+    ), last
 
 
 def _snapshot(d) -> dict:
@@ -456,8 +517,13 @@ def _snapshot(d) -> dict:
     for root, dirs, files in os.walk(d):
         for name in dirs + files:
             p = os.path.join(root, name)
-            out[os.path.relpath(p, d)] = ("link", os.readlink(p)) if os.path.islink(p) else \
-                ("dir",) if os.path.isdir(p) else ("file", open(p, "rb").read())
+            out[os.path.relpath(p, d)] = (
+                ("link", os.readlink(p))
+                if os.path.islink(p)
+                else ("dir",)
+                if os.path.isdir(p)
+                else ("file", open(p, "rb").read())
+            )
     return out
 
 
@@ -474,14 +540,14 @@ def test_links_in_the_cache_are_replaced_never_followed(tmp_path):
     (outside / "same").write_bytes((served / "c.bin").read_bytes())  # the right bytes, but outside the cache
     cache = tmp_path / "cache"
     (cache / f.STATE_DIR).mkdir(parents=True)
-    (cache / "sub").symlink_to(outside / "dir")           # a directory the index needs: a link out
+    (cache / "sub").symlink_to(outside / "dir")  # a directory the index needs: a link out
     (cache / "b.bin.partial").symlink_to(outside / "victim")  # a part to resume: a link out
-    (cache / "c.bin").symlink_to(outside / "same")        # a file that would verify through the link
-    os.link(outside / "hard", cache / "d.bin.partial")     # a part to resume: a hard link to a file outside
+    (cache / "c.bin").symlink_to(outside / "same")  # a file that would verify through the link
+    os.link(outside / "hard", cache / "d.bin.partial")  # a part to resume: a hard link to a file outside
     (cache / f.STATE_DIR / "lock").symlink_to(outside / "lock")
     (cache / f.STATE_DIR / "verified.json").symlink_to(outside / "state")
     (other := tmp_path / "cache2").mkdir()
-    (other / f.STATE_DIR).symlink_to(outside / "dir")     # the state directory itself
+    (other / f.STATE_DIR).symlink_to(outside / "dir")  # the state directory itself
     before = _snapshot(outside)
     with FileServer(served) as srv:
         for c in (cache, other):
@@ -494,5 +560,7 @@ def test_links_in_the_cache_are_replaced_never_followed(tmp_path):
             assert "symbolic link" in text and "FETCH failed" not in text
     assert _snapshot(outside) == before
     replaced = [x for x in text.splitlines() if "symbolic link" in x]
-    assert replaced == [f"FETCH replaced '{f.STATE_DIR}': a symbolic link in the cache (→ {str(outside / 'dir')!r}) "
-                        f"where fetch needs a directory: fetch never follows links out of the cache"]
+    assert replaced == [
+        f"FETCH replaced '{f.STATE_DIR}': a symbolic link in the cache (→ {str(outside / 'dir')!r}) "
+        f"where fetch needs a directory: fetch never follows links out of the cache"
+    ]

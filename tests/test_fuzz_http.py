@@ -8,6 +8,7 @@
 Bounded: max_examples per endpoint, small max_tokens, derandomized (the same examples every run), no
 shrinking (every failing example is collected and listed instead).
 """
+
 import json
 import logging
 import time
@@ -26,9 +27,15 @@ from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 
 MAX_EXAMPLES = 60
-TIMEOUT = 10.0                  # any answer comes well within this; none is a hang
-SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+TIMEOUT = 10.0  # any answer comes well within this; none is a hang
+SETTINGS = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 
 
 class ErrorSignatures(logging.Filter):
@@ -37,6 +44,7 @@ class ErrorSignatures(logging.Filter):
     server thread formatting one while pytest parses a test's source raises "SystemError: AST constructor
     recursion depth mismatch" (an INTERNALERROR). A logger filter, as pytest attaches its capture handlers to
     every logger; the 5xx themselves are asserted through the responses."""
+
     LOGGERS = ("uvicorn.error", "expertmesh.router")
 
     def __init__(self):
@@ -78,12 +86,22 @@ def _number(lo, hi):
     return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
 
 
-RANGES = {"top_k": _number(0, 10 ** 6), "min_p": _number(0, 1), "presence_penalty": _number(-2, 2),
-          "frequency_penalty": _number(-2, 2), "logprobs": lambda v: v is None or _number(0, 20)(v),
-          "top_logprobs": lambda v: v is None or _number(0, 20)(v), "store": lambda v: v in (None, False),
-          "parallel_tool_calls": lambda v: v in (None, True), "top_p": _number(1e-3, 1),
-          "logit_bias": lambda v: v is None or isinstance(v, dict) and all(
-              isinstance(k, str) and k.isdigit() and _number(-100, 100)(x) for k, x in v.items())}
+RANGES = {
+    "top_k": _number(0, 10**6),
+    "min_p": _number(0, 1),
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "logprobs": lambda v: v is None or _number(0, 20)(v),
+    "top_logprobs": lambda v: v is None or _number(0, 20)(v),
+    "store": lambda v: v in (None, False),
+    "parallel_tool_calls": lambda v: v in (None, True),
+    "top_p": _number(1e-3, 1),
+    "logit_bias": lambda v: (
+        v is None
+        or isinstance(v, dict)
+        and all(isinstance(k, str) and k.isdigit() and _number(-100, 100)(x) for k, x in v.items())
+    ),
+}
 
 
 def tame(body, use_served_model: bool):
@@ -107,22 +125,22 @@ def tame(body, use_served_model: bool):
         if len(json.dumps(body.get("tools"), default=repr)) > 1000:
             body["tools"] = body["tools"][:1] if isinstance(body["tools"], list) else None
             if len(json.dumps(body["tools"], default=repr)) > 1000:
-                del body["tools"]         # a long rendered prompt is prefill work, not a parser case
+                del body["tools"]  # a long rendered prompt is prefill work, not a parser case
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 4:
             body[key] = 4
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = 4          # the defaults are 16 (completions) and the context left (chat)
+        body["max_tokens"] = 4  # the defaults are 16 (completions) and the context left (chat)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        body["prompt"] = [t % 256 for t in prompt]      # ids past the vocabulary: covered by test_bad_input
+        body["prompt"] = [t % 256 for t in prompt]  # ids past the vocabulary: covered by test_bad_input
     bias = body.get("logit_bias")
-    if isinstance(bias, dict):        # token ids past the tiny vocabulary are a 400 (tested elsewhere): fold them in
+    if isinstance(bias, dict):  # token ids past the tiny vocabulary are a 400 (tested elsewhere): fold them in
         body["logit_bias"] = {str(int(k) % 256) if k.isdigit() else k: v for k, v in bias.items()}
     seed = body.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool) and not -2 ** 63 <= seed < 2 ** 63:
-        body["seed"] = seed % 2 ** 63
+    if isinstance(seed, int) and not isinstance(seed, bool) and not -(2**63) <= seed < 2**63:
+        body["seed"] = seed % 2**63
     return body
 
 
@@ -138,9 +156,7 @@ def wait_idle(engine, timeout: float = 60.0) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- OpenAPI
-@pytest.mark.parametrize("path", [
-    "/v1/completions",
-    "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_openapi_fuzz_no_5xx(server, path):
     url, engine, errors = server
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
@@ -155,7 +171,7 @@ def test_openapi_fuzz_no_5xx(server, path):
         logged = len(errors.seen)
         try:
             r = case.call(base_url=url, timeout=TIMEOUT)
-        except Exception as e:       # no answer (timeout, reset): as bad as a 5xx
+        except Exception as e:  # no answer (timeout, reset): as bad as a 5xx
             failures.append(f"{type(e).__name__} for {str(case.body)[:300]}")
             return
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
@@ -173,34 +189,73 @@ def test_openapi_fuzz_no_5xx(server, path):
 
 
 # ----------------------------------------------------------------------------------------------- near-valid chat
-text = st.one_of(st.text(max_size=12), st.just(""), st.just("\ud800"))       # includes a lone surrogate
-junk = st.one_of(st.none(), st.integers(-3, 3), st.booleans(), st.lists(st.integers(), max_size=2),
-                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+text = st.one_of(st.text(max_size=12), st.just(""), st.just("\ud800"))  # includes a lone surrogate
+junk = st.one_of(
+    st.none(),
+    st.integers(-3, 3),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 call_id = st.sampled_from(["call_a", "call_b", "zz"])
 tool_call = st.one_of(
-    st.fixed_dictionaries({"id": call_id, "type": st.just("function"),
-                           "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather"]),
-                                                              "arguments": st.one_of(st.just("{}"), text, junk)})}),
+    st.fixed_dictionaries(
+        {
+            "id": call_id,
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": st.sampled_from(["f", "get_weather"]), "arguments": st.one_of(st.just("{}"), text, junk)}
+            ),
+        }
+    ),
     st.fixed_dictionaries({"id": st.one_of(call_id, junk)}, optional={"function": junk}),
-    junk)
+    junk,
+)
 message = st.fixed_dictionaries(
-    {"role": st.one_of(st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
-                       st.sampled_from(["robot", ""]), junk)},
-    optional={"content": st.one_of(text, junk, st.lists(st.one_of(
-                  st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(text, junk)}), junk), max_size=2)),
-              "tool_calls": st.one_of(st.lists(tool_call, max_size=2), junk, text),
-              "tool_call_id": st.one_of(call_id, junk),
-              "reasoning_content": st.one_of(text, junk)})
-tools = st.one_of(st.none(), st.lists(st.one_of(
-    st.just({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
-    st.dictionaries(st.text(max_size=4), junk, max_size=2)), max_size=2))
+    {
+        "role": st.one_of(
+            st.sampled_from(["system", "developer", "user", "assistant", "tool"]), st.sampled_from(["robot", ""]), junk
+        )
+    },
+    optional={
+        "content": st.one_of(
+            text,
+            junk,
+            st.lists(
+                st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(text, junk)}), junk),
+                max_size=2,
+            ),
+        ),
+        "tool_calls": st.one_of(st.lists(tool_call, max_size=2), junk, text),
+        "tool_call_id": st.one_of(call_id, junk),
+        "reasoning_content": st.one_of(text, junk),
+    },
+)
+tools = st.one_of(
+    st.none(),
+    st.lists(
+        st.one_of(
+            st.just({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+            st.dictionaries(st.text(max_size=4), junk, max_size=2),
+        ),
+        max_size=2,
+    ),
+)
 chat_body = st.fixed_dictionaries(
-    {"model": st.just("tiny"), "messages": st.lists(message, min_size=1, max_size=4),
-     "max_tokens": st.sampled_from([1, 2, 4, 0, -1])},
-    optional={"tools": tools, "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), junk),
-              "reasoning_effort": st.one_of(st.sampled_from(["low", "medium", "high", "extreme"]), junk),
-              "thinking_budget": st.one_of(st.sampled_from(["low", "high", "max", "huge"]), junk),
-              "stream": st.booleans(), "stop": st.one_of(text, st.lists(text, max_size=5), junk)})
+    {
+        "model": st.just("tiny"),
+        "messages": st.lists(message, min_size=1, max_size=4),
+        "max_tokens": st.sampled_from([1, 2, 4, 0, -1]),
+    },
+    optional={
+        "tools": tools,
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto"]), junk),
+        "reasoning_effort": st.one_of(st.sampled_from(["low", "medium", "high", "extreme"]), junk),
+        "thinking_budget": st.one_of(st.sampled_from(["low", "high", "max", "huge"]), junk),
+        "stream": st.booleans(),
+        "stop": st.one_of(text, st.lists(text, max_size=5), junk),
+    },
+)
 
 
 def test_near_valid_chat_no_5xx(server):
@@ -211,19 +266,25 @@ def test_near_valid_chat_no_5xx(server):
     @given(body=chat_body)
     def run(body):
         logged = len(errors.seen)
-        try:      # a fresh connection each time: a 500 closes uvicorn's, and reusing it reads as a reset
-            r = httpx.post(url + "/v1/chat/completions", content=json.dumps(body), timeout=TIMEOUT,
-                           headers={"content-type": "application/json"})
+        try:  # a fresh connection each time: a 500 closes uvicorn's, and reusing it reads as a reset
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                content=json.dumps(body),
+                timeout=TIMEOUT,
+                headers={"content-type": "application/json"},
+            )
         except httpx.HTTPError as e:
             failures.append(f"{type(e).__name__} for {json.dumps(body)[:300]}")
             signatures.add(type(e).__name__)
             return
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-        if r.status_code >= 500 or 'data: {"error"' in r.text:      # a 5xx, or a stream that failed
+        if r.status_code >= 500 or 'data: {"error"' in r.text:  # a 5xx, or a stream that failed
             failures.append(describe(r.status_code, body, r.text, errors.seen[logged:]))
             signatures.update(errors.seen[logged:] or [f"{r.status_code} {r.text[:100]}"])
 
     run()
     wait_idle(engine)
-    assert not failures, f"{len(failures)} of {sum(statuses.values())} inputs failed; distinct server errors " \
-                         f"{sorted(signatures)}; first ones:\n" + "\n".join(failures[:8])
+    assert not failures, (
+        f"{len(failures)} of {sum(statuses.values())} inputs failed; distinct server errors "
+        f"{sorted(signatures)}; first ones:\n" + "\n".join(failures[:8])
+    )

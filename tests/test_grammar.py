@@ -1,5 +1,6 @@
 """expertmesh/chat/grammar.py (llguidance): the fast mask equals the matcher's token-by-token answer on random
 logits, and sampling under it yields JSON that validates against the schema (checked by jsonschema)."""
+
 import json
 
 import jsonschema
@@ -10,9 +11,12 @@ import torch
 from expertmesh.chat.grammar import Constraint, GrammarError, json_schema_grammar, ll_tokenizer
 from expertmesh.chat.tokenizer import ByteTokenizer
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["city", "days"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,7 @@ def test_sampling_under_the_mask_gives_valid_json_and_the_mask_matches_the_refer
     out = []
     for step in range(200):
         mask = c.allowed()
-        if step % 5 == 0:                              # the reference is slow: compare every 5th step
+        if step % 5 == 0:  # the reference is slow: compare every 5th step
             assert np.array_equal(mask, c.allowed_reference()), step
         if not mask.any():
             break
@@ -43,7 +47,7 @@ def test_sampling_under_the_mask_gives_valid_json_and_the_mask_matches_the_refer
         pytest.fail("no end within 200 tokens")
     doc = json.loads(t.decode(out))
     jsonschema.validate(doc, SCHEMA)
-    assert " \n" not in t.decode(out) and "\n" not in t.decode(out)   # no free whitespace
+    assert " \n" not in t.decode(out) and "\n" not in t.decode(out)  # no free whitespace
 
 
 def test_a_rejected_token_and_an_uncompilable_schema_are_errors_naming_it(tok):
@@ -53,8 +57,13 @@ def test_a_rejected_token_and_an_uncompilable_schema_are_errors_naming_it(tok):
     with pytest.raises(GrammarError, match="not allowed"):
         c.advance(ord("x"))
     with pytest.raises(GrammarError, match=r"tools\[0\].function.parameters"):
-        Constraint(lltok, json_schema_grammar({"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
-                                              "tools[0].function.parameters"), "tools[0].function.parameters")
+        Constraint(
+            lltok,
+            json_schema_grammar(
+                {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "tools[0].function.parameters"
+            ),
+            "tools[0].function.parameters",
+        )
 
 
 def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(tok):
@@ -63,12 +72,18 @@ def test_sampler_applies_the_grammar_after_thinking_and_forces_the_stop_token(to
     format's stop token; padded ids beyond the tokenizer are never chosen."""
     from expertmesh.model.sampling import Sampler
     from expertmesh.wire.sampling_params import SamplingParams
+
     t, lltok = tok
-    params = SamplingParams(temperature=1.0, seed=3, stop_token_ids=(t.end_id, t.eos_id),
-                            grammar=json_schema_grammar(SCHEMA, "s"), grammar_after_token=t.think_end_id)
+    params = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        stop_token_ids=(t.end_id, t.eos_id),
+        grammar=json_schema_grammar(SCHEMA, "s"),
+        grammar_after_token=t.think_end_id,
+    )
     s = Sampler(params, lltok)
     g = torch.Generator().manual_seed(0)
-    for token in list(b"free text ") + [t.think_end_id]:       # thinking: anything goes (forced tokens here)
+    for token in list(b"free text ") + [t.think_end_id]:  # thinking: anything goes (forced tokens here)
         s.observe(token)
     out = []
     for _ in range(200):
@@ -86,10 +101,11 @@ def test_the_fast_mask_equals_the_matcher_on_special_tokens_after_free_text():
     """A grammar whose free-text rule may end right before a special-token terminal: llguidance's bitmask admits
     every special id there; the mask must admit only the one the grammar names (the matcher's answer)."""
     from expertmesh.chat.grammar import Constraint
+
     t = ByteTokenizer()
     lltok = ll_tokenizer(t)
     end = t.special_to_id[sorted(t.special_to_id)[0]] if hasattr(t, "special_to_id") else t.eos_ids[0]
-    c = Constraint(lltok, f'start: TEXT <[{end}]>\nTEXT: /[a-z]*/\n', "test")
+    c = Constraint(lltok, f"start: TEXT <[{end}]>\nTEXT: /[a-z]*/\n", "test")
     c.advance(ord("a"))
     mask = c.allowed()
     assert np.array_equal(mask, c.allowed_reference())

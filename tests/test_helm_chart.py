@@ -5,6 +5,7 @@ fail, never skip. Every rendered object is validated against the Kubernetes 1.3x
 `kubernetes-validate` (strict: unknown fields are errors); the example MoEDeployment against the operator's own
 spec models and, when the generated CRD is in the chart, against the CRD's openAPIV3Schema.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,20 @@ CRD_FILE = CHART / "crds" / "moedeployments.expertmesh.dev.yaml"
 NAMESPACE = "em-system"
 RELEASE = "em"
 # the newest 1.3x schema set kubernetes-validate bundles (the chart's kubeVersion floor is 1.28)
-K8S_VERSION = max((v for v in kubernetes_validate.utils.all_versions() if v.startswith("1.3")),
-                  key=lambda v: tuple(int(p) for p in v.split(".")))
+K8S_VERSION = max(
+    (v for v in kubernetes_validate.utils.all_versions() if v.startswith("1.3")),
+    key=lambda v: tuple(int(p) for p in v.split(".")),
+)
 
-COMMON_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
-                 "app.kubernetes.io/managed-by", "app.kubernetes.io/component", "app.kubernetes.io/part-of",
-                 "helm.sh/chart")
+COMMON_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "helm.sh/chart",
+)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 LONG_RELEASE = "a-very-long-release-name-that-fills-helms-53-char-cap"  # 53 characters: helm's maximum
@@ -68,8 +77,16 @@ def _set_args(values: dict) -> list[str]:
 
 @cache
 def _render(values_json: str, release: str, include_crds: bool) -> tuple:
-    args = ["template", release, str(CHART), "--namespace", NAMESPACE, "--kube-version", f"v{K8S_VERSION}",
-            *_set_args(json.loads(values_json))]
+    args = [
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        f"v{K8S_VERSION}",
+        *_set_args(json.loads(values_json)),
+    ]
     if include_crds:
         args.append("--include-crds")
     docs = [d for d in yaml.safe_load_all(run_helm(*args).stdout) if d]
@@ -102,34 +119,83 @@ VALUE_SETS = {
     "namespaced": ({"rbac": {"namespaced": True}}, RELEASE),
     "watch-namespace": ({"operator": {"watchNamespace": "models"}}, RELEASE),
     "example": ({"example": {"enabled": True}}, RELEASE),
-    "example-namespaced-pvc": ({"example": {"enabled": True, "name": "kimi-tiny", "expertWorkers": 3,
-                                            "transport": "collective",
-                                            "checkpoint": {"uri": "/unused", "pvc": {"claimName": "weights",
-                                                                                     "path": "/tiny"}}},
-                                "operator": {"watchNamespace": "models"}}, RELEASE),
-    "example-pools": ({"example": {"enabled": True, "attentionWorkers": 2, "prefillWorkers": {
-        "replicas": 2, "minPromptTokens": 32, "autoscale": {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
-                                                            "metric": "requests_waiting", "target": 3}},
-        "attentionAutoscale": {"enabled": True, "maxReplicas": 5, "target": 0.75}}}, RELEASE),
-    "custom-image": ({"image": {"repository": "registry.example.com/ml/expertmesh", "tag": "0.1.0-cu129",
-                                "pullPolicy": "Always"},
-                      "imagePullSecrets": [{"name": "regcred"}], "example": {"enabled": True}}, RELEASE),
-    "custom-operator": ({"operator": {"replicas": 0, "logLevel": "debug", "healthPort": 9443,
-                                      "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
-                                                    "limits": {"cpu": 2, "memory": "2Gi"}},
-                                      "nodeSelector": {"kubernetes.io/os": "linux"},
-                                      "tolerations": [{"key": "dedicated", "operator": "Equal",
-                                                       "value": "control", "effect": "NoSchedule"}],
-                                      "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                                          "nodeSelectorTerms": [{"matchExpressions": [
-                                              {"key": "kubernetes.io/arch", "operator": "In",
-                                               "values": ["amd64"]}]}]}}},
-                                      "podAnnotations": {"prometheus.io/scrape": "false"},
-                                      "podLabels": {"team": "inference"}, "priorityClassName": "system-cluster-critical"},
-                         "serviceAccount": {"annotations": {"iam.example.com/role": "expertmesh"}},
-                         "networkPolicy": {"enabled": True}}, RELEASE),
-    "existing-sa-no-rbac": ({"serviceAccount": {"create": False, "name": "preexisting"},
-                             "rbac": {"create": False}}, RELEASE),
+    "example-namespaced-pvc": (
+        {
+            "example": {
+                "enabled": True,
+                "name": "kimi-tiny",
+                "expertWorkers": 3,
+                "transport": "collective",
+                "checkpoint": {"uri": "/unused", "pvc": {"claimName": "weights", "path": "/tiny"}},
+            },
+            "operator": {"watchNamespace": "models"},
+        },
+        RELEASE,
+    ),
+    "example-pools": (
+        {
+            "example": {
+                "enabled": True,
+                "attentionWorkers": 2,
+                "prefillWorkers": {
+                    "replicas": 2,
+                    "minPromptTokens": 32,
+                    "autoscale": {
+                        "enabled": True,
+                        "minReplicas": 2,
+                        "maxReplicas": 6,
+                        "metric": "requests_waiting",
+                        "target": 3,
+                    },
+                },
+                "attentionAutoscale": {"enabled": True, "maxReplicas": 5, "target": 0.75},
+            }
+        },
+        RELEASE,
+    ),
+    "custom-image": (
+        {
+            "image": {"repository": "registry.example.com/ml/expertmesh", "tag": "0.1.0-cu129", "pullPolicy": "Always"},
+            "imagePullSecrets": [{"name": "regcred"}],
+            "example": {"enabled": True},
+        },
+        RELEASE,
+    ),
+    "custom-operator": (
+        {
+            "operator": {
+                "replicas": 0,
+                "logLevel": "debug",
+                "healthPort": 9443,
+                "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "2Gi"}},
+                "nodeSelector": {"kubernetes.io/os": "linux"},
+                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                },
+                "podAnnotations": {"prometheus.io/scrape": "false"},
+                "podLabels": {"team": "inference"},
+                "priorityClassName": "system-cluster-critical",
+            },
+            "serviceAccount": {"annotations": {"iam.example.com/role": "expertmesh"}},
+            "networkPolicy": {"enabled": True},
+        },
+        RELEASE,
+    ),
+    "existing-sa-no-rbac": (
+        {"serviceAccount": {"create": False, "name": "preexisting"}, "rbac": {"create": False}},
+        RELEASE,
+    ),
     "long-release": ({"example": {"enabled": True}, "rbac": {"namespaced": True}}, LONG_RELEASE),
     "long-fullname": ({"fullnameOverride": "x" * 63, "example": {"enabled": True}}, RELEASE),
 }
@@ -144,8 +210,14 @@ def rendered(request) -> tuple[str, dict, list[dict]]:
 # ------------------------------------------------------------------------------------------------ chart basics
 def test_helm_lint_strict():
     run_helm("lint", "--strict", str(CHART))
-    run_helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE,
-             *_set_args({"example": {"enabled": True}, "rbac": {"namespaced": True}}))
+    run_helm(
+        "lint",
+        "--strict",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        *_set_args({"example": {"enabled": True}, "rbac": {"namespaced": True}}),
+    )
 
 
 def test_chart_metadata_matches_package():
@@ -167,7 +239,7 @@ def test_values_yaml_documents_every_key():
     as resources.requests.cpu excepted), and values.yaml sets every key the schema defines."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     lines = (CHART / "values.yaml").read_text().splitlines()
-    undocumented, seen, stack = [], set(), []   # stack: (indent, key) of the enclosing mappings
+    undocumented, seen, stack = [], set(), []  # stack: (indent, key) of the enclosing mappings
     for i, line in enumerate(lines):
         m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
         if not m:
@@ -181,7 +253,7 @@ def test_values_yaml_documents_every_key():
         for key in path:
             node = node.get("properties", {}).get(key) if node is not None else None
         if node is None:
-            continue   # inside a free-form value
+            continue  # inside a free-form value
         seen.add(".".join(path))
         if not lines[i - 1].strip().startswith("#"):
             undocumented.append(f"line {i + 1}: {'.'.join(path)}")
@@ -191,6 +263,7 @@ def test_values_yaml_documents_every_key():
         for k, sub in node.get("properties", {}).items():
             yield f"{prefix}{k}"
             yield from paths(sub, f"{prefix}{k}.")
+
     assert set(paths(schema, "")) - {"global"} - seen == set(), "schema keys missing from values.yaml"
 
 
@@ -210,6 +283,7 @@ def test_schema_closes_every_object():
             walk(sub, f"{path}.{name}")
         if isinstance(node.get("items"), dict):
             walk(node["items"], f"{path}[]")
+
     walk(schema, "")
     assert not open_objects, open_objects
 
@@ -227,11 +301,14 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     for obj in docs:
         where = f"[{name}] {obj['kind']}/{obj['metadata']['name']}"
         if obj["kind"] == KIND:
-            _validate_moedeployment(obj)   # the CRD schema check is test_example_matches_crd_schema
+            _validate_moedeployment(obj)  # the CRD schema check is test_example_matches_crd_schema
             continue
         if obj["apiVersion"] == "kopf.dev/v1":  # Kopf's peering object: no schema beyond its CRD's (crds/)
             assert obj["kind"] in ("ClusterKopfPeering", "KopfPeering") and set(obj) == {
-                "apiVersion", "kind", "metadata"}, where
+                "apiVersion",
+                "kind",
+                "metadata",
+            }, where
             continue
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -271,12 +348,19 @@ def test_operator_deployment_hardened_and_probed(rendered):
     replicas = op.get("replicas", 2)
     assert dep["spec"]["replicas"] == replicas
     if replicas > 1:  # a leader and standbys (Kopf peering): a new pod may start before an old one goes
-        assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
-                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        assert dep["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
     else:
         assert dep["spec"]["strategy"] == {"type": "Recreate"}  # standalone Kopf: never two pods at once
-    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                      "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001 and sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
@@ -288,8 +372,9 @@ def test_operator_deployment_hardened_and_probed(rendered):
     assert c["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
-    assert c["resources"] == op.get("resources", {"requests": {"cpu": "100m", "memory": "256Mi"},
-                                                  "limits": {"memory": "1Gi"}})
+    assert c["resources"] == op.get(
+        "resources", {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    )
     for key in ("nodeSelector", "tolerations", "priorityClassName"):
         assert pod.get(key) == op.get(key), key
     if op.get("affinity") or replicas <= 1:
@@ -321,7 +406,7 @@ def test_operator_args_parse_with_the_real_cli(rendered):
         assert peering["kind"] == ("KopfPeering" if namespaced else "ClusterKopfPeering")
         if namespaced:
             assert peering["metadata"]["namespace"] == (op.get("watchNamespace") or NAMESPACE)
-        assert 0 < kw["priority"] < 2 ** 31  # each replica its own (random): Kopf pauses every replica of a tie
+        assert 0 < kw["priority"] < 2**31  # each replica its own (random): Kopf pauses every replica of a tie
     else:
         assert kw.get("standalone") is True and "peering_name" not in kw
         assert not [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]
@@ -334,14 +419,17 @@ def test_operator_args_parse_with_the_real_cli(rendered):
 
 def test_image_reference(rendered):
     name, values, docs = rendered
-    image = {"repository": "ghcr.io/expertmesh/expertmesh", "tag": "", "pullPolicy": "IfNotPresent",
-             **values.get("image", {})}
-    tag = image["tag"] or "0.1.0"   # "" → the chart's appVersion
+    image = {
+        "repository": "ghcr.io/expertmesh/expertmesh",
+        "tag": "",
+        "pullPolicy": "IfNotPresent",
+        **values.get("image", {}),
+    }
+    tag = image["tag"] or "0.1.0"  # "" → the chart's appVersion
     c = operator_container(docs)
     assert c["image"] == f"{image['repository']}:{tag}" and c["imagePullPolicy"] == image["pullPolicy"]
-    for ex in by_kind(docs, KIND):   # the example's pods run the same image
-        assert ex["spec"]["image"] == {"repository": image["repository"], "tag": tag,
-                                       "pullPolicy": image["pullPolicy"]}
+    for ex in by_kind(docs, KIND):  # the example's pods run the same image
+        assert ex["spec"]["image"] == {"repository": image["repository"], "tag": tag, "pullPolicy": image["pullPolicy"]}
     for pod in by_kind(docs, "Pod"):
         assert pod["spec"]["containers"][0]["image"] == c["image"]
 
@@ -356,8 +444,11 @@ def test_service_account_and_bindings(rendered):
         assert sa["metadata"].get("annotations", {}) == sa_values.get("annotations", {})
     else:
         assert not by_kind(docs, "ServiceAccount") and sa_name == sa_values["name"]
-    roles = {(r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
-             for r in docs if r["kind"] in ("Role", "ClusterRole")}
+    roles = {
+        (r["kind"], r["metadata"].get("namespace"), r["metadata"]["name"])
+        for r in docs
+        if r["kind"] in ("Role", "ClusterRole")
+    }
     bindings = [b for b in docs if b["kind"] in ("RoleBinding", "ClusterRoleBinding")]
     assert len(bindings) == len(roles)
     for b in bindings:
@@ -386,9 +477,11 @@ def test_cluster_rbac_equals_operator_rules(values):
     assert all("*" not in field for rule in role["rules"] for field in rule.values())
 
 
-@pytest.mark.parametrize("values, watched", [({"rbac": {"namespaced": True}}, NAMESPACE),
-                                             ({"operator": {"watchNamespace": "models"}}, "models")],
-                         ids=["rbac.namespaced", "operator.watchNamespace"])
+@pytest.mark.parametrize(
+    "values, watched",
+    [({"rbac": {"namespaced": True}}, NAMESPACE), ({"operator": {"watchNamespace": "models"}}, "models")],
+    ids=["rbac.namespaced", "operator.watchNamespace"],
+)
 def test_namespaced_rbac_equals_operator_rules(values, watched):
     docs = render(values)
     role, cluster_role = one(docs, "Role"), one(docs, "ClusterRole")
@@ -458,10 +551,16 @@ def test_example_and_its_helm_test(set_name):
         assert (got is not None) == bool(auto.get("enabled"))
         if got is not None:
             defaults = yaml.safe_load((CHART / "values.yaml").read_text())["example"]
-            want = {**(defaults["prefillWorkers"]["autoscale"] if auto is pre_auto else
-                       defaults["attentionAutoscale"]), **auto}
+            want = {
+                **(defaults["prefillWorkers"]["autoscale"] if auto is pre_auto else defaults["attentionAutoscale"]),
+                **auto,
+            }
             assert (got.min_replicas, got.max_replicas, got.metric, got.target) == (
-                want["minReplicas"], want["maxReplicas"], want["metric"], want["target"])
+                want["minReplicas"],
+                want["maxReplicas"],
+                want["metric"],
+                want["target"],
+            )
     pvc = ex_values.get("checkpoint", {}).get("pvc")
     if pvc:
         assert spec.model.checkpoint.pvc.claim_name == pvc["claimName"] and spec.model.checkpoint.uri is None
@@ -480,13 +579,28 @@ def test_example_and_its_helm_test(set_name):
 
 
 def test_notes_say_what_to_do_next():
-    for values, expected in [({}, ["kubectl -n em-system apply -f -", "kind: MoEDeployment", "get moe",
-                                   "port-forward service/tiny-router 8000:8000"]),
-                             ({"example": {"enabled": True}},
-                              ["get moe em-expertmesh-example", "helm test em",
-                               "port-forward service/em-expertmesh-example-router 8000:8000"])]:
-        out = run_helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
-                       *_set_args(values)).stdout
+    for values, expected in [
+        (
+            {},
+            [
+                "kubectl -n em-system apply -f -",
+                "kind: MoEDeployment",
+                "get moe",
+                "port-forward service/tiny-router 8000:8000",
+            ],
+        ),
+        (
+            {"example": {"enabled": True}},
+            [
+                "get moe em-expertmesh-example",
+                "helm test em",
+                "port-forward service/em-expertmesh-example-router 8000:8000",
+            ],
+        ),
+    ]:
+        out = run_helm(
+            "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *_set_args(values)
+        ).stdout
         notes = out.split("NOTES:", 1)[1]
         for text in expected:
             assert text in notes, f"{text!r} not in NOTES for {values}:\n{notes}"
@@ -495,8 +609,10 @@ def test_notes_say_what_to_do_next():
 # ------------------------------------------------------------------------------------------------ the CRD
 def _crd() -> dict:
     if not CRD_FILE.exists():
-        pytest.skip(f"{CRD_FILE.relative_to(ROOT)} not generated yet "
-                    "(python -m expertmesh.operator.crd --out ...): CRD checks not run")
+        pytest.skip(
+            f"{CRD_FILE.relative_to(ROOT)} not generated yet "
+            "(python -m expertmesh.operator.crd --out ...): CRD checks not run"
+        )
     return yaml.safe_load(CRD_FILE.read_text())
 
 
@@ -508,10 +624,16 @@ def _crd_schema(crd: dict) -> dict:
 def _structural_problems(node: dict, path: str = "") -> list[str]:
     """The API server's structural-schema rules that a generator can break: a type on every node (unless
     int-or-string / preserve-unknown-fields), no $ref / combinators / const / nullable-free unions."""
-    out = [f"{path or '.'}: {k}" for k in ("$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not",
-                                            "const") if k in node]
-    if "type" not in node and not node.get("x-kubernetes-int-or-string") \
-            and not node.get("x-kubernetes-preserve-unknown-fields"):
+    out = [
+        f"{path or '.'}: {k}"
+        for k in ("$ref", "$defs", "definitions", "anyOf", "oneOf", "allOf", "not", "const")
+        if k in node
+    ]
+    if (
+        "type" not in node
+        and not node.get("x-kubernetes-int-or-string")
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out.append(f"{path or '.'}: no type")
     if node.get("additionalProperties") is False or ("properties" in node and "additionalProperties" in node):
         out.append(f"{path or '.'}: additionalProperties with properties / false")
@@ -547,14 +669,21 @@ def test_crd_is_structural_and_valid():
     crd = _crd()
     kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
     names = crd["spec"]["names"]
-    assert (crd["spec"]["group"], names["kind"], names["plural"], "moe" in names["shortNames"]) == \
-        ("expertmesh.dev", KIND, "moedeployments", True)
+    assert (crd["spec"]["group"], names["kind"], names["plural"], "moe" in names["shortNames"]) == (
+        "expertmesh.dev",
+        KIND,
+        "moedeployments",
+        True,
+    )
     assert _structural_problems(_crd_schema(crd)) == []
     # helm installs it from crds/ before the templates (so the example can be created in the same install),
     # with Kopf's peering resources (leader election of the operator replicas)
     crds = by_kind(render({}, include_crds=True), "CustomResourceDefinition")
     assert sorted(c["metadata"]["name"] for c in crds) == [
-        "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "moedeployments.expertmesh.dev"]
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+        "moedeployments.expertmesh.dev",
+    ]
     for c in crds:
         kubernetes_validate.validate(c, K8S_VERSION, strict=True)
 
@@ -574,16 +703,16 @@ def test_example_matches_crd_schema(set_name):
 # ------------------------------------------------------------------------------------------------ bad values
 BAD_VALUES = [
     ({"operator": {"replicas": -1}}, "/operator/replicas"),
-    ({"operator": {"replicas": 6}}, "/operator/replicas"),            # a leader and at most 4 standbys
+    ({"operator": {"replicas": 6}}, "/operator/replicas"),  # a leader and at most 4 standbys
     ({"operator": {"replicas": "two"}}, "/operator/replicas"),
-    ({"operator": {"healthPort": 80}}, "/operator/healthPort"),       # non-root cannot bind below 1024
+    ({"operator": {"healthPort": 80}}, "/operator/healthPort"),  # non-root cannot bind below 1024
     ({"operator": {"logLevel": "trace"}}, "/operator/logLevel"),
     ({"operator": {"watchNamespace": "Bad_NS"}}, "/operator/watchNamespace"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "/operator/resources/requests/cpu"),
     ({"operator": {"resources": {"request": {"cpu": "1"}}}}, "'request'"),
     ({"operator": {"tolerations": [{"key": "a", "effect": "Sometimes"}]}}, "/operator/tolerations/0/effect"),
     ({"operator": {"nodeSelector": {"zone": 1}}}, "/operator/nodeSelector/zone"),
-    ({"operator": {"replica": 1}}, "'replica'"),                      # typo: unknown key
+    ({"operator": {"replica": 1}}, "'replica'"),  # typo: unknown key
     ({"unknownTopLevel": True}, "'unknownTopLevel'"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"image": {"tag": 1.2}}, "/image/tag"),
@@ -616,12 +745,14 @@ def test_example_pools_become_the_operators_prefill_pool_and_autoscalers():
     MoEDeployment) makes the prefill StatefulSet, an HPA per pool and the router's --prefill list."""
     from expertmesh.operator.children import build_children
     from expertmesh.operator.placement_policy import plan_for
+
     values, release = VALUE_SETS["example-pools"]
     ex = one(render(values, release), KIND)
     name, spec = ex["metadata"]["name"], parse_spec(ex["spec"])
     cfg = resolve_model(spec)
-    by = {(c["kind"], c["metadata"]["name"]): c for c in build_children(name, NAMESPACE, spec, cfg,
-                                                                          plan_for(spec, cfg))}
+    by = {
+        (c["kind"], c["metadata"]["name"]): c for c in build_children(name, NAMESPACE, spec, cfg, plan_for(spec, cfg))
+    }
     pre = values["example"]["prefillWorkers"]["autoscale"]
     assert by[("StatefulSet", f"{name}-prefill")]["spec"]["replicas"] == pre["minReplicas"]
     assert by[("HorizontalPodAutoscaler", f"{name}-prefill")]["spec"]["maxReplicas"] == pre["maxReplicas"]

@@ -1,5 +1,6 @@
 """A checkpoint's tokenizer.json gives the ids transformers' AutoTokenizer gives, decodes like it, streams whole
 characters, and stops at the checkpoint's EOS ids; bad files are refused in one line naming the file."""
+
 import json
 
 import pytest
@@ -7,17 +8,25 @@ from hf_fixtures import auto_tokenizer, write_checkpoint
 
 from expertmesh.chat.tokenizer import ByteTokenizer, CheckpointTokenizer, TokenizerError, load_tokenizer
 
-TEXTS = ["Hello world", "The weather in Paris is sunny today.", "  leading and trailing spaces  ",
-         "café ✓ 日本語 🌍 mixed", "special strings <|im_end|> and <think> inside", "line\nbreaks\n\n\ttabs", "x"]
+TEXTS = [
+    "Hello world",
+    "The weather in Paris is sunny today.",
+    "  leading and trailing spaces  ",
+    "café ✓ 日本語 🌍 mixed",
+    "special strings <|im_end|> and <think> inside",
+    "line\nbreaks\n\n\ttabs",
+    "x",
+]
 
 LAYOUTS = {
     # tokenizer.json's post-processor adds BOS; tokenizer_config.json says nothing about it
     "post-processor": dict(),
     # transformers 5 ignores tokenizer_config.json's add_bos_token / add_eos_token beside a tokenizer.json: no
     # post-processor, no BOS (DeepSeek's tokenizer_class LlamaTokenizerFast is loaded as TokenizersBackend) ...
-    "add_bos_token ignored": dict(post_processor_bos=False,
-                                  config={"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True,
-                                          "add_eos_token": True}),
+    "add_bos_token ignored": dict(
+        post_processor_bos=False,
+        config={"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True, "add_eos_token": True},
+    ),
     # ... and the post-processor's BOS stays although add_bos_token is false
     "add_bos_token false ignored": dict(config={"add_bos_token": False}),
 }
@@ -38,8 +47,10 @@ def test_prompt_ids_are_autotokenizers(pair):
 
 def test_layouts_really_differ_in_special_tokens(tmp_path):
     """Not all layouts add the same special tokens: the equality above is not one case three times."""
-    ids = {name: CheckpointTokenizer(write_checkpoint(tmp_path / name.replace(" ", "_"), **kw)).encode_prompt("x")
-           for name, kw in LAYOUTS.items()}
+    ids = {
+        name: CheckpointTokenizer(write_checkpoint(tmp_path / name.replace(" ", "_"), **kw)).encode_prompt("x")
+        for name, kw in LAYOUTS.items()
+    }
     assert [len(ids[name]) for name in LAYOUTS] == [2, 1, 2]
 
 
@@ -49,7 +60,7 @@ def test_decode_is_transformers_decode(pair):
         ids = theirs(text)["input_ids"] + [theirs.convert_tokens_to_ids("<|im_end|>")]
         for skip in (True, False):
             assert ours.decode(ids, skip_special=skip) == theirs.decode(ids, skip_special_tokens=skip)
-    padded = [5, ours.vocab_size, 6, ours.vocab_size + 90]      # ids of a model's padded vocabulary rows
+    padded = [5, ours.vocab_size, 6, ours.vocab_size + 90]  # ids of a model's padded vocabulary rows
     assert ours.decode(padded, skip_special=False) == theirs.decode(padded) == ours.decode([5, 6], skip_special=False)
 
 
@@ -58,7 +69,7 @@ def test_stream_decoder_emits_whole_characters_only(make, tmp_path):
     tok = make(tmp_path)
     text = "naïve café ✓ 日本語のテキスト 🌍!"
     ids = tok.encode(text)
-    assert any("\ufffd" in tok.decode([i]) for i in ids)          # some tokens really are partial characters
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens really are partial characters
     stream = tok.stream_decoder()
     pieces = [stream.feed(i) for i in ids] + [stream.flush()]
     assert "".join(pieces) == text
@@ -67,6 +78,7 @@ def test_stream_decoder_emits_whole_characters_only(make, tmp_path):
 
 def test_eos_ids_from_generation_config_config_and_tokenizer_config(tmp_path):
     from transformers import GenerationConfig
+
     d = write_checkpoint(tmp_path, generation_eos=["</s>"])
     (d / "config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     tok, theirs = CheckpointTokenizer(d), auto_tokenizer(d)
@@ -82,8 +94,9 @@ def test_special_tokens_named_in_config_but_missing_are_added_like_transformers(
     text = "a <pad> b <|extra|> c"
     assert tok.encode_prompt(text) == theirs(text)["input_ids"]
     assert tok.special("<pad>") == theirs.convert_tokens_to_ids("<pad>")
-    assert tok.decode(tok.encode(text)) == theirs.decode(theirs.encode(text, add_special_tokens=False),
-                                                         skip_special_tokens=True)
+    assert tok.decode(tok.encode(text)) == theirs.decode(
+        theirs.encode(text, add_special_tokens=False), skip_special_tokens=True
+    )
 
 
 def test_special_lookup_and_plain_encoding(tmp_path):
@@ -101,15 +114,25 @@ def test_load_tokenizer_picks_tokenizer_json_else_bytes(tmp_path):
     assert isinstance(load_tokenizer(write_checkpoint(tmp_path / "hf")), CheckpointTokenizer)
 
 
-@pytest.mark.parametrize("damage, file, needle", [
-    (lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}'), "tokenizer.json",
-     "not a Hugging Face tokenizers file"),
-    (lambda d: (d / "tokenizer.json").write_text("{not json"), "tokenizer.json", "not a Hugging Face tokenizers"),
-    (lambda d: (d / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json", "not a readable JSON"),
-    (lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"), "tokenizer_config.json", "expected a JSON object"),
-    (lambda d: (d / "tokenizer_config.json").write_text("{}"), "", "no end-of-sequence token"),
-    (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 99999}'), "", "outside the tokenizer"),
-])
+@pytest.mark.parametrize(
+    "damage, file, needle",
+    [
+        (
+            lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}'),
+            "tokenizer.json",
+            "not a Hugging Face tokenizers file",
+        ),
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), "tokenizer.json", "not a Hugging Face tokenizers"),
+        (lambda d: (d / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json", "not a readable JSON"),
+        (
+            lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"),
+            "tokenizer_config.json",
+            "expected a JSON object",
+        ),
+        (lambda d: (d / "tokenizer_config.json").write_text("{}"), "", "no end-of-sequence token"),
+        (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 99999}'), "", "outside the tokenizer"),
+    ],
+)
 def test_bad_files_are_refused_in_one_line_naming_the_file(tmp_path, damage, file, needle):
     d = write_checkpoint(tmp_path)
     damage(d)

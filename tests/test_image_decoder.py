@@ -1,4 +1,5 @@
 """The router's image decoder pool (router/image_decode.py) as processes: they end with the router."""
+
 import os
 import signal
 import subprocess
@@ -30,8 +31,9 @@ def _alive(pid: int) -> bool:
 def test_decoder_processes_end_when_the_router_is_killed():
     """A SIGKILLed router left its two decoder processes and their forkserver running for good (each decoder holds
     the writing end of the pool's call queue, and the forkserver's liveness pipe)."""
-    proc = subprocess.Popen([sys.executable, "-c", ROUTER], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONSAFEPATH": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ROUTER], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 3 and all(_alive(p) for p in pids)
@@ -54,6 +56,7 @@ def test_closing_the_pool_and_waiting_leaves_no_process():
     import multiprocessing.resource_tracker as rt
 
     from expertmesh.router.image_decode import ImageDecoder
+
     pool = ImageDecoder(2)
     pool.warm()
     ex = pool._executor()

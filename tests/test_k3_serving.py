@@ -9,6 +9,7 @@ vocabulary and XTML chat format) served in process over HTTP and gRPC with the o
 - constrained decoding forces K3's own tool-call markup and JSON answers;
 - streamed and whole answers are the same, alone or 16 at a time.
 """
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,10 +28,22 @@ from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.server import serving_config
 
 CASES = json.loads((Path(__file__).parent / "data" / "k3" / "chat_cases.json").read_text())["cases"]
-BUDGETS = (16, 24, 32)        # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False}}}
+BUDGETS = (16, 24, 32)  # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +56,12 @@ def k3(tmp_path_factory):
     port = free_port()
     srv, thread = serve_http(build_app(engine, chat=chat), "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
-    yield {"url": url, "chat": chat, "engine": engine,
-           "client": openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)}
+    yield {
+        "url": url,
+        "chat": chat,
+        "engine": engine,
+        "client": openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120),
+    }
     srv.should_exit = True
     thread.join(timeout=10)
     engine.close()
@@ -65,8 +82,13 @@ def tokenize_request(case: dict) -> dict:
     return body
 
 
-TOKENIZE_CASES = [c for c in CASES if c["options"]["add_generation_prompt"] and not c["images"]
-                  and not (c["options"]["thinking"] and c["options"]["thinking_effort"] is None)]
+TOKENIZE_CASES = [
+    c
+    for c in CASES
+    if c["options"]["add_generation_prompt"]
+    and not c["images"]
+    and not (c["options"]["thinking"] and c["options"]["thinking_effort"] is None)
+]
 
 
 @pytest.mark.parametrize("case", TOKENIZE_CASES, ids=[c["name"] for c in TOKENIZE_CASES])
@@ -82,9 +104,14 @@ def test_tokenize_counts_what_the_chat_endpoint_feeds(k3):
     case = next(c for c in CASES if c["name"] == "unicode, quotes and ampersands")
     body = tokenize_request(case)
     ids = httpx.post(k3["url"] + "/tokenize", json=body, timeout=60).json()["tokens"]
-    r = k3["client"].chat.completions.create(model=k3["engine"].model_name, max_tokens=2, temperature=0,
-                                             messages=body["messages"], tools=body["tools"],
-                                             extra_body={"thinking_budget": case["options"]["thinking_effort"]})
+    r = k3["client"].chat.completions.create(
+        model=k3["engine"].model_name,
+        max_tokens=2,
+        temperature=0,
+        messages=body["messages"],
+        tools=body["tools"],
+        extra_body={"thinking_budget": case["options"]["thinking_effort"]},
+    )
     assert r.usage.prompt_tokens == len(ids)
 
 
@@ -92,9 +119,13 @@ def test_tokenize_counts_what_the_chat_endpoint_feeds(k3):
 def test_the_tier_cap_closes_thinking_whole(k3, tier, limit):
     """A random model never closes thinking itself: the sampler cuts it at the tier's cap with K3's whole close,
     and the answer follows as content."""
-    r = k3["client"].chat.completions.create(model=k3["engine"].model_name, temperature=0, max_tokens=limit + 8,
-                                             messages=[{"role": "user", "content": "Hello, who are you?"}],
-                                             extra_body={"thinking_budget": tier})
+    r = k3["client"].chat.completions.create(
+        model=k3["engine"].model_name,
+        temperature=0,
+        max_tokens=limit + 8,
+        messages=[{"role": "user", "content": "Hello, who are you?"}],
+        extra_body={"thinking_budget": tier},
+    )
     assert r.usage.completion_tokens_details.reasoning_tokens == limit
     assert r.choices[0].message.reasoning_content and r.choices[0].message.content
 
@@ -104,15 +135,35 @@ def test_streamed_equals_whole_alone_and_sixteen_at_once(k3):
     prompts = [[{"role": "user", "content": f"Question {i}: the weather in city {i}?"}] for i in range(16)]
 
     def whole(messages):
-        m = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
-                                           tools=[WEATHER], extra_body={"thinking_budget": "low"}).choices[0].message
-        return m.reasoning_content or "", m.content or "", [(c.function.name, c.function.arguments)
-                                                           for c in m.tool_calls or []]
+        m = (
+            client.chat.completions.create(
+                model=name,
+                messages=messages,
+                max_tokens=24,
+                temperature=0,
+                tools=[WEATHER],
+                extra_body={"thinking_budget": "low"},
+            )
+            .choices[0]
+            .message
+        )
+        return (
+            m.reasoning_content or "",
+            m.content or "",
+            [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
+        )
 
     def streamed(messages):
         reasoning, content = "", ""
-        for c in client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
-                                                tools=[WEATHER], stream=True, extra_body={"thinking_budget": "low"}):
+        for c in client.chat.completions.create(
+            model=name,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            tools=[WEATHER],
+            stream=True,
+            extra_body={"thinking_budget": "low"},
+        ):
             if c.choices:
                 d = c.choices[0].delta
                 reasoning += getattr(d, "reasoning_content", None) or ""
@@ -124,16 +175,21 @@ def test_streamed_equals_whole_alone_and_sixteen_at_once(k3):
         together = list(pool.map(whole, prompts))
         streams = list(pool.map(streamed, prompts))
     assert together[:4] == alone
-    assert streams == [(r, c) for r, c, _ in together]       # tool-call markup is held back from the stream
+    assert streams == [(r, c) for r, c, _ in together]  # tool-call markup is held back from the stream
 
 
 def test_forced_tool_call_is_k3_markup_and_validates(k3):
     schema = WEATHER["function"]["parameters"]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = k3["client"].chat.completions.create(
-            model=k3["engine"].model_name, temperature=0, max_tokens=300, tools=[WEATHER], tool_choice=choice,
+            model=k3["engine"].model_name,
+            temperature=0,
+            max_tokens=300,
+            tools=[WEATHER],
+            tool_choice=choice,
             messages=[{"role": "user", "content": "Weather in Paris for 2 days?"}],
-            extra_body={"thinking_budget": "low"})
+            extra_body={"thinking_budget": "low"},
+        )
         calls = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "get_weather"
         for c in calls:
@@ -141,13 +197,20 @@ def test_forced_tool_call_is_k3_markup_and_validates(k3):
 
 
 def test_response_format_json_schema_validates(k3):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "ok": {"type": "boolean"}},
-              "required": ["n", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
     r = k3["client"].chat.completions.create(
-        model=k3["engine"].model_name, temperature=0, max_tokens=80,
-        messages=[{"role": "user", "content": "Answer in JSON."}], extra_body={"thinking_budget": "low"},
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+        model=k3["engine"].model_name,
+        temperature=0,
+        max_tokens=80,
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        extra_body={"thinking_budget": "low"},
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
@@ -159,14 +222,26 @@ def test_auto_tier_plans_high_and_continues_low_and_says_so(k3):
     while after_tools[-1]["role"] != "tool":
         after_tools.pop()
     for messages, tier in ((case["messages"], "high"), (after_tools, "low")):
-        body = {"model": k3["engine"].model_name, "messages": messages, "tools": case["tools"], "max_tokens": 2,
-                "temperature": 0, "reasoning_effort": "auto"}
+        body = {
+            "model": k3["engine"].model_name,
+            "messages": messages,
+            "tools": case["tools"],
+            "max_tokens": 2,
+            "temperature": 0,
+            "reasoning_effort": "auto",
+        }
         r = httpx.post(k3["url"] + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.headers["x-expertmesh-thinking"].startswith(f"{tier}; auto: ")
         assert r.json()["thinking_budget"] == tier
-        explicit = httpx.post(k3["url"] + "/tokenize", timeout=60, json={
-            "messages": messages, "tools": case["tools"], "thinking_budget": tier}).json()["tokens"]
-        auto = httpx.post(k3["url"] + "/tokenize", timeout=60, json={
-            "messages": messages, "tools": case["tools"], "reasoning_effort": "auto"}).json()["tokens"]
+        explicit = httpx.post(
+            k3["url"] + "/tokenize",
+            timeout=60,
+            json={"messages": messages, "tools": case["tools"], "thinking_budget": tier},
+        ).json()["tokens"]
+        auto = httpx.post(
+            k3["url"] + "/tokenize",
+            timeout=60,
+            json={"messages": messages, "tools": case["tools"], "reasoning_effort": "auto"},
+        ).json()["tokens"]
         assert auto == explicit and r.json()["usage"]["prompt_tokens"] == len(explicit)

@@ -1,4 +1,5 @@
 """KDA ops: chunked / recurrent / Triton paths against the step-by-step reference."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def make_inputs(B, T, H, K, V, dtype=torch.float32, seed=0, strong=True):
     v = torch.randn(B, T, H, V, generator=gen)
     g = F.logsigmoid(2 * torch.randn(B, T, H, K, generator=gen) + 2)
     if strong:
-        g[..., : max(1, K // 4)] *= 10                                    # strong decays on a quarter of channels
+        g[..., : max(1, K // 4)] *= 10  # strong decays on a quarter of channels
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     h0 = torch.randn(B, H, K, V, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, h0
@@ -64,7 +65,13 @@ def test_reference_matches_per_head_float64_loop():
 # ---------------------------------------------------------------------------------------------- chunk
 @pytest.mark.parametrize(
     "B,T,H,K,V,C",
-    [(2, 100, 2, 32, 16, 32), (1, 130, 3, 16, 24, 64), (2, 1, 2, 16, 16, 64), (2, 45, 2, 16, 16, 20), (1, 64, 1, 8, 8, 16)],
+    [
+        (2, 100, 2, 32, 16, 32),
+        (1, 130, 3, 16, 24, 64),
+        (2, 1, 2, 16, 16, 64),
+        (2, 45, 2, 16, 16, 20),
+        (1, 64, 1, 8, 8, 16),
+    ],
 )
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_chunk_matches_reference_fp32(B, T, H, K, V, C, with_h0):
@@ -94,7 +101,7 @@ def test_decayed_grams_subchunk_equals_direct_form():
     gen = torch.Generator().manual_seed(4)
     q, k = torch.randn(3, 64, 16, generator=gen), torch.randn(3, 64, 16, generator=gen)
     G = F.logsigmoid(torch.randn(3, 64, 16, generator=gen)).cumsum(1)
-    decay = (G[:, :, None] - G[:, None, :]).clamp(max=0).exp()          # [b, r, i, c], the plain [C, C, K] form
+    decay = (G[:, :, None] - G[:, None, :]).clamp(max=0).exp()  # [b, r, i, c], the plain [C, C, K] form
     for sub in (8, 16, 64):
         Mqk, Mkk = _decayed_grams(q, k, G, sub)
         for x, M in ((q, Mqk), (k, Mkk)):
@@ -169,7 +176,13 @@ def _check_varlen(op, lens, **kw):
     for n in range(len(lens)):
         a, b = int(cu[n]), int(cu[n + 1])
         o_ref, s_ref = kda_recurrent_reference(
-            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[n : n + 1], output_final_state=True
+            q[:, a:b],
+            k[:, a:b],
+            v[:, a:b],
+            g[:, a:b],
+            beta[:, a:b],
+            initial_state=h0[n : n + 1],
+            output_final_state=True,
         )
         if b > a:
             assert_close(o[:, a:b], o_ref, what=f"o of sequence {n}")
@@ -185,9 +198,11 @@ def test_varlen_equals_per_sequence_runs(op):
 def test_prefill_then_decode_continuity(split):
     q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 16, 16, seed=9)
     o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o1, s1 = chunk_kda(*(t[:, :split] for t in (q, k, v, g, beta)), initial_state=h0, output_final_state=True, chunk_size=32)
+    o1, s1 = chunk_kda(
+        *(t[:, :split] for t in (q, k, v, g, beta)), initial_state=h0, output_final_state=True, chunk_size=32
+    )
     s2, outs = s1, [o1]
-    for t0 in range(split, 70, 4):                                       # decode a few tokens per call
+    for t0 in range(split, 70, 4):  # decode a few tokens per call
         sl = slice(t0, min(t0 + 4, 70))
         o2, s2 = fused_recurrent_kda(*(t[:, sl] for t in (q, k, v, g, beta)), initial_state=s2, output_final_state=True)
         outs.append(o2)
@@ -221,7 +236,7 @@ def test_triton_matches_reference(kind):
     nan = float("nan")
     final = torch.full((2, 2, 16, 16), nan)
     if kind == "fused_recurrent":
-        o = torch.full_like(v, nan)                                      # poisoned: every element must be written
+        o = torch.full_like(v, nan)  # poisoned: every element must be written
         tk.fused_recurrent_fwd(q, k, v, g, beta, info, h0, o, final)
     else:
         prep = prepare_chunks(q, k, v, g, beta, info, 16, grams=tk.decayed_grams_triton)
@@ -236,9 +251,9 @@ def test_triton_matches_reference(kind):
 def test_triton_decayed_grams_match_torch():
     tk = _triton()
     gen = torch.Generator().manual_seed(15)
-    q, k = torch.randn(2, 32, 20, generator=gen), torch.randn(2, 32, 20, generator=gen)   # K=20: a partial K tile
+    q, k = torch.randn(2, 32, 20, generator=gen), torch.randn(2, 32, 20, generator=gen)  # K=20: a partial K tile
     g = F.logsigmoid(2 * torch.randn(2, 32, 20, generator=gen))
-    g[..., :3] = -60.0                                                    # exp(-G) would overflow
+    g[..., :3] = -60.0  # exp(-G) would overflow
     G = g.cumsum(1)
     Mqk, Mkk = torch.full((2, 32, 32), float("nan")), torch.full((2, 32, 32), float("nan"))
     tk.decayed_grams_fwd(q, k, G, 16, Mqk, Mkk)
@@ -284,7 +299,10 @@ def _bad(**changes):
         (dict(cu_seqlens=torch.tensor([0, 4, 5])), r"cu_seqlens: expected to end at T=6"),
         (dict(cu_seqlens=torch.tensor([1, 6])), r"cu_seqlens: expected to start at 0"),
         (dict(cu_seqlens=torch.tensor([0.0, 6.0])), r"cu_seqlens: expected an int32/int64"),
-        (dict(cu_seqlens=torch.tensor([0, 3, 6]), initial_state=torch.zeros(1, 2, 8, 4)), r"initial_state: expected shape \[2,"),
+        (
+            dict(cu_seqlens=torch.tensor([0, 3, 6]), initial_state=torch.zeros(1, 2, 8, 4)),
+            r"initial_state: expected shape \[2,",
+        ),
     ],
 )
 @pytest.mark.parametrize("op", [chunk_kda_torch, fused_recurrent_kda_torch], ids=["chunk", "fused_recurrent"])

@@ -1,6 +1,7 @@
 """The KV tiers below an attention worker's device pool (worker/kv_tiers.py): a demoted prefix comes back
 bit-identical from host memory and from disk, a restored prefix gives the tokens a recompute gives, the disk tier's
 files survive a restart and are refused when torn, corrupted or foreign; every tier keeps its byte bound."""
+
 import json
 import random
 import time
@@ -19,7 +20,7 @@ from expertmesh.worker.kv_tiers import KVTiers
 from expertmesh.worker.metrics import tier_metrics
 
 CHUNK = 16
-MIB = 2 ** 20
+MIB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def device_copy(worker, key):
     """A prefix's device contents as the model reads them: per layer [length, D] pages, and the KDA states."""
     p = worker.prefixes[key]
-    pages = {layer: tuple(None if t is None else t.clone() for t in p.kv.read(layer, p.length))
-             for layer in worker.cfg.latent_kv_layers}
+    pages = {
+        layer: tuple(None if t is None else t.clone() for t in p.kv.read(layer, p.length))
+        for layer in worker.cfg.latent_kv_layers
+    }
     return pages, {i: (s.clone(), c.clone()) for i, (s, c) in p.kda_states.items()}
 
 
@@ -59,9 +62,12 @@ def assert_bit_identical(a, b):
 
 
 def test_a_demoted_prefix_comes_back_bit_identical_from_host_and_from_disk(ckpt, tmp_path):
-    eng = build_local_engine(ckpt, prefill_chunk=CHUNK, kv_blocks=32,
-                             kv_tiers={"kv_host_bytes": 64 * MIB, "kv_disk_dir": str(tmp_path),
-                                       "kv_disk_bytes": 64 * MIB})
+    eng = build_local_engine(
+        ckpt,
+        prefill_chunk=CHUNK,
+        kv_blocks=32,
+        kv_tiers={"kv_host_bytes": 64 * MIB, "kv_disk_dir": str(tmp_path), "kv_disk_bytes": 64 * MIB},
+    )
     try:
         prompt = [random.Random(5).randrange(256) for _ in range(80)]
         eng.generate(prompt, SamplingParams(max_tokens=2))
@@ -69,22 +75,29 @@ def test_a_demoted_prefix_comes_back_bit_identical_from_host_and_from_disk(ckpt,
         key = max(w.prefixes, key=lambda k: w.prefixes[k].length)
         length, saved = w.prefixes[key].length, device_copy(w, key)
         for tier in ("host", "disk"):
-            w.tiers.host_bytes = 64 * MIB if tier == "host" else 0       # too small: straight to disk
+            w.tiers.host_bytes = 64 * MIB if tier == "host" else 0  # too small: straight to disk
             free_before = w.pool.free_blocks
             free, dropped = w.demote_prefix(key)
             assert dropped == [] and key not in w.prefixes and w.tiers.tier_of(key) == tier
             assert free > free_before and (key, length, tier) in w.list_prefixes()
-            cached = w.open_sequence(f"s-{tier}", SamplingParams(max_tokens=1), reserve_tokens=length + 1,
-                                     prefix_key=key)
+            cached = w.open_sequence(
+                f"s-{tier}", SamplingParams(max_tokens=1), reserve_tokens=length + 1, prefix_key=key
+            )
             assert cached == length and w.tiers.tier_of(key) is None
             assert_bit_identical(saved, device_copy(w, key))
             assert w.tiers.stats[tier].restores == 1 and w.tiers.stats[tier].restore_bytes > 0
             w.close_sequence(f"s-{tier}")
-        metrics = {(f.name, s.labels["tier"]): s.value for f in tier_metrics(w) for s in f.samples
-                   if s.name.endswith("_total") or "_total" not in s.name}
+        metrics = {
+            (f.name, s.labels["tier"]): s.value
+            for f in tier_metrics(w)
+            for s in f.samples
+            if s.name.endswith("_total") or "_total" not in s.name
+        }
         assert metrics[("expertmesh_kv_tier_hits", "host")] == metrics[("expertmesh_kv_tier_hits", "disk")] == 1
-        assert metrics[("expertmesh_kv_tier_demotions", "disk")] == 1 and metrics[
-            ("expertmesh_kv_tier_capacity_bytes", "host")] == 64 * MIB
+        assert (
+            metrics[("expertmesh_kv_tier_demotions", "disk")] == 1
+            and metrics[("expertmesh_kv_tier_capacity_bytes", "host")] == 64 * MIB
+        )
         assert metrics[("expertmesh_kv_tier_restore_bytes", "disk")] == w.tiers.stats["disk"].restore_bytes > 0
         # a worker without lower tiers drops what it is asked to demote, and says so
         w.tiers.host_bytes, w.tiers.disk_bytes = 0, 0
@@ -124,13 +137,18 @@ def test_a_restored_prefix_gives_the_tokens_of_a_recompute(ckpt, model):
     assert cold.cached_tokens == 0 and cold_hits["lower"] == 0 and cold.output == reference
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--kv-host-gib", "-1"], "--kv-host-gib -1.0: expected a size in GiB ≥ 0"),
-    (["--kv-disk-gib", "2"], "--kv-disk-dir and --kv-disk-gib: give both"),
-    (["--kv-disk-dir", "FILE", "--kv-disk-gib", "1"], "not writable"),
-    (["--role", "expert", "--experts", "1:0", "--kv-host-gib", "1"], "only for --role attention")])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--kv-host-gib", "-1"], "--kv-host-gib -1.0: expected a size in GiB ≥ 0"),
+        (["--kv-disk-gib", "2"], "--kv-disk-dir and --kv-disk-gib: give both"),
+        (["--kv-disk-dir", "FILE", "--kv-disk-gib", "1"], "not writable"),
+        (["--role", "expert", "--experts", "1:0", "--kv-host-gib", "1"], "only for --role attention"),
+    ],
+)
 def test_bad_tier_flags_fail_fast_naming_the_flag(argv, words, capsys, tmp_path):
     from expertmesh.worker.server import main
+
     (tmp_path / "file").write_text("")
     argv = [str(tmp_path / "file" / "kv") if a == "FILE" else a for a in argv]
     role = [] if "--role" in argv else ["--role", "attention"]
@@ -141,26 +159,32 @@ def test_bad_tier_flags_fail_fast_naming_the_flag(argv, words, capsys, tmp_path)
 
 def snapshot(seed: int, length: int = 32) -> PrefixSnapshot:
     g = torch.Generator().manual_seed(seed)
-    return PrefixSnapshot(length, {0: torch.randn(length, 24, generator=g), 3: torch.randn(length, 24, generator=g)},
-                          {3: torch.randn(length, 8, generator=g)},
-                          {1: (torch.randn(2, 4, 4, generator=g), torch.randn(3, 3, 16, generator=g))})
+    return PrefixSnapshot(
+        length,
+        {0: torch.randn(length, 24, generator=g), 3: torch.randn(length, 24, generator=g)},
+        {3: torch.randn(length, 8, generator=g)},
+        {1: (torch.randn(2, 4, 4, generator=g), torch.randn(3, 3, 16, generator=g))},
+    )
 
 
 def same(a: PrefixSnapshot, b: PrefixSnapshot) -> bool:
-    return a.length == b.length and [n for n, _ in a.named_tensors()] == [n for n, _ in b.named_tensors()] and all(
-        torch.equal(bits(x), bits(y)) for (_, x), (_, y) in zip(a.named_tensors(), b.named_tensors()))
+    return (
+        a.length == b.length
+        and [n for n, _ in a.named_tensors()] == [n for n, _ in b.named_tensors()]
+        and all(torch.equal(bits(x), bits(y)) for (_, x), (_, y) in zip(a.named_tensors(), b.named_tensors()))
+    )
 
 
 def test_every_tier_keeps_its_byte_bound_and_reports_what_it_drops(tmp_path):
     one = snapshot(0).nbytes
-    tiers = KVTiers(2 * one, "id", tmp_path, int(2.5 * one))       # 2 in host; 2 files (headers) on disk
+    tiers = KVTiers(2 * one, "id", tmp_path, int(2.5 * one))  # 2 in host; 2 files (headers) on disk
     dropped = [tiers.put(f"k{i}", snapshot(i)) for i in range(6)]
     assert [tiers.tier_of(f"k{i}") for i in range(6)] == [None, None, "disk", "disk", "host", "host"]
     assert dropped[:4] == [[], [], [], []] and dropped[4] == ["k0"] and dropped[5] == ["k1"]
     assert tiers.stats["host"].used_bytes == 2 * one <= tiers.host_bytes
     assert tiers.stats["disk"].used_bytes <= tiers.disk_bytes and len(list(tmp_path.glob("*.kv"))) == 2
     assert same(tiers.load("k2")[0], snapshot(2)) and same(tiers.load("k5")[0], snapshot(5))
-    assert KVTiers(0, "id").put("x", snapshot(0)) == ["x"]         # no tier: dropped at once
+    assert KVTiers(0, "id").put("x", snapshot(0)) == ["x"]  # no tier: dropped at once
     with pytest.raises(ValueError, match="expected ≥ 0"):
         KVTiers(-1, "id")
 
@@ -201,24 +225,34 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
     from test_up import EOS, grpc_generate
 
     from expertmesh.entry.up import LocalCluster, free_port
+
     rng = random.Random(21)
     prompts = [[rng.randrange(256) for _ in range(160)] for _ in range(3)]
     disk = tmp_path / "kv"
-    with LocalCluster(ckpt.path, attention_workers=1, expert_workers=1, kv_blocks=16, kv_disk_dir=disk,
-                      kv_disk_gib=0.05, http_port=free_port(), grpc_port=free_port()) as cluster:
+    with LocalCluster(
+        ckpt.path,
+        attention_workers=1,
+        expert_workers=1,
+        kv_blocks=16,
+        kv_disk_dir=disk,
+        kv_disk_gib=0.05,
+        http_port=free_port(),
+        grpc_port=free_port(),
+    ) as cluster:
         address = f"127.0.0.1:{cluster.grpc_port}"
         outputs = [grpc_generate(address, p, 8)[0] for p in prompts]
         files = sorted((disk / "attention-0").glob("*.kv"), key=lambda f: f.stat().st_mtime)
-        assert len(files) == 2                       # A's and B's newest prefixes; C's still on the device
+        assert len(files) == 2  # A's and B's newest prefixes; C's still on the device
         data = bytearray(files[1].read_bytes())
-        data[-7] ^= 0x01                             # one bit of B's payload
+        data[-7] ^= 0x01  # one bit of B's payload
         files[1].write_bytes(bytes(data))
         cluster.restart("attention-0")
         for i, expect_cached in ((0, True), (1, False)):
             turn2 = prompts[i] + outputs[i] + [rng.randrange(256) for _ in range(16)]
             tokens, finish = grpc_generate(address, turn2, 8)
-            reference = generate(model, turn2, SamplingParams(max_tokens=8, stop_token_ids=(EOS,)),
-                                 prefill_chunk=CHUNK).tokens
+            reference = generate(
+                model, turn2, SamplingParams(max_tokens=8, stop_token_ids=(EOS,)), prefill_chunk=CHUNK
+            ).tokens
             assert tokens == reference
             assert (finish.usage.cached_tokens == 160) if expect_cached else finish.usage.cached_tokens == 0
         log = "\n".join(cluster.child("attention-0").lines)
@@ -231,8 +265,9 @@ def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckp
     reservation needs 6 blocks: the turn is recomputed on the other worker (the reference's tokens) instead of
     waiting, and the prefix stays cached — in the host tier, not lost."""
     prompt = [random.Random(8).randrange(256) for _ in range(64)]
-    eng = build_local_engine(ckpt, attention_workers=2, prefill_chunk=CHUNK, kv_blocks=16, kv_growth=16,
-                             kv_tiers={"kv_host_bytes": 64 * MIB})
+    eng = build_local_engine(
+        ckpt, attention_workers=2, prefill_chunk=CHUNK, kv_blocks=16, kv_growth=16, kv_tiers={"kv_host_bytes": 64 * MIB}
+    )
     try:
         eng.generate(prompt, SamplingParams(max_tokens=2))
         (worker,) = {w for w in eng.kv.prefixes.values()}
@@ -252,18 +287,27 @@ def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckp
 
 def test_a_dry_run_reports_the_tier_bounds_it_was_given(capsys):
     from expertmesh.worker.server import main
-    assert main(["--role", "attention", "--preset", "tiny", "--device", "meta", "--dry-run",
-                 "--kv-host-gib", "0.5"]) == 0
+
+    assert (
+        main(["--role", "attention", "--preset", "tiny", "--device", "meta", "--dry-run", "--kv-host-gib", "0.5"]) == 0
+    )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["kv_host_bytes"] == 2 ** 29 and "kv_disk_bytes" not in line
+    assert line["kv_host_bytes"] == 2**29 and "kv_disk_bytes" not in line
 
 
 # ------------------------------------------------------------------ router replicas: shared salt, session affinity
 def replica(eng, **kw):
     """Another router over `eng`'s workers (as a second replica of the router Deployment)."""
     from expertmesh.router.engine import Engine
-    return Engine(eng.cfg, [a._client for a in eng.attention], [e._client for e in eng.experts], eng.placement,
-                  prefill_chunk=CHUNK, **kw)
+
+    return Engine(
+        eng.cfg,
+        [a._client for a in eng.attention],
+        [e._client for e in eng.experts],
+        eng.placement,
+        prefill_chunk=CHUNK,
+        **kw,
+    )
 
 
 def test_router_replicas_with_one_salt_share_prefixes_and_others_still_place_the_session_alike(ckpt, model):
@@ -282,7 +326,7 @@ def test_router_replicas_with_one_salt_share_prefixes_and_others_still_place_the
         reference = generate(model, turn2, SamplingParams(max_tokens=6), prefill_chunk=CHUNK).tokens
         b = replica(a, prefix_salt=salt, prefix_index_refresh=0.05)
         deadline = time.monotonic() + 10
-        while len(b._listings) < 2 and time.monotonic() < deadline:     # its prefix-index thread read both workers
+        while len(b._listings) < 2 and time.monotonic() < deadline:  # its prefix-index thread read both workers
             time.sleep(0.02)
         second = b.generate(turn2, SamplingParams(max_tokens=6), timeout=60)
         assert second.error is None and second.worker == first.worker and second.cached_tokens == 80
@@ -297,14 +341,34 @@ def test_router_replicas_with_one_salt_share_prefixes_and_others_still_place_the
                 eng.close()
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda d: d / "missing", "cannot read it"),
-    (lambda d: d, "cannot read it"),                                     # a directory
-    (lambda d: (d / "empty").write_bytes(b"") or d / "empty", "the file is empty")])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: d / "missing", "cannot read it"),
+        (lambda d: d, "cannot read it"),  # a directory
+        (lambda d: (d / "empty").write_bytes(b"") or d / "empty", "the file is empty"),
+    ],
+)
 def test_a_bad_prefix_salt_file_is_refused_naming_the_flag(make, words, tmp_path, capsys):
     from expertmesh.router.server import main
+
     path = make(tmp_path)
-    assert main(["--checkpoint", str(tmp_path), "--plan", str(tmp_path / "plan.json"), "--attention", "a:1",
-                 "--experts", "b:1", "--prefix-salt-file", str(path)]) == 2
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path),
+                "--plan",
+                str(tmp_path / "plan.json"),
+                "--attention",
+                "a:1",
+                "--experts",
+                "b:1",
+                "--prefix-salt-file",
+                str(path),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--prefix-salt-file {path}: {words}" in err, err

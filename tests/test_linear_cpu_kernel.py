@@ -2,6 +2,7 @@
 invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads) on every path this CPU runs,
 the AVX512-BF16 path vs the portable loop (same bits), the AMX path (tiles and its 1-2 row vector path) against the
 tile-order reference bit for bit, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
+
 import pytest
 import torch
 
@@ -13,13 +14,13 @@ pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.E
 
 FAST = [isa for isa in ("avx512bf16", "amx") if ck.built() and ck.runs(isa)]
 ISAS = ["auto", "portable"] + FAST
-VDPBF16 = ["avx512bf16"] if "avx512bf16" in FAST else []     # the path the portable loop reproduces bit for bit
+VDPBF16 = ["avx512bf16"] if "avx512bf16" in FAST else []  # the path the portable loop reproduces bit for bit
 
 
 def _bf16(gen, *shape, scale=1.0):
     """Random bf16 with no zeros (|v| ≥ 2^-4 · scale): a zero input could hide a wrong product."""
     v = torch.randn(*shape, generator=gen)
-    v = torch.where(v.abs() < 2 ** -4, torch.full_like(v, 2 ** -4).copysign(v), v)
+    v = torch.where(v.abs() < 2**-4, torch.full_like(v, 2**-4).copysign(v), v)
     return (v * scale).bfloat16()
 
 
@@ -39,8 +40,8 @@ def test_linear_matches_reference(n, k):
     got = ck.linear(x, wp, n, k)
     _close(got, x, w)
     ref = naive.linear(x, wp, n, k)
-    assert (got.float() - ref.float()).abs().max() <= (ref.float().abs() * 2 ** -7).max()
-    for isa in VDPBF16:                   # same bits on both paths (AMX: its own, checked against the reference)
+    assert (got.float() - ref.float()).abs().max() <= (ref.float().abs() * 2**-7).max()
+    for isa in VDPBF16:  # same bits on both paths (AMX: its own, checked against the reference)
         assert torch.equal(ck.linear(x, wp, n, k, isa="portable"), ck.linear(x, wp, n, k, isa=isa))
     for isa in FAST:
         _close(ck.linear(x, wp, n, k, isa=isa), x, w)
@@ -50,7 +51,7 @@ def test_linear_matches_reference(n, k):
 def test_linear_rows_are_bitwise_batch_invariant(isa, two_threads):
     gen = torch.Generator().manual_seed(1)
     for n, k in [(96, 64), (70, 33)] + ([(576, 1024), (200, 47)] if isa != "portable" else []):
-        w = _bf16(gen, n, k, scale=k ** -0.5)
+        w = _bf16(gen, n, k, scale=k**-0.5)
         wp = ck.pack_weight(w)
         row = _bf16(gen, 1, k)
         alone = ck.linear(row, wp, n, k, isa=isa)[0]
@@ -71,13 +72,13 @@ def test_bmm_rows_are_bitwise_batch_invariant(isa, two_threads):
     gen = torch.Generator().manual_seed(2)
     shapes = [(3, 48, 80), (2, 37, 70)] + ([(16, 128, 512), (16, 512, 128)] if isa != "portable" else [])
     for b, k, n in shapes:
-        w = _bf16(gen, b, k, n, scale=k ** -0.5)
+        w = _bf16(gen, b, k, n, scale=k**-0.5)
         row = _bf16(gen, b, 1, k)
         alone = ck.bmm(row, w, isa=isa)[:, 0]
         torch.testing.assert_close(alone.float(), (row.float() @ w.float())[:, 0], rtol=1 / 128, atol=1e-5 * k)
         for m in (2, 3, 17, 64, 300):
             for pos in (0, m // 2, m - 1):
-                tokens = _bf16(gen, m, b, k)                  # token-major: x is a strided view, as the model's
+                tokens = _bf16(gen, m, b, k)  # token-major: x is a strided view, as the model's
                 tokens[pos] = row[:, 0]
                 got = ck.bmm(tokens.transpose(0, 1), w, isa=isa)
                 assert torch.equal(got[:, pos], alone), (b, k, n, m, pos)
@@ -101,14 +102,14 @@ def test_amx_gives_the_tile_order_reference_bits(k, two_threads):
     # fp32 rounding of the partial sums (plus t.s, small): only the tile unit's own order gives those bits — the
     # VDPBF16PS order differs on most outputs here.
     u, v = _bf16(gen, 19, half), _bf16(gen, n, half)
-    x = torch.cat([u, -u.flip(1), _bf16(gen, 19, k - 2 * half, scale=2 ** -12)], 1)
+    x = torch.cat([u, -u.flip(1), _bf16(gen, 19, k - 2 * half, scale=2**-12)], 1)
     w = torch.cat([v, v.flip(1), _bf16(gen, n, k - 2 * half)], 1)
     want = naive.matmul_in_tile_order(x, w)
     assert want.ne(0).any()
     wp = ck.pack_weight(w)
     for rows in (slice(0, 1), slice(4, 6), slice(0, 19)):
         assert torch.equal(ck.linear(x[rows], wp, n, k, isa="amx"), want[rows]), rows
-    wb = torch.stack([w.T, w.T.flip(1)])                     # bmm: [2, K, N], the second item's columns reversed
+    wb = torch.stack([w.T, w.T.flip(1)])  # bmm: [2, K, N], the second item's columns reversed
     xb = torch.stack([x, x.flip(0)])
     got = ck.bmm(xb, wb, isa="amx")
     assert torch.equal(got[0], want) and torch.equal(got[1], want.flip(0).flip(1))
@@ -125,13 +126,16 @@ def test_bmm_paths_agree_and_accept_strided_weights():
         for isa in VDPBF16:
             assert torch.equal(ck.bmm(x, w, isa="portable"), ck.bmm(x, w, isa=isa))
         for isa in FAST:
-            torch.testing.assert_close(ck.bmm(x, w, isa=isa).float(), x.float() @ w.float(), rtol=1 / 128,
-                                       atol=1e-5 * k)
-        assert torch.equal(naive.bmm(x, w).float().sub(got.float()).abs().le(got.float().abs() * 2 ** -7 + 1e-6)
-                           .all(), torch.tensor(True))
-        wt = w.transpose(1, 2).contiguous().transpose(1, 2)   # column-major weight: copied to rows, same result
+            torch.testing.assert_close(
+                ck.bmm(x, w, isa=isa).float(), x.float() @ w.float(), rtol=1 / 128, atol=1e-5 * k
+            )
+        assert torch.equal(
+            naive.bmm(x, w).float().sub(got.float()).abs().le(got.float().abs() * 2**-7 + 1e-6).all(),
+            torch.tensor(True),
+        )
+        wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # column-major weight: copied to rows, same result
         assert torch.equal(ck.bmm(x, wt), got)
-        xs = _bf16(gen, b, m, 2 * k)[:, :, ::2]               # non-unit stride along K: copied, same result
+        xs = _bf16(gen, b, m, 2 * k)[:, :, ::2]  # non-unit stride along K: copied, same result
         assert torch.equal(ck.bmm(xs, w), ck.bmm(xs.contiguous(), w))
 
 
@@ -141,7 +145,7 @@ def test_bmm_on_a_packed_weight_gives_bmm_s_bits(isa, two_threads):
     N off the 64-column groups, 1-2 rows (AMX's vector path), tiles, a strided token-major x."""
     gen = torch.Generator().manual_seed(7)
     for b, k, n in [(3, 37, 70), (2, 64, 200), (16, 128, 130), (1, 1, 3)]:
-        w = _bf16(gen, b, k, n, scale=k ** -0.5)
+        w = _bf16(gen, b, k, n, scale=k**-0.5)
         wp = naive.pack_bmm_weight(w)
         assert wp.shape == (b, -(-n // 64), -(-k // 2), 64, 2)
         for m in (1, 2, 3, 17, 40):
@@ -158,7 +162,7 @@ def test_linear_accepts_a_strided_row_view():
     w = _bf16(gen, 80, 48)
     wp = ck.pack_weight(w)
     big = _bf16(gen, 6, 100)
-    x = big[:, 10:58]                                         # rows of a wider tensor (row stride 100)
+    x = big[:, 10:58]  # rows of a wider tensor (row stride 100)
     assert torch.equal(ck.linear(x, wp, 80, 48), ck.linear(x.contiguous(), wp, 80, 48))
     x3 = _bf16(gen, 2, 3, 48)
     assert ck.linear(x3, wp, 80, 48).shape == (2, 3, 80)
@@ -192,23 +196,24 @@ def test_bad_inputs_name_the_tensor():
 @pytest.mark.skipif(not ck.available(), reason="the fast path needs AVX512-BF16 (or the kernel is off)")
 def test_batch_invariant_uses_the_kernel_for_bf16_parameters(two_threads):
     from expertmesh.kernels import batch_invariant as bi
+
     gen = torch.Generator().manual_seed(6)
     w = torch.nn.Parameter(_bf16(gen, 96, 64), requires_grad=False)
     x = _bf16(gen, 1, 64)
     kw = bi.kernel_weight(w)
-    assert kw is not None and kw is bi.kernel_weight(w)            # cached
+    assert kw is not None and kw is bi.kernel_weight(w)  # cached
     assert torch.equal(bi.linear(x, w), ck.linear(x, kw, 96, 64))
     with torch.no_grad():
-        w.mul_(-2)                                                  # written in place: packed again
+        w.mul_(-2)  # written in place: packed again
     assert bi.kernel_weight(w) is not kw
     assert torch.equal(bi.linear(x, w), ck.linear(x, ck.pack_weight(w.detach()), 96, 64))
-    assert bi.kernel_weight(torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)) is None   # fp32: oneDNN
+    assert bi.kernel_weight(torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)) is None  # fp32: oneDNN
     wb = _bf16(gen, 4, 32, 24)
     xb = _bf16(gen, 4, 3, 32)
     assert torch.equal(bi.bmm(xb, wb), ck.bmm(xb, wb))
-    assert (id(wb),) in bi._kernel_packed                           # a tensor of its own: its packed copy, kept
-    assert torch.equal(bi._kernel_packed[id(wb), ][1], naive.pack_bmm_weight(wb))
-    view = wb.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :20]   # a view: the plain kernel, nothing kept
+    assert (id(wb),) in bi._kernel_packed  # a tensor of its own: its packed copy, kept
+    assert torch.equal(bi._kernel_packed[id(wb),][1], naive.pack_bmm_weight(wb))
+    view = wb.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :20]  # a view: the plain kernel, nothing kept
     assert torch.equal(bi.bmm(xb, view), ck.bmm(xb, view)) and (id(view),) not in bi._kernel_packed
 
 
@@ -219,6 +224,7 @@ def test_fused_projections_give_each_projection_s_own_bits(two_threads, monkeypa
     output bitwise what its own `linear` gives, for decode-sized and tile-sized calls and widths that are not
     multiples of the kernel's 64-column groups; rewriting one weight in place repacks the concatenation."""
     from expertmesh.kernels import batch_invariant as bi
+
     monkeypatch.setattr(ck, "_default", isa)
     gen = torch.Generator().manual_seed(8)
     k = 96
@@ -229,8 +235,8 @@ def test_fused_projections_give_each_projection_s_own_bits(two_threads, monkeypa
         assert [y.shape for y in fused] == [(m, w.shape[0]) for w in weights]
         for y, w in zip(fused, weights):
             assert torch.equal(y, ck.linear(x, ck.pack_weight(w.detach()), w.shape[0], k))
-    assert bi.fused_kernel_weight(weights) is bi.fused_kernel_weight(weights)          # cached
-    x = _bf16(gen, 3, 32, k)                                                              # leading dims kept
+    assert bi.fused_kernel_weight(weights) is bi.fused_kernel_weight(weights)  # cached
+    x = _bf16(gen, 3, 32, k)  # leading dims kept
     with torch.no_grad():
         weights[1].mul_(-3)
     for y, w in zip(bi.linear_fused(x, weights), weights):
@@ -245,6 +251,7 @@ def test_fp32_linear_gives_the_lane_order_reference_bits_in_any_batch(two_thread
     inputs, K with and without a short last chunk, N off the 3-column blocks, 1-40 rows; a row's bits the same
     alone and in any batch; both paths the same bits. Summing in another order (ATen's) gives other bits here."""
     from expertmesh.kernels.linear.naive import linear_fp32_in_lane_order
+
     if vector and not ck.EXTENSION.load().f32_vector():
         pytest.skip("no AVX-512 here")
     gen = torch.Generator().manual_seed(11)
@@ -254,7 +261,7 @@ def test_fp32_linear_gives_the_lane_order_reference_bits_in_any_batch(two_thread
         y = ck.linear_fp32(x, w, vector=vector)
         assert torch.equal(y, linear_fp32_in_lane_order(x, w))
         for i in range(m):
-            assert torch.equal(ck.linear_fp32(x[i:i + 1], w, vector=vector), y[i:i + 1])
+            assert torch.equal(ck.linear_fp32(x[i : i + 1], w, vector=vector), y[i : i + 1])
         differs |= not torch.equal(y, x @ w.T)
     assert differs
     with pytest.raises(ValueError, match="linear_fp32"):
@@ -265,6 +272,7 @@ def test_batch_invariant_runs_fp32_weights_on_the_kernel():
     """bi.linear with an fp32 parameter takes the fp32 kernel where the fast path runs (no oneDNN copy made)."""
     from expertmesh.kernels import batch_invariant as bi
     from expertmesh.kernels.linear.naive import linear_fp32_in_lane_order
+
     gen = torch.Generator().manual_seed(12)
     w = torch.nn.Parameter(torch.randn(24, 64, generator=gen), requires_grad=False)
     x = torch.randn(5, 64, generator=gen)
@@ -278,6 +286,7 @@ def test_project_keeps_fp32_and_biased_projections_apart():
     """model.project: bf16 projections without a bias fused, an fp32 one (routing, indexer weights) and a biased
     one computed alone, results in the order asked."""
     from expertmesh.model.transformer import Linear, project
+
     gen = torch.Generator().manual_seed(9)
     layers = [Linear(48, 64), Linear(48, 10), Linear(48, 16, bias=True), Linear(48, 64)]
     for layer in layers:
@@ -298,6 +307,7 @@ def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
     from expertmesh.kernels import batch_invariant as bi
     from expertmesh.model.config import preset
     from expertmesh.model.transformer import Segment, Transformer, init_random_
+
     model = init_random_(Transformer(preset("tiny")), seed=1).to(torch.bfloat16)
     a, b = list(range(1, 20)), list(range(100, 105))
     with torch.no_grad():
@@ -305,13 +315,13 @@ def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
         alone_b = model.step(b, model.new_cache())
         ca, cb = model.new_cache(), model.new_cache()
         together = model.forward(torch.tensor(a + b), [Segment(0, len(a), ca), Segment(len(a), len(b), cb)])
-    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a):], alone_b)
+    assert torch.equal(together[: len(a)], alone_a) and torch.equal(together[len(a) :], alone_b)
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith("weight")]
     alone = {i for (i,) in bi._kernel_packed}
     fused = {i for ids in bi._fused_packed for i in ids}
     assert any(id(p) in alone for p in weights) and any(id(p) in fused for p in weights)
     kernel = alone | fused
-    assert not any((id(p),) in bi._packed for p in weights if id(p) in kernel)   # one copy, not two
+    assert not any((id(p),) in bi._packed for p in weights if id(p) in kernel)  # one copy, not two
     assert not any(id(p) in alone for p in weights if id(p) in fused)
 
 

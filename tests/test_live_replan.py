@@ -2,6 +2,7 @@
 redundant replicas, then one that empties an expert worker (as when its pod is lost). Each expert worker loads
 exactly the shards the planner counts as moved and drops the rest after the router switched its table; every
 request completes with the reference model's greedy tokens."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,9 @@ CHUNK = 16
 
 
 def shape(cfg, pods: int) -> ClusterShape:
-    return ClusterShape(pods=pods, gpus_per_pod=1, gpu_memory_bytes=cfg.n_logical_experts * cfg.expert_bytes_mxfp4,
-                        reserve_bytes=0)
+    return ClusterShape(
+        pods=pods, gpus_per_pod=1, gpu_memory_bytes=cfg.n_logical_experts * cfg.expert_bytes_mxfp4, reserve_bytes=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,9 @@ def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
     try:
         prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(4)]
         model = ckpt.load_model()
-        reference = [generate(model, p, SamplingParams(max_tokens=MAX_TOKENS), prefill_chunk=CHUNK).tokens
-                     for p in prompts]
+        reference = [
+            generate(model, p, SamplingParams(max_tokens=MAX_TOKENS), prefill_chunk=CHUNK).tokens for p in prompts
+        ]
         reqs = [engine.submit(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
         while engine.stats.generated_tokens == 0:
             time.sleep(0.01)
@@ -56,7 +59,7 @@ def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
         out = [r.wait(120).output for r in reqs]
         in_flight = engine.stats.generated_tokens
         counted = engine.load_stats()
-        again = engine.replan(without_2)       # the plan in force (as on a router's start): nothing moves
+        again = engine.replan(without_2)  # the plan in force (as on a router's start): nothing moves
         assert again == {"loaded": 0, "dropped": 0, "unreachable": []}
         assert engine.load_stats() == counted  # and no reconnect (ConnectExperts would restart the counts)
         held = []
@@ -67,9 +70,9 @@ def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
         engine.close()
         for s in [att, *experts]:
             shutdown(s, 1.0)
-    assert out == reference                                   # the same greedy tokens, switched mid-decode
+    assert out == reference  # the same greedy tokens, switched mid-decode
     assert engine.stats.requests_failed == 0
-    assert 0 < mid < in_flight == len(prompts) * MAX_TOKENS    # the first switch happened while they decoded
+    assert 0 < mid < in_flight == len(prompts) * MAX_TOKENS  # the first switch happened while they decoded
     # warm + drain moved exactly what the planner says moved, nothing else was reloaded or dropped
     assert grow == {"loaded": moved_shards(first, redundant), "dropped": 0, "unreachable": []}
     assert shrink["loaded"] == moved_shards(redundant, without_2) and shrink["unreachable"] == []

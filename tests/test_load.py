@@ -2,6 +2,7 @@
 bench/load.py's `run_load`: only explicit, OpenAI-shaped 429s under overload, every KV block back after the
 load, no RSS growth after warm-up, a full queue answers 429 at once, and a client that goes away frees its slot.
 """
+
 import gc
 import importlib.util
 import time
@@ -24,15 +25,16 @@ _spec = importlib.util.spec_from_file_location("bench_load", Path(__file__).pare
 load = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(load)
 
-MAX_RUNNING, MAX_WAITING = 4, 4      # 16 clients against 8 slots: the queue overflows, 429s happen
+MAX_RUNNING, MAX_WAITING = 4, 4  # 16 clients against 8 slots: the queue overflows, 429s happen
 CLIENTS, SECONDS = 16, 5
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("load") / "tiny", seed=0))
-    engine = build_local_engine(ck, attention_workers=1, expert_workers=2, max_running=MAX_RUNNING,
-                                max_waiting=MAX_WAITING)
+    engine = build_local_engine(
+        ck, attention_workers=1, expert_workers=2, max_running=MAX_RUNNING, max_waiting=MAX_WAITING
+    )
     port = free_port()
     srv, thread = serve_http(build_app(engine), "127.0.0.1", port)
     yield f"http://127.0.0.1:{port}", engine
@@ -44,8 +46,9 @@ def server(tmp_path_factory):
 def wait_engine_idle(engine, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while engine.num_running() or engine.num_waiting():
-        assert time.monotonic() < deadline, f"engine not idle: {engine.num_running()} running, " \
-                                            f"{engine.num_waiting()} waiting"
+        assert time.monotonic() < deadline, (
+            f"engine not idle: {engine.num_running()} running, {engine.num_waiting()} waiting"
+        )
         time.sleep(0.02)
 
 
@@ -55,7 +58,7 @@ def assert_every_block_free(url: str, engine) -> None:
     wait_engine_idle(engine)
     for i, w in enumerate(engine.attention):
         assert w.info()["sequences"] == 0, f"attention-{i}: sequences left open after the load"
-        for key in engine.kv.eviction_candidates(i):       # the prefix cache holds blocks by design: drop it
+        for key in engine.kv.eviction_candidates(i):  # the prefix cache holds blocks by design: drop it
             engine._drop_prefix(i, key)
         info = w.info()
         assert info["prefixes"] == 0, f"attention-{i}: {info['prefixes']} prefixes the router does not know of"
@@ -76,7 +79,7 @@ def check_round(r: dict) -> None:
 
 def test_overload_only_429s_no_kv_leak_no_rss_growth(server):
     url, engine = server
-    warm = load.run_load(url, CLIENTS, SECONDS, seed=1, backoff=0.2)       # warm-up round
+    warm = load.run_load(url, CLIENTS, SECONDS, seed=1, backoff=0.2)  # warm-up round
     check_round(warm)
     assert_every_block_free(url, engine)
     gc.collect()
@@ -110,16 +113,21 @@ def test_full_queue_answers_429_at_once(server, stream):
     reqs = fill_queue(engine)
     try:
         t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4,
-                                                      "stream": stream}, timeout=30)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream},
+            timeout=30,
+        )
         elapsed = time.perf_counter() - t0
         assert r.status_code == 429, r.text
         assert load.openai_error_shaped(r.content), r.text
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and "queue full" in err["message"]
         assert elapsed < 1.0, f"the 429 took {elapsed:.2f}s"
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
-                                                           "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 429 and load.openai_error_shaped(r.content), r.text
     finally:
         for req in reqs:
@@ -130,22 +138,24 @@ def test_full_queue_answers_429_at_once(server, stream):
     assert_every_block_free(url, engine)
 
 
-@pytest.mark.parametrize("stream", [
-    pytest.param(False, id="json"),
-    pytest.param(True, id="stream"),
-])
+@pytest.mark.parametrize(
+    "stream",
+    [
+        pytest.param(False, id="json"),
+        pytest.param(True, id="stream"),
+    ],
+)
 def test_client_that_goes_away_frees_its_slot(server, stream):
     url, engine = server
     wait_engine_idle(engine)
     submitted = []
     submit = engine.submit
-    engine.submit = lambda *a, **kw: submitted.append(submit(*a, **kw)) or submitted[-1]   # see the request
+    engine.submit = lambda *a, **kw: submitted.append(submit(*a, **kw)) or submitted[-1]  # see the request
     body = {"model": "tiny", "prompt": list(range(40, 72)), "max_tokens": 3000, "temperature": 0, "stream": stream}
     try:
         t0 = time.monotonic()
-        try:   # read for ~0.5 s, then drop the connection
-            with httpx.stream("POST", url + "/v1/completions", json=body,
-                              timeout=httpx.Timeout(0.5, connect=5)) as r:
+        try:  # read for ~0.5 s, then drop the connection
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=httpx.Timeout(0.5, connect=5)) as r:
                 for _ in r.iter_bytes():
                     if time.monotonic() - t0 > 0.5:
                         break
@@ -158,9 +168,10 @@ def test_client_that_goes_away_frees_its_slot(server, stream):
             pytest.skip("the completion hit EOS before the client went away")
         while not req.done and time.monotonic() < left_at + 3.0:
             time.sleep(0.02)
-        assert req.done and req.finish_reason == "cancelled", \
-            f"request still {'running' if not req.done else req.finish_reason} with {len(req.output)} tokens " \
+        assert req.done and req.finish_reason == "cancelled", (
+            f"request still {'running' if not req.done else req.finish_reason} with {len(req.output)} tokens "
             f"3 s after its client left"
+        )
     finally:
         engine.submit = submit
         for req in submitted:

@@ -1,6 +1,7 @@
 """Log-probabilities: prompt scoring (`prompt_logprobs`, `/v1/completions` echo + logprobs) and generated-token
 logprobs, compared with one forward pass of the reference model over the whole text (log_softmax of its fp32
 logits), through the engine in process and through the official openai client over HTTP."""
+
 import random
 
 import openai
@@ -17,7 +18,7 @@ from expertmesh.router.http import build_app, serve_http
 from expertmesh.wire.sampling_params import SamplingParams
 
 CHUNK = 16
-TOL = 1e-4          # fp32: chunked prefill + decode vs one whole-sequence forward
+TOL = 1e-4  # fp32: chunked prefill + decode vs one whole-sequence forward
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def check_entry(entry, ref_row: torch.Tensor, token: int, n: int) -> None:
 
 
 def test_prompt_and_generated_logprobs_match_one_forward_pass(engine, model):
-    prompt = prompt_of(2 * CHUNK + 7, seed=1)                  # three prefill chunks: pending rows cross them
+    prompt = prompt_of(2 * CHUNK + 7, seed=1)  # three prefill chunks: pending rows cross them
     req = engine.generate(prompt, SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2))
     assert req.finish_reason == "length" and len(req.output) == 6
     ref = reference(model, prompt + req.output)
@@ -66,7 +67,7 @@ def test_prompt_and_generated_logprobs_match_one_forward_pass(engine, model):
     assert len(req.logprobs) == len(req.output)
     for i, (entry, token) in enumerate(zip(req.logprobs, req.output)):
         check_entry(entry, ref[len(prompt) - 1 + i], token, 3)
-        assert entry.top[0][0] == token                        # greedy: the most likely token
+        assert entry.top[0][0] == token  # greedy: the most likely token
 
 
 def test_sampled_tokens_logprobs_are_the_models_not_the_samplers(engine, model):
@@ -76,12 +77,12 @@ def test_sampled_tokens_logprobs_are_the_models_not_the_samplers(engine, model):
     ref = reference(model, prompt + req.output)
     for i, (entry, token) in enumerate(zip(req.logprobs, req.output)):
         check_entry(entry, ref[len(prompt) - 1 + i], token, 0)
-    assert req.prompt_logprobs == {}                           # only what was asked for
+    assert req.prompt_logprobs == {}  # only what was asked for
 
 
 def test_scoring_only_bypasses_the_prefix_cache(engine, model):
     prompt = prompt_of(3 * CHUNK + 2, seed=4)
-    engine.generate(prompt, SamplingParams(max_tokens=2))      # leaves cached prefixes of this prompt
+    engine.generate(prompt, SamplingParams(max_tokens=2))  # leaves cached prefixes of this prompt
     assert engine.generate(prompt, SamplingParams(max_tokens=1)).cached_tokens > 0
     req = engine.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
     assert (req.finish_reason, req.output, req.cached_tokens) == ("length", [], 0)
@@ -94,21 +95,28 @@ def test_scoring_only_bypasses_the_prefix_cache(engine, model):
 def test_forced_token_gets_the_logprob_of_what_was_fed(engine, model):
     prompt = prompt_of(9, seed=6)
     greedy = engine.generate(prompt, SamplingParams(max_tokens=1, logprobs=5))
-    second = greedy.logprobs[0].top[1][0]                      # force the runner-up, then a token outside the top
+    second = greedy.logprobs[0].top[1][0]  # force the runner-up, then a token outside the top
     ref = reference(model, prompt + [0])[-1]
     outside = int(torch.argsort(ref)[0])
 
     def force(req, token):
         return second if len(req.output) == 0 else outside
+
     req = engine.submit(prompt, SamplingParams(max_tokens=2, logprobs=5), token_filter=force).wait(60)
     assert req.output == [second, outside]
     assert req.logprobs[0].token == second and abs(req.logprobs[0].logprob - float(ref[second])) < TOL
-    assert req.logprobs[1].token == outside and req.logprobs[1].logprob is None     # not among the top 5
+    assert req.logprobs[1].token == outside and req.logprobs[1].logprob is None  # not among the top 5
 
 
-@pytest.mark.parametrize("params, field", [
-    (SamplingParams(logprobs=21), "logprobs"), (SamplingParams(logprobs=-1), "logprobs"),
-    (SamplingParams(prompt_logprobs=99), "prompt_logprobs"), (SamplingParams(max_tokens=0), "max_tokens")])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(logprobs=-1), "logprobs"),
+        (SamplingParams(prompt_logprobs=99), "prompt_logprobs"),
+        (SamplingParams(max_tokens=0), "max_tokens"),
+    ],
+)
 def test_bad_logprob_requests_name_the_field(engine, params, field):
     with pytest.raises(RequestError, match=f"^{field}="):
         engine.submit([1, 2, 3], params)
@@ -137,7 +145,7 @@ def test_completions_echo_scores_the_prompt_like_vllm(oai, model):
     got = torch.tensor(lp.token_logprobs[1:])
     want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert (got - want).abs().max() < TOL
-    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])   # top 2 plus the chosen token
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # top 2 plus the chosen token
     assert lp.text_offset == sorted(lp.text_offset) and "".join(lp.tokens[1:]) == text
 
 
@@ -146,11 +154,16 @@ def test_completions_logprobs_for_generated_tokens_stream_and_not(oai, engine, m
     full = oai.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=4, temperature=0)
     plain = oai.completions.create(model="tiny", prompt=ids, logprobs=1, max_tokens=4, temperature=0)
     lp = full.choices[0].logprobs
-    assert len(lp.token_logprobs) == len(ids) + 4 and lp.token_logprobs[len(ids) + 1:] == \
-        plain.choices[0].logprobs.token_logprobs[1:]
+    assert (
+        len(lp.token_logprobs) == len(ids) + 4
+        and lp.token_logprobs[len(ids) + 1 :] == plain.choices[0].logprobs.token_logprobs[1:]
+    )
     assert full.choices[0].text.endswith(plain.choices[0].text)
-    chunks = [c for c in oai.completions.create(model="tiny", prompt=ids, logprobs=1, max_tokens=4, temperature=0,
-                                                 stream=True) if c.choices]
+    chunks = [
+        c
+        for c in oai.completions.create(model="tiny", prompt=ids, logprobs=1, max_tokens=4, temperature=0, stream=True)
+        if c.choices
+    ]
     streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == plain.choices[0].logprobs.token_logprobs
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
@@ -160,8 +173,9 @@ def test_completions_logprobs_for_generated_tokens_stream_and_not(oai, engine, m
     assert max(abs(a - b) for a, b in zip(plain.choices[0].logprobs.token_logprobs, want)) < TOL
 
 
-@pytest.mark.parametrize("extra, param", [({"logprobs": 21}, "logprobs"), ({"logprobs": -2}, "logprobs"),
-                                          ({"max_tokens": 0}, "max_tokens")])
+@pytest.mark.parametrize(
+    "extra, param", [({"logprobs": 21}, "logprobs"), ({"logprobs": -2}, "logprobs"), ({"max_tokens": 0}, "max_tokens")]
+)
 def test_completions_refuse_bad_logprobs(oai, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="hi", **{"max_tokens": 2, **extra})

@@ -1,4 +1,5 @@
 """The single-process reference model: caches, DSA sparsity, MoE routing, generation."""
+
 import pytest
 import torch
 
@@ -30,16 +31,16 @@ def test_prefill_then_decode_equals_one_pass(model):
     split = torch.cat(parts)
     assert cache.length == 41
     assert _rel(split, full) < 1e-4
-    assert not torch.allclose(full[0], full[-1])    # logits really depend on the position
+    assert not torch.allclose(full[0], full[-1])  # logits really depend on the position
 
 
 def test_dsa_topk_covering_the_context_equals_dense(model):
     cfg = preset("tiny")
     dense = Transformer(cfg, dense_attention=True)
     dense.load_state_dict(model.state_dict())
-    short = _prompt(cfg.indexer.index_topk)          # context ≤ top-k: sparse attention is dense
+    short = _prompt(cfg.indexer.index_topk)  # context ≤ top-k: sparse attention is dense
     assert _rel(model.step(short, model.new_cache()), dense.step(short, dense.new_cache())) < 1e-6
-    long = _prompt(64, seed=3)                       # context > top-k: sparsity changes the result
+    long = _prompt(64, seed=3)  # context > top-k: sparsity changes the result
     assert _rel(model.step(long, model.new_cache()), dense.step(long, dense.new_cache())) > 1e-4
 
 
@@ -99,9 +100,12 @@ def test_rotary_table_equals_the_angles_computed_directly_and_does_not_depend_on
 
     from expertmesh.model.config import RopeConfig, YarnConfig
     from expertmesh.model.transformer import RotaryTable
+
     rng = random.Random(7)
-    for rope in (RopeConfig(theta=10_000.0),
-                 RopeConfig(theta=50_000.0, yarn=YarnConfig(factor=32.0, original_max_position_embeddings=4096))):
+    for rope in (
+        RopeConfig(theta=10_000.0),
+        RopeConfig(theta=50_000.0, yarn=YarnConfig(factor=32.0, original_max_position_embeddings=4096)),
+    ):
         table = RotaryTable(rope, 64)
         for start, length in ((0, 5), (RotaryTable.BLOCK - 7, 20), (1_000_000 - 3, 3), (rng.randrange(200_000), 64)):
             cos, sin = table.at(start, length, "cpu")

@@ -8,6 +8,7 @@ scale), not the BLAS order of the reference, so results agree to fp32 rounding, 
 Decoding is checked bitwise (one-hot activations make each output one dequantised weight). The activation between
 the GEMMs (SwiGLU, or SiTU with scalar libm tanh / exp) is checked the same way, at normal and saturated gates.
 Skipped (not failed) only where the extension cannot be built on this machine."""
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,8 @@ def _isas() -> list[str]:
 
 def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5)
-    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
+    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
     return (*w13, *w2)
 
 
@@ -66,17 +67,17 @@ def test_decode_is_exact_for_every_code_and_scale_byte():
     product, a NaN weight makes its whole output NaN, whatever x is there)."""
     K = 64
     codes = torch.arange(256, dtype=torch.uint8)
-    blocks = codes.repeat_interleave(K // 2).reshape(256, K // 2)            # row n: byte n repeated
-    blocks = blocks.roll(1, 1) ^ torch.arange(K // 2, dtype=torch.uint8)     # every code in every position
-    scales = torch.stack([codes, codes + 128], dim=1).contiguous()           # [256, 2]: all bytes, both blocks
-    want = dequantize_mxfp4(blocks, scales, torch.float32) + 0.0            # [256, K]; + 0.0: −0 → +0
+    blocks = codes.repeat_interleave(K // 2).reshape(256, K // 2)  # row n: byte n repeated
+    blocks = blocks.roll(1, 1) ^ torch.arange(K // 2, dtype=torch.uint8)  # every code in every position
+    scales = torch.stack([codes, codes + 128], dim=1).contiguous()  # [256, 2]: all bytes, both blocks
+    want = dequantize_mxfp4(blocks, scales, torch.float32) + 0.0  # [256, K]; + 0.0: −0 → +0
     want[(scales == 0xFF).any(1)] = float("nan")
     eye = torch.eye(K)
     for isa in _isas():
-        got = cpu_kernel.mxfp4_linear(eye, blocks, scales, isa=isa).T        # [256, K]
+        got = cpu_kernel.mxfp4_linear(eye, blocks, scales, isa=isa).T  # [256, K]
         assert torch.equal(got.isnan(), want.isnan()), isa
         assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), isa
-    assert want.isinf().any() and want.isnan().any() and (want.abs() == 2.0 ** -128).any()
+    assert want.isinf().any() and want.isnan().any() and (want.abs() == 2.0**-128).any()
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 1, 32), (1, 37, 96), (3, 64, 64), (5, 33, 160), (9, 7, 1024)])
@@ -91,13 +92,14 @@ def test_dense_matches_exact_within_fp32_rounding(M, N, K):
     for got in outs:
         assert got.dtype == torch.float32 and got.shape == (M, N)
         assert ((got.double() - exact).abs() <= bound).all()
-        assert torch.equal(got, outs[0])                                      # same bits on every ISA path
+        assert torch.equal(got, outs[0])  # same bits on every ISA path
     # rows alone = rows in the batch; bf16 input is the same computation on the widened values
     for m in range(M):
-        assert torch.equal(cpu_kernel.mxfp4_linear(x[m:m + 1], blocks, scales), outs[0][m:m + 1])
+        assert torch.equal(cpu_kernel.mxfp4_linear(x[m : m + 1], blocks, scales), outs[0][m : m + 1])
     xb = x.bfloat16()
-    assert torch.equal(cpu_kernel.mxfp4_linear(xb, blocks, scales),
-                       cpu_kernel.mxfp4_linear(xb.float(), blocks, scales).bfloat16())
+    assert torch.equal(
+        cpu_kernel.mxfp4_linear(xb, blocks, scales), cpu_kernel.mxfp4_linear(xb.float(), blocks, scales).bfloat16()
+    )
 
 
 def test_nan_scale_block_poisons_only_its_rows():
@@ -110,7 +112,7 @@ def test_nan_scale_block_poisons_only_its_rows():
     assert not got[:, [0, 1, 2, 3, 5, 6, 7, 8]].isnan().any()
 
 
-MOE_CASES = {   # name: (T, K, E, H, I, p_skip)
+MOE_CASES = {  # name: (T, K, E, H, I, p_skip)
     "single_token": (1, 4, 8, 128, 64, 0.0),
     "odd": (7, 3, 5, 96, 32, 0.2),
     "skips": (13, 4, 8, 64, 96, 0.4),
@@ -118,7 +120,7 @@ MOE_CASES = {   # name: (T, K, E, H, I, p_skip)
 }
 
 
-ACTS = {   # name: activation (published K3 caps; β_lin = 0: up uncapped; tight caps that saturate at |g| ~ 1)
+ACTS = {  # name: activation (published K3 caps; β_lin = 0: up uncapped; tight caps that saturate at |g| ~ 1)
     "swiglu": SWIGLU,
     "situ": GatedActivation("situ", beta=4.0, linear_beta=25.0),
     "situ_nocap": GatedActivation("situ", beta=4.0, linear_beta=0.0),
@@ -127,9 +129,13 @@ ACTS = {   # name: activation (published K3 caps; β_lin = 0: up uncapped; tight
 
 
 # SwiGLU and SiTU with the published caps on every case and dtype; the other SiTU variants on two cases, fp32
-MOE_PARAMS = [pytest.param(c, d, a, id=f"{str(d)[6:]}-{c}-{a}")
-              for a in ACTS for d in (torch.float32, torch.bfloat16) for c in MOE_CASES
-              if a in ("swiglu", "situ") or (d == torch.float32 and c in ("odd", "skips"))]
+MOE_PARAMS = [
+    pytest.param(c, d, a, id=f"{str(d)[6:]}-{c}-{a}")
+    for a in ACTS
+    for d in (torch.float32, torch.bfloat16)
+    for c in MOE_CASES
+    if a in ("swiglu", "situ") or (d == torch.float32 and c in ("odd", "skips"))
+]
 
 
 @pytest.mark.parametrize("case,dtype,act", MOE_PARAMS)
@@ -142,11 +148,11 @@ def test_moe_matches_reference(case, dtype, act):
     ids = torch.randint(0, E, (T, K), generator=gen)
     ids[torch.rand(T, K, generator=gen) < p_skip] = -1
     ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
-    if act != "swiglu":                                                      # SiTU is not SwiGLU
+    if act != "swiglu":  # SiTU is not SwiGLU
         assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2
     outs = []
     for isa in _isas():
-        out = torch.full((T, K, H), float("nan"), dtype=dtype)               # poisoned: every element written
+        out = torch.full((T, K, H), float("nan"), dtype=dtype)  # poisoned: every element written
         got = moe_expert_outputs_cpu(x, ids, *w, out=out, isa=isa, activation=activation)
         assert got is out and got.dtype == dtype
         assert not got.isnan().any()
@@ -154,7 +160,7 @@ def test_moe_matches_reference(case, dtype, act):
         assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), isa
         outs.append(got)
     for got in outs[1:]:
-        assert torch.equal(got, outs[0])                                      # same bits on every ISA path
+        assert torch.equal(got, outs[0])  # same bits on every ISA path
 
 
 @pytest.mark.parametrize("act", ["situ", "situ_nocap"])
@@ -176,7 +182,7 @@ def test_moe_situ_saturated_gates_match_reference(act):
         assert got.isfinite().all()
         assert _rel(got, ref) < 1e-5
         assert torch.equal(got, outs[0])
-    assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 0.5           # SwiGLU is uncapped: far apart
+    assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 0.5  # SwiGLU is uncapped: far apart
 
 
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
@@ -185,11 +191,12 @@ def test_moe_batch_and_thread_invariance_bitwise(act):
     E, K, H, I = 8, 4, 256, 128
     w = _weights(E, H, I, seed=5)
     gen = torch.Generator().manual_seed(13)
-    activation, scale = ACTS[act], (8.0 if act == "situ" else 1.0)           # × 8: gates on both sides of β
+    activation, scale = ACTS[act], (8.0 if act == "situ" else 1.0)  # × 8: gates on both sides of β
     probes = torch.randn(3, H, generator=gen) * scale
     probe_ids = torch.randint(-1, E, (3, K), generator=gen)
-    alone = [moe_expert_outputs_cpu(probes[i:i + 1], probe_ids[i:i + 1], *w, activation=activation)[0]
-             for i in range(3)]
+    alone = [
+        moe_expert_outputs_cpu(probes[i : i + 1], probe_ids[i : i + 1], *w, activation=activation)[0] for i in range(3)
+    ]
     threads = torch.get_num_threads()
     try:
         for n_threads, n_other in ((threads, 1), (threads, 3), (1, 17), (3, 64), (threads, 64)):
@@ -198,8 +205,8 @@ def test_moe_batch_and_thread_invariance_bitwise(act):
             other_ids = torch.randint(-1, E, (n_other, K), generator=gen)
             for i in range(3):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
-                x = torch.cat([others[:pos], probes[i:i + 1], others[pos:]])
-                ids = torch.cat([other_ids[:pos], probe_ids[i:i + 1], other_ids[pos:]])
+                x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]])
+                ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
                 got = moe_expert_outputs_cpu(x, ids, *w, activation=activation)[pos]
                 assert torch.equal(got, alone[i]), (n_threads, n_other, i)
     finally:
@@ -214,20 +221,22 @@ def test_dispatcher_uses_the_kernel_on_cpu_and_the_switches_turn_it_off(monkeypa
     ids = torch.randint(-1, E, (T, K), generator=gen)
     fused = moe_expert_outputs_cpu(x, ids, *w)
     grouped = moe_expert_outputs_grouped(x, ids, *w)
-    assert not torch.equal(fused, grouped)       # different reduction orders: a check that can tell them apart
+    assert not torch.equal(fused, grouped)  # different reduction orders: a check that can tell them apart
     assert torch.equal(moe_expert_outputs(x, ids, *w), fused)
     with use_backend("torch"):
         assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
-    situ = ACTS["situ"]                                                       # the activation passes through
+    situ = ACTS["situ"]  # the activation passes through
     fused_situ = moe_expert_outputs_cpu(x, ids, *w, activation=situ)
     assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ), fused_situ)
     with use_backend("torch"):
-        assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ),
-                           moe_expert_outputs_grouped(x, ids, *w, activation=situ))
+        assert torch.equal(
+            moe_expert_outputs(x, ids, *w, activation=situ), moe_expert_outputs_grouped(x, ids, *w, activation=situ)
+        )
     monkeypatch.setenv("EXPERTMESH_CPU_KERNEL", "0")
     assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
-    assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ),
-                       moe_expert_outputs_grouped(x, ids, *w, activation=situ))
+    assert torch.equal(
+        moe_expert_outputs(x, ids, *w, activation=situ), moe_expert_outputs_grouped(x, ids, *w, activation=situ)
+    )
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
@@ -269,17 +278,23 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
         moe_expert_outputs_cpu(x, ids, *w, activation="situ")
     # the op's own checks (the Python wrapper never sends these)
     ops, out = cpu_kernel.load(), torch.empty(3, 1, 64)
-    for act, beta, lin, msg in ((2, 4.0, 25.0, "activation: expected 0"), (1, 0.0, 25.0, "beta must be > 0"),
-                                (1, 4.0, -1.0, "linear_beta must be >= 0")):
+    for act, beta, lin, msg in (
+        (2, 4.0, 25.0, "activation: expected 0"),
+        (1, 0.0, 25.0, "beta must be > 0"),
+        (1, 4.0, -1.0, "linear_beta must be >= 0"),
+    ):
         with pytest.raises(RuntimeError, match=msg):
             ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)
 
 
-@pytest.mark.parametrize("tokens,slots,width,experts,groups", [(1, 4, 1024, 64, 8), (37, 8, 96, 64, 8), (5, 6, 33, 16, 4)])
+@pytest.mark.parametrize(
+    "tokens,slots,width,experts,groups", [(1, 4, 1024, 64, 8), (37, 8, 96, 64, 8), (5, 6, 33, 16, 4)]
+)
 def test_group_partials_in_cpp_are_the_definitions_bits(tokens, slots, width, experts, groups):
     """The C++ group partial sums against combine.group_partials_torch, bitwise, with slots computed elsewhere
     (−1) anywhere in a row, as the exchange sends them."""
     from expertmesh.kernels.moe.combine import group_partials, group_partials_torch
+
     gen = torch.Generator().manual_seed(tokens * 100 + slots)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:slots].sort().values for _ in range(tokens)])
     ids[torch.rand(tokens, slots, generator=gen) < 0.3] = -1
@@ -292,6 +307,7 @@ def test_group_partials_in_cpp_are_the_definitions_bits(tokens, slots, width, ex
 
 def test_group_partials_refuse_unordered_ids():
     from expertmesh.kernels.moe import cpu_kernel
+
     with pytest.raises(RuntimeError, match="ids: expected each row's valid ids distinct and ascending"):
         cpu_kernel.group_partials(torch.randn(1, 2, 8), torch.tensor([[5, 3]]), torch.rand(1, 2), 4)
 

@@ -6,6 +6,7 @@ whose products cancel, where the vector paths' order gives other bits (so the ch
 are the same alone and in any batch, at any thread count; `isa="auto"` runs it for bf16 activations where the CPU
 and Linux offer AMX, EXPERTMESH_CPU_MOE_ISA overrides. Skipped where the extension cannot be built or the CPU has
 no AMX-BF16."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,15 +38,16 @@ def _cancelling(M: int, K: int, gen: torch.Generator) -> torch.Tensor:
 def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * torch.exp(torch.randn(E, 2 * I, 1, generator=gen)))
-    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
     return (*w13, *w2)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (2, 33, 96), (5, 70, 256), (8, 16, 32), (9, 40, 128),
-                                   (17, 21, 512), (70, 35, 64)])
+@pytest.mark.parametrize(
+    "M,N,K", [(1, 48, 64), (2, 33, 96), (5, 70, 256), (8, 16, 32), (9, 40, 128), (17, 21, 512), (70, 35, 64)]
+)
 def test_dense_gemm_is_the_tile_order_bit_for_bit(M, N, K):
     gen = torch.Generator().manual_seed(M * 1000 + N + K)
-    blocks = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)     # every code, -0 included
+    blocks = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)  # every code, -0 included
     scales = torch.randint(118, 136, (N, K // 32), dtype=torch.uint8, generator=gen)
     x = _cancelling(M, K, gen)
     got = cpu_kernel.mxfp4_linear(x.float(), blocks, scales, isa="amx")
@@ -63,11 +65,11 @@ def test_moe_is_its_tile_order_reference_bit_for_bit(act):
     gen = torch.Generator().manual_seed(7)
     w = _weights(E, H, I, seed=3)
     x = _cancelling(T, H, gen)
-    ids = torch.stack([torch.randperm(E - 7, generator=gen)[:Kt] + 5 for _ in range(T)])     # experts 5-11 at random
+    ids = torch.stack([torch.randperm(E - 7, generator=gen)[:Kt] + 5 for _ in range(T)])  # experts 5-11 at random
     ids[torch.rand(T, Kt, generator=gen) < 0.3] = -1
-    ids[:54, 0] = torch.arange(54) % 3                                      # experts 0-2: 18 rows each
-    ids[55, 1], ids[56, 1], ids[57, 1] = 3, 4, 4                             # expert 3: one row, expert 4: two
-    ids[:8, 2], ids[8:17, 2] = 12, 13                                      # expert 12: 8 rows, expert 13: 9
+    ids[:54, 0] = torch.arange(54) % 3  # experts 0-2: 18 rows each
+    ids[55, 1], ids[56, 1], ids[57, 1] = 3, 4, 4  # expert 3: one row, expert 4: two
+    ids[:8, 2], ids[8:17, 2] = 12, 13  # expert 12: 8 rows, expert 13: 9
     rows = torch.bincount(ids[ids >= 0], minlength=E)
     assert rows[0] > 16 and rows[3] == 1 and rows[4] == 2 and rows[12] == 8 and rows[13] == 9, rows
     activation = ACTS[act]
@@ -75,8 +77,9 @@ def test_moe_is_its_tile_order_reference_bit_for_bit(act):
     want = moe_expert_outputs_tile_order(x, ids, *w, activation=activation)
     assert torch.equal(got, want)
     assert torch.equal(got[ids < 0], torch.zeros_like(got[ids < 0]))
-    other = cpu_kernel.moe_expert_outputs(x, ids, *w, isa=cpu_kernel.best_isa(), activation=activation,
-                                          fp32_output=True)
+    other = cpu_kernel.moe_expert_outputs(
+        x, ids, *w, isa=cpu_kernel.best_isa(), activation=activation, fp32_output=True
+    )
     assert not torch.equal(other, want)
 
 
@@ -86,8 +89,10 @@ def test_a_tokens_rows_are_the_same_alone_in_any_batch_and_thread_count():
     gen = torch.Generator().manual_seed(13)
     probes = _cancelling(3, H, gen)
     probe_ids = torch.randint(-1, E, (3, Kt), generator=gen)
-    alone = [cpu_kernel.moe_expert_outputs(probes[i:i + 1], probe_ids[i:i + 1], *w, isa="amx", fp32_output=True)[0]
-             for i in range(3)]
+    alone = [
+        cpu_kernel.moe_expert_outputs(probes[i : i + 1], probe_ids[i : i + 1], *w, isa="amx", fp32_output=True)[0]
+        for i in range(3)
+    ]
     threads = torch.get_num_threads()
     try:
         for n_threads, n_other in ((threads, 1), (threads, 7), (1, 40), (3, 90), (threads, 90)):
@@ -96,8 +101,8 @@ def test_a_tokens_rows_are_the_same_alone_in_any_batch_and_thread_count():
             other_ids = torch.randint(-1, E, (n_other, Kt), generator=gen)
             for i in range(3):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
-                x = torch.cat([others[:pos], probes[i:i + 1], others[pos:]])
-                ids = torch.cat([other_ids[:pos], probe_ids[i:i + 1], other_ids[pos:]])
+                x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]])
+                ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
                 got = cpu_kernel.moe_expert_outputs(x, ids, *w, isa="amx", fp32_output=True)[pos]
                 assert torch.equal(got, alone[i]), (n_threads, n_other, i)
     finally:

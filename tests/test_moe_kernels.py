@@ -1,6 +1,7 @@
 """Grouped MXFP4 MoE: the grouped CPU path and the Triton kernel (interpreted) against the reference, the
 canonical combine, batch invariance, the dequant cache, and input checking — with SwiGLU and with Kimi K3's SiTU
 (`kernels/activation.py`), including gates and ups far past SiTU's soft caps."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,16 +25,19 @@ from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5)
-    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I ** -0.5)
+    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
+    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
     return (*w13, *w2)
 
 
 def _routing(T: int, K: int, E: int, gen: torch.Generator, experts=None, p_skip: float = 0.0) -> torch.Tensor:
     """[T, K] distinct experts per token from `experts` (default all), a fraction p_skip set to -1."""
     pool = torch.arange(E) if experts is None else torch.tensor(experts)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:K]] for _ in range(T)]) if T else \
-        torch.empty(0, K, dtype=torch.int64)
+    ids = (
+        torch.stack([pool[torch.randperm(len(pool), generator=gen)[:K]] for _ in range(T)])
+        if T
+        else torch.empty(0, K, dtype=torch.int64)
+    )
     skip = torch.rand(T, K, generator=gen) < p_skip
     return torch.where(skip, -1, ids)
 
@@ -43,7 +47,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-ACTS = {   # name: activation (published K3 caps; β_lin = 0: up uncapped; tight caps that saturate at |g| ~ 1)
+ACTS = {  # name: activation (published K3 caps; β_lin = 0: up uncapped; tight caps that saturate at |g| ~ 1)
     "swiglu": SWIGLU,
     "situ": GatedActivation("situ", beta=4.0, linear_beta=25.0),
     "situ_nocap": GatedActivation("situ", beta=4.0, linear_beta=0.0),
@@ -60,7 +64,7 @@ def _act64(g: torch.Tensor, u: torch.Tensor, act: GatedActivation) -> torch.Tens
     return a * (act.linear_beta * torch.tanh(u / act.linear_beta) if act.linear_beta > 0 else u)
 
 
-CASES = {   # name: (T, K, E, H, I, allowed experts or None, p_skip)
+CASES = {  # name: (T, K, E, H, I, allowed experts or None, p_skip)
     "odd_T": (7, 3, 5, 64, 32, None, 0.0),
     "empty_experts": (9, 2, 6, 64, 64, [1, 4], 0.0),
     "one_expert": (11, 1, 4, 96, 32, [2], 0.0),
@@ -71,9 +75,13 @@ CASES = {   # name: (T, K, E, H, I, allowed experts or None, p_skip)
 
 
 # SwiGLU and SiTU with the published caps on every case and dtype; the other SiTU variants on two cases, fp32
-GROUPED_PARAMS = [pytest.param(c, d, a, id=f"{str(d)[6:]}-{c}-{a}")
-                  for a in ACTS for d in (torch.float32, torch.bfloat16) for c in CASES
-                  if a in ("swiglu", "situ") or (d == torch.float32 and c in ("odd_T", "skips"))]
+GROUPED_PARAMS = [
+    pytest.param(c, d, a, id=f"{str(d)[6:]}-{c}-{a}")
+    for a in ACTS
+    for d in (torch.float32, torch.bfloat16)
+    for c in CASES
+    if a in ("swiglu", "situ") or (d == torch.float32 and c in ("odd_T", "skips"))
+]
 
 
 @pytest.mark.parametrize("case,dtype,act", GROUPED_PARAMS)
@@ -86,12 +94,12 @@ def test_grouped_matches_reference(case, dtype, act):
     ids = _routing(T, K, E, gen, experts, p_skip)
     ids[0, 0] = -1 if p_skip else ids[0, 0]
     ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
-    out = torch.full((T, K, H), float("nan"), dtype=dtype)          # poisoned: every element must be written
+    out = torch.full((T, K, H), float("nan"), dtype=dtype)  # poisoned: every element must be written
     got = moe_expert_outputs_grouped(x, ids, *w, out=out, activation=activation)
     assert got is out and got.dtype == dtype and got.shape == (T, K, H)
     assert not got.isnan().any()
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert torch.equal(got, ref)                                    # same per-row arithmetic: bitwise equal
+    assert torch.equal(got, ref)  # same per-row arithmetic: bitwise equal
     assert (got[ids == -1] == 0).all() and (ref[ids == -1] == 0).all()
     assert (got[ids >= 0].abs().sum(-1) > 0).all()
     # The reference itself against a from-scratch fp64 computation (dequantise everything, loop over slots).
@@ -105,10 +113,10 @@ def test_grouped_matches_reference(case, dtype, act):
                 gu = w13[e] @ x[t].double()
                 want[t, k] = w2[e] @ _act64(gu[:I], gu[I:], activation)
     assert _rel(ref, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-    if act == "swiglu":                                             # the default is SwiGLU
+    if act == "swiglu":  # the default is SwiGLU
         assert torch.equal(moe_expert_outputs_reference(x, ids, *w), ref)
-    else:                                                           # and SiTU is not SwiGLU
-        assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2   # ≫ the 1e-5 tolerance
+    else:  # and SiTU is not SwiGLU
+        assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2  # ≫ the 1e-5 tolerance
 
 
 @pytest.mark.parametrize("act", ["situ", "situ_nocap"])
@@ -119,20 +127,21 @@ def test_situ_saturated_gates_match_reference(act):
     activation = ACTS[act]
     gen = torch.Generator().manual_seed(31)
     w = _weights(E, H, I, seed=30)
-    x = torch.randn(T, H, generator=gen) * 300                      # W13 x ~ 300 (weights scaled by H^-1/2)
+    x = torch.randn(T, H, generator=gen) * 300  # W13 x ~ 300 (weights scaled by H^-1/2)
     ids = _routing(T, K, E, gen)
     w13 = dequantize_mxfp4(w[0], w[1], torch.float64)
     w2 = dequantize_mxfp4(w[2], w[3], torch.float64)
-    gu = torch.einsum("eih,th->tei", w13, x.double())                 # [T, E, 2I]
+    gu = torch.einsum("eih,th->tei", w13, x.double())  # [T, E, 2I]
     g, u = gu[..., :I], gu[..., I:]
-    assert (g.abs() > 10 * activation.beta).float().mean() > 0.8      # saturated gates, both signs
+    assert (g.abs() > 10 * activation.beta).float().mean() > 0.8  # saturated gates, both signs
     assert (g < -100).any() and (g > 100).any()
-    assert (u.abs() > 4 * 25.0).float().mean() > 0.6                 # ups far past the published β_lin
+    assert (u.abs() > 4 * 25.0).float().mean() > 0.6  # ups far past the published β_lin
     ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
     assert ref.isfinite().all()
     assert torch.equal(moe_expert_outputs_grouped(x, ids, *w, activation=activation), ref)
-    want = torch.stack([torch.stack([w2[e] @ _act64(g[t, e], u[t, e], activation)
-                                     for e in ids[t].tolist()]) for t in range(T)])
+    want = torch.stack(
+        [torch.stack([w2[e] @ _act64(g[t, e], u[t, e], activation) for e in ids[t].tolist()]) for t in range(T)]
+    )
     assert _rel(ref, want) < 1e-5
 
 
@@ -141,6 +150,7 @@ def test_gated_act_reference():
     import torch.nn.functional as F
 
     from expertmesh.kernels.batch_invariant import pointwise
+
     gen = torch.Generator().manual_seed(32)
     g = torch.cat([torch.randn(40, 96, generator=gen), torch.randn(40, 96, generator=gen) * 300])
     u = torch.cat([torch.randn(40, 96, generator=gen), torch.randn(40, 96, generator=gen) * 300])
@@ -151,7 +161,7 @@ def test_gated_act_reference():
         assert ((got.double() - want).abs() <= 1e-6 * want.abs() + 1e-30).all(), name
     assert torch.equal(gated_act(g, u, SWIGLU), pointwise(F.silu, g) * u)
     gb, ub = g.bfloat16(), u.bfloat16()
-    assert torch.equal(gated_act(gb, ub, SWIGLU).bfloat16(), pointwise(F.silu, gb) * ub)   # bf16 GEMM path
+    assert torch.equal(gated_act(gb, ub, SWIGLU).bfloat16(), pointwise(F.silu, gb) * ub)  # bf16 GEMM path
     situ = ACTS["situ"]
     assert gated_act(gb, ub, situ).dtype == torch.float32
     assert torch.equal(gated_act(gb, ub, situ), gated_act(gb.float(), ub.float(), situ))
@@ -181,14 +191,14 @@ def test_activation_validation_names_the_field():
     with pytest.raises(ValueError, match=r"^up: expected the shape of gate"):
         gated_act(torch.randn(2, 4), torch.randn(2, 5), SWIGLU)
     with pytest.raises(AttributeError):
-        SWIGLU.kind = "situ"                                          # frozen
+        SWIGLU.kind = "situ"  # frozen
     w = _weights(2, 64, 32, seed=33)
     x, ids = torch.randn(3, 64), torch.zeros(3, 1, dtype=torch.int64)
     for fn in (moe_expert_outputs_grouped, moe_expert_outputs_reference, moe_expert_outputs):
         with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation, found str"):
             fn(x, ids, *w, activation="situ")
         with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation"):
-            fn(x[:0], ids[:0], *w, activation="situ")                # checked even with no rows
+            fn(x[:0], ids[:0], *w, activation="situ")  # checked even with no rows
 
 
 def test_empty_batches():
@@ -200,7 +210,7 @@ def test_empty_batches():
             assert fn(x, ids, *w).shape == (T, K, 64)
     out = torch.full((2, 2, 64), float("nan"))
     got = moe_expert_outputs_grouped(torch.randn(2, 64), torch.full((2, 2), -1), *w, out=out)
-    assert (got == 0).all()                                         # every slot skipped: all zeros
+    assert (got == 0).all()  # every slot skipped: all zeros
 
 
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
@@ -227,8 +237,8 @@ def test_combine_rank_order_and_forward():
     outputs = torch.randn(T, K, H, generator=gen)
     weights = torch.rand(T, K, generator=gen)
     want = torch.zeros(T, H)
-    for k in range(K):                                             # the canonical order, spelled out
-        want = want + outputs[:, k] * weights[:, k:k + 1]
+    for k in range(K):  # the canonical order, spelled out
+        want = want + outputs[:, k] * weights[:, k : k + 1]
     out = torch.full((T, H), float("nan"))
     got = moe_combine(outputs, weights, out=out)
     assert got is out and torch.equal(got, want)
@@ -245,7 +255,7 @@ def test_combine_rank_order_and_forward():
     x = torch.randn(T, H, generator=gen)
     ids = _routing(T, K, E, gen, p_skip=0.2)
     ref = moe_reference(x, ids, weights, *w)
-    with use_backend("torch"):                                     # the PyTorch path: bitwise the reference
+    with use_backend("torch"):  # the PyTorch path: bitwise the reference
         assert torch.equal(moe_forward(x, ids, weights, *w), ref)
     # auto on CPU may run the fused C++ kernel (its own reduction order): the dispatching path, fp32 rounding apart
     fwd = moe_forward(x, ids, weights, *w)
@@ -270,22 +280,23 @@ def test_batch_invariance_bitwise(impl, act):
     base = moe_expert_outputs_grouped if impl == "grouped" else moe_expert_outputs_reference
 
     def fn(x, ids, *w):
-        scale = 8 if act == "situ" else 1                             # × 8: gates on both sides of SiTU's cap
+        scale = 8 if act == "situ" else 1  # × 8: gates on both sides of SiTU's cap
         return base(x * scale, ids, *w, activation=ACTS[act])
+
     E, K, H, I = 8, 4, 256, 128
     w = _weights(E, H, I, seed=5)
     gen = torch.Generator().manual_seed(13)
     probes = torch.randn(3, H, generator=gen)
     probe_ids = _routing(3, K, E, gen, p_skip=0.1)
     for dtype in (torch.float32, torch.bfloat16):
-        alone = [fn(probes[i:i + 1].to(dtype), probe_ids[i:i + 1], *w)[0] for i in range(3)]
+        alone = [fn(probes[i : i + 1].to(dtype), probe_ids[i : i + 1], *w)[0] for i in range(3)]
         for n_other in (1, 3, 17, 64):
             others = torch.randn(n_other, H, generator=gen)
             other_ids = _routing(n_other, K, E, gen, p_skip=0.1)
             for i in range(3):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
-                x = torch.cat([others[:pos], probes[i:i + 1], others[pos:]]).to(dtype)
-                ids = torch.cat([other_ids[:pos], probe_ids[i:i + 1], other_ids[pos:]])
+                x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]]).to(dtype)
+                ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
                 got = fn(x, ids, *w)[pos]
                 assert torch.equal(got, alone[i]), (impl, dtype, n_other, i, pos)
 
@@ -294,9 +305,10 @@ def test_swiglu_rows_independent_of_batch_under_odd_thread_count():
     """ATen splits elementwise ops ≥ 32768 elements across threads; with 3 threads the split is not 32-aligned and
     tail elements take silu's scalar path (different bits). The chunked swiglu must not care."""
     from expertmesh.kernels.moe.naive import swiglu
+
     I = 512
     pool = torch.randn(200, 2 * I, generator=torch.Generator().manual_seed(16))
-    alone = torch.cat([swiglu(pool[i:i + 1]) for i in range(200)])
+    alone = torch.cat([swiglu(pool[i : i + 1]) for i in range(200)])
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -310,9 +322,10 @@ def test_swiglu_rows_independent_of_batch_under_odd_thread_count():
 def test_situ_rows_independent_of_batch_under_odd_thread_count():
     """The same for SiTU's tanh and sigmoid (ATen's scalar tails round them differently too)."""
     from expertmesh.kernels.moe.naive import swiglu
+
     I, situ = 512, ACTS["situ"]
     pool = torch.randn(200, 2 * I, generator=torch.Generator().manual_seed(17)) * 30
-    alone = torch.cat([swiglu(pool[i:i + 1], activation=situ) for i in range(200)])
+    alone = torch.cat([swiglu(pool[i : i + 1], activation=situ) for i in range(200)])
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -409,7 +422,7 @@ def test_triton_matches_reference_interpreted():
         assert got is out and not got.isnan().any()
         assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (T, dtype)
         assert (got[ids == -1] == 0).all()
-    with use_backend("triton"):                                   # the dispatcher picks it when forced
+    with use_backend("triton"):  # the dispatcher picks it when forced
         x = torch.randn(3, H, generator=gen)
         ids = torch.tensor([[1], [-1], [1]])
         assert _rel(moe_expert_outputs(x, ids, *w), moe_expert_outputs_reference(x, ids, *w)) < 1e-5
@@ -428,7 +441,7 @@ def test_triton_situ_matches_reference_interpreted(act):
     ids_a = torch.tensor([[0, 2], [2, -1], [3, 0], [0, 3], [2, 0]])
     ids_b = torch.full((19, 1), 1, dtype=torch.int64)
     cases = [(ids_a, torch.float32, 1.0), (ids_a, torch.float32, 300.0)]
-    if act == "situ":                                             # the published caps: bf16, two M tiles, too
+    if act == "situ":  # the published caps: bf16, two M tiles, too
         cases += [(ids_a, torch.bfloat16, 1.0), (ids_b, torch.bfloat16, 300.0)]
     for ids, dtype, scale in cases:
         T, K = ids.shape
@@ -439,9 +452,14 @@ def test_triton_situ_matches_reference_interpreted(act):
         assert got is out and got.isfinite().all()
         assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (T, dtype, scale)
         assert (got[ids == -1] == 0).all()
-        assert _rel(moe_expert_outputs_reference(x, ids, *w), got) > 1e-2   # the activation is not ignored
-    with use_backend("triton"):                                   # the dispatcher passes it through
+        assert _rel(moe_expert_outputs_reference(x, ids, *w), got) > 1e-2  # the activation is not ignored
+    with use_backend("triton"):  # the dispatcher passes it through
         x = torch.randn(3, H, generator=gen)
         ids = torch.tensor([[1], [-1], [1]])
-        assert _rel(moe_expert_outputs(x, ids, *w, activation=activation),
-                    moe_expert_outputs_reference(x, ids, *w, activation=activation)) < 1e-5
+        assert (
+            _rel(
+                moe_expert_outputs(x, ids, *w, activation=activation),
+                moe_expert_outputs_reference(x, ids, *w, activation=activation),
+            )
+            < 1e-5
+        )

@@ -1,4 +1,5 @@
 """MXFP4 quantise / dequantise against the OCP MX v1.0 rules, checked by an independent per-block oracle."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,22 @@ from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.mxfp4 import FP4_VALUES, dequantize_mxfp4, dequantize_mxfp4_torch, quantize_mxfp4
 
 SPEC_CODES = {  # E2M1 code → value (OCP MX v1.0, table of FP4 E2M1 values)
-    0x0: 0.0, 0x1: 0.5, 0x2: 1.0, 0x3: 1.5, 0x4: 2.0, 0x5: 3.0, 0x6: 4.0, 0x7: 6.0,
-    0x8: -0.0, 0x9: -0.5, 0xA: -1.0, 0xB: -1.5, 0xC: -2.0, 0xD: -3.0, 0xE: -4.0, 0xF: -6.0,
+    0x0: 0.0,
+    0x1: 0.5,
+    0x2: 1.0,
+    0x3: 1.5,
+    0x4: 2.0,
+    0x5: 3.0,
+    0x6: 4.0,
+    0x7: 6.0,
+    0x8: -0.0,
+    0x9: -0.5,
+    0xA: -1.0,
+    0xB: -1.5,
+    0xC: -2.0,
+    0xD: -3.0,
+    0xE: -4.0,
+    0xF: -6.0,
 }
 
 
@@ -26,8 +41,8 @@ def _oracle_block(vals: list[float], rounding: str) -> tuple[int, list[int]]:
     if amax == 0:
         e = -127
     else:
-        e = math.frexp(amax)[1] - 1 - 2                       # floor(log2 amax) - emax(E2M1)
-        if rounding == "ceil":                                 # smallest e with amax <= 6 * 2^e
+        e = math.frexp(amax)[1] - 1 - 2  # floor(log2 amax) - emax(E2M1)
+        if rounding == "ceil":  # smallest e with amax <= 6 * 2^e
             while amax > math.ldexp(6.0, e):
                 e += 1
             while amax <= math.ldexp(6.0, e - 1):
@@ -37,7 +52,7 @@ def _oracle_block(vals: list[float], rounding: str) -> tuple[int, list[int]]:
     for v in vals:
         a = abs(math.ldexp(v, -e))
         best = min(range(8), key=lambda c: (abs(FP4_VALUES[c] - a), c % 2))  # nearest, ties to the even code
-        codes.append(best | (8 if math.copysign(1.0, v) < 0 else 0))      # the sign survives rounding to 0
+        codes.append(best | (8 if math.copysign(1.0, v) < 0 else 0))  # the sign survives rounding to 0
     return e + 127, codes
 
 
@@ -58,7 +73,7 @@ def _random_blocks(gen: torch.Generator, n_blocks: int) -> torch.Tensor:
     outliers, exact zeros and exact grid values mixed in."""
     x = torch.randn(n_blocks, 32, generator=gen, dtype=torch.float64)
     log10_mag = torch.empty(n_blocks, 1, dtype=torch.float64).uniform_(-44, 37, generator=gen)
-    x = x * 10 ** log10_mag
+    x = x * 10**log10_mag
     outlier = torch.rand(n_blocks, 32, generator=gen) < 0.03
     x = torch.where(outlier, x * 300, x)
     x = torch.where(torch.rand(n_blocks, 32, generator=gen) < 0.05, 0.0, x)
@@ -81,14 +96,14 @@ def _tie_blocks(gen: torch.Generator, n_blocks: int) -> torch.Tensor:
 def test_all_16_codes_decode_to_spec_values():
     codes = torch.arange(16, dtype=torch.uint8)
     for s in (0, 1, 100, 127, 130, 252):
-        blocks = (codes[0::2] | (codes[1::2] << 4)).repeat(2).reshape(1, 16)   # codes 0..15, twice
+        blocks = (codes[0::2] | (codes[1::2] << 4)).repeat(2).reshape(1, 16)  # codes 0..15, twice
         scales = torch.tensor([[s]], dtype=torch.uint8)
         out = dequantize_mxfp4(blocks, scales, torch.float32)[0]
         want = torch.tensor([math.ldexp(SPEC_CODES[c % 16], s - 127) for c in range(32)], dtype=torch.float64)
         assert torch.equal(out.double(), want), s
         assert torch.equal(torch.signbit(out), torch.signbit(want)), s
         out_bf16 = dequantize_mxfp4(blocks, scales, torch.bfloat16)[0]
-        assert torch.equal(out_bf16.double(), want), s          # exact in bf16 as well
+        assert torch.equal(out_bf16.double(), want), s  # exact in bf16 as well
 
 
 def test_nan_scale_decodes_whole_block_to_nan():
@@ -102,9 +117,9 @@ def test_nan_scale_decodes_whole_block_to_nan():
 def test_representable_values_round_trip_exactly(rounding):
     gen = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (64, 32), generator=gen)
-    codes[:8] = torch.where(codes[:8] == 0, 8, codes[:8])          # some -0 codes: they come back as -0
+    codes[:8] = torch.where(codes[:8] == 0, 8, codes[:8])  # some -0 codes: they come back as -0
     blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    scales = torch.randint(0, 253, (64, 1), dtype=torch.uint8, generator=gen)   # ≤ 0xFC: nothing overflows fp32
+    scales = torch.randint(0, 253, (64, 1), dtype=torch.uint8, generator=gen)  # ≤ 0xFC: nothing overflows fp32
     scales[0, 0], scales[1, 0] = 0, 252
     v = dequantize_mxfp4(blocks, scales, torch.float32)
     b2, s2 = quantize_mxfp4(v, scale_rounding=rounding)
@@ -125,7 +140,7 @@ def test_matches_oracle_on_wide_range_inputs(rounding):
     want_scales, want_codes = _oracle(x, rounding)
     assert torch.equal(scales.reshape(-1).long(), want_scales)
     assert torch.equal(_codes(blocks).reshape(-1, 32), want_codes)
-    assert (scales == 0).any()                                     # the subnormal range was exercised
+    assert (scales == 0).any()  # the subnormal range was exercised
 
 
 @pytest.mark.parametrize("rounding", ["floor", "ceil"])
@@ -136,20 +151,22 @@ def test_error_within_half_a_grid_step_except_saturation(rounding):
     y = dequantize_mxfp4(blocks, scales, torch.float32).double()
     scale = torch.ldexp(torch.ones(scales.shape, dtype=torch.float64), scales.long() - 127)
     scale = scale.repeat_interleave(32, dim=-1)
-    a = (x / scale).abs()                                           # magnitude on the block's grid
+    a = (x / scale).abs()  # magnitude on the block's grid
     half_step = torch.where(a < 2, 0.25, torch.where(a < 4, 0.5, 1.0)) * scale
     saturated = a > 6
     assert torch.all(((y - x).abs() <= half_step) | saturated)
     assert torch.all(y[saturated].abs() == 6 * scale[saturated])
     if rounding == "ceil":
-        assert not saturated.any()                                  # ceil never clips
+        assert not saturated.any()  # ceil never clips
     else:
-        assert saturated.any()                                      # floor does clip (amax/scale in [4, 8))
+        assert saturated.any()  # floor does clip (amax/scale in [4, 8))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=32, max_size=32),
-       st.sampled_from(["floor", "ceil"]))
+@given(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=32, max_size=32),
+    st.sampled_from(["floor", "ceil"]),
+)
 def test_property_any_finite_block_matches_oracle(vals, rounding):
     x = torch.tensor(vals, dtype=torch.float32)
     blocks, scales = quantize_mxfp4(x, scale_rounding=rounding)
@@ -165,7 +182,7 @@ def test_ties_round_to_even_and_saturate():
     assert int(s[0]) == 127
     got = dequantize_mxfp4(b, s, torch.float32)[:12].tolist()
     assert got == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 0.0, 6.0, 0.5, 4.0]
-    b, s = quantize_mxfp4(torch.tensor([7.9] + [1.0] * 31))         # floor: scale 2^0, 7.9 saturates to 6
+    b, s = quantize_mxfp4(torch.tensor([7.9] + [1.0] * 31))  # floor: scale 2^0, 7.9 saturates to 6
     assert int(s[0]) == 127 and dequantize_mxfp4(b, s, torch.float32)[0] == 6.0
 
 
@@ -175,7 +192,7 @@ def test_zero_nan_and_inf_blocks():
     x[1, 7] = float("nan")
     x[2, 0] = float("-inf")
     b, s = quantize_mxfp4(x)
-    assert int(s[0]) == 0 and (b[0] == 0).all()                     # valid (minimum) scale, zero codes
+    assert int(s[0]) == 0 and (b[0] == 0).all()  # valid (minimum) scale, zero codes
     assert int(s[1]) == 0xFF and int(s[2]) == 0xFF
     y = dequantize_mxfp4(b, s, torch.float32)
     assert (y[0] == 0).all() and y[1].isnan().all() and y[2].isnan().all() and not y[3].isnan().any()
@@ -184,14 +201,14 @@ def test_zero_nan_and_inf_blocks():
 
 
 def test_tiny_and_subnormal_inputs():
-    tiny = torch.tensor([1e-45, -1e-42, 2 ** -130, 2 ** -126] + [0.0] * 28)
+    tiny = torch.tensor([1e-45, -1e-42, 2**-130, 2**-126] + [0.0] * 28)
     b, s = quantize_mxfp4(tiny)
-    assert int(s[0]) == 0                                           # exponent clamps at -127
+    assert int(s[0]) == 0  # exponent clamps at -127
     y = dequantize_mxfp4(b, s, torch.float32)
     want_s, want_codes = _oracle(tiny, "floor")
     assert int(want_s[0]) == 0 and _codes(b).tolist() == want_codes[0].tolist()
     # 2^-126 = 2 · 2^-127 (code 4) and 2^-130 < 0.25 · 2^-127 → 0: decoded exactly, subnormal scale included
-    assert y[3] == 2 ** -126 and y[2] == 0
+    assert y[3] == 2**-126 and y[2] == 0
 
 
 def test_leading_batch_dims_and_input_dtypes():
@@ -216,7 +233,11 @@ def test_block_size_other_than_32():
     assert s.shape == (3, 4)
     y = dequantize_mxfp4(b, s, torch.float32, block_size=16)
     # exactly the spec's encoding of each 16-element block (the oracle), not merely close
-    want = [_oracle_block(blk, "floor") for row in x.double().tolist() for blk in (row[i:i + 16] for i in range(0, 64, 16))]
+    want = [
+        _oracle_block(blk, "floor")
+        for row in x.double().tolist()
+        for blk in (row[i : i + 16] for i in range(0, 64, 16))
+    ]
     assert s.flatten().tolist() == [e for e, _ in want]
     assert _codes(b).flatten().tolist() == [c for _, cs in want for c in cs]
     assert ((y - x).norm() / x.norm()) < 0.2
@@ -244,7 +265,7 @@ def test_triton_dequant_matches_reference_interpreted():
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(8)
     blocks = torch.randint(0, 256, (3, 5, 32), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(0, 256, (3, 5, 2), dtype=torch.uint8, generator=gen)   # includes 0x00 and 0xFF
+    scales = torch.randint(0, 256, (3, 5, 2), dtype=torch.uint8, generator=gen)  # includes 0x00 and 0xFF
     scales[0, 0, 0], scales[1, 1, 1] = 0, 0xFF
     for dtype in (torch.float32, torch.bfloat16):
         ref = dequantize_mxfp4_torch(blocks, scales, dtype)
@@ -252,4 +273,4 @@ def test_triton_dequant_matches_reference_interpreted():
             out = dequantize_mxfp4(blocks, scales, dtype)
         assert out.dtype == dtype and out.shape == ref.shape
         assert torch.equal(out.isnan(), ref.isnan())
-        assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))   # bitwise on non-NaN (incl. ±inf)
+        assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))  # bitwise on non-NaN (incl. ±inf)

@@ -1,6 +1,7 @@
 """The CPU row-norm / rotary kernel (kernels/norm): against the PyTorch forms (naive.py) on fresh random inputs,
 bitwise row invariance (a row alone vs inside batches of 3 / 17 / 300 rows at several positions, 1 vs 2 threads),
 odd widths, both rotary layouts on strided [T, H, D] views, bad inputs, and the model's use of it."""
+
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ EPS = 1e-6
 def _rand(gen, *shape, dtype=torch.float32, scale=1.0, shift=0.0):
     """Random values with no zeros (|v| ≥ 2^-4 before scaling): a zero could hide a wrong product."""
     v = torch.randn(*shape, generator=gen)
-    v = torch.where(v.abs() < 2 ** -4, torch.full_like(v, 2 ** -4).copysign(v), v)
+    v = torch.where(v.abs() < 2**-4, torch.full_like(v, 2**-4).copysign(v), v)
     return (v * scale + shift).to(dtype)
 
 
@@ -29,8 +30,8 @@ def _close(got, ref):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     else:
         diff = (got.float() - ref.float()).abs()
-        assert (diff <= ref.float().abs() * 2 ** -7 + 1e-30).all(), diff.max()
-        assert (diff > 0).float().mean() < 0.01      # rounding-boundary cases only
+        assert (diff <= ref.float().abs() * 2**-7 + 1e-30).all(), diff.max()
+        assert (diff > 0).float().mean() < 0.01  # rounding-boundary cases only
 
 
 def _norm_cases(gen, x, dtype):
@@ -47,7 +48,7 @@ def _norm_cases(gen, x, dtype):
 def test_norms_match_reference(dtype, d):
     gen = torch.Generator().manual_seed(d)
     for shape in [(5, d), (3, 4, d), (d,)]:
-        x = _rand(gen, *shape, dtype=dtype, scale=3.0, shift=0.5)      # an offset: layer_norm's centring matters
+        x = _rand(gen, *shape, dtype=dtype, scale=3.0, shift=0.5)  # an offset: layer_norm's centring matters
         for name, got, ref in _norm_cases(gen, x, dtype):
             if name == "l2_normalize":
                 assert got.dtype == torch.float32
@@ -65,14 +66,15 @@ def test_norms_weight_dtypes_and_strided_rows():
         for wd in DTYPES:
             w, b = _rand(gen, x.shape[-1], dtype=wd), _rand(gen, x.shape[-1], dtype=wd)
             torch.testing.assert_close(ck.rms_norm(x, w, EPS), naive.rms_norm(x, w, EPS), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(ck.layer_norm(x, w, b, EPS), naive.layer_norm(x, w, b, EPS), rtol=1e-6,
-                                       atol=1e-6)
+            torch.testing.assert_close(
+                ck.layer_norm(x, w, b, EPS), naive.layer_norm(x, w, b, EPS), rtol=1e-6, atol=1e-6
+            )
             torch.testing.assert_close(ck.l2_normalize(x, EPS), naive.l2_normalize(x, EPS), rtol=1e-6, atol=1e-6)
             assert ck.rms_norm(x, w, EPS).is_contiguous()
     xb = _rand(gen, 4, 64, dtype=torch.bfloat16)
     w32 = _rand(gen, 64, shift=1.0)
     _close(ck.rms_norm(xb, w32, EPS), naive.rms_norm(xb, w32, EPS))
-    w16 = w32.half()                                                   # other float dtypes are widened, as .float()
+    w16 = w32.half()  # other float dtypes are widened, as .float()
     _close(ck.rms_norm(xb, w16, EPS), naive.rms_norm(xb, w16, EPS))
 
 
@@ -85,8 +87,13 @@ def test_rotary_is_bitwise_the_reference(dtype, d, interleaved):
     t, h, nope = 9, 5, 24
     cos, sin = _rand(gen, t, d // 2), _rand(gen, t, d // 2)
     q = _rand(gen, t, h, nope + d, dtype=dtype)
-    views = [_rand(gen, t, d, dtype=dtype), _rand(gen, t, h, d, dtype=dtype), q[:, :, nope:],
-             _rand(gen, h, t, d, dtype=dtype).transpose(0, 1), _rand(gen, t, 2, 3, d, dtype=dtype)[:, :, 1:]]
+    views = [
+        _rand(gen, t, d, dtype=dtype),
+        _rand(gen, t, h, d, dtype=dtype),
+        q[:, :, nope:],
+        _rand(gen, h, t, d, dtype=dtype).transpose(0, 1),
+        _rand(gen, t, 2, 3, d, dtype=dtype)[:, :, 1:],
+    ]
     for x in views:
         got = ck.rotary(x, cos, sin, interleaved)
         ref = naive.rotary(x, cos, sin, interleaved)
@@ -94,7 +101,7 @@ def test_rotary_is_bitwise_the_reference(dtype, d, interleaved):
         assert torch.equal(got, ref), (x.shape, x.stride())
     # a non-contiguous cos / sin (a slice of a wider table) is read as its values
     wide_c, wide_s = _rand(gen, t, d), _rand(gen, t, d)
-    c, s = wide_c[:, : d // 2], wide_s[:, d // 2:]
+    c, s = wide_c[:, : d // 2], wide_s[:, d // 2 :]
     x = views[1]
     assert torch.equal(ck.rotary(x, c, s, interleaved), naive.rotary(x, c.contiguous(), s.contiguous(), interleaved))
 
@@ -103,11 +110,13 @@ def _all_ops(gen, d, dtype):
     """(name, fn(x [R, d], pos [R] token positions) → out) for every op, with fixed parameters and tables."""
     w, b = _rand(gen, d, dtype=dtype, shift=1.0), _rand(gen, d, dtype=dtype)
     cos, sin = _rand(gen, 400, d // 2), _rand(gen, 400, d // 2)
-    return [("rms_norm", lambda x, p: ck.rms_norm(x, w, EPS)),
-            ("layer_norm", lambda x, p: ck.layer_norm(x, w, b, EPS)),
-            ("l2_normalize", lambda x, p: ck.l2_normalize(x, EPS)),
-            ("rotary_half", lambda x, p: ck.rotary(x, cos[p], sin[p], False)),
-            ("rotary_interleaved", lambda x, p: ck.rotary(x, cos[p], sin[p], True))]
+    return [
+        ("rms_norm", lambda x, p: ck.rms_norm(x, w, EPS)),
+        ("layer_norm", lambda x, p: ck.layer_norm(x, w, b, EPS)),
+        ("l2_normalize", lambda x, p: ck.l2_normalize(x, EPS)),
+        ("rotary_half", lambda x, p: ck.rotary(x, cos[p], sin[p], False)),
+        ("rotary_interleaved", lambda x, p: ck.rotary(x, cos[p], sin[p], True)),
+    ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,6 +16,7 @@ refused: the fetch fails and the WeightsReady condition names the file.
 Nothing of ours is mocked; the only stand-ins are Kubernetes itself (emulator + LocalNode) and its networking
 (loopback ports for pod/Service DNS names — also used by the operator's real HTTP read of the router's load).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,14 +43,18 @@ from expertmesh.operator.status import condition
 from expertmesh.wire.clients import RemoteAttention, RemoteExpert
 from expertmesh.wire.worker_api import WorkerUnavailable
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow, pytest.mark.timeout(240),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]  # kmock's importlib.resources use
 
 NAME = "kimi"
 MAX_TOKENS = 8
 PROMPTS = ["Hello there", "What is a mixture of experts?"]
-THINKING = {"low": 3, "high": 5, "max": 7}   # spec.thinking: reasoning-token limits per tier
-MAX_CONTEXT = 1024                           # spec.kv.maxContext
+THINKING = {"low": 3, "high": 5, "max": 7}  # spec.thinking: reasoning-token limits per tier
+MAX_CONTEXT = 1024  # spec.kv.maxContext
 MAX_BACKGROUND = 200  # bound on the requests sent while the pod is lost and recovers (one every ~0.5 s)
 
 
@@ -76,8 +81,8 @@ def history_len(c) -> int:
 
 async def chat(client: openai.AsyncOpenAI, prompt: str):
     raw = await client.chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": prompt}], max_completion_tokens=MAX_TOKENS,
-        temperature=0)
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_completion_tokens=MAX_TOKENS, temperature=0
+    )
     return raw.status_code, raw.parse()
 
 
@@ -137,8 +142,7 @@ async def test_tiny_deployment_serves_and_survives_an_expert_pod_loss(published,
 def worker(node: LocalNode, client, statefulset: str, ordinal: int):
     """A client of one worker pod, dialled at its pod DNS name with the deployment's client certificate (as an
     administrator holding the Secret would)."""
-    return node.tls_client(client, pod_dns(NAME, NS, statefulset, ordinal), worker_tls_secret_name(NAME),
-                           timeout=10)
+    return node.tls_client(client, pod_dns(NAME, NS, statefulset, ordinal), worker_tls_secret_name(NAME), timeout=10)
 
 
 async def run_scenario(c, node: LocalNode, source: str) -> None:
@@ -155,12 +159,20 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
         raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}\n{node.errors}") from None
     st = c.status(NAME)
     conds = {x["type"]: x["status"] for x in st["conditions"]}
-    assert conds == {"PlacementReady": "True", "WeightsReady": "True", "WorkersReady": "True", "RouterReady": "True",
-                     "Degraded": "False"}
+    assert conds == {
+        "PlacementReady": "True",
+        "WeightsReady": "True",
+        "WorkersReady": "True",
+        "RouterReady": "True",
+        "Degraded": "False",
+    }
     assert c.condition(NAME, "WeightsReady")["reason"] == "Verified"
     # the download's progress was in the status while it ran: `Downloading N%`, rising
-    seen = [int(mt.group(1)) for v in _versions(c, 0)
-            if (mt := re.match(r"Downloading (\d+)%", (v.get("status") or {}).get("message") or ""))]
+    seen = [
+        int(mt.group(1))
+        for v in _versions(c, 0)
+        if (mt := re.match(r"Downloading (\d+)%", (v.get("status") or {}).get("message") or ""))
+    ]
     assert seen and seen == sorted(seen) and any(0 < p < 100 for p in seen), seen
     assert (st["readyWorkers"], st["desiredWorkers"], st["router"]) == (3, 3, {"ready": 1, "desired": 1})
     plan = c.plan(NAME)
@@ -196,8 +208,12 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
     # thinking by itself, so it thinks exactly up to the limit) and the context length
     for effort, tier in (("low", "low"), ("medium", "high")):
         r = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], max_completion_tokens=40,
-            temperature=0, reasoning_effort=effort)
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_completion_tokens=40,
+            temperature=0,
+            reasoning_effort=effort,
+        )
         assert r.usage.completion_tokens_details.reasoning_tokens == THINKING[tier], (tier, r.usage)
     models = await client.models.list()
     assert models.data[0].max_model_len == MAX_CONTEXT
@@ -243,8 +259,11 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
             raise AssertionError(f"{e}\nstatus: {c.status(NAME)}\n{node.logs()}\n{node.errors}") from None
         recovered_at = time.monotonic()
         assert phases_since(c, mark) == ["Degraded", "Ready"]
-        degraded = {condition(v["status"], "Degraded")["reason"] for v in _versions(c, mark)
-                    if (v.get("status") or {}).get("phase") == "Degraded"}
+        degraded = {
+            condition(v["status"], "Degraded")["reason"]
+            for v in _versions(c, mark)
+            if (v.get("status") or {}).get("phase") == "Degraded"
+        }
         assert degraded == {"ReplicasServing"}  # every expert the lost pod held had a live replica
         assert c.condition(NAME, "Degraded")["status"] == "False"
         assert c.plan(NAME).plan_hash() == plan.plan_hash()  # replicas served: nothing was re-planned
@@ -278,9 +297,17 @@ async def run_scenario(c, node: LocalNode, source: str) -> None:
 
 
 def templates(c) -> str:
-    return json.dumps([c.get(r, n)["spec"]["template"] for r, n in (
-        ("apps/v1/statefulsets", expert_name(NAME)), ("apps/v1/statefulsets", attention_name(NAME)),
-        ("apps/v1/deployments", router_name(NAME)))], sort_keys=True)
+    return json.dumps(
+        [
+            c.get(r, n)["spec"]["template"]
+            for r, n in (
+                ("apps/v1/statefulsets", expert_name(NAME)),
+                ("apps/v1/statefulsets", attention_name(NAME)),
+                ("apps/v1/deployments", router_name(NAME)),
+            )
+        ],
+        sort_keys=True,
+    )
 
 
 async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str, expected: dict) -> None:
@@ -316,7 +343,7 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
         stop.set()
         await asyncio.gather(*tasks)
     assert new.figures.physical_experts < old.figures.physical_experts
-    assert templates(c) == before and _uids(c) == uids        # byte-identical templates, nothing restarted
+    assert templates(c) == before and _uids(c) == uids  # byte-identical templates, nothing restarted
     assert c.status(NAME)["phase"] == "Ready"
     for i in range(2):  # each expert pod holds exactly its new shards once drained (--replan-drain-seconds later)
         with worker(node, RemoteExpert, expert_name(NAME), i) as w:
@@ -327,7 +354,7 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
     failures = [(p, out) for _, _, p, out in results if not isinstance(out, openai.types.chat.ChatCompletionMessage)]
     assert failures == []
     assert all(out.content == expected[p].content for _, _, p, out in results)
-    assert any(a < switched and b > start for a, b, *_ in results)   # requests were in flight across the switch
+    assert any(a < switched and b > start for a, b, *_ in results)  # requests were in flight across the switch
 
 
 async def test_a_corrupted_checkpoint_file_is_refused_and_named_in_the_status(published, tmp_path):
@@ -350,8 +377,11 @@ async def test_a_corrupted_checkpoint_file_is_refused_and_named_in_the_status(pu
                     spec = tiny_spec(experts=1, slots_per_pod=48)
                     spec["model"]["checkpoint"] = {"uri": srv.url}
                     await c.create_moe(NAME, spec)
-                    cond = await eventually(lambda: (x := c.condition(NAME, "WeightsReady")).get("reason") ==
-                                            "FetchFailed" and x, timeout=40, what="FetchFailed")
+                    cond = await eventually(
+                        lambda: (x := c.condition(NAME, "WeightsReady")).get("reason") == "FetchFailed" and x,
+                        timeout=40,
+                        what="FetchFailed",
+                    )
                     assert cond["status"] == "False" and name in cond["message"] and "sha256" in cond["message"]
                     assert c.status(NAME)["phase"] == "Deploying" and name in c.status(NAME)["message"]
                     assert not any(p.container != "fetch" for p in node.history)  # no worker ever started

@@ -11,6 +11,7 @@ Wiring (reusable for an e2e test):
     (labels and plan-hash annotation from their templates) and marks them Ready / deletes them.
 Only the router's HTTP load endpoint is stubbed (`fetch_load`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,14 +53,17 @@ from expertmesh.operator.status import condition as condition_of
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import imbalance, moved_shards, zipf_loads
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # kmock's importlib.resources use
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]  # kmock's importlib.resources use
 
 NS = "serving"
 MOE = f"{GROUP}/{VERSION}/{PLURAL}"
-TINY_EXPERT_BYTES = 3264          # one tiny expert in MXFP4
-TINY_EXPERTS = 48                 # 3 MoE layers x 16 experts
-GIB = 2 ** 30
+TINY_EXPERT_BYTES = 3264  # one tiny expert in MXFP4
+TINY_EXPERTS = 48  # 3 MoE layers x 16 experts
+GIB = 2**30
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -79,8 +83,11 @@ class Emulator(kmock.KubernetesEmulator):
         return str(self.last_rv)
 
     async def _handle(self, request):
-        if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE,
-                                                                enums.action.DELETE):
+        if request.resource is not None and request.action in (
+            enums.action.CREATE,
+            enums.action.UPDATE,
+            enums.action.DELETE,
+        ):
             self.writes.append((str(request.method), request.url.path))
             for (method, prefix), n in list(self.failures.items()):
                 if n > 0 and request.method.value == method and request.url.path.startswith(prefix):
@@ -102,20 +109,28 @@ class Emulator(kmock.KubernetesEmulator):
                 gen = meta.get("generation") or 1
                 if isinstance(request.data, list):  # JSON patch
                     for op in request.data:
-                        if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" \
-                                and op.get("value") != meta.get("resourceVersion"):
-                            raise kmock.KubernetesError(status=422, reason="Invalid",
-                                                        message="the object has been modified")
+                        if (
+                            op.get("op") == "test"
+                            and op.get("path") == "/metadata/resourceVersion"
+                            and op.get("value") != meta.get("resourceVersion")
+                        ):
+                            raise kmock.KubernetesError(
+                                status=422, reason="Invalid", message="the object has been modified"
+                            )
                     touches_spec = request.subresource is None and any(
-                        op.get("path", "").startswith("/spec") for op in request.data)
+                        op.get("path", "").startswith("/spec") for op in request.data
+                    )
                     request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": self._next_rv()})
                     if touches_spec:
                         request.data.append({"op": "add", "path": "/metadata/generation", "value": gen + 1})
                 elif isinstance(request.data, dict):  # merge patch / apply
                     patch_meta = dict(request.data.get("metadata") or {})
                     patch_meta["resourceVersion"] = self._next_rv()
-                    if request.subresource is None and "spec" in request.data and \
-                            request.data["spec"] != _plain(obj.get("spec", {})):
+                    if (
+                        request.subresource is None
+                        and "spec" in request.data
+                        and request.data["spec"] != _plain(obj.get("spec", {}))
+                    ):
                         patch_meta["generation"] = gen + 1
                     request.data["metadata"] = patch_meta
         return await super()._handle(request)
@@ -173,34 +188,53 @@ class Cluster:
         return await self._ok(self.emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=body))
 
     async def patch_moe(self, name: str, patch: dict):
-        return await self._ok(self.emu.patch(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}",
-                                             json=patch, headers={"Content-Type": "application/merge-patch+json"}))
+        return await self._ok(
+            self.emu.patch(
+                f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}",
+                json=patch,
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+        )
 
     async def delete_moe(self, name: str):
         return await self._ok(self.emu.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}"))
 
     async def put_pod(self, name: str, template: dict, ready: bool = True):
         meta = template["metadata"]
-        body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": NS, "labels": dict(meta["labels"]),
-                             "annotations": dict(meta.get("annotations", {}))},
-                "spec": template["spec"],
-                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "labels": dict(meta["labels"]),
+                "annotations": dict(meta.get("annotations", {})),
+            },
+            "spec": template["spec"],
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]},
+        }
         if self.get("v1/pods", name) is not None:
             await self.delete_pod(name)
         return await self._ok(self.emu.post(f"/api/v1/namespaces/{NS}/pods", json=body))
 
     async def set_ready(self, pod: str, ready: bool):
-        return await self._ok(self.emu.patch(
-            f"/api/v1/namespaces/{NS}/pods/{pod}/status",
-            json={"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}},
-            headers={"Content-Type": "application/merge-patch+json"}))
+        return await self._ok(
+            self.emu.patch(
+                f"/api/v1/namespaces/{NS}/pods/{pod}/status",
+                json={"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+        )
 
     async def scale(self, statefulset: str, replicas: int):
         """What a HorizontalPodAutoscaler does: set a StatefulSet's replicas."""
-        return await self._ok(self.emu.patch(
-            f"/apis/apps/v1/namespaces/{NS}/statefulsets/{statefulset}", json={"spec": {"replicas": replicas}},
-            headers={"Content-Type": "application/merge-patch+json"}))
+        return await self._ok(
+            self.emu.patch(
+                f"/apis/apps/v1/namespaces/{NS}/statefulsets/{statefulset}",
+                json={"spec": {"replicas": replicas}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+        )
 
     def router_arg(self, name: str, flag: str):
         args = self.get("apps/v1/deployments", router_name(name))["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -213,7 +247,7 @@ class Cluster:
         """What the StatefulSet / Deployment controllers and kubelets would do: every pod, Ready."""
         for sts in (attention_name(name), prefill_name(name), expert_name(name)):
             obj = self.get("apps/v1/statefulsets", sts)
-            if obj is None:     # no prefill pool
+            if obj is None:  # no prefill pool
                 continue
             for i in range(obj["spec"]["replicas"]):
                 await self.put_pod(f"{sts}-{i}", obj["spec"]["template"])
@@ -244,11 +278,19 @@ async def emulator():
     async with Emulator() as emu, kmock.Server(emu):
         emu.resources.load_bundled()
         emu.resources[MOE] = kmock.ResourceInfo(
-            kind=KIND, singular="moedeployment", namespaced=True, shortnames={"moe"},
-            verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
+            kind=KIND,
+            singular="moedeployment",
+            namespaced=True,
+            shortnames={"moe"},
+            verbs={"get", "list", "watch", "create", "patch", "delete"},
+            subresources={"status", "scale"},
+        )
         emu.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
-            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
-            verbs={"get", "list", "watch", "create", "patch"})
+            kind="ClusterKopfPeering",
+            singular="clusterkopfpeering",
+            namespaced=False,
+            verbs={"get", "list", "watch", "create", "patch"},
+        )
         yield emu
 
 
@@ -257,19 +299,30 @@ async def run_operator(emu, deps: Deps, tick: float = 0.2, **kw):
     """One operator (Kopf, for real) against `emu` until the context exits. `kw`: kopf.operator's peering
     arguments (default standalone)."""
     url = str(emu.url).rstrip("/")
-    registry = build_registry(rebalance_tick=tick, login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
-                              peering_lifetime=kw.pop("peering_lifetime", None))
+    registry = build_registry(
+        rebalance_tick=tick,
+        login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
+        peering_lifetime=kw.pop("peering_lifetime", None),
+    )
 
     @kopf.on.startup(id="fast_exit", registry=registry)
     def _fast_exit(settings: kopf.OperatorSettings, **_):  # idle per-object workers exit quickly on stop
         settings.queueing.idle_timeout = 0.5
         settings.queueing.exit_timeout = 0.5
+
     # Kopf in its own thread and event loop: on stop it waits for every task its loop started, and the
     # emulator's connection tasks live in the test's loop
     stop, ready = threading.Event(), threading.Event()
     kw = kw or {"standalone": True}
-    thread = threading.Thread(name="kopf", daemon=True, target=lambda: asyncio.run(kopf.operator(
-        registry=registry, memo=kopf.Memo(deps=deps), clusterwide=True, stop_flag=stop, ready_flag=ready, **kw)))
+    thread = threading.Thread(
+        name="kopf",
+        daemon=True,
+        target=lambda: asyncio.run(
+            kopf.operator(
+                registry=registry, memo=kopf.Memo(deps=deps), clusterwide=True, stop_flag=stop, ready_flag=ready, **kw
+            )
+        ),
+    )
     thread.start()
     try:
         assert await asyncio.to_thread(ready.wait, 10), "the operator did not start"
@@ -293,18 +346,22 @@ async def operator(fetch_load=None, tick: float = 0.2, read_log=None):
             yield Cluster(emu, deps)
 
 
-def tiny_spec(experts: int = 2, slots_per_pod: int = 48, redundant: int = 0, interval: int = 300,
-              grace: int = 0) -> dict:
+def tiny_spec(
+    experts: int = 2, slots_per_pod: int = 48, redundant: int = 0, interval: int = 300, grace: int = 0
+) -> dict:
     """tiny on CPU pods, each holding `slots_per_pod` experts (memory given in GiB, as a user would)."""
     return {
         "model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/tiny"}}},
         "router": {"replicas": 1},
         "attentionWorkers": {"replicas": 1, "gpusPerPod": 0},
-        "expertWorkers": {"replicas": experts, "gpusPerPod": 0, "reserveGiB": 0,
-                          "gpuMemoryGiB": (slots_per_pod * TINY_EXPERT_BYTES + 100) / GIB,
-                          "redundantExperts": redundant},
-        "placement": {"rebalanceIntervalSeconds": interval, "imbalanceThreshold": 1.1,
-                      "replanGraceSeconds": grace},
+        "expertWorkers": {
+            "replicas": experts,
+            "gpusPerPod": 0,
+            "reserveGiB": 0,
+            "gpuMemoryGiB": (slots_per_pod * TINY_EXPERT_BYTES + 100) / GIB,
+            "redundantExperts": redundant,
+        },
+        "placement": {"rebalanceIntervalSeconds": interval, "imbalanceThreshold": 1.1, "replanGraceSeconds": grace},
     }
 
 
@@ -334,10 +391,17 @@ async def test_create_applies_children_and_reports_status():
         assert placement["status"] == "True" and placement["reason"] == "Planned"
         assert c.condition("kimi", "WorkersReady")["status"] == "False"
         # every child exists, is owned by the resource (garbage collection) and carries the plan where it matters
-        children = {("v1/configmaps", "kimi-plan"), ("v1/services", "kimi-attention"), ("v1/services", "kimi-expert"),
-                    ("v1/services", "kimi-router"), ("apps/v1/statefulsets", "kimi-attention"),
-                    ("apps/v1/statefulsets", "kimi-expert"), ("apps/v1/deployments", "kimi-router"),
-                    ("policy/v1/poddisruptionbudgets", "kimi-expert"), ("v1/secrets", "kimi-worker-tls")}
+        children = {
+            ("v1/configmaps", "kimi-plan"),
+            ("v1/services", "kimi-attention"),
+            ("v1/services", "kimi-expert"),
+            ("v1/services", "kimi-router"),
+            ("apps/v1/statefulsets", "kimi-attention"),
+            ("apps/v1/statefulsets", "kimi-expert"),
+            ("apps/v1/deployments", "kimi-router"),
+            ("policy/v1/poddisruptionbudgets", "kimi-expert"),
+            ("v1/secrets", "kimi-worker-tls"),
+        }
         for res, name in children:
             obj = c.get(res, name)
             assert obj is not None, (res, name)
@@ -346,8 +410,7 @@ async def test_create_applies_children_and_reports_status():
         sts = c.get("apps/v1/statefulsets", "kimi-expert")
         assert sts["spec"]["replicas"] == 2
         assert PLAN_HASH_ANNOTATION not in sts["spec"]["template"]["metadata"]["annotations"]  # the ConfigMap has it
-        assert c.get("v1/configmaps", "kimi-plan")["metadata"]["annotations"][PLAN_HASH_ANNOTATION] == \
-            plan.plan_hash()
+        assert c.get("v1/configmaps", "kimi-plan")["metadata"]["annotations"][PLAN_HASH_ANNOTATION] == plan.plan_hash()
         router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
         experts_arg = router["args"][router["args"].index("--experts") + 1]
         assert experts_arg == f"kimi-expert-0.kimi-expert.{NS}.svc:50061,kimi-expert-1.kimi-expert.{NS}.svc:50061"
@@ -358,7 +421,11 @@ async def test_create_applies_children_and_reports_status():
         assert (st["readyWorkers"], st["desiredWorkers"]) == (3, 3)
         assert st["expertWorkers"]["ready"] == 2 and st["router"] == {"ready": 1, "desired": 1}
         assert {x["type"]: x["status"] for x in st["conditions"]} == {
-            "PlacementReady": "True", "WorkersReady": "True", "RouterReady": "True", "Degraded": "False"}
+            "PlacementReady": "True",
+            "WorkersReady": "True",
+            "RouterReady": "True",
+            "Degraded": "False",
+        }
 
 
 async def test_router_replicas_get_one_prefix_salt_secret_kept_across_reconciles():
@@ -370,7 +437,7 @@ async def test_router_replicas_get_one_prefix_salt_secret_kept_across_reconciles
         assert c.get("v1/secrets", "kimi-router-salt") is None
         await c.patch_moe("kimi", {"spec": {"router": {"replicas": 2}}})
         await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
-        secret = c.get("v1/secrets", "kimi-router-salt")      # made before the router pods that mount it
+        secret = c.get("v1/secrets", "kimi-router-salt")  # made before the router pods that mount it
         assert len(base64.b64decode(secret["data"]["salt"])) == 32
         assert [r["name"] for r in secret["metadata"]["ownerReferences"]] == ["kimi"]
         router = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]["spec"]["containers"][0]
@@ -440,14 +507,14 @@ async def test_kube_errors_map_to_kopf_errors():
 async def test_invalid_spec_fails_with_message_without_retry_storm():
     async with operator() as c:
         bad = tiny_spec()
-        bad["expertWorkers"]["reserveGiB"] = 1.0   # more than the whole device
+        bad["expertWorkers"]["reserveGiB"] = 1.0  # more than the whole device
         await c.create_moe("bad", bad)
         await eventually(lambda: c.status("bad").get("phase") == "Failed", what="Failed")
         cond = c.condition("bad", "PlacementReady")
         assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
         assert "expertWorkers.reserveGiB" in cond["message"] and "gpuMemoryGiB" in cond["message"]
         writes = len([w for w in c.emu.writes if "/bad" in w[1]])
-        await asyncio.sleep(1.5)                      # a retrying handler would patch again within this
+        await asyncio.sleep(1.5)  # a retrying handler would patch again within this
         assert len([w for w in c.emu.writes if "/bad" in w[1]]) == writes
         assert c.get("apps/v1/statefulsets", "bad-expert") is None
 
@@ -479,8 +546,12 @@ async def test_lost_pod_with_replicas_is_degraded_then_recovers():
         # NotReady (not deleted) counts as lost too; back Ready → Ready
         await c.set_ready("kimi-expert-0", False)
         await c.put_pod("kimi-expert-1", c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"])
-        await eventually(lambda: c.status("kimi")["expertWorkers"]["ready"] == 1 and
-                         c.condition("kimi", "Degraded")["status"] == "True", what="still degraded")
+        await eventually(
+            lambda: (
+                c.status("kimi")["expertWorkers"]["ready"] == 1 and c.condition("kimi", "Degraded")["status"] == "True"
+            ),
+            what="still degraded",
+        )
         await c.set_ready("kimi-expert-0", True)
         await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready again")
 
@@ -491,8 +562,9 @@ async def test_lost_pod_without_replicas_replans_onto_survivors():
         await ready_deployment(c, "kimi", tiny_spec(experts=3, slots_per_pod=24, grace=1))
         old = c.plan("kimi")
         await c.delete_pod("kimi-expert-1")
-        await eventually(lambda: c.condition("kimi", "Degraded").get("reason") == "ExpertsUnavailable",
-                         what="ExpertsUnavailable")
+        await eventually(
+            lambda: c.condition("kimi", "Degraded").get("reason") == "ExpertsUnavailable", what="ExpertsUnavailable"
+        )
         assert "unless they come back" in c.condition("kimi", "Degraded")["message"]
         assert c.plan("kimi").plan_hash() == old.plan_hash() and c.status("kimi")["lostSince"][0]["ordinal"] == 1
         # the grace period runs out: the timer re-assesses and re-plans
@@ -507,8 +579,10 @@ async def test_lost_pod_without_replicas_replans_onto_survivors():
         # Deploying as the re-plan writes it; the next assessment may already find every pod the new plan needs live
         # (the survivors, still on the old plan) and say Degraded, routing around the lost worker
         assert st["phase"] in ("Deploying", "Degraded"), st["phase"]
-        assert PLAN_HASH_ANNOTATION not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"][
-            "metadata"]["annotations"]
+        assert (
+            PLAN_HASH_ANNOTATION
+            not in c.get("apps/v1/statefulsets", "kimi-expert")["spec"]["template"]["metadata"]["annotations"]
+        )
         # the survivors roll onto the new plan, the lost pod comes back: it rejoins and all is Ready again
         await c.start_pods("kimi")
         await eventually(lambda: c.status("kimi")["placement"]["lostWorkers"] == [], what="rejoined")
@@ -522,8 +596,9 @@ async def test_lost_pod_without_memory_to_replan_is_degraded_with_reason():
         await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=30))  # one pod cannot hold 48
         old = c.plan("kimi")
         await c.delete_pod("kimi-expert-0")
-        await eventually(lambda: c.condition("kimi", "Degraded").get("reason") == "InsufficientMemory",
-                         what="InsufficientMemory")
+        await eventually(
+            lambda: c.condition("kimi", "Degraded").get("reason") == "InsufficientMemory", what="InsufficientMemory"
+        )
         assert c.status("kimi")["phase"] == "Degraded"
         assert "GiB missing" in c.condition("kimi", "Degraded")["message"]
         assert c.plan("kimi").plan_hash() == old.plan_hash()
@@ -536,8 +611,11 @@ async def test_timer_rebalances_on_observed_imbalance():
 
     async def fetch(url, timeout):
         calls.append((url, timeout))
-        return {"model": "tiny", "moe_layers": cfg.moe_layers,
-                "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)}}
+        return {
+            "model": "tiny",
+            "moe_layers": cfg.moe_layers,
+            "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)},
+        }
 
     async with operator(fetch_load=fetch, tick=0.2) as c:
         await ready_deployment(c, "kimi", tiny_spec(experts=2, slots_per_pod=40, redundant=8, interval=1))
@@ -569,8 +647,11 @@ async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_lo
 
     async def fetch(url, timeout):
         calls.append(url)
-        return {"model": "tiny", "moe_layers": cfg.moe_layers,
-                "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)}}
+        return {
+            "model": "tiny",
+            "moe_layers": cfg.moe_layers,
+            "tokens": {str(layer): skew[i].round().tolist() for i, layer in enumerate(cfg.moe_layers)},
+        }
 
     async with emulator() as emu:
         url = str(emu.url).rstrip("/")
@@ -582,10 +663,10 @@ async def test_a_restarted_operator_keeps_the_rebalance_time_and_the_observed_lo
             await eventually(lambda: c.get("v1/configmaps", "kimi-load"), what="the load kept")
         read, rebalanced = len(calls), c.status("kimi")["lastRebalanceTime"]
         assert read == 1 and first.loads
-        second = Deps(kube=Kube.for_url(url), fetch_load=fetch, load_timeout=2.0)   # a new process: nothing known
+        second = Deps(kube=Kube.for_url(url), fetch_load=fetch, load_timeout=2.0)  # a new process: nothing known
         async with run_operator(emu, second):
             c = Cluster(emu, second)
-            await asyncio.sleep(1.5)                    # several timer ticks (0.2 s) of a Ready resource
+            await asyncio.sleep(1.5)  # several timer ticks (0.2 s) of a Ready resource
             assert len(calls) == read and c.status("kimi")["lastRebalanceTime"] == rebalanced
             assert second.loads == {}
             kept = await _read_load(second, NS, "kimi", cfg)
@@ -597,16 +678,30 @@ async def operator_process(emu, tmp_path, *args: str):
     """`expertmesh operator` as its own process, logged in through a kubeconfig naming `emu`; SIGTERM on exit,
     which it must answer by exiting 0."""
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": str(emu.url).rstrip("/")}}],
-        "users": [{"name": "u", "user": {"token": "t0ken"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emu",
+                "clusters": [{"name": "emu", "cluster": {"server": str(emu.url).rstrip("/")}}],
+                "users": [{"name": "u", "user": {"token": "t0ken"}}],
+                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}],
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(KUBECONFIG=str(kubeconfig), KUBERNETES_SERVICE_HOST="")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "expertmesh.operator.main", *args, env=env, cwd=str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "expertmesh.operator.main",
+        *args,
+        env=env,
+        cwd=str(tmp_path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         yield proc
     finally:
@@ -624,8 +719,9 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
         port = s.getsockname()[1]
     async with Emulator() as emu, kmock.Server(emu):
         emu.resources.load_bundled()
-        emu.resources[MOE] = kmock.ResourceInfo(kind=KIND, namespaced=True, verbs={"get", "list", "watch", "patch"},
-                                                subresources={"status", "scale"})
+        emu.resources[MOE] = kmock.ResourceInfo(
+            kind=KIND, namespaced=True, verbs={"get", "list", "watch", "patch"}, subresources={"status", "scale"}
+        )
         async with operator_process(emu, tmp_path, "--liveness", f"http://127.0.0.1:{port}/healthz"):
             c = Cluster(emu, None)
             await c.create_moe("kimi", tiny_spec())
@@ -635,6 +731,7 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
             def live():
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
                     return r.status == 200
+
             assert await asyncio.to_thread(live)
             auth = {r.headers.get("Authorization") for r in emu if r.headers.get("Authorization")}
             assert auth == {"Bearer t0ken"}  # Kopf and the operator's own calls both use the kubeconfig's user
@@ -644,6 +741,7 @@ async def test_cli_entrypoint_connects_via_kubeconfig_and_serves_liveness(tmp_pa
 async def controllers(c: Cluster, name: str, hold: set):
     """The StatefulSet / Deployment controllers and kubelets, crudely: a missing pod (other than those named in
     `hold`) is recreated, Ready, from its workload's current template."""
+
     async def loop():
         while True:
             for sts in (attention_name(name), expert_name(name)):
@@ -656,6 +754,7 @@ async def controllers(c: Cluster, name: str, hold: set):
             if c.get("v1/pods", pod) is None:
                 await c.put_pod(pod, dep["spec"]["template"])
             await asyncio.sleep(0.05)
+
     task = asyncio.create_task(loop())
     try:
         yield
@@ -665,18 +764,30 @@ async def controllers(c: Cluster, name: str, hold: set):
 
 
 def _uids(c: Cluster) -> dict[str, str]:
-    return {k[2]: _plain(v.raw)["metadata"]["uid"] for k, v in list(c.emu.objects.items())
-            if k[0] == kmock.resource("v1/pods") and k[1] == NS and not v.deleted}
+    return {
+        k[2]: _plain(v.raw)["metadata"]["uid"]
+        for k, v in list(c.emu.objects.items())
+        if k[0] == kmock.resource("v1/pods") and k[1] == NS and not v.deleted
+    }
 
 
 async def test_new_plans_are_published_without_touching_pod_templates():
     """redundantExperts changed, then an expert pod lost: each publishes a new plan in the ConfigMap while every
     pod template stays byte-identical and no pod is restarted (the router and the expert workers adopt the
     plan live: tests/test_live_replan.py, tests/test_operator_e2e.py)."""
+
     def templates():
-        return json.dumps([c.get(r, n)["spec"]["template"] for r, n in (
-            ("apps/v1/statefulsets", "kimi-expert"), ("apps/v1/statefulsets", "kimi-attention"),
-            ("apps/v1/deployments", "kimi-router"))], sort_keys=True)
+        return json.dumps(
+            [
+                c.get(r, n)["spec"]["template"]
+                for r, n in (
+                    ("apps/v1/statefulsets", "kimi-expert"),
+                    ("apps/v1/statefulsets", "kimi-attention"),
+                    ("apps/v1/deployments", "kimi-router"),
+                )
+            ],
+            sort_keys=True,
+        )
 
     async with operator() as c:
         await ready_deployment(c, "kimi", tiny_spec(experts=4, slots_per_pod=18, grace=0))
@@ -700,13 +811,21 @@ async def test_new_plans_are_published_without_touching_pod_templates():
             await c.delete_pod("kimi-expert-1")
             await eventually(lambda: c.status("kimi")["placement"]["planHash"] != old.plan_hash(), what="re-plan")
             assert templates() == before and c.plan("kimi").experts_of(1) == []
-            await eventually(lambda: c.status("kimi").get("phase") == "Degraded" and
-                             c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors", what="re-planned")
+            await eventually(
+                lambda: (
+                    c.status("kimi").get("phase") == "Degraded"
+                    and c.condition("kimi", "Degraded")["reason"] == "ReplannedOntoSurvivors"
+                ),
+                what="re-planned",
+            )
             assert {p: u for p, u in _uids(c).items()} == {p: u for p, u in uids.items() if p != "kimi-expert-1"}
             # it comes back: re-planned onto every pod, still without touching a template
             hold.clear()
-            await eventually(lambda: c.status("kimi").get("phase") == "Ready" and
-                             c.plan("kimi").experts_of(1) != [], timeout=15, what="rejoined and Ready")
+            await eventually(
+                lambda: c.status("kimi").get("phase") == "Ready" and c.plan("kimi").experts_of(1) != [],
+                timeout=15,
+                what="rejoined and Ready",
+            )
             assert templates() == before
 
 
@@ -721,6 +840,7 @@ class _Records(logging.Handler):
 
 class CountingKube(Kube):
     """The operator's API edge, counting the children it applies (tells which replica did the work)."""
+
     applies = 0
 
     async def apply(self, obj: dict) -> dict:
@@ -739,32 +859,50 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
     async with emulator() as emu:
         url = str(emu.url).rstrip("/")
         c = Cluster(emu, None)
-        await c._ok(emu.post("/apis/kopf.dev/v1/clusterkopfpeerings", json={
-            "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "expertmesh"}}))
+        await c._ok(
+            emu.post(
+                "/apis/kopf.dev/v1/clusterkopfpeerings",
+                json={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "expertmesh"}},
+            )
+        )
+
         def peers() -> dict:
             for (res, _ns, name), obj in list(emu.objects.items()):
-                if res == kmock.resource("kopf.dev/v1/clusterkopfpeerings") and name == "expertmesh" and not obj.deleted:
+                if (
+                    res == kmock.resource("kopf.dev/v1/clusterkopfpeerings")
+                    and name == "expertmesh"
+                    and not obj.deleted
+                ):
                     return _plain(obj.raw).get("status") or {}
             return {}
+
         kubes = [CountingKube.for_url(url), CountingKube.for_url(url)]
         kopf_logs, peering_log = _Records(), logging.getLogger("kopf._core.engines.peering")
         level = peering_log.level
         peering_log.setLevel(logging.INFO)  # Kopf says it pauses and resumes at INFO
         peering_log.addHandler(kopf_logs)
+
         def resumed(thread: threading.Thread) -> bool:
-            return any(r.thread == thread.ident and r.getMessage().startswith("Resuming operations")
-                       for r in list(kopf_logs.records))
+            return any(
+                r.thread == thread.ident and r.getMessage().startswith("Resuming operations")
+                for r in list(kopf_logs.records)
+            )
+
         deps = [Deps(kube=k, fetch_load=no_load, load_timeout=2.0) for k in kubes]
         try:
             # short lifetimes: keep-alives every second, so a peer's entry missed by a watch that started late
             # (the suite's load) is seen on the next one
             async with contextlib.AsyncExitStack() as standby_lifetime:  # the standby outlives the leader
-                async with run_operator(emu, deps[1], peering_name="expertmesh", priority=20,
-                                        peering_lifetime=6) as leader:
+                async with run_operator(
+                    emu, deps[1], peering_name="expertmesh", priority=20, peering_lifetime=6
+                ) as leader:
                     await eventually(lambda: resumed(leader), what="the leader, alone, resumed")
-                    await eventually(lambda: [p["priority"] for p in peers().values()] == [20], what="the leader's entry")
+                    await eventually(
+                        lambda: [p["priority"] for p in peers().values()] == [20], what="the leader's entry"
+                    )
                     standby = await standby_lifetime.enter_async_context(
-                        run_operator(emu, deps[0], peering_name="expertmesh", priority=10, peering_lifetime=6))
+                        run_operator(emu, deps[0], peering_name="expertmesh", priority=10, peering_lifetime=6)
+                    )
                     await eventually(lambda: len(peers()) == 2, what="both replicas in the peering")
                     assert sorted(p["priority"] for p in peers().values()) == [10, 20]
                     await c.create_moe("kimi", tiny_spec())
@@ -773,12 +911,14 @@ async def test_two_replicas_elect_one_leader_and_the_standby_takes_over():
                     assert kubes[1].applies > 0 and kubes[0].applies == 0  # only the leader worked
                     assert not resumed(standby)  # the standby stayed paused
                 # the leader is gone (its peering entry removed on exit): the standby resumes and takes the next change
-                await eventually(lambda: [p["priority"] for p in peers().values()] == [10],
-                                 what="the leader's entry removed")
+                await eventually(
+                    lambda: [p["priority"] for p in peers().values()] == [10], what="the leader's entry removed"
+                )
                 await eventually(lambda: resumed(standby), timeout=15, what="the standby resumed")
                 await c.patch_moe("kimi", {"spec": {"expertWorkers": {"replicas": 3}}})
-                await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15,
-                                 what="the standby reconciled")
+                await eventually(
+                    lambda: c.status("kimi").get("observedGeneration") == 2, timeout=15, what="the standby reconciled"
+                )
                 assert kubes[0].applies > 0 and standby.is_alive()
         finally:
             peering_log.removeHandler(kopf_logs)
@@ -801,19 +941,26 @@ async def test_a_prefill_pool_gets_its_statefulset_the_routers_list_and_status()
         await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="Deploying")
         pre, dec = c.get("apps/v1/statefulsets", "kimi-prefill"), c.get("apps/v1/statefulsets", "kimi-attention")
         uid = c.moe("kimi")["metadata"]["uid"]
-        for obj in (pre, c.get("v1/services", "kimi-prefill"),
-                    c.get("networking.k8s.io/v1/networkpolicies", "kimi-prefill-worker-ingress")):
+        for obj in (
+            pre,
+            c.get("v1/services", "kimi-prefill"),
+            c.get("networking.k8s.io/v1/networkpolicies", "kimi-prefill-worker-ingress"),
+        ):
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
         pre_args, dec_args = (s["spec"]["template"]["spec"]["containers"][0]["args"] for s in (pre, dec))
-        assert pre_args[pre_args.index("--pool") + 1] == "prefill" and dec_args[dec_args.index("--pool") + 1] == "decode"
+        assert (
+            pre_args[pre_args.index("--pool") + 1] == "prefill" and dec_args[dec_args.index("--pool") + 1] == "decode"
+        )
         assert pre["spec"]["replicas"] == 1
         assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 1)
         assert c.router_arg("kimi", "--attention") == _pool_addresses("kimi-attention", 1)
         await c.start_pods("kimi")
         await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready")
         st = c.status("kimi")
-        assert st["prefillWorkers"] == {"ready": 1, "desired": 1} and st["attentionWorkers"] == {"ready": 1,
-                                                                                               "desired": 1}
+        assert st["prefillWorkers"] == {"ready": 1, "desired": 1} and st["attentionWorkers"] == {
+            "ready": 1,
+            "desired": 1,
+        }
         assert (st["readyWorkers"], st["desiredWorkers"]) == (4, 4)
         assert "1/1 prefill workers ready" in c.condition("kimi", "WorkersReady")["message"]
 
@@ -834,41 +981,50 @@ async def test_an_autoscaled_pool_keeps_the_hpas_replicas_and_the_router_follows
     router's --prefill list; autoscale removed: the HPA is deleted and the spec's replicas apply again."""
     async with operator() as c:
         spec = tiny_spec()
-        spec["prefillWorkers"] = {"gpusPerPod": 0, "autoscale": {"minReplicas": 1, "maxReplicas": 4,
-                                                                 "metric": "prefill_tokens_waiting", "target": 2048}}
+        spec["prefillWorkers"] = {
+            "gpusPerPod": 0,
+            "autoscale": {"minReplicas": 1, "maxReplicas": 4, "metric": "prefill_tokens_waiting", "target": 2048},
+        }
         await ready_deployment(c, "kimi", spec)
         hpa = c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-prefill")
         assert hpa["spec"]["scaleTargetRef"]["name"] == "kimi-prefill" and hpa["spec"]["maxReplicas"] == 4
         assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "expertmesh_pool_prefill_tokens_waiting"
         assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 1
-        assert c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-attention") is None   # not autoscaled
+        assert c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-attention") is None  # not autoscaled
         router_template = c.get("apps/v1/deployments", "kimi-router")["spec"]["template"]
 
-        await asyncio.sleep(1.0)    # the pods' events handled: what follows the resize is its StatefulSet's event
-        await c.scale("kimi-prefill", 3)                       # the HPA scales the pool up
-        await eventually(lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 3),
-                         what="the router lists 3 prefill workers")
+        await asyncio.sleep(1.0)  # the pods' events handled: what follows the resize is its StatefulSet's event
+        await c.scale("kimi-prefill", 3)  # the HPA scales the pool up
+        await eventually(
+            lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 3),
+            what="the router lists 3 prefill workers",
+        )
         assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 3
-        assert c.get("apps/v1/deployments", "kimi-router")["spec"]["template"] != router_template   # it rolls
-        await eventually(lambda: c.status("kimi").get("prefillWorkers") == {"ready": 1, "desired": 3},
-                         what="status: 1/3 prefill workers")
+        assert c.get("apps/v1/deployments", "kimi-router")["spec"]["template"] != router_template  # it rolls
+        await eventually(
+            lambda: c.status("kimi").get("prefillWorkers") == {"ready": 1, "desired": 3},
+            what="status: 1/3 prefill workers",
+        )
         assert c.status("kimi")["phase"] == "Deploying"
         await c.start_pods("kimi")
         await eventually(lambda: c.status("kimi").get("phase") == "Ready", what="Ready at 3 prefill workers")
         assert c.status("kimi")["prefillWorkers"] == {"ready": 3, "desired": 3}
 
-        await c.patch_moe("kimi", {"spec": {"router": {"replicas": 2}}})   # an unrelated change: a reconcile
+        await c.patch_moe("kimi", {"spec": {"router": {"replicas": 2}}})  # an unrelated change: a reconcile
         await eventually(lambda: c.status("kimi").get("observedGeneration") == 2, what="generation 2 handled")
-        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 3       # kept, not reset
+        assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 3  # kept, not reset
         assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 3)
 
-        await c.scale("kimi-prefill", 2)                       # and down
-        await eventually(lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 2),
-                         what="the router lists 2 prefill workers")
+        await c.scale("kimi-prefill", 2)  # and down
+        await eventually(
+            lambda: c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 2),
+            what="the router lists 2 prefill workers",
+        )
 
         await c.patch_moe("kimi", {"spec": {"prefillWorkers": {"autoscale": None, "replicas": 1}}})
-        await eventually(lambda: c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-prefill") is None,
-                         what="the HPA deleted")
+        await eventually(
+            lambda: c.get("autoscaling/v2/horizontalpodautoscalers", "kimi-prefill") is None, what="the HPA deleted"
+        )
         assert c.get("apps/v1/statefulsets", "kimi-prefill")["spec"]["replicas"] == 1
         assert c.router_arg("kimi", "--prefill") == _pool_addresses("kimi-prefill", 1)
 

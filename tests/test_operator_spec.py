@@ -1,4 +1,5 @@
 """MoEDeployment spec (pydantic), the generated CRD, the pure child manifests and the pure status logic."""
+
 from __future__ import annotations
 
 import argparse
@@ -62,10 +63,16 @@ TINY_EXPERT_BYTES = 3264
 
 
 def tiny(**over) -> dict:
-    spec = {"model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/ckpt/tiny"}}},
-            "attentionWorkers": {"gpusPerPod": 0},
-            "expertWorkers": {"replicas": 2, "gpusPerPod": 0, "reserveGiB": 0,
-                              "gpuMemoryGiB": (30 * TINY_EXPERT_BYTES + 10) / GIB}}
+    spec = {
+        "model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/ckpt/tiny"}}},
+        "attentionWorkers": {"gpusPerPod": 0},
+        "expertWorkers": {
+            "replicas": 2,
+            "gpusPerPod": 0,
+            "reserveGiB": 0,
+            "gpuMemoryGiB": (30 * TINY_EXPERT_BYTES + 10) / GIB,
+        },
+    }
     for k, v in over.items():
         spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
     return spec
@@ -92,22 +99,35 @@ def test_spec_defaults_fill_everything_but_the_model():
     assert parse_spec(y) == s  # round-trips
 
 
-@pytest.mark.parametrize("patch, field, words", [
-    ({"expertWorkers": {"replicas": 0}}, "spec.expertWorkers.replicas", "greater than or equal to 1"),
-    ({"expertWorkers": {"reserveGiB": 1.0}}, "spec.expertWorkers", "reserveGiB=1.0 must be below"),
-    ({"router": {"httpPort": 70000}}, "spec.router.httpPort", "less than or equal to 65535"),
-    ({"router": {"httpPort": 9000, "grpcPort": 9000}}, "spec.router", "must differ"),
-    ({"model": {"preset": "huge", "checkpoint": {"uri": "/x"}}}, "spec.model.preset", "'tiny', 'small' or 'full-2.8t'"),
-    ({"model": {"checkpoint": {"uri": "/x"}}}, "spec.model", "exactly one of model.preset and model.config"),
-    ({"model": {"preset": "tiny", "checkpoint": {}}}, "spec.model.checkpoint", "exactly one of"),
-    ({"thinking": {"low": 9, "high": 5, "max": 20}}, "spec.thinking", "low <= high <= max"),
-    ({"model": {"preset": "tiny", "checkpoint": {"uri": "ftp://b/x"}}}, "spec.model.checkpoint",
-     "supported sources are http://, https://, hf://"),
-    ({"model": {"preset": "tiny", "checkpoint": {"uri": "hf://model"}}}, "spec.model.checkpoint",
-     "expected hf://ORG/NAME[@REVISION]"),
-    ({"telemetry": {"protocol": "udp"}}, "spec.telemetry.protocol", "'grpc' or 'http/protobuf'"),
-    ({"expertWorker": {}}, "spec.expertWorker", "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "patch, field, words",
+    [
+        ({"expertWorkers": {"replicas": 0}}, "spec.expertWorkers.replicas", "greater than or equal to 1"),
+        ({"expertWorkers": {"reserveGiB": 1.0}}, "spec.expertWorkers", "reserveGiB=1.0 must be below"),
+        ({"router": {"httpPort": 70000}}, "spec.router.httpPort", "less than or equal to 65535"),
+        ({"router": {"httpPort": 9000, "grpcPort": 9000}}, "spec.router", "must differ"),
+        (
+            {"model": {"preset": "huge", "checkpoint": {"uri": "/x"}}},
+            "spec.model.preset",
+            "'tiny', 'small' or 'full-2.8t'",
+        ),
+        ({"model": {"checkpoint": {"uri": "/x"}}}, "spec.model", "exactly one of model.preset and model.config"),
+        ({"model": {"preset": "tiny", "checkpoint": {}}}, "spec.model.checkpoint", "exactly one of"),
+        ({"thinking": {"low": 9, "high": 5, "max": 20}}, "spec.thinking", "low <= high <= max"),
+        (
+            {"model": {"preset": "tiny", "checkpoint": {"uri": "ftp://b/x"}}},
+            "spec.model.checkpoint",
+            "supported sources are http://, https://, hf://",
+        ),
+        (
+            {"model": {"preset": "tiny", "checkpoint": {"uri": "hf://model"}}},
+            "spec.model.checkpoint",
+            "expected hf://ORG/NAME[@REVISION]",
+        ),
+        ({"telemetry": {"protocol": "udp"}}, "spec.telemetry.protocol", "'grpc' or 'http/protobuf'"),
+        ({"expertWorker": {}}, "spec.expertWorker", "Extra inputs are not permitted"),
+    ],
+)
 def test_spec_errors_name_the_field(patch, field, words):
     spec = tiny()
     for k, v in patch.items():
@@ -119,8 +139,9 @@ def test_spec_errors_name_the_field(patch, field, words):
 
 def test_resolve_model_inline_config_and_overrides():
     cfg = preset("tiny").model_dump(mode="json")
-    s = parse_spec({**tiny(), "model": {"config": cfg, "checkpoint": {"uri": "/w"}},
-                    "thinking": {"low": 2, "high": 3, "max": 4}})
+    s = parse_spec(
+        {**tiny(), "model": {"config": cfg, "checkpoint": {"uri": "/w"}}, "thinking": {"low": 2, "high": 3, "max": 4}}
+    )
     r = resolve_model(s)
     assert r.name == "tiny" and (r.thinking.low, r.thinking.max) == (2, 4)
     bad = dict(cfg, hidden_size=65)
@@ -132,23 +153,44 @@ def test_resolve_model_inline_config_and_overrides():
 
 def test_resolve_model_hugging_face_config():
     """A published relative's config.json inline: mapped by hf_layout, its errors named under spec.model.config."""
-    raw = {"model_type": "deepseek_v32", "name": "dsv32", "vocab_size": 512, "hidden_size": 64,
-           "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
-           "num_attention_heads": 4, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
-           "topk_group": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-           "v_head_dim": 16, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2, "first_k_dense_replace": 1}
+    raw = {
+        "model_type": "deepseek_v32",
+        "name": "dsv32",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "index_topk": 8,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "first_k_dense_replace": 1,
+    }
     r = resolve_model(parse_spec({**tiny(), "model": {"config": raw, "checkpoint": {"uri": "/w"}}}))
     assert r.model_type == "deepseek_v32" and r.layer_types == ("dsa",) * 3 and r.first_k_dense == 1
     with pytest.raises(SpecError, match=r"spec\.model\.config: hidden_act='gelu' is not supported"):
-        resolve_model(parse_spec({**tiny(), "model": {"config": {**raw, "hidden_act": "gelu"},
-                                                      "checkpoint": {"uri": "/w"}}}))
+        resolve_model(
+            parse_spec({**tiny(), "model": {"config": {**raw, "hidden_act": "gelu"}, "checkpoint": {"uri": "/w"}}})
+        )
 
 
 # ------------------------------------------------------------------------------------------------ CRD
 def test_committed_crd_is_up_to_date():
     committed = crd.DEFAULT_PATH.read_text()
-    assert committed == crd.render(), ("stale CRD: regenerate with `python -m expertmesh.operator.crd --out "
-                                       "charts/expertmesh/crds/moedeployments.expertmesh.dev.yaml`")
+    assert committed == crd.render(), (
+        "stale CRD: regenerate with `python -m expertmesh.operator.crd --out "
+        "charts/expertmesh/crds/moedeployments.expertmesh.dev.yaml`"
+    )
     r = subprocess.run([sys.executable, "-m", "expertmesh.operator.crd", "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -174,13 +216,19 @@ def test_crd_is_structural_with_defaults_columns_and_subresources():
     spec = schema["properties"]["spec"]
     ew = spec["properties"]["expertWorkers"]
     assert ew["default"] == {} and ew["properties"]["replicas"] == {
-        "type": "integer", "description": "expert worker pods (StatefulSet ordinals 0..replicas-1)",
-        "default": 2, "minimum": 1, "maximum": 512}
+        "type": "integer",
+        "description": "expert worker pods (StatefulSet ordinals 0..replicas-1)",
+        "default": 2,
+        "minimum": 1,
+        "maximum": 512,
+    }
     assert ew["properties"]["gpuMemoryGiB"]["minimum"] == 0 and ew["properties"]["gpuMemoryGiB"]["exclusiveMinimum"]
     assert spec["properties"]["model"]["properties"]["config"]["x-kubernetes-preserve-unknown-fields"] is True
     limits = spec["properties"]["router"]["properties"]["resources"]["properties"]["limits"]
-    assert limits["additionalProperties"]["x-kubernetes-int-or-string"] is True and "type" not in \
-        limits["additionalProperties"]
+    assert (
+        limits["additionalProperties"]["x-kubernetes-int-or-string"] is True
+        and "type" not in limits["additionalProperties"]
+    )
     assert limits["additionalProperties"]["maximum"] and limits["additionalProperties"]["pattern"]
     assert spec["properties"]["model"]["properties"]["preset"]["enum"] == ["tiny", "small", "full-2.8t"]
     assert spec["required"] == ["model"]
@@ -191,9 +239,14 @@ def test_crd_is_structural_with_defaults_columns_and_subresources():
     assert v["subresources"]["scale"]["statusReplicasPath"] == ".status.expertWorkers.ready"
     assert "status" in v["subresources"]
     cols = {c["name"]: c["jsonPath"] for c in v["additionalPrinterColumns"]}
-    assert cols == {"Phase": ".status.phase", "Ready": ".status.readyWorkers", "Desired": ".status.desiredWorkers",
-                    "Experts": ".status.placement.physicalExperts", "Imbalance": ".status.placement.imbalance",
-                    "Age": ".metadata.creationTimestamp"}
+    assert cols == {
+        "Phase": ".status.phase",
+        "Ready": ".status.readyWorkers",
+        "Desired": ".status.desiredWorkers",
+        "Experts": ".status.placement.physicalExperts",
+        "Imbalance": ".status.placement.imbalance",
+        "Age": ".metadata.creationTimestamp",
+    }
     status = schema["properties"]["status"]["properties"]
     assert status["conditions"]["items"]["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert status["phase"]["enum"] == ["Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed"]
@@ -208,8 +261,14 @@ def _walk(node, path=""):
 
 
 def test_structural_checker_catches_violations():
-    bad = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
-                                            "b": {"$ref": "#/x"}, "c": {"properties": {}}}}
+    bad = {
+        "type": "object",
+        "properties": {
+            "a": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "b": {"$ref": "#/x"},
+            "c": {"properties": {}},
+        },
+    }
     problems = crd.check_structural(bad)
     assert any(".a: has anyOf" in p for p in problems) and any(".b: has $ref" in p for p in problems)
     assert any(".c: has no type" in p for p in problems)
@@ -218,13 +277,23 @@ def test_structural_checker_catches_violations():
 def test_crd_and_children_validate_against_kubernetes_schemas(tiny_plan):
     kv = pytest.importorskip("kubernetes_validate")
     spec, cfg, plan = tiny_plan
-    full = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4317"},
-                           router={"apiKeySecretRef": {"name": "keys", "key": "api"}, "replicas": 2,
-                                   "resources": {"limits": {"cpu": "2", "memory": "4Gi"}}},
-                           scheduling={"nodeSelector": {"pool": "gpu"}, "topologySpreadKey": "kubernetes.io/hostname",
-                                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                                        "effect": "NoSchedule"}]},
-                           expertWorkers={"gpusPerPod": 8}, kv={"hostGiB": 8, "disk": {"sizeGiB": 10, "pvc": {}}}))
+    full = parse_spec(
+        tiny(
+            telemetry={"otlpEndpoint": "http://otel:4317"},
+            router={
+                "apiKeySecretRef": {"name": "keys", "key": "api"},
+                "replicas": 2,
+                "resources": {"limits": {"cpu": "2", "memory": "4Gi"}},
+            },
+            scheduling={
+                "nodeSelector": {"pool": "gpu"},
+                "topologySpreadKey": "kubernetes.io/hostname",
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+            expertWorkers={"gpusPerPod": 8},
+            kv={"hostGiB": 8, "disk": {"sizeGiB": 10, "pvc": {}}},
+        )
+    )
     kv.validate(crd.build_crd(), "1.30", strict=True)
     for child in build_children("kimi", "serving", full, cfg, plan):
         kv.validate(child, "1.30", strict=True)
@@ -235,10 +304,17 @@ def test_children_names_labels_and_no_owner_refs(tiny_plan):
     spec, cfg, plan = tiny_plan
     children = build_children("kimi", "serving", spec, cfg, plan)
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
-        ("ConfigMap", "kimi-plan"), ("Service", "kimi-attention"), ("Service", "kimi-expert"),
-        ("StatefulSet", "kimi-attention"), ("StatefulSet", "kimi-expert"), ("PodDisruptionBudget", "kimi-expert"),
-        ("Deployment", "kimi-router"), ("Service", "kimi-router"),
-        ("NetworkPolicy", "kimi-attention-worker-ingress"), ("NetworkPolicy", "kimi-expert-worker-ingress")]
+        ("ConfigMap", "kimi-plan"),
+        ("Service", "kimi-attention"),
+        ("Service", "kimi-expert"),
+        ("StatefulSet", "kimi-attention"),
+        ("StatefulSet", "kimi-expert"),
+        ("PodDisruptionBudget", "kimi-expert"),
+        ("Deployment", "kimi-router"),
+        ("Service", "kimi-router"),
+        ("NetworkPolicy", "kimi-attention-worker-ingress"),
+        ("NetworkPolicy", "kimi-expert-worker-ingress"),
+    ]
     for c in children:
         meta = c["metadata"]
         assert meta["namespace"] == "serving" and "ownerReferences" not in meta  # left to kopf.adopt
@@ -259,9 +335,13 @@ def test_children_names_labels_and_no_owner_refs(tiny_plan):
 
 def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     _, cfg, plan = tiny_plan
-    spec = parse_spec(tiny(telemetry={"otlpEndpoint": "http://otel:4318", "protocol": "http/protobuf"},
-                           router={"apiKeySecretRef": {"name": "keys", "key": "api"}},
-                           expertWorkers={"gpusPerPod": 4}))
+    spec = parse_spec(
+        tiny(
+            telemetry={"otlpEndpoint": "http://otel:4318", "protocol": "http/protobuf"},
+            router={"apiKeySecretRef": {"name": "keys", "key": "api"}},
+            expertWorkers={"gpusPerPod": 4},
+        )
+    )
     by = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", spec, cfg, plan)}
     sts = by[("StatefulSet", "kimi-expert")]
     assert sts["spec"]["serviceName"] == "kimi-expert" and sts["spec"]["replicas"] == 2
@@ -272,10 +352,18 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert argv[:4] == ["exec", "expertmesh", "worker", "--role"] and argv[4] == "expert"
     opt = dict(zip(argv[5::2], argv[6::2]))
     tls = "/etc/expertmesh-tls"
-    assert opt == {"--plan": "/etc/expertmesh/plan.json", "--checkpoint": "/mnt/checkpoint/ckpt/tiny",
-                   "--host": "0.0.0.0", "--port": "50061", "--health-port": "50062",
-                   "--tls-cert": f"{tls}/server.crt", "--tls-key": f"{tls}/server.key",
-                   "--tls-client-ca": f"{tls}/ca.crt", "--ordinal": "${HOSTNAME##*-}", "--name": "$HOSTNAME"}
+    assert opt == {
+        "--plan": "/etc/expertmesh/plan.json",
+        "--checkpoint": "/mnt/checkpoint/ckpt/tiny",
+        "--host": "0.0.0.0",
+        "--port": "50061",
+        "--health-port": "50062",
+        "--tls-cert": f"{tls}/server.crt",
+        "--tls-key": f"{tls}/server.key",
+        "--tls-client-ca": f"{tls}/ca.crt",
+        "--ordinal": "${HOSTNAME##*-}",
+        "--name": "$HOSTNAME",
+    }
     # the kubelet's probes carry no client certificate: they go to the plaintext health-only port
     assert c["readinessProbe"]["grpc"] == {"port": 50062} and c["startupProbe"]["grpc"] == {"port": 50062}
     assert c["livenessProbe"]["grpc"] == {"port": 50062}
@@ -284,7 +372,9 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint", tls: "worker-tls"}
     assert {v["name"]: v for v in pod["volumes"]}["worker-tls"]["secret"]["secretName"] == "kimi-worker-tls"
     assert {v["name"]: v for v in pod["volumes"]}["checkpoint"]["persistentVolumeClaim"] == {
-        "claimName": "weights", "readOnly": True}
+        "claimName": "weights",
+        "readOnly": True,
+    }
 
     router = by[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]
     args = router["args"]
@@ -294,7 +384,10 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert opt["--experts"].split(",") == [f"kimi-expert-{i}.kimi-expert.serving.svc:50061" for i in range(2)]
     assert (opt["--http-port"], opt["--grpc-port"], opt["--host"]) == ("8000", "50051", "0.0.0.0")
     assert (opt["--worker-tls-ca"], opt["--worker-tls-cert"], opt["--worker-tls-key"]) == (
-        f"{tls}/ca.crt", f"{tls}/client.crt", f"{tls}/client.key")
+        f"{tls}/ca.crt",
+        f"{tls}/client.crt",
+        f"{tls}/client.key",
+    )
     env = {e["name"]: e for e in router["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4318"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == "http/protobuf"
@@ -306,12 +399,16 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert pdb["maxUnavailable"] == 1 and pdb["selector"] == sts["spec"]["selector"]
     att = by[("StatefulSet", "kimi-attention")]["spec"]["template"]["spec"]["containers"][0]
     assert att["args"][:3] == ["worker", "--role", "attention"] and "nvidia.com/gpu" not in att["resources"].get(
-        "limits", {})
+        "limits", {}
+    )
     att_opt = dict(zip(att["args"][3::2], att["args"][4::2]))
     assert att_opt["--kv-blocks"] == str(4096 // 16) and att_opt["--tls-client-ca"] == f"{tls}/ca.crt"
     # attention workers call the expert workers directly: they present the client certificate too
     assert (att_opt["--expert-tls-ca"], att_opt["--expert-tls-cert"], att_opt["--health-port"]) == (
-        f"{tls}/ca.crt", f"{tls}/client.crt", "50062")
+        f"{tls}/ca.crt",
+        f"{tls}/client.crt",
+        "50062",
+    )
 
 
 def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
@@ -321,17 +418,25 @@ def test_worker_tls_secret_certificates_and_opt_out(tiny_plan):
     hosts = worker_tls_hosts("kimi", "serving")
     secret = worker_tls_secret("kimi", "serving", spec, pki_pems(hosts))
     assert secret["metadata"]["name"] == "kimi-worker-tls" and "ca.key" not in secret["data"]
-    pem = {k: x509.load_pem_x509_certificate(base64.b64decode(v)) for k, v in secret["data"].items()
-           if k.endswith(".crt")}
-    for leaf, usage in (("server.crt", ExtendedKeyUsageOID.SERVER_AUTH), ("client.crt", ExtendedKeyUsageOID.CLIENT_AUTH)):
+    pem = {
+        k: x509.load_pem_x509_certificate(base64.b64decode(v)) for k, v in secret["data"].items() if k.endswith(".crt")
+    }
+    for leaf, usage in (
+        ("server.crt", ExtendedKeyUsageOID.SERVER_AUTH),
+        ("client.crt", ExtendedKeyUsageOID.CLIENT_AUTH),
+    ):
         pem[leaf].verify_directly_issued_by(pem["ca.crt"])
         assert list(pem[leaf].extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [usage]
     names = pem["server.crt"].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["*.kimi-attention.serving.svc", "*.kimi-prefill.serving.svc",
-                                                      "*.kimi-expert.serving.svc"]
-    att, exp = worker_addresses("kimi", "serving", spec)   # what the router dials is covered by a wildcard
-    assert all(a.split(":")[0].split(".", 1)[1] in {n[2:] for n in names.get_values_for_type(x509.DNSName)}
-               for a in att + exp)
+    assert names.get_values_for_type(x509.DNSName) == [
+        "*.kimi-attention.serving.svc",
+        "*.kimi-prefill.serving.svc",
+        "*.kimi-expert.serving.svc",
+    ]
+    att, exp = worker_addresses("kimi", "serving", spec)  # what the router dials is covered by a wildcard
+    assert all(
+        a.split(":")[0].split(".", 1)[1] in {n[2:] for n in names.get_values_for_type(x509.DNSName)} for a in att + exp
+    )
     off = parse_spec(tiny(security={"workerTls": False}))
     for c in build_children("kimi", "serving", off, cfg, plan):
         text = json.dumps(c)
@@ -357,19 +462,28 @@ def test_router_replicas_share_a_prefix_salt_secret_and_one_router_needs_none(ti
         else:
             assert args[args.index("--prefix-salt-file") + 1] == "/etc/expertmesh-router-salt/salt"
             assert vols["router-salt"]["secret"] == {"secretName": "kimi-router-salt", "defaultMode": 0o400}
-            assert mounts["router-salt"] == {"name": "router-salt", "mountPath": "/etc/expertmesh-router-salt",
-                                             "readOnly": True}
+            assert mounts["router-salt"] == {
+                "name": "router-salt",
+                "mountPath": "/etc/expertmesh-router-salt",
+                "readOnly": True,
+            }
         for sts in ("kimi-attention", "kimi-expert"):
             assert "router-salt" not in json.dumps(by[("StatefulSet", sts)])
     secret = router_salt_secret("kimi", "serving", spec, b"\x00salt\xff")
     assert (secret["kind"], secret["metadata"]["name"], secret["type"]) == ("Secret", "kimi-router-salt", "Opaque")
-    assert base64.b64decode(secret["data"]["salt"]) == b"\x00salt\xff"     # the router reads the file's bytes
+    assert base64.b64decode(secret["data"]["salt"]) == b"\x00salt\xff"  # the router reads the file's bytes
 
 
 def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(tiny_plan):
     _, cfg, plan = tiny_plan
-    spec = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
-        "uri": "hf://org/tiny@v1", "tokenSecretRef": {"name": "hf", "key": "token"}}}))
+    spec = parse_spec(
+        tiny(
+            model={
+                "preset": "tiny",
+                "checkpoint": {"uri": "hf://org/tiny@v1", "tokenSecretRef": {"name": "hf", "key": "token"}},
+            }
+        )
+    )
     path = checkpoint_path(spec)
     assert path.startswith("/var/cache/expertmesh/org-tiny-v1-")
     for c in build_children("kimi", "ns", spec, cfg, plan):
@@ -381,50 +495,101 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
         assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
         assert init["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
         assert {v["name"]: v for v in pod["volumes"]}["checkpoint-cache"]["hostPath"] == {
-            "path": "/var/cache/expertmesh", "type": "DirectoryOrCreate"}
+            "path": "/var/cache/expertmesh",
+            "type": "DirectoryOrCreate",
+        }
         main = pod["containers"][0]
         assert path in (main.get("args") or []) + [w for x in main.get("command") or [] for w in shlex.split(x)]
-    shared = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "cache": {
-        "claimName": "ckpt-cache"}}}))
+    shared = parse_spec(
+        tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "cache": {"claimName": "ckpt-cache"}}})
+    )
     vols = _volumes("kimi", shared)[0]
     assert {v["name"]: v for v in vols}["checkpoint-cache"]["persistentVolumeClaim"] == {"claimName": "ckpt-cache"}
-    s3 = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {
-        "uri": "s3://models/tiny", "endpoint": "http://minio:9000", "region": "eu-west-3",
-        "credentialsSecret": "s3-keys"}}))
+    s3 = parse_spec(
+        tiny(
+            model={
+                "preset": "tiny",
+                "checkpoint": {
+                    "uri": "s3://models/tiny",
+                    "endpoint": "http://minio:9000",
+                    "region": "eu-west-3",
+                    "credentialsSecret": "s3-keys",
+                },
+            }
+        )
+    )
     init = fetch_container(s3, _volumes("kimi", s3)[1])
     assert init["envFrom"] == [{"secretRef": {"name": "s3-keys"}}] and init["env"] == [
-        {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"}, {"name": "AWS_REGION", "value": "eu-west-3"}]
+        {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"},
+        {"name": "AWS_REGION", "value": "eu-west-3"},
+    ]
     with pytest.raises(SpecError, match="endpoint: only for an s3:// uri"):
         parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "endpoint": "http://m"}}))
     baked = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "/opt/ck"}}))
     assert checkpoint_path(baked) == "/opt/ck" and "initContainers" not in _pod_spec(
-        "kimi", COMPONENT_ROUTER, baked, {"name": "router"})
+        "kimi", COMPONENT_ROUTER, baked, {"name": "router"}
+    )
 
     def pod(name, node, fetch=None, error=""):
-        return PodInfo(name=name, component=COMPONENT_EXPERT, ordinal=0, ready=False, template_hash="t",
-                       uid=name, fetch=fetch, fetch_error=error, node=node)
+        return PodInfo(
+            name=name,
+            component=COMPONENT_EXPERT,
+            ordinal=0,
+            ready=False,
+            template_hash="t",
+            uid=name,
+            fetch=fetch,
+            fetch_error=error,
+            node=node,
+        )
+
     # a node's pods share its cache (one downloads, the others wait): the node's best; the slowest node counts
     pods = [pod("a", "n1", "running"), pod("b", "n1", "running"), pod("c", "n2", "running")]
     assert weights_condition(spec, pods, {"a": 80.0, "b": None, "c": 37.5}) == (
-        "False", "Downloading", "Downloading 37% (3 pods fetching hf://org/tiny@v1)")
+        "False",
+        "Downloading",
+        "Downloading 37% (3 pods fetching hf://org/tiny@v1)",
+    )
     # a node where one pod has finished is complete (the pods still waiting there read its cache): the others count
     later = pods + [pod("e", "n2", "done")]
-    assert weights_condition(spec, later, {"a": 80.0, "b": None, "c": 0.0})[2] == \
-        "Downloading 80% (3 pods fetching hf://org/tiny@v1)"
+    assert (
+        weights_condition(spec, later, {"a": 80.0, "b": None, "c": 0.0})[2]
+        == "Downloading 80% (3 pods fetching hf://org/tiny@v1)"
+    )
     bad = pods + [pod("d", "n2", "failed", "FETCH 10.0% …\nFETCH failed: checkpoint file 'x.safetensors': sha256 …")]
     assert weights_condition(spec, bad, {}) == (
-        "False", "FetchFailed", "pod d: checkpoint file 'x.safetensors': sha256 …")
+        "False",
+        "FetchFailed",
+        "pod d: checkpoint file 'x.safetensors': sha256 …",
+    )
     assert weights_condition(spec, [pod("a", "n1")], {})[:2] == ("True", "Verified")
     assert weights_condition(baked, pods, {}) is None
     st = with_weights({"phase": "Deploying", "message": "rolling"}, {}, spec, pods, {"a": 50, "c": 50}, 1)
     assert st["message"] == "Downloading 50% (3 pods fetching hf://org/tiny@v1)"
     assert condition(st, "WeightsReady")["reason"] == "Downloading"
     # the fetch init container's state from a pod's status (a restart after a failure keeps the failure)
-    status = {"initContainerStatuses": [{"name": "fetch", "state": {"running": {}}, "lastState": {
-        "terminated": {"exitCode": 1, "message": "FETCH failed: boom"}}}]}
-    assert pod_info({"metadata": {"name": "kimi-expert-0", "labels": {
-        LABEL_COMPONENT: COMPONENT_EXPERT, LABEL_INSTANCE: "kimi"}}, "spec": {"nodeName": "n1"},
-        "status": status}).fetch_error == "FETCH failed: boom"
+    status = {
+        "initContainerStatuses": [
+            {
+                "name": "fetch",
+                "state": {"running": {}},
+                "lastState": {"terminated": {"exitCode": 1, "message": "FETCH failed: boom"}},
+            }
+        ]
+    }
+    assert (
+        pod_info(
+            {
+                "metadata": {
+                    "name": "kimi-expert-0",
+                    "labels": {LABEL_COMPONENT: COMPONENT_EXPERT, LABEL_INSTANCE: "kimi"},
+                },
+                "spec": {"nodeName": "n1"},
+                "status": status,
+            }
+        ).fetch_error
+        == "FETCH failed: boom"
+    )
 
 
 def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(tiny_plan):
@@ -435,10 +600,12 @@ def test_plan_is_published_in_the_configmap_and_no_pod_template_changes_with_it(
 
     def parts(s, p):
         ch = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "ns", s, cfg, p)}
-        return (ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][PLAN_HASH_ANNOTATION],
-                ch[("ConfigMap", "kimi-plan")]["data"]["plan.json"],
-                [json.dumps(c["spec"]["template"], sort_keys=True) for c in ch.values() if "template" in c.get("spec", {})],
-                revision(list(ch.values())))
+        return (
+            ch[("ConfigMap", "kimi-plan")]["metadata"]["annotations"][PLAN_HASH_ANNOTATION],
+            ch[("ConfigMap", "kimi-plan")]["data"]["plan.json"],
+            [json.dumps(c["spec"]["template"], sort_keys=True) for c in ch.values() if "template" in c.get("spec", {})],
+            revision(list(ch.values())),
+        )
 
     a, b = parts(spec, plan), parts(spec_r, plan_r)
     assert (a[0], b[0]) == (plan.plan_hash(), plan_r.plan_hash()) and a[1] != b[1]
@@ -463,10 +630,12 @@ def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     # the router's own parser checks the flags: imported here, so the operator's tests load no serving stack otherwise
     from expertmesh.router.server import add_arguments as router_arguments
     from expertmesh.router.server import serving_config
+
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
-    router = {(c["kind"], c["metadata"]["name"]): c for c in build_children(
-        "kimi", "ns", spec, cfg, plan)}[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]
+    router = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "ns", spec, cfg, plan)}[
+        ("Deployment", "kimi-router")
+    ]["spec"]["template"]["spec"]["containers"][0]
     p = argparse.ArgumentParser()
     router_arguments(p)
     args = p.parse_args(router["args"][1:])
@@ -474,9 +643,11 @@ def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     served = serving_config(cfg, max_context=args.max_context, thinking_budgets=args.thinking_budgets)
     assert served.max_context == 1024 and (served.thinking.low, served.thinking.high, served.thinking.max) == (3, 5, 7)
     assert serving_config(cfg) is cfg and router_serving_args(parse_spec(tiny())) == []
-    for bad, words in (({"max_context": cfg.max_context + 1}, "--max-context"),
-                       ({"thinking_budgets": "3,2,7"}, "low <= high <= max"),
-                       ({"thinking_budgets": "3,5"}, "LOW,HIGH,MAX")):
+    for bad, words in (
+        ({"max_context": cfg.max_context + 1}, "--max-context"),
+        ({"thinking_budgets": "3,2,7"}, "low <= high <= max"),
+        ({"thinking_budgets": "3,5"}, "LOW,HIGH,MAX"),
+    ):
         with pytest.raises(ValueError, match=words):
             serving_config(cfg, **bad)
 
@@ -504,9 +675,11 @@ def test_set_condition_keeps_transition_time_unless_status_flips():
 
 def _pods(spec, children, plan, *, experts=None, ready=True, template=None):
     th = template_hashes(children)
-    pods = [PodInfo("kimi-router-a", "router", None, True, th["router"]),
-            PodInfo("kimi-attention-0", "attention-worker", 0, True, th["attention-worker"])]
-    for o in (range(plan.cluster.pods) if experts is None else experts):
+    pods = [
+        PodInfo("kimi-router-a", "router", None, True, th["router"]),
+        PodInfo("kimi-attention-0", "attention-worker", 0, True, th["attention-worker"]),
+    ]
+    for o in range(plan.cluster.pods) if experts is None else experts:
         pods.append(PodInfo(f"kimi-expert-{o}", "expert-worker", o, ready, template or th["expert-worker"]))
     return pods, th
 
@@ -527,7 +700,8 @@ def test_decide_state_machine(tiny_plan):
     assert d.status["phase"] == "Ready" and (d.status["readyWorkers"], d.status["desiredWorkers"]) == (3, 3)
     ready = {**st, **d.status}
     assert d.status["expertWorkers"]["selector"] == (
-        "app.kubernetes.io/component=expert-worker,app.kubernetes.io/instance=kimi,app.kubernetes.io/name=expertmesh")
+        "app.kubernetes.io/component=expert-worker,app.kubernetes.io/instance=kimi,app.kubernetes.io/name=expertmesh"
+    )
 
     pods, th = _pods(spec, children, plan, experts=[0])  # after Ready, no replicas: Degraded, then re-plan
     d = decide("kimi", spec, plan, ready, assess(spec, plan, pods, th), 1, LATER)
@@ -544,8 +718,10 @@ def test_decide_state_machine(tiny_plan):
     assert d.replan_excluding == [1] and "re-planning onto the surviving workers" in d.status["message"]
 
     pods, th = _pods(spec, children, plan, experts=[0, 1])  # attention pod NotReady
-    pods = [p if p.component != "attention-worker" else PodInfo(p.name, p.component, 0, False, p.template_hash)
-            for p in pods]
+    pods = [
+        p if p.component != "attention-worker" else PodInfo(p.name, p.component, 0, False, p.template_hash)
+        for p in pods
+    ]
     d = decide("kimi", spec, plan, ready, assess(spec, plan, pods, th), 1, LATER)
     assert condition(d.status, "Degraded")["reason"] == "AttentionWorkersUnavailable" and d.replan_excluding is None
 
@@ -554,8 +730,9 @@ def test_decide_state_machine(tiny_plan):
 
 
 def test_replicas_serving_and_replan_around_lost_pod():
-    spec = parse_spec(tiny(expertWorkers={"replicas": 3, "redundantExperts": 16,
-                                          "gpuMemoryGiB": (40 * TINY_EXPERT_BYTES) / GIB}))
+    spec = parse_spec(
+        tiny(expertWorkers={"replicas": 3, "redundantExperts": 16, "gpuMemoryGiB": (40 * TINY_EXPERT_BYTES) / GIB})
+    )
     cfg = resolve_model(spec)
     plan = plan_for(spec, cfg)
     children = build_children("kimi", "ns", spec, cfg, plan)
@@ -600,12 +777,17 @@ def test_parse_load_and_rebalance():
 def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     spec, cfg, plan = tiny_plan
     granted = rbac.as_policy_rules()
-    group = {"v1": "", "apps/v1": "apps", "policy/v1": "policy", "networking.k8s.io/v1": "networking.k8s.io",
-             "autoscaling/v2": "autoscaling"}
+    group = {
+        "v1": "",
+        "apps/v1": "apps",
+        "policy/v1": "policy",
+        "networking.k8s.io/v1": "networking.k8s.io",
+        "autoscaling/v2": "autoscaling",
+    }
     pools = parse_spec(tiny(prefillWorkers={"autoscale": {"maxReplicas": 2, "target": 100}}))
     for child in build_children("kimi", "ns", spec, cfg, plan) + build_children("kimi", "ns", pools, cfg, plan):
         for verb in ("get", "create", "patch"):
-            plural = resource(child["apiVersion"], child["kind"])._api_info.plural   # as the client addresses it
+            plural = resource(child["apiVersion"], child["kind"])._api_info.plural  # as the client addresses it
             assert rbac.allows(granted, group[child["apiVersion"]], plural, verb), child["kind"]
     for verb in ("get", "list", "watch", "patch"):
         assert rbac.allows(granted, "expertmesh.dev", "moedeployments", verb)
@@ -615,14 +797,19 @@ def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
     # children a later spec no longer has are deleted (children.absent_children); the pools' sizes are watched
     for api_version, kind, _ in absent_children("kimi", spec):
         assert rbac.allows(granted, group[api_version], resource(api_version, kind)._api_info.plural, "delete"), kind
-    assert rbac.allows(granted, "apps", "statefulsets", "watch") and rbac.allows(granted, "apps", "statefulsets", "list")
+    assert rbac.allows(granted, "apps", "statefulsets", "watch") and rbac.allows(
+        granted, "apps", "statefulsets", "list"
+    )
     assert not any(rbac.allows(granted, "", "pods", v) for v in ("create", "patch", "update", "delete"))
     # secrets: the worker-TLS Secret is read and created once, never patched, listed or watched
     assert rbac.allows(granted, "", "secrets", "get") and rbac.allows(granted, "", "secrets", "create")
     assert not any(rbac.allows(granted, "", "secrets", v) for v in ("list", "watch", "patch", "update"))
     assert rbac.missing(granted) == []
     assert rbac.missing([r for r in granted if r["resources"] != ["pods"]]) == [
-        "core/pods:get", "core/pods:list", "core/pods:watch"]
+        "core/pods:get",
+        "core/pods:list",
+        "core/pods:watch",
+    ]
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in granted)
 
 
@@ -631,11 +818,12 @@ def test_cli_namespace_scoped_or_clusterwide():
     add_arguments(p)
     kw = operator_kwargs(p.parse_args([]))
     assert kw == {"liveness_endpoint": "http://0.0.0.0:8080/healthz", "clusterwide": True, "standalone": True}
-    kw = operator_kwargs(p.parse_args(["-n", "serving", "--namespace", "team-*", "--liveness", "none",
-                                       "--peering", "expertmesh"]))
+    kw = operator_kwargs(
+        p.parse_args(["-n", "serving", "--namespace", "team-*", "--liveness", "none", "--peering", "expertmesh"])
+    )
     priority = kw.pop("priority")
     assert kw == {"liveness_endpoint": None, "namespaces": ["serving", "team-*"], "peering_name": "expertmesh"}
-    assert 0 < priority < 2 ** 31  # random: two replicas never tie (Kopf would pause both)
+    assert 0 < priority < 2**31  # random: two replicas never tie (Kopf would pause both)
     kw = operator_kwargs(p.parse_args(["--peering", "expertmesh", "--priority", "7"]))
     assert (kw["priority"], kw["clusterwide"], "standalone" in kw) == (7, True, False)
 
@@ -643,8 +831,11 @@ def test_cli_namespace_scoped_or_clusterwide():
 def _reachable(children: list[dict], prefix: str) -> set:
     """(source workload, target workload, ports or None for any) that the NetworkPolicies named `prefix`* admit,
     between the workloads of `children`."""
-    pods = {c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
-            for c in children if c["kind"] in ("StatefulSet", "Deployment")}
+    pods = {
+        c["metadata"]["name"]: c["spec"]["template"]["metadata"]["labels"]
+        for c in children
+        if c["kind"] in ("StatefulSet", "Deployment")
+    }
     allowed = set()
     for p in (c for c in children if c["kind"] == "NetworkPolicy" and c["metadata"]["name"].startswith(prefix)):
         assert p["spec"]["policyTypes"] == ["Ingress"]
@@ -665,13 +856,17 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
     each other on any port (gloo / NCCL pair connections), and never a pod of another deployment."""
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(transport=transport))
-    children = build_children("kimi", "serving", spec, cfg, plan) + \
-        build_children("other", "serving", parse_spec(tiny(transport="collective")), cfg, plan)
+    children = build_children("kimi", "serving", spec, cfg, plan) + build_children(
+        "other", "serving", parse_spec(tiny(transport="collective")), cfg, plan
+    )
     allowed = _reachable(children, "kimi-")
     grpc = (WORKER_PORT,)
     want = {("kimi-router", "kimi-attention", grpc), ("kimi-router", "kimi-expert", grpc)}
-    want |= {("kimi-attention", "kimi-expert", grpc)} if transport == "grpc" else \
-        {("kimi-attention", "kimi-expert", None), ("kimi-expert", "kimi-attention", None)}
+    want |= (
+        {("kimi-attention", "kimi-expert", grpc)}
+        if transport == "grpc"
+        else {("kimi-attention", "kimi-expert", None), ("kimi-expert", "kimi-attention", None)}
+    )
     assert allowed == want
     (expert,) = [c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "kimi-expert"]
     container = expert["spec"]["template"]["spec"]["containers"][0]
@@ -685,6 +880,7 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
         # the worker's own parser reads the port from that env (the pod's command does not name it); imported here:
         # the worker loads torch and the model
         from expertmesh.worker.server import build_parser
+
         monkeypatch.setenv("EXPERTMESH_COLLECTIVE_PORT", env["EXPERTMESH_COLLECTIVE_PORT"])
         assert build_parser().parse_args(["--role", "expert"]).collective_port == COLLECTIVE_PORT
     else:
@@ -701,35 +897,72 @@ def test_seconds_since_reads_status_times():
 
 def test_an_inline_kimi_k3_config_resolves():
     """A MoEDeployment may name its model by a Hugging Face kimi_k3 wrapper config (text_config inside)."""
-    text = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_act": "situ", "num_experts": 8,
-            "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 32,
-            "routed_expert_hidden_size": 32, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "attn_res_block_size": 2,
-            "linear_attn_config": {"full_attn_layers": [2, 4], "num_heads": 4, "head_dim": 16,
-                                   "gate_lower_bound": -5.0, "use_full_rank_gate": True}}
-    cfg = resolve_model(parse_spec({**tiny(), "model": {"config": {"model_type": "kimi_k3", "text_config": text},
-                                                        "checkpoint": {"uri": "/w"}}}))
+    text = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "hidden_act": "situ",
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 2,
+        "moe_intermediate_size": 32,
+        "routed_expert_hidden_size": 32,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "attn_res_block_size": 2,
+        "linear_attn_config": {
+            "full_attn_layers": [2, 4],
+            "num_heads": 4,
+            "head_dim": 16,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
+    }
+    cfg = resolve_model(
+        parse_spec(
+            {**tiny(), "model": {"config": {"model_type": "kimi_k3", "text_config": text}, "checkpoint": {"uri": "/w"}}}
+        )
+    )
     assert cfg.model_type == "kimi_k3" and cfg.moe.latent_size == 32 and cfg.activation.kind == "situ"
 
 
-@pytest.mark.parametrize("disk, volume", [
-    ({"sizeGiB": 100}, {"emptyDir": {"sizeLimit": "107520Mi"}}),
-    ({"sizeGiB": 100, "hostPath": "/mnt/nvme/kv"}, {"hostPath": {"path": "/mnt/nvme/kv", "type": "DirectoryOrCreate"}}),
-    ({"sizeGiB": 100, "pvc": {"storageClassName": "local-nvme"}}, None)])
+@pytest.mark.parametrize(
+    "disk, volume",
+    [
+        ({"sizeGiB": 100}, {"emptyDir": {"sizeLimit": "107520Mi"}}),
+        (
+            {"sizeGiB": 100, "hostPath": "/mnt/nvme/kv"},
+            {"hostPath": {"path": "/mnt/nvme/kv", "type": "DirectoryOrCreate"}},
+        ),
+        ({"sizeGiB": 100, "pvc": {"storageClassName": "local-nvme"}}, None),
+    ],
+)
 def test_kv_tiers_become_attention_worker_flags_memory_and_a_disk_volume(tiny_plan, disk, volume):
     """spec.kv.hostGiB → --kv-host-gib and the memory request / limit grow by it; spec.kv.disk → --kv-disk-dir on
     its own volume (an emptyDir with a sizeLimit, a node folder per pod, or a claim per pod) and --kv-disk-gib."""
     _, cfg, plan = tiny_plan
-    spec = parse_spec(tiny(kv={"hostGiB": 64, "disk": disk},
-                           attentionWorkers={"resources": {"requests": {"memory": "16Gi"},
-                                                           "limits": {"memory": "32Gi"}}}))
+    spec = parse_spec(
+        tiny(
+            kv={"hostGiB": 64, "disk": disk},
+            attentionWorkers={"resources": {"requests": {"memory": "16Gi"}, "limits": {"memory": "32Gi"}}},
+        )
+    )
     by = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", spec, cfg, plan)}
     sts = by[("StatefulSet", "kimi-attention")]["spec"]
     pod, c = sts["template"]["spec"], sts["template"]["spec"]["containers"][0]
     opt = dict(zip(c["args"][3::2], c["args"][4::2]))
-    assert (opt["--kv-host-gib"], opt["--kv-disk-dir"], opt["--kv-disk-gib"]) == ("64", "/var/cache/expertmesh-kv",
-                                                                                   "100")
+    assert (opt["--kv-host-gib"], opt["--kv-disk-dir"], opt["--kv-disk-gib"]) == (
+        "64",
+        "/var/cache/expertmesh-kv",
+        "100",
+    )
     assert c["resources"]["requests"]["memory"] == f"{(16 + 64) * 1024}Mi"
     assert c["resources"]["limits"]["memory"] == f"{(32 + 64) * 1024}Mi"
     mount = {m["name"]: m for m in c["volumeMounts"]}["kv-disk"]
@@ -747,15 +980,21 @@ def test_kv_tiers_become_attention_worker_flags_memory_and_a_disk_volume(tiny_pl
     # without tiers: no flag, no volume, the spec's resources as they are
     plain = parse_spec(tiny())
     att = {(c["kind"], c["metadata"]["name"]): c for c in build_children("kimi", "serving", plain, cfg, plan)}[
-        ("StatefulSet", "kimi-attention")]["spec"]["template"]["spec"]
+        ("StatefulSet", "kimi-attention")
+    ]["spec"]["template"]["spec"]
     assert not any(a.startswith("--kv-host") or a.startswith("--kv-disk") for a in att["containers"][0]["args"])
     assert "kv-disk" not in {v["name"] for v in att["volumes"]}
 
 
-@pytest.mark.parametrize("kv, words", [
-    ({"hostGiB": -1}, "hostGiB"), ({"disk": {"sizeGiB": 0}}, "sizeGiB"),
-    ({"disk": {"sizeGiB": 1, "hostPath": "/x", "pvc": {}}}, "pvc or hostPath"),
-    ({"disk": {"sizeGiB": 1, "hostPath": "relative"}}, "hostPath")])
+@pytest.mark.parametrize(
+    "kv, words",
+    [
+        ({"hostGiB": -1}, "hostGiB"),
+        ({"disk": {"sizeGiB": 0}}, "sizeGiB"),
+        ({"disk": {"sizeGiB": 1, "hostPath": "/x", "pvc": {}}}, "pvc or hostPath"),
+        ({"disk": {"sizeGiB": 1, "hostPath": "relative"}}, "hostPath"),
+    ],
+)
 def test_bad_kv_tier_fields_are_refused_naming_them(kv, words):
     with pytest.raises(SpecError, match=words):
         parse_spec(tiny(kv=kv))
@@ -767,7 +1006,7 @@ def _by(children: list[dict]) -> dict:
 
 
 def _opts(args: list[str], start: int) -> dict:
-    return dict(zip(args[start::2], args[start + 1::2]))
+    return dict(zip(args[start::2], args[start + 1 :: 2]))
 
 
 def test_no_prefill_pool_renders_the_colocated_children(tiny_plan):
@@ -784,10 +1023,12 @@ def test_no_prefill_pool_renders_the_colocated_children(tiny_plan):
     router = _by(children)[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--prefill" not in router and "--prefill-min-tokens" not in router
     assert set(absent_children("kimi", spec)) == {
-        ("apps/v1", "StatefulSet", "kimi-prefill"), ("v1", "Service", "kimi-prefill"),
+        ("apps/v1", "StatefulSet", "kimi-prefill"),
+        ("v1", "Service", "kimi-prefill"),
         ("networking.k8s.io/v1", "NetworkPolicy", "kimi-prefill-worker-ingress"),
         ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-prefill"),
-        ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-attention")}
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-attention"),
+    }
 
 
 def test_prefill_pool_renders_its_statefulset_service_args_and_the_router_list(tiny_plan):
@@ -796,16 +1037,34 @@ def test_prefill_pool_renders_its_statefulset_service_args_and_the_router_list(t
     become --pool decode; the router gets --prefill with the prefill pods' stable DNS names (and
     --prefill-min-tokens); spec.kv's tiers go to the prefill pool only."""
     _, cfg, plan = tiny_plan
-    spec = parse_spec(tiny(prefillWorkers={"replicas": 3, "gpusPerPod": 0, "minPromptTokens": 96,
-                                           "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}},
-                           kv={"hostGiB": 4, "disk": {"sizeGiB": 10}}, telemetry={"otlpEndpoint": "http://otel:4317"}))
+    spec = parse_spec(
+        tiny(
+            prefillWorkers={
+                "replicas": 3,
+                "gpusPerPod": 0,
+                "minPromptTokens": 96,
+                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
+            },
+            kv={"hostGiB": 4, "disk": {"sizeGiB": 10}},
+            telemetry={"otlpEndpoint": "http://otel:4317"},
+        )
+    )
     children = build_children("kimi", "serving", spec, cfg, plan)
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
-        ("ConfigMap", "kimi-plan"), ("Service", "kimi-attention"), ("Service", "kimi-prefill"),
-        ("Service", "kimi-expert"), ("StatefulSet", "kimi-attention"), ("StatefulSet", "kimi-prefill"),
-        ("StatefulSet", "kimi-expert"), ("PodDisruptionBudget", "kimi-expert"), ("Deployment", "kimi-router"),
-        ("Service", "kimi-router"), ("NetworkPolicy", "kimi-attention-worker-ingress"),
-        ("NetworkPolicy", "kimi-prefill-worker-ingress"), ("NetworkPolicy", "kimi-expert-worker-ingress")]
+        ("ConfigMap", "kimi-plan"),
+        ("Service", "kimi-attention"),
+        ("Service", "kimi-prefill"),
+        ("Service", "kimi-expert"),
+        ("StatefulSet", "kimi-attention"),
+        ("StatefulSet", "kimi-prefill"),
+        ("StatefulSet", "kimi-expert"),
+        ("PodDisruptionBudget", "kimi-expert"),
+        ("Deployment", "kimi-router"),
+        ("Service", "kimi-router"),
+        ("NetworkPolicy", "kimi-attention-worker-ingress"),
+        ("NetworkPolicy", "kimi-prefill-worker-ingress"),
+        ("NetworkPolicy", "kimi-expert-worker-ingress"),
+    ]
     by = _by(children)
     svc = by[("Service", "kimi-prefill")]["spec"]
     assert svc["clusterIP"] == "None" and svc["selector"]["app.kubernetes.io/component"] == "prefill-worker"
@@ -834,10 +1093,12 @@ def test_prefill_pool_renders_its_statefulset_service_args_and_the_router_list(t
     router = by[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
     ro = _opts(router, 1)
     assert ro["--prefill"].split(",") == [f"kimi-prefill-{i}.kimi-prefill.serving.svc:50061" for i in range(3)]
-    assert ro["--attention"] == "kimi-attention-0.kimi-attention.serving.svc:50061"   # the decode pool
+    assert ro["--attention"] == "kimi-attention-0.kimi-attention.serving.svc:50061"  # the decode pool
     assert ro["--prefill-min-tokens"] == "96"
-    assert absent_children("kimi", spec) == [("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-attention"),
-                                             ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-prefill")]
+    assert absent_children("kimi", spec) == [
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-attention"),
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "kimi-prefill"),
+    ]
     # what the router dials in the prefill pool is covered by the worker certificate
     assert "*.kimi-prefill.serving.svc" in worker_tls_hosts("kimi", "serving")
     kv = pytest.importorskip("kubernetes_validate")
@@ -850,10 +1111,12 @@ def test_pool_kv_sizes_each_pool_for_its_role(max_context, block_size):
     """mixed: one sequence at full context + the tiers; prefill: two (the prompt being prefilled and the one
     waiting to be handed off) + the tiers; decode: one, no tiers."""
     from expertmesh.operator.pools import DECODE, MIXED, PREFILL, PoolKV, pool_kv
+
     disk = parse_spec(tiny(kv={"disk": {"sizeGiB": 5}})).kv.disk
-    pages = len(range(0, max_context, block_size))   # pages of block_size tokens covering max_context
-    assert pool_kv(MIXED, max_context=max_context, block_size=block_size, host_gib=3, disk=disk) == \
-        PoolKV(pages, 3, disk)
+    pages = len(range(0, max_context, block_size))  # pages of block_size tokens covering max_context
+    assert pool_kv(MIXED, max_context=max_context, block_size=block_size, host_gib=3, disk=disk) == PoolKV(
+        pages, 3, disk
+    )
     got = pool_kv(PREFILL, max_context=max_context, block_size=block_size, host_gib=3, disk=disk)
     assert (got.blocks, got.host_gib, got.disk) == (2 * pages, 3, disk)
     got = pool_kv(DECODE, max_context=max_context, block_size=block_size, host_gib=3, disk=disk)
@@ -867,22 +1130,32 @@ def test_pool_kv_sizes_each_pool_for_its_role(max_context, block_size):
 
 def test_spec_pool_kv_uses_the_specs_context_or_the_models(tiny_plan):
     from expertmesh.operator.pools import DECODE, PREFILL, spec_pool_kv
+
     _, cfg, _ = tiny_plan
     spec = parse_spec(tiny(kv={"maxContext": 1000, "blockSize": 32, "hostGiB": 2}))
     assert spec_pool_kv(spec, cfg, PREFILL).blocks == 2 * 32 and spec_pool_kv(spec, cfg, PREFILL).host_gib == 2
     assert spec_pool_kv(parse_spec(tiny()), cfg, DECODE).blocks == cfg.max_context // 16
 
 
-@pytest.mark.parametrize("metric, target, kind, quantity", [
-    ("prefill_tokens_waiting", 4096, "AverageValue", "4096"), ("requests_waiting", 2.5, "AverageValue", "2500m"),
-    ("kv_utilization", 0.8, "Value", "800m")])
+@pytest.mark.parametrize(
+    "metric, target, kind, quantity",
+    [
+        ("prefill_tokens_waiting", 4096, "AverageValue", "4096"),
+        ("requests_waiting", 2.5, "AverageValue", "2500m"),
+        ("kv_utilization", 0.8, "Value", "800m"),
+    ],
+)
 def test_autoscaled_pools_get_an_hpa_on_the_routers_pool_metric(tiny_plan, metric, target, kind, quantity):
     """One autoscaling/v2 HPA per autoscaled pool, on its StatefulSet, minReplicas..maxReplicas, one External metric:
     the router's expertmesh_pool_<metric> of that pool (label pool) and deployment, at the spec's target."""
     _, cfg, plan = tiny_plan
     auto = {"minReplicas": 2, "maxReplicas": 5, "metric": metric, "target": target}
-    spec = parse_spec(tiny(prefillWorkers={"gpusPerPod": 0, "autoscale": auto},
-                           attentionWorkers={"autoscale": {**auto, "minReplicas": 1}}))
+    spec = parse_spec(
+        tiny(
+            prefillWorkers={"gpusPerPod": 0, "autoscale": auto},
+            attentionWorkers={"autoscale": {**auto, "minReplicas": 1}},
+        )
+    )
     children = build_children("kimi", "serving", spec, cfg, plan)
     by = _by(children)
     for sts, pool, low in (("kimi-prefill", "prefill", 2), ("kimi-attention", "decode", 1)):
@@ -892,11 +1165,15 @@ def test_autoscaled_pools_get_an_hpa_on_the_routers_pool_metric(tiny_plan, metri
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (low, 5)
         (m,) = hpa["spec"]["metrics"]
         assert m["type"] == "External"
-        assert m["external"]["metric"] == {"name": f"expertmesh_pool_{metric}", "selector": {"matchLabels": {
-            "pool": pool, "app_kubernetes_io_instance": "kimi"}}}
-        assert m["external"]["target"] == {"type": kind, ("averageValue" if kind == "AverageValue" else "value"):
-                                           quantity}
-        assert by[("StatefulSet", sts)]["spec"]["replicas"] == low    # before the StatefulSet exists: minReplicas
+        assert m["external"]["metric"] == {
+            "name": f"expertmesh_pool_{metric}",
+            "selector": {"matchLabels": {"pool": pool, "app_kubernetes_io_instance": "kimi"}},
+        }
+        assert m["external"]["target"] == {
+            "type": kind,
+            ("averageValue" if kind == "AverageValue" else "value"): quantity,
+        }
+        assert by[("StatefulSet", sts)]["spec"]["replicas"] == low  # before the StatefulSet exists: minReplicas
     # the HPA follows its StatefulSet in apply order
     names = [(c["kind"], c["metadata"]["name"]) for c in children]
     assert names.index(("HorizontalPodAutoscaler", "kimi-prefill")) > names.index(("StatefulSet", "kimi-prefill"))
@@ -910,14 +1187,18 @@ def test_an_autoscaled_pools_replicas_are_kept_and_the_router_follows_them(tiny_
     """The StatefulSet's replicas now (the HPA's) are kept, within [minReplicas, maxReplicas]; the router lists that
     many pods; a pool that is not autoscaled has the spec's replicas whatever is observed."""
     from expertmesh.operator.pools import pool_replicas
+
     _, cfg, plan = tiny_plan
-    spec = parse_spec(tiny(prefillWorkers={"autoscale": {"minReplicas": 2, "maxReplicas": 6, "target": 10}},
-                           attentionWorkers={"replicas": 2}))
+    spec = parse_spec(
+        tiny(
+            prefillWorkers={"autoscale": {"minReplicas": 2, "maxReplicas": 6, "target": 10}},
+            attentionWorkers={"replicas": 2},
+        )
+    )
     for seen, want in ((4, 4), (1, 2), (9, 6)):
-        by = _by(build_children("kimi", "serving", spec, cfg, plan,
-                                {"prefill-worker": seen, "attention-worker": 7}))
+        by = _by(build_children("kimi", "serving", spec, cfg, plan, {"prefill-worker": seen, "attention-worker": 7}))
         assert by[("StatefulSet", "kimi-prefill")]["spec"]["replicas"] == want
-        assert by[("StatefulSet", "kimi-attention")]["spec"]["replicas"] == 2     # not autoscaled: the spec's
+        assert by[("StatefulSet", "kimi-attention")]["spec"]["replicas"] == 2  # not autoscaled: the spec's
         ro = _opts(by[("Deployment", "kimi-router")]["spec"]["template"]["spec"]["containers"][0]["args"], 1)
         assert len(ro["--prefill"].split(",")) == want and len(ro["--attention"].split(",")) == 2
     auto = spec.prefill_workers.autoscale
@@ -925,24 +1206,40 @@ def test_an_autoscaled_pools_replicas_are_kept_and_the_router_follows_them(tiny_
     assert pool_replicas(3, None, 100) == 3
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"prefillWorkers": {"autoscale": {"minReplicas": 3, "maxReplicas": 2, "target": 1}}},
-     "spec.prefillWorkers.autoscale.maxReplicas"),
-    ({"attentionWorkers": {"autoscale": {"minReplicas": -1, "maxReplicas": 2, "target": 1}}},
-     "spec.attentionWorkers.autoscale.minReplicas"),
-    ({"attentionWorkers": {"autoscale": {"minReplicas": 0, "maxReplicas": 2, "target": 1}}},
-     "spec.attentionWorkers.autoscale.minReplicas"),
-    ({"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": 1, "metric": "gpu_util"}}},
-     "spec.prefillWorkers.autoscale.metric"),
-    ({"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": 1.5, "metric": "kv_utilization"}}},
-     "spec.prefillWorkers.autoscale.target"),
-    ({"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": -4}}}, "spec.prefillWorkers.autoscale.target"),
-    ({"prefillWorkers": {"autoscale": {"maxReplicas": 100000, "target": 4}}},
-     "spec.prefillWorkers.autoscale.maxReplicas"),
-    ({"prefillWorkers": {"autoscale": {"target": 4}}}, "spec.prefillWorkers.autoscale.maxReplicas"),
-    ({"prefillWorkers": {"replicas": -1}}, "spec.prefillWorkers.replicas"),
-    ({"prefillWorkers": {"minPromptTokens": -1}}, "spec.prefillWorkers.minPromptTokens"),
-    ({"prefillWorkers": {"gpusPerPod": 1, "resources": {"limits": {"nvidia.com/gpu": 2}}}}, "spec.prefillWorkers")])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        (
+            {"prefillWorkers": {"autoscale": {"minReplicas": 3, "maxReplicas": 2, "target": 1}}},
+            "spec.prefillWorkers.autoscale.maxReplicas",
+        ),
+        (
+            {"attentionWorkers": {"autoscale": {"minReplicas": -1, "maxReplicas": 2, "target": 1}}},
+            "spec.attentionWorkers.autoscale.minReplicas",
+        ),
+        (
+            {"attentionWorkers": {"autoscale": {"minReplicas": 0, "maxReplicas": 2, "target": 1}}},
+            "spec.attentionWorkers.autoscale.minReplicas",
+        ),
+        (
+            {"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": 1, "metric": "gpu_util"}}},
+            "spec.prefillWorkers.autoscale.metric",
+        ),
+        (
+            {"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": 1.5, "metric": "kv_utilization"}}},
+            "spec.prefillWorkers.autoscale.target",
+        ),
+        ({"prefillWorkers": {"autoscale": {"maxReplicas": 2, "target": -4}}}, "spec.prefillWorkers.autoscale.target"),
+        (
+            {"prefillWorkers": {"autoscale": {"maxReplicas": 100000, "target": 4}}},
+            "spec.prefillWorkers.autoscale.maxReplicas",
+        ),
+        ({"prefillWorkers": {"autoscale": {"target": 4}}}, "spec.prefillWorkers.autoscale.maxReplicas"),
+        ({"prefillWorkers": {"replicas": -1}}, "spec.prefillWorkers.replicas"),
+        ({"prefillWorkers": {"minPromptTokens": -1}}, "spec.prefillWorkers.minPromptTokens"),
+        ({"prefillWorkers": {"gpusPerPod": 1, "resources": {"limits": {"nvidia.com/gpu": 2}}}}, "spec.prefillWorkers"),
+    ],
+)
 def test_bad_pool_fields_are_refused_naming_them(over, field):
     with pytest.raises(SpecError) as e:
         parse_spec(tiny(**over))
@@ -962,16 +1259,29 @@ def test_prefill_pods_reach_the_decode_and_expert_workers(tiny_plan, transport):
     grpc = (WORKER_PORT,)
     want = {("kimi-router", w, grpc) for w in ("kimi-attention", "kimi-prefill", "kimi-expert")}
     if transport == "grpc":
-        want |= {("kimi-attention", "kimi-expert", grpc), ("kimi-prefill", "kimi-expert", grpc),
-                 ("kimi-prefill", "kimi-attention", grpc)}
+        want |= {
+            ("kimi-attention", "kimi-expert", grpc),
+            ("kimi-prefill", "kimi-expert", grpc),
+            ("kimi-prefill", "kimi-attention", grpc),
+        }
     else:
-        want |= {(a, b, None) for x, y in (("kimi-attention", "kimi-expert"), ("kimi-prefill", "kimi-expert"),
-                                           ("kimi-prefill", "kimi-attention")) for a, b in ((x, y), (y, x))}
+        want |= {
+            (a, b, None)
+            for x, y in (
+                ("kimi-attention", "kimi-expert"),
+                ("kimi-prefill", "kimi-expert"),
+                ("kimi-prefill", "kimi-attention"),
+            )
+            for a, b in ((x, y), (y, x))
+        }
     assert allowed == want
-    envs = {c["metadata"]["name"]: {e["name"] for e in c["spec"]["template"]["spec"]["containers"][0]["env"]}
-            for c in children if c["kind"] == "StatefulSet"}
+    envs = {
+        c["metadata"]["name"]: {e["name"] for e in c["spec"]["template"]["spec"]["containers"][0]["env"]}
+        for c in children
+        if c["kind"] == "StatefulSet"
+    }
     stores = {n for n, env in envs.items() if "EXPERTMESH_COLLECTIVE_PORT" in env}
-    assert stores == (set() if transport == "grpc" else {"kimi-attention", "kimi-expert"})   # not the prefill pool
+    assert stores == (set() if transport == "grpc" else {"kimi-attention", "kimi-expert"})  # not the prefill pool
 
 
 def test_status_reports_both_pools(tiny_plan):
@@ -997,8 +1307,17 @@ def test_status_reports_both_pools(tiny_plan):
     d = decide("kimi", spec, plan, ready, assess(spec, plan, one, th, sizes), 1, LATER)
     assert d.status["phase"] == "Degraded" and condition(d.status, "WorkersReady")["status"] == "False"
     assert "1/2 prefill" in condition(d.status, "Degraded")["message"]
-    assert pod_info({"metadata": {"name": "kimi-prefill-1", "labels": {
-        "app.kubernetes.io/component": "prefill-worker", "app.kubernetes.io/instance": "kimi"}}}).ordinal == 1
+    assert (
+        pod_info(
+            {
+                "metadata": {
+                    "name": "kimi-prefill-1",
+                    "labels": {"app.kubernetes.io/component": "prefill-worker", "app.kubernetes.io/instance": "kimi"},
+                }
+            }
+        ).ordinal
+        == 1
+    )
     plain = parse_spec(tiny())
     pods, th = _pods(plain, build_children("kimi", "ns", plain, cfg, plan), plan)
     assert decide("kimi", plain, plan, st, assess(plain, plan, pods, th), 1, NOW).status["prefillWorkers"] is None
@@ -1009,6 +1328,7 @@ def test_the_pools_args_parse_with_the_real_router_and_worker_clis(tiny_plan):
     --prefill / --prefill-min-tokens, --pool and each pool's KV flags."""
     from expertmesh.router.server import add_arguments as router_arguments
     from expertmesh.worker.server import build_parser  # the worker's parser (imports torch)
+
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(prefillWorkers={"replicas": 2, "minPromptTokens": 64}, kv={"hostGiB": 1}))
     by = _by(build_children("kimi", "serving", spec, cfg, plan))

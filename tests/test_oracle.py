@@ -7,6 +7,7 @@ expertmesh as they are. Prompts are longer than `index_topk`, so the sparse sele
 Linear config whose full-attention layers carry a DSA indexer) has no single oracle: each of its layer types is
 checked against its relative's module.
 """
+
 import json
 import shutil
 
@@ -29,28 +30,71 @@ from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E
 from expertmesh.model.transformer import Segment, generate  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 
-LOGPROB_TOL = 2e-3          # fp32 on CPU (the issue's bar); seen: a few 1e-6
+LOGPROB_TOL = 2e-3  # fp32 on CPU (the issue's bar); seen: a few 1e-6
 PROMPT_LEN, NEW_TOKENS, INDEX_TOPK = 40, 12, 8
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
-              qk_nope_head_dim=16, v_head_dim=16, n_group=4, topk_group=2, n_shared_experts=1,
-              first_k_dense_replace=1, initializer_range=0.1)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    initializer_range=0.1,
+)
 # 16 indexer heads: with a handful, ReLU zeros make exact score ties, which torch.topk breaks arbitrarily
 INDEXER = dict(index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=16)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 
 
 def kimi_config(**kw) -> KimiLinearConfig:
-    return KimiLinearConfig(**COMMON, num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=4,
-                            linear_attn_config={"head_dim": 32, "num_heads": 2, "short_conv_kernel_size": 4,
-                                                "full_attn_layers": [2, 4], "kda_layers": [1, 3]},
-                            pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+    return KimiLinearConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        linear_attn_config={
+            "head_dim": 32,
+            "num_heads": 2,
+            "short_conv_kernel_size": 4,
+            "full_attn_layers": [2, 4],
+            "kda_layers": [1, 3],
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 def deepseek_config(**kw) -> DeepseekV32Config:
-    return DeepseekV32Config(**COMMON, **INDEXER, num_hidden_layers=3, q_lora_rank=32, n_routed_experts=16,
-                             num_experts_per_tok=4, rope_parameters=YARN, max_position_embeddings=256, **kw)
+    return DeepseekV32Config(
+        **COMMON,
+        **INDEXER,
+        num_hidden_layers=3,
+        q_lora_rank=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        rope_parameters=YARN,
+        max_position_embeddings=256,
+        **kw,
+    )
 
 
 def mxfp4_experts_(model) -> None:
@@ -82,8 +126,10 @@ def prompt():
 @pytest.fixture(scope="module")
 def relatives(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {"kimi_linear": (build(KimiLinearForCausalLM, kimi_config(), root / "kimi", 0), root / "kimi"),
-            "deepseek_v32": (build(DeepseekV32ForCausalLM, deepseek_config(), root / "dsv32", 1), root / "dsv32")}
+    return {
+        "kimi_linear": (build(KimiLinearForCausalLM, kimi_config(), root / "kimi", 0), root / "kimi"),
+        "deepseek_v32": (build(DeepseekV32ForCausalLM, deepseek_config(), root / "dsv32", 1), root / "dsv32"),
+    }
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt: list[int]) -> torch.Tensor:
@@ -114,7 +160,7 @@ def test_sparse_selection_is_exercised(relatives, prompt):
     sparse, dense = ck.load_model(), ck.load_model(dense_attention=True)
     a = sparse.step(prompt, sparse.new_cache())
     b = dense.step(prompt, dense.new_cache())
-    assert (a[INDEX_TOPK + 2:] - b[INDEX_TOPK + 2:]).abs().max() > 1e-3
+    assert (a[INDEX_TOPK + 2 :] - b[INDEX_TOPK + 2 :]).abs().max() > 1e-3
 
 
 def test_through_up_matches_transformers(relatives, prompt):
@@ -125,6 +171,7 @@ def test_through_up_matches_transformers(relatives, prompt):
 
     from expertmesh.entry.up import LocalCluster, free_port
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
+
     for model_type in ("kimi_linear", "deepseek_v32"):
         hf, path = relatives[model_type]
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:]
@@ -134,9 +181,10 @@ def test_through_up_matches_transformers(relatives, prompt):
         with LocalCluster(path, attention_workers=1, expert_workers=2, http_port=http_port, grpc_port=grpc_port):
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
                 stub = router_pb2_grpc.RouterStub(ch)
-                req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
-                                                 params=sampling_pb2.SamplingParams(max_tokens=NEW_TOKENS,
-                                                                                    temperature=0.0))
+                req = router_pb2.GenerateRequest(
+                    token_ids=router_pb2.TokenIds(ids=prompt),
+                    params=sampling_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                )
                 got = [ev.token.token_id for ev in stub.Generate(req, timeout=120) if ev.HasField("token")]
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
             name = client.models.list().data[0].id
@@ -157,6 +205,7 @@ def test_hybrid_layers_match_their_relatives(tmp_path):
         DeepseekV32Attention,
         DeepseekV32RotaryEmbedding,
     )
+
     kimi = build(KimiLinearForCausalLM, kimi_config(q_lora_rank=32), tmp_path, 2)
     dcfg = deepseek_config()
     dcfg._attn_implementation = "eager"
@@ -185,8 +234,9 @@ def test_hybrid_layers_match_their_relatives(tmp_path):
             if layer % 2 == 0:
                 ref = kimi.model.layers[layer].self_attn(x)[0]
             else:
-                ref = dsa[layer // 2](x, position_embeddings=rotary(x, pos), attention_mask=causal,
-                                      position_ids=pos)[0][0]
+                ref = dsa[layer // 2](x, position_embeddings=rotary(x, pos), attention_mask=causal, position_ids=pos)[
+                    0
+                ][0]
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < 1e-4, (layer, rel)
 
@@ -200,7 +250,7 @@ def test_kda_biases_are_honoured(tmp_path):
     mxfp4_experts_(kimi)
     kimi.save_pretrained(tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
-    for i in (0, 2):                                           # the KDA layers
+    for i in (0, 2):  # the KDA layers
         attn = kimi.model.layers[i].self_attn
         attn.conv1d.bias = torch.nn.Parameter(torch.randn(attn.conv1d.out_channels) * 0.5)
         g_b = torch.nn.Linear(attn.g_b_proj.in_features, attn.g_b_proj.out_features, bias=True)
@@ -233,6 +283,7 @@ def test_fp32_tensors_keep_their_dtype(relatives, tmp_path):
     """The routing bias, KDA decay and indexer weights stay fp32 (a bf16 copy changes near-tie routing)."""
     from expertmesh.checkpoint.loader import expected_tensors
     from expertmesh.model.config import preset
+
     specs = expected_tensors(preset("tiny"))
     assert specs["layers.1.moe.router_bias"].dtype == torch.float32
     assert specs["layers.0.attn.A_log"].dtype == torch.float32
@@ -257,8 +308,10 @@ def test_bad_checkpoints_name_the_tensor(relatives, tmp_path):
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' missing"):
         Checkpoint(bad)
-    save_file({**load_file(str(path / "model.safetensors")), "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
-              str(bad / "model.safetensors"))
+    save_file(
+        {**load_file(str(path / "model.safetensors")), "model.layers.0.self_attn.extra.weight": torch.zeros(2)},
+        str(bad / "model.safetensors"),
+    )
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.0.self_attn.extra.weight'"):
         Checkpoint(bad)
     raw = json.loads((path / "config.json").read_text())
@@ -273,9 +326,9 @@ def test_fp8_block_scaled_weights_dequantize(relatives, tmp_path, prompt):
     fp8 = tmp_path / "fp8"
     shutil.copytree(path, fp8)
     state = load_file(str(fp8 / "model.safetensors"))
-    name = "model.layers.1.self_attn.q_b_proj.weight"         # [96, 32]: one block (block 64 below: 2 × 1)
+    name = "model.layers.1.self_attn.q_b_proj.weight"  # [96, 32]: one block (block 64 below: 2 × 1)
     w = state[name]
-    scale = torch.stack([w[:64].abs().max(), w[64:].abs().max()])[:, None] / 448.0   # [2, 1]
+    scale = torch.stack([w[:64].abs().max(), w[64:].abs().max()])[:, None] / 448.0  # [2, 1]
     q = (w / scale.repeat_interleave(64, 0)[:96]).to(torch.float8_e4m3fn)
     state[name], state[name + "_scale_inv"] = q, scale.float()
     save_file(state, str(fp8 / "model.safetensors"))
@@ -283,9 +336,9 @@ def test_fp8_block_scaled_weights_dequantize(relatives, tmp_path, prompt):
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [64, 64]}
     (fp8 / "config.json").write_text(json.dumps(raw))
     got = Checkpoint(fp8).load_dense_state()["layers.1.attn.q_b.weight"]
-    expected = q.float() * scale.repeat_interleave(64, 0)[:96]        # independent of the loader's code path
+    expected = q.float() * scale.repeat_interleave(64, 0)[:96]  # independent of the loader's code path
     assert torch.equal(got, expected)
-    assert (got - w).abs().max() < 0.1 * w.abs().max()              # and it is the weight, to FP8 precision
+    assert (got - w).abs().max() < 0.1 * w.abs().max()  # and it is the weight, to FP8 precision
 
 
 # ----------------------------------------------------------------------------------------------- convert
@@ -294,6 +347,7 @@ def test_convert_to_mxfp4_is_exact_and_resumable(relatives, tmp_path, prompt):
     logits as the float source, and a rerun after an interrupted shard redoes only what is missing."""
     from expertmesh.checkpoint.loader import inspect_checkpoint
     from expertmesh.entry.cli import main
+
     _, src = relatives["kimi_linear"]
     out = tmp_path / "mx"
     assert main(["checkpoint", "convert", str(src), "--out", str(out)]) == 0
@@ -303,8 +357,9 @@ def test_convert_to_mxfp4_is_exact_and_resumable(relatives, tmp_path, prompt):
     a, b = Checkpoint(src).load_model(), Checkpoint(out).load_model()
     assert torch.equal(a.step(prompt, a.new_cache()), b.step(prompt, b.new_cache()))
     shard = out / "model-layer-00002.safetensors"
-    shard.rename(shard.with_suffix(".partial"))                  # as if killed while writing it
+    shard.rename(shard.with_suffix(".partial"))  # as if killed while writing it
     from expertmesh.checkpoint.convert import convert_checkpoint
+
     report = convert_checkpoint(src, out)
     assert report.skipped == report.shards - 1 and shard.exists()
     c = Checkpoint(out).load_model()

@@ -1,4 +1,5 @@
 """The placement-plan schema (expertmesh/placement/plan.py), the planner (expertmesh/placement/planner.py) and `expertmesh plan`."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ from expertmesh.placement.planner import (
     zipf_loads,
 )
 
-GIB = 2 ** 30
+GIB = 2**30
 TINY = preset("tiny")
 
 
@@ -69,8 +70,9 @@ def _naive_imbalance(plan, loads):
                 reps[le] += 1
     out = []
     for li, layer in enumerate(plan.moe_layers):
-        per_gpu = [sum(loads[li][e] / reps[(l, e)] for (l, e) in g.shards if l == layer)
-                   for w in plan.workers for g in w.gpus]
+        per_gpu = [
+            sum(loads[li][e] / reps[(l, e)] for (l, e) in g.shards if l == layer) for w in plan.workers for g in w.gpus
+        ]
         mean = sum(per_gpu) / len(per_gpu)
         out.append(max(per_gpu) / mean if mean > 0 else 1.0)
     return np.array(out)
@@ -86,7 +88,7 @@ def _check_plan(plan, cfg, shape, loads=None):
     for p, worker in enumerate(plan.workers):
         assert worker.ordinal == p and len(worker.gpus) == shape.gpus_per_pod
         for gpu in worker.gpus:
-            assert len(gpu.shards) <= slots                                     # capacity
+            assert len(gpu.shards) <= slots  # capacity
             assert gpu.bytes == len(gpu.shards) * B <= shape.gpu_memory_bytes - shape.reserve_bytes
             total += len(gpu.shards)
         held = plan.experts_of(p)
@@ -94,8 +96,8 @@ def _check_plan(plan, cfg, shape, loads=None):
     for layer in cfg.moe_layers:
         for e in range(E):
             reps = plan.replicas(layer, e)
-            assert len(reps) >= 1                                               # placed at least once
-            assert len(set(reps)) == len(reps) and reps == sorted(reps)         # distinct pods
+            assert len(reps) >= 1  # placed at least once
+            assert len(set(reps)) == len(reps) and reps == sorted(reps)  # distinct pods
             for p in reps:
                 assert (layer, e) in plan.experts_of(p)
     f = plan.figures
@@ -112,8 +114,14 @@ def _check_plan(plan, cfg, shape, loads=None):
 
 # ----------------------------------------------------------------------------------------------- replication
 @settings(max_examples=60, deadline=None)
-@given(L=st.integers(1, 3), E=st.integers(1, 12), redundant=st.integers(0, 30), max_replicas=st.integers(1, 5),
-       seed=st.integers(0, 2 ** 16), integer=st.booleans())
+@given(
+    L=st.integers(1, 3),
+    E=st.integers(1, 12),
+    redundant=st.integers(0, 30),
+    max_replicas=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+    integer=st.booleans(),
+)
 def test_replica_counts_match_the_one_at_a_time_greedy(L, E, redundant, max_replicas, seed, integer):
     rng = np.random.default_rng(seed)
     # integer loads (with zeros) exercise the tie-breaking, floats the general case
@@ -132,15 +140,26 @@ def test_replicas_go_to_the_hottest_experts():
 
 # ----------------------------------------------------------------------------------------------- invariants
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(E=st.sampled_from([4, 8, 12, 16, 20]), L=st.integers(1, 4), pods=st.integers(1, 5), gpus=st.integers(1, 4),
-       extra=st.integers(0, 12), reserve=st.integers(0, 3), redundant=st.integers(0, 70),
-       kind=st.sampled_from(["uniform", "zipf", "random"]), seed=st.integers(0, 1000))
+@given(
+    E=st.sampled_from([4, 8, 12, 16, 20]),
+    L=st.integers(1, 4),
+    pods=st.integers(1, 5),
+    gpus=st.integers(1, 4),
+    extra=st.integers(0, 12),
+    reserve=st.integers(0, 3),
+    redundant=st.integers(0, 70),
+    kind=st.sampled_from(["uniform", "zipf", "random"]),
+    seed=st.integers(0, 1000),
+)
 def test_plans_satisfy_the_invariants(E, L, pods, gpus, extra, reserve, redundant, kind, seed):
     cfg = _cfg(E, L)
     B = cfg.expert_bytes_mxfp4
     shape = _shape(cfg, pods, gpus, extra_slots=extra, reserve=reserve * B, slack=seed % B)
-    loads = {"uniform": None, "zipf": zipf_loads(cfg, 1.2, seed),
-             "random": np.random.default_rng(seed).integers(0, 5, (L, E))}[kind]
+    loads = {
+        "uniform": None,
+        "zipf": zipf_loads(cfg, 1.2, seed),
+        "random": np.random.default_rng(seed).integers(0, 5, (L, E)),
+    }[kind]
     plan = plan_placement(cfg, shape, redundant, loads)
     _check_plan(plan, cfg, shape, loads)
     # deterministic: the same inputs give bitwise-equal JSON
@@ -153,12 +172,12 @@ def test_plans_satisfy_the_invariants(E, L, pods, gpus, extra, reserve, redundan
 
 def test_more_gpus_than_experts_and_one_pod():
     cfg = TINY  # 16 experts x 3 MoE layers
-    for pods, gpus in [(1, 1), (2, 1), (3, 1), (4, 1), (5, 4)]:   # 5 x 4 = 20 GPUs > 16 experts per layer
+    for pods, gpus in [(1, 1), (2, 1), (3, 1), (4, 1), (5, 4)]:  # 5 x 4 = 20 GPUs > 16 experts per layer
         shape = _shape(cfg, pods, gpus, extra_slots=2)
         plan = plan_placement(cfg, shape, 0)
         _check_plan(plan, cfg, shape)
         per_gpu = [len(g.shards) for w in plan.workers for g in w.gpus]
-        assert max(per_gpu) - min(per_gpu) <= 1                          # uniform loads: counts balanced
+        assert max(per_gpu) - min(per_gpu) <= 1  # uniform loads: counts balanced
     one = plan_placement(cfg, _shape(cfg, 1, 2, extra_slots=40), redundant_slots=8, loads=zipf_loads(cfg))
     assert one.figures.redundant_per_layer == 0 and one.figures.physical_experts == cfg.n_logical_experts
     assert any("1 pod" in n and "distinct pods" in n for n in one.notes)
@@ -169,12 +188,12 @@ def test_redundancy_beyond_what_is_useful_or_fits_is_reduced_with_a_note():
     plan = plan_placement(cfg, _shape(cfg, 3, 1, extra_slots=100), redundant_slots=1000)
     assert plan.figures.redundant_per_layer == 16 * 2 and plan.figures.redundant_requested == 1000
     assert (plan.replica_counts() == 3).all() and any("one replica of an expert per pod" in n for n in plan.notes)
-    tight = _shape(cfg, 4, 1, extra_slots=2)                  # 12 + 2 slots per GPU: room for 56 of 48 + 3r
+    tight = _shape(cfg, 4, 1, extra_slots=2)  # 12 + 2 slots per GPU: room for 56 of 48 + 3r
     plan = plan_placement(cfg, tight, redundant_slots=10)
     assert plan.figures.redundant_per_layer == 2 and any("leave room for 2 more per layer" in n for n in plan.notes)
     _check_plan(plan, cfg, tight)
     zero = np.ones((3, 16))
-    zero[:, 4:] = 0                                            # only 4 experts carry load: 12 useful replicas
+    zero[:, 4:] = 0  # only 4 experts carry load: 12 useful replicas
     plan = plan_placement(cfg, _shape(cfg, 4, 1, extra_slots=20), redundant_slots=20, loads=zero)
     assert plan.figures.replicas == 3 * 12 and any("zero load" in n for n in plan.notes)
 
@@ -191,9 +210,9 @@ def test_full_preset_plan_on_16_pods():
     assert (plan.replica_counts() <= 16).all()
     reps = [plan.replicas(l, e) for l in cfg.moe_layers[:3] for e in range(E)]
     assert all(len(set(r)) == len(r) for r in reps)
-    assert len(plan.to_json()) < 2 ** 20                      # fits a ConfigMap
+    assert len(plan.to_json()) < 2**20  # fits a ConfigMap
     base = plan_placement(cfg, shape, 0, loads)
-    assert f.imbalance < base.figures.imbalance / 5           # redundancy pays on skewed loads
+    assert f.imbalance < base.figures.imbalance / 5  # redundancy pays on skewed loads
     # LPT cannot beat the hottest replica: imbalance >= max(load/replicas) / per-GPU mean, and stays near it
     bound = (loads / plan.replica_counts()).max(axis=1) / (loads.sum(axis=1) / 128)
     assert f.imbalance >= bound.mean() * (1 - 1e-9) and f.imbalance < 1.1 * bound.mean()
@@ -213,7 +232,7 @@ def test_redundancy_lowers_imbalance_on_skewed_loads(pods, gpus):
 
 def test_uniform_loads_balance_within_one_shard():
     cfg = _cfg(12, 4)
-    shape = _shape(cfg, 2, 4, extra_slots=1)                   # 12 experts on 8 GPUs: 4 get 2 per layer
+    shape = _shape(cfg, 2, 4, extra_slots=1)  # 12 experts on 8 GPUs: 4 get 2 per layer
     plan = plan_placement(cfg, shape)
     assert plan.figures.imbalance == pytest.approx(2 / 1.5)
     per_gpu = [len(g.shards) for w in plan.workers for g in w.gpus]
@@ -233,12 +252,17 @@ def test_zipf_loads():
 
 # ----------------------------------------------------------------------------------------------- re-planning
 @settings(max_examples=100, deadline=None)
-@given(pods=st.integers(2, 5), gpus=st.integers(1, 3), redundant=st.integers(0, 20), seed=st.integers(0, 100),
-       skewed=st.booleans())
+@given(
+    pods=st.integers(2, 5),
+    gpus=st.integers(1, 3),
+    redundant=st.integers(0, 20),
+    seed=st.integers(0, 100),
+    skewed=st.booleans(),
+)
 def test_removing_a_pod_moves_only_its_shards(pods, gpus, redundant, seed, skewed):
     cfg = _cfg(16, 3)
     B = cfg.expert_bytes_mxfp4
-    big = ClusterShape(pods, gpus, 60 * B)                     # room for everything on pods - 1 as well
+    big = ClusterShape(pods, gpus, 60 * B)  # room for everything on pods - 1 as well
     loads = zipf_loads(cfg, 1.2, seed) if skewed else None
     before = plan_placement(cfg, big, redundant, loads)
     small = ClusterShape(pods - 1, gpus, 60 * B)
@@ -259,7 +283,7 @@ def test_adding_a_pod_or_changing_loads_moves_only_what_must_move():
     B = cfg.expert_bytes_mxfp4
     before = plan_placement(cfg, ClusterShape(3, 1, 40 * B))
     grown = plan_placement(cfg, ClusterShape(4, 1, 40 * B), previous=before)
-    assert grown.figures.moved_shards == 0 and grown.experts_of(3) == []     # nothing has to move
+    assert grown.figures.moved_shards == 0 and grown.experts_of(3) == []  # nothing has to move
     fresh = plan_placement(cfg, ClusterShape(4, 1, 40 * B))
     assert moved_shards(before, fresh) > 0 and fresh.figures.imbalance < grown.figures.imbalance
     # new loads with redundancy: only the added replicas are new
@@ -291,7 +315,7 @@ def test_too_small_cluster_says_what_is_missing_and_how_many_pods_fit():
     assert f"{missing:,.1f} GiB missing" in str(err.value)
     need = pods_needed(cfg, shape)
     assert f"{need} pods of this shape would fit" in str(err.value)
-    plan_placement(cfg, ClusterShape(need, 8, 40 * GIB, 8 * GIB))             # and they do
+    plan_placement(cfg, ClusterShape(need, 8, 40 * GIB, 8 * GIB))  # and they do
     with pytest.raises(PlanError):
         plan_placement(cfg, ClusterShape(need - 1, 8, 40 * GIB, 8 * GIB))
     with pytest.raises(PlanError, match="no number of pods"):
@@ -328,8 +352,9 @@ def test_json_round_trip_and_hash():
     back = PlacementPlan.from_json(text)
     assert back == plan and back.to_json() == text and back.plan_hash() == plan.plan_hash()
     assert len(plan.plan_hash()) == 16 and int(plan.plan_hash(), 16) >= 0
-    assert [back.replicas(l, e) for l in cfg.moe_layers for e in range(16)] == \
-           [plan.replicas(l, e) for l in cfg.moe_layers for e in range(16)]
+    assert [back.replicas(l, e) for l in cfg.moe_layers for e in range(16)] == [
+        plan.replicas(l, e) for l in cfg.moe_layers for e in range(16)
+    ]
     # the hash covers the placement, not the figures: a different placement changes it
     other = plan_placement(cfg, shape, 6, None)
     assert other.plan_hash() != plan.plan_hash()
@@ -361,20 +386,27 @@ def _tampered(plan, edit) -> str:
     return json.dumps(data)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda d: d["workers"][0]["gpus"][0].update(shards=d["workers"][0]["gpus"][0]["shards"][1:],
-                                                 bytes=d["workers"][0]["gpus"][0]["bytes"] - d["expert_bytes"]),
-     "no shard"),
-    (lambda d: d["workers"][1].update(ordinal=5), r"workers\[1\].ordinal: expected 1, found 5"),
-    (lambda d: d["workers"][0]["gpus"][0].update(bytes=1), r"workers\[0\].gpus\[0\].bytes: expected"),
-    (lambda d: _add_shard(d, [99, 0]), "layer 99 is not one of moe_layers"),
-    (lambda d: _add_shard(d, [1, 16]), "expert 16 of layer 1 is out of range"),
-    (lambda d: _copy_shard(d, src=(0, 0), dst=(0, 1)), "distinct workers"),
-    (lambda d: d["cluster"].update(pods=0), "ClusterShape.pods"),
-    (lambda d: d["workers"].pop(), r"workers: expected 3 \(cluster.pods\)"),
-    (lambda d: d["cluster"].update(reserve_bytes=d["cluster"]["gpu_memory_bytes"] - 1), "usable memory"),
-    (lambda d: d.update(surprise=1), "surprise"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda d: d["workers"][0]["gpus"][0].update(
+                shards=d["workers"][0]["gpus"][0]["shards"][1:],
+                bytes=d["workers"][0]["gpus"][0]["bytes"] - d["expert_bytes"],
+            ),
+            "no shard",
+        ),
+        (lambda d: d["workers"][1].update(ordinal=5), r"workers\[1\].ordinal: expected 1, found 5"),
+        (lambda d: d["workers"][0]["gpus"][0].update(bytes=1), r"workers\[0\].gpus\[0\].bytes: expected"),
+        (lambda d: _add_shard(d, [99, 0]), "layer 99 is not one of moe_layers"),
+        (lambda d: _add_shard(d, [1, 16]), "expert 16 of layer 1 is out of range"),
+        (lambda d: _copy_shard(d, src=(0, 0), dst=(0, 1)), "distinct workers"),
+        (lambda d: d["cluster"].update(pods=0), "ClusterShape.pods"),
+        (lambda d: d["workers"].pop(), r"workers: expected 3 \(cluster.pods\)"),
+        (lambda d: d["cluster"].update(reserve_bytes=d["cluster"]["gpu_memory_bytes"] - 1), "usable memory"),
+        (lambda d: d.update(surprise=1), "surprise"),
+    ],
+)
 def test_invalid_plans_are_rejected_naming_the_field(edit, message):
     plan = plan_placement(TINY, ClusterShape(3, 2, 40 * TINY.expert_bytes_mxfp4))
     with pytest.raises(ValueError, match=message):
@@ -390,12 +422,35 @@ def _args(*argv):
 
 def test_cli_prints_the_table_and_writes_the_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    rc = plan_cli.run(_args("--preset", "tiny", "--expert-pods", "4", "--gpus-per-pod", "1", "--gpu-memory-gib",
-                            "0.001", "--redundant-experts", "4", "--json", str(out)))
+    rc = plan_cli.run(
+        _args(
+            "--preset",
+            "tiny",
+            "--expert-pods",
+            "4",
+            "--gpus-per-pod",
+            "1",
+            "--gpu-memory-gib",
+            "0.001",
+            "--redundant-experts",
+            "4",
+            "--json",
+            str(out),
+        )
+    )
     text = capsys.readouterr().out
     assert rc == 0
-    for label in ("uniform, r=0", "uniform, r=4 *", "zipf s=1.1, r=0", "zipf s=1.1, r=4", "physical experts",
-                  "shards/GPU min/mean/max", "imbalance uniform", "imbalance zipf s=1.1", "planning time"):
+    for label in (
+        "uniform, r=0",
+        "uniform, r=4 *",
+        "zipf s=1.1, r=0",
+        "zipf s=1.1, r=4",
+        "physical experts",
+        "shards/GPU min/mean/max",
+        "imbalance uniform",
+        "imbalance zipf s=1.1",
+        "planning time",
+    ):
         assert label in text, label
     plan = PlacementPlan.from_json(out.read_text())
     assert plan.figures.physical_experts == 48 + 12 and plan.figures.load_source == "uniform"
@@ -412,8 +467,12 @@ def test_cli_reads_loads_and_previous(tmp_path, capsys, suffix):
     base = ["--preset", "tiny", "--expert-pods", "3", "--gpus-per-pod", "2", "--gpu-memory-gib", "0.001"]
     assert plan_cli.run(_args(*base, "--json", str(prev))) == 0
     out = tmp_path / "plan.json"
-    assert plan_cli.run(_args(*base, "--redundant-experts", "3", "--loads", str(path), "--previous", str(prev),
-                              "--json", str(out))) == 0
+    assert (
+        plan_cli.run(
+            _args(*base, "--redundant-experts", "3", "--loads", str(path), "--previous", str(prev), "--json", str(out))
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "given loads, r=3 *" in text and "moved shards" in text
     plan = PlacementPlan.from_json(out.read_text())
@@ -422,8 +481,9 @@ def test_cli_reads_loads_and_previous(tmp_path, capsys, suffix):
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):
-    rc = plan_cli.run(_args("--preset", "full-2.8t", "--expert-pods", "4", "--gpu-memory-gib", "40",
-                            "--reserve-gib", "8"))
+    rc = plan_cli.run(
+        _args("--preset", "full-2.8t", "--expert-pods", "4", "--gpu-memory-gib", "40", "--reserve-gib", "8")
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "GiB missing" in err and "6 pods of this shape would fit" in err
     bad = tmp_path / "loads.json"
@@ -436,9 +496,24 @@ def test_cli_errors_exit_2(tmp_path, capsys):
 
 def test_cli_as_a_module():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-m", "expertmesh.operator.plan_cli", "--preset", "full-2.8t",
-                           "--expert-pods", "2", "--gpu-memory-gib", "80"], capture_output=True, text=True,
-                          env=env, timeout=60, cwd="/")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.operator.plan_cli",
+            "--preset",
+            "full-2.8t",
+            "--expert-pods",
+            "2",
+            "--gpu-memory-gib",
+            "80",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd="/",
+    )
     assert proc.returncode == 2 and "cluster too small for full-2.8t" in proc.stderr
     assert "3 pods of this shape would fit" in proc.stderr
 
@@ -446,8 +521,9 @@ def test_cli_as_a_module():
 @pytest.mark.parametrize("pods,redundant", [(2, 0), (3, 0), (3, 2), (2, 16)])
 def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
     from expertmesh.entry.up import make_placement
+
     cfg = preset("tiny")
-    plan = make_placement(cfg, pods, redundant)                 # what `up` and the in-process engine use
+    plan = make_placement(cfg, pods, redundant)  # what `up` and the in-process engine use
     S = cfg.moe.n_routed_experts // cfg.moe.combine_groups
     for layer in cfg.moe_layers:
         for g in range(cfg.moe.combine_groups):
@@ -455,20 +531,24 @@ def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
             assert set.intersection(*holders), (layer, g, holders)
     counts = [len(plan.experts_of(i)) for i in range(pods)]
     assert max(counts) - min(counts) <= 1
-    free = plan_placement(cfg, plan.cluster, redundant)        # not group-aware: some group is split
-    assert redundant == 16 or any(not set.intersection(*[set(free.replicas(l, e)) for e in range(g * S, (g + 1) * S)])
-               for l in cfg.moe_layers for g in range(cfg.moe.combine_groups))
+    free = plan_placement(cfg, plan.cluster, redundant)  # not group-aware: some group is split
+    assert redundant == 16 or any(
+        not set.intersection(*[set(free.replicas(l, e)) for e in range(g * S, (g + 1) * S)])
+        for l in cfg.moe_layers
+        for g in range(cfg.moe.combine_groups)
+    )
 
 
 def test_group_homes_full_preset():
     cfg = preset("full-2.8t")
     homes = group_homes(np.ones((cfg.n_moe_layers, cfg.moe.n_routed_experts)), cfg.moe.combine_group_size, 16, 10_000)
     assert homes.shape == (cfg.n_moe_layers, 16)
-    assert all(sorted(row) == list(range(16)) for row in homes.tolist())   # one combine group per pod per layer
+    assert all(sorted(row) == list(range(16)) for row in homes.tolist())  # one combine group per pod per layer
 
 
 def test_min_replicas_puts_every_expert_on_distinct_pods():
     from expertmesh.entry.up import make_placement
+
     cfg = preset("tiny")
     plan = make_placement(cfg, 3, min_replicas=2)
     for layer in cfg.moe_layers:
@@ -478,5 +558,10 @@ def test_min_replicas_puts_every_expert_on_distinct_pods():
     with pytest.raises(PlanError, match="min_replicas=4: every expert on 4 pods needs at least 4 pods"):
         make_placement(cfg, 3, min_replicas=4)
     with pytest.raises(PlanError, match="min_replicas=2: .* do not fit"):
-        plan_placement(cfg, plan.cluster.model_copy(update={"pods": 2}) if hasattr(plan.cluster, "model_copy")
-                       else ClusterShape(2, 1, plan.cluster.gpu_memory_bytes, 0), min_replicas=2)
+        plan_placement(
+            cfg,
+            plan.cluster.model_copy(update={"pods": 2})
+            if hasattr(plan.cluster, "model_copy")
+            else ClusterShape(2, 1, plan.cluster.gpu_memory_bytes, 0),
+            min_replicas=2,
+        )

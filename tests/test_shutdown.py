@@ -1,4 +1,5 @@
 """expertmesh.runtime.shutdown: a process whose shutdown is stuck still ends at its deadline (a real process)."""
+
 import subprocess
 import sys
 import time
@@ -13,8 +14,9 @@ exit_after({deadline}, "demo")
 
 def test_a_stuck_shutdown_ends_at_its_deadline_naming_the_process():
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", STUCK.format(deadline=0.5)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", STUCK.format(deadline=0.5)], capture_output=True, text=True, timeout=60
+    )
     took = time.monotonic() - start
     assert done.returncode == 1 and took < 30
     assert "demo: shutdown still running after 0.5s; exiting now" in done.stderr
@@ -25,7 +27,7 @@ def test_a_shutdown_that_finishes_in_time_exits_normally():
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", quick], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "bye\n" and "exiting now" not in done.stderr
-    assert time.monotonic() - start < 25     # the armed deadline does not hold the exit back
+    assert time.monotonic() - start < 25  # the armed deadline does not hold the exit back
 
 
 WAITS_FOR_A_SIGNAL = """
@@ -41,6 +43,7 @@ def test_a_burst_of_sigterms_stops_the_process_every_time():
     """stop_on_signals under a burst of 300 SIGTERMs, 50 processes: each stops. (With the Event set inside the
     handler, a handler re-entered while the previous one held the Event's lock deadlocked: 3 of 20 hung.)"""
     import signal
+
     hung = 0
     for _ in range(50):
         p = subprocess.Popen([sys.executable, "-c", WAITS_FOR_A_SIGNAL], stdout=subprocess.PIPE, text=True)
@@ -74,21 +77,36 @@ def test_a_child_of_up_dies_with_it_and_never_outlives_it():
     import signal
 
     from expertmesh.runtime.shutdown import PARENT_ENV
+
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
-    ok = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT, "0"], env=env, capture_output=True, text=True,
-                        timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-c", DIES_WITH_PARENT, "0"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0 and ok.stdout == "running False\n"
-    gone = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT, "0"], env={**env, PARENT_ENV: "1"},
-                          capture_output=True, text=True, timeout=60)
+    gone = subprocess.run(
+        [sys.executable, "-c", DIES_WITH_PARENT, "0"],
+        env={**env, PARENT_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert gone.returncode == 1 and gone.stdout == ""
     # a middle process starts the child with its own pid and is SIGKILLed: the child gets SIGTERM from the kernel
-    middle = subprocess.Popen([sys.executable, "-c", f"""
+    middle = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, subprocess, sys, time
 p = subprocess.Popen([sys.executable, "-c", {DIES_WITH_PARENT!r}, "60"],
                      env={{**os.environ, {PARENT_ENV!r}: str(os.getpid())}}, stdout=subprocess.PIPE, text=True)
 print(p.pid, p.stdout.readline().strip(), flush=True)
 time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     pid, state = middle.stdout.readline().split(" ", 1)
     assert state.strip() == "running False"
     middle.kill()

@@ -1,4 +1,5 @@
 """Traces and metrics of the router over in-process workers (tests/test_up.py checks the cross-process tree)."""
+
 import re
 
 import httpx
@@ -42,8 +43,13 @@ def monkeypatch_module():
 def test_one_request_one_trace_with_the_expected_tree(server):
     EXPORTER.clear()
     client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "trace me " * 3}],
-                                       max_tokens=6, temperature=0, reasoning_effort="low")
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "trace me " * 3}],
+        max_tokens=6,
+        temperature=0,
+        reasoning_effort="low",
+    )
     spans = EXPORTER.get_finished_spans()
     roots = [s for s in spans if s.parent is None]
     assert len(roots) == 1
@@ -76,6 +82,7 @@ def test_a_prefill_to_decode_hand_off_is_traced_under_its_request(server):
     """router/engine.py: `kv.handoff` under the request's root, the prefill worker's `kv.send` inside it (bytes,
     tokens), then the decode worker's steps."""
     from expertmesh.wire.sampling_params import SamplingParams
+
     split = build_local_engine(server[1].attention[0]._client.ckpt, prefill_chunk=16, prefill_workers=1)
     try:
         EXPORTER.clear()
@@ -104,8 +111,10 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 def test_metrics_agree_with_usage(server):
     before = httpx.get(server[0] + "/metrics").text
     client = openai.OpenAI(base_url=server[0] + "/v1", api_key="x", max_retries=0)
-    usages = [client.completions.create(model="tiny", prompt=f"count {i} " * 4, max_tokens=5, temperature=0).usage
-              for i in range(3)]
+    usages = [
+        client.completions.create(model="tiny", prompt=f"count {i} " * 4, max_tokens=5, temperature=0).usage
+        for i in range(3)
+    ]
     text = httpx.get(server[0] + "/metrics").text
     gen = _metric(text, "expertmesh_generation_tokens_total") - _metric(before, "expertmesh_generation_tokens_total")
     prompt = _metric(text, "expertmesh_prompt_tokens_total") - _metric(before, "expertmesh_prompt_tokens_total")
@@ -114,7 +123,7 @@ def test_metrics_agree_with_usage(server):
     assert _metric(text, "expertmesh_time_to_first_token_seconds_count") >= 3
     assert _metric(text, "expertmesh_requests_running") == 0
     assert _metric(text, "expertmesh_kv_blocks", '{state="used",worker="attention-0"}') >= 0
-    routed = sum(float(v) for v in re.findall(r'^expertmesh_expert_tokens_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+    routed = sum(float(v) for v in re.findall(r"^expertmesh_expert_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
     engine = server[1]
     assert routed == sum(sum(c) for c in engine.load_stats().values()) > 0
     assert _metric(text, "expertmesh_expert_load_imbalance_max") >= 1.0
@@ -125,17 +134,19 @@ def test_metrics_agree_with_usage(server):
 def test_a_restore_from_a_lower_kv_tier_is_a_span(server):
     """worker/attention.py copies a prefix back from host / disk inside a `kv.restore` span: tier, bytes, tokens."""
     from expertmesh.wire.sampling_params import SamplingParams
+
     engine = server[1]
     engine.generate([(5 * j + 1) % 256 for j in range(40)], SamplingParams(max_tokens=2))
     w = engine.attention[0]._client
     key = max(w.prefixes, key=lambda k: w.prefixes[k].length)
     length = w.prefixes[key].length
-    w.tiers.host_bytes = 2 ** 26                  # this deployment has no host tier: one for the test
+    w.tiers.host_bytes = 2**26  # this deployment has no host tier: one for the test
     try:
         assert w.demote_prefix(key)[1] == [] and w.tiers.tier_of(key) == "host"
         EXPORTER.clear()
-        assert w.open_sequence("traced", SamplingParams(max_tokens=1), reserve_tokens=length + 1,
-                               prefix_key=key) == length
+        assert (
+            w.open_sequence("traced", SamplingParams(max_tokens=1), reserve_tokens=length + 1, prefix_key=key) == length
+        )
         w.close_sequence("traced")
     finally:
         w.tiers.host_bytes = 0

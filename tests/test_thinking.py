@@ -1,5 +1,6 @@
 """expertmesh/chat/thinking.py: the thinking section bounded where tokens are sampled — the state machine alone, its
 wire form, and the Sampler running it with a grammar that starts where thinking ends."""
+
 import random
 
 import pytest
@@ -32,9 +33,9 @@ def test_the_limit_closes_thinking_whole_and_counts_the_close(close, limit):
     drawn = [random.Random(limit).randrange(0, 200) for _ in range(40)]
     out, state = run(c, drawn)
     cut = limit - len(close)
-    assert out[:cut] == drawn[:cut]                            # the model's own reasoning, untouched
-    assert tuple(out[cut:limit]) == close                      # then the whole close, forced
-    assert out[limit:] == drawn[limit:]                        # then the answer as drawn
+    assert out[:cut] == drawn[:cut]  # the model's own reasoning, untouched
+    assert tuple(out[cut:limit]) == close  # then the whole close, forced
+    assert out[limit:] == drawn[limit:]  # then the answer as drawn
     assert state.reasoning_tokens == limit and state.answering
 
 
@@ -46,8 +47,14 @@ def test_a_close_the_model_starts_itself_is_completed_whatever_it_draws_next():
 
 
 def test_stop_tokens_pass_through_reasoning_and_template_tokens_never_reach_the_answer():
-    c = ThinkingControl(phase="reasoning", limit=50, think_end=(CLOSE,), stop=(EOT, EOS),
-                        not_in_answer=frozenset({START, CLOSE, ROLE}), end_of_turn=EOT)
+    c = ThinkingControl(
+        phase="reasoning",
+        limit=50,
+        think_end=(CLOSE,),
+        stop=(EOT, EOS),
+        not_in_answer=frozenset({START, CLOSE, ROLE}),
+        end_of_turn=EOT,
+    )
     out, state = run(c, [5, EOS])
     assert out == [5, EOS] and state.reasoning_tokens == 1 and not state.answering
     out, _ = run(c, [5, CLOSE, 6, ROLE, START])
@@ -72,18 +79,31 @@ def test_a_replay_observing_the_output_reaches_the_same_state():
     assert (replay.reasoning_tokens, replay.phase, replay.closing) == (state.reasoning_tokens, state.phase, 0)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(phase="thinking"), "thinking.phase"), (dict(phase="reasoning", limit=0, think_end=(1,)), "thinking.limit"),
-    (dict(phase="reasoning"), "thinking.think_end"), (dict(phase="maybe", think_end=(1,)), "thinking.think_start"),
-    (dict(phase="content", not_in_answer=frozenset({3})), "thinking.end_of_turn")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(phase="thinking"), "thinking.phase"),
+        (dict(phase="reasoning", limit=0, think_end=(1,)), "thinking.limit"),
+        (dict(phase="reasoning"), "thinking.think_end"),
+        (dict(phase="maybe", think_end=(1,)), "thinking.think_start"),
+        (dict(phase="content", not_in_answer=frozenset({3})), "thinking.end_of_turn"),
+    ],
+)
 def test_bad_controls_are_refused_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ThinkingControl(**kw)
 
 
 def test_the_control_round_trips_the_worker_proto():
-    c = ThinkingControl(phase="maybe", limit=24, think_start=START, think_end=K3_CLOSE, stop=(EOT, EOS),
-                        not_in_answer=frozenset({START, ROLE}), end_of_turn=EOT)
+    c = ThinkingControl(
+        phase="maybe",
+        limit=24,
+        think_start=START,
+        think_end=K3_CLOSE,
+        stop=(EOT, EOS),
+        not_in_answer=frozenset({START, ROLE}),
+        end_of_turn=EOT,
+    )
     assert thinking_from_proto(thinking_to_proto(c)) == c
     bare = ThinkingControl(phase="content")
     assert thinking_from_proto(thinking_to_proto(bare)) == bare
@@ -96,15 +116,20 @@ def test_the_sampler_cuts_thinking_and_starts_the_grammar_after_the_close():
     lltok = ll_tokenizer(t)
     close = t.think_end_id
     c = ThinkingControl(phase="reasoning", limit=5, think_end=(close,), stop=tuple(t.eos_ids))
-    params = SamplingParams(max_tokens=60, thinking=c, stop_token_ids=(t.end_id,),
-                            grammar=json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}},
-                                                         "required": ["a"]}, "response_format"))
+    params = SamplingParams(
+        max_tokens=60,
+        thinking=c,
+        stop_token_ids=(t.end_id,),
+        grammar=json_schema_grammar(
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "response_format"
+        ),
+    )
     s = Sampler(params, lltok)
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(60):
         logits = torch.randn(t.vocab_size, generator=g)
-        logits[list(b"{}")] += 4.0                         # a model that likes braces: the mask must still hold
+        logits[list(b"{}")] += 4.0  # a model that likes braces: the mask must still hold
         tok = s.sample(logits)
         s.observe(tok)
         out.append(tok)
@@ -113,15 +138,23 @@ def test_the_sampler_cuts_thinking_and_starts_the_grammar_after_the_close():
     assert out[4] == close and close not in out[:4]
     answer = bytes(x for x in out[5:] if x < 256).decode()
     import json
+
     assert out[-1] == t.end_id and isinstance(json.loads(answer)["a"], int)
 
 
-@pytest.mark.parametrize("roles, tier", [
-    (["user"], "high"), (["system", "user"], "high"),
-    (["user", "assistant", "tool"], "low"), (["user", "assistant", "tool", "tool"], "low"),
-    (["user", "assistant", "tool", "assistant", "user"], "high"),    # a new task after a finished tool loop
-    ([], "high")])
+@pytest.mark.parametrize(
+    "roles, tier",
+    [
+        (["user"], "high"),
+        (["system", "user"], "high"),
+        (["user", "assistant", "tool"], "low"),
+        (["user", "assistant", "tool", "tool"], "low"),
+        (["user", "assistant", "tool", "assistant", "user"], "high"),  # a new task after a finished tool loop
+        ([], "high"),
+    ],
+)
 def test_the_auto_tier_plans_new_tasks_high_and_tool_rounds_low(roles, tier):
     from expertmesh.chat.thinking import auto_tier
+
     got, why = auto_tier(roles)
     assert got == tier and why

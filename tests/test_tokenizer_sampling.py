@@ -10,12 +10,12 @@ def test_byte_round_trip_and_specials():
     tok = ByteTokenizer()
     text = "héllo, wörld ✓ <|eos|>"
     ids = tok.encode(text)
-    assert max(ids) < 256 and tok.decode(ids) == text      # special-token text stays plain bytes
+    assert max(ids) < 256 and tok.decode(ids) == text  # special-token text stays plain bytes
     assert tok.decode([tok.bos_id] + ids + [tok.eos_id]) == text
     assert tok.decode([tok.think_start_id], skip_special=False) == "<|think|>"
     assert len({tok.eos_id, tok.bos_id, tok.think_end_id, tok.tool_call_start_id}) == 4
     assert all(256 <= i < VOCAB_SIZE for i in tok.id_to_special)
-    assert tok.decode([104, VOCAB_SIZE, 105]) == "hi"      # ids past the vocabulary (padded rows) decode to nothing
+    assert tok.decode([104, VOCAB_SIZE, 105]) == "hi"  # ids past the vocabulary (padded rows) decode to nothing
 
 
 def test_greedy_picks_argmax_lowest_on_ties():
@@ -39,8 +39,9 @@ def test_seeded_sampling_is_reproducible_and_respects_top_k_top_p():
     assert {s.sample(logits) for _ in range(20)} == {int(torch.argmax(logits))}
 
 
-@pytest.mark.parametrize("field, value, needle", [("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"),
-                                                  ("top_k", -2, "top_k")])
+@pytest.mark.parametrize(
+    "field, value, needle", [("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k")]
+)
 def test_bad_sampling_params(field, value, needle):
     with pytest.raises(ValueError, match=needle):
         Sampler(SamplingParams(**{field: value}))
@@ -51,8 +52,9 @@ def test_logit_bias_and_penalties_follow_openais_formula():
     temperature; min_p keeps the tokens within min_p of the top probability."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(40, generator=g)
-    params = SamplingParams(temperature=0.0, presence_penalty=0.7, frequency_penalty=1.3,
-                            logit_bias=((2, 5.0), (9, -100.0)))
+    params = SamplingParams(
+        temperature=0.0, presence_penalty=0.7, frequency_penalty=1.3, logit_bias=((2, 5.0), (9, -100.0))
+    )
     s = Sampler(params)
     for t in [4, 4, 11, 4]:
         s.observe(t)
@@ -70,8 +72,16 @@ def test_logit_bias_and_penalties_follow_openais_formula():
     assert forced.sample(logits) == 7
 
 
-@pytest.mark.parametrize("field, value", [("min_p", 1.5), ("min_p", float("nan")), ("presence_penalty", 2.5),
-                                          ("frequency_penalty", -3.0), ("logit_bias", ((3, 101.0),))])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("min_p", 1.5),
+        ("min_p", float("nan")),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("logit_bias", ((3, 101.0),)),
+    ],
+)
 def test_new_sampling_fields_are_range_checked(field, value):
     with pytest.raises(ValueError, match=field):
         Sampler(SamplingParams(**{field: value}))

@@ -1,4 +1,5 @@
 """`expertmesh up`-style deployments: router + workers as real processes on loopback, reached over gRPC."""
+
 import random
 
 import grpc
@@ -35,8 +36,11 @@ def reference(ckpt_dir):
 def grpc_generate(address: str, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], router_pb2.Finish]:
     with grpc.insecure_channel(address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        req = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), params=sampling_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS]), **kw)
+        req = router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt),
+            params=sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS]),
+            **kw,
+        )
         tokens, finish = [], None
         for ev in stub.Generate(req, timeout=120):
             if ev.HasField("token"):
@@ -48,19 +52,29 @@ def grpc_generate(address: str, prompt: list[int], max_tokens: int, **kw) -> tup
 
 def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(8) as pool:
         return [t for t, _ in pool.map(lambda p: grpc_generate(address, p, N_TOKENS), prompts)]
 
 
-@pytest.mark.parametrize("attention, experts, redundant, transport", [
-    (1, 1, 0, "grpc"), (1, 2, 0, "grpc"), (2, 3, 2, "grpc"),
-    (1, 2, 0, "collective"), (2, 3, 2, "collective")])          # the same layouts over torch.distributed pairs
+@pytest.mark.parametrize(
+    "attention, experts, redundant, transport",
+    [(1, 1, 0, "grpc"), (1, 2, 0, "grpc"), (2, 3, 2, "grpc"), (1, 2, 0, "collective"), (2, 3, 2, "collective")],
+)  # the same layouts over torch.distributed pairs
 def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, experts, redundant, transport):
     from expertmesh.wire.clients import RemoteExpert
+
     prompts, ref = reference
     grpc_port = free_port()
-    with LocalCluster(ckpt_dir, attention_workers=attention, expert_workers=experts, redundant_experts=redundant,
-                      http_port=free_port(), grpc_port=grpc_port, transport=transport) as cluster:
+    with LocalCluster(
+        ckpt_dir,
+        attention_workers=attention,
+        expert_workers=experts,
+        redundant_experts=redundant,
+        http_port=free_port(),
+        grpc_port=grpc_port,
+        transport=transport,
+    ) as cluster:
         out = run_all(f"127.0.0.1:{grpc_port}", prompts)
         health = httpx.get(cluster.http_url + "/health").json()
         calls = {"collective_calls": 0, "grpc_calls": 0}
@@ -82,8 +96,9 @@ def test_multiprocess_tokens_equal_reference(ckpt_dir, reference, attention, exp
 
 def test_grpc_errors_and_listing(ckpt_dir):
     grpc_port = free_port()
-    with LocalCluster(ckpt_dir, attention_workers=1, expert_workers=1, http_port=free_port(),
-                      grpc_port=grpc_port) as cluster:
+    with LocalCluster(
+        ckpt_dir, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=grpc_port
+    ) as cluster:
         address = f"127.0.0.1:{grpc_port}"
         with grpc.insecure_channel(address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
@@ -91,18 +106,27 @@ def test_grpc_errors_and_listing(ckpt_dir):
             assert [m.id for m in models] == ["tiny"] and models[0].max_context == 4096
             for req, code, needle in [
                 (router_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT,
-                 "prompt: expected at least one token"),
-                (router_pb2.GenerateRequest(text="hi", params=sampling_pb2.SamplingParams(max_tokens=0)),
-                 grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-                (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1] * 5000)),
-                 grpc.StatusCode.INVALID_ARGUMENT, "context is 4096"),
+                (
+                    router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[])),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "prompt: expected at least one token",
+                ),
+                (
+                    router_pb2.GenerateRequest(text="hi", params=sampling_pb2.SamplingParams(max_tokens=0)),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "max_tokens",
+                ),
+                (
+                    router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1] * 5000)),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "context is 4096",
+                ),
                 (router_pb2.GenerateRequest(model="other", text="hi"), grpc.StatusCode.NOT_FOUND, "not found"),
             ]:
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.Generate(req, timeout=10))
                 assert e.value.code() == code and needle in e.value.details()
-        tokens, finish = grpc_generate(address, [1, 2, 3], 4)          # still serving
+        tokens, finish = grpc_generate(address, [1, 2, 3], 4)  # still serving
         assert len(tokens) == finish.usage.completion_tokens <= 4 and finish.usage.prompt_tokens == 3
         r = httpx.post(cluster.http_url + "/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 3})
         assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
@@ -115,16 +139,21 @@ def test_grpc_errors_and_listing(ckpt_dir):
 
 def test_grpc_chat_streams_reasoning_content_and_usage(ckpt_dir):
     from expertmesh.protos import chat_pb2
+
     grpc_port = free_port()
     limit = preset("tiny").thinking.low
     with LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=grpc_port):
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             req = chat_pb2.ChatRequest(
-                messages=[chat_pb2.ChatMessage(role="system", content="be brief"),
-                          chat_pb2.ChatMessage(role="user", content="What is 2+2?")],
+                messages=[
+                    chat_pb2.ChatMessage(role="system", content="be brief"),
+                    chat_pb2.ChatMessage(role="user", content="What is 2+2?"),
+                ],
                 tools=[chat_pb2.Tool(name="calc", description="calculator", parameters_json='{"type":"object"}')],
-                thinking_budget="low", params=sampling_pb2.SamplingParams(max_tokens=30, temperature=0))
+                thinking_budget="low",
+                params=sampling_pb2.SamplingParams(max_tokens=30, temperature=0),
+            )
             events = list(stub.Chat(req, timeout=60))
             finish = events[-1].finish
             assert events[-1].HasField("finish") and finish.thinking_budget == "low"
@@ -152,26 +181,47 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
     import subprocess
     import sys
     import time
+
     http, grpc_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "expertmesh.entry.cli", "up", "--checkpoint", str(ckpt_dir),
-                           "--expert-workers", "2", "--http-port", str(http), "--grpc-port", str(grpc_port),
-                           "--", "--max-context", "384"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expertmesh.entry.cli",
+            "up",
+            "--checkpoint",
+            str(ckpt_dir),
+            "--expert-workers",
+            "2",
+            "--http-port",
+            str(http),
+            "--grpc-port",
+            str(grpc_port),
+            "--",
+            "--max-context",
+            "384",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
     try:
         for line in up.stdout:
             if line.startswith("Ctrl-C to stop"):
                 break
         else:
             pytest.fail("expertmesh up did not start")
-        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
-        assert len(children) == 4                          # router, 1 attention, 2 expert workers
+        children = [
+            int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True, text=True).stdout.split()
+        ]
+        assert len(children) == 4  # router, 1 attention, 2 expert workers
         cmdlines = {p: open(f"/proc/{p}/cmdline").read().split("\0") for p in children}
         experts = [p for p, cmd in cmdlines.items() if "--role" in cmd and cmd[cmd.index("--role") + 1] == "expert"]
         assert len(experts) == 2
         from grpc_health.v1 import health_pb2, health_pb2_grpc
-        for p in experts:                                  # a local process without the client key: refused
+
+        for p in experts:  # a local process without the client key: refused
             port = cmdlines[p][cmdlines[p].index("--port") + 1]
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 with pytest.raises(grpc.RpcError) as err:
@@ -187,10 +237,11 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
                 got = grpc_generate(f"127.0.0.1:{grpc_port}", [5, 6, 7], 6)[0]
                 break
             except grpc.RpcError:
-                time.sleep(0.5)                            # experts without a replica until it is back
+                time.sleep(0.5)  # experts without a replica until it is back
         assert got == want
-        now = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+        now = [
+            int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True, text=True).stdout.split()
+        ]
         assert len(now) == 4 and experts[0] not in now
         roles = {p: " ".join(open(f"/proc/{p}/cmdline").read().split("\0")[3:6]) for p in now}  # while they run
         up.kill()
@@ -207,6 +258,7 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
                 if state != "Z":
                     out[p] = f"{roles[p]} (state {state}, waiting in {wchan or '-'})"
             return out
+
         # they drain on the SIGTERM their parent's death sends; each ends itself at its shutdown deadline (a worker
         # --grace 10 + 5 s, the router --shutdown-timeout 30 s) whatever is stuck, so allow that and some load
         deadline = time.monotonic() + 45
@@ -220,11 +272,18 @@ def test_up_restarts_a_dead_worker_and_its_workers_die_with_it(ckpt_dir):
 
 def test_router_options_after_the_double_dash_are_checked_before_anything_starts(capsys):
     from expertmesh.entry.up import router_options
+
     assert router_options(["--", "--max-context", "384", "--image-fetch-allow=example.org"]) == [
-        "--max-context", "384", "--image-fetch-allow=example.org"]
+        "--max-context",
+        "384",
+        "--image-fetch-allow=example.org",
+    ]
     assert router_options([]) == []
-    for bad, named in ((["--", "--max-context", "lots"], "--max-context"), (["--", "--bogus"], "--bogus"),
-                       (["--", "--plan=x"], "--plan is set by `expertmesh up`")):
+    for bad, named in (
+        (["--", "--max-context", "lots"], "--max-context"),
+        (["--", "--bogus"], "--bogus"),
+        (["--", "--plan=x"], "--plan is set by `expertmesh up`"),
+    ):
         with pytest.raises(SystemExit) as e:
             router_options(bad)
         assert e.value.code == 2 and named in capsys.readouterr().err
@@ -243,12 +302,14 @@ def test_default_expert_workers_one_per_two_cores(monkeypatch):
     import os
 
     from expertmesh.entry.up import add_arguments, default_expert_workers
+
     assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
-    assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]      # --expert-replicas R
+    assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]  # --expert-replicas R
     assert default_expert_workers(16, replicas=2) == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
     assert default_expert_workers() == 3
     import argparse
+
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args([]).expert_workers is None and p.parse_args(["--expert-workers", "2"]).expert_workers == 2
@@ -258,9 +319,11 @@ def test_default_threads_share_the_cores_among_the_workers_of_a_role(tmp_path, m
     """`up`'s torch threads per process (nothing started): the attention workers of both pools split the cores, so
     do the expert workers, the router has one; `threads` set is one count for all."""
     import os
+
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    c = LocalCluster(tmp_path, attention_workers=1, prefill_workers=1, expert_workers=3, threads=None,
-                     run_dir=tmp_path / "run")
+    c = LocalCluster(
+        tmp_path, attention_workers=1, prefill_workers=1, expert_workers=3, threads=None, run_dir=tmp_path / "run"
+    )
     assert [c.threads_for(n) for n in ("attention-0", "prefill-0", "expert-0", "expert-2", "router")] == [4, 4, 2, 2, 1]
     c = LocalCluster(tmp_path, expert_workers=2, threads=3, run_dir=tmp_path / "run")
     assert {c.threads_for(n) for n in ("attention-0", "expert-1", "router")} == {3}
@@ -270,9 +333,11 @@ def test_decode_threads_share_the_cores_among_all_the_workers(tmp_path, monkeypa
     """With the threads left to `up`, every worker gets --decode-threads: the cores over all the worker processes
     (a decode layer runs the shared experts and every expert call at once); with `threads` given, none."""
     import os
+
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    c = LocalCluster(tmp_path, attention_workers=1, prefill_workers=1, expert_workers=2, threads=None,
-                     run_dir=tmp_path / "run")
+    c = LocalCluster(
+        tmp_path, attention_workers=1, prefill_workers=1, expert_workers=2, threads=None, run_dir=tmp_path / "run"
+    )
     assert c.decode_threads() == 2 and c._decode_args() == ["--decode-threads", "2"]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
     assert LocalCluster(tmp_path, expert_workers=1, threads=None, run_dir=tmp_path / "run").decode_threads() == 1

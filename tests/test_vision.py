@@ -1,5 +1,6 @@
 """Image input (#17): the encoder against transformers' kimi_k25 vision tower, and images through the OpenAI chat,
 Anthropic messages and Responses APIs of one deployment, with the official clients."""
+
 import base64
 import functools
 import http.server
@@ -19,7 +20,7 @@ from expertmesh.model.transformer import Transformer
 from expertmesh.model.vision import encode_image
 
 KEY = "sk-vision-test"
-SIDE = 112                        # 8×8 patches → 4×4 = 16 image tokens on the tiny encoder
+SIDE = 112  # 8×8 patches → 4×4 = 16 image tokens on the tiny encoder
 IMAGE_TOKENS = (SIDE // 28) ** 2
 MAX_IMAGE_BYTES = 60_000
 
@@ -29,29 +30,40 @@ def test_encoder_matches_transformers_kimi_k25():
     name, give the same image rows (non-square grids that resample the position table, and one that does not)."""
     from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
+
     cfg = preset("tiny")
     v = cfg.vision
-    vc = Kimi_K25VisionConfig(patch_size=v.patch_size, pos_emb_height=v.pos_emb_height, pos_emb_width=v.pos_emb_width,
-                              num_attention_heads=v.num_attention_heads, num_hidden_layers=v.num_hidden_layers,
-                              hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                              merge_kernel_size=list(v.merge_kernel_size),
-                              rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    full = Kimi_K25Config(vision_config=vc.to_dict(), projection_hidden_size=v.hidden_size,
-                          text_config={"model_type": "deepseek_v3", "hidden_size": cfg.hidden_size})
+    vc = Kimi_K25VisionConfig(
+        patch_size=v.patch_size,
+        pos_emb_height=v.pos_emb_height,
+        pos_emb_width=v.pos_emb_width,
+        num_attention_heads=v.num_attention_heads,
+        num_hidden_layers=v.num_hidden_layers,
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        merge_kernel_size=list(v.merge_kernel_size),
+        rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta},
+    )
+    full = Kimi_K25Config(
+        vision_config=vc.to_dict(),
+        projection_hidden_size=v.hidden_size,
+        text_config={"model_type": "deepseek_v3", "hidden_size": cfg.hidden_size},
+    )
     gen = torch.Generator().manual_seed(3)
     tower, proj = Kimi_K25VisionModel(vc).eval(), Kimi_K25MultimodalProjection(full).eval()
     with torch.no_grad():
         for p in list(tower.parameters()) + list(proj.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     ours = Transformer(cfg)
-    theirs = {f"vision_tower.{k}": t for k, t in tower.state_dict().items()} | \
-        {f"mm_projector.{k}": t for k, t in proj.state_dict().items()}
+    theirs = {f"vision_tower.{k}": t for k, t in tower.state_dict().items()} | {
+        f"mm_projector.{k}": t for k, t in proj.state_dict().items()
+    }
     assert set(theirs) == {k for k in ours.state_dict() if k.startswith(("vision_tower.", "mm_projector."))}
     ours.load_state_dict(theirs, strict=False)
     p = v.patch_size
     for h, w in ((84, 140), (224, 224), (448, 56)):
         pixels = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=gen)
-        x = (pixels.float() / 255 - 0.5) / 0.5          # the kimi_k25 processor's rescale + normalize, patchified
+        x = (pixels.float() / 255 - 0.5) / 0.5  # the kimi_k25 processor's rescale + normalize, patchified
         pv = x.permute(2, 0, 1).reshape(3, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape(-1, 3, p, p)
         with torch.no_grad():
             ref = proj(tower(pv, grid_thw=torch.tensor([[1, h // p, w // p]])).pooler_output).squeeze(1)
@@ -83,10 +95,22 @@ def deployment(tmp_path_factory):
     threading.Thread(target=files.serve_forever, daemon=True).start()
     port = files.server_address[1]
     ck = create_checkpoint(preset("tiny"), root / "tiny", seed=0)
-    cluster = LocalCluster(ck, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=free_port(),
-                           extra_env={"EXPERTMESH_API_KEY": KEY},
-                           router_args=["--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-images-per-request", "2",
-                                        "--image-fetch-allow", f"127.0.0.1:{port}"])
+    cluster = LocalCluster(
+        ck,
+        attention_workers=1,
+        expert_workers=1,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        extra_env={"EXPERTMESH_API_KEY": KEY},
+        router_args=[
+            "--max-image-bytes",
+            str(MAX_IMAGE_BYTES),
+            "--max-images-per-request",
+            "2",
+            "--image-fetch-allow",
+            f"127.0.0.1:{port}",
+        ],
+    )
     with cluster:
         yield cluster.http_url, port
     files.shutdown()
@@ -98,8 +122,14 @@ def oai(deployment):
 
 
 def chat(oai, parts, **kw):
-    return oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=4,
-                                       temperature=0, reasoning_effort="none", **kw)
+    return oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=4,
+        temperature=0,
+        reasoning_effort="none",
+        **kw,
+    )
 
 
 def image_part(url: str, detail: str = "auto") -> dict:
@@ -117,21 +147,24 @@ def test_openai_image_grows_prompt_changes_output_and_is_cached(oai):
     b = chat(oai, [image_part(data_url(png(2))), TEXT], logprobs=True)
     assert b.usage.prompt_tokens == a.usage.prompt_tokens
     # same text, different pixels: the model sees them (first-token log-probabilities differ)
-    assert a.choices[0].logprobs.content[0].top_logprobs != b.choices[0].logprobs.content[0].top_logprobs or \
-        a.choices[0].logprobs.content[0].logprob != b.choices[0].logprobs.content[0].logprob
+    assert (
+        a.choices[0].logprobs.content[0].top_logprobs != b.choices[0].logprobs.content[0].top_logprobs
+        or a.choices[0].logprobs.content[0].logprob != b.choices[0].logprobs.content[0].logprob
+    )
     # the same image again (JPEG of other bytes would differ; this is the same PNG): its prefix is cached, and the
     # cached run covers the image (it starts at position 3: ⟨bos⟩ ⟨user⟩ ⟨image⟩)
     again = chat(oai, [image_part(data_url(png(1))), TEXT], logprobs=True)
     assert again.usage.prompt_tokens_details.cached_tokens >= 3 + IMAGE_TOKENS
     assert again.choices[0].message.content == a.choices[0].message.content
-    assert again.choices[0].logprobs.content[0].logprob == pytest.approx(a.choices[0].logprobs.content[0].logprob,
-                                                                         abs=1e-4)
+    assert again.choices[0].logprobs.content[0].logprob == pytest.approx(
+        a.choices[0].logprobs.content[0].logprob, abs=1e-4
+    )
     # a third image with the same text shares no cached prefix with them (keys hash the pixels)
     other = chat(oai, [image_part(data_url(png(3))), TEXT])
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     # detail "low" is honoured (a large image is scaled to at most 256 patches = 64 tokens)
     buf = io.BytesIO()
-    Image.linear_gradient("L").resize((448, 448)).convert("RGB").save(buf, format="PNG")   # compresses small
+    Image.linear_gradient("L").resize((448, 448)).convert("RGB").save(buf, format="PNG")  # compresses small
     low = chat(oai, [image_part(data_url(buf.getvalue()), "low"), TEXT])
     high = chat(oai, [image_part(data_url(buf.getvalue()), "high"), TEXT])
     assert low.usage.prompt_tokens == plain.usage.prompt_tokens + 64 + 2
@@ -141,23 +174,28 @@ def test_openai_image_grows_prompt_changes_output_and_is_cached(oai):
 def test_bad_images_get_400_naming_the_part(oai):
     cases = [
         (data_url(b"\x89PNG\r\n\x1a\n this is not a png"), "not a decodable image"),
-        (data_url(png(5, side=200)), "exceed the limit"),                        # > --max-image-bytes
+        (data_url(png(5, side=200)), "exceed the limit"),  # > --max-image-bytes
         ("data:image/png;base64,%%%", "not valid base64"),
         (data_url(b"GIF87a", "image/tiff"), "media type"),
     ]
     for url, why in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            oai.chat.completions.create(model="tiny", max_tokens=4, messages=[
-                {"role": "system", "content": "be brief"},
-                {"role": "user", "content": [TEXT, image_part(url)]}])
+            oai.chat.completions.create(
+                model="tiny",
+                max_tokens=4,
+                messages=[
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [TEXT, image_part(url)]},
+                ],
+            )
         assert "messages[1].content[1]" in e.value.message and why in e.value.message, e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, [image_part(data_url(png(1)), "ultra"), TEXT])
     assert "detail" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:     # --max-images-per-request 2
+    with pytest.raises(openai.BadRequestError) as e:  # --max-images-per-request 2
         chat(oai, [image_part(data_url(png(i))) for i in range(3)] + [TEXT])
     assert "messages[0].content[2]" in e.value.message and "max_images_per_request" in e.value.message
-    assert chat(oai, [image_part(data_url(png(1))), TEXT]).choices[0].finish_reason   # the server still serves
+    assert chat(oai, [image_part(data_url(png(1))), TEXT]).choices[0].finish_reason  # the server still serves
 
 
 def test_remote_urls_only_from_the_allow_list(oai, deployment):
@@ -169,7 +207,7 @@ def test_remote_urls_only_from_the_allow_list(oai, deployment):
         with pytest.raises(openai.BadRequestError) as e:
             chat(oai, [TEXT, image_part(url)])
         assert "messages[0].content[1]" in e.value.message and "allow-list" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:                          # allowed host, missing file
+    with pytest.raises(openai.BadRequestError) as e:  # allowed host, missing file
         chat(oai, [TEXT, image_part(f"http://127.0.0.1:{port}/missing.png")])
     assert "HTTP 404" in e.value.message
 
@@ -179,25 +217,47 @@ def test_anthropic_and_responses_images(deployment, oai):
     client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60)
 
     def ask(*blocks):
-        return client.messages.create(model="tiny", max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "text", "text": TEXT["text"]}, *blocks]}])
+        return client.messages.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "text", "text": TEXT["text"]}, *blocks]}],
+        )
+
     plain = ask()
     for fmt, mime in (("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")):
-        block = {"type": "image", "source": {"type": "base64", "media_type": mime,
-                                             "data": base64.b64encode(png(6, fmt=fmt)).decode()}}
+        block = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": mime, "data": base64.b64encode(png(6, fmt=fmt)).decode()},
+        }
         r = ask(block)
         grown = r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
         assert grown == plain.usage.input_tokens + (plain.usage.cache_read_input_tokens or 0) + IMAGE_TOKENS + 2
     with pytest.raises(anthropic.BadRequestError) as e:
         ask({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}})
     assert "messages.0.content.1" in str(e.value)
-    plain = oai.responses.create(model="tiny", max_output_tokens=4, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": TEXT["text"]}]}])
-    r = oai.responses.create(model="tiny", max_output_tokens=4, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": TEXT["text"]},
-                                     {"type": "input_image", "image_url": data_url(png(1)), "detail": "auto"}]}])
+    plain = oai.responses.create(
+        model="tiny",
+        max_output_tokens=4,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": TEXT["text"]}]}],
+    )
+    r = oai.responses.create(
+        model="tiny",
+        max_output_tokens=4,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": TEXT["text"]},
+                    {"type": "input_image", "image_url": data_url(png(1)), "detail": "auto"},
+                ],
+            }
+        ],
+    )
     assert r.usage.input_tokens == plain.usage.input_tokens + IMAGE_TOKENS + 2
     with pytest.raises(openai.BadRequestError) as e:
-        oai.responses.create(model="tiny", max_output_tokens=4, input=[
-            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"junk")}]}])
+        oai.responses.create(
+            model="tiny",
+            max_output_tokens=4,
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"junk")}]}],
+        )
     assert "input[0].content[0]" in e.value.message

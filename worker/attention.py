@@ -9,6 +9,7 @@ last layer: logits, sampling, log-probs → StepDone. The router only plans step
 never in the per-layer path. Attention, conv and recurrent state are per sequence; everything else works row
 by row, so a sequence's numbers do not depend on the batch it is in.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,9 +59,14 @@ def token_logprobs(seq_id: str, position: int, logprobs: torch.Tensor, token_ids
     top `n` alternatives of each position."""
     ids = torch.tensor(token_ids, dtype=torch.int64)
     top = torch.topk(logprobs, n, dim=-1) if n else None
-    return TokenLogprobs(seq_id, position, ids, logprobs.gather(-1, ids[:, None])[:, 0],
-                         top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
-                         top.values if top is not None else torch.empty(len(token_ids), 0))
+    return TokenLogprobs(
+        seq_id,
+        position,
+        ids,
+        logprobs.gather(-1, ids[:, None])[:, 0],
+        top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
+        top.values if top is not None else torch.empty(len(token_ids), 0),
+    )
 
 
 @dataclass
@@ -72,26 +78,40 @@ class _Sequence:
     # prompt_logprobs: the log-probabilities after the last fed token, waiting for the token that follows it
     # (the next segment's first token: prefill chunks end mid-prompt)
     pending: torch.Tensor | None = None
-    generating: bool = False     # the prompt is done: fed tokens are output (the penalties count them)
-    owner: str = ""              # the router instance that opened it ("" = no lease)
-    images: object = None        # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
-    observed: list[int] = field(default_factory=list)   # output tokens fed (what a hand-off replays into a sampler)
+    generating: bool = False  # the prompt is done: fed tokens are output (the penalties count them)
+    owner: str = ""  # the router instance that opened it ("" = no lease)
+    images: object = None  # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
+    observed: list[int] = field(default_factory=list)  # output tokens fed (what a hand-off replays into a sampler)
 
 
 @dataclass
 class _Prefix:
     """A cached prefix: the KV pages and recurrent state after `length` tokens."""
+
     kv: PagedSequenceKV
     kda_states: dict[int, tuple[torch.Tensor, torch.Tensor]]
     length: int
 
 
 class AttentionWorker:
-    def __init__(self, checkpoint: Checkpoint | str | ModelConfig, *, kv_blocks: int | None = 512,
-                 block_size: int = 16, name: str = "attention-0", device: str = "cpu", dtype=None,
-                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                 lease_seconds: float = 30.0, kv_host_bytes: int = 0, kv_disk_dir: str | None = None,
-                 kv_disk_bytes: int = 0, pool: str = "mixed", decode_threads: int | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint | str | ModelConfig,
+        *,
+        kv_blocks: int | None = 512,
+        block_size: int = 16,
+        name: str = "attention-0",
+        device: str = "cpu",
+        dtype=None,
+        gpu_memory_utilization: float | None = None,
+        device_memory_bytes: int | None = None,
+        lease_seconds: float = 30.0,
+        kv_host_bytes: int = 0,
+        kv_disk_dir: str | None = None,
+        kv_disk_bytes: int = 0,
+        pool: str = "mixed",
+        decode_threads: int | None = None,
+    ):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
@@ -128,15 +148,21 @@ class AttentionWorker:
         if gpu_memory_utilization is not None:
             if device_memory_bytes is None:
                 if self.device_kind != "cuda":
-                    raise WorkerError("--gpu-memory-utilization: needs --device cuda, or the device's memory "
-                                      "(--device-memory-gib) on --device meta/cpu")
+                    raise WorkerError(
+                        "--gpu-memory-utilization: needs --device cuda, or the device's memory "
+                        "(--device-memory-gib) on --device meta/cpu"
+                    )
                 device_memory_bytes = torch.cuda.get_device_properties(self.device).total_memory
-            kv_blocks = memory.kv_blocks_for_memory(self.cfg, device_bytes=device_memory_bytes,
-                                                    utilization=gpu_memory_utilization, dtype=self.dtype,
-                                                    block_size=block_size)
+            kv_blocks = memory.kv_blocks_for_memory(
+                self.cfg,
+                device_bytes=device_memory_bytes,
+                utilization=gpu_memory_utilization,
+                dtype=self.dtype,
+                block_size=block_size,
+            )
         self.pool = BlockPool(self.cfg, kv_blocks, block_size, device=self.device, dtype=self.dtype)
         if self.device_kind == "cpu":
-            cpu_warmup.load(cpu_warmup.ATTENTION)     # before serving: not on the first request
+            cpu_warmup.load(cpu_warmup.ATTENTION)  # before serving: not on the first request
         self.sequences: dict[str, _Sequence] = {}
         # sequences handed off to this worker, installed without waiting for the step in progress (import_sequence),
         # and those handed off from it, still open: merged into / closed in `sequences` under the step lock
@@ -144,23 +170,27 @@ class AttentionWorker:
         self._arrivals: dict[str, _Sequence] = {}
         self._leaving: set[str] = set()
         self._arrivals_lock = threading.Lock()
-        self._merge_wanted = threading.Event()   # the merger thread merges once the step in progress ends
-        self.prefixes: dict[str, _Prefix] = {}          # on the device; lower tiers in self.tiers
-        self.device_prefix_hits = 0                      # sequences opened from a prefix on the device
-        self.prompt_tokens_computed = 0                  # prompt tokens this worker's steps computed
-        self.handoffs = {"sent": 0, "received": 0}       # sequences moved to / from another attention worker
+        self._merge_wanted = threading.Event()  # the merger thread merges once the step in progress ends
+        self.prefixes: dict[str, _Prefix] = {}  # on the device; lower tiers in self.tiers
+        self.device_prefix_hits = 0  # sequences opened from a prefix on the device
+        self.prompt_tokens_computed = 0  # prompt tokens this worker's steps computed
+        self.handoffs = {"sent": 0, "received": 0}  # sequences moved to / from another attention worker
         self.handoff_bytes = {"sent": 0, "received": 0}
-        self.handoff_seconds = 0.0                       # sender side: export + transfer + import
+        self.handoff_seconds = 0.0  # sender side: export + transfer + import
         if kv_disk_bytes and kv_disk_dir is None:
             raise WorkerError("--kv-disk-gib: needs --kv-disk-dir")
-        self.tiers = KVTiers(kv_host_bytes, layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
-                             kv_disk_dir, kv_disk_bytes)
+        self.tiers = KVTiers(
+            kv_host_bytes,
+            layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
+            kv_disk_dir,
+            kv_disk_bytes,
+        )
         # what a handed-off cache must come from: the same model and dtype (any block size: it travels as tokens)
         self.handoff_identity = layout_identity(self.cfg.model_dump_json(), self.dtype, 0)
         self.lock = threading.RLock()  # one step at a time touches the model and the pool
-        self._lltok_lock = threading.Lock()   # the grammar tokenizer is built once (_grammar_tokenizer)
+        self._lltok_lock = threading.Lock()  # the grammar tokenizer is built once (_grammar_tokenizer)
         self.calls = 0
-        self.exchange = None           # worker/exchange.ExpertExchange, set by connect_experts
+        self.exchange = None  # worker/exchange.ExpertExchange, set by connect_experts
         # leases: a router renews its own with every call naming it (Info heartbeats once a second); the sequences
         # of an owner silent for `lease_seconds` are closed — a dead router's leftovers never hold KV forever
         self.lease_seconds = lease_seconds
@@ -174,11 +204,14 @@ class AttentionWorker:
         """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from model/memory.py."""
         mem = memory.WorkerMemory()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
-            b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(
-                ("_blocks", "_scales")))
-        kv = sum(t.numel() * t.element_size() for t in list(self.pool.latent.values()) + list(self.pool.index_k.values()))
-        mem.add(self.device_label, weights=weights, kv=kv,
-                workspace=memory.attention_workspace_bytes(self.cfg, self.dtype))
+            b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(("_blocks", "_scales"))
+        )
+        kv = sum(
+            t.numel() * t.element_size() for t in list(self.pool.latent.values()) + list(self.pool.index_k.values())
+        )
+        mem.add(
+            self.device_label, weights=weights, kv=kv, workspace=memory.attention_workspace_bytes(self.cfg, self.dtype)
+        )
         return mem
 
     # ------------------------------------------------------------------ info
@@ -192,8 +225,11 @@ class AttentionWorker:
             now = time.monotonic()
             with self.lock:
                 self._merge_arrivals()
-                stale = [s for s, seq in self.sequences.items()
-                         if seq.owner and now - self.last_seen.get(seq.owner, 0.0) > self.lease_seconds]
+                stale = [
+                    s
+                    for s, seq in self.sequences.items()
+                    if seq.owner and now - self.last_seen.get(seq.owner, 0.0) > self.lease_seconds
+                ]
                 for seq_id in stale:
                     self.sequences.pop(seq_id).kv.free()
                 self.expired += len(stale)
@@ -202,15 +238,29 @@ class AttentionWorker:
         self.renew(owner)
         with self._arrivals_lock:
             arriving = len(self._arrivals)
-        return {"name": self.name, "model": self.cfg.name, "block_size": self.pool.block_size,
-                "total_blocks": self.pool.num_blocks, "free_blocks": self.pool.free_blocks,
-                "sequences": len(self.sequences) + arriving, "prefixes": len(self.prefixes),
-                "experts_down": sorted(self.exchange.down) if self.exchange is not None else [],
-                "pool": self.pool_role}
+        return {
+            "name": self.name,
+            "model": self.cfg.name,
+            "block_size": self.pool.block_size,
+            "total_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.free_blocks,
+            "sequences": len(self.sequences) + arriving,
+            "prefixes": len(self.prefixes),
+            "experts_down": sorted(self.exchange.down) if self.exchange is not None else [],
+            "pool": self.pool_role,
+        }
 
     # ------------------------------------------------------------------ sequences
-    def open_sequence(self, seq_id: str, params: SamplingParams, *, reserve_tokens: int,
-                      prefix_key: str | None = None, owner: str = "", images: list | None = None) -> int:
+    def open_sequence(
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        *,
+        reserve_tokens: int,
+        prefix_key: str | None = None,
+        owner: str = "",
+        images: list | None = None,
+    ) -> int:
         """Create a sequence with room for `reserve_tokens` tokens, starting from a cached prefix when given.
         `images` (worker_api.ImageSpan) are encoded when the prefill reaches them. Returns the number of tokens
         already cached (0 without a prefix)."""
@@ -240,8 +290,9 @@ class AttentionWorker:
                 raise
             for i in self.cfg.latent_kv_layers:
                 cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, owner=owner,
-                                               images=seq_images)
+            self.sequences[seq_id] = _Sequence(
+                kv=kv, cache=cache, sampler=sampler, params=params, owner=owner, images=seq_images
+            )
             self.renew(owner)
             return cache.length
 
@@ -254,9 +305,11 @@ class AttentionWorker:
         except WorkerError:
             raise
         except Exception as e:
-            raise WorkerError(f"params: {e}" if isinstance(e, ValueError) else
-                              f"params: grammar: constrained decoding failed on {self.name}: "
-                              f"{type(e).__name__}: {e}") from None
+            raise WorkerError(
+                f"params: {e}"
+                if isinstance(e, ValueError)
+                else f"params: grammar: constrained decoding failed on {self.name}: {type(e).__name__}: {e}"
+            ) from None
 
     def _check_new(self, seq_id: str, reserve_tokens: int) -> None:
         self._merge_arrivals()
@@ -318,8 +371,11 @@ class AttentionWorker:
             return
         length = seq.cache.length if length is None else length
         kv = seq.kv.fork(length)
-        states = {i: (c.state.clone(), c.conv.clone()) for i, c in enumerate(seq.cache.layers)
-                  if self.cfg.layer_types[i] == "kda"}
+        states = {
+            i: (c.state.clone(), c.conv.clone())
+            for i, c in enumerate(seq.cache.layers)
+            if self.cfg.layer_types[i] == "kda"
+        }
         self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=length)
 
     def drop_prefix(self, key: str) -> int:
@@ -371,14 +427,16 @@ class AttentionWorker:
         if length is None:
             raise NotFound(f"prefix_key {key!r}: no such cached prefix on {self.name}")
         bs = self.pool.block_size
-        need = -(-max(reserve_tokens, length) // bs) + (1 if length % bs else 0)   # + a partial block's copy
+        need = -(-max(reserve_tokens, length) // bs) + (1 if length % bs else 0)  # + a partial block's copy
         if self.pool.free_blocks < need:
-            raise OutOfBlocks(f"KV pool: {self.pool.free_blocks} free blocks, restoring prefix {key!r} for "
-                              f"{reserve_tokens} tokens needs {need}")
-        start = time.perf_counter()        # the time counted and traced includes reading (and checking) a file
+            raise OutOfBlocks(
+                f"KV pool: {self.pool.free_blocks} free blocks, restoring prefix {key!r} for "
+                f"{reserve_tokens} tokens needs {need}"
+            )
+        start = time.perf_counter()  # the time counted and traced includes reading (and checking) a file
         with telemetry.tracer().start_as_current_span(
-                "kv.restore", attributes={"expertmesh.kv.tier": self.tiers.tier_of(key),
-                                          "expertmesh.kv.tokens": length}) as span:
+            "kv.restore", attributes={"expertmesh.kv.tier": self.tiers.tier_of(key), "expertmesh.kv.tokens": length}
+        ) as span:
             try:
                 snap, tier = self.tiers.load(key)
             except CorruptFile as e:
@@ -405,8 +463,9 @@ class AttentionWorker:
         if seq is None:
             raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
         if not seq.generating:
-            raise WorkerError(f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its "
-                              f"first sampled token)")
+            raise WorkerError(
+                f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its first sampled token)"
+            )
         length = seq.cache.length
         kv = seq.kv.fork(length)
         try:
@@ -416,15 +475,27 @@ class AttentionWorker:
             kv.free()
         return seq.params, snap, seq.sampler.generator.get_state().numpy().tobytes(), list(seq.observed)
 
-    def import_sequence(self, seq_id: str, params: SamplingParams, snap: PrefixSnapshot, sampler_state: bytes,
-                        observed: list[int], *, reserve_tokens: int, owner: str = "", identity: str = "") -> int:
+    def import_sequence(
+        self,
+        seq_id: str,
+        params: SamplingParams,
+        snap: PrefixSnapshot,
+        sampler_state: bytes,
+        observed: list[int],
+        *,
+        reserve_tokens: int,
+        owner: str = "",
+        identity: str = "",
+    ) -> int:
         """Open `seq_id` from another worker's export_sequence: its cache copied in bit for bit, its sampler
         rebuilt from `params` at the generator state given with `observed` (output tokens already fed) replayed —
         the next token sampled here is the one the sender would have sampled. `identity`: the sender's
         handoff_identity (checked when given). Returns the free blocks after."""
         if identity and identity != self.handoff_identity:
-            raise WorkerError(f"identity: the cache comes from another model or dtype ({identity!r}, this worker "
-                              f"takes {self.handoff_identity!r})")
+            raise WorkerError(
+                f"identity: the cache comes from another model or dtype ({identity!r}, this worker "
+                f"takes {self.handoff_identity!r})"
+            )
         self._check_snapshot(snap)
         sampler = self._sampler(params)
         try:
@@ -434,8 +505,10 @@ class AttentionWorker:
         for t in observed:
             sampler.observe(t)
         if not snap.length < reserve_tokens <= self.cfg.max_context:
-            raise WorkerError(f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens handed "
-                              f"off (room for the next one), at most {self.cfg.max_context}")
+            raise WorkerError(
+                f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens handed "
+                f"off (room for the next one), at most {self.cfg.max_context}"
+            )
         # no step lock: the blocks taken here are this sequence's alone (the pool's free list has its own lock), so
         # the copy runs beside a step in progress and the sequence is there for the next one
         kv, states = self._load(snap, reserve_tokens)
@@ -445,8 +518,9 @@ class AttentionWorker:
         for i in self.cfg.latent_kv_layers:
             cache.layers[i] = PagedDSACache(kv, i)
         cache.length = snap.length
-        seq = _Sequence(kv=kv, cache=cache, sampler=sampler, params=params, generating=True, owner=owner,
-                        observed=list(observed))
+        seq = _Sequence(
+            kv=kv, cache=cache, sampler=sampler, params=params, generating=True, owner=owner, observed=list(observed)
+        )
         with self._arrivals_lock:
             if seq_id in self.sequences or seq_id in self._arrivals:
                 kv.free()
@@ -463,8 +537,12 @@ class AttentionWorker:
     def _kda_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shapes a handed-off KDA state must have (read once from a fresh cache)."""
         fresh = self.model.new_cache()
-        return {f"kda_{part}.{i}": tuple(getattr(c, part).shape) for i, c in enumerate(fresh.layers)
-                if self.cfg.layer_types[i] == "kda" for part in ("state", "conv")}
+        return {
+            f"kda_{part}.{i}": tuple(getattr(c, part).shape)
+            for i, c in enumerate(fresh.layers)
+            if self.cfg.layer_types[i] == "kda"
+            for part in ("state", "conv")
+        }
 
     def _check_snapshot(self, snap: PrefixSnapshot) -> None:
         """WorkerError naming the tensor when a snapshot does not fit this worker's model and KV layout."""
@@ -481,29 +559,41 @@ class AttentionWorker:
                 raise WorkerError(f"tensors: {name} is not a tensor of this model")
             dtype = torch.float32 if name.startswith("kda") else self.dtype
             if tuple(got[name].shape) != want[name] or got[name].dtype != dtype:
-                raise WorkerError(f"tensors: {name} expected {str(dtype).removeprefix('torch.')} {list(want[name])}, "
-                                  f"found {str(got[name].dtype).removeprefix('torch.')} {list(got[name].shape)}")
+                raise WorkerError(
+                    f"tensors: {name} expected {str(dtype).removeprefix('torch.')} {list(want[name])}, "
+                    f"found {str(got[name].dtype).removeprefix('torch.')} {list(got[name].shape)}"
+                )
 
-    def hand_off(self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "",
-                 transport: str = "grpc") -> HandOffResult:
+    def hand_off(
+        self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "", transport: str = "grpc"
+    ) -> HandOffResult:
         """Move sequence `seq_id` to attention worker `to` (an AttentionWorker, or a client of it: RemoteAttention,
         collective.CollectiveAttention) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room;
         HandOffFailed: it refused or could not be reached — in both cases the sequence stays open here, unchanged.
         `transport`: what the gRPC servicer picks `to`'s client by; here `to` is called as given."""
         start = time.perf_counter()
-        with telemetry.tracer().start_as_current_span("kv.send", attributes={"expertmesh.kv.to": str(
-                getattr(to, "address", getattr(to, "name", "")))}) as span:
+        with telemetry.tracer().start_as_current_span(
+            "kv.send", attributes={"expertmesh.kv.to": str(getattr(to, "address", getattr(to, "name", "")))}
+        ) as span:
             params, snap, state, observed = self.export_sequence(seq_id)
             span.set_attribute("expertmesh.kv.tokens", snap.length)
             span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
             try:
-                to.import_sequence(to_seq_id, params, snap, state, observed, reserve_tokens=reserve_tokens,
-                                   owner=owner, identity=self.handoff_identity)
+                to.import_sequence(
+                    to_seq_id,
+                    params,
+                    snap,
+                    state,
+                    observed,
+                    reserve_tokens=reserve_tokens,
+                    owner=owner,
+                    identity=self.handoff_identity,
+                )
             except OutOfBlocks:
                 raise
             except Exception as e:
                 raise HandOffFailed(f"to {getattr(to, 'name', to)}: {type(e).__name__}: {e}") from None
-            with self._arrivals_lock:           # closed under the step lock (_merge_arrivals)
+            with self._arrivals_lock:  # closed under the step lock (_merge_arrivals)
                 self._leaving.add(seq_id)
         self._try_merge()
         free = self.pool.free_blocks
@@ -524,17 +614,20 @@ class AttentionWorker:
             raise
         for layer in self.cfg.latent_kv_layers:
             ik = snap.index_k.get(layer)
-            kv.write(layer, 0, to_device(snap.latent[layer], self.device),
-                     None if ik is None else to_device(ik, self.device))
+            kv.write(
+                layer, 0, to_device(snap.latent[layer], self.device), None if ik is None else to_device(ik, self.device)
+            )
         kv.length = snap.length
-        states = {i: (to_device(state, self.device), to_device(conv, self.device)) for i, (state, conv) in snap.kda.items()}
+        states = {
+            i: (to_device(state, self.device), to_device(conv, self.device)) for i, (state, conv) in snap.kda.items()
+        }
         synchronize(self.device)
         return kv, states
 
     def _merge_arrivals(self) -> None:
         """Move the sequences handed off to this worker into `sequences`, close those handed off from it (the
         caller holds the step lock)."""
-        if not self._arrivals and not self._leaving:     # the common case, every step: no lock taken
+        if not self._arrivals and not self._leaving:  # the common case, every step: no lock taken
             return
         with self._arrivals_lock:
             self.sequences.update(self._arrivals)
@@ -575,12 +668,15 @@ class AttentionWorker:
         RemoteExpert clients) by `table` (worker/exchange.ReplicaTable). Replaces any earlier connection."""
         moe = self.cfg.moe
         if list(table.moe_layers) != list(self.cfg.moe_layers) or table.table.shape[1] != moe.n_routed_experts:
-            raise WorkerError(f"replicas: expected a table for MoE layers {self.cfg.moe_layers} x "
-                              f"{moe.n_routed_experts} experts, found {list(table.moe_layers)} x {table.table.shape[1]}")
+            raise WorkerError(
+                f"replicas: expected a table for MoE layers {self.cfg.moe_layers} x "
+                f"{moe.n_routed_experts} experts, found {list(table.moe_layers)} x {table.table.shape[1]}"
+            )
         if table.table.size and int(table.table.max()) >= len(clients):
             raise WorkerError(f"replicas: worker ordinal {int(table.table.max())} but {len(clients)} expert workers")
-        exchange = ExpertExchange(clients, table, n_experts=moe.n_routed_experts, n_groups=moe.combine_groups,
-                                  probe_interval=probe_interval)
+        exchange = ExpertExchange(
+            clients, table, n_experts=moe.n_routed_experts, n_groups=moe.combine_groups, probe_interval=probe_interval
+        )
         with self.lock:
             old, self.exchange = self.exchange, exchange
         if old is not None:
@@ -592,8 +688,9 @@ class AttentionWorker:
 
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
-    def run_step(self, step_id: int, segments: list[StepSegment],
-                 snapshot_keys: dict[str, str | tuple[str, int]] | None = None) -> StepDone:
+    def run_step(
+        self, step_id: int, segments: list[StepSegment], snapshot_keys: dict[str, str | tuple[str, int]] | None = None
+    ) -> StepDone:
         """Run one step for `segments` (each a sequence's next tokens): every layer, the expert exchange, then
         sampling. `snapshot_keys[seq_id]` saves that sequence's cache as a prefix after the step: a key (the whole
         cache), or (key, length) for its first `length` tokens — inside the step only where the model has no
@@ -618,8 +715,10 @@ class AttentionWorker:
                 if bad:
                     raise WorkerError(f"segments[{s.seq_id}].token_ids: id {bad[0]} outside [0, {self.cfg.vocab_size})")
                 if seq.kv.blocks_needed(len(s.token_ids)):
-                    raise WorkerError(f"segments[{s.seq_id}]: {len(s.token_ids)} more tokens exceed the "
-                                      f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence")
+                    raise WorkerError(
+                        f"segments[{s.seq_id}]: {len(s.token_ids)} more tokens exceed the "
+                        f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence"
+                    )
                 tokens += s.token_ids
                 segs.append(Segment(start, len(s.token_ids), seq.cache))
                 if seq.images is not None:
@@ -629,8 +728,9 @@ class AttentionWorker:
             snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
             for seq_id, (_, length) in snapshots.items():
                 if length and seq_id in self.sequences:
-                    self._check_snapshot_length(seq_id, self.sequences[seq_id].cache.length + fed.get(seq_id, 0),
-                                                length)
+                    self._check_snapshot_length(
+                        seq_id, self.sequences[seq_id].cache.length + fed.get(seq_id, 0), length
+                    )
             bytes_before = self.exchange.bytes_sent + self.exchange.bytes_received if self.exchange else 0
             x = self.model.embed(torch.tensor(tokens, dtype=torch.int64, device=self.device))
             image_encodes = []
@@ -647,10 +747,10 @@ class AttentionWorker:
                     layer.dense_block(r)
                     continue
                 h = layer.ffn_input(r)
-                z, ids, weights = layer.moe.select(h)           # z: the experts' input (the latent of a latent MoE)
+                z, ids, weights = layer.moe.select(h)  # z: the experts' input (the latent of a latent MoE)
                 sent = self.exchange.start(layer.index, z, ids, weights)
                 with self.threads.rows(h.shape[0]):
-                    shared = layer.moe.shared_out(h)            # while the expert workers compute
+                    shared = layer.moe.shared_out(h)  # while the expert workers compute
                 routed, failed = self.exchange.finish(sent)
                 for row, why in failed.items():
                     failed_rows.setdefault(row, why)
@@ -668,33 +768,46 @@ class AttentionWorker:
                 done.exchange_bytes = self.exchange.bytes_sent + self.exchange.bytes_received - bytes_before
             return done
 
-    def _finish_step(self, step_id: int, segs: list[Segment], segments: list[StepSegment], tokens: list[int],
-                     x: torch.Tensor, failed: dict[str, str], snapshots: dict[str, tuple[str, int]]) -> StepDone:
+    def _finish_step(
+        self,
+        step_id: int,
+        segs: list[Segment],
+        segments: list[StepSegment],
+        tokens: list[int],
+        x: torch.Tensor,
+        failed: dict[str, str],
+        snapshots: dict[str, tuple[str, int]],
+    ) -> StepDone:
         """Logits (every row of a segment scoring its prompt, else the last), sampling, log-probs, snapshots."""
         keep = [i for i, s in enumerate(segments) if s.seq_id not in failed]
         seqs = [self.sequences[segments[i].seq_id] for i in keep]
-        rows = [list(range(segs[i].start, segs[i].start + segs[i].length)) if seq.params.prompt_logprobs is not None
-                else [segs[i].start + segs[i].length - 1] for i, seq in zip(keep, seqs)]
+        rows = [
+            list(range(segs[i].start, segs[i].start + segs[i].length))
+            if seq.params.prompt_logprobs is not None
+            else [segs[i].start + segs[i].length - 1]
+            for i, seq in zip(keep, seqs)
+        ]
         flat = [r for rs in rows for r in rs]
         logits = self.model.logits(x[flat]) if flat else None
         out, logprobs, first = {}, [], 0
         for i, seq, rs in zip(keep, seqs, rows):
             seg, seg_in = segs[i], segments[i]
-            seg_logits = logits[first:first + len(rs)]
+            seg_logits = logits[first : first + len(rs)]
             first += len(rs)
-            fed = tokens[seg.start:seg.start + seg.length]
-            if seq.generating:                 # past the prompt, every fed token is output (sampled or forced)
+            fed = tokens[seg.start : seg.start + seg.length]
+            if seq.generating:  # past the prompt, every fed token is output (sampled or forced)
                 for t in fed:
                     seq.sampler.observe(t)
                 seq.observed += fed
             else:
                 self.prompt_tokens_computed += len(fed)
-            try:        # a sampler that fails (e.g. parameters it cannot compute with) fails its sequence only
+            try:  # a sampler that fails (e.g. parameters it cannot compute with) fails its sequence only
                 if seg_in.sample:
                     out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])
                     seq.generating = True
-                logprobs += self._logprobs(seg_in.seq_id, seq, seg.cache.length, fed, seg_logits,
-                                           out.get(seg_in.seq_id))
+                logprobs += self._logprobs(
+                    seg_in.seq_id, seq, seg.cache.length, fed, seg_logits, out.get(seg_in.seq_id)
+                )
             except Exception as e:
                 out.pop(seg_in.seq_id, None)
                 failed[seg_in.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
@@ -710,27 +823,31 @@ class AttentionWorker:
         """WorkerError naming the field unless a snapshot of `length` tokens fits the sequence, `after` tokens long
         after the step: 0 < length ≤ after, and length = after where the model has recurrent (KDA) layers."""
         if not 0 < length <= after:
-            raise WorkerError(f"snapshot_keys[{seq_id}].length: expected 1..{after} (the sequence's length after "
-                              f"the step), found {length}")
+            raise WorkerError(
+                f"snapshot_keys[{seq_id}].length: expected 1..{after} (the sequence's length after "
+                f"the step), found {length}"
+            )
         if length < after and self.cfg.n_kda_layers:
-            raise WorkerError(f"snapshot_keys[{seq_id}].length: {length} is inside the step, but this model's "
-                              f"recurrent (KDA) state exists at a step's end alone ({after}); give 0")
+            raise WorkerError(
+                f"snapshot_keys[{seq_id}].length: {length} is inside the step, but this model's "
+                f"recurrent (KDA) state exists at a step's end alone ({after}); give 0"
+            )
 
     @staticmethod
-    def _logprobs(seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor,
-                  sampled: int | None) -> list[TokenLogprobs]:
+    def _logprobs(
+        seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor, sampled: int | None
+    ) -> list[TokenLogprobs]:
         """Entries for a segment of `fed` tokens at positions start.. whose logits rows are `logits` (all rows
         when scoring the prompt, else the last): prompt tokens this segment fed (the first one scored by the
         previous segment's pending row), and the sampled token."""
         p = seq.params
         out = []
         if p.prompt_logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)                     # [L, V]
+            lp = torch.log_softmax(logits, dim=-1)  # [L, V]
             scored = lp[:-1] if seq.pending is None else torch.cat([seq.pending[None], lp[:-1]])
             targets = fed[1:] if seq.pending is None else fed
             if targets:
-                out.append(token_logprobs(seq_id, start + len(fed) - len(targets), scored, targets,
-                                            p.prompt_logprobs))
+                out.append(token_logprobs(seq_id, start + len(fed) - len(targets), scored, targets, p.prompt_logprobs))
             seq.pending = lp[-1] if sampled is None else None
         if sampled is not None and p.logprobs is not None:
             lp = torch.log_softmax(logits[-1:], dim=-1)

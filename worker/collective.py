@@ -49,6 +49,7 @@ Security: the pairs' data connections are not encrypted (gloo / NCCL have no aut
 pair's first bytes are a random key set in the store by rank 0, which rank 1 checks before serving it); keep
 them on a trusted network — the operator's NetworkPolicy admits them only between the deployment's own pods.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -76,7 +77,7 @@ OP_RUN, OP_PING, OP_IMPORT = 1, 2, 3
 STATUS_OK, STATUS_INVALID, STATUS_NOT_FOUND, STATUS_ERROR, STATUS_NO_ROOM = 0, 1, 2, 3, 4
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RENDEZVOUS_TIMEOUT_S = 20.0
-IDLE = datetime.timedelta(days=365)      # an expert rank waits this long for the next call (an idle pair is fine)
+IDLE = datetime.timedelta(days=365)  # an expert rank waits this long for the next call (an idle pair is fine)
 
 
 BACKENDS = ("auto", "tcp", "gloo", "nccl")
@@ -99,7 +100,7 @@ def local_address_towards(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)                    # UDP: nothing is sent, the kernel only picks the route
+        s.connect(addr)  # UDP: nothing is sent, the kernel only picks the route
         return s.getsockname()[0]
 
 
@@ -107,6 +108,7 @@ def new_group(backend: str, store, group_id: str, rank: int, address: str, timeo
     """One two-rank process group (rank 0: attention worker, rank 1: expert worker) through `store` under the
     prefix `group_id`, its sockets on `address`; every operation defaults to `timeout` seconds."""
     import torch.distributed as dist
+
     prefixed = dist.PrefixStore(f"expertmesh/{group_id}/", store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -177,6 +179,7 @@ class SocketPair:
         def run(timeout):
             self.sock.settimeout(timeout)
             self.sock.sendall(data)
+
         return _Op(run)
 
     def send_all(self, tensors: list[torch.Tensor], timeout: float | None) -> None:
@@ -201,6 +204,7 @@ class SocketPair:
         def run(timeout):
             self.sock.settimeout(timeout)
             _recv_into(self.sock, into)
+
         return _Op(run)
 
     def abort(self) -> None:
@@ -214,8 +218,10 @@ class SocketPair:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, as a writable view of its storage."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"a socket pair moves contiguous CPU tensors, found {t.device} "
-                         f"{'contiguous' if t.is_contiguous() else 'strided'}")
+        raise ValueError(
+            f"a socket pair moves contiguous CPU tensors, found {t.device} "
+            f"{'contiguous' if t.is_contiguous() else 'strided'}"
+        )
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
@@ -247,7 +253,7 @@ def _abandon(group) -> None:
     """Abort a group whose peer failed: no wait on it again; its sockets close, so the peer's waits end."""
     try:
         group.abort()
-    except Exception as e:          # already broken: nothing more to release
+    except Exception as e:  # already broken: nothing more to release
         log.debug("abort: %s", e)
 
 
@@ -261,30 +267,41 @@ class CollectiveServer:
     ExpertWorker) serves the expert exchange's calls, `attention` (an AttentionWorker) hand-offs sent to it;
     `import_cache(header, cache)` → free blocks: how a hand-off's bytes become a sequence (worker/server.py)."""
 
-    def __init__(self, host: str, port: int, backend: str = "gloo", *, expert=None, attention=None,
-                 import_cache=None):
+    def __init__(self, host: str, port: int, backend: str = "gloo", *, expert=None, attention=None, import_cache=None):
         import torch.distributed as dist
+
         self.expert, self.attention, self.import_cache, self.backend = expert, attention, import_cache, backend
         try:
             # bound here, on --host only (TCPStore alone listens on every interface), and handed to the store
-            self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                             backlog=128)
-            self.store = dist.TCPStore(host, self.sock.getsockname()[1], None, True,
-                                       datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False,
-                                       master_listen_fd=self.sock.fileno())
-        except Exception as e:          # taken port: one clear line, like the gRPC port
+            self.sock = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+            )
+            self.store = dist.TCPStore(
+                host,
+                self.sock.getsockname()[1],
+                None,
+                True,
+                datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                wait_for_workers=False,
+                master_listen_fd=self.sock.fileno(),
+            )
+        except Exception as e:  # taken port: one clear line, like the gRPC port
             raise OSError(f"--collective-port {port}: cannot listen ({e})") from None
         self.port = self.store.port
-        self.pairs = 0                  # pairs being served now
-        self.calls = 0                  # RunExperts calls received over pairs
-        self.imports = 0                # hand-offs received over pairs
+        self.pairs = 0  # pairs being served now
+        self.calls = 0  # RunExperts calls received over pairs
+        self.imports = 0  # hand-offs received over pairs
 
     def open(self, group_id: str, peer_host: str, timeout: float) -> None:
         """Start rank 1 of `group_id` (returns at once; the caller joins as rank 0 within `timeout`)."""
         if not group_id or len(group_id) > 64 or not group_id.replace("-", "").isalnum():
             raise ValueError(f"group_id: expected up to 64 letters, digits or '-', found {group_id!r}")
-        threading.Thread(target=self._serve, args=(group_id, local_address_towards(peer_host), timeout),
-                         name=f"collective-{group_id[:8]}", daemon=True).start()
+        threading.Thread(
+            target=self._serve,
+            args=(group_id, local_address_towards(peer_host), timeout),
+            name=f"collective-{group_id[:8]}",
+            daemon=True,
+        ).start()
 
     def _serve(self, group_id: str, address: str, timeout: float) -> None:
         try:
@@ -298,7 +315,7 @@ class CollectiveServer:
         try:
             while True:
                 head = torch.zeros(8, dtype=torch.int64, device=dev)
-                group.recv([head], 0, 0).wait(IDLE)               # the next call, however long that takes
+                group.recv([head], 0, 0).wait(IDLE)  # the next call, however long that takes
                 op = int(head[0])
                 if op == OP_PING:
                     group.send([torch.zeros(2, dtype=torch.int64, device=dev)], 0, 0).wait(op_timeout)
@@ -311,7 +328,7 @@ class CollectiveServer:
                 if message:
                     answer.append(torch.frombuffer(bytearray(message), dtype=torch.uint8))
                 _send_all(group, answer, 0, dev, op_timeout)
-        except Exception as e:          # the other side closed the pair (dropped, restarted, shut down)
+        except Exception as e:  # the other side closed the pair (dropped, restarted, shut down)
             log.info("collective pair %s closed: %s", group_id[:8], str(e).splitlines()[0][:200])
         finally:
             self.pairs -= 1
@@ -319,9 +336,15 @@ class CollectiveServer:
 
     @staticmethod
     def _failure(e: Exception) -> tuple[int, bytes]:
-        status = STATUS_NOT_FOUND if isinstance(e, (UnknownExpert, NotFound)) else \
-            STATUS_NO_ROOM if isinstance(e, OutOfBlocks) else \
-            STATUS_INVALID if isinstance(e, (ExpertRequestError, WorkerError, ValueError)) else STATUS_ERROR
+        status = (
+            STATUS_NOT_FOUND
+            if isinstance(e, (UnknownExpert, NotFound))
+            else STATUS_NO_ROOM
+            if isinstance(e, OutOfBlocks)
+            else STATUS_INVALID
+            if isinstance(e, (ExpertRequestError, WorkerError, ValueError))
+            else STATUS_ERROR
+        )
         if status == STATUS_ERROR:
             log.exception("collective call failed")
         return status, (str(e) if status != STATUS_ERROR else f"{type(e).__name__}: {e}").encode()[:65536]
@@ -334,7 +357,7 @@ class CollectiveServer:
         weights = torch.empty(n, k, dtype=torch.float32, device=dev)
         for w in [group.recv([t], 0, 0) for t in (hidden, ids, weights)]:
             w.wait(op_timeout)
-        self.calls += 1                 # before the answer goes: whoever has it sees the call counted
+        self.calls += 1  # before the answer goes: whoever has it sees the call counted
         try:
             if self.expert is None:
                 raise ExpertRequestError("this worker holds no experts (an attention worker)")
@@ -373,7 +396,7 @@ class _PairClient:
         self.retry_interval = retry_interval
         self.group = None
         self.backend = "gloo"
-        self.lock = threading.Lock()        # one call on the pair at a time (the wire is a FIFO)
+        self.lock = threading.Lock()  # one call on the pair at a time (the wire is a FIFO)
         self.forming = False
         self.last_attempt = 0.0
         self.closed = False
@@ -384,14 +407,19 @@ class _PairClient:
     def form(self) -> None:
         """Form the pair in the background (no-op while one is formed, being formed, or tried recently)."""
         with self.lock:
-            if self.closed or self.group is not None or self.forming or \
-                    time.monotonic() - self.last_attempt < self.retry_interval:
+            if (
+                self.closed
+                or self.group is not None
+                or self.forming
+                or time.monotonic() - self.last_attempt < self.retry_interval
+            ):
                 return
             self.forming, self.last_attempt = True, time.monotonic()
         threading.Thread(target=self._form, name=f"form-{self.name}", daemon=True).start()
 
     def _form(self) -> None:
         import torch.distributed as dist
+
         group = None
         try:
             group_id = uuid.uuid4().hex
@@ -439,7 +467,7 @@ class _PairClient:
     def health(self, service: str = "", timeout: float | None = None) -> str:
         status = self.remote.health(service, timeout)
         if status == "SERVING":
-            self.form()         # taken back: the pair is formed again
+            self.form()  # taken back: the pair is formed again
         return status
 
     def info(self) -> dict:
@@ -462,14 +490,15 @@ class _PairClient:
                 if self.group is not group:
                     raise RuntimeError("the pair was dropped meanwhile")
                 return call(group)
-        except Exception as e:          # gloo / NCCL / socket
+        except Exception as e:  # gloo / NCCL / socket
             self.drop(e)
             raise self._unavailable(e) from None
 
     def _unavailable(self, e: Exception) -> WorkerUnavailable:
         """What a failed call on the pair raises (the pair is dropped by then)."""
-        return WorkerUnavailable(f"{self.name} ({self.address}): collective call failed: "
-                                 f"{str(e).splitlines()[0][:300]}")
+        return WorkerUnavailable(
+            f"{self.name} ({self.address}): collective call failed: {str(e).splitlines()[0][:300]}"
+        )
 
     def _answer(self, group, dev, out: torch.Tensor, deadline) -> tuple[int, str]:
         """Receive an answer's status and `out` (filled), and the message on an error."""
@@ -502,7 +531,7 @@ class Posted:
             raise self._error
         return self._value
 
-    def _receive(self) -> None:          # under the client's lock
+    def _receive(self) -> None:  # under the client's lock
         self.done = True
         if self.client._posted is self:
             self.client._posted = None
@@ -511,7 +540,7 @@ class Posted:
                 raise RuntimeError("the pair was dropped meanwhile")
             deadline = datetime.timedelta(seconds=self.client.timeout)
             status, message = self.client._answer(self.group, self.out.device, self.out, deadline)
-        except Exception as e:           # gloo / NCCL / socket: as _over_pair
+        except Exception as e:  # gloo / NCCL / socket: as _over_pair
             self.client._drop_locked(self.group, e)
             self._error = self.client._unavailable(e)
             return
@@ -526,10 +555,17 @@ class CollectiveExpert(_PairClient):
     """An expert worker reached over a pair, with its gRPC client (`remote`, a RemoteExpert) for control, health
     and fallback. Same `run` contract as RemoteExpert; `post` splits a call in two (send now, receive later)."""
 
-    _posted: Posted | None = None        # a call sent whose answer is not received yet (the wire is a FIFO)
+    _posted: Posted | None = None  # a call sent whose answer is not received yet (the wire is a FIFO)
 
-    def post(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-             out_dtype: torch.dtype, rows: int) -> Posted | None:
+    def post(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        out_dtype: torch.dtype,
+        rows: int,
+    ) -> Posted | None:
         """Send the call of `run` over the pair now, on this thread, and return its `Posted` — whose result() then
         receives the answer, on that caller's thread: no thread in between, and the caller computes meanwhile
         (the exchange's shared experts). None while no pair is formed (call `run`: gRPC). A send that fails drops
@@ -557,8 +593,15 @@ class CollectiveExpert(_PairClient):
         self.grpc_calls += 1
         return self.remote.run(layer, hidden, expert_ids, weights, out_dtype)
 
-    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-            out_dtype: torch.dtype = torch.float32, rows: int | None = None) -> torch.Tensor:
+    def run(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        out_dtype: torch.dtype = torch.float32,
+        rows: int | None = None,
+    ) -> torch.Tensor:
         """→ [R, H] per-(row, group) partial sums, as RemoteExpert.run. `rows`: R, when the caller knows it (the
         exchange does); without it, or while the pair is not formed, the call goes over gRPC."""
         group = self.group
@@ -566,7 +609,8 @@ class CollectiveExpert(_PairClient):
             self.form()
             return self.run_grpc(layer, hidden, expert_ids, weights, out_dtype)
         out, status, message = self._over_pair(
-            group, lambda g: self._exchange(g, layer, hidden, expert_ids, weights, out_dtype, rows))
+            group, lambda g: self._exchange(g, layer, hidden, expert_ids, weights, out_dtype, rows)
+        )
         self.collective_calls += 1
         if status != STATUS_OK:
             raise self._error_of(status, message)
@@ -588,8 +632,10 @@ class CollectiveExpert(_PairClient):
     def _send_call(self, group, dev, layer, hidden, ids, weights, out_dtype, rows) -> torch.Tensor:
         """Send one OP_RUN call → the (empty) tensor its answer goes into."""
         n, h = hidden.shape
-        head = torch.tensor([OP_RUN, layer, n, ids.shape[1], h, DTYPES.index(hidden.dtype),
-                             DTYPES.index(out_dtype), rows], dtype=torch.int64)
+        head = torch.tensor(
+            [OP_RUN, layer, n, ids.shape[1], h, DTYPES.index(hidden.dtype), DTYPES.index(out_dtype), rows],
+            dtype=torch.int64,
+        )
         sends = [head, hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous()]
         _send_all(group, sends, 1, dev, datetime.timedelta(seconds=self.timeout))
         return torch.empty(rows, h, dtype=out_dtype, device=dev)
@@ -600,14 +646,26 @@ class CollectiveAttention(_PairClient):
     (`remote`, a RemoteAttention): `import_sequence` as RemoteAttention's, over the pair when it is formed, else —
     or when the pair fails — over gRPC."""
 
-    def import_sequence(self, seq_id: str, params, snap, sampler_state: bytes, observed: list[int], *,
-                        reserve_tokens: int, owner: str = "", identity: str = "") -> int:
+    def import_sequence(
+        self,
+        seq_id: str,
+        params,
+        snap,
+        sampler_state: bytes,
+        observed: list[int],
+        *,
+        reserve_tokens: int,
+        owner: str = "",
+        identity: str = "",
+    ) -> int:
         group = self.group
         if group is not None:
             from expertmesh.wire.kv_snapshot import encode
+
             cache = encode(seq_id, identity, snap)
-            header = self.remote.import_header(seq_id, params, len(cache), sampler_state, observed,
-                                               reserve_tokens=reserve_tokens, owner=owner)
+            header = self.remote.import_header(
+                seq_id, params, len(cache), sampler_state, observed, reserve_tokens=reserve_tokens, owner=owner
+            )
             try:
                 free, status, message = self._over_pair(group, lambda g: self._send(g, header, cache))
             except WorkerUnavailable as e:
@@ -621,15 +679,19 @@ class CollectiveAttention(_PairClient):
         else:
             self.form()
         self.grpc_calls += 1
-        return self.remote.import_sequence(seq_id, params, snap, sampler_state, observed,
-                                           reserve_tokens=reserve_tokens, owner=owner, identity=identity)
+        return self.remote.import_sequence(
+            seq_id, params, snap, sampler_state, observed, reserve_tokens=reserve_tokens, owner=owner, identity=identity
+        )
 
     def _send(self, group, header, cache: bytes):
         dev = _device_of(self.backend)
         raw = header.SerializeToString()
         head = torch.tensor([OP_IMPORT, len(raw), len(cache), 0, 0, 0, 0, 0], dtype=torch.int64)
-        sends = [head, torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-                 torch.frombuffer(bytearray(cache), dtype=torch.uint8)]
+        sends = [
+            head,
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+            torch.frombuffer(bytearray(cache), dtype=torch.uint8),
+        ]
         free = torch.zeros(1, dtype=torch.int64, device=dev)
         deadline = datetime.timedelta(seconds=self.timeout)
         _send_all(group, sends, 1, dev, deadline)

@@ -19,6 +19,7 @@ redo after a failure always goes over gRPC (`run_grpc`). Over a formed pair a ca
 the step's own thread and `finish` receives the answer there — no pool thread between (on a loaded 2-core machine
 each hop cost a fraction of a millisecond per layer); gRPC calls run on the pool.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,33 +41,43 @@ log = logging.getLogger("expertmesh.worker")
 @dataclass
 class _Call:
     """One expert worker's share of a layer: request rows, and where each answer row goes."""
+
     worker: int
-    rows: np.ndarray            # [n] token index of each request row
-    ids: np.ndarray             # [n, K] ascending per row, −1 = not in this call
-    out_token: np.ndarray       # [R] token of each answer row
-    out_group: np.ndarray       # [R] group of each answer row
-    out_k: np.ndarray           # [R] slot column of a fragment (one slot of a split group), −1 for a whole group
+    rows: np.ndarray  # [n] token index of each request row
+    ids: np.ndarray  # [n, K] ascending per row, −1 = not in this call
+    out_token: np.ndarray  # [R] token of each answer row
+    out_group: np.ndarray  # [R] group of each answer row
+    out_k: np.ndarray  # [R] slot column of a fragment (one slot of a split group), −1 for a whole group
 
 
 @dataclass
 class _Layer:
     """One MoE layer in flight: what was sent, and what is still to compute (`todo`)."""
+
     layer: int
-    hidden: torch.Tensor        # [N, H] as given (its dtype goes on the wire)
-    host: torch.Tensor          # the same on the host
-    ids: np.ndarray             # [N, K] ascending per row
-    w_t: torch.Tensor           # [N, K] fp32, in the ids' order
-    present: np.ndarray         # [N, G] groups each token has slots in
-    todo: np.ndarray            # [N, G] (token, group) pairs not computed yet
-    span: object = None         # the exchange's span, while tracing
+    hidden: torch.Tensor  # [N, H] as given (its dtype goes on the wire)
+    host: torch.Tensor  # the same on the host
+    ids: np.ndarray  # [N, K] ascending per row
+    w_t: torch.Tensor  # [N, K] fp32, in the ids' order
+    present: np.ndarray  # [N, G] groups each token has slots in
+    todo: np.ndarray  # [N, G] (token, group) pairs not computed yet
+    span: object = None  # the exchange's span, while tracing
     trace_ctx: object = None
-    jobs: list = field(default_factory=list)               # (call, future) of the last attempt
-    failed: dict = field(default_factory=dict)             # token → why
+    jobs: list = field(default_factory=list)  # (call, future) of the last attempt
+    failed: dict = field(default_factory=dict)  # token → why
 
 
 class ExpertExchange:
-    def __init__(self, clients: list, table: ReplicaTable, *, n_experts: int, n_groups: int,
-                 probe_interval: float = 1.0, retries: int = 2):
+    def __init__(
+        self,
+        clients: list,
+        table: ReplicaTable,
+        *,
+        n_experts: int,
+        n_groups: int,
+        probe_interval: float = 1.0,
+        retries: int = 2,
+    ):
         """`clients`: expert workers in plan ordinal order, each with run(layer, hidden, ids, weights, out_dtype)
         (in process: ExpertWorker; remote: RemoteExpert), and optionally health() for probing."""
         self.clients = clients
@@ -123,15 +134,15 @@ class ExpertExchange:
         whole, some = by_group.all(2), by_group.any(2)
         return whole.T.copy() if np.array_equal(whole, some) else None
 
-    def assign(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
-               ) -> tuple[list[_Call], dict[int, set[int]]]:
+    def assign(
+        self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
+    ) -> tuple[list[_Call], dict[int, set[int]]]:
         """ids [N, K] ascending per row; todo bool [N, G] the (token, group) pairs still to compute
         → (one _Call per expert worker with work, {token: experts without a live holder})."""
         calls = self._assign_whole_groups(layer, ids, todo, down)
         return (calls, {}) if calls is not None else self._assign(layer, ids, todo, down)
 
-    def _assign_whole_groups(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
-                             ) -> list[_Call] | None:
+    def _assign_whole_groups(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]) -> list[_Call] | None:
         """`assign` where every group to compute has a live holder of the whole group and no worker holds part of
         one (the common case: a group-aware plan, nothing down): each (token, group) goes whole to the same
         worker `_assign` picks — the ((token + group) mod holders)-th live holder in worker order — in a few array
@@ -140,68 +151,77 @@ class ExpertExchange:
         whole = self._whole.get(layer)
         if whole is None:
             return None
-        live = whole.copy()                                                     # [G, W]
+        live = whole.copy()  # [G, W]
         live[:, sorted(down)] = False
-        n_live = live.sum(1)                                                    # [G]
-        tok, grp = np.nonzero(todo)                                             # (token, group) pairs, row-major
+        n_live = live.sum(1)  # [G]
+        tok, grp = np.nonzero(todo)  # (token, group) pairs, row-major
         if (n_live[grp] == 0).any():
             return None
-        holders = np.argsort(~live, axis=1, kind="stable")                      # [G, W] live holders first, in order
-        worker = holders[grp, (tok + grp) % n_live[grp]]                        # [P]
+        holders = np.argsort(~live, axis=1, kind="stable")  # [G, W] live holders first, in order
+        worker = holders[grp, (tok + grp) % n_live[grp]]  # [P]
         assigned = np.full(todo.shape, -1, dtype=np.int64)
         assigned[tok, grp] = worker
-        slot_worker = np.take_along_axis(assigned, ids // self.group_size, 1)    # [N, K]
+        slot_worker = np.take_along_axis(assigned, ids // self.group_size, 1)  # [N, K]
         calls = []
         for w in np.unique(worker).tolist():
             mine = worker == w
             rows = np.unique(tok[mine])
-            calls.append(_Call(w, rows, np.where(slot_worker[rows] == w, ids[rows], -1), tok[mine], grp[mine],
-                               np.full(int(mine.sum()), -1, dtype=np.int64)))
+            calls.append(
+                _Call(
+                    w,
+                    rows,
+                    np.where(slot_worker[rows] == w, ids[rows], -1),
+                    tok[mine],
+                    grp[mine],
+                    np.full(int(mine.sum()), -1, dtype=np.int64),
+                )
+            )
         return calls
 
-    def _assign(self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
-                ) -> tuple[list[_Call], dict[int, set[int]]]:
+    def _assign(
+        self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
+    ) -> tuple[list[_Call], dict[int, set[int]]]:
         """`assign` in general: replicas of part of a group, fragments, experts without a live holder."""
         N, K = ids.shape
         G, W = self.n_groups, len(self.clients)
         holds = self._holds[layer].copy()
         for w in down:
             holds[w] = False
-        grp = ids // self.group_size                                            # [N, K]
-        live = holds[:, ids]                                                    # [W, N, K]
-        slot_todo = todo[np.arange(N)[:, None], grp]                            # [N, K]
-        in_g = (grp[:, :, None] == np.arange(G)) & slot_todo[:, :, None]        # [N, K, G]
-        need = in_g.sum(1)                                                      # [N, G]
+        grp = ids // self.group_size  # [N, K]
+        live = holds[:, ids]  # [W, N, K]
+        slot_todo = todo[np.arange(N)[:, None], grp]  # [N, K]
+        in_g = (grp[:, :, None] == np.arange(G)) & slot_todo[:, :, None]  # [N, K, G]
+        need = in_g.sum(1)  # [N, G]
         have = np.einsum("wnk,nkg->wng", live.astype(np.int32), in_g.astype(np.int32))
-        full = (have == need[None]) & (need[None] > 0)                          # [W, N, G]
+        full = (have == need[None]) & (need[None] > 0)  # [W, N, G]
         n_full = full.sum(0)
         pick = (np.arange(N)[:, None] + np.arange(G)[None, :]) % np.maximum(n_full, 1)
         whole = np.where(n_full > 0, np.argmax(full & (full.cumsum(0) == pick[None] + 1), axis=0), -1)  # [N, G]
         # slots of groups no single live worker holds whole: each to one of its own holders
-        frag = slot_todo & (np.take_along_axis(n_full, grp, 1) == 0)            # [N, K]
-        n_live = live.sum(0)                                                    # [N, K]
+        frag = slot_todo & (np.take_along_axis(n_full, grp, 1) == 0)  # [N, K]
+        n_live = live.sum(0)  # [N, K]
         pick_k = (np.arange(N)[:, None] + np.arange(K)[None, :]) % np.maximum(n_live, 1)
         frag_w = np.where(frag & (n_live > 0), np.argmax(live & (live.cumsum(0) == pick_k[None] + 1), axis=0), -1)
         missing: dict[int, set[int]] = {}
         for t, k in zip(*np.nonzero(frag & (n_live == 0))):
             missing.setdefault(int(t), set()).add(int(ids[t, k]))
-        slot_whole = np.take_along_axis(whole, grp, 1)                          # [N, K] worker of a whole group
+        slot_whole = np.take_along_axis(whole, grp, 1)  # [N, K] worker of a whole group
         # fragments of one (token, group) on one worker go in separate request rows (rank 0, 1, ...): a row has
         # at most one slot per group that is not whole, so the worker's per-(row, group) sum of it is that slot alone
         rank = np.zeros((N, K), dtype=np.int64)
         for k in range(1, K):
-            same = frag[:, :k] & (frag_w[:, :k] == frag_w[:, k:k + 1]) & (grp[:, :k] == grp[:, k:k + 1])
+            same = frag[:, :k] & (frag_w[:, :k] == frag_w[:, k : k + 1]) & (grp[:, :k] == grp[:, k : k + 1])
             rank[:, k] = same.sum(1)
         calls = []
         for w in range(W):
-            whole_here = slot_todo & ~frag & (slot_whole == w)                  # [N, K]
+            whole_here = slot_todo & ~frag & (slot_whole == w)  # [N, K]
             frag_here = frag & (frag_w == w)
-            slot_row = np.where(whole_here, 0, np.where(frag_here, rank, -1))    # request row rank of each slot
+            slot_row = np.where(whole_here, 0, np.where(frag_here, rank, -1))  # request row rank of each slot
             R = int(slot_row.max()) + 1
             if R <= 0:
                 continue
-            rows_t, rows_r = np.nonzero((slot_row[:, :, None] == np.arange(R)).any(1))   # (token, rank) rows
-            sel = slot_row[rows_t] == rows_r[:, None]                              # [n, K]
+            rows_t, rows_r = np.nonzero((slot_row[:, :, None] == np.arange(R)).any(1))  # (token, rank) rows
+            sel = slot_row[rows_t] == rows_r[:, None]  # [n, K]
             call_ids = np.where(sel, ids[rows_t], -1)
             n = len(rows_t)
             row_of, k_of = np.nonzero(sel)
@@ -210,28 +230,29 @@ class ExpertExchange:
             frag_k = np.full((n, G), -1, dtype=np.int64)
             is_frag = frag_here[rows_t[row_of], k_of]
             frag_k[row_of[is_frag], grp[rows_t[row_of[is_frag]], k_of[is_frag]]] = k_of[is_frag]
-            rr, gg = np.nonzero(groups)                                            # answer rows, row-major
+            rr, gg = np.nonzero(groups)  # answer rows, row-major
             calls.append(_Call(w, rows_t, call_ids, rows_t[rr], gg, frag_k[rr, gg]))
         return calls, missing
 
     # ------------------------------------------------------------------ one MoE layer
-    def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-            ) -> tuple[torch.Tensor, dict[int, str]]:
+    def moe(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[int, str]]:
         """hidden [N, H] (the activation dtype: what goes on the wire), topk_ids / topk_weights [N, K]
         → (routed sum fp32 [N, H] in the canonical order, {token: why it failed})."""
         return self.finish(self.start(layer, hidden, topk_ids, topk_weights))
 
-    def start(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-              ) -> _Layer:
+    def start(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Layer:
         """Send a layer's calls and return at once (the caller computes its shared experts meanwhile); `finish`
         waits for the answers, redoes what failed and combines."""
         span = trace_ctx = None
         if telemetry.tracing_enabled():
             from opentelemetry import context, trace
+
             span = telemetry.tracer().start_span("expert_exchange", attributes={"expertmesh.layer": layer})
             trace_ctx = trace.set_span_in_context(span, context.get_current())
         ids_t, w_t = sort_slots(topk_ids.cpu(), topk_weights.cpu().float())
-        present = present_groups(ids_t, self.group_size, self.n_groups).numpy()   # [N, G]
+        present = present_groups(ids_t, self.group_size, self.n_groups).numpy()  # [N, G]
         job = _Layer(layer, hidden, hidden.cpu(), ids_t.numpy(), w_t, present, present.copy(), span, trace_ctx)
         self._send(job, 0)
         return job
@@ -253,7 +274,7 @@ class ExpertExchange:
             sent, ids, w, out_dtype = self._request(c, job.host, job.w_t, job.hidden.dtype)
             try:
                 posted = client.post(job.layer, sent, ids, w, out_dtype, len(c.out_token))
-            except Exception as e:              # as a pool call that failed (finish redoes a ConnectionError)
+            except Exception as e:  # as a pool call that failed (finish redoes a ConnectionError)
                 failed = Future()
                 failed.set_exception(e)
                 return failed
@@ -281,13 +302,18 @@ class ExpertExchange:
             for c, fut in job.jobs:
                 try:
                     results.append((c, fut.result()))
-                except ConnectionError as e:     # unreachable / deadline: its groups go to replicas
+                except ConnectionError as e:  # unreachable / deadline: its groups go to replicas
                     self.mark_down(c.worker, e)
                     lost.update(zip(c.out_token.tolist(), c.out_group.tolist()))
             fragments = []
             for c, out in results:
-                keep = np.ones(len(c.out_token), dtype=bool) if not lost else np.array(
-                    [(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())], dtype=bool)
+                keep = (
+                    np.ones(len(c.out_token), dtype=bool)
+                    if not lost
+                    else np.array(
+                        [(t, g) not in lost for t, g in zip(c.out_token.tolist(), c.out_group.tolist())], dtype=bool
+                    )
+                )
                 whole = keep & (c.out_k < 0)
                 got_tokens.append(c.out_token[whole])
                 got_groups.append(c.out_group[whole])
@@ -295,14 +321,17 @@ class ExpertExchange:
                 todo[c.out_token[whole], c.out_group[whole]] = False
                 sel = np.flatnonzero(keep & (c.out_k >= 0))
                 fragments += [(int(c.out_k[i]), int(c.out_token[i]), int(c.out_group[i]), out[i]) for i in sel]
-            for _k, t, g, row in sorted(fragments, key=lambda f: f[0]):   # P_g from its slots, ascending id
+            for _k, t, g, row in sorted(fragments, key=lambda f: f[0]):  # P_g from its slots, ascending id
                 summed[t, g] = summed.get((t, g), torch.zeros(H)) + row.float()
                 todo[t, g] = False
             if not lost:
                 break
         for t in np.flatnonzero(todo.any(1)).tolist():
-            job.failed.setdefault(t, f"expert workers failed for layer {layer}: " + "; ".join(
-                self.last_error.get(w, "") for w in sorted(self.down)))
+            job.failed.setdefault(
+                t,
+                f"expert workers failed for layer {layer}: "
+                + "; ".join(self.last_error.get(w, "") for w in sorted(self.down)),
+            )
         with self.lock:
             np.add.at(self.load[layer], job.ids.ravel(), 1)
         if summed:
@@ -315,10 +344,19 @@ class ExpertExchange:
         # a (token, group) missing (its experts failed) adds nothing, as its zero P_g would
         return fold_rows(np.concatenate(got_tokens), np.concatenate(got_groups), rows, N, job.hidden.dtype), job.failed
 
-    def _run(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-             trace_ctx=None, attempt: int = 0) -> torch.Tensor:
-        if trace_ctx is not None:         # the pool thread joins the step's trace: the call carries traceparent
+    def _run(
+        self,
+        layer: int,
+        c: _Call,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        dtype: torch.dtype,
+        trace_ctx=None,
+        attempt: int = 0,
+    ) -> torch.Tensor:
+        if trace_ctx is not None:  # the pool thread joins the step's trace: the call carries traceparent
             from opentelemetry import context
+
             token = context.attach(trace_ctx)
             try:
                 return self._call(layer, c, hidden, weights, dtype, attempt)
@@ -337,19 +375,24 @@ class ExpertExchange:
         out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
         return hidden[rows], ids, w, out_dtype
 
-    def _call(self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-              attempt: int = 0) -> torch.Tensor:
+    def _call(
+        self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, attempt: int = 0
+    ) -> torch.Tensor:
         sent, ids, w, out_dtype = self._request(c, hidden, weights, dtype)
         client = self.clients[c.worker]
-        if hasattr(client, "run_grpc"):     # a collective transport (worker/collective.py): a redo goes over gRPC
-            out = client.run_grpc(layer, sent, ids, w, out_dtype) if attempt else \
-                client.run(layer, sent, ids, w, out_dtype, rows=len(c.out_token))
+        if hasattr(client, "run_grpc"):  # a collective transport (worker/collective.py): a redo goes over gRPC
+            out = (
+                client.run_grpc(layer, sent, ids, w, out_dtype)
+                if attempt
+                else client.run(layer, sent, ids, w, out_dtype, rows=len(c.out_token))
+            )
         else:
             out = client.run(layer, sent, ids, w, out_dtype)
         return self._answered(c, out, sent, ids, w)
 
-    def _answered(self, c: _Call, out: torch.Tensor, sent: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-                  ) -> torch.Tensor:
+    def _answered(
+        self, c: _Call, out: torch.Tensor, sent: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
         """A call's answer, checked and counted."""
         if out.shape[0] != len(c.out_token):
             raise RuntimeError(f"expert worker {c.worker}: {out.shape[0]} answer rows, expected {len(c.out_token)}")

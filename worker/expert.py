@@ -5,6 +5,7 @@ the tokens' hidden states once each, their experts here and gate weights. The an
 (token, expert group) — the group's weighted partial sum in the canonical order of kernels/moe/combine.py — so
 a token costs ≤ topk_group rows on the way back instead of top_k.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,18 @@ from expertmesh.worker.threads import DecodeThreads
 
 
 class ExpertWorker:
-    def __init__(self, checkpoint: Checkpoint | str | ModelConfig, assignment: list[tuple[int, int]],
-                 name: str = "expert-0", *, device: str = "cpu", gpu_of: dict[tuple[int, int], int] | None = None,
-                 step_tokens: int | None = None, max_call_bytes: int = 256 * 2 ** 20, decode_threads: int | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint | str | ModelConfig,
+        assignment: list[tuple[int, int]],
+        name: str = "expert-0",
+        *,
+        device: str = "cpu",
+        gpu_of: dict[tuple[int, int], int] | None = None,
+        step_tokens: int | None = None,
+        max_call_bytes: int = 256 * 2**20,
+        decode_threads: int | None = None,
+    ):
         """`assignment`: the (layer, expert) pairs this worker holds (from the placement plan). `gpu_of`: the
         plan's GPU index of each pair (default 0): on cuda GPU g's experts live on cuda:g (one process per pod,
         one device rank per GPU — see expertmesh/model/memory.py), on cpu all on the one device, on meta nowhere
@@ -48,17 +58,17 @@ class ExpertWorker:
         self.name = name
         self.device_kind = memory.check_device(device)
         self.step_tokens = step_tokens or memory.STEP_TOKENS
-        self.max_call_bytes = max_call_bytes      # a call's output workspace bound: oversized calls are refused
+        self.max_call_bytes = max_call_bytes  # a call's output workspace bound: oversized calls are refused
         # layer → [(device label, RoutedExperts, {global id: local index} on the host)]; replaced as a whole
         # (set_shards), so a call reads one consistent table
         self.experts: dict[int, list] = {}
         self.assignment: list[tuple[int, int]] = []
         self.lock = threading.Lock()
-        self._replace_lock = threading.Lock()            # one set_shards at a time
-        self.shards_loaded = self.shards_dropped = 0     # by set_shards since start (live re-plans)
+        self._replace_lock = threading.Lock()  # one set_shards at a time
+        self.shards_loaded = self.shards_dropped = 0  # by set_shards since start (live re-plans)
         self._place(assignment, gpu_of, keep=False)
         if self.device_kind == "cpu":
-            cpu_warmup.load(cpu_warmup.EXPERT)        # before serving: not on the first request
+            cpu_warmup.load(cpu_warmup.EXPERT)  # before serving: not on the first request
         self.calls = 0
         self.tokens_computed = 0
         # fault injection for tests (a slow worker): every run() sleeps this long first
@@ -79,12 +89,14 @@ class ExpertWorker:
         `keep` leaves every held shard too, else a held entry with shards outside `assignment` is replaced by one
         without them. The new table is swapped in whole. → (shards loaded, shards dropped)."""
         n_experts, layers = self.cfg.moe.n_routed_experts, set(self.cfg.moe_layers)
-        by_shard: dict[tuple[int, int], set[int]] = defaultdict(set)      # (layer, gpu) → experts
+        by_shard: dict[tuple[int, int], set[int]] = defaultdict(set)  # (layer, gpu) → experts
         for layer, expert in assignment:
             layer, expert = int(layer), int(expert)
             if layer not in layers or not 0 <= expert < n_experts:
-                raise ExpertRequestError(f"experts: ({layer}, {expert}) is not a routed expert of {self.cfg.name} "
-                                         f"(MoE layers {self.cfg.moe_layers}, experts 0..{n_experts - 1})")
+                raise ExpertRequestError(
+                    f"experts: ({layer}, {expert}) is not a routed expert of {self.cfg.name} "
+                    f"(MoE layers {self.cfg.moe_layers}, experts 0..{n_experts - 1})"
+                )
             gpu = 0 if gpu_of is None or self.device_kind == "cpu" else int(gpu_of.get((layer, expert), 0))
             by_shard[(layer, gpu)].add(expert)
         wanted = {(l, e) for (l, _), ids in by_shard.items() for e in ids}
@@ -96,7 +108,7 @@ class ExpertWorker:
                 kept = sorted(e for e in local if keep or (layer, e) in wanted)
                 dropped += len(local) - len(kept)
                 if len(kept) == len(local):
-                    table[layer].append((label, mod, local))          # untouched: no reload
+                    table[layer].append((label, mod, local))  # untouched: no reload
                 elif kept:
                     gpu = mod.gate_up_blocks.device.index or 0 if self.device_kind == "cuda" else 0
                     table[layer].append(self._load(layer, gpu, kept))
@@ -108,8 +120,9 @@ class ExpertWorker:
                 table[layer].append(self._load(layer, gpu, new))
                 loaded += len(new)
         self.experts = dict(table)
-        self.assignment = sorted({(l, e) for l, entries in self.experts.items() for _, _, local in entries
-                                  for e in local})
+        self.assignment = sorted(
+            {(l, e) for l, entries in self.experts.items() for _, _, local in entries for e in local}
+        )
         return loaded, dropped
 
     def set_shards(self, assignment, gpu_of: dict | None = None, *, drop_others: bool = False) -> dict:
@@ -134,16 +147,31 @@ class ExpertWorker:
             for label, mod, _ in shards:
                 per_device[label].append(mod)
         for label, mods in sorted(per_device.items()):
-            weights = sum(b.numel() * b.element_size() for m in mods for n, b in m.named_buffers()
-                          if n.endswith(("_blocks", "_scales")))
+            weights = sum(
+                b.numel() * b.element_size()
+                for m in mods
+                for n, b in m.named_buffers()
+                if n.endswith(("_blocks", "_scales"))
+            )
             shards = sum(len(m.ids) for m in mods)
-            mem.add(label, weights=weights, workspace=memory.expert_workspace_bytes(
-                self.cfg, self.device_kind, layers=len(mods), shards=shards, step_tokens=self.step_tokens))
+            mem.add(
+                label,
+                weights=weights,
+                workspace=memory.expert_workspace_bytes(
+                    self.cfg, self.device_kind, layers=len(mods), shards=shards, step_tokens=self.step_tokens
+                ),
+            )
         return mem
 
     @torch.no_grad()
-    def run(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def run(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         """hidden [n, H]; expert_ids [n, K] global ids in ascending order per row, −1 for slots computed elsewhere;
         weights [n, K] the gate weights → [R, H] in `out_dtype`: per row, per expert group it has slots in
         (ascending), the group's partial sum P_g (kernels/moe/combine.py: Σ w·y in ascending expert id, fp32)."""
@@ -153,15 +181,19 @@ class ExpertWorker:
         if hidden.dim() != 2 or hidden.shape[1] != h:
             raise ExpertRequestError(f"hidden: expected shape [n, {h}], found {list(hidden.shape)}")
         if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0]:
-            raise ExpertRequestError(f"expert_ids: expected shape [{hidden.shape[0]}, K], found {list(expert_ids.shape)}")
+            raise ExpertRequestError(
+                f"expert_ids: expected shape [{hidden.shape[0]}, K], found {list(expert_ids.shape)}"
+            )
         if tuple(weights.shape) != tuple(expert_ids.shape) or not weights.is_floating_point():
-            raise ExpertRequestError(f"weights: expected floating point of shape {list(expert_ids.shape)}, found "
-                                     f"{weights.dtype} {list(weights.shape)}")
+            raise ExpertRequestError(
+                f"weights: expected floating point of shape {list(expert_ids.shape)}, found "
+                f"{weights.dtype} {list(weights.shape)}"
+            )
         shards = self.experts.get(layer)
         if shards is None:
             raise UnknownExpert(f"layer {layer}: {self.name} holds no experts of this layer")
         expert_ids = expert_ids.long()
-        ids = expert_ids.numpy()                # the checks on the host array: a call is a few rows
+        ids = expert_ids.numpy()  # the checks on the host array: a call is a few rows
         valid = ids >= 0
         if ids.size and (ids.max() >= n_experts or ids.min() < -1):
             bad = int(ids.max()) if ids.max() >= n_experts else int(ids.min())
@@ -169,14 +201,16 @@ class ExpertWorker:
         if ids.shape[1] > 1 and bool((valid[:, 1:] & (ids[:, 1:] <= ids[:, :-1])).any()):
             raise ExpertRequestError("expert_ids: expected each row's ids distinct and in ascending order")
         safe_ids = ids.clip(min=0)
-        mine_of = [valid & (_host_index(mod)[safe_ids] >= 0) for _, mod, _ in shards]   # per shard [n, K]
+        mine_of = [valid & (_host_index(mod)[safe_ids] >= 0) for _, mod, _ in shards]  # per shard [n, K]
         missing = valid & ~np.logical_or.reduce(mine_of)
         if missing.any():
             raise UnknownExpert(f"expert ({layer}, {int(ids[missing][0])}) is not held by {self.name}")
         n, k = ids.shape
         if n * k * h * 4 > self.max_call_bytes:
-            raise ExpertRequestError(f"hidden: {n} rows x {k} slots need {n * k * h * 4:,} bytes of workspace, over "
-                                     f"this worker's per-call limit of {self.max_call_bytes:,}; split the call")
+            raise ExpertRequestError(
+                f"hidden: {n} rows x {k} slots need {n * k * h * 4:,} bytes of workspace, over "
+                f"this worker's per-call limit of {self.max_call_bytes:,}; split the call"
+            )
         with self.lock, self.threads.rows(n):
             self.calls += 1
             self.tokens_computed += int(valid.sum())
@@ -204,7 +238,7 @@ class ExpertWorker:
             ids = torch.where(mine, expert_ids, torch.full_like(expert_ids, -1))
             for s in range(0, n, self.step_tokens):
                 rows = slice(s, min(n, s + self.step_tokens))
-                res = mod.outputs_fp32(hidden[rows].to(dev), ids[rows].to(dev))   # [t, K, H] fp32
+                res = mod.outputs_fp32(hidden[rows].to(dev), ids[rows].to(dev))  # [t, K, H] fp32
                 pending.append((rows, mine[rows], res))
         for rows, mask, res in pending:
             out[rows][mask] = res.cpu()[mask]

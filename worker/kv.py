@@ -4,6 +4,7 @@ One block holds `block_size` consecutive tokens of one sequence in every latent-
 and indexer keys in DSA layers). Blocks are reference counted so that a cached prefix and the sequences forked from it share
 the full blocks of the prefix; a partly filled block is never shared (it is copied on fork).
 """
+
 from __future__ import annotations
 
 import threading
@@ -16,8 +17,9 @@ from expertmesh.wire.worker_api import OutOfBlocks
 
 
 class BlockPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, *, device="cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, *, device="cpu", dtype: torch.dtype = torch.float32
+    ):
         """The pool in the worker's dtype (bf16 on GPUs, fp32 on the CPU reference) on its device."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be positive")
@@ -26,10 +28,13 @@ class BlockPool:
         d_latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         alloc = torch.empty if torch.device(device).type == "meta" else torch.zeros
         self.latent = {i: alloc(num_blocks, block_size, d_latent, dtype=dtype, device=device) for i in self.kv_layers}
-        self.index_k = {i: alloc(num_blocks, block_size, cfg.indexer.head_dim, dtype=dtype, device=device)
-                        for i in self.kv_layers if cfg.layer_types[i] == "dsa"}
+        self.index_k = {
+            i: alloc(num_blocks, block_size, cfg.indexer.head_dim, dtype=dtype, device=device)
+            for i in self.kv_layers
+            if cfg.layer_types[i] == "dsa"
+        }
         self.refcount = [0] * num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         # the free list and the counts have a lock of their own: a hand-off lands (its blocks taken and written)
         # while a step runs on other blocks (AttentionWorker.import_sequence)
         self.lock = threading.Lock()
@@ -41,8 +46,7 @@ class BlockPool:
     def allocate(self) -> int:
         with self.lock:
             if not self.free:
-                raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens in "
-                                  f"use")
+                raise OutOfBlocks(f"KV pool exhausted: all {self.num_blocks} blocks of {self.block_size} tokens in use")
             b = self.free.pop()
             self.refcount[b] = 1
             return b
@@ -80,11 +84,11 @@ class PagedSequenceKV:
         """Tokens start .. start+n-1 of `layer` into their pages (one indexed store per tensor)."""
         bs = self.pool.block_size
         n = latent.shape[0]
-        if n and start // bs == (start + n - 1) // bs:      # inside one block (every decode step): slice stores
+        if n and start // bs == (start + n - 1) // bs:  # inside one block (every decode step): slice stores
             block, off = self.blocks[start // bs], start % bs
-            self.pool.latent[layer][block, off:off + n] = latent
+            self.pool.latent[layer][block, off : off + n] = latent
             if index_k is not None:
-                self.pool.index_k[layer][block, off:off + n] = index_k
+                self.pool.index_k[layer][block, off : off + n] = index_k
             return
         dev = self.pool.latent[layer].device
         pos = torch.arange(start, start + n, device=dev)
@@ -148,9 +152,12 @@ class PagedDSACache:
         n_blocks = -(-self.length // self.kv.pool.block_size)
         pool = self.kv.pool
         dev = pool.latent[self.layer].device
-        return CachePages(pool.latent[self.layer], pool.index_k.get(self.layer),
-                          torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32, device=dev),
-                          torch.tensor([self.length], dtype=torch.int32, device=dev))
+        return CachePages(
+            pool.latent[self.layer],
+            pool.index_k.get(self.layer),
+            torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32, device=dev),
+            torch.tensor([self.length], dtype=torch.int32, device=dev),
+        )
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._view is None:

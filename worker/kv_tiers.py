@@ -13,6 +13,7 @@ half file under the real name). A file whose header does not parse, whose identi
 checksum fails is deleted and counted (`rejected`), never served. On CUDA the host tier holds pinned memory and the
 copies are non-blocking (synchronised before use); on CPU the same path copies ordinary tensors.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,21 +54,22 @@ def synchronize(device: torch.device) -> None:
 @dataclass
 class TierStats:
     """One tier's counters since the worker started (bytes: tensor bytes in host memory, file bytes on disk)."""
+
     capacity_bytes: int
     used_bytes: int = 0
     entries: int = 0
-    demotions: int = 0          # prefixes that entered this tier from the one above
-    restores: int = 0           # prefixes copied back to the device from this tier (cache hits served)
+    demotions: int = 0  # prefixes that entered this tier from the one above
+    restores: int = 0  # prefixes copied back to the device from this tier (cache hits served)
     restore_bytes: int = 0
     restore_seconds: float = 0.0
-    dropped: int = 0            # prefixes that left this tier for nowhere (full, or too large for it)
-    rejected: int = 0           # disk only: torn, corrupted or foreign files deleted, never served
+    dropped: int = 0  # prefixes that left this tier for nowhere (full, or too large for it)
+    rejected: int = 0  # disk only: torn, corrupted or foreign files deleted, never served
 
 
 @dataclass
 class _DiskEntry:
     path: Path
-    nbytes: int                 # file size (header included): what counts against the bound
+    nbytes: int  # file size (header included): what counts against the bound
     length: int
 
 
@@ -75,13 +77,14 @@ class _DiskEntry:
 class KVTiers:
     """The host and disk tiers of one worker. `host_bytes` / `disk_bytes`: hard bounds (0: no such tier);
     `disk_dir`: where disk files live (reused at start when they match `identity`)."""
+
     host_bytes: int
     identity: str
     disk_dir: Path | None = None
     disk_bytes: int = 0
-    host: OrderedDict = field(default_factory=OrderedDict)      # key → PrefixSnapshot (host tensors), oldest first
-    disk: OrderedDict = field(default_factory=OrderedDict)      # key → _DiskEntry, oldest first
-    stats: dict = field(default_factory=dict)                   # "host" / "disk" → TierStats
+    host: OrderedDict = field(default_factory=OrderedDict)  # key → PrefixSnapshot (host tensors), oldest first
+    disk: OrderedDict = field(default_factory=OrderedDict)  # key → _DiskEntry, oldest first
+    stats: dict = field(default_factory=dict)  # "host" / "disk" → TierStats
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes < 0:
@@ -105,8 +108,9 @@ class KVTiers:
 
     def keys(self) -> list[tuple[str, int, str]]:
         """(key, length, tier) of every prefix held below the device."""
-        return [(k, s.length, "host") for k, s in self.host.items()] + \
-            [(k, e.length, "disk") for k, e in self.disk.items()]
+        return [(k, s.length, "host") for k, s in self.host.items()] + [
+            (k, e.length, "disk") for k, e in self.disk.items()
+        ]
 
     # ------------------------------------------------------------------ demotion
     def put(self, key: str, snap: PrefixSnapshot) -> list[str]:
@@ -152,7 +156,7 @@ class KVTiers:
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-        except OSError as e:         # a full or failing disk costs this prefix, never the step that demoted it
+        except OSError as e:  # a full or failing disk costs this prefix, never the step that demoted it
             tmp.unlink(missing_ok=True)
             log.warning("KV disk tier: cannot write %s (%s); prefix dropped", path.name, e)
             self.stats["disk"].dropped += 1
@@ -203,7 +207,7 @@ class KVTiers:
     def _scan(self) -> None:
         """Index the files a previous run left (oldest first); delete and count the ones that fail a check."""
         self.disk_dir.mkdir(parents=True, exist_ok=True)
-        for tmp in self.disk_dir.glob("*.tmp"):        # a write cut short by a crash
+        for tmp in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
             tmp.unlink(missing_ok=True)
             self.stats["disk"].rejected += 1
         files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
@@ -222,10 +226,9 @@ class KVTiers:
                 continue
             self.disk[key] = _DiskEntry(path, len(data), snap_len)
             self._held("disk", len(data), 1)
-        while self.disk and self.stats["disk"].used_bytes > self.disk_bytes:      # a smaller bound than before
+        while self.disk and self.stats["disk"].used_bytes > self.disk_bytes:  # a smaller bound than before
             self._remove_disk(next(iter(self.disk)))
             self.stats["disk"].dropped += 1
 
     def snapshot_stats(self) -> dict[str, TierStats]:
         return {k: TierStats(**vars(v)) for k, v in self.stats.items()}
-

@@ -1,6 +1,7 @@
 """A worker's Prometheus metrics (`--metrics-port`): calls, latency and errors per method, KV blocks and
 sequences, the KV tiers' bytes and traffic, prompt tokens computed and hand-offs (attention role), (token, expert)
 pairs computed (expert role)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -12,10 +13,19 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.calls = Counter("expertmesh_worker_rpcs", "gRPC calls served, by method and status code",
-                             ["method", "code"], registry=self.registry)
-        self.call_seconds = Histogram("expertmesh_worker_rpc_duration_seconds", "Time to serve a call",
-                                      ["method"], buckets=BUCKETS, registry=self.registry)
+        self.calls = Counter(
+            "expertmesh_worker_rpcs",
+            "gRPC calls served, by method and status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.call_seconds = Histogram(
+            "expertmesh_worker_rpc_duration_seconds",
+            "Time to serve a call",
+            ["method"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         self.server = None
         self.registry.register(_State(self))
 
@@ -31,8 +41,9 @@ class _State:
         att, exp = getattr(server, "attention", None), getattr(server, "expert", None)
         if att is not None:
             info = att.info()
-            blocks = GaugeMetricFamily("expertmesh_kv_blocks", "KV blocks of this attention worker",
-                                       labels=["worker", "state"])
+            blocks = GaugeMetricFamily(
+                "expertmesh_kv_blocks", "KV blocks of this attention worker", labels=["worker", "state"]
+            )
             blocks.add_metric([info["name"], "free"], info["free_blocks"])
             blocks.add_metric([info["name"], "used"], info["total_blocks"] - info["free_blocks"])
             yield blocks
@@ -43,14 +54,18 @@ class _State:
             yield from handoff_metrics(att)
         collective = getattr(server, "collective", None)
         if collective is not None:
-            calls = CounterMetricFamily("expertmesh_collective_calls", "Calls served over torch.distributed pairs: "
-                                        "expert exchange (run), hand-offs taken (import)", labels=["op"])
+            calls = CounterMetricFamily(
+                "expertmesh_collective_calls",
+                "Calls served over torch.distributed pairs: expert exchange (run), hand-offs taken (import)",
+                labels=["op"],
+            )
             calls.add_metric(["run"], collective.calls)
             calls.add_metric(["import"], collective.imports)
             yield calls
         if exp is not None:
-            done = CounterMetricFamily("expertmesh_expert_slots_computed", "(token, expert) pairs computed",
-                                       labels=["worker"])
+            done = CounterMetricFamily(
+                "expertmesh_expert_slots_computed", "(token, expert) pairs computed", labels=["worker"]
+            )
             done.add_metric([exp.name], exp.tokens_computed)
             yield done
             held = GaugeMetricFamily("expertmesh_experts_held", "(layer, expert) shards held", labels=["worker"])
@@ -61,22 +76,29 @@ class _State:
 def handoff_metrics(att):
     """Prompt tokens this worker computed, under its pool (prefill | decode | mixed), and the sequences / KV bytes it
     handed to or took from another attention worker (prefill → decode disaggregation)."""
-    prefill = CounterMetricFamily("expertmesh_prefill_tokens", "Prompt tokens computed, by pool",
-                                  labels=["worker", "pool"])
+    prefill = CounterMetricFamily(
+        "expertmesh_prefill_tokens", "Prompt tokens computed, by pool", labels=["worker", "pool"]
+    )
     prefill.add_metric([att.name, att.pool_role], att.prompt_tokens_computed)
     yield prefill
-    moved = CounterMetricFamily("expertmesh_kv_transfer_bytes", "KV, indexer-key and recurrent-state bytes handed "
-                                "to (sent) or taken from (received) another attention worker",
-                                labels=["worker", "direction"])
-    count = CounterMetricFamily("expertmesh_kv_handoffs", "Sequences handed off, by direction",
-                                labels=["worker", "direction"])
+    moved = CounterMetricFamily(
+        "expertmesh_kv_transfer_bytes",
+        "KV, indexer-key and recurrent-state bytes handed to (sent) or taken from (received) another attention worker",
+        labels=["worker", "direction"],
+    )
+    count = CounterMetricFamily(
+        "expertmesh_kv_handoffs", "Sequences handed off, by direction", labels=["worker", "direction"]
+    )
     for direction in ("sent", "received"):
         moved.add_metric([att.name, direction], att.handoff_bytes[direction])
         count.add_metric([att.name, direction], att.handoffs[direction])
     yield moved
     yield count
-    seconds = CounterMetricFamily("expertmesh_kv_handoff_seconds", "Time spent handing sequences off (export, "
-                                  "transfer, import; sender side)", labels=["worker"])
+    seconds = CounterMetricFamily(
+        "expertmesh_kv_handoff_seconds",
+        "Time spent handing sequences off (export, transfer, import; sender side)",
+        labels=["worker"],
+    )
     seconds.add_metric([att.name], att.handoff_seconds)
     yield seconds
 
@@ -87,27 +109,41 @@ def tier_metrics(att):
     name, tiers = att.name, att.tiers.snapshot_stats()
     pool = att.pool
     block_bytes = sum(t[0].numel() * t.element_size() for t in list(pool.latent.values()) + list(pool.index_k.values()))
-    gauges = {f: GaugeMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"]) for f, doc in (
-        ("used_bytes", "Bytes held by cached KV in the tier"), ("capacity_bytes", "The tier's byte bound"),
-        ("prefixes", "Cached prefixes held in the tier"))}
+    gauges = {
+        f: GaugeMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"])
+        for f, doc in (
+            ("used_bytes", "Bytes held by cached KV in the tier"),
+            ("capacity_bytes", "The tier's byte bound"),
+            ("prefixes", "Cached prefixes held in the tier"),
+        )
+    }
     gauges["used_bytes"].add_metric([name, "device"], (pool.num_blocks - pool.free_blocks) * block_bytes)
     gauges["capacity_bytes"].add_metric([name, "device"], pool.num_blocks * block_bytes)
     gauges["prefixes"].add_metric([name, "device"], len(att.prefixes))
-    counters = {f: CounterMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"]) for f, doc in (
-        ("hits", "Prefixes served from the tier (device: used in place; host / disk: restored)"),
-        ("demotions", "Prefixes that entered the tier from the one above"),
-        ("restore_bytes", "Bytes copied back to the device from the tier"),
-        ("restore_seconds", "Time spent restoring from the tier"),
-        ("dropped", "Prefixes that left the tier for no lower one"),
-        ("rejected", "Disk files deleted unserved: torn, corrupted or of another model / layout"))}
+    counters = {
+        f: CounterMetricFamily(f"expertmesh_kv_tier_{f}", doc, labels=["worker", "tier"])
+        for f, doc in (
+            ("hits", "Prefixes served from the tier (device: used in place; host / disk: restored)"),
+            ("demotions", "Prefixes that entered the tier from the one above"),
+            ("restore_bytes", "Bytes copied back to the device from the tier"),
+            ("restore_seconds", "Time spent restoring from the tier"),
+            ("dropped", "Prefixes that left the tier for no lower one"),
+            ("rejected", "Disk files deleted unserved: torn, corrupted or of another model / layout"),
+        )
+    }
     counters["hits"].add_metric([name, "device"], att.device_prefix_hits)
     for tier, st in tiers.items():
         gauges["used_bytes"].add_metric([name, tier], st.used_bytes)
         gauges["capacity_bytes"].add_metric([name, tier], st.capacity_bytes)
         gauges["prefixes"].add_metric([name, tier], st.entries)
-        for field, value in (("hits", st.restores), ("demotions", st.demotions), ("restore_bytes", st.restore_bytes),
-                             ("restore_seconds", st.restore_seconds), ("dropped", st.dropped),
-                             ("rejected", st.rejected)):
+        for field, value in (
+            ("hits", st.restores),
+            ("demotions", st.demotions),
+            ("restore_bytes", st.restore_bytes),
+            ("restore_seconds", st.restore_seconds),
+            ("dropped", st.dropped),
+            ("rejected", st.rejected),
+        ):
             counters[field].add_metric([name, tier], value)
     yield from gauges.values()
     yield from counters.values()

@@ -13,13 +13,14 @@ of its own a worker keeps the default (None: all threads).
 Which thread computes which output never changes its bits: every kernel the overlapping work runs (the MXFP4 MoE
 kernel, the row-invariant linear, the group partial sums) splits outputs across threads, never a reduction.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
 
-DECODE_ROWS = 16          # token rows up to which work counts as decode-sized
+DECODE_ROWS = 16  # token rows up to which work counts as decode-sized
 
 
 class DecodeThreads:

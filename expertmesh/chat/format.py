@@ -32,6 +32,7 @@ exactly the tokens the model generated for it (tool arguments are kept verbatim,
 prompt of turn N+1 starts with the prompt of turn N plus its output: the prefix cache recomputes only the
 new tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,12 +52,12 @@ class ChatError(ValueError):
 class ToolCall:
     id: str
     name: str
-    arguments: str          # the JSON text, verbatim
+    arguments: str  # the JSON text, verbatim
 
 
 @dataclass
 class Message:
-    role: str               # system | user | assistant | tool
+    role: str  # system | user | assistant | tool
     content: str = ""
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -92,30 +93,41 @@ def validate_history(messages: list[Message]) -> None:
             if not m.tool_call_id:
                 raise ChatError(f"messages[{i}].tool_call_id: required for a tool message")
             if m.tool_call_id not in pending:
-                raise ChatError(f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no earlier assistant "
-                                f"tool call that is still open")
+                raise ChatError(
+                    f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no earlier assistant "
+                    f"tool call that is still open"
+                )
             del pending[m.tool_call_id]
             continue
         if pending and m.role in ("user", "assistant"):
             first = min(pending.items(), key=lambda kv: kv[1])
-            raise ChatError(f"messages[{first[1]}]: tool call {first[0]!r} is never answered before "
-                            f"messages[{i}] ({m.role})")
+            raise ChatError(
+                f"messages[{first[1]}]: tool call {first[0]!r} is never answered before messages[{i}] ({m.role})"
+            )
         if m.role == "assistant":
             for c in m.tool_calls:
                 if c.id in pending:
                     raise ChatError(f"messages[{i}].tool_calls: duplicate id {c.id!r}")
                 pending[c.id] = i
     if messages[-1].role == "assistant" and messages[-1].tool_calls:
-        raise ChatError(f"messages[{len(messages) - 1}]: the last assistant tool calls need tool results "
-                        f"before the model can continue")
+        raise ChatError(
+            f"messages[{len(messages) - 1}]: the last assistant tool calls need tool results "
+            f"before the model can continue"
+        )
 
 
 def render_tools(tools: list[dict] | None) -> str:
     return json.dumps(tools, sort_keys=True, separators=(",", ":")) if tools else ""
 
 
-def render(messages: list[Message], tokenizer: ByteTokenizer, *, tools: list[dict] | None = None,
-           thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
+def render(
+    messages: list[Message],
+    tokenizer: ByteTokenizer,
+    *,
+    tools: list[dict] | None = None,
+    thinking: bool = True,
+    add_generation_prompt: bool = True,
+) -> list[int]:
     """The token ids of a conversation (validated first): the header, each message on its own, the generation
     prompt — a concatenation, so a conversation can also be assembled piece by piece (the Responses API splices
     the exact generated tokens of earlier turns between rendered messages)."""
@@ -147,8 +159,11 @@ def render_message(m: Message, t: ByteTokenizer) -> list[int]:
     if m.role == "user" and m.parts is not None:
         ids = [t.user_id]
         for p in m.parts:
-            ids += t.encode(p) if isinstance(p, str) else [t.image_start_id] + [t.image_pad_id] * p.tokens + [
-                t.image_end_id]
+            ids += (
+                t.encode(p)
+                if isinstance(p, str)
+                else [t.image_start_id] + [t.image_pad_id] * p.tokens + [t.image_end_id]
+            )
         return ids + [t.end_id]
     if m.role == "user":
         return [t.user_id] + t.encode(m.content) + [t.end_id]
@@ -172,24 +187,42 @@ def render_assistant(m: Message, t: ByteTokenizer) -> list[int]:
 @dataclass(frozen=True)
 class ChatMarkers:
     """The token ids a chat format gives meaning to in generated output."""
-    stop: tuple[int, ...]                 # the answer is over (end of turn, EOS)
-    end_of_turn: int                      # what a stray template token in an answer becomes
+
+    stop: tuple[int, ...]  # the answer is over (end of turn, EOS)
+    end_of_turn: int  # what a stray template token in an answer becomes
     think_start: int | None = None
-    think_end: int | None = None          # the token that ends thinking (the first of think_end_ids)
+    think_end: int | None = None  # the token that ends thinking (the first of think_end_ids)
     # the whole sequence that ends thinking and opens the answer where that is more than one token (K3:
     # ⟨close⟩ think ⟨sep⟩ ⟨open⟩ response ⟨sep⟩): what a budget cut forces (thinking_control)
     think_end_ids: tuple[int, ...] = ()
-    tool_open: int | None = None          # streaming holds back from tool_open to tool_close (None: to the end)
+    tool_open: int | None = None  # streaming holds back from tool_open to tool_close (None: to the end)
     tool_close: int | None = None
-    not_in_answer: frozenset[int] = frozenset()   # template tokens that would corrupt the history in an answer
+    not_in_answer: frozenset[int] = frozenset()  # template tokens that would corrupt the history in an answer
 
 
 def builtin_markers(t: ByteTokenizer) -> ChatMarkers:
     return ChatMarkers(
-        stop=(t.end_id, t.eos_id), end_of_turn=t.end_id, think_start=t.think_start_id, think_end=t.think_end_id,
-        tool_open=t.tool_call_start_id, tool_close=t.tool_call_end_id,
-        not_in_answer=frozenset((t.think_start_id, t.think_end_id, t.user_id, t.assistant_id, t.system_id,
-                                 t.tool_id, t.bos_id, t.tools_start_id, t.tools_end_id, t.pad_id)))
+        stop=(t.end_id, t.eos_id),
+        end_of_turn=t.end_id,
+        think_start=t.think_start_id,
+        think_end=t.think_end_id,
+        tool_open=t.tool_call_start_id,
+        tool_close=t.tool_call_end_id,
+        not_in_answer=frozenset(
+            (
+                t.think_start_id,
+                t.think_end_id,
+                t.user_id,
+                t.assistant_id,
+                t.system_id,
+                t.tool_id,
+                t.bos_id,
+                t.tools_start_id,
+                t.tools_end_id,
+                t.pad_id,
+            )
+        ),
+    )
 
 
 @dataclass
@@ -211,7 +244,7 @@ class ParsedOutput:
 class SplitOutput:
     reasoning_ids: list[int]
     content_ids: list[int]
-    reasoning_tokens: int        # reasoning text plus the markers the model generated (think start/end)
+    reasoning_tokens: int  # reasoning text plus the markers the model generated (think start/end)
     finished_thinking: bool
 
 
@@ -229,7 +262,7 @@ def split_reasoning(tokens: list[int], m: ChatMarkers, phase: Phase) -> SplitOut
         return SplitOutput([], body, 0, True)
     end = body.index(m.think_end) if m.think_end in body else len(body)
     finished = end < len(body)
-    return SplitOutput(body[:end], body[end + 1:], end + markers + finished, finished)
+    return SplitOutput(body[:end], body[end + 1 :], end + markers + finished, finished)
 
 
 def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, salt: str = "") -> ParsedOutput:
@@ -249,13 +282,13 @@ def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, 
             except ValueError:
                 end = -1
             if end > 0:
-                raw = t.decode(content_ids[j + 1:end])
+                raw = t.decode(content_ids[j + 1 : end])
                 name, sep, args = raw.partition("\n")
                 if sep and name.strip() and is_json_object(args):
                     calls.append(ToolCall(tool_call_id(name.strip(), args, len(calls), salt), name.strip(), args))
                     j = end + 1
                     continue
-            content.append(t.decode(content_ids[j:(end + 1 if end > 0 else len(content_ids))], skip_special=False))
+            content.append(t.decode(content_ids[j : (end + 1 if end > 0 else len(content_ids))], skip_special=False))
             j = end + 1 if end > 0 else len(content_ids)
             continue
         k = j
@@ -263,8 +296,13 @@ def parse_output(tokens: list[int], t: ByteTokenizer, *, thinking: bool = True, 
             k += 1
         content.append(t.decode(content_ids[j:k]))
         j = k
-    return ParsedOutput(reasoning=t.decode(split.reasoning_ids), content="".join(content), tool_calls=calls,
-                        reasoning_tokens=split.reasoning_tokens, finished_thinking=split.finished_thinking)
+    return ParsedOutput(
+        reasoning=t.decode(split.reasoning_ids),
+        content="".join(content),
+        tool_calls=calls,
+        reasoning_tokens=split.reasoning_tokens,
+        finished_thinking=split.finished_thinking,
+    )
 
 
 def is_json_object(text: str) -> bool:
@@ -279,8 +317,13 @@ TIERS = ("low", "high", "max")
 _EFFORT_TO_TIER = {"minimal": "low", "low": "low", "medium": "high", "high": "max", "max": "max"}
 
 
-def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: str | None = None,
-                      budget_tokens: int | None = None, budgets=None) -> str:
+def tier_from_request(
+    *,
+    thinking_budget: str | None = None,
+    reasoning_effort: str | None = None,
+    budget_tokens: int | None = None,
+    budgets=None,
+) -> str:
     """The thinking tier of a request: explicit `thinking_budget`, else OpenAI `reasoning_effort`
     (minimal, low→low, medium→high, high, max→max), else Anthropic `budget_tokens` (the smallest tier that covers it,
     `max` beyond), else `high`."""
@@ -290,8 +333,9 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
         return thinking_budget
     if reasoning_effort is not None:
         if reasoning_effort not in _EFFORT_TO_TIER:
-            raise ChatError(f"reasoning_effort: {reasoning_effort!r} is not one of none, minimal, low, medium, high, "
-                            f"max, auto")
+            raise ChatError(
+                f"reasoning_effort: {reasoning_effort!r} is not one of none, minimal, low, medium, high, max, auto"
+            )
         return _EFFORT_TO_TIER[reasoning_effort]
     if budget_tokens is not None:
         if budget_tokens <= 0:
@@ -303,8 +347,6 @@ def tier_from_request(*, thinking_budget: str | None = None, reasoning_effort: s
     return "high"
 
 
-
-
 def thinking_control(m: ChatMarkers, phase: Phase, limit: int | None) -> ThinkingControl:
     """A chat format's markers, where its generation starts and the reasoning limit → what the attention worker's
     sampler enforces (expertmesh/chat/thinking.py): reasoning counted and cut at `limit` with the format's whole close
@@ -313,9 +355,15 @@ def thinking_control(m: ChatMarkers, phase: Phase, limit: int | None) -> Thinkin
     close = m.think_end_ids or ((m.think_end,) if m.think_end is not None else ())
     if not close:
         phase = "content"
-    return ThinkingControl(phase=phase, limit=limit if phase != "content" else None, think_start=m.think_start,
-                           think_end=close, stop=tuple(m.stop), not_in_answer=frozenset(m.not_in_answer),
-                           end_of_turn=m.end_of_turn)
+    return ThinkingControl(
+        phase=phase,
+        limit=limit if phase != "content" else None,
+        think_start=m.think_start,
+        think_end=close,
+        stop=tuple(m.stop),
+        not_in_answer=frozenset(m.not_in_answer),
+        end_of_turn=m.end_of_turn,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- formats
@@ -331,25 +379,37 @@ def check_render_options(*, thinking_effort: str | None = None, tool_choice=None
         raise ChatError(f"thinking_effort: {thinking_effort!r} is not one of {', '.join(TIERS)}")
     if tool_choice is not None and not isinstance(tool_choice, dict) and tool_choice not in TOOL_CHOICES:
         raise ChatError(f"tool_choice: {tool_choice!r} is not one of {', '.join(TOOL_CHOICES)} or a function")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") not in RESPONSE_FORMAT_TYPES):
-        raise ChatError(f"response_format: expected {{type: {' | '.join(RESPONSE_FORMAT_TYPES)}}}, "
-                        f"got {response_format!r}")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") not in RESPONSE_FORMAT_TYPES
+    ):
+        raise ChatError(
+            f"response_format: expected {{type: {' | '.join(RESPONSE_FORMAT_TYPES)}}}, got {response_format!r}"
+        )
 
 
 class ChatFormat(Protocol):
     """What the router needs of a chat format (BuiltinChat, chat_template.TemplateChat, chat_k3.K3Chat,
     chat_formats.NoChatTemplate)."""
-    tokenizer: object               # Byte- | Checkpoint- | TikTokenTokenizer: the interface in expertmesh.chat.tokenizer
+
+    tokenizer: object  # Byte- | Checkpoint- | TikTokenTokenizer: the interface in expertmesh.chat.tokenizer
     markers: ChatMarkers
     supports_thinking: bool
-    trim_whitespace: bool           # parse_output strips the whitespace around reasoning and content
+    trim_whitespace: bool  # parse_output strips the whitespace around reasoning and content
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
-               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt: ...
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[dict] | None = None,
+        thinking: bool = True,
+        thinking_effort: str | None = None,
+        tool_choice=None,
+        response_format=None,
+    ) -> RenderedPrompt: ...
 
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "",
-                     tools: list[dict] | None = None) -> ParsedOutput: ...
+    def parse_output(
+        self, tokens: list[int], *, phase: Phase, salt: str = "", tools: list[dict] | None = None
+    ) -> ParsedOutput: ...
 
 
 class BuiltinChat:
@@ -362,13 +422,22 @@ class BuiltinChat:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.markers = builtin_markers(self.tokenizer)
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
-               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt:
-        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice,
-                             response_format=response_format)
-        return RenderedPrompt(render(messages, self.tokenizer, tools=tools, thinking=thinking),
-                              "reasoning" if thinking else "content")
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[dict] | None = None,
+        thinking: bool = True,
+        thinking_effort: str | None = None,
+        tool_choice=None,
+        response_format=None,
+    ) -> RenderedPrompt:
+        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice, response_format=response_format)
+        return RenderedPrompt(
+            render(messages, self.tokenizer, tools=tools, thinking=thinking), "reasoning" if thinking else "content"
+        )
 
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "",
-                     tools: list[dict] | None = None) -> ParsedOutput:
+    def parse_output(
+        self, tokens: list[int], *, phase: Phase, salt: str = "", tools: list[dict] | None = None
+    ) -> ParsedOutput:
         return parse_output(tokens, self.tokenizer, thinking=phase == "reasoning", salt=salt)

@@ -16,6 +16,7 @@ compile but exceed a limit only while decoding (an `anyOf` of 2,500 objects: 2,5
 over the 2,000 allowed); `probe` walks a grammar a few dozen tokens on seeded random paths with the same limits, so
 the router refuses those before anything is scheduled (a 400 naming the field) rather than mid-answer.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,14 @@ class GrammarError(ValueError):
 
 
 # llguidance's parser limits (its defaults, stated: the router's checks and the worker's matchers use these)
-LIMITS = {"max_items_in_row": 2000, "step_max_items": 50_000, "initial_lexer_fuel": 1_000_000,
-          "step_lexer_fuel": 200_000, "max_lexer_states": 250_000, "max_grammar_size": 500_000}
+LIMITS = {
+    "max_items_in_row": 2000,
+    "step_max_items": 50_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+}
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -46,14 +53,14 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 
 def validate(grammar: str) -> str:
-    """"" when llguidance compiles `grammar` within LIMITS (no tokenizer needed), else its error."""
+    """ "" when llguidance compiles `grammar` within LIMITS (no tokenizer needed), else its error."""
     try:
         return llguidance.LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
-    except Exception as e:                     # noqa: BLE001 - the engine's own message is the useful part
+    except Exception as e:  # noqa: BLE001 - the engine's own message is the useful part
         return str(e) or type(e).__name__
 
 
-_PROBED: OrderedDict[tuple, str] = OrderedDict()    # (tokenizer, grammar digest) → error ("": fits)
+_PROBED: OrderedDict[tuple, str] = OrderedDict()  # (tokenizer, grammar digest) → error ("": fits)
 _PROBED_LOCK = Lock()
 
 
@@ -106,8 +113,9 @@ class _Vocab:
 
 def ll_tokenizer(tok) -> llguidance.LLTokenizer:
     """The llguidance view of one of expertmesh's tokenizers (built once per process and shared)."""
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tok)), n_vocab=tok.vocab_size,
-                                  eos_token=list(tok.eos_ids))
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_Vocab(tok)), n_vocab=tok.vocab_size, eos_token=list(tok.eos_ids)
+    )
 
 
 def is_limit_error(message: str) -> bool:

@@ -26,6 +26,7 @@ Multi-turn prefix stability (turn N+1's prompt starts with turn N's prompt and o
 computes new tokens) is checked on a small built-in conversation; a template that breaks it still serves, with a
 warning naming the first turn that diverges.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,7 @@ from expertmesh.chat.tokenizer import CheckpointTokenizer, read_json
 
 log = logging.getLogger("expertmesh.chat.jinja_template")
 
-MARK_START, MARK_END = "\U000f0000", "\U000f0001"   # transformers' private-use marks around sanitized tokens
+MARK_START, MARK_END = "\U000f0000", "\U000f0001"  # transformers' private-use marks around sanitized tokens
 THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|think|>", "<|/think|>"))
 
 
@@ -72,6 +73,7 @@ def compile_template(text: str):
 
     class GenerationBlock(Extension):
         """`{% generation %}…{% endgeneration %}` marks assistant text for training masks: rendered as is."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -113,11 +115,16 @@ def compile_template(text: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=TemplateDict(), namespace=Namespace)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=TemplateDict(),
+        namespace=Namespace,
+    )
     return env.from_string(text)
 
 
@@ -125,6 +132,7 @@ def template_literals(text: str) -> str:
     """The template's literal text and string constants, joined by NUL (what transformers searches for the added
     tokens a template writes itself)."""
     import jinja2.nodes
+
     ast = compile_template(text).environment.parse(text)
     literals = {n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
     literals |= {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
@@ -133,6 +141,7 @@ def template_literals(text: str) -> str:
 
 def template_variables(text: str) -> frozenset[str]:
     import jinja2.meta
+
     return frozenset(jinja2.meta.find_undeclared_variables(compile_template(text).environment.parse(text)))
 
 
@@ -143,9 +152,17 @@ def template_messages(messages: list[Message], *, arguments_as_text: bool = Fals
     for m in messages:
         d: dict = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": c.arguments if arguments_as_text else arguments_value(c.arguments)}}
-                for c in m.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.name,
+                        "arguments": c.arguments if arguments_as_text else arguments_value(c.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.reasoning is not None:
@@ -189,7 +206,7 @@ def encode_marked(tok: CheckpointTokenizer, text: str, marks: re.Pattern) -> lis
         as_text = i % 2 == 1
         encode = tok.encode_plain if as_text else tok.encode
         piece_ids = encode("\n" + piece)
-        piece_ids = piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else encode(piece)
+        piece_ids = piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
         if as_text and tok.backend.token_to_id(piece) in piece_ids:
             raise ChatError(f"messages: {piece!r} cannot be sanitized: the tokenizer makes it from plain text")
         ids += piece_ids
@@ -201,12 +218,14 @@ def encode_marked(tok: CheckpointTokenizer, text: str, marks: re.Pattern) -> lis
 class Slot:
     """A place in a tool call's markup the call fills: its `name` (as text), `name_json` (a JSON string) or
     `arguments` (the JSON arguments)."""
+
     what: str
 
 
 @dataclass(frozen=True)
 class Tok:
     """A single token of the vocabulary written by its text (a format's special / added token)."""
+
     text: str
 
 
@@ -219,11 +238,12 @@ class ToolCallFormat:
     a section format wraps all calls in opener … closer. `close` is the token that ends the markup (one call's
     for Hermes, the section's otherwise) and `markup` what one call is between `opener` and `close` (text, tokens
     and slots): what a forced call's grammar spells."""
+
     name: str
     opener: str
     call: re.Pattern
-    fields: Callable[[re.Match], tuple[str | None, str, object] | None]   # → (id or None, name, arguments)
-    closer: str | None = None       # section formats only
+    fields: Callable[[re.Match], tuple[str | None, str, object] | None]  # → (id or None, name, arguments)
+    closer: str | None = None  # section formats only
     close: str = ""
     markup: tuple = ()
 
@@ -242,7 +262,7 @@ class ToolCallFormat:
             pos = m.end()
         rest = text[pos:].strip()
         if self.closer and rest.startswith(self.closer):
-            rest = rest[len(self.closer):].strip()
+            rest = rest[len(self.closer) :].strip()
         return calls if calls and not rest else None
 
 
@@ -271,21 +291,44 @@ def _deepseek_fields(m: re.Match):
 
 
 TOOL_CALL_FORMATS = (
-    ToolCallFormat("hermes", "<tool_call>", re.compile(r"\s*<tool_call>\s*(?P<json>.*?)\s*</tool_call>", re.S),
-                   _hermes_fields, close="</tool_call>",
-                   markup=('\n{"name": ', NAME_JSON, ', "arguments": ', ARGUMENTS, "}\n")),
-    ToolCallFormat("kimi_k2", "<|tool_calls_section_begin|>",
-                   re.compile(r"\s*<\|tool_call_begin\|>(?P<id>[^<]*?)<\|tool_call_argument_begin\|>(?P<args>.*?)"
-                              r"<\|tool_call_end\|>", re.S),
-                   _kimi_fields, closer="<|tool_calls_section_end|>", close="<|tool_calls_section_end|>",
-                   markup=(Tok("<|tool_call_begin|>"), "functions.", NAME, ":0", Tok("<|tool_call_argument_begin|>"),
-                           ARGUMENTS, Tok("<|tool_call_end|>"))),
-    ToolCallFormat("deepseek_v3.1", "<｜tool▁calls▁begin｜>",
-                   re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>",
-                              re.S),
-                   _deepseek_fields, closer="<｜tool▁calls▁end｜>", close="<｜tool▁calls▁end｜>",
-                   markup=(Tok("<｜tool▁call▁begin｜>"), NAME, Tok("<｜tool▁sep｜>"), ARGUMENTS,
-                           Tok("<｜tool▁call▁end｜>"))),
+    ToolCallFormat(
+        "hermes",
+        "<tool_call>",
+        re.compile(r"\s*<tool_call>\s*(?P<json>.*?)\s*</tool_call>", re.S),
+        _hermes_fields,
+        close="</tool_call>",
+        markup=('\n{"name": ', NAME_JSON, ', "arguments": ', ARGUMENTS, "}\n"),
+    ),
+    ToolCallFormat(
+        "kimi_k2",
+        "<|tool_calls_section_begin|>",
+        re.compile(
+            r"\s*<\|tool_call_begin\|>(?P<id>[^<]*?)<\|tool_call_argument_begin\|>(?P<args>.*?)"
+            r"<\|tool_call_end\|>",
+            re.S,
+        ),
+        _kimi_fields,
+        closer="<|tool_calls_section_end|>",
+        close="<|tool_calls_section_end|>",
+        markup=(
+            Tok("<|tool_call_begin|>"),
+            "functions.",
+            NAME,
+            ":0",
+            Tok("<|tool_call_argument_begin|>"),
+            ARGUMENTS,
+            Tok("<|tool_call_end|>"),
+        ),
+    ),
+    ToolCallFormat(
+        "deepseek_v3.1",
+        "<｜tool▁calls▁begin｜>",
+        re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.S),
+        _deepseek_fields,
+        closer="<｜tool▁calls▁end｜>",
+        close="<｜tool▁calls▁end｜>",
+        markup=(Tok("<｜tool▁call▁begin｜>"), NAME, Tok("<｜tool▁sep｜>"), ARGUMENTS, Tok("<｜tool▁call▁end｜>")),
+    ),
 )
 
 
@@ -309,19 +352,32 @@ class TemplateChat:
             try:
                 compile_template(text)
             except Exception as e:
-                raise ChatTemplateError(f"{source}: chat template {name!r} is not valid Jinja "
-                                        f"({_one_line(e)})") from None
+                raise ChatTemplateError(
+                    f"{source}: chat template {name!r} is not valid Jinja ({_one_line(e)})"
+                ) from None
         self._control = {name: self._control_patterns(text) for name, text in self.templates.items()}
         default = self.templates[self._pick(None)]
         literals = template_literals(default)
         self.pass_thinking = "thinking" in template_variables(default)
-        pair = next(((a, b) for a, b in THINK_PAIRS if a in literals and b in literals
-                     and single_token(tokenizer, a) is not None and single_token(tokenizer, b) is not None), None)
+        pair = next(
+            (
+                (a, b)
+                for a, b in THINK_PAIRS
+                if a in literals
+                and b in literals
+                and single_token(tokenizer, a) is not None
+                and single_token(tokenizer, b) is not None
+            ),
+            None,
+        )
         self.supports_thinking = pair is not None
-        think_start, think_end = (single_token(tokenizer, pair[0]), single_token(tokenizer, pair[1])) if pair \
-            else (None, None)
-        self.tool_format = next((f for f in TOOL_CALL_FORMATS if f.opener in literals
-                                 and single_token(tokenizer, f.opener) is not None), None)
+        think_start, think_end = (
+            (single_token(tokenizer, pair[0]), single_token(tokenizer, pair[1])) if pair else (None, None)
+        )
+        self.tool_format = next(
+            (f for f in TOOL_CALL_FORMATS if f.opener in literals and single_token(tokenizer, f.opener) is not None),
+            None,
+        )
         tool_close = single_token(tokenizer, self.tool_format.close) if self.tool_format else None
         # one call's markup with its tokens as ids; None when the vocabulary lacks one (no forced calls then)
         self.tool_call_markup = self._resolve_markup(self.tool_format) if tool_close is not None else None
@@ -330,10 +386,14 @@ class TemplateChat:
         stop = tuple(dict.fromkeys(([end_of_turn] if end_of_turn is not None else []) + list(tokenizer.eos_ids)))
         role_tokens = self._role_tokens()
         self.markers = ChatMarkers(
-            stop=stop, end_of_turn=stop[0], think_start=think_start, think_end=think_end,
+            stop=stop,
+            end_of_turn=stop[0],
+            think_start=think_start,
+            think_end=think_end,
             tool_open=single_token(tokenizer, self.tool_format.opener) if self.tool_format else None,
             tool_close=tool_close,
-            not_in_answer=frozenset((role_tokens | {think_start, think_end}) - set(stop) - {None}))
+            not_in_answer=frozenset((role_tokens | {think_start, think_end}) - set(stop) - {None}),
+        )
 
     def _resolve_markup(self, fmt: ToolCallFormat) -> tuple | None:
         out = []
@@ -354,8 +414,9 @@ class TemplateChat:
             return "tool_use"
         if "default" in self.templates:
             return "default"
-        raise ChatTemplateError(f"{self.source}: several chat templates and none named 'default' "
-                                f"({', '.join(sorted(self.templates))})")
+        raise ChatTemplateError(
+            f"{self.source}: several chat templates and none named 'default' ({', '.join(sorted(self.templates))})"
+        )
 
     def _control_patterns(self, text: str) -> tuple[re.Pattern, re.Pattern]:
         """(control tokens, marked control tokens or a lone mark): the tokenizer's special tokens, the tokens in
@@ -363,15 +424,25 @@ class TemplateChat:
         tok = self.tokenizer
         listed = tok.config.get("chat_control_tokens")
         literals = template_literals(text) if listed is None else ""
-        tokens = [t.content for t in tok.backend.get_added_tokens_decoder().values()
-                  if t.special or (t.content in listed if listed is not None
-                                   else t.content in literals and not t.content.isspace())]
+        tokens = [
+            t.content
+            for t in tok.backend.get_added_tokens_decoder().values()
+            if t.special
+            or (t.content in listed if listed is not None else t.content in literals and not t.content.isspace())
+        ]
         any_token = "|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) or "(?!)"
         return re.compile(any_token), re.compile(f"{MARK_START}({any_token}){MARK_END}|[{MARK_START}{MARK_END}]")
 
-    def render_text(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, thinking: bool = True, sanitize: bool = True,
-                    error: type[ValueError] = ChatError) -> str:
+    def render_text(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+        sanitize: bool = True,
+        error: type[ValueError] = ChatError,
+    ) -> str:
         """The prompt text (with marks around sanitized user tokens when `sanitize`). A template that fails on
         these messages (its raise_exception, or an error of its own) raises `error`."""
         name = self._pick(tools)
@@ -381,23 +452,40 @@ class TemplateChat:
             messages, tools = mark_control_tokens(messages, control), mark_control_tokens(tools, control)
         try:
             return compile_template(self.templates[name]).render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.tokenizer.template_tokens, **kwargs)
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.tokenizer.template_tokens,
+                **kwargs,
+            )
         except Exception as e:
             raise error(f"messages: the chat template ({self.source}) refused them: {_one_line(e)}") from None
 
-    def render_ids(self, messages: list[dict], *, tools: list[dict] | None = None,
-                   add_generation_prompt: bool = True, thinking: bool = True) -> list[int]:
-        text = self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                thinking=thinking)
+    def render_ids(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+    ) -> list[int]:
+        text = self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
         _, marks = self._control[self._pick(tools)]
         return encode_marked(self.tokenizer, text, marks)
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
-               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt:
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[dict] | None = None,
+        thinking: bool = True,
+        thinking_effort: str | None = None,
+        tool_choice=None,
+        response_format=None,
+    ) -> RenderedPrompt:
         """`thinking_effort`, `tool_choice`, `response_format`: checked, not rendered (chat.ChatFormat)."""
-        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice,
-                             response_format=response_format)
+        check_render_options(thinking_effort=thinking_effort, tool_choice=tool_choice, response_format=response_format)
         validate_history(messages)
         ids = self.render_ids(self.template_messages(messages), tools=tools, thinking=thinking)
         return RenderedPrompt(ids, self.phase_after(ids))
@@ -429,41 +517,52 @@ class TemplateChat:
             content_ids = content_ids[:at]
             found = self.tool_format.parse(region)
             if found is None:
-                raw = region                      # malformed tool-call markup stays in the content, as text
+                raw = region  # malformed tool-call markup stays in the content, as text
             for i, (call_id, name, args) in enumerate(found or []):
                 text = json.dumps(args, ensure_ascii=False)
                 calls.append(ToolCall(call_id or tool_call_id(name, text, i, salt), name, text))
-        return ParsedOutput(reasoning=tok.decode(split.reasoning_ids).strip(),
-                            content=(tok.decode(content_ids) + raw).strip(),
-                            tool_calls=calls, reasoning_tokens=split.reasoning_tokens,
-                            finished_thinking=split.finished_thinking)
+        return ParsedOutput(
+            reasoning=tok.decode(split.reasoning_ids).strip(),
+            content=(tok.decode(content_ids) + raw).strip(),
+            tool_calls=calls,
+            reasoning_tokens=split.reasoning_tokens,
+            finished_thinking=split.finished_thinking,
+        )
 
     # --- what the template means, probed at load
     SENTINEL = "PROBE_CONTENT_7f3a"
 
     def _probe(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """A plain conversation every chat template must render: failing it is an error of the template."""
-        return self.render_text(messages, add_generation_prompt=add_generation_prompt, sanitize=False,
-                                error=ChatTemplateError)
+        return self.render_text(
+            messages, add_generation_prompt=add_generation_prompt, sanitize=False, error=ChatTemplateError
+        )
 
     def _wants_arguments_as_text(self) -> bool:
         """Whether tool-call arguments must reach the template as JSON text: true when it renders them from text
         but not from a dict (a dict would fail to concatenate, or come out as a Python repr)."""
+
         def renders(arguments) -> bool:
             call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": arguments}}
             try:
-                text = self.render_text([{"role": "user", "content": "Hi"},
-                                         {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                        tools=PROBE_TOOLS, add_generation_prompt=False, sanitize=False)
+                text = self.render_text(
+                    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                    tools=PROBE_TOOLS,
+                    add_generation_prompt=False,
+                    sanitize=False,
+                )
             except ChatError:
                 return False
             return '"probe_key"' in text
+
         return not renders({"probe_key": "probe_value"}) and renders('{"probe_key": "probe_value"}')
 
     def _end_of_turn(self) -> int | None:
         """The token the template writes right after an assistant's content, if it is an added token."""
-        text = self._probe([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": self.SENTINEL}],
-                           add_generation_prompt=False)
+        text = self._probe(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": self.SENTINEL}],
+            add_generation_prompt=False,
+        )
         if self.SENTINEL not in text:
             raise ChatTemplateError(f"{self.source}: the chat template drops an assistant message's content")
         after = self.tokenizer.encode(text.split(self.SENTINEL, 1)[1])
@@ -473,8 +572,11 @@ class TemplateChat:
     def _role_tokens(self) -> set[int]:
         """The added tokens the template writes around a system and a user message and the generation prompt:
         role markers, which never belong inside an answer."""
-        ids = self.tokenizer.encode(self._probe([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
-                                                add_generation_prompt=True))
+        ids = self.tokenizer.encode(
+            self._probe(
+                [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], add_generation_prompt=True
+            )
+        )
         added = self.tokenizer.backend.get_added_tokens_decoder()
         return {i for i in ids if i in added}
 
@@ -485,9 +587,16 @@ def _one_line(e: Exception) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- prefix stability
-PROBE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-                                                 "parameters": {"type": "object",
-                                                                "properties": {"city": {"type": "string"}}}}}]
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def probe_conversation(with_tools: bool) -> list[Message]:
@@ -495,12 +604,16 @@ def probe_conversation(with_tools: bool) -> list[Message]:
     call = ToolCall("call_0", "get_weather", '{"city": "Paris"}')
     convo = [Message("system", "You are terse."), Message("user", "Weather in Paris?")]
     if with_tools:
-        convo += [Message("assistant", "", reasoning="Use the tool.", tool_calls=[call]),
-                  Message("tool", "18 C", tool_call_id=call.id)]
-    convo += [Message("assistant", "18 C and sunny.", reasoning="The tool said 18 C."),
-              Message("user", "And tomorrow?"),
-              Message("assistant", "No forecast.", reasoning="I cannot know."),
-              Message("user", "Thanks.")]
+        convo += [
+            Message("assistant", "", reasoning="Use the tool.", tool_calls=[call]),
+            Message("tool", "18 C", tool_call_id=call.id),
+        ]
+    convo += [
+        Message("assistant", "18 C and sunny.", reasoning="The tool said 18 C."),
+        Message("user", "And tomorrow?"),
+        Message("assistant", "No forecast.", reasoning="I cannot know."),
+        Message("user", "Thanks."),
+    ]
     return convo
 
 
@@ -512,40 +625,47 @@ def prefix_stability_problem(fmt: TemplateChat) -> str | None:
     tools = PROBE_TOOLS if fmt.tool_format is not None else None
     try:
         fmt.render(probe_conversation(tools is not None), tools=tools)
-    except ChatError:   # a template that refuses tools: check the plain conversation
+    except ChatError:  # a template that refuses tools: check the plain conversation
         tools = None
     tok, stop = fmt.tokenizer, set(fmt.markers.stop)
-    sent: list[Message] = []                 # the conversation as the client sends it back
-    renamed: dict[str, str] = {}             # probe tool-call ids → the ids parse_output gave them
-    expected, turn = None, 0                 # the previous turn's prompt + output
+    sent: list[Message] = []  # the conversation as the client sends it back
+    renamed: dict[str, str] = {}  # probe tool-call ids → the ids parse_output gave them
+    expected, turn = None, 0  # the previous turn's prompt + output
     for m in probe_conversation(tools is not None) + [None]:
         if m is not None and m.role != "assistant":
             sent.append(Message(m.role, m.content, tool_call_id=renamed.get(m.tool_call_id, m.tool_call_id)))
             continue
         prompt = fmt.render(sent, tools=tools)
-        if expected is not None and prompt.ids[:len(expected)] != expected:
+        if expected is not None and prompt.ids[: len(expected)] != expected:
             i = _first_difference(prompt.ids, expected)
-            return (f"turn {turn + 1}'s prompt does not start with turn {turn}'s prompt and output (at token {i}: "
-                    f"expected {tok.decode(expected[i:i + 4], skip_special=False)!r}, rendered "
-                    f"{tok.decode(prompt.ids[i:i + 4], skip_special=False)!r})")
+            return (
+                f"turn {turn + 1}'s prompt does not start with turn {turn}'s prompt and output (at token {i}: "
+                f"expected {tok.decode(expected[i : i + 4], skip_special=False)!r}, rendered "
+                f"{tok.decode(prompt.ids[i : i + 4], skip_special=False)!r})"
+            )
         if m is None:
             return None
         turn += 1
         whole = fmt.render_ids(fmt.template_messages(sent + [m]), tools=tools, add_generation_prompt=False)
-        if whole[:len(prompt.ids)] != prompt.ids:
+        if whole[: len(prompt.ids)] != prompt.ids:
             i = _first_difference(whole, prompt.ids)
-            return (f"turn {turn}'s assistant message does not start with its own prompt (at token {i}: prompt has "
-                    f"{tok.decode(prompt.ids[i:i + 4], skip_special=False)!r}, the rendered turn "
-                    f"{tok.decode(whole[i:i + 4], skip_special=False)!r})")
-        output = whole[len(prompt.ids):]
-        output = output[:next((k + 1 for k, t in enumerate(output) if t in stop), len(output))]
+            return (
+                f"turn {turn}'s assistant message does not start with its own prompt (at token {i}: prompt has "
+                f"{tok.decode(prompt.ids[i : i + 4], skip_special=False)!r}, the rendered turn "
+                f"{tok.decode(whole[i : i + 4], skip_special=False)!r})"
+            )
+        output = whole[len(prompt.ids) :]
+        output = output[: next((k + 1 for k, t in enumerate(output) if t in stop), len(output))]
         parsed = fmt.parse_output(output, phase=prompt.phase, salt="probe")
         if len(parsed.tool_calls) != len(m.tool_calls):
-            return (f"turn {turn}'s tool calls, as the template writes them, do not parse back as "
-                    f"{fmt.tool_format.name} tool calls")
+            return (
+                f"turn {turn}'s tool calls, as the template writes them, do not parse back as "
+                f"{fmt.tool_format.name} tool calls"
+            )
         renamed.update({a.id: b.id for a, b in zip(m.tool_calls, parsed.tool_calls)})
-        sent.append(Message("assistant", parsed.content, reasoning=parsed.reasoning or None,
-                            tool_calls=parsed.tool_calls))
+        sent.append(
+            Message("assistant", parsed.content, reasoning=parsed.reasoning or None, tool_calls=parsed.tool_calls)
+        )
         expected = prompt.ids + output
     return None
 
@@ -572,11 +692,13 @@ def find_chat_template(directory: Path) -> tuple[str | dict[str, str], Path] | N
         return None
     if isinstance(value, str):
         return value, config_path
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                       and isinstance(t.get("template"), str) for t in value):
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
         return {t["name"]: t["template"] for t in value}, config_path
-    raise ChatTemplateError(f"{config_path}: chat_template: expected a string or a list of {{name, template}}, "
-                            f"found {type(value).__name__}")
+    raise ChatTemplateError(
+        f"{config_path}: chat_template: expected a string or a list of {{name, template}}, found {type(value).__name__}"
+    )
 
 
 def load_template_chat(directory: Path, tokenizer: CheckpointTokenizer) -> TemplateChat | None:
@@ -587,14 +709,20 @@ def load_template_chat(directory: Path, tokenizer: CheckpointTokenizer) -> Templ
         return None
     template, source = found
     fmt = TemplateChat(tokenizer, template, source)
-    log.info("chat template %s: thinking %s, tool calls %s", source,
-             "on" if fmt.supports_thinking else "off (no think tokens in the template)",
-             fmt.tool_format.name if fmt.tool_format else "not recognised (they stay in the content)")
+    log.info(
+        "chat template %s: thinking %s, tool calls %s",
+        source,
+        "on" if fmt.supports_thinking else "off (no think tokens in the template)",
+        fmt.tool_format.name if fmt.tool_format else "not recognised (they stay in the content)",
+    )
     try:
         problem = prefix_stability_problem(fmt)
     except ChatError as e:
         problem = f"the probe conversation does not render ({e})"
     if problem:
-        log.warning("chat template %s breaks multi-turn prefix stability: %s; the prefix cache recomputes from there",
-                    source, problem)
+        log.warning(
+            "chat template %s breaks multi-turn prefix stability: %s; the prefix cache recomputes from there",
+            source,
+            problem,
+        )
     return fmt

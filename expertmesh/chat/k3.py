@@ -67,6 +67,7 @@ a character; markup held back only while it could still be a tag), each tools se
 complete. The concatenation of its pieces equals `parse_output` for any split of the tokens; it keeps all state in
 the parser object (one per stream), and the format object is read-only.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -97,9 +98,11 @@ NOT_IN_ANSWER = ("[BOS]", "[PAD]", "[UNK]", "<|kimi_image_placeholder|>") + MEDI
 THINKING_EFFORTS = ("low", "high", "max")
 
 TOOL_DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
-EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
-          "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
-          "`thinking_effort={}`.")
+EFFORT = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+    "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
+    "`thinking_effort={}`."
+)
 TOOL_CHOICE = {
     "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
     "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
@@ -107,18 +110,27 @@ TOOL_CHOICE = {
 RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
 RESPONSE_FORMAT = {
     "json_object": "The system is invoked with `response_format=json_object`.\n" + RAW_JSON,
-    "json_schema": ("The system is invoked with `response_format=json_schema`.\n" + RAW_JSON
-                    + "\nThe JSON data must match the following schema:\n```json\n{}\n```"),
+    "json_schema": (
+        "The system is invoked with `response_format=json_schema`.\n"
+        + RAW_JSON
+        + "\nThe JSON data must match the following schema:\n```json\n{}\n```"
+    ),
 }
-MAX_TAG_BYTES = 1024    # a tag whose text grows past this without ⟨sep⟩ is not a tag: its opener is plain markup
+MAX_TAG_BYTES = 1024  # a tag whose text grows past this without ⟨sep⟩ is not a tag: its opener is plain markup
 
 
 # ----------------------------------------------------------------------------------------------- JSON and attributes
 def json_sorted(value) -> str:
     """JSON with the keys of every object sorted (case-sensitively), no spaces; scalars as json.dumps."""
     if isinstance(value, dict):
-        return "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + json_sorted(v)
-                              for k, v in sorted(value.items(), key=lambda kv: kv[0])) + "}"
+        return (
+            "{"
+            + ",".join(
+                json.dumps(k, ensure_ascii=False) + ":" + json_sorted(v)
+                for k, v in sorted(value.items(), key=lambda kv: kv[0])
+            )
+            + "}"
+        )
     if value is None or isinstance(value, (str, int, float, bool)):
         return json.dumps(value, ensure_ascii=False)
     return "[" + ",".join(json_sorted(v) for v in value) + "]"
@@ -177,7 +189,7 @@ def schema_types(tools: list[dict] | None) -> dict[str, dict[str, str | None]]:
         params = fn.get("parameters")
         props = params.get("properties") if isinstance(params, dict) else None
         types: dict[str, str | None] = {}
-        for key, prop in (props.items() if isinstance(props, dict) else ()):
+        for key, prop in props.items() if isinstance(props, dict) else ():
             kind = prop.get("type") if isinstance(prop, dict) else None
             if isinstance(kind, list) and len(kind) == 1:
                 kind = kind[0]
@@ -256,7 +268,7 @@ class K3Chat:
 
     supports_thinking = True
     trim_whitespace = False
-    states_tool_choice = True        # tool_choice none keeps the tools declared and says so in the prompt
+    states_tool_choice = True  # tool_choice none keeps the tools declared and says so in the prompt
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -265,21 +277,36 @@ class K3Chat:
             raise TokenizerError("Kimi K3's chat format needs a TikToken tokenizer (tiktoken.model)")
         missing = [t for t in XTML_TOKENS if t not in tokenizer.special_to_id]
         if missing:
-            raise TokenizerError(f"{tokenizer.directory / 'tokenizer_config.json'}: Kimi K3's chat format needs "
-                                 f"the special tokens {', '.join(XTML_TOKENS)}; missing {', '.join(missing)}")
+            raise TokenizerError(
+                f"{tokenizer.directory / 'tokenizer_config.json'}: Kimi K3's chat format needs "
+                f"the special tokens {', '.join(XTML_TOKENS)}; missing {', '.join(missing)}"
+            )
         self.id_of = dict(tokenizer.special_to_id)
         self.open_id, self.close_id, self.sep_id, self.eom_id = (self.id_of[t] for t in XTML_TOKENS)
         stop = tuple(dict.fromkeys([self.eom_id, *tokenizer.eos_ids]))
         self.markers = ChatMarkers(
-            stop=stop, end_of_turn=self.eom_id, think_start=None, think_end=self.close_id,
-            think_end_ids=(self.close_id, *tokenizer.encode_plain("think"), self.sep_id,
-                           self.open_id, *tokenizer.encode_plain("response"), self.sep_id),
-            not_in_answer=frozenset(self.id_of[t] for t in NOT_IN_ANSWER if t in self.id_of) - set(stop))
+            stop=stop,
+            end_of_turn=self.eom_id,
+            think_start=None,
+            think_end=self.close_id,
+            think_end_ids=(
+                self.close_id,
+                *tokenizer.encode_plain("think"),
+                self.sep_id,
+                self.open_id,
+                *tokenizer.encode_plain("response"),
+                self.sep_id,
+            ),
+            not_in_answer=frozenset(self.id_of[t] for t in NOT_IN_ANSWER if t in self.id_of) - set(stop),
+        )
 
     # --- rendering
     def pieces(self, messages: list[Message], o: RenderOptions) -> _Pieces:
-        check_render_options(thinking_effort=o.thinking_effort if o.thinking else None, tool_choice=o.tool_choice,
-                             response_format=o.response_format)
+        check_render_options(
+            thinking_effort=o.thinking_effort if o.thinking else None,
+            tool_choice=o.tool_choice,
+            response_format=o.response_format,
+        )
         p = _Pieces(self)
         if o.tools:
             p.message([("role", "system"), ("type", "tool-declare")], TOOL_DECLARE + json_sorted(o.tools) + "\n```")
@@ -308,7 +335,7 @@ class K3Chat:
                 ids = [str(c.id) for c in calls or ()]
                 ordered: list[tuple[Message, str | None]] = []
                 if all(t.tool_call_id is not None and str(t.tool_call_id) in ids for t in run):
-                    for k, c in enumerate(calls):     # the results in the order of the calls they answer
+                    for k, c in enumerate(calls):  # the results in the order of the calls they answer
                         if str(c.id) not in ids[:k]:
                             ordered += [(t, c.name) for t in run if str(t.tool_call_id) == str(c.id)]
                 else:
@@ -318,8 +345,10 @@ class K3Chat:
                     if name is None and calls is not None and tool_index <= len(calls):
                         name = calls[tool_index - 1].name
                     if name is None:
-                        raise ChatError(f"messages[{messages.index(t)}]: a tool result needs a tool name: answer a "
-                                        f"preceding assistant tool call")
+                        raise ChatError(
+                            f"messages[{messages.index(t)}]: a tool result needs a tool name: answer a "
+                            f"preceding assistant tool call"
+                        )
                     p.open("message", [("role", "tool"), ("tool", name), ("index", tool_index)])
                     p.text(t.content)
                     p.close("message")
@@ -330,8 +359,10 @@ class K3Chat:
         if kind == "json_object":
             p.message([("role", "system"), ("type", "response-format")], RESPONSE_FORMAT[kind])
         elif kind == "json_schema":
-            p.message([("role", "system"), ("type", "response-format")],
-                      RESPONSE_FORMAT[kind].format(json_sorted(response_schema(o.response_format))).strip())
+            p.message(
+                [("role", "system"), ("type", "response-format")],
+                RESPONSE_FORMAT[kind].format(json_sorted(response_schema(o.response_format))).strip(),
+            )
         if o.add_generation_prompt:
             p.open("message", [("role", "assistant")])
             p.open("think" if o.thinking else "response")
@@ -347,8 +378,10 @@ class K3Chat:
                 continue
             missing = [t for t in MEDIA_TOKENS if t not in self.id_of]
             if missing:
-                raise ChatError(f"messages[{i}]: an image needs the special tokens {', '.join(missing)}, which "
-                                f"this tokenizer does not have")
+                raise ChatError(
+                    f"messages[{i}]: an image needs the special tokens {', '.join(missing)}, which "
+                    f"this tokenizer does not have"
+                )
             width, height = part.source_size
             p.special("<|media_begin|>")
             p.text(f"image {width}x{height}")
@@ -371,7 +404,7 @@ class K3Chat:
         p.open("tools")
         for n, c in enumerate(m.tool_calls, start=1):
             p.open("call", [("tool", c.name), ("index", n)])
-            args = arguments_value(c.arguments)      # a dict, or text (a `json` block when not blank)
+            args = arguments_value(c.arguments)  # a dict, or text (a `json` block when not blank)
             if isinstance(args, dict):
                 for key, value in args.items():
                     p.open("argument", [("key", key), ("type", xtml_type(value))])
@@ -396,24 +429,39 @@ class K3Chat:
         _validate(messages, o.add_generation_prompt)
         return self.pieces(messages, o).text_form()
 
-    def render(self, messages: list[Message], *, tools: list[dict] | None = None, thinking: bool = True,
-               thinking_effort: str | None = None, tool_choice=None, response_format=None) -> RenderedPrompt:
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[dict] | None = None,
+        thinking: bool = True,
+        thinking_effort: str | None = None,
+        tool_choice=None,
+        response_format=None,
+    ) -> RenderedPrompt:
         """The chat prompt: the generation prompt opens the think section (phase "reasoning") or, with thinking
         off, the response section (phase "content"). `thinking_effort` None renders no thinking-effort message
         (the template's own default, when the variable is not given at all, is "max")."""
-        ids = self.render_ids(messages, tools=tools, thinking=thinking, thinking_effort=thinking_effort,
-                              tool_choice=tool_choice, response_format=response_format)
+        ids = self.render_ids(
+            messages,
+            tools=tools,
+            thinking=thinking,
+            thinking_effort=thinking_effort,
+            tool_choice=tool_choice,
+            response_format=response_format,
+        )
         return RenderedPrompt(ids, "reasoning" if thinking else "content")
 
     # --- parsing
-    def parse_output(self, tokens: list[int], *, phase: Phase, salt: str = "",
-                     tools: list[dict] | None = None) -> ParsedOutput:
+    def parse_output(
+        self, tokens: list[int], *, phase: Phase, salt: str = "", tools: list[dict] | None = None
+    ) -> ParsedOutput:
         """Reasoning, content and tool calls of generated ids (the module docstring's rules)."""
         body = []
         for t in map(int, tokens):
             if t in self.markers.stop:
                 break
-            if 0 <= t < self.tokenizer.vocab_size:      # a model's padded rows are no tokens (decode drops them)
+            if 0 <= t < self.tokenizer.vocab_size:  # a model's padded rows are no tokens (decode drops them)
                 body.append(t)
         return parse_items(lex(self, body), len(body), phase, schema_types(tools), salt)
 
@@ -440,8 +488,10 @@ class K3Chat:
         schema = {"type": "object"} if schema is None else schema
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
         c, s = self.close_id, self.sep_id
-        return (f"start: {self.lark_prefix(thinking)}answer {self.lark_close()}<[{c}]> \"message\" <[{s}]>\n"
-                f"answer: %json {json.dumps(schema)}\n")
+        return (
+            f'start: {self.lark_prefix(thinking)}answer {self.lark_close()}<[{c}]> "message" <[{s}]>\n'
+            f"answer: %json {json.dumps(schema)}\n"
+        )
 
     def tool_call_grammar(self, tools: list[dict], *, thinking: bool) -> str:
         """llguidance Lark for a forced tool call (tool_choice required or a named function): an empty response,
@@ -458,7 +508,7 @@ class K3Chat:
             for j, (key, prop) in enumerate((props or {}).items()):
                 prop = prop if isinstance(prop, dict) else {}
                 rule = f"arg{i}_{j}"
-                head = f'<[{o}]> {json.dumps("argument key=" + chr(34) + escape_attr(key) + chr(34))}'
+                head = f"<[{o}]> {json.dumps('argument key=' + chr(34) + escape_attr(key) + chr(34))}"
                 tail = f'<[{c}]> "argument" <[{s}]>'
                 kind = prop.get("type")
                 json_schema = {**prop, "x-guidance": {**JSON_OPTIONS, **prop.get("x-guidance", {})}}
@@ -467,27 +517,34 @@ class K3Chat:
                     alternatives.append(f'{head} " type=\\"string\\"" <[{s}]> {string_value(prop)} {tail}')
                 if kind != "string":
                     attr = {"integer": "number"}.get(kind, kind) if isinstance(kind, str) else None
-                    attr_rule = json.dumps(f' type="{attr}"') if attr else \
-                        '" type=\\"" /(number|boolean|null|object|array)/ "\\""'
+                    attr_rule = (
+                        json.dumps(f' type="{attr}"')
+                        if attr
+                        else '" type=\\"" /(number|boolean|null|object|array)/ "\\""'
+                    )
                     rules.append(f"{rule}_json: %json {json.dumps(json_schema)}")
                     alternatives.append(f"{head} {attr_rule} <[{s}]> {rule}_json {tail}")
                 rules.append(f"{rule}: " + " | ".join(alternatives))
                 args.append(rule if key in required else f"{rule}?")
             alts.append((json.dumps(f'call tool="{escape_attr(t["name"])}" index="'), f"args{i}"))
-            rules.append(f"args{i}: {' '.join(args)}" if args else f"args{i}: \"\"")
+            rules.append(f"args{i}: {' '.join(args)}" if args else f'args{i}: ""')
         # the calls numbered 1, 2, ... as the template numbers them (at most MAX_FORCED_CALLS in one section)
         for k in range(1, MAX_FORCED_CALLS + 1):
             nxt = f" calls{k + 1}?" if k < MAX_FORCED_CALLS else ""
-            options = " | ".join(f"<[{o}]> {opener} \"{k}\\\"\" <[{s}]> {args} <[{c}]> \"call\" <[{s}]>"
-                                 for opener, args in alts)
+            options = " | ".join(
+                f'<[{o}]> {opener} "{k}\\"" <[{s}]> {args} <[{c}]> "call" <[{s}]>' for opener, args in alts
+            )
             rules.append(f"calls{k}: ({options}){nxt}")
-        lark = (f"start: {self.lark_prefix(True) if thinking else ''}{self.lark_close()}"
-                f"<[{o}]> \"tools\" <[{s}]> calls1 <[{c}]> \"tools\" <[{s}]> <[{c}]> \"message\" <[{s}]>\n"
-                + "\n".join(rules) + "\nSTRING: /(?s:.+)/\n")
+        lark = (
+            f"start: {self.lark_prefix(True) if thinking else ''}{self.lark_close()}"
+            f'<[{o}]> "tools" <[{s}]> calls1 <[{c}]> "tools" <[{s}]> <[{c}]> "message" <[{s}]>\n'
+            + "\n".join(rules)
+            + "\nSTRING: /(?s:.+)/\n"
+        )
         return lark
 
 
-MAX_FORCED_CALLS = 8          # calls a forced tools section may hold
+MAX_FORCED_CALLS = 8  # calls a forced tools section may hold
 
 
 def string_value(prop: dict) -> str:
@@ -496,8 +553,11 @@ def string_value(prop: dict) -> str:
     included). `pattern` is not applied to raw values (the JSON-typed arguments get the whole schema)."""
     enum = prop.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(json.dumps(v) if v else '""' for v in enum) + ")" if all(enum) else \
-            "(" + " | ".join(json.dumps(v) for v in enum if v) + ")?"
+        return (
+            "(" + " | ".join(json.dumps(v) if v else '""' for v in enum) + ")"
+            if all(enum)
+            else "(" + " | ".join(json.dumps(v) for v in enum if v) + ")?"
+        )
     lo, hi = prop.get("minLength"), prop.get("maxLength")
     if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
         lo = 0
@@ -538,6 +598,7 @@ _ATTR = re.compile(rf' ({_NAME})="([^"]*)"')
 class Item:
     """A piece of the output: a text run (`text` decoded), a tag (`text` its markup), or other markup (`text` as
     written: a lone marker, an unfinished tag, another special token). `end`: the index after its last token."""
+
     kind: str
     text: str
     end: int
@@ -663,7 +724,7 @@ def parse_section(items: list[Item], pos: int, types: dict) -> tuple[bool, list[
                 sub = "call"
             else:
                 value.append(it.text)
-        else:   # json
+        else:  # json
             if it.is_tag(False, "json"):
                 try:
                     obj = loads_strict("".join(value))
@@ -691,10 +752,12 @@ def parse_items(items: list[Item], n_tokens: int, phase: Phase, types: dict, sal
         else:
             phase = "content"
     elif phase == "reasoning" and items and items[0].is_tag(True, "think"):
-        pos = 1                      # the opener repeated after the generation prompt's
+        pos = 1  # the opener repeated after the generation prompt's
     if phase == "reasoning":
-        end = next((k for k in range(pos, len(items))
-                    if items[k].is_tag(False, "think") or items[k].is_tag(True, "response")), None)
+        end = next(
+            (k for k in range(pos, len(items)) if items[k].is_tag(False, "think") or items[k].is_tag(True, "response")),
+            None,
+        )
         if end is None:
             return ParsedOutput("".join(it.text for it in items[pos:]), "", [], n_tokens, False)
         reasoning = [it.text for it in items[pos:end]]
@@ -742,11 +805,11 @@ class K3StreamParser:
         self.tok, self.n_base = chat.tokenizer, chat.n_base
         self.markers = {chat.open_id: OPEN, chat.close_id: CLOSE}
         self.state = {"reasoning": "reasoning_start", "content": "content_start", "maybe": "maybe"}[phase]
-        self.n = 0                       # ids fed before the first stop id
+        self.n = 0  # ids fed before the first stop id
         self.stopped = self.finished = False
-        self.pending: tuple[str, bytearray] | None = None     # an unfinished tag: its marker and text bytes
-        self.utf8 = None                 # the current text run's decoder (None: no run)
-        self.held = ""                   # a text run after the response, until it ends
+        self.pending: tuple[str, bytearray] | None = None  # an unfinished tag: its marker and text bytes
+        self.utf8 = None  # the current text run's decoder (None: no run)
+        self.held = ""  # a text run after the response, until it ends
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
@@ -781,7 +844,7 @@ class K3StreamParser:
         if token in self.chat.markers.stop:
             self.stopped = True
             return self.out
-        if not 0 <= token < self.tok.vocab_size:      # a model's padded rows: no token (as parse_output)
+        if not 0 <= token < self.tok.vocab_size:  # a model's padded rows: no token (as parse_output)
             return self.out
         self.n += 1
         text = token < self.n_base
@@ -789,7 +852,7 @@ class K3StreamParser:
             marker, body = self.pending
             if text:
                 body += self.tok.token_bytes(token)
-                if len(body) > MAX_TAG_BYTES:      # not a tag: the marker is markup, its text starts a run
+                if len(body) > MAX_TAG_BYTES:  # not a tag: the marker is markup, its text starts a run
                     self.pending = None
                     self._item(Item(RAW, marker, 0))
                     self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -839,8 +902,13 @@ class K3StreamParser:
         return self.out
 
     def result(self) -> ParsedOutput:
-        return ParsedOutput("".join(self.reasoning), "".join(self.content), list(self.calls), self.reasoning_tokens,
-                            self.finished_thinking)
+        return ParsedOutput(
+            "".join(self.reasoning),
+            "".join(self.content),
+            list(self.calls),
+            self.reasoning_tokens,
+            self.finished_thinking,
+        )
 
     def _end_run(self) -> None:
         if self.utf8 is None:
@@ -939,8 +1007,9 @@ class K3StreamParser:
                 return self._malformed(it)
         elif sub == "arg":
             if it.is_tag(False, "argument"):
-                self.cur.args[self.key] = argument_value("".join(self.value), self.kind,
-                                                         self.types.get(self.cur.name, {}).get(self.key))
+                self.cur.args[self.key] = argument_value(
+                    "".join(self.value), self.kind, self.types.get(self.cur.name, {}).get(self.key)
+                )
                 self.sub = "call"
             else:
                 self.value.append(it.text)

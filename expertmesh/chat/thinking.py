@@ -12,6 +12,7 @@ starts the close; the rest of `think_end` is forced in order — a multi-token c
 response ⟨sep⟩) is always whole — and every token up to the end of it counts as reasoning. In the answer, a
 template token that would corrupt the history (`not_in_answer`) becomes `end_of_turn`. Stop tokens pass through.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ PHASES = ("reasoning", "content", "maybe")
 @dataclass(frozen=True)
 class ThinkingControl:
     """What the sampler enforces about thinking for one request (from the chat format's markers and the tier)."""
+
     phase: Phase
-    limit: int | None = None                 # reasoning tokens allowed, the forced close included; None: no limit
+    limit: int | None = None  # reasoning tokens allowed, the forced close included; None: no limit
     think_start: int | None = None
     think_end: tuple[int, ...] = ()
     stop: tuple[int, ...] = ()
@@ -35,8 +37,9 @@ class ThinkingControl:
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"thinking.phase: expected one of {', '.join(PHASES)}, found {self.phase!r}")
-        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
-                                       or self.limit < 1):
+        if self.limit is not None and (
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1
+        ):
             raise ValueError(f"thinking.limit: expected a positive integer, found {self.limit!r}")
         if self.phase != "content" and not self.think_end:
             raise ValueError("thinking.think_end: a thinking phase needs the tokens that end it")
@@ -54,7 +57,7 @@ class ThinkingState:
         self.c = control
         self.phase: Phase = control.phase
         self.reasoning_tokens = 0
-        self.closing = 0                 # tokens of think_end emitted so far while closing (0: not closing)
+        self.closing = 0  # tokens of think_end emitted so far while closing (0: not closing)
 
     @property
     def answering(self) -> bool:
@@ -65,14 +68,14 @@ class ThinkingState:
         """The token to emit where `sampled` was drawn (the same one unless the control overrides it)."""
         c = self.c
         if self.phase == "maybe":
-            return sampled                                   # the first token decides (observe)
+            return sampled  # the first token decides (observe)
         if self.phase == "reasoning":
             if self.closing:
-                return c.think_end[self.closing]             # the rest of a close, in order
+                return c.think_end[self.closing]  # the rest of a close, in order
             if sampled in c.stop:
                 return sampled
             if c.limit is not None and self.reasoning_tokens >= c.limit - len(c.think_end):
-                return c.think_end[0]                        # the limit: close now (the close fits in it)
+                return c.think_end[0]  # the limit: close now (the close fits in it)
             return sampled
         return c.end_of_turn if sampled in c.not_in_answer else sampled
 

@@ -16,6 +16,7 @@ text, the special tokens follow. Every tokenizer also gives each id's bytes (`de
 decoded text, b"" for a special token) and its special tokens (`id_to_special`), which constrained decoding
 (expertmesh/chat/grammar.py) reads.
 """
+
 from __future__ import annotations
 
 import base64
@@ -27,11 +28,23 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 SPECIAL_TOKENS = (
-    "<|pad|>", "<|bos|>", "<|eos|>",
-    "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
-    "<|think|>", "<|/think|>", "<|tool_call|>", "<|/tool_call|>",
-    "<|tools|>", "<|/tools|>",
-    "<|image|>", "<|/image|>", "<|image_pad|>",     # an image: start, one pad per image token, end
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<|think|>",
+    "<|/think|>",
+    "<|tool_call|>",
+    "<|/tool_call|>",
+    "<|tools|>",
+    "<|/tools|>",
+    "<|image|>",
+    "<|/image|>",
+    "<|image_pad|>",  # an image: start, one pad per image token, end
 )
 N_BYTES = 256
 N_SPECIAL_SLOTS = 32  # room for more special tokens without changing the vocabulary size
@@ -52,11 +65,23 @@ class ByteTokenizer:
 
     def __getattr__(self, name: str) -> int:  # tok.eos_id, tok.think_end_id, ...
         aliases = {
-            "pad_id": "<|pad|>", "bos_id": "<|bos|>", "eos_id": "<|eos|>", "system_id": "<|system|>",
-            "user_id": "<|user|>", "assistant_id": "<|assistant|>", "tool_id": "<|tool|>", "end_id": "<|end|>",
-            "think_start_id": "<|think|>", "think_end_id": "<|/think|>", "tool_call_start_id": "<|tool_call|>",
-            "tool_call_end_id": "<|/tool_call|>", "tools_start_id": "<|tools|>", "tools_end_id": "<|/tools|>",
-            "image_start_id": "<|image|>", "image_end_id": "<|/image|>", "image_pad_id": "<|image_pad|>",
+            "pad_id": "<|pad|>",
+            "bos_id": "<|bos|>",
+            "eos_id": "<|eos|>",
+            "system_id": "<|system|>",
+            "user_id": "<|user|>",
+            "assistant_id": "<|assistant|>",
+            "tool_id": "<|tool|>",
+            "end_id": "<|end|>",
+            "think_start_id": "<|think|>",
+            "think_end_id": "<|/think|>",
+            "tool_call_start_id": "<|tool_call|>",
+            "tool_call_end_id": "<|/tool_call|>",
+            "tools_start_id": "<|tools|>",
+            "tools_end_id": "<|/tools|>",
+            "image_start_id": "<|image|>",
+            "image_end_id": "<|/image|>",
+            "image_pad_id": "<|image_pad|>",
         }
         if name in aliases:
             return self.special_to_id[aliases[name]]
@@ -72,8 +97,9 @@ class ByteTokenizer:
         try:
             return list(text.encode("utf-8"))
         except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start} "
-                             f"({text[e.start:e.end]!r})") from None
+            raise ValueError(
+                f"text is not valid Unicode: {e.reason} at character {e.start} ({text[e.start : e.end]!r})"
+            ) from None
 
     def encode_prompt(self, text: str) -> list[int]:
         return [self.bos_id] + self.encode(text)
@@ -93,7 +119,7 @@ class ByteTokenizer:
                 out.append(i)
                 continue
             if not 0 <= i < VOCAB_SIZE:
-                continue            # a model's padded vocabulary rows decode to nothing (as CheckpointTokenizer)
+                continue  # a model's padded vocabulary rows decode to nothing (as CheckpointTokenizer)
             text.append(out.decode("utf-8", errors="replace"))
             out.clear()
             if not skip_special and i in self.id_to_special:
@@ -157,6 +183,7 @@ def token_content(value) -> str | None:
 def added_token(value):
     """A named special token as transformers adds it: a dict keeps its flags, a string is special, not normalized."""
     from tokenizers import AddedToken
+
     if isinstance(value, dict):
         flags = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
         return AddedToken(value["content"], special=True, **flags)
@@ -165,6 +192,7 @@ def added_token(value):
 
 class NamedSpecials:
     """What a checkpoint's tokenizer derives from its `eos_ids` and tokenizer_config.json's named tokens."""
+
     eos_ids: tuple[int, ...]
     named_special: dict[str, str | None]
 
@@ -195,6 +223,7 @@ class CheckpointTokenizer(NamedSpecials):
 
     def __init__(self, directory: str | Path):
         from tokenizers import AddedToken, Tokenizer
+
         self.directory = Path(directory)
         path = self.directory / "tokenizer.json"
         try:
@@ -205,7 +234,7 @@ class CheckpointTokenizer(NamedSpecials):
         self.config = read_json(config_path) if config_path.exists() else {}
         named = {name: self.config.get(name) for name in NAMED_SPECIAL_TOKENS}
         extra = self.config.get("extra_special_tokens")
-        if isinstance(extra, dict):          # model-specific named tokens (e.g. image_token): named, like bos_token
+        if isinstance(extra, dict):  # model-specific named tokens (e.g. image_token): named, like bos_token
             named.update(extra)
             extra = None
         self.named_special = {name: token_content(value) for name, value in named.items()}
@@ -218,14 +247,16 @@ class CheckpointTokenizer(NamedSpecials):
         self.backend.no_padding()
         self.backend.encode_special_tokens = False
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-        self.cleanup_spaces = bool(self.config.get("clean_up_tokenization_spaces")) and \
-            type(self.backend.model).__name__ != "BPE"
+        self.cleanup_spaces = (
+            bool(self.config.get("clean_up_tokenization_spaces")) and type(self.backend.model).__name__ != "BPE"
+        )
         self.eos_ids = self._eos_ids()
 
     def _eos_ids(self) -> tuple[int, ...]:
         eos = self.named_special.get("eos_token")
-        return checkpoint_eos_ids(self.directory, self.backend.token_to_id(eos) if eos is not None else None,
-                                  self.vocab_size)
+        return checkpoint_eos_ids(
+            self.directory, self.backend.token_to_id(eos) if eos is not None else None, self.vocab_size
+        )
 
     def encode(self, text: str) -> list[int]:
         _check_unicode(text)
@@ -241,8 +272,11 @@ class CheckpointTokenizer(NamedSpecials):
         _check_unicode(text)
         if self.backend.normalizer is not None:
             text = self.backend.normalizer.normalize_str(text)
-        pieces = [p for p, _ in self.backend.pre_tokenizer.pre_tokenize_str(text)] \
-            if self.backend.pre_tokenizer is not None else [text]
+        pieces = (
+            [p for p, _ in self.backend.pre_tokenizer.pre_tokenize_str(text)]
+            if self.backend.pre_tokenizer is not None
+            else [text]
+        )
         return [t.id for piece in pieces for t in self.backend.model.tokenize(piece)]
 
     def special(self, token: str) -> int:
@@ -264,8 +298,11 @@ class CheckpointTokenizer(NamedSpecials):
     @cached_property
     def id_to_special(self) -> dict[int, str]:
         """The special tokens (added tokens marked special: BOS, EOS, role markers …) by id."""
-        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
-                if t.special and 0 <= i < self.vocab_size}
+        return {
+            i: t.content
+            for i, t in self.backend.get_added_tokens_decoder().items()
+            if t.special and 0 <= i < self.vocab_size
+        }
 
     @cached_property
     def _id_bytes(self) -> list[bytes]:
@@ -274,8 +311,14 @@ class CheckpointTokenizer(NamedSpecials):
         spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
         kinds = decoder_kinds(spec)
         space = next((d.get("replacement") for d in _flat_decoders(spec) if d.get("type") == "Metaspace"), None)
-        space = space or next((d["pattern"].get("String") for d in _flat_decoders(spec) if d.get("type") == "Replace"
-                               and isinstance(d.get("pattern"), dict) and d.get("content") == " "), None)
+        space = space or next(
+            (
+                d["pattern"].get("String")
+                for d in _flat_decoders(spec)
+                if d.get("type") == "Replace" and isinstance(d.get("pattern"), dict) and d.get("content") == " "
+            ),
+            None,
+        )
         added = self.backend.get_added_tokens_decoder()
         out = [b""] * self.vocab_size
         for i in range(self.vocab_size):
@@ -284,8 +327,13 @@ class CheckpointTokenizer(NamedSpecials):
                 continue
             piece = self.backend.id_to_token(i)
             if piece is not None:
-                out[i] = piece_bytes(piece, byte_level="ByteLevel" in kinds, byte_fallback="ByteFallback" in kinds,
-                                     space=space, word_piece="WordPiece" in kinds)
+                out[i] = piece_bytes(
+                    piece,
+                    byte_level="ByteLevel" in kinds,
+                    byte_fallback="ByteFallback" in kinds,
+                    space=space,
+                    word_piece="WordPiece" in kinds,
+                )
         return out
 
     def decode_bytes(self, ids) -> bytes:
@@ -313,8 +361,9 @@ def decoder_kinds(spec: dict) -> set[str]:
 @lru_cache(maxsize=1)
 def byte_level_table() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: the printable character standing for each byte → the byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = {}, 0
     for b in range(256):
         if b in keep:
@@ -328,8 +377,9 @@ def byte_level_table() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def piece_bytes(piece: str, *, byte_level: bool, byte_fallback: bool, space: str | None,
-                word_piece: bool = False) -> bytes:
+def piece_bytes(
+    piece: str, *, byte_level: bool, byte_fallback: bool, space: str | None, word_piece: bool = False
+) -> bytes:
     """One vocabulary entry's bytes in decoded text, by the tokenizer's decoder kind."""
     if byte_level:
         table = byte_level_table()
@@ -360,12 +410,15 @@ def checkpoint_eos_ids(directory: Path, named_eos: int | None, vocab_size: int) 
     if named_eos is not None and named_eos not in ids:
         ids.append(named_eos)
     if not ids:
-        raise TokenizerError(f"{directory}: no end-of-sequence token: expected eos_token_id in "
-                             f"generation_config.json or config.json, or eos_token in tokenizer_config.json")
+        raise TokenizerError(
+            f"{directory}: no end-of-sequence token: expected eos_token_id in "
+            f"generation_config.json or config.json, or eos_token in tokenizer_config.json"
+        )
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise TokenizerError(f"{directory}: eos_token_id {bad[0]} is outside the tokenizer's vocabulary "
-                             f"[0, {vocab_size})")
+        raise TokenizerError(
+            f"{directory}: eos_token_id {bad[0]} is outside the tokenizer's vocabulary [0, {vocab_size})"
+        )
     return tuple(ids)
 
 
@@ -373,13 +426,24 @@ def _check_unicode(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start} "
-                         f"({text[e.start:e.end]!r})") from None
+        raise ValueError(
+            f"text is not valid Unicode: {e.reason} at character {e.start} ({text[e.start : e.end]!r})"
+        ) from None
 
 
 def _clean_up_spaces(text: str) -> str:
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -395,46 +459,48 @@ class TokenStreamDecoder:
     def __init__(self, tok: CheckpointTokenizer, skip_special: bool):
         self.tok, self.skip_special = tok, skip_special
         self.ids: list[int] = []
-        self.prefix = 0      # the window starts here: the last token already emitted (context for its successor)
-        self.read = 0        # ids before this are emitted
+        self.prefix = 0  # the window starts here: the last token already emitted (context for its successor)
+        self.read = 0  # ids before this are emitted
 
     def _text(self, ids) -> str:
         return self.tok.decode(ids, skip_special=self.skip_special)
 
     def feed(self, token: int) -> str:
         self.ids.append(int(token))
-        done = self._text(self.ids[self.prefix:self.read])
-        text = self._text(self.ids[self.prefix:])
+        done = self._text(self.ids[self.prefix : self.read])
+        text = self._text(self.ids[self.prefix :])
         if len(text) <= len(done) or text.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
     def flush(self) -> str:
-        done = self._text(self.ids[self.prefix:self.read])
-        text = self._text(self.ids[self.prefix:])
+        done = self._text(self.ids[self.prefix : self.read])
+        text = self._text(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
 
 # ----------------------------------------------------------------------------------------------- tiktoken.model
 # Kimi K2's pre-tokenizer (`pat_str` of its tokenization_kimi.py; llama.cpp's `kimi-k2` pre-tokenizer): Han runs,
 # cased words with English contractions, numbers in threes, punctuation runs, newlines, spaces.
-KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
-KIMI_RESERVED_SPECIAL_TOKENS = 256      # tokenization_kimi.py: the ids after the BPE ranks, named or reserved
-TIKTOKEN_MAX_ENCODE_CHARS = 400_000     # tokenization_kimi.py encodes in windows of this many characters ...
-MAX_RUN_CHARS = 25_000                  # ... each split where whitespace / non-whitespace runs grow longer
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+KIMI_RESERVED_SPECIAL_TOKENS = 256  # tokenization_kimi.py: the ids after the BPE ranks, named or reserved
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000  # tokenization_kimi.py encodes in windows of this many characters ...
+MAX_RUN_CHARS = 25_000  # ... each split where whitespace / non-whitespace runs grow longer
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -508,6 +574,7 @@ class TikTokenTokenizer(NamedSpecials):
 
     def __init__(self, directory: str | Path):
         import tiktoken
+
         self.directory = Path(directory)
         ranks = read_tiktoken_ranks(self.directory / "tiktoken.model")
         config_path = self.directory / "tokenizer_config.json"
@@ -516,8 +583,9 @@ class TikTokenTokenizer(NamedSpecials):
         named = self._added_tokens(config_path)
         n_reserved = self.config.get("num_reserved_special_tokens", KIMI_RESERVED_SPECIAL_TOKENS)
         if not isinstance(n_reserved, int) or isinstance(n_reserved, bool) or n_reserved < 0:
-            raise TokenizerError(f"{config_path}: num_reserved_special_tokens: expected a non-negative integer, "
-                                 f"found {n_reserved!r}")
+            raise TokenizerError(
+                f"{config_path}: num_reserved_special_tokens: expected a non-negative integer, found {n_reserved!r}"
+            )
         self.vocab_size = max([self.n_base + n_reserved] + [i + 1 for i in named])
         self.id_to_special = {i: named.get(i, f"<|reserved_token_{i}|>") for i in range(self.n_base, self.vocab_size)}
         self.special_to_id = {t: i for i, t in self.id_to_special.items()}
@@ -531,11 +599,14 @@ class TikTokenTokenizer(NamedSpecials):
         self._bytes = [b""] * self.n_base
         for token, rank in ranks.items():
             self._bytes[rank] = token
-        self.encoding = tiktoken.Encoding(name=f"expertmesh:{self.directory.name}", pat_str=KIMI_PATTERN,
-                                          mergeable_ranks=ranks, special_tokens=self.special_to_id)
+        self.encoding = tiktoken.Encoding(
+            name=f"expertmesh:{self.directory.name}",
+            pat_str=KIMI_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_to_id,
+        )
         eos = self.named_special.get("eos_token")
-        self.eos_ids = checkpoint_eos_ids(self.directory, self.special_to_id.get(eos) if eos else None,
-                                          self.vocab_size)
+        self.eos_ids = checkpoint_eos_ids(self.directory, self.special_to_id.get(eos) if eos else None, self.vocab_size)
 
     def _added_tokens(self, config_path: Path) -> dict[int, str]:
         raw = self.config.get("added_tokens_decoder") or {}
@@ -549,15 +620,17 @@ class TikTokenTokenizer(NamedSpecials):
             except ValueError:
                 i = -1
             if i < self.n_base or content is None:
-                raise TokenizerError(f"{config_path}: added_tokens_decoder[{key!r}]: expected an id ≥ "
-                                     f"{self.n_base} (after tiktoken.model's ranks) with a token `content`")
+                raise TokenizerError(
+                    f"{config_path}: added_tokens_decoder[{key!r}]: expected an id ≥ "
+                    f"{self.n_base} (after tiktoken.model's ranks) with a token `content`"
+                )
             named[i] = content
         return named
 
     def _windows(self, text: str):
         _check_unicode(text)
         for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
-            yield from split_long_runs(text[i:i + TIKTOKEN_MAX_ENCODE_CHARS])
+            yield from split_long_runs(text[i : i + TIKTOKEN_MAX_ENCODE_CHARS])
 
     def encode(self, text: str) -> list[int]:
         """Text → ids, special-token strings in it becoming their tokens (tokenization_kimi.py's `encode`)."""
@@ -574,8 +647,9 @@ class TikTokenTokenizer(NamedSpecials):
         try:
             return self.special_to_id[token]
         except KeyError:
-            raise ValueError(f"{token!r} is not a special token of {self.directory / 'tokenizer_config.json'}") \
-                from None
+            raise ValueError(
+                f"{token!r} is not a special token of {self.directory / 'tokenizer_config.json'}"
+            ) from None
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes of an ordinary (BPE) id; b"" for a special id or one outside the vocabulary."""
@@ -624,8 +698,7 @@ class TikTokenStreamDecoder:
         return self.utf8.decode(b"", final=True)
 
 
-def load_tokenizer(checkpoint_dir: str | Path | None = None
-                   ) -> ByteTokenizer | CheckpointTokenizer | TikTokenTokenizer:
+def load_tokenizer(checkpoint_dir: str | Path | None = None) -> ByteTokenizer | CheckpointTokenizer | TikTokenTokenizer:
     """The checkpoint's own tokenizer: `tiktoken.model` (Kimi K2 / K3) when it has one, else `tokenizer.json`,
     else the byte tokenizer (synthetic checkpoints)."""
     if checkpoint_dir is not None and (Path(checkpoint_dir) / "tiktoken.model").exists():

@@ -3,6 +3,7 @@ format) or a Hugging Face directory of a published relative (its config.json map
 safetensors headers for the optional tensors it implies). The router, which holds no weights, needs no more; the
 weight loader (checkpoint/loader.py) reads its config the same way and then checks every tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def native_config(path: Path) -> ModelConfig:
 def mapped_config_error(path: Path, e: ValidationError) -> CheckpointError:
     """A Hugging Face config that maps to values ModelConfig refuses: the first field and why."""
     first = e.errors()[0]
-    return CheckpointError(f"{path / CONFIG_FILE}: maps to an invalid model config: "
-                           f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
+    return CheckpointError(
+        f"{path / CONFIG_FILE}: maps to an invalid model config: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+    )
 
 
 def checkpoint_config(path: str | Path) -> ModelConfig:

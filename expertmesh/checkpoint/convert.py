@@ -10,6 +10,7 @@ Streaming: one output shard per layer, written from the source shard by shard th
 float weights of one expert at a time are resident (the packed layer, 4.25 bits per weight, is what accumulates).
 Resumable: a shard is written to `*.partial` and renamed when complete; a rerun skips finished shards.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 class ConvertReport:
     out: Path
     shards: int
-    skipped: int              # already converted by an earlier run
-    bytes_read: int           # source tensor bytes of the shards converted now
+    skipped: int  # already converted by an earlier run
+    bytes_read: int  # source tensor bytes of the shards converted now
     bytes_written: int
     seconds: float
 
@@ -65,6 +66,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, progress: bool = Fal
     iterator = todo
     if progress:
         from tqdm import tqdm
+
         iterator = tqdm(todo, desc="converting", unit="shard")
     weight_map: dict[str, str] = {}
     bytes_read = bytes_written = 0
@@ -74,8 +76,11 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, progress: bool = Fal
         layer = int(group.split("-")[1]) if group.startswith("layer-") else None
         experts = expert_names.get(layer, set())
         kept = [n for n in groups[group] if n not in experts]
-        names = kept + ([f"{hf.experts[layer].base}{p}_{k}" for p in ("gate_up_proj", "down_proj")
-                         for k in ("blocks", "scales")] if experts else [])
+        names = kept + (
+            [f"{hf.experts[layer].base}{p}_{k}" for p in ("gate_up_proj", "down_proj") for k in ("blocks", "scales")]
+            if experts
+            else []
+        )
         weight_map.update({n: path.name for n in names})
         if group in skipped:
             continue
@@ -93,13 +98,15 @@ def convert_checkpoint(src: str | Path, out: str | Path, *, progress: bool = Fal
         partial.rename(path)
         bytes_written += path.stat().st_size
     seconds = time.perf_counter() - start
-    index = {"metadata": {"converted_by": "expertmesh checkpoint convert", "experts": "mxfp4"},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"converted_by": "expertmesh checkpoint convert", "experts": "mxfp4"},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (out / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
-    for f in src.iterdir():                     # config, tokenizer, chat template, generation config, ...
+    for f in src.iterdir():  # config, tokenizer, chat template, generation config, ...
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
             shutil.copy2(f, out / f.name)
-    Checkpoint(out)                             # the result validates like any other checkpoint
+    Checkpoint(out)  # the result validates like any other checkpoint
     return ConvertReport(out, len(todo), len(skipped), bytes_read, bytes_written, seconds)
 
 
@@ -110,4 +117,3 @@ def _nbytes(info: tuple[str, list[int]]) -> int:
     for s in shape:
         n *= s
     return n * size
-

@@ -35,6 +35,7 @@ Progress goes to stdout as `FETCH <pct>% <done>/<total> MiB <file>` (the operato
 the init container's log into the MoEDeployment's status: `Downloading 37%`); the last line is `FETCH done …`
 or `FETCH failed: …` (the container's termination message).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,8 @@ LOCK_FILE = "lock"
 PARTIAL = ".partial"
 CHUNK = 1 << 20
 MAX_INDEX_BYTES = 16 << 20  # default bound on an index or the Hub's file list (~100k files; a checkpoint has ~1k)
-NAME_MAX = 255              # bytes in one path component (Linux file systems), the download's `.partial` included
-MAX_PATH_BYTES = 1024       # a whole path the index names
+NAME_MAX = 255  # bytes in one path component (Linux file systems), the download's `.partial` included
+MAX_PATH_BYTES = 1024  # a whole path the index names
 PROGRESS_RE = re.compile(r"^FETCH (\d+(?:\.\d+)?)% ")
 
 
@@ -85,7 +86,7 @@ class FileEntry:
     path: str
     size: int
     sha256: str | None = None
-    git_sha1: str | None = None   # the git blob id (Hub files not stored in LFS)
+    git_sha1: str | None = None  # the git blob id (Hub files not stored in LFS)
 
 
 @dataclass
@@ -93,10 +94,11 @@ class Source:
     """Where a checkpoint's files come from: `base` + a file's path, its index at `index_url`. `headers` (the Hub's
     bearer token) and `sign` (which adds a request's SigV4 headers, for S3) are credentials for the origin of
     `base`: no request to another origin carries them."""
+
     uri: str
     base: str = ""
     headers: dict = field(default_factory=dict)
-    kind: str = "http"        # http | hf | s3 | local
+    kind: str = "http"  # http | hf | s3 | local
     sign: Callable[[str, str, dict], dict] | None = None
     index_url: str = ""
 
@@ -105,29 +107,53 @@ class Source:
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
-def sigv4_headers(method: str, url: str, headers: dict, *, access_key: str, secret_key: str, region: str,
-                  amz_date: str, session_token: str | None = None, service: str = "s3") -> dict:
+def sigv4_headers(
+    method: str,
+    url: str,
+    headers: dict,
+    *,
+    access_key: str,
+    secret_key: str,
+    region: str,
+    amz_date: str,
+    session_token: str | None = None,
+    service: str = "s3",
+) -> dict:
     """`headers` plus the AWS Signature Version 4 headers of a request without a body (x-amz-date,
     x-amz-content-sha256, Authorization; every given header is signed)."""
     import hmac
+
     u = urllib.parse.urlsplit(url)
     out = {**headers, "x-amz-date": amz_date, "x-amz-content-sha256": EMPTY_SHA256}
     if session_token:
         out["x-amz-security-token"] = session_token
     canon = {k.lower().strip(): " ".join(str(v).split()) for k, v in {"host": u.netloc, **out}.items()}
     signed = ";".join(sorted(canon))
-    query = "&".join(sorted(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
-                            for k, v in urllib.parse.parse_qsl(u.query, keep_blank_values=True)))
-    request = "\n".join([method, urllib.parse.quote(u.path or "/", safe="/-_.~"), query,
-                         "".join(f"{k}:{canon[k]}\n" for k in sorted(canon)), signed, EMPTY_SHA256])
+    query = "&".join(
+        sorted(
+            f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+            for k, v in urllib.parse.parse_qsl(u.query, keep_blank_values=True)
+        )
+    )
+    request = "\n".join(
+        [
+            method,
+            urllib.parse.quote(u.path or "/", safe="/-_.~"),
+            query,
+            "".join(f"{k}:{canon[k]}\n" for k in sorted(canon)),
+            signed,
+            EMPTY_SHA256,
+        ]
+    )
     scope = f"{amz_date[:8]}/{region}/{service}/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(request.encode()).hexdigest()])
     key = f"AWS4{secret_key}".encode()
     for part in (amz_date[:8], region, service, "aws4_request"):
         key = hmac.new(key, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={access_key}/{scope},SignedHeaders={signed},"
-                            f"Signature={signature}")
+    out["Authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={access_key}/{scope},SignedHeaders={signed},Signature={signature}"
+    )
     return out
 
 
@@ -140,18 +166,23 @@ def _s3_source(uri: str) -> Source:
         raise FetchError(f"{uri}: expected s3://BUCKET/PREFIX")
     env = os.environ
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-    endpoint = (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or
-                f"https://s3.{region}.amazonaws.com").rstrip("/")
+    endpoint = (
+        env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or f"https://s3.{region}.amazonaws.com"
+    ).rstrip("/")
     prefix = u.path.strip("/")
     base = f"{endpoint}/{u.netloc}/" + (urllib.parse.quote(prefix) + "/" if prefix else "")
     sign = None
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        creds = dict(access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"], region=region,
-                     session_token=env.get("AWS_SESSION_TOKEN"))
+        creds = dict(
+            access_key=env["AWS_ACCESS_KEY_ID"],
+            secret_key=env["AWS_SECRET_ACCESS_KEY"],
+            region=region,
+            session_token=env.get("AWS_SESSION_TOKEN"),
+        )
 
         def sign(method: str, url: str, headers: dict) -> dict:
-            return sigv4_headers(method, url, headers, amz_date=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
-                                 **creds)
+            return sigv4_headers(method, url, headers, amz_date=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), **creds)
+
     return Source(uri, base=base, kind="s3", sign=sign, index_url=base + INDEX_NAME)
 
 
@@ -196,10 +227,14 @@ _brief.maxstring = _brief.maxother = 60
 
 def parse_index(payload, where: str) -> list[FileEntry]:
     """Validate an index; raises FetchError naming the entry (`files[i]`) and what is wrong with it."""
-    if not isinstance(payload, dict) or payload.get("format") != INDEX_FORMAT or \
-            not isinstance(payload.get("files"), list):
-        raise FetchError(f"{where}: not an {INDEX_FORMAT} index (expected {{\"format\": \"{INDEX_FORMAT}\", "
-                         f"\"files\": [...]}})")
+    if (
+        not isinstance(payload, dict)
+        or payload.get("format") != INDEX_FORMAT
+        or not isinstance(payload.get("files"), list)
+    ):
+        raise FetchError(
+            f'{where}: not an {INDEX_FORMAT} index (expected {{"format": "{INDEX_FORMAT}", "files": [...]}})'
+        )
     out = []
     for i, f in enumerate(payload["files"]):
         what = f"{where}: files[{i}]"
@@ -226,8 +261,10 @@ def _hex(value, digits: int, what: str, name: str) -> str:
 
 def _safe_path(path, what: str) -> str:
     """`path` when it is a plain relative path the cache can hold, else FetchError naming it (`what`: the entry)."""
+
     def bad(why: str):
         raise FetchError(f"{what}: file path {_brief.repr(path)} {why}")
+
     if not isinstance(path, str) or not path:
         bad("must be a non-empty string")
     try:
@@ -240,12 +277,16 @@ def _safe_path(path, what: str) -> str:
         bad(f"is {len(raw)} bytes long (at most {MAX_PATH_BYTES})")
     parts = path.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        bad("must be a relative path of plain names inside the checkpoint (no leading, trailing or doubled '/', "
-            "no '.' or '..')")
+        bad(
+            "must be a relative path of plain names inside the checkpoint (no leading, trailing or doubled '/', "
+            "no '.' or '..')"
+        )
     longest = max(len(p.encode()) for p in parts)
     if longest > NAME_MAX - len(PARTIAL):
-        bad(f"has a name of {longest} bytes (at most {NAME_MAX - len(PARTIAL)}: the file system's {NAME_MAX} "
-            f"less the {PARTIAL!r} of a download)")
+        bad(
+            f"has a name of {longest} bytes (at most {NAME_MAX - len(PARTIAL)}: the file system's {NAME_MAX} "
+            f"less the {PARTIAL!r} of a download)"
+        )
     if parts[0] == STATE_DIR:
         bad(f"names the fetch's own state ({STATE_DIR}/: its lock and its record of verified files)")
     if path.endswith(PARTIAL):
@@ -265,8 +306,10 @@ def _check_layout(entries: list[FileEntry], where: str, key: str) -> None:
         for k in range(1, len(parts)):
             d = "/".join(parts[:k])
             if d in first:
-                raise FetchError(f"{where}: {key}[{i}]: file path {e.path!r} needs {d!r} to be a directory, but "
-                                 f"{key}[{first[d]}] lists {d!r} as a file")
+                raise FetchError(
+                    f"{where}: {key}[{i}]: file path {e.path!r} needs {d!r} to be a directory, but "
+                    f"{key}[{first[d]}] lists {d!r} as a file"
+                )
 
 
 def _too_big(what: str, limit: int) -> FetchError:
@@ -314,8 +357,13 @@ def parse_source(uri: str) -> Source:
         repo, rev = urllib.parse.quote(repo), urllib.parse.quote(rev or "main", safe="")
         endpoint = _hf_endpoint()
         headers = {"Authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
-        return Source(uri, base=f"{endpoint}/{repo}/resolve/{rev}/", headers=headers, kind="hf",
-                      index_url=f"{endpoint}/api/models/{repo}/revision/{rev}?blobs=true")
+        return Source(
+            uri,
+            base=f"{endpoint}/{repo}/resolve/{rev}/",
+            headers=headers,
+            kind="hf",
+            index_url=f"{endpoint}/api/models/{repo}/revision/{rev}?blobs=true",
+        )
     if u.scheme == "s3":
         return _s3_source(uri)
     if u.scheme in ("", "file"):
@@ -372,9 +420,13 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
         if new is None:
             return None
         old, to = (urllib.parse.urlsplit(u).scheme.lower() for u in (req.full_url, new.full_url))
-        why = ("refused: from https to http (credentials and the file would travel unprotected)"
-               if (old, to) == ("https", "http") else None if to in ("http", "https") else
-               f"refused: {to or 'no'} scheme (only http and https)")
+        why = (
+            "refused: from https to http (credentials and the file would travel unprotected)"
+            if (old, to) == ("https", "http")
+            else None
+            if to in ("http", "https")
+            else f"refused: {to or 'no'} scheme (only http and https)"
+        )
         if why is not None:
             fp.close()
             raise FetchError(f"GET {_shown(req.full_url)}: redirected to {_shown(new.full_url)}: {why}")
@@ -410,8 +462,9 @@ def fetch_index(src: Source, timeout: float, limit: int = MAX_INDEX_BYTES) -> li
             with open(src.index_url, "rb") as fh:
                 data = fh.read(limit + 1)
         except FileNotFoundError:
-            raise FetchError(f"{src.uri}: no {INDEX_NAME} (write one with `expertmesh fetch --write-index DIR`)") \
-                from None
+            raise FetchError(
+                f"{src.uri}: no {INDEX_NAME} (write one with `expertmesh fetch --write-index DIR`)"
+            ) from None
         except OSError as e:
             raise FetchError(f"{src.index_url}: {e.strerror or e}") from None
         if len(data) > limit:
@@ -438,8 +491,11 @@ def _hf_files(payload, api: str) -> list[FileEntry]:
         if lfs is not None and not isinstance(lfs, dict):
             raise FetchError(f"{what}: lfs must be an object, got {_brief.repr(lfs)}")
         if lfs and lfs.get("sha256") is not None:
-            out.append(FileEntry(name, _whole(lfs.get("size", s.get("size")), what),
-                                 sha256=_hex(lfs["sha256"], 64, what, "sha256")))
+            out.append(
+                FileEntry(
+                    name, _whole(lfs.get("size", s.get("size")), what), sha256=_hex(lfs["sha256"], 64, what, "sha256")
+                )
+            )
         elif s.get("blobId") is not None and s.get("size") is not None:
             out.append(FileEntry(name, _whole(s["size"], what), git_sha1=_hex(s["blobId"], 40, what, "blobId")))
         else:
@@ -454,6 +510,7 @@ def _hf_files(payload, api: str) -> list[FileEntry]:
 @dataclass
 class Progress:
     """Byte counts across the whole fetch; prints `FETCH <pct>% …` at most every `every` seconds or 1%."""
+
     total: int
     done: int = 0
     downloaded: int = 0
@@ -473,7 +530,7 @@ class Progress:
 
 
 def _backoff(attempt: int, base: float, cap: float = 60.0) -> float:
-    return min(cap, base * 2 ** attempt) * (0.5 + random.random() / 2)
+    return min(cap, base * 2**attempt) * (0.5 + random.random() / 2)
 
 
 def _check_file(fh, entry: FileEntry) -> str | None:
@@ -496,7 +553,7 @@ def _check(path: Path, entry: FileEntry) -> str | None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a fifo planted in the cache cannot hang us
@@ -521,8 +578,10 @@ class _Cache:
         """Remove what is at `rel` (not a `need`) so that one can be made there."""
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
-            raise FetchError(f"{self.root / rel}: a directory in the cache where fetch needs a {need} (left alone: "
-                             f"remove it by hand)")
+            raise FetchError(
+                f"{self.root / rel}: a directory in the cache where fetch needs a {need} (left alone: "
+                f"remove it by hand)"
+            )
         if stat.S_ISLNK(st.st_mode):
             what = f"a symbolic link in the cache (→ {os.readlink(name, dir_fd=dfd)!r})"
             why = "fetch never follows links out of the cache"
@@ -537,7 +596,7 @@ class _Cache:
         fd = os.dup(self.fd)
         try:
             for k, name in enumerate(parts):
-                rel = "/".join(parts[:k + 1])
+                rel = "/".join(parts[: k + 1])
                 for _ in range(3):  # there, made, or cleared and made
                     try:
                         sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
@@ -621,8 +680,9 @@ class _Cache:
         os.replace(tmp, STATE_FILE, src_dir_fd=sfd, dst_dir_fd=sfd)
 
 
-def _download(src: Source, entry: FileEntry, cache: _Cache, dfd: int, part: str, progress: Progress,
-              timeout: float) -> None:
+def _download(
+    src: Source, entry: FileEntry, cache: _Cache, dfd: int, part: str, progress: Progress, timeout: float
+) -> None:
     """Append the rest of the file to `part` in `dfd` (resuming from its size), never past the indexed size:
     TransientError on an interruption, FetchError when the server announces another size or sends more."""
     rel = entry.path + PARTIAL
@@ -641,8 +701,9 @@ def _download(src: Source, entry: FileEntry, cache: _Cache, dfd: int, part: str,
             offset = 0
         length = (r.headers.get("Content-Length") or "").strip()
         if length.isdigit() and offset + int(length) != entry.size:
-            raise FetchError(f"{what}: size {offset + int(length)} bytes (the server's Content-Length), the index "
-                             f"says {entry.size}")
+            raise FetchError(
+                f"{what}: size {offset + int(length)} bytes (the server's Content-Length), the index says {entry.size}"
+            )
         fd = cache.open(dfd, part, rel, os.O_WRONLY | os.O_APPEND) if offset else cache.create(dfd, part, rel)
         done = offset
         try:
@@ -655,8 +716,10 @@ def _download(src: Source, entry: FileEntry, cache: _Cache, dfd: int, part: str,
                     break
                 if done + len(block) > entry.size:
                     os.unlink(part, dir_fd=dfd)
-                    raise FetchError(f"{what}: the server sends more than the {entry.size} bytes the index lists "
-                                     f"(refused at byte {entry.size + 1}; nothing kept)")
+                    raise FetchError(
+                        f"{what}: the server sends more than the {entry.size} bytes the index lists "
+                        f"(refused at byte {entry.size + 1}; nothing kept)"
+                    )
                 try:
                     _write_all(fd, block)
                 except OSError as e:
@@ -671,9 +734,18 @@ def _download(src: Source, entry: FileEntry, cache: _Cache, dfd: int, part: str,
         raise TransientError(f"GET {url}: connection closed after {done} of {entry.size} bytes")
 
 
-def fetch(uri: str, cache: Path, *, patterns: Iterable[str] = (), retries: int = 8, backoff: float = 0.5,
-          timeout: float = 60.0, out: Callable[[str], None] = print, progress_every: float = 1.0,
-          max_index_bytes: int = MAX_INDEX_BYTES) -> dict:
+def fetch(
+    uri: str,
+    cache: Path,
+    *,
+    patterns: Iterable[str] = (),
+    retries: int = 8,
+    backoff: float = 0.5,
+    timeout: float = 60.0,
+    out: Callable[[str], None] = print,
+    progress_every: float = 1.0,
+    max_index_bytes: int = MAX_INDEX_BYTES,
+) -> dict:
     """Fetch the checkpoint at `uri` into `cache` (see the module doc). `patterns`: only files matching one of
     these globs (plus every non-safetensors file). `max_index_bytes`: the most of an index read. Returns
     {"files", "bytes", "downloaded", "skipped"}. Raises FetchError (permanent) or TransientError (retries
@@ -693,8 +765,9 @@ def fetch(uri: str, cache: Path, *, patterns: Iterable[str] = (), retries: int =
                 except BlockingIOError:
                     out(f"FETCH waiting: another fetch into {cache} is under way")
                     fcntl.flock(lock, fcntl.LOCK_EX)
-                return _fetch_locked(src, store, sfd, patterns, retries, backoff, timeout, out, progress_every,
-                                     max_index_bytes)
+                return _fetch_locked(
+                    src, store, sfd, patterns, retries, backoff, timeout, out, progress_every, max_index_bytes
+                )
             finally:
                 os.close(lock)
         finally:
@@ -705,13 +778,17 @@ def fetch(uri: str, cache: Path, *, patterns: Iterable[str] = (), retries: int =
         store.close()
 
 
-def _fetch_locked(src: Source, store: _Cache, sfd: int, patterns, retries, backoff, timeout, out, progress_every,
-                  max_index_bytes) -> dict:
+def _fetch_locked(
+    src: Source, store: _Cache, sfd: int, patterns, retries, backoff, timeout, out, progress_every, max_index_bytes
+) -> dict:
     entries = _retrying(lambda: fetch_index(src, timeout, max_index_bytes), retries, backoff, out, "index")
     patterns = list(patterns)
     if patterns:
-        entries = [e for e in entries if not e.path.endswith(".safetensors")
-                   or any(fnmatch.fnmatch(e.path, p) for p in patterns)]
+        entries = [
+            e
+            for e in entries
+            if not e.path.endswith(".safetensors") or any(fnmatch.fnmatch(e.path, p) for p in patterns)
+        ]
     if src.kind == "local":
         return _verify_in_place(Path(src.base), entries, out)
     state = store.load_state(sfd)
@@ -722,8 +799,20 @@ def _fetch_locked(src: Source, store: _Cache, sfd: int, patterns, retries, backo
         try:
             dfd = store.directory(dirs)
             try:
-                skipped += _fetch_file(src, entry, store, dfd, name, state, lambda: store.save_state(sfd, state),
-                                       progress, retries, backoff, timeout, out)
+                skipped += _fetch_file(
+                    src,
+                    entry,
+                    store,
+                    dfd,
+                    name,
+                    state,
+                    lambda: store.save_state(sfd, state),
+                    progress,
+                    retries,
+                    backoff,
+                    timeout,
+                    out,
+                )
             finally:
                 os.close(dfd)
         except OSError as e:
@@ -732,8 +821,20 @@ def _fetch_locked(src: Source, store: _Cache, sfd: int, patterns, retries, backo
     return {"files": len(entries), "bytes": progress.total, "downloaded": progress.downloaded, "skipped": skipped}
 
 
-def _fetch_file(src: Source, entry: FileEntry, store: _Cache, dfd: int, name: str, state: dict, save, progress,
-                retries, backoff, timeout, out) -> bool:
+def _fetch_file(
+    src: Source,
+    entry: FileEntry,
+    store: _Cache,
+    dfd: int,
+    name: str,
+    state: dict,
+    save,
+    progress,
+    retries,
+    backoff,
+    timeout,
+    out,
+) -> bool:
     """One file into its directory `dfd`, verified; True when it was already there and recorded (skipped)."""
     rel, digest = entry.path, entry.sha256 or entry.git_sha1
     st = store.regular(dfd, name, rel)
@@ -752,16 +853,24 @@ def _fetch_file(src: Source, entry: FileEntry, store: _Cache, dfd: int, name: st
     start = progress.done
     for fresh in (False, True):
         progress.done = start + part_size()
-        _retrying(lambda: _download(src, entry, store, dfd, part, progress, timeout), retries, backoff, out, rel,
-                  reset=lambda: setattr(progress, "done", start + part_size()))
+        _retrying(
+            lambda: _download(src, entry, store, dfd, part, progress, timeout),
+            retries,
+            backoff,
+            out,
+            rel,
+            reset=lambda: setattr(progress, "done", start + part_size()),
+        )
         wrong = store.check(dfd, part, rel + PARTIAL, entry)
         if wrong is None:
             break
         os.unlink(part, dir_fd=dfd)
         progress.done = start
         if fresh:
-            raise FetchError(f"checkpoint file {rel!r} from {src.base}: {wrong} (refused: the source serves "
-                             f"corrupted or different bytes)")
+            raise FetchError(
+                f"checkpoint file {rel!r} from {src.base}: {wrong} (refused: the source serves "
+                f"corrupted or different bytes)"
+            )
         out(f"FETCH {rel}: {wrong}; downloading it again from the start")
     os.replace(part, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     state[rel] = [entry.size, digest, os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime_ns]
@@ -821,15 +930,29 @@ def _positive(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", nargs="?", help="http(s)://…, hf://ORG/NAME[@REV] or a local checkpoint directory")
     p.add_argument("--cache", type=Path, help="directory the checkpoint is fetched into (created)")
-    p.add_argument("--only", action="append", default=[], metavar="GLOB",
-                   help="fetch only the .safetensors files matching GLOB (repeatable; other files always)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="fetch only the .safetensors files matching GLOB (repeatable; other files always)",
+    )
     p.add_argument("--retries", type=int, default=8, help="retries per file after a transient failure (default 8)")
     p.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds, doubled each time")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per network read (default 60)")
-    p.add_argument("--max-index-mib", type=_positive, default=MAX_INDEX_BYTES / 2**20, metavar="MIB",
-                   help=f"refuse an index (or the Hub's file list) larger than this (default {MAX_INDEX_BYTES >> 20})")
-    p.add_argument("--write-index", type=Path, metavar="DIR",
-                   help=f"write DIR/{INDEX_NAME} (size and sha256 of every file) and exit")
+    p.add_argument(
+        "--max-index-mib",
+        type=_positive,
+        default=MAX_INDEX_BYTES / 2**20,
+        metavar="MIB",
+        help=f"refuse an index (or the Hub's file list) larger than this (default {MAX_INDEX_BYTES >> 20})",
+    )
+    p.add_argument(
+        "--write-index",
+        type=Path,
+        metavar="DIR",
+        help=f"write DIR/{INDEX_NAME} (size and sha256 of every file) and exit",
+    )
 
 
 def run(args) -> int:
@@ -842,13 +965,23 @@ def run(args) -> int:
         return 2
     say = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        r = fetch(args.source, args.cache, patterns=args.only, retries=args.retries, backoff=args.backoff,
-                  timeout=args.timeout, out=say, max_index_bytes=int(args.max_index_mib * 2**20))
+        r = fetch(
+            args.source,
+            args.cache,
+            patterns=args.only,
+            retries=args.retries,
+            backoff=args.backoff,
+            timeout=args.timeout,
+            out=say,
+            max_index_bytes=int(args.max_index_mib * 2**20),
+        )
     except FetchError as e:
         say(f"FETCH failed: {e}")
         return 1
-    say(f"FETCH done {r['files']} files, {r['bytes']} bytes ({r['downloaded']} downloaded, "
-        f"{r['skipped']} already verified)")
+    say(
+        f"FETCH done {r['files']} files, {r['bytes']} bytes ({r['downloaded']} downloaded, "
+        f"{r['skipped']} already verified)"
+    )
     return 0
 
 

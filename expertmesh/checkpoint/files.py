@@ -1,5 +1,6 @@
 """The files of a checkpoint directory, read without torch: their names, the safetensors headers (every tensor's
 dtype, shape and file) and the error that names what is wrong with them."""
+
 from __future__ import annotations
 
 import json

@@ -12,6 +12,7 @@ field is read.
 Where K3's two public implementations differ, this follows llama.cpp's kimi-k3 (the oracle its tests compare
 with): the KDA q/k L2-norm and the KDA output norm use `rms_norm_eps` (vLLM: a fixed 1e-6 and 1e-5).
 """
+
 from __future__ import annotations
 
 from expertmesh.checkpoint.files import CheckpointError
@@ -29,7 +30,7 @@ from expertmesh.model.config import (
 )
 
 MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3")
-K3_QUANT_FORMAT = "mxfp4-pack-quantized"          # compressed-tensors routed experts: read as they are
+K3_QUANT_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors routed experts: read as they are
 DEFAULT_THINKING = ThinkingBudgets(low=1024, high=8192, max=32768)
 
 
@@ -57,8 +58,9 @@ def _dense_prefix(raw: dict, n_layers: int, default: int) -> int:
     while k < len(types) and types[k] == "dense":
         k += 1
     if list(types) != ["dense"] * k + ["sparse"] * (n_layers - k):
-        raise HFCheckpointError(f"config.json: mlp_layer_types={types}: only leading dense layers followed by MoE "
-                                f"layers are supported")
+        raise HFCheckpointError(
+            f"config.json: mlp_layer_types={types}: only leading dense layers followed by MoE layers are supported"
+        )
     return k
 
 
@@ -77,11 +79,19 @@ def _rope(raw: dict) -> RopeConfig | None:
         raise HFCheckpointError(f"config.json: rope type {kind!r}: expected default or yarn")
     orig = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     factor = params.get("factor") or _get(raw, "max_position_embeddings") / orig
-    return RopeConfig(theta=theta, yarn=YarnConfig(
-        factor=factor, original_max_position_embeddings=orig, beta_fast=params.get("beta_fast") or 32,
-        beta_slow=params.get("beta_slow") or 1, mscale=params.get("mscale") or 0.0,
-        mscale_all_dim=params.get("mscale_all_dim") or 0.0, attention_factor=params.get("attention_factor"),
-        truncate=params.get("truncate", True)))
+    return RopeConfig(
+        theta=theta,
+        yarn=YarnConfig(
+            factor=factor,
+            original_max_position_embeddings=orig,
+            beta_fast=params.get("beta_fast") or 32,
+            beta_slow=params.get("beta_slow") or 1,
+            mscale=params.get("mscale") or 0.0,
+            mscale_all_dim=params.get("mscale_all_dim") or 0.0,
+            attention_factor=params.get("attention_factor"),
+            truncate=params.get("truncate", True),
+        ),
+    )
 
 
 def text_config(raw: dict) -> dict:
@@ -97,24 +107,36 @@ def text_config(raw: dict) -> dict:
 
 def _check_supported(raw: dict) -> None:
     acts = ("situ",) if raw.get("model_type") == "kimi_k3" else ("silu",)
-    for key, ok in (("hidden_act", acts), ("scoring_func", ("sigmoid",)),
-                    ("moe_router_activation_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)),
-                    ("attention_bias", (False,)), ("mlp_bias", (False,))):
+    for key, ok in (
+        ("hidden_act", acts),
+        ("scoring_func", ("sigmoid",)),
+        ("moe_router_activation_func", ("sigmoid",)),
+        ("topk_method", ("noaux_tc",)),
+        ("attention_bias", (False,)),
+        ("mlp_bias", (False,)),
+    ):
         if key in raw and raw[key] not in ok:
-            raise HFCheckpointError(f"config.json: {key}={raw[key]!r} is not supported (expected "
-                                    f"{' or '.join(map(repr, ok))})")
+            raise HFCheckpointError(
+                f"config.json: {key}={raw[key]!r} is not supported (expected {' or '.join(map(repr, ok))})"
+            )
     heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
     if kv_heads not in (None, heads):
-        raise HFCheckpointError(f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads="
-                                f"{heads} (MLA shares one latent across heads)")
+        raise HFCheckpointError(
+            f"config.json: num_key_value_heads={kv_heads} must equal num_attention_heads="
+            f"{heads} (MLA shares one latent across heads)"
+        )
     quant = raw.get("quantization_config")
     if quant and quant.get("quant_method") == "compressed-tensors":
         if quant.get("format") != K3_QUANT_FORMAT:
-            raise HFCheckpointError(f"config.json: quantization_config.format={quant.get('format')!r}: compressed-"
-                                    f"tensors checkpoints are read in the {K3_QUANT_FORMAT} format only")
+            raise HFCheckpointError(
+                f"config.json: quantization_config.format={quant.get('format')!r}: compressed-"
+                f"tensors checkpoints are read in the {K3_QUANT_FORMAT} format only"
+            )
     elif quant and quant.get("quant_method") not in ("fp8", "mxfp4"):
-        raise HFCheckpointError(f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: "
-                                f"expected fp8, mxfp4 or compressed-tensors")
+        raise HFCheckpointError(
+            f"config.json: quantization_config.quant_method={quant.get('quant_method')!r}: "
+            f"expected fp8, mxfp4 or compressed-tensors"
+        )
 
 
 def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
@@ -128,7 +150,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
     n_layers = int(_get(raw, "num_hidden_layers"))
     hidden = int(_get(raw, "hidden_size"))
     indexed = model_type == "deepseek_v32" or "index_topk" in raw
-    rope = None if k3 else _rope(raw)          # K3 is NoPE throughout (its MLA and the hybrid's indexer alike)
+    rope = None if k3 else _rope(raw)  # K3 is NoPE throughout (its MLA and the hybrid's indexer alike)
     if model_type in ("kimi_linear", "kimi_k3"):
         lin = raw.get("linear_attn_config") or {}
         kda_heads = int(lin.get("num_heads", _get(raw, "linear_num_heads", default=32)))
@@ -136,7 +158,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         kernel = int(lin.get("short_conv_kernel_size", _get(raw, "linear_conv_kernel_dim", default=4)))
         types = raw.get("layer_types")
         if types is None and "full_attn_layers" in lin:
-            full = {i - 1 for i in lin["full_attn_layers"]}            # 1-indexed in the published config
+            full = {i - 1 for i in lin["full_attn_layers"]}  # 1-indexed in the published config
             types = ["full_attention" if i in full else "linear_attention" for i in range(n_layers)]
         if types is None:
             types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers)]
@@ -152,13 +174,17 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         n_shared = int(_get(raw, "num_shared_experts", "n_shared_experts", default=1))
         max_context = int(_get(raw, "model_max_length", "max_position_embeddings", default=1 << 20))
         full_rank_gate = bool(lin.get("use_full_rank_gate", k3))
-        kda = KDAConfig(n_heads=kda_heads, head_dim=kda_dim, conv_kernel_size=kernel, gate_low_rank=kda_dim,
-                        conv_bias=any(n.endswith("q_conv1d.bias") for n in tensor_names),
-                        output_gate_bias=any(n.endswith(("g_b_proj.bias", "self_attn.g_proj.bias"))
-                                             for n in tensor_names),
-                        output_gate="full_rank" if full_rank_gate else "low_rank",
-                        gate_lower_bound=lin.get("gate_lower_bound") if k3 else None,
-                        l2_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)) if k3 else 1e-6)
+        kda = KDAConfig(
+            n_heads=kda_heads,
+            head_dim=kda_dim,
+            conv_kernel_size=kernel,
+            gate_low_rank=kda_dim,
+            conv_bias=any(n.endswith("q_conv1d.bias") for n in tensor_names),
+            output_gate_bias=any(n.endswith(("g_b_proj.bias", "self_attn.g_proj.bias")) for n in tensor_names),
+            output_gate="full_rank" if full_rank_gate else "low_rank",
+            gate_lower_bound=lin.get("gate_lower_bound") if k3 else None,
+            l2_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)) if k3 else 1e-6,
+        )
     else:
         types = raw.get("layer_types") or ["indexed_attention"] * n_layers
         if set(types) != {"indexed_attention"}:
@@ -174,7 +200,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         renorm = bool(_get(raw, "norm_topk_prob", default=True))
         n_shared = int(_get(raw, "n_shared_experts", default=1))
         max_context = int(_get(raw, "max_position_embeddings", default=163_840))
-        kda = KDAConfig(n_heads=1, head_dim=MXFP4_BLOCK, gate_low_rank=1)   # unused: no KDA layers
+        kda = KDAConfig(n_heads=1, head_dim=MXFP4_BLOCK, gate_low_rank=1)  # unused: no KDA layers
     heads = int(_get(raw, "num_attention_heads"))
     k3_fields = {}
     if k3:
@@ -182,32 +208,60 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
             raise HFCheckpointError("config.json: mla_use_nope=false: Kimi K3's full-attention layers are NoPE")
         block = raw.get("attn_res_block_size")
         k3_fields = dict(
-            activation=ActivationConfig(kind="situ", beta=float(_get(raw, "activation_situ_beta", default=4.0)),
-                                        linear_beta=float(_get(raw, "activation_situ_linear_beta", default=0.0))),
-            attn_res_block_size=int(block) if block else None)
+            activation=ActivationConfig(
+                kind="situ",
+                beta=float(_get(raw, "activation_situ_beta", default=4.0)),
+                linear_beta=float(_get(raw, "activation_situ_linear_beta", default=0.0)),
+            ),
+            attn_res_block_size=int(block) if block else None,
+        )
     latent = raw.get("routed_expert_hidden_size")
-    latent_norm = bool(raw.get("latent_moe_use_norm", any(n.endswith("routed_expert_norm.weight")
-                                                            for n in tensor_names)))
+    latent_norm = bool(
+        raw.get("latent_moe_use_norm", any(n.endswith("routed_expert_norm.weight") for n in tensor_names))
+    )
     cfg = ModelConfig(
-        name=name, model_type=model_type, vocab_size=int(_get(raw, "vocab_size")), hidden_size=hidden,
-        layer_types=layer_types, first_k_dense=dense, dense_intermediate_size=int(_get(raw, "intermediate_size")),
-        moe=MoEConfig(n_routed_experts=n_experts, n_shared_experts=n_shared, top_k=top_k,
-                      expert_intermediate_size=int(_get(raw, "moe_intermediate_size")), n_group=n_group,
-                      topk_group=int(_get(raw, "topk_group", default=1)),
-                      routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
-                      norm_topk_prob=renorm, latent_size=int(latent) if latent else None,
-                      latent_norm=latent_norm),
-        mla=MLAConfig(n_heads=heads, q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=int(_get(raw, "kv_lora_rank")),
-                      qk_nope_head_dim=int(_get(raw, "qk_nope_head_dim")),
-                      qk_rope_head_dim=int(_get(raw, "qk_rope_head_dim")), v_head_dim=int(_get(raw, "v_head_dim")),
-                      rope=mla_rope if rope is not None else "none",
-                      gated_output=bool(raw.get("mla_use_output_gate", True)) if k3 else False),
-        indexer=IndexerConfig(n_heads=int(_get(raw, "index_n_heads", default=1)),
-                              head_dim=int(_get(raw, "index_head_dim", default=MXFP4_BLOCK)),
-                              index_topk=int(_get(raw, "index_topk", default=2048)), rope=rope is not None),
-        kda=kda, rope=rope or RopeConfig(), thinking=DEFAULT_THINKING, max_context=max_context,
+        name=name,
+        model_type=model_type,
+        vocab_size=int(_get(raw, "vocab_size")),
+        hidden_size=hidden,
+        layer_types=layer_types,
+        first_k_dense=dense,
+        dense_intermediate_size=int(_get(raw, "intermediate_size")),
+        moe=MoEConfig(
+            n_routed_experts=n_experts,
+            n_shared_experts=n_shared,
+            top_k=top_k,
+            expert_intermediate_size=int(_get(raw, "moe_intermediate_size")),
+            n_group=n_group,
+            topk_group=int(_get(raw, "topk_group", default=1)),
+            routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
+            norm_topk_prob=renorm,
+            latent_size=int(latent) if latent else None,
+            latent_norm=latent_norm,
+        ),
+        mla=MLAConfig(
+            n_heads=heads,
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=int(_get(raw, "kv_lora_rank")),
+            qk_nope_head_dim=int(_get(raw, "qk_nope_head_dim")),
+            qk_rope_head_dim=int(_get(raw, "qk_rope_head_dim")),
+            v_head_dim=int(_get(raw, "v_head_dim")),
+            rope=mla_rope if rope is not None else "none",
+            gated_output=bool(raw.get("mla_use_output_gate", True)) if k3 else False,
+        ),
+        indexer=IndexerConfig(
+            n_heads=int(_get(raw, "index_n_heads", default=1)),
+            head_dim=int(_get(raw, "index_head_dim", default=MXFP4_BLOCK)),
+            index_topk=int(_get(raw, "index_topk", default=2048)),
+            rope=rope is not None,
+        ),
+        kda=kda,
+        rope=rope or RopeConfig(),
+        thinking=DEFAULT_THINKING,
+        max_context=max_context,
         rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), **k3_fields,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        **k3_fields,
     )
     return cfg
 

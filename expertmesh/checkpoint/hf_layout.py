@@ -13,6 +13,7 @@ Everything else keeps the dtype it was stored in. Tensors of layers past num_hid
 multi-token-prediction layer) are not part of the served model and are skipped; any other unknown tensor is
 refused by name.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,45 +45,75 @@ def _attention_names(kind: str) -> dict[str, tuple[str, ...]]:
         names = {f"{p}_proj.weight": (f"{p}_proj.weight",) for p in "qkv"}
         names |= {f"{p}_conv.weight": (f"{p}_conv1d.weight",) for p in "qkv"}
         names |= {f"{p}_conv.bias": (f"{p}_conv1d.bias",) for p in "qkv"}
-        names |= {"f_a.weight": ("f_a_proj.weight",), "f_b.weight": ("f_b_proj.weight",),
-                  "g_a.weight": ("g_a_proj.weight",), "g_b.weight": ("g_b_proj.weight",),
-                  "g_b.bias": ("g_b_proj.bias",), "b_proj.weight": ("b_proj.weight",), "A_log": ("A_log",),
-                  "dt_bias": ("dt_bias",), "o_norm.weight": ("o_norm.weight",), "o_proj.weight": ("o_proj.weight",),
-                  "g_proj.weight": ("g_proj.weight",), "g_proj.bias": ("g_proj.bias",)}
+        names |= {
+            "f_a.weight": ("f_a_proj.weight",),
+            "f_b.weight": ("f_b_proj.weight",),
+            "g_a.weight": ("g_a_proj.weight",),
+            "g_b.weight": ("g_b_proj.weight",),
+            "g_b.bias": ("g_b_proj.bias",),
+            "b_proj.weight": ("b_proj.weight",),
+            "A_log": ("A_log",),
+            "dt_bias": ("dt_bias",),
+            "o_norm.weight": ("o_norm.weight",),
+            "o_proj.weight": ("o_proj.weight",),
+            "g_proj.weight": ("g_proj.weight",),
+            "g_proj.bias": ("g_proj.bias",),
+        }
         return names
-    return {"q_proj.weight": ("q_proj.weight",), "q_a.weight": ("q_a_proj.weight",),
-            "q_a_norm.weight": ("q_a_layernorm.weight",), "q_b.weight": ("q_b_proj.weight",),
-            "kv_a.weight": ("kv_a_proj_with_mqa.weight",), "kv_a_norm.weight": ("kv_a_layernorm.weight",),
-            "kv_b.weight": ("kv_b_proj.weight",), "o_proj.weight": ("o_proj.weight",), "gate.weight": ("g_proj.weight",),
-            "index_q.weight": ("indexer.wq_b.weight",), "index_k.weight": ("indexer.wk.weight",),
-            "index_k_norm.weight": ("indexer.k_norm.weight",), "index_k_norm.bias": ("indexer.k_norm.bias",),
-            "index_w.weight": ("indexer.weights_proj.weight",)}
+    return {
+        "q_proj.weight": ("q_proj.weight",),
+        "q_a.weight": ("q_a_proj.weight",),
+        "q_a_norm.weight": ("q_a_layernorm.weight",),
+        "q_b.weight": ("q_b_proj.weight",),
+        "kv_a.weight": ("kv_a_proj_with_mqa.weight",),
+        "kv_a_norm.weight": ("kv_a_layernorm.weight",),
+        "kv_b.weight": ("kv_b_proj.weight",),
+        "o_proj.weight": ("o_proj.weight",),
+        "gate.weight": ("g_proj.weight",),
+        "index_q.weight": ("indexer.wq_b.weight",),
+        "index_k.weight": ("indexer.wk.weight",),
+        "index_k_norm.weight": ("indexer.k_norm.weight",),
+        "index_k_norm.bias": ("indexer.k_norm.bias",),
+        "index_w.weight": ("indexer.weights_proj.weight",),
+    }
 
 
-_RESIDUAL_NAMES = {     # attention residuals (K3): our mix → the published norm / projection names
-    "attn_res": "self_attention_res", "ffn_res": "mlp_res", "out_res": "output_attn_res"}
+_RESIDUAL_NAMES = {  # attention residuals (K3): our mix → the published norm / projection names
+    "attn_res": "self_attention_res",
+    "ffn_res": "mlp_res",
+    "out_res": "output_attn_res",
+}
 
 
 def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[str, tuple[str, ...]]:
     """Every non-expert module tensor of `cfg` → the published names it may be stored under (`prefix`: the FFN
     module name, see moe_prefix; `root`: what every text tensor's name starts with — K3's `language_model.`)."""
-    ffn = {"moe.router.weight": ("gate.weight",), "moe.router_bias": ("gate.e_score_correction_bias",),
-           **{f"moe.shared.{p}.weight": (f"shared_experts.{p}_proj.weight",) for p in ("gate", "up", "down")},
-           **{f"mlp.{p}.weight": (f"{p}_proj.weight",) for p in ("gate", "up", "down")},
-           "moe.latent_down.weight": ("routed_expert_down_proj.weight",),
-           "moe.latent_norm.weight": ("routed_expert_norm.weight",),
-           "moe.latent_up.weight": ("routed_expert_up_proj.weight",)}
+    ffn = {
+        "moe.router.weight": ("gate.weight",),
+        "moe.router_bias": ("gate.e_score_correction_bias",),
+        **{f"moe.shared.{p}.weight": (f"shared_experts.{p}_proj.weight",) for p in ("gate", "up", "down")},
+        **{f"mlp.{p}.weight": (f"{p}_proj.weight",) for p in ("gate", "up", "down")},
+        "moe.latent_down.weight": ("routed_expert_down_proj.weight",),
+        "moe.latent_norm.weight": ("routed_expert_norm.weight",),
+        "moe.latent_up.weight": ("routed_expert_up_proj.weight",),
+    }
     out = {}
     for name in module_shapes(cfg):
         if ".moe.experts." in name:
             continue
         if not name.startswith("layers."):
             if name.startswith("out_res."):
-                part = name.split(".")[1]                          # norm | proj
+                part = name.split(".")[1]  # norm | proj
                 out[name] = (f"{root}model.{_RESIDUAL_NAMES['out_res']}_{part}.weight",)
                 continue
-            out[name] = (root + {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                                 "lm_head.weight": "lm_head.weight"}[name],)
+            out[name] = (
+                root
+                + {
+                    "embed.weight": "model.embed_tokens.weight",
+                    "norm.weight": "model.norm.weight",
+                    "lm_head.weight": "lm_head.weight",
+                }[name],
+            )
             continue
         _, layer, rest = name.split(".", 2)
         base = f"{root}model.layers.{layer}."
@@ -90,10 +121,11 @@ def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[
         if mix in ("attn_res", "ffn_res"):
             out[name] = (f"{base}{_RESIDUAL_NAMES[mix]}_{rest.split('.')[1]}.weight",)
         elif rest in ("attn_norm.weight", "ffn_norm.weight"):
-            out[name] = (base + ("input_layernorm.weight" if rest.startswith("attn") else
-                                 "post_attention_layernorm.weight"),)
+            out[name] = (
+                base + ("input_layernorm.weight" if rest.startswith("attn") else "post_attention_layernorm.weight"),
+            )
         elif rest.startswith("attn."):
-            suffixes = _attention_names(cfg.layer_types[int(layer)])[rest[len("attn."):]]
+            suffixes = _attention_names(cfg.layer_types[int(layer)])[rest[len("attn.") :]]
             out[name] = tuple(base + "self_attn." + s for s in suffixes)
         else:
             prefixes = (prefix, "mlp") if prefix != "mlp" else ("mlp",)
@@ -110,14 +142,15 @@ _EXPERT_FORMS = {
 # element in the low nibble) + `weight_scale` E8M0 [out, in/32] — this project's MXFP4 bytes, copied as they are
 _CT_MXFP4 = ("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")
 _CT_SCALE_DTYPES = ("U8", "F8_E8M0")
-_SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")     # K3's own vision tower: not served (text only)
+_SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # K3's own vision tower: not served (text only)
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """How one MoE layer's routed experts are stored."""
-    form: str                  # "w123" | "proj" (per expert) | "fused" | "mxfp4" | "ct_mxfp4"
-    base: str                  # "model.layers.L.<prefix>.experts."
+
+    form: str  # "w123" | "proj" (per expert) | "fused" | "mxfp4" | "ct_mxfp4"
+    base: str  # "model.layers.L.<prefix>.experts."
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -158,14 +191,16 @@ class HFLayout:
         self.prefix = moe_prefix(self.cfg, set(self.files.header))
         # K3 keeps its text model under `language_model.` (beside its vision tower)
         self.root = "language_model." if any(n.startswith("language_model.") for n in self.files.header) else ""
-        self.names: dict[str, str] = {}          # our module name → the published name found
+        self.names: dict[str, str] = {}  # our module name → the published name found
         shapes = module_shapes(self.cfg)
         used: set[str] = set()
         for ours, candidates in tensor_names(self.cfg, self.prefix, self.root).items():
             found = next((c for c in candidates if c in self.files), None)
             if found is None:
-                raise HFCheckpointError(f"{path}: tensor {candidates[0]!r} missing (a {self.cfg.model_type} model "
-                                        f"with this config.json needs it for {ours})")
+                raise HFCheckpointError(
+                    f"{path}: tensor {candidates[0]!r} missing (a {self.cfg.model_type} model "
+                    f"with this config.json needs it for {ours})"
+                )
             self._check(found, shapes[ours])
             self.names[ours] = found
             used |= {found, found + "_scale_inv"}
@@ -222,9 +257,11 @@ class HFLayout:
                     self._check(name, shape)
                     names |= {name, name + "_scale_inv"}
             return ExpertLayout(form, base), names
-        raise HFCheckpointError(f"{self.path}: no routed experts found for layer {layer} (looked for "
-                                f"{base}0.w1.weight, {base}0.gate_proj.weight, {base}gate_up_proj, "
-                                f"{base}gate_up_proj_blocks)")
+        raise HFCheckpointError(
+            f"{self.path}: no routed experts found for layer {layer} (looked for "
+            f"{base}0.w1.weight, {base}0.gate_proj.weight, {base}gate_up_proj, "
+            f"{base}gate_up_proj_blocks)"
+        )
 
     def _check_any(self, name: str, shapes: list[tuple[int, ...]], dtypes: tuple[str, ...]) -> None:
         if name not in self.files:
@@ -234,8 +271,10 @@ class HFLayout:
         if dtype not in dtypes:
             raise HFCheckpointError(f"{where}: tensor {name!r} has dtype {dtype}, expected {' or '.join(dtypes)}")
         if tuple(found) not in shapes:
-            raise HFCheckpointError(f"{where}: tensor {name!r} has shape {list(found)}, expected "
-                                    f"{' or '.join(str(list(s)) for s in shapes)}")
+            raise HFCheckpointError(
+                f"{where}: tensor {name!r} has shape {list(found)}, expected "
+                f"{' or '.join(str(list(s)) for s in shapes)}"
+            )
 
     def _refuse_unknown(self, used: set[str]) -> None:
         n_layers = self.cfg.n_layers
@@ -245,21 +284,26 @@ class HFLayout:
                 continue
             m = re.match(r"(?:language_model\.)?model\.layers\.(\d+)\.", name)
             if m and int(m.group(1)) >= n_layers:
-                mtp.add(int(m.group(1)))       # multi-token-prediction layers: not part of the served model
+                mtp.add(int(m.group(1)))  # multi-token-prediction layers: not part of the served model
                 continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name.startswith(_SKIPPED_PREFIXES):
                 vision += 1
                 continue
-            raise HFCheckpointError(f"{self.files.file_of[name]}: unexpected tensor {name!r} (not part of a "
-                                    f"{self.cfg.model_type} model with this config.json)")
+            raise HFCheckpointError(
+                f"{self.files.file_of[name]}: unexpected tensor {name!r} (not part of a "
+                f"{self.cfg.model_type} model with this config.json)"
+            )
         if mtp:
-            log.info("%s: skipping %d multi-token-prediction layer(s) (%s): not part of the served model",
-                     self.path, len(mtp), ", ".join(map(str, sorted(mtp))))
+            log.info(
+                "%s: skipping %d multi-token-prediction layer(s) (%s): not part of the served model",
+                self.path,
+                len(mtp),
+                ", ".join(map(str, sorted(mtp))),
+            )
         if vision:
-            log.info("%s: skipping the %d vision-tower tensors: this checkpoint is served text only",
-                     self.path, vision)
+            log.info("%s: skipping the %d vision-tower tensors: this checkpoint is served text only", self.path, vision)
 
     # ---------------------------------------------------------------- reading
     def _read_float(self, name: str, index=None) -> torch.Tensor:
@@ -279,23 +323,39 @@ class HFLayout:
         one expert at a time (memory: one expert's float weights at once)."""
         lay = self.experts[layer]
         h, i = self.cfg.expert_hidden_size, self.cfg.moe.expert_intermediate_size
-        if lay.form == "ct_mxfp4":                  # the packed bytes as stored: no re-quantization
+        if lay.form == "ct_mxfp4":  # the packed bytes as stored: no re-quantization
+
             def packed(kind: str, suffixes: tuple[str, ...], rows: int, width: int) -> torch.Tensor:
                 if not expert_ids:
                     return torch.empty(0, rows, width, dtype=torch.uint8)
-                return torch.stack([torch.cat([self.files.read(lay.base + sfx.format(e=x) + kind).view(torch.uint8)
-                                               for sfx in suffixes]) for x in expert_ids])
-            return {"gate_up_blocks": packed("_packed", _CT_MXFP4[:2], 2 * i, h // 2),
-                    "gate_up_scales": packed("_scale", _CT_MXFP4[:2], 2 * i, h // MXFP4_BLOCK),
-                    "down_blocks": packed("_packed", _CT_MXFP4[2:], h, i // 2),
-                    "down_scales": packed("_scale", _CT_MXFP4[2:], h, i // MXFP4_BLOCK)}
+                return torch.stack(
+                    [
+                        torch.cat(
+                            [self.files.read(lay.base + sfx.format(e=x) + kind).view(torch.uint8) for sfx in suffixes]
+                        )
+                        for x in expert_ids
+                    ]
+                )
+
+            return {
+                "gate_up_blocks": packed("_packed", _CT_MXFP4[:2], 2 * i, h // 2),
+                "gate_up_scales": packed("_scale", _CT_MXFP4[:2], 2 * i, h // MXFP4_BLOCK),
+                "down_blocks": packed("_packed", _CT_MXFP4[2:], h, i // 2),
+                "down_scales": packed("_scale", _CT_MXFP4[2:], h, i // MXFP4_BLOCK),
+            }
         if lay.form == "mxfp4":
             out = {}
             for ours, p in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
-                blocks = torch.stack([self.files.read(lay.base + f"{p}_blocks", x) for x in expert_ids]) \
-                    if expert_ids else torch.empty(0, dtype=torch.uint8)
-                scales = torch.stack([self.files.read(lay.base + f"{p}_scales", x) for x in expert_ids]) \
-                    if expert_ids else torch.empty(0, dtype=torch.uint8)
+                blocks = (
+                    torch.stack([self.files.read(lay.base + f"{p}_blocks", x) for x in expert_ids])
+                    if expert_ids
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                scales = (
+                    torch.stack([self.files.read(lay.base + f"{p}_scales", x) for x in expert_ids])
+                    if expert_ids
+                    else torch.empty(0, dtype=torch.uint8)
+                )
                 k = h if ours == "gate_up" else i
                 rows = 2 * i if ours == "gate_up" else h
                 out[f"{ours}_blocks"] = blocks.reshape(len(expert_ids), rows, k // 2)
@@ -312,7 +372,7 @@ class HFLayout:
                 gate_up = torch.cat([self._read_float(g), self._read_float(u)])
                 down = self._read_float(d)
             for key, w in (("gate_up", gate_up), ("down", down)):
-                blocks, scales = quantize_mxfp4(w.float())          # one expert's float weights at a time
+                blocks, scales = quantize_mxfp4(w.float())  # one expert's float weights at a time
                 parts[f"{key}_blocks"].append(blocks)
                 parts[f"{key}_scales"].append(scales)
         out = {}

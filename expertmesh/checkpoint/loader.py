@@ -21,6 +21,7 @@ indexer's head weights). A tied LM head is stored once, as `embed.weight`.
 The loader checks every name, dtype and shape against the config and names the file, the tensor, what it
 expected and what it found.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,11 +52,18 @@ from expertmesh.model.transformer import (
 )
 
 FORMAT = "expertmesh-mxfp4"
-DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"   # synthetic ones, per preset
-FORMAT_VERSION = 2   # 2: published-math modules (indexer k-norm, conv [D, 1, K], fp32 routing tensors)
+DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"  # synthetic ones, per preset
+FORMAT_VERSION = 2  # 2: published-math modules (indexer k-norm, conv [D, 1, K], fp32 routing tensors)
 _EXPERT_BUFFERS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
-_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16",
-                torch.int64: "I64", torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}
+_DTYPE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.uint8: "U8",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    layer: int | None          # None: embedding / final norm / head
+    layer: int | None  # None: embedding / final norm / head
 
     @property
     def nbytes(self) -> int:
@@ -131,13 +139,18 @@ def save_checkpoint(model, out_dir: str | os.PathLike, *, layers_per_shard: int 
     iterator: Iterable[str] = files
     if progress:
         from tqdm import tqdm
+
         iterator = tqdm(files, desc="writing shards", unit="file")
     for fname in iterator:
         save_file(by_file[fname], str(out / fname), metadata={"format": FORMAT})
     index = {
-        "metadata": {"format": FORMAT, "format_version": FORMAT_VERSION, "model": cfg.name,
-                     "layers_per_shard": layers_per_shard,
-                     "total_size": sum(s.nbytes for s in specs.values())},
+        "metadata": {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model": cfg.name,
+            "layers_per_shard": layers_per_shard,
+            "total_size": sum(s.nbytes for s in specs.values()),
+        },
         "weight_map": {name: shard_file_of(spec, layers_per_shard) for name, spec in sorted(specs.items())},
     }
     (out / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
@@ -145,8 +158,9 @@ def save_checkpoint(model, out_dir: str | os.PathLike, *, layers_per_shard: int 
     return out
 
 
-def create_checkpoint(cfg: ModelConfig, out_dir, *, seed: int = 0, layers_per_shard: int = 1,
-                      progress: bool = False) -> Path:
+def create_checkpoint(
+    cfg: ModelConfig, out_dir, *, seed: int = 0, layers_per_shard: int = 1, progress: bool = False
+) -> Path:
     """A synthetic checkpoint: seeded random weights, experts quantised to MXFP4."""
     model = init_random_(Transformer(cfg), seed)
     return save_checkpoint(model, out_dir, layers_per_shard=layers_per_shard, progress=progress)
@@ -179,7 +193,7 @@ class Checkpoint:
         self.path = Path(path)
         cfg_path = self.path / CONFIG_FILE
         raw = read_raw_config(self.path)
-        self.hf = None          # the Hugging Face layout, when the directory is one
+        self.hf = None  # the Hugging Face layout, when the directory is one
         if is_hugging_face(raw):
             try:
                 self.hf = HFLayout(self.path, raw)
@@ -207,7 +221,7 @@ class Checkpoint:
 
     @property
     def layout(self) -> str:
-        """"expertmesh" (native) or the Hugging Face model_type."""
+        """ "expertmesh" (native) or the Hugging Face model_type."""
         return self.cfg.model_type if self.hf is not None else FORMAT
 
     def _validate(self) -> None:
@@ -215,11 +229,13 @@ class Checkpoint:
         if missing:
             raise CheckpointError(
                 f"{self.path / INDEX_FILE}: tensor {missing[0]!r} missing from the index"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         unexpected = sorted(set(self.weight_map) - set(self.specs))
         if unexpected:
-            raise CheckpointError(f"{self.path / INDEX_FILE}: unexpected tensor {unexpected[0]!r} "
-                                  f"(not part of a {self.cfg.name!r} model)")
+            raise CheckpointError(
+                f"{self.path / INDEX_FILE}: unexpected tensor {unexpected[0]!r} (not part of a {self.cfg.name!r} model)"
+            )
         by_file: dict[str, list[str]] = {}
         for name, fname in self.weight_map.items():
             by_file.setdefault(fname, []).append(name)
@@ -234,11 +250,13 @@ class Checkpoint:
                     raise CheckpointError(f"{fpath}: tensor {name!r} missing (the index says it is here)")
                 dtype, shape = header[name]
                 if dtype != _DTYPE_NAMES[spec.dtype]:
-                    raise CheckpointError(f"{fpath}: tensor {name!r} has dtype {dtype}, "
-                                          f"expected {_DTYPE_NAMES[spec.dtype]}")
+                    raise CheckpointError(
+                        f"{fpath}: tensor {name!r} has dtype {dtype}, expected {_DTYPE_NAMES[spec.dtype]}"
+                    )
                 if tuple(shape) != spec.shape:
-                    raise CheckpointError(f"{fpath}: tensor {name!r} has shape {list(shape)}, "
-                                          f"expected {list(spec.shape)}")
+                    raise CheckpointError(
+                        f"{fpath}: tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}"
+                    )
 
     # ---------------------------------------------------------------- tensors
     def _open(self, fname: str):
@@ -258,7 +276,7 @@ class Checkpoint:
                 raise CheckpointError(f"expert {e} out of range for {name!r} ([0, {n_experts}))")
         with self._open(self.weight_map[name]) as f:
             sl = f.get_slice(name)
-            parts = [sl[e: e + 1] for e in expert_ids]
+            parts = [sl[e : e + 1] for e in expert_ids]
         spec = self.specs[name]
         return torch.cat(parts) if parts else torch.empty((0,) + spec.shape[1:], dtype=spec.dtype)
 
@@ -289,11 +307,14 @@ class Checkpoint:
                 raise CheckpointError(f"expert {e} out of range for layer {layer} ([0, {n_experts}))")
         if self.hf is not None:
             return self.hf.expert_weights(layer, expert_ids)
-        return {buf: self.expert_slice(checkpoint_name(f"layers.{layer}.moe.experts.{buf}"), expert_ids)
-                for buf in _EXPERT_BUFFERS}
+        return {
+            buf: self.expert_slice(checkpoint_name(f"layers.{layer}.moe.experts.{buf}"), expert_ids)
+            for buf in _EXPERT_BUFFERS
+        }
 
-    def load_model(self, *, experts: bool = True, dense_attention: bool = False, device="cpu",
-                   dtype: torch.dtype = torch.float32):
+    def load_model(
+        self, *, experts: bool = True, dense_attention: bool = False, device="cpu", dtype: torch.dtype = torch.float32
+    ):
         """The reference Transformer, on `device` in `dtype` (fp32 by default; `model.FP32_PARAMETERS` always fp32).
 
         Built on the meta device and given storage only for what it holds, then filled tensor by tensor from the
@@ -302,7 +323,7 @@ class Checkpoint:
         with torch.device("meta"):
             model = Transformer(self.cfg, dense_attention=dense_attention, routed_experts=experts)
         materialize_(model, device, dtype)
-        every = dict(model.named_parameters(remove_duplicate=False))   # a tied head under both names
+        every = dict(model.named_parameters(remove_duplicate=False))  # a tied head under both names
         required = set(dict(model.named_parameters()))
         loaded, unexpected = set(), []
         with torch.no_grad():
@@ -331,7 +352,7 @@ class Checkpoint:
         if not self.cfg.is_moe_layer(layer):
             raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
         ids = sorted(expert_ids)
-        with torch.device("meta"):              # no zero buffers first: the packed tensors are the storage
+        with torch.device("meta"):  # no zero buffers first: the packed tensors are the storage
             mod = RoutedExperts(self.cfg, expert_ids=ids)
         for buf, t in self._expert_buffers(layer, ids).items():
             setattr(mod, buf, t)
@@ -381,17 +402,29 @@ def inspect_checkpoint(path) -> dict:
     layers = []
     for i, kind in enumerate(ck.cfg.layer_types):
         mine = [(s, f, e) for s, f, e in stored if s.layer == i]
-        layers.append({
-            "layer": i, "type": kind, "ffn": "moe" if ck.cfg.is_moe_layer(i) else "dense",
-            "tensors": len(mine), "bytes": sum(s.nbytes for s, _, _ in mine),
-            "expert_bytes": sum(s.nbytes for s, _, e in mine if e),
-            "file": ", ".join(sorted({f for _, f, _ in mine})),
-        })
+        layers.append(
+            {
+                "layer": i,
+                "type": kind,
+                "ffn": "moe" if ck.cfg.is_moe_layer(i) else "dense",
+                "tensors": len(mine),
+                "bytes": sum(s.nbytes for s, _, _ in mine),
+                "expert_bytes": sum(s.nbytes for s, _, e in mine if e),
+                "file": ", ".join(sorted({f for _, f, _ in mine})),
+            }
+        )
     return {
-        "path": str(ck.path), "model": ck.cfg.name, "layout": ck.layout, "files": len(ck.files()),
-        "tensors": len(stored), "tensor_bytes": tensor_bytes, "file_bytes": file_bytes,
-        "file_overhead_bytes": file_bytes - tensor_bytes, "expert_weights": expert_weights,
+        "path": str(ck.path),
+        "model": ck.cfg.name,
+        "layout": ck.layout,
+        "files": len(ck.files()),
+        "tensors": len(stored),
+        "tensor_bytes": tensor_bytes,
+        "file_bytes": file_bytes,
+        "file_overhead_bytes": file_bytes - tensor_bytes,
+        "expert_weights": expert_weights,
         "expert_bytes": expert_bytes,
         "bits_per_expert_weight": 8 * expert_bytes / expert_weights if expert_weights else 0.0,
-        "other_bytes": tensor_bytes - expert_bytes, "layers": layers,
+        "other_bytes": tensor_bytes - expert_bytes,
+        "layers": layers,
     }

@@ -1,5 +1,6 @@
 """`expertmesh chat`: stream an answer from a running router (OpenAI-compatible HTTP); without a prompt, an
 interactive multi-turn session that keeps the whole history (reasoning included) so the prefix cache hits."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,33 @@ import httpx
 from expertmesh.runtime.argtypes import positive_int
 
 
-def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, max_tokens: int, api_key: str | None,
-                out=None, err=None, temperature: float = 0.0) -> dict:
+def stream_chat(
+    url: str,
+    model: str,
+    messages: list[dict],
+    *,
+    thinking: str,
+    max_tokens: int,
+    api_key: str | None,
+    out=None,
+    err=None,
+    temperature: float = 0.0,
+) -> dict:
     """Send one chat turn; print reasoning (dimmed, to `err`) and the answer (to `out`) as they stream (default:
     sys.stderr / sys.stdout as they are at the call, not at import). Returns the assistant message to append to the
     history."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
-            "thinking_budget": thinking, "temperature": temperature, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "thinking_budget": thinking,
+        "temperature": temperature,
+        "stream_options": {"include_usage": True},
+    }
     reasoning, content, calls, usage = [], [], [], None
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
         with client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -55,10 +73,12 @@ def stream_chat(url: str, model: str, messages: list[dict], *, thinking: str, ma
     if usage:
         details = usage.get("completion_tokens_details") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        err.write(f"[{usage['prompt_tokens']} prompt ({cached} cached), {usage['completion_tokens']} completion "
-                  f"({details.get('reasoning_tokens', 0)} reasoning) tokens]\n")
+        err.write(
+            f"[{usage['prompt_tokens']} prompt ({cached} cached), {usage['completion_tokens']} completion "
+            f"({details.get('reasoning_tokens', 0)} reasoning) tokens]\n"
+        )
     msg = {"role": "assistant", "content": "".join(content)}
-    if reasoning:       # sent back only when there was some: a template may render "" and no reasoning differently
+    if reasoning:  # sent back only when there was some: a template may render "" and no reasoning differently
         msg["reasoning_content"] = "".join(reasoning)
     if calls:
         msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
@@ -93,8 +113,11 @@ def run(args) -> int:
                 continue
         history.append({"role": "user", "content": text})
         try:
-            history.append(stream_chat(args.url, model, history, thinking=args.thinking,
-                                       max_tokens=args.max_tokens, api_key=api_key))
+            history.append(
+                stream_chat(
+                    args.url, model, history, thinking=args.thinking, max_tokens=args.max_tokens, api_key=api_key
+                )
+            )
         except (RuntimeError, httpx.HTTPError) as e:
             print(f"expertmesh chat: {e}", file=sys.stderr)
             history.pop()

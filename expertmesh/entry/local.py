@@ -1,6 +1,7 @@
 """An in-process deployment: the router's engine over attention and expert workers as objects, called directly
 (the reference transport). Same Engine, same worker classes as the multi-process deployment, no gRPC in between:
 the distributed system must give exactly its greedy tokens."""
+
 from __future__ import annotations
 
 from expertmesh.checkpoint.loader import Checkpoint
@@ -10,10 +11,22 @@ from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
 
 
-def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int = 1, expert_workers: int = 1,
-                       redundant_experts: int = 0, kv_blocks: int = 512, block_size: int = 16,
-                       placement=None, lease_seconds: float = 30.0, serving_cfg=None, dtype=None,
-                       kv_tiers: dict | None = None, prefill_workers: int = 0, **engine_kw) -> Engine:
+def build_local_engine(
+    checkpoint: str | Checkpoint,
+    *,
+    attention_workers: int = 1,
+    expert_workers: int = 1,
+    redundant_experts: int = 0,
+    kv_blocks: int = 512,
+    block_size: int = 16,
+    placement=None,
+    lease_seconds: float = 30.0,
+    serving_cfg=None,
+    dtype=None,
+    kv_tiers: dict | None = None,
+    prefill_workers: int = 0,
+    **engine_kw,
+) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
     --max-context, --thinking-budgets) for the engine; the workers keep the checkpoint's. `dtype`: the attention
     workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`. `kv_tiers`:
@@ -25,8 +38,16 @@ def build_local_engine(checkpoint: str | Checkpoint, *, attention_workers: int =
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
 
     def attention(name: str, pool: str) -> AttentionWorker:
-        return AttentionWorker(ckpt, kv_blocks=kv_blocks, block_size=block_size, name=name, lease_seconds=lease_seconds,
-                               dtype=dtype, pool=pool, **(kv_tiers or {}))
+        return AttentionWorker(
+            ckpt,
+            kv_blocks=kv_blocks,
+            block_size=block_size,
+            name=name,
+            lease_seconds=lease_seconds,
+            dtype=dtype,
+            pool=pool,
+            **(kv_tiers or {}),
+        )
 
     decode = [attention(f"attention-{i}", "decode" if prefill_workers else "mixed") for i in range(attention_workers)]
     prefill = [attention(f"prefill-{i}", "prefill") for i in range(prefill_workers)]

@@ -5,6 +5,7 @@ one process is `expertmesh.entry.local.build_local_engine`.
 Each child prints `READY ...` once serving; `up` waits for all of them, prints where the router listens and
 serves until Ctrl-C / SIGTERM, then stops the router first (no new requests), then the workers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,16 +46,23 @@ def default_expert_workers(cores: int | None = None, replicas: int = 1) -> int:
     return max(1, replicas, (usable_cores() if cores is None else cores) // 2)
 
 
-def make_placement(cfg: ModelConfig, expert_workers: int, redundant_experts: int = 0, loads=None,
-                   group_aware: bool = True, min_replicas: int = 1):
+def make_placement(
+    cfg: ModelConfig,
+    expert_workers: int,
+    redundant_experts: int = 0,
+    loads=None,
+    group_aware: bool = True,
+    min_replicas: int = 1,
+):
     """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process), by
     default group-aware (each combine group's experts on one worker: one answer row per (token, group))."""
     copies = cfg.n_logical_experts * max(1, min_replicas) + redundant_experts * cfg.n_moe_layers
     per_worker = -(-copies // expert_workers)
     memory = (per_worker + 1) * cfg.expert_bytes_mxfp4
     shape = ClusterShape(pods=expert_workers, gpus_per_pod=1, gpu_memory_bytes=memory, reserve_bytes=0)
-    return plan_placement(cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware,
-                          min_replicas=min_replicas)
+    return plan_placement(
+        cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware, min_replicas=min_replicas
+    )
 
 
 # ----------------------------------------------------------------------------------------------- as processes
@@ -65,7 +73,7 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-_HANDED_OUT: dict[int, None] = {}           # the ports free_port returned lately, oldest first
+_HANDED_OUT: dict[int, None] = {}  # the ports free_port returned lately, oldest first
 _HANDED_OUT_LOCK = threading.Lock()
 _REMEMBERED = 4096
 
@@ -110,16 +118,38 @@ class Child:
 class LocalCluster:
     """Starts and stops the processes of a local deployment. Usable from tests as a context manager."""
 
-    def __init__(self, checkpoint: str | Path, *, attention_workers: int = 1, expert_workers: int = 1,
-                 redundant_experts: int = 0, http_port: int = 8000, grpc_port: int = 50051, expert_replicas: int = 1,
-                 host: str = "127.0.0.1", threads: int | None = 1, kv_blocks: int = 512, block_size: int = 16,
-                 prefill_chunk: int = 16, prefill_tokens: int | None = None, run_dir: str | Path | None = None,
-                 extra_env: dict | None = None,
-                 router_args: list[str] | None = None, echo: bool = False, worker_env: dict | None = None,
-                 tls_dir: str | Path | None = None, device: str | None = None, dtype: str | None = None,
-                 worker_tls_dir: str | Path | None = None, transport: str = "grpc", kv_host_gib: float = 0.0,
-                 kv_disk_dir: str | Path | None = None, kv_disk_gib: float = 0.0, attention_metrics: bool = False,
-                 prefill_workers: int = 0):
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        attention_workers: int = 1,
+        expert_workers: int = 1,
+        redundant_experts: int = 0,
+        http_port: int = 8000,
+        grpc_port: int = 50051,
+        expert_replicas: int = 1,
+        host: str = "127.0.0.1",
+        threads: int | None = 1,
+        kv_blocks: int = 512,
+        block_size: int = 16,
+        prefill_chunk: int = 16,
+        prefill_tokens: int | None = None,
+        run_dir: str | Path | None = None,
+        extra_env: dict | None = None,
+        router_args: list[str] | None = None,
+        echo: bool = False,
+        worker_env: dict | None = None,
+        tls_dir: str | Path | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        worker_tls_dir: str | Path | None = None,
+        transport: str = "grpc",
+        kv_host_gib: float = 0.0,
+        kv_disk_dir: str | Path | None = None,
+        kv_disk_gib: float = 0.0,
+        attention_metrics: bool = False,
+        prefill_workers: int = 0,
+    ):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
         `transport`: the per-layer expert exchange, grpc or collective (point-to-point pairs, worker/collective.py:
@@ -139,8 +169,13 @@ class LocalCluster:
         self.redundant = redundant_experts
         self.expert_replicas = expert_replicas
         self.http_port, self.grpc_port, self.host = http_port, grpc_port, host
-        self.threads, self.kv_blocks, self.block_size, self.prefill_chunk = threads, kv_blocks, block_size, prefill_chunk
-        self.prefill_tokens = prefill_tokens or prefill_chunk     # tests: one granule a step, as the in-process engine
+        self.threads, self.kv_blocks, self.block_size, self.prefill_chunk = (
+            threads,
+            kv_blocks,
+            block_size,
+            prefill_chunk,
+        )
+        self.prefill_tokens = prefill_tokens or prefill_chunk  # tests: one granule a step, as the in-process engine
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="expertmesh-up-"))
         self.extra_env = extra_env or {}
         self.router_args = router_args or []
@@ -148,13 +183,16 @@ class LocalCluster:
         self.tls_dir = Path(tls_dir) if tls_dir else None
         self.worker_tls_dir = Path(worker_tls_dir) if worker_tls_dir else self.tls_dir
         # passed to every worker (None: the worker's default, cuda when torch sees one, else cpu)
-        self.device_args = (["--device", device] if device else []) + (["--dtype", dtype] if dtype else [])   # ca.crt, server.crt/key, client.crt/key: mTLS
-        self.worker_env = worker_env or {}    # name → extra env for that worker (fault injection in tests)
+        self.device_args = (["--device", device] if device else []) + (
+            ["--dtype", dtype] if dtype else []
+        )  # ca.crt, server.crt/key, client.crt/key: mTLS
+        self.worker_env = worker_env or {}  # name → extra env for that worker (fault injection in tests)
         self.kv_host_gib, self.kv_disk_gib = kv_host_gib, kv_disk_gib
         self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
         self.metrics_urls: list[str] = []
-        self.metrics_ports = [free_port(host) for _ in range(attention_workers + prefill_workers)] \
-            if attention_metrics else []
+        self.metrics_ports = (
+            [free_port(host) for _ in range(attention_workers + prefill_workers)] if attention_metrics else []
+        )
         self.children: list[Child] = []
         self.router: Child | None = None
         self.plan_path = self.run_dir / "plan.json"
@@ -171,7 +209,7 @@ class LocalCluster:
             return self.threads
         cores = usable_cores()
         role = name.split("-", 1)[0]
-        attention = self.n_attention + self.n_prefill          # both pools' workers: attention processes
+        attention = self.n_attention + self.n_prefill  # both pools' workers: attention processes
         share = {"attention": attention, "prefill": attention, "expert": self.n_expert}.get(role)
         return max(1, cores // share) if share else 1
 
@@ -192,17 +230,28 @@ class LocalCluster:
     def _env(self, name: str) -> dict:
         env = dict(os.environ)
         threads = str(self.threads_for(name))
-        env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                    "EXPERTMESH_TORCH_THREADS": threads, "PYTHONUNBUFFERED": "1",
-                    "PYTHONSAFEPATH": "1"})   # the repo's operator/ must never shadow the stdlib module
-        env.update(self.extra_env)    # OTEL_* and friends pass through from os.environ as well
+        env.update(
+            {
+                "OMP_NUM_THREADS": threads,
+                "MKL_NUM_THREADS": threads,
+                "EXPERTMESH_TORCH_THREADS": threads,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONSAFEPATH": "1",
+            }
+        )  # the repo's operator/ must never shadow the stdlib module
+        env.update(self.extra_env)  # OTEL_* and friends pass through from os.environ as well
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
         cmd = [sys.executable, "-m", "expertmesh.entry.cli", *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**self._env(name), **(env or {}), PARENT_ENV: str(os.getpid())},
-                                start_new_session=True)     # the child dies with us: shutdown.die_with_parent
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**self._env(name), **(env or {}), PARENT_ENV: str(os.getpid())},
+            start_new_session=True,
+        )  # the child dies with us: shutdown.die_with_parent
         child = Child(name, proc, list(args))
         threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}").start()
         self.children.append(child)
@@ -271,44 +320,117 @@ class LocalCluster:
         worker_tls, router_tls, exchange_tls = [], [], []
         if self.worker_tls_dir is not None:
             d = self.worker_tls_dir
-            worker_tls = ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"),
-                          "--tls-client-ca", str(d / "ca.crt")]
+            worker_tls = [
+                "--tls-cert",
+                str(d / "server.crt"),
+                "--tls-key",
+                str(d / "server.key"),
+                "--tls-client-ca",
+                str(d / "ca.crt"),
+            ]
             # attention workers call the expert workers directly (the expert exchange): as clients, like the router
-            exchange_tls = ["--expert-tls-ca", str(d / "ca.crt"), "--expert-tls-cert", str(d / "client.crt"),
-                            "--expert-tls-key", str(d / "client.key")]
-            router_tls = ["--worker-tls-ca", str(d / "ca.crt"), "--worker-tls-cert", str(d / "client.crt"),
-                          "--worker-tls-key", str(d / "client.key")]
+            exchange_tls = [
+                "--expert-tls-ca",
+                str(d / "ca.crt"),
+                "--expert-tls-cert",
+                str(d / "client.crt"),
+                "--expert-tls-key",
+                str(d / "client.key"),
+            ]
+            router_tls = [
+                "--worker-tls-ca",
+                str(d / "ca.crt"),
+                "--worker-tls-cert",
+                str(d / "client.crt"),
+                "--worker-tls-key",
+                str(d / "client.key"),
+            ]
         if self.tls_dir is not None:
             d = self.tls_dir
             router_tls += ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         common_w = common + worker_tls + self.device_args
-        def attention_worker(i: int, name: str, pool: str) -> Child:
-            return self._spawn(name, ["worker", "--role", "attention", *common_w, *exchange_tls,
-                                      "--port", str(free_port(self.host)), "--name", name, "--pool", pool,
-                                      "--kv-blocks", str(self.kv_blocks), "--block-size", str(self.block_size),
-                                      *self._tier_args(i, name), *self._decode_args(),
-                                      *(self._collective_args() if pool == "decode" else [])])
 
-        attention = [attention_worker(i, f"attention-{i}", "decode" if self.n_prefill else "mixed")
-                     for i in range(self.n_attention)]
+        def attention_worker(i: int, name: str, pool: str) -> Child:
+            return self._spawn(
+                name,
+                [
+                    "worker",
+                    "--role",
+                    "attention",
+                    *common_w,
+                    *exchange_tls,
+                    "--port",
+                    str(free_port(self.host)),
+                    "--name",
+                    name,
+                    "--pool",
+                    pool,
+                    "--kv-blocks",
+                    str(self.kv_blocks),
+                    "--block-size",
+                    str(self.block_size),
+                    *self._tier_args(i, name),
+                    *self._decode_args(),
+                    *(self._collective_args() if pool == "decode" else []),
+                ],
+            )
+
+        attention = [
+            attention_worker(i, f"attention-{i}", "decode" if self.n_prefill else "mixed")
+            for i in range(self.n_attention)
+        ]
         prefill = [attention_worker(self.n_attention + i, f"prefill-{i}", "prefill") for i in range(self.n_prefill)]
-        experts = [self._spawn(f"expert-{i}", ["worker", "--role", "expert", *common_w,
-                                               "--port", str(free_port(self.host)), "--name", f"expert-{i}",
-                                               "--plan", str(self.plan_path), "--ordinal", str(i),
-                                               *self._decode_args(), *self._collective_args()],
-                               self.worker_env.get(f"expert-{i}"))
-                   for i in range(self.n_expert)]
+        experts = [
+            self._spawn(
+                f"expert-{i}",
+                [
+                    "worker",
+                    "--role",
+                    "expert",
+                    *common_w,
+                    "--port",
+                    str(free_port(self.host)),
+                    "--name",
+                    f"expert-{i}",
+                    "--plan",
+                    str(self.plan_path),
+                    "--ordinal",
+                    str(i),
+                    *self._decode_args(),
+                    *self._collective_args(),
+                ],
+                self.worker_env.get(f"expert-{i}"),
+            )
+            for i in range(self.n_expert)
+        ]
         try:
             self._wait_ready(attention + prefill + experts, timeout)
-            self.router = self._spawn("router", [
-                "router", *common, "--plan", str(self.plan_path),
-                "--attention", ",".join(c.address for c in attention),
-                *(["--prefill", ",".join(c.address for c in prefill)] if prefill else []),
-                "--experts", ",".join(c.address for c in experts),
-                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                "--prefill-chunk", str(self.prefill_chunk), "--prefill-tokens", str(self.prefill_tokens),
-                "--transport", self.transport, *router_tls,
-                *self.router_args])
+            self.router = self._spawn(
+                "router",
+                [
+                    "router",
+                    *common,
+                    "--plan",
+                    str(self.plan_path),
+                    "--attention",
+                    ",".join(c.address for c in attention),
+                    *(["--prefill", ",".join(c.address for c in prefill)] if prefill else []),
+                    "--experts",
+                    ",".join(c.address for c in experts),
+                    "--http-port",
+                    str(self.http_port),
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    "--prefill-chunk",
+                    str(self.prefill_chunk),
+                    "--prefill-tokens",
+                    str(self.prefill_tokens),
+                    "--transport",
+                    self.transport,
+                    *router_tls,
+                    *self.router_args,
+                ],
+            )
             self._wait_ready([self.router], timeout)
         except BaseException:
             self.stop()
@@ -346,8 +468,9 @@ class LocalCluster:
         return f"{scheme}://{self.host}:{self.http_port}"
 
 
-def supervise(cluster: LocalCluster, stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0,
-              out=sys.stderr) -> int:
+def supervise(
+    cluster: LocalCluster, stop: threading.Event, *, max_restarts: int = 5, window: float = 300.0, out=sys.stderr
+) -> int:
     """Keep the deployment serving: a process that exits is started again on its port (backoff 1, 2, 4, ... s);
     more than `max_restarts` restarts of one process within `window` seconds gives up (returns 1)."""
     restarts: dict[str, list[float]] = {}
@@ -356,8 +479,11 @@ def supervise(cluster: LocalCluster, stop: threading.Event, *, max_restarts: int
             now = time.monotonic()
             recent = [t for t in restarts.get(c.name, []) if now - t < window]
             if len(recent) >= max_restarts:
-                print(f"{c.name} exited {len(recent) + 1} times within {window:g} s; shutting down:\n"
-                      + "\n".join(c.lines[-20:]), file=out)
+                print(
+                    f"{c.name} exited {len(recent) + 1} times within {window:g} s; shutting down:\n"
+                    + "\n".join(c.lines[-20:]),
+                    file=out,
+                )
                 return 1
             delay = 2.0 ** len(recent) / 2
             print(f"{c.name} exited ({c.proc.returncode}); restarting in {delay:g} s", file=out, flush=True)
@@ -365,18 +491,33 @@ def supervise(cluster: LocalCluster, stop: threading.Event, *, max_restarts: int
                 return 0
             try:
                 cluster.restart(c.name)
-            except Exception as e:       # failed to come up: counted, tried again on the next round
+            except Exception as e:  # failed to come up: counted, tried again on the next round
                 print(f"{c.name}: restart failed: {e}", file=out, flush=True)
             restarts[c.name] = recent + [now]
     return 0
 
 
 # router options `up` sets itself (addresses, plan, TLS, the deployment's shape): not for `up -- ...`
-UP_OWNED_ROUTER_OPTIONS = ("--checkpoint", "--plan", "--attention", "--prefill", "--experts", "--host", "--http-port",
-                           "--grpc-port", "--prefill-chunk", "--prefill-tokens", "--transport", "--worker-tls-ca",
-                           "--worker-tls-cert",
-                           "--worker-tls-key", "--worker-tls-server-name", "--tls-cert", "--tls-key",
-                           "--tls-client-ca")
+UP_OWNED_ROUTER_OPTIONS = (
+    "--checkpoint",
+    "--plan",
+    "--attention",
+    "--prefill",
+    "--experts",
+    "--host",
+    "--http-port",
+    "--grpc-port",
+    "--prefill-chunk",
+    "--prefill-tokens",
+    "--transport",
+    "--worker-tls-ca",
+    "--worker-tls-cert",
+    "--worker-tls-key",
+    "--worker-tls-server-name",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-client-ca",
+)
 
 
 def router_options(options: list[str]) -> list[str]:
@@ -402,6 +543,7 @@ def run_up(args) -> int:
     if args.checkpoint is None:
         # torch only to write a synthetic checkpoint: the CLI builds up's parser for every command, the router's too
         from expertmesh.checkpoint.loader import default_checkpoint
+
         args.checkpoint = str(default_checkpoint(args.preset))
     checkpoint = args.checkpoint
     worker_tls = None
@@ -410,25 +552,46 @@ def run_up(args) -> int:
         worker_tls = ephemeral_pki(Path(tempfile.mkdtemp(prefix="expertmesh-pki-")), (args.host, "localhost"))
     if args.expert_workers is None:
         args.expert_workers = default_expert_workers(replicas=args.expert_replicas)
-    cluster = LocalCluster(checkpoint, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
-                           redundant_experts=args.redundant_experts, expert_replicas=args.expert_replicas,
-                           http_port=args.http_port,
-                           grpc_port=args.grpc_port, host=args.host, threads=args.threads,
-                           prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens, echo=args.verbose,
-                           tls_dir=args.tls_dir,
-                           device=args.device, dtype=args.dtype, worker_tls_dir=worker_tls,
-                           transport=args.transport, router_args=passed_to_router, kv_blocks=args.kv_blocks,
-                           kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
-                           prefill_workers=args.prefill_workers)
+    cluster = LocalCluster(
+        checkpoint,
+        attention_workers=args.attention_workers,
+        expert_workers=args.expert_workers,
+        redundant_experts=args.redundant_experts,
+        expert_replicas=args.expert_replicas,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        host=args.host,
+        threads=args.threads,
+        prefill_chunk=args.prefill_chunk,
+        prefill_tokens=args.prefill_tokens,
+        echo=args.verbose,
+        tls_dir=args.tls_dir,
+        device=args.device,
+        dtype=args.dtype,
+        worker_tls_dir=worker_tls,
+        transport=args.transport,
+        router_args=passed_to_router,
+        kv_blocks=args.kv_blocks,
+        kv_host_gib=args.kv_host_gib,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gib=args.kv_disk_gib,
+        prefill_workers=args.prefill_workers,
+    )
     stop = stop_on_signals()
-    pools = f"{args.prefill_workers} prefill + {args.attention_workers} decode" if args.prefill_workers else \
-        str(args.attention_workers)
+    pools = (
+        f"{args.prefill_workers} prefill + {args.attention_workers} decode"
+        if args.prefill_workers
+        else str(args.attention_workers)
+    )
     print(f"starting {pools} attention + {args.expert_workers} expert workers from {checkpoint} ...", flush=True)
     cluster.start()
-    print(f"expertmesh up: HTTP {cluster.http_url}  (OpenAI-compatible: {cluster.http_url}/v1)\n"
-          f"               gRPC {args.host}:{args.grpc_port}\n"
-          f"               plan {cluster.plan_path}\n"
-          f"Ctrl-C to stop.", flush=True)
+    print(
+        f"expertmesh up: HTTP {cluster.http_url}  (OpenAI-compatible: {cluster.http_url}/v1)\n"
+        f"               gRPC {args.host}:{args.grpc_port}\n"
+        f"               plan {cluster.plan_path}\n"
+        f"Ctrl-C to stop.",
+        flush=True,
+    )
     try:
         rc = supervise(cluster, stop)
     finally:
@@ -442,6 +605,7 @@ def run_up(args) -> int:
 def _device(value: str) -> str:
     # torch (is CUDA visible?) only when --device is given: the CLI builds up's parser for the router's command too
     from expertmesh.model.memory import DeviceError, check_device
+
     try:
         kind = check_device(value)
     except DeviceError as e:
@@ -455,51 +619,113 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
     p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
     p.add_argument("--attention-workers", type=positive_int, default=1)
-    p.add_argument("--prefill-workers", type=nonnegative_int, default=0,
-                   help="a prefill pool of this many attention workers: they run the prompts and hand each sequence "
-                        "(KV + recurrent state) to one of the --attention-workers, which then form the decode pool "
-                        "(0: one colocated pool). Router options for it: `-- --prefill-min-tokens N`")
-    p.add_argument("--expert-workers", type=positive_int, default=None,
-                   help="default: one per two cores this process may run on, at least 1 and at least "
-                        "--expert-replicas (default_expert_workers)")
-    p.add_argument("--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer")
-    p.add_argument("--expert-replicas", type=positive_int, default=1,
-                   help="every expert on at least this many expert workers (2: losing one fails no request)")
+    p.add_argument(
+        "--prefill-workers",
+        type=nonnegative_int,
+        default=0,
+        help="a prefill pool of this many attention workers: they run the prompts and hand each sequence "
+        "(KV + recurrent state) to one of the --attention-workers, which then form the decode pool "
+        "(0: one colocated pool). Router options for it: `-- --prefill-min-tokens N`",
+    )
+    p.add_argument(
+        "--expert-workers",
+        type=positive_int,
+        default=None,
+        help="default: one per two cores this process may run on, at least 1 and at least "
+        "--expert-replicas (default_expert_workers)",
+    )
+    p.add_argument(
+        "--redundant-experts", type=nonnegative_int, default=0, help="extra replicas of hot experts per layer"
+    )
+    p.add_argument(
+        "--expert-replicas",
+        type=positive_int,
+        default=1,
+        help="every expert on at least this many expert workers (2: losing one fails no request)",
+    )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads per process (default: the attention workers share this machine's cores, "
-                        "and so do the expert workers — they compute in turn; the router 1)")
-    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"the prefix cache's granularity: prompt chunks end at its multiples (default "
-                        f"{DEFAULT_PREFILL_CHUNK}; a multiple of --block-size)")
-    p.add_argument("--prefill-tokens", type=positive_int, default=DEFAULT_PREFILL_TOKENS,
-                   help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
-                        f"{DEFAULT_PREFILL_TOKENS})")
-    p.add_argument("--kv-blocks", type=positive_int, default=512,
-                   help="each attention worker's device KV pool, in blocks of 16 tokens (default 512)")
-    p.add_argument("--kv-host-gib", type=float, default=0.0, metavar="GIB",
-                   help="each attention worker's host-memory tier for prefixes demoted off the device (0: none)")
-    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
-                   help="local-disk tier below the host tier: each attention worker keeps its files in DIR/<its name> "
-                        "(reused by a later run of the same model)")
-    p.add_argument("--kv-disk-gib", type=float, default=0.0, metavar="GIB",
-                   help="each attention worker's bound in --kv-disk-dir")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads per process (default: the attention workers share this machine's cores, "
+        "and so do the expert workers — they compute in turn; the router 1)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"the prefix cache's granularity: prompt chunks end at its multiples (default "
+        f"{DEFAULT_PREFILL_CHUNK}; a multiple of --block-size)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        default=DEFAULT_PREFILL_TOKENS,
+        help=f"prompt tokens a sequence may prefill in one step, a multiple of --prefill-chunk (default "
+        f"{DEFAULT_PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=positive_int,
+        default=512,
+        help="each attention worker's device KV pool, in blocks of 16 tokens (default 512)",
+    )
+    p.add_argument(
+        "--kv-host-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="each attention worker's host-memory tier for prefixes demoted off the device (0: none)",
+    )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        metavar="DIR",
+        help="local-disk tier below the host tier: each attention worker keeps its files in DIR/<its name> "
+        "(reused by a later run of the same model)",
+    )
+    p.add_argument(
+        "--kv-disk-gib", type=float, default=0.0, metavar="GIB", help="each attention worker's bound in --kv-disk-dir"
+    )
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
-    p.add_argument("--device", type=_device, default=None,
-                   help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--transport", choices=("grpc", "collective"), default="collective",
-                   help="per-layer expert exchange: collective (default: point-to-point pairs, a TCP connection per "
-                        "pair on cpu, NCCL on cuda; gRPC stays for control, health and fallback; on loopback here, "
-                        "not encrypted) or grpc (every call over the workers' mutual-TLS gRPC)")
-    p.add_argument("--insecure-workers", action="store_true",
-                   help="workers accept plain gRPC from any local process (default: mutual TLS with certificates "
-                        "generated for this run)")
-    p.add_argument("--tls-dir", help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
-                                     "with ca.crt, server.crt, server.key, client.crt, client.key")
-    p.add_argument("router_options", nargs=argparse.REMAINDER, metavar="-- ROUTER_OPTION",
-                   help="options after `--` go to the router (`expertmesh router --help`), e.g. "
-                        "`-- --max-context 4096 --image-fetch-allow example.org --thinking-budgets 64,256,1024`")
+    p.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="workers' device: cuda|cpu (default: cuda when torch sees one, else cpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="workers' dtype (default: bfloat16 on cuda, float32 on cpu)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("grpc", "collective"),
+        default="collective",
+        help="per-layer expert exchange: collective (default: point-to-point pairs, a TCP connection per "
+        "pair on cpu, NCCL on cuda; gRPC stays for control, health and fallback; on loopback here, "
+        "not encrypted) or grpc (every call over the workers' mutual-TLS gRPC)",
+    )
+    p.add_argument(
+        "--insecure-workers",
+        action="store_true",
+        help="workers accept plain gRPC from any local process (default: mutual TLS with certificates "
+        "generated for this run)",
+    )
+    p.add_argument(
+        "--tls-dir",
+        help="mutual TLS between router and workers, HTTPS/TLS on the router: a folder "
+        "with ca.crt, server.crt, server.key, client.crt, client.key",
+    )
+    p.add_argument(
+        "router_options",
+        nargs=argparse.REMAINDER,
+        metavar="-- ROUTER_OPTION",
+        help="options after `--` go to the router (`expertmesh router --help`), e.g. "
+        "`-- --max-context 4096 --image-fetch-allow example.org --thinking-budgets 64,256,1024`",
+    )

@@ -7,6 +7,7 @@ group-limited top-k, renormalised weights × routed scaling, routed experts in M
 
 Presets: `tiny` (tests), `small` (CPU benchmarks), `full-2.8t` (planning and memory arithmetic only).
 """
+
 from __future__ import annotations
 
 import math
@@ -42,16 +43,21 @@ class MoEConfig(_Strict):
     routed_scaling_factor: float = Field(1.0, gt=0)
     norm_topk_prob: bool = True
     combine_group_size: int | None = Field(
-        None, gt=0, description="experts per combine group: the unit an expert worker pre-reduces and the order of "
-                                "the canonical combine (kernels/moe/combine.py); a fixed partition, so the sum never "
-                                "depends on placement. Default: the routing group size (n_routed_experts / n_group)")
+        None,
+        gt=0,
+        description="experts per combine group: the unit an expert worker pre-reduces and the order of "
+        "the canonical combine (kernels/moe/combine.py); a fixed partition, so the sum never "
+        "depends on placement. Default: the routing group size (n_routed_experts / n_group)",
+    )
     latent_size: int | None = Field(
-        None, gt=0, description="latent MoE (Kimi K3's routed_expert_hidden_size): the routed experts compute on a "
-                                "down-projection of the layer's normed input to this width, and their weighted sum is "
-                                "RMS-normed (latent_norm) and projected back up; the router and the shared experts read "
-                                "the full-width input. None: the experts compute at the hidden size")
-    latent_norm: bool = Field(True, description="RMSNorm on the latent experts' weighted sum (K3: "
-                                                "latent_moe_use_norm)")
+        None,
+        gt=0,
+        description="latent MoE (Kimi K3's routed_expert_hidden_size): the routed experts compute on a "
+        "down-projection of the layer's normed input to this width, and their weighted sum is "
+        "RMS-normed (latent_norm) and projected back up; the router and the shared experts read "
+        "the full-width input. None: the experts compute at the hidden size",
+    )
+    latent_norm: bool = Field(True, description="RMSNorm on the latent experts' weighted sum (K3: latent_moe_use_norm)")
 
     @property
     def combine_groups(self) -> int:
@@ -61,33 +67,39 @@ class MoEConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
         if self.combine_group_size is not None and self.n_routed_experts % self.combine_group_size:
-            raise ValueError(f"moe.combine_group_size={self.combine_group_size} does not divide "
-                             f"moe.n_routed_experts={self.n_routed_experts}")
-        if self.top_k > self.n_routed_experts:
             raise ValueError(
-                f"moe.top_k={self.top_k} exceeds moe.n_routed_experts={self.n_routed_experts}")
+                f"moe.combine_group_size={self.combine_group_size} does not divide "
+                f"moe.n_routed_experts={self.n_routed_experts}"
+            )
+        if self.top_k > self.n_routed_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.n_routed_experts={self.n_routed_experts}")
         if self.n_routed_experts % self.n_group:
             raise ValueError(
-                f"moe.n_routed_experts={self.n_routed_experts} is not divisible by moe.n_group={self.n_group}")
+                f"moe.n_routed_experts={self.n_routed_experts} is not divisible by moe.n_group={self.n_group}"
+            )
         if self.topk_group > self.n_group:
             raise ValueError(f"moe.topk_group={self.topk_group} exceeds moe.n_group={self.n_group}")
         reachable = self.topk_group * (self.n_routed_experts // self.n_group)
         if self.top_k > reachable:
             raise ValueError(
                 f"moe.top_k={self.top_k} exceeds the {reachable} experts reachable through "
-                f"moe.topk_group={self.topk_group} of moe.n_group={self.n_group} groups")
+                f"moe.topk_group={self.topk_group} of moe.n_group={self.n_group} groups"
+            )
         if self.latent_size is not None and self.latent_size % MXFP4_BLOCK:
-            raise ValueError(f"moe.latent_size={self.latent_size} must be a multiple of the MXFP4 block size "
-                             f"{MXFP4_BLOCK}")
+            raise ValueError(
+                f"moe.latent_size={self.latent_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}"
+            )
         if self.expert_intermediate_size % MXFP4_BLOCK:
             raise ValueError(
                 f"moe.expert_intermediate_size={self.expert_intermediate_size} must be a multiple of the "
-                f"MXFP4 block size {MXFP4_BLOCK}")
+                f"MXFP4 block size {MXFP4_BLOCK}"
+            )
         return self
 
 
 class MLAConfig(_Strict):
     """Multi-head latent attention (the attention of MLA and DSA layers)."""
+
     n_heads: int = Field(gt=0)
     q_lora_rank: int | None = Field(gt=0, description="None: one full-rank q projection (Kimi Linear)")
     kv_lora_rank: int = Field(gt=0)
@@ -95,10 +107,14 @@ class MLAConfig(_Strict):
     qk_rope_head_dim: int = Field(gt=0)
     v_head_dim: int = Field(gt=0)
     rope: Literal["interleaved", "half", "none"] = Field(
-        "interleaved", description="layout of the rotary dims: DeepSeek's interleaved pairs, rotate-half, or NoPE "
-                                   "(Kimi Linear: the rope slice of the key is kept but never rotated)")
-    gated_output: bool = Field(False, description="sigmoid gate on the attention output, from the layer's normed "
-                                                  "input (gated DSA; K3's gated MLA)")
+        "interleaved",
+        description="layout of the rotary dims: DeepSeek's interleaved pairs, rotate-half, or NoPE "
+        "(Kimi Linear: the rope slice of the key is kept but never rotated)",
+    )
+    gated_output: bool = Field(
+        False,
+        description="sigmoid gate on the attention output, from the layer's normed input (gated DSA; K3's gated MLA)",
+    )
     norm_eps: float = Field(1e-6, gt=0, description="eps of the q / kv latent RMSNorms (published: 1e-6)")
 
     @model_validator(mode="after")
@@ -111,6 +127,7 @@ class MLAConfig(_Strict):
 class IndexerConfig(_Strict):
     """The DSA lightning indexer (DeepSeek-V3.2): q from the query latent, k = LayerNorm(W_k x), both rotated on
     their first `mla.qk_rope_head_dim` dims (rotate-half layout); score = Σ_h w_h · ReLU(q_h·k) / sqrt(Hi·Di)."""
+
     n_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     index_topk: int = Field(2048, gt=0, description="past tokens each query attends to")
@@ -119,6 +136,7 @@ class IndexerConfig(_Strict):
 
 class KDAConfig(_Strict):
     """Kimi Delta Attention: gated delta rule with a per-channel forget gate and a short causal conv."""
+
     n_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     conv_kernel_size: int = Field(4, gt=0)
@@ -126,17 +144,27 @@ class KDAConfig(_Strict):
     conv_bias: bool = Field(False, description="the short convolutions carry a bias")
     output_gate_bias: bool = Field(False, description="the output gate's up-projection carries a bias")
     output_gate: Literal["low_rank", "full_rank"] = Field(
-        "low_rank", description="the sigmoid output gate: g_b(g_a(x)) of rank gate_low_rank (Kimi Linear) or one "
-                                "full-rank g_proj (Kimi K3)")
+        "low_rank",
+        description="the sigmoid output gate: g_b(g_a(x)) of rank gate_low_rank (Kimi Linear) or one "
+        "full-rank g_proj (Kimi K3)",
+    )
     gate_lower_bound: float | None = Field(
-        None, lt=0, description="Kimi K3: the forget gate's log-decay is lb·σ(exp(A_log)·f) ∈ (lb, 0) instead of "
-                                "−exp(A_log)·softplus(f) (Kimi Linear)")
-    l2_norm_eps: float = Field(1e-6, gt=0, description="eps of q / k's L2 normalisation (FLA's and transformers' "
-                                                       "1e-6; llama.cpp's kimi-k3 uses rms_norm_eps)")
+        None,
+        lt=0,
+        description="Kimi K3: the forget gate's log-decay is lb·σ(exp(A_log)·f) ∈ (lb, 0) instead of "
+        "−exp(A_log)·softplus(f) (Kimi Linear)",
+    )
+    l2_norm_eps: float = Field(
+        1e-6,
+        gt=0,
+        description="eps of q / k's L2 normalisation (FLA's and transformers' "
+        "1e-6; llama.cpp's kimi-k3 uses rms_norm_eps)",
+    )
 
 
 class YarnConfig(_Strict):
     """YaRN context extension (the `rope_scaling` / `rope_parameters` of type yarn), as DeepSeek-V3 defines it."""
+
     factor: float = Field(gt=0)
     original_max_position_embeddings: int = Field(gt=0)
     beta_fast: float = Field(32.0, gt=0)
@@ -150,6 +178,7 @@ class YarnConfig(_Strict):
 class ActivationConfig(_Strict):
     """The gated MLPs' activation act(gate, up) (dense layers, shared and routed experts): SwiGLU silu(g)·u, or
     Kimi K3's SiTU β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin) (β_lin = 0: u uncapped)."""
+
     kind: Literal["swiglu", "situ"] = "swiglu"
     beta: float = Field(4.0, gt=0, description="SiTU's gate soft cap (activation_situ_beta)")
     linear_beta: float = Field(25.0, ge=0, description="SiTU's up soft cap (activation_situ_linear_beta; 0: none)")
@@ -168,6 +197,7 @@ class RopeConfig(_Strict):
         high frequencies kept (extrapolation), low ones divided by `factor` (interpolation), a linear ramp
         between the correction dims of beta_fast / beta_slow rotations."""
         import torch
+
         base = self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
         extrapolated = 1.0 / base
         y = self.yarn
@@ -176,8 +206,12 @@ class RopeConfig(_Strict):
         interpolated = 1.0 / (y.factor * base)
 
         def correction_dim(rotations: float) -> float:
-            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(self.theta))
+            return (
+                dim
+                * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(self.theta))
+            )
+
         low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
         if y.truncate:
             low, high = math.floor(low), math.ceil(high)
@@ -185,7 +219,7 @@ class RopeConfig(_Strict):
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        keep = 1 - ramp                                     # 1: extrapolate (high frequency), 0: interpolate
+        keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
         return interpolated * (1 - keep) + extrapolated * keep
 
     @property
@@ -211,6 +245,7 @@ class RopeConfig(_Strict):
 
 class ThinkingBudgets(_Strict):
     """Reasoning-token limits per thinking tier."""
+
     low: int = Field(gt=0)
     high: int = Field(gt=0)
     max: int = Field(gt=0)
@@ -219,7 +254,8 @@ class ThinkingBudgets(_Strict):
     def _check(self) -> ThinkingBudgets:
         if not self.low <= self.high <= self.max:
             raise ValueError(
-                f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}")
+                f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}"
+            )
         return self
 
     def limit(self, tier: str) -> int:
@@ -233,6 +269,7 @@ class VisionConfig(_Strict):
     projector fields of `Kimi_K25Config`): 14-px patches embedded by a conv, a learned position grid
     bicubically resampled to each image's patch grid, 2-D axial RoPE, pre-norm ViT layers; each 2×2 block of
     patches merges into one image token, projected (LayerNorm, Linear, GELU, Linear) into the LM's hidden size."""
+
     patch_size: int = Field(14, gt=0)
     hidden_size: int = Field(1152, gt=0)
     num_hidden_layers: int = Field(27, gt=0)
@@ -254,8 +291,10 @@ class VisionConfig(_Strict):
     def _check(self) -> VisionConfig:
         head_dim, rem = divmod(self.hidden_size, self.num_attention_heads)
         if rem or head_dim % 4:
-            raise ValueError(f"vision.hidden_size={self.hidden_size} / num_attention_heads="
-                             f"{self.num_attention_heads} must be a whole head dim divisible by 4 (2-D RoPE)")
+            raise ValueError(
+                f"vision.hidden_size={self.hidden_size} / num_attention_heads="
+                f"{self.num_attention_heads} must be a whole head dim divisible by 4 (2-D RoPE)"
+            )
         return self
 
     @property
@@ -271,10 +310,12 @@ class VisionConfig(_Strict):
     def params(self, lm_hidden: int) -> int:
         """Parameters of the tower and the projector into an LM of hidden size `lm_hidden`."""
         d, i, p = self.hidden_size, self.intermediate_size, self.patch_size
-        layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d         # q, k, v, proj; fc1, fc2; two LayerNorms
+        layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d  # q, k, v, proj; fc1, fc2; two LayerNorms
         merged = d * self.merge_kernel_size[0] * self.merge_kernel_size[1]
-        tower = 3 * p * p * d + d + self.pos_emb_height * self.pos_emb_width * d + self.num_hidden_layers * layer + 2 * d
-        return tower + 2 * d + merged * merged + merged + merged * lm_hidden + lm_hidden   # norm, in_proj, out_proj
+        tower = (
+            3 * p * p * d + d + self.pos_emb_height * self.pos_emb_width * d + self.num_hidden_layers * layer + 2 * d
+        )
+        return tower + 2 * d + merged * merged + merged + merged * lm_hidden + lm_hidden  # norm, in_proj, out_proj
 
 
 class ModelConfig(_Strict):
@@ -295,9 +336,12 @@ class ModelConfig(_Strict):
     rms_norm_eps: float = Field(1e-6, gt=0)
     activation: ActivationConfig = ActivationConfig()
     attn_res_block_size: int | None = Field(
-        None, gt=0, description="attention residuals (Kimi K3): each layer's attention and MLP input is a learned "
-                                "softmax mix of block sums of the residual stream, a block every this many layers; "
-                                "None: the plain residual stream")
+        None,
+        gt=0,
+        description="attention residuals (Kimi K3): each layer's attention and MLP input is a learned "
+        "softmax mix of block sums of the residual stream, a block every this many layers; "
+        "None: the plain residual stream",
+    )
     tie_word_embeddings: bool = False
     init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
     vision: VisionConfig | None = Field(None, description="image input (expertmesh/model/vision.py); None: text only")
@@ -305,15 +349,16 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.hidden_size % MXFP4_BLOCK:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}")
+            raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of the MXFP4 block size {MXFP4_BLOCK}")
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds the {self.n_layers} layers")
         if self.n_dsa_layers and self.mla.q_lora_rank is None:
             raise ValueError("DSA layers need mla.q_lora_rank: the indexer's queries come from the query latent")
         if self.n_dsa_layers and self.indexer.rope and self.indexer.head_dim < self.mla.qk_rope_head_dim:
-            raise ValueError(f"indexer.head_dim={self.indexer.head_dim} is narrower than the "
-                             f"mla.qk_rope_head_dim={self.mla.qk_rope_head_dim} dims its RoPE rotates")
+            raise ValueError(
+                f"indexer.head_dim={self.indexer.head_dim} is narrower than the "
+                f"mla.qk_rope_head_dim={self.mla.qk_rope_head_dim} dims its RoPE rotates"
+            )
         return self
 
     # ------------------------------------------------------------------ structure
@@ -358,12 +403,13 @@ class ModelConfig(_Strict):
     def _kda_layer_params(self) -> int:
         h, a = self.hidden_size, self.kda
         inner = a.n_heads * a.head_dim
-        qkv = 3 * h * inner + 3 * inner * a.conv_kernel_size           # projections + depthwise convs
+        qkv = 3 * h * inner + 3 * inner * a.conv_kernel_size  # projections + depthwise convs
         qkv += 3 * inner if a.conv_bias else 0
         forget = h * a.gate_low_rank + a.gate_low_rank * inner + a.n_heads + inner  # low-rank g, A_log, dt_bias
         beta = h * a.n_heads
-        out_gate = (h * inner if a.output_gate == "full_rank" else h * a.gate_low_rank + a.gate_low_rank * inner) \
-            + (inner if a.output_gate_bias else 0)
+        out_gate = (h * inner if a.output_gate == "full_rank" else h * a.gate_low_rank + a.gate_low_rank * inner) + (
+            inner if a.output_gate_bias else 0
+        )
         return qkv + forget + beta + out_gate + a.head_dim + inner * h  # + output norm + o_proj
 
     def _latent_layer_params(self, indexed: bool) -> int:
@@ -373,8 +419,11 @@ class ModelConfig(_Strict):
             q = h * m.n_heads * qk
         else:
             q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.n_heads * qk
-        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+        kv = (
+            h * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.kv_lora_rank
             + m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        )
         gate = h * m.n_heads * m.v_head_dim if m.gated_output else 0
         out = m.n_heads * m.v_head_dim * h
         indexer = (m.q_lora_rank or 0) * ix.n_heads * ix.head_dim + h * ix.head_dim + 2 * ix.head_dim + h * ix.n_heads
@@ -399,10 +448,10 @@ class ModelConfig(_Strict):
         if not self.is_moe_layer(layer):
             return 3 * h * self.dense_intermediate_size
         routed = (self.moe.top_k if active_only else self.moe.n_routed_experts) * self.expert_params
-        shared = self.moe.n_shared_experts * 3 * h * self.moe.expert_intermediate_size    # at the full width
+        shared = self.moe.n_shared_experts * 3 * h * self.moe.expert_intermediate_size  # at the full width
         router = self.moe.n_routed_experts * h + self.moe.n_routed_experts  # gate weight + correction bias
         latent = 0
-        if self.moe.latent_size is not None:                    # down and up projections (+ the latent norm)
+        if self.moe.latent_size is not None:  # down and up projections (+ the latent norm)
             latent = 2 * h * self.moe.latent_size + (self.moe.latent_size if self.moe.latent_norm else 0)
         return routed + shared + router + latent
 
@@ -419,8 +468,10 @@ class ModelConfig(_Strict):
         return (n if self.tie_word_embeddings else 2 * n) + vision
 
     def _layers_params(self, active_only: bool) -> int:
-        return self.attn_res_params + sum(self.attention_params(i) + self.ffn_params(i, active_only)
-                                          + 2 * self.hidden_size for i in range(self.n_layers))
+        return self.attn_res_params + sum(
+            self.attention_params(i) + self.ffn_params(i, active_only) + 2 * self.hidden_size
+            for i in range(self.n_layers)
+        )
 
     @cached_property
     def total_params(self) -> int:
@@ -481,20 +532,32 @@ class ModelConfig(_Strict):
         """(figure, value) rows for `expertmesh model describe`."""
         rows = [
             ("preset", self.name),
-            ("layers", f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA"
-                       + (f" + {self.n_mla_layers} MLA" if self.n_mla_layers else "") + "; "
-                       f"{self.first_k_dense} dense, {self.n_moe_layers} MoE)"),
+            (
+                "layers",
+                f"{self.n_layers} ({self.n_kda_layers} KDA + {self.n_dsa_layers} DSA"
+                + (f" + {self.n_mla_layers} MLA" if self.n_mla_layers else "")
+                + "; "
+                f"{self.first_k_dense} dense, {self.n_moe_layers} MoE)",
+            ),
             ("hidden size", f"{self.hidden_size}"),
-            ("routed experts / layer", f"{self.moe.n_routed_experts} (top-{self.moe.top_k}"
-                                       + (f" in {self.moe.topk_group} of {self.moe.n_group} groups"
-                                          if self.moe.n_group > 1 else ", ungrouped")
-                                       + f", {self.moe.n_shared_experts} shared, width {self.moe.expert_intermediate_size}"
-                                       + (f", on a {self.moe.latent_size} latent" if self.moe.latent_size else "")
-                                       + ")"),
-            ("MLP activation", self.activation.kind if self.activation.kind == "swiglu" else
-             f"situ (β {self.activation.beta:g}, β_lin {self.activation.linear_beta:g})"),
-            ("attention residuals", f"blocks of {self.attn_res_block_size} layers" if self.attn_res_block_size
-             else "none"),
+            (
+                "routed experts / layer",
+                f"{self.moe.n_routed_experts} (top-{self.moe.top_k}"
+                + (f" in {self.moe.topk_group} of {self.moe.n_group} groups" if self.moe.n_group > 1 else ", ungrouped")
+                + f", {self.moe.n_shared_experts} shared, width {self.moe.expert_intermediate_size}"
+                + (f", on a {self.moe.latent_size} latent" if self.moe.latent_size else "")
+                + ")",
+            ),
+            (
+                "MLP activation",
+                self.activation.kind
+                if self.activation.kind == "swiglu"
+                else f"situ (β {self.activation.beta:g}, β_lin {self.activation.linear_beta:g})",
+            ),
+            (
+                "attention residuals",
+                f"blocks of {self.attn_res_block_size} layers" if self.attn_res_block_size else "none",
+            ),
             ("total parameters", _human(self.total_params)),
             ("active parameters / token", _human(self.active_params)),
             ("routed expert parameters", _human(self.routed_expert_params)),
@@ -514,7 +577,7 @@ class ModelConfig(_Strict):
 
 
 def _bytes(n: int) -> str:
-    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:,.2f} {unit}"
     return f"{n:,} B"
@@ -541,42 +604,90 @@ def _tiny_vision() -> VisionConfig:
     """The tiny and small presets' encoder: kimi_k25's structure (14-px patches, 2×2 merge) at toy width, so every
     image path runs in tests and CPU benchmarks; image tokens are the byte tokenizer's image specials."""
     t = ByteTokenizer()
-    return VisionConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                        pos_emb_height=16, pos_emb_width=16, image_token_id=t.image_pad_id,
-                        image_start_token_id=t.image_start_id, image_end_token_id=t.image_end_id,
-                        max_patches=4096, max_patches_per_side=64)
+    return VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pos_emb_height=16,
+        pos_emb_width=16,
+        image_token_id=t.image_pad_id,
+        image_start_token_id=t.image_start_id,
+        image_end_token_id=t.image_end_id,
+        max_patches=4096,
+        max_patches_per_side=64,
+    )
 
 
 def _tiny() -> ModelConfig:
     """Tests: four layers (KDA, DSA, KDA, DSA; layer 0 dense), 16 experts top-4 in 4 groups so placement and
     replicas matter, DSA top-k 16 (far below test prompt lengths), thinking tiers of a few dozen tokens."""
     return ModelConfig(
-        name="tiny", vocab_size=VOCAB_SIZE, hidden_size=64,
-        layer_types=("kda", "dsa", "kda", "dsa"), first_k_dense=1, dense_intermediate_size=128,
-        moe=MoEConfig(n_routed_experts=16, n_shared_experts=1, top_k=4, expert_intermediate_size=32,
-                      n_group=4, topk_group=2, routed_scaling_factor=2.5),
-        mla=MLAConfig(n_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                      v_head_dim=16, gated_output=True),
+        name="tiny",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        layer_types=("kda", "dsa", "kda", "dsa"),
+        first_k_dense=1,
+        dense_intermediate_size=128,
+        moe=MoEConfig(
+            n_routed_experts=16,
+            n_shared_experts=1,
+            top_k=4,
+            expert_intermediate_size=32,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+        ),
+        mla=MLAConfig(
+            n_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            gated_output=True,
+        ),
         indexer=IndexerConfig(n_heads=2, head_dim=16, index_topk=16),
         kda=KDAConfig(n_heads=2, head_dim=16, conv_kernel_size=4, gate_low_rank=16),
         thinking=ThinkingBudgets(low=8, high=24, max=48),
-        max_context=4096, init_std=0.08, vision=_tiny_vision(),
+        max_context=4096,
+        init_std=0.08,
+        vision=_tiny_vision(),
     )
 
 
 def _small() -> ModelConfig:
     """CPU benchmarks: 8 layers (6 KDA + 2 DSA), hidden 1024, 32 experts top-4 of width 512."""
     return ModelConfig(
-        name="small", vocab_size=VOCAB_SIZE, hidden_size=1024,
-        layer_types=interleaved_layer_types(8, 2), first_k_dense=1, dense_intermediate_size=2816,
-        moe=MoEConfig(n_routed_experts=32, n_shared_experts=1, top_k=4, expert_intermediate_size=512,
-                      n_group=4, topk_group=2, routed_scaling_factor=2.5),
-        mla=MLAConfig(n_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                      v_head_dim=64, gated_output=True),
+        name="small",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=1024,
+        layer_types=interleaved_layer_types(8, 2),
+        first_k_dense=1,
+        dense_intermediate_size=2816,
+        moe=MoEConfig(
+            n_routed_experts=32,
+            n_shared_experts=1,
+            top_k=4,
+            expert_intermediate_size=512,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+        ),
+        mla=MLAConfig(
+            n_heads=8,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            gated_output=True,
+        ),
         indexer=IndexerConfig(n_heads=4, head_dim=64, index_topk=256),
         kda=KDAConfig(n_heads=8, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
         thinking=ThinkingBudgets(low=64, high=256, max=1024),
-        max_context=32768, vision=_tiny_vision(),
+        max_context=32768,
+        vision=_tiny_vision(),
     )
 
 
@@ -599,16 +710,45 @@ def _full_2_8t() -> ModelConfig:
     131,072 reasoning tokens.
     """
     return ModelConfig(
-        name="full-2.8t", model_type="kimi_k3", vocab_size=163_840, hidden_size=7168,
-        layer_types=interleaved_layer_types(93, 24), first_k_dense=1, dense_intermediate_size=18_432,
-        moe=MoEConfig(n_routed_experts=896, n_shared_experts=2, top_k=16, expert_intermediate_size=3072,
-                      n_group=1, topk_group=1, routed_scaling_factor=2.5, combine_group_size=56, latent_size=3584),
-        mla=MLAConfig(n_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, rope="none", gated_output=True),
+        name="full-2.8t",
+        model_type="kimi_k3",
+        vocab_size=163_840,
+        hidden_size=7168,
+        layer_types=interleaved_layer_types(93, 24),
+        first_k_dense=1,
+        dense_intermediate_size=18_432,
+        moe=MoEConfig(
+            n_routed_experts=896,
+            n_shared_experts=2,
+            top_k=16,
+            expert_intermediate_size=3072,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            combine_group_size=56,
+            latent_size=3584,
+        ),
+        mla=MLAConfig(
+            n_heads=64,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope="none",
+            gated_output=True,
+        ),
         indexer=IndexerConfig(n_heads=64, head_dim=128, index_topk=2048, rope=False),
-        kda=KDAConfig(n_heads=96, head_dim=128, conv_kernel_size=4, gate_low_rank=128, output_gate="full_rank",
-                      gate_lower_bound=-5.0),
-        activation=ActivationConfig(kind="situ", beta=4.0, linear_beta=25.0), attn_res_block_size=6,
+        kda=KDAConfig(
+            n_heads=96,
+            head_dim=128,
+            conv_kernel_size=4,
+            gate_low_rank=128,
+            output_gate="full_rank",
+            gate_lower_bound=-5.0,
+        ),
+        activation=ActivationConfig(kind="situ", beta=4.0, linear_beta=25.0),
+        attn_res_block_size=6,
         thinking=ThinkingBudgets(low=4096, high=32_768, max=131_072),
         max_context=1_048_576,
     )
@@ -631,6 +771,7 @@ def load_config(path) -> ModelConfig:
     mapped by `expertmesh.checkpoint.hf_layout`."""
     import json
     from pathlib import Path
+
     text = Path(path).read_text()
     try:
         return ModelConfig.model_validate(json.loads(text))

@@ -28,6 +28,7 @@ dry run builds the worker and measures its tensors, the tests check the two agre
                    cache of the grouped path and one expert's transient fp32 weights (the Triton path decodes
                    MXFP4 inside the GEMM: no dequantized matrix on GPUs)
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # tokens per call the workspace is sized for: the router's default prompt tokens per step (--prefill-tokens); expert
 # calls are cut into pieces of at most this many tokens
 STEP_TOKENS = 1024
-GIB = 2 ** 30
+GIB = 2**30
 
 
 class DeviceError(ValueError):
@@ -92,8 +93,13 @@ def device_label(kind: str, index: int = 0) -> str:
 
 
 def torch_device(kind: str, index: int = 0) -> torch.device:
-    return torch.device("cpu") if kind == "cpu" else torch.device("meta") if kind == "meta" \
+    return (
+        torch.device("cpu")
+        if kind == "cpu"
+        else torch.device("meta")
+        if kind == "meta"
         else torch.device("cuda", index)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -121,15 +127,22 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 # ----------------------------------------------------------------------------------------------- workspace
-def expert_workspace_bytes(cfg: ModelConfig, device: str, *, layers: int | None = None, shards: int = 0,
-                           step_tokens: int = STEP_TOKENS, dequant_cache_bytes: int | None = None) -> int:
+def expert_workspace_bytes(
+    cfg: ModelConfig,
+    device: str,
+    *,
+    layers: int | None = None,
+    shards: int = 0,
+    step_tokens: int = STEP_TOKENS,
+    dequant_cache_bytes: int | None = None,
+) -> int:
     """One expert device's workspace: the routing tables of the `layers` MoE layers it holds experts of (None:
     all) for its `shards` experts, and one call of `step_tokens` tokens: hidden rows (fp32), the [T, K, H] slot
     outputs (fp32 accumulation and the result), the [T·K, I] gated-MLP intermediate (fp32); on cpu also the
     dequantize cache's bound and one expert's fp32 weights (a miss not kept by the cache)."""
     h, i, k, e = cfg.expert_hidden_size, cfg.moe.expert_intermediate_size, cfg.moe.top_k, cfg.moe.n_routed_experts
     n_layers = cfg.n_moe_layers if layers is None else layers
-    tables = 8 * (n_layers * e + shards)                       # global_to_local [E] + expert_ids per layer
+    tables = 8 * (n_layers * e + shards)  # global_to_local [E] + expert_ids per layer
     t = step_tokens
     acts = 4 * t * h + 4 * t * k * h * 2 + 4 * t * k * i
     dequant = 0
@@ -146,9 +159,14 @@ def attention_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, *, step_toke
     the indexer's fp32 scores of those queries over the whole context [T, max_context] (kernels reduce the heads
     tile by tile)."""
     m, a = cfg.mla, cfg.kda
-    widths = [cfg.hidden_size, cfg.dense_intermediate_size,
-              cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size, 3 * a.n_heads * a.head_dim,
-              m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * (m.kv_lora_rank + m.qk_rope_head_dim)]
+    widths = [
+        cfg.hidden_size,
+        cfg.dense_intermediate_size,
+        cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size,
+        3 * a.n_heads * a.head_dim,
+        m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+        m.n_heads * (m.kv_lora_rank + m.qk_rope_head_dim),
+    ]
     t = step_tokens
     tables = 8 * cfg.n_moe_layers * cfg.moe.n_routed_experts
     return tables + 4 * t * cfg.vocab_size + 8 * 4 * t * max(widths) + 4 * t * cfg.max_context
@@ -158,6 +176,7 @@ def attention_workspace_bytes(cfg: ModelConfig, dtype: torch.dtype, *, step_toke
 @dataclass
 class WorkerMemory:
     """Resident bytes of one worker process; `devices`: label → resident bytes on that device."""
+
     weights_bytes: int = 0
     kv_bytes: int = 0
     workspace_bytes: int = 0
@@ -170,24 +189,48 @@ class WorkerMemory:
         self.devices[device] = self.devices.get(device, 0) + weights + kv + workspace
 
     def to_json(self, **extra) -> str:
-        return json.dumps({"weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
-                           "workspace_bytes": self.workspace_bytes, "devices": self.devices, **extra})
+        return json.dumps(
+            {
+                "weights_bytes": self.weights_bytes,
+                "kv_bytes": self.kv_bytes,
+                "workspace_bytes": self.workspace_bytes,
+                "devices": self.devices,
+                **extra,
+            }
+        )
 
 
-def attention_memory(cfg: ModelConfig, *, device: str = "cuda", dtype: torch.dtype | None = None,
-                     kv_blocks: int, block_size: int, step_tokens: int = STEP_TOKENS) -> WorkerMemory:
+def attention_memory(
+    cfg: ModelConfig,
+    *,
+    device: str = "cuda",
+    dtype: torch.dtype | None = None,
+    kv_blocks: int,
+    block_size: int,
+    step_tokens: int = STEP_TOKENS,
+) -> WorkerMemory:
     """What an attention worker holds on its one device."""
     dtype = compute_dtype(device, dtype)
     mem = WorkerMemory()
-    mem.add(device_label(device), weights=dense_weight_bytes(cfg, dtype),
-            kv=kv_blocks * kv_block_bytes(cfg, block_size, dtype),
-            workspace=attention_workspace_bytes(cfg, dtype, step_tokens=step_tokens))
+    mem.add(
+        device_label(device),
+        weights=dense_weight_bytes(cfg, dtype),
+        kv=kv_blocks * kv_block_bytes(cfg, block_size, dtype),
+        workspace=attention_workspace_bytes(cfg, dtype, step_tokens=step_tokens),
+    )
     return mem
 
 
-def kv_blocks_for_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float, dtype: torch.dtype,
-                         block_size: int, step_tokens: int = STEP_TOKENS,
-                         flag: str = "--gpu-memory-utilization") -> int:
+def kv_blocks_for_memory(
+    cfg: ModelConfig,
+    *,
+    device_bytes: int,
+    utilization: float,
+    dtype: torch.dtype,
+    block_size: int,
+    step_tokens: int = STEP_TOKENS,
+    flag: str = "--gpu-memory-utilization",
+) -> int:
     """KV blocks that fit in `utilization` of a device of `device_bytes` after the attention worker's weights
     and workspace."""
     if not 0 < utilization <= 1:
@@ -196,13 +239,20 @@ def kv_blocks_for_memory(cfg: ModelConfig, *, device_bytes: int, utilization: fl
     left = int(utilization * device_bytes) - used
     blocks = left // kv_block_bytes(cfg, block_size, dtype)
     if blocks <= 0:
-        raise DeviceError(f"{flag} {utilization}: {utilization} x {device_bytes / GIB:.1f} GiB leaves no room for "
-                          f"KV after {used / GIB:.2f} GiB of weights and workspace")
+        raise DeviceError(
+            f"{flag} {utilization}: {utilization} x {device_bytes / GIB:.1f} GiB leaves no room for "
+            f"KV after {used / GIB:.2f} GiB of weights and workspace"
+        )
     return int(blocks)
 
 
-def expert_memory(cfg: ModelConfig, shards_by_gpu: dict[int, list[tuple[int, int]]], *, device: str = "cuda",
-                  step_tokens: int = STEP_TOKENS) -> WorkerMemory:
+def expert_memory(
+    cfg: ModelConfig,
+    shards_by_gpu: dict[int, list[tuple[int, int]]],
+    *,
+    device: str = "cuda",
+    step_tokens: int = STEP_TOKENS,
+) -> WorkerMemory:
     """What an expert worker holds: per GPU index of the plan, its shards packed in MXFP4 and the workspace. On
     cpu every GPU's shards share the one device."""
     mem = WorkerMemory()
@@ -213,9 +263,11 @@ def expert_memory(cfg: ModelConfig, shards_by_gpu: dict[int, list[tuple[int, int
         if not pairs:
             continue
         layers = len({layer for layer, _ in pairs})
-        mem.add(device_label(device, g), weights=len(pairs) * expert_slot_bytes(cfg),
-                workspace=expert_workspace_bytes(cfg, device, layers=layers, shards=len(pairs),
-                                                 step_tokens=step_tokens))
+        mem.add(
+            device_label(device, g),
+            weights=len(pairs) * expert_slot_bytes(cfg),
+            workspace=expert_workspace_bytes(cfg, device, layers=layers, shards=len(pairs), step_tokens=step_tokens),
+        )
     return mem
 
 

@@ -1,4 +1,5 @@
 """Token sampling from one sequence's logits with its own seeded generator (never the global one)."""
+
 from __future__ import annotations
 
 import torch
@@ -28,14 +29,14 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        self.counts: dict[int, int] = {}          # generated token → times, for the penalties
+        self.counts: dict[int, int] = {}  # generated token → times, for the penalties
         self.constraint = None
         self.constraint_error: str | None = None  # a forced/replayed token the grammar refused
         grammar = getattr(params, "grammar", None)
         if grammar is not None:
             if lltok is None:
                 raise ValueError("grammar: this worker has no tokenizer for constrained decoding")
-            self.constraint = Constraint(lltok, grammar, "grammar")      # GrammarError (a ValueError) names it
+            self.constraint = Constraint(lltok, grammar, "grammar")  # GrammarError (a ValueError) names it
             self.eos = int(lltok.eos_token)
             self.not_eos = torch.ones(lltok.vocab_size, dtype=torch.bool)
             self.not_eos[list(lltok.eos_tokens)] = False
@@ -43,7 +44,7 @@ class Sampler:
         self.thinking = ThinkingState(control) if control is not None else None
         after = getattr(params, "grammar_after_token", None)
         starts_now = self.thinking.answering if self.thinking is not None else after is None
-        self.constrained = self.constraint is not None and starts_now       # the grammar applies from now on
+        self.constrained = self.constraint is not None and starts_now  # the grammar applies from now on
 
     def observe(self, token: int) -> None:
         """A token that became part of the output (sampled or forced, replays included): the penalties count it
@@ -56,7 +57,7 @@ class Sampler:
         if self.constraint is None or self.constraint_error is not None:
             return
         if deciding and self.thinking.answering:
-            self.constrained = True            # phase "maybe": the first token was the answer's, under the grammar
+            self.constrained = True  # phase "maybe": the first token was the answer's, under the grammar
         if self.constrained:
             if not self.constraint.matcher.is_stopped():
                 try:
@@ -64,15 +65,19 @@ class Sampler:
                 except ValueError as e:
                     self.constraint_error = str(e)
         elif self.thinking is not None:
-            self.constrained = not was_answering and self.thinking.answering   # the close's last token
+            self.constrained = not was_answering and self.thinking.answering  # the close's last token
         elif token == self.params.grammar_after_token:
             self.constrained = True
 
     def _deciding(self) -> bool:
         """Phase "maybe" under a grammar, before the first token: that token either opens thinking or is the
         answer's first (so the grammar's)."""
-        return self.constraint is not None and not self.constrained and self.thinking is not None and \
-            self.thinking.phase == "maybe"
+        return (
+            self.constraint is not None
+            and not self.constrained
+            and self.thinking is not None
+            and self.thinking.phase == "maybe"
+        )
 
     def _grammar_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
         """bool[V] of the tokens the grammar allows next (ids beyond the tokenizer's vocabulary never), or None
@@ -82,8 +87,8 @@ class Sampler:
         if self.constraint.matcher.is_stopped():
             return None
         allowed = torch.from_numpy(self.constraint.allowed())
-        if self.constraint.matcher.is_accepting() and not bool(allowed[self.not_eos[:len(allowed)]].any()):
-            return None                        # complete, only EOS left: the format's own stop token instead
+        if self.constraint.matcher.is_accepting() and not bool(allowed[self.not_eos[: len(allowed)]].any()):
+            return None  # complete, only EOS left: the format's own stop token instead
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
         n = min(len(allowed), len(mask))
         mask[:n] = allowed[:n]
@@ -91,8 +96,11 @@ class Sampler:
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        bias, presence, frequency = getattr(p, "logit_bias", ()), getattr(p, "presence_penalty", 0.0), \
-            getattr(p, "frequency_penalty", 0.0)
+        bias, presence, frequency = (
+            getattr(p, "logit_bias", ()),
+            getattr(p, "presence_penalty", 0.0),
+            getattr(p, "frequency_penalty", 0.0),
+        )
         if not bias and not (self.counts and (presence or frequency)):
             return logits
         logits = logits.clone()
@@ -119,10 +127,10 @@ class Sampler:
             mask = self._grammar_mask(logits)
             if mask is None:
                 return int(p.stop_token_ids[0]) if p.stop_token_ids else self.eos
-            if not self.constrained:           # phase "maybe": the grammar's first tokens, or opening thinking
+            if not self.constrained:  # phase "maybe": the grammar's first tokens, or opening thinking
                 mask[self.thinking.c.think_start] = True
             logits = logits.masked_fill(~mask, float("-inf"))
-        if p.temperature < TINY_TEMPERATURE:        # 0, or so small that logits / T overflows fp32: the argmax
+        if p.temperature < TINY_TEMPERATURE:  # 0, or so small that logits / T overflows fp32: the argmax
             return int(torch.argmax(logits))
         logits = logits / p.temperature
         if p.top_k and p.top_k < logits.shape[-1]:
@@ -135,9 +143,9 @@ class Sampler:
             probs = probs / probs.sum()
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            before = sorted_probs.double().cumsum(-1) - sorted_probs.double()   # mass strictly above each token
+            before = sorted_probs.double().cumsum(-1) - sorted_probs.double()  # mass strictly above each token
             drop = before >= p.top_p
-            drop[0] = False                                   # the most likely token always survives
+            drop[0] = False  # the most likely token always survives
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -11,6 +11,7 @@ these modules piece by piece (attention workers: `Layer.attention_block` / `Laye
 
 Shapes: N tokens of a step (all sequences' new tokens concatenated), H hidden, E routed experts, K top-k.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_kernel.takes(x, self.weight):          # CPU: one C++ op (kernels/norm), rows batch-invariant
+        if norm_kernel.takes(x, self.weight):  # CPU: one C++ op (kernels/norm), rows batch-invariant
             return norm_kernel.rms_norm(x, self.weight, self.eps)
         return norm_naive.rms_norm(x, self.weight, self.eps)
 
@@ -101,7 +102,7 @@ class RotaryTable:
     (least recently used first out): angles in float64 (exact at 1M positions), cos/sin scaled by YaRN's attention
     factor, stored fp32. An entry depends only on its position, never on the batch that first asked for it."""
 
-    BLOCK = 4096      # positions per cached block (fp32 cos+sin of 32 frequencies: 1 MiB)
+    BLOCK = 4096  # positions per cached block (fp32 cos+sin of 32 frequencies: 1 MiB)
     MAX_BLOCKS = 16
 
     def __init__(self, rope: RopeConfig, dim: int):
@@ -113,13 +114,15 @@ class RotaryTable:
         if key in self.blocks:
             self.blocks.move_to_end(key)
             return self.blocks[key]
-        with torch.device("cpu"):          # also when the model was built under a meta-device context
-            inv_freq = self.rope.inv_freq(self.dim)                                     # [dim/2] float64
+        with torch.device("cpu"):  # also when the model was built under a meta-device context
+            inv_freq = self.rope.inv_freq(self.dim)  # [dim/2] float64
             pos = torch.arange(b * self.BLOCK, (b + 1) * self.BLOCK, dtype=torch.float64)
-        angles = pos[:, None] * inv_freq[None, :]                                       # [BLOCK, dim/2]
+        angles = pos[:, None] * inv_freq[None, :]  # [BLOCK, dim/2]
         factor = self.rope.attention_factor
-        entry = ((angles.cos() * factor).to(torch.float32).to(device),
-                 (angles.sin() * factor).to(torch.float32).to(device))
+        entry = (
+            (angles.cos() * factor).to(torch.float32).to(device),
+            (angles.sin() * factor).to(torch.float32).to(device),
+        )
         self.blocks[key] = entry
         if len(self.blocks) > self.MAX_BLOCKS:
             self.blocks.popitem(last=False)
@@ -149,7 +152,7 @@ def rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], style: s
     if style == "none":
         return x
     cos, sin = cos_sin
-    if norm_kernel.takes(x):                           # CPU: one C++ op (kernels/norm), bitwise the PyTorch form
+    if norm_kernel.takes(x):  # CPU: one C++ op (kernels/norm), bitwise the PyTorch form
         return norm_kernel.rotary(x, cos, sin, style == "interleaved")
     return norm_naive.rotary(x, cos, sin, style == "interleaved")
 
@@ -194,7 +197,8 @@ class ShortConv(nn.Module):
 class DSACache:
     """One sequence's MLA / DSA-layer cache in token order: latent entries (c_kv ‖ roped k) and, for DSA layers,
     the indexer keys (None for MLA layers)."""
-    latent: torch.Tensor                 # [L, kv_lora + rope]
+
+    latent: torch.Tensor  # [L, kv_lora + rope]
     index_k: torch.Tensor | None = None  # [L, Di]
 
     def append(self, latent: torch.Tensor, index_k: torch.Tensor | None) -> None:
@@ -205,30 +209,36 @@ class DSACache:
     def pages(self) -> CachePages:
         """The cache as one page (what the paged decode kernels read; same bits as any paging of it)."""
         n, dev = self.latent.shape[0], self.latent.device
-        return CachePages(self.latent[None], None if self.index_k is None else self.index_k[None],
-                          torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                          torch.tensor([n], dtype=torch.int32, device=dev))
+        return CachePages(
+            self.latent[None],
+            None if self.index_k is None else self.index_k[None],
+            torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([n], dtype=torch.int32, device=dev),
+        )
 
 
 @dataclass
 class CachePages:
     """A latent cache as the paged decode kernels take it (kernels/dsa: dsa_decode_paged, mla_decode_paged)."""
-    latent: torch.Tensor                 # [num_blocks, block_size, kv_lora + rope]
-    index_k: torch.Tensor | None         # [num_blocks, block_size, Di] (DSA layers)
-    block_table: torch.Tensor            # [1, n_pages] int32
-    context_lens: torch.Tensor           # [1] int32
+
+    latent: torch.Tensor  # [num_blocks, block_size, kv_lora + rope]
+    index_k: torch.Tensor | None  # [num_blocks, block_size, Di] (DSA layers)
+    block_table: torch.Tensor  # [1, n_pages] int32
+    context_lens: torch.Tensor  # [1] int32
 
 
 @dataclass
 class KDACache:
     """One sequence's KDA-layer state: the recurrent state and the short convolutions' last inputs."""
-    state: torch.Tensor    # [nH, Dk, Dv] fp32
-    conv: torch.Tensor     # [kernel - 1, 3 · nH · D]: q, k, v projections before the conv
+
+    state: torch.Tensor  # [nH, Dk, Dv] fp32
+    conv: torch.Tensor  # [kernel - 1, 3 · nH · D]: q, k, v projections before the conv
 
 
 @dataclass
 class SequenceCache:
     """Everything a sequence keeps between steps: one entry per layer and the number of tokens seen."""
+
     layers: list
     length: int = 0
 
@@ -237,6 +247,7 @@ class SequenceCache:
 class Segment:
     """One sequence's run of tokens inside a step's flat batch: rows [start, start + length), cache positions
     cache.length .. cache.length + length - 1."""
+
     start: int
     length: int
     cache: SequenceCache
@@ -276,18 +287,21 @@ class KDAttention(nn.Module):
         """On the weights' device, in fp32: the recurrent state (the published recurrence's dtype) and the conv
         tail (so the short conv accumulates in fp32 and q, k, v enter the kernels in fp32 under bf16 weights)."""
         dev = self.A_log.device
-        return KDACache(state=torch.zeros(self.n_heads, self.head_dim, self.head_dim, device=dev),
-                        conv=torch.zeros(self.kernel - 1, 3 * self.inner, device=dev))
+        return KDACache(
+            state=torch.zeros(self.n_heads, self.head_dim, self.head_dim, device=dev),
+            conv=torch.zeros(self.kernel - 1, 3 * self.inner, device=dev),
+        )
 
-    def _short_conv(self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> torch.Tensor:
+    def _short_conv(
+        self, x: torch.Tensor, cache: KDACache, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """Causal depthwise conv over time for q, k, v at once. x [T, 3·inner], weight [3·inner, kernel],
         bias [3·inner] or None → SiLU(conv) [T, 3·inner]; updates cache."""
-        window = torch.cat([cache.conv, x])                                # [kernel-1+T, 3·inner]
+        window = torch.cat([cache.conv, x])  # [kernel-1+T, 3·inner]
         t = x.shape[0]
         out = torch.zeros_like(x) if bias is None else bias.to(x.dtype).expand_as(x).clone()
-        for tap in range(self.kernel):                                     # fixed order: kernel taps
-            out = out + window[tap: tap + t] * weight[:, tap]
+        for tap in range(self.kernel):  # fixed order: kernel taps
+            out = out + window[tap : tap + t] * weight[:, tap]
         cache.conv = window[t:].clone() if self.kernel > 1 else cache.conv
         return F.silu(out)
 
@@ -295,29 +309,36 @@ class KDAttention(nn.Module):
         n, nh, d = x.shape[0], self.n_heads, self.head_dim
         gate_in = self.g_proj if self.full_rank_gate else self.g_a
         q, k, v, f_a, b, g_in = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a, self.b_proj, gate_in)
-        qkv = torch.cat([q, k, v], dim=-1)                                         # [N, 3·inner]
-        a = self.A_log.float().exp().repeat_interleave(d)                          # [inner]
-        f = self.f_b(f_a).float() + self.dt_bias.float()                           # [N, inner]
+        qkv = torch.cat([q, k, v], dim=-1)  # [N, 3·inner]
+        a = self.A_log.float().exp().repeat_interleave(d)  # [inner]
+        f = self.f_b(f_a).float() + self.dt_bias.float()  # [N, inner]
         if self.gate_lower_bound is None:
             g = -a * pointwise(F.softplus, f)
         else:
             g = self.gate_lower_bound * pointwise(torch.sigmoid, a * f)
-        beta = pointwise(torch.sigmoid, b)                                         # [N, nH]
+        beta = pointwise(torch.sigmoid, b)  # [N, nH]
         out_gate = pointwise(torch.sigmoid, g_in if self.full_rank_gate else self.g_b(g_in))
         convs = (self.q_conv, self.k_conv, self.v_conv)
-        conv_weight = torch.cat([c.weight[:, 0] for c in convs])                   # [3·inner, kernel]
+        conv_weight = torch.cat([c.weight[:, 0] for c in convs])  # [3·inner, kernel]
         conv_bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
         o = x.new_empty(n, nh, d)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: KDACache = seg.cache.layers[layer]
             q, k, v = self._short_conv(qkv[rows], cache, conv_weight, conv_bias).split(self.inner, dim=-1)
-            q = l2_normalize(q.view(-1, nh, d), self.l2_eps)[None]                  # [1, T, nH, D]
+            q = l2_normalize(q.view(-1, nh, d), self.l2_eps)[None]  # [1, T, nH, D]
             k = l2_normalize(k.view(-1, nh, d), self.l2_eps)[None]
             v = v.view(-1, nh, d)[None]
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
-            out, state = kda(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None],
-                             initial_state=cache.state[None], output_final_state=True)
+            out, state = kda(
+                q,
+                k,
+                v,
+                g[rows].view(1, -1, nh, d),
+                beta[rows][None],
+                initial_state=cache.state[None],
+                output_final_state=True,
+            )
             cache.state = state[0]
             o[rows] = out[0]
         o = self.o_norm(o).reshape(n, self.inner) * out_gate
@@ -335,9 +356,9 @@ class LatentAttention(nn.Module):
         super().__init__()
         m, ix, h = cfg.mla, cfg.indexer, cfg.hidden_size
         self.m, self.ix, self.rope, self.dense, self.indexed = m, ix, cfg.rope, dense, indexed
-        self.rotary = RotaryTable(cfg.rope, m.qk_rope_head_dim)     # the MLA rope and the indexer's share it
+        self.rotary = RotaryTable(cfg.rope, m.qk_rope_head_dim)  # the MLA rope and the indexer's share it
         self.qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-        self.scale = self.qk_dim ** -0.5 * cfg.rope.softmax_mscale
+        self.scale = self.qk_dim**-0.5 * cfg.rope.softmax_mscale
         if m.q_lora_rank is None:
             self.q_proj = Linear(h, m.n_heads * self.qk_dim)
         else:
@@ -357,8 +378,10 @@ class LatentAttention(nn.Module):
     def new_cache(self) -> DSACache:
         """Empty, in the weights' dtype on their device (what the paged pool of a worker holds)."""
         like = dict(dtype=self.kv_a.weight.dtype, device=self.kv_a.weight.device)
-        return DSACache(latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim, **like),
-                        index_k=torch.zeros(0, self.ix.head_dim, **like) if self.indexed else None)
+        return DSACache(
+            latent=torch.zeros(0, self.m.kv_lora_rank + self.m.qk_rope_head_dim, **like),
+            index_k=torch.zeros(0, self.ix.head_dim, **like) if self.indexed else None,
+        )
 
     def _index_rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The indexer's RoPE: rotate-half on the first qk_rope_head_dim dims of t [T, ..., Di]."""
@@ -374,7 +397,7 @@ class LatentAttention(nn.Module):
         kv_b's weight is the same tensor at the same version (a load or an in-place write rebuilds them)."""
         w, m = self.kv_b.weight.detach(), self.m
         w_kvb = w.view(m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w_uk, w_uv_t = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim:].transpose(1, 2)
+        w_uk, w_uv_t = w_kvb[:, : m.qk_nope_head_dim], w_kvb[:, m.qk_nope_head_dim :].transpose(1, 2)
         if w.device.type != "cpu":
             return w_uk, w_uv_t
         key = (w.data_ptr(), w._version, w.dtype)
@@ -391,32 +414,54 @@ class LatentAttention(nn.Module):
         cos = torch.empty(n, self.m.qk_rope_head_dim // 2, device=device)
         sin = torch.empty_like(cos)
         for seg, (c, s) in zip(segments, parts):
-            cos[seg.start:seg.start + seg.length], sin[seg.start:seg.start + seg.length] = c, s
+            cos[seg.start : seg.start + seg.length], sin[seg.start : seg.start + seg.length] = c, s
         return cos, sin
 
-    def _decode_together(self, decodes: list[Segment], layer: int, topk: int, q_full: torch.Tensor,
-                         index_q: torch.Tensor | None, index_w: torch.Tensor | None, o_lat: torch.Tensor) -> set[int]:
+    def _decode_together(
+        self,
+        decodes: list[Segment],
+        layer: int,
+        topk: int,
+        q_full: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+        o_lat: torch.Tensor,
+    ) -> set[int]:
         """One decode call for every decoding sequence whose pages share one pool, where that gives each the bits
         it gets alone (kernels.dsa.decode_rows_are_batch_invariant, top-k covering every context); writes their
         rows of o_lat and returns their segments' start rows (the others decode one by one)."""
-        if len(decodes) < 2 or max(seg.cache.length + 1 for seg in decodes) > topk or \
-                not dsa_ops.decode_rows_are_batch_invariant(q_full):
+        if (
+            len(decodes) < 2
+            or max(seg.cache.length + 1 for seg in decodes) > topk
+            or not dsa_ops.decode_rows_are_batch_invariant(q_full)
+        ):
             return set()
         pages = [seg.cache.layers[layer].pages() for seg in decodes]
         pool = pages[0].latent
         if any(p.latent.data_ptr() != pool.data_ptr() or p.latent.shape != pool.shape for p in pages):
-            return set()                           # the reference model's per-sequence caches: one by one
+            return set()  # the reference model's per-sequence caches: one by one
         lens = torch.cat([p.context_lens for p in pages])
         table = torch.zeros(len(pages), max(p.block_table.shape[1] for p in pages), dtype=torch.int32)
         for i, p in enumerate(pages):
             table[i, : p.block_table.shape[1]] = p.block_table[0]
         rows = torch.tensor([seg.start for seg in decodes])
         if self.indexed:
-            o_lat[rows] = dsa_ops.dsa_decode_paged(q_full[rows], pool, pages[0].index_k, table, lens, index_q[rows],
-                                                   index_w[rows], topk, scale=self.scale, v_dim=self.m.kv_lora_rank)
+            o_lat[rows] = dsa_ops.dsa_decode_paged(
+                q_full[rows],
+                pool,
+                pages[0].index_k,
+                table,
+                lens,
+                index_q[rows],
+                index_w[rows],
+                topk,
+                scale=self.scale,
+                v_dim=self.m.kv_lora_rank,
+            )
         else:
-            o_lat[rows] = dsa_ops.mla_decode_paged(q_full[rows], pool, table, lens, scale=self.scale,
-                                                   v_dim=self.m.kv_lora_rank)
+            o_lat[rows] = dsa_ops.mla_decode_paged(
+                q_full[rows], pool, table, lens, scale=self.scale, v_dim=self.m.kv_lora_rank
+            )
         return {seg.start for seg in decodes}
 
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
@@ -424,22 +469,27 @@ class LatentAttention(nn.Module):
         n = x.shape[0]
         # the projections of x (and below of q_lat) as one call each where the kernel fuses them (same bits)
         first = self.q_proj if m.q_lora_rank is None else self.q_a
-        from_x = project(x, first, self.kv_a, *((self.index_k,) if self.indexed else ()),
-                         *((self.gate,) if self.gate is not None else ()))
-        kv = from_x[1]                                                              # [N, kv_lora + rope]
+        from_x = project(
+            x,
+            first,
+            self.kv_a,
+            *((self.index_k,) if self.indexed else ()),
+            *((self.gate,) if self.gate is not None else ()),
+        )
+        kv = from_x[1]  # [N, kv_lora + rope]
         if m.q_lora_rank is None:
             q_lat, q, index_q = None, from_x[0], None
         else:
-            q_lat = self.q_a_norm(from_x[0])                                        # [N, q_lora]
+            q_lat = self.q_a_norm(from_x[0])  # [N, q_lora]
             q, *index_q = project(q_lat, self.q_b, *((self.index_q,) if self.indexed else ()))
             index_q = index_q[0] if index_q else None
         q = q.view(n, m.n_heads, self.qk_dim)
-        c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])                              # [N, kv_lora]
-        k_pe = kv[:, m.kv_lora_rank:]                                               # [N, rope]
+        c_kv = self.kv_a_norm(kv[:, : m.kv_lora_rank])  # [N, kv_lora]
+        k_pe = kv[:, m.kv_lora_rank :]  # [N, rope]
         index_k = index_w = None
         if self.indexed:
             index_q = index_q.reshape(n, ix.n_heads, ix.head_dim)
-            index_k = self.index_k_norm(from_x[2])                                  # [N, Di]
+            index_k = self.index_k_norm(from_x[2])  # [N, Di]
             # the indexer's softmax scale (Di^-1/2) and head weighting (Hi^-1/2) folded into the weights
             index_w = self.index_w(x).float() * (ix.n_heads * ix.head_dim) ** -0.5  # [N, Hi]
         gate = pointwise(torch.sigmoid, from_x[-1]) if self.gate is not None else None  # [N, nH·v]
@@ -447,9 +497,9 @@ class LatentAttention(nn.Module):
         # every row of the step at once (rows stay batch-invariant: the absorbed projection pads to fixed tiles,
         # the rotations are elementwise): q_nope·W_uk per head, then RoPE at each row's own position
         q_abs = bmm(q[:, :, : m.qk_nope_head_dim].transpose(0, 1), w_uk).transpose(0, 1)  # [N, nH, kv_lora]
-        cos_sin = self._rows_cos_sin(segments, n, x.device)                         # [N, rope/2] each
-        q_full = torch.cat([q_abs, rotary(q[:, :, m.qk_nope_head_dim:], cos_sin, m.rope)], dim=-1)
-        latent = torch.cat([c_kv, rotary(k_pe, cos_sin, m.rope)], dim=-1)          # [N, kv_lora + rope]
+        cos_sin = self._rows_cos_sin(segments, n, x.device)  # [N, rope/2] each
+        q_full = torch.cat([q_abs, rotary(q[:, :, m.qk_nope_head_dim :], cos_sin, m.rope)], dim=-1)
+        latent = torch.cat([c_kv, rotary(k_pe, cos_sin, m.rope)], dim=-1)  # [N, kv_lora + rope]
         if self.indexed:
             index_q, index_k = self._index_rope(index_q, cos_sin), self._index_rope(index_k, cos_sin)
         topk = 1 << 62 if self.dense else ix.index_topk
@@ -457,8 +507,9 @@ class LatentAttention(nn.Module):
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             seg.cache.layers[layer].append(latent[rows], index_k[rows] if self.indexed else None)
-        done = self._decode_together([s for s in segments if s.length == 1], layer, topk, q_full, index_q, index_w,
-                                     o_lat_all)
+        done = self._decode_together(
+            [s for s in segments if s.length == 1], layer, topk, q_full, index_q, index_w, o_lat_all
+        )
         for seg in segments:
             if seg.start in done:
                 continue
@@ -468,29 +519,51 @@ class LatentAttention(nn.Module):
                 # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
                 # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length
                 pg = cache.pages()
-                if self.indexed:                              # written in place: [1, nH, kv_lora]
-                    dsa_ops.dsa_decode_paged(q_full[rows], pg.latent, pg.index_k, pg.block_table, pg.context_lens,
-                                             index_q[rows], index_w[rows], topk, scale=self.scale,
-                                             v_dim=m.kv_lora_rank, out=o_lat_all[rows])
+                if self.indexed:  # written in place: [1, nH, kv_lora]
+                    dsa_ops.dsa_decode_paged(
+                        q_full[rows],
+                        pg.latent,
+                        pg.index_k,
+                        pg.block_table,
+                        pg.context_lens,
+                        index_q[rows],
+                        index_w[rows],
+                        topk,
+                        scale=self.scale,
+                        v_dim=m.kv_lora_rank,
+                        out=o_lat_all[rows],
+                    )
                     continue
-                o_lat = dsa_ops.mla_decode_paged(q_full[rows], pg.latent, pg.block_table, pg.context_lens,
-                                                 scale=self.scale, v_dim=m.kv_lora_rank)
-            elif self.indexed:                                # written in place: [T, nH, kv_lora]
-                dsa_ops.dsa_prefill(q_full[rows][None], cache.latent[None], index_q[rows][None], cache.index_k[None],
-                                    index_w[rows][None], topk, causal=True, scale=self.scale, v_dim=m.kv_lora_rank,
-                                    out=o_lat_all[rows][None])
+                o_lat = dsa_ops.mla_decode_paged(
+                    q_full[rows], pg.latent, pg.block_table, pg.context_lens, scale=self.scale, v_dim=m.kv_lora_rank
+                )
+            elif self.indexed:  # written in place: [T, nH, kv_lora]
+                dsa_ops.dsa_prefill(
+                    q_full[rows][None],
+                    cache.latent[None],
+                    index_q[rows][None],
+                    cache.index_k[None],
+                    index_w[rows][None],
+                    topk,
+                    causal=True,
+                    scale=self.scale,
+                    v_dim=m.kv_lora_rank,
+                    out=o_lat_all[rows][None],
+                )
                 continue
             else:
-                o_lat = dsa_ops.mla_prefill(q_full[rows][None], cache.latent[None], scale=self.scale,
-                                            v_dim=m.kv_lora_rank)[0]
+                o_lat = dsa_ops.mla_prefill(
+                    q_full[rows][None], cache.latent[None], scale=self.scale, v_dim=m.kv_lora_rank
+                )[0]
             o_lat_all[rows] = o_lat
-        o = bmm(o_lat_all.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(n, -1)   # through W_uv: [N, nH·v]
+        o = bmm(o_lat_all.transpose(0, 1), w_uv_t).transpose(0, 1).reshape(n, -1)  # through W_uv: [N, nH·v]
         return self.o_proj(o * gate if gate is not None else o)
 
 
 # ----------------------------------------------------------------------------------------------- MoE
-def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg: ModelConfig
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_tokens(
+    scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid gating with group-limited top-k (DeepSeek-V3 style).
 
     scores_logits [N, E] → (topk_ids [N, K] int64, topk_weights [N, K] fp32). The correction bias steers
@@ -498,7 +571,7 @@ def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg
     `norm_topk_prob`, times `routed_scaling_factor`. Ties go to the lower expert id (torch.topk, stable input).
     """
     moe = cfg.moe
-    scores = pointwise(torch.sigmoid, scores_logits.float())                       # [N, E]
+    scores = pointwise(torch.sigmoid, scores_logits.float())  # [N, E]
     choice = scores + correction_bias.float()
     if moe.n_group > 1:
         grouped = choice.view(-1, moe.n_group, moe.n_routed_experts // moe.n_group)
@@ -506,7 +579,7 @@ def route_tokens(scores_logits: torch.Tensor, correction_bias: torch.Tensor, cfg
         keep = group_score.topk(moe.topk_group, dim=-1).indices
         dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         choice = grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)
-    topk_ids = choice.topk(moe.top_k, dim=-1).indices                              # [N, K], best first
+    topk_ids = choice.topk(moe.top_k, dim=-1).indices  # [N, K], best first
     weights = scores.gather(1, topk_ids)
     if moe.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -548,8 +621,15 @@ class RoutedExperts(nn.Module):
     def forward(self, h: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """h [N, W], topk_ids [N, K] GLOBAL expert ids (−1: skip) → [N, K, W] unweighted outputs (0 where
         the expert is not held here or the id is −1)."""
-        return moe_ops.moe_expert_outputs(h, self._local_ids(topk_ids), self.gate_up_blocks, self.gate_up_scales,
-                                          self.down_blocks, self.down_scales, activation=self.activation)
+        return moe_ops.moe_expert_outputs(
+            h,
+            self._local_ids(topk_ids),
+            self.gate_up_blocks,
+            self.gate_up_scales,
+            self.down_blocks,
+            self.down_scales,
+            activation=self.activation,
+        )
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """GLOBAL expert ids [N, K] (−1: skip) → this shard's local ids (−1 where skipped or not held)."""
@@ -559,18 +639,27 @@ class RoutedExperts(nn.Module):
         """`forward(h.float(), topk_ids)` — fp32 [N, K, W] — with a bf16 h read as it is where the CPU kernel runs
         (its AVX512-BF16 path; the same bits, kernels/moe/cpu_kernel.py)."""
         if h.dtype == torch.bfloat16 and h.device.type == "cpu" and moe_ops.cpu_kernel_runs(h, self.gate_up_blocks):
-            return moe_ops.cpu_kernel.moe_expert_outputs(h, self._local_ids(topk_ids), self.gate_up_blocks,
-                                                         self.gate_up_scales, self.down_blocks, self.down_scales,
-                                                         activation=self.activation, fp32_output=True)
+            return moe_ops.cpu_kernel.moe_expert_outputs(
+                h,
+                self._local_ids(topk_ids),
+                self.gate_up_blocks,
+                self.gate_up_scales,
+                self.down_blocks,
+                self.down_scales,
+                activation=self.activation,
+                fp32_output=True,
+            )
         return self(h.float(), topk_ids)
 
 
-def routed_sum(cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+def routed_sum(
+    cfg: ModelConfig, routed: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """routed [N, K, W] expert outputs of ids [N, K] with gate weights [N, K] → fp32 [N, W], the canonical grouped
     combine (per combine group in ascending expert id, then the groups ascending, each rounded through `dtype`)."""
-    return grouped_combine(routed, ids, weights, n_experts=cfg.moe.n_routed_experts,
-                           n_groups=cfg.moe.combine_groups, dtype=dtype)
+    return grouped_combine(
+        routed, ids, weights, n_experts=cfg.moe.n_routed_experts, n_groups=cfg.moe.combine_groups, dtype=dtype
+    )
 
 
 class MoE(nn.Module):
@@ -584,9 +673,12 @@ class MoE(nn.Module):
         self.cfg = cfg
         e, h, lt = cfg.moe.n_routed_experts, cfg.hidden_size, cfg.moe.latent_size
         self.router = Linear(h, e)
-        self.router_bias = nn.Parameter(torch.zeros(e))   # selection-only correction bias
-        self.shared = (GatedMLP(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size, cfg.activation)
-                       if cfg.moe.n_shared_experts else None)
+        self.router_bias = nn.Parameter(torch.zeros(e))  # selection-only correction bias
+        self.shared = (
+            GatedMLP(h, cfg.moe.n_shared_experts * cfg.moe.expert_intermediate_size, cfg.activation)
+            if cfg.moe.n_shared_experts
+            else None
+        )
         if lt is not None:
             self.latent_down, self.latent_up = Linear(h, lt), Linear(lt, h)
             self.latent_norm = RMSNorm(lt, cfg.rms_norm_eps) if cfg.moe.latent_norm else None
@@ -631,9 +723,9 @@ class ResidualMix(nn.Module):
 
     def forward(self, blocks: list[torch.Tensor], current: torch.Tensor) -> torch.Tensor:
         if not blocks:
-            return current                                   # nothing banked yet: the stream itself
-        sources = torch.stack([*blocks, current]).float()    # [J, N, H]
-        w = self.norm.weight.float() * self.proj.weight[0].float()                      # [H]
+            return current  # nothing banked yet: the stream itself
+        sources = torch.stack([*blocks, current]).float()  # [J, N, H]
+        w = self.norm.weight.float() * self.proj.weight[0].float()  # [H]
         score = (sources * w).sum(-1) * pointwise(torch.rsqrt, sources.pow(2).mean(-1) + self.norm.eps)  # [J, N]
         p = torch.softmax(score, dim=0)
         return (p[..., None] * sources).sum(0).to(current.dtype)
@@ -644,7 +736,8 @@ class ResidualStream:
     """What flows between layers for N rows. Plain models: `current` is x. With attention residuals
     (`attn_res_block_size` B): `blocks` holds the banked block inputs (the embeddings first, then the sum of each
     finished block of B layers) and `current` the sum of every output since the last block start."""
-    current: torch.Tensor                                  # [N, H]
+
+    current: torch.Tensor  # [N, H]
     blocks: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -658,8 +751,11 @@ class Layer(nn.Module):
         super().__init__()
         self.index, self.kind = index, cfg.layer_types[index]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = (KDAttention(cfg) if self.kind == "kda"
-                     else LatentAttention(cfg, indexed=self.kind == "dsa", dense=dense_attention))
+        self.attn = (
+            KDAttention(cfg)
+            if self.kind == "kda"
+            else LatentAttention(cfg, indexed=self.kind == "dsa", dense=dense_attention)
+        )
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.block_size = cfg.attn_res_block_size
         if self.block_size is not None:
@@ -675,9 +771,9 @@ class Layer(nn.Module):
         if self.block_size is None:
             r.current = r.current + self.attn(self.attn_norm(r.current), segments, self.index)
             return
-        h = self.attn_res(r.blocks, r.current)             # mixed before this layer banks anything
+        h = self.attn_res(r.blocks, r.current)  # mixed before this layer banks anything
         out = self.attn(self.attn_norm(h), segments, self.index)
-        if self.index % self.block_size == 0:              # a block starts: bank the stream, restart it
+        if self.index % self.block_size == 0:  # a block starts: bank the stream, restart it
             r.blocks.append(r.current)
             r.current = out
         else:
@@ -719,8 +815,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight       # one tensor: the checkpoint holds embed.weight only
-        if cfg.vision is not None:                        # image input (expertmesh/model/vision.py): kimi_k25's names
+            self.lm_head.weight = self.embed.weight  # one tensor: the checkpoint holds embed.weight only
+        if cfg.vision is not None:  # image input (expertmesh/model/vision.py): kimi_k25's names
             self.vision_tower = VisionTower(cfg.vision)
             self.mm_projector = Projector(cfg.vision, cfg.hidden_size)
 
@@ -772,10 +868,11 @@ def compute_dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
 def materialize_(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Give a model built on the meta device uninitialised storage on `device` (meta: still none), parameters in
     `dtype` except the FP32_PARAMETERS; the routed experts' index tables rewritten. Load weights afterwards."""
-    new: dict[int, nn.Parameter] = {}       # by the old parameter: a tied one stays one tensor
+    new: dict[int, nn.Parameter] = {}  # by the old parameter: a tied one stays one tensor
     for name, p in model.named_parameters():
-        new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=compute_dtype_of(name, dtype), device=device),
-                                  requires_grad=p.requires_grad)
+        new[id(p)] = nn.Parameter(
+            torch.empty(p.shape, dtype=compute_dtype_of(name, dtype), device=device), requires_grad=p.requires_grad
+        )
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None:
@@ -796,7 +893,7 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
     std = cfg.init_std
     for name, p in model.named_parameters():
         if name.startswith(("vision_tower.", "mm_projector.")):
-            continue                                      # their own generator below: text weights stay as they were
+            continue  # their own generator below: text weights stay as they were
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("norm.bias"):
@@ -848,8 +945,9 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], params: SamplingParams,
-             prefill_chunk: int | None = None) -> Generation:
+def generate(
+    model: Transformer, prompt: list[int], params: SamplingParams, prefill_chunk: int | None = None
+) -> Generation:
     """Prefill the prompt (in chunks of `prefill_chunk` tokens when given), then decode token by token."""
     if not prompt:
         raise ValueError("prompt: expected at least one token")
@@ -857,7 +955,7 @@ def generate(model: Transformer, prompt: list[int], params: SamplingParams,
     chunk = prefill_chunk or len(prompt)
     logits = None
     for start in range(0, len(prompt), chunk):
-        logits = model.step(prompt[start: start + chunk], cache)
+        logits = model.step(prompt[start : start + chunk], cache)
     sampler = Sampler(params)
     out = Generation()
     for _ in range(params.max_tokens):

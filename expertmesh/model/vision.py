@@ -17,6 +17,7 @@ An image arrives as uint8 RGB pixels [H, W, 3] already resized and padded so H a
 14·2 (router/images.py); it becomes (H/28)·(W/28) image tokens. Each image is encoded on its own, so its
 embedding rows depend on nothing else in the batch. Plain PyTorch in the parameters' dtype (fp32 on CPU).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,7 @@ from torch import nn
 from expertmesh.model.config import VisionConfig
 from expertmesh.wire.worker_api import ImageEncode, ImageSpan
 
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.5    # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
 
 
 class PositionEmbedding(nn.Module):
@@ -40,7 +41,7 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """[grid_h · grid_w, D] in raster order: the learned grid resampled to the image's patch grid."""
-        table = self.position_embeddings.float().permute(2, 0, 1)[None]              # [1, D, Hp, Wp]
+        table = self.position_embeddings.float().permute(2, 0, 1)[None]  # [1, D, Hp, Wp]
         if tuple(table.shape[-2:]) != (grid_h, grid_w):
             table = F.interpolate(table, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
         return table[0].flatten(1).T
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = (p(x).view(n, self.n_heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * self.head_dim ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.head_dim**-0.5
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return self.proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
 
@@ -72,8 +73,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, v: VisionConfig):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(v.hidden_size, v.intermediate_size), nn.Linear(v.intermediate_size,
-                                                                                       v.hidden_size)
+        self.fc1, self.fc2 = (
+            nn.Linear(v.hidden_size, v.intermediate_size),
+            nn.Linear(v.intermediate_size, v.hidden_size),
+        )
         self.approximate = "tanh" if v.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +107,9 @@ def axial_rope(grid_h: int, grid_w: int, head_dim: int, theta: float, device=Non
     row and the column, interleaved (column, row) per frequency, the pair repeated for rotate-half."""
     spatial = head_dim // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
-    rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
-                                indexing="ij")
-    freqs = torch.stack([cols.flatten(), rows.flatten()], dim=-1)[..., None].float() * inv_freq   # [N, 2, hd/4]
-    freqs = freqs.transpose(1, 2).flatten(1)                                                      # [N, hd/2]
+    rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device), indexing="ij")
+    freqs = torch.stack([cols.flatten(), rows.flatten()], dim=-1)[..., None].float() * inv_freq  # [N, 2, hd/4]
+    freqs = freqs.transpose(1, 2).flatten(1)  # [N, hd/2]
     freqs = torch.cat([freqs, freqs], dim=-1)
     return freqs.cos(), freqs.sin()
 
@@ -159,10 +161,10 @@ def check_pixels(pixels: torch.Tensor, v: VisionConfig) -> None:
     h, w = pixels.shape[:2]
     if h == 0 or w == 0 or h % mh or w % mw:
         raise ValueError(f"pixels: {h}×{w} is not a positive multiple of {mh}×{mw} (the merged patch)")
-    if (h // v.patch_size) * (w // v.patch_size) > v.max_patches \
-            or max(h, w) // v.patch_size > v.max_patches_per_side:
-        raise ValueError(f"pixels: {h}×{w} exceeds the encoder's {v.max_patches} patches "
-                         f"({v.max_patches_per_side} per side)")
+    if (h // v.patch_size) * (w // v.patch_size) > v.max_patches or max(h, w) // v.patch_size > v.max_patches_per_side:
+        raise ValueError(
+            f"pixels: {h}×{w} exceeds the encoder's {v.max_patches} patches ({v.max_patches_per_side} per side)"
+        )
 
 
 @torch.no_grad()
@@ -194,26 +196,29 @@ class SequenceImages:
     their positions; its embeddings are dropped once the sequence is past every span that uses them."""
 
     def __init__(self, spans: list[ImageSpan], v: VisionConfig, max_context: int):
-        self.spans: list[tuple[int, int, str, torch.Tensor]] = []       # (start, end, digest, pixels)
+        self.spans: list[tuple[int, int, str, torch.Tensor]] = []  # (start, end, digest, pixels)
         end = 0
         for i, s in enumerate(sorted(spans, key=lambda s: s.position)):
-            pixels = torch.as_tensor(s.pixels)          # numpy from an in-process router, torch off the wire
+            pixels = torch.as_tensor(s.pixels)  # numpy from an in-process router, torch off the wire
             try:
                 check_pixels(pixels, v)
             except ValueError as e:
                 raise ValueError(f"images[{i}].{e}") from None
             n = v.tokens_for(*pixels.shape[:2])
             if s.position < end or s.position + n > max_context:
-                raise ValueError(f"images[{i}].position={s.position}: its {n} tokens overlap another image or "
-                                 f"pass the context of {max_context}")
+                raise ValueError(
+                    f"images[{i}].position={s.position}: its {n} tokens overlap another image or "
+                    f"pass the context of {max_context}"
+                )
             digest = hashlib.sha256(pixels.numpy().tobytes() + bytes(str(tuple(pixels.shape)), "ascii")).hexdigest()
             self.spans.append((s.position, s.position + n, digest, pixels))
             end = s.position + n
         self.token_id = v.image_token_id
         self.embeds: dict[str, torch.Tensor] = {}
 
-    def splice(self, model, x: torch.Tensor, tokens: list[int], row0: int, first: int, seq_id: str
-               ) -> list[ImageEncode]:
+    def splice(
+        self, model, x: torch.Tensor, tokens: list[int], row0: int, first: int, seq_id: str
+    ) -> list[ImageEncode]:
         """Overwrite the rows of positions first.. (x rows row0.., fed `tokens`) that image tokens occupy."""
         last = first + len(tokens)
         live = [s for s in self.spans if s[1] > first]
@@ -226,11 +231,13 @@ class SequenceImages:
                 continue
             wrong = [p for p in range(lo, hi) if tokens[p - first] != self.token_id]
             if wrong:
-                raise ValueError(f"token_ids: position {wrong[0]} holds {tokens[wrong[0] - first]}, not the image "
-                                 f"token {self.token_id} of the image at {start}..{end}")
+                raise ValueError(
+                    f"token_ids: position {wrong[0]} holds {tokens[wrong[0] - first]}, not the image "
+                    f"token {self.token_id} of the image at {start}..{end}"
+                )
             if digest not in self.embeds:
                 t0 = time.perf_counter()
                 self.embeds[digest] = encode_image(model, pixels).to(x.dtype)
                 encodes.append(ImageEncode(seq_id, end - start, time.perf_counter() - t0))
-            x[row0 + lo - first: row0 + hi - first] = self.embeds[digest][lo - start: hi - start].to(x.device)
+            x[row0 + lo - first : row0 + hi - first] = self.embeds[digest][lo - start : hi - start].to(x.device)
         return encodes

@@ -17,6 +17,7 @@ Invariants (checked on construction and on `from_json`, each error naming the fi
 
 JSON is compact (about 9 bytes per shard: the full-2.8t model's 56k shards fit a 1 MiB ConfigMap).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,14 +31,23 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 SCHEMA_VERSION = 1
 # the fields that define a placement; `plan_hash` covers these and nothing else (not figures or notes), so that
 # re-planning to the same placement keeps the hash and does not restart pods
-_HASHED_FIELDS = {"schema_version", "model_name", "moe_layers", "n_experts", "top_k", "expert_bytes", "cluster",
-                  "workers"}
+_HASHED_FIELDS = {
+    "schema_version",
+    "model_name",
+    "moe_layers",
+    "n_experts",
+    "top_k",
+    "expert_bytes",
+    "cluster",
+    "workers",
+}
 
 
 @dataclass(frozen=True)
 class ClusterShape:
     """The expert workers: `pods` pods × `gpus_per_pod` GPUs of `gpu_memory_bytes` each, of which
     `reserve_bytes` per GPU are kept for activations and buffers (not for expert weights)."""
+
     pods: int
     gpus_per_pod: int
     gpu_memory_bytes: int
@@ -66,11 +76,12 @@ class ClusterShape:
 class _Derived:
     """Lookups derived from a plan's fields (built once on validation / first use). Compares equal to any other
     `_Derived`, so that plan equality is field equality."""
+
     __slots__ = ("shards", "table", "hash")
 
     def __init__(self, shards: np.ndarray):
-        self.shards = shards      # [S, 4] int64: worker, gpu, layer position, expert
-        self.table = None         # per (layer position, expert): [(worker, gpu), ...]
+        self.shards = shards  # [S, 4] int64: worker, gpu, layer position, expert
+        self.table = None  # per (layer position, expert): [(worker, gpu), ...]
         self.hash = None
 
     def __eq__(self, other) -> bool:
@@ -107,6 +118,7 @@ class PlanFigures(_Frozen):
     `imbalance` is the mean of that over MoE layers — every layer sees the same tokens and each is a barrier,
     so it estimates the MoE step time relative to perfect balance; `imbalance_worst_layer` is the max.
     """
+
     logical_experts: int = Field(ge=0)
     physical_experts: int = Field(ge=0)
     redundant_requested: int = Field(ge=0, description="redundant slots per layer asked for")
@@ -122,13 +134,15 @@ class PlanFigures(_Frozen):
     load_source: Literal["uniform", "given"]
     imbalance: float = Field(ge=1.0, description="mean over layers of max/mean per-GPU load")
     imbalance_worst_layer: float = Field(ge=1.0, description="max over layers of max/mean per-GPU load")
-    moved_shards: int | None = Field(None, ge=0, description="shards not where the previous plan had them; "
-                                                              "None without a previous plan")
+    moved_shards: int | None = Field(
+        None, ge=0, description="shards not where the previous plan had them; None without a previous plan"
+    )
     previous_hash: str | None = None
 
 
 class PlacementPlan(_Frozen):
     """A placement of every routed expert of a model on a cluster of expert workers (see the module docstring)."""
+
     schema_version: Literal[1] = SCHEMA_VERSION
     model_name: str
     moe_layers: tuple[int, ...] = Field(min_length=1)
@@ -158,26 +172,30 @@ class PlacementPlan(_Frozen):
             if worker.ordinal != w:
                 raise ValueError(f"workers[{w}].ordinal: expected {w}, found {worker.ordinal}")
             if len(worker.gpus) != c.gpus_per_pod:
-                raise ValueError(f"workers[{w}].gpus: expected {c.gpus_per_pod} (cluster.gpus_per_pod), "
-                                 f"found {len(worker.gpus)}")
+                raise ValueError(
+                    f"workers[{w}].gpus: expected {c.gpus_per_pod} (cluster.gpus_per_pod), found {len(worker.gpus)}"
+                )
             for g, gpu in enumerate(worker.gpus):
                 where = f"workers[{w}].gpus[{g}]"
                 if gpu.gpu != g:
                     raise ValueError(f"{where}.gpu: expected {g}, found {gpu.gpu}")
                 if gpu.bytes != len(gpu.shards) * self.expert_bytes:
-                    raise ValueError(f"{where}.bytes: expected {len(gpu.shards)} shards x {self.expert_bytes} = "
-                                     f"{len(gpu.shards) * self.expert_bytes}, found {gpu.bytes}")
+                    raise ValueError(
+                        f"{where}.bytes: expected {len(gpu.shards)} shards x {self.expert_bytes} = "
+                        f"{len(gpu.shards) * self.expert_bytes}, found {gpu.bytes}"
+                    )
                 if gpu.bytes > capacity:
-                    raise ValueError(f"{where}.bytes: {gpu.bytes} exceed the GPU's usable memory {capacity} "
-                                     f"(cluster.gpu_memory_bytes - cluster.reserve_bytes)")
+                    raise ValueError(
+                        f"{where}.bytes: {gpu.bytes} exceed the GPU's usable memory {capacity} "
+                        f"(cluster.gpu_memory_bytes - cluster.reserve_bytes)"
+                    )
                 if list(gpu.shards) != sorted(set(gpu.shards)):
                     raise ValueError(f"{where}.shards: expected sorted, distinct (layer, expert) pairs")
                 for layer, expert in gpu.shards:
                     if layer not in position:
                         raise ValueError(f"{where}.shards: layer {layer} is not one of moe_layers")
                     if not 0 <= expert < E:
-                        raise ValueError(f"{where}.shards: expert {expert} of layer {layer} is out of range "
-                                         f"[0, {E})")
+                        raise ValueError(f"{where}.shards: expert {expert} of layer {layer} is out of range [0, {E})")
                     rows.append((w, g, position[layer], expert))
         shards = np.array(rows, dtype=np.int64).reshape(-1, 4)
         # replicas on distinct workers: no (worker, layer, expert) twice
@@ -187,8 +205,10 @@ class PlacementPlan(_Frozen):
             k = int(uniq[np.argmax(counts > 1)])
             w, rest = divmod(k, len(layers) * E)
             li, e = divmod(rest, E)
-            raise ValueError(f"workers[{w}]: (layer {layers[li]}, expert {e}) is on more than one of its GPUs "
-                             f"(replicas of one expert must be on distinct workers)")
+            raise ValueError(
+                f"workers[{w}]: (layer {layers[li]}, expert {e}) is on more than one of its GPUs "
+                f"(replicas of one expert must be on distinct workers)"
+            )
         held = np.zeros(len(layers) * E, dtype=bool)
         held[shards[:, 2] * E + shards[:, 3]] = True
         if not held.all():
@@ -199,8 +219,9 @@ class PlacementPlan(_Frozen):
         if f.logical_experts != len(layers) * E:
             raise ValueError(f"figures.logical_experts: expected {len(layers) * E}, found {f.logical_experts}")
         if f.physical_experts != len(shards):
-            raise ValueError(f"figures.physical_experts: expected {len(shards)} (shards listed), "
-                             f"found {f.physical_experts}")
+            raise ValueError(
+                f"figures.physical_experts: expected {len(shards)} (shards listed), found {f.physical_experts}"
+            )
         self._derived = _Derived(shards)
         return self
 
@@ -219,8 +240,10 @@ class PlacementPlan(_Frozen):
         try:
             li = self.moe_layers.index(layer)
         except ValueError:
-            raise ValueError(f"layer {layer} is not an MoE layer of {self.model_name} "
-                             f"(moe_layers {self.moe_layers[0]}..{self.moe_layers[-1]})") from None
+            raise ValueError(
+                f"layer {layer} is not an MoE layer of {self.model_name} "
+                f"(moe_layers {self.moe_layers[0]}..{self.moe_layers[-1]})"
+            ) from None
         if not 0 <= expert < self.n_experts:
             raise ValueError(f"expert {expert} is out of range [0, {self.n_experts})")
         return li
@@ -233,7 +256,9 @@ class PlacementPlan(_Frozen):
             s = d.shards
             order = np.lexsort((s[:, 0], s[:, 3], s[:, 2]))
             s = s[order]
-            starts = np.searchsorted(s[:, 2] * self.n_experts + s[:, 3], np.arange(self.n_moe_layers * self.n_experts + 1))
+            starts = np.searchsorted(
+                s[:, 2] * self.n_experts + s[:, 3], np.arange(self.n_moe_layers * self.n_experts + 1)
+            )
             pairs = list(zip(s[:, 0].tolist(), s[:, 1].tolist()))
             d.table = [pairs[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
         return list(d.table[li * self.n_experts + expert])
@@ -245,8 +270,9 @@ class PlacementPlan(_Frozen):
     def replica_counts(self) -> np.ndarray:
         """[n_moe_layers, n_experts] int64: shards per logical expert."""
         s = self._derived.shards
-        return np.bincount(s[:, 2] * self.n_experts + s[:, 3],
-                           minlength=self.n_moe_layers * self.n_experts).reshape(self.n_moe_layers, self.n_experts)
+        return np.bincount(s[:, 2] * self.n_experts + s[:, 3], minlength=self.n_moe_layers * self.n_experts).reshape(
+            self.n_moe_layers, self.n_experts
+        )
 
     def experts_of(self, worker: int) -> list[tuple[int, int]]:
         """(layer, expert) pairs worker `worker` holds, over all its GPUs, sorted."""

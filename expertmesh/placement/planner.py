@@ -21,6 +21,7 @@ Everything is deterministic (no randomness; every tie has a fixed rule: equal lo
 GPUs → most free slots, then the rotated index; one GPU wanted by several layers in one step → the lower layer
 first, the others choose again): the same inputs give a bitwise-equal plan JSON.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,10 +29,20 @@ import numpy as np
 from expertmesh.model.config import ModelConfig
 from expertmesh.placement.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
 
-__all__ = ["ClusterShape", "PlanError", "LayerImbalance", "plan_placement", "replica_counts", "zipf_loads",
-           "imbalance", "moved_shards", "pods_needed", "check_loads"]
+__all__ = [
+    "ClusterShape",
+    "PlanError",
+    "LayerImbalance",
+    "plan_placement",
+    "replica_counts",
+    "zipf_loads",
+    "imbalance",
+    "moved_shards",
+    "pods_needed",
+    "check_loads",
+]
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 class PlanError(ValueError):
@@ -41,6 +52,7 @@ class PlanError(ValueError):
 class LayerImbalance:
     """Per-layer max/mean of per-GPU load (see `PlanFigures` for the definition): `per_layer` [n_moe_layers],
     `mean` (over layers) and `worst` (max over layers)."""
+
     __slots__ = ("per_layer", "mean", "worst")
 
     def __init__(self, per_layer: np.ndarray):
@@ -60,8 +72,9 @@ def check_loads(cfg: ModelConfig, loads) -> np.ndarray:
         return np.ones((L, E))
     arr = np.asarray(loads, dtype=np.float64)
     if arr.shape != (L, E):
-        raise ValueError(f"loads: expected shape [{L}, {E}] (MoE layers, experts of {cfg.name}), "
-                         f"found {list(arr.shape)}")
+        raise ValueError(
+            f"loads: expected shape [{L}, {E}] (MoE layers, experts of {cfg.name}), found {list(arr.shape)}"
+        )
     if not np.isfinite(arr).all() or (arr < 0).any():
         raise ValueError("loads: expected finite values >= 0 (tokens per layer and expert)")
     return arr
@@ -92,14 +105,18 @@ def _check_fits(cfg: ModelConfig, shape: ClusterShape) -> int:
     if slots * shape.n_gpus >= n:
         return slots
     need, have = n * B, slots * shape.n_gpus * B
-    head = (f"cluster too small for {cfg.name}: its {n:,} routed experts need {need / GIB:,.1f} GiB, but "
-            f"{shape.pods} pods x {shape.gpus_per_pod} GPUs x {shape.gpu_memory_bytes / GIB:g} GiB "
-            f"(reserve {shape.reserve_bytes / GIB:g} GiB per GPU) hold {have / GIB:,.1f} GiB of experts: "
-            f"{(need - have) / GIB:,.1f} GiB missing")
+    head = (
+        f"cluster too small for {cfg.name}: its {n:,} routed experts need {need / GIB:,.1f} GiB, but "
+        f"{shape.pods} pods x {shape.gpus_per_pod} GPUs x {shape.gpu_memory_bytes / GIB:g} GiB "
+        f"(reserve {shape.reserve_bytes / GIB:g} GiB per GPU) hold {have / GIB:,.1f} GiB of experts: "
+        f"{(need - have) / GIB:,.1f} GiB missing"
+    )
     pods = pods_needed(cfg, shape)
     if pods is None:
-        raise PlanError(f"{head}; one GPU's usable memory ({shape.usable_bytes / GIB:g} GiB) holds no expert "
-                        f"({B / 2 ** 20:,.1f} MiB), so no number of pods of this shape fits")
+        raise PlanError(
+            f"{head}; one GPU's usable memory ({shape.usable_bytes / GIB:g} GiB) holds no expert "
+            f"({B / 2**20:,.1f} MiB), so no number of pods of this shape fits"
+        )
     raise PlanError(f"{head}; {pods} pods of this shape would fit the model")
 
 
@@ -124,17 +141,24 @@ def replica_counts(loads: np.ndarray, redundant: int, max_replicas: int) -> np.n
 
 
 # ----------------------------------------------------------------------------------------------- step 2
-def _previous_shards(previous: PlacementPlan, cfg: ModelConfig, shape: ClusterShape,
-                     counts: np.ndarray, capacity: int) -> tuple[np.ndarray, int, int]:
+def _previous_shards(
+    previous: PlacementPlan, cfg: ModelConfig, shape: ClusterShape, counts: np.ndarray, capacity: int
+) -> tuple[np.ndarray, int, int]:
     """The previous plan's shards that stay: rows (gpu id, layer position, expert), how many were dropped
     because their pod or GPU is gone, and how many because their GPU has less room now. Per (layer, expert) at most counts[l, e] stay (lowest worker first); per GPU
     at most `capacity` (lowest (layer, expert) first)."""
-    if (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) != \
-            (cfg.name, cfg.moe_layers, cfg.moe.n_routed_experts, cfg.expert_bytes_mxfp4):
-        raise ValueError(f"previous: plan is for model {previous.model_name!r} with {previous.n_experts} experts "
-                         f"x {len(previous.moe_layers)} MoE layers of {previous.expert_bytes} bytes, not "
-                         f"{cfg.name!r} ({cfg.moe.n_routed_experts} x {cfg.n_moe_layers}, "
-                         f"{cfg.expert_bytes_mxfp4} bytes)")
+    if (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) != (
+        cfg.name,
+        cfg.moe_layers,
+        cfg.moe.n_routed_experts,
+        cfg.expert_bytes_mxfp4,
+    ):
+        raise ValueError(
+            f"previous: plan is for model {previous.model_name!r} with {previous.n_experts} experts "
+            f"x {len(previous.moe_layers)} MoE layers of {previous.expert_bytes} bytes, not "
+            f"{cfg.name!r} ({cfg.moe.n_routed_experts} x {cfg.n_moe_layers}, "
+            f"{cfg.expert_bytes_mxfp4} bytes)"
+        )
     s = previous.shard_array()
     alive = (s[:, 0] < shape.pods) & (s[:, 1] < shape.gpus_per_pod)
     gone = int((~alive).sum())
@@ -162,13 +186,13 @@ def group_homes(loads: np.ndarray, group_size: int, pods: int, slots_per_pod: in
     an index rotated per layer. All layers in lock-step. A group no pod has room for gets −1 (placed freely)."""
     L, E = loads.shape
     C = E // group_size
-    group_load = loads.reshape(L, C, group_size).sum(2)                         # [L, C]
+    group_load = loads.reshape(L, C, group_size).sum(2)  # [L, C]
     order = np.lexsort((np.tile(np.arange(C), (L, 1)), -group_load), axis=1) if C > 1 else np.zeros((L, 1), int)
     homes = np.full((L, C), -1, dtype=np.int64)
     load = np.zeros((L, pods))
     room = np.full(pods, slots_per_pod, dtype=np.int64)
     rotated = (np.arange(pods)[None, :] - (np.arange(L)[:, None] * pods) // L) % pods
-    for j in range(C):                          # the j-th heaviest group of every layer, lower layers first
+    for j in range(C):  # the j-th heaviest group of every layer, lower layers first
         for l in range(L):
             c = order[l, j]
             ok = room >= group_size
@@ -183,8 +207,15 @@ def group_homes(loads: np.ndarray, group_size: int, pods: int, slots_per_pod: in
     return homes
 
 
-def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: int,
-          kept: np.ndarray, homes: np.ndarray | None = None, group_size: int = 1) -> tuple[np.ndarray, int]:
+def _pack(
+    loads: np.ndarray,
+    counts: np.ndarray,
+    shape: ClusterShape,
+    capacity: int,
+    kept: np.ndarray,
+    homes: np.ndarray | None = None,
+    group_size: int = 1,
+) -> tuple[np.ndarray, int]:
     """Place every replica (greedy LPT per layer, all layers in lock-step). `kept` rows (gpu id, layer, expert)
     are already placed. `homes` [L, E / group_size]: the pod each group's first copies go to when it has a free
     slot (−1 or None: anywhere). Returns all placed rows (gpu id, layer, expert) and how many replicas were dropped (no
@@ -208,7 +239,7 @@ def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: 
     first = np.concatenate([[True], le[1:] != le[:-1]])
     group_start = np.maximum.accumulate(np.where(first, np.arange(len(le)), 0))
     todo = (np.arange(len(le)) - group_start) >= n_kept.ravel()[le]
-    first = (np.arange(len(le)) - group_start) == 0                 # an expert's first copy (not a replica)
+    first = (np.arange(len(le)) - group_start) == 0  # an expert's first copy (not a replica)
     home = np.full(len(le), -1, dtype=np.int64)
     if homes is not None:
         home = np.where(first, homes[item_l, item_e // group_size], -1)
@@ -234,7 +265,7 @@ def _pack(loads: np.ndarray, counts: np.ndarray, shape: ClusterShape, capacity: 
 
     placed_l, placed_g, placed_e = [kept[:, 1]], [kept[:, 0]], [kept[:, 2]]
     dropped = 0
-    for j in range(S):                      # the j-th heaviest shard of every layer at once
+    for j in range(S):  # the j-th heaviest shard of every layer at once
         ls = np.flatnonzero(todo_at[:, j])
         while len(ls):
             e = e_at[ls, j]
@@ -312,9 +343,15 @@ def _moved(previous: PlacementPlan, rows: np.ndarray, G: int, L: int, E: int) ->
 
 
 # ----------------------------------------------------------------------------------------------- the planner
-def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int = 0, loads=None,
-                   previous: PlacementPlan | None = None, group_aware: bool = False,
-                   min_replicas: int = 1) -> PlacementPlan:
+def plan_placement(
+    cfg: ModelConfig,
+    shape: ClusterShape,
+    redundant_slots: int = 0,
+    loads=None,
+    previous: PlacementPlan | None = None,
+    group_aware: bool = False,
+    min_replicas: int = 1,
+) -> PlacementPlan:
     """Place every routed expert of `cfg` on `shape`'s GPUs.
 
     cfg: the model (its MoE layers, E experts per layer, MXFP4 bytes per expert).
@@ -340,8 +377,9 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
     from expertmesh.model.memory import expert_slot_bytes, expert_workspace_bytes  # imports torch: only when planning
+
     arr = check_loads(cfg, loads)
-    L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)   # what a worker allocates
+    L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)  # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus
     capacity = _check_fits(cfg, shape)
     notes: list[str] = []
@@ -349,26 +387,35 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     r = int(redundant_slots)
     if r > E * (P - 1):
         if P == 1:
-            notes.append(f"redundant_slots reduced from {r} to 0 per layer: with 1 pod, replicas cannot go to "
-                         f"distinct pods")
+            notes.append(
+                f"redundant_slots reduced from {r} to 0 per layer: with 1 pod, replicas cannot go to distinct pods"
+            )
         else:
-            notes.append(f"redundant_slots reduced from {r} to {E * (P - 1)} per layer: at most one replica of an "
-                         f"expert per pod ({P} pods x {E} experts)")
+            notes.append(
+                f"redundant_slots reduced from {r} to {E * (P - 1)} per layer: at most one replica of an "
+                f"expert per pod ({P} pods x {E} experts)"
+            )
         r = E * (P - 1)
-    room = capacity * N // L - E   # ≥ 0 since the model fits
+    room = capacity * N // L - E  # ≥ 0 since the model fits
     if r > room:
-        notes.append(f"redundant_slots reduced from {r} to {room} per layer: {N} GPUs x {capacity} slots hold "
-                     f"{capacity * N} experts, {L} layers x {E} experts leave room for {room} more per layer")
+        notes.append(
+            f"redundant_slots reduced from {r} to {room} per layer: {N} GPUs x {capacity} slots hold "
+            f"{capacity * N} experts, {L} layers x {E} experts leave room for {room} more per layer"
+        )
         r = room
     counts = replica_counts(arr, r, P)
     if min_replicas > 1:
         if min_replicas > P:
-            raise PlanError(f"min_replicas={min_replicas}: every expert on {min_replicas} pods needs at least "
-                            f"{min_replicas} pods, the cluster has {P}")
+            raise PlanError(
+                f"min_replicas={min_replicas}: every expert on {min_replicas} pods needs at least "
+                f"{min_replicas} pods, the cluster has {P}"
+            )
         counts = np.maximum(counts, min_replicas)
         if int(counts.sum()) > capacity * N:
-            raise PlanError(f"min_replicas={min_replicas}: {int(counts.sum()):,} expert copies do not fit "
-                            f"{N} GPUs x {capacity} slots ({capacity * N:,}); add pods or memory")
+            raise PlanError(
+                f"min_replicas={min_replicas}: {int(counts.sum()):,} expert copies do not fit "
+                f"{N} GPUs x {capacity} slots ({capacity * N:,}); add pods or memory"
+            )
     short = r * L - int(counts.sum() - L * E)
     if short:
         notes.append(f"{short} redundant slots left unused: experts with zero load get no replicas")
@@ -386,8 +433,9 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     if min_replicas > 1 and dropped:
         held = np.bincount(rows[:, 1] * E + rows[:, 2], minlength=L * E)
         if int(held.min()) < min_replicas:
-            raise PlanError(f"min_replicas={min_replicas}: the GPUs' free slots left some expert on fewer pods; "
-                            f"add pods or memory")
+            raise PlanError(
+                f"min_replicas={min_replicas}: the GPUs' free slots left some expert on fewer pods; add pods or memory"
+            )
     if dropped:
         notes.append(f"{dropped} redundant replicas dropped: no GPU with a free slot on a pod without that expert")
 
@@ -397,27 +445,55 @@ def plan_placement(cfg: ModelConfig, shape: ClusterShape, redundant_slots: int =
     layer_ids = np.asarray(cfg.moe_layers, dtype=np.int64)
     pairs = list(zip(layer_ids[rows[:, 1]].tolist(), rows[:, 2].tolist()))
     per_gpu = np.diff(bounds)
-    workspace = expert_workspace_bytes(cfg, "cuda")     # the same figure the workers' --dry-run reports
+    workspace = expert_workspace_bytes(cfg, "cuda")  # the same figure the workers' --dry-run reports
     if int(per_gpu.max()) * B + workspace > shape.gpu_memory_bytes:
-        notes.append(f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
-                     f"expert worker's per-device workspace ({workspace / GIB:.3g} GiB, "
-                     f"expertmesh.model.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve")
+        notes.append(
+            f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
+            f"expert worker's per-device workspace ({workspace / GIB:.3g} GiB, "
+            f"expertmesh.model.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve"
+        )
     workers = tuple(
-        WorkerPlacement(ordinal=p, gpus=tuple(
-            GpuPlacement(gpu=g, shards=tuple(pairs[bounds[p * G + g]:bounds[p * G + g + 1]]),
-                         bytes=int(per_gpu[p * G + g]) * B)
-            for g in range(G)))
-        for p in range(P))
+        WorkerPlacement(
+            ordinal=p,
+            gpus=tuple(
+                GpuPlacement(
+                    gpu=g,
+                    shards=tuple(pairs[bounds[p * G + g] : bounds[p * G + g + 1]]),
+                    bytes=int(per_gpu[p * G + g]) * B,
+                )
+                for g in range(G)
+            ),
+        )
+        for p in range(P)
+    )
     layer_imb = _layer_imbalance(rows, arr, N)
     figures = PlanFigures(
-        logical_experts=L * E, physical_experts=len(rows), redundant_requested=int(redundant_slots),
-        redundant_per_layer=r, replicas=len(rows) - L * E,
-        shards_per_gpu_min=int(per_gpu.min()), shards_per_gpu_mean=float(per_gpu.mean()),
-        shards_per_gpu_max=int(per_gpu.max()), bytes_per_gpu_min=int(per_gpu.min()) * B,
-        bytes_per_gpu_mean=float(per_gpu.mean()) * B, bytes_per_gpu_max=int(per_gpu.max()) * B,
-        slots_per_gpu=capacity, load_source="uniform" if loads is None else "given",
-        imbalance=float(layer_imb.mean()), imbalance_worst_layer=float(layer_imb.max()),
+        logical_experts=L * E,
+        physical_experts=len(rows),
+        redundant_requested=int(redundant_slots),
+        redundant_per_layer=r,
+        replicas=len(rows) - L * E,
+        shards_per_gpu_min=int(per_gpu.min()),
+        shards_per_gpu_mean=float(per_gpu.mean()),
+        shards_per_gpu_max=int(per_gpu.max()),
+        bytes_per_gpu_min=int(per_gpu.min()) * B,
+        bytes_per_gpu_mean=float(per_gpu.mean()) * B,
+        bytes_per_gpu_max=int(per_gpu.max()) * B,
+        slots_per_gpu=capacity,
+        load_source="uniform" if loads is None else "given",
+        imbalance=float(layer_imb.mean()),
+        imbalance_worst_layer=float(layer_imb.max()),
         moved_shards=None if previous is None else _moved(previous, rows, G, L, E),
-        previous_hash=None if previous is None else previous.plan_hash())
-    return PlacementPlan(model_name=cfg.name, moe_layers=tuple(cfg.moe_layers), n_experts=E, top_k=cfg.moe.top_k,
-                         expert_bytes=B, cluster=shape, workers=workers, figures=figures, notes=tuple(notes))
+        previous_hash=None if previous is None else previous.plan_hash(),
+    )
+    return PlacementPlan(
+        model_name=cfg.name,
+        moe_layers=tuple(cfg.moe_layers),
+        n_experts=E,
+        top_k=cfg.moe.top_k,
+        expert_bytes=B,
+        cluster=shape,
+        workers=workers,
+        figures=figures,
+        notes=tuple(notes),
+    )

@@ -1,4 +1,5 @@
 """argparse types that refuse out-of-range numbers with the flag's own name in the error."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,10 @@ def _number(kind, low, strict: bool, what: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
-        if value != value or (value <= low if strict else value < low):   # NaN or out of range
+        if value != value or (value <= low if strict else value < low):  # NaN or out of range
             raise argparse.ArgumentTypeError(f"expected {what}, found {text}")
         return value
+
     return parse
 
 

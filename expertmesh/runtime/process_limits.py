@@ -1,6 +1,7 @@
 """Memory limits for helper processes (the operator's planning process, the router's image decoders): cap a
 process's data segment — heap and anonymous mappings, what RLIMIT_DATA counts — at what it holds now plus a budget,
 so an allocation past it raises MemoryError there instead of growing until the node's OOM killer picks a victim."""
+
 from __future__ import annotations
 
 
@@ -24,6 +25,7 @@ def limit_data_segment(extra_bytes: int) -> bool:
         return False
     try:
         import resource
+
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         soft = used + extra_bytes
         if hard != resource.RLIM_INFINITY:

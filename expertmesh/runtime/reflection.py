@@ -4,6 +4,7 @@ and grpc.reflection.v1 (current grpcurl, Postman, buf curl).
 grpcio-reflection ships only the v1alpha service; v1's reflection.proto is the same messages with the same field
 numbers under a new package, so one servicer answers both — the v1 method reuses v1alpha's (wire-identical) codecs.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -17,9 +18,14 @@ def enable_reflection(service_names: list[str], server: grpc.Server) -> None:
     names = [*service_names, reflection.SERVICE_NAME, V1_SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     servicer = reflection.ReflectionServicer(names)
-    v1 = grpc.method_handlers_generic_handler(V1_SERVICE_NAME, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)})
+    v1 = grpc.method_handlers_generic_handler(
+        V1_SERVICE_NAME,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
     server.add_generic_rpc_handlers((v1,))

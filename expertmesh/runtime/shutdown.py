@@ -12,6 +12,7 @@ SIGTERM from the kernel when `up` dies (PR_SET_PDEATHSIG), and nobody is left to
 waits on a stuck call or thread would keep the process, and its ports, forever. `exit_after` arms a watchdog
 that ends the process at the deadline, whatever is still running.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 
-PARENT_ENV = "EXPERTMESH_DIE_WITH_PARENT"     # set by `up` on its children: the pid of the process to die with
+PARENT_ENV = "EXPERTMESH_DIE_WITH_PARENT"  # set by `up` on its children: the pid of the process to die with
 
 
 def die_with_parent() -> None:
@@ -36,7 +37,8 @@ def die_with_parent() -> None:
         return
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         return
     if os.getppid() != int(parent):
@@ -48,17 +50,17 @@ def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> threading.Event:
     signal.set_wakeup_fd)."""
     stop = threading.Event()
     receive, send = socket.socketpair()
-    send.setblocking(False)                     # the C handler must never block on a full buffer
+    send.setblocking(False)  # the C handler must never block on a full buffer
     signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
     for sig in signals:
-        signal.signal(sig, lambda *_: None)     # a Python handler, so the wakeup byte is written; no locks here
+        signal.signal(sig, lambda *_: None)  # a Python handler, so the wakeup byte is written; no locks here
 
     def relay() -> None:
         while receive.recv(1):
             stop.set()
 
     threading.Thread(target=relay, name="signal-relay", daemon=True).start()
-    stop.wakeup_sockets = (receive, send)       # kept open as long as the Event lives
+    stop.wakeup_sockets = (receive, send)  # kept open as long as the Event lives
     return stop
 
 
@@ -66,12 +68,13 @@ def exit_after(seconds: float, what: str, code: int = 1) -> threading.Thread:
     """Start a daemon thread that, `seconds` from now, writes one line naming `what` to stderr and ends the
     process with `code` (os._exit: no further cleanup, which is what is stuck). Arm it once the shutdown starts;
     a process that finishes its shutdown in time exits normally and the thread dies with it."""
+
     def expire() -> None:
         time.sleep(seconds)
         try:
             logging.shutdown()
             print(f"{what}: shutdown still running after {seconds:g}s; exiting now", file=sys.stderr, flush=True)
-        except Exception:       # stderr may be a broken pipe (the parent that read it died): exit regardless
+        except Exception:  # stderr may be a broken pipe (the parent that read it died): exit regardless
             pass
         os._exit(code)
 

@@ -6,6 +6,7 @@ Tracing is off (a no-op tracer, near-zero cost) unless an exporter is configured
 Per-layer spans (attention call, expert dispatch, worker calls) are recorded on one step in
 EXPERTMESH_TRACE_LAYER_EVERY (default 16) so that tracing never dominates a step; 1 records every step.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from opentelemetry import propagate, trace
 _lock = threading.Lock()
 _configured: str | None = None
 _provider = None
-_extra_processors: list = []   # tests add an in-memory exporter here before setup
+_extra_processors: list = []  # tests add an in-memory exporter here before setup
 
 
 def tracing_enabled() -> bool:
@@ -41,6 +42,7 @@ def setup_tracing(service_name: str, attributes: dict | None = None, *, force: b
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
         attrs = {"service.name": service_name, "service.namespace": "expertmesh"}
         attrs.update({k: v for k, v in (attributes or {}).items() if v is not None})
         provider = TracerProvider(resource=Resource.create(attrs))
@@ -49,7 +51,8 @@ def setup_tracing(service_name: str, attributes: dict | None = None, *, force: b
                 provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
             elif name == "otlp":
                 protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-                    "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+                    "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+                )
                 if protocol.startswith("http"):
                     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
                 else:

@@ -1,6 +1,7 @@
 """TLS / mutual TLS for gRPC (router ↔ workers, public endpoints), certificates from PEM files (a mounted
 Kubernetes Secret is files too). A directory layout is also understood, the one `expertmesh up --tls-dir` uses:
 ca.crt, server.crt, server.key, client.crt, client.key."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ def _read(path: str | None, what: str) -> bytes | None:
 class ServerTLS:
     cert: str
     key: str
-    client_ca: str | None = None      # set → clients must present a certificate signed by it (mTLS)
+    client_ca: str | None = None  # set → clients must present a certificate signed by it (mTLS)
 
     def credentials(self) -> grpc.ServerCredentials:
         pair = (_read(self.key, "--tls-key"), _read(self.cert, "--tls-cert"))
@@ -32,15 +33,17 @@ class ServerTLS:
 
 @dataclass(frozen=True)
 class ClientTLS:
-    ca: str                           # verifies the server
-    cert: str | None = None           # our certificate, for mTLS
+    ca: str  # verifies the server
+    cert: str | None = None  # our certificate, for mTLS
     key: str | None = None
-    server_name: str | None = None    # expected name in the server certificate, when it is not the host
+    server_name: str | None = None  # expected name in the server certificate, when it is not the host
 
     def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "--worker-tls-ca"),
-                                            private_key=_read(self.key, "--worker-tls-key"),
-                                            certificate_chain=_read(self.cert, "--worker-tls-cert"))
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "--worker-tls-ca"),
+            private_key=_read(self.key, "--worker-tls-key"),
+            certificate_chain=_read(self.cert, "--worker-tls-cert"),
+        )
 
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -76,27 +79,42 @@ def pki_pems(hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
     def put(stem: str, key, cert) -> None:
-        out[f"{stem}.key"] = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption())
+        out[f"{stem}.key"] = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         out[f"{stem}.crt"] = cert.public_bytes(serialization.Encoding.PEM)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("expertmesh ephemeral CA")).issuer_name(name("expertmesh ephemeral CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("expertmesh ephemeral CA"))
+        .issuer_name(name("expertmesh ephemeral CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     put("ca", ca_key, ca)
-    sans = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() or ":" in h else x509.DNSName(h)
-            for h in hosts]
+    sans = [
+        x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() or ":" in h else x509.DNSName(h)
+        for h in hosts
+    ]
     for stem, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(f"expertmesh {stem}")).issuer_name(ca.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(f"expertmesh {stem}"))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         put(stem, key, cert)
     return out
 

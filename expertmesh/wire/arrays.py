@@ -2,6 +2,7 @@
 wire"), for the processes that hold no tensor library — the router sends token ids, pixels and replica tables and
 reads log-probabilities this way. `expertmesh/wire/tensors.py` is the torch side of the same encoding (bfloat16
 included); both check a message the same way (`check_message`), and decoding is exact (bitwise)."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,14 @@ STORAGE: dict[str, np.dtype] = {
     "uint8": np.dtype("u1"),
     "bool": np.dtype("u1"),
 }
-_WIRE_OF: dict[str, str] = {"float32": "float32", "float16": "float16", "int64": "int64", "int32": "int32",
-                            "uint8": "uint8", "bool": "bool"}
+_WIRE_OF: dict[str, str] = {
+    "float32": "float32",
+    "float16": "float16",
+    "int64": "int64",
+    "int32": "int32",
+    "uint8": "uint8",
+    "bool": "bool",
+}
 
 
 def check_message(msg: tensor_pb2.Tensor, name: str) -> tuple[np.dtype, list[int]]:

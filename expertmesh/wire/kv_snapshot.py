@@ -10,6 +10,7 @@ model or layout is foreign), the key, the length, each tensor's name / dtype / s
 its sha256. `decode` refuses (CorruptFile, saying why) a header that does not parse, a foreign identity, another
 key, a short payload or a checksum that fails.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,15 +22,18 @@ import torch
 
 MAGIC = b"EMKVTIER"
 VERSION = 1
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+}
 
 
 @dataclass
 class PrefixSnapshot:
     """A cached prefix off the device: `length` tokens."""
+
     length: int
-    latent: dict[int, torch.Tensor]                    # latent-KV layer → [length, kv_lora_rank + rope_dim]
-    index_k: dict[int, torch.Tensor]                   # DSA layer → [length, indexer head_dim]
+    latent: dict[int, torch.Tensor]  # latent-KV layer → [length, kv_lora_rank + rope_dim]
+    index_k: dict[int, torch.Tensor]  # DSA layer → [length, indexer head_dim]
     kda: dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer → (recurrent state [H, K, V] fp32, conv tail)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -82,20 +86,28 @@ def encode(key: str, identity: str, snap: PrefixSnapshot) -> bytes:
         chunks.append(raw)
         offset += len(raw)
     payload = b"".join(chunks)
-    header = json.dumps({"version": VERSION, "identity": identity, "key": key, "length": snap.length,
-                         "tensors": entries, "payload_bytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    header = json.dumps(
+        {
+            "version": VERSION,
+            "identity": identity,
+            "key": key,
+            "length": snap.length,
+            "tensors": entries,
+            "payload_bytes": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
+    ).encode()
     return MAGIC + struct.pack("<I", len(header)) + header + payload
 
 
 def read_header(data: bytes) -> tuple[dict, int]:
     """(header, payload offset) of file bytes `data`; CorruptFile when it is not a tier file."""
-    if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
+    if data[: len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
         raise CorruptFile("not a KV tier file (bad magic)")
-    (n,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
+    (n,) = struct.unpack("<I", data[len(MAGIC) : len(MAGIC) + 4])
     start = len(MAGIC) + 4
     try:
-        header = json.loads(data[start:start + n])
+        header = json.loads(data[start : start + n])
         header["key"], header["length"], header["payload_bytes"], header["sha256"], header["tensors"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptFile(f"unreadable header ({type(e).__name__})") from None
@@ -116,7 +128,10 @@ def decode(data: bytes, *, key: str, identity: str) -> PrefixSnapshot:
         raise CorruptFile("payload checksum mismatch")
     tensors = {}
     for name, dtype, shape, offset, nbytes in header["tensors"]:
-        raw = bytearray(payload[offset:offset + nbytes])
-        tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape) \
-            if nbytes else torch.empty(shape, dtype=_DTYPES[dtype])
+        raw = bytearray(payload[offset : offset + nbytes])
+        tensors[name] = (
+            torch.frombuffer(raw, dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape)
+            if nbytes
+            else torch.empty(shape, dtype=_DTYPES[dtype])
+        )
     return PrefixSnapshot.from_named(int(header["length"]), tensors)

@@ -1,5 +1,6 @@
 """What a request asks of the sampler — `SamplingParams`, its range checks and its wire form. Plain data with no
 tensor library: the router builds and checks these, the attention workers' `sampling.Sampler` carries them out."""
+
 from __future__ import annotations
 
 import math
@@ -8,9 +9,9 @@ from dataclasses import dataclass
 from expertmesh.chat.thinking import ThinkingControl
 from expertmesh.protos import sampling_pb2, worker_pb2
 
-MAX_SEED = 2 ** 63 - 1
-MAX_LOGPROBS = 20          # top alternatives per position (vLLM's default bound)
-TINY_TEMPERATURE = 1e-30   # below this, temperature sampling is the argmax (logits / T would overflow fp32)
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default bound)
+TINY_TEMPERATURE = 1e-30  # below this, temperature sampling is the argmax (logits / T would overflow fp32)
 
 
 def check_sampling(params) -> None:
@@ -25,7 +26,7 @@ def check_sampling(params) -> None:
     if seed is not None and (not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise ValueError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
     mp = getattr(params, "min_p", 0.0)
-    if not isinstance(mp, (int, float)) or not 0 <= mp <= 1:           # NaN fails both comparisons
+    if not isinstance(mp, (int, float)) or not 0 <= mp <= 1:  # NaN fails both comparisons
         raise ValueError(f"min_p={mp}: expected 0 <= min_p <= 1")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(params, name, 0.0)
@@ -48,18 +49,18 @@ def check_sampling(params) -> None:
 @dataclass
 class SamplingParams:
     max_tokens: int = 32
-    temperature: float = 0.0      # 0 → greedy
+    temperature: float = 0.0  # 0 → greedy
     top_p: float = 1.0
-    top_k: int = 0                # 0 → off
+    top_k: int = 0  # 0 → off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    min_p: float = 0.0            # drop tokens below min_p × the most likely one's probability; 0 → off
-    presence_penalty: float = 0.0     # OpenAI's: minus this once for every token already generated
-    frequency_penalty: float = 0.0    # ... and this times how often it was generated
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by id
+    min_p: float = 0.0  # drop tokens below min_p × the most likely one's probability; 0 → off
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # ... and this times how often it was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     # log-probabilities under the model's own distribution (before temperature / top-k / top-p):
-    logprobs: int | None = None          # of each generated token, with this many top alternatives
-    prompt_logprobs: int | None = None   # of each prompt token after the first, likewise (no prefix-cache reuse)
+    logprobs: int | None = None  # of each generated token, with this many top alternatives
+    prompt_logprobs: int | None = None  # of each prompt token after the first, likewise (no prefix-cache reuse)
     # constrained decoding (expertmesh/chat/grammar.py): an llguidance grammar the output follows, from the token after
     # the first `grammar_after_token` in the output (the end of thinking), or from the first token when None
     grammar: str | None = None
@@ -72,12 +73,17 @@ class SamplingParams:
 
 def sampling_to_proto(params):
     """SamplingParams → expertmesh.v1.SamplingParams (every field set)."""
-    msg = sampling_pb2.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                                      top_p=params.top_p, top_k=params.top_k,
-                                      stop_token_ids=list(params.stop_token_ids), min_p=params.min_p,
-                                      presence_penalty=params.presence_penalty,
-                                      frequency_penalty=params.frequency_penalty,
-                                      logit_bias=dict(params.logit_bias))
+    msg = sampling_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+    )
     for f in ("seed", "logprobs", "prompt_logprobs", "grammar", "grammar_after_token"):
         if getattr(params, f, None) is not None:
             setattr(msg, f, getattr(params, f))
@@ -86,8 +92,9 @@ def sampling_to_proto(params):
 
 def thinking_to_proto(c: ThinkingControl):
     """ThinkingControl → expertmesh.v1.ThinkingControl (worker.proto)."""
-    msg = worker_pb2.ThinkingControl(phase=c.phase, think_end=list(c.think_end), stop=list(c.stop),
-                                     not_in_answer=sorted(c.not_in_answer))
+    msg = worker_pb2.ThinkingControl(
+        phase=c.phase, think_end=list(c.think_end), stop=list(c.stop), not_in_answer=sorted(c.not_in_answer)
+    )
     for f in ("limit", "think_start", "end_of_turn"):
         if getattr(c, f) is not None:
             setattr(msg, f, getattr(c, f))
@@ -97,15 +104,33 @@ def thinking_to_proto(c: ThinkingControl):
 def thinking_from_proto(msg) -> ThinkingControl:
     """The worker's side (ValueError naming the field when it does not validate)."""
     opt = {f: getattr(msg, f) for f in ("limit", "think_start", "end_of_turn") if msg.HasField(f)}
-    return ThinkingControl(phase=msg.phase, think_end=tuple(msg.think_end), stop=tuple(msg.stop),
-                           not_in_answer=frozenset(msg.not_in_answer), **opt)
+    return ThinkingControl(
+        phase=msg.phase,
+        think_end=tuple(msg.think_end),
+        stop=tuple(msg.stop),
+        not_in_answer=frozenset(msg.not_in_answer),
+        **opt,
+    )
 
 
 def sampling_from_proto(msg):
     """expertmesh.v1.SamplingParams → SamplingParams; a field left unset takes the dataclass default.
     Values are not range-checked here (the sampler / engine do that, naming the field)."""
-    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "min_p",
-              "presence_penalty", "frequency_penalty", "grammar", "grammar_after_token")
+    fields = (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "grammar",
+        "grammar_after_token",
+    )
     kw = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
-    return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids),
-                          logit_bias=tuple(sorted(msg.logit_bias.items())))
+    return SamplingParams(
+        **kw, stop_token_ids=tuple(msg.stop_token_ids), logit_bias=tuple(sorted(msg.logit_bias.items()))
+    )

@@ -1,6 +1,7 @@
 """torch tensors ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (DESIGN: "Tensors on the
 wire"), the workers' side of `expertmesh/wire/arrays.py` (same bytes, same checks) with bfloat16 as a dtype of its
 own. Decoding is exact (bitwise), so a remote call returns the same numbers as a local one."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +30,7 @@ def to_proto(t: torch.Tensor, name: str = "tensor") -> tensor_pb2.Tensor:
     if t.dtype not in NAMES:
         raise ValueError(f"{name}: dtype {t.dtype} cannot go on the wire; expected one of {sorted(DTYPES)}")
     t = t.detach().to("cpu")
-    if t.dtype == torch.bfloat16:          # numpy has no bfloat16: its bit patterns go as they are
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bit patterns go as they are
         return array_to_proto(t.contiguous().view(torch.int16).numpy().view(np.uint16), name, wire="bfloat16")
     return array_to_proto(t.numpy(), name)
 

@@ -9,6 +9,7 @@ the same class again): WorkerError / ExpertRequestError → INVALID_ARGUMENT, No
 OutOfBlocks → RESOURCE_EXHAUSTED, NotConnected → FAILED_PRECONDITION, HandOffFailed → ABORTED; WorkerUnavailable is raised by a client when
 the worker cannot be reached in time, RemoteError for any other failed call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ class RemoteError(RuntimeError):
 class StepSegment:
     seq_id: str
     token_ids: list[int]
-    sample: bool                # sample a token after this segment's last position
+    sample: bool  # sample a token after this segment's last position
 
 
 def snapshot_parts(snapshot: str | tuple[str, int]) -> tuple[str, int]:
@@ -81,17 +82,19 @@ class TokenLogprobs:
     """Log-probabilities of a sequence's tokens at positions `position`, `position + 1`, ... (each under the
     model's distribution given the tokens before it: log_softmax of the fp32 logits, before temperature / top-k /
     top-p), with each position's top alternatives."""
+
     seq_id: str
     position: int
-    token_ids: Any              # [P] int64
-    logprobs: Any               # [P] float32
-    top_ids: Any                # [P, N] int64, most likely first
-    top_logprobs: Any           # [P, N] float32
+    token_ids: Any  # [P] int64
+    logprobs: Any  # [P] float32
+    top_ids: Any  # [P, N] int64, most likely first
+    top_logprobs: Any  # [P, N] float32
 
 
 @dataclass
 class ImageEncode:
     """One encoder run on an attention worker (traces and metrics)."""
+
     seq_id: str
     tokens: int
     seconds: float
@@ -100,26 +103,28 @@ class ImageEncode:
 @dataclass
 class StepDone:
     step_id: int
-    tokens: dict[str, int]      # seq_id → sampled token (segments that asked for one)
+    tokens: dict[str, int]  # seq_id → sampled token (segments that asked for one)
     free_blocks: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)   # seq_id → why (an expert without a live replica)
+    failed: dict[str, str] = field(default_factory=dict)  # seq_id → why (an expert without a live replica)
     experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
-    exchange_bytes: int = 0     # tensor bytes to and from expert workers in this step
-    image_encodes: list[ImageEncode] = field(default_factory=list)   # images encoded in this step
+    exchange_bytes: int = 0  # tensor bytes to and from expert workers in this step
+    image_encodes: list[ImageEncode] = field(default_factory=list)  # images encoded in this step
 
 
 @dataclass
 class HandOffResult:
     """A sequence moved from a prefill-pool worker to a decode-pool one (AttentionWorker.hand_off)."""
-    free_blocks: int            # the sender's, after it closed its copy
-    bytes: int                  # tensor bytes moved (KV, indexer keys, recurrent + conv state)
-    seconds: float              # export + transfer + import
+
+    free_blocks: int  # the sender's, after it closed its copy
+    bytes: int  # tensor bytes moved (KV, indexer keys, recurrent + conv state)
+    seconds: float  # export + transfer + import
 
 
 @dataclass
 class ImageSpan:
     """One image of a prompt: its first placeholder token's position and its pixels (uint8 [H, W, 3], numpy or
     torch)."""
+
     position: int
     pixels: Any

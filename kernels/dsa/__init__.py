@@ -7,6 +7,7 @@ no Triton kernel yet: their blocked PyTorch paths run on either device. The Trit
 when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set before the kernels
 are decorated. The math, tie-breaking and index order are described in `naive.py`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -84,8 +85,20 @@ def dsa_decode_paged(
 
     Triton branch (`triton_dsa.dsa_decode_paged_triton`): indexer and sparse attention are Triton kernels,
     top-k between them is torch.topk plus the tie rule; no host sync."""
-    args = (q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk, scale, v_dim,
-            return_indices, out)
+    args = (
+        q,
+        kv_cache,
+        index_k_cache,
+        block_table,
+        context_lens,
+        index_q,
+        index_weights,
+        topk,
+        scale,
+        v_dim,
+        return_indices,
+        out,
+    )
     if resolve(q) == "triton":
         from expertmesh.kernels.dsa.triton_dsa import dsa_decode_paged_triton
 
@@ -93,8 +106,14 @@ def dsa_decode_paged(
     return dsa_decode_paged_torch(*args)
 
 
-def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    v_dim: int | None = None,
+) -> torch.Tensor:
     """Dense MLA decode over a paged cache. Contract: `expertmesh.kernels.dsa.sparse.mla_decode_paged`.
 
     Triton branch: the paged sparse-attention kernel over every visible position."""
@@ -102,8 +121,15 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         from expertmesh.kernels.dsa.triton_dsa import paged_sparse_attention_triton
 
         D = q.shape[-1]
-        idx = visible_positions(context_lens, block_table.shape[1] * kv_cache.shape[1])   # no host sync
-        return paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, idx,
-                                             D ** -0.5 if scale is None else scale, D if v_dim is None else v_dim)
+        idx = visible_positions(context_lens, block_table.shape[1] * kv_cache.shape[1])  # no host sync
+        return paged_sparse_attention_triton(
+            q,
+            kv_cache,
+            block_table,
+            context_lens,
+            idx,
+            D**-0.5 if scale is None else scale,
+            D if v_dim is None else v_dim,
+        )
 
     return mla_decode_paged_torch(q, kv_cache, block_table, context_lens, scale, v_dim)

@@ -11,6 +11,7 @@ Built on first use (kernels/cpu_extension.py); without a compiler, or when the b
 after one warning and callers keep the PyTorch path. `EXPERTMESH_CPU_KERNEL=0` turns it off, as it does the MoE
 kernel.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,20 @@ from expertmesh.kernels.backend import _configured
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.moe.cpu_kernel import enabled
 
-EXTENSION = LazyExtension("expertmesh_dsa_cpu", Path(__file__).parent / "cpu" / "paged_attention.cpp",
-                          "expertmesh_dsa_cpu", what="CPU paged-attention kernel", probe="paged_attention")
-DENSE_EXTENSION = LazyExtension("expertmesh_attention_amx", Path(__file__).parent / "cpu" / "dense_attention_amx.cpp",
-                                "expertmesh_attention_amx", what="AMX dense-attention kernel", probe="dense_attention")
+EXTENSION = LazyExtension(
+    "expertmesh_dsa_cpu",
+    Path(__file__).parent / "cpu" / "paged_attention.cpp",
+    "expertmesh_dsa_cpu",
+    what="CPU paged-attention kernel",
+    probe="paged_attention",
+)
+DENSE_EXTENSION = LazyExtension(
+    "expertmesh_attention_amx",
+    Path(__file__).parent / "cpu" / "dense_attention_amx.cpp",
+    "expertmesh_attention_amx",
+    what="AMX dense-attention kernel",
+    probe="dense_attention",
+)
 
 
 def available() -> bool:
@@ -37,8 +48,9 @@ def runs_for(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and _configured() == "auto" and available()
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
-                    scale: float, v_dim: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """q [B,H,D] over the entries `indices` [B,k] (logical positions, −1 = unused; at least one used per row) of
     each sequence's pages (kv_cache [num_blocks, block_size, D] fp32 / bf16, block_table [B, max_blocks]) →
     [B,H,v_dim] fp32. Contract: `expertmesh.kernels.dsa.sparse.paged_sparse_attention`."""
@@ -46,8 +58,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if ops is None:
         raise RuntimeError(f"the CPU paged-attention kernel is not available ({EXTENSION.build_error})")
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=torch.float32)
-    ops.paged_attention(q.float().contiguous(), kv_cache.contiguous(), block_table.to(torch.int32).contiguous(),
-                        indices.to(torch.int64).contiguous(), float(scale), out)
+    ops.paged_attention(
+        q.float().contiguous(),
+        kv_cache.contiguous(),
+        block_table.to(torch.int32).contiguous(),
+        indices.to(torch.int64).contiguous(),
+        float(scale),
+        out,
+    )
     return out
 
 
@@ -71,8 +89,9 @@ def dense_runs_for(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and _configured() == "auto" and dense_available()
 
 
-def dense_attention(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float,
-                    v_dim: int) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float, v_dim: int
+) -> torch.Tensor:
     """q [B,T,H,D] bf16 over kv [B,n,D] bf16, query t seeing positions 0 .. q_pos[t] (q_pos None: all n) →
     [B,T,H,v_dim] fp32, on AMX-BF16 (kernels/dsa/cpu/dense_attention_amx.cpp: the numerics, and why a query's
     bits do not depend on the call's other queries)."""

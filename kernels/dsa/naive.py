@@ -24,6 +24,7 @@ the call's shape on torch 2.13 CPU, and both are pinned there:
   - torch.sum's reduction order depends on the shape; the head sum is instead a fixed pairwise tree of
     elementwise adds (exactly rounded, so independent of vectorisation and threads).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ import torch
 
 from expertmesh.kernels.batch_invariant import ROW_TILE
 
-MAX_ROWS = 1024            # GEMM rows per call (a multiple of ROW_TILE)
-MIN_COLS = 16              # GEMM columns at least (fewer take shape-dependent kernels)
+MAX_ROWS = 1024  # GEMM rows per call (a multiple of ROW_TILE)
+MIN_COLS = 16  # GEMM columns at least (fewer take shape-dependent kernels)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
@@ -67,7 +68,7 @@ def _check_scalars(topk, scale, v_dim, D: int) -> tuple[int, float, int]:
     v_dim = D if v_dim is None else v_dim
     if isinstance(v_dim, bool) or not isinstance(v_dim, int) or not 1 <= v_dim <= D:
         raise ValueError(f"v_dim: expected an int in [1, D={D}], found {v_dim!r}")
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale: expected a float, found {scale!r}")
     return topk, float(scale), v_dim
@@ -84,12 +85,12 @@ def _check_out(out, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
 @dataclass(frozen=True)
 class DSAShapes:
     B: int
-    Tq: int      # queries (the last Tq positions of the context); 1 in decode
-    Tk: int      # context length (decode: max_blocks * block_size, the widest context a sequence can have)
-    H: int       # attention heads
-    D: int       # latent entry width (kv_lora_rank + rope_dim)
-    Hi: int      # indexer heads
-    Di: int      # indexer head dim
+    Tq: int  # queries (the last Tq positions of the context); 1 in decode
+    Tk: int  # context length (decode: max_blocks * block_size, the widest context a sequence can have)
+    H: int  # attention heads
+    D: int  # latent entry width (kv_lora_rank + rope_dim)
+    Hi: int  # indexer heads
+    Di: int  # indexer head dim
     topk: int
     scale: float
     v_dim: int
@@ -107,13 +108,16 @@ def check_indexer_inputs(index_q, index_k, index_weights, causal: bool = True) -
     if Tk < 1:
         raise ValueError(f"index_k: expected at least one context position (Tk >= 1), found shape {_shape(index_k)}")
     if causal and Tq > Tk:
-        raise ValueError(f"index_q: with causal=True the queries are the last Tq of Tk positions, so Tq <= Tk="
-                         f"{Tk} is expected; found Tq={Tq}")
+        raise ValueError(
+            f"index_q: with causal=True the queries are the last Tq of Tk positions, so Tq <= Tk="
+            f"{Tk} is expected; found Tq={Tq}"
+        )
     return DSAShapes(B, Tq, Tk, 0, 0, Hi, Di, 1, 1.0, 1)
 
 
-def check_dsa_inputs(q, kv, index_q, index_k, index_weights, topk, causal=True, scale=None, v_dim=None,
-                     out=None) -> DSAShapes:
+def check_dsa_inputs(
+    q, kv, index_q, index_k, index_weights, topk, causal=True, scale=None, v_dim=None, out=None
+) -> DSAShapes:
     """The contract of `dsa_attention_reference` / `dsa_prefill`; raise ValueError naming the tensor.
 
     q [B,Tq,H,D] and kv [B,Tk,D] floating, same dtype; index_q [B,Tq,Hi,Di] and index_k [B,Tk,Di] floating,
@@ -152,11 +156,22 @@ class PagedShapes:
         return min(self.topk, self.max_blocks * self.block_size)
 
 
-HOST_CHECK_MAX_BLOCKS = 4096   # block tables up to this size have their values checked as host integers
+HOST_CHECK_MAX_BLOCKS = 4096  # block tables up to this size have their values checked as host integers
 
 
-def check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk,
-                        scale=None, v_dim=None, out=None) -> PagedShapes:
+def check_decode_inputs(
+    q,
+    kv_cache,
+    index_k_cache,
+    block_table,
+    context_lens,
+    index_q,
+    index_weights,
+    topk,
+    scale=None,
+    v_dim=None,
+    out=None,
+) -> PagedShapes:
     """The contract of `dsa_decode_paged`; raise ValueError naming the tensor, expected vs found.
 
     q [B,H,D] and kv_cache [num_blocks, block_size, D] floating, same dtype; index_q [B,Hi,Di] and
@@ -179,30 +194,39 @@ def check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, i
     _check("context_lens", context_lens, "B", (B,), dtypes=_INTS, device=dev)
     mb = block_table.shape[1]
     if nb < 1 or bs < 1 or mb < 1:
-        raise ValueError(f"kv_cache/block_table: expected num_blocks, block_size, max_blocks >= 1, found "
-                         f"{nb}, {bs}, {mb}")
+        raise ValueError(
+            f"kv_cache/block_table: expected num_blocks, block_size, max_blocks >= 1, found {nb}, {bs}, {mb}"
+        )
     topk, scale, v_dim = _check_scalars(topk, scale, v_dim, D)
     _check_out(out, (B, H, v_dim), q.dtype, dev)
     if not q.is_cuda and B > 0 and block_table.numel() <= HOST_CHECK_MAX_BLOCKS:
         # a decode step's small tables: the same checks on host integers (a dozen tensor ops saved per layer)
         lens, table = context_lens.tolist(), block_table.tolist()
         if min(lens) < 1 or max(lens) > mb * bs:
-            raise ValueError(f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
-                             f"sequence's new entry is already cached), found {lens}")
-        used = [b for row, n in zip(table, lens) for b in row[:(n + bs - 1) // bs]]
+            raise ValueError(
+                f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
+                f"sequence's new entry is already cached), found {lens}"
+            )
+        used = [b for row, n in zip(table, lens) for b in row[: (n + bs - 1) // bs]]
         if used and (min(used) < 0 or max(used) >= nb):
-            raise ValueError(f"block_table: expected the blocks each sequence uses to lie in [0, num_blocks={nb}), "
-                             f"found ids from {min(used)} to {max(used)}")
+            raise ValueError(
+                f"block_table: expected the blocks each sequence uses to lie in [0, num_blocks={nb}), "
+                f"found ids from {min(used)} to {max(used)}"
+            )
     elif not q.is_cuda and B > 0:
         lens = context_lens.long()
         if int(lens.min()) < 1 or int(lens.max()) > mb * bs:
-            raise ValueError(f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
-                             f"sequence's new entry is already cached), found {context_lens.tolist()}")
+            raise ValueError(
+                f"context_lens: expected values in [1, max_blocks*block_size={mb * bs}] (each "
+                f"sequence's new entry is already cached), found {context_lens.tolist()}"
+            )
         used = torch.arange(mb, device=dev)[None, :] < (lens[:, None] + bs - 1) // bs
         ids = block_table.long()[used]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
-            raise ValueError(f"block_table: expected the blocks each sequence uses to lie in [0, num_blocks={nb}), "
-                             f"found ids from {int(ids.min())} to {int(ids.max())}")
+            raise ValueError(
+                f"block_table: expected the blocks each sequence uses to lie in [0, num_blocks={nb}), "
+                f"found ids from {int(ids.min())} to {int(ids.max())}"
+            )
     return PagedShapes(B, H, D, Hi, Di, nb, bs, mb, topk, scale, v_dim)
 
 
@@ -224,7 +248,7 @@ def stable_bmm(a: torch.Tensor, b: torch.Tensor, workspace: torch.Tensor | None 
         a = torch.cat([a, a.new_zeros(Bn, Mp - M, K)], dim=1)
     bt = b.transpose(1, 2)
     if Mp > MAX_ROWS:
-        out = torch.cat([torch.bmm(a[:, s:s + MAX_ROWS], bt) for s in range(0, Mp, MAX_ROWS)], dim=1)
+        out = torch.cat([torch.bmm(a[:, s : s + MAX_ROWS], bt) for s in range(0, Mp, MAX_ROWS)], dim=1)
     elif workspace is not None:
         out = torch.bmm(a, bt, out=workspace[: Bn * Mp * bt.shape[2]].view(Bn, Mp, bt.shape[2]))
     else:
@@ -238,15 +262,16 @@ def head_sum_(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-2]
     while n > 1:
         half = n // 2
-        x[..., :half, :] += x[..., half:2 * half, :]
+        x[..., :half, :] += x[..., half : 2 * half, :]
         if n % 2:
-            x[..., :1, :] += x[..., 2 * half:n, :]
+            x[..., :1, :] += x[..., 2 * half : n, :]
         n = half
     return x[..., 0, :]
 
 
-def indexer_scores(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor,
-                   workspace: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(
+    index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, workspace: torch.Tensor | None = None
+) -> torch.Tensor:
     """Unmasked indexer scores: index_q [B,T,Hi,Di], index_k [B,N,Di], index_weights [B,T,Hi] → [B,T,N] fp32,
     sum_h w[b,t,h] * ReLU(index_q[b,t,h] . index_k[b,n]). The one definition of the indexer's arithmetic; the
     score of (t, n) does not depend on T, N or where the call's rows and columns start. With a `workspace`
@@ -259,13 +284,14 @@ def indexer_scores(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: 
 
 
 # ------------------------------------------------------------------------------------------- reference
-def lightning_indexer_reference(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor,
-                                causal: bool = True) -> torch.Tensor:
+def lightning_indexer_reference(
+    index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, causal: bool = True
+) -> torch.Tensor:
     """Indexer scores [B,Tq,Tk] fp32 (module docstring, step 1); with causal, -inf where s > Tk - Tq + i."""
     shp = check_indexer_inputs(index_q, index_k, index_weights, causal)
     scores = indexer_scores(index_q, index_k, index_weights)
     if causal:
-        pos = torch.arange(shp.Tk - shp.Tq, shp.Tk, device=scores.device)           # query positions [Tq]
+        pos = torch.arange(shp.Tk - shp.Tq, shp.Tk, device=scores.device)  # query positions [Tq]
         future = torch.arange(shp.Tk, device=scores.device)[None, :] > pos[:, None]  # [Tq, Tk]
         scores = scores.masked_fill(future, float("-inf"))
     return scores
@@ -278,7 +304,7 @@ def topk_indices_reference(scores: torch.Tensor, topk: int) -> torch.Tensor:
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     unused = scores.gather(-1, order) == float("-inf")
     n = scores.shape[-1]
-    order = torch.sort(order.masked_fill(unused, n), dim=-1).values                # -1 slots sort last as n
+    order = torch.sort(order.masked_fill(unused, n), dim=-1).values  # -1 slots sort last as n
     return order.masked_fill(order == n, -1)
 
 
@@ -302,15 +328,15 @@ def dsa_attention_reference(
     also the selection [B,Tq,min(topk,Tk)] int64 (canonical order, -1 = unused). `out` receives o if given.
     """
     shp = check_dsa_inputs(q, kv, index_q, index_k, index_weights, topk, causal, scale, v_dim, out)
-    scores = lightning_indexer_reference(index_q, index_k, index_weights, causal)   # [B,Tq,Tk]
-    idx = topk_indices_reference(scores, shp.topk)                                  # [B,Tq,k]
+    scores = lightning_indexer_reference(index_q, index_k, index_weights, causal)  # [B,Tq,Tk]
+    idx = topk_indices_reference(scores, shp.topk)  # [B,Tq,k]
     Tk = scores.shape[-1]
     chosen = torch.zeros(*scores.shape[:-1], Tk + 1, dtype=torch.bool, device=scores.device)
-    chosen = chosen.scatter_(-1, idx.masked_fill(idx < 0, Tk), True)[..., :Tk]      # [B,Tq,Tk]; -1 → spare
+    chosen = chosen.scatter_(-1, idx.masked_fill(idx < 0, Tk), True)[..., :Tk]  # [B,Tq,Tk]; -1 → spare
     kvf = kv.float()
-    logits = torch.einsum("bihd,bsd->bihs", q.float(), kvf) * shp.scale             # [B,Tq,H,Tk]
+    logits = torch.einsum("bihd,bsd->bihs", q.float(), kvf) * shp.scale  # [B,Tq,H,Tk]
     logits = logits.masked_fill(~chosen[:, :, None, :], float("-inf"))
-    o = torch.einsum("bihs,bsv->bihv", torch.softmax(logits, dim=-1), kvf[..., :shp.v_dim]).to(q.dtype)
+    o = torch.einsum("bihs,bsv->bihv", torch.softmax(logits, dim=-1), kvf[..., : shp.v_dim]).to(q.dtype)
     if out is not None:
         o = out.copy_(o)
     return (o, idx) if return_indices else o
@@ -339,15 +365,24 @@ def dsa_decode_paged_reference(
 ):
     """One decode step over a paged cache, by gathering each sequence's pages and calling
     `dsa_attention_reference` with Tq = 1. Contract: `expertmesh.kernels.dsa.sparse.dsa_decode_paged`."""
-    shp = check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights,
-                              topk, scale, v_dim, out)
+    shp = check_decode_inputs(
+        q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk, scale, v_dim, out
+    )
     outs, idxs = [], []
     for b in range(shp.B):
         n = int(context_lens[b])
         o, idx = dsa_attention_reference(
-            q[b][None, None], gather_pages(kv_cache, block_table, b, n)[None], index_q[b][None, None],
-            gather_pages(index_k_cache, block_table, b, n)[None], index_weights[b][None, None], topk,
-            causal=True, scale=shp.scale, v_dim=shp.v_dim, return_indices=True)
+            q[b][None, None],
+            gather_pages(kv_cache, block_table, b, n)[None],
+            index_q[b][None, None],
+            gather_pages(index_k_cache, block_table, b, n)[None],
+            index_weights[b][None, None],
+            topk,
+            causal=True,
+            scale=shp.scale,
+            v_dim=shp.v_dim,
+            return_indices=True,
+        )
         outs.append(o[0, 0])
         idxs.append(torch.nn.functional.pad(idx[0, 0], (0, shp.width - idx.shape[-1]), value=-1))
     o = torch.stack(outs) if outs else q.new_empty(0, shp.H, shp.v_dim)

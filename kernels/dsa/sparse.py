@@ -16,6 +16,7 @@ a masked dense pass) and agrees to rounding.
   head sum); top-k; then attention over at most topk gathered entries. Cost per token: the indexer pass over
   the context plus attention over <= topk entries, never dense attention over the whole context.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,8 @@ from expertmesh.kernels.dsa.naive import (
     indexer_scores,
 )
 
-PREFILL_BLOCK_BYTES = 64 << 20   # working-set budget of one query block in dsa_prefill
-DECODE_CHUNK_TOKENS = 8192       # context positions scored per GEMM in the paged indexer (keys ~4 MiB fp32)
+PREFILL_BLOCK_BYTES = 64 << 20  # working-set budget of one query block in dsa_prefill
+DECODE_CHUNK_TOKENS = 8192  # context positions scored per GEMM in the paged indexer (keys ~4 MiB fp32)
 _NEG_INF = float("-inf")
 
 
@@ -65,9 +66,9 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     above = scores > thr
     tied = scores == thr
     need = k - above.sum(dim=-1, keepdim=True)
-    take = above | (tied & (tied.cumsum(dim=-1) <= need))                           # exactly k per row
-    take &= scores != _NEG_INF                                                      # -inf picks: -1 slots
-    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)                            # slot k: discarded
+    take = above | (tied & (tied.cumsum(dim=-1) <= need))  # exactly k per row
+    take &= scores != _NEG_INF  # -inf picks: -1 slots
+    slot = torch.where(take, take.cumsum(dim=-1) - 1, k)  # slot k: discarded
     pos = torch.arange(N, device=scores.device).expand_as(scores)
     out = torch.full((*scores.shape[:-1], k + 1), -1, dtype=torch.int64, device=scores.device)
     return out.scatter_(-1, slot, pos)[..., :k]
@@ -80,13 +81,14 @@ def _visible_positions(q_pos: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(pos[None, :] <= q_pos[:, None], pos[None, :], -1)
 
 
-def _attend_gathered(q: torch.Tensor, kv_rows: torch.Tensor, Tk: int, idx: torch.Tensor, scale: float,
-                     v_dim: int) -> torch.Tensor:
+def _attend_gathered(
+    q: torch.Tensor, kv_rows: torch.Tensor, Tk: int, idx: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """q [B,T,H,D] over kv_rows [B*Tk, D] (kv flattened) at idx [B,T,k] (-1 = unused) → [B,T,H,v_dim] fp32."""
     B, D = q.shape[0], kv_rows.shape[1]
     flat = idx.clamp_min(0) + Tk * torch.arange(B, device=kv_rows.device)[:, None, None]
-    sel = kv_rows.index_select(0, flat.reshape(-1)).view(*idx.shape, D).float()         # [B,T,k,D]
-    logits = torch.matmul(q.float(), sel.transpose(-1, -2)).mul_(scale)                  # [B,T,H,k]
+    sel = kv_rows.index_select(0, flat.reshape(-1)).view(*idx.shape, D).float()  # [B,T,k,D]
+    logits = torch.matmul(q.float(), sel.transpose(-1, -2)).mul_(scale)  # [B,T,H,k]
     logits.masked_fill_((idx < 0)[:, :, None, :], _NEG_INF)
     return torch.matmul(torch.softmax(logits, dim=-1), sel[..., :v_dim])
 
@@ -94,7 +96,7 @@ def _attend_gathered(q: torch.Tensor, kv_rows: torch.Tensor, Tk: int, idx: torch
 def _attend_dense(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float, v_dim: int):
     """q [B,T,H,D] over all of kv [B,n,D] (causally masked by q_pos [T] if given) → [B,T,H,v_dim] fp32."""
     kvf = kv.float()
-    logits = torch.matmul(q.float(), kvf.transpose(1, 2)[:, None]).mul_(scale)          # [B,T,H,n]
+    logits = torch.matmul(q.float(), kvf.transpose(1, 2)[:, None]).mul_(scale)  # [B,T,H,n]
     if q_pos is not None:
         future = torch.arange(kv.shape[1], device=kv.device)[None, :] > q_pos[:, None]  # [T,n]
         logits.masked_fill_(future[None, :, None, :], _NEG_INF)
@@ -114,8 +116,9 @@ def _put_indices(indices: torch.Tensor, i0: int, idx: torch.Tensor) -> None:
     indices[:, i0:i1, w:] = -1
 
 
-def _dense_attention_prefix(q: torch.Tensor, kv: torch.Tensor, causal: bool, topk: int, scale: float, v_dim: int,
-                            o: torch.Tensor) -> int:
+def _dense_attention_prefix(
+    q: torch.Tensor, kv: torch.Tensor, causal: bool, topk: int, scale: float, v_dim: int, o: torch.Tensor
+) -> int:
     """Where the AMX dense-attention kernel runs (cpu_kernel.dense_runs_for): the leading queries of q [B,Tq,H,D]
     that see at most `topk` positions of kv [B,Tk,D] attend densely in one kernel call, into o; returns how many
     (0 elsewhere: every query goes through the blocks)."""
@@ -124,7 +127,7 @@ def _dense_attention_prefix(q: torch.Tensor, kv: torch.Tensor, causal: bool, top
     Tq, Tk = q.shape[1], kv.shape[1]
     if not causal:
         return Tq if topk >= Tk else 0
-    first = max(0, min(Tq, topk - (Tk - Tq)))              # query i sees Tk - Tq + i + 1 positions
+    first = max(0, min(Tq, topk - (Tk - Tq)))  # query i sees Tk - Tq + i + 1 positions
     if first:
         n = Tk - Tq + first
         q_pos = torch.arange(Tk - Tq, n, device=q.device)
@@ -138,8 +141,9 @@ def _block_rows(shp: DSAShapes) -> int:
     return max(1, min(shp.Tq, PREFILL_BLOCK_BYTES // per_query))
 
 
-def lightning_indexer(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor,
-                      causal: bool = True) -> torch.Tensor:
+def lightning_indexer(
+    index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, causal: bool = True
+) -> torch.Tensor:
     """Indexer scores [B,Tq,Tk] fp32, bitwise equal to `lightning_indexer_reference`, computed in query blocks
     (the [Tq, Hi, Tk] logits never exist at once; with causal, a block skips the positions it cannot see)."""
     shp = check_indexer_inputs(index_q, index_k, index_weights, causal)
@@ -181,7 +185,7 @@ def dsa_prefill(
     o = out if out is not None else torch.empty(B, Tq, shp.H, shp.v_dim, dtype=q.dtype, device=q.device)
     indices = torch.empty(B, Tq, k_all, dtype=torch.int64, device=q.device) if return_indices else None
     bq = _block_rows(shp)
-    kv_rows = kv.reshape(B * Tk, shp.D)                         # once: a copy only if kv is a strided view
+    kv_rows = kv.reshape(B * Tk, shp.D)  # once: a copy only if kv is a strided view
     # Queries that see no more than topk positions attend to all of them: on AMX, one call of the dense kernel for
     # all of those (their bits do not depend on which other queries share the call)
     first = _dense_attention_prefix(q, kv, causal, shp.topk, shp.scale, shp.v_dim, o)
@@ -190,9 +194,9 @@ def dsa_prefill(
         _put_indices(indices, 0, _every_visible(q_pos, Tk - Tq + first if causal else Tk, first, q.device))
     for i0 in range(first, Tq, bq):
         i1 = min(Tq, i0 + bq)
-        n = Tk - Tq + i1 if causal else Tk                     # positions any query of the block can see
+        n = Tk - Tq + i1 if causal else Tk  # positions any query of the block can see
         q_pos = torch.arange(Tk - Tq + i0, Tk - Tq + i1, device=q.device) if causal else None
-        if shp.topk >= n:                                       # everything visible is selected
+        if shp.topk >= n:  # everything visible is selected
             o[:, i0:i1] = _attend_dense(q[:, i0:i1], kv[:, :n], q_pos, shp.scale, shp.v_dim)
             if indices is None:
                 continue
@@ -201,15 +205,16 @@ def dsa_prefill(
             s = indexer_scores(index_q[:, i0:i1], index_k[:, :n], index_weights[:, i0:i1])  # [B,bq,n]
             if causal:
                 s.masked_fill_(torch.arange(n, device=q.device)[None, :] > q_pos[:, None], _NEG_INF)
-            idx = select_topk(s, shp.topk)                                                  # [B,bq,topk]
+            idx = select_topk(s, shp.topk)  # [B,bq,topk]
             o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv_rows, Tk, idx, shp.scale, shp.v_dim)
         if indices is not None:
             _put_indices(indices, i0, idx)
     return (o, indices) if return_indices else o
 
 
-def mla_prefill(q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v_dim: int | None = None
-                ) -> torch.Tensor:
+def mla_prefill(
+    q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v_dim: int | None = None
+) -> torch.Tensor:
     """Causal dense attention over the latent (an MLA layer without an indexer), in query blocks.
 
     q [B,Tq,H,D], kv [B,Tk,D] (the queries are the last Tq positions) → [B,Tq,H,v_dim] in q.dtype; exactly
@@ -218,10 +223,10 @@ def mla_prefill(q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v
     if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != D or kv.shape[1] < Tq:
         raise ValueError(f"kv: expected shape [{B}, Tk >= {Tq}, {D}], found {list(kv.shape)}")
     Tk = kv.shape[1]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     v_dim = D if v_dim is None else v_dim
     o = torch.empty(B, Tq, H, v_dim, dtype=q.dtype, device=q.device)
-    first = _dense_attention_prefix(q, kv, True, Tk, scale, v_dim, o)        # AMX: every query in one call
+    first = _dense_attention_prefix(q, kv, True, Tk, scale, v_dim, o)  # AMX: every query in one call
     bq = max(1, min(Tq, PREFILL_BLOCK_BYTES // (4 * H * Tk)))
     for i0 in range(first, Tq, bq):
         i1 = min(Tq, i0 + bq)
@@ -232,9 +237,14 @@ def mla_prefill(q: torch.Tensor, kv: torch.Tensor, scale: float | None = None, v
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k_cache: torch.Tensor,
-                         block_table: torch.Tensor, context_lens: torch.Tensor, n_pages: int | None = None
-                         ) -> torch.Tensor:
+def paged_indexer_scores(
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    n_pages: int | None = None,
+) -> torch.Tensor:
     """Decode indexer over a paged cache: index_q [B,Hi,Di], index_weights [B,Hi], index_k_cache
     [num_blocks, block_size, Di], block_table [B, max_blocks], context_lens [B] → scores [B, n_pages*block_size]
     fp32, -inf at positions >= context_lens[b] (n_pages defaults to the pages of the longest context).
@@ -248,21 +258,22 @@ def paged_indexer_scores(index_q: torch.Tensor, index_weights: torch.Tensor, ind
     scores = torch.empty(B, W, device=index_q.device)
     table = block_table[:, :n_pages].long().clamp(0, nb - 1)  # past a sequence's pages: any valid block, masked
     per_chunk = max(1, min(n_pages, DECODE_CHUNK_TOKENS // bs))
-    iq, iw = index_q[:, None], index_weights[:, None]           # [B,1,Hi,Di], [B,1,Hi]
+    iq, iw = index_q[:, None], index_weights[:, None]  # [B,1,Hi,Di], [B,1,Hi]
     # Buffers reused by every chunk: fresh multi-MiB allocations per chunk cost page faults, not just time.
     keys_buf = index_k_cache.new_empty(B * per_chunk * bs * Di)
     rows = max(ROW_TILE, -(-index_q.shape[1] // ROW_TILE) * ROW_TILE)
     logits_buf = torch.empty(B * rows * max(per_chunk * bs, MIN_COLS), device=index_q.device)
     for p0 in range(0, n_pages, per_chunk):
-        pages = table[:, p0:p0 + per_chunk].reshape(-1)         # [B*p]
+        pages = table[:, p0 : p0 + per_chunk].reshape(-1)  # [B*p]
         keys = torch.index_select(index_k_cache, 0, pages, out=keys_buf[: pages.numel() * bs * Di].view(-1, bs, Di))
-        keys = keys.view(B, -1, Di)                             # [B,p*bs,Di]
-        scores[:, p0 * bs:p0 * bs + keys.shape[1]] = indexer_scores(iq, keys, iw, logits_buf)[:, 0]
+        keys = keys.view(B, -1, Di)  # [B,p*bs,Di]
+        scores[:, p0 * bs : p0 * bs + keys.shape[1]] = indexer_scores(iq, keys, iw, logits_buf)[:, 0]
     return scores.masked_fill_(torch.arange(W, device=scores.device)[None, :] >= lens[:, None], _NEG_INF)
 
 
-def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           indices: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+def paged_sparse_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """q [B,H,D] over the entries `indices` [B,k] (logical positions, -1 = unused; at least one used per row)
     of each sequence's pages → [B,H,v_dim] fp32. On CPU (backend auto) the C++ kernel (cpu_kernel.py: no gather
     copy, each sequence's result independent of the batch), else `paged_sparse_attention_torch`."""
@@ -271,14 +282,15 @@ def paged_sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     return paged_sparse_attention_torch(q, kv_cache, block_table, indices, scale, v_dim)
 
 
-def paged_sparse_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                                 indices: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+def paged_sparse_attention_torch(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
     """`paged_sparse_attention` as a gather, two batched GEMMs and a softmax (any device)."""
     bs, D = kv_cache.shape[1:]
     safe = indices.clamp_min(0)
-    rows = block_table.long().gather(1, safe // bs) * bs + safe % bs                    # physical rows [B,k]
+    rows = block_table.long().gather(1, safe // bs) * bs + safe % bs  # physical rows [B,k]
     sel = kv_cache.reshape(-1, D).index_select(0, rows.reshape(-1)).view(*rows.shape, D).float()  # [B,k,D]
-    logits = torch.bmm(q.float(), sel.transpose(1, 2)).mul_(scale)                      # [B,H,k]
+    logits = torch.bmm(q.float(), sel.transpose(1, 2)).mul_(scale)  # [B,H,k]
     logits.masked_fill_((indices < 0)[:, None, :], _NEG_INF)
     return torch.bmm(torch.softmax(logits, dim=-1), sel[..., :v_dim])
 
@@ -304,16 +316,23 @@ def pad_indices(idx: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=-1) if idx.shape[-1] < width else idx
 
 
-def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    v_dim: int | None = None,
+) -> torch.Tensor:
     """Dense MLA decode over a paged latent cache (MLA layers: every past entry, no indexer): q [B,H,D],
     kv_cache [num_blocks, block_size, D], block_table [B, max_blocks], context_lens [B] → [B,H,v_dim] in
     q.dtype. The pages are read where they are (one gather of the visible entries), never copied whole."""
     if q.dim() != 3 or kv_cache.dim() != 3 or kv_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"q [B,H,D], kv_cache [num_blocks,block_size,D]: found {list(q.shape)}, "
-                         f"{list(kv_cache.shape)}")
+        raise ValueError(
+            f"q [B,H,D], kv_cache [num_blocks,block_size,D]: found {list(q.shape)}, {list(kv_cache.shape)}"
+        )
     D = q.shape[-1]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     v_dim = D if v_dim is None else v_dim
     idx = visible_positions(context_lens, int(context_lens.max()))
     return paged_sparse_attention(q, kv_cache, block_table, idx, scale, v_dim).to(q.dtype)
@@ -342,14 +361,18 @@ def dsa_decode_paged(
     → o [B,H,v_dim] in q.dtype, and with return_indices the selected logical positions
     [B, min(topk, max_blocks*block_size)] int64 (canonical order, -1 = unused). Equals gathering each
     sequence's pages and calling `dsa_attention_reference` with Tq = 1 (`dsa_decode_paged_reference`)."""
-    shp = check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights,
-                              topk, scale, v_dim, out)
+    shp = check_decode_inputs(
+        q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk, scale, v_dim, out
+    )
     o = out if out is not None else torch.empty(shp.B, shp.H, shp.v_dim, dtype=q.dtype, device=q.device)
     n_pages = -(-int(context_lens.max()) // shp.block_size) if shp.B else 0
     if shp.B == 0:
         return (o, torch.empty(0, shp.width, dtype=torch.int64, device=q.device)) if return_indices else o
-    idx = decode_indices(shp, lambda: paged_indexer_scores(index_q, index_weights, index_k_cache, block_table,
-                                                           context_lens, n_pages), context_lens,
-                         int(context_lens.max()))
+    idx = decode_indices(
+        shp,
+        lambda: paged_indexer_scores(index_q, index_weights, index_k_cache, block_table, context_lens, n_pages),
+        context_lens,
+        int(context_lens.max()),
+    )
     o.copy_(paged_sparse_attention(q, kv_cache, block_table, idx, shp.scale, shp.v_dim))
     return (o, pad_indices(idx, shp.width)) if return_indices else o

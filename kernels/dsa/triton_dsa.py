@@ -16,6 +16,7 @@ the same top-k outside near ties; bf16/fp16 inputs run on tensor cores with fp32
 to the input dtype for p @ v, as flash attention does). Block sizes are untuned (no GPU in CI).
 Importing this module decorates the kernels, so set TRITON_INTERPRET=1 first to run them on CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,14 +39,26 @@ def _dot(a, b, F32: tl.constexpr):
 
 @triton.jit
 def _paged_indexer_kernel(
-    iq, iw, ik, table, lens, scores, stride_table, W,
-    Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+    iq,
+    iw,
+    ik,
+    table,
+    lens,
+    scores,
+    stride_table,
+    W,
+    Hi: tl.constexpr,
+    Di: tl.constexpr,
+    BS: tl.constexpr,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    F32: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     ctx = tl.load(lens + b).to(tl.int32)
-    pos = i_n * BN + tl.arange(0, BN)                                   # logical positions [BN]
+    pos = i_n * BN + tl.arange(0, BN)  # logical positions [BN]
     if i_n * BN < ctx:
         o_h = tl.arange(0, BH)
         o_d = tl.arange(0, BD)
@@ -53,13 +66,12 @@ def _paged_indexer_kernel(
         m_d = o_d < Di
         valid = pos < ctx
         blk = tl.load(table + b * stride_table + pos // BS, mask=valid, other=0).to(tl.int64)
-        row = blk * BS + pos % BS                                        # physical rows [BN]
+        row = blk * BS + pos % BS  # physical rows [BN]
         b_k = tl.load(ik + row[:, None] * Di + o_d[None, :], mask=valid[:, None] & m_d[None, :], other=0.0)
-        b_q = tl.load(iq + (b * Hi + o_h[:, None]) * Di + o_d[None, :], mask=m_h[:, None] & m_d[None, :],
-                      other=0.0)
+        b_q = tl.load(iq + (b * Hi + o_h[:, None]) * Di + o_d[None, :], mask=m_h[:, None] & m_d[None, :], other=0.0)
         b_w = tl.load(iw + b * Hi + o_h, mask=m_h, other=0.0).to(tl.float32)
-        logits = _dot(b_q, tl.trans(b_k), F32)                            # [BH, BN]
-        s = tl.sum(tl.maximum(logits, 0.0) * b_w[:, None], axis=0)       # padded heads have w = 0
+        logits = _dot(b_q, tl.trans(b_k), F32)  # [BH, BN]
+        s = tl.sum(tl.maximum(logits, 0.0) * b_w[:, None], axis=0)  # padded heads have w = 0
         s = tl.where(valid, s, float("-inf"))
     else:
         s = tl.full([BN], float("-inf"), tl.float32)
@@ -68,9 +80,24 @@ def _paged_indexer_kernel(
 
 @triton.jit
 def _paged_sparse_mla_kernel(
-    q, kv, table, lens, idx, o, scale, stride_table,
-    H: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
-    BH: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+    q,
+    kv,
+    table,
+    lens,
+    idx,
+    o,
+    scale,
+    stride_table,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    V: tl.constexpr,
+    BS: tl.constexpr,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,
+    F32: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -90,7 +117,7 @@ def _paged_sparse_mla_kernel(
         used = pos >= 0
         safe = tl.where(used, pos, 0)
         blk = tl.load(table + b * stride_table + safe // BS, mask=used, other=0).to(tl.int64)
-        row = blk * BS + safe % BS                                       # physical rows [BN]
+        row = blk * BS + safe % BS  # physical rows [BN]
         s = tl.zeros([BH, BN], dtype=tl.float32)
         for d0 in tl.static_range(0, D, BD):
             o_d = d0 + tl.arange(0, BD)
@@ -99,7 +126,7 @@ def _paged_sparse_mla_kernel(
             b_k = tl.load(kv + row[:, None] * D + o_d[None, :], mask=used[:, None] & m_d[None, :], other=0.0)
             s += _dot(b_q, tl.trans(b_k), F32)
         s = tl.where(used[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))                      # finite: slot 0 is always used
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: slot 0 is always used
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -107,8 +134,9 @@ def _paged_sparse_mla_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(b_v.dtype), b_v, F32)
         m_i = m_new
     b_o = acc / l_i[:, None]
-    tl.store(o + (b * H + o_h[:, None]) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_h[:, None] & m_v[None, :])
+    tl.store(
+        o + (b * H + o_h[:, None]) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_h[:, None] & m_v[None, :]
+    )
 
 
 def _f32_dot(dtype: torch.dtype) -> bool:
@@ -132,9 +160,21 @@ def paged_indexer_scores_triton(index_q, index_weights, index_k_cache, block_tab
     grid = (triton.cdiv(W, BN), B)
     if B and W:
         _paged_indexer_kernel[grid](
-            index_q.contiguous(), index_weights.contiguous(), index_k_cache.contiguous(), block_table,
-            context_lens, out, block_table.stride(0), W,
-            Hi=Hi, Di=Di, BS=bs, BH=_pow2(Hi), BD=_pow2(Di), BN=BN, F32=_f32_dot(index_q.dtype),
+            index_q.contiguous(),
+            index_weights.contiguous(),
+            index_k_cache.contiguous(),
+            block_table,
+            context_lens,
+            out,
+            block_table.stride(0),
+            W,
+            Hi=Hi,
+            Di=Di,
+            BS=bs,
+            BH=_pow2(Hi),
+            BD=_pow2(Di),
+            BN=BN,
+            F32=_f32_dot(index_q.dtype),
         )
     return out
 
@@ -151,25 +191,53 @@ def paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, indice
     grid = (triton.cdiv(v_dim, BV), triton.cdiv(H, BH), B)
     if B and H:
         _paged_sparse_mla_kernel[grid](
-            q.contiguous(), kv_cache.contiguous(), block_table, context_lens, indices.contiguous(), out,
-            float(scale), block_table.stride(0),
-            H=H, D=D, V=v_dim, BS=bs, K=K, BH=BH, BD=_pow2(D, hi=64), BV=BV, BN=32,
+            q.contiguous(),
+            kv_cache.contiguous(),
+            block_table,
+            context_lens,
+            indices.contiguous(),
+            out,
+            float(scale),
+            block_table.stride(0),
+            H=H,
+            D=D,
+            V=v_dim,
+            BS=bs,
+            K=K,
+            BH=BH,
+            BD=_pow2(D, hi=64),
+            BV=BV,
+            BN=32,
             F32=_f32_dot(q.dtype),
         )
     return out
 
 
 def dsa_decode_paged_triton(
-    q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk,
-    scale=None, v_dim=None, return_indices=False, out=None,
+    q,
+    kv_cache,
+    index_k_cache,
+    block_table,
+    context_lens,
+    index_q,
+    index_weights,
+    topk,
+    scale=None,
+    v_dim=None,
+    return_indices=False,
+    out=None,
 ):
     """One DSA decode step with the Triton kernels; contract: `expertmesh.kernels.dsa.sparse.dsa_decode_paged`.
     The indexer scores every slot of the block table (max_blocks*block_size, -inf past each context), so the
     step needs no host sync."""
-    shp = check_decode_inputs(q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights,
-                              topk, scale, v_dim, out)
-    idx = decode_indices(shp, lambda: paged_indexer_scores_triton(index_q, index_weights, index_k_cache,
-                                                                  block_table, context_lens),
-                         context_lens, shp.max_blocks * shp.block_size)
+    shp = check_decode_inputs(
+        q, kv_cache, index_k_cache, block_table, context_lens, index_q, index_weights, topk, scale, v_dim, out
+    )
+    idx = decode_indices(
+        shp,
+        lambda: paged_indexer_scores_triton(index_q, index_weights, index_k_cache, block_table, context_lens),
+        context_lens,
+        shp.max_blocks * shp.block_size,
+    )
     o = paged_sparse_attention_triton(q, kv_cache, block_table, context_lens, idx, shp.scale, shp.v_dim, out=out)
     return (o, pad_indices(idx, shp.width)) if return_indices else o

@@ -5,6 +5,7 @@ otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The 
 imported only when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set
 before the kernels are decorated.
 """
+
 from __future__ import annotations
 
 import torch

@@ -26,6 +26,7 @@ exp(G_r - G_i) = exp(G_r - G_ref) * exp(G_ref - G_i), both factors <= 1, so thos
 matmuls. Only the C/16 diagonal 16x16 blocks need the exact [16, 16, K] form. That cuts the
 temporary from C*C*K to C*(16 + C/16)*K per chunk (8x at C=64) and turns most of the work into GEMMs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,23 +69,29 @@ def block_layout(info: KDAInputs, C: int, device: torch.device, blocks_per_seq: 
     nb = torch.tensor(blocks_per_seq, dtype=torch.int64)
     block_start = torch.zeros(info.N + 1, dtype=torch.int64)
     block_start[1:] = nb.cumsum(0)
-    seq_of_block = torch.repeat_interleave(torch.arange(info.N), nb)                   # [NB]
-    j = torch.arange(int(block_start[-1])) - block_start[seq_of_block]                # block index in its sequence
-    t = j[:, None] * C + torch.arange(C)                                               # [NB, C] offset in sequence
+    seq_of_block = torch.repeat_interleave(torch.arange(info.N), nb)  # [NB]
+    j = torch.arange(int(block_start[-1])) - block_start[seq_of_block]  # block index in its sequence
+    t = j[:, None] * C + torch.arange(C)  # [NB, C] offset in sequence
     pad = info.B * info.T
     gather = torch.where(t < lengths[seq_of_block, None], starts[seq_of_block, None] + t, pad)
-    seq_of_token = torch.repeat_interleave(torch.arange(info.N), lengths)             # [B*T]
+    seq_of_token = torch.repeat_interleave(torch.arange(info.N), lengths)  # [B*T]
     t_tok = torch.arange(pad) - starts[seq_of_token]
     slot = (block_start[seq_of_token] + t_tok // C) * C + t_tok % C
-    return BlockLayout(C=C, blocks_per_seq=list(blocks_per_seq), block_start=block_start.tolist(),
-                       gather=gather.to(device), slot=slot.to(device), pad=pad)
+    return BlockLayout(
+        C=C,
+        blocks_per_seq=list(blocks_per_seq),
+        block_start=block_start.tolist(),
+        gather=gather.to(device),
+        slot=slot.to(device),
+        pad=pad,
+    )
 
 
 def to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """[B, T, H, D] or [B, T, H] -> fp32 [NB, H, C, D] or [NB, H, C], zero in padded slots."""
     flat = x.reshape(layout.pad, *x.shape[2:]).float()
     flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-    blocks = flat[layout.gather]                                                       # [NB, C, H, (D)]
+    blocks = flat[layout.gather]  # [NB, C, H, (D)]
     return blocks.transpose(1, 2).contiguous()
 
 
@@ -97,22 +104,22 @@ def _decayed_grams(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int) 
     *lead, C, K = k.shape
     n = C // sub
     Gs = G.reshape(*lead, n, sub, K)
-    qk = torch.stack([q, k], -2).reshape(*lead, n, sub, 2, K)                          # rows of both Grams
+    qk = torch.stack([q, k], -2).reshape(*lead, n, sub, 2, K)  # rows of both Grams
     # Diagonal sub-blocks, exact: D[..., a, r, i, c] = k[i, c] exp(G[r, c] - G[i, c]), masked to i <= r
     # (-inf before exp, so no positive exponent is ever evaluated); in place to keep memory passes few.
     causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
-    D = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)                                            # [..., n, s(r), s(i), K]
+    D = Gs.unsqueeze(-2) - Gs.unsqueeze(-3)  # [..., n, s(r), s(i), K]
     D.masked_fill_(~causal[:, :, None], float("-inf")).exp_().mul_(k.reshape(*lead, n, 1, sub, K))
     # sum_c D[a, r, i, c] x[a, r, c] for x in (q, k): a matmul with batch (a, r), [s(i), K] @ [K, 2].
-    diag = (D @ qk.transpose(-1, -2)).transpose(-1, -2)                                # [..., n, s(r), 2, s(i)]
+    diag = (D @ qk.transpose(-1, -2)).transpose(-1, -2)  # [..., n, s(r), 2, s(i)]
     # Off-diagonal blocks (rows in sub-chunk a, columns in earlier sub-chunks), factored through
     # G_ref = G at the first row of a: exp(G_r - G_ref) * exp(G_ref - G_i), both factors <= 1.
-    ref = Gs[..., :1, :].contiguous()                                                  # [..., n, 1, K]
+    ref = Gs[..., :1, :].contiguous()  # [..., n, 1, K]
     xr = (qk * (Gs - ref).exp_().unsqueeze(-2)).reshape(*lead, n, 2 * sub, K)
     before = torch.arange(C, device=k.device)[None, :] < (torch.arange(n, device=k.device) * sub)[:, None]
-    kr = ref - G.unsqueeze(-3)                                                         # [..., n, C, K]
+    kr = ref - G.unsqueeze(-3)  # [..., n, C, K]
     kr.masked_fill_(~before[:, :, None], float("-inf")).exp_().mul_(k.unsqueeze(-3))
-    off = (xr @ kr.transpose(-1, -2)).reshape(*lead, n, sub, 2, n, sub)               # rows (a, r, q|k), cols (b, i)
+    off = (xr @ kr.transpose(-1, -2)).reshape(*lead, n, sub, 2, n, sub)  # rows (a, r, q|k), cols (b, i)
     eye = torch.eye(n, device=k.device, dtype=k.dtype)
     M = (off + diag.unsqueeze(-2) * eye[:, None, None, :, None]).reshape(*lead, C, 2, C)
     return M[..., :, 0, :], M[..., :, 1, :]
@@ -123,12 +130,12 @@ class ChunkPrep:
     """Per-(block, head) tensors that the chunk loop needs (fp32). Shapes: [NB, H, C, *] / decay [NB, H, K, 1]."""
 
     layout: BlockLayout
-    W: torch.Tensor       # [NB, H, C, K]
-    U0: torch.Tensor      # [NB, H, C, V]
-    Qeff: torch.Tensor    # [NB, H, C, K]
+    W: torch.Tensor  # [NB, H, C, K]
+    U0: torch.Tensor  # [NB, H, C, V]
+    Qeff: torch.Tensor  # [NB, H, C, K]
     Ointra: torch.Tensor  # [NB, H, C, V]
-    Kd: torch.Tensor      # [NB, H, C, K]  k * exp(G_C - G)
-    decay: torch.Tensor   # [NB, H, K, 1]  exp(G_C)
+    Kd: torch.Tensor  # [NB, H, C, K]  k * exp(G_C - G)
+    decay: torch.Tensor  # [NB, H, K, 1]  exp(G_C)
 
 
 # Upper bound (fp32 elements) on the sub-chunk temporaries of one group of blocks in `prepare_chunks`:
@@ -148,32 +155,39 @@ def prepare_chunks(q, k, v, g, beta, info: KDAInputs, chunk_size: int, grams=Non
     grams = grams or _decayed_grams
     C, H, K, V = chunk_size, info.H, info.K, info.V
     layout = block_layout(info, C, q.device)
-    qb, kb, vb, gb = (to_blocks(t, layout) for t in (q, k, v, g))                      # [NB, H, C, *]
-    bb = to_blocks(beta, layout)[..., None]                                            # [NB, H, C, 1]
-    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C                                      # else: the plain [C, C, K] form
+    qb, kb, vb, gb = (to_blocks(t, layout) for t in (q, k, v, g))  # [NB, H, C, *]
+    bb = to_blocks(beta, layout)[..., None]  # [NB, H, C, 1]
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C  # else: the plain [C, C, K] form
     NB = layout.num_blocks
-    prep = ChunkPrep(layout=layout, W=qb.new_empty(NB, H, C, K), U0=qb.new_empty(NB, H, C, V),
-                     Qeff=qb.new_empty(NB, H, C, K), Ointra=qb.new_empty(NB, H, C, V),
-                     Kd=qb.new_empty(NB, H, C, K), decay=qb.new_empty(NB, H, K, 1))
+    prep = ChunkPrep(
+        layout=layout,
+        W=qb.new_empty(NB, H, C, K),
+        U0=qb.new_empty(NB, H, C, V),
+        Qeff=qb.new_empty(NB, H, C, K),
+        Ointra=qb.new_empty(NB, H, C, V),
+        Kd=qb.new_empty(NB, H, C, K),
+        decay=qb.new_empty(NB, H, K, 1),
+    )
     eye = torch.eye(C, device=q.device)
     budget = TEMP_ELEMENTS.get(q.device.type, TEMP_ELEMENTS["cpu"])
     step = max(1, budget // (H * C * max(sub, C // sub) * K))
     for b0 in range(0, NB, step):
         sl = slice(b0, b0 + step)
         qg, kg, vg, bg = qb[sl], kb[sl], vb[sl], bb[sl]
-        G = gb[sl].cumsum(-2)                                                          # in-chunk cumulative log decay
+        G = gb[sl].cumsum(-2)  # in-chunk cumulative log decay
         Mqk, Mkk = grams(qg, kg, G, sub)
         A = (bg * Mkk).tril_(-1)
         gam = G.exp()
-        WU = torch.linalg.solve_triangular(A + eye, torch.cat([bg * kg * gam, bg * vg], -1), upper=False,
-                                           unitriangular=True)
+        WU = torch.linalg.solve_triangular(
+            A + eye, torch.cat([bg * kg * gam, bg * vg], -1), upper=False, unitriangular=True
+        )
         W, U0 = WU.split([K, V], -1)
         P = Mqk.mul_(info.scale)
         prep.W[sl] = W
         prep.U0[sl] = U0
         torch.sub(info.scale * qg * gam, P @ W, out=prep.Qeff[sl])
         torch.matmul(P, U0, out=prep.Ointra[sl])
-        GC = G[..., -1:, :]                                                            # [g, H, 1, K]
+        GC = G[..., -1:, :]  # [g, H, 1, K]
         torch.mul(kg, (GC - G).exp_(), out=prep.Kd[sl])
         prep.decay[sl] = GC.exp().transpose(-1, -2)
     return prep
@@ -188,8 +202,8 @@ def state_passing_torch(prep: ChunkPrep, S: torch.Tensor, o_blocks: torch.Tensor
         seqs = [n for n, c in enumerate(nb) if c > j]
         idx = torch.tensor([lay.block_start[n] + j for n in seqs], device=S.device)
         sidx = torch.tensor(seqs, device=S.device)
-        Sa = S.index_select(0, sidx)                                                   # [n, H, K, V]
-        u = prep.U0.index_select(0, idx) - prep.W.index_select(0, idx) @ Sa            # [n, H, C, V]
+        Sa = S.index_select(0, sidx)  # [n, H, K, V]
+        u = prep.U0.index_select(0, idx) - prep.W.index_select(0, idx) @ Sa  # [n, H, C, V]
         o_blocks[idx] = prep.Ointra.index_select(0, idx) + prep.Qeff.index_select(0, idx) @ Sa
         Sa = prep.decay.index_select(0, idx) * Sa + prep.Kd.index_select(0, idx).transpose(-1, -2) @ u
         S.index_copy_(0, sidx, Sa)
@@ -198,7 +212,7 @@ def state_passing_torch(prep: ChunkPrep, S: torch.Tensor, o_blocks: torch.Tensor
 
 def from_blocks(o_blocks: torch.Tensor, layout: BlockLayout, info: KDAInputs, dtype: torch.dtype) -> torch.Tensor:
     """fp32 [NB, H, C, V] -> [B, T, H, V] in dtype (a gather: padded slots are never read)."""
-    flat = o_blocks.transpose(1, 2).reshape(-1, info.H, info.V)                       # [NB*C, H, V]
+    flat = o_blocks.transpose(1, 2).reshape(-1, info.H, info.V)  # [NB*C, H, V]
     return flat[layout.slot].reshape(info.B, info.T, info.H, info.V).to(dtype)
 
 
@@ -232,8 +246,11 @@ def chunk_kda(
     info = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     check_chunk_size(chunk_size)
     prep = prepare_chunks(q, k, v, g, beta, info, chunk_size)
-    S = (torch.zeros(info.N, info.H, info.K, info.V, device=q.device) if initial_state is None
-         else initial_state.float().clone())
+    S = (
+        torch.zeros(info.N, info.H, info.K, info.V, device=q.device)
+        if initial_state is None
+        else initial_state.float().clone()
+    )
     o_blocks = torch.empty(prep.layout.num_blocks, info.H, chunk_size, info.V, device=q.device)
     S = state_passing_torch(prep, S, o_blocks)
     return from_blocks(o_blocks, prep.layout, info, v.dtype), (S if output_final_state else None)

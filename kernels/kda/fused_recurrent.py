@@ -5,6 +5,7 @@ gates and scaled keys/queries computed for every step up front, and the state up
 bmm/baddbmm. Packed sequences (cu_seqlens) are zero-padded to the longest one: a padded step has
 k = 0, beta = 0 and g = 0, which leaves the state exactly unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,30 +38,33 @@ def fused_recurrent_kda(
     if cu_seqlens is None:
         L, layout = info.T, None
 
-        def steps(x: torch.Tensor) -> torch.Tensor:                                   # [B, T, H, D] -> [T, B*H, D]
+        def steps(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [T, B*H, D]
             return x.float().transpose(0, 1).reshape(L, N * H, x.shape[-1])
     else:
         L = max(info.lengths)
         layout = block_layout(info, max(L, 1), q.device, blocks_per_seq=[1] * N)
 
-        def steps(x: torch.Tensor) -> torch.Tensor:                                   # [N, H, L, D] blocks -> [L, N*H, D]
+        def steps(x: torch.Tensor) -> torch.Tensor:  # [N, H, L, D] blocks -> [L, N*H, D]
             return to_blocks(x, layout).permute(2, 0, 1, 3).reshape(layout.C, N * H, x.shape[-1])
 
     qs, ks, vs = steps(q) * info.scale, steps(k), steps(v)
-    decay = steps(g).exp()                                                             # [L, NH, K]
-    bk = steps(beta[..., None]) * ks                                                   # beta_t k_t
-    S = (torch.zeros(N * H, K, V, device=q.device) if initial_state is None
-         else initial_state.float().reshape(N * H, K, V).clone())
+    decay = steps(g).exp()  # [L, NH, K]
+    bk = steps(beta[..., None]) * ks  # beta_t k_t
+    S = (
+        torch.zeros(N * H, K, V, device=q.device)
+        if initial_state is None
+        else initial_state.float().reshape(N * H, K, V).clone()
+    )
     outs = []
     for t in range(L):
         S.mul_(decay[t][:, :, None])
-        err = vs[t] - torch.bmm(ks[t][:, None, :], S)[:, 0]                            # v_t - k_t^T S   [NH, V]
+        err = vs[t] - torch.bmm(ks[t][:, None, :], S)[:, 0]  # v_t - k_t^T S   [NH, V]
         S.baddbmm_(bk[t][:, :, None], err[:, None, :])
         outs.append(torch.bmm(qs[t][:, None, :], S)[:, 0])
     final = S.reshape(N, H, K, V) if output_final_state else None
     if layout is None:
         o = torch.stack(outs).reshape(info.T, info.B, H, V).transpose(0, 1) if outs else v.new_zeros(info.B, 0, H, V)
         return o.to(v.dtype), final
-    o_steps = torch.stack(outs) if outs else S.new_zeros(layout.C, N * H, V)          # [L, NH, V]
-    o_blocks = o_steps.reshape(layout.C, N, H, V).permute(1, 2, 0, 3)                  # [N, H, L, V]
+    o_steps = torch.stack(outs) if outs else S.new_zeros(layout.C, N * H, V)  # [L, NH, V]
+    o_blocks = o_steps.reshape(layout.C, N, H, V).permute(1, 2, 0, 3)  # [N, H, L, V]
     return from_blocks(o_blocks, layout, info, v.dtype), final

@@ -11,6 +11,7 @@ matrix; at every step t, in fp32:
 (chunk.py, fused_recurrent.py, triton_kda.py) is tested against it. `check_kda_inputs` is the one
 place the tensor contract is checked, shared by every path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -112,12 +113,14 @@ def check_kda_inputs(
             found = initial_state.dtype if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
             raise ValueError(f"initial_state: expected a floating-point tensor, found {found}")
         if tuple(initial_state.shape) != (N, H, K, V):
-            raise ValueError(f"initial_state: expected shape [{N},{H},{K},{V}] ([N,H,K,V]), found {_shape(initial_state)}")
+            raise ValueError(
+                f"initial_state: expected shape [{N},{H},{K},{V}] ([N,H,K,V]), found {_shape(initial_state)}"
+            )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state: expected device {q.device} (as q), found {initial_state.device}")
 
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     return KDAInputs(B=B, T=T, H=H, K=K, V=V, scale=float(scale), starts=starts, lengths=lengths)
 
 
@@ -145,8 +148,8 @@ def kda_recurrent_reference(
     outputs = []
     for t in range(T):
         q_t, k_t, v_t, g_t, b_t = q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]  # [B,H,K] / [B,H,V] / [B,H]
-        S = S * torch.exp(g_t)[..., None]                                     # decay each K-row
-        prediction = torch.einsum("bhk,bhkv->bhv", k_t, S)                    # k_t^T S
+        S = S * torch.exp(g_t)[..., None]  # decay each K-row
+        prediction = torch.einsum("bhk,bhkv->bhv", k_t, S)  # k_t^T S
         S = S + torch.einsum("bhk,bhv->bhkv", b_t[..., None] * k_t, v_t - prediction)
         outputs.append(torch.einsum("bhk,bhkv->bhv", info.scale * q_t, S))
     o = torch.stack(outputs, dim=1) if T else v.new_zeros(B, 0, H, V)

@@ -15,6 +15,7 @@
 Both take the flattened [B*T, H, D] (contiguous) layout; sequence n covers rows cu[n] .. cu[n+1]-1.
 Importing this module decorates the kernels, so set TRITON_INTERPRET=1 first to run them on CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,9 +28,23 @@ from expertmesh.kernels.kda.naive import KDAInputs, check_kda_inputs
 
 @triton.jit
 def _fused_recurrent_kda_kernel(
-    q, k, v, g, beta, o, h0, ht, cu, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    h0,
+    ht,
+    cu,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -43,7 +58,7 @@ def _fused_recurrent_kda_kernel(
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     p_h = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)                       # state tile S[:, v-tile]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)  # state tile S[:, v-tile]
     if HAS_H0:
         b_h += tl.load(h0 + p_h, mask=m_h, other=0.0).to(tl.float32)
     for t in range(bos, eos):
@@ -55,7 +70,7 @@ def _fused_recurrent_kda_kernel(
         b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + row).to(tl.float32)
         b_h = b_h * tl.exp(b_g)[:, None]
-        b_err = b_v - tl.sum(b_h * b_k[:, None], axis=0)             # v_t - k_t^T S   [BV]
+        b_err = b_v - tl.sum(b_h * b_k[:, None], axis=0)  # v_t - k_t^T S   [BV]
         b_h += (b_beta * b_k)[:, None] * b_err[None, :]
         b_o = tl.sum(b_h * b_q[:, None], axis=0)
         tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
@@ -65,9 +80,25 @@ def _fused_recurrent_kda_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    W, U0, Qeff, Oin, Kd, decay, o, h0, ht, block_start,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PRECISION: tl.constexpr,
+    W,
+    U0,
+    Qeff,
+    Oin,
+    Kd,
+    decay,
+    o,
+    h0,
+    ht,
+    block_start,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -81,23 +112,23 @@ def _chunk_state_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
-    m_ck = m_k[None, :] & (o_c[:, None] < C)                           # (broadcast to [C, BK])
+    m_ck = m_k[None, :] & (o_c[:, None] < C)  # (broadcast to [C, BK])
     m_cv = m_v[None, :] & (o_c[:, None] < C)
     p_h = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + p_h, mask=m_h, other=0.0)
     for c in range(c0, c1):
-        blk = c * H + i_h                                               # block (c, head) of [NB, H, C, *]
+        blk = c * H + i_h  # block (c, head) of [NB, H, C, *]
         p_ck = blk * C * K + o_c[:, None] * K + o_k[None, :]
         p_cv = blk * C * V + o_c[:, None] * V + o_v[None, :]
-        b_w = tl.load(W + p_ck, mask=m_ck, other=0.0)                  # [C, BK]
+        b_w = tl.load(W + p_ck, mask=m_ck, other=0.0)  # [C, BK]
         b_qe = tl.load(Qeff + p_ck, mask=m_ck, other=0.0)
         b_u = tl.load(U0 + p_cv, mask=m_cv, other=0.0) - tl.dot(b_w, b_h, input_precision=PRECISION)
         b_o = tl.load(Oin + p_cv, mask=m_cv, other=0.0) + tl.dot(b_qe, b_h, input_precision=PRECISION)
         tl.store(o + p_cv, b_o, mask=m_cv)
         b_kd = tl.load(Kd + p_ck, mask=m_ck, other=0.0)
-        b_dec = tl.load(decay + blk * K + o_k, mask=m_k, other=0.0)    # exp(G_C) per key channel
+        b_dec = tl.load(decay + blk * K + o_k, mask=m_k, other=0.0)  # exp(G_C) per key channel
         b_h = b_h * b_dec[:, None] + tl.dot(tl.trans(b_kd), b_u, input_precision=PRECISION)
     if STORE_HT:
         tl.store(ht + p_h, b_h, mask=m_h)
@@ -105,8 +136,16 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _decayed_grams_kernel(
-    q, k, G, Mqk, Mkk,
-    C: tl.constexpr, K: tl.constexpr, S: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    q,
+    k,
+    G,
+    Mqk,
+    Mkk,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    S: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # One program per ((block, head), row sub-chunk a, column sub-chunk b) of the [C, C] Gram matrices
     # M_xk[r, i] = sum_c x[r, c] k[i, c] exp(G[r, c] - G[i, c]) (i <= r), x in (q, k); see chunk.py.
@@ -145,7 +184,7 @@ def _decayed_grams_kernel(
             b_q = tl.load(q + p_a, mask=m, other=0.0)
             b_k = tl.load(k + p_a, mask=m, other=0.0)
             b_e = tl.exp(tl.where(causal, b_g[:, None, :] - b_g[None, :, :], float("-inf")))
-            b_kd = b_k[None, :, :] * b_e                                  # [S(r), S(i), BK]
+            b_kd = b_k[None, :, :] * b_e  # [S(r), S(i), BK]
             acc_q += tl.sum(b_q[:, None, :] * b_kd, axis=2)
             acc_k += tl.sum(b_k[:, None, :] * b_kd, axis=2)
     # b > a: the zeros above the diagonal are written too.
@@ -190,14 +229,37 @@ def fused_recurrent_fwd(q, k, v, g, beta, info: KDAInputs, initial_state, o, fin
     h0 = initial_state.float().contiguous() if initial_state is not None else o  # dummy pointer when unused
     grid = (triton.cdiv(info.V, BV), info.N * info.H)
     _fused_recurrent_kda_kernel[grid](
-        q, k, v, g, beta, o, h0, final_state if final_state is not None else o, _cu(info, q.device), info.scale,
-        H=info.H, K=info.K, V=info.V, BK=BK, BV=BV,
-        HAS_H0=initial_state is not None, STORE_HT=final_state is not None,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        h0,
+        final_state if final_state is not None else o,
+        _cu(info, q.device),
+        info.scale,
+        H=info.H,
+        K=info.K,
+        V=info.V,
+        BK=BK,
+        BV=BV,
+        HAS_H0=initial_state is not None,
+        STORE_HT=final_state is not None,
     )
 
 
 def fused_recurrent_kda_triton(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
 ):
     """Recurrent (decode) KDA in Triton; contract as `fused_recurrent_kda` (chunk_size ignored)."""
     info = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -220,15 +282,39 @@ def chunk_state_fwd(prep, info: KDAInputs, initial_state, o_blocks, final_state,
     block_start = torch.tensor(prep.layout.block_start, dtype=torch.int64, device=o_blocks.device)
     grid = (triton.cdiv(info.V, BV), info.N * info.H)
     _chunk_state_kernel[grid](
-        prep.W, prep.U0, prep.Qeff.contiguous(), prep.Ointra.contiguous(), prep.Kd.contiguous(), prep.decay,
-        o_blocks, h0, final_state if final_state is not None else o_blocks, block_start,
-        H=info.H, K=info.K, V=info.V, C=C, BK=BK, BV=BV,
-        HAS_H0=initial_state is not None, STORE_HT=final_state is not None, PRECISION=precision,
+        prep.W,
+        prep.U0,
+        prep.Qeff.contiguous(),
+        prep.Ointra.contiguous(),
+        prep.Kd.contiguous(),
+        prep.decay,
+        o_blocks,
+        h0,
+        final_state if final_state is not None else o_blocks,
+        block_start,
+        H=info.H,
+        K=info.K,
+        V=info.V,
+        C=C,
+        BK=BK,
+        BV=BV,
+        HAS_H0=initial_state is not None,
+        STORE_HT=final_state is not None,
+        PRECISION=precision,
     )
 
 
 def chunk_kda_triton(
-    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
 ):
     """Chunked (prefill) KDA: Triton Gram kernel, PyTorch triangular solve and products, Triton
     chunk-walking kernel (module docstring); contract as `chunk_kda`. chunk_size must be a power of

@@ -28,6 +28,7 @@ projections the same size as the weight), which `kernels.batch_invariant` makes 
 oneDNN's packed copy. `bmm` reads w [B, K, N] where it is (unit stride along N), no cached copy: a call with
 more than 6 rows packs each 64-column slice once into a per-thread buffer (K × 128 bytes) for its row tiles.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,18 +39,42 @@ import torch
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.linear.naive import GROUP, check_bmm_inputs, check_linear_inputs, pack_bmm_weight, pack_weight
 
-__all__ = ["available", "built", "best_isa", "default_isa", "runs", "enabled", "linear", "linear_fp32", "bmm",
-           "bmm_packed", "pack_weight", "pack_bmm_weight", "ISAS", "EXTENSION"]
+__all__ = [
+    "available",
+    "built",
+    "best_isa",
+    "default_isa",
+    "runs",
+    "enabled",
+    "linear",
+    "linear_fp32",
+    "bmm",
+    "bmm_packed",
+    "pack_weight",
+    "pack_bmm_weight",
+    "ISAS",
+    "EXTENSION",
+]
 
-EXTENSION = LazyExtension("expertmesh_linear_cpu", Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
-                          "expertmesh_linear_cpu", what="CPU row-invariant linear kernel", probe="linear")
+EXTENSION = LazyExtension(
+    "expertmesh_linear_cpu",
+    Path(__file__).parent / "cpu" / "row_invariant_linear.cpp",
+    "expertmesh_linear_cpu",
+    what="CPU row-invariant linear kernel",
+    probe="linear",
+)
 ISAS = {"auto": 0, "portable": 1, "avx512bf16": 3, "amx": 4}
 
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_LINEAR_KERNEL` is 0/off/false/no/torch."""
-    return os.environ.get("EXPERTMESH_CPU_LINEAR_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no",
-                                                                                        "torch")
+    return os.environ.get("EXPERTMESH_CPU_LINEAR_KERNEL", "1").strip().lower() not in (
+        "0",
+        "off",
+        "false",
+        "no",
+        "torch",
+    )
 
 
 def built() -> bool:
@@ -106,8 +131,9 @@ def default_isa() -> str:
             raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA: expected one of {', '.join(ISAS)}, found {want!r}")
         if want and want != "auto":
             if not runs(want):
-                raise ValueError(f"EXPERTMESH_CPU_LINEAR_ISA={want}: this CPU (or its operating system) has no such "
-                                 "path")
+                raise ValueError(
+                    f"EXPERTMESH_CPU_LINEAR_ISA={want}: this CPU (or its operating system) has no such path"
+                )
             _default = want
         else:
             _default = best_isa()
@@ -140,8 +166,10 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, *, vector: bool | None = None)
     `naive.linear_fp32_in_lane_order` (it depends only on K: a row's bits are the same in any batch). `vector`:
     the AVX-512 path (default where the CPU has it) or the portable one; the same bits. CPU tensors."""
     if x.dtype != torch.float32 or w.dtype != torch.float32 or w.dim() != 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"linear_fp32: expected x [..., K] and w [N, K] fp32, found x {x.dtype} {list(x.shape)}, "
-                         f"w {w.dtype} {list(w.shape)}")
+        raise ValueError(
+            f"linear_fp32: expected x [..., K] and w [N, K] fp32, found x {x.dtype} {list(x.shape)}, "
+            f"w {w.dtype} {list(w.shape)}"
+        )
     if x.device.type != "cpu" or w.device.type != "cpu":
         raise ValueError(f"linear_fp32: expected CPU tensors, found {x.device}, {w.device}")
     ops = _require()
@@ -159,8 +187,10 @@ def bmm_packed(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int, *, isa: 
     if x.dim() != 3 or x.dtype != torch.bfloat16 or x.shape[2] != k:
         raise ValueError(f"x: expected a bfloat16 [B, M, K={k}] tensor, found {x.dtype} {list(x.shape)}")
     if w_packed.dtype != torch.bfloat16 or tuple(w_packed.shape) != want:
-        raise ValueError(f"w_packed: expected a bfloat16 {list(want)} tensor (pack_bmm_weight of a [B, K={k}, "
-                         f"N={n}] weight), found {w_packed.dtype} {list(w_packed.shape)}")
+        raise ValueError(
+            f"w_packed: expected a bfloat16 {list(want)} tensor (pack_bmm_weight of a [B, K={k}, "
+            f"N={n}] weight), found {w_packed.dtype} {list(w_packed.shape)}"
+        )
     if x.device.type != "cpu" or w_packed.device.type != "cpu":
         raise ValueError(f"bmm_packed: expected CPU tensors, found {x.device}, {w_packed.device}")
     out = torch.empty(x.shape[0], x.shape[1], n, dtype=torch.bfloat16)

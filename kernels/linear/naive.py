@@ -10,11 +10,12 @@ matmul, whose summation order differs from the kernel's fixed one: the two agree
 bf16 rounding (so within about one bf16 ulp), not bitwise. `matmul_in_tile_order` spells out, step by step, the
 order of the kernel's AMX path (the tile unit's per-instruction sums): it gives that path's bits exactly.
 """
+
 from __future__ import annotations
 
 import torch
 
-GROUP = 64   # output columns per packed group
+GROUP = 64  # output columns per packed group
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -28,11 +29,14 @@ def check_linear_inputs(x: torch.Tensor, w_packed: torch.Tensor, n: int, k: int)
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"x: expected [..., K={k}], found {_shape(x)}")
     if not isinstance(w_packed, torch.Tensor) or w_packed.dtype != torch.bfloat16:
-        raise TypeError(f"w_packed: expected a bfloat16 tensor, found {getattr(w_packed, 'dtype', type(w_packed).__name__)}")
+        raise TypeError(
+            f"w_packed: expected a bfloat16 tensor, found {getattr(w_packed, 'dtype', type(w_packed).__name__)}"
+        )
     want = (-(-n // GROUP), -(-k // 2), GROUP, 2)
     if tuple(w_packed.shape) != want:
-        raise ValueError(f"w_packed: expected {list(want)} (pack_weight of an [N={n}, K={k}] weight), "
-                         f"found {_shape(w_packed)}")
+        raise ValueError(
+            f"w_packed: expected {list(want)} (pack_weight of an [N={n}, K={k}] weight), found {_shape(w_packed)}"
+        )
     if x.device != w_packed.device:
         raise ValueError(f"x: on {x.device}, w_packed on {w_packed.device}")
 
@@ -52,8 +56,10 @@ def check_bmm_inputs(x: torch.Tensor, w: torch.Tensor) -> None:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] bf16 → [ceil(N/64), ceil(K/2), 64, 2]: element [g, p, c, j] = w[64g + c, 2p + j] (0 outside w)."""
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2:
-        raise TypeError(f"w: expected a 2-D bfloat16 tensor [N, K], found "
-                        f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}")
+        raise TypeError(
+            f"w: expected a 2-D bfloat16 tensor [N, K], found "
+            f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}"
+        )
     n, k = w.shape
     g, p = -(-n // GROUP), -(-k // 2)
     padded = torch.nn.functional.pad(w.detach(), (0, 2 * p - k, 0, g * GROUP - n))
@@ -64,8 +70,10 @@ def pack_bmm_weight(w: torch.Tensor) -> torch.Tensor:
     """A bmm weight w [B, K, N] bf16 → [B, ceil(N/64), ceil(K/2), 64, 2]: each w[b] packed as `pack_weight` packs
     its transpose [N, K] (what `cpu_kernel.bmm_packed` reads; the same sums as `bmm` on w)."""
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 3:
-        raise TypeError(f"w: expected a 3-D bfloat16 tensor [B, K, N], found "
-                        f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}")
+        raise TypeError(
+            f"w: expected a 3-D bfloat16 tensor [B, K, N], found "
+            f"{getattr(w, 'dtype', type(w).__name__)} {_shape(w) if isinstance(w, torch.Tensor) else ''}"
+        )
     b, k, n = w.shape
     g, p = -(-n // GROUP), -(-k // 2)
     padded = torch.nn.functional.pad(w.detach().transpose(1, 2), (0, 2 * p - k, 0, g * GROUP - n))
@@ -90,7 +98,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.float(), w.float()).to(torch.bfloat16)
 
 
-TILE_PAIRS = 16   # K pairs per AMX TDPBF16PS
+TILE_PAIRS = 16  # K pairs per AMX TDPBF16PS
 
 
 def matmul_in_tile_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -118,7 +126,7 @@ def matmul_in_tile_order_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return c
 
 
-FP32_LANES = 16   # the fp32 linear's partial sums (one AVX-512 vector)
+FP32_LANES = 16  # the fp32 linear's partial sums (one AVX-512 vector)
 
 
 def linear_fp32_in_lane_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -129,9 +137,9 @@ def linear_fp32_in_lane_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     acc = torch.zeros(m, w.shape[0], FP32_LANES)
     for c0 in range(0, k, FP32_LANES):
         r = min(FP32_LANES, k - c0)
-        acc[..., :r] = acc[..., :r] + x[:, None, c0:c0 + r] * w[None, :, c0:c0 + r]
+        acc[..., :r] = acc[..., :r] + x[:, None, c0 : c0 + r] * w[None, :, c0 : c0 + r]
     h = FP32_LANES // 2
     while h >= 1:
-        acc = acc[..., :h] + acc[..., h:2 * h]
+        acc = acc[..., :h] + acc[..., h : 2 * h]
         h //= 2
     return acc[..., 0]

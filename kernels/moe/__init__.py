@@ -8,6 +8,7 @@ call this function, so they run the same kernel. The Triton module is imported o
 `moe_combine` is one elementwise loop in rank order, the same on every device.
 Contracts and the batch-invariance notes: `expertmesh.kernels.moe.naive`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,12 @@ __all__ = [
 def cpu_kernel_runs(x: torch.Tensor, w13_blocks: torch.Tensor) -> bool:
     """Whether `moe_expert_outputs` runs the fused CPU kernel for these tensors: both on the CPU, the backend not
     forced, the kernel built."""
-    return x.device.type == "cpu" and w13_blocks.device.type == "cpu" and _configured() == "auto" \
+    return (
+        x.device.type == "cpu"
+        and w13_blocks.device.type == "cpu"
+        and _configured() == "auto"
         and cpu_kernel.available()
+    )
 
 
 def moe_expert_outputs(
@@ -72,13 +77,17 @@ def moe_expert_outputs(
     each expert W2 · act(W_gate x, W_up x) with act = `activation` (SwiGLU by default, or SiTU)."""
     if resolve(x, w13_blocks) == "triton":
         from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
-        return moe_expert_outputs_triton(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
-                                         activation=activation)
+
+        return moe_expert_outputs_triton(
+            x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
+        )
     if cpu_kernel_runs(x, w13_blocks):
-        return cpu_kernel.moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
-                                             activation=activation)
-    return moe_expert_outputs_grouped(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out,
-                                      activation=activation)
+        return cpu_kernel.moe_expert_outputs(
+            x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
+        )
+    return moe_expert_outputs_grouped(
+        x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
+    )
 
 
 def moe_forward(
@@ -93,6 +102,7 @@ def moe_forward(
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T,H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T,H] in x.dtype (dispatching path)."""
-    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales,
-                                          activation=activation),
-                       topk_weights)
+    return moe_combine(
+        moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, activation=activation),
+        topk_weights,
+    )

@@ -13,6 +13,7 @@ token's own (expert, weight, output) triples — not on the batch, the placement
 or whether P_g was reduced on an expert worker (`group_partials`) or assembled from per-slot rows on the
 attention worker (`fold_fragments`). The reference model runs `grouped_combine`, which is these two functions.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,9 @@ def present_groups(ids: torch.Tensor, group_size: int, n_groups: int) -> torch.T
     return present
 
 
-def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int,
-                   n_groups: int) -> torch.Tensor:
+def group_partials(
+    outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int, n_groups: int
+) -> torch.Tensor:
     """outputs [T, K, H] unweighted expert outputs, ids [T, K] in ascending order per row (−1 = absent, its output
     ignored), weights [T, K] → fp32 [R, H]: one P_g per (row, group present), rows in row-major (row, group) order
     (`present_groups(ids).nonzero()`). On CPU the C++ loop (kernels/moe/cpu_kernel.py) where it is built: the same
@@ -47,20 +49,21 @@ def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     return group_partials_torch(outputs, ids, weights, group_size, n_groups)
 
 
-def group_partials_torch(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int,
-                         n_groups: int) -> torch.Tensor:
+def group_partials_torch(
+    outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group_size: int, n_groups: int
+) -> torch.Tensor:
     """`group_partials` in tensor ops: the definition."""
     T, K, H = outputs.shape
-    present = present_groups(ids, group_size, n_groups)                         # [T, G]
-    index = torch.cumsum(present.flatten(), 0).view(T, n_groups) - 1             # (row, group) → output row
+    present = present_groups(ids, group_size, n_groups)  # [T, G]
+    index = torch.cumsum(present.flatten(), 0).view(T, n_groups) - 1  # (row, group) → output row
     acc = torch.zeros(int(present.sum()), H, dtype=torch.float32, device=outputs.device)
     w = weights.float()
-    for k in range(K):                        # ascending id within each row, so within each (row, group)
+    for k in range(K):  # ascending id within each row, so within each (row, group)
         valid = ids[:, k] >= 0
         if not bool(valid.any()):
             continue
         rows = valid.nonzero().squeeze(1)
-        dst = index[rows, ids[rows, k] // group_size]                          # distinct: one slot per row
+        dst = index[rows, ids[rows, k] // group_size]  # distinct: one slot per row
         acc[dst] = acc[dst] + outputs[rows, k].float() * w[rows, k, None]
     return acc
 
@@ -77,10 +80,16 @@ def fold_rows(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: torch.dt
     tokens [R], groups [R] (numpy or torch integers) → fp32 [n_tokens, H]: per token, +0 then + round(P_g) for its
     groups ascending. On CPU the C++ loop (kernels/moe/cpu_kernel.py) where it is built, bf16 or fp32 rounding: the
     same adds, so the same bits as `fold_rows_torch`."""
-    if rows.device.type == "cpu" and rows.shape[0] and dtype in (torch.float32, torch.bfloat16) and \
-            cpu_kernel.available():
+    if (
+        rows.device.type == "cpu"
+        and rows.shape[0]
+        and dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernel.available()
+    ):
+
         def as_tensor(a):
             return a.cpu() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
+
         return cpu_kernel.fold_rows(as_tensor(tokens), as_tensor(groups), rows, n_tokens, dtype)
     return fold_rows_torch(tokens, groups, rows, n_tokens, dtype)
 
@@ -105,8 +114,15 @@ def fold_rows_torch(tokens, groups, rows: torch.Tensor, n_tokens: int, dtype: to
     return acc
 
 
-def grouped_combine(outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                    n_experts: int, n_groups: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def grouped_combine(
+    outputs: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    n_experts: int,
+    n_groups: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The single-process definition: outputs [T, K, H] of experts topk_ids [T, K] (distinct per row, any order;
     of `n_experts` in `n_groups` groups) with gate weights [T, K] → the routed sum fp32 [T, H]."""
     T, K, H = outputs.shape

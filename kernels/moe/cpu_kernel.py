@@ -36,6 +36,7 @@ The activation (SwiGLU, or SiTU: `kernels.activation`) runs between the two GEMM
 scalar libm functions (std::exp for σ, std::tanh for SiTU's caps), the same code for every row and ISA path; they
 round differently from ATen's SIMD silu / sigmoid / tanh, another fp32-rounding-level difference from the reference.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,15 +55,15 @@ from expertmesh.kernels.mxfp4.naive import check_mxfp4
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu" / "mxfp4_moe.cpp"
-EXTENSION = "expertmesh_mxfp4_cpu"   # build name prefix; the library's op namespace is NAMESPACE
-NAMESPACE = "expertmesh_mxfp4_cpu"   # TORCH_LIBRARY(...) in the source
+EXTENSION = "expertmesh_mxfp4_cpu"  # build name prefix; the library's op namespace is NAMESPACE
+NAMESPACE = "expertmesh_mxfp4_cpu"  # TORCH_LIBRARY(...) in the source
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4, "amx": 5}
-_ACT = {"swiglu": 0, "situ": 1}   # the C++ Act codes
+_ACT = {"swiglu": 0, "situ": 1}  # the C++ Act codes
 
 _lock = threading.Lock()
 _tried = False
 _ops = None
-build_seconds: float | None = None   # wall time of this process's load (build, or cached load)
+build_seconds: float | None = None  # wall time of this process's load (build, or cached load)
 build_error: str | None = None
 
 
@@ -89,12 +90,13 @@ def load():
         t0 = time.perf_counter()
         try:
             _ops = cpu_extension.build_ops(EXTENSION, SOURCE, NAMESPACE)
-            _ops.best_isa()                                   # resolves the ops: fails here, not later
-        except Exception as exc:   # no compiler / ninja, a build error, an unloadable library
+            _ops.best_isa()  # resolves the ops: fails here, not later
+        except Exception as exc:  # no compiler / ninja, a build error, an unloadable library
             _ops = None
             build_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            log.warning("expertmesh: the fused CPU MXFP4 kernel could not be built (%s); using the PyTorch path",
-                        build_error)
+            log.warning(
+                "expertmesh: the fused CPU MXFP4 kernel could not be built (%s); using the PyTorch path", build_error
+            )
         build_seconds = time.perf_counter() - t0
         _tried = True
         return _ops
@@ -129,8 +131,10 @@ def bf16_isa() -> str:
         want = os.environ.get("EXPERTMESH_CPU_MOE_ISA", "").strip().lower()
         if want:
             if want not in ISAS or want == "auto":
-                raise ValueError(f"EXPERTMESH_CPU_MOE_ISA: expected one of {', '.join(k for k in ISAS if k != 'auto')}"
-                                 f", found {want!r}")
+                raise ValueError(
+                    f"EXPERTMESH_CPU_MOE_ISA: expected one of {', '.join(k for k in ISAS if k != 'auto')}"
+                    f", found {want!r}"
+                )
             if want == "amx" and not amx_runs():
                 raise ValueError("EXPERTMESH_CPU_MOE_ISA=amx: this CPU (or its operating system) offers no AMX-BF16")
             _bf16_isa = want
@@ -196,11 +200,20 @@ def moe_expert_outputs(
     if isa == "amx" and x.dtype != torch.bfloat16:
         raise ValueError(f"x: isa amx takes bfloat16 activations, found {x.dtype}")
     code = _isa(isa)
-    target = out if out is not None and out.dtype == torch.float32 else \
-        torch.empty(s.T, s.K, s.H, dtype=torch.float32)
-    ops.moe_expert_outputs((x if x.dtype == torch.bfloat16 else x.float()).contiguous(), topk_ids.contiguous(),
-                           w13_blocks.contiguous(), w13_scales.contiguous(), w2_blocks.contiguous(),
-                           w2_scales.contiguous(), target, code, _ACT[act.kind], act.beta, act.linear_beta)
+    target = out if out is not None and out.dtype == torch.float32 else torch.empty(s.T, s.K, s.H, dtype=torch.float32)
+    ops.moe_expert_outputs(
+        (x if x.dtype == torch.bfloat16 else x.float()).contiguous(),
+        topk_ids.contiguous(),
+        w13_blocks.contiguous(),
+        w13_scales.contiguous(),
+        w2_blocks.contiguous(),
+        w2_scales.contiguous(),
+        target,
+        code,
+        _ACT[act.kind],
+        act.beta,
+        act.linear_beta,
+    )
     if out is None:
         return target if fp32_output else target.to(x.dtype)
     if target is not out:
@@ -212,18 +225,25 @@ def group_partials(outputs: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     """The canonical per-(row, group) partial sums in C++: the same fp32 operations in the same order as
     `kernels.moe.combine.group_partials_torch`, so the same bits, without a dozen tensor ops per slot column.
     Contract: `kernels.moe.combine.group_partials` (n_groups is implied by the ids)."""
-    return _require().group_partials(outputs.float().contiguous(), ids.long().contiguous(),
-                                     weights.float().contiguous(), int(group_size))
+    return _require().group_partials(
+        outputs.float().contiguous(), ids.long().contiguous(), weights.float().contiguous(), int(group_size)
+    )
 
 
-def fold_rows(tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_tokens: int,
-              dtype: torch.dtype) -> torch.Tensor:
+def fold_rows(
+    tokens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, n_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The routed sum from the present P_g in C++: the same fp32 adds in the same order as
     `kernels.moe.combine.fold_rows_torch`, so the same bits, in one pass over the rows (threads split tokens).
     Contract: `kernels.moe.combine.fold_rows`; dtype float32 or bfloat16 (the rounding of each P_g)."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, found {dtype}")
-    if not (rows.dtype == dtype == torch.bfloat16):     # bf16 rows are read as they are only when bf16 is the rounding
+    if not (rows.dtype == dtype == torch.bfloat16):  # bf16 rows are read as they are only when bf16 is the rounding
         rows = rows.float()
-    return _require().fold_rows(tokens.long().contiguous(), groups.long().contiguous(), rows.contiguous(),
-                                int(n_tokens), dtype == torch.bfloat16)
+    return _require().fold_rows(
+        tokens.long().contiguous(),
+        groups.long().contiguous(),
+        rows.contiguous(),
+        int(n_tokens),
+        dtype == torch.bfloat16,
+    )

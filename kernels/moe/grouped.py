@@ -11,6 +11,7 @@ Dequantised weights can be kept in a small LRU cache (`set_dequant_cache_bytes`,
 the weight tensors and the expert, and is valid only while both tensors are alive and unmodified (their
 in-place version counters unchanged), so swapped or reloaded weights are never served stale.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ class DequantCache:
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple, tuple] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.RLock()   # re-entrant: a weakref callback may fire while it is held (GC)
+        self._lock = threading.RLock()  # re-entrant: a weakref callback may fire while it is held (GC)
         self.hits = 0
         self.misses = 0
 
@@ -89,6 +90,7 @@ def _dropper(cache_ref: weakref.ref[DequantCache], key) -> Callable:
         if cache is not None:
             with cache._lock:
                 cache._drop(key)
+
     return drop
 
 
@@ -139,10 +141,10 @@ def grouped_expert_outputs(
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        slots = order[start:start + n]
+        slots = order[start : start + n]
         start += n
         w13, w2 = weights(e)
-        rows = xf.index_select(0, slots // K)                  # [n, H]: token of each slot
+        rows = xf.index_select(0, slots // K)  # [n, H]: token of each slot
         if w13.dtype != torch.float32:
             res = expert_mlp(rows.to(w13.dtype), w13, w2, activation=activation).float()
         else:
@@ -170,14 +172,20 @@ def moe_expert_outputs(
     s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
 
     def weights(e: int):
-        return (_CACHE.get(w13_blocks, w13_scales, e, torch.float32),
-                _CACHE.get(w2_blocks, w2_scales, e, torch.float32))
+        return (
+            _CACHE.get(w13_blocks, w13_scales, e, torch.float32),
+            _CACHE.get(w2_blocks, w2_scales, e, torch.float32),
+        )
 
     return grouped_expert_outputs(x, topk_ids, s.E, weights, out, activation=activation)
 
 
 def moe_expert_outputs_dense(
-    x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """The same grouped GEMM on pre-dequantised weights w13 [E, 2I, H], w2 [E, H, I] (fp32, or bf16 GEMMs).

@@ -19,6 +19,7 @@ share the call. On torch 2.13 CPU both the GEMM kernel (picked by row count) and
 the same helpers the model's dense layers use.
 The reference below and the grouped fast path use both, so they agree bitwise with each other too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,11 +40,11 @@ def _shape(t: torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class MoEShapes:
-    T: int   # tokens
-    K: int   # top-k slots per token
-    E: int   # experts on this shard
-    H: int   # hidden size
-    I: int   # expert intermediate size
+    T: int  # tokens
+    K: int  # top-k slots per token
+    E: int  # experts on this shard
+    H: int  # hidden size
+    I: int  # expert intermediate size
 
 
 def _check_tensor(name: str, t, dtype: torch.dtype | None, shape: tuple[int, ...] | None, device) -> None:
@@ -92,12 +93,15 @@ def check_moe_inputs(
     K = topk_ids.shape[1]
     _check_tensor("w13_blocks", w13_blocks, torch.uint8, None, dev)
     if w13_blocks.dim() != 3 or w13_blocks.shape[1] % 2 or w13_blocks.shape[2] != H // 2:
-        raise ValueError(f"w13_blocks: expected shape [E,2I,{H // 2}] (H/2 = {H // 2}, 2I even), "
-                         f"found {_shape(w13_blocks)}")
+        raise ValueError(
+            f"w13_blocks: expected shape [E,2I,{H // 2}] (H/2 = {H // 2}, 2I even), found {_shape(w13_blocks)}"
+        )
     E, I = w13_blocks.shape[0], w13_blocks.shape[1] // 2
     if I == 0 or I % 32:
-        raise ValueError(f"w13_blocks: intermediate size I={I} (rows / 2) must be a positive multiple of 32, "
-                         f"found shape {_shape(w13_blocks)}")
+        raise ValueError(
+            f"w13_blocks: intermediate size I={I} (rows / 2) must be a positive multiple of 32, "
+            f"found shape {_shape(w13_blocks)}"
+        )
     _check_tensor("w13_scales", w13_scales, torch.uint8, (E, 2 * I, H // 32), dev)
     _check_tensor("w2_blocks", w2_blocks, torch.uint8, (E, H, I // 2), dev)
     _check_tensor("w2_scales", w2_scales, torch.uint8, (E, H, I // 32), dev)
@@ -108,8 +112,10 @@ def check_moe_inputs(
     if topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= E:
-            raise ValueError(f"topk_ids: expected values in [-1, {E}) (local expert ids, -1 = not on this "
-                             f"shard), found min {lo} max {hi}")
+            raise ValueError(
+                f"topk_ids: expected values in [-1, {E}) (local expert ids, -1 = not on this "
+                f"shard), found min {lo} max {hi}"
+            )
     return MoEShapes(T=T, K=K, E=E, H=H, I=I)
 
 
@@ -147,8 +153,9 @@ def swiglu(gate_up: torch.Tensor, *, activation: GatedActivation = SWIGLU) -> to
     return gated_act(gate_up[:, :i], gate_up[:, i:], activation)
 
 
-def expert_mlp(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
-               activation: GatedActivation = SWIGLU) -> torch.Tensor:
+def expert_mlp(
+    xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, activation: GatedActivation = SWIGLU
+) -> torch.Tensor:
     """xe [M, H] rows, w13 [2I, H], w2 [H, I] (fp32, or bf16 GEMMs) → W2 · act(gate, up) [M, H], batch-invariant.
     The activation runs in fp32 (`gated_act`) and is rounded back to the GEMMs' dtype."""
     gate_up = invariant_linear(xe, w13)
@@ -185,8 +192,8 @@ def moe_expert_outputs(
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
-        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)   # [2I, H]
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)      # [H, I]
+        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)  # [2I, H]
+        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)  # [H, I]
         result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2, activation=activation)
     if out is None:
         return result.to(x.dtype)
@@ -194,9 +201,7 @@ def moe_expert_outputs(
     return out
 
 
-def moe_combine(
-    outputs: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def moe_combine(outputs: torch.Tensor, topk_weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """outputs [T, K, H] + topk_weights [T, K] → Σ_k w[t,k] · outputs[t,k] [T, H] in outputs.dtype.
 
     The one canonical order: fp32, k = 0, 1, …, K-1, each step a separate multiply then add (no fused or
@@ -206,7 +211,7 @@ def moe_combine(
     acc = torch.zeros(T, H, dtype=torch.float32, device=outputs.device)
     w = topk_weights.float()
     for k in range(K):
-        acc = acc + outputs[:, k].float() * w[:, k:k + 1]
+        acc = acc + outputs[:, k].float() * w[:, k : k + 1]
     if out is None:
         return acc.to(outputs.dtype)
     out.copy_(acc)
@@ -225,9 +230,10 @@ def moe_reference(
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T, H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T, H] in x.dtype (reference path)."""
-    return moe_combine(moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales,
-                                          activation=activation),
-                       topk_weights)
+    return moe_combine(
+        moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, activation=activation),
+        topk_weights,
+    )
 
 
 def moe_expert_outputs_tile_order(
@@ -250,8 +256,8 @@ def moe_expert_outputs_tile_order(
         raise ValueError(f"x: expected bfloat16 (the tile unit's operand), found {x.dtype}")
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
-        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.bfloat16)   # [2I, H]
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.bfloat16)      # [H, I]
+        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.bfloat16)  # [2I, H]
+        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.bfloat16)  # [H, I]
         gate_up = matmul_in_tile_order_fp32(x[t_idx], w13)
         i = gate_up.shape[1] // 2
         h = gated_act(gate_up[:, :i], gate_up[:, i:], activation).to(torch.bfloat16)

@@ -19,6 +19,7 @@ Batch invariance holds by construction: one fixed tile configuration (no autotun
 every output element is reduced in the same order whatever other rows share its tile. Slots with id -1 are
 zero-filled. Not yet run on a GPU: only under TRITON_INTERPRET=1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,20 +71,38 @@ def _sigmoid(x):
 
 @triton.jit
 def _gate_up_act_kernel(
-    x_ptr, slots_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    wb_ptr, ws_ptr, h_ptr,
-    H, I, TOPK, beta, linear_beta,
-    stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_hm,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SITU: tl.constexpr, CAP_UP: tl.constexpr,
+    x_ptr,
+    slots_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    wb_ptr,
+    ws_ptr,
+    h_ptr,
+    H,
+    I,
+    TOPK,
+    beta,
+    linear_beta,
+    stride_xt,
+    stride_wbe,
+    stride_wbn,
+    stride_wse,
+    stride_wsn,
+    stride_hm,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SITU: tl.constexpr,
+    CAP_UP: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     r0, r1 = tl.load(tile_start_ptr + pid_m), tl.load(tile_end_ptr + pid_m)
-    rm = r0 + tl.arange(0, BM)                                     # sorted-row positions
+    rm = r0 + tl.arange(0, BM)  # sorted-row positions
     mask_m = rm < r1
-    tok = tl.load(slots_ptr + rm, mask=mask_m, other=0) // TOPK    # token of each slot
-    rn = pid_n * BN + tl.arange(0, BN)                             # gate rows (up rows: I + rn)
+    tok = tl.load(slots_ptr + rm, mask=mask_m, other=0) // TOPK  # token of each slot
+    rn = pid_n * BN + tl.arange(0, BN)  # gate rows (up rows: I + rn)
     mask_n = rn < I
     j = tl.arange(0, BK // 2)
     wg = wb_ptr + e * stride_wbe + rn[:, None] * stride_wbn
@@ -94,7 +113,7 @@ def _gate_up_act_kernel(
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        col = k0 + 2 * j                                           # even element columns of this step
+        col = k0 + 2 * j  # even element columns of this step
         mask_k = col < H
         xm = mask_m[:, None] & mask_k[None, :]
         x_even = tl.load(x_rows + col[None, :], mask=xm, other=0.0).to(tl.float32)
@@ -109,24 +128,41 @@ def _gate_up_act_kernel(
         acc_u = _dot(x_even, u_lo, acc_u)
         acc_u = _dot(x_odd, u_hi, acc_u)
     if SITU:
-        a = beta * _tanh(acc_g / beta)                             # β·tanh(g/β)
-        a = a * _sigmoid(acc_g)                                    # · σ(g)
+        a = beta * _tanh(acc_g / beta)  # β·tanh(g/β)
+        a = a * _sigmoid(acc_g)  # · σ(g)
         if CAP_UP:
-            acc_u = linear_beta * _tanh(acc_u / linear_beta)       # β_lin·tanh(u/β_lin)
+            acc_u = linear_beta * _tanh(acc_u / linear_beta)  # β_lin·tanh(u/β_lin)
         h = a * acc_u
     else:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                 # silu(g) · u
-    tl.store(h_ptr + rm[:, None].to(tl.int64) * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) · u
+    tl.store(
+        h_ptr + rm[:, None].to(tl.int64) * stride_hm + rn[None, :],
+        h.to(h_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, slots_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    wb_ptr, ws_ptr, out_ptr,
-    H, I,
-    stride_hm, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    h_ptr,
+    slots_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    wb_ptr,
+    ws_ptr,
+    out_ptr,
+    H,
+    I,
+    stride_hm,
+    stride_wbe,
+    stride_wbn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
@@ -134,7 +170,7 @@ def _down_kernel(
     rm = r0 + tl.arange(0, BM)
     mask_m = rm < r1
     slot = tl.load(slots_ptr + rm, mask=mask_m, other=0)
-    rn = pid_n * BN + tl.arange(0, BN)                             # output columns (rows of W2)
+    rn = pid_n * BN + tl.arange(0, BN)  # output columns (rows of W2)
     mask_n = rn < H
     j = tl.arange(0, BK // 2)
     wrow = wb_ptr + e * stride_wbe + rn[:, None] * stride_wbn
@@ -147,12 +183,12 @@ def _down_kernel(
         hm = mask_m[:, None] & mask_k[None, :]
         h_even = tl.load(h_rows + col[None, :], mask=hm, other=0.0)
         h_odd = tl.load(h_rows + col[None, :] + 1, mask=hm, other=0.0)
-        w_lo, w_hi = _decode_plane(wrow + (k0 // 2 + j)[None, :], srow + (col // 32)[None, :],
-                                   mask_n[:, None] & mask_k[None, :])
+        w_lo, w_hi = _decode_plane(
+            wrow + (k0 // 2 + j)[None, :], srow + (col // 32)[None, :], mask_n[:, None] & mask_k[None, :]
+        )
         acc = _dot(h_even, w_lo, acc)
         acc = _dot(h_odd, w_hi, acc)
-    tl.store(out_ptr + slot[:, None] * stride_om + rn[None, :], acc,
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptr + slot[:, None] * stride_om + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 def _tile_schedule(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,18 +243,51 @@ def moe_expert_outputs(
     h = torch.empty(n_valid, I, dtype=torch.float32, device=x.device)
     situ = act.kind == "situ"
     _gate_up_act_kernel[(n_tiles, triton.cdiv(I, BLOCK_N))](
-        x, slots, tile_e, tile_s, tile_n, w13_blocks, w13_scales, h,
-        H, I, K, act.beta if situ else 1.0, act.linear_beta if act.caps_up else 1.0,
-        x.stride(0), w13_blocks.stride(0), w13_blocks.stride(1), w13_scales.stride(0), w13_scales.stride(1),
+        x,
+        slots,
+        tile_e,
+        tile_s,
+        tile_n,
+        w13_blocks,
+        w13_scales,
+        h,
+        H,
+        I,
+        K,
+        act.beta if situ else 1.0,
+        act.linear_beta if act.caps_up else 1.0,
+        x.stride(0),
+        w13_blocks.stride(0),
+        w13_blocks.stride(1),
+        w13_scales.stride(0),
+        w13_scales.stride(1),
         h.stride(0),
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, SITU=situ, CAP_UP=act.caps_up,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+        SITU=situ,
+        CAP_UP=act.caps_up,
     )
     _down_kernel[(n_tiles, triton.cdiv(H, BLOCK_N))](
-        h, slots, tile_e, tile_s, tile_n, w2_blocks, w2_scales, target,
-        H, I,
-        h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
+        h,
+        slots,
+        tile_e,
+        tile_s,
+        tile_n,
+        w2_blocks,
+        w2_scales,
+        target,
+        H,
+        I,
+        h.stride(0),
+        w2_blocks.stride(0),
+        w2_blocks.stride(1),
+        w2_scales.stride(0),
+        w2_scales.stride(1),
         target.stride(0),
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
     )
     if target is not flat_out:
         flat_out.copy_(target)

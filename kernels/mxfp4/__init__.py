@@ -5,6 +5,7 @@
 (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is imported only
 when first chosen. Contracts: `expertmesh.kernels.mxfp4.naive`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,5 +41,6 @@ def dequantize_mxfp4(
     Contract: `expertmesh.kernels.mxfp4.naive.dequantize_mxfp4`."""
     if resolve(blocks, scales) == "triton":
         from expertmesh.kernels.mxfp4.triton_mxfp4 import dequantize_mxfp4 as dequantize_mxfp4_triton
+
         return dequantize_mxfp4_triton(blocks, scales, dtype, block_size=block_size)
     return dequantize_mxfp4_torch(blocks, scales, dtype, block_size=block_size)

@@ -12,6 +12,7 @@ finite fp32 never produces such a pair (scales ≤ 0xFC); "ceil" can, for |x| ab
 These functions are vectorised PyTorch and run on any device; `expertmesh.kernels.mxfp4` dispatches
 `dequantize_mxfp4` to a Triton kernel on CUDA.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,6 @@ EXP_MIN, EXP_MAX = -127, 127
 E2M1_EMAX = 2  # exponent of the largest E2M1 value (6 = 1.5 · 2^2): the "floor" rule subtracts it
 ROUNDINGS = ("floor", "ceil")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -82,8 +82,8 @@ def quantize_mxfp4(
 
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     lead = x.shape[:-1]
-    xb = x.to(cdt).reshape(*lead, K // block_size, block_size)        # [..., nb, bs]
-    amax = xb.abs().amax(dim=-1)                                     # [..., nb]; NaN / inf propagate
+    xb = x.to(cdt).reshape(*lead, K // block_size, block_size)  # [..., nb, bs]
+    amax = xb.abs().amax(dim=-1)  # [..., nb]; NaN / inf propagate
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, 0)
 
@@ -99,7 +99,7 @@ def quantize_mxfp4(
     exp = torch.where(amax > 0, exp, EXP_MIN).clamp(EXP_MIN, EXP_MAX)  # zero block: min scale
 
     # x · 2^-e is exact (power-of-two scaling) except results below the fp32 normal range, far below 0.25 → 0 anyway.
-    a = xb * pow2_exact(-exp, cdt).unsqueeze(-1)                     # [..., nb, bs]
+    a = xb * pow2_exact(-exp, cdt).unsqueeze(-1)  # [..., nb, bs]
     mag = a.abs()
     # Round half to even onto the E2M1 grid: it is evenly spaced by 0.5 · 2^r in region r (r = 0: [0, 2),
     # 1: [2, 4), 2: [4, 8)), so round(mag / step) (torch.round: ties to even) lands on it, and the code is
@@ -130,11 +130,15 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, block_size: int = 32
     if not isinstance(block_size, int) or block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size: expected a positive even int, found {block_size!r}")
     if blocks.shape[:-1] != scales.shape[:-1]:
-        raise ValueError(f"scales: expected leading dims {list(blocks.shape[:-1])} (as blocks {_shape(blocks)}), "
-                         f"found {_shape(scales)}")
+        raise ValueError(
+            f"scales: expected leading dims {list(blocks.shape[:-1])} (as blocks {_shape(blocks)}), "
+            f"found {_shape(scales)}"
+        )
     if blocks.shape[-1] * 2 != scales.shape[-1] * block_size:
-        raise ValueError(f"scales: expected last dim {blocks.shape[-1] * 2 // block_size} (= 2 · blocks last dim "
-                         f"{blocks.shape[-1]} / block_size {block_size}), found {_shape(scales)}")
+        raise ValueError(
+            f"scales: expected last dim {blocks.shape[-1] * 2 // block_size} (= 2 · blocks last dim "
+            f"{blocks.shape[-1]} / block_size {block_size}), found {_shape(scales)}"
+        )
     if blocks.device != scales.device:
         raise ValueError(f"scales: expected device {blocks.device} (as blocks), found {scales.device}")
     return blocks.shape[-1] * 2
@@ -157,7 +161,7 @@ def dequantize_mxfp4(
     lead = blocks.shape[:-1]
     # One gather of value pairs per byte (table [256, 2]: low nibble first), one per scale, one multiply.
     lut = fp4_lut(cdt, blocks.device)
-    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)      # byte v → (lut[v&15], lut[v>>4])
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # byte v → (lut[v&15], lut[v>>4])
     vals = pairs.index_select(0, blocks.reshape(-1).to(torch.int32))
     scale = e8m0_lut(cdt, blocks.device).index_select(0, scales.reshape(-1).to(torch.int32))
     out = vals.view(-1, block_size).mul_(scale.unsqueeze(-1))

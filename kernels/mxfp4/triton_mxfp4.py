@@ -5,6 +5,7 @@ On contiguous tensors the packed byte b (flat index over [..., K/2]) holds eleme
 Each program decodes BLOCK packed bytes; the E2M1 value is computed arithmetically (no table) and the E8M0
 scale is built from its bits, so the result is exact, as in the reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,9 @@ def e8m0_scale(s):
 
 
 @triton.jit
-def _dequant_kernel(blocks_ptr, scales_ptr, out_ptr, n_bytes, HALF_BS: tl.constexpr, BF16_BITS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _dequant_kernel(
+    blocks_ptr, scales_ptr, out_ptr, n_bytes, HALF_BS: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     b = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = b < n_bytes
@@ -70,6 +72,13 @@ def dequantize_mxfp4(
         return out
     BLOCK = 1024
     bf16 = dtype == torch.bfloat16
-    _dequant_kernel[(triton.cdiv(n_bytes, BLOCK),)](blocks, scales, out.view(torch.int16) if bf16 else out, n_bytes,
-                                                     HALF_BS=block_size // 2, BF16_BITS=bf16, BLOCK=BLOCK)
+    _dequant_kernel[(triton.cdiv(n_bytes, BLOCK),)](
+        blocks,
+        scales,
+        out.view(torch.int16) if bf16 else out,
+        n_bytes,
+        HALF_BS=block_size // 2,
+        BF16_BITS=bf16,
+        BLOCK=BLOCK,
+    )
     return out

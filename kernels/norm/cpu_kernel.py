@@ -16,6 +16,7 @@ contiguous tensor in x's dtype (l2_normalize: fp32). Bad inputs raise TypeError 
 Built on first use (kernels/cpu_extension.py); without a compiler, or when the build fails, `available()` is False
 after one warning and the model keeps the PyTorch forms. `EXPERTMESH_CPU_NORM_KERNEL=0` turns it off.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,18 +26,32 @@ import torch
 
 from expertmesh.kernels.cpu_extension import LazyExtension
 
-__all__ = ["available", "built", "enabled", "takes", "refresh", "rms_norm", "layer_norm", "l2_normalize", "rotary",
-           "EXTENSION"]
+__all__ = [
+    "available",
+    "built",
+    "enabled",
+    "takes",
+    "refresh",
+    "rms_norm",
+    "layer_norm",
+    "l2_normalize",
+    "rotary",
+    "EXTENSION",
+]
 
-EXTENSION = LazyExtension("expertmesh_norm_cpu", Path(__file__).parent / "cpu" / "norm_rotary.cpp",
-                          "expertmesh_norm_cpu", what="CPU norm / rotary kernel", probe="rms_norm")
+EXTENSION = LazyExtension(
+    "expertmesh_norm_cpu",
+    Path(__file__).parent / "cpu" / "norm_rotary.cpp",
+    "expertmesh_norm_cpu",
+    what="CPU norm / rotary kernel",
+    probe="rms_norm",
+)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_NORM_KERNEL` is 0/off/false/no/torch."""
-    return os.environ.get("EXPERTMESH_CPU_NORM_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no",
-                                                                                      "torch")
+    return os.environ.get("EXPERTMESH_CPU_NORM_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
 
 
 def built() -> bool:
@@ -49,7 +64,7 @@ def available() -> bool:
     return enabled() and EXTENSION.load() is not None
 
 
-_use: bool | None = None     # available(), as the model's first norm found it (refresh() asks again)
+_use: bool | None = None  # available(), as the model's first norm found it (refresh() asks again)
 _OPS = None
 
 
@@ -66,8 +81,12 @@ def takes(x: torch.Tensor, *params: torch.Tensor) -> bool:
     global _use
     if _use is None:
         _use = available()
-    return _use and x.is_cpu and x.dtype in DTYPES and \
-        not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+    return (
+        _use
+        and x.is_cpu
+        and x.dtype in DTYPES
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+    )
 
 
 def _ops():

@@ -11,6 +11,7 @@ bodies `expertmesh/model/transformer.py` had before the kernel, moved as they we
 
 Each over the last dim, row by row; `pointwise` keeps ATen's rsqrt on the same code path for every row.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,5 +45,5 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
     else:
-        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+        x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
