@@ -1,4 +1,4 @@
-"""Map the design's top-level folders into the one `expertmesh` import namespace (see DESIGN.md)."""
+"""Map the design's top-level folders into the one `expertmesh` import namespace (see docs/architecture.md, "Layout")."""
 
 from setuptools import find_packages, setup
 

@@ -1,4 +1,4 @@
-"""Row-batch-invariant building blocks (see DESIGN.md, "Determinism").
+"""Row-batch-invariant building blocks (see docs/architecture.md, "Determinism").
 
 CPU BLAS picks its kernel by the number of rows: one row goes through a matrix-vector path and a few rows
 through differently blocked GEMMs, so row i of `x @ w.T` changes in the last bits with the batch it sits in.

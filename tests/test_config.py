@@ -26,7 +26,7 @@ def test_full_preset_reproduces_published_totals():
     assert abs(cfg.active_params / 104e9 - 1) < 0.02
     assert cfg.indexer.index_topk == 2048
     assert cfg.max_context == 1_048_576
-    # ~1.5 TB of weights once the experts are MXFP4 (DESIGN.md)
+    # ~1.5 TB of weights once the experts are MXFP4 (docs/architecture.md)
     assert 1.3e12 < cfg.checkpoint_bytes < 1.7e12
 
 

@@ -212,7 +212,7 @@ def test_prefill_then_decode_continuity(split):
 
 @pytest.mark.parametrize("op", [chunk_kda_torch, fused_recurrent_kda_torch], ids=["chunk", "fused_recurrent"])
 def test_batch_invariance(op):
-    # DESIGN.md "Determinism": a sequence's outputs must not depend on what else is in the batch (bitwise).
+    # docs/architecture.md "Determinism": a sequence's outputs must not depend on what else is in the batch (bitwise).
     q, k, v, g, beta, h0 = make_inputs(6, 3, 2, 32, 32, seed=16)
     o6, s6 = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o1, s1 = op(q[:1], k[:1], v[:1], g[:1], beta[:1], initial_state=h0[:1], output_final_state=True)

@@ -1,5 +1,5 @@
-"""numpy arrays ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (DESIGN: "Tensors on the
-wire"), for the processes that hold no tensor library — the router sends token ids, pixels and replica tables and
+"""numpy arrays ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (docs/architecture.md:
+"Wire tensors"), for the processes that hold no tensor library — the router sends token ids, pixels and replica tables and
 reads log-probabilities this way. `expertmesh/wire/tensors.py` is the torch side of the same encoding (bfloat16
 included); both check a message the same way (`check_message`), and decoding is exact (bitwise)."""
 

@@ -1,5 +1,5 @@
-"""torch tensors ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (DESIGN: "Tensors on the
-wire"), the workers' side of `expertmesh/wire/arrays.py` (same bytes, same checks) with bfloat16 as a dtype of its
+"""torch tensors ⇄ `expertmesh.v1.Tensor`: raw little-endian bytes with dtype and shape (docs/architecture.md:
+"Wire tensors"), the workers' side of `expertmesh/wire/arrays.py` (same bytes, same checks) with bfloat16 as a dtype of its
 own. Decoding is exact (bitwise), so a remote call returns the same numbers as a local one."""
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """Routed-expert MoE over MXFP4 weights: the input contract, the batch-invariant building blocks, the reference.
 
-One shard of E experts (gpt-oss-like layout, gate and up CONCATENATED along the rows):
-    w13_blocks uint8 [E, 2I, H/2], w13_scales uint8 [E, 2I, H/32]   rows 0..I-1 = gate, I..2I-1 = up
-    w2_blocks  uint8 [E, H, I/2],  w2_scales  uint8 [E, H, I/32]
-    expert_e(x) = W2_e · act(W_gate,e · x, W_up,e · x), in fp32 from the dequantised weights,
+One shard of E experts comes as one `MXFP4Experts` bundle (`kernels/moe/experts.py`: gate_up and down blocks and
+scales, gate and up concatenated along the rows):
+    expert_e(x) = W_down,e · act(W_gate,e · x, W_up,e · x), in fp32 from the dequantised weights,
 with act the keyword `activation` (`kernels.activation.GatedActivation`) every entry point takes: SwiGLU
 silu(g) ⊙ u by default (`SWIGLU`), or Kimi K3's SiTU β·tanh(g/β)·σ(g) ⊙ β_lin·tanh(u/β_lin) (u uncapped
 when β_lin = 0).
 
-`moe_expert_outputs(x [T,H], topk_ids [T,K])` → [T,K,H] in x.dtype: the UNWEIGHTED output of expert
+Every backend (this reference, grouped.py, cpu_kernel.py, triton_moe.py) has the same signature
+`moe_expert_outputs(x, topk_ids, experts, *, out=None, activation=SWIGLU)`:
+x [T,H], topk_ids [T,K] → [T,K,H] in x.dtype: the UNWEIGHTED output of expert
 topk_ids[t,k] (a LOCAL index in [0,E), or -1: not on this shard → exactly 0) for token t.
 `moe_combine(outputs [T,K,H], topk_weights [T,K])` → [T,H]: Σ_k w[t,k]·out[t,k] in fp32, in rank order k = 0..K-1.
 
-Batch invariance (DESIGN.md, "Determinism"): a token's rows must be bitwise the same whatever other tokens
+Batch invariance (docs/architecture.md, "Determinism"): a token's rows must be bitwise the same whatever other tokens
 share the call. On torch 2.13 CPU both the GEMM kernel (picked by row count) and the elementwise kernels
 (SIMD body vs scalar tails) depend on the batch; `invariant_linear` and `swiglu` (the activation) go through
 `kernels/batch_invariant.py` (row-tiled GEMMs, pointwise ops on whole vectors in single-threaded chunks),
@@ -29,7 +30,7 @@ import torch
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation, gated_act
 from expertmesh.kernels.batch_invariant import linear
 from expertmesh.kernels.linear.naive import matmul_in_tile_order_fp32
-from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
+from expertmesh.kernels.moe.experts import MXFP4Experts
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -61,16 +62,13 @@ def _check_tensor(name: str, t, dtype: torch.dtype | None, shape: tuple[int, ...
 def check_moe_inputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     out: torch.Tensor | None = None,
 ) -> MoEShapes:
     """Check the contract of `moe_expert_outputs`; raise ValueError naming the tensor, expected vs found.
 
     x floating [T, H] with H a multiple of 32; topk_ids int64 [T, K] with values in [-1, E) (checked: one
-    host sync); weights uint8 as in the module docstring with I a multiple of 32; out (optional) [T, K, H]
+    host sync); experts an `MXFP4Experts` of E experts, width H, I a multiple of 32; out (optional) [T, K, H]
     contiguous, x's dtype; one device.
     """
     if not isinstance(x, torch.Tensor):
@@ -91,20 +89,24 @@ def check_moe_inputs(
         raise ValueError(f"topk_ids: expected shape [{T},K] (T as x), found {_shape(topk_ids)}")
     _check_tensor("topk_ids", topk_ids, None, None, dev)
     K = topk_ids.shape[1]
-    _check_tensor("w13_blocks", w13_blocks, torch.uint8, None, dev)
-    if w13_blocks.dim() != 3 or w13_blocks.shape[1] % 2 or w13_blocks.shape[2] != H // 2:
+    if not isinstance(experts, MXFP4Experts):
+        raise ValueError(f"experts: expected an MXFP4Experts bundle, found {type(experts).__name__}")
+    w = experts
+    _check_tensor("experts.gate_up_blocks", w.gate_up_blocks, torch.uint8, None, dev)
+    if w.gate_up_blocks.dim() != 3 or w.gate_up_blocks.shape[1] % 2 or w.gate_up_blocks.shape[2] != H // 2:
         raise ValueError(
-            f"w13_blocks: expected shape [E,2I,{H // 2}] (H/2 = {H // 2}, 2I even), found {_shape(w13_blocks)}"
+            f"experts.gate_up_blocks: expected shape [E,2I,{H // 2}] (H/2 = {H // 2}, 2I even), "
+            f"found {_shape(w.gate_up_blocks)}"
         )
-    E, I = w13_blocks.shape[0], w13_blocks.shape[1] // 2
+    E, I = w.n_experts, w.intermediate_size
     if I == 0 or I % 32:
         raise ValueError(
-            f"w13_blocks: intermediate size I={I} (rows / 2) must be a positive multiple of 32, "
-            f"found shape {_shape(w13_blocks)}"
+            f"experts.gate_up_blocks: intermediate size I={I} (rows / 2) must be a positive multiple of 32, "
+            f"found shape {_shape(w.gate_up_blocks)}"
         )
-    _check_tensor("w13_scales", w13_scales, torch.uint8, (E, 2 * I, H // 32), dev)
-    _check_tensor("w2_blocks", w2_blocks, torch.uint8, (E, H, I // 2), dev)
-    _check_tensor("w2_scales", w2_scales, torch.uint8, (E, H, I // 32), dev)
+    _check_tensor("experts.gate_up_scales", w.gate_up_scales, torch.uint8, (E, 2 * I, H // 32), dev)
+    _check_tensor("experts.down_blocks", w.down_blocks, torch.uint8, (E, H, I // 2), dev)
+    _check_tensor("experts.down_scales", w.down_scales, torch.uint8, (E, H, I // 32), dev)
     if out is not None:
         _check_tensor("out", out, x.dtype, (T, K, H), dev)
         if not out.is_contiguous():
@@ -174,10 +176,7 @@ def _expert_slots(topk_ids: torch.Tensor, n_experts: int):
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     out: torch.Tensor | None = None,
     activation: GatedActivation = SWIGLU,
@@ -187,13 +186,12 @@ def moe_expert_outputs(
     x [T, H] floating; topk_ids int64 [T, K] local ids in [-1, E) → [T, K, H] in x.dtype (into `out` if given);
     slots with id -1 are exactly 0. fp32 throughout, one rounding to x.dtype at the end.
     """
-    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    s = check_moe_inputs(x, topk_ids, experts, out)
     check_activation(activation)
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
-        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.float32)  # [2I, H]
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.float32)  # [H, I]
+        w13, w2 = experts.dequantize(e, torch.float32)  # [2I, H], [H, I]
         result[t_idx, k_idx] = expert_mlp(xf[t_idx], w13, w2, activation=activation)
     if out is None:
         return result.to(x.dtype)
@@ -222,16 +220,13 @@ def moe_reference(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T, H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T, H] in x.dtype (reference path)."""
     return moe_combine(
-        moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, activation=activation),
+        moe_expert_outputs(x, topk_ids, experts, activation=activation),
         topk_weights,
     )
 
@@ -239,10 +234,7 @@ def moe_reference(
 def moe_expert_outputs_tile_order(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
@@ -250,14 +242,13 @@ def moe_expert_outputs_tile_order(
     Each expert's weights decoded to bf16 (the exact MXFP4 values), gate | up = the tile-order sum of x's row and
     each weight row (`kernels.linear.naive.matmul_in_tile_order_fp32`), h = act(gate, up) in fp32 rounded to bf16,
     out = the tile-order sum of h and W2's rows. Slots with id -1 are exactly 0."""
-    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales)
+    s = check_moe_inputs(x, topk_ids, experts)
     check_activation(activation)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x: expected bfloat16 (the tile unit's operand), found {x.dtype}")
     result = torch.zeros(s.T, s.K, s.H, dtype=torch.float32, device=x.device)
     for e, t_idx, k_idx in _expert_slots(topk_ids, s.E):
-        w13 = dequantize_mxfp4(w13_blocks[e], w13_scales[e], torch.bfloat16)  # [2I, H]
-        w2 = dequantize_mxfp4(w2_blocks[e], w2_scales[e], torch.bfloat16)  # [H, I]
+        w13, w2 = experts.dequantize(e, torch.bfloat16)  # [2I, H], [H, I]
         gate_up = matmul_in_tile_order_fp32(x[t_idx], w13)
         i = gate_up.shape[1] // 2
         h = gated_act(gate_up[:, :i], gate_up[:, i:], activation).to(torch.bfloat16)
