@@ -16,6 +16,7 @@ import torch
 from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import _configured, resolve
 from expertmesh.kernels.moe import cpu_kernel
+from expertmesh.kernels.moe.experts import MXFP4Experts
 from expertmesh.kernels.moe.grouped import (
     dequant_cache,
     moe_expert_outputs_dense,
@@ -33,6 +34,7 @@ from expertmesh.kernels.moe.naive import moe_expert_outputs as moe_expert_output
 moe_expert_outputs_cpu = cpu_kernel.moe_expert_outputs
 
 __all__ = [
+    "MXFP4Experts",
     "GatedActivation",
     "SWIGLU",
     "moe_expert_outputs",
@@ -51,58 +53,43 @@ __all__ = [
 ]
 
 
-def cpu_kernel_runs(x: torch.Tensor, w13_blocks: torch.Tensor) -> bool:
+def cpu_kernel_runs(x: torch.Tensor, experts: MXFP4Experts) -> bool:
     """Whether `moe_expert_outputs` runs the fused CPU kernel for these tensors: both on the CPU, the backend not
     forced, the kernel built."""
     return (
-        x.device.type == "cpu"
-        and w13_blocks.device.type == "cpu"
-        and _configured() == "auto"
-        and cpu_kernel.available()
+        x.device.type == "cpu" and experts.device.type == "cpu" and _configured() == "auto" and cpu_kernel.available()
     )
 
 
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     out: torch.Tensor | None = None,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T,H], topk_ids int64 [T,K] (local ids, -1 = skip) → unweighted expert outputs [T,K,H] in x.dtype;
     each expert W2 · act(W_gate x, W_up x) with act = `activation` (SwiGLU by default, or SiTU)."""
-    if resolve(x, w13_blocks) == "triton":
+    if resolve(x, experts.gate_up_blocks) == "triton":
         from expertmesh.kernels.moe.triton_moe import moe_expert_outputs as moe_expert_outputs_triton
 
-        return moe_expert_outputs_triton(
-            x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
-        )
-    if cpu_kernel_runs(x, w13_blocks):
-        return cpu_kernel.moe_expert_outputs(
-            x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
-        )
-    return moe_expert_outputs_grouped(
-        x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out=out, activation=activation
-    )
+        return moe_expert_outputs_triton(x, topk_ids, experts, out=out, activation=activation)
+    if cpu_kernel_runs(x, experts):
+        return cpu_kernel.moe_expert_outputs(x, topk_ids, experts, out=out, activation=activation)
+    return moe_expert_outputs_grouped(x, topk_ids, experts, out=out, activation=activation)
 
 
 def moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """x [T,H] → Σ_k topk_weights[t,k] · expert_{topk_ids[t,k]}(x_t) [T,H] in x.dtype (dispatching path)."""
     return moe_combine(
-        moe_expert_outputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, activation=activation),
+        moe_expert_outputs(x, topk_ids, experts, activation=activation),
         topk_weights,
     )

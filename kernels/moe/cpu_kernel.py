@@ -49,6 +49,7 @@ import torch
 
 from expertmesh.kernels import cpu_extension
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
+from expertmesh.kernels.moe.experts import MXFP4Experts
 from expertmesh.kernels.moe.naive import check_moe_inputs
 from expertmesh.kernels.mxfp4.naive import check_mxfp4
 
@@ -177,10 +178,7 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, *,
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     out: torch.Tensor | None = None,
     isa: str = "auto",
@@ -192,7 +190,7 @@ def moe_expert_outputs(
     `isa="auto"` runs `bf16_isa()` for it — amx on CPUs with AMX-BF16 (the order of
     `naive.moe_expert_outputs_tile_order`: weights decoded to bf16, tile-unit sums, h rounded to bf16);
     `fp32_output` (without `out`): return the fp32 result as computed, before the rounding to x's dtype."""
-    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    s = check_moe_inputs(x, topk_ids, experts, out)
     act = check_activation(activation)
     ops = _require()
     if isa == "auto" and x.dtype == torch.bfloat16:
@@ -204,10 +202,7 @@ def moe_expert_outputs(
     ops.moe_expert_outputs(
         (x if x.dtype == torch.bfloat16 else x.float()).contiguous(),
         topk_ids.contiguous(),
-        w13_blocks.contiguous(),
-        w13_scales.contiguous(),
-        w2_blocks.contiguous(),
-        w2_scales.contiguous(),
+        *experts.contiguous(),
         target,
         code,
         _ACT[act.kind],

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
+from expertmesh.kernels.moe.experts import MXFP4Experts
 from expertmesh.kernels.moe.naive import check_moe_inputs, expert_mlp
 from expertmesh.kernels.mxfp4.naive import dequantize_mxfp4
 
@@ -160,21 +161,18 @@ def grouped_expert_outputs(
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     out: torch.Tensor | None = None,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """Grouped fast path. Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
-    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    s = check_moe_inputs(x, topk_ids, experts, out)
 
     def weights(e: int):
         return (
-            _CACHE.get(w13_blocks, w13_scales, e, torch.float32),
-            _CACHE.get(w2_blocks, w2_scales, e, torch.float32),
+            _CACHE.get(experts.gate_up_blocks, experts.gate_up_scales, e, torch.float32),
+            _CACHE.get(experts.down_blocks, experts.down_scales, e, torch.float32),
         )
 
     return grouped_expert_outputs(x, topk_ids, s.E, weights, out, activation=activation)

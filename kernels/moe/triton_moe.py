@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, check_activation
+from expertmesh.kernels.moe.experts import MXFP4Experts
 from expertmesh.kernels.moe.grouped import group_by_expert
 from expertmesh.kernels.moe.naive import check_moe_inputs
 from expertmesh.kernels.mxfp4.triton_mxfp4 import e2m1_value, e8m0_scale
@@ -208,16 +209,13 @@ def _tile_schedule(counts: list[int], block_m: int, device) -> tuple[torch.Tenso
 def moe_expert_outputs(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
+    experts: MXFP4Experts,
     *,
     out: torch.Tensor | None = None,
     activation: GatedActivation = SWIGLU,
 ) -> torch.Tensor:
     """Triton grouped MXFP4 path. Contract: `expertmesh.kernels.moe.naive.moe_expert_outputs`."""
-    s = check_moe_inputs(x, topk_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, out)
+    s = check_moe_inputs(x, topk_ids, experts, out)
     act = check_activation(activation)
     T, K, E, H, I = s.T, s.K, s.E, s.H, s.I
     if out is None:
@@ -238,8 +236,7 @@ def moe_expert_outputs(
     tile_e, tile_s, tile_n = _tile_schedule(counts, BLOCK_M, x.device)
     n_tiles = tile_e.numel()
     x = x.contiguous()
-    w13_blocks, w13_scales = w13_blocks.contiguous(), w13_scales.contiguous()
-    w2_blocks, w2_scales = w2_blocks.contiguous(), w2_scales.contiguous()
+    w13_blocks, w13_scales, w2_blocks, w2_scales = experts.contiguous()
     h = torch.empty(n_valid, I, dtype=torch.float32, device=x.device)
     situ = act.kind == "situ"
     _gate_up_act_kernel[(n_tiles, triton.cdiv(I, BLOCK_N))](

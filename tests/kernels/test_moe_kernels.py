@@ -10,6 +10,7 @@ import torch
 from expertmesh.kernels.activation import SWIGLU, GatedActivation, gated_act
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
+    MXFP4Experts,
     dequant_cache,
     moe_combine,
     moe_expert_outputs,
@@ -20,14 +21,14 @@ from expertmesh.kernels.moe import (
     moe_reference,
     set_dequant_cache_bytes,
 )
-from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from expertmesh.kernels.mxfp4 import dequantize_mxfp4
 
 
 def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
-    w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
-    return (*w13, *w2)
+    return MXFP4Experts.quantize(
+        torch.randn(E, 2 * I, H, generator=gen) * H**-0.5, torch.randn(E, H, I, generator=gen) * I**-0.5
+    )
 
 
 def _routing(T: int, K: int, E: int, gen: torch.Generator, experts=None, p_skip: float = 0.0) -> torch.Tensor:
@@ -93,9 +94,9 @@ def test_grouped_matches_reference(case, dtype, act):
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = _routing(T, K, E, gen, experts, p_skip)
     ids[0, 0] = -1 if p_skip else ids[0, 0]
-    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
     out = torch.full((T, K, H), float("nan"), dtype=dtype)  # poisoned: every element must be written
-    got = moe_expert_outputs_grouped(x, ids, *w, out=out, activation=activation)
+    got = moe_expert_outputs_grouped(x, ids, w, out=out, activation=activation)
     assert got is out and got.dtype == dtype and got.shape == (T, K, H)
     assert not got.isnan().any()
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -114,9 +115,9 @@ def test_grouped_matches_reference(case, dtype, act):
                 want[t, k] = w2[e] @ _act64(gu[:I], gu[I:], activation)
     assert _rel(ref, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     if act == "swiglu":  # the default is SwiGLU
-        assert torch.equal(moe_expert_outputs_reference(x, ids, *w), ref)
+        assert torch.equal(moe_expert_outputs_reference(x, ids, w), ref)
     else:  # and SiTU is not SwiGLU
-        assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2  # ≫ the 1e-5 tolerance
+        assert _rel(moe_expert_outputs_reference(x, ids, w), ref) > 1e-2  # ≫ the 1e-5 tolerance
 
 
 @pytest.mark.parametrize("act", ["situ", "situ_nocap"])
@@ -136,9 +137,9 @@ def test_situ_saturated_gates_match_reference(act):
     assert (g.abs() > 10 * activation.beta).float().mean() > 0.8  # saturated gates, both signs
     assert (g < -100).any() and (g > 100).any()
     assert (u.abs() > 4 * 25.0).float().mean() > 0.6  # ups far past the published β_lin
-    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
     assert ref.isfinite().all()
-    assert torch.equal(moe_expert_outputs_grouped(x, ids, *w, activation=activation), ref)
+    assert torch.equal(moe_expert_outputs_grouped(x, ids, w, activation=activation), ref)
     want = torch.stack(
         [torch.stack([w2[e] @ _act64(g[t, e], u[t, e], activation) for e in ids[t].tolist()]) for t in range(T)]
     )
@@ -196,9 +197,9 @@ def test_activation_validation_names_the_field():
     x, ids = torch.randn(3, 64), torch.zeros(3, 1, dtype=torch.int64)
     for fn in (moe_expert_outputs_grouped, moe_expert_outputs_reference, moe_expert_outputs):
         with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation, found str"):
-            fn(x, ids, *w, activation="situ")
+            fn(x, ids, w, activation="situ")
         with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation"):
-            fn(x[:0], ids[:0], *w, activation="situ")  # checked even with no rows
+            fn(x[:0], ids[:0], w, activation="situ")  # checked even with no rows
 
 
 def test_empty_batches():
@@ -207,9 +208,9 @@ def test_empty_batches():
         x = torch.randn(T, 64)
         ids = torch.zeros(T, K, dtype=torch.int64)
         for fn in (moe_expert_outputs_grouped, moe_expert_outputs_reference):
-            assert fn(x, ids, *w).shape == (T, K, 64)
+            assert fn(x, ids, w).shape == (T, K, 64)
     out = torch.full((2, 2, 64), float("nan"))
-    got = moe_expert_outputs_grouped(torch.randn(2, 64), torch.full((2, 2), -1), *w, out=out)
+    got = moe_expert_outputs_grouped(torch.randn(2, 64), torch.full((2, 2), -1), w, out=out)
     assert (got == 0).all()  # every slot skipped: all zeros
 
 
@@ -221,12 +222,12 @@ def test_dense_variant_and_dispatch_match(act):
     w = _weights(E, H, I, seed=3)
     x = torch.randn(T, H, generator=gen)
     ids = _routing(T, K, E, gen, p_skip=0.2)
-    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
     w13, w2 = dequantize_mxfp4(w[0], w[1], torch.float32), dequantize_mxfp4(w[2], w[3], torch.float32)
     dense = moe_expert_outputs_dense(x, ids, w13, w2, activation=activation)
     assert torch.equal(dense, ref)
     with use_backend("torch"):
-        assert torch.equal(moe_expert_outputs(x, ids, *w, activation=activation), ref)
+        assert torch.equal(moe_expert_outputs(x, ids, w, activation=activation), ref)
     # bf16 GEMMs (benchmarks): the activation still in fp32, near the fp32 result
     assert _rel(moe_expert_outputs_dense(x, ids, w13.bfloat16(), w2.bfloat16(), activation=activation), ref) < 2e-2
 
@@ -254,23 +255,23 @@ def test_combine_rank_order_and_forward():
     w = _weights(E, H, I, seed=4)
     x = torch.randn(T, H, generator=gen)
     ids = _routing(T, K, E, gen, p_skip=0.2)
-    ref = moe_reference(x, ids, weights, *w)
+    ref = moe_reference(x, ids, weights, w)
     with use_backend("torch"):  # the PyTorch path: bitwise the reference
-        assert torch.equal(moe_forward(x, ids, weights, *w), ref)
+        assert torch.equal(moe_forward(x, ids, weights, w), ref)
     # auto on CPU may run the fused C++ kernel (its own reduction order): the dispatching path, fp32 rounding apart
-    fwd = moe_forward(x, ids, weights, *w)
-    assert torch.equal(fwd, moe_combine(moe_expert_outputs(x, ids, *w), weights))
+    fwd = moe_forward(x, ids, weights, w)
+    assert torch.equal(fwd, moe_combine(moe_expert_outputs(x, ids, w), weights))
     assert _rel(fwd, ref) < 1e-5
-    assert torch.equal(ref, moe_combine(moe_expert_outputs_reference(x, ids, *w), weights))
+    assert torch.equal(ref, moe_combine(moe_expert_outputs_reference(x, ids, w), weights))
     # SiTU through moe_forward / moe_reference
     situ = ACTS["situ"]
-    ref_situ = moe_reference(x, ids, weights, *w, activation=situ)
-    assert torch.equal(ref_situ, moe_combine(moe_expert_outputs_reference(x, ids, *w, activation=situ), weights))
+    ref_situ = moe_reference(x, ids, weights, w, activation=situ)
+    assert torch.equal(ref_situ, moe_combine(moe_expert_outputs_reference(x, ids, w, activation=situ), weights))
     assert _rel(ref_situ, ref) > 1e-2
     with use_backend("torch"):
-        assert torch.equal(moe_forward(x, ids, weights, *w, activation=situ), ref_situ)
-    fwd_situ = moe_forward(x, ids, weights, *w, activation=situ)
-    assert torch.equal(fwd_situ, moe_combine(moe_expert_outputs(x, ids, *w, activation=situ), weights))
+        assert torch.equal(moe_forward(x, ids, weights, w, activation=situ), ref_situ)
+    fwd_situ = moe_forward(x, ids, weights, w, activation=situ)
+    assert torch.equal(fwd_situ, moe_combine(moe_expert_outputs(x, ids, w, activation=situ), weights))
     assert _rel(fwd_situ, ref_situ) < 1e-5
 
 
@@ -279,9 +280,9 @@ def test_batch_invariance_bitwise(impl, act):
     """A token's rows are bitwise identical alone and inside batches of 1, 3, 17, 64 other tokens."""
     base = moe_expert_outputs_grouped if impl == "grouped" else moe_expert_outputs_reference
 
-    def fn(x, ids, *w):
+    def fn(x, ids, w):
         scale = 8 if act == "situ" else 1  # × 8: gates on both sides of SiTU's cap
-        return base(x * scale, ids, *w, activation=ACTS[act])
+        return base(x * scale, ids, w, activation=ACTS[act])
 
     E, K, H, I = 8, 4, 256, 128
     w = _weights(E, H, I, seed=5)
@@ -289,7 +290,7 @@ def test_batch_invariance_bitwise(impl, act):
     probes = torch.randn(3, H, generator=gen)
     probe_ids = _routing(3, K, E, gen, p_skip=0.1)
     for dtype in (torch.float32, torch.bfloat16):
-        alone = [fn(probes[i : i + 1].to(dtype), probe_ids[i : i + 1], *w)[0] for i in range(3)]
+        alone = [fn(probes[i : i + 1].to(dtype), probe_ids[i : i + 1], w)[0] for i in range(3)]
         for n_other in (1, 3, 17, 64):
             others = torch.randn(n_other, H, generator=gen)
             other_ids = _routing(n_other, K, E, gen, p_skip=0.1)
@@ -297,7 +298,7 @@ def test_batch_invariance_bitwise(impl, act):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
                 x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]]).to(dtype)
                 ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
-                got = fn(x, ids, *w)[pos]
+                got = fn(x, ids, w)[pos]
                 assert torch.equal(got, alone[i]), (impl, dtype, n_other, i, pos)
 
 
@@ -339,28 +340,28 @@ def test_situ_rows_independent_of_batch_under_odd_thread_count():
 def test_dequant_cache_follows_weight_changes():
     T, K, E, H, I = 5, 2, 4, 64, 32
     gen = torch.Generator().manual_seed(14)
-    w = list(_weights(E, H, I, seed=6))
+    w = _weights(E, H, I, seed=6)
     x = torch.randn(T, H, generator=gen)
     ids = _routing(T, K, E, gen)
     set_dequant_cache_bytes(64 * 2**20)
     try:
         cache = dequant_cache()
-        first = moe_expert_outputs_grouped(x, ids, *w)
+        first = moe_expert_outputs_grouped(x, ids, w)
         hits = cache.hits
-        assert torch.equal(moe_expert_outputs_grouped(x, ids, *w), first) and cache.hits > hits
+        assert torch.equal(moe_expert_outputs_grouped(x, ids, w), first) and cache.hits > hits
         # in place: new values in the same tensors
         new = _weights(E, H, I, seed=7)
         w[0].copy_(new[0])
         w[3][:] = new[3]
-        changed = moe_expert_outputs_grouped(x, ids, *w)
-        assert torch.equal(changed, moe_expert_outputs_reference(x, ids, *w))
+        changed = moe_expert_outputs_grouped(x, ids, w)
+        assert torch.equal(changed, moe_expert_outputs_reference(x, ids, w))
         assert not torch.equal(changed, first)
         # new tensor objects
-        w2 = list(_weights(E, H, I, seed=8))
-        assert torch.equal(moe_expert_outputs_grouped(x, ids, *w2), moe_expert_outputs_reference(x, ids, *w2))
+        w2 = _weights(E, H, I, seed=8)
+        assert torch.equal(moe_expert_outputs_grouped(x, ids, w2), moe_expert_outputs_reference(x, ids, w2))
         # a tiny budget still gives the right answer (entries evicted or not cached)
         set_dequant_cache_bytes(1000)
-        assert torch.equal(moe_expert_outputs_grouped(x, ids, *w2), moe_expert_outputs_reference(x, ids, *w2))
+        assert torch.equal(moe_expert_outputs_grouped(x, ids, w2), moe_expert_outputs_reference(x, ids, w2))
         assert cache.nbytes <= 1000
     finally:
         set_dequant_cache_bytes(256 * 2**20)
@@ -373,27 +374,31 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
     ids = torch.zeros(T, K, dtype=torch.int64)
     fns = [moe_expert_outputs_grouped, moe_expert_outputs_reference]
     bad = [
-        ((x[0], ids, *w), r"x: expected rank 2"),
-        ((x.long(), ids, *w), r"x: expected a floating-point dtype"),
-        ((torch.randn(T, 48), ids, *w), r"x: hidden size H=48"),
-        ((x, ids.int(), *w), r"topk_ids: expected dtype torch.int64, found torch.int32"),
-        ((x, ids[:2], *w), r"topk_ids: expected shape \[3,K\]"),
-        ((x, ids + E, *w), r"topk_ids: expected values in \[-1, 4\)"),
-        ((x, ids - 2, *w), r"topk_ids: expected values in \[-1, 4\)"),
-        ((x, ids, w[0][:, :, :16], *w[1:]), r"w13_blocks: expected shape \[E,2I,32\]"),
-        ((x, ids, w[0].int(), *w[1:]), r"w13_blocks: expected dtype torch.uint8"),
-        ((x, ids, w[0], w[1][:3], *w[2:]), r"w13_scales: expected shape \[4,64,2\]"),
-        ((x, ids, *w[:2], w[2][:, :32], w[3]), r"w2_blocks: expected shape \[4,64,16\]"),
-        ((x, ids, *w[:3], w[3].float()), r"w2_scales: expected dtype torch.uint8"),
+        ((x[0], ids, w), r"x: expected rank 2"),
+        ((x.long(), ids, w), r"x: expected a floating-point dtype"),
+        ((torch.randn(T, 48), ids, w), r"x: hidden size H=48"),
+        ((x, ids.int(), w), r"topk_ids: expected dtype torch.int64, found torch.int32"),
+        ((x, ids[:2], w), r"topk_ids: expected shape \[3,K\]"),
+        ((x, ids + E, w), r"topk_ids: expected values in \[-1, 4\)"),
+        ((x, ids - 2, w), r"topk_ids: expected values in \[-1, 4\)"),
+        ((x, ids, tuple(w)), r"experts: expected an MXFP4Experts bundle, found tuple"),
+        (
+            (x, ids, w._replace(gate_up_blocks=w.gate_up_blocks[:, :, :16])),
+            r"gate_up_blocks: expected shape \[E,2I,32\]",
+        ),
+        ((x, ids, w._replace(gate_up_blocks=w.gate_up_blocks.int())), r"gate_up_blocks: expected dtype torch.uint8"),
+        ((x, ids, w._replace(gate_up_scales=w.gate_up_scales[:3])), r"gate_up_scales: expected shape \[4,64,2\]"),
+        ((x, ids, w._replace(down_blocks=w.down_blocks[:, :32])), r"down_blocks: expected shape \[4,64,16\]"),
+        ((x, ids, w._replace(down_scales=w.down_scales.float())), r"down_scales: expected dtype torch.uint8"),
     ]
     for fn in fns:
         for args, msg in bad:
             with pytest.raises(ValueError, match=msg):
                 fn(*args)
         with pytest.raises(ValueError, match=r"out: expected shape \[3,2,64\]"):
-            fn(x, ids, *w, out=torch.empty(T, K, H + 1))
+            fn(x, ids, w, out=torch.empty(T, K, H + 1))
         with pytest.raises(ValueError, match=r"out: expected dtype torch.float32"):
-            fn(x, ids, *w, out=torch.empty(T, K, H, dtype=torch.bfloat16))
+            fn(x, ids, w, out=torch.empty(T, K, H, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"outputs: expected rank 3"):
         moe_combine(torch.randn(T, H), torch.randn(T, K))
     with pytest.raises(ValueError, match=r"topk_weights: expected shape \[3,2\]"):
@@ -416,16 +421,16 @@ def test_triton_matches_reference_interpreted():
     for ids, dtype in ((ids_a, torch.float32), (ids_a, torch.bfloat16), (ids_b, torch.float32)):
         T, K = ids.shape
         x = torch.randn(T, H, generator=gen).to(dtype)
-        ref = moe_expert_outputs_reference(x, ids, *w)
+        ref = moe_expert_outputs_reference(x, ids, w)
         out = torch.full((T, K, H), float("nan"), dtype=dtype)
-        got = moe_expert_outputs_triton(x, ids, *w, out=out)
+        got = moe_expert_outputs_triton(x, ids, w, out=out)
         assert got is out and not got.isnan().any()
         assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (T, dtype)
         assert (got[ids == -1] == 0).all()
     with use_backend("triton"):  # the dispatcher picks it when forced
         x = torch.randn(3, H, generator=gen)
         ids = torch.tensor([[1], [-1], [1]])
-        assert _rel(moe_expert_outputs(x, ids, *w), moe_expert_outputs_reference(x, ids, *w)) < 1e-5
+        assert _rel(moe_expert_outputs(x, ids, w), moe_expert_outputs_reference(x, ids, w)) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["situ", "situ_nocap", "situ_tight"])
@@ -446,20 +451,20 @@ def test_triton_situ_matches_reference_interpreted(act):
     for ids, dtype, scale in cases:
         T, K = ids.shape
         x = (torch.randn(T, H, generator=gen) * scale).to(dtype)
-        ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+        ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
         out = torch.full((T, K, H), float("nan"), dtype=dtype)
-        got = moe_expert_outputs_triton(x, ids, *w, out=out, activation=activation)
+        got = moe_expert_outputs_triton(x, ids, w, out=out, activation=activation)
         assert got is out and got.isfinite().all()
         assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (T, dtype, scale)
         assert (got[ids == -1] == 0).all()
-        assert _rel(moe_expert_outputs_reference(x, ids, *w), got) > 1e-2  # the activation is not ignored
+        assert _rel(moe_expert_outputs_reference(x, ids, w), got) > 1e-2  # the activation is not ignored
     with use_backend("triton"):  # the dispatcher passes it through
         x = torch.randn(3, H, generator=gen)
         ids = torch.tensor([[1], [-1], [1]])
         assert (
             _rel(
-                moe_expert_outputs(x, ids, *w, activation=activation),
-                moe_expert_outputs_reference(x, ids, *w, activation=activation),
+                moe_expert_outputs(x, ids, w, activation=activation),
+                moe_expert_outputs_reference(x, ids, w, activation=activation),
             )
             < 1e-5
         )

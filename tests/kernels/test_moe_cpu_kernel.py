@@ -19,6 +19,7 @@ import torch
 from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
+    MXFP4Experts,
     cpu_kernel,
     moe_expert_outputs,
     moe_expert_outputs_cpu,
@@ -46,7 +47,7 @@ def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5)
     w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
-    return (*w13, *w2)
+    return MXFP4Experts(*w13, *w2)
 
 
 def _random_mxfp4(N: int, K: int, gen: torch.Generator, lo: int = 112, hi: int = 136):
@@ -147,13 +148,13 @@ def test_moe_matches_reference(case, dtype, act):
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = torch.randint(0, E, (T, K), generator=gen)
     ids[torch.rand(T, K, generator=gen) < p_skip] = -1
-    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
+    ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
     if act != "swiglu":  # SiTU is not SwiGLU
-        assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 1e-2
+        assert _rel(moe_expert_outputs_reference(x, ids, w), ref) > 1e-2
     outs = []
     for isa in _isas():
         out = torch.full((T, K, H), float("nan"), dtype=dtype)  # poisoned: every element written
-        got = moe_expert_outputs_cpu(x, ids, *w, out=out, isa=isa, activation=activation)
+        got = moe_expert_outputs_cpu(x, ids, w, out=out, isa=isa, activation=activation)
         assert got is out and got.dtype == dtype
         assert not got.isnan().any()
         assert (got[ids == -1] == 0).all() and (got[ids >= 0].abs().sum(-1) > 0).all()
@@ -176,13 +177,13 @@ def test_moe_situ_saturated_gates_match_reference(act):
     g, u = gu[..., :I], gu[..., I:]
     assert (g.abs() > 40).float().mean() > 0.8 and (g < -100).any() and (g > 100).any()
     assert (u.abs() > 100).float().mean() > 0.6
-    ref = moe_expert_outputs_reference(x, ids, *w, activation=activation)
-    outs = [moe_expert_outputs_cpu(x, ids, *w, isa=isa, activation=activation) for isa in _isas()]
+    ref = moe_expert_outputs_reference(x, ids, w, activation=activation)
+    outs = [moe_expert_outputs_cpu(x, ids, w, isa=isa, activation=activation) for isa in _isas()]
     for got in outs:
         assert got.isfinite().all()
         assert _rel(got, ref) < 1e-5
         assert torch.equal(got, outs[0])
-    assert _rel(moe_expert_outputs_reference(x, ids, *w), ref) > 0.5  # SwiGLU is uncapped: far apart
+    assert _rel(moe_expert_outputs_reference(x, ids, w), ref) > 0.5  # SwiGLU is uncapped: far apart
 
 
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
@@ -195,7 +196,7 @@ def test_moe_batch_and_thread_invariance_bitwise(act):
     probes = torch.randn(3, H, generator=gen) * scale
     probe_ids = torch.randint(-1, E, (3, K), generator=gen)
     alone = [
-        moe_expert_outputs_cpu(probes[i : i + 1], probe_ids[i : i + 1], *w, activation=activation)[0] for i in range(3)
+        moe_expert_outputs_cpu(probes[i : i + 1], probe_ids[i : i + 1], w, activation=activation)[0] for i in range(3)
     ]
     threads = torch.get_num_threads()
     try:
@@ -207,7 +208,7 @@ def test_moe_batch_and_thread_invariance_bitwise(act):
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
                 x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]])
                 ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
-                got = moe_expert_outputs_cpu(x, ids, *w, activation=activation)[pos]
+                got = moe_expert_outputs_cpu(x, ids, w, activation=activation)[pos]
                 assert torch.equal(got, alone[i]), (n_threads, n_other, i)
     finally:
         torch.set_num_threads(threads)
@@ -219,23 +220,23 @@ def test_dispatcher_uses_the_kernel_on_cpu_and_the_switches_turn_it_off(monkeypa
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(T, H, generator=gen)
     ids = torch.randint(-1, E, (T, K), generator=gen)
-    fused = moe_expert_outputs_cpu(x, ids, *w)
-    grouped = moe_expert_outputs_grouped(x, ids, *w)
+    fused = moe_expert_outputs_cpu(x, ids, w)
+    grouped = moe_expert_outputs_grouped(x, ids, w)
     assert not torch.equal(fused, grouped)  # different reduction orders: a check that can tell them apart
-    assert torch.equal(moe_expert_outputs(x, ids, *w), fused)
+    assert torch.equal(moe_expert_outputs(x, ids, w), fused)
     with use_backend("torch"):
-        assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+        assert torch.equal(moe_expert_outputs(x, ids, w), grouped)
     situ = ACTS["situ"]  # the activation passes through
-    fused_situ = moe_expert_outputs_cpu(x, ids, *w, activation=situ)
-    assert torch.equal(moe_expert_outputs(x, ids, *w, activation=situ), fused_situ)
+    fused_situ = moe_expert_outputs_cpu(x, ids, w, activation=situ)
+    assert torch.equal(moe_expert_outputs(x, ids, w, activation=situ), fused_situ)
     with use_backend("torch"):
         assert torch.equal(
-            moe_expert_outputs(x, ids, *w, activation=situ), moe_expert_outputs_grouped(x, ids, *w, activation=situ)
+            moe_expert_outputs(x, ids, w, activation=situ), moe_expert_outputs_grouped(x, ids, w, activation=situ)
         )
     monkeypatch.setenv("EXPERTMESH_CPU_KERNEL", "0")
-    assert torch.equal(moe_expert_outputs(x, ids, *w), grouped)
+    assert torch.equal(moe_expert_outputs(x, ids, w), grouped)
     assert torch.equal(
-        moe_expert_outputs(x, ids, *w, activation=situ), moe_expert_outputs_grouped(x, ids, *w, activation=situ)
+        moe_expert_outputs(x, ids, w, activation=situ), moe_expert_outputs_grouped(x, ids, w, activation=situ)
     )
 
 
@@ -253,29 +254,29 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog)
     monkeypatch.setattr(cpu_kernel, "_ops", None)
     monkeypatch.setattr(cpu_kernel, "build_error", None)
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
-        assert torch.equal(moe_expert_outputs(x, ids, *w), moe_expert_outputs_grouped(x, ids, *w))
-        assert torch.equal(moe_expert_outputs(x, ids, *w), moe_expert_outputs_grouped(x, ids, *w))
+        assert torch.equal(moe_expert_outputs(x, ids, w), moe_expert_outputs_grouped(x, ids, w))
+        assert torch.equal(moe_expert_outputs(x, ids, w), moe_expert_outputs_grouped(x, ids, w))
     warnings = [r for r in caplog.records if r.name == cpu_kernel.__name__]
     assert len(warnings) == 1 and "PyTorch path" in warnings[0].getMessage()
     assert cpu_kernel.build_error and not cpu_kernel.available()
     with pytest.raises(RuntimeError, match="not available"):
-        moe_expert_outputs_cpu(x, ids, *w)
+        moe_expert_outputs_cpu(x, ids, w)
 
 
 def test_bad_inputs_raise_value_error_naming_the_tensor():
     w = _weights(2, 64, 32, seed=11)
     x = torch.randn(3, 64)
     with pytest.raises(ValueError, match=r"topk_ids: expected values in \[-1, 2\)"):
-        moe_expert_outputs_cpu(x, torch.full((3, 1), 2), *w)
+        moe_expert_outputs_cpu(x, torch.full((3, 1), 2), w)
     with pytest.raises(ValueError, match=r"x: hidden size H=48"):
-        moe_expert_outputs_cpu(torch.randn(3, 48), torch.zeros(3, 1, dtype=torch.int64), *w)
+        moe_expert_outputs_cpu(torch.randn(3, 48), torch.zeros(3, 1, dtype=torch.int64), w)
     with pytest.raises(ValueError, match=r"x: expected last dim 64"):
         cpu_kernel.mxfp4_linear(torch.randn(2, 32), w[0][0], w[1][0])
     with pytest.raises(ValueError, match=r"isa: expected one of"):
         cpu_kernel.mxfp4_linear(x, w[0][0], w[1][0], isa="neon")
     ids = torch.zeros(3, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"^activation: expected a GatedActivation, found str"):
-        moe_expert_outputs_cpu(x, ids, *w, activation="situ")
+        moe_expert_outputs_cpu(x, ids, w, activation="situ")
     # the op's own checks (the Python wrapper never sends these)
     ops, out = cpu_kernel.load(), torch.empty(3, 1, 64)
     for act, beta, lin, msg in (
@@ -284,7 +285,7 @@ def test_bad_inputs_raise_value_error_naming_the_tensor():
         (1, 4.0, -1.0, "linear_beta must be >= 0"),
     ):
         with pytest.raises(RuntimeError, match=msg):
-            ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)
+            ops.moe_expert_outputs(x, ids, *w, out, 0, act, beta, lin)  # the C++ op takes the four tensors
 
 
 @pytest.mark.parametrize(
@@ -320,7 +321,7 @@ def test_bf16_activations_give_the_bits_of_their_fp32_widening():
     w = _weights(E, H, I, seed=40)
     x = (torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen) * 4)).to(torch.bfloat16)
     ids = torch.randint(-1, E, (T, K), generator=gen)
-    want = moe_expert_outputs_cpu(x.float(), ids, *w, isa="portable")
+    want = moe_expert_outputs_cpu(x.float(), ids, w, isa="portable")
     for isa in _isas():
-        got = moe_expert_outputs_cpu(x, ids, *w, isa=isa, fp32_output=True)
+        got = moe_expert_outputs_cpu(x, ids, w, isa=isa, fp32_output=True)
         assert got.dtype == torch.float32 and torch.equal(got, want), isa

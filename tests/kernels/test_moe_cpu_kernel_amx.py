@@ -14,7 +14,7 @@ import torch
 
 from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.linear.naive import matmul_in_tile_order_fp32
-from expertmesh.kernels.moe import cpu_kernel
+from expertmesh.kernels.moe import MXFP4Experts, cpu_kernel
 from expertmesh.kernels.moe.naive import moe_expert_outputs_tile_order
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -39,7 +39,7 @@ def _weights(E: int, H: int, I: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     w13 = quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * torch.exp(torch.randn(E, 2 * I, 1, generator=gen)))
     w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
-    return (*w13, *w2)
+    return MXFP4Experts(*w13, *w2)
 
 
 @pytest.mark.parametrize(
@@ -73,13 +73,11 @@ def test_moe_is_its_tile_order_reference_bit_for_bit(act):
     rows = torch.bincount(ids[ids >= 0], minlength=E)
     assert rows[0] > 16 and rows[3] == 1 and rows[4] == 2 and rows[12] == 8 and rows[13] == 9, rows
     activation = ACTS[act]
-    got = cpu_kernel.moe_expert_outputs(x, ids, *w, isa="amx", activation=activation, fp32_output=True)
-    want = moe_expert_outputs_tile_order(x, ids, *w, activation=activation)
+    got = cpu_kernel.moe_expert_outputs(x, ids, w, isa="amx", activation=activation, fp32_output=True)
+    want = moe_expert_outputs_tile_order(x, ids, w, activation=activation)
     assert torch.equal(got, want)
     assert torch.equal(got[ids < 0], torch.zeros_like(got[ids < 0]))
-    other = cpu_kernel.moe_expert_outputs(
-        x, ids, *w, isa=cpu_kernel.best_isa(), activation=activation, fp32_output=True
-    )
+    other = cpu_kernel.moe_expert_outputs(x, ids, w, isa=cpu_kernel.best_isa(), activation=activation, fp32_output=True)
     assert not torch.equal(other, want)
 
 
@@ -90,7 +88,7 @@ def test_a_tokens_rows_are_the_same_alone_in_any_batch_and_thread_count():
     probes = _cancelling(3, H, gen)
     probe_ids = torch.randint(-1, E, (3, Kt), generator=gen)
     alone = [
-        cpu_kernel.moe_expert_outputs(probes[i : i + 1], probe_ids[i : i + 1], *w, isa="amx", fp32_output=True)[0]
+        cpu_kernel.moe_expert_outputs(probes[i : i + 1], probe_ids[i : i + 1], w, isa="amx", fp32_output=True)[0]
         for i in range(3)
     ]
     threads = torch.get_num_threads()
@@ -103,7 +101,7 @@ def test_a_tokens_rows_are_the_same_alone_in_any_batch_and_thread_count():
                 pos = int(torch.randint(0, n_other + 1, (1,), generator=gen))
                 x = torch.cat([others[:pos], probes[i : i + 1], others[pos:]])
                 ids = torch.cat([other_ids[:pos], probe_ids[i : i + 1], other_ids[pos:]])
-                got = cpu_kernel.moe_expert_outputs(x, ids, *w, isa="amx", fp32_output=True)[pos]
+                got = cpu_kernel.moe_expert_outputs(x, ids, w, isa="amx", fp32_output=True)[pos]
                 assert torch.equal(got, alone[i]), (n_threads, n_other, i)
     finally:
         torch.set_num_threads(threads)
@@ -115,8 +113,8 @@ def test_auto_runs_amx_for_bf16_and_the_environment_chooses(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     x = _cancelling(T, H, gen)
     ids = torch.randint(0, E, (T, Kt), generator=gen)
-    amx = cpu_kernel.moe_expert_outputs(x, ids, *w, isa="amx", fp32_output=True)
-    vector = cpu_kernel.moe_expert_outputs(x, ids, *w, isa=cpu_kernel.best_isa(), fp32_output=True)
+    amx = cpu_kernel.moe_expert_outputs(x, ids, w, isa="amx", fp32_output=True)
+    vector = cpu_kernel.moe_expert_outputs(x, ids, w, isa=cpu_kernel.best_isa(), fp32_output=True)
     assert not torch.equal(amx, vector)
     for env, want in ((None, amx), ("avx512bf16", vector), ("amx", amx)):
         monkeypatch.setattr(cpu_kernel, "_bf16_isa", None)
@@ -124,13 +122,13 @@ def test_auto_runs_amx_for_bf16_and_the_environment_chooses(monkeypatch):
             monkeypatch.delenv("EXPERTMESH_CPU_MOE_ISA", raising=False)
         else:
             monkeypatch.setenv("EXPERTMESH_CPU_MOE_ISA", env)
-        assert torch.equal(cpu_kernel.moe_expert_outputs(x, ids, *w, fp32_output=True), want), env
+        assert torch.equal(cpu_kernel.moe_expert_outputs(x, ids, w, fp32_output=True), want), env
     # fp32 activations keep the vector paths' order whatever the setting
-    assert torch.equal(cpu_kernel.moe_expert_outputs(x.float(), ids, *w, fp32_output=True), vector)
+    assert torch.equal(cpu_kernel.moe_expert_outputs(x.float(), ids, w, fp32_output=True), vector)
     monkeypatch.setattr(cpu_kernel, "_bf16_isa", None)
     monkeypatch.setenv("EXPERTMESH_CPU_MOE_ISA", "sse")
     with pytest.raises(ValueError, match="EXPERTMESH_CPU_MOE_ISA: expected one of"):
-        cpu_kernel.moe_expert_outputs(x, ids, *w)
+        cpu_kernel.moe_expert_outputs(x, ids, w)
     monkeypatch.setattr(cpu_kernel, "_bf16_isa", None)
     with pytest.raises(ValueError, match="x: isa amx takes bfloat16"):
-        cpu_kernel.moe_expert_outputs(x.float(), ids, *w, isa="amx")
+        cpu_kernel.moe_expert_outputs(x.float(), ids, w, isa="amx")
