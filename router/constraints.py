@@ -36,7 +36,7 @@ from expertmesh.chat.grammar import (
     probe,
     validate,
 )
-from expertmesh.chat.jinja_template import ARGUMENTS, NAME, NAME_JSON
+from expertmesh.chat.tool_call_formats import ARGUMENTS, NAME, NAME_JSON
 from expertmesh.router.errors import APIError
 
 SCHEMA_BUDGET_BYTES = 256 * 1024  # one schema's JSON (OpenAI's own bound: 120,000 characters of names and enums)

@@ -22,6 +22,8 @@ What the template means for parsing the model's output is detected when it loads
   format's closing token (`</tool_call>`, the section's end) and the markup of one call (`tool_call_markup`: what a
   forced tool call's grammar spells, router/constraints.py) come with it.
 
+The Jinja environment is chat/jinja_env.py; the tool-call formats are chat/tool_call_formats.py.
+
 Multi-turn prefix stability (turn N+1's prompt starts with turn N's prompt and output, so the prefix cache only
 computes new tokens) is checked on a small built-in conversation; a template that breaks it still serves, with a
 warning naming the first turn that diverges.
@@ -32,10 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 from expertmesh.chat.format import (
@@ -51,285 +49,27 @@ from expertmesh.chat.format import (
     tool_call_id,
     validate_history,
 )
-from expertmesh.chat.tokenizer import CheckpointTokenizer, read_json
+from expertmesh.chat.hf_tokenizer import CheckpointTokenizer
+from expertmesh.chat.jinja_env import (
+    MARK_END,
+    MARK_START,
+    compile_template,
+    encode_marked,
+    mark_control_tokens,
+    template_literals,
+    template_messages,
+    template_variables,
+)
+from expertmesh.chat.tokenizer_files import read_json
+from expertmesh.chat.tool_call_formats import TOOL_CALL_FORMATS, Tok, ToolCallFormat
 
 log = logging.getLogger("expertmesh.chat.jinja_template")
 
-MARK_START, MARK_END = "\U000f0000", "\U000f0001"  # transformers' private-use marks around sanitized tokens
 THINK_PAIRS = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<|think|>", "<|/think|>"))
 
 
 class ChatTemplateError(ValueError):
     """A chat template that cannot be used; the message names the file."""
-
-
-# ----------------------------------------------------------------------------------------------- Jinja
-@lru_cache(maxsize=8)
-def compile_template(text: str):
-    """The template compiled in transformers' environment (chat templates are untrusted: sandboxed)."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationBlock(Extension):
-        """`{% generation %}…{% endgeneration %}` marks assistant text for training masks: rendered as is."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    class Namespace(jinja2.utils.Namespace):
-        """`namespace(...)` without underscore attributes (no route to Python internals)."""
-
-        def __init__(*args, **kwargs):
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r}: underscore names not allowed")
-
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        raise_exception=raise_exception,
-        strftime_now=lambda fmt: datetime.now().strftime(fmt),
-        dict=TemplateDict(),
-        namespace=Namespace,
-    )
-    return env.from_string(text)
-
-
-def template_literals(text: str) -> str:
-    """The template's literal text and string constants, joined by NUL (what transformers searches for the added
-    tokens a template writes itself)."""
-    import jinja2.nodes
-
-    ast = compile_template(text).environment.parse(text)
-    literals = {n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
-    literals |= {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)}
-    return "\0".join(literals)
-
-
-def template_variables(text: str) -> frozenset[str]:
-    import jinja2.meta
-
-    return frozenset(jinja2.meta.find_undeclared_variables(compile_template(text).environment.parse(text)))
-
-
-def template_messages(messages: list[Message], *, arguments_as_text: bool = False) -> list[dict]:
-    """Messages as a chat template reads them (OpenAI shape, as transformers passes them). Tool-call arguments
-    are a dict, or the JSON text for templates that concatenate them as strings (DeepSeek's)."""
-    out = []
-    for m in messages:
-        d: dict = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            d["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {
-                        "name": c.name,
-                        "arguments": c.arguments if arguments_as_text else arguments_value(c.arguments),
-                    },
-                }
-                for c in m.tool_calls
-            ]
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.reasoning is not None:
-            d = {"thinking": m.reasoning, **d, "reasoning_content": m.reasoning}
-        out.append(d)
-    return out
-
-
-def arguments_value(arguments: str):
-    """Tool-call arguments as templates expect them: a dict when the JSON text is an object."""
-    try:
-        value = json.loads(arguments)
-    except (ValueError, TypeError):
-        return arguments
-    return value if isinstance(value, dict) else arguments
-
-
-def mark_control_tokens(value, pattern: re.Pattern):
-    """Wrap control tokens inside user strings in private-use marks (after removing any marks already there, so
-    none can be forged); dict keys are left alone, as transformers leaves them."""
-    if isinstance(value, str):
-        value = value.replace(MARK_START, "").replace(MARK_END, "")
-        return pattern.sub(lambda m: MARK_START + m.group(0) + MARK_END, value)
-    if isinstance(value, dict):
-        return {k: mark_control_tokens(v, pattern) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [mark_control_tokens(v, pattern) for v in value]
-    return value
-
-
-def encode_marked(tok: CheckpointTokenizer, text: str, marks: re.Pattern) -> list[int]:
-    """Rendered text → ids: marked control tokens as plain text, everything else (the template's own control tokens
-    included) as usual. Each piece after the first is encoded behind a newline that is then dropped, so that a
-    SentencePiece tokenizer adds no word-start space mid-text (transformers does the same)."""
-    pieces = marks.split(text)
-    newline = tok.encode("\n")
-    ids = tok.encode(pieces[0])
-    for i, piece in enumerate(pieces[1:], start=1):
-        if not piece:
-            continue
-        as_text = i % 2 == 1
-        encode = tok.encode_plain if as_text else tok.encode
-        piece_ids = encode("\n" + piece)
-        piece_ids = piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
-        if as_text and tok.backend.token_to_id(piece) in piece_ids:
-            raise ChatError(f"messages: {piece!r} cannot be sanitized: the tokenizer makes it from plain text")
-        ids += piece_ids
-    return ids
-
-
-# ----------------------------------------------------------------------------------------------- tool calls
-@dataclass(frozen=True)
-class Slot:
-    """A place in a tool call's markup the call fills: its `name` (as text), `name_json` (a JSON string) or
-    `arguments` (the JSON arguments)."""
-
-    what: str
-
-
-@dataclass(frozen=True)
-class Tok:
-    """A single token of the vocabulary written by its text (a format's special / added token)."""
-
-    text: str
-
-
-NAME, NAME_JSON, ARGUMENTS = Slot("name"), Slot("name_json"), Slot("arguments")
-
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How a model writes tool calls: `opener` starts them; `call` matches one call (after optional whitespace);
-    a section format wraps all calls in opener … closer. `close` is the token that ends the markup (one call's
-    for Hermes, the section's otherwise) and `markup` what one call is between `opener` and `close` (text, tokens
-    and slots): what a forced call's grammar spells."""
-
-    name: str
-    opener: str
-    call: re.Pattern
-    fields: Callable[[re.Match], tuple[str | None, str, object] | None]  # → (id or None, name, arguments)
-    closer: str | None = None  # section formats only
-    close: str = ""
-    markup: tuple = ()
-
-    def parse(self, text: str) -> list[tuple[str | None, str, dict]] | None:
-        """The calls in `text` (the output from the opener on, special tokens kept), or None unless the whole text
-        is well-formed calls with JSON-object arguments."""
-        pos = len(self.opener) if self.closer else 0
-        if not text.startswith(self.opener):
-            return None
-        calls = []
-        while (m := self.call.match(text, pos)) is not None:
-            found = self.fields(m)
-            if found is None or not isinstance(found[2], dict) or not found[1]:
-                return None
-            calls.append(found)
-            pos = m.end()
-        rest = text[pos:].strip()
-        if self.closer and rest.startswith(self.closer):
-            rest = rest[len(self.closer) :].strip()
-        return calls if calls and not rest else None
-
-
-def _json_or_none(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _hermes_fields(m: re.Match):
-    obj = _json_or_none(m["json"])
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return None, obj["name"], obj.get("arguments", obj.get("parameters"))
-
-
-def _kimi_fields(m: re.Match):
-    call_id = m["id"].strip()
-    name = call_id.rsplit(":", 1)[0].split(".", 1)[-1] if ":" in call_id else call_id.split(".", 1)[-1]
-    return call_id, name, _json_or_none(m["args"])
-
-
-def _deepseek_fields(m: re.Match):
-    return None, m["name"].strip(), _json_or_none(m["args"])
-
-
-TOOL_CALL_FORMATS = (
-    ToolCallFormat(
-        "hermes",
-        "<tool_call>",
-        re.compile(r"\s*<tool_call>\s*(?P<json>.*?)\s*</tool_call>", re.S),
-        _hermes_fields,
-        close="</tool_call>",
-        markup=('\n{"name": ', NAME_JSON, ', "arguments": ', ARGUMENTS, "}\n"),
-    ),
-    ToolCallFormat(
-        "kimi_k2",
-        "<|tool_calls_section_begin|>",
-        re.compile(
-            r"\s*<\|tool_call_begin\|>(?P<id>[^<]*?)<\|tool_call_argument_begin\|>(?P<args>.*?)"
-            r"<\|tool_call_end\|>",
-            re.S,
-        ),
-        _kimi_fields,
-        closer="<|tool_calls_section_end|>",
-        close="<|tool_calls_section_end|>",
-        markup=(
-            Tok("<|tool_call_begin|>"),
-            "functions.",
-            NAME,
-            ":0",
-            Tok("<|tool_call_argument_begin|>"),
-            ARGUMENTS,
-            Tok("<|tool_call_end|>"),
-        ),
-    ),
-    ToolCallFormat(
-        "deepseek_v3.1",
-        "<｜tool▁calls▁begin｜>",
-        re.compile(r"\s*<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<args>.*?)<｜tool▁call▁end｜>", re.S),
-        _deepseek_fields,
-        closer="<｜tool▁calls▁end｜>",
-        close="<｜tool▁calls▁end｜>",
-        markup=(Tok("<｜tool▁call▁begin｜>"), NAME, Tok("<｜tool▁sep｜>"), ARGUMENTS, Tok("<｜tool▁call▁end｜>")),
-    ),
-)
 
 
 # ----------------------------------------------------------------------------------------------- the format

@@ -20,8 +20,11 @@ from expertmesh.chat.format import (
     split_reasoning,
 )
 from expertmesh.chat.jinja_template import load_template_chat
-from expertmesh.chat.k3 import XTML_TOKENS, K3Chat
-from expertmesh.chat.tokenizer import ByteTokenizer, TikTokenTokenizer, TokenizerError, load_tokenizer, read_json
+from expertmesh.chat.k3 import K3Chat
+from expertmesh.chat.k3_markup import XTML_TOKENS
+from expertmesh.chat.tiktoken_tokenizer import TikTokenTokenizer
+from expertmesh.chat.tokenizer import ByteTokenizer, load_tokenizer
+from expertmesh.chat.tokenizer_files import TokenizerError, read_json
 
 log = logging.getLogger("expertmesh.chat.load")
 
