@@ -198,7 +198,7 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
 
     from expertmesh.entry.up import LocalCluster, free_port
     from expertmesh.kernels.moe.combine import present_groups
-    from expertmesh.model.transformer import route_tokens
+    from expertmesh.model.moe import route_tokens
     from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.wire.clients import RemoteExpert
     from expertmesh.worker.collective import CollectiveExpert
@@ -308,7 +308,7 @@ def project_full(batch: int = 256, pods: int = 16, seed: int = 0, cfg=None) -> l
     import numpy as np
     import torch
 
-    from expertmesh.model.transformer import route_tokens
+    from expertmesh.model.moe import route_tokens
     from expertmesh.placement.planner import ClusterShape, plan_placement
     from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.exchange import ExpertExchange

@@ -1,11 +1,11 @@
 """The attention role: embeddings, attention, gating, shared experts, dense layers, LM head and sampling — and
 the expert exchange: a scheduler step for a batch of sequences is one call, `run_step(segments)`.
 
-For each layer: attention over the sequences' own KV pages / recurrent state; at an MoE layer, the gate picks
-the experts and `worker/exchange.ExpertExchange` sends the (token, expert) pairs straight to the expert workers
-that hold them (one call per expert worker, concurrently) and folds their pre-reduced answers into the routed
-sum in the canonical order (kernels/moe/combine.py), added to the stream by `Layer.add_moe`. After the
-last layer: logits, sampling, log-probs → StepDone. The router only plans steps and reads sampled tokens; it is
+A step runs the model's own layer loop (`Transformer.hidden_states`) with the expert exchange as its routed
+experts' backend (worker/exchange.ExchangeExperts): at an MoE layer the gate picks the experts and
+`ExpertExchange` sends the (token, expert) pairs straight to the expert workers that hold them (one call per
+expert worker, concurrently) while the shared experts compute here, and folds their pre-reduced answers into
+the routed sum in the canonical order (kernels/moe/combine.py). After the last layer: logits, sampling, log-probs → StepDone. The router only plans steps and reads sampled tokens; it is
 never in the per-layer path. Attention, conv and recurrent state are per sequence; everything else works row
 by row, so a sequence's numbers do not depend on the batch it is in.
 """
@@ -25,10 +25,12 @@ from expertmesh.chat.tokenizer import load_tokenizer
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.kernels import cpu_warmup
 from expertmesh.model import memory
+from expertmesh.model.cache import Segment, SequenceCache
 from expertmesh.model.config import ModelConfig
 from expertmesh.model.sampling import Sampler
-from expertmesh.model.transformer import ResidualStream, Segment, SequenceCache, Transformer, materialize_
+from expertmesh.model.transformer import Transformer, materialize_
 from expertmesh.model.vision import SequenceImages
+from expertmesh.placement import sizing
 from expertmesh.runtime import telemetry
 from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
 from expertmesh.wire.sampling_params import SamplingParams
@@ -44,10 +46,10 @@ from expertmesh.wire.worker_api import (
     WorkerError,
     snapshot_parts,
 )
-from expertmesh.worker.exchange import ExpertExchange
+from expertmesh.worker.base import WorkerBase
+from expertmesh.worker.exchange import ExchangeExperts, ExpertExchange
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
-from expertmesh.worker.threads import DecodeThreads
 
 POOLS = ("mixed", "prefill", "decode")
 
@@ -93,7 +95,7 @@ class _Prefix:
     length: int
 
 
-class AttentionWorker:
+class AttentionWorker(WorkerBase):
     def __init__(
         self,
         checkpoint: Checkpoint | str | ModelConfig,
@@ -124,22 +126,10 @@ class AttentionWorker:
         if pool not in POOLS:
             raise WorkerError(f"--pool: expected one of {', '.join(POOLS)}, found {pool!r}")
         self.pool_role = pool
-        try:
-            self.threads = DecodeThreads(decode_threads)
-        except ValueError as e:
-            raise WorkerError(str(e)) from None
-        if isinstance(checkpoint, ModelConfig):
-            if device != "meta":
-                raise WorkerError("checkpoint: a model config without weights only builds on --device meta")
-            self.ckpt, self.cfg = None, checkpoint
-        else:
-            self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-            self.cfg = self.ckpt.cfg
-        self.name = name
-        self.device_kind = memory.check_device(device)
+        super().__init__(checkpoint, name=name, device=device, decode_threads=decode_threads, error=WorkerError)
         self.dtype = memory.compute_dtype(self.device_kind, dtype)
         self.device = memory.torch_device(self.device_kind)
-        self.device_label = memory.device_label(self.device_kind)
+        self.device_label = sizing.device_label(self.device_kind)
         if self.ckpt is None:
             with torch.device("meta"):
                 self.model = materialize_(Transformer(self.cfg, routed_experts=False), "meta", self.dtype).eval()
@@ -153,7 +143,7 @@ class AttentionWorker:
                         "(--device-memory-gib) on --device meta/cpu"
                     )
                 device_memory_bytes = torch.cuda.get_device_properties(self.device).total_memory
-            kv_blocks = memory.kv_blocks_for_memory(
+            kv_blocks = sizing.kv_blocks_for_memory(
                 self.cfg,
                 device_bytes=device_memory_bytes,
                 utilization=gpu_memory_utilization,
@@ -201,8 +191,8 @@ class AttentionWorker:
         threading.Thread(target=self._merger, name="handoff-merge", daemon=True).start()
 
     def memory(self):
-        """Resident bytes (memory.WorkerMemory) measured from the built tensors; workspace from model/memory.py."""
-        mem = memory.WorkerMemory()
+        """Resident bytes (sizing.WorkerMemory) measured from the built tensors; workspace from placement/sizing.py."""
+        mem = sizing.WorkerMemory()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for n, b in self.model.named_buffers() if n.endswith(("_blocks", "_scales"))
         )
@@ -210,7 +200,7 @@ class AttentionWorker:
             t.numel() * t.element_size() for t in list(self.pool.latent.values()) + list(self.pool.index_k.values())
         )
         mem.add(
-            self.device_label, weights=weights, kv=kv, workspace=memory.attention_workspace_bytes(self.cfg, self.dtype)
+            self.device_label, weights=weights, kv=kv, workspace=sizing.attention_workspace_bytes(self.cfg, self.dtype)
         )
         return mem
 
@@ -739,26 +729,12 @@ class AttentionWorker:
                     image_encodes += seq.images.splice(self.model, x, s.token_ids, row0, seq.cache.length, s.seq_id)
                 except ValueError as e:
                     raise WorkerError(f"segments[{s.seq_id}].{e}") from None
-            failed_rows: dict[int, str] = {}
-            r = ResidualStream(x)
-            for layer in self.model.layers:
-                layer.attention_block(r, segs)
-                if not layer.is_moe:
-                    layer.dense_block(r)
-                    continue
-                h = layer.ffn_input(r)
-                z, ids, weights = layer.moe.select(h)  # z: the experts' input (the latent of a latent MoE)
-                sent = self.exchange.start(layer.index, z, ids, weights)
-                with self.threads.rows(h.shape[0]):
-                    shared = layer.moe.shared_out(h)  # while the expert workers compute
-                routed, failed = self.exchange.finish(sent)
-                for row, why in failed.items():
-                    failed_rows.setdefault(row, why)
-                layer.add_moe(r, shared, routed.to(r.current.device))
-            x = self.model.output(r)
+            experts = ExchangeExperts(self.exchange, self.threads)
+            x = self.model.hidden_states(x, segs, experts)  # the model's own layer loop, experts over the exchange
             failed = {}
             for seg, s in zip(segs, segments):
-                why = next((failed_rows[r] for r in range(seg.start, seg.start + seg.length) if r in failed_rows), None)
+                rows = range(seg.start, seg.start + seg.length)
+                why = next((experts.failed_rows[r] for r in rows if r in experts.failed_rows), None)
                 if why is not None:
                     failed[s.seq_id] = why
             done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshots)

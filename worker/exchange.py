@@ -414,3 +414,26 @@ class _Answer:
 
     def result(self) -> torch.Tensor:
         return self.exchange._answered(self.c, self.posted.result(), self.sent, self.ids, self.w)
+
+
+class ExchangeExperts:
+    """One step's RoutedExpertsBackend (expertmesh/model/moe.py) for the model's own layer loop: the routed experts
+    over `exchange`, the shared experts meanwhile on `threads`' decode count (worker/threads.py). Rows whose
+    experts had no live replica collect in `failed_rows` (row → why; the first reason a row met)."""
+
+    def __init__(self, exchange: ExpertExchange | None, threads):
+        self.exchange, self.threads = exchange, threads
+        self.failed_rows: dict[int, str] = {}
+
+    def start(self, layer: int, moe, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
+        return self.exchange.start(layer, z, ids, weights), z.device
+
+    def overlap(self, rows: int):
+        return self.threads.rows(rows)
+
+    def finish(self, pending) -> torch.Tensor:
+        sent, device = pending
+        routed, failed = self.exchange.finish(sent)
+        for row, why in failed.items():
+            self.failed_rows.setdefault(row, why)
+        return routed.to(device)

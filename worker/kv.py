@@ -11,8 +11,8 @@ import threading
 
 import torch
 
+from expertmesh.model.cache import CachePages
 from expertmesh.model.config import ModelConfig
-from expertmesh.model.transformer import CachePages
 from expertmesh.wire.worker_api import OutOfBlocks
 
 

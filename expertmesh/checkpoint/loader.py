@@ -42,14 +42,8 @@ from expertmesh.checkpoint.config import is_hugging_face, mapped_config_error, n
 from expertmesh.checkpoint.files import CONFIG_FILE, INDEX_FILE, CheckpointError, read_header
 from expertmesh.checkpoint.hf_layout import HFLayout
 from expertmesh.model.config import ModelConfig, preset
-from expertmesh.model.transformer import (
-    RoutedExperts,
-    Transformer,
-    init_random_,
-    materialize_,
-    module_shapes,
-    stored_dtype,
-)
+from expertmesh.model.moe import RoutedExperts
+from expertmesh.model.transformer import Transformer, init_random_, materialize_, module_shapes, stored_dtype
 
 FORMAT = "expertmesh-mxfp4"
 DEFAULT_CHECKPOINT_DIR = Path.home() / ".cache" / "expertmesh" / "checkpoints"  # synthetic ones, per preset
