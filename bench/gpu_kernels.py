@@ -50,7 +50,7 @@ def device_roofline() -> dict:
 
 def bench_moe(cfg, quick: bool) -> list[dict]:
     from expertmesh.kernels.backend import use_backend
-    from expertmesh.kernels.moe import moe_expert_outputs
+    from expertmesh.kernels.moe import MXFP4Experts, moe_expert_outputs
     from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     h, i = cfg.hidden_size, cfg.moe.expert_intermediate_size
@@ -60,15 +60,16 @@ def bench_moe(cfg, quick: bool) -> list[dict]:
     w2b, w2s = quantize_mxfp4(torch.randn(e, h, i, device="cuda", generator=g) * 0.02)
     dense13 = dequantize_mxfp4(w13b, w13s, torch.bfloat16)
     dense2 = dequantize_mxfp4(w2b, w2s, torch.bfloat16)
+    experts = MXFP4Experts(w13b, w13s, w2b, w2s)
     rows = []
     for t in (1, 16, 64) if quick else (1, 4, 16, 64, 256):
         x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.randint(0, e, (t, cfg.moe.top_k), device="cuda", generator=g)
         with use_backend("triton"):
-            out = moe_expert_outputs(x, ids, w13b, w13s, w2b, w2s)
-            sec = timed(lambda: moe_expert_outputs(x, ids, w13b, w13s, w2b, w2s))
+            out = moe_expert_outputs(x, ids, experts)
+            sec = timed(lambda: moe_expert_outputs(x, ids, experts))
         with use_backend("torch"):
-            ref = moe_expert_outputs(x, ids, w13b, w13s, w2b, w2s)
+            ref = moe_expert_outputs(x, ids, experts)
         used = int(ids.unique().numel())
         weight_bytes = used * (w13b[0].numel() + w13s[0].numel() + w2b[0].numel() + w2s[0].numel())
         flops = 2 * t * cfg.moe.top_k * 3 * h * i

@@ -66,6 +66,7 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     import torch
 
     from expertmesh.kernels.moe import (
+        MXFP4Experts,
         cpu_kernel,
         moe_expert_outputs_cpu,
         moe_expert_outputs_grouped,
@@ -95,7 +96,7 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     p_bytes = pb[0].numel() + ps[0].numel()
     # the small preset's MoE layer at one token: 32 experts top-4, H 1024, I 512; 8 layers' worth of experts
     n_layers, E, H, I, Kt = 8, 32, 1024, 512, 4
-    layers = [(*rand_mxfp4(E, 2 * I, H), *rand_mxfp4(E, H, I)) for _ in range(n_layers)]
+    layers = [MXFP4Experts(*rand_mxfp4(E, 2 * I, H), *rand_mxfp4(E, H, I)) for _ in range(n_layers)]
     e_bytes = sum(t[0].numel() for t in layers[0])  # one expert's blocks + scales bytes (w13 + w2)
     calls = [
         (torch.randn(1, H, generator=gen), torch.randperm(E, generator=gen)[:Kt].reshape(1, Kt))
@@ -106,8 +107,8 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     timings = {
         "proj_cold": lambda: [cpu_kernel.mxfp4_linear(px, pb[e], ps[e]) for e in range(n_exp)],
         "proj_warm": lambda: [cpu_kernel.mxfp4_linear(px, pb[0], ps[0]) for _ in range(warm_reps)],
-        "layer_cold": lambda: [moe_expert_outputs_cpu(xi, ids, *w) for (xi, ids), w in zip(calls, layers)],
-        "layer_warm": lambda: [moe_expert_outputs_cpu(calls[0][0], calls[0][1], *layers[0]) for _ in range(warm_reps)],
+        "layer_cold": lambda: [moe_expert_outputs_cpu(xi, ids, w) for (xi, ids), w in zip(calls, layers)],
+        "layer_warm": lambda: [moe_expert_outputs_cpu(calls[0][0], calls[0][1], layers[0]) for _ in range(warm_reps)],
     }
     per_call = {"proj_cold": n_exp, "proj_warm": warm_reps, "layer_cold": n_layers, "layer_warm": warm_reps}
     copy_bytes = {"proj": n_exp * p_bytes, "layer": n_layers * E * e_bytes}
@@ -207,7 +208,7 @@ def run_mxfp4cpu(quick: bool, llamacpp: bool = True) -> list[dict]:
     set_dequant_cache_bytes(0)
     try:
         t_torch_layer = (
-            _median_s(lambda: [moe_expert_outputs_grouped(xi, ids, *w) for (xi, ids), w in zip(calls, layers)], 1)
+            _median_s(lambda: [moe_expert_outputs_grouped(xi, ids, w) for (xi, ids), w in zip(calls, layers)], 1)
             / n_layers
         )
     finally:

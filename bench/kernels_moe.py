@@ -27,6 +27,7 @@ import torch
 from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
+    MXFP4Experts,
     moe_expert_outputs_dense,
     moe_expert_outputs_grouped,
     moe_expert_outputs_reference,
@@ -79,6 +80,7 @@ def run(quick: bool, activation: str = "swiglu") -> list[dict]:
     w2 = quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5)
     w13_f32, w2_f32 = dequantize_mxfp4(*w13, torch.float32), dequantize_mxfp4(*w2, torch.float32)
     w13_bf16, w2_bf16 = w13_f32.bfloat16(), w2_f32.bfloat16()
+    experts = MXFP4Experts(*w13, *w2)
     rows = []
     Ts = [1, 16, 256] if quick else [1, 4, 16, 64, 2048]
     with use_backend("torch"):
@@ -89,10 +91,10 @@ def run(quick: bool, activation: str = "swiglu") -> list[dict]:
 
             def mxfp4_nocache():
                 set_dequant_cache_bytes(0)
-                return moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)
+                return moe_expert_outputs_grouped(x, ids, experts, activation=act)
 
             fns = {
-                "ref": lambda: moe_expert_outputs_reference(x, ids, *w13, *w2, activation=act),
+                "ref": lambda: moe_expert_outputs_reference(x, ids, experts, activation=act),
                 "mxfp4": mxfp4_nocache,
                 "fp32": lambda: moe_expert_outputs_dense(x, ids, w13_f32, w2_f32, activation=act),
                 "bf16": lambda: moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16, activation=act),
@@ -100,11 +102,11 @@ def run(quick: bool, activation: str = "swiglu") -> list[dict]:
             t = _time_all(fns, repeats)
             set_dequant_cache_bytes(1 << 30)  # the warm-up call fills it
             t_cached = _time_all(
-                {"cached": lambda: moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)}, repeats
+                {"cached": lambda: moe_expert_outputs_grouped(x, ids, experts, activation=act)}, repeats
             )["cached"]
             set_dequant_cache_bytes(256 * 2**20)
-            ref = moe_expert_outputs_reference(x, ids, *w13, *w2, activation=act)
-            got = moe_expert_outputs_grouped(x, ids, *w13, *w2, activation=act)
+            ref = moe_expert_outputs_reference(x, ids, experts, activation=act)
+            got = moe_expert_outputs_grouped(x, ids, experts, activation=act)
             got_bf16 = moe_expert_outputs_dense(x, ids, w13_bf16, w2_bf16, activation=act)
             rows.append(
                 dict(

@@ -27,8 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import write_json  # noqa: E402
 
-from expertmesh.kernels.moe import cpu_kernel  # noqa: E402
-from expertmesh.kernels.mxfp4 import quantize_mxfp4  # noqa: E402
+from expertmesh.kernels.moe import MXFP4Experts, cpu_kernel  # noqa: E402
 
 E, TOP_K, H, I = 32, 4, 1024, 512
 
@@ -57,9 +56,8 @@ def main() -> None:
         else:
             print(f"{path}: not on this CPU, left out")
     gen = torch.Generator().manual_seed(0)
-    w = (
-        *quantize_mxfp4(torch.randn(E, 2 * I, H, generator=gen) * H**-0.5),
-        *quantize_mxfp4(torch.randn(E, H, I, generator=gen) * I**-0.5),
+    w = MXFP4Experts.quantize(
+        torch.randn(E, 2 * I, H, generator=gen) * H**-0.5, torch.randn(E, H, I, generator=gen) * I**-0.5
     )
     expert_bytes = sum(t[0].numel() for t in w)
     tokens = (1, 8, 256) if args.quick else (1, 8, 16, 64, 256, 1024)
@@ -73,7 +71,7 @@ def main() -> None:
         times = {p: [] for p in paths}
         for _ in range(rounds):
             for p in paths:
-                times[p].append(_ms(lambda: cpu_kernel.moe_expert_outputs(x, ids, *w, isa=p), repeats))
+                times[p].append(_ms(lambda: cpu_kernel.moe_expert_outputs(x, ids, w, isa=p), repeats))
         slots = int((ids >= 0).sum())
         for p in paths:
             ms = statistics.median(times[p])
@@ -105,9 +103,8 @@ def main() -> None:
 def _cold_decode(paths: list[str], gen: torch.Generator, calls: int, layers: int = 7, experts: int = 64) -> list:
     """Median / p90 ms per call of decode-sized calls on weights out of cache (see the module's docstring)."""
     weights = [
-        (
-            *quantize_mxfp4(torch.randn(experts, 2 * I, H, generator=gen) * H**-0.5),
-            *quantize_mxfp4(torch.randn(experts, H, I, generator=gen) * I**-0.5),
+        MXFP4Experts.quantize(
+            torch.randn(experts, 2 * I, H, generator=gen) * H**-0.5, torch.randn(experts, H, I, generator=gen) * I**-0.5
         )
         for _ in range(layers)
     ]
@@ -121,7 +118,7 @@ def _cold_decode(paths: list[str], gen: torch.Generator, calls: int, layers: int
             for p in paths:  # each path its own experts: none left warm by the other
                 ids = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(T)])
                 t0 = time.perf_counter()
-                cpu_kernel.moe_expert_outputs(x, ids, *weights[i % layers], isa=p)
+                cpu_kernel.moe_expert_outputs(x, ids, weights[i % layers], isa=p)
                 times[p].append(1e3 * (time.perf_counter() - t0))
         for p in paths:
             v = sorted(times[p])
