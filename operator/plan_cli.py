@@ -22,6 +22,7 @@ import numpy as np
 from expertmesh.model.config import PRESET_NAMES, preset
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
+from expertmesh.placement.sizing import attention_memory, plan_expert_memory
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 GIB = 2**30
@@ -174,12 +175,10 @@ def run(args) -> int:
     for label, cells in rows:
         print(f"{label:<{width0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("imbalance = max/mean of per-GPU load per layer (tokens split evenly over replicas); mean/worst over layers")
-    from expertmesh.model import memory  # imports torch: only for this table, not for every `expertmesh` command
-
     plan = main[1]
     worst = max(range(plan.cluster.pods), key=lambda o: plan.workers[o].bytes)
-    em = memory.plan_expert_memory(cfg, plan, worst)
-    am = memory.attention_memory(cfg, kv_blocks=0, block_size=16)
+    em = plan_expert_memory(cfg, plan, worst)
+    am = attention_memory(cfg, kv_blocks=0, block_size=16)
     print(
         f"resident per device (as `expertmesh worker --device meta --dry-run` reports): expert worker {worst} "
         f"max {max(em.devices.values()) / GIB:.2f} GiB (weights {em.weights_bytes / GIB:.2f} GiB over "

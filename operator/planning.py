@@ -3,10 +3,11 @@ rebalance) run in one child process, one plan at a time, each under a deadline a
 
 Why a process and not a thread: a thread cannot be stopped at its deadline, and its memory is the operator's — a
 plan past every estimate would still take the operator down with it (the chart gives it 1 GiB), and every
-MoEDeployment with it. The child holds the planner's imports (expertmesh.model.memory brings torch, ~240 MiB) instead of
-the operator; it is started on the first plan, killed at a deadline (and started again for the next plan), and
-exits after `idle` seconds without a plan. Its data segment is limited (RLIMIT_DATA) to what its imports took plus
-`memory_limit`: an allocation past it raises MemoryError there, which comes back as PlanningFailed.
+MoEDeployment with it. (It is no longer there to keep torch out of the operator: the planner and its sizing,
+expertmesh.placement.sizing, import no torch.) The child is started on the first plan, killed at a deadline (and
+started again for the next plan), and exits after `idle` seconds without a plan. Its data segment is limited
+(RLIMIT_DATA) to what its imports took plus `memory_limit`: an allocation past it raises MemoryError there, which
+comes back as PlanningFailed.
 
     runner = PlanRunner()
     plan = await runner.run(plan_for, spec, cfg, previous=previous)   # PlanningFailed past the budget
@@ -28,10 +29,10 @@ from expertmesh.runtime.process_limits import limit_data_segment
 MIB = 2**20
 PLAN_DEADLINE = 60.0  # seconds one plan may take
 PLAN_MEMORY_LIMIT = 512 * MIB  # the planning process's data beyond its imports
-START_DEADLINE = 120.0  # starting the process and importing the planner (torch among it)
+START_DEADLINE = 120.0  # starting the process and importing the planner
 IDLE_SECONDS = 300.0  # the process exits after this long without a plan
-# imported by the child before its memory is limited (the planner imports expertmesh.model.memory on its first call)
-WARM_MODULES = ("expertmesh.operator.placement_policy", "expertmesh.model.memory")
+# imported by the child before its memory is limited, so the limit counts a plan's data, not the imports
+WARM_MODULES = ("expertmesh.operator.placement_policy",)
 
 
 class PlanningFailed(Exception):
@@ -41,7 +42,7 @@ class PlanningFailed(Exception):
 def _start(memory_limit: int | None) -> None:
     """The child's initializer: import the planner, then cap the data segment at what that took + the limit."""
     for name in WARM_MODULES:
-        importlib.import_module(name)  # here, not at the top: only the planning process needs torch
+        importlib.import_module(name)  # before the limit: it counts a plan's data, not the imports
     if memory_limit:
         limit_data_segment(memory_limit)
 

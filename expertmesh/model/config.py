@@ -27,6 +27,9 @@ LayerType = Literal["kda", "mla", "dsa"]
 ModelType = Literal["expertmesh", "kimi_linear", "deepseek_v32", "kimi_k3"]
 MXFP4_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
 MXFP4_BITS_PER_WEIGHT = 4 + 8 / MXFP4_BLOCK  # 4.25
+# state-dict name endings of the parameters the published models keep in fp32 (routing weight and bias, KDA A_log /
+# dt_bias, the indexer's head weights), whatever the compute dtype; `ModelConfig.fp32_params` counts them
+FP32_PARAMETERS = ("moe.router.weight", "moe.router_bias", "attn.A_log", "attn.dt_bias", "attn.index_w.weight")
 
 
 class _Strict(BaseModel):
@@ -485,6 +488,16 @@ class ModelConfig(_Strict):
     @property
     def routed_expert_params(self) -> int:
         return self.n_logical_experts * self.expert_params
+
+    @property
+    def fp32_params(self) -> int:
+        """Parameters held in fp32 whatever the compute dtype (FP32_PARAMETERS): the router's weight and
+        correction bias per MoE layer, A_log and dt_bias per KDA layer, the indexer's head weights per DSA layer."""
+        h, e, a = self.hidden_size, self.moe.n_routed_experts, self.kda
+        router = self.n_moe_layers * (e * h + e)
+        decay = self.n_kda_layers * (a.n_heads + a.n_heads * a.head_dim)
+        index_heads = self.n_dsa_layers * h * self.indexer.n_heads
+        return router + decay + index_heads
 
     # ------------------------------------------------------------------ bytes
     @property

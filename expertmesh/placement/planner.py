@@ -28,6 +28,7 @@ import numpy as np
 
 from expertmesh.model.config import ModelConfig
 from expertmesh.placement.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
+from expertmesh.placement.sizing import expert_slot_bytes, expert_workspace_bytes
 
 __all__ = [
     "ClusterShape",
@@ -376,8 +377,6 @@ def plan_placement(
         raise ValueError(f"redundant_slots: expected an integer >= 0, found {redundant_slots!r}")
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
-    from expertmesh.model.memory import expert_slot_bytes, expert_workspace_bytes  # imports torch: only when planning
-
     arr = check_loads(cfg, loads)
     L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)  # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus
@@ -450,7 +449,7 @@ def plan_placement(
         notes.append(
             f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
             f"expert worker's per-device workspace ({workspace / GIB:.3g} GiB, "
-            f"expertmesh.model.memory.expert_workspace_bytes) exceed the GPU's memory: raise the reserve"
+            f"expertmesh.placement.sizing.expert_workspace_bytes) exceed the GPU's memory: raise the reserve"
         )
     workers = tuple(
         WorkerPlacement(
