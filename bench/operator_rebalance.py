@@ -1,5 +1,5 @@
 """A re-plan under traffic, measured in the kubelet harness: the operator (Kopf, for real) against kmock's Kubernetes
-emulator, every pod a real process (tests/kube_harness.py). A tiny MoEDeployment on 4 expert pods serves a stream
+emulator, every pod a real process (tests/support/kube_harness.py). A tiny MoEDeployment on 4 expert pods serves a stream
 of chat requests; `expertWorkers.redundantExperts` goes from 0 to 1, so the planner adds one replica per MoE layer
 (minimal movement). The published plan changes no pod template and restarts nothing: the router adopts it live
 (expert workers warm the new shards, the router switches its replica table between steps, the old shards are
@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-from kube_harness import LocalNode  # noqa: E402
-from test_operator_kopf import NS, eventually, operator, tiny_spec  # noqa: E402
-from test_operator_kopf import _uids as uids  # noqa: E402
+from support.kopf_cluster import NS, eventually, operator, tiny_spec  # noqa: E402
+from support.kopf_cluster import pod_uids as uids  # noqa: E402
+from support.kube_harness import LocalNode  # noqa: E402
 
 from expertmesh.checkpoint.loader import create_checkpoint  # noqa: E402
 from expertmesh.model.config import preset  # noqa: E402

@@ -5,7 +5,7 @@ Each conversation below is rendered through `Kimi-K3.jinja` — the chat templat
 from the llama-cpp-python 0.3.36 sdist (downloaded with `pip download --no-binary :all: --no-deps` into the cache
 directory when it is not there; never committed) — by jinja2, then tokenized the way llama.cpp tokenizes a
 rendered prompt: special-token strings become their ids (parse_special), the text between them goes through the
-BPE with Kimi's pre-tokenizer regex, no BOS. The tokenizer is the tiny K3 directory tests/k3_fixtures.py writes,
+BPE with Kimi's pre-tokenizer regex, no BOS. The tokenizer is the tiny K3 directory tests/support/k3_fixtures.py writes,
 loaded here with tiktoken directly (not with expertmesh's tokenizer, which is what the test checks). Checked once
 against llama.cpp itself: the tiny tokenizer converted to a vocab-only GGUF (convert_hf_to_gguf.py, pre-tokenizer
 kimi-k2) and every case's text through `llama-tokenize --no-bos --no-escape` gave these ids, all 19 cases.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from k3_fixtures import tokenizer_digest, write_k3_tokenizer  # noqa: E402
+from support.k3_fixtures import tokenizer_digest, write_k3_tokenizer  # noqa: E402
 
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 TEMPLATE = "vendor/llama.cpp/models/templates/Kimi-K3.jinja"

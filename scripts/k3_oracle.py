@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write tests/data/k3/oracle.json: what llama.cpp's kimi-k3 computes from the tiny Kimi K3 checkpoints.
 
-tests/test_k3_oracle.py serves the same checkpoints (tests/k3_checkpoint.py writes them, deterministically) with
+tests/model/test_k3_oracle.py serves the same checkpoints (tests/support/k3_checkpoint.py writes them, deterministically) with
 expertmesh and compares against this file; CI does not build llama.cpp. Run this once when the checkpoint
 recipe changes:
 
@@ -16,7 +16,7 @@ or $EXPERTMESH_K3_ORACLE_CACHE; a rerun resumes an interrupted one):
    transformers 4.57.6, tiktoken and the sdist's own gguf-py (pip honours PIP_INDEX_URL / PIP_EXTRA_INDEX_URL,
    e.g. https://download.pytorch.org/whl/cpu for a CPU-only torch);
 4. for each variant (bf16 experts; compressed-tensors MXFP4 experts) writes the tiny checkpoint with
-   tests/k3_checkpoint.py, copies it for conversion (no MTP layers; a stand-in `tokenization_kimi.py`, the remote
+   tests/support/k3_checkpoint.py, copies it for conversion (no MTP layers; a stand-in `tokenization_kimi.py`, the remote
    code the converter loads the TikToken vocabulary with), converts it with the vendored convert_hf_to_gguf.py
    to an f32 GGUF (the MXFP4 experts stay MXFP4 there and are re-expanded to F32 with `llama-quantize
    --allow-requantize`: ggml-cpu's MXFP4 matmul quantizes the activations to Q8_0, which is not the math
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CHECKPOINT_WRITER = REPO / "tests" / "k3_checkpoint.py"
+CHECKPOINT_WRITER = REPO / "tests" / "support" / "k3_checkpoint.py"
 DRIVER_SOURCE = REPO / "scripts" / "k3_oracle_driver.cpp"
 DEFAULT_OUT = REPO / "tests" / "data" / "k3" / "oracle.json"
 
@@ -561,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         if not same or delta > 1e-4:
             raise SystemExit("the bf16 and mxfp4 variants disagree through llama.cpp: the MXFP4 packing is wrong")
     data = {
-        "about": "llama.cpp (kimi-k3) on the tiny Kimi K3 checkpoints of tests/k3_checkpoint.py; written by "
-        "scripts/k3_oracle.py, read by tests/test_k3_oracle.py",
+        "about": "llama.cpp (kimi-k3) on the tiny Kimi K3 checkpoints of tests/support/k3_checkpoint.py; written by "
+        "scripts/k3_oracle.py, read by tests/model/test_k3_oracle.py",
         "llama_cpp": {
             "source": f"llama-cpp-python {VERSION} sdist, vendor/llama.cpp",
             "sdist_sha256": SDIST_SHA256,

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from support.paths import REPO
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
@@ -267,7 +268,7 @@ def test_the_operator_folder_does_not_shadow_the_standard_library():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONSAFEPATH"}
     code = "import collections, operator, sys; print(operator.__file__); print(operator.itemgetter(1)([0, 7]))"
     out = subprocess.run(

@@ -1,26 +1,22 @@
 """Fault tests on loopback with real processes: workers SIGKILLed mid-generation, slow workers, router loss.
 Each scenario is bounded in time; greedy tokens are compared with an undisturbed run."""
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
+from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.grammar import json_schema_grammar
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
-from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.clients import RemoteAttention
 
 pytestmark = pytest.mark.slow
-EOS = ByteTokenizer().eos_id
-PROMPTS = [[(7 * i + j) % 256 for j in range(5 + 3 * i)] for i in range(4)]
-MAX_TOKENS = 40
 # constrained decoding across a failover: the replaying worker's grammar matcher must be fed the output so far
 SCHEMA = {
     "type": "object",
@@ -33,47 +29,6 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("faults") / "tiny", seed=0)
-
-
-def stream(
-    address: str,
-    prompt: list[int],
-    first: threading.Event | None = None,
-    timeout: float = 60,
-    grammar: str | None = None,
-):
-    """Greedy generation over gRPC (`grammar`: constrained decoding); sets `first` once a few tokens arrived.
-    Returns (tokens, error)."""
-    tokens = []
-    try:
-        with grpc.insecure_channel(address) as ch:
-            stub = router_pb2_grpc.RouterStub(ch)
-            req = router_pb2.GenerateRequest(
-                token_ids=router_pb2.TokenIds(ids=prompt),
-                params=sampling_pb2.SamplingParams(
-                    max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[EOS], grammar=grammar
-                ),
-            )
-            for ev in stub.Generate(req, timeout=timeout):
-                if ev.HasField("token"):
-                    tokens.append(ev.token.token_id)
-                    if first is not None and len(tokens) >= 3:
-                        first.set()
-        return tokens, None
-    except grpc.RpcError as e:
-        return tokens, e
-
-
-def run_with_fault(address: str, fault, requests=None) -> list:
-    """`requests` ((prompt, grammar) pairs, default PROMPTS unconstrained) streamed at once; `fault()` once each
-    has a few tokens."""
-    requests = requests or [(p, None) for p in PROMPTS]
-    started = [threading.Event() for _ in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futs = [pool.submit(stream, address, p, ev, grammar=g) for (p, g), ev in zip(requests, started)]
-        assert all(ev.wait(60) for ev in started)
-        fault()
-        return [f.result(timeout=120) for f in futs]
 
 
 def cluster(ckpt_dir, router_args=("--call-timeout", "2"), **kw):

@@ -12,13 +12,13 @@ vocabulary and XTML chat format) served in process over HTTP and gRPC with the o
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from k3_checkpoint import write_k3_checkpoint
+from support.k3_checkpoint import write_k3_checkpoint
+from support.paths import DATA
 
 from expertmesh.chat.load import load_chat
 from expertmesh.checkpoint.loader import Checkpoint
@@ -27,7 +27,7 @@ from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.server import serving_config
 
-CASES = json.loads((Path(__file__).parent / "data" / "k3" / "chat_cases.json").read_text())["cases"]
+CASES = json.loads((DATA / "k3" / "chat_cases.json").read_text())["cases"]
 BUDGETS = (16, 24, 32)  # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
 WEATHER = {
     "type": "function",

@@ -11,7 +11,7 @@ import time
 
 import jsonschema
 import pytest
-from hf_fixtures import DEEPSEEK, DEEPSEEK_TOKENS, KIMI, KIMI_TOOL_TOKENS, build_large_bpe, write_checkpoint
+from support.hf_fixtures import DEEPSEEK, DEEPSEEK_TOKENS, KIMI, KIMI_TOOL_TOKENS, build_large_bpe, write_checkpoint
 
 from expertmesh.chat.grammar import Constraint, ll_tokenizer
 from expertmesh.chat.load import load_chat

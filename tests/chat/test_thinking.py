@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from support.thinking import run
 
 from expertmesh.chat.grammar import json_schema_grammar, ll_tokenizer
 from expertmesh.chat.thinking import ThinkingControl, ThinkingState
@@ -14,16 +15,6 @@ from expertmesh.wire.sampling_params import SamplingParams, thinking_from_proto,
 
 START, CLOSE, THINK, SEP, OPEN, RESP, EOT, EOS, ROLE = 300, 301, 302, 303, 304, 305, 306, 307, 308
 K3_CLOSE = (CLOSE, THINK, SEP, OPEN, RESP, SEP)
-
-
-def run(control: ThinkingControl, drawn: list[int]) -> tuple[list[int], ThinkingState]:
-    """Emit one token per drawn one, as the sampler does: next_token, then observe what was emitted."""
-    state, out = ThinkingState(control), []
-    for t in drawn:
-        t = state.next_token(t)
-        state.observe(t)
-        out.append(t)
-    return out, state
 
 
 @pytest.mark.parametrize("close", [(CLOSE,), K3_CLOSE], ids=["one-token", "k3"])

@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from k3_checkpoint import (
+from safetensors import safe_open
+from support.k3_checkpoint import (
     FIRST_K_DENSE,
     FULL_ATTN_LAYERS,
     INDEXER,
@@ -29,14 +30,14 @@ from k3_checkpoint import (
     tensor_digest,
     write_k3_checkpoint,
 )
-from safetensors import safe_open
+from support.paths import DATA
 
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4
 from expertmesh.model.transformer import generate
 from expertmesh.wire.sampling_params import SamplingParams
 
-ORACLE = json.loads((Path(__file__).parent / "data" / "k3" / "oracle.json").read_text())
+ORACLE = json.loads((DATA / "k3" / "oracle.json").read_text())
 LOGPROB_TOL = 2e-3  # the bar; the float64 reference of the spec agrees with llama.cpp to ~2e-4
 PREFILL_CHUNK = 16
 REGENERATE = (

@@ -6,10 +6,10 @@ load, no RSS growth after warm-up, a full queue answers 429 at once, and a clien
 import gc
 import importlib.util
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from support.paths import REPO
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
@@ -21,7 +21,7 @@ from expertmesh.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-_spec = importlib.util.spec_from_file_location("bench_load", Path(__file__).parents[1] / "bench" / "load.py")
+_spec = importlib.util.spec_from_file_location("bench_load", REPO / "bench" / "load.py")
 load = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(load)
 

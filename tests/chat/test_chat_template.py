@@ -5,7 +5,7 @@ import json
 import logging
 
 import pytest
-from hf_fixtures import (
+from support.hf_fixtures import (
     CHATML,
     CHATML_DROPS_OLD_REASONING,
     CHATML_NO_THINKING,

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from test_faults import PROMPTS, run_with_fault, stream
-from test_grpc_workers import SUBSET, expert_call, same
+from support.expert_calls import SUBSET, expert_call, same
+from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint

@@ -16,20 +16,19 @@ import shutil
 import subprocess
 import tomllib
 from functools import cache, lru_cache
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from support.paths import REPO
 
 from expertmesh.operator import main as operator_main
 from expertmesh.operator import rbac
 from expertmesh.operator.naming import attention_name, router_name
 from expertmesh.operator.spec import API_VERSION, KIND, parse_spec, resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "charts" / "expertmesh"
+CHART = REPO / "charts" / "expertmesh"
 CRD_FILE = CHART / "crds" / "moedeployments.expertmesh.dev.yaml"
 NAMESPACE = "em-system"
 RELEASE = "em"
@@ -57,7 +56,7 @@ assert len(LONG_RELEASE) == 53
 # ------------------------------------------------------------------------------------------------ helm
 @lru_cache(maxsize=1)
 def helm() -> str:
-    found = shutil.which("helm") or (str(ROOT / ".tools/bin/helm") if (ROOT / ".tools/bin/helm").exists() else None)
+    found = shutil.which("helm") or (str(REPO / ".tools/bin/helm") if (REPO / ".tools/bin/helm").exists() else None)
     if found is None:
         pytest.fail("helm not found on PATH nor at .tools/bin/helm: run scripts/install-tools.sh", pytrace=False)
     return found
@@ -222,7 +221,7 @@ def test_helm_lint_strict():
 
 def test_chart_metadata_matches_package():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert chart["apiVersion"] == "v2" and chart["name"] == "expertmesh" and chart["type"] == "application"
     assert chart["version"] == "0.1.0"
     assert chart["appVersion"] == project["version"] == importlib.metadata.version("expertmesh")
@@ -610,7 +609,7 @@ def test_notes_say_what_to_do_next():
 def _crd() -> dict:
     if not CRD_FILE.exists():
         pytest.skip(
-            f"{CRD_FILE.relative_to(ROOT)} not generated yet "
+            f"{CRD_FILE.relative_to(REPO)} not generated yet "
             "(python -m expertmesh.operator.crd --out ...): CRD checks not run"
         )
     return yaml.safe_load(CRD_FILE.read_text())

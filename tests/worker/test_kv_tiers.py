@@ -222,7 +222,7 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
     other's prefixes to disk; B's file is corrupted; the attention worker is killed and started again. A's next turn
     is served from its file (cached tokens, the reference's tokens); B's file is refused at start (counted in the
     log), so B's next turn is recomputed — the same tokens."""
-    from test_up import EOS, grpc_generate
+    from support.router_client import EOS, grpc_generate
 
     from expertmesh.entry.up import LocalCluster, free_port
 

@@ -13,7 +13,7 @@ import shutil
 import tracemalloc
 
 import pytest
-from fetch_server import Faults, FileServer
+from support.fetch_server import Faults, FileServer
 
 from expertmesh.checkpoint import fetch as f
 from expertmesh.checkpoint.loader import create_checkpoint

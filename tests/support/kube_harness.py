@@ -1,6 +1,6 @@
 """A node for kmock's Kubernetes emulator: the workload controllers and a kubelet that run pods as local processes.
 
-`LocalNode` plays, for the objects in one namespace of the emulator (`test_operator_kopf.Emulator`):
+`LocalNode` plays, for the objects in one namespace of the emulator (`support.kopf_cluster.Emulator`):
   - the StatefulSet controller: pods `<sts>-<i>` for i < replicas from the pod template (labels, annotations,
     owner reference, hostname/subdomain); a missing pod is recreated under the same name; RollingUpdate: once
     every pod is Ready, the highest-ordinal pod of an older template is deleted (and so recreated), one at a time;

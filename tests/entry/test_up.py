@@ -5,8 +5,8 @@ import random
 import grpc
 import httpx
 import pytest
+from support.router_client import EOS, grpc_generate
 
-from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
@@ -16,7 +16,6 @@ from expertmesh.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 N_PROMPTS, N_TOKENS = 16, 32
-EOS = ByteTokenizer().eos_id
 
 
 @pytest.fixture(scope="module")
@@ -31,23 +30,6 @@ def reference(ckpt_dir):
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 70))] for _ in range(N_PROMPTS)]
     params = SamplingParams(max_tokens=N_TOKENS, stop_token_ids=(EOS,))
     return prompts, [generate(model, p, params, prefill_chunk=16).tokens for p in prompts]
-
-
-def grpc_generate(address: str, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], router_pb2.Finish]:
-    with grpc.insecure_channel(address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
-        req = router_pb2.GenerateRequest(
-            token_ids=router_pb2.TokenIds(ids=prompt),
-            params=sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS]),
-            **kw,
-        )
-        tokens, finish = [], None
-        for ev in stub.Generate(req, timeout=120):
-            if ev.HasField("token"):
-                tokens.append(ev.token.token_id)
-            else:
-                finish = ev.finish
-        return tokens, finish
 
 
 def run_all(address: str, prompts: list[list[int]]) -> list[list[int]]:

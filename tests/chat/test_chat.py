@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_thinking import run as emitted  # what the worker's sampler emits under a thinking control
+from support.thinking import run as emitted  # what the worker's sampler emits under a thinking control
 
 from expertmesh.chat.format import (
     ChatError,

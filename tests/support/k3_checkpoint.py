@@ -20,7 +20,7 @@ tensors leaves every other tensor as it was, and the same files come out on any 
 `tests/data/k3/oracle.json` holds what llama.cpp computes from these checkpoints (scripts/k3_oracle.py writes it
 by running this file); changing anything that alters the weights or the config means rerunning that script.
 
-    python tests/k3_checkpoint.py OUT_DIR [--experts bf16|mxfp4] [--seed 0] [--mtp] [--with-indexer]
+    python tests/support/k3_checkpoint.py OUT_DIR [--experts bf16|mxfp4] [--seed 0] [--mtp] [--with-indexer]
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ QUANTIZATION_CONFIG = {
 
 # ----------------------------------------------------------------------------------------------- tokenizer
 def _tokenizer(out: Path) -> dict:
-    """The tiny K3 tokenizer of tests/k3_fixtures.py (tiktoken.model + tokenizer_config.json with K3's special
+    """The tiny K3 tokenizer of tests/support/k3_fixtures.py (tiktoken.model + tokenizer_config.json with K3's special
     tokens); → {"vocab_size": BPE ranks + reserved ids, "special": {content: id}}."""
     try:
-        import k3_fixtures
-    except ImportError:  # run as a script under PYTHONSAFEPATH
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import k3_fixtures
+        from support import k3_fixtures
+    except ImportError:  # run as a script: tests/ is not on sys.path
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from support import k3_fixtures
     special = k3_fixtures.write_k3_tokenizer(out, config=False)
     n_base = sum(1 for line in (out / "tiktoken.model").read_text().splitlines() if line.strip())
     return {"vocab_size": n_base + k3_fixtures.N_RESERVED, "special": special}

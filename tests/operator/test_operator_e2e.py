@@ -29,9 +29,9 @@ import httpx
 import kmock
 import openai
 import pytest
-from fetch_server import Faults, FileServer
-from kube_harness import LocalNode
-from test_operator_kopf import NS, _uids, eventually, operator, tiny_spec
+from support.fetch_server import Faults, FileServer
+from support.kopf_cluster import NS, eventually, operator, pod_uids, tiny_spec
+from support.kube_harness import LocalNode
 
 from expertmesh.checkpoint.fetch import INDEX_NAME, write_index
 from expertmesh.checkpoint.loader import create_checkpoint
@@ -311,7 +311,7 @@ def templates(c) -> str:
 
 
 async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str, expected: dict) -> None:
-    before, uids, old = templates(c), _uids(c), c.plan(NAME)
+    before, uids, old = templates(c), pod_uids(c), c.plan(NAME)
     results: list[tuple[float, float, str, object]] = []
     stop = asyncio.Event()
 
@@ -343,7 +343,7 @@ async def live_replan(c, node: LocalNode, client: openai.AsyncOpenAI, base: str,
         stop.set()
         await asyncio.gather(*tasks)
     assert new.figures.physical_experts < old.figures.physical_experts
-    assert templates(c) == before and _uids(c) == uids  # byte-identical templates, nothing restarted
+    assert templates(c) == before and pod_uids(c) == uids  # byte-identical templates, nothing restarted
     assert c.status(NAME)["phase"] == "Ready"
     for i in range(2):  # each expert pod holds exactly its new shards once drained (--replan-drain-seconds later)
         with worker(node, RemoteExpert, expert_name(NAME), i) as w:

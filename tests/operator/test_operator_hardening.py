@@ -21,7 +21,7 @@ import time
 import kmock
 import pytest
 import yaml
-from test_operator_kopf import (
+from support.kopf_cluster import (
     KIND,
     MOE,
     NS,
