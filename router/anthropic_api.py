@@ -5,86 +5,61 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat.format import Message, RenderedPrompt, message_images
+from expertmesh.chat.format import Message
+from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat
 from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar, compile_off_loop
-from expertmesh.router.conversation import PromptOptions, prompt_tools, render_prompt
 from expertmesh.router.dependencies import Served, anthropic_key, served, served_model
 from expertmesh.router.errors import APIError
 from expertmesh.router.images import ImageBudget
 from expertmesh.router.messages import ANTHROPIC, anthropic_messages, anthropic_tools, remote_image_urls
 from expertmesh.router.protocol import CountTokensBody, MessagesBody
-from expertmesh.router.serving import (
-    ChatRequest,
-    ChatResult,
-    ChatRun,
-    Thinking,
-    decide_thinking,
-    prompt_options,
-    start_chat,
-    thinking_headers,
-)
+from expertmesh.router.serving import ChatRequest, ChatResult, ChatRun, start_chat
 
 router = APIRouter(dependencies=[Depends(anthropic_key)])
 TOOL_CHOICES = ("auto", "none", "any", "tool")
 STOP_REASONS = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}
 
 
-@dataclass
-class Prompt:
-    messages: list[Message]
-    tools: list[dict] | None  # declared in the prompt
-    thinking: Thinking
-    options: PromptOptions
-    grammar: str | None = None  # tool_choice any / tool: the forced call's grammar
-    declared: list[dict] | None = None  # the request's tools (chat-shaped), for typing call arguments
-    images: ImageBudget | None = None  # decoded when the request runs (count_tokens reads only the headers)
-
-    def render(self, fmt) -> RenderedPrompt:
-        return render_prompt(fmt, self.messages, self.tools, self.thinking.on, self.options)
-
-
-async def read_prompt(body: CountTokensBody, s: Served, *, grammar: bool) -> Prompt:
-    """The conversation, tools and thinking of a messages request (and with `grammar`, the forced call's)."""
-    thinking = decide_thinking(
-        anthropic=body.thinking or {}, thinking_budget=body.thinking_budget, budgets=s.engine.cfg.thinking
-    )
+def forced_choice(body: CountTokensBody) -> str | dict | None:
+    """tool_choice (checked): any / tool force a call, in chat's shape (the same grammar as OpenAI's required /
+    named); None when nothing is forced."""
     kind = (body.tool_choice or {}).get("type", "auto")
     if kind not in TOOL_CHOICES:
         raise APIError(f"tool_choice.type: {kind!r} is not one of {', '.join(TOOL_CHOICES)}", param="tool_choice")
-    declared = anthropic_tools(body.tools)
-    # any / tool force a call: the same grammar as OpenAI's required / named
-    choice = (
-        "required"
-        if kind == "any"
-        else {"type": "function", "function": {"name": body.tool_choice.get("name")}}
-        if kind == "tool"
-        else None
-    )
-    forced = (
-        await compile_off_loop(answer_grammar, s.fmt, choice, declared, None, ANTHROPIC_FIELDS, param="tool_choice")
-        if grammar and choice
-        else None
-    )
+    if kind == "any":
+        return "required"
+    return {"type": "function", "function": {"name": body.tool_choice.get("name")}} if kind == "tool" else None
+
+
+async def read_messages(body: CountTokensBody, s: Served) -> tuple[list[Message], ImageBudget]:
+    """The conversation (system first) and its images, known from their headers (decoded when the request runs)."""
+    forced_choice(body)
     images = await s.images(remote_image_urls(body.messages, ANTHROPIC))
-    messages = anthropic_messages(body.system, body.messages, images)
-    thinking = thinking.for_round([m.role for m in messages])
-    options = prompt_options(thinking, body.tool_choice)
-    return Prompt(
-        messages, prompt_tools(s.fmt, declared, options.tool_choice), thinking, options, forced, declared, images
+    return anthropic_messages(body.system, body.messages, images), images
+
+
+def prepare(body: CountTokensBody, messages: list[Message], s: Served) -> PreparedChat:
+    """The chat of a messages request: its conversation, tools, tool choice and thinking, prepared."""
+    chat = ChatInput.of_messages(
+        messages,
+        thinking=ThinkingAsk(body.thinking_budget, anthropic=body.thinking or {}),
+        tools=anthropic_tools(body.tools),
+        tool_choice=body.tool_choice,
+        max_tokens=getattr(body, "max_tokens", None),  # count_tokens has none
     )
+    return prepare_chat(s.fmt, chat, budgets=s.engine.cfg.thinking, context=s.engine.cfg.max_context)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensBody = served_model(CountTokensBody), s: Served = Depends(served)):
     """The prompt tokens /v1/messages would feed for this request (= its usage's input_tokens +
     cache_read_input_tokens)."""
-    p = await read_prompt(body, s, grammar=False)
-    return {"input_tokens": len(p.render(s.fmt).ids)}
+    messages, _ = await read_messages(body, s)
+    return {"input_tokens": len(prepare(body, messages, s).prompt)}
 
 
 class AnthropicMessage:
@@ -236,28 +211,31 @@ class Blocks:
 
 @router.post("/v1/messages")
 async def messages(http_request: Request, body: MessagesBody = served_model(MessagesBody), s: Served = Depends(served)):
-    p = await read_prompt(body, s, grammar=True)
-    await p.images.decode()
+    choice = forced_choice(body)
+    grammar = (
+        await compile_off_loop(
+            answer_grammar, s.fmt, choice, anthropic_tools(body.tools), None, ANTHROPIC_FIELDS, param="tool_choice"
+        )
+        if choice
+        else None
+    )
+    history, images = await read_messages(body, s)
+    await images.decode()
+    chat = prepare(body, history, s)
     run = start_chat(
         s.engine,
         s.fmt,
         ChatRequest(
-            p.render(s.fmt),
-            p.thinking,
-            tools=p.declared,
-            max_tokens=body.max_tokens,
+            chat,
             temperature=body.temperature,
             top_p=body.top_p,
             sampling={"top_k": body.top_k},
             stop=body.stop_sequences or [],
-            grammar=p.grammar,
-            images=message_images(p.messages),
+            grammar=grammar,
             api="anthropic",
         ),
     )
     reply = AnthropicMessage(run, s.name)
     if body.stream:
-        return StreamingResponse(reply.events(), media_type="text/event-stream", headers=thinking_headers(p.thinking))
-    return JSONResponse(
-        reply.message(await run.complete(http_request.is_disconnected)), headers=thinking_headers(p.thinking)
-    )
+        return StreamingResponse(reply.events(), media_type="text/event-stream", headers=chat.headers())
+    return JSONResponse(reply.message(await run.complete(http_request.is_disconnected)), headers=chat.headers())

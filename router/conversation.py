@@ -6,7 +6,7 @@ a generated turn's segment is the generation prompt plus exactly the tokens the 
 tool-call markup included), so a follow-up starts with exactly the previous prompt and output: the prefix cache
 recomputes only the new tokens. A checkpoint's Jinja chat template cannot be rendered piece by piece; there the
 history is rendered from its text (reasoning included) and the cache hits as far as the template keeps earlier
-turns. `truncation: auto` (router/truncation.py decides) is applied here.
+turns. `truncation: auto` (router/truncation.py decides) is applied here. router/chat_prep.py is what calls these.
 """
 
 from __future__ import annotations
@@ -65,16 +65,6 @@ def prompt_tools(fmt: ChatFormat, tools, tool_choice: str | None):
     return tools if tool_choice != "none" or getattr(fmt, "states_tool_choice", False) else None
 
 
-def render_prompt(
-    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, options: PromptOptions = NO_OPTIONS
-) -> RenderedPrompt:
-    """The chat format's rendering of a request (what the model is fed), a 400 naming what is wrong."""
-    try:
-        return fmt.render(messages, tools=tools, thinking=thinking, **asdict(options))
-    except ValueError as e:  # ChatError, or text that is not valid Unicode
-        raise APIError(str(e) if isinstance(e, ChatError) else f"messages: {e}", param="messages") from None
-
-
 def splices(fmt: ChatFormat) -> bool:
     """Whether the format renders message by message (the built-in one): exact tokens can be spliced in."""
     return isinstance(fmt, BuiltinChat)
@@ -121,8 +111,9 @@ def render_conversation(
         for s in segments:
             ids += segment_ids(fmt, s)
         return RenderedPrompt(ids + generation_prompt(t, thinking), "reasoning" if thinking else "content")
-    except ValueError as e:
-        raise APIError(f"{param}: {e}", param=param) from None
+    except ValueError as e:  # ChatError (named already for messages), or text that is not valid Unicode
+        said = str(e) if isinstance(e, ChatError) and param == "messages" else f"{param}: {e}"
+        raise APIError(said, param=param) from None
 
 
 def truncate(
@@ -161,31 +152,6 @@ def truncate(
         return segments, plan
     shortened = set(plan.shortened)
     return [short(segments[i]) if i in shortened else segments[i] for i in plan.keep], plan
-
-
-def chat_prompt(
-    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, memory, options: PromptOptions = NO_OPTIONS
-) -> RenderedPrompt:
-    """The chat endpoints' prompt. With a reasoning memory (router/response_store.ReasoningMemory), reasoning a
-    client dropped is put back into the messages, and with the built-in format an answer generated here is
-    rendered as exactly the tokens generated (the prefix cache then covers it whole)."""
-    exact = memory.fill(messages) if memory is not None else []
-    if not splices(fmt) or not any(exact):
-        return render_prompt(fmt, messages, tools, thinking, options)
-    system = messages[0].content if messages[0].role == "system" else None
-    segments = [Segment(m, ids) for m, ids in zip(messages, exact)][0 if system is None else 1 :]
-    return render_conversation(fmt, system, tools, segments, thinking, param="messages", options=options)
-
-
-def truncate_messages(
-    fmt: ChatFormat, messages: list[Message], tools, thinking: bool, *, limit: int, options: PromptOptions = NO_OPTIONS
-) -> tuple[list[Message], dict | None]:
-    """Chat completions' `truncation: auto`: the messages that fit and the report (None: nothing dropped)."""
-    system = messages[0].content if messages and messages[0].role == "system" else None
-    rest = [Segment(m) for m in (messages[1:] if system is not None else messages)]
-    kept, plan = truncate(fmt, system, tools, rest, thinking, limit=limit, options=options)
-    head = [messages[0]] if system is not None else []
-    return head + [s.message for s in kept], plan.report() if plan.changed else None
 
 
 def answer_segment(fmt: ChatFormat, output: list[int], parsed, item_ids: tuple[str, ...], thinking: bool) -> Segment:

@@ -30,21 +30,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat.format import BuiltinChat, ChatFormat
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
+from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, max_tokens_for, prepare_chat
 from expertmesh.router.constraints import check_grammar
-from expertmesh.router.conversation import render_prompt
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error, leading_field
 from expertmesh.router.messages import grpc_messages, grpc_tools
-from expertmesh.router.serving import (
-    ChatRequest,
-    CompletionRun,
-    check_key,
-    check_model,
-    decide_thinking,
-    max_tokens_for,
-    prompt_options,
-    start_chat,
-)
+from expertmesh.router.serving import ChatRequest, CompletionRun, check_key, check_model, start_chat
 from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.wire.sampling_params import SamplingParams, check_sampling, sampling_from_proto
@@ -171,23 +162,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """Streaming chat: reasoning and content deltas, structured tool calls, then usage."""
         try:
             self._admit(request.model, context)
-            thinking = decide_thinking(
-                thinking_budget=request.thinking_budget or None,
-                disable=request.disable_thinking,
-                budgets=self.engine.cfg.thinking,
-            )
-            messages, tools = grpc_messages(request.messages), grpc_tools(request.tools)
-            thinking = thinking.for_round([m.role for m in messages])
             p, max_tokens = sampling(request.params, self.tok, chat=True)
+            chat = ChatInput.of_messages(
+                grpc_messages(request.messages),
+                thinking=ThinkingAsk(request.thinking_budget or None, disable=request.disable_thinking),
+                tools=grpc_tools(request.tools),
+                max_tokens=max_tokens,
+                max_tokens_param="params.max_tokens",
+            )
+            cfg = self.engine.cfg
             run = start_chat(
                 self.engine,
                 self.chat,
                 ChatRequest(
-                    render_prompt(self.chat, messages, tools, thinking.on, prompt_options(thinking)),
-                    thinking,
-                    tools=tools,
-                    max_tokens=max_tokens,
-                    max_tokens_param="params.max_tokens",
+                    prepare_chat(self.chat, chat, budgets=cfg.thinking, context=cfg.max_context),
                     temperature=p.temperature,
                     top_p=p.top_p,
                     seed=p.seed,
@@ -218,7 +206,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         yield chat_pb2.ChatEvent(
             finish=chat_pb2.ChatFinish(
                 finish_reason=r.finish_reason,
-                thinking_budget=run.tier if thinking.on else "",
+                thinking_budget=run.tier if run.thinking.on else "",
                 usage=chat_pb2.ChatUsage(
                     prompt_tokens=u.prompt,
                     completion_tokens=u.completion,

@@ -13,15 +13,10 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat.format import Message, message_images
+from expertmesh.chat.format import Message
+from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, max_tokens_for, prepare_chat
 from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar, compile_off_loop
-from expertmesh.router.conversation import (
-    answer_segment,
-    chat_prompt,
-    prompt_tools,
-    render_prompt,
-    truncate_messages,
-)
+from expertmesh.router.conversation import answer_segment
 from expertmesh.router.decoding import TextStream
 from expertmesh.router.dependencies import Served, openai_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
@@ -34,13 +29,8 @@ from expertmesh.router.serving import (
     ChatRun,
     CompletionRun,
     cancel_when_gone,
-    decide_thinking,
-    max_tokens_for,
-    prompt_options,
-    prompt_room,
     start_chat,
     start_samples,
-    thinking_headers,
 )
 from expertmesh.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -517,6 +507,19 @@ class ChatCompletion:
         yield sse("[DONE]")
 
 
+def chat_input(body: ChatBody | TokenizeBody, messages: list[Message], s: Served, **kw) -> ChatInput:
+    """What /v1/chat/completions and /tokenize ask of a chat, alike (their token counts are one)."""
+    return ChatInput.of_messages(
+        messages,
+        s.memory,
+        thinking=ThinkingAsk(body.thinking_budget, body.reasoning_effort, template_kwargs=body.chat_template_kwargs),
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        response_format=body.response_format,
+        **kw,
+    )
+
+
 @router.post("/v1/chat/completions")
 async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s: Served = Depends(served)):
     engine, fmt = s.engine, s.fmt
@@ -529,44 +532,30 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
         CHAT_FIELDS,
         param="response_format" if body.response_format else "tool_choice",
     )
-    thinking = decide_thinking(
-        thinking_budget=body.thinking_budget,
-        reasoning_effort=body.reasoning_effort,
-        template_kwargs=body.chat_template_kwargs,
-    )
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
     n_top = top_logprobs(body)
     images = await s.images(remote_image_urls(body.messages, OPENAI))
     history = openai_messages(body.messages, images)  # what the client sent (reasoning filled in): the answer's key
     await images.decode()  # every image's cost checked from its header first
-    thinking = thinking.for_round([m.role for m in history])
-    options = prompt_options(thinking, body.tool_choice, body.response_format)
-    tools = prompt_tools(fmt, body.tools, options.tool_choice)
-    rendered = chat_prompt(fmt, history, tools, thinking.on, s.memory, options)
-    kept, report, headers = history, None, thinking_headers(thinking)
-    if body.truncation == "auto":
-        kept, report = truncate_messages(
-            fmt, history, tools, thinking.on, options=options, limit=prompt_room(engine.cfg.max_context, max_tokens)
-        )
-        if report:
-            rendered = render_prompt(fmt, kept, tools, thinking.on, options)
-            headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
+    prepared = prepare_chat(
+        fmt,
+        chat_input(body, history, s, truncation=body.truncation, max_tokens=max_tokens),
+        budgets=engine.cfg.thinking,
+        context=engine.cfg.max_context,
+    )
     request = ChatRequest(
-        rendered,
-        thinking,
-        tools=body.tools,
-        max_tokens=max_tokens,
+        prepared,
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
         sampling={**body.sampling_kwargs(), "logprobs": n_top},
         grammar=grammar,
-        images=message_images(kept),
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
         ignore_eos=body.ignore_eos,
     )
     runs = await start_samples(lambda seed: start_chat(engine, fmt, replace(request, seed=seed)), body.n, body.seed)
-    reply = ChatCompletion(body, runs, s, history, n_top, report)
+    reply = ChatCompletion(body, runs, s, history, n_top, prepared.truncation_report)
+    headers = prepared.headers()
     if body.stream:
         return StreamingResponse(reply.chunks(), media_type="text/event-stream", headers=headers)
     try:
@@ -593,16 +582,12 @@ async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = 
                 "add_generation_prompt: only true is supported (the chat endpoint always adds it)",
                 param="add_generation_prompt",
             )
-        thinking = decide_thinking(
-            thinking_budget=body.thinking_budget,
-            reasoning_effort=body.reasoning_effort,
-            template_kwargs=body.chat_template_kwargs,
-        )
-        messages = openai_messages(body.messages)
-        thinking = thinking.for_round([m.role for m in messages])
-        options = prompt_options(thinking, body.tool_choice, body.response_format)
-        tools = prompt_tools(s.fmt, body.tools, options.tool_choice)
-        ids = chat_prompt(s.fmt, messages, tools, thinking.on, s.memory, options).ids
+        ids = prepare_chat(
+            s.fmt,
+            chat_input(body, openai_messages(body.messages), s),
+            budgets=s.engine.cfg.thinking,
+            context=s.engine.cfg.max_context,
+        ).prompt
     else:
         if body.tools is not None:
             raise APIError("tools: only with messages", param="tools")

@@ -81,7 +81,7 @@ class SamplingFields(AcceptedNoOps):
 class CompletionBody(SamplingFields):
     model: str
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = None  # unset: serving.max_tokens_for decides (16, OpenAI's default)
+    max_tokens: int | None = None  # unset: chat_prep.max_tokens_for decides (16, OpenAI's default)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None

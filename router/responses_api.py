@@ -17,33 +17,15 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.chat.format import message_images
+from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat
 from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar, compile_off_loop
-from expertmesh.router.conversation import (
-    NO_OPTIONS,
-    PromptOptions,
-    answer_segment,
-    prompt_tools,
-    render_conversation,
-    system_and_rest,
-    truncate,
-)
+from expertmesh.router.conversation import answer_segment, system_and_rest
 from expertmesh.router.dependencies import Served, caller, openai_key, served, served_model
 from expertmesh.router.errors import APIError
 from expertmesh.router.messages import RESPONSES, new_item_id, remote_image_urls, responses_input, responses_tools
 from expertmesh.router.protocol import ResponsesBody
 from expertmesh.router.response_store import Segment, StoredResponse
-from expertmesh.router.serving import (
-    ChatRequest,
-    ChatResult,
-    ChatRun,
-    Thinking,
-    decide_thinking,
-    prompt_options,
-    prompt_room,
-    start_chat,
-    thinking_headers,
-)
+from expertmesh.router.serving import ChatRequest, ChatResult, ChatRun, start_chat
 
 router = APIRouter(dependencies=[Depends(openai_key)])
 INCLUDABLE = ("reasoning.encrypted_content",)  # accepted: reasoning comes back as plain reasoning_text content
@@ -53,13 +35,13 @@ TEXT_FORMATS = ("text", "json_object", "json_schema")
 # ----------------------------------------------------------------------------------------------- conversation
 @dataclass
 class Conversation:
-    tools: list[dict] | None  # chat-completions form (what the template renders)
+    """A Responses request read: the whole conversation (stored turns, then the input), what it asks of the chat,
+    the input items it adds, the constrained decoding from tool_choice / text.format."""
+
     segments: list[Segment]
-    thinking: Thinking
+    chat: ChatInput
     input_items: list[dict] = field(default_factory=list)
-    grammar: str | None = None  # constrained decoding from tool_choice / text.format
-    options: PromptOptions = NO_OPTIONS  # what the prompt states (K3): tier, tool choice, response format
-    declared: list[dict] | None = None  # the request's tools, for typing call arguments
+    grammar: str | None = None
 
 
 def check_options(body: ResponsesBody) -> None:
@@ -116,7 +98,6 @@ def chat_response_format(text_format: dict) -> dict:
 
 async def conversation(body: ResponsesBody, s: Served, images, owner: str = "") -> Conversation:
     check_options(body)
-    thinking = decide_thinking(reasoning_effort=(body.reasoning or {}).get("effort"), effort_param="reasoning.effort")
     check_output_options(body)
     tools = responses_tools(body.tools)
     response_format = chat_response_format(text_format(body))
@@ -150,11 +131,20 @@ async def conversation(body: ResponsesBody, s: Served, images, owner: str = "") 
     if not segments and not prior:
         raise APIError("input: expected at least one item", param="input")
     segments = prior + segments
-    thinking = thinking.for_round([seg.role for seg in segments])
-    options = prompt_options(thinking, body.tool_choice, response_format)
-    return Conversation(
-        prompt_tools(s.fmt, tools, options.tool_choice), segments, thinking, listed, grammar, options, tools
+    system, rest = system_and_rest(segments, body.instructions)
+    chat = ChatInput(
+        system,
+        rest,
+        ThinkingAsk(reasoning_effort=(body.reasoning or {}).get("effort"), effort_param="reasoning.effort"),
+        tools=tools,
+        tool_choice=body.tool_choice,
+        response_format=response_format,
+        truncation=body.truncation,
+        max_tokens=body.max_output_tokens,
+        max_tokens_param="max_output_tokens",
+        param="input",
     )
+    return Conversation(segments, chat, listed, grammar)
 
 
 def reasoning_item(rid: str, text: str) -> dict:
@@ -186,12 +176,16 @@ class ResponseRun:
         body: ResponsesBody,
         s: Served,
         conv: Conversation,
+        chat: PreparedChat,
         run: ChatRun,
-        kept: list[Segment],
-        report: dict | None,
         owner: str = "",
     ):
-        self.body, self.s, self.conv, self.run, self.kept, self.report = body, s, conv, run, kept, report
+        self.body, self.s, self.conv, self.chat, self.run = body, s, conv, chat, run
+        self.report = chat.truncation_report
+        # what a follow-up continues: a system / developer message sent as an input item stays in the
+        # conversation; `instructions` belong to this request only (as OpenAI documents them)
+        lead = conv.segments[:1] if conv.segments and conv.segments[0].role == "system" else []
+        self.kept = lead + chat.turns
         self.owner = owner
         self.id, self.created = s.store.new_id(), time.time()
         self.rs_id, self.msg_id = new_item_id("rs"), new_item_id("msg")
@@ -239,7 +233,7 @@ class ResponseRun:
     def items(self, r: ChatResult) -> tuple[list[dict], list[dict]]:
         """The output items (reasoning, message, function calls) and the function-call items alone."""
         out = []
-        if self.conv.thinking.on and (r.reasoning or r.usage.reasoning):
+        if self.chat.thinking.on and (r.reasoning or r.usage.reasoning):
             out.append(reasoning_item(self.rs_id, r.reasoning))
         if r.content or not r.tool_calls:
             out.append(message_item(self.msg_id, r.content))
@@ -267,7 +261,7 @@ class ResponseRun:
         )
         if self.body.store:
             seg = answer_segment(
-                self.s.fmt, self.run.req.output, r.parsed, tuple(i["id"] for i in output), self.conv.thinking.on
+                self.s.fmt, self.run.req.output, r.parsed, tuple(i["id"] for i in output), self.chat.thinking.on
             )
             self.s.store.put(StoredResponse(self.id, obj, self.conv.input_items, self.kept + [seg], owner=self.owner))
         return obj
@@ -354,7 +348,7 @@ class ResponseEvents:
         yield self.event("response.in_progress", response=started)
         try:
             async for kind, piece in run.events():
-                if kind == "content" and rr.conv.thinking.on and not self.output:
+                if kind == "content" and rr.chat.thinking.on and not self.output:
                     for e in self.open("reasoning"):  # thinking that produced no text: its item still first
                         yield e
                 if kind != self.open_kind:
@@ -409,44 +403,21 @@ async def create(
     images = await s.images(remote_image_urls(body.input, RESPONSES, field="input"))
     conv = await conversation(body, s, images, owner)
     await images.decode()  # every image's cost checked from its header first
-    system, segments = system_and_rest(conv.segments, body.instructions)
-    report = None
-    if body.truncation == "auto":
-        segments, plan = truncate(
-            fmt,
-            system,
-            conv.tools,
-            segments,
-            conv.thinking.on,
-            options=conv.options,
-            limit=prompt_room(engine.cfg.max_context, body.max_output_tokens),
-        )
-        report = plan.report() if plan.changed else None
-    rendered = render_conversation(fmt, system, conv.tools, segments, conv.thinking.on, options=conv.options)
+    chat = prepare_chat(fmt, conv.chat, budgets=engine.cfg.thinking, context=engine.cfg.max_context)
     run = start_chat(
         engine,
         fmt,
         ChatRequest(
-            rendered,
-            conv.thinking,
-            tools=conv.declared,
-            max_tokens=body.max_output_tokens,
-            max_tokens_param="max_output_tokens",
+            chat,
             temperature=body.temperature,
             top_p=body.top_p,
             sampling=body.sampling_kwargs(),
             grammar=conv.grammar,
-            images=message_images([seg.message for seg in segments]),
             api="openai.responses",
         ),
     )
-    # what a follow-up continues: a system / developer message sent as an input item stays in the conversation;
-    # `instructions` belong to this request only (as OpenAI documents them)
-    kept = (conv.segments[:1] if conv.segments and conv.segments[0].role == "system" else []) + segments
-    rr = ResponseRun(body, s, conv, run, kept, report, owner)
-    headers = thinking_headers(conv.thinking)
-    if report:
-        headers["x-expertmesh-truncation"] = json.dumps(report, separators=(",", ":"))
+    rr = ResponseRun(body, s, conv, chat, run, owner)
+    headers = chat.headers()
     if body.stream:
         return StreamingResponse(rr.events(), media_type="text/event-stream", headers=headers)
     r = await run.complete(http_request.is_disconnected)

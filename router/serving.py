@@ -2,14 +2,12 @@
 used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) and the gRPC service.
 
 - Access: `check_key`, `check_model` (each transport reads the key and the model from its own wire).
-- What a request's parameters mean, decided once: `decide_thinking` (reasoning_effort, thinking_budget,
-  chat_template_kwargs, Anthropic `thinking`, gRPC disable_thinking → on/off, tier, exact limit) and
-  `max_tokens_for` (the one default of max_tokens and its range).
-- A chat run (`start_chat` → `ChatRun`): the rendered conversation submitted with its thinking control (the worker's
-  sampler counts reasoning, cuts it at the tier's limit and starts the grammar where it ends); its
-  events are ("reasoning" | "content", text) pieces as tokens arrive (tool-call markup held back, content ending
-  before a stop string); `finish()` parses the output into a `ChatResult` (reasoning, content, tool calls, the
-  content the stream held back, finish reason, usage) and records metrics and the span once.
+- A chat run (`start_chat` → `ChatRun`): a chat prepared once (router/chat_prep.py: thinking, tier, tools,
+  rendering, truncation, limits) submitted with its sampling and its thinking control (the worker's sampler counts
+  reasoning, cuts it at the limit and starts the grammar where it ends); its events are ("reasoning" | "content",
+  text) pieces as tokens arrive (tool-call markup held back, content ending before a stop string); `finish()`
+  parses the output into a `ChatResult` (reasoning, content, tool calls, the content the stream held back, finish
+  reason, usage) and records metrics and the span once.
 - A completion run (`CompletionRun`): prompt ids in, tokens out, usage.
 """
 
@@ -20,17 +18,9 @@ import hmac
 import uuid
 from dataclasses import dataclass, field
 
-from expertmesh.chat.format import (
-    BuiltinChat,
-    ChatError,
-    ChatFormat,
-    ParsedOutput,
-    RenderedPrompt,
-    thinking_control,
-    tier_from_request,
-)
-from expertmesh.chat.thinking import AUTO_TIER, ThinkingState, auto_tier
-from expertmesh.router.conversation import PromptOptions, tool_choice_option
+from expertmesh.chat.format import BuiltinChat, ChatFormat, ParsedOutput, thinking_control
+from expertmesh.chat.thinking import ThinkingState
+from expertmesh.router.chat_prep import PreparedChat
 from expertmesh.router.decoding import StopCut, TokenDecoder, decoder_for
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
@@ -55,151 +45,6 @@ def check_model(served: str, asked: str | None) -> None:
             code="model_not_found",
             kind="not_found",
         )
-
-
-# ----------------------------------------------------------------------------------------------- parameters
-TEXT_COMPLETION_MAX_TOKENS = 16
-
-
-def max_tokens_for(
-    requested: int | None,
-    *,
-    prompt_tokens: int = 0,
-    context: int = 0,
-    chat: bool = True,
-    scoring: bool | None = None,
-    param: str = "max_tokens",
-) -> int:
-    """The one place max_tokens gets its default and its range. Unset: a chat answer (chat completions, Responses,
-    gRPC Chat) may use what the context leaves after its prompt (OpenAI's and vLLM's behaviour; an over-long prompt
-    keeps 1, so the engine answers context_length_exceeded naming the prompt); a text completion (/v1/completions,
-    gRPC Generate) generates 16, OpenAI's documented default for completions. Anthropic's messages require it.
-    0 only when `scoring` a text completion's prompt (`echo`; None: the API cannot score)."""
-    if requested is None:
-        return max(context - prompt_tokens, 1) if chat else TEXT_COMPLETION_MAX_TOKENS
-    if requested < 0 or (requested == 0 and not scoring):
-        hint = "" if scoring is None else " (0 only with echo: score the prompt)"
-        raise APIError(f"{param}={requested}: expected a positive integer{hint}", param=param)
-    return requested
-
-
-def prompt_room(context: int, max_tokens: int | None) -> int:
-    """The tokens a prompt may take (what `truncation: auto` cuts to): the context less what the answer is given,
-    or less one token when max_tokens is unset (the answer then takes the rest)."""
-    return context - (max_tokens if max_tokens is not None else 1)
-
-
-@dataclass(frozen=True)
-class Thinking:
-    """What a request asks of thinking: on or off, the tier (reported as `thinking_budget`) and, for Anthropic's
-    budget_tokens, an exact limit in place of the tier's. Tier "auto" (reasoning_effort / thinking_budget "auto")
-    is decided per round by `for_round`; `auto` then says why."""
-
-    on: bool = True
-    tier: str = "high"
-    exact: int | None = None
-    auto: str | None = None
-
-    def for_round(self, roles: list[str]) -> Thinking:
-        """The tier of this round: "auto" decided from the conversation's roles (thinking.auto_tier)."""
-        if self.tier != AUTO_TIER:
-            return self
-        tier, why = auto_tier(roles)
-        return Thinking(self.on, tier, self.exact, why)
-
-    @property
-    def effort(self) -> str | None:
-        """The tier as the prompt states it (K3's thinking_effort); None with thinking off."""
-        return self.tier if self.on else None
-
-    def limit(self, budgets) -> int:
-        """Reasoning tokens allowed. Off: a template that cannot turn thinking off gets the low tier's limit."""
-        if not self.on:
-            return budgets.limit("low")
-        return self.exact if self.exact is not None else budgets.limit(self.tier)
-
-
-ADAPTIVE_TIER = "high"  # Anthropic thinking.type "adaptive": the model decides, within this tier's limit
-TEMPLATE_SWITCHES = ("enable_thinking", "thinking")  # chat_template_kwargs that turn thinking on / off
-
-
-def decide_thinking(
-    *,
-    thinking_budget: str | None = None,
-    reasoning_effort: str | None = None,
-    effort_param: str = "reasoning_effort",
-    template_kwargs: dict | None = None,
-    anthropic: dict | None = None,
-    disable: bool = False,
-    budgets=None,
-) -> Thinking:
-    """Every way a request speaks of thinking, read once: OpenAI `reasoning_effort` (none turns it off; minimal / low
-    → low, medium → high, high → max), `thinking_budget` (a tier), `chat_template_kwargs.enable_thinking` /
-    `thinking` (as Qwen / vLLM and DeepSeek V3.1 name it; other template kwargs are refused), Anthropic `thinking`
-    ({type: enabled, budget_tokens} an exact limit, adaptive the `high` tier, disabled — its default — off), gRPC
-    `disable_thinking`. A tier asked for while thinking is off is refused. `budgets`: the deployment's
-    ThinkingBudgets (the tier that covers an Anthropic budget is the one reported)."""
-    on = reasoning_effort != "none" and not disable
-    for key, value in (template_kwargs or {}).items():
-        if key not in TEMPLATE_SWITCHES or not isinstance(value, bool):
-            raise APIError(
-                f"chat_template_kwargs.{key}: only enable_thinking / thinking (true or false) are supported",
-                param=f"chat_template_kwargs.{key}",
-            )
-        on = on and value
-    budget_tokens, adaptive = None, False
-    if anthropic is not None:
-        kind = anthropic.get("type", "disabled")
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise APIError(f"thinking.type: {kind!r} is not one of enabled, disabled, adaptive", param="thinking.type")
-        on, adaptive = kind != "disabled", kind == "adaptive"
-        if kind == "enabled":
-            budget_tokens = anthropic.get("budget_tokens")
-            if not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool):
-                raise APIError(
-                    f"thinking.budget_tokens: expected an integer, found {budget_tokens!r}",
-                    param="thinking.budget_tokens",
-                )
-    if not on and thinking_budget is not None:
-        raise APIError("thinking_budget: given while thinking is turned off", param="thinking_budget")
-    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
-        raise APIError(
-            f"{effort_param}: expected a string, found {type(reasoning_effort).__name__}", param=effort_param
-        )
-    effort = None if reasoning_effort == "none" else reasoning_effort
-    if AUTO_TIER in (thinking_budget, effort) and on:
-        return Thinking(on, AUTO_TIER)  # decided per round (Thinking.for_round)
-    asked = [
-        (p, v)
-        for p, v in (
-            ("thinking_budget", thinking_budget),
-            (effort_param, effort),
-            ("thinking.budget_tokens", budget_tokens),
-        )
-        if v is not None
-    ]
-    try:
-        tier = tier_from_request(
-            thinking_budget=thinking_budget or (ADAPTIVE_TIER if adaptive else None),
-            reasoning_effort=effort,
-            budget_tokens=budget_tokens,
-            budgets=budgets,
-        )
-    except ChatError as e:  # names the first field asked (tier_from_request reads them in that order)
-        param = asked[0][0] if asked else "thinking_budget"
-        raise APIError(str(e).replace("reasoning_effort:", f"{param}:", 1), param=param) from None
-    return Thinking(on, tier, budget_tokens if thinking_budget is None else None)
-
-
-def prompt_options(thinking: Thinking, tool_choice=None, response_format: dict | None = None) -> PromptOptions:
-    """What a request states in its prompt for a format that renders it (K3): the round's tier (thinking on), the
-    tool choice in any API's shape, the response format."""
-    return PromptOptions(thinking.effort, tool_choice_option(tool_choice), response_format)
-
-
-def thinking_headers(thinking: Thinking) -> dict[str, str]:
-    """reasoning_effort "auto": the tier chosen for this round and why, as a response header."""
-    return {"x-expertmesh-thinking": f"{thinking.tier}; auto: {thinking.auto}"} if thinking.auto else {}
 
 
 # ----------------------------------------------------------------------------------------------- requests
@@ -249,23 +94,18 @@ def submit(engine: Engine, prompt: list[int], params: SamplingParams, span: Requ
 # ----------------------------------------------------------------------------------------------- chat
 @dataclass
 class ChatRequest:
-    """A chat request as every API ends up asking it: the rendered conversation (and the images it holds, in
-    order), how to think, how long and how to sample. `sampling`: further SamplingParams fields (top_k, min_p,
-    penalties, logit_bias, logprobs). `grammar` (router/constraints.py) applies to the answer: after the
-    end-of-thinking marker when generation starts in the reasoning section."""
+    """A chat request as every API ends up asking it: the chat prepared once (prompt, thinking, tools, limits:
+    router/chat_prep.py) and how to sample. `sampling`: further SamplingParams fields (top_k, min_p, penalties,
+    logit_bias, logprobs). `grammar` (router/constraints.py) applies to the answer: after the end-of-thinking marker
+    when generation starts in the reasoning section."""
 
-    rendered: RenderedPrompt
-    thinking: Thinking
-    tools: list[dict] | None = None  # the declared tools (chat-shaped), for a format that types arguments
-    max_tokens: int | None = None  # None: max_tokens_for's default
-    max_tokens_param: str = "max_tokens"  # how the request names it (errors)
+    chat: PreparedChat
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     sampling: dict = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     grammar: str | None = None
-    images: list = field(default_factory=list)
     api: str = "openai"
     ignore_eos: bool = False  # generate to max_tokens: the format's stop tokens do not end the answer
 
@@ -309,9 +149,10 @@ class ChatResult:
 class ChatRun:
     def __init__(self, engine: Engine, fmt: ChatFormat, request: ChatRequest):
         self.engine, self.fmt, self.request = engine, fmt, request
-        self.prompt, self.phase = request.rendered.ids, request.rendered.phase
-        self.thinking = request.thinking
-        self.control = thinking_control(fmt.markers, self.phase, request.thinking.limit(engine.cfg.thinking))
+        chat = request.chat
+        self.prompt, self.phase = chat.rendered.ids, chat.rendered.phase
+        self.thinking, self.tools = chat.thinking, chat.tools
+        self.control = thinking_control(fmt.markers, self.phase, chat.reasoning_limit)
         self.req: Request | None = None
         self.consumed = 0  # generated tokens `events()` has decoded so far
         self.sent = ""  # content the events gave out
@@ -335,13 +176,13 @@ class ChatRun:
             tier=t.tier if t.on else None,
             auto_tier=t.auto,
         )
-        images = self.request.images
+        images = self.request.chat.images
         self.req = submit(
             self.engine,
             self.prompt,
             params,
             self.span,
-            tools_offered=bool(self.request.tools),
+            tools_offered=bool(self.tools),
             **({"images": images} if images else {}),
         )
 
@@ -374,7 +215,7 @@ class ChatRun:
         return out
 
     def _decoders(self) -> tuple[TokenDecoder, StopCut]:
-        return decoder_for(self.fmt, self.phase, self.salt, self.request.tools), StopCut(self.request.stop)
+        return decoder_for(self.fmt, self.phase, self.salt, self.tools), StopCut(self.request.stop)
 
     async def events(self):
         """Yield ("reasoning"|"content", text) as tokens arrive; tool-call markup is held back; content ends
@@ -417,7 +258,7 @@ class ChatRun:
         """The parsed answer, once generation is over; counts the reasoning tokens and ends the span (once)."""
         if self._result is not None:
             return self._result
-        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt, tools=self.request.tools)
+        parsed = self.fmt.parse_output(self.req.output, phase=self.phase, salt=self.salt, tools=self.tools)
         if self.stop_hit is not None:  # the answer ends before the stop string; nothing after counts
             at = parsed.content.find(self.stop_hit)
             parsed.content = parsed.content[:at] if at >= 0 else parsed.content
@@ -453,24 +294,17 @@ class ChatRun:
 
 
 def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun:
-    """Submit a chat request: its max_tokens resolved (max_tokens_for), its grammar after the thinking section."""
-    if request.images and not isinstance(fmt, BuiltinChat):
+    """Submit a chat request, its grammar after the thinking section."""
+    if request.chat.images and not isinstance(fmt, BuiltinChat):
         raise APIError(
             "messages: image input needs the built-in chat format (a checkpoint's own chat template "
             "does not render images yet)",
             param="messages",
         )
-    rendered = request.rendered
     run = ChatRun(engine, fmt, request)
-    max_tokens = max_tokens_for(
-        request.max_tokens,
-        prompt_tokens=len(rendered.ids),
-        context=engine.cfg.max_context,
-        param=request.max_tokens_param,
-    )
     run.start(
         SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=request.chat.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
             seed=request.seed,

@@ -7,10 +7,10 @@ import pytest
 
 from expertmesh.chat.format import ChatError
 from expertmesh.model.config import preset
+from expertmesh.router.chat_prep import Thinking, decide_thinking, max_tokens_for, prompt_room
 from expertmesh.router.errors import KINDS, APIError, as_api_error
 from expertmesh.router.messages import ANTHROPIC, OPENAI, RESPONSES, openai_messages, read_content, remote_image_urls
 from expertmesh.router.request import ContextLengthExceeded, EngineClosed, QueueFull, RequestError
-from expertmesh.router.serving import Thinking, decide_thinking, max_tokens_for, prompt_room
 
 BUDGETS = preset("tiny").thinking
 
