@@ -15,7 +15,7 @@ Native layout of a checkpoint directory:
 Routed experts of layer L: `layers.L.moe.experts.gate_up.blocks` uint8 [E, 2I, H/2] (two E2M1 codes per byte,
 even element in the low nibble), `...gate_up.scales` uint8 [E, 2I, H/32] (E8M0, bias 127), and the same for
 `down` ([E, H, I/2], [E, H, I/32]). Every other tensor is under its module path in bf16, except those the
-published models keep in fp32 (`model.FP32_PARAMETERS`: routing weights and bias, KDA A_log / dt_bias, the DSA
+published models keep in fp32 (`model.config.FP32_PARAMETERS`: routing weights and bias, KDA A_log / dt_bias, the DSA
 indexer's head weights). A tied LM head is stored once, as `embed.weight`.
 
 The loader checks every name, dtype and shape against the config and names the file, the tensor, what it
@@ -309,7 +309,7 @@ class Checkpoint:
     def load_model(
         self, *, experts: bool = True, dense_attention: bool = False, device="cpu", dtype: torch.dtype = torch.float32
     ):
-        """The reference Transformer, on `device` in `dtype` (fp32 by default; `model.FP32_PARAMETERS` always fp32).
+        """The reference Transformer, on `device` in `dtype` (fp32 by default; `model.config.FP32_PARAMETERS` always fp32).
 
         Built on the meta device and given storage only for what it holds, then filled tensor by tensor from the
         files (one stored tensor in host memory at a time). `experts=False` builds no routed-expert buffers at

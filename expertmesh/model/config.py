@@ -27,8 +27,9 @@ LayerType = Literal["kda", "mla", "dsa"]
 ModelType = Literal["expertmesh", "kimi_linear", "deepseek_v32", "kimi_k3"]
 MXFP4_BLOCK = 32  # values per E8M0 scale (OCP MX v1.0)
 MXFP4_BITS_PER_WEIGHT = 4 + 8 / MXFP4_BLOCK  # 4.25
-# state-dict name endings of the parameters the published models keep in fp32 (routing weight and bias, KDA A_log /
-# dt_bias, the indexer's head weights), whatever the compute dtype; `ModelConfig.fp32_params` counts them
+# state-dict name endings of the parameters the published models keep in fp32 whatever the compute dtype (routing
+# weight and bias, KDA A_log / dt_bias, the indexer's head weights): a bf16 copy would change which expert wins a
+# near-tie. `ModelConfig.fp32_params` counts them (placement/sizing.py's dense bytes)
 FP32_PARAMETERS = ("moe.router.weight", "moe.router_bias", "attn.A_log", "attn.dt_bias", "attn.index_w.weight")
 
 

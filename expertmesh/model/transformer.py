@@ -28,7 +28,7 @@ from expertmesh.kernels.batch_invariant import pointwise
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.model.attention import KDAttention, LatentAttention
 from expertmesh.model.cache import Segment, SequenceCache
-from expertmesh.model.config import ModelConfig
+from expertmesh.model.config import FP32_PARAMETERS, ModelConfig
 from expertmesh.model.layers import GatedMLP, Linear, RMSNorm
 from expertmesh.model.moe import LOCAL_EXPERTS, MoE, RoutedExperts, RoutedExpertsBackend
 from expertmesh.model.sampling import Sampler
@@ -179,11 +179,7 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- init
-# Tensors the published models keep in fp32 (routing logits and bias, KDA decay parameters, the indexer's head
-# weights): a bf16 copy would change which expert wins a near-tie. Everything else is stored in bf16.
-FP32_PARAMETERS = ("moe.router.weight", "moe.router_bias", "attn.A_log", "attn.dt_bias", "attn.index_w.weight")
-
-
+# FP32_PARAMETERS (model/config.py) are kept in fp32 whatever the compute dtype; everything else is stored in bf16.
 def stored_dtype(name: str) -> torch.dtype:
     """The dtype a native checkpoint stores parameter `name` (a state-dict name, not a routed expert) in."""
     return torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
