@@ -16,6 +16,17 @@ import pytest
 from support.fetch_server import Faults, FileServer
 
 from expertmesh.checkpoint import fetch as f
+from expertmesh.checkpoint.fetch_index import (
+    INDEX_FORMAT,
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    STATE_DIR,
+    FetchError,
+    git_blob_sha1,
+    sha256_file,
+    write_index,
+)
+from expertmesh.checkpoint.fetch_sources import parse_source, sigv4_headers
 from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.cli import main
 from expertmesh.model.config import preset
@@ -28,7 +39,7 @@ LAYER = "model-layers-00001-00001.safetensors"
 def published(tmp_path_factory):
     d = tmp_path_factory.mktemp("published") / "tiny"
     create_checkpoint(preset("tiny"), d, seed=0)
-    f.write_index(d)
+    write_index(d)
     return d
 
 
@@ -37,18 +48,18 @@ def _same_tree(a, b) -> bool:
         return {
             p.relative_to(d).as_posix(): p.read_bytes()
             for p in d.rglob("*")  # noqa: E731
-            if p.is_file() and f.STATE_DIR not in p.parts and p.name != f.INDEX_NAME
+            if p.is_file() and STATE_DIR not in p.parts and p.name != INDEX_NAME
         }
 
     return files(a) == files(b)
 
 
 def test_fetch_verifies_resumes_retries_and_skips_what_it_has(published, tmp_path):
-    index = json.loads((published / f.INDEX_NAME).read_text())
+    index = json.loads((published / INDEX_NAME).read_text())
     assert {e["path"] for e in index["files"]} >= {"config.json", LAYER} and all(
         e["sha256"] == hashlib.sha256((published / e["path"]).read_bytes()).hexdigest() for e in index["files"]
     )
-    faults = Faults(fail={f.INDEX_NAME: 1, "config.json": 2}, cut={LAYER: 30000})
+    faults = Faults(fail={INDEX_NAME: 1, "config.json": 2}, cut={LAYER: 30000})
     lines: list[str] = []
     with FileServer(published, faults) as srv:
         r = f.fetch(srv.url + "/", tmp_path / "cache", backoff=0.01, out=lines.append, progress_every=0)
@@ -71,7 +82,7 @@ def test_fetch_verifies_resumes_retries_and_skips_what_it_has(published, tmp_pat
         n = len(faults.requests)
         again = f.fetch(srv.url, tmp_path / "cache", backoff=0.01, out=lines.append)
         assert (again["downloaded"], again["skipped"]) == (0, len(index["files"]))
-        assert [p for p, _, _ in faults.requests[n:]] == [f.INDEX_NAME]
+        assert [p for p, _, _ in faults.requests[n:]] == [INDEX_NAME]
         # only some shards (an expert pod's), every other file always
         part = f.fetch(srv.url, tmp_path / "some", patterns=["*00001-00001*"], out=lines.append)
         got = {p.name for p in (tmp_path / "some").iterdir() if p.is_file()}
@@ -86,7 +97,7 @@ def test_a_corrupted_file_is_refused_by_name(published, tmp_path):
     (bad / LAYER).write_bytes(bytes(data))
     faults = Faults()
     with FileServer(bad, faults) as srv:
-        with pytest.raises(f.FetchError, match=rf"checkpoint file '{LAYER}'.*sha256 [0-9a-f]{{64}}, the index says"):
+        with pytest.raises(FetchError, match=rf"checkpoint file '{LAYER}'.*sha256 [0-9a-f]{{64}}, the index says"):
             f.fetch(srv.url, tmp_path / "cache", backoff=0.01, out=lambda _: None)
         assert [p for p, _, _ in faults.requests].count(LAYER) == 2  # once more from scratch, then refused
         assert not (tmp_path / "cache" / LAYER).exists() and not list((tmp_path / "cache").rglob("*.partial"))
@@ -98,14 +109,14 @@ def test_a_corrupted_file_is_refused_by_name(published, tmp_path):
         assert lines[-1].startswith("FETCH failed: checkpoint file") and LAYER in lines[-1]
         # a missing file is a refusal at once (no retries), naming the URL
         (bad / "config.json").unlink()
-        with pytest.raises(f.FetchError, match=r"config.json: HTTP 404"):
+        with pytest.raises(FetchError, match=r"config.json: HTTP 404"):
             f.fetch(srv.url, tmp_path / "c2", backoff=0.01, out=lambda _: None)
-    with pytest.raises(f.FetchError, match="giving up after 3 attempts"):
+    with pytest.raises(FetchError, match="giving up after 3 attempts"):
         f.fetch("http://127.0.0.1:9/", tmp_path / "c3", retries=2, backoff=0.01, timeout=2, out=lambda _: None)
-    with pytest.raises(f.FetchError, match="unsupported checkpoint source"):
+    with pytest.raises(FetchError, match="unsupported checkpoint source"):
         f.fetch("ftp://x/y", tmp_path / "c4")
-    with pytest.raises(f.FetchError, match=r"hf://ORG/NAME"):
-        f.parse_source("hf://just-a-name")
+    with pytest.raises(FetchError, match=r"hf://ORG/NAME"):
+        parse_source("hf://just-a-name")
 
 
 def _hub(tmp_path, published, prefix: str = ""):
@@ -115,7 +126,7 @@ def _hub(tmp_path, published, prefix: str = ""):
     root = hub / prefix if prefix else hub
     repo = root / "org" / "tiny" / "resolve" / "v1"
     shutil.copytree(published, repo)
-    (repo / f.INDEX_NAME).unlink()
+    (repo / INDEX_NAME).unlink()
     siblings = []
     for p in sorted(repo.iterdir()):
         if p.suffix == ".safetensors":  # LFS: sha256; the rest: git blob id
@@ -123,11 +134,11 @@ def _hub(tmp_path, published, prefix: str = ""):
                 {
                     "rfilename": p.name,
                     "size": p.stat().st_size,
-                    "lfs": {"sha256": f.sha256_file(p), "size": p.stat().st_size},
+                    "lfs": {"sha256": sha256_file(p), "size": p.stat().st_size},
                 }
             )
         else:
-            siblings.append({"rfilename": p.name, "size": p.stat().st_size, "blobId": f.git_blob_sha1(p)})
+            siblings.append({"rfilename": p.name, "size": p.stat().st_size, "blobId": git_blob_sha1(p)})
     api = root / "api" / "models" / "org" / "tiny" / "revision" / "v1"
     api.parent.mkdir(parents=True)
     api.write_text(json.dumps({"id": "org/tiny", "siblings": siblings}))
@@ -142,7 +153,7 @@ def test_hugging_face_layout_through_hf_endpoint(published, tmp_path, monkeypatc
         r = f.fetch("hf://org/tiny@v1", tmp_path / "cache", out=lambda _: None)
         assert r["files"] == len(siblings) and _same_tree(repo, tmp_path / "cache")
         (repo / "config.json").write_text((repo / "config.json").read_text() + " ")  # not what the Hub lists
-        with pytest.raises(f.FetchError, match=r"'config.json'.*size"):
+        with pytest.raises(FetchError, match=r"'config.json'.*size"):
             f.fetch("hf://org/tiny@v1", tmp_path / "other", backoff=0.01, out=lambda _: None)
 
 
@@ -157,20 +168,20 @@ def test_hf_endpoint_with_a_path_prefix(published, tmp_path, monkeypatch):
         assert faults.requests[0][0] == "mirror/hf/api/models/org/tiny/revision/v1"
         assert 404 not in [s for _, _, s in faults.requests]
     monkeypatch.setenv("HF_ENDPOINT", "mirror.example/hf")
-    with pytest.raises(f.FetchError, match=r"HF_ENDPOINT 'mirror.example/hf'.*http"):
-        f.parse_source("hf://org/tiny")
+    with pytest.raises(FetchError, match=r"HF_ENDPOINT 'mirror.example/hf'.*http"):
+        parse_source("hf://org/tiny")
 
 
 def test_local_directory_is_verified_in_place_and_progress_parses(published, tmp_path):
     r = f.fetch(str(published), tmp_path / "unused", out=lambda _: None)
-    assert r["downloaded"] == 0 and r["files"] == len(json.loads((published / f.INDEX_NAME).read_text())["files"])
+    assert r["downloaded"] == 0 and r["files"] == len(json.loads((published / INDEX_NAME).read_text())["files"])
     assert f.parse_progress("x\nFETCH 12.5% 1.0/8.0 MiB a\nFETCH 37.0% 3.0/8.0 MiB b\nother") == 37.0
     assert f.parse_progress("no progress here") is None
 
 
 def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
     # AWS's documented example (GET Object, first 10 bytes): the signature must come out exactly
-    h = f.sigv4_headers(
+    h = sigv4_headers(
         "GET",
         "https://examplebucket.s3.amazonaws.com/test.txt",
         {"Range": "bytes=0-9"},
@@ -193,7 +204,7 @@ def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
         given = {k.lower(): v for k, v in headers.items()}
         signed = given.get("authorization", "").split("SignedHeaders=")[-1].split(",")[0].split(";")
         keep = {k: given[k] for k in signed if k not in ("host", "x-amz-date", "x-amz-content-sha256")}
-        want = f.sigv4_headers(
+        want = sigv4_headers(
             "GET",
             f"http://{given['host']}{path}",
             keep,
@@ -216,7 +227,7 @@ def test_s3_source_signs_every_request(published, tmp_path, monkeypatch):
         assert 403 not in [status for _, _, status in faults.requests]
         assert any(seen)  # the resumed request's Range header was signed too
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-        with pytest.raises(f.FetchError, match="HTTP 403"):
+        with pytest.raises(FetchError, match="HTTP 403"):
             f.fetch("s3://models/tiny", tmp_path / "other", backoff=0.01, out=lambda _: None)
 
 
@@ -302,7 +313,7 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
     faults = Faults(oversize={"config.json": 48 << 20})
     with FileServer(published, faults) as srv:
         with pytest.raises(
-            f.FetchError,
+            FetchError,
             match=rf"checkpoint file 'config.json' from .*: the server sends more than "
             rf"the {size} bytes the index lists",
         ):
@@ -338,7 +349,7 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
         faults = Faults()
         with FileServer(bigger, faults) as big:
             with pytest.raises(
-                f.FetchError,
+                FetchError,
                 match=rf"'config.json'.*size {size + (32 << 20)} bytes \(the server's "
                 rf"Content-Length\), the index says {size}",
             ):
@@ -347,7 +358,7 @@ def test_a_file_is_read_up_to_its_indexed_size_and_no_further(published, tmp_pat
 
 
 def test_the_index_is_bounded(published, tmp_path, monkeypatch):
-    faults = Faults(pad={f.INDEX_NAME: 64 << 20})  # still a valid index after 64 MiB of spaces
+    faults = Faults(pad={INDEX_NAME: 64 << 20})  # still a valid index after 64 MiB of spaces
     with FileServer(published, faults) as srv:
         buf = io.StringIO()
         tracemalloc.start()
@@ -359,15 +370,14 @@ def test_the_index_is_bounded(published, tmp_path, monkeypatch):
             tracemalloc.stop()
         last = buf.getvalue().splitlines()[-1]
         assert rc == 1 and last == (
-            f"FETCH failed: {srv.url}/{f.INDEX_NAME}: more than {f.MAX_INDEX_BYTES} bytes "
-            f"(the limit, --max-index-mib 16)"
+            f"FETCH failed: {srv.url}/{INDEX_NAME}: more than {MAX_INDEX_BYTES} bytes (the limit, --max-index-mib 16)"
         ), last
-        assert peak < 3 * f.MAX_INDEX_BYTES, peak
+        assert peak < 3 * MAX_INDEX_BYTES, peak
         # under the bound: fetched as usual
-        faults.pad[f.INDEX_NAME] = 1 << 20
+        faults.pad[INDEX_NAME] = 1 << 20
         assert f.fetch(srv.url, tmp_path / "ok", out=lambda _: None)["files"] > 0
         # without end, with a smaller bound
-        faults.pad[f.INDEX_NAME] = None
+        faults.pad[INDEX_NAME] = None
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             assert main(["fetch", srv.url, "--cache", str(tmp_path / "c2"), "--max-index-mib", "1"]) == 1
@@ -376,12 +386,12 @@ def test_the_index_is_bounded(published, tmp_path, monkeypatch):
     hub, repo = _hub(tmp_path, published)
     with FileServer(hub, Faults(pad={"api/models/org/tiny/revision/v1": None})) as srv:
         monkeypatch.setenv("HF_ENDPOINT", srv.url)
-        with pytest.raises(f.FetchError, match=r"revision/v1\?blobs=true: more than 1048576 bytes"):
+        with pytest.raises(FetchError, match=r"revision/v1\?blobs=true: more than 1048576 bytes"):
             f.fetch("hf://org/tiny@v1", tmp_path / "hf", max_index_bytes=1 << 20, out=lambda _: None)
     local = tmp_path / "local"
     shutil.copytree(published, local)
-    (local / f.INDEX_NAME).write_bytes(b" " * (2 << 20) + (published / f.INDEX_NAME).read_bytes())
-    with pytest.raises(f.FetchError, match=rf"{f.INDEX_NAME}: more than {1 << 20} bytes"):
+    (local / INDEX_NAME).write_bytes(b" " * (2 << 20) + (published / INDEX_NAME).read_bytes())
+    with pytest.raises(FetchError, match=rf"{INDEX_NAME}: more than {1 << 20} bytes"):
         f.fetch(str(local), tmp_path / "unused", max_index_bytes=1 << 20, out=lambda _: None)
 
 
@@ -427,35 +437,35 @@ BAD_INDEXES = {
 def _served_index(root, payload) -> None:
     root.mkdir(parents=True, exist_ok=True)
     (root / "ok.txt").write_bytes(b"abc")
-    (root / f.INDEX_NAME).write_text(json.dumps(payload) if not isinstance(payload, str) else payload)
+    (root / INDEX_NAME).write_text(json.dumps(payload) if not isinstance(payload, str) else payload)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INDEXES))
 def test_a_bad_index_entry_ends_in_one_failed_line(tmp_path, case):
     files, bad, says = BAD_INDEXES[case]
     served = tmp_path / "served"
-    _served_index(served, {"format": f.INDEX_FORMAT, "files": [_e("ok.txt")]})
+    _served_index(served, {"format": INDEX_FORMAT, "files": [_e("ok.txt")]})
     cache = tmp_path / "cache"
     with FileServer(served) as srv:
         assert main(["fetch", srv.url, "--cache", str(cache)]) == 0
-        state = (cache / f.STATE_DIR / "verified.json").read_bytes()
+        state = (cache / STATE_DIR / "verified.json").read_bytes()
         for e in files:  # what the index names is there to be fetched: only the check can stop it
             p = e["path"] if isinstance(e, dict) else None
             if isinstance(p, str) and p and "\x00" not in p and not p.startswith("/") and ".." not in p:
                 with contextlib.suppress(OSError, UnicodeError):
                     (served / p).parent.mkdir(parents=True, exist_ok=True)
                     (served / p).write_bytes(b"abc")
-        (served / f.INDEX_NAME).write_text(json.dumps({"format": f.INDEX_FORMAT, "files": files}))
+        (served / INDEX_NAME).write_text(json.dumps({"format": INDEX_FORMAT, "files": files}))
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             rc = main(["fetch", srv.url, "--cache", str(cache), "--retries", "0"])
     lines = buf.getvalue().splitlines()
-    assert rc == 1 and lines[-1].startswith(f"FETCH failed: {srv.url}/{f.INDEX_NAME}: files[{bad}]"), lines
+    assert rc == 1 and lines[-1].startswith(f"FETCH failed: {srv.url}/{INDEX_NAME}: files[{bad}]"), lines
     assert sum("FETCH failed" in x for x in lines) == 1 and says in lines[-1], lines[-1]
     path = files[bad]["path"] if isinstance(files[bad], dict) else files[bad]
     assert repr(path)[:24] in lines[-1]
-    assert (cache / f.STATE_DIR / "verified.json").read_bytes() == state
-    assert (cache / "ok.txt").read_bytes() == b"abc" and (cache / f.STATE_DIR / "lock").is_file()
+    assert (cache / STATE_DIR / "verified.json").read_bytes() == state
+    assert (cache / "ok.txt").read_bytes() == b"abc" and (cache / STATE_DIR / "lock").is_file()
 
 
 @pytest.mark.parametrize(
@@ -471,13 +481,13 @@ def test_a_bad_index_entry_ends_in_one_failed_line(tmp_path, case):
 def test_a_bad_index_ends_in_one_failed_line(tmp_path, body, says):
     served = tmp_path / "served"
     served.mkdir()
-    (served / f.INDEX_NAME).write_bytes(body if isinstance(body, bytes) else body.encode())
+    (served / INDEX_NAME).write_bytes(body if isinstance(body, bytes) else body.encode())
     with FileServer(served) as srv:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             assert main(["fetch", srv.url, "--cache", str(tmp_path / "cache")]) == 1
     last = buf.getvalue().splitlines()[-1]
-    assert last.startswith(f"FETCH failed: {srv.url}/{f.INDEX_NAME}: {says}"), last
+    assert last.startswith(f"FETCH failed: {srv.url}/{INDEX_NAME}: {says}"), last
 
 
 @pytest.mark.parametrize(
@@ -532,22 +542,22 @@ def test_links_in_the_cache_are_replaced_never_followed(tmp_path):
     (served / "sub").mkdir(parents=True)
     for name, n in (("sub/a.bin", 5000), ("b.bin", 3000), ("c.bin", 2000), ("d.bin", 4000)):
         (served / name).write_bytes(os.urandom(n))
-    f.write_index(served)
+    write_index(served)
     outside = tmp_path / "outside"
     (outside / "dir").mkdir(parents=True)
     for name in ("victim", "lock", "state", "hard"):
         (outside / name).write_bytes(b"precious " + name.encode())
     (outside / "same").write_bytes((served / "c.bin").read_bytes())  # the right bytes, but outside the cache
     cache = tmp_path / "cache"
-    (cache / f.STATE_DIR).mkdir(parents=True)
+    (cache / STATE_DIR).mkdir(parents=True)
     (cache / "sub").symlink_to(outside / "dir")  # a directory the index needs: a link out
     (cache / "b.bin.partial").symlink_to(outside / "victim")  # a part to resume: a link out
     (cache / "c.bin").symlink_to(outside / "same")  # a file that would verify through the link
     os.link(outside / "hard", cache / "d.bin.partial")  # a part to resume: a hard link to a file outside
-    (cache / f.STATE_DIR / "lock").symlink_to(outside / "lock")
-    (cache / f.STATE_DIR / "verified.json").symlink_to(outside / "state")
+    (cache / STATE_DIR / "lock").symlink_to(outside / "lock")
+    (cache / STATE_DIR / "verified.json").symlink_to(outside / "state")
     (other := tmp_path / "cache2").mkdir()
-    (other / f.STATE_DIR).symlink_to(outside / "dir")  # the state directory itself
+    (other / STATE_DIR).symlink_to(outside / "dir")  # the state directory itself
     before = _snapshot(outside)
     with FileServer(served) as srv:
         for c in (cache, other):
@@ -561,6 +571,6 @@ def test_links_in_the_cache_are_replaced_never_followed(tmp_path):
     assert _snapshot(outside) == before
     replaced = [x for x in text.splitlines() if "symbolic link" in x]
     assert replaced == [
-        f"FETCH replaced '{f.STATE_DIR}': a symbolic link in the cache (→ {str(outside / 'dir')!r}) "
+        f"FETCH replaced '{STATE_DIR}': a symbolic link in the cache (→ {str(outside / 'dir')!r}) "
         f"where fetch needs a directory: fetch never follows links out of the cache"
     ]

@@ -33,7 +33,7 @@ from support.fetch_server import Faults, FileServer
 from support.kopf_cluster import NS, eventually, operator, pod_uids, tiny_spec
 from support.kube_harness import LocalNode
 
-from expertmesh.checkpoint.fetch import INDEX_NAME, write_index
+from expertmesh.checkpoint.fetch_index import INDEX_NAME, write_index
 from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.model.config import preset
 from expertmesh.operator.handlers import _fetch_load_http
