@@ -13,10 +13,10 @@ All offer the one small interface the router and the chat formats use:
 
 The byte tokenizer lives here; chat/hf_tokenizer.py and chat/tiktoken_tokenizer.py hold the checkpoint tokenizers
 (over chat/tokenizer_files.py), and `load_tokenizer` picks one. Synthetic checkpoints have no tokenizer.json and use
-the byte tokenizer: ids 0..255 are the bytes of the UTF-8
-text, the special tokens follow. Every tokenizer also gives each id's bytes (`decode_bytes`: what the id adds to
-decoded text, b"" for a special token) and its special tokens (`id_to_special`), which constrained decoding
-(expertmesh/chat/grammar.py) reads.
+the byte tokenizer: ids 0..255 are the bytes of the UTF-8 text, the special tokens follow (the layout is
+expertmesh/model/byte_vocab.py, which the presets' vocabulary size comes from). Every tokenizer also gives each id's
+bytes (`decode_bytes`: what the id adds to decoded text, b"" for a special token) and its special tokens
+(`id_to_special`), which constrained decoding (expertmesh/chat/grammar.py) reads.
 """
 
 from __future__ import annotations
@@ -26,29 +26,7 @@ from pathlib import Path
 
 from expertmesh.chat.hf_tokenizer import CheckpointTokenizer
 from expertmesh.chat.tiktoken_tokenizer import TikTokenTokenizer
-
-SPECIAL_TOKENS = (
-    "<|pad|>",
-    "<|bos|>",
-    "<|eos|>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|tool|>",
-    "<|end|>",
-    "<|think|>",
-    "<|/think|>",
-    "<|tool_call|>",
-    "<|/tool_call|>",
-    "<|tools|>",
-    "<|/tools|>",
-    "<|image|>",
-    "<|/image|>",
-    "<|image_pad|>",  # an image: start, one pad per image token, end
-)
-N_BYTES = 256
-N_SPECIAL_SLOTS = 32  # room for more special tokens without changing the vocabulary size
-VOCAB_SIZE = N_BYTES + N_SPECIAL_SLOTS
+from expertmesh.model.byte_vocab import N_BYTES, SPECIAL_TOKENS, VOCAB_SIZE
 
 
 class ByteTokenizer:
