@@ -309,7 +309,7 @@ class Checkpoint:
     def load_model(
         self, *, experts: bool = True, dense_attention: bool = False, device="cpu", dtype: torch.dtype = torch.float32
     ):
-        """The reference Transformer, on `device` in `dtype` (fp32 by default; `model.config.FP32_PARAMETERS` always fp32).
+        """The reference Transformer, on `device` in `dtype` (fp32 by default; `FP32_PARAMETERS` always fp32).
 
         Built on the meta device and given storage only for what it holds, then filled tensor by tensor from the
         files (one stored tensor in host memory at a time). `experts=False` builds no routed-expert buffers at
