@@ -22,6 +22,7 @@ from expertmesh.kernels.moe.combine import group_partials
 from expertmesh.model import memory
 from expertmesh.model.config import ModelConfig
 from expertmesh.model.transformer import RoutedExperts
+from expertmesh.placement import sizing
 from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
 from expertmesh.worker.threads import DecodeThreads
 
@@ -44,7 +45,7 @@ class ExpertWorker:
         one device rank per GPU — see expertmesh/model/memory.py), on cpu all on the one device, on meta nowhere
         (`checkpoint` may then be a ModelConfig: nothing is read). Experts stay packed in MXFP4 (uint8 blocks +
         E8M0 scales) and are multiplied from the packed form; calls are cut into pieces of `step_tokens` tokens
-        so the workspace stays within memory.expert_workspace_bytes. `decode_threads`: torch threads for calls of
+        so the workspace stays within sizing.expert_workspace_bytes. `decode_threads`: torch threads for calls of
         decode size, which run while the attention workers compute their shared experts (worker/threads.py: for
         attention workers on the same cores; None: all)."""
         self.threads = DecodeThreads(decode_threads)
@@ -57,7 +58,7 @@ class ExpertWorker:
             self.cfg = self.ckpt.cfg
         self.name = name
         self.device_kind = memory.check_device(device)
-        self.step_tokens = step_tokens or memory.STEP_TOKENS
+        self.step_tokens = step_tokens or sizing.STEP_TOKENS
         self.max_call_bytes = max_call_bytes  # a call's output workspace bound: oversized calls are refused
         # layer → [(device label, RoutedExperts, {global id: local index} on the host)]; replaced as a whole
         # (set_shards), so a call reads one consistent table
@@ -82,7 +83,7 @@ class ExpertWorker:
                 mod = RoutedExperts(self.cfg, expert_ids=ids)
         else:
             mod = self.ckpt.load_experts(layer, ids).to(dev)
-        return memory.device_label(self.device_kind, gpu), mod, {e: i for i, e in enumerate(ids)}
+        return sizing.device_label(self.device_kind, gpu), mod, {e: i for i, e in enumerate(ids)}
 
     def _place(self, assignment, gpu_of, keep: bool) -> tuple[int, int]:
         """Hold `assignment` ((layer, expert) pairs; `gpu_of` the plan's GPU of each): load what is not held;
@@ -139,9 +140,9 @@ class ExpertWorker:
         return any(expert in local for _, _, local in self.experts.get(layer, ()))
 
     def memory(self):
-        """Resident bytes (memory.WorkerMemory) measured from the held tensors, per device; the per-call
-        workspace from memory.expert_workspace_bytes."""
-        mem = memory.WorkerMemory()
+        """Resident bytes (sizing.WorkerMemory) measured from the held tensors, per device; the per-call
+        workspace from sizing.expert_workspace_bytes."""
+        mem = sizing.WorkerMemory()
         per_device: dict[str, list] = defaultdict(list)
         for _layer, shards in self.experts.items():
             for label, mod, _ in shards:
@@ -157,8 +158,13 @@ class ExpertWorker:
             mem.add(
                 label,
                 weights=weights,
-                workspace=memory.expert_workspace_bytes(
-                    self.cfg, self.device_kind, layers=len(mods), shards=shards, step_tokens=self.step_tokens
+                workspace=sizing.expert_workspace_bytes(
+                    self.cfg,
+                    self.device_kind,
+                    layers=len(mods),
+                    shards=shards,
+                    step_tokens=self.step_tokens,
+                    dequant_cache_bytes=memory.dequant_cache_bytes(),
                 ),
             )
         return mem

@@ -32,9 +32,9 @@ from expertmesh.kernels.dsa import cpu_kernel as dsa_cpu_kernel
 from expertmesh.kernels.moe import cpu_kernel
 from expertmesh.model import memory
 from expertmesh.model.config import ModelConfig, preset
-from expertmesh.model.memory import WorkerMemory
 from expertmesh.placement.plan import PlacementPlan
 from expertmesh.placement.replica_table import ReplicaTable
+from expertmesh.placement.sizing import WorkerMemory
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 from expertmesh.runtime import telemetry
 from expertmesh.runtime.argtypes import check_kv_tiers, positive_int
