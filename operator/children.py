@@ -1,7 +1,7 @@
 """The child objects of a MoEDeployment (named in naming.py), built from the spec, the model config and the plan: the
 plan and load ConfigMaps, the worker StatefulSets with their headless Services (one per attention pool: pools.py),
 the autoscaled pools' HorizontalPodAutoscalers, the expert PodDisruptionBudget, the router Deployment and Service, the
-workers' NetworkPolicies, and the pods' containers (the checkpoint fetch init container among them). Pure: plain dicts
+workers' NetworkPolicies, and the pods (their parts in pod_parts.py, their command lines in pod_commands.py). Pure: plain dicts
 in the shape of Kubernetes objects; owner references are left to the handlers (`kopf.adopt`).
 
 A new plan changes the plan ConfigMap only, never a pod template (placement_policy.changed_ordinals).
@@ -11,31 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import shlex
-from typing import Any
 
 import numpy as np
 
 from expertmesh.operator.naming import (
-    CACHE_MOUNT,
-    CHECKPOINT_MOUNT,
-    COLLECTIVE_PORT,
     COMPONENT_ATTENTION,
     COMPONENT_EXPERT,
     COMPONENT_PREFILL,
     COMPONENT_ROUTER,
-    FETCH_CONTAINER,
     HEALTH_PORT,
-    KV_DISK_MOUNT,
     LABEL_COMPONENT,
-    PLAN_DIR,
     PLAN_HASH_ANNOTATION,
-    PLAN_PATH,
     TEMPLATE_HASH_ANNOTATION,
     WORKER_PORT,
-    WORKER_TLS_DIR,
-    checkpoint_path,
     expert_name,
     labels,
     load_configmap_name,
@@ -45,304 +33,20 @@ from expertmesh.operator.naming import (
     prefill_name,
     router_name,
     selector_labels,
-    statefulset_addresses,
-    worker_tls_secret_name,
 )
-from expertmesh.operator.pools import DECODE, METRIC_SERIES, MIXED, PREFILL, Pool, PoolKV, attention_pools, spec_pool_kv
+from expertmesh.operator.pod_commands import attention_worker_args, expert_worker_command, router_args
+from expertmesh.operator.pod_parts import (
+    attention_resources,
+    collective_store,
+    container_resources,
+    grpc_probes,
+    kv_disk_volume,
+    pod_env,
+    pod_spec,
+)
+from expertmesh.operator.pools import DECODE, METRIC_SERIES, PREFILL, Pool, attention_pools, spec_pool_kv
 from expertmesh.operator.router_salt import router_salt_volume
-from expertmesh.operator.spec import GIB, GPU_RESOURCE, KVDiskSpec, MoEDeploymentSpec
-from expertmesh.operator.validation import parse_quantity
-from expertmesh.operator.worker_tls import worker_tls_args
-
-STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes
-
-
-def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
-    """The init container that fetches a remote checkpoint into the cache volume (`expertmesh fetch`: every
-    file verified by size and sha256, resumable, retried with backoff; pods on one node share the cache)."""
-    ck = spec.model.checkpoint
-    env = []
-    if ck.token_secret_ref is not None:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": ck.token_secret_ref.name, "key": ck.token_secret_ref.key}},
-            }
-        )
-    if ck.endpoint is not None:
-        env.append({"name": "AWS_ENDPOINT_URL_S3", "value": ck.endpoint})
-    if ck.region is not None:
-        env.append({"name": "AWS_REGION", "value": ck.region})
-    out = {
-        "name": FETCH_CONTAINER,
-        "image": spec.image.ref,
-        "imagePullPolicy": spec.image.pull_policy,
-        "command": ["expertmesh"],
-        "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
-        "env": env,
-        "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
-        # a failure's last log line (it names the file) becomes the container's termination message
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-    }
-    if ck.credentials_secret is not None:  # the keys as environment variables (never on the command line)
-        out["envFrom"] = [{"secretRef": {"name": ck.credentials_secret}}]
-    return out
-
-
-def _env(spec: MoEDeploymentSpec, service: str, name: str) -> list[dict]:
-    env = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
-    t = spec.telemetry
-    if t.otlp_endpoint:
-        env += [
-            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
-            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
-            {"name": "OTEL_SERVICE_NAME", "value": service},
-            {
-                "name": "OTEL_RESOURCE_ATTRIBUTES",
-                "value": f"service.namespace=expertmesh,expertmesh.deployment={name},"
-                "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)",
-            },
-        ]
-    return env
-
-
-def _resources(res, gpus: int) -> dict:
-    out = {k: dict(v) for k, v in (("limits", res.limits), ("requests", res.requests)) if v}
-    if gpus:  # GPUs are requested through limits (extended resources: requests default to limits)
-        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
-    return out
-
-
-def _volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]]:
-    vols = [{"name": "plan", "configMap": {"name": plan_configmap_name(name)}}]
-    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
-    pvc = spec.model.checkpoint.pvc
-    if pvc is not None:
-        vols.append(
-            {"name": "checkpoint", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}}
-        )
-        mounts.append({"name": "checkpoint", "mountPath": CHECKPOINT_MOUNT, "readOnly": pvc.read_only})
-    ck = spec.model.checkpoint
-    if ck.fetched:
-        cache = ck.cache
-        vols.append(
-            {
-                "name": "checkpoint-cache",
-                **(
-                    {"persistentVolumeClaim": {"claimName": cache.claim_name}}
-                    if cache.claim_name is not None
-                    else {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
-                ),
-            }
-        )
-        mounts.append({"name": "checkpoint-cache", "mountPath": CACHE_MOUNT})
-    if spec.security.worker_tls:
-        vols.append(
-            {"name": "worker-tls", "secret": {"secretName": worker_tls_secret_name(name), "defaultMode": 0o400}}
-        )
-        mounts.append({"name": "worker-tls", "mountPath": WORKER_TLS_DIR, "readOnly": True})
-    return vols, mounts
-
-
-def _grpc_probes(port: int = HEALTH_PORT) -> dict:
-    return {
-        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": STARTUP_SECONDS // 10},
-        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 5},
-    }
-
-
-def _pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict, spread: bool = False) -> dict:
-    vols, mounts = _volumes(name, spec)
-    container = {
-        "image": spec.image.ref,
-        "imagePullPolicy": spec.image.pull_policy,
-        "volumeMounts": mounts,
-        **container,
-    }
-    pod: dict[str, Any] = {
-        "containers": [container],
-        "volumes": vols,
-        "terminationGracePeriodSeconds": 60,
-        "enableServiceLinks": False,
-    }
-    if spec.model.checkpoint.fetched:
-        pod["initContainers"] = [fetch_container(spec, mounts)]
-    sch = spec.scheduling
-    if sch.node_selector:
-        pod["nodeSelector"] = dict(sch.node_selector)
-    if sch.tolerations:
-        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sch.tolerations]
-    if spread and sch.topology_spread_key:
-        pod["topologySpreadConstraints"] = [
-            {
-                "maxSkew": 1,
-                "topologyKey": sch.topology_spread_key,
-                "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": selector_labels(name, component)},
-            }
-        ]
-    return pod
-
-
-def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
-    """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
-    (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
-    fixed = [
-        "expertmesh",
-        "worker",
-        "--role",
-        "expert",
-        "--plan",
-        PLAN_PATH,
-        "--checkpoint",
-        checkpoint_path(spec),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(WORKER_PORT),
-        "--health-port",
-        str(HEALTH_PORT),
-        *worker_tls_args(spec, "expert"),
-    ]
-    return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
-
-
-def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> list[str]:
-    """An attention worker of a pool (`role`: mixed, prefill or decode — pools.py): its KV sized for the role
-    (pools.pool_kv), `--pool` unless mixed (the worker's default)."""
-    kv = spec_pool_kv(spec, cfg, role)
-    return [
-        "worker",
-        "--role",
-        "attention",
-        "--checkpoint",
-        checkpoint_path(spec),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(WORKER_PORT),
-        "--health-port",
-        str(HEALTH_PORT),
-        "--name",
-        "$(POD_NAME)",
-        "--kv-blocks",
-        str(kv.blocks),
-        "--block-size",
-        str(spec.kv.block_size),
-        *(["--pool", role] if role != MIXED else []),
-        *kv_tier_args(kv),
-        *worker_tls_args(spec, "attention"),
-    ]
-
-
-KV_DISK_VOLUME = "kv-disk"
-# an emptyDir's sizeLimit evicts the pod when passed: room above the tier's own bound (file system blocks)
-KV_DISK_SLACK = 1.05
-
-
-def kv_tier_args(kv: PoolKV) -> list[str]:
-    """A pool's KV tiers (spec.kv.hostGiB / spec.kv.disk, where pools.pool_kv puts them) → the attention worker's
-    tier flags (the disk tier on its volume)."""
-    out = ["--kv-host-gib", f"{kv.host_gib:g}"] if kv.host_gib else []
-    if kv.disk is not None:
-        out += ["--kv-disk-dir", KV_DISK_MOUNT, "--kv-disk-gib", f"{kv.disk.size_gib:g}"]
-    return out
-
-
-def _mib(n_bytes) -> str:
-    return f"{math.ceil(n_bytes / 2**20)}Mi"
-
-
-def attention_resources(workers, host_gib: float) -> dict:
-    """An attention pool's container resources: its spec's (`workers`: spec.attentionWorkers or
-    spec.prefillWorkers), with its host tier's bytes added to the memory request (and to the limit when there is
-    one)."""
-    out = _resources(workers.resources, workers.gpus_per_pod)
-    host = host_gib * GIB
-    if host:
-        for where in ("requests", "limits"):
-            have = out.get(where, {}).get("memory")
-            if have is not None or where == "requests":
-                out.setdefault(where, {})["memory"] = _mib(host + (float(parse_quantity(have)) if have else 0))
-    return out
-
-
-def kv_disk_volume(disk: KVDiskSpec | None) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, mounts, volumeClaimTemplates) of an attention pool's disk tier: an emptyDir with a sizeLimit, a
-    node directory, or a claim per pod."""
-    if disk is None:
-        return [], [], []
-    mounts = [{"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT}]
-    if disk.pvc is not None:
-        claim = {
-            "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}},
-        }
-        if disk.pvc.storage_class_name:
-            claim["storageClassName"] = disk.pvc.storage_class_name
-        return [], mounts, [{"metadata": {"name": KV_DISK_VOLUME}, "spec": claim}]
-    if disk.host_path is not None:  # a folder per pod: two attention pods on one node never share files
-        mounts[0]["subPathExpr"] = "$(POD_NAME)"
-        return [{"name": KV_DISK_VOLUME, "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"}}], mounts, []
-    return [{"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": _mib(disk.size_gib * GIB * KV_DISK_SLACK)}}], mounts, []
-
-
-def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
-    """The spec's serving limits as router flags: `kv.maxContext` → `--max-context` (prompt + output per
-    sequence), `thinking` → `--thinking-budgets LOW,HIGH,MAX` (the reasoning-token limits the router enforces).
-    Unset fields add nothing: the router serves the checkpoint's own limits."""
-    out: list[str] = []
-    if spec.kv.max_context is not None:
-        out += ["--max-context", str(spec.kv.max_context)]
-    if spec.thinking is not None:
-        t = spec.thinking
-        out += ["--thinking-budgets", f"{t.low},{t.high},{t.max}"]
-    return out
-
-
-def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool]) -> list[str]:
-    """The router's worker lists: `--attention` the attention StatefulSet's pods (the decode pool beside a prefill
-    pool), `--experts` the expert pods, and with a prefill pool `--prefill` its pods (and `--prefill-min-tokens`
-    when set) — each pool's pods as many as it has now (an autoscaled pool's change re-renders them: the router
-    rolls)."""
-
-    def addresses(pool: Pool) -> str:
-        return ",".join(statefulset_addresses(name, namespace, pool.statefulset, pool.replicas))
-
-    exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
-    out = ["--attention", addresses(pools[0]), "--experts", ",".join(exp)]
-    for pool in pools[1:]:
-        out += ["--prefill", addresses(pool)]
-        if pool.workers.min_prompt_tokens:
-            out += ["--prefill-min-tokens", str(pool.workers.min_prompt_tokens)]
-    return out
-
-
-def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool] | None = None) -> list[str]:
-    pools = pools or attention_pools(name, spec)
-    return [
-        "router",
-        "--checkpoint",
-        checkpoint_path(spec),
-        "--plan",
-        PLAN_PATH,
-        *router_pool_args(name, namespace, spec, pools),
-        "--host",
-        "0.0.0.0",
-        "--http-port",
-        str(spec.router.http_port),
-        "--grpc-port",
-        str(spec.router.grpc_port),
-        *(["--transport", spec.transport] if spec.transport != "grpc" else []),
-        *router_serving_args(spec),
-        *worker_tls_args(spec, "router"),
-        *router_salt_volume(name, spec)[2],
-    ]
+from expertmesh.operator.spec import MoEDeploymentSpec
 
 
 def _hash(obj) -> str:
@@ -425,9 +129,9 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     pool = pool or attention_pools(name, spec)[0]
     kv = spec_pool_kv(spec, cfg, pool.role)
     ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
-    env = _env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name)
+    env = pod_env(spec, "expertmesh-prefill" if pool.role == PREFILL else "expertmesh-attention", name)
     if spec.transport == "collective" and pool.role == DECODE:
-        ports, env = _collective_store(ports, env)  # the hand-offs sent to it (the prefill pods learn it over gRPC)
+        ports, env = collective_store(ports, env)  # the hand-offs sent to it (the prefill pods learn it over gRPC)
     container = {
         "name": "prefill" if pool.role == PREFILL else "attention",
         "command": ["expertmesh"],
@@ -435,9 +139,9 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
         "ports": ports,
         "env": env,
         "resources": attention_resources(pool.workers, kv.host_gib),
-        **_grpc_probes(),
+        **grpc_probes(),
     }
-    pod = _pod_spec(name, pool.component, spec, container, spread=True)
+    pod = pod_spec(name, pool.component, spec, container, spread=True)
     volumes, mounts, claims = kv_disk_volume(kv.disk)
     pod["volumes"] += volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
@@ -502,27 +206,19 @@ def pool_hpa(name: str, namespace: str, spec: MoEDeploymentSpec, pool: Pool) -> 
     }
 
 
-def _collective_store(ports: list[dict], env: list[dict]) -> tuple[list[dict], list[dict]]:
-    """A worker container's ports and env with its collective rendezvous store (worker --collective-port)."""
-    return (
-        ports + [{"name": "collective", "containerPort": COLLECTIVE_PORT}],
-        env + [{"name": "EXPERTMESH_COLLECTIVE_PORT", "value": str(COLLECTIVE_PORT)}],
-    )
-
-
 def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan) -> dict:
     ew = spec.expert_workers
     ports = [{"name": "grpc", "containerPort": WORKER_PORT}, {"name": "health", "containerPort": HEALTH_PORT}]
-    env = _env(spec, "expertmesh-expert", name)
+    env = pod_env(spec, "expertmesh-expert", name)
     if spec.transport == "collective":  # the pod's rendezvous store; the attention pods learn it over gRPC
-        ports, env = _collective_store(ports, env)
+        ports, env = collective_store(ports, env)
     container = {
         "name": "expert",
         "command": expert_worker_command(spec),
         "ports": ports,
         "env": env,
-        "resources": _resources(ew.resources, ew.gpus_per_pod),
-        **_grpc_probes(),
+        "resources": container_resources(ew.resources, ew.gpus_per_pod),
+        **grpc_probes(),
     }
     return _stamped(
         {
@@ -546,7 +242,7 @@ def expert_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, plan)
                 # (mounted at PLAN_DIR), it never rolls the StatefulSet
                 "template": {
                     "metadata": {"labels": labels(name, COMPONENT_EXPERT, spec)},
-                    "spec": _pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True),
+                    "spec": pod_spec(name, COMPONENT_EXPERT, spec, container, spread=True),
                 },
             },
         }
@@ -567,7 +263,7 @@ def router_deployment(
     name: str, namespace: str, spec: MoEDeploymentSpec, plan, pools: list[Pool] | None = None
 ) -> dict:
     r = spec.router
-    env = _env(spec, "expertmesh-router", name)
+    env = pod_env(spec, "expertmesh-router", name)
     if r.api_key_secret_ref is not None:
         env.append(
             {
@@ -581,7 +277,7 @@ def router_deployment(
         "args": router_args(name, namespace, spec, pools),
         "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
         "env": env,
-        "resources": _resources(r.resources, 0),
+        "resources": container_resources(r.resources, 0),
         "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": r.http_port},
@@ -590,7 +286,7 @@ def router_deployment(
             "timeoutSeconds": 5,
         },
     }
-    pod = _pod_spec(name, COMPONENT_ROUTER, spec, container)
+    pod = pod_spec(name, COMPONENT_ROUTER, spec, container)
     volumes, mounts, _ = router_salt_volume(name, spec)  # replicas > 1: their shared prefix-key salt
     pod["volumes"] += volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts

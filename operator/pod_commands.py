@@ -1,0 +1,133 @@
+"""The command lines of a MoEDeployment's pods (operator/children.py builds the pods): the expert and attention
+workers' arguments with their KV tiers, and the router's serving and pool arguments."""
+
+from __future__ import annotations
+
+import shlex
+
+from expertmesh.operator.naming import (
+    HEALTH_PORT,
+    KV_DISK_MOUNT,
+    PLAN_PATH,
+    WORKER_PORT,
+    checkpoint_path,
+    expert_name,
+    statefulset_addresses,
+)
+from expertmesh.operator.pools import MIXED, Pool, PoolKV, attention_pools, spec_pool_kv
+from expertmesh.operator.router_salt import router_salt_volume
+from expertmesh.operator.spec import MoEDeploymentSpec
+from expertmesh.operator.worker_tls import worker_tls_args
+
+
+def expert_worker_command(spec: MoEDeploymentSpec) -> list[str]:
+    """The expert container's command: a shell that takes the ordinal from the StatefulSet hostname
+    (`<name>-expert-<ordinal>`) and execs the worker (the worker is PID 1's only child; signals reach it)."""
+    fixed = [
+        "expertmesh",
+        "worker",
+        "--role",
+        "expert",
+        "--plan",
+        PLAN_PATH,
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--health-port",
+        str(HEALTH_PORT),
+        *worker_tls_args(spec, "expert"),
+    ]
+    return ["/bin/sh", "-c", f'exec {shlex.join(fixed)} --ordinal "${{HOSTNAME##*-}}" --name "$HOSTNAME"']
+
+
+def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> list[str]:
+    """An attention worker of a pool (`role`: mixed, prefill or decode — pools.py): its KV sized for the role
+    (pools.pool_kv), `--pool` unless mixed (the worker's default)."""
+    kv = spec_pool_kv(spec, cfg, role)
+    return [
+        "worker",
+        "--role",
+        "attention",
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--health-port",
+        str(HEALTH_PORT),
+        "--name",
+        "$(POD_NAME)",
+        "--kv-blocks",
+        str(kv.blocks),
+        "--block-size",
+        str(spec.kv.block_size),
+        *(["--pool", role] if role != MIXED else []),
+        *kv_tier_args(kv),
+        *worker_tls_args(spec, "attention"),
+    ]
+
+
+def kv_tier_args(kv: PoolKV) -> list[str]:
+    """A pool's KV tiers (spec.kv.hostGiB / spec.kv.disk, where pools.pool_kv puts them) → the attention worker's
+    tier flags (the disk tier on its volume)."""
+    out = ["--kv-host-gib", f"{kv.host_gib:g}"] if kv.host_gib else []
+    if kv.disk is not None:
+        out += ["--kv-disk-dir", KV_DISK_MOUNT, "--kv-disk-gib", f"{kv.disk.size_gib:g}"]
+    return out
+
+
+def router_serving_args(spec: MoEDeploymentSpec) -> list[str]:
+    """The spec's serving limits as router flags: `kv.maxContext` → `--max-context` (prompt + output per
+    sequence), `thinking` → `--thinking-budgets LOW,HIGH,MAX` (the reasoning-token limits the router enforces).
+    Unset fields add nothing: the router serves the checkpoint's own limits."""
+    out: list[str] = []
+    if spec.kv.max_context is not None:
+        out += ["--max-context", str(spec.kv.max_context)]
+    if spec.thinking is not None:
+        t = spec.thinking
+        out += ["--thinking-budgets", f"{t.low},{t.high},{t.max}"]
+    return out
+
+
+def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool]) -> list[str]:
+    """The router's worker lists: `--attention` the attention StatefulSet's pods (the decode pool beside a prefill
+    pool), `--experts` the expert pods, and with a prefill pool `--prefill` its pods (and `--prefill-min-tokens`
+    when set) — each pool's pods as many as it has now (an autoscaled pool's change re-renders them: the router
+    rolls)."""
+
+    def addresses(pool: Pool) -> str:
+        return ",".join(statefulset_addresses(name, namespace, pool.statefulset, pool.replicas))
+
+    exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
+    out = ["--attention", addresses(pools[0]), "--experts", ",".join(exp)]
+    for pool in pools[1:]:
+        out += ["--prefill", addresses(pool)]
+        if pool.workers.min_prompt_tokens:
+            out += ["--prefill-min-tokens", str(pool.workers.min_prompt_tokens)]
+    return out
+
+
+def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[Pool] | None = None) -> list[str]:
+    pools = pools or attention_pools(name, spec)
+    return [
+        "router",
+        "--checkpoint",
+        checkpoint_path(spec),
+        "--plan",
+        PLAN_PATH,
+        *router_pool_args(name, namespace, spec, pools),
+        "--host",
+        "0.0.0.0",
+        "--http-port",
+        str(spec.router.http_port),
+        "--grpc-port",
+        str(spec.router.grpc_port),
+        *(["--transport", spec.transport] if spec.transport != "grpc" else []),
+        *router_serving_args(spec),
+        *worker_tls_args(spec, "router"),
+        *router_salt_volume(name, spec)[2],
+    ]
