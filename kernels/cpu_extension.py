@@ -1,8 +1,9 @@
 """C++ CPU kernels built on first use: one translation unit per extension, compiled with
 `torch.utils.cpp_extension.load` (-O3, no FP contraction, OpenMP for at::parallel_for) into the torch extensions
 directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), once per process; later processes load the
-cached library. A build is named after a hash of its source, so checkouts with different versions of a kernel
-sharing one cache never rebuild over each other or load the other's library."""
+cached library. A build is named after a hash of its source and of the shared headers it includes (kernels/cpu/,
+e.g. cpu_features.h: the CPU-feature probes), so checkouts with different versions of a kernel sharing one cache
+never rebuild over each other or load the other's library."""
 
 from __future__ import annotations
 
@@ -18,11 +19,22 @@ import torch
 # runs on one thread); the library links libgomp.so.1, the runtime torch itself has loaded.
 CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+INCLUDE_DIR = Path(__file__).parent / "cpu"  # headers shared by the kernels' sources, on every build's include path
+
+
+def shared_headers(source: Path) -> list[Path]:
+    """The headers of INCLUDE_DIR that `source` includes (by name), sorted."""
+    text = Path(source).read_bytes()
+    return [h for h in sorted(INCLUDE_DIR.glob("*.h")) if f'#include "{h.name}"'.encode() in text]
 
 
 def build_name(prefix: str, source: Path) -> str:
-    """`prefix` + the first 12 hex digits of the source's SHA-256."""
-    return f"{prefix}_{hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12]}"
+    """`prefix` + the first 12 hex digits of the SHA-256 of the source, then of each shared header it includes (torch
+    rebuilds when a source changes, not when a header does: the name changes instead)."""
+    digest = hashlib.sha256(Path(source).read_bytes())
+    for header in shared_headers(source):
+        digest.update(header.read_bytes())
+    return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
 def build_ops(prefix: str, source: Path, namespace: str):
@@ -35,6 +47,7 @@ def build_ops(prefix: str, source: Path, namespace: str):
         sources=[str(source)],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(INCLUDE_DIR)],
         is_python_module=False,
         verbose=False,
     )

@@ -29,13 +29,7 @@
 #include <limits>
 #include <vector>
 
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define EM_AMX 1
-#endif
+#include "cpu_features.h"  // kernels/cpu/: EM_X86, EM_AMX, em_cpu::features(), em_cpu::amx_usable()
 
 namespace {
 
@@ -47,15 +41,7 @@ constexpr int64_t kRows = 16;    // rows per tile
 constexpr int64_t kPairs = 16;   // K pairs per TDPBF16PS
 constexpr int64_t kKeys = 16;    // positions per logits tile (its columns)
 
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__builtin_cpu_supports("avx512bf16") || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;           // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  }();
-  return ok;
-}
+bool amx_usable() { return em_cpu::features().avx512bf16 && em_cpu::amx_usable(); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

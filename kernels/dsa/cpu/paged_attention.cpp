@@ -21,9 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"  // kernels/cpu/: EM_X86, EM_AMX, em_cpu::features(), em_cpu::amx_usable()
 
 namespace {
 
@@ -81,7 +79,7 @@ void weighted_sum_portable(const float* e, int G, const T* const* rows, int64_t 
   }
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef EM_X86
 template <typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const T* p, __mmask16 m) {
   if constexpr (std::is_same<T, float>::value) return _mm512_maskz_loadu_ps(m, p);
@@ -138,15 +136,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void weighted_sum_avx512(co
 }
 
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return yes;
+  const em_cpu::Features& f = em_cpu::features();
+  return f.avx512f && f.avx512bw && f.avx512vl;
 }
 #endif
 
 template <typename T>
 void dots(const float* const* q, int G, const T* k, int64_t D, float scale, float* out) {
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef EM_X86
   if (has_avx512()) {
     switch (G) {
       case 4: return dots_avx512<T, 4>(q, k, D, scale, out);
@@ -161,7 +158,7 @@ void dots(const float* const* q, int G, const T* k, int64_t D, float scale, floa
 
 template <typename T>
 void weighted_sum(const float* e, int G, const T* const* rows, int64_t n, float* const* o, int64_t V) {
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef EM_X86
   if (has_avx512()) {
     switch (G) {
       case 4: return weighted_sum_avx512<T, 4>(e, rows, n, o, V);

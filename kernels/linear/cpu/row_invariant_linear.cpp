@@ -43,16 +43,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <cpuid.h>
-#include <immintrin.h>
-#define EM_X86 1
-#endif
-#if defined(EM_X86) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define EM_AMX 1
-#endif
+#include "cpu_features.h"  // kernels/cpu/: EM_X86, EM_AMX, em_cpu::features(), em_cpu::amx_usable()
 
 namespace {
 
@@ -274,17 +265,7 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {};
 };
 
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-    // Linux gives a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18);
-    // it refuses where the kernel or the hypervisor does not support it.
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ok;
-}
+using em_cpu::amx_usable;
 
 // tmm0-3: C, columns 16c .. 16c+15 of the group; tmm4 / tmm5: A / B of a full block of 16 pairs; tmm6 / tmm7: A / B
 // of the last block (tail pairs, 1..16).
@@ -405,8 +386,8 @@ EM_TARGET void tile_amx_vec(const Tile& t, int64_t K) {
 
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  const em_cpu::Features& f = em_cpu::features();
+  const bool has = f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16;
 #ifdef EM_AMX
   if (isa == kAuto) return has ? (amx_usable() ? kAmx : kAvx512Bf16) : kPortable;
 #else
@@ -746,8 +727,7 @@ __attribute__((target("avx512f"))) void f32_block_avx512(const float* x, int64_t
 
 bool f32_vector() {
 #ifdef EM_X86
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return em_cpu::features().avx512f;
 #else
   return false;
 #endif

@@ -32,16 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <cpuid.h>
-#include <immintrin.h>
-#define EM_X86 1
-#endif
-#if defined(EM_X86) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define EM_AMX 1
-#endif
+#include "cpu_features.h"  // kernels/cpu/: EM_X86, EM_AMX, em_cpu::features(), em_cpu::amx_usable()
 
 namespace {
 
@@ -295,16 +286,7 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {};
 };
 
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-    // Linux gives a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return ok;
-}
+using em_cpu::amx_usable;
 
 // Every tile 16 rows x 64 bytes: tmm0-3 accumulators (4 groups of 16 activation rows), tmm4 A, tmm5 B.
 __attribute__((target("amx-tile"))) inline void amx_configure() {
@@ -526,9 +508,10 @@ void gemm_strip_vec(const uint8_t* wb, const uint8_t* ws, int64_t K, int64_t N, 
 
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
-  static const bool has512 = __builtin_cpu_supports("avx512f");
-  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
-  static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const em_cpu::Features& f = em_cpu::features();
+  const bool has512 = f.avx512f;
+  const bool hasbf16 = has512 && f.avx512bw && f.avx512bf16;
+  const bool has2 = f.avx2 && f.fma;
   if (isa == kAuto) return hasbf16 ? kAvx512Bf16 : has512 ? kAvx512 : (has2 ? kAvx2 : kPortable);
 #ifdef EM_AMX
   TORCH_CHECK(isa != kAmx || (hasbf16 && amx_usable()), "mxfp4 cpu kernel: this CPU (or its operating system) offers "
@@ -1021,9 +1004,8 @@ int64_t best_isa() { return resolve_isa(kAuto); }
 
 bool amx_runs() {
 #ifdef EM_AMX
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16");
-  return has && amx_usable();
+  const em_cpu::Features& f = em_cpu::features();
+  return f.avx512f && f.avx512bw && f.avx512bf16 && amx_usable();
 #else
   return false;
 #endif
