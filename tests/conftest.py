@@ -39,3 +39,43 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(threads)
+
+
+def _tree_digest(path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tmp_path_factory):
+    """One tiny checkpoint (preset "tiny", seed 0) for the whole session: writing it takes seconds, and most tests
+    only read it. Read-only by contract — a test that writes into it fails the session's teardown; copy it
+    (`tiny_checkpoint_copy`) to change it, or create your own for another seed or config."""
+    from expertmesh.checkpoint.loader import create_checkpoint
+    from expertmesh.model.config import preset
+
+    path = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("shared") / "tiny", seed=0)
+    before = _tree_digest(path)
+    yield path
+    assert _tree_digest(path) == before, f"a test wrote into the shared tiny checkpoint {path}"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_checkpoint_dir):
+    """The shared tiny checkpoint, opened (a validated, lazily read view: safe to share)."""
+    from expertmesh.checkpoint.loader import Checkpoint
+
+    return Checkpoint(tiny_checkpoint_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_copy(tiny_checkpoint_dir):
+    """`copy(dest) -> dest`: a private copy of the shared tiny checkpoint, for tests that write into it."""
+    import shutil
+
+    def copy(dest):
+        shutil.copytree(tiny_checkpoint_dir, dest)
+        return dest
+
+    return copy

@@ -14,8 +14,8 @@ from expertmesh.model.config import preset
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("ck") / "tiny", seed=0)
+def ckpt_dir(tiny_checkpoint_dir):
+    return tiny_checkpoint_dir  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture

@@ -27,18 +27,15 @@ from expertmesh.checkpoint.fetch_index import (
     write_index,
 )
 from expertmesh.checkpoint.fetch_sources import parse_source, sigv4_headers
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.cli import main
-from expertmesh.model.config import preset
 from expertmesh.runtime.tls import ephemeral_pki
 
 LAYER = "model-layers-00001-00001.safetensors"
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    d = tmp_path_factory.mktemp("published") / "tiny"
-    create_checkpoint(preset("tiny"), d, seed=0)
+def published(tmp_path_factory, tiny_checkpoint_copy):
+    d = tiny_checkpoint_copy(tmp_path_factory.mktemp("published") / "tiny")
     write_index(d)
     return d
 

@@ -11,9 +11,7 @@ from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.grammar import json_schema_grammar
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.wire.clients import RemoteAttention
 
 pytestmark = pytest.mark.slow
@@ -27,8 +25,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("faults") / "tiny", seed=0)
+def ckpt_dir(tiny_checkpoint_dir):
+    return tiny_checkpoint_dir  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 def cluster(ckpt_dir, router_args=("--call-timeout", "2"), **kw):

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from support.router_client import EOS, grpc_generate
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
@@ -19,8 +19,8 @@ N_PROMPTS, N_TOKENS = 16, 32
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("up") / "tiny", seed=0)
+def ckpt_dir(tiny_checkpoint_dir):
+    return tiny_checkpoint_dir  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,6 @@ from support.kopf_cluster import NS, eventually, operator, pod_uids, tiny_spec
 from support.kube_harness import LocalNode
 
 from expertmesh.checkpoint.fetch_index import INDEX_NAME, write_index
-from expertmesh.checkpoint.loader import create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.operator.handlers import _fetch_load_http
 from expertmesh.operator.naming import attention_name, expert_name, pod_dns, router_name, worker_tls_secret_name
 from expertmesh.operator.spec import GROUP, PLURAL, VERSION
@@ -98,10 +96,9 @@ async def send(client: openai.AsyncOpenAI, prompt: str, results: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def published(tmp_path_factory):
+def published(tmp_path_factory, tiny_checkpoint_copy):
     """The tiny checkpoint as a web server would publish it: its files and their sha256 index."""
-    d = tmp_path_factory.mktemp("published") / "tiny"
-    create_checkpoint(preset("tiny"), d, seed=0)
+    d = tiny_checkpoint_copy(tmp_path_factory.mktemp("published") / "tiny")
     write_index(d)
     return d
 

@@ -36,6 +36,7 @@ from support.kopf_cluster import (
     run_operator,
     tiny_spec,
 )
+from support.relatives import DEEPSEEK_V32
 
 from expertmesh.operator import crd
 from expertmesh.operator.budget import ARG_MAX, check_children, estimate
@@ -77,32 +78,6 @@ def _checkpoint(**over) -> dict:
     return {"model": {"preset": "tiny", "checkpoint": over}}
 
 
-# a published relative's config.json, inline (tests/test_operator_spec.py)
-DEEPSEEK = {
-    "model_type": "deepseek_v32",
-    "name": "dsv32",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "n_group": 4,
-    "topk_group": 2,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "index_topk": 8,
-    "index_head_dim": 16,
-    "index_n_heads": 2,
-    "first_k_dense_replace": 1,
-}
-
-
 # (id, metadata.name, spec patch over tiny_spec(), what the condition's message must name)
 BAD_SPECS = [
     # item 2: one spec value crash-looped the operator (31 s, 1.99 GiB on its event loop), an overflow retried forever
@@ -121,7 +96,7 @@ BAD_SPECS = [
     (
         "config-layers-1e7",
         "layers",
-        {"model": {"preset": None, "config": {**DEEPSEEK, "num_hidden_layers": 10**7}}},
+        {"model": {"preset": None, "config": {**DEEPSEEK_V32, "num_hidden_layers": 10**7}}},
         "spec.model.config.num_hidden_layers",
     ),
     # item 6: specs that validated but built invalid children

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
+from support.relatives import DEEPSEEK_V32
 
 from expertmesh.model.config import preset
 from expertmesh.operator import crd, rbac
@@ -153,29 +154,7 @@ def test_resolve_model_inline_config_and_overrides():
 
 def test_resolve_model_hugging_face_config():
     """A published relative's config.json inline: mapped by hf_layout, its errors named under spec.model.config."""
-    raw = {
-        "model_type": "deepseek_v32",
-        "name": "dsv32",
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "n_routed_experts": 16,
-        "num_experts_per_tok": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "index_topk": 8,
-        "index_head_dim": 16,
-        "index_n_heads": 2,
-        "first_k_dense_replace": 1,
-    }
+    raw = DEEPSEEK_V32
     r = resolve_model(parse_spec({**tiny(), "model": {"config": raw, "checkpoint": {"uri": "/w"}}}))
     assert r.model_type == "deepseek_v32" and r.layer_types == ("dsa",) * 3 and r.first_k_dense == 1
     with pytest.raises(SpecError, match=r"spec\.model\.config: hidden_act='gelu' is not supported"):

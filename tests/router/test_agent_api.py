@@ -12,9 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
 
 API_KEY = "sk-test-agent-api"
@@ -22,8 +20,8 @@ CONTEXT = 384  # room for a rendered list of two tools (the byte tokenizer: one 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("agent") / "tiny", seed=0)
+def cluster(tiny_checkpoint_dir):
+    ck = tiny_checkpoint_dir
     c = LocalCluster(
         ck,
         attention_workers=1,

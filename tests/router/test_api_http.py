@@ -8,7 +8,6 @@ import httpx
 import openai
 import pytest
 
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 
@@ -26,9 +25,9 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tiny_checkpoint_dir):
     """`expertmesh up`-style: router + 1 attention + 2 expert workers as processes, the key from the environment."""
-    ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("api") / "tiny", seed=0)
+    ck = tiny_checkpoint_dir
     cluster = LocalCluster(
         ck,
         attention_workers=1,

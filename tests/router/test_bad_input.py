@@ -1,5 +1,6 @@
 """Malformed input, table-driven, across every way in: HTTP bodies (OpenAI and Anthropic), gRPC Generate,
-MoEDeployment specs, checkpoints and the CLI. Each case asserts the status / exception AND that the message
+MoEDeployment specs (tests/operator/test_spec_bad_input.py), checkpoints
+(tests/checkpoint/test_checkpoint_bad_input.py) and the CLI (tests/entry/test_cli_bad_input.py). Each case asserts the status / exception AND that the message
 names what is wrong; after every HTTP and gRPC case the server must still serve a normal request.
 
 Cases marked xfail(strict=True) are known bugs (the reason says what happens and where): they assert the
@@ -7,8 +8,6 @@ behaviour that should be, so fixing the bug turns them into XPASS, which fails u
 """
 
 import json
-import logging
-import shutil
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -16,16 +15,11 @@ from types import SimpleNamespace
 import grpc
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from support.log_filters import ErrorSignatures
 
-from expertmesh.checkpoint.files import CheckpointError
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.entry.cli import main
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
-from expertmesh.model.config import preset
-from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import MAX_BODY_BYTES, build_app, serve_http
@@ -40,38 +34,8 @@ def xfail(reason: str):
 
 # ----------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("bad") / "tiny", seed=0)
-
-
-class ErrorSignatures(logging.Filter):
-    """Drops the server's logged exceptions (keeping `Type: message` of each) so that no thread formats their
-    tracebacks: CPython 3.11's traceback carets call ast.parse, whose recursion guard is not thread-safe, and a
-    server thread formatting one while pytest parses a test's source raises "SystemError: AST constructor
-    recursion depth mismatch" (an INTERNALERROR). A logger filter, as pytest attaches its capture handlers to
-    every logger; the 5xx themselves are asserted through the responses."""
-
-    LOGGERS = ("uvicorn.error", "expertmesh.router", "grpc._server")
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def filter(self, record) -> bool:
-        if not record.exc_info:
-            return True
-        e = record.exc_info[1]
-        self.seen.append(f"{type(e).__name__}: {e}")
-        return False
-
-    def install(self) -> "ErrorSignatures":
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def uninstall(self) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
+def ckpt_dir(tiny_checkpoint_dir):
+    return tiny_checkpoint_dir  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -560,254 +524,3 @@ def test_grpc_bad_input(grpc_still_serves, request_, code, needles):
     assert e.value.code() == code, f"{e.value.code()}: {e.value.details()}"
     missing = [n for n in needles if n not in e.value.details()]
     assert not missing, f"details {e.value.details()!r} do not name {missing}"
-
-
-# ----------------------------------------------------------------------------------------------- MoEDeployment
-def tiny_spec() -> dict:
-    return {
-        "model": {"preset": "tiny", "checkpoint": {"pvc": {"claimName": "weights", "path": "/ckpt"}}},
-        "attentionWorkers": {"gpusPerPod": 0},
-        "expertWorkers": {"replicas": 2, "gpusPerPod": 0, "reserveGiB": 0, "gpuMemoryGiB": 2**20 / GIB},
-    }
-
-
-SPEC_CASES = [
-    pytest.param(
-        {"expertWorkers": {"replicas": -1}},
-        ["spec.expertWorkers.replicas", "greater than or equal to 1", "-1"],
-        id="negative-expert-replicas",
-    ),
-    pytest.param({"attentionWorkers": {"replicas": 0}}, ["spec.attentionWorkers.replicas"], id="zero-attention"),
-    pytest.param({"router": {"replicas": -2}}, ["spec.router.replicas"], id="negative-router-replicas"),
-    pytest.param(
-        {"expertWorkers": {"replicas": "two"}}, ["spec.expertWorkers.replicas", "valid integer"], id="replicas-string"
-    ),
-    pytest.param(
-        {"model": {"preset": "huge", "checkpoint": {"uri": "/x"}}}, ["spec.model.preset", "'huge'"], id="unknown-preset"
-    ),
-    pytest.param(
-        {"model": {"preset": "tiny", "config": {}, "checkpoint": {"uri": "/x"}}},
-        ["spec.model", "exactly one of model.preset and model.config"],
-        id="preset-and-config",
-    ),
-    pytest.param(
-        {"model": {"config": {"hidden_size": -1}, "checkpoint": {"uri": "/x"}}},
-        ["spec.model.config.hidden_size", "greater than 0"],
-        id="bad-inline-config",
-    ),
-    pytest.param(
-        {"thinking": {"low": 0, "high": 5, "max": 9}},
-        ["spec.thinking.low", "greater than 0"],
-        id="zero-thinking-budget",
-    ),
-    pytest.param(
-        {"thinking": {"low": 9, "high": 5, "max": 20}},
-        ["spec.thinking", "low <= high <= max"],
-        id="thinking-out-of-order",
-    ),
-    pytest.param(
-        {"thinking": {"low": 1, "high": 5}}, ["spec.thinking.max", "Field required"], id="thinking-missing-max"
-    ),
-    pytest.param(
-        {"thinking": {"low": "lots", "high": 5, "max": 9}}, ["spec.thinking.low", "'lots'"], id="thinking-not-a-number"
-    ),
-    pytest.param(
-        {"kv": {"maxContext": 10**6}}, ["spec.kv.maxContext=1000000", "max_context=4096"], id="context-beyond-model"
-    ),
-    pytest.param(
-        {"kv": {"maxContext": 10**9}}, ["spec.kv.maxContext", "less than or equal to"], id="context-beyond-the-schema"
-    ),
-    pytest.param({"kv": {"blockSize": 0}}, ["spec.kv.blockSize"], id="zero-block-size"),
-    pytest.param(
-        {"expertWorkers": {"reserveGiB": 5.0, "gpuMemoryGiB": 4.0}},
-        ["reserveGiB=5.0 must be below"],
-        id="reserve-above-memory",
-    ),
-    pytest.param(
-        {"image": {"pullPolicy": "Sometimes"}}, ["spec.image.pullPolicy", "'Sometimes'"], id="bad-pull-policy"
-    ),
-    pytest.param({"expertWorker": {}}, ["spec.expertWorker", "Extra inputs are not permitted"], id="typo-field"),
-]
-
-
-@pytest.mark.parametrize("patch, needles", SPEC_CASES)
-def test_spec_bad_input(patch, needles):
-    spec = tiny_spec()
-    for k, v in patch.items():
-        spec[k] = v if k == "model" else {**spec.get(k, {}), **v}
-    with pytest.raises(SpecError) as e:
-        resolve_model(parse_spec(spec))
-    missing = [n for n in needles if n not in str(e.value)]
-    assert not missing, f"{str(e.value)!r} does not name {missing}"
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
-def _rewrite(path, fn):
-    tensors = load_file(str(path))
-    fn(tensors)
-    save_file(tensors, str(path))
-
-
-def _truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def _header_len(path, n):
-    data = path.read_bytes()
-    path.write_bytes(n.to_bytes(8, "little") + data[8:])
-
-
-def _garble_header(path):
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    path.write_bytes(data[:8] + b"{" * n + data[8 + n :])
-
-
-EMBED, L1, L2, L3 = (
-    "model-embed.safetensors",
-    "model-layers-00001-00001.safetensors",
-    "model-layers-00002-00002.safetensors",
-    "model-layers-00003-00003.safetensors",
-)
-SCALES = "layers.3.moe.experts.down.scales"
-CKPT_CASES = [
-    pytest.param(lambda d: _truncate(d / EMBED), [EMBED, "truncated"], id="truncated-file"),
-    pytest.param(lambda d: (d / EMBED).write_bytes(b""), [EMBED, "truncated (no safetensors header)"], id="empty-file"),
-    pytest.param(
-        lambda d: _header_len(d / EMBED, 10**12),
-        [EMBED, "truncated", "header of 1000000000000 bytes"],
-        id="header-length-beyond-file",
-    ),
-    pytest.param(lambda d: _garble_header(d / EMBED), [EMBED, "corrupt safetensors header"], id="garbage-header"),
-    pytest.param(
-        lambda d: _rewrite(d / L3, lambda t: t.__setitem__(SCALES, t[SCALES].float())),
-        [f"'{SCALES}' has dtype F32, expected U8"],
-        id="wrong-dtype",
-    ),
-    pytest.param(
-        lambda d: _rewrite(
-            d / L2, lambda t: t.__setitem__("layers.2.attn.q_proj.weight", torch.zeros(8, 8, dtype=torch.bfloat16))
-        ),
-        ["'layers.2.attn.q_proj.weight' has shape [8, 8], expected [32, 64]"],
-        id="wrong-shape",
-    ),
-    pytest.param(
-        lambda d: _rewrite(d / L1, lambda t: t.pop("layers.1.moe.router.weight")),
-        [L1, "'layers.1.moe.router.weight' missing"],
-        id="missing-tensor",
-    ),
-    pytest.param(lambda d: (d / L1).unlink(), [L1, "missing"], id="missing-shard"),
-    pytest.param(
-        lambda d: (d / "config.json").write_text("{not json"), ["config.json", "not valid JSON"], id="config-not-json"
-    ),
-    pytest.param(lambda d: (d / "config.json").unlink(), ["config.json", "missing"], id="config-missing"),
-    pytest.param(
-        lambda d: (d / "model.safetensors.index.json").write_text("garbage"),
-        ["model.safetensors.index.json", "not a valid index"],
-        id="index-not-json",
-    ),
-    pytest.param(lambda d: shutil.rmtree(d), ["not a checkpoint directory"], id="no-such-directory"),
-]
-
-
-@pytest.mark.parametrize("corrupt, needles", CKPT_CASES)
-def test_checkpoint_bad_input(ckpt_dir, tmp_path, corrupt, needles):
-    d = tmp_path / "ck"
-    shutil.copytree(ckpt_dir, d)
-    corrupt(d)
-    with pytest.raises(CheckpointError) as e:
-        Checkpoint(d)
-    missing = [n for n in needles if n not in str(e.value)]
-    assert not missing, f"{str(e.value)!r} does not name {missing}"
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """(exit status, stderr) of `expertmesh ARGV`; argparse's SystemExit counts as the exit status."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
-
-
-UNCAUGHT = (
-    "an uncaught {} traceback instead of a one-line error naming {} and exit status 2 (expertmesh/entry/cli.py main "
-    "catches only ValueError and FileNotFoundError)"
-)
-CLI_CASES = [
-    pytest.param(["plan", "--preset", "nope", "--expert-pods", "2"], ["--preset", "'nope'"], id="plan-bad-preset"),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "two"], ["--expert-pods", "'two'"], id="plan-pods-not-int"
-    ),
-    pytest.param(["plan", "--preset", "tiny", "--expert-pods", "-1"], ["--expert-pods", "-1"], id="plan-negative-pods"),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "2", "--gpu-memory-gib", "-5"],
-        ["--gpu-memory-gib", "-5"],
-        id="plan-negative-memory",
-    ),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "2", "--redundant-experts", "-1"],
-        ["--redundant-experts"],
-        id="plan-negative-redundant",
-    ),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "2", "--loads", "{d}/nope.npy"],
-        ["--loads", "nope.npy"],
-        id="plan-missing-loads",
-    ),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "2", "--loads", "{d}/config.json"],
-        ["--loads"],
-        id="plan-loads-wrong-shape",
-    ),
-    pytest.param(
-        ["plan", "--preset", "tiny", "--expert-pods", "2", "--previous", "{d}/nope.json"],
-        ["--previous", "nope.json"],
-        id="plan-missing-previous",
-    ),
-    pytest.param(
-        ["checkpoint", "inspect", "{d}/nope"], ["nope", "not a checkpoint directory"], id="inspect-missing-dir"
-    ),
-    pytest.param(
-        ["checkpoint", "create", "--preset", "nope", "--out", "{d}/x"],
-        ["unknown preset 'nope'"],
-        id="create-bad-preset",
-    ),
-    pytest.param(["checkpoint", "create", "--out", "{d}/config.json"], ["config.json"], id="create-out-is-a-file"),
-    pytest.param(
-        ["checkpoint", "create", "--out", "{d}/ls0", "--layers-per-shard", "0"],
-        ["--layers-per-shard"],
-        id="create-zero-layers-per-shard",
-    ),
-    pytest.param(["model", "describe", "nope"], ["unknown preset 'nope'"], id="describe-bad-preset"),
-    pytest.param(
-        ["generate", "hi", "--checkpoint", "{d}/nope"],
-        ["nope", "not a checkpoint directory"],
-        id="generate-missing-checkpoint",
-    ),
-    pytest.param(
-        ["generate", "hi", "--checkpoint", "{ck}", "--top-p", "5"], ["top_p=5.0"], id="generate-top-p-above-1"
-    ),
-    pytest.param(
-        ["generate", "hi", "--checkpoint", "{ck}", "--max-tokens", "-1"],
-        ["--max-tokens"],
-        id="generate-negative-max-tokens",
-    ),
-    pytest.param(
-        ["chat", "--url", "http://127.0.0.1:9", "--max-tokens", "2", "hi"], ["127.0.0.1:9"], id="chat-unreachable-url"
-    ),
-    pytest.param(["bogus"], ["invalid choice: 'bogus'"], id="unknown-command"),
-]
-
-
-@pytest.mark.parametrize("argv, needles", CLI_CASES)
-def test_cli_bad_input(ckpt_dir, tmp_path, capsys, argv, needles):
-    shutil.copy(ckpt_dir / "config.json", tmp_path / "config.json")
-    argv = [a.format(d=tmp_path, ck=ckpt_dir) for a in argv]
-    code, err = run_cli(argv, capsys)
-    assert code != 0, f"exit status 0 for {argv}; stderr {err[-300:]!r}"
-    last = err.strip().splitlines()[-1] if err.strip() else ""
-    missing = [n for n in needles if n not in last]
-    assert not missing, f"last stderr line {last!r} does not name {missing}"

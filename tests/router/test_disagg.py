@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.disagg import Pools, choose_decode, pool_load
@@ -104,8 +102,8 @@ def test_pool_load_counts_what_waits_for_each_pool():
 
 # ----------------------------------------------------------------------------------------------- in process
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("disagg") / "tiny", seed=0))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,8 @@ import random
 
 import pytest
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import make_placement
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import LatentAttention, generate
 from expertmesh.router.engine import QueueFull, RequestError
 from expertmesh.wire.sampling_params import SamplingParams
@@ -19,8 +17,8 @@ CHUNK = 16
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("eng") / "tiny", seed=0))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 def prompts(n, lo=3, hi=70, seed=0):

@@ -10,7 +10,6 @@ shrinking (every failing example is collected and listed instead).
 """
 
 import json
-import logging
 import time
 
 import httpx
@@ -19,11 +18,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from support.log_filters import ErrorSignatures
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
-from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 
 MAX_EXAMPLES = 60
@@ -38,39 +36,9 @@ SETTINGS = settings(
 )
 
 
-class ErrorSignatures(logging.Filter):
-    """Drops the server's logged exceptions (keeping `Type: message` of each) so that no thread formats their
-    tracebacks: CPython 3.11's traceback carets call ast.parse, whose recursion guard is not thread-safe, and a
-    server thread formatting one while pytest parses a test's source raises "SystemError: AST constructor
-    recursion depth mismatch" (an INTERNALERROR). A logger filter, as pytest attaches its capture handlers to
-    every logger; the 5xx themselves are asserted through the responses."""
-
-    LOGGERS = ("uvicorn.error", "expertmesh.router")
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def filter(self, record) -> bool:
-        if not record.exc_info:
-            return True
-        e = record.exc_info[1]
-        self.seen.append(f"{type(e).__name__}: {e}")
-        return False
-
-    def install(self) -> "ErrorSignatures":
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def uninstall(self) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("fuzz") / "tiny", seed=0))
+def server(tiny_checkpoint):
+    ck = tiny_checkpoint
     engine = build_local_engine(ck, attention_workers=1, expert_workers=2, max_waiting=64)
     port = free_port()
     srv, thread = serve_http(build_app(engine), "127.0.0.1", port)

@@ -7,9 +7,8 @@ import time
 import pytest
 from support.paths import REPO
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.kv import prefix_hashes
 from expertmesh.router.scheduler import affinity_key, affinity_worker
@@ -20,8 +19,8 @@ PROMPT = [(5 * i + 1) % 256 for i in range(40)]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("hard") / "tiny", seed=0))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -304,15 +304,13 @@ class DripServer:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tiny_checkpoint_dir):
     """`expertmesh up`'s processes on the tiny checkpoint (vision encoder included): stored responses bounded at
     1 MiB, remote images from the drip server within 2 s, clients that stop reading cut off after 3 s."""
-    from expertmesh.checkpoint.loader import create_checkpoint
     from expertmesh.entry.up import LocalCluster, free_port
-    from expertmesh.model.config import preset
 
     drip = DripServer()
-    ck = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("served") / "tiny", seed=0)
+    ck = tiny_checkpoint_dir
     c = LocalCluster(
         ck,
         attention_workers=1,

@@ -11,10 +11,8 @@ import httpx
 import pytest
 from support.paths import REPO
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
-from expertmesh.model.config import preset
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.wire.sampling_params import SamplingParams
@@ -30,8 +28,8 @@ CLIENTS, SECONDS = 16, 5
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("load") / "tiny", seed=0))
+def server(tiny_checkpoint):
+    ck = tiny_checkpoint
     engine = build_local_engine(
         ck, attention_workers=1, expert_workers=2, max_running=MAX_RUNNING, max_waiting=MAX_WAITING
     )

@@ -7,10 +7,9 @@ import openai
 import pytest
 
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
-from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 
 CHUNK = 16
@@ -18,8 +17,8 @@ T = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    d = create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("rl") / "tiny", seed=0)
+def served(tiny_checkpoint):
+    d = tiny_checkpoint.path
     engine = build_local_engine(Checkpoint(d), attention_workers=1, expert_workers=2, prefill_chunk=CHUNK)
     port = free_port()
     srv, thread = serve_http(build_app(engine), "127.0.0.1", port)

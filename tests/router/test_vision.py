@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import Transformer
@@ -85,7 +84,7 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, tiny_checkpoint_dir):
     root = tmp_path_factory.mktemp("vision")
     (root / "www").mkdir()
     (root / "www" / "cat.png").write_bytes(png(7))
@@ -94,7 +93,7 @@ def deployment(tmp_path_factory):
     files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     port = files.server_address[1]
-    ck = create_checkpoint(preset("tiny"), root / "tiny", seed=0)
+    ck = tiny_checkpoint_dir
     cluster = LocalCluster(
         ck,
         attention_workers=1,

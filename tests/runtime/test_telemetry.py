@@ -8,7 +8,6 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
@@ -19,11 +18,11 @@ EXPORTER = InMemorySpanExporter()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, monkeypatch_module):
+def server(tiny_checkpoint, monkeypatch_module):
     monkeypatch_module.setenv("EXPERTMESH_TRACE_LAYER_EVERY", "1")
     telemetry._extra_processors.append(SimpleSpanProcessor(EXPORTER))
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"}, force=True)
-    ck = Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tel") / "tiny", seed=0))
+    ck = tiny_checkpoint
     engine = build_local_engine(ck, attention_workers=1, expert_workers=2, prefill_chunk=16)
     port = free_port()
     srv, thread = serve_http(build_app(engine), "127.0.0.1", port)

@@ -7,9 +7,7 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -69,8 +67,8 @@ def make_certs(d):
     return d
 
 
-def test_mtls_deployment_serves_and_refuses_clients_without_certificates(tmp_path):
-    ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+def test_mtls_deployment_serves_and_refuses_clients_without_certificates(tmp_path, tiny_checkpoint_dir):
+    ck = tiny_checkpoint_dir
     certs = make_certs(tmp_path)
     with LocalCluster(
         ck, attention_workers=1, expert_workers=1, http_port=free_port(), grpc_port=free_port(), tls_dir=certs
@@ -105,7 +103,7 @@ def test_mtls_deployment_serves_and_refuses_clients_without_certificates(tmp_pat
             assert info.name == "expert-0"
 
 
-def test_health_port_is_plaintext_health_only_while_the_worker_port_requires_mtls(tmp_path):
+def test_health_port_is_plaintext_health_only_while_the_worker_port_requires_mtls(tmp_path, tiny_checkpoint_dir):
     """What a Kubernetes `grpc:` probe does (plaintext, no certificate) reaches Health on --health-port and gets
     SERVING; the same raw client is refused on the worker's real port, and the health port serves nothing else."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -113,7 +111,7 @@ def test_health_port_is_plaintext_health_only_while_the_worker_port_requires_mtl
     from expertmesh.runtime.tls import ephemeral_pki, server_tls_from_dir
     from expertmesh.worker.server import serve, shutdown
 
-    ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+    ck = tiny_checkpoint_dir
     server = serve("expert", ck, 0, tls=server_tls_from_dir(ephemeral_pki(tmp_path / "pki")), health_port=0)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:

@@ -10,9 +10,7 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from expertmesh.checkpoint.loader import create_checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +59,7 @@ class Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def test_one_trace_across_router_and_workers(tmp_path, monkeypatch):
+def test_one_trace_across_router_and_workers(tmp_path, monkeypatch, tiny_checkpoint_dir):
     receiver = Receiver()
     for k, v in {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
@@ -70,7 +68,7 @@ def test_one_trace_across_router_and_workers(tmp_path, monkeypatch):
         "EXPERTMESH_TRACE_LAYER_EVERY": "1",
     }.items():
         monkeypatch.setenv(k, v)  # `up` passes the OTEL_* environment to every process it starts
-    ck = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+    ck = tiny_checkpoint_dir
     with LocalCluster(ck, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=free_port()) as c:
         client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(

@@ -12,9 +12,8 @@ from support.expert_calls import SUBSET, expert_call, same
 from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.wire.clients import RemoteExpert
 from expertmesh.wire.sampling_params import SamplingParams
@@ -25,8 +24,8 @@ MAX_TOKENS = 40  # test_faults' streams
 
 
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("collective") / "tiny", seed=0)
+def ckpt_dir(tiny_checkpoint_dir):
+    return tiny_checkpoint_dir  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.mark.parametrize("backend", ["tcp", "gloo"])

@@ -7,9 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-from expertmesh.checkpoint.loader import create_checkpoint
-from expertmesh.model.config import preset
-
 PROBE = textwrap.dedent("""
     import json, sys
     from expertmesh.kernels.dsa import cpu_kernel as dsa
@@ -28,8 +25,8 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def test_workers_load_their_cpu_kernels_before_the_first_request(tmp_path):
-    ckpt = create_checkpoint(preset("tiny"), tmp_path / "tiny", seed=0)
+def test_workers_load_their_cpu_kernels_before_the_first_request(tiny_checkpoint_dir):
+    ckpt = tiny_checkpoint_dir
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     out = subprocess.run([sys.executable, "-c", PROBE, str(ckpt)], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

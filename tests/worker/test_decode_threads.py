@@ -14,13 +14,8 @@ from expertmesh.worker.threads import DECODE_ROWS, DecodeThreads
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-    from expertmesh.model.config import preset
-
-    path = tmp_path_factory.mktemp("ckpt")
-    create_checkpoint(preset("tiny"), path, seed=0)
-    return Checkpoint(path)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 def _pair(ckpt, dtype, decode_threads):

@@ -27,13 +27,8 @@ KV_BLOCKS, BLOCK_SIZE = 16, 8
 
 # ---------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-    from expertmesh.model.config import preset
-
-    path = tmp_path_factory.mktemp("ckpt")
-    create_checkpoint(preset("tiny"), path, seed=0)
-    return Checkpoint(path)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ import time
 import pytest
 import torch
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
 from expertmesh.wire.sampling_params import SamplingParams
@@ -24,8 +22,8 @@ MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("tiers") / "tiny", seed=0))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ import time
 
 import pytest
 
-from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.placement.planner import ClusterShape, moved_shards, plan_placement
 from expertmesh.router.server import build_remote_engine
@@ -29,8 +27,8 @@ def shape(cfg, pods: int) -> ClusterShape:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return Checkpoint(create_checkpoint(preset("tiny"), tmp_path_factory.mktemp("replan") / "tiny", seed=0))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint  # the session's shared tiny checkpoint (tests/conftest.py)
 
 
 def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
