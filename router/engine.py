@@ -17,7 +17,10 @@ Each scheduler step (the scheduler thread):
      itself, and a hand-off that fails leaves the sequence where it was (or, its prefill worker gone, replays it).
 The router's traffic is token ids and plan entries — independent of hidden size and layer count. Workers are
 reached through clients with the same methods whether in process or over gRPC. The request and its errors live in
-router/request.py, the KV / prefix index in router/kv.py.
+router/request.py, the KV / prefix index in router/kv.py. The settings are one frozen EngineConfig
+(router/engine_config.py); the constructor does no I/O and `start()` waits for the workers and starts the
+scheduler, health and prefix-index threads. Step 4-5's calls are router/step_calls.py, step 6's hand-offs
+router/handoffs.py (both mixins of Engine).
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
 from expertmesh.model.config import ModelConfig
-from expertmesh.router.disagg import Pools, choose_decode
-from expertmesh.router.health import AttentionHealth, serving
+from expertmesh.router.disagg import Pools
+from expertmesh.router.engine_config import EngineConfig
+from expertmesh.router.handoffs import HandOffs, InTransit
+from expertmesh.router.health import AttentionHealth
 from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.metrics import EngineStats, RouterMetrics
@@ -50,50 +53,13 @@ from expertmesh.router.request import (  # noqa: F401  (the API layers import th
     RequestError,
     TokenLogprob,
 )
-from expertmesh.router.scheduler import (
-    Admission,
-    Growth,
-    Limits,
-    Planned,
-    StepPlan,
-    check_request,
-    schedule,
-    update_from_output,
-)
-from expertmesh.router.tracing import StepTrace, record_image_encodes
+from expertmesh.router.scheduler import Admission, Growth, Limits, StepPlan, check_request, schedule
+from expertmesh.router.step_calls import StepCalls
 from expertmesh.runtime import telemetry
 from expertmesh.wire.sampling_params import SamplingParams
-from expertmesh.wire.worker_api import (
-    HandOffFailed,
-    ImageSpan,
-    NotConnected,
-    OutOfBlocks,
-    StepDone,
-    StepSegment,
-    WorkerError,
-)
+from expertmesh.wire.worker_api import ImageSpan, OutOfBlocks, WorkerError
 
 log = logging.getLogger("expertmesh.router")
-
-
-def _public(error: Exception) -> Exception:
-    """What a client may see of a failed step: no worker addresses or internals (those go to the log)."""
-    if isinstance(error, (ConnectionError, TimeoutError)):
-        return ConnectionError("attention workers unavailable for this step; retry")
-    if isinstance(error, (RequestError, ExpertsUnavailable, EngineClosed)):
-        return error
-    return RuntimeError(f"the step failed on a worker ({type(error).__name__}); see the router log")
-
-
-@dataclass
-class _InTransit:
-    """A hand-off in flight: its call, from / to which attention worker, the sequence id there, the blocks promised."""
-
-    future: Future
-    src: int
-    to: int
-    to_seq: str
-    blocks: int
 
 
 def _first_info(client, timeout: float) -> dict:
@@ -108,71 +74,33 @@ def _first_info(client, timeout: float) -> dict:
             time.sleep(0.5)
 
 
-class Engine:
+class Engine(StepCalls, HandOffs):
     def __init__(
         self,
         cfg: ModelConfig,
         attention: list,
         experts: list,
         placement,
+        config: EngineConfig | None = None,
         *,
-        prefill_chunk: int = 16,
-        prefill_tokens: int = 0,
-        max_batch_tokens: int | None = None,
-        max_running: int = 64,
-        max_waiting: int = 256,
-        call_timeout: float = 60.0,
-        model_name: str | None = None,
-        metrics=None,
-        health_interval: float = 1.0,
-        startup_timeout: float = 120.0,
-        max_queue_wait: float = 300.0,
-        kv_growth: int = 256,
-        transport: str = "grpc",
-        image_limits=None,
-        prefix_salt: bytes | None = None,
-        prefix_index_refresh: float = 5.0,
         prefill: list | None = None,
-        prefill_min_tokens: int = 0,
+        metrics: RouterMetrics | None = None,
     ):
-        """`prefill_chunk`: the prefix cache's granularity (prompt chunks end at its multiples); `prefill_tokens`:
-        prompt chunks end at its multiples (0: at prefill_chunk's); `max_batch_tokens`: tokens per step (None: 256,
-        or prefill_tokens + max_running if more, so a chunk always fits beside every decoding sequence); `max_queue_wait`:
-        seconds a request may wait for KV room before it is refused (429, retry later);
-        `kv_growth`: tokens of KV a sequence reserves ahead (at placement and each time it runs out);
-        `transport`: how attention workers exchange each MoE layer with the expert workers (grpc | collective:
-        worker/collective.py); `prefix_salt`: the secret prefix keys are salted with (None: a random one of this
-        instance; router replicas given the same one compute the same keys, so each hits the prefixes the others
-        saved); `prefix_index_refresh`: seconds between two reads of every live worker's cached prefixes into the
-        index (what other replicas saved or dropped there; 0: only when a worker is taken back); `prefill`: the
-        prefill pool's attention workers (`attention` is then the decode pool; none: one colocated pool), prompts
-        shorter than `prefill_min_tokens` skipping it (router/disagg.py)."""
-        if transport not in ("grpc", "collective"):
-            raise ValueError(f"transport: expected grpc or collective, found {transport!r}")
-        self.transport = transport
-        self.image_limits = image_limits or ImageLimits()  # what the APIs accept as image input
-        self.kv_growth = max(1, kv_growth)
+        """The engine over `attention` (with `prefill`: the decode pool, `prefill` the prefill pool's workers; none:
+        one colocated pool, router/disagg.py) and `experts` (clients, in process or remote), following `placement`,
+        as `config` says (router/engine_config.py). No I/O here — no call to a worker, no thread: `start()` waits
+        for the workers and starts serving."""
+        self.config = config = config or EngineConfig()
         self.cfg = cfg
-        self.model_name = model_name or cfg.name
         self.metrics = metrics or RouterMetrics()
         self.metrics.bind(self)
-        self.pools = Pools.of(len(attention), len(prefill or ()), prefill_min_tokens)
+        self.pools = Pools.of(len(attention), len(prefill or ()), config.prefill_min_tokens)
         self.attention = [
             InstrumentedClient(a, self.metrics, "attention") for a in list(attention) + list(prefill or ())
         ]
-        self.transit: dict[Request, _InTransit] = {}  # requests being handed off (prefill → decode)
+        self.transit: dict[Request, InTransit] = {}  # requests being handed off (prefill → decode)
         self.experts = [InstrumentedClient(e, self.metrics, "expert") for e in experts]
-        if prefill_tokens and prefill_tokens % prefill_chunk:
-            raise ValueError(f"prefill_tokens: {prefill_tokens} is not a multiple of prefill_chunk {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
-        self.prefill_tokens = max(prefill_tokens, prefill_chunk)
-        self.max_batch_tokens = max(
-            max_batch_tokens or max(256, self.prefill_tokens + max_running), self.prefill_tokens
-        )
-        self.max_running = max_running
-        self.max_waiting = max_waiting
-        self.max_queue_wait = max_queue_wait
-        self.call_timeout = call_timeout
+        # threads start with the first call submitted (Engine.start's), not here
         self.pool = ThreadPoolExecutor(
             max_workers=max(8, 2 * (len(self.attention) + len(self.experts))), thread_name_prefix="router-call"
         )
@@ -186,10 +114,35 @@ class Engine:
             self.expert_clients,
             pool=self.pool,
             wake=self.cv,
-            transport=transport,
-            probe_interval=health_interval,
+            transport=config.transport,
+            probe_interval=config.health_interval,
         )
-        infos = [_first_info(a, startup_timeout) for a in self.attention]
+        # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
+        # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
+        # prefix keys saved there
+        self.instance = os.urandom(6).hex()
+        self.seq_ids = itertools.count()
+        salt = config.prefix_salt if config.prefix_salt is not None else os.urandom(16)
+        self.kv = KVManager(None, chunk=config.prefill_chunk, salt=salt)  # the workers join at start()
+        self._listings: dict[int, tuple[set[str], list]] = {}  # worker → (keys known, its ListPrefixes) to merge
+        self.health = AttentionHealth(
+            self.attention, self.kv, owner=self.instance, interval=config.health_interval, connect=self.plan.connect
+        )
+        self._last_refresh = 0.0
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self.step_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)  # unique per router
+        self.closed = False
+        self.thread: threading.Thread | None = None  # the scheduler, once started
+
+    def start(self) -> Engine:
+        """Wait for every attention worker's first answer (a worker still starting is waited for up to
+        `startup_timeout`; ConnectionError past it), learn its KV pool, connect it to the expert workers, and start
+        the scheduler, health and prefix-index threads. Returns the engine, serving."""
+        if self.thread is not None:
+            raise RuntimeError("the engine is started already")
+        infos = [_first_info(a, self.config.startup_timeout) for a in self.attention]
         for i, info in enumerate(infos):
             if info.get("pool", "mixed") != self.pools.name(i):
                 log.warning(
@@ -199,39 +152,28 @@ class Engine:
                     info.get("pool"),
                     self.pools.name(i),
                 )
-        # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
-        # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
-        # prefix keys saved there
-        if prefix_salt is not None and not prefix_salt:
-            raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
-        self.instance = os.urandom(6).hex()
-        self.seq_ids = itertools.count()
-        self.kv = KVManager(
-            [
-                WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"])
-                for i, info in enumerate(infos)
-            ],
-            chunk=prefill_chunk,
-            salt=prefix_salt if prefix_salt is not None else os.urandom(16),
-        )
-        self.prefix_index_refresh = prefix_index_refresh
-        self._listings: dict[int, tuple[set[str], list]] = {}  # worker → (keys known, its ListPrefixes) to merge
-        self.health = AttentionHealth(
-            self.attention, self.kv, owner=self.instance, interval=health_interval, connect=self.plan.connect
-        )
-        self._last_refresh = 0.0
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.stats = EngineStats()
-        self.step_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)  # unique per router
-        self.closed = False
+            self.kv.add_worker(WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"]))
         for i in range(len(self.attention)):
             self.plan.connect(i)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
         threading.Thread(target=self.health.watch, args=(lambda: self.closed,), name="health", daemon=True).start()
-        if prefix_index_refresh > 0:
+        if self.config.prefix_index_refresh > 0:
             threading.Thread(target=self._watch_prefixes, name="prefix-index", daemon=True).start()
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self.thread is not None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or self.cfg.name
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What the APIs accept as image input."""
+        return self.config.image_limits
 
     # ------------------------------------------------------------------ public
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -240,19 +182,12 @@ class Engine:
     @property
     def limits(self) -> Limits:
         """The scheduling settings (the context read from `cfg` each time)."""
-        return Limits(
-            prefill_chunk=self.prefill_chunk,
-            prefill_tokens=self.prefill_tokens,
-            max_batch_tokens=self.max_batch_tokens,
-            max_running=self.max_running,
-            kv_growth=self.kv_growth,
-            max_context=self.cfg.max_context,
-            max_queue_wait=self.max_queue_wait,
-            snapshot_within_step=not self.cfg.n_kda_layers,
-        )
+        return self.config.limits(max_context=self.cfg.max_context, snapshot_within_step=not self.cfg.n_kda_layers)
 
     def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None, **kw) -> Request:
         """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
+        if not self.started:
+            raise EngineClosed("the engine is not started")
         self.validate(prompt, params)
         if images:
             if self.cfg.vision is None:
@@ -268,8 +203,8 @@ class Engine:
         with self.cv:
             if self.closed:
                 raise EngineClosed("the engine is shutting down")
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"waiting queue full ({self.max_waiting} requests); retry later")
+            if len(self.waiting) >= self.config.max_waiting:
+                raise QueueFull(f"waiting queue full ({self.config.max_waiting} requests); retry later")
             self.waiting.append(req)
             self.cv.notify_all()
         return req
@@ -286,7 +221,8 @@ class Engine:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
         for req in self.waiting + self.running:
             self._fail(req, EngineClosed("the router is shutting down"))
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -409,7 +345,7 @@ class Engine:
     # ------------------------------------------------------------------ the prefix index across router replicas
     def _watch_prefixes(self) -> None:
         while not self.closed:
-            time.sleep(self.prefix_index_refresh)
+            time.sleep(self.config.prefix_index_refresh)
             self.read_prefix_index()
 
     def read_prefix_index(self) -> None:
@@ -420,7 +356,7 @@ class Engine:
         for i, client in enumerate(self.attention):
             if i in self.attention_down:
                 continue
-            known = {k for k, w in list(self.kv.prefixes.items()) if w == i}  # list(): one atomic copy
+            known = self.kv.prefixes_of(i)
             try:
                 listing = client.list_prefixes()
             except Exception as e:  # a worker that does not answer is the heartbeat's business
@@ -450,7 +386,7 @@ class Engine:
 
     def _refresh(self, worker: int) -> None:
         try:
-            self.kv.workers[worker].free_blocks = self.attention[worker].info(owner=self.instance)["free_blocks"]
+            self.kv.report(worker, self.attention[worker].info(owner=self.instance)["free_blocks"])
         except ConnectionError as e:
             self.health.mark_down(worker, e)
 
@@ -468,7 +404,7 @@ class Engine:
                 req,
                 QueueFull(
                     f"no KV room for {len(req.prompt) + req.params.max_tokens} tokens "
-                    f"(prompt + max_tokens) within {self.max_queue_wait:g} s; retry later"
+                    f"(prompt + max_tokens) within {self.config.max_queue_wait:g} s; retry later"
                 ),
             )
 
@@ -549,18 +485,16 @@ class Engine:
             req.queue_span.set_attribute("expertmesh.cached_tokens", cached)
             req.queue_span.end()
             req.queue_span = None
-        self.kv.workers[worker].sequences += 1
+        self.kv.opened(worker)
         self._refresh(worker)
         self.stats.prompt_tokens += len(req.prompt)
         self.stats.cached_tokens += cached
-        self.metrics.prompt_tokens.inc(len(req.prompt))
-        self.metrics.cached_tokens.inc(cached)
         if not req.done:
             self.running.append(req)
 
     def _drop_prefix(self, worker: int, key: str) -> None:
         self.kv.forget(key)
-        self.kv.workers[worker].free_blocks = self.attention[worker].drop_prefix(key)
+        self.kv.report(worker, self.attention[worker].drop_prefix(key))
 
     def _evict(self, worker: int, key: str) -> None:
         """Take a prefix off `worker`'s device pool: dropped when superseded (a longer prefix of its conversation
@@ -571,7 +505,7 @@ class Engine:
             self.metrics.prefix_evictions.labels("dropped_superseded").inc()
             return
         free, dropped = self.attention[worker].demote_prefix(key)
-        self.kv.workers[worker].free_blocks = free
+        self.kv.report(worker, free)
         self.kv.demoted(key)
         if key not in dropped:
             self.metrics.prefix_evictions.labels("demoted").inc()
@@ -589,7 +523,7 @@ class Engine:
             while req in self.running:
                 w = req.worker
                 try:
-                    self.kv.workers[w].free_blocks = self.attention[w].extend_sequence(req.seq_id, g.target)
+                    self.kv.report(w, self.attention[w].extend_sequence(req.seq_id, g.target))
                     req.reserved = g.target
                     break
                 except OutOfBlocks:
@@ -629,7 +563,7 @@ class Engine:
     def _requeue(self, req: Request) -> None:
         """Back at the head of the queue: placed again (on a live worker), it replays prompt + output on the same
         schedule, so the same tokens."""
-        self.kv.workers[req.worker].sequences -= 1
+        self.kv.released(req.worker)
         req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
         req.last_key = None
         req.queued_at = time.monotonic()
@@ -638,252 +572,19 @@ class Engine:
         with self.cv:
             self.waiting.insert(0, req)
 
-    # ------------------------------------------------------------------ one step's calls
-    def _run(self, batches: dict[int, list[Planned]]) -> None:
-        step_id = next(self.step_ids)
-        workers = sorted(batches)
-        for items in batches.values():
-            for p in items:
-                if p.hasher is not None:
-                    p.req.hasher = p.hasher
-        tracing = StepTrace(
-            step_id, {w: [(p.req, p.tokens, p.sample) for p in items] for w, items in batches.items()}, self.attention
-        )
-        try:
-            with tracing.layer("step", 0):
-                futures = {
-                    w: self.pool.submit(
-                        self.attention[w].run_step,
-                        step_id,
-                        [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
-                        {
-                            p.req.seq_id: p.snapshot if p.snapshot_at is None else (p.snapshot, p.snapshot_at)
-                            for p in batches[w]
-                            if p.snapshot
-                        }
-                        or None,
-                    )
-                    for w in workers
-                }
-                results = self._gather(futures)
-        except ConnectionError as e:
-            # every attention worker of the step is unreachable (a blip, a restart): the requests wait for one
-            # to come back (replaying what they had) instead of failing — bounded by max_queue_wait
-            tracing.end(e)
-            log.error("step %d: %s; requeueing its requests", step_id, e)
-            for w in workers:
-                for p in batches[w]:
-                    self._recover(p.req)
-            return
-        except Exception as e:
-            tracing.end(e)
-            log.error("step %d failed: %s", step_id, e)
-            error = _public(e)
-            for w in workers:
-                for p in batches[w]:
-                    self._fail(p.req, error)
-            return
-        tracing.end()
-        self.stats.steps += 1
-        self.stats.attention_calls += len(workers)
-        for w in workers:
-            if w not in results:
-                for p in batches[w]:
-                    self._recover(p.req)
-                continue
-            self._apply(w, results[w], batches[w])
-
-    def _gather(self, futures: dict, probe_every: float = 2.0) -> dict:
-        """Results of one call per attention worker; a worker that is unreachable, past its deadline, has lost
-        its expert table (restarted), or stops answering its health check while its step runs (hung, e.g.
-        SIGSTOP: noticed within ~2 probes, not at the step deadline) is marked down and left out — the step goes
-        on for the others, its sequences are rebuilt elsewhere."""
-        results, pending = {}, dict(futures)
-        deadline = time.monotonic() + self.call_timeout
-        while pending:
-            wait(
-                list(pending.values()),
-                timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
-                return_when=FIRST_COMPLETED,
-            )
-            for w, f in list(pending.items()):
-                if f.done():
-                    del pending[w]
-                    try:
-                        results[w] = f.result()
-                    except (ConnectionError, NotConnected, TimeoutError) as e:
-                        self.health.mark_down(w, e)
-                elif time.monotonic() >= deadline:
-                    del pending[w]
-                    self.health.mark_down(w, TimeoutError(f"no step result within {self.call_timeout:g} s"))
-                elif not serving(self.attention[w], timeout=probe_every):
-                    del pending[w]
-                    self.health.mark_down(w, TimeoutError("its health check does not answer during the step"))
-        if not results:
-            raise ConnectionError("every attention worker in this step failed")
-        return results
-
-    def _apply(self, w: int, done: StepDone, batch: list[Planned]) -> None:
-        """One attention worker's step result → the KV index and the requests (scheduler.update_from_output)."""
-        update = update_from_output(batch, done, max_context=self.cfg.max_context)
-        self.kv.workers[w].free_blocks = update.free_blocks
-        self.health.experts_down_by[w] = update.experts_down
-        self.stats.exchange_bytes += update.exchange_bytes
-        for p in batch:
-            if p.chain_key is None or p.req.seq_id in done.failed:
-                continue
-            if p.snapshot is not None:  # it extends the last prefix its request reached: one conversation
-                for victim in self.kv.record_prefix(w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req):
-                    if self.kv.has(victim) and not self.kv.is_lower(victim):
-                        self._evict(w, victim)
-            p.req.last_key = p.chain_key
-        if done.image_encodes:
-            record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)
-        for u in update.seqs:
-            req = u.req
-            if u.error is not None:
-                self._fail(req, u.error)
-                continue
-            req.prompt_logprobs.update(u.prompt_logprobs)
-            req.computed = u.computed
-            self.stats.prefilled_tokens += u.prefilled
-            if u.prefilled:
-                self.metrics.prefill_tokens.labels(self.pools.name(w)).inc(u.prefilled)
-            if u.diverged is not None:
-                log.warning("request %s: replay diverged at %d", req.request_id, u.diverged[0])
-            if u.token is not None:
-                self._accept(req, u.token, u.logprob)
-            if u.finish is not None:
-                self._finish(req, u.finish)
-
-    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        now = time.monotonic()
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.metrics.ttft.observe(now - req.arrived)
-        else:
-            self.metrics.itl.observe(now - req.last_token_at)
-        req.last_token_at = now
-        req.output.append(token)
-        self.stats.generated_tokens += 1
-        self.metrics.generation_tokens.inc()
-        req._emit("token", token)
-
-    # ------------------------------------------------------------------ prefill → decode hand-offs
-    def _start_handoffs(self) -> None:
-        """Move every sequence whose prompt a prefill worker finished to a decode worker with room
-        (disagg.choose_decode), each call in the pool beside the next steps; one with no room yet waits (it decodes
-        where it is meanwhile) and is tried again after the next step."""
-        down = frozenset(self.attention_down)
-        for req in self.running:
-            if (
-                req in self.transit
-                or req.done
-                or req.worker in down
-                or self.pools.name(req.worker) != "prefill"
-                or req.computed < len(req.prompt)
-            ):
-                continue
-            to = choose_decode(self.kv, self.pools, down, req.reserved)
-            if to is None:
-                continue
-            # promised (later choices see it taken); what the receiver reserves exactly: blocks_for(reserved)
-            blocks = self.kv.blocks_for(to, req.reserved)
-            self.kv.workers[to].free_blocks -= blocks
-            self.kv.workers[to].sequences += 1
-            to_seq = f"{self.instance}-{next(self.seq_ids)}"
-            future = self.pool.submit(self._hand_off, req, req.worker, to, to_seq)
-            self.transit[req] = _InTransit(future, req.worker, to, to_seq, blocks)
-            future.add_done_callback(lambda _f: self._wake())
-
-    def _wake(self) -> None:
-        with self.cv:
-            self.cv.notify_all()
-
-    def _hand_off(self, req: Request, src: int, to: int, to_seq: str):
-        """The call (a pool thread): the prefill worker sends the sequence to the decode worker itself; traced as
-        `kv.handoff` under the request's trace (the workers' spans join it)."""
-
-        def call():
-            return self.attention[src].hand_off(
-                req.seq_id,
-                self.attention[to]._client,
-                to_seq,
-                reserve_tokens=req.reserved,
-                owner=self.instance,
-                transport=self.transport,
-            )
-
-        if req.trace_ctx is None:
-            return call()
-        span = telemetry.tracer().start_span(
-            "kv.handoff",
-            context=req.trace_ctx,
-            attributes={
-                "expertmesh.handoff.from": self.attention[src].name,
-                "expertmesh.handoff.to": self.attention[to].name,
-                "expertmesh.kv.tokens": req.computed,
-            },
-        )
-        with trace.use_span(span, end_on_exit=True, record_exception=True):
-            done = call()
-            span.set_attribute("expertmesh.kv.bytes", done.bytes)
-            return done
-
-    def _land_handoffs(self) -> None:
-        """Apply the hand-offs that finished (the scheduler thread): the request now runs on its decode worker;
-        or, when it failed, stays on its prefill worker (the receiver refused or had no room) or — the prefill
-        worker gone — goes back to the queue to replay, its copy on the decode worker (if it got there) closed."""
-        for req, t in list(self.transit.items()):
-            if not t.future.done():
-                continue
-            del self.transit[req]
-            src, to, to_seq = t.src, t.to, t.to_seq
-            e = t.future.exception()
-            if e is not None:  # not there: the promise is taken back
-                self.kv.workers[to].sequences -= 1
-                self.kv.workers[to].free_blocks += t.blocks
-            if isinstance(e, (OutOfBlocks, HandOffFailed)):
-                log.info("hand-off of %s to attention worker %d: %s; it stays on %d", req.request_id, to, e, src)
-                self.metrics.handoffs.labels("refused").inc()
-                self.health.close(to, to_seq)  # in case it got there and only the answer was lost
-                self._refresh(to)
-                continue
-            if e is not None:
-                log.warning("hand-off of %s from attention worker %d failed: %s; replaying it", req.request_id, src, e)
-                self.metrics.handoffs.labels("failed").inc()
-                if isinstance(e, ConnectionError):
-                    self.health.mark_down(src, e)
-                self.health.close(to, to_seq)
-                if req in self.running:
-                    self._recover(req)
-                continue
-            done = t.future.result()
-            self.metrics.handoffs.labels("moved").inc()
-            self.metrics.kv_transfer_bytes.inc(done.bytes)
-            self.metrics.handoff_seconds.observe(done.seconds)
-            self.kv.workers[src].free_blocks = done.free_blocks
-            self.kv.workers[src].sequences -= 1
-            req.worker, req.seq_id = to, to_seq
-            if req not in self.running:  # ended meanwhile (close() failed it): not left open there
-                self.health.close(to, to_seq)
-
     # ------------------------------------------------------------------ ending requests
     def _release(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         if req.worker >= 0 and req.seq_id:
             self.health.close(req.worker, req.seq_id)
-            self.kv.workers[req.worker].sequences -= 1
+            self.kv.released(req.worker)
             req.seq_id = ""
 
     def _finish(self, req: Request, reason: str) -> None:
         self._release(req)
         req.finish_reason = reason
-        self.stats.requests_finished += 1
-        self.metrics.requests.labels(reason).inc()
+        self.stats.ended(reason)
         req._emit("done", None)
 
     def _fail(self, req: Request, error: Exception) -> None:
@@ -894,6 +595,5 @@ class Engine:
             req.queue_span = None
         self._release(req)
         req.error = error
-        self.stats.requests_failed += 1
-        self.metrics.requests.labels("error").inc()
+        self.stats.ended("error")
         req._emit("error", error)

@@ -54,9 +54,7 @@ class AttentionHealth:
         if worker not in self.down:
             log.warning("attention worker %d marked down: %s", worker, error)
         self.down.add(worker)
-        for key in self.kv.eviction_candidates(worker):
-            self.kv.forget(key)
-        self.kv.workers[worker].free_blocks = 0
+        self.kv.lost(worker)
 
     def close(self, worker: int, seq_id: str) -> None:
         """Close a sequence; a worker that is down or does not answer gets it again once it is back (no leak)."""
@@ -64,7 +62,7 @@ class AttentionHealth:
             self.close_later(worker, seq_id)
             return
         try:
-            self.kv.workers[worker].free_blocks = self.clients[worker].close_sequence(seq_id)
+            self.kv.report(worker, self.clients[worker].close_sequence(seq_id))
         except NotFound:
             pass  # already gone (a restarted worker)
         except Exception as e:
@@ -106,7 +104,7 @@ class AttentionHealth:
         try:
             self.down.discard(worker)
             self.retry_closes(worker)
-            self.kv.workers[worker].free_blocks = self.clients[worker].info(owner=self.owner)["free_blocks"]
+            self.kv.report(worker, self.clients[worker].info(owner=self.owner)["free_blocks"])
         except Exception:
             self.down.add(worker)
             return

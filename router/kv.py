@@ -59,10 +59,15 @@ class WorkerKV:
 
 
 class KVManager:
-    def __init__(self, workers: list[WorkerKV], chunk: int, max_prefixes_per_worker: int = 256, salt: bytes = b""):
-        if any(chunk % w.block_size for w in workers):
-            raise ValueError(f"prefill chunk {chunk} must be a multiple of every worker's KV block size")
-        self.workers = workers
+    """Its per-worker counts change only through the named operations below (`add_worker`, `report`, `opened`,
+    `released`, `promise`, `withdraw`, `lost`): the engine and the health watch say what happened, not what to
+    write."""
+
+    def __init__(
+        self, workers: list[WorkerKV] | None, chunk: int, max_prefixes_per_worker: int = 256, salt: bytes = b""
+    ):
+        """`workers`: known now, or none until each is added (`add_worker`, once it answered: Engine.start)."""
+        self.workers: list[WorkerKV] = []
         self.chunk = chunk
         self.salt = salt
         self.max_prefixes = max_prefixes_per_worker
@@ -72,6 +77,50 @@ class KVManager:
         self.lower: set[str] = set()  # keys held below their worker's device pool (host / disk)
         self.parent: dict[str, str] = {}  # key → the cached shorter prefix of the same conversation it extends
         self.user: dict[str, object] = {}  # key → the request that last saved or hit it (its session state)
+        for w in workers or ():
+            self.add_worker(w)
+
+    # ------------------------------------------------------------------ per-worker counts
+    def add_worker(self, worker: WorkerKV) -> None:
+        """A worker as its first answer describes it (block size, total and free blocks); workers join in order."""
+        if self.chunk % worker.block_size:
+            raise ValueError(f"prefill chunk {self.chunk} must be a multiple of every worker's KV block size")
+        if worker.index != len(self.workers):
+            raise ValueError(f"worker {worker.index} added as number {len(self.workers)}")
+        self.workers.append(worker)
+
+    def report(self, worker: int, free_blocks: int) -> None:
+        """The worker's own count of its free blocks (every call that changes them answers it)."""
+        self.workers[worker].free_blocks = free_blocks
+
+    def opened(self, worker: int) -> None:
+        """A sequence of this router now lives on `worker` (its blocks: the `report` that follows)."""
+        self.workers[worker].sequences += 1
+
+    def released(self, worker: int) -> None:
+        """A sequence left `worker` (closed, preempted, recovered or handed off)."""
+        self.workers[worker].sequences -= 1
+
+    def promise(self, worker: int, blocks: int) -> None:
+        """A hand-off on its way to `worker`: its blocks count as taken and its sequence as there (later choices see
+        them) until it lands (the promise then holds) or is withdrawn."""
+        self.workers[worker].free_blocks -= blocks
+        self.workers[worker].sequences += 1
+
+    def withdraw(self, worker: int, blocks: int) -> None:
+        """A promised hand-off that did not land: what `promise` took is given back."""
+        self.workers[worker].sequences -= 1
+        self.workers[worker].free_blocks += blocks
+
+    def lost(self, worker: int) -> None:
+        """`worker` is down: its prefixes are forgotten and no block of it is offered until it reports again."""
+        for key in self.eviction_candidates(worker):
+            self.forget(key)
+        self.workers[worker].free_blocks = 0
+
+    def prefixes_of(self, worker: int) -> set[str]:
+        """The keys the index places on `worker` (a copy: another thread may record while this one reads)."""
+        return {k for k, w in list(self.prefixes.items()) if w == worker}
 
     def blocks_for(self, worker: int, tokens: int, cached: int = 0) -> int:
         bs = self.workers[worker].block_size

@@ -1,12 +1,14 @@
 """The router's Prometheus metrics (`/metrics`), names prefixed `expertmesh_`.
 
-Counters and histograms are updated by the engine as things happen; gauges that describe current state
-(queue lengths, KV blocks, per-expert load and imbalance) are read from the engine at scrape time.
+The engine's counts live in one store, its EngineStats, rendered here at scrape time (never counted twice);
+histograms and the counters of the layers around the engine (worker calls, prefix hits, hand-offs, reasoning tokens)
+are Prometheus objects updated as things happen; gauges that describe current state (queue lengths, KV blocks,
+per-expert load and imbalance) are read from the engine at scrape time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,19 +21,38 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 @dataclass
 class EngineStats:
-    """The engine's running counts (`engine.stats`; some reach /metrics)."""
+    """The engine's running counts: the one store of what it counts. `engine.stats` reads them, /metrics renders
+    them at scrape time (`expertmesh_prompt_tokens`, `_requests{outcome}`, ...: _StateCollector) — never counted a
+    second time. Written by the scheduler thread (and by close(), once it stopped)."""
 
     steps: int = 0
     attention_calls: int = 0  # router → attention worker step calls
     prompt_tokens: int = 0
-    prefilled_tokens: int = 0  # prompt tokens actually computed (cache hits excluded)
     cached_tokens: int = 0
     generated_tokens: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
     exchange_bytes: int = 0  # attention ↔ expert tensor bytes, as the attention workers report
     recovered: int = 0  # requests rebuilt on another attention worker
     preempted: int = 0  # requests whose KV was taken for others (replayed later)
+    outcomes: dict[str, int] = field(default_factory=dict)  # ended requests by finish reason, or "error"
+    prefilled_by_pool: dict[str, int] = field(default_factory=dict)  # prompt tokens computed (hits excluded), by pool
+
+    def ended(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def prefilled(self, pool: str, tokens: int) -> None:
+        self.prefilled_by_pool[pool] = self.prefilled_by_pool.get(pool, 0) + tokens
+
+    @property
+    def requests_finished(self) -> int:
+        return sum(n for outcome, n in list(self.outcomes.items()) if outcome != "error")
+
+    @property
+    def requests_failed(self) -> int:
+        return self.outcomes.get("error", 0)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return sum(list(self.prefilled_by_pool.values()))
 
 
 class RouterMetrics:
@@ -49,10 +70,6 @@ class RouterMetrics:
             "Time between consecutive tokens of a request",
             buckets=LATENCY_BUCKETS,
             registry=r,
-        )
-        self.prompt_tokens = Counter("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.cached_tokens = Counter(
-            "expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.prefix_hits = Counter(
             "expertmesh_prefix_hits",
@@ -72,9 +89,7 @@ class RouterMetrics:
             ["action"],
             registry=r,
         )
-        self.generation_tokens = Counter("expertmesh_generation_tokens", "Generated tokens", registry=r)
         self.reasoning_tokens = Counter("expertmesh_reasoning_tokens", "Generated reasoning tokens", registry=r)
-        self.requests = Counter("expertmesh_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.call_seconds = Histogram(
             "expertmesh_worker_call_duration_seconds",
             "Router→worker call latency",
@@ -93,12 +108,6 @@ class RouterMetrics:
         )
         self.image_tokens = Counter(
             "expertmesh_image_tokens", "Image tokens produced by the vision encoder", registry=r
-        )
-        self.prefill_tokens = Counter(
-            "expertmesh_prefill_tokens",
-            "Prompt tokens computed, by the pool of the attention worker that computed them (prefill | decode | mixed)",
-            ["pool"],
-            registry=r,
         )
         self.handoffs = Counter(
             "expertmesh_kv_handoffs",
@@ -153,6 +162,9 @@ class _StateCollector:
         s = eng.stats
         hit.add_metric([], s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
         yield hit
+        yield from counted(s)
+        if not eng.started:  # no worker known or asked yet (Engine.start): nothing more to read
+            return
         blocks = GaugeMetricFamily("expertmesh_kv_blocks", "KV blocks per attention worker", labels=["worker", "state"])
         for w in eng.kv.workers:
             name = getattr(eng.attention[w.index], "name", str(w.index))
@@ -198,6 +210,31 @@ class _StateCollector:
         steps.add_metric([], s.steps)
         yield steps
         yield from pool_metrics(eng)
+
+
+def counted(s: EngineStats):
+    """The counters the engine keeps in its EngineStats, as Prometheus counters (`<name>_total`)."""
+    for name, doc, value in (
+        ("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
+        ("expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache", s.cached_tokens),
+        ("expertmesh_generation_tokens", "Generated tokens", s.generated_tokens),
+    ):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
+    for name, doc, label, counts in (
+        ("expertmesh_requests", "Finished requests by outcome", "outcome", s.outcomes),
+        (
+            "expertmesh_prefill_tokens",
+            "Prompt tokens computed, by the pool of the attention worker that computed them (prefill | decode | mixed)",
+            "pool",
+            s.prefilled_by_pool,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for key, value in list(counts.items()):
+            family.add_metric([key], value)
+        yield family
 
 
 def pool_metrics(eng):

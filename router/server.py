@@ -61,28 +61,30 @@ def build_remote_engine(
     attention: list[str],
     experts: list[str],
     plan,
+    config=None,
     *,
     timeout: float = 30.0,
     tls=None,
     control_timeout: float | None = None,
     prefill: list[str] | None = None,
-    **kw,
 ):
-    """`timeout`: each expert call's deadline (a step's adds one per expert worker); `control_timeout` (default and
+    """The engine over remote workers, not started (Engine.start waits for them). `config`: its EngineConfig (None:
+    the defaults with the step deadline of `timeout`); `timeout`: each expert call's deadline (a step's,
+    config.call_timeout, adds one per expert worker: engine_config.step_deadline); `control_timeout` (default and
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine  # the engine and the workers' clients: see run
+    from expertmesh.router.engine_config import EngineConfig, step_deadline
     from expertmesh.wire.clients import RemoteAttention, RemoteExpert
 
-    # a step may wait out one expert deadline per expert worker (each is failed over after its first) and compute
-    step_timeout = timeout * (len(experts) + 1)
+    config = config or EngineConfig(call_timeout=step_deadline(timeout, len(experts)))
     control = min(control_timeout or timeout, timeout)
     att, pre = (
-        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=step_timeout) for a in addresses]
+        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=config.call_timeout) for a in addresses]
         for addresses in (attention, prefill or ())
     )
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
-    return Engine(cfg, att, exp, plan, call_timeout=step_timeout, prefill=pre or None, **kw)
+    return Engine(cfg, att, exp, plan, config, prefill=pre or None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -417,22 +419,15 @@ def read_prefix_salt(path: str | None) -> bytes | None:
 def run(args) -> int:
     # Imported here, not at the top: every `expertmesh` command builds this module's parser (entry/cli.py, entry/up.py), and
     # the engine, the HTTP app and the gRPC service (FastAPI, uvicorn, grpc, numpy, Pillow) load only for a router.
+    from expertmesh.router.engine_config import EngineConfig
     from expertmesh.router.grpc_service import serve_router_grpc
     from expertmesh.router.http import build_app, serve_http
-    from expertmesh.router.prepared_image import ImageLimits
     from expertmesh.runtime.tls import ClientTLS, ServerTLS
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.setup_tracing("expertmesh-router", {"expertmesh.role": "router"})
-    if args.prefill_tokens % args.prefill_chunk:
-        print(
-            f"expertmesh router: --prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk "
-            f"{args.prefill_chunk}",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        prefix_salt = read_prefix_salt(args.prefix_salt_file)
+        engine_config = EngineConfig.from_args(args, prefix_salt=read_prefix_salt(args.prefix_salt_file))
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
@@ -456,31 +451,12 @@ def run(args) -> int:
         [a for a in args.attention.split(",") if a],
         [e for e in args.experts.split(",") if e],
         plan,
+        engine_config,
         timeout=args.call_timeout,
         prefill=[a for a in args.prefill.split(",") if a],
-        prefill_min_tokens=args.prefill_min_tokens,
         control_timeout=args.control_timeout,
         tls=worker_tls,
-        prefill_chunk=args.prefill_chunk,
-        prefill_tokens=args.prefill_tokens,
-        max_batch_tokens=args.max_batch_tokens,
-        max_waiting=args.max_waiting,
-        max_queue_wait=args.max_queue_wait,
-        kv_growth=args.kv_growth,
-        transport=args.transport,
-        prefix_salt=prefix_salt,
-        prefix_index_refresh=args.prefix_index_refresh_s,
-        image_limits=ImageLimits(
-            max_bytes=args.max_image_bytes,
-            max_source_pixels=args.max_image_source_pixels,
-            max_side=args.max_image_side,
-            max_aspect=args.max_image_aspect,
-            max_images_per_request=args.max_images_per_request,
-            max_pixels_per_request=args.max_image_pixels_per_request,
-            fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",") if h.strip()),
-            fetch_timeout=args.image_fetch_timeout,
-        ),
-    )
+    ).start()
     api_key = os.environ.get("EXPERTMESH_API_KEY") or None
     if args.api_key_file:
         api_key = open(args.api_key_file).read().strip()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.up import make_placement
 from expertmesh.router.engine import Engine
+from expertmesh.router.engine_config import EngineConfig
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
 
@@ -25,6 +26,7 @@ def build_local_engine(
     dtype=None,
     kv_tiers: dict | None = None,
     prefill_workers: int = 0,
+    config: EngineConfig | None = None,
     **engine_kw,
 ) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
@@ -32,7 +34,11 @@ def build_local_engine(
     workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`. `kv_tiers`:
     every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
     `prefill_workers`: a prefill pool of that many attention workers beside the `attention_workers` of the decode
-    pool (router/disagg.py; 0: one colocated pool)."""
+    pool (router/disagg.py; 0: one colocated pool). `config`: the engine's settings, or `engine_kw` its fields
+    (EngineConfig(**engine_kw)). Returns the engine started."""
+    if config is not None and engine_kw:
+        raise TypeError(f"build_local_engine: config= or EngineConfig fields, not both ({', '.join(engine_kw)})")
+    config = config or EngineConfig(**engine_kw)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     placement = placement or make_placement(cfg, expert_workers, redundant_experts)
@@ -52,4 +58,4 @@ def build_local_engine(
     decode = [attention(f"attention-{i}", "decode" if prefill_workers else "mixed") for i in range(attention_workers)]
     prefill = [attention(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
-    return Engine(serving_cfg or cfg, decode, experts, placement, prefill=prefill or None, **engine_kw)
+    return Engine(serving_cfg or cfg, decode, experts, placement, config, prefill=prefill or None).start()

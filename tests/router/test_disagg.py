@@ -166,6 +166,7 @@ def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefill
     worker with the same tokens; one that fits is handed off."""
     from expertmesh.entry.up import make_placement
     from expertmesh.router.engine import Engine
+    from expertmesh.router.engine_config import EngineConfig
     from expertmesh.worker.expert import ExpertWorker
 
     placement = make_placement(ckpt.cfg, 1, 0)
@@ -176,9 +177,9 @@ def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefill
         [decode],
         [ExpertWorker(ckpt, placement.experts_of(0))],
         placement,
+        EngineConfig(prefill_chunk=CHUNK),
         prefill=[prefill],
-        prefill_chunk=CHUNK,
-    )
+    ).start()
     try:
         model = ckpt.load_model()
         greedy = SamplingParams(max_tokens=10, stop_token_ids=(EOS,))

@@ -145,7 +145,7 @@ def test_a_restored_prefix_gives_the_tokens_of_a_recompute(ckpt, model):
     ],
 )
 def test_bad_tier_flags_fail_fast_naming_the_flag(argv, words, capsys, tmp_path):
-    from expertmesh.worker.server import main
+    from expertmesh.worker.cli import main
 
     (tmp_path / "file").write_text("")
     argv = [str(tmp_path / "file" / "kv") if a == "FILE" else a for a in argv]
@@ -284,7 +284,7 @@ def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckp
 
 
 def test_a_dry_run_reports_the_tier_bounds_it_was_given(capsys):
-    from expertmesh.worker.server import main
+    from expertmesh.worker.cli import main
 
     assert (
         main(["--role", "attention", "--preset", "tiny", "--device", "meta", "--dry-run", "--kv-host-gib", "0.5"]) == 0
@@ -297,15 +297,15 @@ def test_a_dry_run_reports_the_tier_bounds_it_was_given(capsys):
 def replica(eng, **kw):
     """Another router over `eng`'s workers (as a second replica of the router Deployment)."""
     from expertmesh.router.engine import Engine
+    from expertmesh.router.engine_config import EngineConfig
 
     return Engine(
         eng.cfg,
         [a._client for a in eng.attention],
         [e._client for e in eng.experts],
         eng.placement,
-        prefill_chunk=CHUNK,
-        **kw,
-    )
+        EngineConfig(prefill_chunk=CHUNK, **kw),
+    ).start()
 
 
 def test_router_replicas_with_one_salt_share_prefixes_and_others_still_place_the_session_alike(ckpt, model):

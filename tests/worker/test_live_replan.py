@@ -11,6 +11,7 @@ import pytest
 
 from expertmesh.model.transformer import generate
 from expertmesh.placement.planner import ClusterShape, moved_shards, plan_placement
+from expertmesh.router.engine_config import EngineConfig, step_deadline
 from expertmesh.router.server import build_remote_engine
 from expertmesh.wire.clients import RemoteExpert
 from expertmesh.wire.sampling_params import SamplingParams
@@ -41,7 +42,14 @@ def test_live_replan_moves_only_planned_shards_and_keeps_every_token(ckpt):
     att = serve("attention", ckpt, 0, kv_blocks=256, block_size=16, name="attention-0")
     experts = [serve("expert", ckpt, 0, assignment=first.experts_of(o), name=f"expert-{o}") for o in range(3)]
     addrs = [f"127.0.0.1:{s.port}" for s in experts]
-    engine = build_remote_engine(cfg, [f"127.0.0.1:{att.port}"], addrs, first, timeout=30.0, prefill_chunk=CHUNK)
+    engine = build_remote_engine(
+        cfg,
+        [f"127.0.0.1:{att.port}"],
+        addrs,
+        first,
+        EngineConfig(prefill_chunk=CHUNK, call_timeout=step_deadline(30.0, len(addrs))),
+        timeout=30.0,
+    ).start()
     try:
         prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(4)]
         model = ckpt.load_model()

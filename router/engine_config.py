@@ -1,0 +1,111 @@
+"""The engine's settings, one frozen value built once by each composition root: `expertmesh router` parses it from
+its flags (what the operator renders, operator/children.py; `EngineConfig.from_args`), `expertmesh up` checks the
+router flags it passes by parsing them the same way before it starts a process, and the in-process deployment
+(expertmesh/entry/local.py) builds it from keyword arguments. The Engine reads nothing else at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from expertmesh.router.prepared_image import ImageLimits
+from expertmesh.router.scheduler import Limits
+
+TRANSPORTS = ("grpc", "collective")
+
+
+def step_deadline(call_timeout: float, expert_workers: int) -> float:
+    """A step's deadline over remote workers: it may wait out one expert call's deadline per expert worker (each is
+    failed over after its first) and compute."""
+    return call_timeout * (expert_workers + 1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # ---- scheduling limits (router/scheduler.py's Limits, with the model's context)
+    prefill_chunk: int = 16  # the prefix cache's granularity: prompt chunks end (and prefixes are saved) at multiples
+    prefill_tokens: int = 0  # prompt chunks end at its multiples (0: at prefill_chunk's)
+    max_batch_tokens: int | None = None  # tokens per step (None: 256, or prefill_tokens + max_running if more)
+    max_running: int = 64
+    max_waiting: int = 256
+    max_queue_wait: float = 300.0  # seconds a request may wait for KV room before it is refused (429)
+    kv_growth: int = 256  # tokens of KV a sequence reserves ahead (at placement and each time it runs out)
+    # ---- pools (router/disagg.py): prompts shorter than this skip the prefill pool
+    prefill_min_tokens: int = 0
+    # ---- transport and timeouts
+    transport: str = "grpc"  # attention ↔ expert exchange per MoE layer: grpc | collective (worker/collective.py)
+    call_timeout: float = 60.0  # seconds one step's results may take (remote: step_deadline)
+    health_interval: float = 1.0  # seconds between heartbeats (and expert probes of the attention workers)
+    startup_timeout: float = 120.0  # Engine.start waits this long for a worker still starting
+    # ---- the prefix index across router replicas
+    prefix_salt: bytes | None = None  # the replicas' shared secret prefix keys are salted with (None: a random one)
+    prefix_index_refresh: float = 5.0  # seconds between reads of every worker's prefixes (0: only on take-back)
+    # ---- what the APIs accept
+    model_name: str | None = None  # None: the model config's name
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected grpc or collective, found {self.transport!r}")
+        if self.prefill_tokens and self.prefill_tokens % self.prefill_chunk:
+            raise ValueError(
+                f"prefill_tokens: {self.prefill_tokens} is not a multiple of prefill_chunk {self.prefill_chunk}"
+            )
+        if self.prefix_salt is not None and not self.prefix_salt:
+            raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
+
+    @property
+    def step_prefill_tokens(self) -> int:
+        """Prompt tokens a sequence may prefill per step (at least one chunk)."""
+        return max(self.prefill_tokens, self.prefill_chunk)
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per step: a prompt chunk always fits beside every decoding sequence."""
+        return max(
+            self.max_batch_tokens or max(256, self.step_prefill_tokens + self.max_running), self.step_prefill_tokens
+        )
+
+    def limits(self, *, max_context: int, snapshot_within_step: bool) -> Limits:
+        """The scheduler's settings; the context and the snapshot rule come from the model config in force."""
+        return Limits(
+            prefill_chunk=self.prefill_chunk,
+            prefill_tokens=self.step_prefill_tokens,
+            max_batch_tokens=self.batch_tokens,
+            max_running=self.max_running,
+            kv_growth=max(1, self.kv_growth),
+            max_context=max_context,
+            max_queue_wait=self.max_queue_wait,
+            snapshot_within_step=snapshot_within_step,
+        )
+
+    @classmethod
+    def from_args(cls, args, *, prefix_salt: bytes | None = None) -> EngineConfig:
+        """The config `expertmesh router`'s flags describe (router/server.py's add_arguments). ValueError naming the
+        flag when they disagree. `prefix_salt`: --prefix-salt-file's bytes (read by the caller)."""
+        if args.prefill_tokens % args.prefill_chunk:
+            raise ValueError(
+                f"--prefill-tokens {args.prefill_tokens} is not a multiple of --prefill-chunk {args.prefill_chunk}"
+            )
+        return cls(
+            prefill_chunk=args.prefill_chunk,
+            prefill_tokens=args.prefill_tokens,
+            max_batch_tokens=args.max_batch_tokens,
+            max_waiting=args.max_waiting,
+            max_queue_wait=args.max_queue_wait,
+            kv_growth=args.kv_growth,
+            prefill_min_tokens=args.prefill_min_tokens,
+            transport=args.transport,
+            call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),
+            prefix_salt=prefix_salt,
+            prefix_index_refresh=args.prefix_index_refresh_s,
+            image_limits=ImageLimits(
+                max_bytes=args.max_image_bytes,
+                max_source_pixels=args.max_image_source_pixels,
+                max_side=args.max_image_side,
+                max_aspect=args.max_image_aspect,
+                max_images_per_request=args.max_images_per_request,
+                max_pixels_per_request=args.max_image_pixels_per_request,
+                fetch_allow=tuple(h.strip().lower() for h in args.image_fetch_allow.split(",") if h.strip()),
+                fetch_timeout=args.image_fetch_timeout,
+            ),
+        )

@@ -1,0 +1,163 @@
+"""One scheduler step's calls on the attention workers (the Engine's part that talks to them during a step): one
+`run_step` per worker, concurrently; the results gathered with failover (a worker unreachable, past the step's
+deadline or hung is marked down and its sequences replayed elsewhere, the step going on for the others); each
+result applied to the KV index and the requests (scheduler.update_from_output).
+
+A mixin of router/engine.py's Engine: it reads the engine's workers, KV manager, health, counters and requests, and
+ends requests through the engine's own `_fail` / `_recover` / `_finish` / `_evict`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+
+from expertmesh.router.health import serving
+from expertmesh.router.request import EngineClosed, ExpertsUnavailable, Request, RequestError, TokenLogprob
+from expertmesh.router.scheduler import Planned, update_from_output
+from expertmesh.router.tracing import StepTrace, record_image_encodes
+from expertmesh.wire.worker_api import NotConnected, StepDone, StepSegment
+
+log = logging.getLogger("expertmesh.router")
+
+
+def public_error(error: Exception) -> Exception:
+    """What a client may see of a failed step: no worker addresses or internals (those go to the log)."""
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return ConnectionError("attention workers unavailable for this step; retry")
+    if isinstance(error, (RequestError, ExpertsUnavailable, EngineClosed)):
+        return error
+    return RuntimeError(f"the step failed on a worker ({type(error).__name__}); see the router log")
+
+
+class StepCalls:
+    def _run(self, batches: dict[int, list[Planned]]) -> None:
+        step_id = next(self.step_ids)
+        workers = sorted(batches)
+        for items in batches.values():
+            for p in items:
+                if p.hasher is not None:
+                    p.req.hasher = p.hasher
+        tracing = StepTrace(
+            step_id, {w: [(p.req, p.tokens, p.sample) for p in items] for w, items in batches.items()}, self.attention
+        )
+        try:
+            with tracing.layer("step", 0):
+                futures = {
+                    w: self.pool.submit(
+                        self.attention[w].run_step,
+                        step_id,
+                        [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
+                        {
+                            p.req.seq_id: p.snapshot if p.snapshot_at is None else (p.snapshot, p.snapshot_at)
+                            for p in batches[w]
+                            if p.snapshot
+                        }
+                        or None,
+                    )
+                    for w in workers
+                }
+                results = self._gather(futures)
+        except ConnectionError as e:
+            # every attention worker of the step is unreachable (a blip, a restart): the requests wait for one
+            # to come back (replaying what they had) instead of failing — bounded by max_queue_wait
+            tracing.end(e)
+            log.error("step %d: %s; requeueing its requests", step_id, e)
+            for w in workers:
+                for p in batches[w]:
+                    self._recover(p.req)
+            return
+        except Exception as e:
+            tracing.end(e)
+            log.error("step %d failed: %s", step_id, e)
+            error = public_error(e)
+            for w in workers:
+                for p in batches[w]:
+                    self._fail(p.req, error)
+            return
+        tracing.end()
+        self.stats.steps += 1
+        self.stats.attention_calls += len(workers)
+        for w in workers:
+            if w not in results:
+                for p in batches[w]:
+                    self._recover(p.req)
+                continue
+            self._apply(w, results[w], batches[w])
+
+    def _gather(self, futures: dict, probe_every: float = 2.0) -> dict:
+        """Results of one call per attention worker; a worker that is unreachable, past its deadline, has lost
+        its expert table (restarted), or stops answering its health check while its step runs (hung, e.g.
+        SIGSTOP: noticed within ~2 probes, not at the step deadline) is marked down and left out — the step goes
+        on for the others, its sequences are rebuilt elsewhere."""
+        results, pending = {}, dict(futures)
+        deadline = time.monotonic() + self.config.call_timeout
+        while pending:
+            wait(
+                list(pending.values()),
+                timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
+                return_when=FIRST_COMPLETED,
+            )
+            for w, f in list(pending.items()):
+                if f.done():
+                    del pending[w]
+                    try:
+                        results[w] = f.result()
+                    except (ConnectionError, NotConnected, TimeoutError) as e:
+                        self.health.mark_down(w, e)
+                elif time.monotonic() >= deadline:
+                    del pending[w]
+                    self.health.mark_down(w, TimeoutError(f"no step result within {self.config.call_timeout:g} s"))
+                elif not serving(self.attention[w], timeout=probe_every):
+                    del pending[w]
+                    self.health.mark_down(w, TimeoutError("its health check does not answer during the step"))
+        if not results:
+            raise ConnectionError("every attention worker in this step failed")
+        return results
+
+    def _apply(self, w: int, done: StepDone, batch: list[Planned]) -> None:
+        """One attention worker's step result → the KV index and the requests (scheduler.update_from_output)."""
+        update = update_from_output(batch, done, max_context=self.cfg.max_context)
+        self.kv.report(w, update.free_blocks)
+        self.health.experts_down_by[w] = update.experts_down
+        self.stats.exchange_bytes += update.exchange_bytes
+        for p in batch:
+            if p.chain_key is None or p.req.seq_id in done.failed:
+                continue
+            if p.snapshot is not None:  # it extends the last prefix its request reached: one conversation
+                for victim in self.kv.record_prefix(w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req):
+                    if self.kv.has(victim) and not self.kv.is_lower(victim):
+                        self._evict(w, victim)
+            p.req.last_key = p.chain_key
+        if done.image_encodes:
+            record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)
+        for u in update.seqs:
+            req = u.req
+            if u.error is not None:
+                self._fail(req, u.error)
+                continue
+            req.prompt_logprobs.update(u.prompt_logprobs)
+            req.computed = u.computed
+            if u.prefilled:
+                self.stats.prefilled(self.pools.name(w), u.prefilled)
+            if u.diverged is not None:
+                log.warning("request %s: replay diverged at %d", req.request_id, u.diverged[0])
+            if u.token is not None:
+                self._accept(req, u.token, u.logprob)
+            if u.finish is not None:
+                self._finish(req, u.finish)
+
+    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.ttft.observe(now - req.arrived)
+        else:
+            self.metrics.itl.observe(now - req.last_token_at)
+        req.last_token_at = now
+        req.output.append(token)
+        self.stats.generated_tokens += 1
+        req._emit("token", token)
