@@ -21,13 +21,13 @@ from expertmesh.kernels import cpu_warmup
 from expertmesh.kernels.moe.combine import group_partials
 from expertmesh.model import memory
 from expertmesh.model.config import ModelConfig
-from expertmesh.model.transformer import RoutedExperts
+from expertmesh.model.moe import RoutedExperts
 from expertmesh.placement import sizing
 from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
-from expertmesh.worker.threads import DecodeThreads
+from expertmesh.worker.base import WorkerBase
 
 
-class ExpertWorker:
+class ExpertWorker(WorkerBase):
     def __init__(
         self,
         checkpoint: Checkpoint | str | ModelConfig,
@@ -48,16 +48,7 @@ class ExpertWorker:
         so the workspace stays within sizing.expert_workspace_bytes. `decode_threads`: torch threads for calls of
         decode size, which run while the attention workers compute their shared experts (worker/threads.py: for
         attention workers on the same cores; None: all)."""
-        self.threads = DecodeThreads(decode_threads)
-        if isinstance(checkpoint, ModelConfig):
-            if device != "meta":
-                raise ExpertRequestError("checkpoint: a model config without weights only builds on --device meta")
-            self.ckpt, self.cfg = None, checkpoint
-        else:
-            self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-            self.cfg = self.ckpt.cfg
-        self.name = name
-        self.device_kind = memory.check_device(device)
+        super().__init__(checkpoint, name=name, device=device, decode_threads=decode_threads, error=ExpertRequestError)
         self.step_tokens = step_tokens or sizing.STEP_TOKENS
         self.max_call_bytes = max_call_bytes  # a call's output workspace bound: oversized calls are refused
         # layer → [(device label, RoutedExperts, {global id: local index} on the host)]; replaced as a whole

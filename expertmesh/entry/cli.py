@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser(
         "worker", help="an attention / expert worker process (pod entrypoint); `expertmesh worker --help` for its flags"
     )
-    w.set_defaults(func=lambda a: __import__("expertmesh.worker.server", fromlist=["main"]).main(["--help"]))
+    w.set_defaults(func=lambda a: __import__("expertmesh.worker.cli", fromlist=["main"]).main(["--help"]))
 
     fe = sub.add_parser(
         "fetch",
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["generate"], ["checkpoint"]):
         _set_threads()
     if argv[:1] == ["worker"]:
-        from expertmesh.worker.server import main as worker_main  # the worker parses its own flags
+        from expertmesh.worker.cli import main as worker_main  # the worker parses its own flags
 
         return int(worker_main(argv[1:]) or 0)
     parser = build_parser()

@@ -285,7 +285,7 @@ def test_batch_invariant_runs_fp32_weights_on_the_kernel():
 def test_project_keeps_fp32_and_biased_projections_apart():
     """model.project: bf16 projections without a bias fused, an fp32 one (routing, indexer weights) and a biased
     one computed alone, results in the order asked."""
-    from expertmesh.model.transformer import Linear, project
+    from expertmesh.model.layers import Linear, project
 
     gen = torch.Generator().manual_seed(9)
     layers = [Linear(48, 64), Linear(48, 10), Linear(48, 16, bias=True), Linear(48, 64)]
@@ -305,8 +305,9 @@ def test_bf16_model_rows_do_not_depend_on_the_other_sequences():
     """The tiny model in bf16 (its projections and MLA's absorbed bmm on the kernel, no oneDNN copies): two
     sequences stepped together give bitwise the logits each gives alone."""
     from expertmesh.kernels import batch_invariant as bi
+    from expertmesh.model.cache import Segment
     from expertmesh.model.config import preset
-    from expertmesh.model.transformer import Segment, Transformer, init_random_
+    from expertmesh.model.transformer import Transformer, init_random_
 
     model = init_random_(Transformer(preset("tiny")), seed=1).to(torch.bfloat16)
     a, b = list(range(1, 20)), list(range(100, 105))

@@ -7,7 +7,7 @@ import torch
 
 from expertmesh.kernels.norm import cpu_kernel as ck
 from expertmesh.kernels.norm import naive
-from expertmesh.model import transformer as M
+from expertmesh.model import layers as M
 
 pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from expertmesh.model.config import preset
-from expertmesh.model.transformer import Transformer, generate, init_random_, route_tokens
+from expertmesh.model.moe import route_tokens
+from expertmesh.model.transformer import Transformer, generate, init_random_
 from expertmesh.wire.sampling_params import SamplingParams
 
 
@@ -99,7 +100,7 @@ def test_rotary_table_equals_the_angles_computed_directly_and_does_not_depend_on
     import random
 
     from expertmesh.model.config import RopeConfig, YarnConfig
-    from expertmesh.model.transformer import RotaryTable
+    from expertmesh.model.layers import RotaryTable
 
     rng = random.Random(7)
     for rope in (

@@ -27,7 +27,8 @@ from transformers import (  # noqa: E402
 from expertmesh.checkpoint.files import CheckpointError  # noqa: E402
 from expertmesh.checkpoint.loader import Checkpoint  # noqa: E402
 from expertmesh.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from expertmesh.model.transformer import Segment, generate  # noqa: E402
+from expertmesh.model.cache import Segment  # noqa: E402
+from expertmesh.model.transformer import generate  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 
 LOGPROB_TOL = 2e-3  # fp32 on CPU (the bar); seen: a few 1e-6

@@ -7,7 +7,8 @@ import pytest
 
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import make_placement
-from expertmesh.model.transformer import LatentAttention, generate
+from expertmesh.model.attention import LatentAttention
+from expertmesh.model.transformer import generate
 from expertmesh.router.engine import QueueFull, RequestError
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import NotFound, WorkerError

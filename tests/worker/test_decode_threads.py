@@ -34,7 +34,7 @@ def _pair(ckpt, dtype, decode_threads):
 
 def _spy(monkeypatch) -> list[tuple[str, int, int]]:
     """(what, token rows, torch threads) of every shared-expert and routed-expert computation."""
-    from expertmesh.model.transformer import MoE, RoutedExperts
+    from expertmesh.model.moe import MoE, RoutedExperts
 
     seen = []
     shared, routed = MoE.shared_out, RoutedExperts.outputs_fp32

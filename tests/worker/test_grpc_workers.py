@@ -418,7 +418,7 @@ def test_unreachable_and_deadline_raise_worker_unavailable(servers):
 
 # ---------------------------------------------------------------------------------------------- health, reflection
 def test_health_serving(servers, clients):
-    from expertmesh.worker.server import ATTENTION_SERVICE, EXPERT_SERVICE
+    from expertmesh.worker.servicers import ATTENTION_SERVICE, EXPERT_SERVICE
 
     for service in ("", ATTENTION_SERVICE, EXPERT_SERVICE):
         assert clients["attention"].health(service) == "SERVING"
@@ -497,7 +497,7 @@ def test_main_prints_ready_and_exits_0_on_sigterm(ckpt, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "expertmesh.worker.server",
+        "expertmesh.worker.cli",
         "--role",
         "expert",
         "--checkpoint",
@@ -536,7 +536,7 @@ def test_main_prints_ready_and_exits_0_on_sigterm(ckpt, tmp_path):
 
 
 def test_main_rejects_bad_arguments(ckpt, capsys):
-    from expertmesh.worker.server import main, parse_experts
+    from expertmesh.worker.cli import main, parse_experts
 
     base = ["--checkpoint", str(ckpt.path), "--port", "0"]
     for argv, needle in [
@@ -555,7 +555,7 @@ def test_plan_assignment(ckpt, tmp_path):
     pytest.importorskip("expertmesh.placement.plan")
     pytest.importorskip("expertmesh.placement.planner")
     from expertmesh.entry.up import make_placement
-    from expertmesh.worker.server import plan_assignment
+    from expertmesh.worker.cli import plan_assignment
 
     plan = make_placement(ckpt.cfg, 2)
     path = tmp_path / "plan.json"
