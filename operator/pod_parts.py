@@ -21,7 +21,8 @@ from expertmesh.operator.naming import (
     selector_labels,
     worker_tls_secret_name,
 )
-from expertmesh.operator.spec import GIB, GPU_RESOURCE, KVDiskSpec, MoEDeploymentSpec
+from expertmesh.operator.spec import GIB, KVDiskSpec, MoEDeploymentSpec
+from expertmesh.operator.spec_fields import GPU_RESOURCE
 from expertmesh.operator.validation import parse_quantity
 
 STARTUP_SECONDS = 1800  # loading a shard of a 1.5 TB checkpoint can take many minutes

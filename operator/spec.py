@@ -1,6 +1,6 @@
 """The `MoEDeployment` custom resource (group `expertmesh.dev`, version `v1alpha1`) as pydantic models.
 
-These models are the single source of truth: the CRD's OpenAPI schema is generated from them
+These models (with operator/spec_fields.py and operator/spec_model.py) are the single source of truth: the CRD's OpenAPI schema is generated from them
 (`expertmesh.operator.crd`), the operator validates every spec with them, and the status it writes is
 built from them. Field names are camelCase in YAML (aliases) and snake_case in Python.
 
@@ -16,41 +16,36 @@ built from them. Field names are camelCase in YAML (aliases) and snake_case in P
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from expertmesh.checkpoint.hf_config import MODEL_TYPES, HFCheckpointError, config_from_hf
+from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf
 from expertmesh.model.config import ModelConfig, ThinkingBudgets, preset
+from expertmesh.operator.spec_fields import (
+    DEFAULT_EMPTY,
+    AbsolutePath,
+    DNSName,
+    Endpoint,
+    LabelValue,
+    QualifiedName,
+    QualifiedNameKey,
+    Resources,
+    SpecModel,
+)
+from expertmesh.operator.spec_model import (
+    HF_MODEL_TYPES,
+    MAX_EXPERTS,
+    MAX_MODEL_LAYERS,
+    ModelSpec,
+    SecretKeyRef,
+    config_size_error,
+)
 from expertmesh.operator.validation import (
-    ABSOLUTE_PATH,
-    DNS1123_SUBDOMAIN,
-    DNS1123_SUBDOMAIN_MAX,
     IMAGE_REPOSITORY,
     IMAGE_REPOSITORY_MAX,
     IMAGE_TAG,
-    LABEL_VALUE,
-    LABEL_VALUE_MAX,
-    NO_SPACE,
-    PATH_MAX,
-    QUALIFIED_NAME,
-    QUALIFIED_NAME_MAX,
-    QUANTITY,
-    QUANTITY_MAX,
-    SECRET_KEY,
-    URL_MAX,
-    VOLUME_PATH,
-    absolute_path_error,
-    dns_subdomain_error,
-    is_extended_resource,
-    label_value_error,
-    parse_quantity,
-    qualified_name_error,
-    relative_path_error,
-    resource_name_error,
 )
 
 GROUP = "expertmesh.dev"
@@ -65,7 +60,6 @@ GIB = 2**30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
-GPU_RESOURCE = "nvidia.com/gpu"
 
 # ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
 # server refuses a spec past them; the operator checks them again for resources created before)
@@ -83,260 +77,17 @@ MAX_THINKING = 2**24  # reasoning tokens
 MAX_SECONDS = 7 * 24 * 3600  # intervals and grace periods
 MAX_IMBALANCE = 1000.0
 MAX_TOLERATION_SECONDS = 365 * 24 * 3600
-MAX_RESOURCE_ENTRIES = 16
-MAX_RESOURCE_INT = 10**15  # an integer quantity (bytes, cores, devices)
 MAX_NODE_SELECTOR = 32
 MAX_TOLERATIONS = 32
-MAX_CONFIG_KEYS = 256  # top-level keys of an inline model config
-MAX_MODEL_LAYERS = 1024  # layers of an inline model config (checked before it is built)
 MESSAGE_MAX = 32768  # a condition's message (metav1.Condition's bound)
 MAX_INT64 = 2**63 - 1
 MAX_AUTOSCALE_TARGET = 2**24  # an autoscaling target: tokens or requests waiting per pod (kv_utilization: at most 1)
 
-# Applied to nested objects with all-default fields so the API server fills their defaults in even when the
-# user leaves the whole object out (Kubernetes only defaults fields whose parent object exists).
-_DEFAULT_EMPTY = {"default": {}}
-
-
-class _Spec(BaseModel):
-    """camelCase in YAML, unknown fields rejected (a typo is an error, not silently ignored)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False)
-
-
-def _checked(check, max_length: int, pattern: str | None = None, **field):
-    """A string field bounded by `max_length` and, in the schema, `pattern`; pydantic runs `check` (value → what is
-    wrong, or None) so that the message says what was expected in words rather than as a regular expression."""
-
-    def run(value: str) -> str:
-        err = check(value)
-        if err:
-            raise ValueError(f"{value[:80]!r} {err}")
-        return value
-
-    extra = {"pattern": pattern} if pattern else {}
-    return Annotated[str, Field(max_length=max_length, json_schema_extra=extra or None, **field), AfterValidator(run)]
-
-
-def _pattern_check(pattern: str, what: str):
-    return lambda v: None if re.fullmatch(pattern, v) else f"must be {what}"
-
-
-DNSName = _checked(dns_subdomain_error, DNS1123_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN, min_length=1)
-QualifiedName = _checked(qualified_name_error, QUALIFIED_NAME_MAX, QUALIFIED_NAME, min_length=1)
-QualifiedNameKey = _checked(qualified_name_error, QUALIFIED_NAME_MAX, min_length=1)  # a map key: no pattern in a
-LabelValue = _checked(label_value_error, LABEL_VALUE_MAX, LABEL_VALUE)  # structural schema
-SecretKey = _checked(
-    _pattern_check(SECRET_KEY, "a Secret key (letters, digits, '-', '_' and '.')"),
-    DNS1123_SUBDOMAIN_MAX,
-    SECRET_KEY,
-    min_length=1,
-)
-AbsolutePath = _checked(absolute_path_error, PATH_MAX, ABSOLUTE_PATH, min_length=1)
-URL = _checked(
-    _pattern_check(r"^https?://[^\s\x00-\x1f\x7f]+$", "an http:// or https:// URL without spaces"),
-    URL_MAX,
-    r"^https?://[^\s\x00-\x1f\x7f]+$",
-    min_length=1,
-)
-Endpoint = _checked(
-    _pattern_check(NO_SPACE, "an endpoint without spaces or control characters"), URL_MAX, NO_SPACE, min_length=1
-)
-
-
-def _check_quantity(value: int | str) -> int | str:
-    if isinstance(value, int) and not 0 <= value <= MAX_RESOURCE_INT:
-        raise ValueError(f"{value} must be between 0 and {MAX_RESOURCE_INT}")
-    parse_quantity(value)  # ValueError naming the value
-    return value
-
-
-def _check_resource_name(name: str) -> str:
-    err = resource_name_error(name)
-    if err:
-        raise ValueError(f"{name[:80]!r} {err}")
-    return name
-
-
-IntOrString = int | str  # a Kubernetes quantity ("500m", "16Gi", 2); becomes x-kubernetes-int-or-string
-Quantity = Annotated[
-    IntOrString,
-    AfterValidator(_check_quantity),
-    Field(
-        json_schema_extra={"pattern": QUANTITY, "maxLength": QUANTITY_MAX, "minimum": 0, "maximum": MAX_RESOURCE_INT}
-    ),
-]
-ResourceName = Annotated[str, Field(max_length=QUALIFIED_NAME_MAX), AfterValidator(_check_resource_name)]
-
-
-class Resources(_Spec):
-    """Container resources (the `resources` of a Kubernetes container, without `claims`). Extended resources
-    (e.g. GPUs) must have requests equal to limits; GPUs come from `gpusPerPod`."""
-
-    limits: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
-    requests: dict[ResourceName, Quantity] = Field(default_factory=dict, max_length=MAX_RESOURCE_ENTRIES)
-
-    @model_validator(mode="after")
-    def _requests_within_limits(self) -> Resources:
-        for name, request in self.requests.items():
-            limit = self.limits.get(name)
-            if is_extended_resource(name) and limit is None:
-                raise ValueError(f"requests[{name!r}]: an extended resource needs a limit equal to its request")
-            if limit is None:
-                continue
-            req, lim = parse_quantity(request), parse_quantity(limit)
-            if is_extended_resource(name) and req != lim:
-                raise ValueError(
-                    f"requests[{name!r}]={request} must equal limits[{name!r}]={limit} (an extended "
-                    f"resource cannot be overcommitted)"
-                )
-            if req > lim:
-                raise ValueError(f"requests[{name!r}]={request} exceeds limits[{name!r}]={limit}")
-        return self
-
-    def check_gpus(self, gpus: int) -> None:
-        """GPUs are the workers' `gpusPerPod`: a GPU figure in resources must say the same."""
-        for where, values in (("limits", self.limits), ("requests", self.requests)):
-            if GPU_RESOURCE in values and parse_quantity(values[GPU_RESOURCE]) != Decimal(gpus):
-                raise ValueError(
-                    f"resources.{where}[{GPU_RESOURCE!r}]={values[GPU_RESOURCE]} must equal "
-                    f"gpusPerPod={gpus} (GPUs are requested through gpusPerPod)"
-                )
-
-
-# ------------------------------------------------------------------------------------------------ model
-class PVCSource(_Spec):
-    claim_name: DNSName = Field(description="PersistentVolumeClaim holding the checkpoint")
-    path: str = Field(
-        "/",
-        max_length=PATH_MAX,
-        json_schema_extra={"pattern": VOLUME_PATH},
-        description="checkpoint directory inside the volume (no '..': never above its root)",
-    )
-    read_only: bool = True
-
-    @field_validator("path")
-    @classmethod
-    def _inside(cls, v: str) -> str:
-        err = relative_path_error(v)
-        if err:
-            raise ValueError(f"{v[:80]!r} {err}")
-        return v
-
-
-class SecretKeyRef(_Spec):
-    name: DNSName
-    key: SecretKey
-
-
-class CheckpointCache(_Spec):
-    """Where fetched checkpoints are kept: a directory on each node (pods on one node fetch once and share it),
-    or a PersistentVolumeClaim (ReadWriteMany: one fetch for the whole cluster)."""
-
-    host_path: AbsolutePath = Field("/var/cache/expertmesh", description="node directory (hostPath): absolute, no '..'")
-    claim_name: DNSName | None = Field(None, description="a PVC to use instead of the hostPath")
-
-
-FETCHED_SCHEMES = ("http://", "https://", "hf://", "s3://")
-URI_PATTERN = r"^[^-\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"  # no option look-alike, no spaces
-
-
-class CheckpointSource(_Spec):
-    """Where the checkpoint lives: a PVC mounted into every pod, a path inside the image, or a remote source
-    (http(s)://BASE or s3://BUCKET/PREFIX with an expertmesh-index.json, hf://ORG/NAME[@REVISION]) that an init
-    container fetches into the cache volume, verifying every file's size and sha256."""
-
-    pvc: PVCSource | None = None
-    uri: str | None = Field(
-        None,
-        min_length=1,
-        max_length=URL_MAX,
-        json_schema_extra={"pattern": URI_PATTERN},
-        description="http(s)://…, hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, or an absolute path inside the image",
-    )
-    cache: CheckpointCache = Field(default_factory=CheckpointCache, json_schema_extra=_DEFAULT_EMPTY)
-    token_secret_ref: SecretKeyRef | None = Field(
-        None, description="Secret key with a bearer token for the source (HF_TOKEN for hf://)"
-    )
-    endpoint: URL | None = Field(None, description="s3://: an S3-compatible endpoint URL (default: AWS's, in region)")
-    region: str | None = Field(
-        None,
-        min_length=1,
-        max_length=64,
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-        description="s3://: the signing region (default us-east-1)",
-    )
-    credentials_secret: DNSName | None = Field(
-        None,
-        description="s3://: a Secret whose keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
-        "AWS_SESSION_TOKEN) become the fetch container's environment",
-    )
-    format: Literal["expertmesh-mxfp4"] = "expertmesh-mxfp4"
-
-    @field_validator("uri")
-    @classmethod
-    def _uri(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if v.startswith("-"):  # it becomes a command-line argument of the fetch and worker containers
-            raise ValueError(f"uri {v[:80]!r}: must not start with '-' (it would be read as an option)")
-        if not re.fullmatch(URI_PATTERN, v):
-            raise ValueError(f"uri {v[:80]!r}: must not contain spaces or control characters")
-        if "://" not in v:
-            err = absolute_path_error(v)
-            if err:
-                raise ValueError(f"uri {v[:80]!r}: a path inside the image {err}")
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self) -> CheckpointSource:
-        if (self.pvc is None) == (self.uri is None):
-            raise ValueError("set exactly one of model.checkpoint.pvc and model.checkpoint.uri")
-        if self.uri is not None and "://" in self.uri and not self.uri.startswith(FETCHED_SCHEMES):
-            raise ValueError(
-                f"uri {self.uri[:80]!r}: supported sources are http://, https://, "
-                f"hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX and paths inside the image"
-            )
-        if self.uri is not None and self.uri.startswith("hf://"):
-            repo = self.uri[5:].partition("@")[0]
-            if repo.count("/") != 1 or not all(repo.split("/")):
-                raise ValueError(f"uri {self.uri[:80]!r}: expected hf://ORG/NAME[@REVISION]")
-        if self.uri is not None and self.uri.startswith("s3://") and not self.uri[5:].split("/")[0]:
-            raise ValueError(f"uri {self.uri[:80]!r}: expected s3://BUCKET/PREFIX")
-        s3_only = [f for f in ("endpoint", "region", "credentials_secret") if getattr(self, f) is not None]
-        if s3_only and not (self.uri or "").startswith("s3://"):
-            raise ValueError(f"{', '.join(s3_only)}: only for an s3:// uri")
-        return self
-
-    @property
-    def fetched(self) -> bool:
-        """A remote source (fetched by the pods' init container) rather than a mounted or baked-in path."""
-        return self.uri is not None and self.uri.startswith(FETCHED_SCHEMES)
-
-
-class ModelSpec(_Spec):
-    preset: Literal["tiny", "small", "full-2.8t"] | None = Field(
-        None, description="a built-in model preset; exclusive with config"
-    )
-    config: dict[str, Any] | None = Field(
-        None,
-        max_length=MAX_CONFIG_KEYS,
-        description="an inline model config, as in a checkpoint's config.json: an expertmesh ModelConfig or "
-        "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset",
-    )
-    checkpoint: CheckpointSource
-
-    @model_validator(mode="after")
-    def _one_model(self) -> ModelSpec:
-        if (self.preset is None) == (self.config is None):
-            raise ValueError("set exactly one of model.preset and model.config")
-        return self
-
 
 # ------------------------------------------------------------------------------------------------ workloads
-class RouterSpec(_Spec):
+class RouterSpec(SpecModel):
     replicas: int = Field(1, ge=1, le=MAX_ROUTER_REPLICAS)
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=DEFAULT_EMPTY)
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(50051, ge=1, le=65535)
     api_key_secret_ref: SecretKeyRef | None = Field(
@@ -355,7 +106,7 @@ class RouterSpec(_Spec):
 POOL_METRICS = ("prefill_tokens_waiting", "requests_waiting", "kv_utilization")
 
 
-class AutoscaleSpec(_Spec):
+class AutoscaleSpec(SpecModel):
     """A HorizontalPodAutoscaler (autoscaling/v2) on the pool's StatefulSet, driven by one of the router's per-pool
     metrics (an External metric served through the Prometheus adapter: docs/operator.md). `target`: for
     prefill_tokens_waiting and requests_waiting the pool's total per pod (the HPA's AverageValue: it keeps about
@@ -390,13 +141,13 @@ class AutoscaleSpec(_Spec):
         return v
 
 
-class AttentionWorkersSpec(_Spec):
+class AttentionWorkersSpec(SpecModel):
     """The attention workers: with no prefill pool they run prompts and decode alike (pool `mixed`); beside a prefill
     pool (spec.prefillWorkers) they are the decode pool (`--pool decode`)."""
 
     replicas: int = Field(1, ge=1, le=MAX_ATTENTION_REPLICAS, description="pods (with autoscale: the HPA's)")
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=DEFAULT_EMPTY)
     autoscale: AutoscaleSpec | None = Field(None, description="a HorizontalPodAutoscaler on this pool")
 
     @model_validator(mode="after")
@@ -405,7 +156,7 @@ class AttentionWorkersSpec(_Spec):
         return self
 
 
-class PrefillWorkersSpec(_Spec):
+class PrefillWorkersSpec(SpecModel):
     """The prefill pool (prefill/decode disaggregation): attention workers run with `--pool prefill`; they run the
     prompts and hand each sequence (KV and recurrent state) to a decode worker (the attention workers). The prefill
     pool holds the prefix cache and spec.kv's host and disk tiers. replicas 0 and no autoscale: no prefill pool."""
@@ -414,7 +165,7 @@ class PrefillWorkersSpec(_Spec):
         0, ge=0, le=MAX_PREFILL_REPLICAS, description="pods; 0: no prefill pool, the attention workers run prompts too"
     )
     gpus_per_pod: int = Field(1, ge=0, le=MAX_GPUS_PER_POD, description="0 runs on CPU (tiny/small presets)")
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=DEFAULT_EMPTY)
     autoscale: AutoscaleSpec | None = Field(
         None, description="a HorizontalPodAutoscaler on this pool (a prefill pool of minReplicas..maxReplicas pods)"
     )
@@ -437,7 +188,7 @@ class PrefillWorkersSpec(_Spec):
         return self.replicas >= 1 or self.autoscale is not None
 
 
-class ExpertWorkersSpec(_Spec):
+class ExpertWorkersSpec(SpecModel):
     replicas: int = Field(
         2, ge=1, le=MAX_EXPERT_REPLICAS, description="expert worker pods (StatefulSet ordinals 0..replicas-1)"
     )
@@ -455,7 +206,7 @@ class ExpertWorkersSpec(_Spec):
     redundant_experts: int = Field(
         0, ge=0, le=MAX_REDUNDANT_EXPERTS, description="extra physical replicas of hot experts, per MoE layer"
     )
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_DEFAULT_EMPTY)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=DEFAULT_EMPTY)
 
     @model_validator(mode="after")
     def _reserve(self) -> ExpertWorkersSpec:
@@ -472,7 +223,7 @@ class ExpertWorkersSpec(_Spec):
         return max(1, self.gpus_per_pod)
 
 
-class PlacementSpec(_Spec):
+class PlacementSpec(SpecModel):
     strategy: Literal["eplb"] = "eplb"
     rebalance_interval_seconds: int = Field(
         300, ge=1, le=MAX_SECONDS, description="how often the router's expert load is read"
@@ -488,11 +239,11 @@ class PlacementSpec(_Spec):
     )
 
 
-class KVDiskPVC(_Spec):
+class KVDiskPVC(SpecModel):
     storage_class_name: DNSName | None = Field(None, description="the claims' storage class (default: the cluster's)")
 
 
-class KVDiskSpec(_Spec):
+class KVDiskSpec(SpecModel):
     """Each attention worker's disk tier (below its host tier): a volume of its own, `sizeGiB` the tier's bound.
     On an emptyDir (default) it survives a worker's restart inside its pod; on a PVC (one claim per pod) or a node
     directory (hostPath, e.g. local NVMe) it survives the pod too — files are checked before reuse."""
@@ -510,7 +261,7 @@ class KVDiskSpec(_Spec):
         return self
 
 
-class KVSpec(_Spec):
+class KVSpec(SpecModel):
     max_context: int | None = Field(None, ge=1, le=MAX_CONTEXT, description="tokens; default: the model's max_context")
     block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV page")
     host_gib: float = Field(
@@ -524,7 +275,7 @@ class KVSpec(_Spec):
     disk: KVDiskSpec | None = Field(None, description="each attention worker's disk tier below the host tier")
 
 
-class ThinkingSpec(_Spec):
+class ThinkingSpec(SpecModel):
     """Reasoning-token limits per thinking tier; overrides the model's defaults."""
 
     low: int = Field(gt=0, le=MAX_THINKING)
@@ -540,12 +291,12 @@ class ThinkingSpec(_Spec):
         return self
 
 
-class TelemetrySpec(_Spec):
+class TelemetrySpec(SpecModel):
     otlp_endpoint: Endpoint | None = Field(None, description="e.g. http://otel-collector:4317")
     protocol: Literal["grpc", "http/protobuf"] = "grpc"
 
 
-class ImageSpec(_Spec):
+class ImageSpec(SpecModel):
     repository: str = Field(
         "ghcr.io/expertmesh/expertmesh", min_length=1, max_length=IMAGE_REPOSITORY_MAX, pattern=IMAGE_REPOSITORY
     )
@@ -557,7 +308,7 @@ class ImageSpec(_Spec):
         return f"{self.repository}:{self.tag}"
 
 
-class Toleration(_Spec):
+class Toleration(SpecModel):
     """A pod toleration, with the API server's rules: `Exists` takes no value, an empty key needs `Exists`,
     `tolerationSeconds` only with the NoExecute effect."""
 
@@ -596,7 +347,7 @@ class Toleration(_Spec):
         return self
 
 
-class SchedulingSpec(_Spec):
+class SchedulingSpec(SpecModel):
     node_selector: dict[QualifiedNameKey, LabelValue] = Field(default_factory=dict, max_length=MAX_NODE_SELECTOR)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
     topology_spread_key: QualifiedName | None = Field(
@@ -604,7 +355,7 @@ class SchedulingSpec(_Spec):
     )
 
 
-class SecuritySpec(_Spec):
+class SecuritySpec(SpecModel):
     worker_tls: bool = Field(
         True,
         description="mutual TLS on every worker RPC with per-deployment certificates the operator issues "
@@ -612,21 +363,21 @@ class SecuritySpec(_Spec):
     )
 
 
-class MoEDeploymentSpec(_Spec):
+class MoEDeploymentSpec(SpecModel):
     model: ModelSpec
-    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_DEFAULT_EMPTY)
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=DEFAULT_EMPTY)
     attention_workers: AttentionWorkersSpec = Field(
-        default_factory=AttentionWorkersSpec, json_schema_extra=_DEFAULT_EMPTY
+        default_factory=AttentionWorkersSpec, json_schema_extra=DEFAULT_EMPTY
     )
-    prefill_workers: PrefillWorkersSpec = Field(default_factory=PrefillWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
-    expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=_DEFAULT_EMPTY)
-    placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=_DEFAULT_EMPTY)
-    kv: KVSpec = Field(default_factory=KVSpec, json_schema_extra=_DEFAULT_EMPTY)
+    prefill_workers: PrefillWorkersSpec = Field(default_factory=PrefillWorkersSpec, json_schema_extra=DEFAULT_EMPTY)
+    expert_workers: ExpertWorkersSpec = Field(default_factory=ExpertWorkersSpec, json_schema_extra=DEFAULT_EMPTY)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=DEFAULT_EMPTY)
+    kv: KVSpec = Field(default_factory=KVSpec, json_schema_extra=DEFAULT_EMPTY)
     thinking: ThinkingSpec | None = None
-    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=_DEFAULT_EMPTY)
-    image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=_DEFAULT_EMPTY)
-    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=_DEFAULT_EMPTY)
-    security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=_DEFAULT_EMPTY)
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec, json_schema_extra=DEFAULT_EMPTY)
+    image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=DEFAULT_EMPTY)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=DEFAULT_EMPTY)
+    security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=DEFAULT_EMPTY)
     transport: Literal["grpc", "collective"] = Field(
         "grpc",
         description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
@@ -754,36 +505,13 @@ def parse_spec(spec: dict) -> MoEDeploymentSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
-HF_MODEL_TYPES = MODEL_TYPES  # the Hugging Face configs expertmesh.checkpoint.hf_config maps
-MAX_EXPERTS = 65536  # routed experts per MoE layer of an inline model config
-
-
-def _config_size_error(config: dict) -> str | None:
-    """An inline config whose size alone is out of bounds, found before it is built (a Hugging Face config's
-    `num_hidden_layers` becomes a tuple of that many layer types)."""
-    for prefix, part in (("", config), ("text_config.", config.get("text_config"))):
-        if not isinstance(part, dict):
-            continue
-        n = part.get("num_hidden_layers")
-        try:
-            n = int(n) if n is not None and not isinstance(n, bool) else None
-        except (TypeError, ValueError, OverflowError):
-            n = None
-        if n is not None and n > MAX_MODEL_LAYERS:
-            return f"spec.model.config.{prefix}num_hidden_layers={n}: at most {MAX_MODEL_LAYERS} layers"
-        types = part.get("layer_types")
-        if isinstance(types, (list, tuple)) and len(types) > MAX_MODEL_LAYERS:
-            return f"spec.model.config.{prefix}layer_types: {len(types)} layers, at most {MAX_MODEL_LAYERS}"
-    return None
-
-
 def resolve_model(spec: MoEDeploymentSpec):
     """The `ModelConfig` a spec names (preset or inline), with its thinking/context overrides checked; an inline
     config is bounded (layers, experts, context) before and after it is built. Raises SpecError naming the field."""
     if spec.model.preset is not None:
         cfg = preset(spec.model.preset)
     else:
-        too_big = _config_size_error(spec.model.config)
+        too_big = config_size_error(spec.model.config)
         if too_big:
             raise SpecError(too_big)
         try:
