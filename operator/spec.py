@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf
-from expertmesh.model.config import ModelConfig, ThinkingBudgets, preset
+from expertmesh.model.config import ModelConfig, preset
 from expertmesh.operator.spec_fields import (
     DEFAULT_EMPTY,
     AbsolutePath,
@@ -536,6 +536,4 @@ def resolve_model(spec: MoEDeploymentSpec):
         raise SpecError(
             f"spec.model.config.max_context={cfg.max_context} exceeds {MAX_CONTEXT}: set spec.kv.maxContext"
         )
-    if spec.thinking is not None:
-        cfg = cfg.model_copy(update={"thinking": ThinkingBudgets(**spec.thinking.model_dump())})
-    return cfg
+    return cfg  # spec.thinking is serving policy: the router's --thinking-budgets (children.py)

@@ -51,7 +51,7 @@ def prepare(body: CountTokensBody, messages: list[Message], s: Served) -> Prepar
         tool_choice=body.tool_choice,
         max_tokens=getattr(body, "max_tokens", None),  # count_tokens has none
     )
-    return prepare_chat(s.fmt, chat, budgets=s.engine.cfg.thinking, context=s.engine.cfg.max_context)
+    return prepare_chat(s.fmt, chat, budgets=s.budgets, context=s.engine.cfg.max_context)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from expertmesh.chat.format import ChatError, Message, RenderedPrompt, message_images, tier_from_request
-from expertmesh.chat.thinking import AUTO_TIER, auto_tier
+from expertmesh.chat.thinking import AUTO_TIER, ThinkingBudgets, auto_tier
 from expertmesh.router.conversation import (
     PromptOptions,
     prompt_tools,
@@ -84,7 +84,7 @@ class Thinking:
         """The tier as the prompt states it (K3's thinking_effort); None with thinking off."""
         return self.tier if self.on else None
 
-    def limit(self, budgets) -> int:
+    def limit(self, budgets: ThinkingBudgets) -> int:
         """Reasoning tokens allowed. Off: a template that cannot turn thinking off gets the low tier's limit."""
         if not self.on:
             return budgets.limit("low")
@@ -103,7 +103,7 @@ def decide_thinking(
     template_kwargs: dict | None = None,
     anthropic: dict | None = None,
     disable: bool = False,
-    budgets=None,
+    budgets: ThinkingBudgets | None = None,
 ) -> Thinking:
     """Every way a request speaks of thinking, read once: OpenAI `reasoning_effort` (none turns it off; minimal / low
     → low, medium → high, high → max), `thinking_budget` (a tier), `chat_template_kwargs.enable_thinking` /
@@ -238,7 +238,7 @@ class PreparedChat:
         return out
 
 
-def prepare_chat(fmt, chat: ChatInput, *, budgets, context: int) -> PreparedChat:
+def prepare_chat(fmt, chat: ChatInput, *, budgets: ThinkingBudgets, context: int) -> PreparedChat:
     """A chat request → its prompt and limits: thinking decided (and "auto" for this round), the prompt options and
     the tools the prompt declares (with tool_choice none only a format that states the choice keeps them),
     `truncation: auto` to the room the answer leaves, the rendering, the reasoning limit from `budgets` and

@@ -1,6 +1,6 @@
 """What the HTTP handlers serve with, as FastAPI dependencies: the served context (`Served`: engine, chat format,
-model name, API key, stored responses, reasoning memory — set on the app by http.build_app), the API-key check
-(Authorization: Bearer …, and Anthropic's x-api-key) and the request body whose `model` must be the one served."""
+model name, API key, stored responses, reasoning memory, thinking budgets — set on the app by http.build_app), the
+API-key check (Authorization: Bearer …, and Anthropic's x-api-key) and the request body whose `model` must be the one served."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fastapi import Depends, Header, Request
 
 from expertmesh.chat.format import ChatFormat
+from expertmesh.chat.thinking import DEFAULT_BUDGETS, ThinkingBudgets
 from expertmesh.router.engine import Engine
 from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.images import ImageBudget, request_images
@@ -27,6 +28,7 @@ class Served:
     memory: ReasoningMemory | None  # reasoning given back to chat histories that drop it (None: off)
     created: int  # /v1/models `created`
     decoder: ImageDecoder | None = None  # the pool images are decoded in (router/image_decode.py)
+    budgets: ThinkingBudgets = DEFAULT_BUDGETS  # reasoning-token limits of the thinking tiers
 
     async def images(self, urls: dict[str, str]) -> ImageBudget:
         """A request's image budget (router/images.py): its remote URLs fetched, its limits and the context."""

@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.chat.format import BuiltinChat, ChatFormat
+from expertmesh.chat.thinking import ThinkingBudgets, default_budgets
 from expertmesh.protos import chat_pb2, router_pb2, router_pb2_grpc
 from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, max_tokens_for, prepare_chat
 from expertmesh.router.constraints import check_grammar
@@ -87,8 +88,15 @@ def sampling(p, tokenizer, *, chat: bool) -> tuple[SamplingParams, int | None]:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, engine: Engine, api_key: str | None = None, chat: ChatFormat | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        api_key: str | None = None,
+        chat: ChatFormat | None = None,
+        budgets: ThinkingBudgets | None = None,
+    ):
         self.engine = engine
+        self.budgets = budgets or default_budgets(engine.cfg.name)  # reasoning-token limits of the tiers
         self.api_key = api_key
         self.chat = chat or BuiltinChat()  # the checkpoint's tokenizer and chat format
         self.tok = self.chat.tokenizer
@@ -170,12 +178,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 max_tokens=max_tokens,
                 max_tokens_param="params.max_tokens",
             )
-            cfg = self.engine.cfg
             run = start_chat(
                 self.engine,
                 self.chat,
                 ChatRequest(
-                    prepare_chat(self.chat, chat, budgets=cfg.thinking, context=cfg.max_context),
+                    prepare_chat(self.chat, chat, budgets=self.budgets, context=self.engine.cfg.max_context),
                     temperature=p.temperature,
                     top_p=p.top_p,
                     seed=p.seed,
@@ -390,16 +397,18 @@ def serve_router_grpc(
     max_streams_per_connection: int = 16,
     max_calls_per_client: int | None = None,
     write_timeout: float = WRITE_TIMEOUT,
+    thinking_budgets: ThinkingBudgets | None = None,
 ):
     """`health_port`: also serve grpc.health.v1 alone, plaintext, there (Kubernetes probes when the port is TLS).
     The bounds (module docstring): `max_workers` calls at once (threads), `max_streams_per_connection`,
-    `max_calls_per_client` (default: half the threads), `write_timeout` seconds for a stream's write."""
+    `max_calls_per_client` (default: half the threads), `write_timeout` seconds for a stream's write.
+    `thinking_budgets`: the thinking tiers' reasoning-token limits (default: the model preset's)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router-grpc"),
         maximum_concurrent_rpcs=max_workers,
         options=[("grpc.max_concurrent_streams", max_streams_per_connection)],
     )
-    service = RouterService(engine, api_key, chat)
+    service = RouterService(engine, api_key, chat, thinking_budgets)
     guard = StreamGuard(write_timeout, max_calls_per_client or max(1, max_workers // 2))
     add_router_service(server, service, guard)
     health_servicer = health.HealthServicer()

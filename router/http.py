@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from expertmesh.chat.format import BuiltinChat, ChatFormat
+from expertmesh.chat.thinking import ThinkingBudgets, default_budgets
 from expertmesh.router import anthropic_api, openai_api, responses_api
 from expertmesh.router.dependencies import Served, given_key, served
 from expertmesh.router.engine import Engine
@@ -212,12 +213,14 @@ def build_app(
     response_store=None,
     reasoning_memory: bool = True,
     image_decoder: ImageDecoder | None = None,
+    thinking_budgets: ThinkingBudgets | None = None,
 ) -> FastAPI:
     """`chat`: the checkpoint's tokenizer and chat format (`expertmesh.chat.load.load_chat(dir)`); default: the
     built-in format over the byte tokenizer. `response_store`: the Responses API's stored responses
     (router/response_store.ResponseStore; default: this replica's, bounded). `reasoning_memory`: give chat
     histories that drop the reasoning of answers generated here their reasoning back. `image_decoder`: the pool
-    images are decoded in (default: two decoder processes, started with the first image)."""
+    images are decoded in (default: two decoder processes, started with the first image). `thinking_budgets`: the
+    reasoning-token limits of the thinking tiers (default: the model preset's, chat.thinking.default_budgets)."""
     try:  # our own GenAI spans are the API's spans: turn FastAPI's built-in HTTP telemetry off
         app = FastAPI(
             title="expertmesh router",
@@ -237,6 +240,7 @@ def build_app(
         ReasoningMemory() if reasoning_memory else None,
         int(time.time()),
         image_decoder or (ImageDecoder() if engine.cfg.vision is not None else None),
+        thinking_budgets or default_budgets(engine.cfg.name),
     )
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

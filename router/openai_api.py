@@ -540,7 +540,7 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
     prepared = prepare_chat(
         fmt,
         chat_input(body, history, s, truncation=body.truncation, max_tokens=max_tokens),
-        budgets=engine.cfg.thinking,
+        budgets=s.budgets,
         context=engine.cfg.max_context,
     )
     request = ChatRequest(
@@ -585,7 +585,7 @@ async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = 
         ids = prepare_chat(
             s.fmt,
             chat_input(body, openai_messages(body.messages), s),
-            budgets=s.engine.cfg.thinking,
+            budgets=s.budgets,
             context=s.engine.cfg.max_context,
         ).prompt
     else:

@@ -403,7 +403,7 @@ async def create(
     images = await s.images(remote_image_urls(body.input, RESPONSES, field="input"))
     conv = await conversation(body, s, images, owner)
     await images.decode()  # every image's cost checked from its header first
-    chat = prepare_chat(fmt, conv.chat, budgets=engine.cfg.thinking, context=engine.cfg.max_context)
+    chat = prepare_chat(fmt, conv.chat, budgets=s.budgets, context=engine.cfg.max_context)
     run = start_chat(
         engine,
         fmt,

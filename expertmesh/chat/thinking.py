@@ -97,6 +97,58 @@ class ThinkingState:
             self.phase, self.closing = "content", 0
 
 
+# ----------------------------------------------------------------------------------------------- budgets
+TIERS = ("low", "high", "max")
+
+
+@dataclass(frozen=True)
+class ThinkingBudgets:
+    """Reasoning-token limits per thinking tier: serving policy, set per deployment (the router's
+    `--thinking-budgets LOW,HIGH,MAX`, the operator's spec.thinking), not part of a model's architecture."""
+
+    low: int
+    high: int
+    max: int
+
+    def __post_init__(self) -> None:
+        for tier in TIERS:
+            value = getattr(self, tier)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"thinking budgets: {tier}={value!r} is not a positive integer")
+        if not self.low <= self.high <= self.max:
+            raise ValueError(
+                f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}"
+            )
+
+    def limit(self, tier: str) -> int:
+        if tier not in TIERS:
+            raise ValueError(f"thinking tier {tier!r}: expected one of low, high, max")
+        return getattr(self, tier)
+
+    @classmethod
+    def parse(cls, text: str) -> ThinkingBudgets:
+        """`LOW,HIGH,MAX` (the router's --thinking-budgets); ValueError saying what is wrong."""
+        parts = [x.strip() for x in text.split(",")]
+        if len(parts) != 3 or not all(p.lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"expected three integers LOW,HIGH,MAX, got {text!r}")
+        return cls(*(int(p) for p in parts))
+
+
+# the defaults by model preset (expertmesh.model.config.preset): the tiny test model keeps tiers of a few dozen
+# tokens so tests exercise the cut; any other model (a Hugging Face checkpoint) gets DEFAULT_BUDGETS
+PRESET_BUDGETS = {
+    "tiny": ThinkingBudgets(low=8, high=24, max=48),
+    "small": ThinkingBudgets(low=64, high=256, max=1024),
+    "full-2.8t": ThinkingBudgets(low=4096, high=32_768, max=131_072),
+}
+DEFAULT_BUDGETS = ThinkingBudgets(low=1024, high=8192, max=32768)
+
+
+def default_budgets(model_name: str) -> ThinkingBudgets:
+    """The budgets a deployment of `model_name` (ModelConfig.name) gets unless it sets its own."""
+    return PRESET_BUDGETS.get(model_name, DEFAULT_BUDGETS)
+
+
 # ----------------------------------------------------------------------------------------------- the auto tier
 AUTO_TIER = "auto"
 

@@ -25,13 +25,11 @@ from expertmesh.model.config import (
     ModelConfig,
     MoEConfig,
     RopeConfig,
-    ThinkingBudgets,
     YarnConfig,
 )
 
 MODEL_TYPES = ("kimi_linear", "deepseek_v32", "kimi_k3")
 K3_QUANT_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors routed experts: read as they are
-DEFAULT_THINKING = ThinkingBudgets(low=1024, high=8192, max=32768)
 
 
 class HFCheckpointError(CheckpointError):
@@ -257,7 +255,6 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         ),
         kda=kda,
         rope=rope or RopeConfig(),
-        thinking=DEFAULT_THINKING,
         max_context=max_context,
         rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

@@ -16,8 +16,8 @@ from expertmesh.chat.format import (
     tier_from_request,
     validate_history,
 )
+from expertmesh.chat.thinking import default_budgets
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.model.config import preset
 
 T = ByteTokenizer()
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -107,7 +107,7 @@ def test_history_errors_name_the_message(messages, needle):
 
 
 def test_tiers():
-    budgets = preset("tiny").thinking
+    budgets = default_budgets("tiny")
     assert tier_from_request(thinking_budget="low") == "low"
     assert [tier_from_request(reasoning_effort=e) for e in ("low", "medium", "high")] == ["low", "high", "max"]
     assert tier_from_request(budget_tokens=budgets.low, budgets=budgets) == "low"

@@ -8,7 +8,7 @@ import torch
 from support.thinking import run
 
 from expertmesh.chat.grammar import json_schema_grammar, ll_tokenizer
-from expertmesh.chat.thinking import ThinkingControl, ThinkingState
+from expertmesh.chat.thinking import DEFAULT_BUDGETS, ThinkingBudgets, ThinkingControl, ThinkingState, default_budgets
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.model.sampling import Sampler
 from expertmesh.wire.sampling_params import SamplingParams, thinking_from_proto, thinking_to_proto
@@ -149,3 +149,15 @@ def test_the_auto_tier_plans_new_tasks_high_and_tool_rounds_low(roles, tier):
 
     got, why = auto_tier(roles)
     assert got == tier and why
+
+
+def test_budgets_are_serving_policy_positive_and_ordered():
+    """Thinking budgets (moved out of the architecture config): per preset by default, checked when set."""
+    assert default_budgets("tiny").limit("low") < default_budgets("tiny").limit("max") <= 64
+    assert default_budgets("some-hf-model") == DEFAULT_BUDGETS
+    assert ThinkingBudgets.parse("3, 5,7") == ThinkingBudgets(3, 5, 7)
+    for bad, words in (("100,24,48", "low <= high <= max"), ("0,5,7", "positive"), ("3,5", "LOW,HIGH,MAX")):
+        with pytest.raises(ValueError, match=words):
+            ThinkingBudgets.parse(bad)
+    with pytest.raises(ValueError, match="expected one of low, high, max"):
+        DEFAULT_BUDGETS.limit("huge")

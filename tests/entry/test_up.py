@@ -7,9 +7,9 @@ import httpx
 import pytest
 from support.router_client import EOS, grpc_generate
 
+from expertmesh.chat.thinking import default_budgets
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.up import LocalCluster, free_port
-from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.sampling_params import SamplingParams
@@ -123,7 +123,7 @@ def test_grpc_chat_streams_reasoning_content_and_usage(ckpt_dir):
     from expertmesh.protos import chat_pb2
 
     grpc_port = free_port()
-    limit = preset("tiny").thinking.low
+    limit = default_budgets("tiny").low
     with LocalCluster(ckpt_dir, attention_workers=1, expert_workers=2, http_port=free_port(), grpc_port=grpc_port):
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
             stub = router_pb2_grpc.RouterStub(ch)

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from expertmesh.chat.thinking import default_budgets
 from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.config import preset
 
@@ -73,7 +74,7 @@ def test_chat_non_streaming_reasoning_and_usage(server, oai):
         temperature=0,
         reasoning_effort="low",
     )
-    limit = preset("tiny").thinking.low
+    limit = default_budgets("tiny").low
     details = r.usage.completion_tokens_details
     assert 0 < details.reasoning_tokens <= limit
     msg = r.choices[0].message
@@ -102,7 +103,7 @@ def test_chat_streaming_matches_non_streaming(server, oai):
 
 @pytest.mark.parametrize("effort, tier", [("low", "low"), ("medium", "high"), ("high", "max")])
 def test_budgets_never_exceeded_and_answer_follows(server, oai, effort, tier):
-    limit = preset("tiny").thinking.limit(tier)
+    limit = default_budgets("tiny").limit(tier)
     r = oai.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Think hard"}],
@@ -234,7 +235,7 @@ def claude(server):
 
 
 def test_anthropic_messages_with_thinking_and_tools(server, claude):
-    limit = preset("tiny").thinking.low
+    limit = default_budgets("tiny").low
     msg = claude.messages.create(
         model="tiny",
         max_tokens=40,
@@ -520,7 +521,7 @@ def test_anthropic_budget_tokens_is_an_exact_limit(server, claude):
             next(line.split()[-1] for line in text.splitlines() if line.startswith("expertmesh_reasoning_tokens_total"))
         )
 
-    low = preset("tiny").thinking.low
+    low = default_budgets("tiny").low
     for budget in (3, low + 5):
         before = reasoning_total()
         msg = claude.messages.create(

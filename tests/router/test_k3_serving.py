@@ -21,11 +21,11 @@ from support.k3_checkpoint import write_k3_checkpoint
 from support.paths import DATA
 
 from expertmesh.chat.load import load_chat
+from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
-from expertmesh.router.server import serving_config
 
 CASES = json.loads((DATA / "k3" / "chat_cases.json").read_text())["cases"]
 BUDGETS = (16, 24, 32)  # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
@@ -50,11 +50,13 @@ WEATHER = {
 def k3(tmp_path_factory):
     d = write_k3_checkpoint(tmp_path_factory.mktemp("k3serve") / "k3", experts="mxfp4", seed=0)
     ckpt = Checkpoint(d)
-    cfg = serving_config(ckpt.cfg, thinking_budgets=",".join(map(str, BUDGETS)))
+    cfg = ckpt.cfg
     chat = load_chat(d, model_vocab_size=cfg.vocab_size)
     engine = build_local_engine(ckpt, serving_cfg=cfg, max_waiting=64)
     port = free_port()
-    srv, thread = serve_http(build_app(engine, chat=chat), "127.0.0.1", port)
+    srv, thread = serve_http(
+        build_app(engine, chat=chat, thinking_budgets=ThinkingBudgets(*BUDGETS)), "127.0.0.1", port
+    )
     url = f"http://127.0.0.1:{port}"
     yield {
         "url": url,

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from expertmesh.chat.thinking import default_budgets
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
 from expertmesh.entry.local import build_local_engine
 from expertmesh.entry.up import free_port
@@ -77,7 +78,7 @@ def anthropic_counts(claude: anthropic.Anthropic) -> list[int]:
         "model": "tiny",
         "system": SYSTEM,
         "tools": [{"name": NAME, "description": DESCRIPTION, "input_schema": SCHEMA}],
-        "thinking": {"type": "enabled", "budget_tokens": preset("tiny").thinking.low},
+        "thinking": {"type": "enabled", "budget_tokens": default_budgets("tiny").low},
         "messages": [
             {"role": "user", "content": ASK},
             {

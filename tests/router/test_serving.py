@@ -6,13 +6,13 @@ import queue
 import pytest
 
 from expertmesh.chat.format import ChatError
-from expertmesh.model.config import preset
+from expertmesh.chat.thinking import default_budgets
 from expertmesh.router.chat_prep import Thinking, decide_thinking, max_tokens_for, prompt_room
 from expertmesh.router.errors import KINDS, APIError, as_api_error
 from expertmesh.router.messages import ANTHROPIC, OPENAI, RESPONSES, openai_messages, read_content, remote_image_urls
 from expertmesh.router.request import ContextLengthExceeded, EngineClosed, QueueFull, RequestError
 
-BUDGETS = preset("tiny").thinking
+BUDGETS = default_budgets("tiny")
 
 
 @pytest.mark.parametrize(
