@@ -20,13 +20,9 @@ from support.relatives import DEEPSEEK_V32
 from expertmesh.model.config import preset
 from expertmesh.operator import crd, rbac
 from expertmesh.operator.children import (
-    _pod_spec,
-    _volumes,
     absent_children,
     build_children,
-    fetch_container,
     revision,
-    router_serving_args,
     template_hashes,
 )
 from expertmesh.operator.kube import resource
@@ -43,6 +39,8 @@ from expertmesh.operator.naming import (
     worker_addresses,
 )
 from expertmesh.operator.placement_policy import changed_ordinals, parse_load, plan_for, rebalance, replan_around
+from expertmesh.operator.pod_commands import router_serving_args
+from expertmesh.operator.pod_parts import fetch_container, pod_spec, pod_volumes
 from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.router_salt import router_salt_secret
 from expertmesh.operator.spec import GIB, SpecError, parse_spec, resolve_model
@@ -482,7 +480,7 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
     shared = parse_spec(
         tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "cache": {"claimName": "ckpt-cache"}}})
     )
-    vols = _volumes("kimi", shared)[0]
+    vols = pod_volumes("kimi", shared)[0]
     assert {v["name"]: v for v in vols}["checkpoint-cache"]["persistentVolumeClaim"] == {"claimName": "ckpt-cache"}
     s3 = parse_spec(
         tiny(
@@ -497,7 +495,7 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
             }
         )
     )
-    init = fetch_container(s3, _volumes("kimi", s3)[1])
+    init = fetch_container(s3, pod_volumes("kimi", s3)[1])
     assert init["envFrom"] == [{"secretRef": {"name": "s3-keys"}}] and init["env"] == [
         {"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"},
         {"name": "AWS_REGION", "value": "eu-west-3"},
@@ -505,7 +503,7 @@ def test_fetched_checkpoint_init_container_cache_volume_and_weights_condition(ti
     with pytest.raises(SpecError, match="endpoint: only for an s3:// uri"):
         parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "https://x/ck", "endpoint": "http://m"}}))
     baked = parse_spec(tiny(model={"preset": "tiny", "checkpoint": {"uri": "/opt/ck"}}))
-    assert checkpoint_path(baked) == "/opt/ck" and "initContainers" not in _pod_spec(
+    assert checkpoint_path(baked) == "/opt/ck" and "initContainers" not in pod_spec(
         "kimi", COMPONENT_ROUTER, baked, {"name": "router"}
     )
 
