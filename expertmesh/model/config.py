@@ -5,7 +5,8 @@
 `first_k_dense` layers) or a Mixture-of-Experts block (sigmoid gate with a selection-only correction bias,
 group-limited top-k, renormalised weights × routed scaling, routed experts in MXFP4, shared experts).
 
-Presets: `tiny` (tests), `small` (CPU benchmarks), `full-2.8t` (planning and memory arithmetic only).
+Presets: `tiny` (tests), `small` (CPU benchmarks), `full-2.8t` (planning and memory arithmetic only); their fields
+are data in expertmesh/model/presets.py, validated here by `preset`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from expertmesh.chat.tokenizer import VOCAB_SIZE, ByteTokenizer
+from expertmesh.model.presets import PRESETS
 
 if TYPE_CHECKING:
     import torch
@@ -247,27 +248,6 @@ class RopeConfig(_Strict):
         return _yarn_mscale(y.factor, y.mscale_all_dim) ** 2
 
 
-class ThinkingBudgets(_Strict):
-    """Reasoning-token limits per thinking tier."""
-
-    low: int = Field(gt=0)
-    high: int = Field(gt=0)
-    max: int = Field(gt=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> ThinkingBudgets:
-        if not self.low <= self.high <= self.max:
-            raise ValueError(
-                f"thinking budgets must satisfy low <= high <= max, got low={self.low} high={self.high} max={self.max}"
-            )
-        return self
-
-    def limit(self, tier: str) -> int:
-        if tier not in ("low", "high", "max"):
-            raise ValueError(f"thinking tier {tier!r}: expected one of low, high, max")
-        return getattr(self, tier)
-
-
 class VisionConfig(_Strict):
     """A MoonViT-style vision tower and projector (transformers `kimi_k25`: `Kimi_K25VisionConfig` plus the
     projector fields of `Kimi_K25Config`): 14-px patches embedded by a conv, a learned position grid
@@ -335,7 +315,6 @@ class ModelConfig(_Strict):
     indexer: IndexerConfig
     kda: KDAConfig
     rope: RopeConfig = RopeConfig()
-    thinking: ThinkingBudgets
     max_context: int = Field(gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     activation: ActivationConfig = ActivationConfig()
@@ -585,7 +564,6 @@ class ModelConfig(_Strict):
             ("KV bytes / token, all layers", f"{self.kv_bytes_per_token_all_layers():,}"),
             ("KV at max context / sequence", _bytes(self.kv_bytes_per_token_all_layers() * self.max_context)),
             ("recurrent state / sequence", _bytes(self.recurrent_state_bytes_per_sequence)),
-            ("thinking budgets (low/high/max)", f"{self.thinking.low}/{self.thinking.high}/{self.thinking.max}"),
         ]
         return rows
 
@@ -604,180 +582,16 @@ def _human(n: int) -> str:
     return f"{n:,}"
 
 
-def interleaved_layer_types(n_layers: int, n_dsa: int) -> tuple[LayerType, ...]:
-    """Spread `n_dsa` DSA layers evenly through `n_layers`, the last layer always DSA (the KDA:DSA ≈ 3:1
-    hybrid of Kimi Linear): layer i is DSA when floor((i+1)·n_dsa/n_layers) steps up."""
-    types: list[LayerType] = []
-    for i in range(n_layers):
-        steps_up = (i + 1) * n_dsa // n_layers > i * n_dsa // n_layers
-        types.append("dsa" if steps_up else "kda")
-    return tuple(types)
-
-
-def _tiny_vision() -> VisionConfig:
-    """The tiny and small presets' encoder: kimi_k25's structure (14-px patches, 2×2 merge) at toy width, so every
-    image path runs in tests and CPU benchmarks; image tokens are the byte tokenizer's image specials."""
-    t = ByteTokenizer()
-    return VisionConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        pos_emb_height=16,
-        pos_emb_width=16,
-        image_token_id=t.image_pad_id,
-        image_start_token_id=t.image_start_id,
-        image_end_token_id=t.image_end_id,
-        max_patches=4096,
-        max_patches_per_side=64,
-    )
-
-
-def _tiny() -> ModelConfig:
-    """Tests: four layers (KDA, DSA, KDA, DSA; layer 0 dense), 16 experts top-4 in 4 groups so placement and
-    replicas matter, DSA top-k 16 (far below test prompt lengths), thinking tiers of a few dozen tokens."""
-    return ModelConfig(
-        name="tiny",
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        layer_types=("kda", "dsa", "kda", "dsa"),
-        first_k_dense=1,
-        dense_intermediate_size=128,
-        moe=MoEConfig(
-            n_routed_experts=16,
-            n_shared_experts=1,
-            top_k=4,
-            expert_intermediate_size=32,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-        ),
-        mla=MLAConfig(
-            n_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            gated_output=True,
-        ),
-        indexer=IndexerConfig(n_heads=2, head_dim=16, index_topk=16),
-        kda=KDAConfig(n_heads=2, head_dim=16, conv_kernel_size=4, gate_low_rank=16),
-        thinking=ThinkingBudgets(low=8, high=24, max=48),
-        max_context=4096,
-        init_std=0.08,
-        vision=_tiny_vision(),
-    )
-
-
-def _small() -> ModelConfig:
-    """CPU benchmarks: 8 layers (6 KDA + 2 DSA), hidden 1024, 32 experts top-4 of width 512."""
-    return ModelConfig(
-        name="small",
-        vocab_size=VOCAB_SIZE,
-        hidden_size=1024,
-        layer_types=interleaved_layer_types(8, 2),
-        first_k_dense=1,
-        dense_intermediate_size=2816,
-        moe=MoEConfig(
-            n_routed_experts=32,
-            n_shared_experts=1,
-            top_k=4,
-            expert_intermediate_size=512,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-        ),
-        mla=MLAConfig(
-            n_heads=8,
-            q_lora_rank=384,
-            kv_lora_rank=256,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=32,
-            v_head_dim=64,
-            gated_output=True,
-        ),
-        indexer=IndexerConfig(n_heads=4, head_dim=64, index_topk=256),
-        kda=KDAConfig(n_heads=8, head_dim=128, conv_kernel_size=4, gate_low_rank=128),
-        thinking=ThinkingBudgets(low=64, high=256, max=1024),
-        max_context=32768,
-        vision=_tiny_vision(),
-    )
-
-
-def _full_2_8t() -> ModelConfig:
-    """Kimi K3 at its published figures with a DSA indexer on its full-attention layers (the model of the brief);
-    used for planning and memory arithmetic only.
-
-    Published (Kimi K3, `moonshotai/Kimi-K3`): 93 layers = 69 KDA + 24 full attention, hidden 7168, 896 routed
-    experts top-16 on a 3,584-wide latent (latent MoE with its norm), 2 shared experts, SiTU (β 4, β_lin 25),
-    attention residuals, ungrouped sigmoid routing with a correction bias, NoPE gated MLA with KV LoRA rank 512 and
-    a 64-wide (unrotated) rope slice, KDA 96 heads × 128 with short conv 4, a full-rank output gate and gate lower
-    bound −5, vocabulary 163,840, 1,048,576-token context, routed experts in MXFP4; 2.8T total / 104B active.
-    The brief: the 24 full-attention layers are gated DSA, top-2,048 over the MLA latent KV.
-
-    Assumed (the public record leaves them open; chosen to reproduce the totals, in Kimi K2's / DeepSeek-V3.2's
-    style): expert width 3,072; first layer dense (SiTU width 18,432); full-attention layers spread evenly with the
-    last one full (KDA:full ≈ 3:1); MLA 64 heads, q LoRA rank 1,536, nope/v head dims 128/128; attention-residual
-    blocks of 6 layers; routed scaling 2.5; the indexer DeepSeek-V3.2's 64 heads × 128 dims (no RoPE: the model is
-    NoPE); combine groups of 56 experts (one per expert pod per layer at 16 pods); thinking caps 4,096 / 32,768 /
-    131,072 reasoning tokens.
-    """
-    return ModelConfig(
-        name="full-2.8t",
-        model_type="kimi_k3",
-        vocab_size=163_840,
-        hidden_size=7168,
-        layer_types=interleaved_layer_types(93, 24),
-        first_k_dense=1,
-        dense_intermediate_size=18_432,
-        moe=MoEConfig(
-            n_routed_experts=896,
-            n_shared_experts=2,
-            top_k=16,
-            expert_intermediate_size=3072,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            combine_group_size=56,
-            latent_size=3584,
-        ),
-        mla=MLAConfig(
-            n_heads=64,
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            rope="none",
-            gated_output=True,
-        ),
-        indexer=IndexerConfig(n_heads=64, head_dim=128, index_topk=2048, rope=False),
-        kda=KDAConfig(
-            n_heads=96,
-            head_dim=128,
-            conv_kernel_size=4,
-            gate_low_rank=128,
-            output_gate="full_rank",
-            gate_lower_bound=-5.0,
-        ),
-        activation=ActivationConfig(kind="situ", beta=4.0, linear_beta=25.0),
-        attn_res_block_size=6,
-        thinking=ThinkingBudgets(low=4096, high=32_768, max=131_072),
-        max_context=1_048_576,
-    )
-
-
-_PRESET_BUILDERS = {"tiny": _tiny, "small": _small, "full-2.8t": _full_2_8t}
-PRESET_NAMES = tuple(_PRESET_BUILDERS)
+PRESET_NAMES = tuple(PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
     """A preset by name (`tiny`, `small`, `full-2.8t`)."""
     try:
-        return _PRESET_BUILDERS[name]()
+        fields = PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}: expected one of {', '.join(PRESET_NAMES)}") from None
+    return ModelConfig.model_validate(fields)
 
 
 def load_config(path) -> ModelConfig:
@@ -788,6 +602,9 @@ def load_config(path) -> ModelConfig:
 
     text = Path(path).read_text()
     try:
-        return ModelConfig.model_validate(json.loads(text))
+        data = json.loads(text)
+        if isinstance(data, dict):  # older configs carried thinking budgets: serving policy now (chat/thinking.py)
+            data.pop("thinking", None)
+        return ModelConfig.model_validate(data)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -1,7 +1,9 @@
 import pytest
 from pydantic import ValidationError
 
-from expertmesh.model.config import ModelConfig, interleaved_layer_types, preset
+from expertmesh.chat.thinking import default_budgets
+from expertmesh.model.config import ModelConfig, preset
+from expertmesh.model.presets import interleaved_layer_types
 
 
 def test_full_preset_reproduces_published_totals():
@@ -73,7 +75,8 @@ def test_tiny_exercises_every_mechanism():
     assert {"kda", "dsa"} <= set(cfg.layer_types)
     assert cfg.moe.n_routed_experts >= 16 and cfg.moe.n_shared_experts >= 1
     assert cfg.indexer.index_topk <= 16
-    assert cfg.thinking.low < cfg.thinking.high < cfg.thinking.max <= 64
+    budgets = default_budgets(cfg.name)  # serving policy, beside the presets: tiers of a few dozen tokens
+    assert budgets.low < budgets.high < budgets.max <= 64
 
 
 def _tiny_dict(**changes):
@@ -98,7 +101,6 @@ def _tiny_dict(**changes):
         ({"moe__top_k": 9}, "exceeds the 8 experts reachable"),
         ({"moe__expert_intermediate_size": 40}, "moe.expert_intermediate_size=40"),
         ({"first_k_dense": 9}, "first_k_dense=9 exceeds the 4 layers"),
-        ({"thinking__low": 100}, "low <= high <= max"),
         ({"mla__qk_rope_head_dim": 7}, "mla.qk_rope_head_dim=7 must be even"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"surprise": 1}, "surprise"),
