@@ -1,8 +1,9 @@
 """Routed-expert MoE over MXFP4 weights: per-(token, slot) expert outputs and the canonical combine.
 
 The weights of a shard come as one `MXFP4Experts` (kernels/moe/experts.py); every backend takes
-`(x, topk_ids, experts, *, out=None, activation=SWIGLU)`. `moe_expert_outputs` picks the Triton grouped kernel for CUDA tensors; on CPU (backend `auto`) the fused C++
-kernel (`expertmesh.kernels.moe.cpu_kernel`: MXFP4 decoded in registers, built on first use) and, when it cannot
+`(x, topk_ids, experts, *, out=None, activation=SWIGLU)`. `moe_expert_outputs` picks the Triton grouped kernel
+for CUDA tensors; on CPU (backend `auto`) the fused C++ kernel (`expertmesh.kernels.moe.cpu_kernel`: MXFP4 decoded
+in registers, built on first use) and, when it cannot
 be built or `EXPERTMESH_CPU_KERNEL=0`, the grouped PyTorch path, which is also what a forced `torch` backend runs
 (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The reference model and the expert worker both
 call this function, so they run the same kernel. The Triton module is imported only when first chosen.
