@@ -12,11 +12,9 @@ by row, so a sequence's numbers do not depend on the batch it is in.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +23,7 @@ from expertmesh.chat.tokenizer import load_tokenizer
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.kernels import cpu_warmup
 from expertmesh.model import memory
-from expertmesh.model.cache import Segment, SequenceCache
+from expertmesh.model.cache import Segment
 from expertmesh.model.config import ModelConfig
 from expertmesh.model.sampling import Sampler
 from expertmesh.model.transformer import Transformer, materialize_
@@ -35,8 +33,6 @@ from expertmesh.runtime import telemetry
 from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import (
-    HandOffFailed,
-    HandOffResult,
     NotConnected,
     NotFound,
     OutOfBlocks,
@@ -48,54 +44,17 @@ from expertmesh.wire.worker_api import (
 )
 from expertmesh.worker.base import WorkerBase
 from expertmesh.worker.exchange import ExchangeExperts, ExpertExchange
+from expertmesh.worker.handoff import HandOffs
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
-from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_device, to_host
+from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_host
+from expertmesh.worker.sequences import CachedPrefix, SequenceState, token_logprobs
 
 POOLS = ("mixed", "prefill", "decode")
 
 log = logging.getLogger("expertmesh.worker")
 
 
-def token_logprobs(seq_id: str, position: int, logprobs: torch.Tensor, token_ids: list[int], n: int) -> TokenLogprobs:
-    """logprobs [P, V] (log_softmax rows), token_ids [P] the tokens that followed → the tokens' entries with the
-    top `n` alternatives of each position."""
-    ids = torch.tensor(token_ids, dtype=torch.int64)
-    top = torch.topk(logprobs, n, dim=-1) if n else None
-    return TokenLogprobs(
-        seq_id,
-        position,
-        ids,
-        logprobs.gather(-1, ids[:, None])[:, 0],
-        top.indices if top is not None else torch.empty(len(token_ids), 0, dtype=torch.int64),
-        top.values if top is not None else torch.empty(len(token_ids), 0),
-    )
-
-
-@dataclass
-class _Sequence:
-    kv: PagedSequenceKV
-    cache: SequenceCache
-    sampler: Sampler
-    params: SamplingParams
-    # prompt_logprobs: the log-probabilities after the last fed token, waiting for the token that follows it
-    # (the next segment's first token: prefill chunks end mid-prompt)
-    pending: torch.Tensor | None = None
-    generating: bool = False  # the prompt is done: fed tokens are output (the penalties count them)
-    owner: str = ""  # the router instance that opened it ("" = no lease)
-    images: object = None  # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
-    observed: list[int] = field(default_factory=list)  # output tokens fed (what a hand-off replays into a sampler)
-
-
-@dataclass
-class _Prefix:
-    """A cached prefix: the KV pages and recurrent state after `length` tokens."""
-
-    kv: PagedSequenceKV
-    kda_states: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    length: int
-
-
-class AttentionWorker(WorkerBase):
+class AttentionWorker(HandOffs, WorkerBase):
     def __init__(
         self,
         checkpoint: Checkpoint | str | ModelConfig,
@@ -153,15 +112,15 @@ class AttentionWorker(WorkerBase):
         self.pool = BlockPool(self.cfg, kv_blocks, block_size, device=self.device, dtype=self.dtype)
         if self.device_kind == "cpu":
             cpu_warmup.load(cpu_warmup.ATTENTION)  # before serving: not on the first request
-        self.sequences: dict[str, _Sequence] = {}
+        self.sequences: dict[str, SequenceState] = {}
         # sequences handed off to this worker, installed without waiting for the step in progress (import_sequence),
         # and those handed off from it, still open: merged into / closed in `sequences` under the step lock
         # (_merge_arrivals: at once when no step runs, else by the merger thread when the step ends)
-        self._arrivals: dict[str, _Sequence] = {}
+        self._arrivals: dict[str, SequenceState] = {}
         self._leaving: set[str] = set()
         self._arrivals_lock = threading.Lock()
         self._merge_wanted = threading.Event()  # the merger thread merges once the step in progress ends
-        self.prefixes: dict[str, _Prefix] = {}  # on the device; lower tiers in self.tiers
+        self.prefixes: dict[str, CachedPrefix] = {}  # on the device; lower tiers in self.tiers
         self.device_prefix_hits = 0  # sequences opened from a prefix on the device
         self.prompt_tokens_computed = 0  # prompt tokens this worker's steps computed
         self.handoffs = {"sent": 0, "received": 0}  # sequences moved to / from another attention worker
@@ -280,7 +239,7 @@ class AttentionWorker(WorkerBase):
                 raise
             for i in self.cfg.latent_kv_layers:
                 cache.layers[i] = PagedDSACache(kv, i)
-            self.sequences[seq_id] = _Sequence(
+            self.sequences[seq_id] = SequenceState(
                 kv=kv, cache=cache, sampler=sampler, params=params, owner=owner, images=seq_images
             )
             self.renew(owner)
@@ -354,7 +313,7 @@ class AttentionWorker(WorkerBase):
             self._save_prefix(seq, key)
             return self.pool.free_blocks
 
-    def _save_prefix(self, seq: _Sequence, key: str, length: int | None = None) -> None:
+    def _save_prefix(self, seq: SequenceState, key: str, length: int | None = None) -> None:
         """The sequence's cache (or its first `length` tokens: its pages alone, a model without KDA layers) as
         prefix `key`."""
         if key in self.prefixes:
@@ -366,7 +325,7 @@ class AttentionWorker(WorkerBase):
             for i, c in enumerate(seq.cache.layers)
             if self.cfg.layer_types[i] == "kda"
         }
-        self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=length)
+        self.prefixes[key] = CachedPrefix(kv=kv, kda_states=states, length=length)
 
     def drop_prefix(self, key: str) -> int:
         """Forget prefix `key` in every tier."""
@@ -397,7 +356,7 @@ class AttentionWorker(WorkerBase):
         with self.lock:
             return [(k, p.length, "device") for k, p in self.prefixes.items()] + self.tiers.keys()
 
-    def _snapshot(self, prefix: _Prefix) -> PrefixSnapshot:
+    def _snapshot(self, prefix: CachedPrefix) -> PrefixSnapshot:
         """A host copy of a device prefix: its pages gathered to [length, D] per layer, its KDA states."""
         latent, index_k = {}, {}
         for layer in self.cfg.latent_kv_layers:
@@ -409,7 +368,7 @@ class AttentionWorker(WorkerBase):
         synchronize(self.device)
         return PrefixSnapshot(prefix.length, latent, index_k, kda)
 
-    def _restore(self, key: str, reserve_tokens: int) -> _Prefix:
+    def _restore(self, key: str, reserve_tokens: int) -> CachedPrefix:
         """Copy a prefix held in a lower tier back into device blocks (bit-identical) and cache it there again;
         NotFound when no tier holds it or its file fails a check, OutOfBlocks when the pool cannot hold it and a
         sequence of `reserve_tokens` forked from it (then it stays where it was)."""
@@ -435,184 +394,8 @@ class AttentionWorker(WorkerBase):
             span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
             kv, states = self._load(snap, snap.length)
         self.tiers.restored(key, tier, snap.nbytes, time.perf_counter() - start)
-        prefix = self.prefixes[key] = _Prefix(kv=kv, kda_states=states, length=snap.length)
+        prefix = self.prefixes[key] = CachedPrefix(kv=kv, kda_states=states, length=snap.length)
         return prefix
-
-    # ------------------------------------------------------------------ hand-off (prefill pool → decode pool)
-    def export_sequence(self, seq_id: str) -> tuple[SamplingParams, PrefixSnapshot, bytes, list[int]]:
-        """A host copy of a sequence past its prompt: (params, its cache as a snapshot — KV [0, length), indexer
-        keys, KDA recurrent + conv state —, its sampler's generator state, the output tokens fed so far). The
-        sequence stays open here (hand_off closes it once the receiver has it).
-
-        Without the step lock: a sequence being handed off is in no step (the router leaves it out), and its pages
-        are copied through a fork of its block table (the full blocks retained under the pool's own lock), so
-        nothing frees them under the copy — the hand-off does not wait for the step in progress."""
-        self._try_merge()
-        with self._arrivals_lock:
-            seq = self.sequences.get(seq_id) or self._arrivals.get(seq_id)
-        if seq is None:
-            raise NotFound(f"seq_id {seq_id!r}: no such sequence on {self.name}")
-        if not seq.generating:
-            raise WorkerError(
-                f"seq_id {seq_id!r}: its prompt is not done (a sequence is handed off after its first sampled token)"
-            )
-        length = seq.cache.length
-        kv = seq.kv.fork(length)
-        try:
-            kda = {i: (c.state, c.conv) for i, c in enumerate(seq.cache.layers) if self.cfg.layer_types[i] == "kda"}
-            snap = self._snapshot(_Prefix(kv=kv, kda_states=kda, length=length))
-        finally:
-            kv.free()
-        return seq.params, snap, seq.sampler.generator.get_state().numpy().tobytes(), list(seq.observed)
-
-    def import_sequence(
-        self,
-        seq_id: str,
-        params: SamplingParams,
-        snap: PrefixSnapshot,
-        sampler_state: bytes,
-        observed: list[int],
-        *,
-        reserve_tokens: int,
-        owner: str = "",
-        identity: str = "",
-    ) -> int:
-        """Open `seq_id` from another worker's export_sequence: its cache copied in bit for bit, its sampler
-        rebuilt from `params` at the generator state given with `observed` (output tokens already fed) replayed —
-        the next token sampled here is the one the sender would have sampled. `identity`: the sender's
-        handoff_identity (checked when given). Returns the free blocks after."""
-        if identity and identity != self.handoff_identity:
-            raise WorkerError(
-                f"identity: the cache comes from another model or dtype ({identity!r}, this worker "
-                f"takes {self.handoff_identity!r})"
-            )
-        self._check_snapshot(snap)
-        sampler = self._sampler(params)
-        try:
-            sampler.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-        except (RuntimeError, ValueError) as e:
-            raise WorkerError(f"sampler_state: not a generator state of this build ({e})") from None
-        for t in observed:
-            sampler.observe(t)
-        if not snap.length < reserve_tokens <= self.cfg.max_context:
-            raise WorkerError(
-                f"reserve_tokens={reserve_tokens}: expected more than the {snap.length} tokens handed "
-                f"off (room for the next one), at most {self.cfg.max_context}"
-            )
-        # no step lock: the blocks taken here are this sequence's alone (the pool's free list has its own lock), so
-        # the copy runs beside a step in progress and the sequence is there for the next one
-        kv, states = self._load(snap, reserve_tokens)
-        cache = self.model.new_cache()
-        for layer, (state, conv) in states.items():
-            cache.layers[layer].state, cache.layers[layer].conv = state, conv
-        for i in self.cfg.latent_kv_layers:
-            cache.layers[i] = PagedDSACache(kv, i)
-        cache.length = snap.length
-        seq = _Sequence(
-            kv=kv, cache=cache, sampler=sampler, params=params, generating=True, owner=owner, observed=list(observed)
-        )
-        with self._arrivals_lock:
-            if seq_id in self.sequences or seq_id in self._arrivals:
-                kv.free()
-                raise WorkerError(f"seq_id {seq_id!r}: a sequence with this id is already open")
-            self._arrivals[seq_id] = seq
-        self.calls += 1
-        self.renew(owner)
-        self.handoffs["received"] += 1
-        self.handoff_bytes["received"] += snap.nbytes
-        self._try_merge()
-        return self.pool.free_blocks
-
-    @functools.cached_property
-    def _kda_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shapes a handed-off KDA state must have (read once from a fresh cache)."""
-        fresh = self.model.new_cache()
-        return {
-            f"kda_{part}.{i}": tuple(getattr(c, part).shape)
-            for i, c in enumerate(fresh.layers)
-            if self.cfg.layer_types[i] == "kda"
-            for part in ("state", "conv")
-        }
-
-    def _check_snapshot(self, snap: PrefixSnapshot) -> None:
-        """WorkerError naming the tensor when a snapshot does not fit this worker's model and KV layout."""
-        if not 0 < snap.length < self.cfg.max_context:
-            raise WorkerError(f"length={snap.length}: expected 1..{self.cfg.max_context - 1}")
-        want = {f"latent.{i}": (snap.length, self.pool.latent[i].shape[-1]) for i in self.cfg.latent_kv_layers}
-        want |= {f"index_k.{i}": (snap.length, t.shape[-1]) for i, t in self.pool.index_k.items()}
-        want |= self._kda_shapes
-        got = dict(snap.named_tensors())
-        for name in sorted(set(want) | set(got)):
-            if name not in got:
-                raise WorkerError(f"tensors: {name} missing")
-            if name not in want:
-                raise WorkerError(f"tensors: {name} is not a tensor of this model")
-            dtype = torch.float32 if name.startswith("kda") else self.dtype
-            if tuple(got[name].shape) != want[name] or got[name].dtype != dtype:
-                raise WorkerError(
-                    f"tensors: {name} expected {str(dtype).removeprefix('torch.')} {list(want[name])}, "
-                    f"found {str(got[name].dtype).removeprefix('torch.')} {list(got[name].shape)}"
-                )
-
-    def hand_off(
-        self, seq_id: str, to, to_seq_id: str, *, reserve_tokens: int, owner: str = "", transport: str = "grpc"
-    ) -> HandOffResult:
-        """Move sequence `seq_id` to attention worker `to` (an AttentionWorker, or a client of it: RemoteAttention,
-        collective.CollectiveAttention) as `to_seq_id`, then close it here. OutOfBlocks: the receiver has no room;
-        HandOffFailed: it refused or could not be reached — in both cases the sequence stays open here, unchanged.
-        `transport`: what the gRPC servicer picks `to`'s client by; here `to` is called as given."""
-        start = time.perf_counter()
-        with telemetry.tracer().start_as_current_span(
-            "kv.send", attributes={"expertmesh.kv.to": str(getattr(to, "address", getattr(to, "name", "")))}
-        ) as span:
-            params, snap, state, observed = self.export_sequence(seq_id)
-            span.set_attribute("expertmesh.kv.tokens", snap.length)
-            span.set_attribute("expertmesh.kv.bytes", snap.nbytes)
-            try:
-                to.import_sequence(
-                    to_seq_id,
-                    params,
-                    snap,
-                    state,
-                    observed,
-                    reserve_tokens=reserve_tokens,
-                    owner=owner,
-                    identity=self.handoff_identity,
-                )
-            except OutOfBlocks:
-                raise
-            except Exception as e:
-                raise HandOffFailed(f"to {getattr(to, 'name', to)}: {type(e).__name__}: {e}") from None
-            with self._arrivals_lock:  # closed under the step lock (_merge_arrivals)
-                self._leaving.add(seq_id)
-        self._try_merge()
-        free = self.pool.free_blocks
-        seconds = time.perf_counter() - start
-        self.handoffs["sent"] += 1
-        self.handoff_bytes["sent"] += snap.nbytes
-        self.handoff_seconds += seconds
-        return HandOffResult(free, snap.nbytes, seconds)
-
-    def _load(self, snap: PrefixSnapshot, reserve_tokens: int) -> tuple[PagedSequenceKV, dict]:
-        """A host snapshot into new device blocks reserving `reserve_tokens` (≥ its length; OutOfBlocks when the
-        pool cannot, nothing kept) → (block table of `snap.length` tokens, KDA layer → (state, conv) on the device)."""
-        kv = PagedSequenceKV(self.pool)
-        try:
-            kv.reserve(max(reserve_tokens, snap.length))
-        except OutOfBlocks:
-            kv.free()
-            raise
-        for layer in self.cfg.latent_kv_layers:
-            ik = snap.index_k.get(layer)
-            kv.write(
-                layer, 0, to_device(snap.latent[layer], self.device), None if ik is None else to_device(ik, self.device)
-            )
-        kv.length = snap.length
-        states = {
-            i: (to_device(state, self.device), to_device(conv, self.device)) for i, (state, conv) in snap.kda.items()
-        }
-        synchronize(self.device)
-        return kv, states
 
     def _merge_arrivals(self) -> None:
         """Move the sequences handed off to this worker into `sequences`, close those handed off from it (the
@@ -645,7 +428,7 @@ class AttentionWorker(WorkerBase):
             with self.lock:
                 self._merge_arrivals()
 
-    def _seq(self, seq_id: str) -> _Sequence:
+    def _seq(self, seq_id: str) -> SequenceState:
         self._merge_arrivals()
         seq = self.sequences.get(seq_id)
         if seq is None:
@@ -811,7 +594,7 @@ class AttentionWorker(WorkerBase):
 
     @staticmethod
     def _logprobs(
-        seq_id: str, seq: _Sequence, start: int, fed: list[int], logits: torch.Tensor, sampled: int | None
+        seq_id: str, seq: SequenceState, start: int, fed: list[int], logits: torch.Tensor, sampled: int | None
     ) -> list[TokenLogprobs]:
         """Entries for a segment of `fed` tokens at positions start.. whose logits rows are `logits` (all rows
         when scoring the prompt, else the last): prompt tokens this segment fed (the first one scored by the
