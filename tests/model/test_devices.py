@@ -10,7 +10,7 @@ from expertmesh.model import memory
 from expertmesh.model.config import preset
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import StepSegment
-from expertmesh.worker import server
+from expertmesh.worker import cli, server
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
 
@@ -34,7 +34,7 @@ def full_plan(tmp_path_factory):
 
 
 def _dry(argv, capsys):
-    assert server.main(argv) == 0
+    assert cli.main(argv) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
@@ -176,7 +176,7 @@ def test_bf16_worker_agrees_with_fp32_reference(ckpt):
 )
 def test_bad_device_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        server.main(["--role", "attention", "--preset", "tiny", "--port", "0", *argv])
+        cli.main(["--role", "attention", "--preset", "tiny", "--port", "0", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -856,7 +856,7 @@ def test_only_the_deployments_own_pods_reach_the_workers(tiny_plan, transport, m
         assert router_args[router_args.index("--transport") + 1] == "collective"
         # the worker's own parser reads the port from that env (the pod's command does not name it); imported here:
         # the worker loads torch and the model
-        from expertmesh.worker.server import build_parser
+        from expertmesh.worker.cli import build_parser
 
         monkeypatch.setenv("EXPERTMESH_COLLECTIVE_PORT", env["EXPERTMESH_COLLECTIVE_PORT"])
         assert build_parser().parse_args(["--role", "expert"]).collective_port == COLLECTIVE_PORT
@@ -1304,7 +1304,7 @@ def test_the_pools_args_parse_with_the_real_router_and_worker_clis(tiny_plan):
     """What the operator renders is what the router and the worker accept (their own parsers; nothing is started):
     --prefill / --prefill-min-tokens, --pool and each pool's KV flags."""
     from expertmesh.router.server import add_arguments as router_arguments
-    from expertmesh.worker.server import build_parser  # the worker's parser (imports torch)
+    from expertmesh.worker.cli import build_parser  # the worker's parser (imports torch)
 
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(prefillWorkers={"replicas": 2, "minPromptTokens": 64}, kv={"hostGiB": 1}))
