@@ -9,8 +9,8 @@ import sys
 import threading
 
 from expertmesh.chat.load import load_chat
+from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.config import checkpoint_config
-from expertmesh.model.config import ThinkingBudgets
 from expertmesh.router.response_store import ResponseStore, default_replica
 from expertmesh.runtime import telemetry
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -314,8 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--thinking-budgets",
         default=None,
         metavar="LOW,HIGH,MAX",
-        help="reasoning-token limits of the thinking tiers low, high and max (default: the checkpoint "
-        "config's); the router forces the end of thinking at the limit",
+        help="reasoning-token limits of the thinking tiers low, high and max (default: the model "
+        "preset's, expertmesh/chat/thinking.py); the router forces the end of thinking at the limit",
     )
     p.add_argument(
         "--stored-responses",
@@ -379,25 +379,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", help="require client certificates on the public endpoints (mutual TLS)")
 
 
-def serving_config(cfg, *, max_context: int | None = None, thinking_budgets: str | None = None):
-    """`cfg` with the deployment's serving limits (`--max-context`, `--thinking-budgets`) in place of the
-    checkpoint's. Raises ValueError naming the flag when a value is malformed or beyond the model."""
+def serving_config(cfg, *, max_context: int | None = None):
+    """`cfg` with the deployment's serving limit `--max-context` in place of the checkpoint's. Raises ValueError
+    naming the flag when the value is beyond the model."""
     update: dict = {}
     if max_context is not None:
         if not 0 < max_context <= cfg.max_context:
             raise ValueError(f"--max-context={max_context}: must be in 1..{cfg.max_context} (the model's max_context)")
         update["max_context"] = max_context
-    if thinking_budgets is not None:
-        parts = [x.strip() for x in thinking_budgets.split(",")]
-        try:
-            low, high, top = (int(x) for x in parts)
-            update["thinking"] = ThinkingBudgets(low=low, high=high, max=top)
-        except ValueError as e:  # wrong count, not integers, not positive or not ordered (pydantic's is a ValueError)
-            raise ValueError(
-                f"--thinking-budgets={thinking_budgets!r}: expected LOW,HIGH,MAX positive integers with "
-                f"low <= high <= max ({str(e).splitlines()[-1].strip()})"
-            ) from None
     return cfg.model_copy(update=update) if update else cfg
+
+
+def thinking_budgets(text: str | None) -> ThinkingBudgets | None:
+    """`--thinking-budgets LOW,HIGH,MAX` (None: the model preset's defaults); ValueError naming the flag."""
+    try:
+        return ThinkingBudgets.parse(text) if text is not None else None
+    except ValueError as e:
+        raise ValueError(f"--thinking-budgets={text!r}: {e}") from None
 
 
 def read_prefix_salt(path: str | None) -> bytes | None:
@@ -432,9 +430,8 @@ def run(args) -> int:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
     try:
-        ckpt_cfg = serving_config(
-            checkpoint_config(args.checkpoint), max_context=args.max_context, thinking_budgets=args.thinking_budgets
-        )
+        ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context)
+        budgets = thinking_budgets(args.thinking_budgets)
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
@@ -483,6 +480,7 @@ def run(args) -> int:
         response_store=store,
         reasoning_memory=not args.no_reasoning_memory,
         image_decoder=decoder,
+        thinking_budgets=budgets,
     )
     http_server, http_thread = serve_http(
         app,
@@ -504,6 +502,7 @@ def run(args) -> int:
         max_streams_per_connection=args.grpc_streams_per_connection,
         max_calls_per_client=args.grpc_calls_per_client,
         write_timeout=args.client_write_timeout,
+        thinking_budgets=budgets,
     )
     stop = stop_on_signals()
     if args.plan_poll_seconds > 0:

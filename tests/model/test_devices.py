@@ -1,4 +1,4 @@
-"""Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/model/memory.py)."""
+"""Devices, dtypes, memory-honest loading and the meta dry run (expertmesh/model/memory.py, placement/sizing.py)."""
 
 import json
 
@@ -8,6 +8,7 @@ import torch
 
 from expertmesh.model import memory
 from expertmesh.model.config import preset
+from expertmesh.placement import sizing
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import StepSegment
 from expertmesh.worker import cli, server
@@ -66,7 +67,7 @@ def test_expert_dry_run_holds_its_slots_packed(full_plan, capsys):
         for g, gpu in enumerate(plan.workers[ordinal].gpus):  # each GPU's shards on its own device
             assert out["devices"][f"cuda:{g}"] >= gpu.bytes
         assert max(out["devices"].values()) <= 141 * GIB
-        assert out == json.loads(memory.plan_expert_memory(cfg, plan, ordinal).to_json(experts=slots))
+        assert out == json.loads(sizing.plan_expert_memory(cfg, plan, ordinal).to_json(experts=slots))
         total += out["weights_bytes"]
     assert total == sum(len(plan.experts_of(o)) for o in (0, 15)) * plan.expert_bytes  # the planner's bytes
 
@@ -90,13 +91,13 @@ def test_attention_dry_run_is_bf16_non_expert_weights(capsys):
         capsys,
     )
     # bf16 for everything but the fp32 routing / decay / indexer-head tensors (over all-bf16 102.47 GiB)
-    assert out["weights_bytes"] == memory.dense_weight_bytes(cfg, torch.bfloat16)
+    assert out["weights_bytes"] == sizing.dense_weight_bytes(cfg, torch.bfloat16)
     assert cfg.dense_bytes_bf16 <= out["weights_bytes"] <= 1.015 * cfg.dense_bytes_bf16
     assert abs(cfg.dense_bytes_bf16 / GIB - 102.47) < 0.05
-    assert out["kv_bytes"] == out["kv_blocks"] * memory.kv_block_bytes(cfg, 16, torch.bfloat16) > 0
+    assert out["kv_bytes"] == out["kv_blocks"] * sizing.kv_block_bytes(cfg, 16, torch.bfloat16) > 0
     assert out["devices"]["cuda:0"] <= 0.9 * 141 * GIB
     assert out == json.loads(
-        memory.attention_memory(cfg, kv_blocks=out["kv_blocks"], block_size=16).to_json(kv_blocks=out["kv_blocks"])
+        sizing.attention_memory(cfg, kv_blocks=out["kv_blocks"], block_size=16).to_json(kv_blocks=out["kv_blocks"])
     )
 
 
@@ -107,7 +108,7 @@ def test_attention_worker_from_checkpoint_builds_no_experts(ckpt):
             assert layer.moe.experts.gate_up_blocks.shape[0] == 0 and layer.moe.experts.down_blocks.numel() == 0
     held = sum(b.numel() for n, b in w.model.named_buffers() if n.endswith(("_blocks", "_scales")))
     assert held == 0
-    assert w.memory().weights_bytes == memory.dense_weight_bytes(ckpt.cfg, torch.float32)
+    assert w.memory().weights_bytes == sizing.dense_weight_bytes(ckpt.cfg, torch.float32)
 
 
 def test_expert_worker_holds_exactly_its_assignment_packed(ckpt):

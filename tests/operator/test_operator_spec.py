@@ -142,7 +142,7 @@ def test_resolve_model_inline_config_and_overrides():
         {**tiny(), "model": {"config": cfg, "checkpoint": {"uri": "/w"}}, "thinking": {"low": 2, "high": 3, "max": 4}}
     )
     r = resolve_model(s)
-    assert r.name == "tiny" and (r.thinking.low, r.thinking.max) == (2, 4)
+    assert r.name == "tiny" and s.thinking.low == 2  # serving policy: rendered as --thinking-budgets
     bad = dict(cfg, hidden_size=65)
     with pytest.raises(SpecError, match=r"spec\.model\.config.*hidden_size=65"):
         resolve_model(parse_spec({**tiny(), "model": {"config": bad, "checkpoint": {"uri": "/w"}}}))
@@ -606,7 +606,7 @@ def test_changed_ordinals_are_the_expert_pods_whose_shards_move(tiny_plan):
 def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     # the router's own parser checks the flags: imported here, so the operator's tests load no serving stack otherwise
     from expertmesh.router.server import add_arguments as router_arguments
-    from expertmesh.router.server import serving_config
+    from expertmesh.router.server import serving_config, thinking_budgets
 
     _, cfg, plan = tiny_plan
     spec = parse_spec(tiny(thinking={"low": 3, "high": 5, "max": 7}, kv={"maxContext": 1024}))
@@ -617,16 +617,15 @@ def test_spec_overrides_become_router_flags_the_router_enforces(tiny_plan):
     router_arguments(p)
     args = p.parse_args(router["args"][1:])
     assert (args.max_context, args.thinking_budgets) == (1024, "3,5,7")
-    served = serving_config(cfg, max_context=args.max_context, thinking_budgets=args.thinking_budgets)
-    assert served.max_context == 1024 and (served.thinking.low, served.thinking.high, served.thinking.max) == (3, 5, 7)
+    served = serving_config(cfg, max_context=args.max_context)
+    budgets = thinking_budgets(args.thinking_budgets)
+    assert served.max_context == 1024 and (budgets.low, budgets.high, budgets.max) == (3, 5, 7)
     assert serving_config(cfg) is cfg and router_serving_args(parse_spec(tiny())) == []
-    for bad, words in (
-        ({"max_context": cfg.max_context + 1}, "--max-context"),
-        ({"thinking_budgets": "3,2,7"}, "low <= high <= max"),
-        ({"thinking_budgets": "3,5"}, "LOW,HIGH,MAX"),
-    ):
-        with pytest.raises(ValueError, match=words):
-            serving_config(cfg, **bad)
+    with pytest.raises(ValueError, match="--max-context"):
+        serving_config(cfg, max_context=cfg.max_context + 1)
+    for bad, words in (("3,2,7", "low <= high <= max"), ("3,5", "LOW,HIGH,MAX"), ("0,5,7", "positive")):
+        with pytest.raises(ValueError, match=f"--thinking-budgets.*{words}"):
+            thinking_budgets(bad)
 
 
 def test_too_small_cluster_raises_plan_error_with_missing_memory():
