@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from expertmesh.checkpoint.loader import default_checkpoint
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)

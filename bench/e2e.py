@@ -118,7 +118,7 @@ def bench_multiprocess(ckpt_dir, concurrencies, prompt_len, max_tokens, transpor
     import grpc
     import httpx
 
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 
     cfg = Checkpoint(ckpt_dir).cfg
@@ -196,7 +196,7 @@ def bench_exchange(ckpt_dir, batches, transports, reps: int) -> list[dict]:
     import numpy as np
     import torch
 
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
     from expertmesh.kernels.moe.combine import present_groups
     from expertmesh.model.moe import route_tokens
     from expertmesh.placement.replica_table import ReplicaTable

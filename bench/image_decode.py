@@ -55,8 +55,8 @@ def run_mode(mode: str, side: int, requests: int) -> dict:
     import httpx
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.entry.cluster import free_port
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.entry.up import free_port
     from expertmesh.model.config import preset
     from expertmesh.router.http import build_app, serve_http
     from expertmesh.router.image_decode import ImageDecoder, decode_pixels

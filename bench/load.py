@@ -330,8 +330,8 @@ class InProcess:
     """In-process engine (in-process workers) behind the real HTTP server on loopback."""
 
     def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int, max_waiting: int):
+        from expertmesh.entry.cluster import free_port
         from expertmesh.entry.local import build_local_engine
-        from expertmesh.entry.up import free_port
         from expertmesh.router.http import build_app, serve_http
 
         self.engine = build_local_engine(
@@ -355,7 +355,7 @@ class MultiProcess:
     """`LocalCluster`: router + workers as processes (the router's RSS is reported)."""
 
     def __init__(self, checkpoint, *, attention_workers: int, expert_workers: int, max_running: int, max_waiting: int):
-        from expertmesh.entry.up import LocalCluster, free_port
+        from expertmesh.entry.cluster import LocalCluster, free_port
 
         # the router process has no --max-running flag: it runs with the Engine's default
         self.cluster = LocalCluster(

@@ -177,8 +177,8 @@ def build_inprocess(model_dir: Path, dtype: str):
     and its router's prefill steps, at `dtype` — the same steps, so the same greedy tokens."""
     import torch
 
+    from expertmesh.entry.cluster import default_expert_workers
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.entry.up import default_expert_workers
     from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
 
     experts = default_expert_workers()

@@ -23,8 +23,8 @@ from pathlib import Path
 import openai
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import openai
 
 from expertmesh.checkpoint.loader import default_checkpoint
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.config import preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)

@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2

@@ -5,7 +5,7 @@ the distributed system must give exactly its greedy tokens."""
 from __future__ import annotations
 
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.entry.up import make_placement
+from expertmesh.entry.cluster import make_placement
 from expertmesh.router.engine import Engine
 from expertmesh.router.engine_config import EngineConfig
 from expertmesh.worker.attention import AttentionWorker

@@ -14,16 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# what tests, benches and the in-process deployment import from here
-from expertmesh.entry.cluster import (  # noqa: F401
-    Child,
-    LocalCluster,
-    default_expert_workers,
-    free_port,
-    make_placement,
-    supervise,
-    usable_cores,
-)
+from expertmesh.entry.cluster import LocalCluster, default_expert_workers, supervise
 from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
 from expertmesh.router.server import add_arguments as router_arguments
 from expertmesh.runtime.argtypes import check_kv_tiers, nonnegative_int, positive_int

@@ -308,8 +308,8 @@ def served(tmp_path_factory):
     import grpc
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.entry.cluster import free_port
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.entry.up import free_port
     from expertmesh.model.config import preset
     from expertmesh.protos import router_pb2_grpc
     from expertmesh.router.grpc_service import serve_router_grpc

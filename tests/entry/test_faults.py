@@ -11,7 +11,7 @@ from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.grammar import json_schema_grammar
 from expertmesh.chat.tokenizer import ByteTokenizer
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.wire.clients import RemoteAttention
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from support.router_client import EOS, grpc_generate
 
 from expertmesh.chat.thinking import default_budgets
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.wire.sampling_params import SamplingParams
@@ -283,7 +283,8 @@ def test_default_expert_workers_one_per_two_cores(monkeypatch):
     at least --expert-replicas."""
     import os
 
-    from expertmesh.entry.up import add_arguments, default_expert_workers
+    from expertmesh.entry.cluster import default_expert_workers
+    from expertmesh.entry.up import add_arguments
 
     assert [default_expert_workers(c) for c in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
     assert [default_expert_workers(2, replicas=r) for r in (1, 2, 3)] == [1, 2, 3]  # --expert-replicas R

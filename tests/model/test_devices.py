@@ -191,7 +191,7 @@ def test_cuda_refused_without_cuda():
 
 
 def test_up_passes_device_through():
-    from expertmesh.entry.up import LocalCluster
+    from expertmesh.entry.cluster import LocalCluster
 
     c = LocalCluster("/nonexistent", device="cpu", dtype="bfloat16")
     assert c.device_args == ["--device", "cpu", "--dtype", "bfloat16"]

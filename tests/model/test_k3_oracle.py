@@ -174,7 +174,7 @@ def test_k3_with_dsa_indexer_serves_its_full_attention_layers_as_dsa(k3, tmp_pat
 @pytest.fixture(scope="module", params=VARIANTS)
 def served(request, k3):
     """`expertmesh up --checkpoint DIR`: router + 1 attention + 2 expert workers as processes, one per variant."""
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
 
     grpc_port, http_port = free_port(), free_port()
     with LocalCluster(

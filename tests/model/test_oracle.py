@@ -170,7 +170,7 @@ def test_through_up_matches_transformers(relatives, prompt):
     `/v1/completions` returns (echo + logprobs, max_tokens 0), read with the openai client, equal its logits'."""
     import openai
 
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
     from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 
     for model_type in ("kimi_linear", "deepseek_v32"):

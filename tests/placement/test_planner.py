@@ -520,7 +520,7 @@ def test_cli_as_a_module():
 
 @pytest.mark.parametrize("pods,redundant", [(2, 0), (3, 0), (3, 2), (2, 16)])
 def test_group_aware_plans_keep_each_combine_group_on_one_pod(pods, redundant):
-    from expertmesh.entry.up import make_placement
+    from expertmesh.entry.cluster import make_placement
 
     cfg = preset("tiny")
     plan = make_placement(cfg, pods, redundant)  # what `up` and the in-process engine use
@@ -547,7 +547,7 @@ def test_group_homes_full_preset():
 
 
 def test_min_replicas_puts_every_expert_on_distinct_pods():
-    from expertmesh.entry.up import make_placement
+    from expertmesh.entry.cluster import make_placement
 
     cfg = preset("tiny")
     plan = make_placement(cfg, 3, min_replicas=2)

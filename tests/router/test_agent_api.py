@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.protos import chat_pb2, router_pb2_grpc, sampling_pb2
 
 API_KEY = "sk-test-agent-api"

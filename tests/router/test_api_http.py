@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from expertmesh.chat.thinking import default_budgets
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.config import preset
 
 API_KEY = "sk-test-0123456789"

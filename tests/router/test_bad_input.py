@@ -18,8 +18,8 @@ import pytest
 from support.log_filters import ErrorSignatures
 
 from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import MAX_BODY_BYTES, build_app, serve_http

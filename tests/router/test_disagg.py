@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from expertmesh.chat.tokenizer import ByteTokenizer
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import LocalCluster, free_port
 from expertmesh.model.transformer import generate
 from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.disagg import Pools, choose_decode, pool_load
@@ -164,7 +164,7 @@ def test_a_follow_up_turn_hits_the_prefix_saved_in_the_prefill_pool(engines, pro
 def test_a_sequence_the_decode_pool_has_no_room_for_decodes_where_it_was_prefilled(ckpt, prompts):
     """A decode worker too small for a sequence's reservation never gets it: the sequence finishes on its prefill
     worker with the same tokens; one that fits is handed off."""
-    from expertmesh.entry.up import make_placement
+    from expertmesh.entry.cluster import make_placement
     from expertmesh.router.engine import Engine
     from expertmesh.router.engine_config import EngineConfig
     from expertmesh.worker.expert import ExpertWorker
@@ -296,7 +296,7 @@ def test_import_over_grpc_streams_the_cache_in_pieces_and_refuses_a_bad_stream(c
 
 
 def local_experts(ckpt):
-    from expertmesh.entry.up import make_placement
+    from expertmesh.entry.cluster import make_placement
     from expertmesh.placement.replica_table import ReplicaTable
     from expertmesh.worker.expert import ExpertWorker
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
+from expertmesh.entry.cluster import make_placement
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import make_placement
 from expertmesh.model.attention import LatentAttention
 from expertmesh.model.transformer import generate
 from expertmesh.router.engine import QueueFull, RequestError

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from expertmesh.entry.up import make_placement
+from expertmesh.entry.cluster import make_placement
 from expertmesh.model.config import preset
 from expertmesh.router.engine import Engine, EngineClosed
 from expertmesh.router.engine_config import EngineConfig, step_deadline

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from support.log_filters import ErrorSignatures
 
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
 
 MAX_EXAMPLES = 60

@@ -279,7 +279,7 @@ def test_the_operator_folder_does_not_shadow_the_standard_library():
 
 
 def _serve(app, **timeouts):
-    from expertmesh.entry.up import free_port
+    from expertmesh.entry.cluster import free_port
     from expertmesh.router.http import serve_http
 
     port = free_port()

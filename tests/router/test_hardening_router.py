@@ -51,8 +51,8 @@ def hermes(tmp_path_factory):
     import openai
 
     from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+    from expertmesh.entry.cluster import free_port
     from expertmesh.entry.local import build_local_engine
-    from expertmesh.entry.up import free_port
     from expertmesh.model.config import preset
     from expertmesh.router.http import build_app, serve_http
 
@@ -307,7 +307,7 @@ class DripServer:
 def cluster(tiny_checkpoint_dir):
     """`expertmesh up`'s processes on the tiny checkpoint (vision encoder included): stored responses bounded at
     1 MiB, remote images from the drip server within 2 s, clients that stop reading cut off after 3 s."""
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
 
     drip = DripServer()
     ck = tiny_checkpoint_dir

@@ -23,8 +23,8 @@ from support.paths import DATA
 from expertmesh.chat.load import load_chat
 from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
 
 CASES = json.loads((DATA / "k3" / "chat_cases.json").read_text())["cases"]

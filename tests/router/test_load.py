@@ -11,8 +11,8 @@ import httpx
 import pytest
 from support.paths import REPO
 
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.router.engine import QueueFull
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.wire.sampling_params import SamplingParams

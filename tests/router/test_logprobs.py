@@ -10,8 +10,8 @@ import torch
 
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.engine import RequestError
 from expertmesh.router.http import build_app, serve_http

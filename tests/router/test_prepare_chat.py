@@ -14,8 +14,8 @@ import pytest
 
 from expertmesh.chat.thinking import default_budgets
 from expertmesh.checkpoint.loader import Checkpoint, create_checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.protos import chat_pb2, router_pb2_grpc
 from expertmesh.router.grpc_service import serve_router_grpc

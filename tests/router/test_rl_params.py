@@ -8,8 +8,8 @@ import pytest
 
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.router.http import build_app, serve_http
 
 CHUNK = 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import Transformer
 from expertmesh.model.vision import encode_image

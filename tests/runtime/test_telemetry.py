@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
-from expertmesh.entry.up import free_port
 from expertmesh.model.config import preset
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.runtime import telemetry

@@ -7,7 +7,7 @@ import grpc
 import httpx
 import pytest
 
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.protos import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow

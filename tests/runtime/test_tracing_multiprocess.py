@@ -10,7 +10,7 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -52,7 +52,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import kmock
 
-from expertmesh.entry.up import free_port
+from expertmesh.entry.cluster import free_port
 from expertmesh.operator.naming import COMPONENT_ROUTER, LABEL_COMPONENT, TEMPLATE_HASH_ANNOTATION
 from expertmesh.runtime.tls import client_tls_from_dir
 

@@ -13,7 +13,7 @@ from support.router_client import PROMPTS, run_with_fault, stream
 
 from expertmesh.chat.tokenizer import ByteTokenizer
 from expertmesh.checkpoint.loader import Checkpoint
-from expertmesh.entry.up import LocalCluster, free_port
+from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.transformer import generate
 from expertmesh.wire.clients import RemoteExpert
 from expertmesh.wire.sampling_params import SamplingParams

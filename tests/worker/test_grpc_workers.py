@@ -391,7 +391,7 @@ def test_unreachable_and_deadline_raise_worker_unavailable(servers):
     from expertmesh.wire.worker_api import WorkerUnavailable
 
     assert issubclass(WorkerUnavailable, ConnectionError)
-    from expertmesh.entry.up import free_port
+    from expertmesh.entry.cluster import free_port
 
     with RemoteAttention(f"127.0.0.1:{free_port()}", timeout=5.0) as dead:
         with pytest.raises(WorkerUnavailable, match="UNAVAILABLE"):
@@ -554,7 +554,7 @@ def test_main_rejects_bad_arguments(ckpt, capsys):
 def test_plan_assignment(ckpt, tmp_path):
     pytest.importorskip("expertmesh.placement.plan")
     pytest.importorskip("expertmesh.placement.planner")
-    from expertmesh.entry.up import make_placement
+    from expertmesh.entry.cluster import make_placement
     from expertmesh.worker.cli import plan_assignment
 
     plan = make_placement(ckpt.cfg, 2)

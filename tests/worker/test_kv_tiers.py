@@ -222,7 +222,7 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
     log), so B's next turn is recomputed — the same tokens."""
     from support.router_client import EOS, grpc_generate
 
-    from expertmesh.entry.up import LocalCluster, free_port
+    from expertmesh.entry.cluster import LocalCluster, free_port
 
     rng = random.Random(21)
     prompts = [[rng.randrange(256) for _ in range(160)] for _ in range(3)]
