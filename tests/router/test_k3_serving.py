@@ -17,8 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from support.k3_cases import K3_CASES
 from support.k3_checkpoint import write_k3_checkpoint
-from support.paths import DATA
 
 from expertmesh.chat.load import load_chat
 from expertmesh.chat.thinking import ThinkingBudgets
@@ -27,7 +27,6 @@ from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
 from expertmesh.router.http import build_app, serve_http
 
-CASES = json.loads((DATA / "k3" / "chat_cases.json").read_text())["cases"]
 BUDGETS = (16, 24, 32)  # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
 WEATHER = {
     "type": "function",
@@ -86,7 +85,7 @@ def tokenize_request(case: dict) -> dict:
 
 TOKENIZE_CASES = [
     c
-    for c in CASES
+    for c in K3_CASES
     if c["options"]["add_generation_prompt"]
     and not c["images"]
     and not (c["options"]["thinking"] and c["options"]["thinking_effort"] is None)
@@ -103,7 +102,7 @@ def test_tokenize_equals_the_reference_template(k3, case):
 
 
 def test_tokenize_counts_what_the_chat_endpoint_feeds(k3):
-    case = next(c for c in CASES if c["name"] == "unicode, quotes and ampersands")
+    case = next(c for c in K3_CASES if c["name"] == "unicode, quotes and ampersands")
     body = tokenize_request(case)
     ids = httpx.post(k3["url"] + "/tokenize", json=body, timeout=60).json()["tokens"]
     r = k3["client"].chat.completions.create(
@@ -219,7 +218,7 @@ def test_response_format_json_schema_validates(k3):
 def test_auto_tier_plans_high_and_continues_low_and_says_so(k3):
     """reasoning_effort auto: a new task is a planning round (high), a round answering tool results is low; the
     header names the choice and the prompt states it as K3's thinking_effort."""
-    case = next(c for c in CASES if c["name"] == "unicode, quotes and ampersands")
+    case = next(c for c in K3_CASES if c["name"] == "unicode, quotes and ampersands")
     after_tools = [m for m in case["messages"]]
     while after_tools[-1]["role"] != "tool":
         after_tools.pop()
