@@ -79,3 +79,15 @@ def tiny_checkpoint_copy(tiny_checkpoint_dir):
         return dest
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def api_deployment(tiny_checkpoint_dir, tmp_path_factory):
+    """One `expertmesh up`-style deployment on the shared tiny checkpoint for the public-API test files
+    (tests/support/api_deployment.py: its settings, key and image hosts), started on first use and stopped at the
+    end of the session. Shared: a test must not assert on what other tests leave behind (prefix-cache hits of
+    prompts it did not send, server-wide counters other than as differences)."""
+    from support.api_deployment import api_deployment
+
+    with api_deployment(tiny_checkpoint_dir, tmp_path_factory.mktemp("api_deployment")) as deployment:
+        yield deployment

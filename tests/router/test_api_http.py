@@ -7,12 +7,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from support.api_deployment import API_KEY
 
 from expertmesh.chat.thinking import default_budgets
-from expertmesh.entry.cluster import LocalCluster, free_port
 from expertmesh.model.config import preset
 
-API_KEY = "sk-test-0123456789"
 TOOLS = [
     {
         "type": "function",
@@ -26,20 +25,10 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint_dir):
-    """`expertmesh up`-style: router + 1 attention + 2 expert workers as processes, the key from the environment."""
-    ck = tiny_checkpoint_dir
-    cluster = LocalCluster(
-        ck,
-        attention_workers=1,
-        expert_workers=2,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        extra_env={"EXPERTMESH_API_KEY": API_KEY},
-        router_args=["--max-waiting", "64"],
-    )
-    with cluster:
-        yield cluster.http_url, cluster
+def server(api_deployment):
+    """`expertmesh up`-style: router + 1 attention + 2 expert workers as processes, the key from the environment
+    (the session's shared deployment, tests/support/api_deployment.py)."""
+    return api_deployment.http_url, api_deployment.cluster
 
 
 @pytest.fixture

@@ -2,26 +2,22 @@
 Anthropic messages and Responses APIs of one deployment, with the official clients."""
 
 import base64
-import functools
-import http.server
 import io
-import threading
 
 import anthropic
 import openai
 import pytest
 import torch
 from PIL import Image
+from support.api_deployment import API_KEY, MAX_IMAGE_BYTES, MAX_IMAGES_PER_REQUEST
 
-from expertmesh.entry.cluster import LocalCluster, free_port
+from expertmesh.entry.cluster import free_port
 from expertmesh.model.config import preset
 from expertmesh.model.transformer import Transformer
 from expertmesh.model.vision import encode_image
 
-KEY = "sk-vision-test"
 SIDE = 112  # 8×8 patches → 4×4 = 16 image tokens on the tiny encoder
 IMAGE_TOKENS = (SIDE // 28) ** 2
-MAX_IMAGE_BYTES = 60_000
 
 
 def test_encoder_matches_transformers_kimi_k25():
@@ -84,40 +80,15 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_checkpoint_dir):
-    root = tmp_path_factory.mktemp("vision")
-    (root / "www").mkdir()
-    (root / "www" / "cat.png").write_bytes(png(7))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root / "www"))
-    handler.log_message = lambda *a: None
-    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=files.serve_forever, daemon=True).start()
-    port = files.server_address[1]
-    ck = tiny_checkpoint_dir
-    cluster = LocalCluster(
-        ck,
-        attention_workers=1,
-        expert_workers=1,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        extra_env={"EXPERTMESH_API_KEY": KEY},
-        router_args=[
-            "--max-image-bytes",
-            str(MAX_IMAGE_BYTES),
-            "--max-images-per-request",
-            "2",
-            "--image-fetch-allow",
-            f"127.0.0.1:{port}",
-        ],
-    )
-    with cluster:
-        yield cluster.http_url, port
-    files.shutdown()
+def deployment(api_deployment):
+    """The session's shared deployment (tests/support/api_deployment.py) and its file server, holding cat.png."""
+    (api_deployment.files_dir / "cat.png").write_bytes(png(7))
+    return api_deployment.http_url, api_deployment.files_port
 
 
 @pytest.fixture
 def oai(deployment):
-    return openai.OpenAI(base_url=deployment[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=deployment[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def chat(oai, parts, **kw):
@@ -171,9 +142,11 @@ def test_openai_image_grows_prompt_changes_output_and_is_cached(oai):
 
 
 def test_bad_images_get_400_naming_the_part(oai):
+    too_large = png(5, side=640)  # random pixels: the PNG is about as large as they are
+    assert len(too_large) > MAX_IMAGE_BYTES
     cases = [
         (data_url(b"\x89PNG\r\n\x1a\n this is not a png"), "not a decodable image"),
-        (data_url(png(5, side=200)), "exceed the limit"),  # > --max-image-bytes
+        (data_url(too_large), "exceed the limit"),  # > --max-image-bytes
         ("data:image/png;base64,%%%", "not valid base64"),
         (data_url(b"GIF87a", "image/tiff"), "media type"),
     ]
@@ -191,9 +164,10 @@ def test_bad_images_get_400_naming_the_part(oai):
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, [image_part(data_url(png(1)), "ultra"), TEXT])
     assert "detail" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:  # --max-images-per-request 2
-        chat(oai, [image_part(data_url(png(i))) for i in range(3)] + [TEXT])
-    assert "messages[0].content[2]" in e.value.message and "max_images_per_request" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # one image over --max-images-per-request
+        chat(oai, [image_part(data_url(png(i))) for i in range(MAX_IMAGES_PER_REQUEST + 1)] + [TEXT])
+    assert f"messages[0].content[{MAX_IMAGES_PER_REQUEST}]" in e.value.message
+    assert "max_images_per_request" in e.value.message
     assert chat(oai, [image_part(data_url(png(1))), TEXT]).choices[0].finish_reason  # the server still serves
 
 
@@ -213,7 +187,7 @@ def test_remote_urls_only_from_the_allow_list(oai, deployment):
 
 def test_anthropic_and_responses_images(deployment, oai):
     url, _ = deployment
-    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    client = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=60)
 
     def ask(*blocks):
         return client.messages.create(
