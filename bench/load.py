@@ -11,7 +11,7 @@ load (after the queue drained), and the serving process's RSS before / after a w
 
 `--inprocess` (default): in-process engine behind the real HTTP server on loopback (the load clients share
 the process, so its RSS includes them). `--multiprocess`: `LocalCluster` (router + workers as processes;
-RSS is the router process's). `run_load(base_url, clients, seconds, ...)` is what tests/test_load.py reuses.
+RSS is the router process's). `run_load(base_url, clients, seconds, ...)` is what tests/router/test_load.py reuses.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ inside a decode step, two per layer).
 
 Everything else (plain-tensor weights in other dtypes, no kernel) pads the rows to a multiple of `ROW_TILE` (≥ 16), which
 keeps every call on the same blocked kernel, whose per-row result does not depend on the other rows — measured
-on torch 2.13 CPU and checked by tests/test_batch_invariance.py. There the projections run on a oneDNN
+on torch 2.13 CPU and checked by tests/kernels/test_batch_invariance.py. There the projections run on a oneDNN
 prepacked copy of each weight (`packed_weight`): ATen's F.linear reorders the weight into oneDNN's blocked layout
 on every call, which cost half the time of a 16-row linear (bf16 and fp32 alike: 9 → 17 GB/s of weights). The
 copy is an extra resident copy of every projection weight the kernel does not take on CPU (not of the MXFP4

@@ -1,4 +1,4 @@
-// k3_oracle_driver: llama.cpp on CPU as the oracle of tests/test_k3_oracle.py (built by scripts/k3_oracle.py
+// k3_oracle_driver: llama.cpp on CPU as the oracle of tests/model/test_k3_oracle.py (built by scripts/k3_oracle.py
 // against the llama.cpp that llama-cpp-python 0.3.36 vendors).
 //
 // For each token-id prompt, in a fresh context: one batch with logits at every position, then greedy decoding

@@ -409,7 +409,7 @@ async def controllers(c: Cluster, name: str, hold: set):
 async def test_new_plans_are_published_without_touching_pod_templates():
     """redundantExperts changed, then an expert pod lost: each publishes a new plan in the ConfigMap while every
     pod template stays byte-identical and no pod is restarted (the router and the expert workers adopt the
-    plan live: tests/test_live_replan.py, tests/test_operator_e2e.py)."""
+    plan live: tests/worker/test_live_replan.py, tests/operator/test_operator_e2e.py)."""
 
     def templates():
         return json.dumps(

@@ -77,7 +77,7 @@ def tame(body, use_served_model: bool):
     conversation: the schema says only `messages: list[object]`, and the near-valid chat test below fuzzes the
     messages themselves. Every other value stays as generated.
     Seeds beyond int64 are folded into it: they wedge the engine's queue, a known bug that
-    tests/test_bad_input.py::test_http_bad_input[cmpl-seed-beyond-int64] covers — here it would turn every
+    tests/router/test_bad_input.py::test_http_bad_input[cmpl-seed-beyond-int64] covers — here it would turn every
     later example into a timeout and hide whatever else the fuzzer finds."""
     if not isinstance(body, dict):
         return body

@@ -1,4 +1,4 @@
-"""Traces and metrics of the router over in-process workers (tests/test_up.py checks the cross-process tree)."""
+"""Traces and metrics of the router over in-process workers (tests/entry/test_up.py checks the cross-process tree)."""
 
 import re
 

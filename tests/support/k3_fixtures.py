@@ -2,7 +2,7 @@
 ranks are learned here from a few sentences of chat, tool and JSON text, with multi-byte UTF-8 merges so that
 tokens can hold pieces of a character), `tokenizer_config.json` (K3's special tokens in `added_tokens_decoder`,
 placed among reserved ids the way Kimi's vocabularies place them after the BPE ranks) and, optionally, a K3
-`config.json`. scripts/k3_chat_oracle.py renders its expected ids with this directory; tests/test_k3_chat.py
+`config.json`. scripts/k3_chat_oracle.py renders its expected ids with this directory; tests/chat/test_k3_render.py
 checks that the directory it writes is still the one the data was made with (`tokenizer_digest`)."""
 
 from __future__ import annotations

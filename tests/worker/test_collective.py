@@ -1,5 +1,5 @@
 """`expertmesh up --transport collective`: the per-layer expert exchange over point-to-point pairs (TCP on CPU),
-real processes on loopback. Token-exact against the in-process reference model, as over gRPC (tests/test_up.py),
+real processes on loopback. Token-exact against the in-process reference model, as over gRPC (tests/entry/test_up.py),
 and real faults on an expert rank (SIGKILL, SIGSTOP) with two replicas of every expert: same tokens, no hang,
 the pair re-formed once the worker is back."""
 
