@@ -328,7 +328,7 @@ __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release();
 
 // The tile unit's arithmetic on the vector units, for calls with few rows (an AMX tile costs the same for one row as
 // for 16, and the tile path packs a bmm weight per call). What TDPBF16PS computes per output element, found
-// bitwise on this project's CPU (tests/test_linear_kernel.py compares the two paths): over one instruction's K
+// bitwise on this project's CPU (tests/kernels/test_linear_cpu_kernel.py compares the two paths): over one instruction's K
 // pairs, the even products and the odd products are summed apart, each in fp32 in pair order starting at +0, and
 // their sum is added to the accumulator — c = c + (S_even + S_odd) — with subnormal inputs read as zero and
 // subnormal results flushed (MXCSR DAZ + FTZ here). A bf16 product is exact in fp32, so one FMA is one such
