@@ -4,7 +4,7 @@ scheduled.
 
 A forced tool call is the chat format's own markup — the built-in ⟨tool_call⟩ name \\n JSON-arguments
 ⟨/tool_call⟩, a checkpoint template's Hermes `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`, Kimi K2's or
-DeepSeek V3.1's section (chat_template.ToolCallFormat.markup) — with the name among the allowed tools and the
+DeepSeek V3.1's section (chat/tool_call_formats.ToolCallFormat.markup) — with the name among the allowed tools and the
 arguments validating against that tool's `parameters`; the sampler then forces the end of turn. With thinking on,
 the grammar starts after the end-of-thinking marker (reasoning stays free).
 

@@ -11,7 +11,6 @@ from expertmesh.chat.format import ChatError, Message, ToolCall, check_render_op
 from expertmesh.chat.jinja_env import arguments_value
 from expertmesh.chat.k3_markup import CLOSE, END_OF_MSG, MEDIA_TOKENS, OPEN, SEP, K3Vocab, escape_attr
 
-THINKING_EFFORTS = ("low", "high", "max")
 TOOL_DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
 EFFORT = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including the response "

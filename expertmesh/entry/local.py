@@ -30,7 +30,7 @@ def build_local_engine(
     **engine_kw,
 ) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
-    --max-context, --thinking-budgets) for the engine; the workers keep the checkpoint's. `dtype`: the attention
+    --max-context) for the engine; the workers keep the checkpoint's. `dtype`: the attention
     workers' compute dtype (default: the device's, memory.compute_dtype), as `expertmesh up --dtype`. `kv_tiers`:
     every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
     `prefill_workers`: a prefill pool of that many attention workers beside the `attention_workers` of the decode

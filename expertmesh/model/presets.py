@@ -124,8 +124,8 @@ def _full_2_8t() -> dict:
     style): expert width 3,072; first layer dense (SiTU width 18,432); full-attention layers spread evenly with the
     last one full (KDA:full ≈ 3:1); MLA 64 heads, q LoRA rank 1,536, nope/v head dims 128/128; attention-residual
     blocks of 6 layers; routed scaling 2.5; the indexer DeepSeek-V3.2's 64 heads × 128 dims (no RoPE: the model is
-    NoPE); combine groups of 56 experts (one per expert pod per layer at 16 pods); thinking caps 4,096 / 32,768 /
-    131,072 reasoning tokens.
+    NoPE); combine groups of 56 experts (one per expert pod per layer at 16 pods). Its thinking budgets are serving
+    policy: expertmesh/chat/thinking.py.
     """
     return dict(
         name="full-2.8t",
