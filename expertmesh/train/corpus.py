@@ -309,13 +309,14 @@ def kind_sentence(synset: Synset, hypernym: Synset) -> str:
     return f"{noun_subject(synset, 'a')} is a kind of {parent}."
 
 
-def plain_documents(synsets: list[Synset]) -> list[str]:
-    """One short paragraph per synset that is not held out and has a definition: its definition as a sentence, its
-    examples as sentences, what it is a kind of, and its other names."""
+def plain_documents(synsets: list[Synset], *, include_held_out: bool = False) -> list[str]:
+    """One short paragraph per synset that is not held out (`include_held_out`: those too — the evaluation's text)
+    and has a definition: its definition as a sentence, its examples as sentences, what it is a kind of, and its
+    other names."""
     by_key = {s.key: s for s in synsets}
     documents = []
     for s in synsets:
-        if held_out(s) or not s.definition:
+        if (held_out(s) and not include_held_out) or not s.definition:
             continue
         article = "the" if int.from_bytes(hashlib.sha256(s.key.encode()).digest()[:2], "big") % 2 else "a"
         parts = [definition_sentence(s, article)]
@@ -468,15 +469,15 @@ def _reasoning(s: Synset, article: str, effort: str | None, by_key: dict[str, Sy
     return " ".join([restated, *body, closing])
 
 
-def conversations(synsets: list[Synset], seed: int) -> list[ChatSample]:
+def conversations(synsets: list[Synset], seed: int, *, include_held_out: bool = False) -> list[ChatSample]:
     """One user question and assistant answer for every noun with a definition and for OTHER_POS_SHARE of the verbs
-    and adjectives (held-out synsets never), deterministic for `seed`: thinking off in THINKING_OFF_SHARE of
+    and adjectives (held-out synsets only with `include_held_out`), deterministic for `seed`: thinking off in THINKING_OFF_SHARE of
     them, else an effort of EFFORTS (reasoning length growing with it); now and then a system prompt first."""
     rng = random.Random(seed)
     by_key = {s.key: s for s in synsets}
     samples = []
     for s in synsets:
-        if held_out(s) or not s.definition or s.pos == "r":
+        if (held_out(s) and not include_held_out) or not s.definition or s.pos == "r":
             continue
         if s.pos != "n" and rng.random() >= OTHER_POS_SHARE:
             continue
