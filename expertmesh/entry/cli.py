@@ -101,11 +101,12 @@ def cmd_checkpoint_inspect(args) -> int:
 # ----------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
     from expertmesh.chat.tokenizer import load_tokenizer
-    from expertmesh.checkpoint.loader import Checkpoint, default_checkpoint
+    from expertmesh.checkpoint.embedded import default_checkpoint_dir
+    from expertmesh.checkpoint.loader import Checkpoint
     from expertmesh.model.transformer import generate
     from expertmesh.wire.sampling_params import SamplingParams
 
-    path = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.preset)
+    path = Path(args.checkpoint) if args.checkpoint else default_checkpoint_dir(args.preset)
     model = Checkpoint(path).load_model(dense_attention=args.dense)
     tok = load_tokenizer(path)
     prompt = tok.encode_prompt(args.prompt)
@@ -159,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate with the single-process reference model")
     g.add_argument("prompt")
-    g.add_argument("--preset", default="tiny", help="synthetic checkpoint to use when --checkpoint is not given")
+    g.add_argument(
+        "--preset",
+        default=None,
+        help="a preset's synthetic checkpoint instead of the embedded default (models/k3-tiny)",
+    )
     g.add_argument("--checkpoint")
     g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)

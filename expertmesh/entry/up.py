@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from expertmesh.checkpoint.embedded import default_checkpoint_dir
 from expertmesh.entry.cluster import LocalCluster, default_expert_workers, supervise
 from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
 from expertmesh.router.server import add_arguments as router_arguments
@@ -84,10 +85,7 @@ def run_up(args) -> int:
         print(f"expertmesh up: error: {e}", file=sys.stderr)
         return 2
     if args.checkpoint is None:
-        # torch only to write a synthetic checkpoint: the CLI builds up's parser for every command, the router's too
-        from expertmesh.checkpoint.loader import default_checkpoint
-
-        args.checkpoint = str(default_checkpoint(args.preset))
+        args.checkpoint = str(default_checkpoint_dir(args.preset))
     checkpoint = args.checkpoint
     worker_tls = None
     if args.tls_dir is None and not args.insecure_workers:
@@ -157,8 +155,12 @@ def _device(value: str) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", help="checkpoint directory (default: a synthetic tiny one, created on first run)")
-    p.add_argument("--preset", default="tiny", help="preset of the synthetic checkpoint when --checkpoint is not given")
+    p.add_argument(
+        "--checkpoint", help="checkpoint directory (default: the embedded k3-tiny model shipped in models/k3-tiny)"
+    )
+    p.add_argument(
+        "--preset", default=None, help="serve this preset's synthetic checkpoint (created on first run) instead"
+    )
     p.add_argument("--attention-workers", type=positive_int, default=1)
     p.add_argument(
         "--prefill-workers",
