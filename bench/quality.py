@@ -71,7 +71,7 @@ def held_out_stream(synsets: list[corpus.Synset], chat: K3Chat, seed: int) -> to
     docs = corpus.plain_documents(held, include_held_out=True)
     samples = corpus.conversations(held, seed + 1, include_held_out=True)
     tokenizer = chat.tokenizer
-    ids = loop._stream(tokenizer, chat, docs, samples, tokenizer.special("[EOS]"), random.Random(seed + 1))
+    ids = loop.token_stream(tokenizer, chat, docs, samples, tokenizer.special("[EOS]"), random.Random(seed + 1))
     return torch.tensor(ids, dtype=torch.int64)
 
 
@@ -155,8 +155,8 @@ def reference_reply(s: corpus.Synset, effort: str, by_key: dict, seed: int) -> M
     """The assistant turn the corpus writes for "Tell me about the <word>." at `effort` (its reasoning and answer,
     corpus.conversations' own helpers with the article "the" that question takes)."""
     rng = random.Random(f"{seed}:{s.key}:{effort}")
-    reasoning = corpus._reasoning(s, "the", effort, by_key, rng)
-    answer = corpus._answer(s, "the", corpus._hypernym(s, by_key), rng)
+    reasoning = corpus.reasoning_text(s, "the", effort, by_key, rng)
+    answer = corpus.answer_text(s, "the", corpus.hypernym_of(s, by_key), rng)
     return Message("assistant", answer, reasoning=reasoning)
 
 

@@ -1,7 +1,8 @@
 """Train the embedded default: a K3+DSA-shaped model (KDA with K3's full-rank gate and lower bound, gated DSA on every
 fourth layer with its lightning indexer, latent MoE with SiTU, attention residuals, 2 shared experts, ungrouped top-k,
 one MTP layer; experts quantization-aware to MXFP4) on WordNet's English (Debian `wordnet-base`, WordNet 3.0 licence),
-written as a Kimi K3 Hugging Face directory the serving loader reads. CPU, 2 threads; deterministic for a seed.
+written as a Kimi K3 Hugging Face directory the serving loader reads. CPU (--threads, default 2: on a machine
+other jobs share, 1 is faster); deterministic for a seed and thread count.
 
     python scripts/train_tiny.py --out models/k3-tiny            # the shipped checkpoint (~40 minutes on 2 cores)
     python scripts/train_tiny.py --out /tmp/t --steps 8 --max-synsets 2000 --hidden 64   # a smoke run
@@ -23,7 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (replaced)")
     ap.add_argument("--work", type=Path, default=None, help="tokenizer and report (default: <out>/../.train-work)")
     defaults = TrainConfig(out=Path("."))
-    for f in ("seed", "steps", "batch", "seq_len", "lr", "dense_fraction", "mtp_weight", "bpe_ranks", "eval_every"):
+    for f in (
+        "seed",
+        "steps",
+        "batch",
+        "seq_len",
+        "lr",
+        "dense_fraction",
+        "mtp_weight",
+        "bpe_ranks",
+        "eval_every",
+        "threads",
+    ):
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(defaults, f)), default=getattr(defaults, f))
     ap.add_argument("--max-synsets", type=int, default=None, help="train on a random slice of WordNet")
     ap.add_argument("--hidden", type=int, default=Shape.hidden, help="hidden size (smoke runs)")
@@ -45,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mtp_weight",
                 "bpe_ranks",
                 "eval_every",
+                "threads",
             )
         },
     )

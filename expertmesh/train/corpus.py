@@ -321,7 +321,7 @@ def plain_documents(synsets: list[Synset], *, include_held_out: bool = False) ->
         article = "the" if int.from_bytes(hashlib.sha256(s.key.encode()).digest()[:2], "big") % 2 else "a"
         parts = [definition_sentence(s, article)]
         parts += [sentence(e) for e in s.examples]
-        parent = _hypernym(s, by_key)
+        parent = hypernym_of(s, by_key)
         if parent is not None:
             parts.append(kind_sentence(s, parent))
         if s.pos == "n" and len(s.words) > 1:
@@ -330,7 +330,7 @@ def plain_documents(synsets: list[Synset], *, include_held_out: bool = False) ->
     return documents
 
 
-def _hypernym(synset: Synset, by_key: dict[str, Synset]) -> Synset | None:
+def hypernym_of(synset: Synset, by_key: dict[str, Synset]) -> Synset | None:
     for offset in synset.hypernyms:
         parent = by_key.get(f"{synset.pos}{offset:08d}")
         if parent is not None:
@@ -396,7 +396,7 @@ def _answer_head(s: Synset, article: str) -> str:
     return definition_sentence(s, article)
 
 
-def _answer(s: Synset, article: str, parent: Synset | None, rng: random.Random) -> str:
+def answer_text(s: Synset, article: str, parent: Synset | None, rng: random.Random) -> str:
     parts = [_answer_head(s, article)]
     if s.examples and rng.random() < 0.4:
         parts.append(f'For example: "{rng.choice(s.examples)}".')
@@ -434,14 +434,14 @@ _FILLERS = [
 ]
 
 
-def _reasoning(s: Synset, article: str, effort: str | None, by_key: dict[str, Synset], rng: random.Random) -> str:
+def reasoning_text(s: Synset, article: str, effort: str | None, by_key: dict[str, Synset], rng: random.Random) -> str:
     """Longer with more effort: low one sentence, default one or two, high 3-5, max 6-10."""
     restated = _restatement(s, article, rng)
     if effort == "low":
         return restated
     chain, node = [], s
     for _ in range(3 if effort == "max" else 1):
-        parent = _hypernym(node, by_key)
+        parent = hypernym_of(node, by_key)
         if parent is None:
             break
         chain.append((node, parent))
@@ -484,10 +484,10 @@ def conversations(synsets: list[Synset], seed: int, *, include_held_out: bool = 
         question, article = _question(s, rng)
         thinking = rng.random() >= THINKING_OFF_SHARE
         effort = rng.choice(EFFORTS) if thinking else None
-        parent = _hypernym(s, by_key)
-        reasoning = _reasoning(s, article, effort, by_key, rng) if thinking else None
+        parent = hypernym_of(s, by_key)
+        reasoning = reasoning_text(s, article, effort, by_key, rng) if thinking else None
         messages = [Message("system", SYSTEM_PROMPT)] if rng.random() < 0.1 else []
         messages.append(Message("user", question))
-        messages.append(Message("assistant", _answer(s, article, parent, rng), reasoning=reasoning))
+        messages.append(Message("assistant", answer_text(s, article, parent, rng), reasoning=reasoning))
         samples.append(ChatSample(messages, thinking, effort))
     return samples

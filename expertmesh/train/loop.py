@@ -65,7 +65,9 @@ class Data:
     stats: dict
 
 
-def _stream(tokenizer: TikTokenTokenizer, chat: K3Chat, docs: list[str], samples: list, sep: int, rng) -> list[int]:
+def token_stream(
+    tokenizer: TikTokenTokenizer, chat: K3Chat, docs: list[str], samples: list, sep: int, rng
+) -> list[int]:
     """Documents and rendered conversations, shuffled, each followed by `sep`, as one token stream."""
     items = [("doc", d) for d in docs] + [("chat", s) for s in samples]
     rng.shuffle(items)
@@ -116,8 +118,8 @@ def prepare_data(cfg: TrainConfig, work: Path) -> Data:
     tokenizer = TikTokenTokenizer(tok_dir)
     chat = K3Chat(tokenizer)
     sep = special["[EOS]"]
-    train = _stream(tokenizer, chat, docs, samples, sep, random.Random(cfg.seed))
-    held = _stream(tokenizer, chat, held_docs, held_samples, sep, random.Random(cfg.seed + 1))
+    train = token_stream(tokenizer, chat, docs, samples, sep, random.Random(cfg.seed))
+    held = token_stream(tokenizer, chat, held_docs, held_samples, sep, random.Random(cfg.seed + 1))
     stats = {
         "synsets": len(synsets),
         "held_out_synsets": len(held_sets),
