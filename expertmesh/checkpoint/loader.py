@@ -360,7 +360,7 @@ class Checkpoint:
         dtypes = {v: k for k, v in _DTYPE_NAMES.items()}
         out = []
         for name, (dtype, shape) in self.hf.files.header.items():
-            m = re.match(r"model\.layers\.(\d+)\.", name)
+            m = re.match(r"(?:language_model\.)?model\.layers\.(\d+)\.", name)
             spec = TensorSpec(name, dtypes.get(dtype, torch.uint8), tuple(shape), int(m.group(1)) if m else None)
             out.append((spec, self.hf.files.file_of[name].name, ".experts." in name))
         return out
@@ -391,7 +391,11 @@ def inspect_checkpoint(path) -> dict:
     stored = ck.stored_tensors()
     tensor_bytes = sum(s.nbytes for s, _, _ in stored)
     file_bytes = sum(p.stat().st_size for p in ck.files())
-    expert_bytes = sum(s.nbytes for s, _, expert in stored if expert)
+    n_layers = ck.cfg.n_layers
+    # layers past num_hidden_layers (multi-token prediction) are not served: counted apart, so the bits per
+    # expert weight are the served experts' own
+    extra = [(s, e) for s, _, e in stored if s.layer is not None and s.layer >= n_layers]
+    expert_bytes = sum(s.nbytes for s, _, expert in stored if expert) - sum(s.nbytes for s, e in extra if e)
     expert_weights = ck.cfg.routed_expert_params
     layers = []
     for i, kind in enumerate(ck.cfg.layer_types):
@@ -419,6 +423,8 @@ def inspect_checkpoint(path) -> dict:
         "expert_weights": expert_weights,
         "expert_bytes": expert_bytes,
         "bits_per_expert_weight": 8 * expert_bytes / expert_weights if expert_weights else 0.0,
-        "other_bytes": tensor_bytes - expert_bytes,
+        "other_bytes": tensor_bytes - expert_bytes - sum(s.nbytes for s, _ in extra),
+        "mtp_layers": sorted({s.layer for s, _ in extra}),
+        "mtp_bytes": sum(s.nbytes for s, _ in extra),
         "layers": layers,
     }

@@ -84,6 +84,11 @@ def cmd_checkpoint_inspect(args) -> int:
                 ("expert weights", f"{info['expert_weights']:,} in {info['expert_bytes']:,} bytes"),
                 ("bits per expert weight", f"{info['bits_per_expert_weight']:.4f}"),
                 ("other bytes", f"{info['other_bytes']:,}"),
+                *(
+                    [("MTP layers (not served)", f"{info['mtp_layers']}: {info['mtp_bytes']:,} bytes")]
+                    if info["mtp_layers"]
+                    else []
+                ),
                 ("file overhead bytes", f"{info['file_overhead_bytes']:,} (headers, beyond tensor data)"),
             ]
         )
