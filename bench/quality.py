@@ -29,6 +29,7 @@ number with --json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -229,8 +230,13 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--checkpoint", type=Path, default=Path("models/k3-tiny"), help="a K3 directory from training")
     ap.add_argument("--json", default=None, help="where to write every number")
     ap.add_argument("--windows", type=int, default=16, help="held-out windows")
-    ap.add_argument("--context", type=int, default=512, help="window length: the trained context (TrainConfig.seq_len)")
-    ap.add_argument("--topk", default="16,64,256", help="DSA top-k values to compare with dense attention")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="window length (default: the trained context, training.json's seq_len beside the checkpoint; else 512)",
+    )
+    ap.add_argument("--topk", default="16,32,64,128", help="DSA top-k values to compare with dense attention")
     ap.add_argument("--prompts", type=int, default=12, help="held-out prompts per thinking effort")
     ap.add_argument("--max-tokens", type=int, default=160, help="generated tokens per prompt at most")
     ap.add_argument("--seed", type=int, default=0, help="training's seed (which synsets, the held-out shuffle)")
@@ -248,11 +254,14 @@ def parse_args(argv: list[str] | None):
         ap.error(f"--topk {args.topk!r}: expected comma-separated integers such as 16,64,256")
     if not args.topk_list or min(args.topk_list) < 1:
         ap.error(f"--topk {args.topk!r}: expected at least one top-k >= 1")
+    if not (args.checkpoint / "config.json").is_file():
+        ap.error(f"--checkpoint {args.checkpoint}: no config.json (train one with scripts/train_tiny.py)")
+    if args.context is None:
+        report = args.checkpoint / "training.json"
+        args.context = json.loads(report.read_text())["config"]["seq_len"] if report.is_file() else 512
     for name in ("windows", "context", "prompts", "max_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
-    if not (args.checkpoint / "config.json").is_file():
-        ap.error(f"--checkpoint {args.checkpoint}: no config.json (train one with scripts/train_tiny.py)")
     return args
 
 
