@@ -18,24 +18,27 @@ from pathlib import Path
 from expertmesh.train.export import Shape
 from expertmesh.train.loop import TrainConfig, train
 
+# TrainConfig fields that are command-line flags of the same name (--seq-len for seq_len ...)
+FLAGS = (
+    "seed",
+    "steps",
+    "batch",
+    "seq_len",
+    "lr",
+    "dense_fraction",
+    "mtp_weight",
+    "bpe_ranks",
+    "eval_every",
+    "threads",
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write (replaced)")
     ap.add_argument("--work", type=Path, default=None, help="tokenizer and report (default: <out>/../.train-work)")
     defaults = TrainConfig(out=Path("."))
-    for f in (
-        "seed",
-        "steps",
-        "batch",
-        "seq_len",
-        "lr",
-        "dense_fraction",
-        "mtp_weight",
-        "bpe_ranks",
-        "eval_every",
-        "threads",
-    ):
+    for f in FLAGS:
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(defaults, f)), default=getattr(defaults, f))
     ap.add_argument("--max-synsets", type=int, default=None, help="train on a random slice of WordNet")
     ap.add_argument("--hidden", type=int, default=Shape.hidden, help="hidden size (smoke runs)")
@@ -45,21 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         work=a.work,
         shape=dataclasses.replace(Shape(), hidden=a.hidden),
         max_synsets=a.max_synsets,
-        **{
-            f: getattr(a, f)
-            for f in (
-                "seed",
-                "steps",
-                "batch",
-                "seq_len",
-                "lr",
-                "dense_fraction",
-                "mtp_weight",
-                "bpe_ranks",
-                "eval_every",
-                "threads",
-            )
-        },
+        **{f: getattr(a, f) for f in FLAGS},
     )
     train(cfg, log=lambda line: print(line, flush=True))
     return 0

@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+from support.train_shapes import SMALL
 
-from expertmesh.train.export import Shape
 from expertmesh.train.loop import TrainConfig, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,24 +19,6 @@ _spec = importlib.util.spec_from_file_location("bench_quality", REPO / "bench" /
 quality = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quality)
 
-SMALL = Shape(
-    hidden=64,
-    dense_intermediate=96,
-    heads=2,
-    kda_head_dim=16,
-    experts=8,
-    top_k=2,
-    expert_intermediate=32,
-    latent=32,
-    q_lora=32,
-    kv_lora=32,
-    qk_nope=16,
-    qk_rope=8,
-    v_head=16,
-    index_heads=2,
-    index_head_dim=16,
-    index_topk=8,
-)
 CONTEXT = 64
 SYNSETS = 600
 

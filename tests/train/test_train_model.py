@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 from support import k3_fixtures
+from support.train_shapes import SMALL
 
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.kernels.kda.naive import kda_recurrent_reference
 from expertmesh.train.export import (
-    Shape,
     load_train_model,
     model_config,
     stored,
@@ -23,25 +23,6 @@ from expertmesh.train.export import (
 )
 from expertmesh.train.kda import chunk_kda_train
 from expertmesh.train.model import TrainModel
-
-SMALL = Shape(
-    hidden=64,
-    dense_intermediate=96,
-    heads=2,
-    kda_head_dim=16,
-    experts=8,
-    top_k=2,
-    expert_intermediate=32,
-    latent=32,
-    q_lora=32,
-    kv_lora=32,
-    qk_nope=16,
-    qk_rope=8,
-    v_head=16,
-    index_heads=2,
-    index_head_dim=16,
-    index_topk=8,
-)
 
 
 @pytest.mark.parametrize("T", [1, 31, 70])
