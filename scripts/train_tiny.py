@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TrainConfig(out=Path("."))
     for f in FLAGS:
         ap.add_argument("--" + f.replace("_", "-"), type=type(getattr(defaults, f)), default=getattr(defaults, f))
+    ap.add_argument("--window-seed", type=int, default=None, help="the training windows' order (default: --seed)")
+    ap.add_argument("--init", type=Path, default=None, help="continue from this written checkpoint (same shape)")
     ap.add_argument("--max-synsets", type=int, default=None, help="train on a random slice of WordNet")
     ap.add_argument("--hidden", type=int, default=Shape.hidden, help="hidden size (smoke runs)")
     a = ap.parse_args(argv)
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         work=a.work,
         shape=dataclasses.replace(Shape(), hidden=a.hidden),
         max_synsets=a.max_synsets,
+        init=a.init,
+        window_seed=a.window_seed,
         **{f: getattr(a, f) for f in FLAGS},
     )
     train(cfg, log=lambda line: print(line, flush=True))

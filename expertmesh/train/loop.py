@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from expertmesh.chat.k3 import K3Chat
 from expertmesh.chat.tiktoken_tokenizer import TikTokenTokenizer
 from expertmesh.train import bpe, corpus
-from expertmesh.train.export import Shape, model_config, text_config, wrapper_config, write_checkpoint
+from expertmesh.train.export import Shape, load_train_model, model_config, text_config, wrapper_config, write_checkpoint
 from expertmesh.train.model import TrainModel
 
 
@@ -52,6 +52,8 @@ class TrainConfig:
     eval_every: int = 100
     threads: int = 2
     work: Path | None = None  # tokenizer and token streams (default: out's parent / .train-work)
+    window_seed: int | None = None  # the order of the training windows (default: seed); a continued run takes a new one
+    init: Path | None = None  # continue from a written checkpoint (its bf16 masters and tokenizer) instead of random
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -206,6 +208,12 @@ def train(cfg: TrainConfig, log=print) -> dict:
     raw = wrapper_config(text_config(cfg.shape, data.vocab_size, data.special), data.special, cfg.shape)
     mcfg = model_config(raw, Path(cfg.out).name)
     model = TrainModel(mcfg, mtp=True, seed=cfg.seed)
+    if cfg.init is not None:
+        start = load_train_model(Path(cfg.init), "bf16")
+        if start.cfg != mcfg:
+            raise ValueError(f"--init {cfg.init}: its config.json is not this run's model (shape or tokenizer differ)")
+        model.load_state_dict(start.state_dict())
+        model.set_qat(True)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "embed" not in n)]
@@ -214,11 +222,12 @@ def train(cfg: TrainConfig, log=print) -> dict:
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
+    window_seed = cfg.seed if cfg.window_seed is None else cfg.window_seed
     topk = cfg.shape.index_topk
     dense_steps = int(cfg.steps * cfg.dense_fraction)
     history = []
     t0 = time.time()
-    for step, window in zip(range(cfg.steps), batches(data.train, cfg.batch, cfg.seq_len, cfg.seed)):
+    for step, window in zip(range(cfg.steps), batches(data.train, cfg.batch, cfg.seq_len, window_seed)):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         sparse = step >= dense_steps

@@ -14,24 +14,26 @@ from expertmesh.checkpoint.loader import Checkpoint
 HIDDEN = 64
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    out = root / "k3-small"
+SLICE = ("--batch", "4", "--seq-len", "48", "--max-synsets", "800", "--bpe-ranks", "300", "--eval-every", "0")
+
+
+def train_tiny(*args: str) -> None:
+    """scripts/train_tiny.py as its command line runs it."""
     argv = sys.argv
-    sys.argv = [
-        "train_tiny.py",
-        *("--out", str(out), "--work", str(root / "work")),
-        *("--steps", "16", "--batch", "4", "--seq-len", "48", "--lr", "0.01", "--max-synsets", "800"),
-        *("--bpe-ranks", "300", "--eval-every", "0", "--hidden", str(HIDDEN)),
-    ]
+    sys.argv = ["train_tiny.py", *args, *SLICE, "--hidden", str(HIDDEN)]
     try:
         with pytest.raises(SystemExit) as done:
             runpy.run_path("scripts/train_tiny.py", run_name="__main__")
     finally:
         sys.argv = argv
     assert done.value.code == 0
-    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    train_tiny("--out", str(root / "k3-small"), "--work", str(root / "work"), "--steps", "16", "--lr", "0.01")
+    return root / "k3-small"
 
 
 def test_loss_falls(run):
@@ -51,3 +53,11 @@ def test_the_trained_slice_loads_for_serving(run):
 def test_small_shape_is_what_the_script_trained(run):
     shape = json.loads((run / "config.json").read_text())["expertmesh_training_shape"]
     assert shape["hidden"] == HIDDEN
+
+
+def test_a_run_continues_from_a_written_checkpoint(run, tmp_path):
+    """--init: the trained slice's weights, not a random start (its first loss is near where the slice ended)."""
+    out = tmp_path / run.name  # the same name: the same model config
+    train_tiny("--out", str(out), "--work", str(tmp_path / "work"), "--init", str(run), "--steps", "2")
+    before, after = (json.loads((d / "training.json").read_text()) for d in (run, out))
+    assert after["first_loss"] < before["first_loss"] - 0.5, (before, after)
