@@ -4,7 +4,7 @@ one MTP layer; experts quantization-aware to MXFP4) on WordNet's English (Debian
 written as a Kimi K3 Hugging Face directory the serving loader reads. CPU (--threads, default 2: on a machine
 other jobs share, 1 is faster); deterministic for a seed and thread count.
 
-    python scripts/train_tiny.py --out models/k3-tiny            # the shipped checkpoint (~40 minutes on 2 cores)
+    python scripts/train_tiny.py --out models/k3-tiny --work /tmp/k3-work   # the shipped checkpoint (~38 min, 2 cores)
     python scripts/train_tiny.py --out /tmp/t --steps 8 --max-synsets 2000 --hidden 64   # a smoke run
 """
 
