@@ -141,13 +141,6 @@ class KDAttention(nn.Module):
         return self.o_proj(self.o_norm(o).reshape(B, T, -1) * torch.sigmoid(self.g_proj(x)))
 
 
-@dataclass
-class IndexerLoss:
-    """The indexer's KL towards the main attention (summed over the DSA layers of one forward)."""
-
-    kl: torch.Tensor
-
-
 class LatentAttention(nn.Module):
     """NoPE gated MLA in the absorbed form (model/attention.LatentAttention), and with `indexed` DeepSeek-V3.2's
     lightning indexer choosing `index_topk` keys per query once training is sparse."""
@@ -179,7 +172,7 @@ class LatentAttention(nn.Module):
         iw = self.index_w(x.detach()) * (ix.n_heads * ix.head_dim) ** -0.5  # [B, T, Hi]
         return torch.einsum("bthd,bsd->btsh", iq, ik).relu().mul(iw[:, :, None, :]).sum(-1)
 
-    def forward(self, x: torch.Tensor, topk: int | None, losses: list[IndexerLoss]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk: int | None, losses: list[torch.Tensor]) -> torch.Tensor:
         """`topk`: the keys each query sees (None: dense). An indexed layer appends its indexer loss."""
         m = self.m
         B, T, _ = x.shape
@@ -210,7 +203,7 @@ class LatentAttention(nn.Module):
             target = probs.detach().sum(1)  # [B, T, T]: over heads, then L1-normalised
             target = target / target.sum(-1, keepdim=True)
             kl = (target * (torch.log(target.clamp_min(1e-12)) - p_index.clamp_min(-1e4))).masked_fill(~visible, 0)
-            losses.append(IndexerLoss(kl.sum(-1).mean()))
+            losses.append(kl.sum(-1).mean())
         o_lat = torch.einsum("bhts,bsc->bthc", probs, c_kv)  # [B, T, nH, kv_lora]
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, -1)
         return self.o_proj(o * torch.sigmoid(self.gate(x)))
@@ -319,7 +312,7 @@ class Layer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.activation)
 
-    def attend(self, x: torch.Tensor, topk: int | None, losses: list[IndexerLoss]) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, topk: int | None, losses: list[torch.Tensor]) -> torch.Tensor:
         x = self.attn_norm(x)
         return self.attn(x) if self.kind == "kda" else self.attn(x, topk, losses)
 
@@ -361,6 +354,11 @@ class MTPLayer(nn.Module):
         return self.head(self.head_norm(x))
 
 
+def total(losses: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The indexer losses of one forward (one scalar per DSA layer) summed; zero without DSA layers."""
+    return torch.stack(losses).sum() if losses else like.new_zeros(())
+
+
 @dataclass
 class Output:
     logits: torch.Tensor  # [B, T, V] next-token logits
@@ -395,21 +393,21 @@ class TrainModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, topk: int | None = None) -> Output:
         """tokens [B, T] → Output; `topk` None: DSA layers attend densely (the indexer's warm-up)."""
-        losses: list[IndexerLoss] = []
+        losses: list[torch.Tensor] = []
         blocks: list[torch.Tensor] = []
         current = self.embed(tokens)
         for layer in self.layers:
             current = layer(blocks, current, topk, losses)
         final = self.out_res(blocks, current) if self.cfg.attn_res_block_size is not None else current
         hidden = self.norm(final)
-        kl = torch.stack([x.kl for x in losses]).sum() if losses else hidden.new_zeros(())
+        kl = total(losses, hidden)
         return Output(self.lm_head(hidden), hidden, kl)
 
     def mtp_logits(
         self, tokens: torch.Tensor, out: Output, topk: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer's logits for tokens t+2 at positions t = 0 .. T-2 [B, T-1, V], and its indexer loss."""
-        losses: list[IndexerLoss] = []
+        losses: list[torch.Tensor] = []
         logits = self.mtp(self.embed(tokens[:, 1:]), out.hidden[:, :-1], topk, losses)
-        kl = torch.stack([x.kl for x in losses]).sum() if losses else logits.new_zeros(())
+        kl = total(losses, logits)
         return logits, kl
