@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -170,7 +171,7 @@ def thinking_rows(model, chat: K3Chat, synsets, prompts: list, max_tokens: int, 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(chat.markers.stop))
     rows, samples = [], []
     for effort in EFFORTS:
-        reasoning_tokens, answer_tokens, answered, finished, stopped, nll = [], [], 0, 0, 0, []
+        reasoning_tokens, answer_tokens, answered, finished, stopped, named, nll = [], [], 0, 0, 0, 0, []
         for s in prompts:
             user = Message("user", f"Tell me about the {s.words[0]}.")
             prompt = chat.render_ids([user], thinking=True, thinking_effort=effort)
@@ -182,6 +183,8 @@ def thinking_rows(model, chat: K3Chat, synsets, prompts: list, max_tokens: int, 
             answered += bool(answer)
             finished += parsed.finished_thinking
             stopped += out.finish_reason == "stop"
+            # does it take up the word it was asked about (anywhere in its reasoning or answer)?
+            named += bool(re.search(rf"\b{re.escape(s.words[0].lower())}\b", f"{parsed.reasoning} {answer}".lower()))
             samples.append({"word": s.words[0], "effort": effort, "reasoning": parsed.reasoning, "answer": answer})
             full = chat.render_ids(
                 [user, reference_reply(s, effort, by_key, seed)],
@@ -203,6 +206,7 @@ def thinking_rows(model, chat: K3Chat, synsets, prompts: list, max_tokens: int, 
                 "answered_fraction": answered / n,
                 "finished_thinking_fraction": finished / n,
                 "stopped_fraction": stopped / n,
+                "named_word_fraction": named / n,
                 "reference_ppl": ppl(torch.cat(nll)),
                 "reference_tokens": sum(x.numel() for x in nll),
             }
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     thinking, samples = thinking_rows(served, chat, synsets, prompts, args.max_tokens, args.seed)
     table(
         f"thinking effort ({len(prompts)} held-out prompts, greedy, at most {args.max_tokens} tokens)",
-        ["effort", "reasoning tok", "answer tok", "answered", "thought ended", "stopped", "reference ppl"],
+        ["effort", "reasoning tok", "answer tok", "answered", "thought ended", "stopped", "names word", "ref ppl"],
         [
             [
                 r["effort"],
@@ -361,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{r['answered_fraction']:.2f}",
                 f"{r['finished_thinking_fraction']:.2f}",
                 f"{r['stopped_fraction']:.2f}",
+                f"{r['named_word_fraction']:.2f}",
                 r["reference_ppl"],
             ]
             for r in thinking

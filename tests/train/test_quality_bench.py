@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,10 @@ def test_topk_is_the_one_attended_with(report):
     assert rows[CONTEXT]["ppl"] == pytest.approx(dense["ppl"], rel=1e-5)  # every key kept: dense
     assert rows[4]["ppl"] != pytest.approx(dense["ppl"], rel=1e-6)
     assert rows[SMALL.index_topk]["ppl"] == report["experts"]["serving_mxfp4"]["ppl"]
+
+
+def test_names_word_counts_the_answers_that_take_up_the_asked_word(report):
+    for row in report["thinking"]:
+        samples = [s for s in report["thinking_samples"] if s["effort"] == row["effort"]]
+        said = [re.search(rf"\b{s['word'].lower()}\b", f"{s['reasoning']} {s['answer']}".lower()) for s in samples]
+        assert row["named_word_fraction"] == sum(map(bool, said)) / len(samples)
