@@ -16,11 +16,12 @@ back through the Kubernetes API edge (kube.py).
     (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
      lets the timer stop first)
 
-Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; cluster too small: ClusterTooSmall; past the
-planning budget: PlanBudgetExceeded; a child the API would refuse: ObjectTooLarge) → phase Failed + a condition whose
-message names the field + `kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error →
-`kopf.TemporaryError` with exponential backoff. Planning runs in planning.PlanRunner's process, never on Kopf's
-event loop, after budget.check_plan_budget agreed to its estimated cost.
+Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; a node directory outside the admin's
+allow-list: HostPathNotAllowed; cluster too small: ClusterTooSmall; past the planning budget: PlanBudgetExceeded; a
+child the API would refuse: ObjectTooLarge) → phase Failed + a condition whose message names the field +
+`kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error → `kopf.TemporaryError`
+with exponential backoff. Planning runs in planning.PlanRunner's process, never on Kopf's event loop, after
+budget.check_plan_budget agreed to its estimated cost.
 
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
 async client), `fetch_load` (the HTTP GET of the router's load) and `planning` (the planning process).
@@ -69,6 +70,7 @@ from expertmesh.operator.naming import (
 )
 from expertmesh.operator.placement_policy import moved_from, parse_load, plan_for, rebalance, replan_around
 from expertmesh.operator.planning import PlanningFailed, PlanRunner
+from expertmesh.operator.pod_security import DEFAULT_ALLOWED_HOST_PATHS, host_path_error
 from expertmesh.operator.pods import PodInfo, assess, pod_info
 from expertmesh.operator.pools import attention_pools
 from expertmesh.operator.router_salt import SALT_BYTES, router_salt_secret, shares_salt
@@ -125,6 +127,8 @@ class Deps:
     planning: PlanRunner = field(default_factory=PlanRunner)
     plan_memory: int = PLAN_MEMORY_BUDGET
     plan_work: int = PLAN_WORK_BUDGET
+    # the node directories a spec may mount (hostPath), as the cluster admin gave them (--allowed-host-paths)
+    allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
 
     def __post_init__(self):
         if self.read_log is None:
@@ -349,6 +353,9 @@ async def reconcile(
         raise fail(str(e), "PlanBudgetExceeded") from None
     except SpecError as e:
         raise fail(str(e), "InvalidSpec") from None
+    outside = host_path_error(parsed, deps.allowed_host_paths)
+    if outside:
+        raise fail(outside, "HostPathNotAllowed")
 
     async with deps.lock((namespace, name)):
         previous = await _read_plan(deps, namespace, name, retry)

@@ -6,7 +6,8 @@ one or more namespaces (`--namespace`, repeatable) or the whole cluster, and ser
 replica) unless `--peering` names a ClusterKopfPeering (cluster-wide) or KopfPeering (with `--namespace`): then
 several replicas elect a leader through it — each takes a distinct priority (`--priority`, random by default),
 the highest live one handles everything and the others stand by, paused, until its peering entry goes (a clean
-exit removes it at once; a crashed leader's expires after `--peering-lifetime` seconds).
+exit removes it at once; a crashed leader's expires after `--peering-lifetime` seconds). A MoEDeployment may mount
+node directories (hostPath) only under `--allowed-host-paths`, the cluster admin's allow-list.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import secrets
 import sys
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+DEFAULT_ALLOWED_HOST_PATHS = "/var/cache/expertmesh"  # pod_security.DEFAULT_ALLOWED_HOST_PATHS (not imported: slow)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often to check whether a resource's rebalance interval has passed (default 15)",
     )
+    p.add_argument(
+        "--allowed-host-paths",
+        default=DEFAULT_ALLOWED_HOST_PATHS,
+        metavar="PATHS",
+        help="comma-separated node directories a MoEDeployment may mount as hostPath volumes, each with what is "
+        "below it (spec.model.checkpoint.cache.hostPath, spec.kv.disk.hostPath); a spec naming another is refused; "
+        f"'' allows none (default {DEFAULT_ALLOWED_HOST_PATHS}, the checkpoint cache's default)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -92,12 +102,18 @@ def run(args) -> int:
 
     from expertmesh.operator.handlers import REBALANCE_TICK, Deps, build_registry
     from expertmesh.operator.kube import Kube
+    from expertmesh.operator.pod_security import parse_allowed_host_paths
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        deps = Deps(kube=Kube.from_environment())
+        allowed = parse_allowed_host_paths(args.allowed_host_paths)
+    except ValueError as e:
+        print(f"expertmesh operator: {e}", file=sys.stderr)
+        return 2
+    try:
+        deps = Deps(kube=Kube.from_environment(), allowed_host_paths=allowed)
     except ConfigError as e:
         print(
             f"expertmesh operator: no Kubernetes credentials (not in a cluster, and no usable KUBECONFIG or "

@@ -1,6 +1,6 @@
 """The parts a MoEDeployment's pods are made of (operator/children.py assembles them): the checkpoint fetch init
-container, environment, resources, volumes (checkpoint, cache, KV disk), gRPC probes, the collective store's port,
-and the pod spec with its scheduling."""
+container, environment, resources, volumes (checkpoint, cache, KV disk, /tmp), gRPC probes, the collective store's
+port, and the pod spec with its scheduling and its security contexts (pod_security.py: the restricted profile)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ from expertmesh.operator.naming import (
     plan_configmap_name,
     selector_labels,
     worker_tls_secret_name,
+)
+from expertmesh.operator.pod_security import (
+    TMP_VOLUME,
+    container_security_context,
+    pod_security_context,
+    tmp_volume,
 )
 from expertmesh.operator.spec import GIB, KVDiskSpec, MoEDeploymentSpec
 from expertmesh.operator.spec_fields import GPU_RESOURCE
@@ -51,10 +57,11 @@ def fetch_container(spec: MoEDeploymentSpec, mounts: list[dict]) -> dict:
         "command": ["expertmesh"],
         "args": ["fetch", ck.uri, "--cache", checkpoint_path(spec)],
         "env": env,
-        "volumeMounts": [mt for mt in mounts if mt["name"] == "checkpoint-cache"],
+        "volumeMounts": [mt for mt in mounts if mt["name"] in ("checkpoint-cache", TMP_VOLUME)],
         # a failure's last log line (it names the file) becomes the container's termination message
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": container_security_context(),
     }
     if ck.credentials_secret is not None:  # the keys as environment variables (never on the command line)
         out["envFrom"] = [{"secretRef": {"name": ck.credentials_secret}}]
@@ -89,8 +96,9 @@ def container_resources(res, gpus: int) -> dict:
 
 
 def pod_volumes(name: str, spec: MoEDeploymentSpec) -> tuple[list[dict], list[dict]]:
-    vols = [{"name": "plan", "configMap": {"name": plan_configmap_name(name)}}]
-    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}]
+    tmp, tmp_mount = tmp_volume()
+    vols = [{"name": "plan", "configMap": {"name": plan_configmap_name(name)}}, tmp]
+    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}, tmp_mount]
     pvc = spec.model.checkpoint.pvc
     if pvc is not None:
         vols.append(
@@ -134,10 +142,13 @@ def pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict
         "imagePullPolicy": spec.image.pull_policy,
         "volumeMounts": mounts,
         **container,
+        "securityContext": container_security_context(),
     }
     pod: dict[str, Any] = {
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": vols,
+        "automountServiceAccountToken": False,  # no pod of a deployment talks to the Kubernetes API
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
     }

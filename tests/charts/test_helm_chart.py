@@ -36,10 +36,12 @@ from support.helm import (
     run_helm,
 )
 from support.paths import REPO
+from support.restricted_pss import pod_templates, violations
 
 from expertmesh.operator import main as operator_main
 from expertmesh.operator import rbac
 from expertmesh.operator.naming import attention_name
+from expertmesh.operator.pod_security import parse_allowed_host_paths
 from expertmesh.operator.spec import API_VERSION, KIND, parse_spec, resolve_model
 
 
@@ -251,6 +253,8 @@ def test_operator_args_parse_with_the_real_cli(rendered):
     else:
         assert kw["clusterwide"] is True and "namespaces" not in kw
     assert args.verbose == (op.get("logLevel") == "debug")
+    # the admin's hostPath allow-list reaches the operator as given (default: the checkpoint cache's directory)
+    assert parse_allowed_host_paths(args.allowed_host_paths) == tuple(op.get("allowedHostPaths", DEFAULT_ALLOWED))
 
 
 def test_image_reference(rendered):
@@ -354,3 +358,21 @@ def test_default_names():
     assert one(docs, KIND)["metadata"]["name"] == "em-expertmesh-example"
     # a release named like the chart is not doubled
     assert one(render({}, "expertmesh"), "Deployment")["metadata"]["name"] == "expertmesh"
+
+
+DEFAULT_ALLOWED = ["/var/cache/expertmesh"]
+
+
+@pytest.mark.parametrize("allowed", [["/mnt/nvme", "/var/cache/expertmesh"], []], ids=["two", "none"])
+def test_allowed_host_paths_become_the_operators_flag(allowed):
+    c = operator_container(render({"operator": {"allowedHostPaths": allowed}}))
+    parser = argparse.ArgumentParser()
+    operator_main.add_arguments(parser)
+    args = parser.parse_args(c["args"][1:])
+    assert parse_allowed_host_paths(args.allowed_host_paths) == tuple(allowed)
+
+
+def test_the_operator_pod_passes_the_restricted_standard(rendered):
+    name, _, docs = rendered
+    for where, pod, notes in pod_templates([d for d in docs if d["kind"] in ("Deployment", "Pod")]):
+        assert violations(pod, notes) == [], (name, where)

@@ -21,6 +21,7 @@ from support.helm import (
     run_helm,
 )
 from support.paths import REPO
+from support.restricted_pss import pod_templates, violations
 
 from expertmesh.operator.naming import attention_name, router_name
 from expertmesh.operator.spec import KIND, parse_spec, resolve_model
@@ -236,6 +237,10 @@ BAD_VALUES = [
     ({"example": {"attentionAutoscale": {"target": 0}}}, "/example/attentionAutoscale/target"),
     ({"example": {"attentionAutoscale": {"maxReplicas": 0}}}, "/example/attentionAutoscale/maxReplicas"),
     ({"networkPolicy": {"enabled": "no"}}, "/networkPolicy/enabled"),
+    ({"operator": {"allowedHostPaths": ["relative/dir"]}}, "/operator/allowedHostPaths/0"),
+    ({"operator": {"allowedHostPaths": ["/var/cache/../../etc"]}}, "/operator/allowedHostPaths/0"),
+    ({"operator": {"allowedHostPaths": ["/a,/etc"]}}, "/operator/allowedHostPaths/0"),  # the flag's separator
+    ({"operator": {"allowedHostPaths": "/var/cache/expertmesh"}}, "/operator/allowedHostPaths"),
 ]
 
 
@@ -267,3 +272,20 @@ def test_example_pools_become_the_operators_prefill_pool_and_autoscalers():
     args = by[("Deployment", router_name(name))]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert len(args[args.index("--prefill") + 1].split(",")) == pre["minReplicas"]
     assert args[args.index("--prefill-min-tokens") + 1] == "32"
+
+
+@pytest.mark.parametrize("set_name", ["example", "example-namespaced-pvc", "example-pools"])
+def test_the_examples_pods_pass_the_restricted_standard(set_name):
+    """What the operator renders for the chart's example MoEDeployment (no node directory): every pod admitted under
+    `enforce: restricted`."""
+    from expertmesh.operator.children import build_children
+    from expertmesh.operator.placement_policy import plan_for
+
+    values, release = VALUE_SETS[set_name]
+    ex = one(render(values, release), KIND)
+    name, spec = ex["metadata"]["name"], parse_spec(ex["spec"])
+    cfg = resolve_model(spec)
+    templates = pod_templates(build_children(name, NAMESPACE, spec, cfg, plan_for(spec, cfg)))
+    assert len(templates) >= 3
+    for where, pod, notes in templates:
+        assert violations(pod, notes) == [], where

@@ -106,7 +106,7 @@ def test_expert_and_router_pods_args_probes_and_env(tiny_plan):
     assert c["livenessProbe"]["grpc"] == {"port": 50062}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
-    assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint", tls: "worker-tls"}
+    assert mounts == {"/etc/expertmesh": "plan", "/mnt/checkpoint": "checkpoint", tls: "worker-tls", "/tmp": "tmp"}
     assert {v["name"]: v for v in pod["volumes"]}["worker-tls"]["secret"]["secretName"] == "kimi-worker-tls"
     assert {v["name"]: v for v in pod["volumes"]}["checkpoint"]["persistentVolumeClaim"] == {
         "claimName": "weights",

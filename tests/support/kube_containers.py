@@ -150,6 +150,10 @@ class ContainerLaunch(EmulatorClient):
                 d = self.run_dir / "hostpath" / vol["hostPath"]["path"].strip("/")
                 d.mkdir(parents=True, exist_ok=True)
                 out[mnt["mountPath"]] = d
+            elif "emptyDir" in vol:  # the pod's own scratch directory (its /tmp under a read-only root)
+                d = pod_dir / "volumes" / mnt["name"]
+                d.mkdir(parents=True, exist_ok=True)
+                out[mnt["mountPath"]] = d
             elif "persistentVolumeClaim" in vol:
                 claim = vol["persistentVolumeClaim"]["claimName"]
                 if claim not in self.volumes:
