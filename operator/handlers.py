@@ -17,11 +17,12 @@ back through the Kubernetes API edge (kube.py).
      lets the timer stop first)
 
 Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; a node directory outside the admin's
-allow-list: HostPathNotAllowed; cluster too small: ClusterTooSmall; past the planning budget: PlanBudgetExceeded; a
-child the API would refuse: ObjectTooLarge) → phase Failed + a condition whose message names the field +
-`kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error → `kopf.TemporaryError`
-with exponential backoff. Planning runs in planning.PlanRunner's process, never on Kopf's event loop, after
-budget.check_plan_budget agreed to its estimated cost.
+allow-list: HostPathNotAllowed; its weights' licence not accepted: LicenseNotAccepted / LicenseMismatch, nothing
+fetched or deployed; cluster too small: ClusterTooSmall; past the planning budget: PlanBudgetExceeded; a child the API
+would refuse: ObjectTooLarge) → phase Failed + a condition whose message names the field + `kopf.PermanentError`
+(Kopf does not retry until the spec changes); a transient API error → `kopf.TemporaryError` with exponential
+backoff. Planning runs in planning.PlanRunner's process, never on Kopf's event loop, after budget.check_plan_budget
+agreed to its estimated cost.
 
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
 async client), `fetch_load` (the HTTP GET of the router's load) and `planning` (the planning process).
@@ -51,6 +52,7 @@ from expertmesh.operator.budget import (
 )
 from expertmesh.operator.children import absent_children, build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
+from expertmesh.operator.model_license import license_verdict
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
     COMPONENT_PREFILL,
@@ -78,11 +80,13 @@ from expertmesh.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, 
 from expertmesh.operator.status import (
     decide,
     failed_status,
+    license_refused_status,
     now_rfc3339,
     placement_status,
     seconds_since,
     set_condition,
     summarize_plan,
+    with_license,
     with_weights,
 )
 from expertmesh.operator.worker_tls import missing_hosts, worker_tls_hosts, worker_tls_secret
@@ -356,6 +360,10 @@ async def reconcile(
     outside = host_path_error(parsed, deps.allowed_host_paths)
     if outside:
         raise fail(outside, "HostPathNotAllowed")
+    licence = license_verdict(parsed.model)
+    if licence is not None and not licence.accepted:  # before anything is fetched: no child, no pod
+        patch.status.update(license_refused_status(status, licence, generation))
+        raise kopf.PermanentError(f"{licence.reason}: {licence.message}")
 
     async with deps.lock((namespace, name)):
         previous = await _read_plan(deps, namespace, name, retry)
@@ -386,6 +394,7 @@ async def reconcile(
         conds = set_condition(
             decision.status.get("conditions", []), "PlacementReady", "True", "Planned", summarize_plan(plan), generation
         )
+        conds = with_license(conds, licence, generation)
         lost = [] if new_plan else (status.get("placement") or {}).get("lostWorkers", [])
         update = with_weights(
             {**decision.status, "conditions": conds},

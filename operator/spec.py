@@ -59,7 +59,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 GIB = 2**30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
-CONDITION_TYPES = ("PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
+CONDITION_TYPES = ("LicenseAccepted", "PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
 
 # ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
 # server refuses a spec past them; the operator checks them again for resources created before)
@@ -402,7 +402,7 @@ Hash = Annotated[str, Field(max_length=64)]
 
 
 class Condition(_Status):
-    type: Literal["PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
+    type: Literal["LicenseAccepted", "PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(
         max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase, machine-readable"

@@ -10,7 +10,16 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from expertmesh.checkpoint.hf_config import MODEL_TYPES
-from expertmesh.operator.spec_fields import DEFAULT_EMPTY, URL, AbsolutePath, DNSName, SecretKey, SpecModel
+from expertmesh.operator.spec_fields import (
+    DEFAULT_EMPTY,
+    URL,
+    AbsolutePath,
+    DNSName,
+    SecretKey,
+    SpecModel,
+    checked_string,
+    pattern_check,
+)
 from expertmesh.operator.validation import (
     PATH_MAX,
     URL_MAX,
@@ -134,6 +143,26 @@ class CheckpointSource(SpecModel):
         return self.uri is not None and self.uri.startswith(FETCHED_SCHEMES)
 
 
+LICENSE_NAME = r"^[A-Za-z0-9]([A-Za-z0-9._+-]*[A-Za-z0-9+])?$"  # an SPDX id or a model card's license_name
+LicenseName = checked_string(
+    pattern_check(LICENSE_NAME, "a licence name: letters, digits, '.', '_', '+' and '-' (e.g. modified-mit)"),
+    128,
+    LICENSE_NAME,
+    min_length=1,
+    description="the licence as its publisher names it (an SPDX id or a model card's license_name, e.g. modified-mit)",
+)
+
+
+class ModelLicense(SpecModel):
+    """The licence the weights are published under, and the deployer's acceptance of it: the operator fetches and
+    deploys nothing before `accepted` is true (operator/model_license.py)."""
+
+    name: LicenseName
+    accepted: bool = Field(
+        False, description="true: the deployer has read and accepts the licence (required before any fetch)"
+    )
+
+
 class ModelSpec(SpecModel):
     preset: Literal["tiny", "small", "full-2.8t"] | None = Field(
         None, description="a built-in model preset; exclusive with config"
@@ -145,6 +174,11 @@ class ModelSpec(SpecModel):
         "a Hugging Face kimi_k3 / kimi_linear / deepseek_v32 config; exclusive with preset",
     )
     checkpoint: CheckpointSource
+    license: ModelLicense | None = Field(
+        None,
+        description="the licence the weights are published under, and its acceptance: required, accepted, for a "
+        "licensed source (e.g. hf://moonshotai/Kimi-K3) before anything is fetched",
+    )
 
     @model_validator(mode="after")
     def _one_model(self) -> ModelSpec:

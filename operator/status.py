@@ -33,7 +33,14 @@ def clip(message: str, limit: int = MESSAGE_MAX) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
-_CONDITION_ORDER = {"PlacementReady": 0, "WeightsReady": 1, "WorkersReady": 2, "RouterReady": 3, "Degraded": 4}
+_CONDITION_ORDER = {
+    "LicenseAccepted": 0,
+    "PlacementReady": 1,
+    "WeightsReady": 2,
+    "WorkersReady": 3,
+    "RouterReady": 4,
+    "Degraded": 5,
+}
 
 
 def set_condition(
@@ -77,6 +84,12 @@ def set_condition(
     return sorted(out, key=lambda c: _CONDITION_ORDER.get(c.get("type"), 99))
 
 
+def without_condition(conditions: list[dict] | None, type_: str) -> list[dict]:
+    """The condition list less `type_` (a condition that no longer applies, e.g. LicenseAccepted once no licence
+    does)."""
+    return [dict(c) for c in conditions or [] if c.get("type") != type_]
+
+
 def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in (status or {}).get("conditions", []) or [] if c.get("type") == type_), None)
 
@@ -91,6 +104,22 @@ def failed_status(
         conds = set_condition(conds, t, "Unknown", reason, "not deployed: fix the spec", generation, now)
     conds = set_condition(conds, "Degraded", "False", reason, "", generation, now)
     return {"phase": "Failed", "message": clip(message), "conditions": conds, "observedGeneration": generation}
+
+
+def with_license(conditions: list[dict] | None, verdict, generation: int | None) -> list[dict]:
+    """The conditions with LicenseAccepted from `verdict` (model_license.license_verdict), or without it when no
+    licence applies."""
+    if verdict is None:
+        return without_condition(conditions, "LicenseAccepted")
+    status = "True" if verdict.accepted else "False"
+    return set_condition(conditions, "LicenseAccepted", status, verdict.reason, verdict.message, generation)
+
+
+def license_refused_status(status: dict | None, verdict, generation: int | None) -> dict:
+    """Status for a deployment whose weights' licence is not accepted: nothing fetched or deployed (phase Failed:
+    waiting for a spec fix), LicenseAccepted False saying which licence needs accepting."""
+    out = failed_status(status, verdict.message, generation, reason=verdict.reason)
+    return {**out, "conditions": with_license(out["conditions"], verdict, generation)}
 
 
 def placement_status(
