@@ -1,5 +1,8 @@
 """Anthropic-compatible endpoints: `POST /v1/messages` (streamed with Anthropic's events, or not) and
-`POST /v1/messages/count_tokens`. Errors on these paths come back in Anthropic's shape (router/http.py)."""
+`POST /v1/messages/count_tokens`. Errors on these paths come back in Anthropic's shape (router/http.py). Checked as
+Anthropic checks them: thinking.budget_tokens below max_tokens, stop_sequences non-empty and at most
+protocol.MAX_STOP_SEQUENCES. No cache_salt here (Anthropic has none: a 400 naming it, as any unknown field); a
+request's cached prefixes are its API key's (router/prefix_scope.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +13,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat.format import Message
-from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat
+from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat_off_loop
 from expertmesh.router.constraints import ANTHROPIC_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.dependencies import Served, anthropic_key, served, served_model
 from expertmesh.router.errors import APIError
 from expertmesh.router.images import ImageBudget
 from expertmesh.router.messages import ANTHROPIC, anthropic_messages, anthropic_tools, remote_image_urls
+from expertmesh.router.prefix_scope import PrefixScope
 from expertmesh.router.protocol import CountTokensBody, MessagesBody
 from expertmesh.router.serving import ChatRequest, ChatResult, ChatRun, start_chat
+from expertmesh.router.text_bounds import check_ids
 
 router = APIRouter(dependencies=[Depends(anthropic_key)])
 TOOL_CHOICES = ("auto", "none", "any", "tool")
@@ -42,8 +47,20 @@ async def read_messages(body: CountTokensBody, s: Served) -> tuple[list[Message]
     return anthropic_messages(body.system, body.messages, images), images
 
 
-def prepare(body: CountTokensBody, messages: list[Message], s: Served) -> PreparedChat:
-    """The chat of a messages request: its conversation, tools, tool choice and thinking, prepared."""
+def check_budget(body: MessagesBody) -> None:
+    """thinking.budget_tokens below max_tokens, as Anthropic requires (the answer needs room after the thinking)."""
+    budget = (body.thinking or {}).get("budget_tokens")
+    if (body.thinking or {}).get("type") == "enabled" and isinstance(budget, int) and not isinstance(budget, bool):
+        if budget >= body.max_tokens:
+            raise APIError(
+                f"thinking.budget_tokens={budget}: must be less than max_tokens={body.max_tokens}",
+                param="thinking.budget_tokens",
+            )
+
+
+async def prepare(body: CountTokensBody, messages: list[Message], s: Served) -> PreparedChat:
+    """The chat of a messages request: its conversation, tools, tool choice and thinking, prepared (off the event
+    loop: chat_prep.prepare_chat_off_loop)."""
     chat = ChatInput.of_messages(
         messages,
         thinking=ThinkingAsk(body.thinking_budget, anthropic=body.thinking or {}),
@@ -51,15 +68,17 @@ def prepare(body: CountTokensBody, messages: list[Message], s: Served) -> Prepar
         tool_choice=body.tool_choice,
         max_tokens=getattr(body, "max_tokens", None),  # count_tokens has none
     )
-    return prepare_chat(s.fmt, chat, budgets=s.budgets, context=s.engine.cfg.max_context)
+    return await prepare_chat_off_loop(s.fmt, chat, budgets=s.budgets, context=s.engine.cfg.max_context)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensBody = served_model(CountTokensBody), s: Served = Depends(served)):
     """The prompt tokens /v1/messages would feed for this request (= its usage's input_tokens +
-    cache_read_input_tokens)."""
+    cache_read_input_tokens); past the context, a 400 as /v1/messages would answer (router/text_bounds.py)."""
     messages, _ = await read_messages(body, s)
-    return {"input_tokens": len(prepare(body, messages, s).prompt)}
+    count = len((await prepare(body, messages, s)).prompt)
+    check_ids(count, s.engine.cfg.max_context, "messages")
+    return {"input_tokens": count}
 
 
 class AnthropicMessage:
@@ -210,7 +229,13 @@ class Blocks:
 
 
 @router.post("/v1/messages")
-async def messages(http_request: Request, body: MessagesBody = served_model(MessagesBody), s: Served = Depends(served)):
+async def messages(
+    http_request: Request,
+    body: MessagesBody = served_model(MessagesBody),
+    s: Served = Depends(served),
+    tenant: str = Depends(anthropic_key),
+):
+    check_budget(body)
     choice = forced_choice(body)
     grammar = (
         await compile_off_loop(
@@ -221,7 +246,7 @@ async def messages(http_request: Request, body: MessagesBody = served_model(Mess
     )
     history, images = await read_messages(body, s)
     await images.decode()
-    chat = prepare(body, history, s)
+    chat = await prepare(body, history, s)
     run = start_chat(
         s.engine,
         s.fmt,
@@ -233,6 +258,7 @@ async def messages(http_request: Request, body: MessagesBody = served_model(Mess
             stop=body.stop_sequences or [],
             grammar=grammar,
             api="anthropic",
+            scope=PrefixScope(tenant),
         ),
     )
     reply = AnthropicMessage(run, s.name)

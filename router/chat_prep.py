@@ -27,6 +27,7 @@ from expertmesh.router.conversation import (
 )
 from expertmesh.router.errors import APIError
 from expertmesh.router.response_store import ReasoningMemory, Segment
+from expertmesh.router.text_bounds import check_conversation, off_loop
 
 # ----------------------------------------------------------------------------------------------- limits
 TEXT_COMPLETION_MAX_TOKENS = 16
@@ -238,9 +239,15 @@ class PreparedChat:
         return out
 
 
+async def prepare_chat_off_loop(fmt, chat: ChatInput, *, budgets: ThinkingBudgets, context: int) -> PreparedChat:
+    """`prepare_chat` in a worker thread: rendering and encoding a long conversation never holds the event loop."""
+    return await off_loop(prepare_chat, fmt, chat, budgets=budgets, context=context)
+
+
 def prepare_chat(fmt, chat: ChatInput, *, budgets: ThinkingBudgets, context: int) -> PreparedChat:
     """A chat request → its prompt and limits: thinking decided (and "auto" for this round), the prompt options and
     the tools the prompt declares (with tool_choice none only a format that states the choice keeps them),
+    text that cannot fit the context refused before rendering (without truncation: router/text_bounds.py),
     `truncation: auto` to the room the answer leaves, the rendering, the reasoning limit from `budgets` and
     max_tokens against `context`."""
     roles = (["system"] if chat.system is not None else []) + [t.role for t in chat.turns]
@@ -248,6 +255,8 @@ def prepare_chat(fmt, chat: ChatInput, *, budgets: ThinkingBudgets, context: int
     options = PromptOptions(thinking.effort, tool_choice_option(chat.tool_choice), chat.response_format)
     tools = prompt_tools(fmt, chat.tools, options.tool_choice)
     turns, report = chat.turns, None
+    if chat.truncation != "auto":  # text that cannot fit is refused before it is rendered (router/text_bounds.py)
+        check_conversation(chat.system, turns, fmt.tokenizer, context, chat.param)
     if chat.truncation == "auto":
         limit = prompt_room(context, chat.max_tokens)
         turns, plan = truncate(fmt, chat.system, tools, turns, thinking.on, limit=limit, options=options)

@@ -1,6 +1,7 @@
 """What the HTTP handlers serve with, as FastAPI dependencies: the served context (`Served`: engine, chat format,
-model name, API key, stored responses, reasoning memory, thinking budgets — set on the app by http.build_app), the
-API-key check (Authorization: Bearer …, and Anthropic's x-api-key) and the request body whose `model` must be the one served."""
+model name, API keys, stored responses, reasoning memory, thinking budgets — set on the app by http.build_app), the
+API-key check (Authorization: Bearer …, and Anthropic's x-api-key; it gives the request's tenant, whose prefix cache it
+uses) and the request body whose `model` must be the one served."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from expertmesh.router.engine import Engine
 from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.images import ImageBudget, request_images
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, owner_of
-from expertmesh.router.serving import check_key, check_model
+from expertmesh.router.serving import check_key, check_model, tenant_of
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Served:
     engine: Engine
     fmt: ChatFormat
     name: str  # the model name the APIs answer to
-    api_key: str | None
+    api_key: str | tuple[str, ...] | None  # one key, several (--api-key-file: one a line), or None: anyone
     store: ResponseStore  # the Responses API's stored responses
     memory: ReasoningMemory | None  # reasoning given back to chat histories that drop it (None: off)
     created: int  # /v1/models `created`
@@ -58,16 +59,21 @@ def caller(authorization: str | None = Header(default=None)) -> str:
     return owner_of(bearer_token(authorization))
 
 
-def openai_key(request: Request, authorization: str | None = Header(default=None)) -> None:
-    """OpenAI's routes: the key as a bearer token."""
-    check_key(served(request).api_key, bearer_token(authorization))
+def openai_key(request: Request, authorization: str | None = Header(default=None)) -> str:
+    """OpenAI's routes: the key as a bearer token. Returns the request's tenant (serving.tenant_of: the key checked,
+    "" with no keys configured) — a route that declares this dependency too gets it (FastAPI runs it once)."""
+    key = bearer_token(authorization)
+    check_key(served(request).api_key, key)
+    return tenant_of(served(request).api_key, key)
 
 
 def anthropic_key(
     request: Request, x_api_key: str | None = Header(default=None), authorization: str | None = Header(default=None)
-) -> None:
-    """Anthropic's routes: x-api-key, or a bearer token."""
-    check_key(served(request).api_key, given_key(x_api_key, authorization))
+) -> str:
+    """Anthropic's routes: x-api-key, or a bearer token. Returns the request's tenant, as `openai_key`."""
+    key = given_key(x_api_key, authorization)
+    check_key(served(request).api_key, key)
+    return tenant_of(served(request).api_key, key)
 
 
 def served_model(body_type: type):

@@ -42,6 +42,7 @@ from expertmesh.router.health import AttentionHealth
 from expertmesh.router.instrument import InstrumentedClient
 from expertmesh.router.kv import KVManager, WorkerKV
 from expertmesh.router.metrics import EngineStats, RouterMetrics
+from expertmesh.router.prefix_scope import PrefixScope
 from expertmesh.router.prepared_image import ImageLimits, image_positions
 from expertmesh.router.replan import LivePlan
 from expertmesh.router.request import (  # noqa: F401  (the API layers import the errors from here too)
@@ -119,7 +120,7 @@ class Engine(StepCalls, HandOffs):
         )
         # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
         # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
-        # prefix keys saved there
+        # prefix keys saved there; within the salt, each request's keys are its scope's (router/prefix_scope.py)
         self.instance = os.urandom(6).hex()
         self.seq_ids = itertools.count()
         salt = config.prefix_salt if config.prefix_salt is not None else os.urandom(16)
@@ -184,11 +185,22 @@ class Engine(StepCalls, HandOffs):
         """The scheduling settings (the context read from `cfg` each time)."""
         return self.config.limits(max_context=self.cfg.max_context, snapshot_within_step=not self.cfg.n_kda_layers)
 
-    def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None, **kw) -> Request:
-        """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run."""
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        images: list | None = None,
+        scope: PrefixScope | None = None,
+        **kw,
+    ) -> Request:
+        """`images` (router.images.PreparedImage, in prompt order): each fills the next image placeholder run.
+        `scope`: whom the request's cached prefixes are shared with, under `--prefix-cache-scope`
+        (router/prefix_scope.py; None: the shared scope of requests that set nothing)."""
         if not self.started:
             raise EngineClosed("the engine is not started")
         self.validate(prompt, params)
+        if scope is not None:
+            kw["cache_scope"] = scope.digest(self.config.prefix_cache_scope)
         if images:
             if self.cfg.vision is None:
                 raise RequestError(f"images: model {self.model_name!r} takes text only")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from expertmesh.router.prefix_scope import SCOPES
 from expertmesh.router.prepared_image import ImageLimits
 from expertmesh.router.scheduler import Limits
 
@@ -39,6 +40,7 @@ class EngineConfig:
     # ---- the prefix index across router replicas
     prefix_salt: bytes | None = None  # the replicas' shared secret prefix keys are salted with (None: a random one)
     prefix_index_refresh: float = 5.0  # seconds between reads of every worker's prefixes (0: only on take-back)
+    prefix_cache_scope: str = "key"  # cached prefixes are each API key's own, or "shared" (prefix_scope.py)
     # ---- what the APIs accept
     model_name: str | None = None  # None: the model config's name
     image_limits: ImageLimits = field(default_factory=ImageLimits)
@@ -52,6 +54,10 @@ class EngineConfig:
             )
         if self.prefix_salt is not None and not self.prefix_salt:
             raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
+        if self.prefix_cache_scope not in SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope: expected one of {', '.join(SCOPES)}, found {self.prefix_cache_scope!r}"
+            )
 
     @property
     def step_prefill_tokens(self) -> int:
@@ -98,6 +104,7 @@ class EngineConfig:
             call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),
             prefix_salt=prefix_salt,
             prefix_index_refresh=args.prefix_index_refresh_s,
+            prefix_cache_scope=args.prefix_cache_scope,
             image_limits=ImageLimits(
                 max_bytes=args.max_image_bytes,
                 max_source_pixels=args.max_image_source_pixels,

@@ -22,12 +22,17 @@ from expertmesh.router.eviction import ANSWERED, PrefixInfo, eviction_order, ses
 class PrefixHasher:
     """The hash chain of a growing token list, chunk by chunk: equal prefixes hash equal and any difference
     changes all later keys. Feeding it as a sequence grows costs O(new tokens), not O(length). `salt`: a secret of
-    the router instance, so nobody else can compute (and replace or drop) the keys it saves on the workers."""
+    the router instance, so nobody else can compute (and replace or drop) the keys it saves on the workers.
+    `scope`: whom the prefixes are shared with (router/prefix_scope.py: a digest of the API key, cache_salt,
+    prompt_cache_key; b"" shared by all): the same tokens in two scopes give unrelated keys, so one scope never
+    hits — nor times — another's prefixes."""
 
-    def __init__(self, chunk: int, salt: bytes = b""):
+    def __init__(self, chunk: int, salt: bytes = b"", scope: bytes = b""):
         self.chunk = chunk
         self.length = 0
         self._h = hashlib.sha256(b"expertmesh-prefix-v1" + salt)
+        if scope:
+            self._h.update(b"\0scope\0" + scope)
 
     def copy(self) -> PrefixHasher:
         """An independent chain in the same state (the scheduler plans with copies; the engine keeps the one sent)."""
@@ -43,9 +48,9 @@ class PrefixHasher:
         return self._h.hexdigest()[:32]
 
 
-def prefix_hashes(tokens: list[int], chunk: int, salt: bytes = b"") -> list[tuple[int, str]]:
+def prefix_hashes(tokens: list[int], chunk: int, salt: bytes = b"", scope: bytes = b"") -> list[tuple[int, str]]:
     """(length, key of tokens[:length]) for every multiple of `chunk` ≤ len(tokens), shortest first."""
-    hasher = PrefixHasher(chunk, salt)
+    hasher = PrefixHasher(chunk, salt, scope)
     return [(end, hasher.advance(tokens, end)) for end in range(chunk, len(tokens) + 1, chunk)]
 
 
@@ -126,11 +131,15 @@ class KVManager:
         bs = self.workers[worker].block_size
         return -(-tokens // bs) - cached // bs
 
-    def find_prefix(self, tokens: list[int]) -> tuple[int, str, int] | None:
-        """The longest saved prefix of `tokens` that leaves at least one token to compute:
+    def hasher(self, scope: bytes = b"") -> PrefixHasher:
+        """A new hash chain of this router's keys within `scope` (PrefixHasher)."""
+        return PrefixHasher(self.chunk, self.salt, scope)
+
+    def find_prefix(self, tokens: list[int], scope: bytes = b"") -> tuple[int, str, int] | None:
+        """The longest saved prefix of `tokens` within `scope` that leaves at least one token to compute:
         (worker, key, length), or None. Reads only: `touch` marks it used."""
         best = None
-        for length, key in prefix_hashes(tokens, self.chunk, self.salt):
+        for length, key in prefix_hashes(tokens, self.chunk, self.salt, scope):
             if length >= len(tokens):
                 break
             if key in self.prefixes:

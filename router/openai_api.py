@@ -14,13 +14,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from expertmesh.chat.format import Message
-from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, max_tokens_for, prepare_chat
+from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, max_tokens_for, prepare_chat, prepare_chat_off_loop
 from expertmesh.router.constraints import CHAT_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import answer_segment
 from expertmesh.router.decoding import TextStream
 from expertmesh.router.dependencies import Served, openai_key, served, served_model
 from expertmesh.router.errors import APIError, as_api_error
 from expertmesh.router.messages import OPENAI, openai_messages, remote_image_urls
+from expertmesh.router.prefix_scope import PrefixScope
 from expertmesh.router.protocol import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from expertmesh.router.request import TokenLogprob
 from expertmesh.router.serving import (
@@ -32,6 +33,7 @@ from expertmesh.router.serving import (
     start_chat,
     start_samples,
 )
+from expertmesh.router.text_bounds import check_ids, check_text, off_loop
 from expertmesh.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
 router = APIRouter(dependencies=[Depends(openai_key)])
@@ -83,8 +85,9 @@ class CompletionLogprobs:
         return {k: a[k] + b[k] for k in a}
 
 
-def completion_prompt(body: CompletionBody, tok) -> tuple[list[int], str]:
-    """The prompt's ids and the text `echo` returns (one prompt: a string, a one-string list or token ids)."""
+def completion_prompt(body: CompletionBody, tok, context: int) -> tuple[list[int], str]:
+    """The prompt's ids and the text `echo` returns (one prompt: a string, a one-string list or token ids); a text
+    that cannot fit `context` refused before it is encoded (router/text_bounds.py). Encodes: call it off the loop."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -94,6 +97,7 @@ def completion_prompt(body: CompletionBody, tok) -> tuple[list[int], str]:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("prompt: expected a non-empty string", param="prompt")
+            check_text(prompt, tok, context, "prompt")
             return tok.encode_prompt(prompt), prompt
         if not prompt:
             raise APIError("prompt: expected at least one token", param="prompt")
@@ -253,10 +257,14 @@ async def stream_texts(choices: list[TextCompletion]):
 
 @router.post("/v1/completions")
 async def completions(
-    http_request: Request, body: CompletionBody = served_model(CompletionBody), s: Served = Depends(served)
+    http_request: Request,
+    body: CompletionBody = served_model(CompletionBody),
+    s: Served = Depends(served),
+    tenant: str = Depends(openai_key),
 ):
     tok = s.fmt.tokenizer
-    prompt, echo_text = completion_prompt(body, tok)
+    prompt, echo_text = await off_loop(completion_prompt, body, tok, s.engine.cfg.max_context)
+    scope = PrefixScope(tenant, body.cache_salt)
     max_tokens = max_tokens_for(body.max_tokens, chat=False, scoring=body.echo)
     # echo + logprobs scores the prompt too (vLLM's prompt_logprobs); max_tokens=0 with echo only scores
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
@@ -273,7 +281,9 @@ async def completions(
         **body.sampling_kwargs(),
     )
     runs = await start_samples(
-        lambda seed: CompletionRun(s.engine, prompt, replace(params, seed=seed), model=s.name), body.n, body.seed
+        lambda seed: CompletionRun(s.engine, prompt, replace(params, seed=seed), model=s.name, scope=scope),
+        body.n,
+        body.seed,
     )
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     choices = [
@@ -521,7 +531,12 @@ def chat_input(body: ChatBody | TokenizeBody, messages: list[Message], s: Served
 
 
 @router.post("/v1/chat/completions")
-async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s: Served = Depends(served)):
+async def chat(
+    http_request: Request,
+    body: ChatBody = served_model(ChatBody),
+    s: Served = Depends(served),
+    tenant: str = Depends(openai_key),
+):
     engine, fmt = s.engine, s.fmt
     grammar = await compile_off_loop(
         answer_grammar,
@@ -537,7 +552,7 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
     images = await s.images(remote_image_urls(body.messages, OPENAI))
     history = openai_messages(body.messages, images)  # what the client sent (reasoning filled in): the answer's key
     await images.decode()  # every image's cost checked from its header first
-    prepared = prepare_chat(
+    prepared = await prepare_chat_off_loop(
         fmt,
         chat_input(body, history, s, truncation=body.truncation, max_tokens=max_tokens),
         budgets=s.budgets,
@@ -552,6 +567,7 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
         grammar=grammar,
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
         ignore_eos=body.ignore_eos,
+        scope=PrefixScope(tenant, body.cache_salt, body.prompt_cache_key),
     )
     runs = await start_samples(lambda seed: start_chat(engine, fmt, replace(request, seed=seed)), body.n, body.seed)
     reply = ChatCompletion(body, runs, s, history, n_top, prepared.truncation_report)
@@ -572,31 +588,42 @@ async def chat(http_request: Request, body: ChatBody = served_model(ChatBody), s
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = Depends(served)):
     """The ids /v1/completions (prompt) or /v1/chat/completions (messages, tools) would feed: `count` equals that
-    request's usage.prompt_tokens."""
-    tok = s.fmt.tokenizer
+    request's usage.prompt_tokens. Text that cannot fit the context is refused before it is encoded, and ids past
+    it after (router/text_bounds.py); the encoding and the answer's JSON are made off the event loop."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError("prompt / messages: expected exactly one of them", param="prompt")
+    context = s.engine.cfg.max_context
     if body.messages is not None:
         if not body.add_generation_prompt:
             raise APIError(
                 "add_generation_prompt: only true is supported (the chat endpoint always adds it)",
                 param="add_generation_prompt",
             )
-        ids = prepare_chat(
-            s.fmt,
-            chat_input(body, openai_messages(body.messages), s),
-            budgets=s.budgets,
-            context=s.engine.cfg.max_context,
-        ).prompt
+        chat = chat_input(body, openai_messages(body.messages), s)
+        encode, param = (lambda: prepare_chat(s.fmt, chat, budgets=s.budgets, context=context).prompt), "messages"
     else:
         if body.tools is not None:
             raise APIError("tools: only with messages", param="tools")
-        try:
-            ids = tok.encode_prompt(body.prompt) if body.add_special_tokens else tok.encode(body.prompt)
-        except ValueError as e:
-            raise APIError(f"prompt: {e}", param="prompt") from None
-    strs = [tok.decode([i], skip_special=False) for i in ids] if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": s.engine.cfg.max_context, "tokens": ids, "token_strs": strs}
+        encode, param = (lambda: encode_text(body, s.fmt.tokenizer, context)), "prompt"
+    return await off_loop(tokenized, s, encode, param, body.return_token_strs)
+
+
+def encode_text(body: TokenizeBody, tok, context: int) -> list[int]:
+    check_text(body.prompt, tok, context, "prompt")
+    try:
+        return tok.encode_prompt(body.prompt) if body.add_special_tokens else tok.encode(body.prompt)
+    except ValueError as e:
+        raise APIError(f"prompt: {e}", param="prompt") from None
+
+
+def tokenized(s: Served, encode, param: str, strs: bool) -> JSONResponse:
+    """/tokenize's answer (in a worker thread): the ids `encode()` gives, held to the context."""
+    ids = encode()
+    context = s.engine.cfg.max_context
+    check_ids(len(ids), context, param)
+    tok = s.fmt.tokenizer
+    token_strs = [tok.decode([i], skip_special=False) for i in ids] if strs else None
+    return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": token_strs})
 
 
 @router.post("/detokenize")
@@ -605,4 +632,4 @@ async def detokenize(body: DetokenizeBody = served_model(DetokenizeBody), s: Ser
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(f"tokens: id {bad[0]} outside [0, {vocab})", param="tokens")
-    return {"prompt": s.fmt.tokenizer.decode(body.tokens)}
+    return {"prompt": await off_loop(s.fmt.tokenizer.decode, body.tokens)}

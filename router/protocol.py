@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from expertmesh.wire.sampling_params import MAX_LOGPROBS
 
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on `metadata`
+# stop strings per request, on every surface (`stop`, Anthropic `stop_sequences`): OpenAI's documented bound, which
+# vLLM applies to Anthropic's too; each is matched against the answer as it streams
+MAX_STOP_SEQUENCES = 4
 
 
 class AcceptedNoOps(BaseModel):
@@ -78,6 +81,12 @@ class SamplingFields(AcceptedNoOps):
 
 
 # ----------------------------------------------------------------------------------------------- OpenAI
+def check_stop_count(v):
+    if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, found {len(v)}")
+    return v
+
+
 class CompletionBody(SamplingFields):
     model: str
     prompt: str | list[int] | list[str]
@@ -91,12 +100,12 @@ class CompletionBody(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
+    cache_salt: str | None = Field(default=None, min_length=1)  # router/prefix_scope.py
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
+        return check_stop_count(v)
 
 
 class ChatBody(SamplingFields):
@@ -119,6 +128,14 @@ class ChatBody(SamplingFields):
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
     truncation: Literal["auto", "disabled"] = "disabled"  # the context-overflow policy (router/truncation.py)
+    # whom the prompt's cached prefixes are shared with, further than the API key (router/prefix_scope.py)
+    cache_salt: str | None = Field(default=None, min_length=1)
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        return check_stop_count(v)
 
 
 class TokenizeBody(BaseModel):
@@ -168,6 +185,13 @@ class MessagesBody(CountTokensBody):
     top_k: int = Field(default=0, ge=0)
     stop_sequences: list[str] | None = None
 
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_sequences(cls, v):
+        if v is not None and any(not s for s in v):
+            raise ValueError("each stop sequence must be non-empty")
+        return check_stop_count(v)
+
 
 # ----------------------------------------------------------------------------------------------- Responses
 class ResponsesBody(SamplingFields):
@@ -189,6 +213,7 @@ class ResponsesBody(SamplingFields):
     include: list[str] | None = None
     text: dict | None = None
     background: Literal[False] | None = None
-    prompt_cache_key: str | None = None  # the prefix cache is content-addressed: any key hits the same entries
+    prompt_cache_key: str | None = None  # a further scope of the prompt's cached prefixes (router/prefix_scope.py)
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: the same
     safety_identifier: str | None = None  # like `user`: no per-user state here
     stream_options: dict | None = None  # include_obfuscation: false (events are not padded)

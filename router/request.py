@@ -89,6 +89,7 @@ class Request:
     trace_ctx: object | None = None  # OpenTelemetry context of the request's root span
     queue_span: object | None = None
     hasher: PrefixHasher | None = None  # hash chain of tokens fed so far (prefix-cache keys)
+    cache_scope: bytes = b""  # whom its prefixes are shared with (router/prefix_scope.py; b"": everyone)
     last_key: str | None = None  # the prefix key of the last chunk boundary it reached (or hit)
     # what session-aware eviction reads (router/eviction.py), set by the API layer
     tools_offered: bool = False  # the request carried tool definitions (an agent's turn)

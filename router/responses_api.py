@@ -17,12 +17,13 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat
+from expertmesh.router.chat_prep import ChatInput, PreparedChat, ThinkingAsk, prepare_chat_off_loop
 from expertmesh.router.constraints import RESPONSES_FIELDS, answer_grammar, compile_off_loop
 from expertmesh.router.conversation import answer_segment, system_and_rest
 from expertmesh.router.dependencies import Served, caller, openai_key, served, served_model
 from expertmesh.router.errors import APIError
 from expertmesh.router.messages import RESPONSES, new_item_id, remote_image_urls, responses_input, responses_tools
+from expertmesh.router.prefix_scope import PrefixScope
 from expertmesh.router.protocol import ResponsesBody
 from expertmesh.router.response_store import Segment, StoredResponse
 from expertmesh.router.serving import ChatRequest, ChatResult, ChatRun, start_chat
@@ -398,12 +399,13 @@ async def create(
     body: ResponsesBody = served_model(ResponsesBody),
     s: Served = Depends(served),
     owner: str = Depends(caller),
+    tenant: str = Depends(openai_key),
 ):
     engine, fmt = s.engine, s.fmt
     images = await s.images(remote_image_urls(body.input, RESPONSES, field="input"))
     conv = await conversation(body, s, images, owner)
     await images.decode()  # every image's cost checked from its header first
-    chat = prepare_chat(fmt, conv.chat, budgets=s.budgets, context=engine.cfg.max_context)
+    chat = await prepare_chat_off_loop(fmt, conv.chat, budgets=s.budgets, context=engine.cfg.max_context)
     run = start_chat(
         engine,
         fmt,
@@ -414,6 +416,7 @@ async def create(
             sampling=body.sampling_kwargs(),
             grammar=conv.grammar,
             api="openai.responses",
+            scope=PrefixScope(tenant, body.cache_salt, body.prompt_cache_key),
         ),
     )
     rr = ResponseRun(body, s, conv, chat, run, owner)

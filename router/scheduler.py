@@ -256,7 +256,7 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
     """Where a waiting request would go (None: nowhere now)."""
     reserve = reserve_tokens(len(req.tokens), len(req.prompt), req.params.max_tokens, limits)
     # scoring the prompt needs every prompt position computed: no cached prefix
-    hit = view.kv.find_prefix(req.hash_prompt) if req.params.prompt_logprobs is None else None
+    hit = view.kv.find_prefix(req.hash_prompt, req.cache_scope) if req.params.prompt_logprobs is None else None
     adm = Admission(req, reserve, [], hit=hit[1] if hit is not None else None)
     if hit is not None:
         view.touch(hit[1])
@@ -406,7 +406,7 @@ def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
     if mark <= p.start or mark >= limits.max_context or (mark != p.end and not limits.snapshot_within_step):
         return
     own = p.req.hasher
-    p.hasher = own.copy() if own is not None and own.length <= mark else PrefixHasher(chunk, kv.salt)
+    p.hasher = own.copy() if own is not None and own.length <= mark else kv.hasher(p.req.cache_scope)
     key = p.chain_key = p.hasher.advance(p.req.hash_tokens, mark)
     p.snapshot_at = mark if mark != p.end else None
     if not kv.has(key):

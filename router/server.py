@@ -11,6 +11,7 @@ import threading
 from expertmesh.chat.load import load_chat
 from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.config import checkpoint_config
+from expertmesh.router.prefix_scope import SCOPES
 from expertmesh.router.response_store import ResponseStore, default_replica
 from expertmesh.runtime import telemetry
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -351,8 +352,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key-file",
         default=None,
-        help="require the API key in this file (default: $EXPERTMESH_API_KEY if set); keys are never "
-        "taken from the command line, where `ps` would show them",
+        help="require an API key of this file: one key a line, each its own tenant of the prefix cache "
+        "(--prefix-cache-scope) (default: $EXPERTMESH_API_KEY if set, one key); keys are never taken from the "
+        "command line, where `ps` would show them",
     )
     p.add_argument(
         "--prefix-salt-file",
@@ -369,6 +371,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how often to read every attention worker's cached prefixes into this router's index (what "
         "other replicas saved or dropped there); 0: only when a worker is taken back (default 5)",
+    )
+    p.add_argument(
+        "--prefix-cache-scope",
+        choices=SCOPES,
+        default="key",
+        help="whom cached prompt prefixes are shared with: key — each API key only its own (cached_tokens and "
+        "latency never tell one key what another sent; with no API key configured everyone is one tenant), "
+        "shared — every key (default key; a request's cache_salt / prompt_cache_key scope it further either way)",
     )
     p.add_argument("--worker-tls-ca", help="connect to workers over TLS, verifying them with this CA (PEM)")
     p.add_argument("--worker-tls-cert", help="client certificate for mutual TLS with the workers")
@@ -414,6 +424,19 @@ def read_prefix_salt(path: str | None) -> bytes | None:
     return salt
 
 
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """The keys of --api-key-file, one a line (blank lines skipped). ValueError naming the flag when the file is
+    missing, unreadable or holds no key — a router that silently served without keys would serve everyone."""
+    try:
+        with open(path) as f:
+            keys = tuple(dict.fromkeys(line.strip() for line in f if line.strip()))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: the file holds no key")
+    return keys
+
+
 def run(args) -> int:
     # Imported here, not at the top: every `expertmesh` command builds this module's parser (entry/cli.py, entry/up.py), and
     # the engine, the HTTP app and the gRPC service (FastAPI, uvicorn, grpc, numpy, Pillow) load only for a router.
@@ -432,6 +455,9 @@ def run(args) -> int:
     try:
         ckpt_cfg = serving_config(checkpoint_config(args.checkpoint), max_context=args.max_context)
         budgets = thinking_budgets(args.thinking_budgets)
+        api_key = (
+            read_api_keys(args.api_key_file) if args.api_key_file else os.environ.get("EXPERTMESH_API_KEY") or None
+        )
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
@@ -454,9 +480,6 @@ def run(args) -> int:
         control_timeout=args.control_timeout,
         tls=worker_tls,
     ).start()
-    api_key = os.environ.get("EXPERTMESH_API_KEY") or None
-    if args.api_key_file:
-        api_key = open(args.api_key_file).read().strip()
     try:
         store = ResponseStore(
             max_responses=args.stored_responses,

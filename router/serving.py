@@ -1,7 +1,8 @@
 """The transport-neutral serving layer: a request in → an engine submission → a stream of events and a final result,
 used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) and the gRPC service.
 
-- Access: `check_key`, `check_model` (each transport reads the key and the model from its own wire).
+- Access: `check_key` (one or several keys), `tenant_of` (whose prefix cache a request uses), `check_model` (each
+  transport reads the key and the model from its own wire).
 - A chat run (`start_chat` → `ChatRun`): a chat prepared once (router/chat_prep.py: thinking, tier, tools,
   rendering, truncation, limits) submitted with its sampling and its thinking control (the worker's sampler counts
   reasoning, cuts it at the limit and starts the grammar where it ends); its events are ("reasoning" | "content",
@@ -24,16 +25,31 @@ from expertmesh.router.chat_prep import PreparedChat
 from expertmesh.router.decoding import StopCut, TokenDecoder, decoder_for
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error
+from expertmesh.router.prefix_scope import PrefixScope
 from expertmesh.router.request import Request
 from expertmesh.router.tracing import RequestSpan
 from expertmesh.wire.sampling_params import SamplingParams
 
 
 # ----------------------------------------------------------------------------------------------- access
-def check_key(expected: str | None, given: str | None) -> None:
-    """Constant-time API-key check (the key never reaches logs or errors); no key configured: anyone."""
-    if expected is not None and not hmac.compare_digest((given or "").encode(), expected.encode()):
+def api_keys(expected: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The keys a deployment accepts (one, several — `--api-key-file`, one a line — or none: anyone)."""
+    return () if expected is None else (expected,) if isinstance(expected, str) else tuple(expected)
+
+
+def check_key(expected: str | tuple[str, ...] | None, given: str | None) -> None:
+    """Constant-time API-key check against every configured key (the key never reaches logs or errors); no key
+    configured: anyone."""
+    keys = api_keys(expected)
+    presented = (given or "").encode()
+    if keys and not sum(hmac.compare_digest(presented, key.encode()) for key in keys):
         raise APIError("invalid or missing API key", code="invalid_api_key", kind="authentication")
+
+
+def tenant_of(expected: str | tuple[str, ...] | None, given: str | None) -> str:
+    """The tenant a request checked by `check_key` belongs to (router/prefix_scope.py): its key when keys are
+    configured, "" (the one tenant) when none is."""
+    return (given or "") if api_keys(expected) else ""
 
 
 def check_model(served: str, asked: str | None) -> None:
@@ -108,6 +124,7 @@ class ChatRequest:
     grammar: str | None = None
     api: str = "openai"
     ignore_eos: bool = False  # generate to max_tokens: the format's stop tokens do not end the answer
+    scope: PrefixScope = PrefixScope()  # whom its cached prompt prefixes are shared with
 
 
 @dataclass
@@ -183,6 +200,7 @@ class ChatRun:
             params,
             self.span,
             tools_offered=bool(self.tools),
+            scope=self.request.scope,
             **({"images": images} if images else {}),
         )
 

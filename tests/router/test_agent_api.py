@@ -51,6 +51,8 @@ def prompt_of(oai, n_tokens: int) -> tuple[list[dict], int]:
             headers={"Authorization": f"Bearer {API_KEY}"},
             json={"model": "tiny", "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}},
         )
+        if r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded":
+            return msgs, CONTEXT + 1  # /tokenize refuses a prompt past the context
         return msgs, r.json()["count"]
 
     lo, hi = 1, n_tokens

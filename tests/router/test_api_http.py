@@ -341,7 +341,7 @@ def test_anthropic_count_tokens_equals_usage(server, claude):
         messages=[{"role": "user", "content": "Weather in Lima, counted " + "again " * 7}],
     )
     counted = claude.messages.count_tokens(**kw).input_tokens
-    msg = claude.messages.create(max_tokens=4, **kw)
+    msg = claude.messages.create(max_tokens=9, **kw)  # above budget_tokens, as Anthropic requires
     assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 20
 
 

@@ -99,7 +99,7 @@ def anthropic_counts(claude: anthropic.Anthropic) -> list[int]:
         ],
     }
     counted = claude.messages.count_tokens(**same).input_tokens
-    u = claude.messages.create(max_tokens=2, **same).usage
+    u = claude.messages.create(max_tokens=default_budgets("tiny").low + 1, **same).usage  # above budget_tokens
     return [counted, u.input_tokens + u.cache_read_input_tokens]
 
 
