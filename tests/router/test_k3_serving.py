@@ -25,7 +25,9 @@ from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.loader import Checkpoint
 from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
+from expertmesh.router.chat_prep import ChatInput, ThinkingAsk, prepare_chat
 from expertmesh.router.http import build_app, serve_http
+from expertmesh.router.messages import openai_messages
 
 BUDGETS = (16, 24, 32)  # low / high / max reasoning tokens: the close alone is 10 in the test vocabulary
 WEATHER = {
@@ -97,8 +99,24 @@ def test_tokenize_equals_the_reference_template(k3, case):
     """Kimi-K3.jinja's rendering through the checkpoint's own tokenizer, token for token (a request always
     states its tier: the router's default is `high`, so the template's no-effort case is left out)."""
     r = httpx.post(k3["url"] + "/tokenize", json=tokenize_request(case), timeout=60)
+    if len(case["ids"]) > k3["engine"].cfg.max_context:  # /tokenize refuses it, saying how long it renders
+        assert r.status_code == 400 and f"messages: {len(case['ids'])} tokens" in r.json()["error"]["message"]
+        assert rendered_in_process(k3, tokenize_request(case)) == case["ids"]
+        return
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == case["ids"]
+
+
+def rendered_in_process(k3, body: dict) -> list[int]:
+    """What /tokenize renders for `body`, prepared here without the serving context's bound."""
+    chat = ChatInput.of_messages(
+        openai_messages(body["messages"]),
+        thinking=ThinkingAsk(body.get("thinking_budget"), body.get("reasoning_effort")),
+        tools=body.get("tools"),
+        tool_choice=body.get("tool_choice"),
+        response_format=body.get("response_format"),
+    )
+    return prepare_chat(k3["chat"], chat, budgets=ThinkingBudgets(*BUDGETS), context=2**20).prompt
 
 
 def test_tokenize_counts_what_the_chat_endpoint_feeds(k3):
