@@ -36,7 +36,8 @@ from expertmesh.router.constraints import check_grammar
 from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error, leading_field
 from expertmesh.router.messages import grpc_messages, grpc_tools
-from expertmesh.router.serving import ChatRequest, CompletionRun, check_key, check_model, start_chat
+from expertmesh.router.prefix_scope import PrefixScope
+from expertmesh.router.serving import ChatRequest, CompletionRun, check_key, check_model, start_chat, tenant_of
 from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.wire.sampling_params import SamplingParams, check_sampling, sampling_from_proto
@@ -101,11 +102,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.chat = chat or BuiltinChat()  # the checkpoint's tokenizer and chat format
         self.tok = self.chat.tokenizer
 
-    def _admit(self, model: str, context) -> None:
-        """The API key (x-api-key, or authorization with or without "Bearer ") and the model (empty: the served)."""
+    def _admit(self, model: str, context) -> PrefixScope:
+        """The API key (x-api-key, or authorization with or without "Bearer ") and the model (empty: the served).
+        Returns the request's prefix-cache scope: its key's own, as on HTTP (router/prefix_scope.py)."""
         md = dict(context.invocation_metadata())
-        check_key(self.api_key, md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip())
+        key = md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip()
+        check_key(self.api_key, key)
         check_model(self.engine.model_name, model or None)
+        return PrefixScope(tenant_of(self.api_key, key))
 
     def _prompt(self, request) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -122,7 +126,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def Generate(self, request, context):
         try:
-            self._admit(request.model, context)
+            scope = self._admit(request.model, context)
             if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
                 raise APIError(
                     f"request_id: {len(request.request_id.encode())} bytes, more than the "
@@ -136,6 +140,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 prompt,
                 params,
                 api="grpc",
+                scope=scope,
                 **({"request_id": request.request_id} if request.request_id else {}),
             )
         except Exception as e:
@@ -169,7 +174,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def Chat(self, request, context):
         """Streaming chat: reasoning and content deltas, structured tool calls, then usage."""
         try:
-            self._admit(request.model, context)
+            scope = self._admit(request.model, context)
             p, max_tokens = sampling(request.params, self.tok, chat=True)
             chat = ChatInput.of_messages(
                 grpc_messages(request.messages),
@@ -189,6 +194,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     sampling={k: getattr(p, k) for k in CHAT_SAMPLING},
                     grammar=p.grammar,
                     api="grpc",
+                    scope=scope,
                 ),
             )
         except Exception as e:

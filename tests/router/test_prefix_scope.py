@@ -7,13 +7,16 @@ import argparse
 import uuid
 
 import anthropic
+import grpc
 import httpx
 import openai
 import pytest
 
 from expertmesh.entry.cluster import free_port
 from expertmesh.entry.local import build_local_engine
+from expertmesh.protos import router_pb2, router_pb2_grpc, sampling_pb2
 from expertmesh.router.engine_config import EngineConfig
+from expertmesh.router.grpc_service import serve_router_grpc
 from expertmesh.router.http import build_app, serve_http
 from expertmesh.router.kv import KVManager, WorkerKV, prefix_hashes
 from expertmesh.router.prefix_scope import PrefixScope
@@ -31,13 +34,21 @@ def deployment(ckpt, scope: str):
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_checkpoint):
-    """The default: each key its own prefixes."""
+def keyed_stack(tiny_checkpoint):
+    """The default: each key its own prefixes. HTTP and the gRPC router service over one engine."""
     engine, srv, thread, url = deployment(tiny_checkpoint, "key")
-    yield url
+    grpc_port = free_port()
+    grpc_server = serve_router_grpc(engine, "127.0.0.1", grpc_port, api_key=KEYS)
+    yield url, f"127.0.0.1:{grpc_port}"
+    grpc_server.stop(None)
     srv.should_exit = True
     thread.join(timeout=10)
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def keyed(keyed_stack):
+    return keyed_stack[0]
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +223,23 @@ def test_the_hand_off_keeps_the_scope(tiny_checkpoint):
         assert engine.stats.cached_tokens > 0 and cached("sk-b") == 0 and cached("sk-b") > 0
     finally:
         engine.close()
+
+
+def test_grpc_generate_is_scoped_to_its_key(keyed_stack):
+    _, target = keyed_stack
+    prompt = secret()
+
+    def cached(key: str) -> int:
+        with grpc.insecure_channel(target) as ch:
+            events = list(
+                router_pb2_grpc.RouterStub(ch).Generate(
+                    router_pb2.GenerateRequest(text=prompt, params=sampling_pb2.SamplingParams(max_tokens=1)),
+                    metadata=[("x-api-key", key)],
+                    timeout=60,
+                )
+            )
+        return events[-1].finish.usage.cached_tokens
+
+    assert cached(KEYS[0]) == 0
+    assert cached(KEYS[0]) > 0  # its own key hits
+    assert cached(KEYS[1]) == 0  # the other key does not
