@@ -30,7 +30,7 @@ from expertmesh.model.transformer import Transformer, materialize_
 from expertmesh.model.vision import SequenceImages
 from expertmesh.placement import sizing
 from expertmesh.runtime import telemetry
-from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, layout_identity
+from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, SnapshotLayout, layout_identity
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import (
     NotConnected,
@@ -70,6 +70,7 @@ class AttentionWorker(HandOffs, WorkerBase):
         kv_host_bytes: int = 0,
         kv_disk_dir: str | None = None,
         kv_disk_bytes: int = 0,
+        kv_disk_key: bytes | None = None,
         pool: str = "mixed",
         decode_threads: int | None = None,
     ):
@@ -78,7 +79,8 @@ class AttentionWorker(HandOffs, WorkerBase):
         `gpu_memory_utilization` the KV pool gets the blocks that fit in that fraction of the device
         (`device_memory_bytes`, default the CUDA device's total) after weights and workspace; else `kv_blocks`.
         `kv_host_bytes` / `kv_disk_bytes` (in `kv_disk_dir`): the lower tiers' bounds for demoted prefixes
-        (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped). `pool`: prefill | decode | mixed — the
+        (worker/kv_tiers.py; 0: no such tier, a demoted prefix is dropped); `kv_disk_key`: the secret its files are
+        authenticated under (None: a random key of this process). `pool`: prefill | decode | mixed — the
         label its metrics and Info carry (the router decides what runs where; any worker computes anything).
         `decode_threads`: torch threads for a decode step's shared experts, which run while the expert workers
         compute (worker/threads.py: for expert workers on the same cores; None: all)."""
@@ -133,6 +135,8 @@ class AttentionWorker(HandOffs, WorkerBase):
             layout_identity(self.cfg.model_dump_json(), self.dtype, block_size),
             kv_disk_dir,
             kv_disk_bytes,
+            disk_key=kv_disk_key,
+            layout=self._snapshot_layout(),
         )
         # what a handed-off cache must come from: the same model and dtype (any block size: it travels as tokens)
         self.handoff_identity = layout_identity(self.cfg.model_dump_json(), self.dtype, 0)
@@ -367,6 +371,14 @@ class AttentionWorker(HandOffs, WorkerBase):
         kda = {i: (to_host(state), to_host(conv)) for i, (state, conv) in prefix.kda_states.items()}
         synchronize(self.device)
         return PrefixSnapshot(prefix.length, latent, index_k, kda)
+
+    def _snapshot_layout(self) -> SnapshotLayout:
+        """The tensors a prefix of this model holds (what every disk file is checked against before it is read)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        rows = {f"latent.{i}": (dtype, self.pool.latent[i].shape[-1]) for i in self.cfg.latent_kv_layers}
+        rows |= {f"index_k.{i}": (dtype, t.shape[-1]) for i, t in self.pool.index_k.items()}
+        states = {name: ("float32", shape) for name, shape in self._kda_shapes.items()}
+        return SnapshotLayout(rows, states, self.cfg.max_context)
 
     def _restore(self, key: str, reserve_tokens: int) -> CachedPrefix:
         """Copy a prefix held in a lower tier back into device blocks (bit-identical) and cache it there again;

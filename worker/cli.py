@@ -22,6 +22,7 @@ from expertmesh.worker.attention import POOLS
 from expertmesh.worker.collective import (
     BACKENDS,
 )
+from expertmesh.worker.kv_tiers import secure_folder
 from expertmesh.worker.metrics import serve_metrics
 from expertmesh.worker.options import ROLES, WorkerOptions
 from expertmesh.worker.server import build_workers, dry_run, shutdown, start
@@ -29,6 +30,7 @@ from expertmesh.worker.server import build_workers, dry_run, shutdown, start
 log = logging.getLogger("expertmesh.worker")
 
 
+MIN_DISK_KEY_BYTES, MAX_DISK_KEY_BYTES = 16, 4096  # --kv-disk-key-file: a secret, not a guessable word
 SHUTDOWN_SLACK_S = 5.0  # after the grace: closing the health port, the pairs, the exit handlers
 
 
@@ -68,16 +70,41 @@ def plan_assignment(path: str, ordinal: int, gpu_of: dict | None = None) -> list
 
 
 def kv_tier_options(args) -> dict:
-    """--kv-host-gib / --kv-disk-dir / --kv-disk-gib → AttentionWorker's tier arguments (ValueError naming the flag:
-    argtypes.check_kv_tiers, or tiers on a worker without the attention role)."""
-    check_kv_tiers(args.kv_host_gib, args.kv_disk_dir, args.kv_disk_gib)
+    """--kv-host-gib / --kv-disk-dir / --kv-disk-gib / --kv-disk-key-file → AttentionWorker's tier arguments
+    (ValueError naming the flag: argtypes.check_kv_tiers, an unsafe tier folder — kv_tiers.secure_folder, made
+    private here before anything else creates it —, a bad key file, or tiers on a worker without the attention
+    role)."""
     if (args.kv_host_gib or args.kv_disk_gib) and args.role == "expert":
         raise ValueError("--kv-host-gib/--kv-disk-gib: only for --role attention or both")
+    if args.kv_disk_key_file is not None and args.kv_disk_dir is None:
+        raise ValueError("--kv-disk-key-file: only with --kv-disk-dir")
+    if args.kv_disk_dir is not None and args.kv_disk_gib > 0:
+        secure_folder(args.kv_disk_dir)
+    check_kv_tiers(args.kv_host_gib, args.kv_disk_dir, args.kv_disk_gib)
     return {
         "kv_host_bytes": int(args.kv_host_gib * 2**30),
         "kv_disk_dir": args.kv_disk_dir,
         "kv_disk_bytes": int(args.kv_disk_gib * 2**30),
+        "kv_disk_key": read_disk_key(args.kv_disk_key_file),
     }
+
+
+def read_disk_key(path: str | None) -> bytes | None:
+    """The bytes of --kv-disk-key-file (None without one: a random key per process, so files an earlier process
+    wrote are refused). ValueError naming the flag when the file cannot be read or holds too few bytes."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            key = f.read(MAX_DISK_KEY_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"--kv-disk-key-file {path}: cannot read it ({e.strerror or e})") from None
+    if not MIN_DISK_KEY_BYTES <= len(key) <= MAX_DISK_KEY_BYTES:
+        raise ValueError(
+            f"--kv-disk-key-file {path}: expected at least {MIN_DISK_KEY_BYTES} secret bytes (at most "
+            f"{MAX_DISK_KEY_BYTES}), found {len(key)}"
+        )
+    return key
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-disk-dir",
         default=None,
         metavar="DIR",
-        help="attention role: local-disk tier below the host tier, one checksummed file per prefix "
-        "(reused after a restart when the files match this model and layout)",
+        help="attention role: local-disk tier below the host tier, one authenticated file per prefix "
+        "(reused after a restart when the files match this model and layout and --kv-disk-key-file); "
+        "a folder of this user's that no one else may write (created 0700 when missing)",
     )
     p.add_argument(
         "--kv-disk-gib",
@@ -148,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="GIB",
         help="attention role: at most this many GiB in --kv-disk-dir (needed with --kv-disk-dir)",
+    )
+    p.add_argument(
+        "--kv-disk-key-file",
+        default=None,
+        metavar="PATH",
+        help="attention role: a file of secret bytes (≥ 16) the disk tier's files are authenticated with "
+        "(HMAC-SHA256), held by the deployment, not the folder; without it a random key per process — files "
+        "an earlier process wrote are refused (cache lost, never wrong tokens)",
     )
     p.add_argument(
         "--pool",

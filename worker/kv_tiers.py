@@ -9,25 +9,123 @@ The order inside a tier is the order the router demoted in, which follows its se
 
 Disk files (one per prefix, `<sha256(key)[:40]>.kv`, in expertmesh/wire/kv_snapshot.py's format, the worker's
 `identity` being model config + dtype + block size), written to a temporary name then renamed (a crash leaves no
-half file under the real name). A file whose header does not parse, whose identity or key differ, whose payload is short or whose
-checksum fails is deleted and counted (`rejected`), never served. On CUDA the host tier holds pinned memory and the
-copies are non-blocking (synchronised before use); on CPU the same path copies ordinary tensors.
+half file under the real name). Each file carries an HMAC-SHA256 of its header and payload under the tier's key:
+`disk_key` (the deployment's secret, `--kv-disk-key-file`: files outlive the worker), or else a random key of this
+process — files an earlier process wrote are then refused, which costs their cache, never correctness. Whoever can
+write the folder cannot make the model read what they wrote.
+
+No file can stop the worker or make it read without bound: the folder must be this user's, not a link, and writable
+by no one else (else ValueError naming --kv-disk-dir); files are opened only when regular (lstat, then O_NOFOLLOW
+and a non-blocking open checked with fstat: no FIFO, device or link is read), never larger than the tier's bound,
+header first (bounded, checked against the payload's size and the model's `layout` before anything is allocated),
+then the tag. A file that fails any check is deleted and counted (`rejected`), never served. On CUDA the host tier
+holds pinned memory and the copies are non-blocking (synchronised before use); on CPU the same path copies ordinary
+tensors.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import hmac
 import logging
 import os
+import secrets
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, decode, encode, read_header
+from expertmesh.wire.kv_snapshot import (
+    PREAMBLE_BYTES,
+    TAG_BYTES,
+    CorruptFile,
+    FileHeader,
+    PrefixSnapshot,
+    SnapshotLayout,
+    check_header,
+    check_tag,
+    decode,
+    encode,
+    header_length,
+    new_mac,
+    read_header,
+)
 
 log = logging.getLogger("expertmesh.worker")
+
+FLAG = "--kv-disk-dir"
+READ_PIECE = 1 << 20  # the scan checks a file's tag reading this much at a time
+_PROCESS_KEY = secrets.token_bytes(32)  # the disk tier's key when the deployment gives none
+
+
+def disk_mac_key(secret: bytes | None) -> bytes:
+    """The disk files' MAC key: derived from the deployment's secret (`--kv-disk-key-file`; a label keeps it apart
+    from any other use of the same secret, e.g. the router's prefix salt), else this process's random key."""
+    if secret is None:
+        return _PROCESS_KEY
+    return hmac.new(secret, b"expertmesh kv disk tier mac v2", hashlib.sha256).digest()
+
+
+def file_name(key: str) -> str:
+    return f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.kv"
+
+
+def secure_folder(folder: str | Path, uid: int | None = None) -> Path:
+    """The tier folder, created private (0700) when missing; ValueError naming --kv-disk-dir when it is a link, not
+    a folder, owned by a user other than `uid` (default: this process's) or writable by its group or others —
+    whoever else could write it would choose what the model reads, or fill it."""
+    folder = Path(folder)
+    uid = os.getuid() if uid is None else uid
+    try:
+        if not os.path.lexists(folder):
+            folder.mkdir(mode=0o700, parents=True)
+        st = os.lstat(folder)
+    except OSError as e:
+        raise ValueError(f"{FLAG} {folder}: not writable (cannot create it: {e.strerror or e})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{FLAG} {folder}: a symbolic link; give the folder itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{FLAG} {folder}: not a folder")
+    if st.st_uid != uid:
+        raise ValueError(f"{FLAG} {folder}: owned by uid {st.st_uid}, not by this worker's user (uid {uid})")
+    if st.st_mode & 0o022:
+        raise ValueError(
+            f"{FLAG} {folder}: writable by its group or by others (mode {st.st_mode & 0o777:o}); expected a "
+            "folder only its owner may write (chmod go-w)"
+        )
+    return folder
+
+
+def open_regular(path: Path):
+    """`path` opened for reading when it is a regular file itself — never through a link, never waiting on a FIFO
+    (CorruptFile otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CorruptFile("a symbolic link" if e.errno == errno.ELOOP else f"cannot open it ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptFile("not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _read_exactly(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CorruptFile("torn: the file ends early")
+    return data
+
+
+def _unlink(path: Path) -> bool:
+    """Delete a file or a link (never what it points at); False when it cannot be (a folder)."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError:
+        return False
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +161,7 @@ class TierStats:
     restore_bytes: int = 0
     restore_seconds: float = 0.0
     dropped: int = 0  # prefixes that left this tier for nowhere (full, or too large for it)
-    rejected: int = 0  # disk only: torn, corrupted or foreign files deleted, never served
+    rejected: int = 0  # disk only: torn, corrupted, forged or foreign files (and non-files) refused, never served
 
 
 @dataclass
@@ -76,12 +174,15 @@ class _DiskEntry:
 @dataclass
 class KVTiers:
     """The host and disk tiers of one worker. `host_bytes` / `disk_bytes`: hard bounds (0: no such tier);
-    `disk_dir`: where disk files live (reused at start when they match `identity`)."""
+    `disk_dir`: where disk files live (reused at start when they match `identity`, carry `layout`'s tensors and
+    pass the MAC under `disk_key` — the deployment's secret; None: a random key of this process)."""
 
     host_bytes: int
     identity: str
     disk_dir: Path | None = None
     disk_bytes: int = 0
+    disk_key: bytes | None = field(default=None, repr=False)
+    layout: SnapshotLayout | None = None
     host: OrderedDict = field(default_factory=OrderedDict)  # key → PrefixSnapshot (host tensors), oldest first
     disk: OrderedDict = field(default_factory=OrderedDict)  # key → _DiskEntry, oldest first
     stats: dict = field(default_factory=dict)  # "host" / "disk" → TierStats
@@ -90,8 +191,9 @@ class KVTiers:
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError(f"tier bounds: host {self.host_bytes} / disk {self.disk_bytes} bytes, expected ≥ 0")
         self.stats = {"host": TierStats(self.host_bytes), "disk": TierStats(self.disk_bytes)}
+        self._mac_key = disk_mac_key(self.disk_key)
         if self.disk_dir is not None and self.disk_bytes > 0:
-            self.disk_dir = Path(self.disk_dir)
+            self.disk_dir = secure_folder(self.disk_dir)
             self._scan()
 
     @property
@@ -140,7 +242,7 @@ class KVTiers:
         if self.disk_dir is None or self.disk_bytes <= 0:
             self.stats["host"].dropped += 1
             return [key]
-        data = encode(key, self.identity, snap)
+        data = encode(key, self.identity, snap, self._mac_key)
         if len(data) > self.disk_bytes:
             self.stats["disk"].dropped += 1
             return [key]
@@ -150,14 +252,16 @@ class KVTiers:
             self._remove_disk(old_key)
             self.stats["disk"].dropped += 1
             dropped.append(old_key)
-        path = self.disk_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.kv"
+        path = self.disk_dir / file_name(key)
         tmp = path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
+        try:  # never through a link someone left under the temporary name: a fresh private file
+            _unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:  # a full or failing disk costs this prefix, never the step that demoted it
-            tmp.unlink(missing_ok=True)
+            _unlink(tmp)
             log.warning("KV disk tier: cannot write %s (%s); prefix dropped", path.name, e)
             self.stats["disk"].dropped += 1
             return dropped + [key]
@@ -168,7 +272,7 @@ class KVTiers:
 
     def _remove_disk(self, key: str) -> None:
         entry = self.disk.pop(key)
-        entry.path.unlink(missing_ok=True)
+        _unlink(entry.path)
         self._held("disk", -entry.nbytes, -1)
 
     def discard(self, key: str) -> bool:
@@ -190,11 +294,41 @@ class KVTiers:
             return self.host[key], "host"
         entry = self.disk[key]
         try:
-            return decode(entry.path.read_bytes(), key=key, identity=self.identity), "disk"
-        except (OSError, CorruptFile) as e:
+            _, data = self._read(entry.path, key, whole=True)
+            return decode(data, key=key, identity=self.identity, mac_key=self._mac_key, layout=self.layout), "disk"
+        except CorruptFile as e:
             self._remove_disk(key)
             self.stats["disk"].rejected += 1
             raise CorruptFile(f"{entry.path.name}: {e}") from None
+
+    def _read(self, path: Path, key: str | None, *, whole: bool) -> tuple[FileHeader, bytes | None]:
+        """Check the file at `path` (holding `key`, or any key) → (its header, its bytes when `whole`; else the tag
+        is checked reading the file piece by piece). CorruptFile for anything that must not be served: not a regular
+        file, larger than the tier, a header that is not this model's, a file of another size, a tag that fails."""
+        try:
+            with open_regular(path) as f:
+                return self._read_open(f, key, whole)
+        except OSError as e:  # a failing disk, a file cut short under the reader
+            raise CorruptFile(f"cannot read it ({e.strerror or e})") from None
+
+    def _read_open(self, f, key: str | None, whole: bool) -> tuple[FileHeader, bytes | None]:
+        size = os.fstat(f.fileno()).st_size
+        if size > self.disk_bytes:
+            raise CorruptFile(f"{size} bytes, more than the tier's bound of {self.disk_bytes}")
+        head = _read_exactly(f, PREAMBLE_BYTES)
+        head += _read_exactly(f, header_length(head))
+        header = read_header(head)
+        check_header(header, identity=self.identity, key=key, layout=self.layout)
+        if size != header.file_bytes:
+            raise CorruptFile(f"torn: {size} bytes, the header says {header.file_bytes}")
+        if whole:
+            return header, head + _read_exactly(f, size - len(head))
+        mac = new_mac(self._mac_key)
+        mac.update(head)
+        for at in range(0, header.payload_bytes, READ_PIECE):
+            mac.update(_read_exactly(f, min(READ_PIECE, header.payload_bytes - at)))
+        check_tag(mac, _read_exactly(f, TAG_BYTES))
+        return header, None
 
     def restored(self, key: str, tier: str, nbytes: int, seconds: float) -> None:
         s = self.stats[tier]
@@ -205,30 +339,52 @@ class KVTiers:
 
     # ------------------------------------------------------------------ start
     def _scan(self) -> None:
-        """Index the files a previous run left (oldest first); delete and count the ones that fail a check."""
-        self.disk_dir.mkdir(parents=True, exist_ok=True)
-        for tmp in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
-            tmp.unlink(missing_ok=True)
-            self.stats["disk"].rejected += 1
-        files = sorted(self.disk_dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
-        for path in files:
-            try:
-                data = path.read_bytes()
-                header, _ = read_header(data)
-                key = str(header["key"])
-                if path.name != f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.kv":
-                    raise CorruptFile("file name does not match its key")
-                snap_len = decode(data, key=key, identity=self.identity).length
-            except (OSError, CorruptFile) as e:
-                path.unlink(missing_ok=True)
-                self.stats["disk"].rejected += 1
-                log.warning("KV disk tier: deleted %s, not served: %s", path.name, e)
+        """Index the files a previous run left (newest first while they fit the bound, then oldest first as they
+        were); delete and count the ones that fail a check, and those that no longer fit (a smaller bound)."""
+        found = []
+        with os.scandir(self.disk_dir) as entries:
+            for e in entries:
+                path = self.disk_dir / e.name
+                if e.name.endswith(".tmp"):  # a write cut short by a crash
+                    self._reject(path, "a temporary file left by a write cut short")
+                elif e.name.endswith(".kv"):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:  # gone meanwhile
+                        continue
+                    found.append((st.st_mtime_ns, e.name, st))
+        room, kept = self.disk_bytes, []
+        for _, name, st in sorted(found, reverse=True):
+            path = self.disk_dir / name
+            if not stat.S_ISREG(st.st_mode):
+                self._reject(path, "not a regular file (a link, FIFO, device or folder)")
                 continue
-            self.disk[key] = _DiskEntry(path, len(data), snap_len)
-            self._held("disk", len(data), 1)
-        while self.disk and self.stats["disk"].used_bytes > self.disk_bytes:  # a smaller bound than before
-            self._remove_disk(next(iter(self.disk)))
-            self.stats["disk"].dropped += 1
+            if st.st_size > room and st.st_size <= self.disk_bytes:  # would fit an empty tier: older than the rest
+                _unlink(path)
+                self.stats["disk"].dropped += 1
+                continue
+            try:
+                header, _ = self._read(path, None, whole=False)
+                if name != file_name(header.key):
+                    raise CorruptFile("file name does not match its key")
+            except CorruptFile as e:
+                self._reject(path, str(e))
+                continue
+            if header.file_bytes > room:  # grew since it was listed
+                _unlink(path)
+                self.stats["disk"].dropped += 1
+                continue
+            room -= header.file_bytes
+            kept.append((header.key, _DiskEntry(path, header.file_bytes, header.length)))
+        for key, entry in reversed(kept):
+            self.disk[key] = entry
+            self._held("disk", entry.nbytes, 1)
+
+    def _reject(self, path: Path, why: str) -> None:
+        """A file that must not be served: deleted (a link itself, never its target; a folder stays) and counted."""
+        deleted = _unlink(path)
+        self.stats["disk"].rejected += 1
+        log.warning("KV disk tier: %s %s, not served: %s", "deleted" if deleted else "left", path.name, why)
 
     def snapshot_stats(self) -> dict[str, TierStats]:
         return {k: TierStats(**vars(v)) for k, v in self.stats.items()}

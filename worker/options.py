@@ -4,7 +4,7 @@ is handed down by hand from function to function."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("attention", "expert", "both")
 
@@ -35,6 +35,7 @@ class WorkerOptions:
     kv_host_bytes: int = 0  # host-memory tier for demoted prefixes (0: none)
     kv_disk_dir: str | None = None  # local-disk tier's directory
     kv_disk_bytes: int = 0  # local-disk tier's bound
+    kv_disk_key: bytes | None = field(default=None, repr=False)  # its files' MAC secret (None: random per process)
     pool: str = "mixed"  # prefill | decode | mixed: the label Info and /metrics carry
     expert_tls: object = None  # runtime.tls.ClientTLS for the calls to expert workers and hand-offs
 
@@ -49,4 +50,5 @@ class WorkerOptions:
             "kv_host_bytes": self.kv_host_bytes,
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": self.kv_disk_bytes,
+            "kv_disk_key": self.kv_disk_key,
         }

@@ -1,6 +1,7 @@
 """The KV tiers below an attention worker's device pool (worker/kv_tiers.py): a demoted prefix comes back
 bit-identical from host memory and from disk, a restored prefix gives the tokens a recompute gives, the disk tier's
-files survive a restart and are refused when torn, corrupted or foreign; every tier keeps its byte bound."""
+files survive a restart and are refused when torn, corrupted or foreign; every tier keeps its byte bound. (Files
+that lie, links, FIFOs, forged payloads and unsafe folders: tests/worker/test_kv_disk_hardening.py.)"""
 
 import json
 import random
@@ -201,7 +202,7 @@ def test_disk_files_survive_a_restart_and_torn_corrupted_or_foreign_ones_are_nev
     data = bytearray(files["k1"].read_bytes())
     data[-5] ^= 0x40
     files["k1"].write_bytes(bytes(data))
-    with pytest.raises(CorruptFile, match="checksum"):
+    with pytest.raises(CorruptFile, match="checksum mismatch: its HMAC"):
         again.load("k1")
     assert again.stats["disk"].rejected == 1 and not files["k1"].exists() and again.tier_of("k1") is None
     # at start: a torn file, a leftover temporary, garbage — and every file of another model / layout
@@ -216,10 +217,11 @@ def test_disk_files_survive_a_restart_and_torn_corrupted_or_foreign_ones_are_nev
 
 @pytest.mark.slow
 def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, model, tmp_path):
-    """`up`-style processes, a 16-block pool and a disk tier only: sessions A, B, C (160-token prompts) push each
-    other's prefixes to disk; B's file is corrupted; the attention worker is killed and started again. A's next turn
-    is served from its file (cached tokens, the reference's tokens); B's file is refused at start (counted in the
-    log), so B's next turn is recomputed — the same tokens."""
+    """`up`-style processes, a 16-block pool and a disk tier only, the worker given the deployment's key
+    (--kv-disk-key-file): sessions A, B, C (160-token prompts) push each other's prefixes to disk; B's file is
+    corrupted; the attention worker is killed and started again. A's next turn is served from its file (cached
+    tokens, the reference's tokens); B's file is refused at start (counted in the log), so B's next turn is
+    recomputed — the same tokens."""
     from support.router_client import EOS, grpc_generate
 
     from expertmesh.entry.cluster import LocalCluster, free_port
@@ -237,6 +239,10 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
         http_port=free_port(),
         grpc_port=free_port(),
     ) as cluster:
+        key = tmp_path / "kv-disk-key"
+        key.write_bytes(b"the deployment's secret, 32 byte")
+        cluster.child("attention-0").args += ["--kv-disk-key-file", str(key)]
+        cluster.restart("attention-0")  # with the key from now on: its files outlive the process
         address = f"127.0.0.1:{cluster.grpc_port}"
         outputs = [grpc_generate(address, p, 8)[0] for p in prompts]
         files = sorted((disk / "attention-0").glob("*.kv"), key=lambda f: f.stat().st_mtime)
@@ -254,7 +260,7 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
             assert tokens == reference
             assert (finish.usage.cached_tokens == 160) if expect_cached else finish.usage.cached_tokens == 0
         log = "\n".join(cluster.child("attention-0").lines)
-        assert log.count("not served: payload checksum mismatch") == 1, log[-3000:]
+        assert log.count("not served: checksum mismatch: its HMAC-SHA256 tag fails") == 1, log[-3000:]
 
 
 def test_a_hit_whose_worker_cannot_make_room_is_recomputed_on_another_worker(ckpt, model):
