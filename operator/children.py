@@ -45,7 +45,7 @@ from expertmesh.operator.pod_parts import (
     pod_spec,
 )
 from expertmesh.operator.pools import DECODE, METRIC_SERIES, PREFILL, Pool, attention_pools, spec_pool_kv
-from expertmesh.operator.router_salt import router_salt_volume
+from expertmesh.operator.router_salt import kv_disk_key_volume, router_salt_volume
 from expertmesh.operator.spec import MoEDeploymentSpec
 
 
@@ -143,8 +143,9 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     }
     pod = pod_spec(name, pool.component, spec, container, spread=True)
     volumes, mounts, claims = kv_disk_volume(kv.disk)
-    pod["volumes"] += volumes
-    pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts
+    key_volumes, key_mounts = kv_disk_key_volume(name, kv.disk)  # what the disk tier's files are keyed with
+    pod["volumes"] += volumes + key_volumes
+    pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts + key_mounts
     sts = {
         "serviceName": pool.statefulset,
         "replicas": pool.replicas,

@@ -15,7 +15,7 @@ from expertmesh.operator.naming import (
     statefulset_addresses,
 )
 from expertmesh.operator.pools import MIXED, Pool, PoolKV, attention_pools, spec_pool_kv
-from expertmesh.operator.router_salt import router_salt_volume
+from expertmesh.operator.router_salt import kv_disk_key_args, router_salt_volume
 from expertmesh.operator.spec import MoEDeploymentSpec
 from expertmesh.operator.worker_tls import worker_tls_args
 
@@ -71,12 +71,18 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> li
     ]
 
 
+# the disk tier's folder: one the worker creates inside its volume, private to its user (0700) — the volume's own root
+# is not (an emptyDir is world-writable, a claim's or node folder's root belongs to root or to the fsGroup), and the
+# worker refuses a tier folder anyone else may write
+KV_DISK_TIER_DIR = f"{KV_DISK_MOUNT}/tier"
+
+
 def kv_tier_args(kv: PoolKV) -> list[str]:
     """A pool's KV tiers (spec.kv.hostGiB / spec.kv.disk, where pools.pool_kv puts them) → the attention worker's
-    tier flags (the disk tier on its volume)."""
+    tier flags (the disk tier in its volume, its files keyed by the deployment's salt Secret: router_salt.py)."""
     out = ["--kv-host-gib", f"{kv.host_gib:g}"] if kv.host_gib else []
     if kv.disk is not None:
-        out += ["--kv-disk-dir", KV_DISK_MOUNT, "--kv-disk-gib", f"{kv.disk.size_gib:g}"]
+        out += ["--kv-disk-dir", KV_DISK_TIER_DIR, "--kv-disk-gib", f"{kv.disk.size_gib:g}", *kv_disk_key_args(kv.disk)]
     return out
 
 
