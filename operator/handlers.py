@@ -227,7 +227,8 @@ async def _ensure_worker_tls(deps: Deps, owner: dict, name: str, namespace: str,
 
 
 async def _ensure_router_salt(deps: Deps, owner: dict, name: str, namespace: str, spec, retry: int = 0) -> None:
-    """Create the router replicas' shared prefix-key salt Secret once (spec.router.replicas > 1): kept as it is
+    """Create the deployment's salt Secret once (router_salt.shares_salt: router replicas > 1, whose prefix keys it
+    salts alike, or a KV disk tier, whose files' MAC key it is): kept as it is
     across reconciles and operator restarts (a new salt would orphan every cached prefix); deleted with the
     resource (owner)."""
     if not shares_salt(spec):

@@ -128,7 +128,10 @@ def tier_metrics(att):
             ("restore_bytes", "Bytes copied back to the device from the tier"),
             ("restore_seconds", "Time spent restoring from the tier"),
             ("dropped", "Prefixes that left the tier for no lower one"),
-            ("rejected", "Disk files deleted unserved: torn, corrupted or of another model / layout"),
+            (
+                "rejected",
+                "Disk entries refused unserved: torn, corrupted, forged (MAC), of another model / layout, or not regular files",
+            ),
         )
     }
     counters["hits"].add_metric([name, "device"], att.device_prefix_hits)

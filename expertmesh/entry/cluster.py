@@ -67,6 +67,8 @@ def _ephemeral_low() -> int:
 
 
 _HANDED_OUT: dict[int, None] = {}  # the ports free_port returned lately, oldest first
+DISK_KEY_NAME = "disk-key"  # in --kv-disk-dir: the secret its attention workers authenticate their tier files with
+
 _HANDED_OUT_LOCK = threading.Lock()
 _REMEMBERED = 4096
 
@@ -260,10 +262,25 @@ class LocalCluster:
         args = ["--kv-host-gib", str(self.kv_host_gib)] if self.kv_host_gib else []
         if self.kv_disk_dir is not None:
             args += ["--kv-disk-dir", str(self.kv_disk_dir / name), "--kv-disk-gib", str(self.kv_disk_gib)]
+            args += ["--kv-disk-key-file", str(self._disk_key_file())]
         if self.metrics_ports:
             args += ["--metrics-port", str(self.metrics_ports[i])]
             self.metrics_urls.append(f"http://{self.host}:{self.metrics_ports[i]}")
         return args
+
+    def _disk_key_file(self) -> Path:
+        """The secret the attention workers' tier files are authenticated with (worker/kv_tiers.py), kept beside
+        their folders (0600, made once): a restarted worker, or a later `up` on the same folder, reads its files
+        back; whoever cannot read this folder cannot forge them."""
+        path = self.kv_disk_dir / DISK_KEY_NAME
+        self.kv_disk_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            return path
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+        return path
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

@@ -446,7 +446,7 @@ def test_kv_tiers_become_attention_worker_flags_memory_and_a_disk_volume(tiny_pl
     opt = dict(zip(c["args"][3::2], c["args"][4::2]))
     assert (opt["--kv-host-gib"], opt["--kv-disk-dir"], opt["--kv-disk-gib"]) == (
         "64",
-        "/var/cache/expertmesh-kv",
+        "/var/cache/expertmesh-kv/tier",
         "100",
     )
     assert c["resources"]["requests"]["memory"] == f"{(16 + 64) * 1024}Mi"

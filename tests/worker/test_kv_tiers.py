@@ -217,7 +217,7 @@ def test_disk_files_survive_a_restart_and_torn_corrupted_or_foreign_ones_are_nev
 
 @pytest.mark.slow
 def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, model, tmp_path):
-    """`up`-style processes, a 16-block pool and a disk tier only, the worker given the deployment's key
+    """`up`-style processes, a 16-block pool and a disk tier only, the worker given the launcher's key
     (--kv-disk-key-file): sessions A, B, C (160-token prompts) push each other's prefixes to disk; B's file is
     corrupted; the attention worker is killed and started again. A's next turn is served from its file (cached
     tokens, the reference's tokens); B's file is refused at start (counted in the log), so B's next turn is
@@ -239,10 +239,8 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
         http_port=free_port(),
         grpc_port=free_port(),
     ) as cluster:
-        key = tmp_path / "kv-disk-key"
-        key.write_bytes(b"the deployment's secret, 32 byte")
-        cluster.child("attention-0").args += ["--kv-disk-key-file", str(key)]
-        cluster.restart("attention-0")  # with the key from now on: its files outlive the process
+        key = disk / "disk-key"  # the launcher's secret for the folder's tier files (0600)
+        assert key.stat().st_mode & 0o777 == 0o600 and len(key.read_bytes()) == 32
         address = f"127.0.0.1:{cluster.grpc_port}"
         outputs = [grpc_generate(address, p, 8)[0] for p in prompts]
         files = sorted((disk / "attention-0").glob("*.kv"), key=lambda f: f.stat().st_mtime)
