@@ -16,7 +16,7 @@ from expertmesh.router.engine import Engine
 from expertmesh.router.image_decode import ImageDecoder
 from expertmesh.router.images import ImageBudget, request_images
 from expertmesh.router.response_store import ReasoningMemory, ResponseStore, owner_of
-from expertmesh.router.serving import check_key, check_model, tenant_of
+from expertmesh.router.serving import check_key, check_model
 
 
 @dataclass
@@ -60,11 +60,10 @@ def caller(authorization: str | None = Header(default=None)) -> str:
 
 
 def openai_key(request: Request, authorization: str | None = Header(default=None)) -> str:
-    """OpenAI's routes: the key as a bearer token. Returns the request's tenant (serving.tenant_of: the key checked,
+    """OpenAI's routes: the key as a bearer token. Returns the request's tenant (serving.check_key: the key checked,
     "" with no keys configured) — a route that declares this dependency too gets it (FastAPI runs it once)."""
     key = bearer_token(authorization)
-    check_key(served(request).api_key, key)
-    return tenant_of(served(request).api_key, key)
+    return check_key(served(request).api_key, key)
 
 
 def anthropic_key(
@@ -72,8 +71,7 @@ def anthropic_key(
 ) -> str:
     """Anthropic's routes: x-api-key, or a bearer token. Returns the request's tenant, as `openai_key`."""
     key = given_key(x_api_key, authorization)
-    check_key(served(request).api_key, key)
-    return tenant_of(served(request).api_key, key)
+    return check_key(served(request).api_key, key)
 
 
 def served_model(body_type: type):

@@ -37,7 +37,7 @@ from expertmesh.router.engine import Engine
 from expertmesh.router.errors import APIError, as_api_error, leading_field
 from expertmesh.router.messages import grpc_messages, grpc_tools
 from expertmesh.router.prefix_scope import PrefixScope
-from expertmesh.router.serving import ChatRequest, CompletionRun, check_key, check_model, start_chat, tenant_of
+from expertmesh.router.serving import ChatRequest, CompletionRun, check_key, check_model, start_chat
 from expertmesh.runtime.health_port import serve_health_only
 from expertmesh.runtime.reflection import enable_reflection
 from expertmesh.wire.sampling_params import SamplingParams, check_sampling, sampling_from_proto
@@ -107,9 +107,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         Returns the request's prefix-cache scope: its key's own, as on HTTP (router/prefix_scope.py)."""
         md = dict(context.invocation_metadata())
         key = md.get("x-api-key") or md.get("authorization", "").removeprefix("Bearer ").strip()
-        check_key(self.api_key, key)
+        tenant = check_key(self.api_key, key)
         check_model(self.engine.model_name, model or None)
-        return PrefixScope(tenant_of(self.api_key, key))
+        return PrefixScope(tenant)
 
     def _prompt(self, request) -> list[int]:
         which = request.WhichOneof("prompt")

@@ -1,7 +1,7 @@
 """The transport-neutral serving layer: a request in → an engine submission → a stream of events and a final result,
 used alike by the HTTP APIs (openai_api.py, anthropic_api.py, responses_api.py) and the gRPC service.
 
-- Access: `check_key` (one or several keys), `tenant_of` (whose prefix cache a request uses), `check_model` (each
+- Access: `check_key` (one or several keys; returns whose prefix cache a request uses), `check_model` (each
   transport reads the key and the model from its own wire).
 - A chat run (`start_chat` → `ChatRun`): a chat prepared once (router/chat_prep.py: thinking, tier, tools,
   rendering, truncation, limits) submitted with its sampling and its thinking control (the worker's sampler counts
@@ -37,19 +37,15 @@ def api_keys(expected: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if expected is None else (expected,) if isinstance(expected, str) else tuple(expected)
 
 
-def check_key(expected: str | tuple[str, ...] | None, given: str | None) -> None:
+def check_key(expected: str | tuple[str, ...] | None, given: str | None) -> str:
     """Constant-time API-key check against every configured key (the key never reaches logs or errors); no key
-    configured: anyone."""
+    configured: anyone. Returns the request's tenant (router/prefix_scope.py): its key when keys are configured,
+    "" (the one tenant) when none is."""
     keys = api_keys(expected)
     presented = (given or "").encode()
     if keys and not sum(hmac.compare_digest(presented, key.encode()) for key in keys):
         raise APIError("invalid or missing API key", code="invalid_api_key", kind="authentication")
-
-
-def tenant_of(expected: str | tuple[str, ...] | None, given: str | None) -> str:
-    """The tenant a request checked by `check_key` belongs to (router/prefix_scope.py): its key when keys are
-    configured, "" (the one tenant) when none is."""
-    return (given or "") if api_keys(expected) else ""
+    return (given or "") if keys else ""
 
 
 def check_model(served: str, asked: str | None) -> None:
