@@ -328,6 +328,12 @@ class ModelConfig(_Strict):
     tie_word_embeddings: bool = False
     init_std: float = Field(0.02, gt=0, description="std of the synthetic checkpoint's random weights")
     vision: VisionConfig | None = Field(None, description="image input (expertmesh/model/vision.py); None: text only")
+    n_mtp_layers: int = Field(
+        0,
+        ge=0,
+        description="multi-token-prediction layers after the main ones (HF num_nextn_predict_layers): served as "
+        "the speculative drafter (expertmesh/model/speculative.py), never part of the main forward",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -348,6 +354,11 @@ class ModelConfig(_Strict):
     @property
     def n_layers(self) -> int:
         return len(self.layer_types)
+
+    @property
+    def mtp_layer_type(self) -> LayerType:
+        """The MTP layers' attention: DSA when the model has DSA layers, else full MLA."""
+        return "dsa" if self.n_dsa_layers else "mla"
 
     @property
     def n_kda_layers(self) -> int:
