@@ -258,6 +258,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         max_context=max_context,
         rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
         **k3_fields,
     )
     return cfg
