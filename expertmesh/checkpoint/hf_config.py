@@ -15,6 +15,8 @@ with): the KDA q/k L2-norm and the KDA output norm use `rms_norm_eps` (vLLM: a f
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
 from expertmesh.checkpoint.files import CheckpointError
 from expertmesh.model.config import (
     MXFP4_BLOCK,
@@ -25,6 +27,7 @@ from expertmesh.model.config import (
     ModelConfig,
     MoEConfig,
     RopeConfig,
+    VisionConfig,
     YarnConfig,
 )
 
@@ -142,7 +145,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise HFCheckpointError(f"config.json: model_type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
-    raw = text_config(raw)
+    wrapper, raw = raw, text_config(raw)
     _check_supported(raw)
     k3 = model_type == "kimi_k3"
     n_layers = int(_get(raw, "num_hidden_layers"))
@@ -259,6 +262,7 @@ def config_from_hf(raw: dict, tensor_names: set[str], name: str) -> ModelConfig:
         rms_norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         n_mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        vision=k3_vision(wrapper, hidden, tensor_names) if k3 else None,
         **k3_fields,
     )
     return cfg
@@ -270,3 +274,91 @@ def moe_prefix(cfg: ModelConfig, tensor_names: set[str]) -> str:
     if cfg.model_type in ("kimi_linear", "kimi_k3") and any(".block_sparse_moe." in n for n in tensor_names):
         return "block_sparse_moe"
     return "mlp"
+
+
+# ----------------------------------------------------------------------------------------------- K3's vision
+# K3's `vision_config` (vLLM / SGLang's KimiK3VisionConfig, model_type kimi_k3_vision): published key → our
+# VisionConfig field, with the published default
+_K3_VISION_FIELDS = {
+    "patch_size": ("patch_size", 14),
+    "vt_hidden_size": ("hidden_size", 1024),
+    "vt_num_hidden_layers": ("num_hidden_layers", 27),
+    "vt_num_attention_heads": ("num_attention_heads", 12),
+    "vt_intermediate_size": ("intermediate_size", 4096),
+    "qkv_hidden_size": ("qkv_hidden_size", 1536),
+    "init_pos_emb_height": ("pos_emb_height", 64),
+    "init_pos_emb_width": ("pos_emb_width", 64),
+    "init_pos_emb_time": ("pos_emb_time", 4),
+    "pos_emb_type": ("pos_emb_type", "divided_fixed"),
+    "pos_emb_interpolation_mode": ("pos_emb_interpolation_mode", "bilinear"),
+    "norm_type": ("norm_type", "rmsnorm"),
+    "attn_bias": ("attn_bias", False),
+    "linear_bias": ("linear_bias", False),
+    "patch_embed_proj_bias": ("patch_embed_proj_bias", False),
+    "mlp_type": ("mlp_type", "mlp2"),
+    "activation_func": ("hidden_act", "gelu_pytorch_tanh"),
+    "merge_kernel_size": ("merge_kernel_size", (2, 2)),
+    "mm_projector_type": ("projector_type", "patchmergerv2"),
+    "projector_hidden_act": ("projector_hidden_act", "gelu"),
+    "projector_ln_eps": ("projection_layer_norm_eps", 1e-5),
+}
+# keys with the one value served here (temporal pooling and video attention are the identity on one frame)
+_K3_VISION_FIXED = {"merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal", "in_channels": 3}
+_K3_VISION_CHECKED = {"mm_hidden_size", "text_hidden_size", "model_type"}  # checked against the rest below
+_K3_VISION_METADATA = {"_attn_implementation", "torch_dtype", "dtype", "transformers_version"}  # no effect on maths
+
+
+def k3_vision(raw: dict, text_hidden: int, tensor_names: set[str]) -> VisionConfig | None:
+    """Kimi K3's `vision_config` → VisionConfig (layout kimi_k3), every key honoured or refused by name; None when
+    there is none, or when the checkpoint's tensors (if known) hold no vision tower: then it is served text only.
+
+    The image tokens are the published tokenizer's: `media_placeholder_token_id` is `<|media_pad|>` (one per image
+    token), and K3 numbers `<|media_content|>` and `<|media_end|>` — which open and close the run of pads as
+    Kimi-K3.jinja renders an image — two and one below it."""
+    vc = raw.get("vision_config")
+    if vc is None or (tensor_names and not any(n.startswith("vision_tower.") for n in tensor_names)):
+        return None
+    if not isinstance(vc, dict):
+        raise HFCheckpointError("config.json: vision_config must be an object")
+    for key, value in vc.items():
+        if key in _K3_VISION_FIXED and value != _K3_VISION_FIXED[key]:
+            raise HFCheckpointError(
+                f"config.json: vision_config.{key}={value!r} is not supported (expected {_K3_VISION_FIXED[key]!r})"
+            )
+        if not (
+            {key} & (_K3_VISION_FIELDS.keys() | _K3_VISION_FIXED.keys() | _K3_VISION_CHECKED | _K3_VISION_METADATA)
+        ):
+            raise HFCheckpointError(f"config.json: vision_config.{key} is not a Kimi K3 vision field (kimi_k3_vision)")
+    if vc.get("model_type", "kimi_k3_vision") != "kimi_k3_vision":
+        raise HFCheckpointError(
+            f"config.json: vision_config.model_type={vc['model_type']!r}: expected 'kimi_k3_vision'"
+        )
+    fields = {ours: vc.get(key, default) for key, (ours, default) in _K3_VISION_FIELDS.items()}
+    if not isinstance(fields["merge_kernel_size"], (list, tuple)):
+        raise HFCheckpointError(
+            f"config.json: vision_config.merge_kernel_size={fields['merge_kernel_size']!r}: expected [height, width]"
+        )
+    fields["merge_kernel_size"] = tuple(fields["merge_kernel_size"])
+    tower = fields["hidden_size"]
+    if vc.get("mm_hidden_size") not in (None, tower):
+        raise HFCheckpointError(
+            f"config.json: vision_config.mm_hidden_size={vc['mm_hidden_size']} must equal vt_hidden_size={tower} "
+            f"(the projector merges the tower's own rows)"
+        )
+    if vc.get("text_hidden_size", 7168) != text_hidden:
+        raise HFCheckpointError(
+            f"config.json: vision_config.text_hidden_size={vc.get('text_hidden_size', 7168)} must equal the text "
+            f"model's hidden_size={text_hidden}"
+        )
+    pad = int(_get(raw, "media_placeholder_token_id", default=163605))
+    try:
+        return VisionConfig(
+            layout="kimi_k3", **fields, image_token_id=pad, image_start_token_id=pad - 2, image_end_token_id=pad - 1
+        )
+    except ValidationError as e:
+        published = {ours: key for key, (ours, _) in _K3_VISION_FIELDS.items()}
+        err = e.errors()[0]
+        ours = str(err["loc"][0]) if err["loc"] else ""
+        key = published.get(ours)
+        name = f"vision_config.{key}={vc.get(key, fields.get(ours))!r}" if key else "vision_config"
+        raise HFCheckpointError(f"config.json: {name}: {err['msg']}") from None

@@ -249,11 +249,21 @@ class RopeConfig(_Strict):
 
 
 class VisionConfig(_Strict):
-    """A MoonViT-style vision tower and projector (transformers `kimi_k25`: `Kimi_K25VisionConfig` plus the
-    projector fields of `Kimi_K25Config`): 14-px patches embedded by a conv, a learned position grid
-    bicubically resampled to each image's patch grid, 2-D axial RoPE, pre-norm ViT layers; each 2×2 block of
-    patches merges into one image token, projected (LayerNorm, Linear, GELU, Linear) into the LM's hidden size."""
+    """A MoonViT-style vision tower and projector: 14-px patches embedded by a conv, a learned position grid
+    resampled to each image's patch grid, 2-D axial RoPE, pre-norm ViT layers; each 2×2 block of patches merges
+    into one image token, projected into the LM's hidden size.
 
+    Two layouts (`layout`), the same maths where their settings coincide:
+    - `kimi_k25` (expertmesh/model/vision.py): transformers' `kimi_k25` (`Kimi_K25VisionConfig` plus the projector
+      fields of `Kimi_K25Config`) — LayerNorms and biases everywhere, q/k/v as wide as the tower, bicubic position
+      resampling, the `patchmerger` projector (LayerNorm, Linear, GELU, Linear). Its variant fields keep those values.
+    - `kimi_k3` (expertmesh/model/vision_k3.py): the published MoonViT3d of Kimi K3 (`kimi_k3_vision`) under its
+      own tensor names, every variant field honoured: `norm_type`, the three bias flags, `qkv_hidden_size`,
+      `pos_emb_type` divided_fixed (a learned 2-D grid plus a fixed sinusoid per frame, `pos_emb_time` frames),
+      its interpolation mode, `mlp_type` mlp2, and the `patchmerger` or `patchmergerv2` projector (Linear, GELU,
+      Linear, RMSNorm; no biases)."""
+
+    layout: Literal["kimi_k25", "kimi_k3"] = "kimi_k25"
     patch_size: int = Field(14, gt=0)
     hidden_size: int = Field(1152, gt=0)
     num_hidden_layers: int = Field(27, gt=0)
@@ -265,6 +275,18 @@ class VisionConfig(_Strict):
     merge_kernel_size: tuple[int, int] = (2, 2)
     rope_theta: float = Field(10_000.0, gt=0)
     projection_layer_norm_eps: float = Field(1e-5, gt=0)
+    # the variants (K3's vision_config); the defaults are kimi_k25's
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    attn_bias: bool = True
+    linear_bias: bool = True
+    patch_embed_proj_bias: bool = True
+    qkv_hidden_size: int | None = Field(None, gt=0, description="q, k and v width (all heads); None: hidden_size")
+    pos_emb_type: Literal["divided_fixed"] = "divided_fixed"
+    pos_emb_time: int = Field(4, gt=0, description="frames the fixed time sinusoid covers (an image is one)")
+    pos_emb_interpolation_mode: Literal["bicubic", "bilinear"] = "bicubic"
+    mlp_type: Literal["mlp2"] = "mlp2"
+    projector_type: Literal["patchmerger", "patchmergerv2"] = "patchmerger"
+    projector_hidden_act: Literal["gelu", "gelu_pytorch_tanh"] = "gelu"
     image_token_id: int = Field(ge=0, description="the placeholder token each image token's row replaces")
     image_start_token_id: int = Field(ge=0, description="opens an image in a prompt")
     image_end_token_id: int = Field(ge=0, description="closes an image in a prompt")
@@ -273,13 +295,24 @@ class VisionConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> VisionConfig:
-        head_dim, rem = divmod(self.hidden_size, self.num_attention_heads)
+        head_dim, rem = divmod(self.qkv_width, self.num_attention_heads)
         if rem or head_dim % 4:
             raise ValueError(
-                f"vision.hidden_size={self.hidden_size} / num_attention_heads="
-                f"{self.num_attention_heads} must be a whole head dim divisible by 4 (2-D RoPE)"
+                f"vision.{'qkv_hidden_size' if self.qkv_hidden_size else 'hidden_size'}={self.qkv_width} / "
+                f"num_attention_heads={self.num_attention_heads} must be a whole head dim divisible by 4 (2-D RoPE)"
             )
+        if self.layout == "kimi_k25":  # the kimi_k25 modules implement its own settings only
+            for name, k25 in K25_VISION_VARIANT.items():
+                if getattr(self, name) != k25:
+                    raise ValueError(
+                        f"vision.{name}={getattr(self, name)!r}: the kimi_k25 layout has {k25!r} "
+                        f"(other values need layout kimi_k3)"
+                    )
         return self
+
+    @property
+    def qkv_width(self) -> int:
+        return self.qkv_hidden_size or self.hidden_size
 
     @property
     def merge_pixels(self) -> tuple[int, int]:
@@ -293,13 +326,35 @@ class VisionConfig(_Strict):
 
     def params(self, lm_hidden: int) -> int:
         """Parameters of the tower and the projector into an LM of hidden size `lm_hidden`."""
-        d, i, p = self.hidden_size, self.intermediate_size, self.patch_size
-        layer = 4 * (d * d + d) + 2 * d * i + i + d + 4 * d  # q, k, v, proj; fc1, fc2; two LayerNorms
-        merged = d * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+        d, i, p, q = self.hidden_size, self.intermediate_size, self.patch_size, self.qkv_width
+        norm = 2 * d if self.norm_type == "layernorm" else d
+        attn = 4 * q * d + ((3 * q + d) if self.attn_bias else 0)  # q, k, v [q, d] and the output [d, q]
+        mlp = 2 * d * i + ((i + d) if self.linear_bias else 0)
+        layer = attn + mlp + 2 * norm
         tower = (
-            3 * p * p * d + d + self.pos_emb_height * self.pos_emb_width * d + self.num_hidden_layers * layer + 2 * d
+            3 * p * p * d
+            + (d if self.patch_embed_proj_bias else 0)
+            + self.pos_emb_height * self.pos_emb_width * d
+            + self.num_hidden_layers * layer
+            + norm
         )
+        merged = d * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+        if self.projector_type == "patchmergerv2":  # Linear, Linear (no biases), RMSNorm over the LM width
+            return tower + merged * merged + merged * lm_hidden + lm_hidden
         return tower + 2 * d + merged * merged + merged + merged * lm_hidden + lm_hidden  # norm, in_proj, out_proj
+
+
+# kimi_k25's values of the variant fields (VisionConfig): what its layout's modules compute
+K25_VISION_VARIANT = {
+    "norm_type": "layernorm",
+    "attn_bias": True,
+    "linear_bias": True,
+    "patch_embed_proj_bias": True,
+    "qkv_hidden_size": None,
+    "pos_emb_interpolation_mode": "bicubic",
+    "projector_type": "patchmerger",
+    "projector_hidden_act": "gelu",
+}
 
 
 class ModelConfig(_Strict):

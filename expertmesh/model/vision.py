@@ -1,4 +1,6 @@
 """Image input: a MoonViT-style vision tower and the projector into the language model's embedding space.
+`VisionTower` / `Projector` build the modules of the config's layout: kimi_k25's (here) or Kimi K3's published
+one (expertmesh/model/vision_k3.py); encoding, checks and splicing below serve both.
 
 Structure and tensor names follow transformers' `kimi_k25` (Kimi K2.5), so its weights load under
 `vision_tower.*` / `mm_projector.*` (the `model.` prefix of `Kimi_K25ForConditionalGeneration` dropped):
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.model.config import VisionConfig
+from expertmesh.model.vision_k3 import K3Projector, K3VisionTower
 from expertmesh.wire.worker_api import ImageEncode, ImageSpan
 
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
@@ -114,7 +117,7 @@ def axial_rope(grid_h: int, grid_w: int, head_dim: int, theta: float, device=Non
     return freqs.cos(), freqs.sin()
 
 
-class VisionTower(nn.Module):
+class K25VisionTower(nn.Module):
     def __init__(self, v: VisionConfig):
         super().__init__()
         self.cfg = v
@@ -140,7 +143,7 @@ class VisionTower(nn.Module):
         return blocks.reshape((h // kh) * (w // kw), kh * kw, -1)
 
 
-class Projector(nn.Module):
+class K25Projector(nn.Module):
     def __init__(self, v: VisionConfig, lm_hidden: int):
         super().__init__()
         merged = v.hidden_size * v.merge_kernel_size[0] * v.merge_kernel_size[1]
@@ -151,6 +154,16 @@ class Projector(nn.Module):
         """[T, k, D] → [T, lm_hidden]."""
         x = self.pre_norm(merged).reshape(merged.shape[0], -1)
         return self.out_proj(F.gelu(self.in_proj(x)))
+
+
+def VisionTower(v: VisionConfig) -> nn.Module:  # noqa: N802 (builds the module of the config's layout)
+    """The tower of `v.layout`: kimi_k25's names (here) or Kimi K3's published ones (vision_k3.py)."""
+    return K3VisionTower(v) if v.layout == "kimi_k3" else K25VisionTower(v)
+
+
+def Projector(v: VisionConfig, lm_hidden: int) -> nn.Module:  # noqa: N802
+    """The projector of `v.layout` into an LM of hidden size `lm_hidden`."""
+    return K3Projector(v, lm_hidden) if v.layout == "kimi_k3" else K25Projector(v, lm_hidden)
 
 
 def check_pixels(pixels: torch.Tensor, v: VisionConfig) -> None:
@@ -183,7 +196,7 @@ def init_vision_(model, seed: int) -> None:
         for name, p in getattr(model, prefix).named_parameters():
             if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
                 p.fill_(1.0) if name.endswith("weight") else p.zero_()
-            elif p.dim() >= 2 and not name.endswith("position_embeddings"):
+            elif p.dim() >= 2 and not name.endswith(("position_embeddings", "pos_emb.weight")):
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
