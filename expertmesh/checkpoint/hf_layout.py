@@ -10,8 +10,8 @@ DeepSeek FP8), fused `experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` [E,
 [.., K/32, 16]). Float experts are quantized to MXFP4 as they are read (or once, by `expertmesh checkpoint
 convert`). DeepSeek FP8 weights (`F8_E4M3` + `weight_scale_inv`, 128×128 blocks) are dequantized on read.
 Everything else keeps the dtype it was stored in. Tensors of layers past num_hidden_layers (DeepSeek's
-multi-token-prediction layer) are not part of the served model and are skipped; any other unknown tensor is
-refused by name.
+multi-token-prediction layer) are not part of the served model and are skipped (`load_mtp` reads them, names and
+shapes checked, for speculative decoding); any other unknown tensor is refused by name.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from expertmesh.checkpoint.files import safetensors_headers
 from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf, moe_prefix
 from expertmesh.kernels.mxfp4 import quantize_mxfp4
 from expertmesh.model.config import MXFP4_BLOCK, ModelConfig
-from expertmesh.model.transformer import module_shapes
+from expertmesh.model.transformer import MTPLayer, Transformer, materialize_, module_shapes
 
 log = logging.getLogger("expertmesh.checkpoint.loader")
 
@@ -130,6 +130,35 @@ def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[
         else:
             prefixes = (prefix, "mlp") if prefix != "mlp" else ("mlp",)
             out[name] = tuple(base + f"{p}.{s}" for p in prefixes for s in ffn[rest])
+    return out
+
+
+_MTP_OWN_NAMES = {  # an MTP layer's own tensors: ours under mtp.<j>. → published under model.layers.<n_layers+j>.
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
+    "head.weight": "shared_head.head.weight",
+}
+_MTP_SHARED = ("embed_tokens.weight",)  # DeepSeek-V3 repeats the embedding in its MTP layer: the model's own is used
+
+
+def mtp_tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[str, tuple[str, ...]]:
+    """Every non-expert tensor of the MTP layers (`Transformer(cfg, mtp=True).mtp`, names under `mtp.<j>.`) → the
+    published names: the block's tensors as a main layer's of index n_layers + j with `cfg.mtp_layer_type`
+    attention (no attention residuals), then enorm, hnorm, eh_proj and shared_head."""
+    n = cfg.n_layers
+    extended = cfg.model_copy(update={"layer_types": (*cfg.layer_types, *[cfg.mtp_layer_type] * cfg.n_mtp_layers)})
+    out = {}
+    for ours, names in tensor_names(extended, prefix, root).items():
+        if not ours.startswith("layers.") or "_res." in ours:
+            continue
+        _, layer, rest = ours.split(".", 2)
+        if int(layer) >= n:
+            out[f"mtp.{int(layer) - n}.block.{rest}"] = names
+    for j in range(cfg.n_mtp_layers):
+        for ours, published in _MTP_OWN_NAMES.items():
+            out[f"mtp.{j}.{ours}"] = (f"{root}model.layers.{n + j}.{published}",)
     return out
 
 
@@ -304,6 +333,45 @@ class HFLayout:
             )
         if vision:
             log.info("%s: skipping the %d vision-tower tensors: this checkpoint is served text only", self.path, vision)
+
+    # ---------------------------------------------------------------- MTP layers
+    def load_mtp(self, model: Transformer, experts: bool = True) -> Transformer:
+        """Give `model` (this directory's, loaded) its MTP layers as `model.mtp`, on its device in its dtype (the
+        fp32 parameters fp32), every tensor of layers n_layers .. n_layers + n_mtp_layers - 1 found with the shape
+        it needs and nothing else there; `experts=False`: no routed-expert buffers, as for an attention worker."""
+        cfg, n = self.cfg, self.cfg.n_layers
+        if not cfg.n_mtp_layers:
+            raise HFCheckpointError(f"{self.path}: no MTP layers (config.json num_nextn_predict_layers is 0 or absent)")
+        device, dtype = model.embed.weight.device, model.embed.weight.dtype
+        with torch.device("meta"):
+            model.mtp = torch.nn.ModuleList(MTPLayer(cfg, j, routed_experts=experts) for j in range(cfg.n_mtp_layers))
+        materialize_(model.mtp, device, dtype)
+        params = dict(model.mtp.named_parameters(prefix="mtp"))
+        used: set[str] = set()
+        with torch.no_grad():
+            for ours, candidates in mtp_tensor_names(cfg, self.prefix, self.root).items():
+                found = next((c for c in candidates if c in self.files), None)
+                if found is None:
+                    raise HFCheckpointError(f"{self.path}: tensor {candidates[0]!r} missing (the MTP layer's {ours})")
+                self._check(found, tuple(params[ours].shape))
+                params[ours].copy_(self._read_float(found).reshape(params[ours].shape))
+                used |= {found, found + "_scale_inv"}
+            for j, layer in enumerate(model.mtp):
+                self.experts[n + j], names = self._expert_layout(n + j)
+                used |= names
+                if experts:
+                    ids = list(range(cfg.moe.n_routed_experts))
+                    for buf, t in self.expert_weights(n + j, ids).items():
+                        getattr(layer.block.moe.experts, buf).copy_(t)
+        pattern = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.(.*)")
+        for name in sorted(self.files.header):
+            m = pattern.fullmatch(name)
+            if m and n <= int(m.group(1)) < n + cfg.n_mtp_layers and name not in used:
+                if m.group(2) not in _MTP_SHARED:
+                    raise HFCheckpointError(
+                        f"{self.files.file_of[name]}: unexpected tensor {name!r} in MTP layer {m.group(1)}"
+                    )
+        return model
 
     # ---------------------------------------------------------------- reading
     def _read_float(self, name: str, index=None) -> torch.Tensor:

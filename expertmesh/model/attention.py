@@ -94,10 +94,16 @@ class KDAttention(nn.Module):
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
             cache: KDACache = seg.cache.layers[layer]
+            conv_window = torch.cat([cache.conv, qkv[rows]]) if seg.verify else None
             q, k, v = self._short_conv(qkv[rows], cache, conv_weight, conv_bias).split(self.inner, dim=-1)
             q = l2_normalize(q.view(-1, nh, d), self.l2_eps)[None]  # [1, T, nH, D]
             k = l2_normalize(k.view(-1, nh, d), self.l2_eps)[None]
             v = v.view(-1, nh, d)[None]
+            if seg.verify:
+                o[rows], states = self._verify_recurrent(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None], cache)
+                cache.verified_start = seg.cache.length
+                cache.verified = [(s, conv_window[j + 1 : j + self.kernel]) for j, s in enumerate(states)]
+                continue
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
             out, state = kda(
                 q,
@@ -112,6 +118,21 @@ class KDAttention(nn.Module):
             o[rows] = out[0]
         o = self.o_norm(o).reshape(n, self.inner) * out_gate
         return self.o_proj(o)
+
+    @staticmethod
+    def _verify_recurrent(q, k, v, g, beta, cache: KDACache) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A verify segment's KDA: one recurrent step per token, each the call a decode step makes (so the same
+        bits), keeping the state after each for a rollback without replay. → (o [T, nH, D], T states)"""
+        outs, states = [], []
+        for j in range(q.shape[1]):
+            t = slice(j, j + 1)
+            out, state = kda_ops.fused_recurrent_kda(
+                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], initial_state=cache.state[None], output_final_state=True
+            )
+            cache.state = state[0]
+            outs.append(out[0, 0])
+            states.append(cache.state)
+        return torch.stack(outs), states
 
 
 class LatentAttention(nn.Module):
@@ -233,6 +254,27 @@ class LatentAttention(nn.Module):
             )
         return {seg.start for seg in decodes}
 
+    def _decode_row(self, pg, row: slice, q_full, index_q, index_w, topk: int, o_lat_all: torch.Tensor) -> None:
+        """One decode row over the cache pages `pg`: writes o_lat_all[row] [1, nH, kv_lora]."""
+        if self.indexed:  # written in place
+            dsa_ops.dsa_decode_paged(
+                q_full[row],
+                pg.latent,
+                pg.index_k,
+                pg.block_table,
+                pg.context_lens,
+                index_q[row],
+                index_w[row],
+                topk,
+                scale=self.scale,
+                v_dim=self.m.kv_lora_rank,
+                out=o_lat_all[row],
+            )
+            return
+        o_lat_all[row] = dsa_ops.mla_decode_paged(
+            q_full[row], pg.latent, pg.block_table, pg.context_lens, scale=self.scale, v_dim=self.m.kv_lora_rank
+        )
+
     def forward(self, x: torch.Tensor, segments: list[Segment], layer: int) -> torch.Tensor:
         m, ix = self.m, self.ix
         n = x.shape[0]
@@ -284,28 +326,16 @@ class LatentAttention(nn.Module):
                 continue
             rows = slice(seg.start, seg.start + seg.length)
             cache: DSACache = seg.cache.layers[layer]
-            if seg.length == 1:
+            if seg.length == 1 or seg.verify:
                 # decode: read the pages where they are (indexer over the paged keys, top-k, attention over
-                # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length
-                pg = cache.pages()
-                if self.indexed:  # written in place: [1, nH, kv_lora]
-                    dsa_ops.dsa_decode_paged(
-                        q_full[rows],
-                        pg.latent,
-                        pg.index_k,
-                        pg.block_table,
-                        pg.context_lens,
-                        index_q[rows],
-                        index_w[rows],
-                        topk,
-                        scale=self.scale,
-                        v_dim=m.kv_lora_rank,
-                        out=o_lat_all[rows],
-                    )
-                    continue
-                o_lat = dsa_ops.mla_decode_paged(
-                    q_full[rows], pg.latent, pg.block_table, pg.context_lens, scale=self.scale, v_dim=m.kv_lora_rank
-                )
+                # at most index_topk gathered entries): no copy of the whole cache, cost flat in context length.
+                # A verify segment: each row as the decode step at its position, over the cache up to that row
+                before = seg.cache.length
+                for j in range(seg.length):
+                    pg = cache.pages(before + j + 1) if seg.verify else cache.pages()
+                    row = slice(seg.start + j, seg.start + j + 1)
+                    self._decode_row(pg, row, q_full, index_q, index_w, topk, o_lat_all)
+                continue
             elif self.indexed:  # written in place: [T, nH, kv_lora]
                 dsa_ops.dsa_prefill(
                     q_full[rows][None],

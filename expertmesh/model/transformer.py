@@ -73,9 +73,19 @@ class Layer(nn.Module):
     input — the stream itself, or (attention residuals) its mix with the banked blocks; a layer that starts a
     block banks the stream it received and restarts it from its attention output."""
 
-    def __init__(self, cfg: ModelConfig, index: int, dense_attention: bool = False, routed_experts: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        dense_attention: bool = False,
+        routed_experts: bool = True,
+        mtp: bool = False,
+    ):
+        """`mtp`: an MTP layer's block (index n_layers + j): `cfg.mtp_layer_type` attention, an MoE, no attention
+        residuals, its cache the one entry of its MTP layer's own SequenceCache."""
         super().__init__()
-        self.index, self.kind = index, cfg.layer_types[index]
+        self.index, self.kind = index, cfg.mtp_layer_type if mtp else cfg.layer_types[index]
+        self.cache_slot = 0 if mtp else index  # which entry of the cache's layers this layer reads
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = (
             KDAttention(cfg)
@@ -83,11 +93,11 @@ class Layer(nn.Module):
             else LatentAttention(cfg, indexed=self.kind == "dsa", dense=dense_attention)
         )
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.block_size = cfg.attn_res_block_size
+        self.block_size = None if mtp else cfg.attn_res_block_size
         if self.block_size is not None:
             self.attn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
             self.ffn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
-        self.is_moe = cfg.is_moe_layer(index)
+        self.is_moe = mtp or cfg.is_moe_layer(index)
         if self.is_moe:
             self.moe = MoE(cfg, routed_experts)
         else:
@@ -95,10 +105,10 @@ class Layer(nn.Module):
 
     def attention_block(self, r: ResidualStream, segments: list[Segment]) -> None:
         if self.block_size is None:
-            r.current = r.current + self.attn(self.attn_norm(r.current), segments, self.index)
+            r.current = r.current + self.attn(self.attn_norm(r.current), segments, self.cache_slot)
             return
         h = self.attn_res(r.blocks, r.current)  # mixed before this layer banks anything
-        out = self.attn(self.attn_norm(h), segments, self.index)
+        out = self.attn(self.attn_norm(h), segments, self.cache_slot)
         if self.index % self.block_size == 0:  # a block starts: bank the stream, restart it
             r.blocks.append(r.current)
             r.current = out
@@ -121,9 +131,51 @@ class Layer(nn.Module):
             r.current = r.current + self.mlp(h)
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction layer (DeepSeek-V3's layout, as Kimi K3 ships it under model.layers.<n_layers+j>.):
+    from h_t, the main model's final normed hidden state at t, and the embedding of token t+1,
+    eh_proj(cat(enorm(emb), hnorm(h))) → one decoder block (`cfg.mtp_layer_type` attention over its own cache, an
+    MoE, no attention residuals) → its output hidden state, which `logits` reads through shared_head (norm, head)
+    as the prediction of token t+2. Chained drafting feeds that output hidden state back in as the next h."""
+
+    def __init__(self, cfg: ModelConfig, slot: int, dense_attention: bool = False, routed_experts: bool = True):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h)
+        self.block = Layer(cfg, cfg.n_layers + slot, dense_attention, routed_experts, mtp=True)
+        self.head_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = Linear(h, cfg.vocab_size)
+
+    def new_cache(self) -> SequenceCache:
+        """The layer's own cache: one entry, its block's (positions as the main model's: entry p from h_p)."""
+        return SequenceCache(layers=[self.block.attn.new_cache()])
+
+    @torch.no_grad()
+    def forward(
+        self,
+        emb_next: torch.Tensor,
+        hidden: torch.Tensor,
+        segments: list[Segment],
+        experts: RoutedExpertsBackend = LOCAL_EXPERTS,
+    ) -> torch.Tensor:
+        """emb_next [N, H] the embeddings of tokens t+1, hidden [N, H] the main model's normed final states at t
+        (or this layer's own output, chained) → this layer's output hidden states [N, H]. Advancing the caches'
+        lengths is the caller's, as for `Transformer.hidden_states`."""
+        x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(hidden.to(emb_next.dtype))], dim=-1))
+        r = ResidualStream(x)
+        self.block(r, segments, experts)
+        return r.current
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Output hidden states [N, H] → fp32 logits [N, V] of the token after next."""
+        return self.head(self.head_norm(x)).float()
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dense_attention: bool = False, routed_experts: bool = True):
-        """`routed_experts=False` builds no routed-expert buffers (what an attention worker holds)."""
+    def __init__(self, cfg: ModelConfig, dense_attention: bool = False, routed_experts: bool = True, mtp: bool = False):
+        """`routed_experts=False` builds no routed-expert buffers (what an attention worker holds). `mtp=True` also
+        builds the config's MTP layers as `mtp` (speculative decoding's drafter; the default state dict has none)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -137,6 +189,10 @@ class Transformer(nn.Module):
         if cfg.vision is not None:  # image input (expertmesh/model/vision.py): kimi_k25's names
             self.vision_tower = VisionTower(cfg.vision)
             self.mm_projector = Projector(cfg.vision, cfg.hidden_size)
+        if mtp:  # registered last: the main model's parameters keep their order (and init_random_'s draws)
+            if not cfg.n_mtp_layers:
+                raise ValueError(f"mtp: the model {cfg.name!r} has no MTP layers (n_mtp_layers = 0)")
+            self.mtp = nn.ModuleList(MTPLayer(cfg, j, dense_attention, routed_experts) for j in range(cfg.n_mtp_layers))
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(layers=[layer.attn.new_cache() for layer in self.layers])
@@ -233,7 +289,8 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
             p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
-    for layer in model.layers:
+    mtp_blocks = [m.block for m in model.mtp] if hasattr(model, "mtp") else []
+    for layer in [*model.layers, *mtp_blocks]:
         if not layer.is_moe:
             continue
         ex = layer.moe.experts
