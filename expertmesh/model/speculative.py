@@ -154,7 +154,6 @@ def speculate(
                 p = filtered_probs(params, sampler._adjusted(logits[j].float()))
                 token, ok = int(torch.multinomial(p, 1, generator=sampler.generator)), False
             if j < len(drafts):
-                out.drafted_by_position[j] += 1
                 out.accepted_by_position[j] += ok
                 out.accepted += ok
             emitted.append(token)
@@ -162,6 +161,8 @@ def speculate(
             if done or not ok:
                 break
         out.drafted += len(drafts)
+        for j in range(len(drafts)):
+            out.drafted_by_position[j] += 1
         cache.roll_back(seen + len(emitted))
         if done:
             return out, cache
