@@ -599,7 +599,9 @@ async def tokenize(body: TokenizeBody = served_model(TokenizeBody), s: Served = 
                 "add_generation_prompt: only true is supported (the chat endpoint always adds it)",
                 param="add_generation_prompt",
             )
-        chat = chat_input(body, openai_messages(body.messages), s)
+        images = await s.images(remote_image_urls(body.messages, OPENAI))  # as the chat endpoint counts them
+        chat = chat_input(body, openai_messages(body.messages, images), s)
+        await images.decode()
         encode, param = (lambda: prepare_chat(s.fmt, chat, budgets=s.budgets, context=context).prompt), "messages"
     else:
         if body.tools is not None:

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from expertmesh.chat.format import BuiltinChat, ChatFormat, ParsedOutput, thinking_control
+from expertmesh.chat.k3 import K3Chat
 from expertmesh.chat.thinking import ThinkingState
 from expertmesh.router.chat_prep import PreparedChat
 from expertmesh.router.decoding import StopCut, TokenDecoder, decoder_for
@@ -309,9 +310,9 @@ class ChatRun:
 
 def start_chat(engine: Engine, fmt: ChatFormat, request: ChatRequest) -> ChatRun:
     """Submit a chat request, its grammar after the thinking section."""
-    if request.chat.images and not isinstance(fmt, BuiltinChat):
+    if request.chat.images and not isinstance(fmt, (BuiltinChat, K3Chat)):  # the formats that render images
         raise APIError(
-            "messages: image input needs the built-in chat format (a checkpoint's own chat template "
+            "messages: image input needs the built-in or Kimi K3 chat format (a checkpoint's own chat template "
             "does not render images yet)",
             param="messages",
         )

@@ -101,6 +101,9 @@ def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[
     for name in module_shapes(cfg):
         if ".moe.experts." in name:
             continue
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            out[name] = (_vision_name(name),)
+            continue
         if not name.startswith("layers."):
             if name.startswith("out_res."):
                 part = name.split(".")[1]  # norm | proj
@@ -131,6 +134,19 @@ def tensor_names(cfg: ModelConfig, prefix: str = "mlp", root: str = "") -> dict[
             prefixes = (prefix, "mlp") if prefix != "mlp" else ("mlp",)
             out[name] = tuple(base + f"{p}.{s}" for p in prefixes for s in ffn[rest])
     return out
+
+
+def _vision_name(ours: str) -> str:
+    """Kimi K3's tower and projector (expertmesh/model/vision_k3.py) keep the published names at the checkpoint's
+    root, except the projector's two linears, stored as `proj.0` / `proj.2` (an nn.Sequential with the GELU at 1;
+    vLLM maps them to linear_1 / linear_2 the same way)."""
+    for linear, stored in (
+        ("mm_projector.linear_1.", "mm_projector.proj.0."),
+        ("mm_projector.linear_2.", "mm_projector.proj.2."),
+    ):
+        if ours.startswith(linear):
+            return stored + ours[len(linear) :]
+    return ours
 
 
 _MTP_OWN_NAMES = {  # an MTP layer's own tensors: ours under mtp.<j>. → published under model.layers.<n_layers+j>.
@@ -171,7 +187,7 @@ _EXPERT_FORMS = {
 # element in the low nibble) + `weight_scale` E8M0 [out, in/32] — this project's MXFP4 bytes, copied as they are
 _CT_MXFP4 = ("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")
 _CT_SCALE_DTYPES = ("U8", "F8_E8M0")
-_SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # K3's own vision tower: not served (text only)
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # skipped when the config has no vision (text only)
 
 
 @dataclass(frozen=True)
@@ -317,7 +333,7 @@ class HFLayout:
                 continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name.startswith(_SKIPPED_PREFIXES):
+            if name.startswith(_VISION_PREFIXES) and self.cfg.vision is None:
                 vision += 1
                 continue
             raise HFCheckpointError(

@@ -1,8 +1,13 @@
 """A tiny random-weight Kimi K3 checkpoint, written by the tests from K3's published layout — not by expertmesh.
 
 Hugging Face directory as `moonshotai/Kimi-K3` lays it out: a `KimiK3ForConditionalGeneration` wrapper config
-(`model_type: kimi_k3`, the text model's fields in `text_config`, a `vision_config`, no vision tensors), every
-text tensor under `language_model.`, safetensors shards + index, and the tokenizer files. Tensor names, shapes
+(`model_type: kimi_k3`, the text model's fields in `text_config`, a `vision_config`), every text tensor under
+`language_model.`, safetensors shards + index, and the tokenizer files. By default it carries no vision tensors (a
+text-only checkpoint); `vision=True` adds a tiny MoonViT3d tower + patchmergerv2 projector at the checkpoint's root
+under the published names (`vision_tower.patch_embed.*`, `vision_tower.encoder.blocks.N.{norm0, wqkv, wo, norm1,
+mlp.fc0, mlp.fc1}`, `vision_tower.encoder.final_layernorm`, `mm_projector.{proj.0, proj.2, post_norm}`, as vLLM's
+and SGLang's K3 loaders read them) with a `vision_config` at that width, and `media_placeholder_token_id` names
+`<|media_pad|>` (as the published config's 163605 does). Tensor names, shapes
 and config keys follow llama.cpp's `conversion/kimi_k3.py` and vLLM's `vllm/models/kimi_k3/`.
 
 Routed experts come in two variants of ONE model:
@@ -21,6 +26,7 @@ tensors leaves every other tensor as it was, and the same files come out on any 
 by running this file); changing anything that alters the weights or the config means rerunning that script.
 
     python tests/support/k3_checkpoint.py OUT_DIR [--experts bf16|mxfp4] [--seed 0] [--mtp] [--with-indexer]
+                                                  [--vision]
 """
 
 from __future__ import annotations
@@ -57,6 +63,36 @@ FULL_ATTN_LAYERS = [2, 6]  # 1-based, as K3's linear_attn_config has them: layer
 ATTN_RES_BLOCK = 2  # 6 layers → 3 banked blocks
 FIRST_K_DENSE = 1
 INDEXER = {"index_topk": 8, "index_head_dim": 16, "index_n_heads": 16}
+# the tiny vision tower (vision=True): K3's published vision_config keys, every variant at K3's value; a 6×6
+# position grid, so every image's grid is resampled (bilinear)
+VISION = {
+    "_attn_implementation": "flash_attention_2",
+    "activation_func": "gelu_pytorch_tanh",
+    "attn_bias": False,
+    "init_pos_emb_height": 6,
+    "init_pos_emb_time": 4,
+    "init_pos_emb_width": 6,
+    "linear_bias": False,
+    "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool",
+    "mlp_type": "mlp2",
+    "mm_hidden_size": 32,
+    "mm_projector_type": "patchmergerv2",
+    "model_type": "kimi_k3_vision",
+    "norm_type": "rmsnorm",
+    "patch_embed_proj_bias": False,
+    "patch_size": 14,
+    "pos_emb_interpolation_mode": "bilinear",
+    "pos_emb_type": "divided_fixed",
+    "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5,
+    "qkv_hidden_size": 48,
+    "text_hidden_size": HIDDEN,
+    "vt_hidden_size": 32,
+    "vt_intermediate_size": 64,
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 2,
+}
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -183,7 +219,7 @@ def text_config(
     return cfg
 
 
-def wrapper_config(text: dict, special: dict[str, int]) -> dict:
+def wrapper_config(text: dict, special: dict[str, int], *, vision: bool = False) -> dict:
     cfg = {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
@@ -204,6 +240,9 @@ def wrapper_config(text: dict, special: dict[str, int]) -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
+    if vision:
+        cfg["vision_config"] = dict(VISION)
+        cfg["media_placeholder_token_id"] = special["<|media_pad|>"]
     if "quantization_config" in text:
         cfg["quantization_config"] = text["quantization_config"]  # where vLLM's KimiK3Config puts it too
     return cfg
@@ -359,9 +398,49 @@ def model_tensors(text: dict, *, experts: str, seed: int) -> dict[str, torch.Ten
     return T
 
 
+def vision_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """The tiny tower and projector of VISION under their published names (bf16, each from its own generator)."""
+    R = _Weights(seed)
+    v = VISION
+    d, q, i, p = v["vt_hidden_size"], v["qkv_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+    merged = d * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    T: dict[str, torch.Tensor] = {}
+
+    def put(name: str, make):
+        T[name] = make(name)
+
+    put(
+        "vision_tower.patch_embed.proj.weight",
+        lambda n: R.normal(n, d, 3, p, p, std=1 / math.sqrt(3 * p * p)).bfloat16(),
+    )
+    put(
+        "vision_tower.patch_embed.pos_emb.weight",
+        lambda n: R.normal(n, v["init_pos_emb_height"], v["init_pos_emb_width"], d, std=0.5).bfloat16(),
+    )
+    for b in range(v["vt_num_hidden_layers"]):
+        B = f"vision_tower.encoder.blocks.{b}."
+        put(B + "norm0.weight", lambda n: R.norm(n, d))
+        put(B + "norm1.weight", lambda n: R.norm(n, d))
+        put(B + "wqkv.weight", lambda n: R.linear(n, 3 * q, d, gain=2.0))
+        put(B + "wo.weight", lambda n: R.linear(n, d, q))
+        put(B + "mlp.fc0.weight", lambda n: R.linear(n, i, d, gain=2.0))
+        put(B + "mlp.fc1.weight", lambda n: R.linear(n, d, i))
+    put("vision_tower.encoder.final_layernorm.weight", lambda n: R.norm(n, d))
+    put("mm_projector.proj.0.weight", lambda n: R.linear(n, merged, merged, gain=2.0))
+    put("mm_projector.proj.2.weight", lambda n: R.linear(n, v["text_hidden_size"], merged))
+    put("mm_projector.post_norm.weight", lambda n: R.norm(n, v["text_hidden_size"]))
+    return T
+
+
 # ----------------------------------------------------------------------------------------------- writing
 def write_k3_checkpoint(
-    out: str | Path, *, experts: str = "bf16", seed: int = 0, mtp: bool = False, with_indexer: bool = False
+    out: str | Path,
+    *,
+    experts: str = "bf16",
+    seed: int = 0,
+    mtp: bool = False,
+    with_indexer: bool = False,
+    vision: bool = False,
 ) -> Path:
     """Write the tiny K3 checkpoint into `out` (created; existing files of the same names overwritten)."""
     if experts not in VARIANTS:
@@ -370,13 +449,15 @@ def write_k3_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(out)
     text = text_config(tok["vocab_size"], tok["special"], experts=experts, mtp=mtp, with_indexer=with_indexer)
-    config = wrapper_config(text, tok["special"])
+    config = wrapper_config(text, tok["special"], vision=vision)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"], "do_sample": False})
         + "\n"
     )
     T = model_tensors(text, experts=experts, seed=seed)
+    if vision:
+        T |= vision_tensors(seed)
     names = sorted(T)  # two shards + index, like the published checkpoint
     shards = {
         "model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -418,8 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mtp", action="store_true", help="add one MTP layer (num_nextn_predict_layers = 1)")
     ap.add_argument("--with-indexer", action="store_true", help="DSA indexer on the full-attention layers")
+    ap.add_argument("--vision", action="store_true", help="a tiny vision tower and projector")
     a = ap.parse_args(argv)
-    out = write_k3_checkpoint(a.out, experts=a.experts, seed=a.seed, mtp=a.mtp, with_indexer=a.with_indexer)
+    out = write_k3_checkpoint(
+        a.out, experts=a.experts, seed=a.seed, mtp=a.mtp, with_indexer=a.with_indexer, vision=a.vision
+    )
     print(json.dumps({"path": str(out), "tensor_digest": tensor_digest(out)}))
     return 0
 
