@@ -16,13 +16,13 @@ back through the Kubernetes API edge (kube.py).
     (deletion: children carry owner references, the garbage collector removes them; Kopf's finalizer only
      lets the timer stop first)
 
-Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; a node directory outside the admin's
-allow-list: HostPathNotAllowed; its weights' licence not accepted: LicenseNotAccepted / LicenseMismatch, nothing
-fetched or deployed; cluster too small: ClusterTooSmall; past the planning budget: PlanBudgetExceeded; a child the API
-would refuse: ObjectTooLarge) → phase Failed + a condition whose message names the field + `kopf.PermanentError`
-(Kopf does not retry until the spec changes); a transient API error → `kopf.TemporaryError` with exponential
-backoff. Planning runs in planning.PlanRunner's process, never on Kopf's event loop, after budget.check_plan_budget
-agreed to its estimated cost.
+Errors: a spec that cannot be deployed (bad field or name: InvalidSpec; MTP speculation without MTP layers:
+NoMTPLayers; a node directory outside the allow-list: HostPathNotAllowed; licence not accepted: LicenseNotAccepted /
+LicenseMismatch, nothing fetched or deployed; cluster too small: ClusterTooSmall; past the planning budget:
+PlanBudgetExceeded; a child the API would refuse: ObjectTooLarge) → phase Failed + a condition naming the field +
+`kopf.PermanentError` (Kopf does not retry until the spec changes); a transient API error → `kopf.TemporaryError`
+with exponential backoff. Planning runs in planning.PlanRunner's process, never on Kopf's event loop, after
+budget.check_plan_budget agreed to its estimated cost.
 
 Edges are injectable through `Deps` (passed to Kopf as `memo`): `kube` (the Kubernetes API: kube.Kube, lightkube's
 async client), `fetch_load` (the HTTP GET of the router's load) and `planning` (the planning process).
@@ -357,7 +357,7 @@ async def reconcile(
     except BudgetError as e:
         raise fail(str(e), "PlanBudgetExceeded") from None
     except SpecError as e:
-        raise fail(str(e), "InvalidSpec") from None
+        raise fail(str(e), e.reason) from None
     outside = host_path_error(parsed, deps.allowed_host_paths)
     if outside:
         raise fail(outside, "HostPathNotAllowed")

@@ -1,5 +1,6 @@
 """The command lines of a MoEDeployment's pods (operator/children.py builds the pods): the expert and attention
-workers' arguments with their KV tiers, and the router's serving and pool arguments."""
+workers' arguments with their KV tiers, and the router's serving and pool arguments; speculative decoding's flags on
+the router and every attention worker (the expert workers serve verify steps like any other)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,16 @@ def attention_worker_args(spec: MoEDeploymentSpec, cfg, role: str = MIXED) -> li
         str(spec.kv.block_size),
         *(["--pool", role] if role != MIXED else []),
         *kv_tier_args(kv),
+        *speculative_args(spec),
         *worker_tls_args(spec, "attention"),
     ]
+
+
+def speculative_args(spec: MoEDeploymentSpec) -> list[str]:
+    """spec.speculative → `--speculative-method M --speculative-tokens K`, the same on the router and on every
+    attention worker (prefill and decode pools alike: one deployment, one drafter); absent: nothing (off)."""
+    s = spec.speculative
+    return [] if s is None else ["--speculative-method", s.method, "--speculative-tokens", str(s.tokens)]
 
 
 # the disk tier's folder: one the worker creates inside its volume, private to its user (0700) — the volume's own root
@@ -134,6 +143,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[
         str(spec.router.grpc_port),
         *(["--transport", spec.transport] if spec.transport != "grpc" else []),
         *router_serving_args(spec),
+        *speculative_args(spec),
         *worker_tls_args(spec, "router"),
         *router_salt_volume(name, spec)[2],
     ]

@@ -117,10 +117,18 @@ class PoolKV:
 
 
 def pool_kv(
-    role: str, *, max_context: int, block_size: int, host_gib: float = 0.0, disk: KVDiskSpec | None = None
+    role: str,
+    *,
+    max_context: int,
+    block_size: int,
+    host_gib: float = 0.0,
+    disk: KVDiskSpec | None = None,
+    speculative_tokens: int = 0,
 ) -> PoolKV:
     """How much KV one worker of a pool holds, for its role. A sequence of the deployment's context needs
-    S = ceil(max_context / block_size) pages.
+    S = ceil((max_context + speculative_tokens) / block_size) pages: with speculation (spec.speculative.tokens = K)
+    a verify step writes the newest token and K drafts, so a sequence at the full context holds K positions more
+    until the rejected ones are rolled back.
 
     - mixed (no prefill pool): S pages — one sequence at full context in flight; what is free holds cached
       prefixes — plus spec.kv's host (`host_gib`) and disk (`disk`) tiers below, as before the pools existed;
@@ -131,9 +139,12 @@ def pool_kv(
     - decode: S pages — one running sequence at full context (it arrives whole from the prefill pool); no tiers:
       the decode pool keeps no prefixes for later turns (they start in the prefill pool).
     """
-    if max_context < 1 or block_size < 1:
-        raise ValueError(f"max_context={max_context} and block_size={block_size} must be positive")
-    seq = math.ceil(max_context / block_size)
+    if max_context < 1 or block_size < 1 or speculative_tokens < 0:
+        raise ValueError(
+            f"max_context={max_context} and block_size={block_size} must be positive, "
+            f"speculative_tokens={speculative_tokens} not negative"
+        )
+    seq = math.ceil((max_context + speculative_tokens) / block_size)
     if role == MIXED:
         return PoolKV(seq, host_gib, disk)
     if role == PREFILL:
@@ -144,7 +155,7 @@ def pool_kv(
 
 
 def spec_pool_kv(spec: MoEDeploymentSpec, cfg, role: str) -> PoolKV:
-    """pool_kv for a spec: its context (spec.kv.maxContext, else the model's), page size and tiers."""
+    """pool_kv for a spec: its context (spec.kv.maxContext, else the model's), page size, tiers and draft tokens."""
     kv = spec.kv
     return pool_kv(
         role,
@@ -152,4 +163,5 @@ def spec_pool_kv(spec: MoEDeploymentSpec, cfg, role: str) -> PoolKV:
         block_size=kv.block_size,
         host_gib=kv.host_gib,
         disk=kv.disk,
+        speculative_tokens=spec.speculative.tokens if spec.speculative is not None else 0,
     )

@@ -82,6 +82,7 @@ MAX_TOLERATIONS = 32
 MESSAGE_MAX = 32768  # a condition's message (metav1.Condition's bound)
 MAX_INT64 = 2**63 - 1
 MAX_AUTOSCALE_TARGET = 2**24  # an autoscaling target: tokens or requests waiting per pod (kv_utilization: at most 1)
+MAX_SPECULATIVE_TOKENS = 8  # draft tokens a step (published K3 setups draft up to 7); a step verifies K+1 positions
 
 
 # ------------------------------------------------------------------------------------------------ workloads
@@ -363,6 +364,23 @@ class SecuritySpec(SpecModel):
     )
 
 
+class SpeculativeSpec(SpecModel):
+    """Speculative decoding: a drafter proposes `tokens` tokens a step and the model verifies them (and the newest
+    token) in one step; greedy texts are the same as without it. Rendered as `--speculative-method M
+    --speculative-tokens K` on the router and every attention worker (pod_commands.py)."""
+
+    method: Literal["mtp", "ngram"] = Field(
+        description="mtp: the model's own multi-token-prediction layers draft (the model must have one: "
+        "num_nextn_predict_layers / n_mtp_layers); ngram: prompt lookup in the sequence's own tokens, no weights"
+    )
+    tokens: int = Field(
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        strict=True,  # an integer, as the CRD's schema says: not true, not "3"
+        description="K, draft tokens a step (each running sequence's KV holds K more positions)",
+    )
+
+
 class MoEDeploymentSpec(SpecModel):
     model: ModelSpec
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=DEFAULT_EMPTY)
@@ -378,6 +396,9 @@ class MoEDeploymentSpec(SpecModel):
     image: ImageSpec = Field(default_factory=ImageSpec, json_schema_extra=DEFAULT_EMPTY)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec, json_schema_extra=DEFAULT_EMPTY)
     security: SecuritySpec = Field(default_factory=SecuritySpec, json_schema_extra=DEFAULT_EMPTY)
+    speculative: SpeculativeSpec | None = Field(
+        None, description="speculative decoding on the router and every attention worker; absent: off"
+    )
     transport: Literal["grpc", "collective"] = Field(
         "grpc",
         description="how attention workers exchange each MoE layer with the expert workers: grpc, or "
@@ -470,7 +491,15 @@ class MoEDeploymentStatus(_Status):
 
 # ------------------------------------------------------------------------------------------------ helpers
 class SpecError(ValueError):
-    """A spec that cannot be deployed as written; the message names the field(s)."""
+    """A spec that cannot be deployed as written; the message names the field(s), `reason` is the condition's."""
+
+    reason = "InvalidSpec"
+
+
+class NoMTPLayers(SpecError):
+    """`speculative.method: mtp` for a model without a multi-token-prediction layer to draft with."""
+
+    reason = "NoMTPLayers"
 
 
 def format_validation_error(err: ValidationError, root: str = "spec", limit: int = 20) -> str:
@@ -536,4 +565,25 @@ def resolve_model(spec: MoEDeploymentSpec):
         raise SpecError(
             f"spec.model.config.max_context={cfg.max_context} exceeds {MAX_CONTEXT}: set spec.kv.maxContext"
         )
+    check_speculation(spec, cfg)
     return cfg  # spec.thinking is serving policy: the router's --thinking-budgets (children.py)
+
+
+def check_speculation(spec: MoEDeploymentSpec, cfg) -> None:
+    """`speculative.method: mtp` needs an MTP layer in the model the spec names (its preset, or its inline config's
+    n_mtp_layers / num_nextn_predict_layers): NoMTPLayers naming the field, the model and the checkpoint. The
+    operator never reads the checkpoint itself (it is on a volume or fetched by the pods): a config that claims an
+    MTP layer the checkpoint lacks is refused by the worker at start, naming --speculative-method."""
+    s = spec.speculative
+    if s is None or s.method != "mtp" or cfg.n_mtp_layers > 0:
+        return
+    m = spec.model
+    model = f"preset {m.preset!r}" if m.preset is not None else f"spec.model.config ({cfg.name!r})"
+    ckpt = (
+        m.checkpoint.uri if m.checkpoint.pvc is None else f"pvc {m.checkpoint.pvc.claim_name}:{m.checkpoint.pvc.path}"
+    )
+    raise NoMTPLayers(
+        f"spec.speculative.method=mtp: the model ({model}, checkpoint {ckpt}) has no MTP layer "
+        f"(n_mtp_layers / num_nextn_predict_layers is 0): use method ngram, which needs no weights, or a model "
+        f"whose config has MTP layers"
+    )
