@@ -6,11 +6,16 @@ On the embedded default (`models/k3-tiny`, its trained MTP layer loaded), greedy
    emitted per target forward), acceptance by draft position, decode tokens/s (prefill timed apart and left out),
    and whether every text equals plain decoding's;
 2. n-gram (prompt lookup) on a prompt that repeats code, K = 0 vs K = 3;
-3. rollback: what undoing a partially accepted verify of K+1 = 4 rows costs — the per-position states the verify
+3. the serving path (in-process deployment, expertmesh/entry/local.py: the router's engine over an attention and an
+   expert worker as objects, the same data path as `expertmesh up` without gRPC): K = 0..3 (`--speculative-tokens`)
+   at concurrency 1, 4, 16 — decode tokens/s (from each round's first token to its last) and mean accepted length —
+   and the n-gram drafter on an agent-style workload (turns re-emitting code from their context);
+4. rollback: what undoing a partially accepted verify of K+1 = 4 rows costs — the per-position states the verify
    keeps (SequenceCache.roll_back: truncate, pick a state) against a snapshot of every KDA state before the verify
    plus a replay of the accepted rows.
 
     python bench/spec.py [--checkpoint models/k3-tiny] [--max-tokens 48] [--threads 1] [--json out.json]
+                         [--serving-only]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from _report import write_json  # noqa: E402
 
 from expertmesh.chat.tokenizer import load_tokenizer  # noqa: E402
 from expertmesh.checkpoint.loader import Checkpoint  # noqa: E402
+from expertmesh.entry.local import build_local_engine  # noqa: E402
 from expertmesh.model.cache import KDACache  # noqa: E402
 from expertmesh.model.speculative import forward_rows, generate_speculative  # noqa: E402
 from expertmesh.model.transformer import generate  # noqa: E402
@@ -117,6 +123,64 @@ def rollback_cost(model, prompt: list[int], repeats: int) -> dict:
     }
 
 
+def serve_round(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], int, float]:
+    """All `prompts` submitted at once → (outputs, decode tokens: all but each first, seconds from the round's
+    first token to its last)."""
+    reqs = [engine.submit(p, params) for p in prompts]
+    outs = [r.wait(600).output for r in reqs]
+    window = max(r.last_token_at for r in reqs) - min(r.first_token_at for r in reqs)
+    return outs, sum(len(o) - 1 for o in outs), window
+
+
+def serving(checkpoint: str, prompts: list[list[int]], params, method: str, ks, concurrency, rounds: int) -> list:
+    """Per K (0: off) one deployment; per concurrency c, `rounds` rounds of c requests (prompts cycled)."""
+    rows = []
+    for k in ks:
+        engine = build_local_engine(
+            checkpoint, speculative_tokens=k, speculative_method=method if k else "", max_waiting=256
+        )
+        try:
+            serve_round(engine, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm
+            for c in concurrency:
+                before = (engine.stats.accepted, engine.stats.verify_steps)
+                tokens = seconds = 0.0
+                texts = []
+                for r in range(rounds):
+                    batch = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
+                    outs, n, dt = serve_round(engine, batch, params)
+                    tokens, seconds = tokens + n, seconds + dt
+                    texts += outs
+                steps = engine.stats.verify_steps - before[1]
+                accepted = engine.stats.accepted - before[0]
+                rows.append(
+                    {
+                        "method": method if k else "off",
+                        "k": k,
+                        "concurrency": c,
+                        "decode_tok_s": tokens / seconds if seconds else 0.0,
+                        "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                        "texts": texts,
+                    }
+                )
+        finally:
+            engine.close()
+    for r in rows:
+        base = next(b for b in rows if b["k"] == 0 and b["concurrency"] == r["concurrency"])
+        r["identical"] = r["texts"] == base["texts"]
+        r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else 0.0
+    return rows
+
+
+def print_serving(title: str, rows: list) -> None:
+    print(f"\n{title}")
+    print(f"{'method':>6} {'K':>2} {'conc':>4} {'accepted len':>12} {'tok/s':>8} {'speedup':>8} {'identical':>9}")
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["k"])):
+        print(
+            f"{r['method']:>6} {r['k']:>2} {r['concurrency']:>4} {r['mean_accepted_length']:>12.2f} "
+            f"{r['decode_tok_s']:>8.1f} {r['speedup']:>7.2f}× {str(r['identical']):>9}"
+        )
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=str(REPO / "models" / "k3-tiny"))
@@ -124,6 +188,8 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20, help="rollback measurements (the median is reported)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--rounds", type=int, default=2, help="serving: rounds per (K, concurrency)")
+    ap.add_argument("--serving-only", action="store_true", help="only the serving-path tables")
     return ap.parse_args(argv)
 
 
@@ -136,6 +202,22 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     generate(model, prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm the kernels once
+    served = serving(args.checkpoint, prompts, params, "mtp", (0, 1, 2, 3), (1, 4, 16), args.rounds)
+    print_serving(
+        f"serving path (in-process deployment: router engine + 1 attention + 1 expert worker), MTP, greedy, "
+        f"{args.max_tokens} tokens a request, {args.rounds} rounds",
+        served,
+    )
+    agent = [tok.encode(CODE * 2 + f"def f{i}(a, b):\n") for i in range(4)]
+    served_ngram = serving(args.checkpoint, agent, params, "ngram", (0, 3), (1, 4), args.rounds)
+    print_serving(
+        "serving path, n-gram drafter on an agent-style workload (code re-emitted from context)", served_ngram
+    )
+    for r in served + served_ngram:
+        del r["texts"]
+    if args.serving_only:
+        write_json(args.json, args, serving=served, serving_ngram=served_ngram)
+        return {"serving": served, "serving_ngram": served_ngram}
 
     mtp = [run(model, prompts, params, None if k == 0 else "mtp", k) for k in (0, 1, 2, 3)]
     base = mtp[0]
@@ -171,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for r in mtp + ngram:
         del r["texts"]
-    result = {"mtp": mtp, "ngram": ngram, "rollback": rb}
+    result = {"mtp": mtp, "ngram": ngram, "rollback": rb, "serving": served, "serving_ngram": served_ngram}
     write_json(args.json, args, **result)
     return result
 

@@ -95,7 +95,7 @@ class InfoRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ...) -> None: ...
 
 class AttentionInfo(_message.Message):
-    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down", "pool")
+    __slots__ = ("name", "model", "block_size", "total_blocks", "free_blocks", "sequences", "prefixes", "experts_down", "pool", "speculative_tokens", "speculative_method")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class AttentionInfo(_message.Message):
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_DOWN_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     block_size: int
@@ -114,7 +116,9 @@ class AttentionInfo(_message.Message):
     prefixes: int
     experts_down: _containers.RepeatedScalarFieldContainer[int]
     pool: str
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ...) -> None: ...
+    speculative_tokens: int
+    speculative_method: str
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., prefixes: _Optional[int] = ..., experts_down: _Optional[_Iterable[int]] = ..., pool: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ...) -> None: ...
 
 class OpenSequenceRequest(_message.Message):
     __slots__ = ("seq_id", "params", "reserve_tokens", "prefix_key", "owner", "images", "thinking")
@@ -235,14 +239,16 @@ class FreeBlocks(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ...) -> None: ...
 
 class StepSegment(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample")
+    __slots__ = ("seq_id", "token_ids", "sample", "max_new")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    max_new: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., max_new: _Optional[int] = ...) -> None: ...
 
 class SnapshotKey(_message.Message):
     __slots__ = ("seq_id", "key", "length")
@@ -265,12 +271,16 @@ class RunStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StepSegment, _Mapping]]] = ..., snapshot_keys: _Optional[_Iterable[_Union[SnapshotKey, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token")
+    __slots__ = ("seq_id", "token", "more", "drafted")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token: int
-    def __init__(self, seq_id: _Optional[str] = ..., token: _Optional[int] = ...) -> None: ...
+    more: _containers.RepeatedScalarFieldContainer[int]
+    drafted: int
+    def __init__(self, seq_id: _Optional[str] = ..., token: _Optional[int] = ..., more: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("seq_id", "position", "token_ids", "logprobs", "top_ids", "top_logprobs")

@@ -153,6 +153,7 @@ class Engine(StepCalls, HandOffs):
                     info.get("pool"),
                     self.pools.name(i),
                 )
+            self._check_speculation(i, info)
             self.kv.add_worker(WorkerKV(i, info["block_size"], info["total_blocks"], info["free_blocks"]))
         for i in range(len(self.attention)):
             self.plan.connect(i)
@@ -162,6 +163,19 @@ class Engine(StepCalls, HandOffs):
         if self.config.prefix_index_refresh > 0:
             threading.Thread(target=self._watch_prefixes, name="prefix-index", daemon=True).start()
         return self
+
+    def _check_speculation(self, i: int, info: dict) -> None:
+        """Refuse to start when attention worker `i` drafts otherwise than this router plans (it grants K + 1
+        tokens a step per sequence and reserves KV for them)."""
+        k, method = self.config.speculative_tokens, self.config.speculative_method
+        theirs = (info.get("speculative_tokens", 0), info.get("speculative_method", "") or "")
+        if theirs != ((k, method) if k else (0, "")):
+            raise ValueError(
+                f"--speculative-tokens: attention worker {i} ({info.get('name')}) speculates with "
+                f"{theirs[0]} tokens{f' ({theirs[1]})' if theirs[0] else ''}, this router with {k}"
+                f"{f' ({method})' if k else ''}; start both with the same --speculative-tokens and "
+                f"--speculative-method"
+            )
 
     @property
     def started(self) -> bool:
@@ -540,6 +554,8 @@ class Engine(StepCalls, HandOffs):
                     break
                 except OutOfBlocks:
                     self._refresh(w)
+                    if g.optional:  # speculation's room only: the step emits fewer tokens
+                        break
                 except ConnectionError as e:
                     self.health.mark_down(w, e)
                     self._recover(req)

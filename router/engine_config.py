@@ -12,6 +12,7 @@ from expertmesh.router.prepared_image import ImageLimits
 from expertmesh.router.scheduler import Limits
 
 TRANSPORTS = ("grpc", "collective")
+SPECULATIVE_METHODS = ("mtp", "ngram")  # model/speculative.METHODS (the router loads no torch)
 
 
 def step_deadline(call_timeout: float, expert_workers: int) -> float:
@@ -30,6 +31,10 @@ class EngineConfig:
     max_waiting: int = 256
     max_queue_wait: float = 300.0  # seconds a request may wait for KV room before it is refused (429)
     kv_growth: int = 256  # tokens of KV a sequence reserves ahead (at placement and each time it runs out)
+    # ---- speculative decoding: drafts per step the attention workers verify (0: off) and their drafter, which every
+    # attention worker must run with the same (--speculative-tokens / --speculative-method; checked at start)
+    speculative_tokens: int = 0
+    speculative_method: str = ""
     # ---- pools (router/disagg.py): prompts shorter than this skip the prefill pool
     prefill_min_tokens: int = 0
     # ---- transport and timeouts
@@ -54,6 +59,13 @@ class EngineConfig:
             )
         if self.prefix_salt is not None and not self.prefix_salt:
             raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens: expected an integer >= 0, found {self.speculative_tokens!r}")
+        if self.speculative_tokens and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method: expected one of {', '.join(SPECULATIVE_METHODS)} with speculative_tokens "
+                f"{self.speculative_tokens}, found {self.speculative_method!r}"
+            )
         if self.prefix_cache_scope not in SCOPES:
             raise ValueError(
                 f"prefix_cache_scope: expected one of {', '.join(SCOPES)}, found {self.prefix_cache_scope!r}"
@@ -82,6 +94,7 @@ class EngineConfig:
             max_context=max_context,
             max_queue_wait=self.max_queue_wait,
             snapshot_within_step=snapshot_within_step,
+            speculative_tokens=self.speculative_tokens,
         )
 
     @classmethod
@@ -99,6 +112,8 @@ class EngineConfig:
             max_waiting=args.max_waiting,
             max_queue_wait=args.max_queue_wait,
             kv_growth=args.kv_growth,
+            speculative_tokens=args.speculative_tokens,
+            speculative_method=args.speculative_method or "",
             prefill_min_tokens=args.prefill_min_tokens,
             transport=args.transport,
             call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),

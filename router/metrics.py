@@ -35,9 +35,26 @@ class EngineStats:
     preempted: int = 0  # requests whose KV was taken for others (replayed later)
     outcomes: dict[str, int] = field(default_factory=dict)  # ended requests by finish reason, or "error"
     prefilled_by_pool: dict[str, int] = field(default_factory=dict)  # prompt tokens computed (hits excluded), by pool
+    # speculative decoding: drafts verified and accepted (in all, and by draft position "0" = a step's first draft),
+    # verify steps (one per sequence and step that verified drafts)
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    drafted_by_position: dict[str, int] = field(default_factory=dict)
+    accepted_by_position: dict[str, int] = field(default_factory=dict)
 
     def ended(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """A sequence's verify step: `drafted` drafts, the first `accepted` of them accepted."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        for i in range(drafted):
+            self.drafted_by_position[str(i)] = self.drafted_by_position.get(str(i), 0) + 1
+            if i < accepted:
+                self.accepted_by_position[str(i)] = self.accepted_by_position.get(str(i), 0) + 1
 
     def prefilled(self, pool: str, tokens: int) -> None:
         self.prefilled_by_pool[pool] = self.prefilled_by_pool.get(pool, 0) + tokens
@@ -218,6 +235,9 @@ def counted(s: EngineStats):
         ("expertmesh_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
         ("expertmesh_prompt_cached_tokens", "Prompt tokens served from the prefix cache", s.cached_tokens),
         ("expertmesh_generation_tokens", "Generated tokens", s.generated_tokens),
+        ("expertmesh_spec_draft_tokens", "Speculative decoding: draft tokens verified", s.drafted),
+        ("expertmesh_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", s.accepted),
+        ("expertmesh_spec_verify_steps", "Speculative decoding: sequence steps that verified drafts", s.verify_steps),
     ):
         family = CounterMetricFamily(name, doc)
         family.add_metric([], value)
@@ -229,6 +249,18 @@ def counted(s: EngineStats):
             "Prompt tokens computed, by the pool of the attention worker that computed them (prefill | decode | mixed)",
             "pool",
             s.prefilled_by_pool,
+        ),
+        (
+            "expertmesh_spec_draft_tokens_by_position",
+            "Speculative decoding: drafts verified, by draft position in the step (0: the first)",
+            "position",
+            s.drafted_by_position,
+        ),
+        (
+            "expertmesh_spec_accepted_tokens_by_position",
+            "Speculative decoding: drafts accepted, by draft position in the step (0: the first)",
+            "position",
+            s.accepted_by_position,
         ),
     ):
         family = CounterMetricFamily(name, doc, labels=[label])

@@ -100,6 +100,10 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     images: list = field(default_factory=list)  # (position, router.images.PreparedImage) of the prompt's images
     hash_prompt: list[int] | None = None  # the prompt as the prefix cache hashes it (images by their pixels)
+    # speculation (router/step_calls.py): drafts its worker verified, how many were accepted, in how many steps
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.hash_prompt is None:

@@ -18,6 +18,10 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     its worker is out of blocks, the prefixes cached there go first (router/eviction.py's order), then the youngest
     other sequences there are preempted (requeued: they replay what they had, the same tokens, later); a sequence
     alone on a worker that cannot hold more of it ends with "length";
+  * speculation (`speculative_tokens` K): a decoding sequence may emit up to K + 1 tokens a step (`max_new`: within
+    what max_tokens and the context leave, the KV it has reserved, and short of its next chunk boundary, so a prefix
+    is only ever saved where no draft was verified; one while it replays or a token filter may force a token), and
+    its reservation grows while it does not hold K + 1 more (without evicting or preempting for it);
   * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
     (`prefill_end`), which ends at the next multiple of `prefill_tokens` (one granule, `prefill_chunk`, when unset),
     or earlier at the prompt's last multiple of `prefill_chunk` — the prefix cache's granularity, so the prefix a
@@ -71,6 +75,7 @@ class Limits:
     # the workers save a prefix inside a step (a model without recurrent layers: its cache at any position is its
     # pages), so a prompt's chunks need not stop at its last multiple of prefill_chunk to save it
     snapshot_within_step: bool = False
+    speculative_tokens: int = 0  # drafts per decode step the attention workers verify (0: no speculation)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class Growth:
     target: int
     evict: list[str]
     preempt: list[Request]
+    optional: bool = False  # speculation's room only: the worker being out of blocks changes nothing
 
 
 @dataclass
@@ -119,6 +125,7 @@ class Planned:
     snapshot_at: int | None = None  # where the prefix ends inside the step (a chunk boundary); None: at `end`
     hasher: PrefixHasher | None = None  # its hash chain advanced to `prefix_end` (what the request keeps once sent)
     chain_key: str | None = None  # the prefix key of the tokens up to `prefix_end`
+    max_new: int = 1  # tokens the worker may emit after `tokens` (speculation: up to speculative_tokens + 1)
 
     @property
     def end(self) -> int:
@@ -339,17 +346,25 @@ def schedule(
             break  # what the evictions free only the worker can say: the rest wait for the next plan
         view.take(worker, adm.reserve, 0 if key is not None and kv.is_lower(key) else cached)
     plan.growth = plan_growth(seqs, view, limits)
+    grown = {id(g.req): g.target for g in plan.growth}
+    seqs = [Seq(s.req, s.worker, s.computed, grown.get(id(s.req), s.reserved)) for s in seqs]
     plan.batches = plan_batches(seqs, kv, limits, pools.no_snapshot(frozenset(down)) if pools else frozenset())
     return plan
 
 
 def plan_growth(seqs: list[Seq], view: _View, limits: Limits) -> list[Growth]:
-    """The decoding sequences whose reservation does not cover the token they feed, in admission order."""
+    """The decoding sequences whose reservation does not cover the token they feed, in admission order; with
+    speculation also those that do but not the K + 1 a step may write (`Growth.optional`: no room, no matter)."""
     out = []
     for s in seqs:
-        if s.computed + 1 <= s.reserved:
+        cap = min(len(s.req.prompt) + s.req.params.max_tokens, limits.max_context)
+        want = limits.speculative_tokens + 1 if s.computed >= len(s.req.prompt) else 1
+        if s.computed + 1 <= s.reserved and (s.computed + want <= s.reserved or s.reserved >= cap):
             continue
-        target = min(len(s.req.prompt) + s.req.params.max_tokens, limits.max_context, s.reserved + limits.kv_growth)
+        target = min(cap, max(s.reserved + limits.kv_growth, s.computed + want))
+        if s.computed + 1 <= s.reserved:
+            out.append(Growth(s.req, target, [], [], optional=True))
+            continue
         youngest_first = [o.req for o in reversed(seqs) if o.worker == s.worker and o.req is not s.req]
         out.append(Growth(s.req, target, view.evictable(s.worker), youngest_first))
     return out
@@ -365,8 +380,11 @@ def plan_batches(
     decoding = [s for s in seqs if s.computed >= len(s.req.prompt)]
     prefilling = [s for s in seqs if s.computed < len(s.req.prompt)]
     for s in decoding:
-        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, [s.req.tokens[s.computed]], True))
-        budget -= 1
+        new = max_new(s, limits)
+        batches.setdefault(s.worker, []).append(
+            Planned(s.req, s.computed, [s.req.tokens[s.computed]], True, max_new=new)
+        )
+        budget -= new
     for s in prefilling:
         if budget <= 0:
             break
@@ -382,6 +400,25 @@ def plan_batches(
             if worker in no_snapshot:
                 p.snapshot = None
     return batches
+
+
+def max_new(s: Seq, limits: Limits) -> int:
+    """Tokens a decoding sequence may emit this step: 1 without speculation, else up to K + 1 within what is left
+    of max_tokens and the context, the KV it reserved, and short of its next chunk boundary (its prefix is saved
+    there by a step of one token, never inside a verified run); 1 while it replays or has a token filter."""
+    req, k = s.req, limits.speculative_tokens
+    if not k or req.token_filter is not None or s.computed + 1 < len(req.tokens):
+        return 1
+    chunk = limits.prefill_chunk
+    boundary = (s.computed // chunk + 1) * chunk - 1 - s.computed  # tokens before the cache reaches a boundary
+    left = min(
+        k + 1,
+        req.params.max_tokens - len(req.output),
+        limits.max_context - len(req.tokens),
+        s.reserved - s.computed,
+        boundary,
+    )
+    return max(1, left)
 
 
 def prefill_end(computed: int, prompt_len: int, limits: Limits) -> int:
@@ -424,6 +461,8 @@ class SeqUpdate:
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # positions not scored before
     token: int | None = None  # the token it accepts (after its token filter)
     logprob: TokenLogprob | None = None  # that token's entry (asked for with params.logprobs)
+    more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # speculation: the tokens after it
+    drafted: int = 0  # drafts the worker verified for it (speculation)
     finish: str | None = None  # "stop" | "length", after the token if any
     diverged: tuple[int, int] | None = None  # a greedy replay computed (position, token) otherwise than before
 
@@ -448,6 +487,15 @@ def finish_reason(req: Request, token: int, max_context: int) -> str | None:
     return None
 
 
+def _finish_after(req: Request, more: int, token: int, max_context: int) -> str | None:
+    """finish_reason for `token`, the `more`-th token after the step's first (the output not yet applied)."""
+    if token in req.params.stop_token_ids:
+        return "stop"
+    if len(req.output) + more + 1 >= req.params.max_tokens or len(req.tokens) + more + 1 >= max_context:
+        return "length"
+    return None
+
+
 def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int) -> StepUpdate:
     """One attention worker's answer to its batch → the changes, in batch order. Pure but for one call: an
     accepted token goes through the request's own `token_filter` (the API layer's thinking budget, which may force
@@ -465,13 +513,15 @@ def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int
             error = RuntimeError(reason) if reason.startswith("sampling failed") else ExpertsUnavailable(reason)
             seqs.append(SeqUpdate(req, error=error))
             continue
-        u = SeqUpdate(req, computed=p.end)
-        sampled = None
+        emitted = done.emitted(req.seq_id)
+        u = SeqUpdate(req, computed=p.start + len(emitted) if len(emitted) > 1 else p.end)
+        u.drafted = done.drafted.get(req.seq_id, 0)
+        sampled: dict[int, TokenLogprob] = {}  # output position → entry
         for run in runs.get(req.seq_id, ()):
             for i, entry in enumerate(TokenLogprob.entries(run)):
                 position = run.position + i
                 if position >= len(req.prompt):
-                    sampled = entry
+                    sampled[position] = entry
                 elif position not in req.prompt_logprobs:  # a replay scores it again: the first entry stays
                     u.prompt_logprobs.setdefault(position, entry)
         if u.computed <= len(req.prompt):
@@ -487,8 +537,14 @@ def update_from_output(batch: list[Planned], done: StepDone, *, max_context: int
             if req.token_filter is not None:
                 token = req.token_filter(req, token)
             u.token = token
-            if sampled is not None:
-                u.logprob = sampled if sampled.token == token else sampled.forced(token)
+            entry = sampled.get(p.end)
+            if entry is not None:
+                u.logprob = entry if entry.token == token else entry.forced(token)
             u.finish = finish_reason(req, token, max_context)
+            for i, t in enumerate(emitted[1 : p.max_new] if u.finish is None else ()):
+                u.more.append((t, sampled.get(p.end + 1 + i)))  # accepted drafts, then the target's own token
+                u.finish = _finish_after(req, len(u.more), t, max_context)
+                if u.finish is not None:
+                    break
         seqs.append(u)
     return StepUpdate(done.free_blocks, set(done.experts_down), done.exchange_bytes, saved, seqs)

@@ -261,6 +261,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_tokens up front); when a worker is full the youngest sequence is preempted and replayed",
     )
     p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: a decoding sequence may emit up to K + 1 tokens a step (the attention "
+        "workers verify K drafts; KV reserved for them); every attention worker must run with the same K "
+        "(checked at start). 0: off",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=("mtp", "ngram"),
+        default=None,
+        help="the attention workers' drafter (their --speculative-method), checked at start",
+    )
+    p.add_argument(
         "--max-queue-wait",
         type=float,
         default=300.0,

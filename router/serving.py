@@ -304,6 +304,7 @@ class ChatRun:
                 finish_reason=reason,
                 reasoning_tokens=reasoning,
                 cached_tokens=usage.cached,
+                req=self.req,
             )
         return self._result
 
@@ -395,6 +396,7 @@ class CompletionRun:
             finish_reason=None if error else finish_reason,
             cached_tokens=self.req.cached_tokens,
             error=error,
+            req=self.req,
         )
         return as_api_error(error) if error is not None else None
 

@@ -48,7 +48,7 @@ class StepCalls:
                     w: self.pool.submit(
                         self.attention[w].run_step,
                         step_id,
-                        [StepSegment(p.req.seq_id, p.tokens, p.sample) for p in batches[w]],
+                        [StepSegment(p.req.seq_id, p.tokens, p.sample, p.max_new) for p in batches[w]],
                         {
                             p.req.seq_id: p.snapshot if p.snapshot_at is None else (p.snapshot, p.snapshot_at)
                             for p in batches[w]
@@ -145,8 +145,20 @@ class StepCalls:
                 log.warning("request %s: replay diverged at %d", req.request_id, u.diverged[0])
             if u.token is not None:
                 self._accept(req, u.token, u.logprob)
+                for token, logprob in u.more:  # speculation: the run's accepted drafts and the target's token
+                    self._accept(req, token, logprob)
+                if u.drafted:
+                    self._speculated(req, u.drafted, len(u.more))
             if u.finish is not None:
                 self._finish(req, u.finish)
+
+    def _speculated(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verify step's figures: `drafted` drafts verified, `accepted` tokens emitted beyond the first (the
+        accepted drafts, the target's own token after them — cut where the request ended)."""
+        self.stats.speculated(drafted, min(accepted, drafted))
+        req.drafted += drafted
+        req.accepted += min(accepted, drafted)
+        req.verify_steps += 1
 
     def _accept(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:
         if logprob is not None:

@@ -136,10 +136,17 @@ class RequestSpan:
         reasoning_tokens: int | None = None,
         cached_tokens: int | None = None,
         error: Exception | None = None,
+        req=None,
     ) -> None:
+        """`req`: the engine's Request, whose speculation figures become attributes (when it verified drafts)."""
         if self.span is None:
             return
         s, self.span = self.span, None
+        if req is not None and req.verify_steps:
+            s.set_attribute("expertmesh.spec.draft_tokens", req.drafted)
+            s.set_attribute("expertmesh.spec.accepted_tokens", req.accepted)
+            s.set_attribute("expertmesh.spec.verify_steps", req.verify_steps)
+            s.set_attribute("expertmesh.spec.mean_accepted_length", 1 + req.accepted / req.verify_steps)
         s.set_attribute("gen_ai.usage.input_tokens", input_tokens)
         s.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         if reasoning_tokens is not None:

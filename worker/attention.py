@@ -48,6 +48,7 @@ from expertmesh.worker.handoff import HandOffs
 from expertmesh.worker.kv import BlockPool, PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import KVTiers, synchronize, to_host
 from expertmesh.worker.sequences import CachedPrefix, SequenceState, token_logprobs
+from expertmesh.worker.speculation import Speculation
 
 POOLS = ("mixed", "prefill", "decode")
 
@@ -73,6 +74,8 @@ class AttentionWorker(HandOffs, WorkerBase):
         kv_disk_key: bytes | None = None,
         pool: str = "mixed",
         decode_threads: int | None = None,
+        speculative_method: str | None = None,
+        speculative_tokens: int = 0,
     ):
         """`device` cpu|cuda|meta (meta: built as on a GPU with no memory; `checkpoint` may then be a ModelConfig,
         nothing is read); `dtype` default follows the device (memory.compute_dtype). With
@@ -83,7 +86,9 @@ class AttentionWorker(HandOffs, WorkerBase):
         authenticated under (None: a random key of this process). `pool`: prefill | decode | mixed — the
         label its metrics and Info carry (the router decides what runs where; any worker computes anything).
         `decode_threads`: torch threads for a decode step's shared experts, which run while the expert workers
-        compute (worker/threads.py: for expert workers on the same cores; None: all)."""
+        compute (worker/threads.py: for expert workers on the same cores; None: all). `speculative_method` mtp |
+        ngram with `speculative_tokens` K > 0: speculative decoding (worker/speculation.py; mtp loads the
+        checkpoint's MTP layer here, refused when it has none)."""
         if pool not in POOLS:
             raise WorkerError(f"--pool: expected one of {', '.join(POOLS)}, found {pool!r}")
         self.pool_role = pool
@@ -96,6 +101,7 @@ class AttentionWorker(HandOffs, WorkerBase):
                 self.model = materialize_(Transformer(self.cfg, routed_experts=False), "meta", self.dtype).eval()
         else:
             self.model = self.ckpt.load_model(experts=False, device=self.device, dtype=self.dtype)
+        self.spec = self._speculation(speculative_method, speculative_tokens)
         if gpu_memory_utilization is not None:
             if device_memory_bytes is None:
                 if self.device_kind != "cuda":
@@ -153,6 +159,21 @@ class AttentionWorker(HandOffs, WorkerBase):
             threading.Thread(target=self._sweep, name="lease-sweep", daemon=True).start()
         threading.Thread(target=self._merger, name="handoff-merge", daemon=True).start()
 
+    def _speculation(self, method: str | None, k: int) -> Speculation | None:
+        """The worker's speculation (None: off — no method or K = 0), its MTP layer loaded for `mtp`."""
+        if not method or not k:
+            return None
+        if method == "mtp" and self.ckpt is not None:
+            if self.ckpt.hf is None or not self.cfg.n_mtp_layers:
+                raise WorkerError(
+                    f"--speculative-method mtp: the checkpoint {self.ckpt.path} has no MTP layer "
+                    f"(num_nextn_predict_layers); use --speculative-method ngram or leave speculation off"
+                )
+            self.ckpt.hf.load_mtp(self.model, experts=True)  # its routed experts run here (worker/speculation.py)
+        elif method == "mtp":
+            raise WorkerError("--speculative-method mtp: needs a checkpoint (its MTP layer)")
+        return Speculation(self.model, method, k)
+
     def memory(self):
         """Resident bytes (sizing.WorkerMemory) measured from the built tensors; workspace from placement/sizing.py."""
         mem = sizing.WorkerMemory()
@@ -201,6 +222,8 @@ class AttentionWorker(HandOffs, WorkerBase):
             "prefixes": len(self.prefixes),
             "experts_down": sorted(self.exchange.down) if self.exchange is not None else [],
             "pool": self.pool_role,
+            "speculative_tokens": self.spec.k if self.spec is not None else 0,
+            "speculative_method": self.spec.method if self.spec is not None else "",
         }
 
     # ------------------------------------------------------------------ sequences
@@ -246,6 +269,7 @@ class AttentionWorker(HandOffs, WorkerBase):
             self.sequences[seq_id] = SequenceState(
                 kv=kv, cache=cache, sampler=sampler, params=params, owner=owner, images=seq_images
             )
+            self.sequences[seq_id].spec = self.spec.new_state(sampler) if self.spec is not None else None
             self.renew(owner)
             return cache.length
 
@@ -483,6 +507,7 @@ class AttentionWorker(HandOffs, WorkerBase):
         replica are reported in `failed` (their caches do not advance); the others go on."""
         with self.lock:
             self.calls += 1
+            began = time.perf_counter()
             if self.exchange is None and self.cfg.moe_layers:
                 raise NotConnected(f"{self.name}: no expert workers connected yet")
             if not segments:
@@ -499,17 +524,20 @@ class AttentionWorker(HandOffs, WorkerBase):
                 bad = [t for t in s.token_ids if not 0 <= t < self.cfg.vocab_size]
                 if bad:
                     raise WorkerError(f"segments[{s.seq_id}].token_ids: id {bad[0]} outside [0, {self.cfg.vocab_size})")
-                if seq.kv.blocks_needed(len(s.token_ids)):
+                room = len(seq.kv.blocks) * self.pool.block_size - seq.kv.length
+                if len(s.token_ids) > room:
                     raise WorkerError(
                         f"segments[{s.seq_id}]: {len(s.token_ids)} more tokens exceed the "
                         f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence"
                     )
-                tokens += s.token_ids
-                segs.append(Segment(start, len(s.token_ids), seq.cache))
+                saving = s.seq_id in (snapshot_keys or {})
+                drafts = self.spec.drafts_for(seq, s.token_ids, s.max_new, room, saving) if self.spec else []
+                tokens += s.token_ids + drafts
+                segs.append(Segment(start, len(s.token_ids) + len(drafts), seq.cache, verify=bool(drafts)))
                 if seq.images is not None:
                     with_images.append((seq, s, start))
-                start += len(s.token_ids)
-            fed = {s.seq_id: len(s.token_ids) for s in segments}
+                start += segs[-1].length
+            fed = {s.seq_id: seg.length for s, seg in zip(segments, segs)}
             snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
             for seq_id, (_, length) in snapshots.items():
                 if length and seq_id in self.sequences:
@@ -534,6 +562,8 @@ class AttentionWorker(HandOffs, WorkerBase):
                     failed[s.seq_id] = why
             done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshots)
             done.image_encodes = image_encodes
+            if any(seg.verify for seg in segs):
+                self.spec.timed(time.perf_counter() - began)
             if self.exchange is not None:
                 done.experts_down = sorted(self.exchange.down)
                 done.exchange_bytes = self.exchange.bytes_sent + self.exchange.bytes_received - bytes_before
@@ -554,25 +584,34 @@ class AttentionWorker(HandOffs, WorkerBase):
         seqs = [self.sequences[segments[i].seq_id] for i in keep]
         rows = [
             list(range(segs[i].start, segs[i].start + segs[i].length))
-            if seq.params.prompt_logprobs is not None
+            if seq.params.prompt_logprobs is not None or segs[i].verify
             else [segs[i].start + segs[i].length - 1]
             for i, seq in zip(keep, seqs)
         ]
         flat = [r for rs in rows for r in rs]
         logits = self.model.logits(x[flat]) if flat else None
-        out, logprobs, first = {}, [], 0
+        out, more, logprobs, first, spec_items = {}, {}, [], 0, []
         for i, seq, rs in zip(keep, seqs, rows):
             seg, seg_in = segs[i], segments[i]
             seg_logits = logits[first : first + len(rs)]
             first += len(rs)
             fed = tokens[seg.start : seg.start + seg.length]
-            if seq.generating:  # past the prompt, every fed token is output (sampled or forced)
+            if seq.generating and not seg.verify:  # past the prompt, every fed token is output (sampled or forced)
                 for t in fed:
                     seq.sampler.observe(t)
                 seq.observed += fed
-            else:
+            elif not seq.generating:
                 self.prompt_tokens_computed += len(fed)
             try:  # a sampler that fails (e.g. parameters it cannot compute with) fails its sequence only
+                if seg.verify:  # speculation (worker/speculation.py): the rows accepted, the caches rolled back
+                    emitted, entries = self.spec.verify(seg_in.seq_id, seq, fed, seg_logits, seg.cache.length)
+                    out[seg_in.seq_id], more[seg_in.seq_id] = emitted[0], emitted[1:]
+                    logprobs += entries
+                    seg.cache.length += seg.length
+                    seg.cache.roll_back(seg.cache.length - seg.length + len(emitted))
+                    seq.kv.length = seg.cache.length
+                    spec_items.append((seq, fed[: len(emitted)], seg.start, emitted[-1]))
+                    continue
                 if seg_in.sample:
                     out[seg_in.seq_id] = seq.sampler.sample(seg_logits[-1])
                     seq.generating = True
@@ -585,10 +624,26 @@ class AttentionWorker(HandOffs, WorkerBase):
                 continue
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
+            if seq.spec is not None:
+                spec_items.append((seq, fed, seg.start, out.get(seg_in.seq_id)))
+        if spec_items:
+            self._advance_drafters(spec_items, x)
         for seq_id, (key, length) in snapshots.items():
             if seq_id in self.sequences and seq_id not in failed:
                 self._save_prefix(self.sequences[seq_id], key, length or None)
-        return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed)
+        drafted = {segments[i].seq_id: segs[i].length - 1 for i in keep if segs[i].verify}
+        return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed, more_tokens=more, drafted=drafted)
+
+    def _advance_drafters(self, items: list, x: torch.Tensor) -> None:
+        """Feed the speculating sequences' drafters what they kept this step and draft their next tokens: items
+        (seq, kept tokens, their first row in `x`, the newest emitted token or None)."""
+        normed = self.spec.layer is not None
+        self.spec.advance(
+            [
+                (seq, kept, self.model.norm(x[row : row + len(kept)]) if normed else None, last)
+                for seq, kept, row, last in items
+            ]
+        )
 
     def _check_snapshot_length(self, seq_id: str, after: int, length: int) -> None:
         """WorkerError naming the field unless a snapshot of `length` tokens fits the sequence, `after` tokens long

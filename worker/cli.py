@@ -193,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
         "to a decode worker), decode, or mixed (both: one pool); the router decides what runs where, "
         "this labels Info and /metrics",
     )
+    p.add_argument(
+        "--speculative-method",
+        choices=("mtp", "ngram"),
+        default=None,
+        help="attention role: speculative decoding's drafter — mtp (the checkpoint's MTP layer, loaded here; a "
+        "checkpoint without one is refused) or ngram (prompt lookup, no weights); with --speculative-tokens",
+    )
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="attention role: drafts per decode step, verified with the newest token in one step (0: off); the "
+        "router must be started with the same K",
+    )
     p.add_argument("--name", help="worker name (default: <role>-<ordinal>, or <role>-0)")
     p.add_argument("--threads", type=int, default=16, help="gRPC handler threads")
     p.add_argument(
@@ -300,6 +315,12 @@ def parse_options(args) -> tuple[object, WorkerOptions]:
     if args.kv_blocks <= 0 or args.block_size <= 0:
         raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
     kv_tiers = kv_tier_options(args)
+    if args.speculative_tokens < 0:
+        raise ValueError(f"--speculative-tokens {args.speculative_tokens}: expected an integer >= 0")
+    if args.speculative_tokens and args.speculative_method is None:
+        raise ValueError(f"--speculative-tokens {args.speculative_tokens}: needs --speculative-method mtp|ngram")
+    if args.speculative_tokens and args.role == "expert":
+        raise ValueError("--speculative-tokens: only for --role attention or both (attention workers draft)")
     if args.pool != "mixed" and args.role == "expert":
         raise ValueError(f"--pool {args.pool}: only for --role attention or both (expert workers serve every pool)")
     name = args.name
@@ -326,6 +347,8 @@ def parse_options(args) -> tuple[object, WorkerOptions]:
         device_memory_bytes=None if args.device_memory_gib is None else int(args.device_memory_gib * 2**30),
         lease_seconds=args.lease_seconds,
         pool=args.pool,
+        speculative_method=args.speculative_method if args.speculative_tokens else None,
+        speculative_tokens=args.speculative_tokens,
         expert_tls=expert_tls,
         **kv_tiers,
     )

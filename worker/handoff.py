@@ -98,6 +98,8 @@ class HandOffs:
         seq = SequenceState(
             kv=kv, cache=cache, sampler=sampler, params=params, generating=True, owner=owner, observed=list(observed)
         )
+        # its drafter starts here (worker/speculation.py: an MTP cache from this point on, drafts after the next step)
+        seq.spec = self.spec.new_state(sampler) if self.spec is not None else None
         with self._arrivals_lock:
             if seq_id in self.sequences or seq_id in self._arrivals:
                 kv.free()

@@ -147,17 +147,26 @@ class PagedDSACache:
         self.length += latent.shape[0]
         self._view = None
 
-    def pages(self):
-        """The pool's pages for this layer with the sequence's block table (decode reads them in place)."""
-        n_blocks = -(-self.length // self.kv.pool.block_size)
+    def pages(self, upto: int | None = None):
+        """The pool's pages for this layer with the sequence's block table (decode reads them in place); `upto`:
+        its first `upto` tokens only (a verify row's own context, speculation)."""
+        length = self.length if upto is None else upto
+        n_blocks = -(-length // self.kv.pool.block_size)
         pool = self.kv.pool
         dev = pool.latent[self.layer].device
         return CachePages(
             pool.latent[self.layer],
             pool.index_k.get(self.layer),
             torch.tensor([self.kv.blocks[:n_blocks]], dtype=torch.int32, device=dev),
-            torch.tensor([self.length], dtype=torch.int32, device=dev),
+            torch.tensor([length], dtype=torch.int32, device=dev),
         )
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (speculation's rollback). The blocks stay reserved; the rows past
+        `length` are outside every later context length (no decode or indexer selection reads them) and are
+        overwritten as the sequence grows."""
+        self.length = length
+        self._view = None
 
     def _read(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._view is None:

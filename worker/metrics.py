@@ -52,6 +52,7 @@ class _State:
             yield seqs
             yield from tier_metrics(att)
             yield from handoff_metrics(att)
+            yield from speculation_metrics(att)
         collective = getattr(server, "collective", None)
         if collective is not None:
             calls = CounterMetricFamily(
@@ -71,6 +72,32 @@ class _State:
             held = GaugeMetricFamily("expertmesh_experts_held", "(layer, expert) shards held", labels=["worker"])
             held.add_metric([exp.name], len(exp.assignment))
             yield held
+
+
+def speculation_metrics(att):
+    """Speculative decoding on this attention worker (worker/speculation.py): drafts verified and accepted, in
+    all and by draft position, verify steps and their seconds."""
+    spec = getattr(att, "spec", None)
+    if spec is None:
+        return
+    f, name = spec.figures(), att.name
+    for metric, doc, key in (
+        ("expertmesh_worker_spec_draft_tokens", "Draft tokens verified", "drafted"),
+        ("expertmesh_worker_spec_accepted_tokens", "Draft tokens accepted", "accepted"),
+        ("expertmesh_worker_spec_verify_steps", "Steps that verified drafts", "verify_steps"),
+        ("expertmesh_worker_spec_verify_seconds", "Seconds spent in steps that verified drafts", "verify_seconds"),
+    ):
+        family = CounterMetricFamily(metric, doc, labels=["worker", "method"])
+        family.add_metric([name, f["method"]], f[key])
+        yield family
+    for metric, doc, key in (
+        ("expertmesh_worker_spec_draft_tokens_by_position", "Drafts verified by position", "drafted_by_position"),
+        ("expertmesh_worker_spec_accepted_tokens_by_position", "Drafts accepted by position", "accepted_by_position"),
+    ):
+        family = CounterMetricFamily(metric, doc + " (0: a step's first draft)", labels=["worker", "position"])
+        for i, n in enumerate(f[key]):
+            family.add_metric([name, str(i)], n)
+        yield family
 
 
 def handoff_metrics(att):

@@ -37,6 +37,8 @@ class WorkerOptions:
     kv_disk_bytes: int = 0  # local-disk tier's bound
     kv_disk_key: bytes | None = field(default=None, repr=False)  # its files' MAC secret (None: random per process)
     pool: str = "mixed"  # prefill | decode | mixed: the label Info and /metrics carry
+    speculative_method: str | None = None  # mtp | ngram (worker/speculation.py; None: off)
+    speculative_tokens: int = 0  # drafts per decode step (0: off)
     expert_tls: object = None  # runtime.tls.ClientTLS for the calls to expert workers and hand-offs
 
     def __post_init__(self):

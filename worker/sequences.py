@@ -46,6 +46,7 @@ class SequenceState:
     owner: str = ""  # the router instance that opened it ("" = no lease)
     images: object = None  # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
     observed: list[int] = field(default_factory=list)  # output tokens fed (what a hand-off replays into a sampler)
+    spec: object = None  # worker/speculation.SpecState: its drafter state and pending drafts (None: no speculation)
 
 
 @dataclass

@@ -66,6 +66,8 @@ def build_workers(checkpoint, o: WorkerOptions):
             lease_seconds=o.lease_seconds,
             pool=o.pool,
             decode_threads=o.decode_threads,
+            speculative_method=o.speculative_method,
+            speculative_tokens=o.speculative_tokens,
             **o.kv_tiers,
         )
     if o.role in ("expert", "both"):

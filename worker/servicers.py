@@ -138,6 +138,8 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
             prefixes=i["prefixes"],
             experts_down=i["experts_down"],
             pool=i["pool"],
+            speculative_tokens=i["speculative_tokens"],
+            speculative_method=i["speculative_method"],
         )
 
     @_rpc
@@ -215,7 +217,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def RunStep(self, request, context):
-        segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample) for s in request.segments]
+        segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample, s.max_new or 1) for s in request.segments]
         snapshots = {s.seq_id: (s.key, s.length) if s.length else s.key for s in request.snapshot_keys} or None
         return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
 
@@ -305,7 +307,12 @@ def done_to_proto(result) -> worker_pb2.StepDone:
     return worker_pb2.StepDone(
         step_id=result.step_id,
         free_blocks=result.free_blocks,
-        tokens=[worker_pb2.SampledToken(seq_id=s, token=t) for s, t in result.tokens.items()],
+        tokens=[
+            worker_pb2.SampledToken(
+                seq_id=s, token=t, more=result.more_tokens.get(s, []), drafted=result.drafted.get(s, 0)
+            )
+            for s, t in result.tokens.items()
+        ],
         logprobs=[
             worker_pb2.TokenLogprobs(
                 seq_id=lp.seq_id,

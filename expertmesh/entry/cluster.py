@@ -144,6 +144,8 @@ class LocalCluster:
         kv_disk_gib: float = 0.0,
         attention_metrics: bool = False,
         prefill_workers: int = 0,
+        speculative_method: str | None = None,
+        speculative_tokens: int = 0,
     ):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
@@ -153,7 +155,9 @@ class LocalCluster:
         worker's device KV pool; `kv_host_gib` / `kv_disk_gib` (in `kv_disk_dir`/attention-<i>): its lower tiers;
         `attention_metrics`: each attention worker serves Prometheus /metrics (`metrics_urls`: the decode pool's,
         then the prefill pool's); `prefill_workers`: a prefill pool of that many attention workers (prefill-<i>,
-        `--pool prefill`) beside the `attention_workers` (then `--pool decode`; router/disagg.py)."""
+        `--pool prefill`) beside the `attention_workers` (then `--pool decode`; router/disagg.py);
+        `speculative_method` / `speculative_tokens`: speculative decoding, given to the attention workers and the
+        router alike (worker/speculation.py; 0 tokens: off)."""
         if prefill_workers < 0:
             raise ValueError(f"prefill_workers={prefill_workers}: expected ≥ 0")
         if transport not in ("grpc", "collective"):
@@ -174,6 +178,11 @@ class LocalCluster:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="expertmesh-up-"))
         self.extra_env = extra_env or {}
         self.router_args = router_args or []
+        self.speculative = (
+            ["--speculative-method", speculative_method, "--speculative-tokens", str(speculative_tokens)]
+            if speculative_tokens
+            else []
+        )
         self.echo = echo
         self.tls_dir = Path(tls_dir) if tls_dir else None
         self.worker_tls_dir = Path(worker_tls_dir) if worker_tls_dir else self.tls_dir
@@ -382,6 +391,7 @@ class LocalCluster:
                     *self._tier_args(i, name),
                     *self._decode_args(),
                     *(self._collective_args() if pool == "decode" else []),
+                    *self.speculative,
                 ],
             )
 
@@ -438,6 +448,7 @@ class LocalCluster:
                     "--transport",
                     self.transport,
                     *router_tls,
+                    *self.speculative,
                     *self.router_args,
                 ],
             )

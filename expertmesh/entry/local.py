@@ -27,6 +27,7 @@ def build_local_engine(
     kv_tiers: dict | None = None,
     prefill_workers: int = 0,
     config: EngineConfig | None = None,
+    drafter=None,
     **engine_kw,
 ) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
@@ -35,7 +36,9 @@ def build_local_engine(
     every attention worker's lower KV tiers (AttentionWorker's kv_host_bytes, kv_disk_dir, kv_disk_bytes).
     `prefill_workers`: a prefill pool of that many attention workers beside the `attention_workers` of the decode
     pool (router/disagg.py; 0: one colocated pool). `config`: the engine's settings, or `engine_kw` its fields
-    (EngineConfig(**engine_kw)). Returns the engine started."""
+    (EngineConfig(**engine_kw)); its speculative_method / speculative_tokens go to the attention workers too.
+    `drafter`: a test hook — called with each attention worker's Speculation to replace its drafter's proposals.
+    Returns the engine started."""
     if config is not None and engine_kw:
         raise TypeError(f"build_local_engine: config= or EngineConfig fields, not both ({', '.join(engine_kw)})")
     config = config or EngineConfig(**engine_kw)
@@ -52,10 +55,15 @@ def build_local_engine(
             lease_seconds=lease_seconds,
             dtype=dtype,
             pool=pool,
+            speculative_method=config.speculative_method or None,
+            speculative_tokens=config.speculative_tokens,
             **(kv_tiers or {}),
         )
 
     decode = [attention(f"attention-{i}", "decode" if prefill_workers else "mixed") for i in range(attention_workers)]
     prefill = [attention(f"prefill-{i}", "prefill") for i in range(prefill_workers)]
+    if drafter is not None:
+        for worker in decode + prefill:
+            drafter(worker.spec)
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
     return Engine(serving_cfg or cfg, decode, experts, placement, config, prefill=prefill or None).start()

@@ -35,6 +35,8 @@ UP_OWNED_ROUTER_OPTIONS = (
     "--prefill-chunk",
     "--prefill-tokens",
     "--transport",
+    "--speculative-method",
+    "--speculative-tokens",
     "--worker-tls-ca",
     "--worker-tls-cert",
     "--worker-tls-key",
@@ -70,6 +72,10 @@ def router_engine_config(args, options: list[str]):
     experts = ",".join(f"expert-{i}" for i in range(args.expert_workers))  # their addresses: not known yet
     own = ["--prefill-chunk", str(args.prefill_chunk), "--prefill-tokens", str(args.prefill_tokens)]
     own += ["--transport", args.transport, "--experts", experts]
+    if args.speculative_tokens:
+        if args.speculative_method is None:
+            raise ValueError(f"--speculative-tokens {args.speculative_tokens}: needs --speculative-method mtp|ngram")
+        own += ["--speculative-tokens", str(args.speculative_tokens), "--speculative-method", args.speculative_method]
     parsed = parser.parse_args(["--checkpoint", "-", "--plan", "-", "--attention", "-", *own, *options])
     return EngineConfig.from_args(parsed, prefix_salt=read_prefix_salt(parsed.prefix_salt_file))
 
@@ -115,6 +121,8 @@ def run_up(args) -> int:
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib,
         prefill_workers=args.prefill_workers,
+        speculative_method=args.speculative_method,
+        speculative_tokens=args.speculative_tokens,
     )
     stop = stop_on_signals()
     pools = (
@@ -169,6 +177,21 @@ def add_arguments(p) -> None:
         help="a prefill pool of this many attention workers: they run the prompts and hand each sequence "
         "(KV + recurrent state) to one of the --attention-workers, which then form the decode pool "
         "(0: one colocated pool). Router options for it: `-- --prefill-min-tokens N`",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=("mtp", "ngram"),
+        default=None,
+        help="speculative decoding's drafter on the attention workers: mtp (the checkpoint's MTP layer; refused "
+        "when it has none) or ngram (prompt lookup); with --speculative-tokens",
+    )
+    p.add_argument(
+        "--speculative-tokens",
+        type=nonnegative_int,
+        default=0,
+        metavar="K",
+        help="drafts per decode step (up to K + 1 tokens a step per sequence), given to the router and every "
+        "attention worker (0: off)",
     )
     p.add_argument(
         "--expert-workers",

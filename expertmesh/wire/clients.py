@@ -156,6 +156,8 @@ class RemoteAttention(_Client):
             "prefixes": i.prefixes,
             "experts_down": list(i.experts_down),
             "pool": i.pool or "mixed",
+            "speculative_tokens": i.speculative_tokens,
+            "speculative_method": i.speculative_method,
         }
 
     def open_sequence(
@@ -232,7 +234,8 @@ class RemoteAttention(_Client):
         req = worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[
-                worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample) for s in segments
+                worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample, max_new=s.max_new)
+                for s in segments
             ],
             snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k, length=n) for s, k, n in snaps],
         )
@@ -257,6 +260,8 @@ class RemoteAttention(_Client):
             list(d.experts_down),
             d.exchange_bytes,
             [ImageEncode(e.seq_id, e.tokens, e.seconds) for e in d.image_encodes],
+            {t.seq_id: list(t.more) for t in d.tokens if t.more},
+            {t.seq_id: t.drafted for t in d.tokens if t.drafted},
         )
 
     def hand_off(

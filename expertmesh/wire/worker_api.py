@@ -70,6 +70,9 @@ class StepSegment:
     seq_id: str
     token_ids: list[int]
     sample: bool  # sample a token after this segment's last position
+    # tokens the worker may emit (speculation: the newest token's pending drafts verified in this step, each accepted
+    # one emitted after the sampled token); 1 = one sampled token
+    max_new: int = 1
 
 
 def snapshot_parts(snapshot: str | tuple[str, int]) -> tuple[str, int]:
@@ -110,6 +113,15 @@ class StepDone:
     experts_down: list[int] = field(default_factory=list)  # expert workers this worker sees down after the step
     exchange_bytes: int = 0  # tensor bytes to and from expert workers in this step
     image_encodes: list[ImageEncode] = field(default_factory=list)  # images encoded in this step
+    # speculation: seq_id → the tokens emitted after `tokens[seq_id]` in this step (accepted drafts and the
+    # target's own token after them), in order; and → the drafts verified for it in this step
+    more_tokens: dict[str, list[int]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
+
+    def emitted(self, seq_id: str) -> list[int]:
+        """Every token the step emitted for `seq_id`, in order (none when it sampled nothing)."""
+        first = self.tokens.get(seq_id)
+        return [] if first is None else [first, *self.more_tokens.get(seq_id, ())]
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""The scheduler's side of speculative decoding (router/scheduler.py, pure): how many tokens a decoding sequence may
+emit a step (`max_new`: K + 1 within max_tokens, the context, the KV it reserved and its next chunk boundary; one
+while it replays or has a token filter), the optional growth for K + 1, and a step result of several tokens cut at
+a stop token or max_tokens with each token's own log-prob entry."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from expertmesh.router.kv import KVManager, WorkerKV
+from expertmesh.router.request import Request
+from expertmesh.router.scheduler import Limits, Planned, Seq, max_new, schedule, update_from_output
+from expertmesh.wire.sampling_params import SamplingParams
+from expertmesh.wire.worker_api import StepDone, TokenLogprobs
+
+LIMITS = Limits(
+    prefill_chunk=16,
+    max_batch_tokens=64,
+    max_running=8,
+    kv_growth=16,
+    max_context=512,
+    session_affinity=False,
+    speculative_tokens=3,
+)
+
+
+def decoding(computed: int, reserved: int, output: int, max_tokens: int = 64, **params) -> Request:
+    req = Request(prompt=list(range(1, 21)), params=SamplingParams(max_tokens=max_tokens, **params))
+    req.output = [7] * output
+    req.worker, req.seq_id, req.computed, req.reserved = 0, "s1", computed, reserved
+    return req
+
+
+def seq(req: Request) -> Seq:
+    return Seq(req, req.worker, req.computed, req.reserved)
+
+
+def test_max_new_is_k_plus_one_within_what_is_left():
+    assert max_new(seq(decoding(20, 40, 1)), LIMITS) == 4  # 20 in cache, the boundary at 32
+    assert max_new(seq(decoding(20, 40, 1)), dataclasses.replace(LIMITS, speculative_tokens=0)) == 1
+    assert max_new(seq(decoding(20, 40, 1, max_tokens=3)), LIMITS) == 2  # 2 of max_tokens left
+    assert max_new(seq(decoding(20, 22, 1)), LIMITS) == 2  # KV reserved for 2 more
+    assert max_new(seq(decoding(29, 60, 10)), LIMITS) == 2  # stops short of the chunk boundary at 32
+    assert max_new(seq(decoding(31, 60, 12)), LIMITS) == 1  # the step that reaches it (and saves the prefix)
+    replay = decoding(21, 60, 5)  # fed 21, has 25 tokens: it replays its own output one token a step
+    assert max_new(seq(replay), LIMITS) == 1
+    filtered = decoding(20, 40, 1)
+    filtered.token_filter = lambda r, t: t
+    assert max_new(seq(filtered), LIMITS) == 1
+
+
+def test_growth_for_k_plus_one_is_optional_and_batches_plan_with_it():
+    kv = KVManager([WorkerKV(0, 16, 64, 10)], chunk=16, salt=b"s")
+    req = decoding(20, 22, 1)  # room for the fed token, not for K + 1
+    plan = schedule([], [req], kv, limits=LIMITS)
+    (g,) = plan.growth
+    assert g.optional and g.target == 38 and g.evict == [] and g.preempt == []
+    assert plan.batches[0][0].max_new == 4
+
+
+def logprob_run(seq_id: str, position: int, tokens: list[int]) -> TokenLogprobs:
+    n = len(tokens)
+    return TokenLogprobs(
+        seq_id,
+        position,
+        np.array(tokens),
+        -np.arange(1, n + 1, dtype=np.float32) / 10,
+        np.array([[t] for t in tokens]),
+        -np.ones((n, 1), dtype=np.float32),
+    )
+
+
+def test_several_tokens_a_step_each_with_its_entry_cut_at_a_stop_token_or_max_tokens():
+    req = decoding(20, 40, 1, logprobs=1, stop_token_ids=(99,))
+    batch = [Planned(req, 20, [7], True, max_new=4)]
+    done = StepDone(1, {"s1": 5}, 3, [logprob_run("s1", 21, [5, 6, 99, 8])], more_tokens={"s1": [6, 99, 8]})
+    u = update_from_output(batch, done, max_context=512).seqs[0]
+    assert (u.token, [t for t, _ in u.more], u.finish) == (5, [6, 99], "stop")
+    assert [e.token for e in [u.logprob] + [e for _, e in u.more]] == [5, 6, 99]
+    assert u.more[1][1].logprob == np.float32(-0.3)
+    short = decoding(20, 40, 1, max_tokens=3)
+    done = StepDone(1, {"s1": 5}, 3, more_tokens={"s1": [6, 8]}, drafted={"s1": 2})
+    u = update_from_output([Planned(short, 20, [7], True, max_new=3)], done, max_context=512).seqs[0]
+    assert (u.token, [t for t, _ in u.more], u.finish, u.drafted, u.computed) == (5, [6], "length", 2, 23)
