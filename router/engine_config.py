@@ -35,6 +35,9 @@ class EngineConfig:
     # attention worker must run with the same (--speculative-tokens / --speculative-method; checked at start)
     speculative_tokens: int = 0
     speculative_method: str = ""
+    # an attention worker decoding more sequences than this in a step verifies no drafts in it (vLLM's
+    # speculative_disable_by_batch_size): a large batch is compute-bound, where drafts cost more than they save
+    speculative_max_batch: int = 8
     # ---- pools (router/disagg.py): prompts shorter than this skip the prefill pool
     prefill_min_tokens: int = 0
     # ---- transport and timeouts
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens: expected an integer >= 0, found {self.speculative_tokens!r}")
+        if not isinstance(self.speculative_max_batch, int) or self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch: expected an integer >= 1, found {self.speculative_max_batch!r}")
         if self.speculative_tokens and self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_method: expected one of {', '.join(SPECULATIVE_METHODS)} with speculative_tokens "
@@ -95,6 +100,7 @@ class EngineConfig:
             max_queue_wait=self.max_queue_wait,
             snapshot_within_step=snapshot_within_step,
             speculative_tokens=self.speculative_tokens,
+            speculative_max_batch=self.speculative_max_batch,
         )
 
     @classmethod
@@ -114,6 +120,7 @@ class EngineConfig:
             kv_growth=args.kv_growth,
             speculative_tokens=args.speculative_tokens,
             speculative_method=args.speculative_method or "",
+            speculative_max_batch=args.speculative_max_batch,
             prefill_min_tokens=args.prefill_min_tokens,
             transport=args.transport,
             call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),

@@ -76,6 +76,7 @@ class Limits:
     # pages), so a prompt's chunks need not stop at its last multiple of prefill_chunk to save it
     snapshot_within_step: bool = False
     speculative_tokens: int = 0  # drafts per decode step the attention workers verify (0: no speculation)
+    speculative_max_batch: int = 8  # a worker's step decoding more sequences than this verifies no drafts
 
 
 @dataclass(frozen=True)
@@ -379,8 +380,11 @@ def plan_batches(
     budget = limits.max_batch_tokens
     decoding = [s for s in seqs if s.computed >= len(s.req.prompt)]
     prefilling = [s for s in seqs if s.computed < len(s.req.prompt)]
+    per_worker: dict[int, int] = {}
     for s in decoding:
-        new = max_new(s, limits)
+        per_worker[s.worker] = per_worker.get(s.worker, 0) + 1
+    for s in decoding:  # a large batch speculates not at all (compute-bound: the drafts cost more than they save)
+        new = max_new(s, limits) if per_worker[s.worker] <= limits.speculative_max_batch else 1
         batches.setdefault(s.worker, []).append(
             Planned(s.req, s.computed, [s.req.tokens[s.computed]], True, max_new=new)
         )

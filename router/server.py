@@ -276,6 +276,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the attention workers' drafter (their --speculative-method), checked at start",
     )
     p.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="speculation: an attention worker decoding more than N sequences in a step verifies no drafts in it "
+        "(large batches are compute-bound; drafts would cost more than they save). Default 8",
+    )
+    p.add_argument(
         "--max-queue-wait",
         type=float,
         default=300.0,

@@ -84,3 +84,39 @@ def test_several_tokens_a_step_each_with_its_entry_cut_at_a_stop_token_or_max_to
     done = StepDone(1, {"s1": 5}, 3, more_tokens={"s1": [6, 8]}, drafted={"s1": 2})
     u = update_from_output([Planned(short, 20, [7], True, max_new=3)], done, max_context=512).seqs[0]
     assert (u.token, [t for t, _ in u.more], u.finish, u.drafted, u.computed) == (5, [6], "length", 2, 23)
+
+
+def test_a_batch_larger_than_speculative_max_batch_verifies_no_drafts():
+    """vLLM's speculative_disable_by_batch_size: a worker decoding more than N sequences a step gets max_new 1 for
+    all of them (a compute-bound batch, where drafts cost more than they save); N or fewer speculate."""
+    kv = KVManager([WorkerKV(0, 16, 64, 40)], chunk=16, salt=b"s")
+
+    def batch(n: int, limit: int) -> list[int]:
+        reqs = []
+        for i in range(n):
+            r = decoding(20, 40, 1)
+            r.seq_id = f"s{i}"
+            reqs.append(r)
+        limits = dataclasses.replace(LIMITS, speculative_max_batch=limit, max_running=16, max_batch_tokens=128)
+        return [p.max_new for p in schedule([], reqs, kv, limits=limits).batches[0]]
+
+    assert batch(4, 4) == [4] * 4
+    assert batch(5, 4) == [1] * 5
+    assert batch(16, 8) == [1] * 16
+
+
+def test_speculative_max_batch_is_checked_and_has_a_router_flag():
+    import argparse
+
+    import pytest
+
+    from expertmesh.router.engine_config import EngineConfig
+    from expertmesh.router.server import add_arguments
+
+    with pytest.raises(ValueError, match="speculative_max_batch: expected an integer >= 1, found 0"):
+        EngineConfig(speculative_max_batch=0)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--checkpoint", "-", "--plan", "-", "--attention", "-", "--experts", "-"]
+    assert EngineConfig.from_args(p.parse_args(base)).speculative_max_batch == 8
+    assert EngineConfig.from_args(p.parse_args([*base, "--speculative-max-batch", "3"])).speculative_max_batch == 3
