@@ -278,7 +278,9 @@ class ChatRun:
             at = parsed.content.find(self.stop_hit)
             parsed.content = parsed.content[:at] if at >= 0 else parsed.content
             parsed.tool_calls = []
-        out = self.req.output
+        # after a stop string, only the tokens up to the one completing it count: more may have come before the
+        # cancel took effect (a verify step's accepted run, or a step in flight)
+        out = self.req.output if self.stop_hit is None else self.req.output[: self.consumed]
         self.req.awaiting_tool = bool(parsed.tool_calls)  # its cached prefix is kept warm longest
         reason = (
             "stop"
