@@ -14,7 +14,7 @@ import numpy as np
 
 from expertmesh.operator.spec import GIB, MoEDeploymentSpec
 from expertmesh.placement.plan import ClusterShape, GpuPlacement, PlacementPlan, PlanFigures, WorkerPlacement
-from expertmesh.placement.planner import PlanError, imbalance, moved_shards, plan_placement
+from expertmesh.placement.planner import PlanError, imbalance, moved_shards, placed_layers, plan_placement
 
 
 def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:
@@ -28,13 +28,28 @@ def cluster_shape(spec: MoEDeploymentSpec) -> ClusterShape:
     )
 
 
-def compatible(previous: PlacementPlan | None, cfg) -> PlacementPlan | None:
-    """`previous` when it is a plan of this model (so its shards can stay put), else None."""
+def mtp_of(spec: MoEDeploymentSpec) -> bool:
+    """The spec drafts with the MTP layer: its plans place that layer's experts too (planner.placed_layers)."""
+    return spec.speculative is not None and spec.speculative.method == "mtp"
+
+
+def placed_loads(loads, cfg, mtp: bool):
+    """Observed loads [n_moe_layers, E] (parse_load: the MoE layers) as the plan's layers: with `mtp`, the MTP
+    layers' rows at the mean load (the router's counts for them are not kept)."""
+    if loads is None or not mtp:
+        return loads
+    arr = np.asarray(loads, dtype=np.float64)
+    extra = len(placed_layers(cfg, True)) - arr.shape[0]
+    return np.vstack([arr, np.full((extra, arr.shape[1]), arr.mean() if arr.size else 1.0)]) if extra > 0 else arr
+
+
+def compatible(previous: PlacementPlan | None, cfg, mtp: bool = False) -> PlacementPlan | None:
+    """`previous` when it is a plan of this model and these layers (so its shards can stay put), else None."""
     if previous is None:
         return None
     same = (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) == (
         cfg.name,
-        cfg.moe_layers,
+        placed_layers(cfg, mtp),
         cfg.moe.n_routed_experts,
         cfg.expert_bytes_mxfp4,
     )
@@ -48,16 +63,16 @@ def plan_for(
     plan (every still-valid shard stays) is preferred; when that is out of balance — expected imbalance above
     `placement.imbalanceThreshold`, e.g. pods were added and would stay empty — a fresh plan is taken if it
     balances better (see `choose`). Raises `PlanError` (a ValueError) when the pods cannot hold the model."""
-    shape, r = cluster_shape(spec), spec.expert_workers.redundant_experts
-    previous = compatible(previous, cfg)
+    shape, r, mtp = cluster_shape(spec), spec.expert_workers.redundant_experts, mtp_of(spec)
+    previous, loads = compatible(previous, cfg, mtp), placed_loads(loads, cfg, mtp)
     if previous is None:
-        return plan_placement(cfg, shape, redundant_slots=r, loads=loads)
+        return plan_placement(cfg, shape, redundant_slots=r, loads=loads, mtp=mtp)
     if reuse and loads is None and previous.cluster == shape and previous.figures.redundant_requested == r:
         return previous  # nothing placement-relevant changed (restart, image bump): keep it, pods stay
-    incremental = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous)
+    incremental = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=previous, mtp=mtp)
     if incremental.figures.imbalance <= spec.placement.imbalance_threshold:
         return incremental
-    fresh = plan_placement(cfg, shape, redundant_slots=r, loads=loads)
+    fresh = plan_placement(cfg, shape, redundant_slots=r, loads=loads, mtp=mtp)
     return choose(incremental, fresh, spec.placement.imbalance_threshold)
 
 
@@ -73,7 +88,7 @@ def choose(incremental: PlacementPlan, fresh: PlacementPlan, threshold: float, l
 
 def moved_from(previous: PlacementPlan | None, plan: PlacementPlan, cfg) -> int:
     """Shards `plan` places where `previous` (of the same model) did not have them; 0 without one."""
-    previous = compatible(previous, cfg)
+    previous = compatible(previous, cfg, mtp=len(plan.moe_layers) > cfg.n_moe_layers)
     return 0 if previous is None else moved_shards(previous, plan)
 
 
@@ -114,8 +129,14 @@ def replan_around(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, lost: Itera
         gpu_memory_bytes=plan.cluster.gpu_memory_bytes,
         reserve_bytes=plan.cluster.reserve_bytes,
     )
+    mtp = mtp_of(spec)
     compact = plan_placement(
-        cfg, shape, redundant_slots=spec.expert_workers.redundant_experts, loads=loads, previous=permuted
+        cfg,
+        shape,
+        redundant_slots=spec.expert_workers.redundant_experts,
+        loads=placed_loads(loads, cfg, mtp),
+        previous=permuted,
+        mtp=mtp,
     )
     empty = tuple(GpuPlacement(gpu=g, shards=(), bytes=0) for g in range(G))
     gpus = [empty] * P
@@ -204,6 +225,10 @@ def rebalance(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, loads: np.ndarr
     threshold = spec.placement.imbalance_threshold
     if not np.asarray(loads).sum() > 0:
         return Rebalance(observed=1.0, reason="no load observed yet")
+    mtp = mtp_of(spec)
+    if list(plan.moe_layers) != placed_layers(cfg, mtp):
+        return Rebalance(observed=1.0, reason="the plan's layers differ from the spec's: left to reconcile")
+    loads = placed_loads(loads, cfg, mtp)
     current = imbalance(plan, loads).mean
     if current <= threshold:
         return Rebalance(observed=current, reason=f"imbalance {current:.3f} <= threshold {threshold}")
@@ -211,9 +236,9 @@ def rebalance(spec: MoEDeploymentSpec, cfg, plan: PlacementPlan, loads: np.ndarr
     if shape.pods != spec.expert_workers.replicas:
         return Rebalance(observed=current, reason="the plan's pod count differs from the spec: left to reconcile")
     r = spec.expert_workers.redundant_experts
-    best = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=plan)
+    best = plan_placement(cfg, shape, redundant_slots=r, loads=loads, previous=plan, mtp=mtp)
     if imbalance(best, loads).mean > threshold:
-        best = choose(best, plan_placement(cfg, shape, redundant_slots=r, loads=loads), threshold, loads)
+        best = choose(best, plan_placement(cfg, shape, redundant_slots=r, loads=loads, mtp=mtp), threshold, loads)
     best_imb = imbalance(best, loads).mean
     if best_imb >= current or best.plan_hash() == plan.plan_hash():
         return Rebalance(

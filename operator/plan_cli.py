@@ -21,7 +21,14 @@ import numpy as np
 
 from expertmesh.model.config import PRESET_NAMES, preset
 from expertmesh.placement.plan import PlacementPlan
-from expertmesh.placement.planner import ClusterShape, PlanError, imbalance, plan_placement, zipf_loads
+from expertmesh.placement.planner import (
+    ClusterShape,
+    PlanError,
+    imbalance,
+    placed_layers,
+    plan_placement,
+    zipf_loads,
+)
 from expertmesh.placement.sizing import attention_memory, plan_expert_memory
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 
@@ -61,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="each combine group's experts on one pod (less combine traffic; see plan_placement)",
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="write the plan (given loads, R redundant) as JSON")
+    p.add_argument(
+        "--mtp-layers",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="place the experts of the model's N MTP layers too (speculative decoding with --speculative-method "
+        "mtp; Kimi K3 ships 1); default 0",
+    )
 
 
 def read_loads(path: Path) -> np.ndarray:
@@ -90,6 +105,10 @@ def _unit(n_bytes: float) -> tuple[str, int]:
 def run(args) -> int:
     try:
         cfg = preset(args.preset)
+        mtp = args.mtp_layers > 0
+        if mtp:  # the presets carry the main layers; K3 checkpoints add num_nextn_predict_layers MTP layers
+            cfg = cfg.model_copy(update={"n_mtp_layers": args.mtp_layers})
+        n_placed = len(placed_layers(cfg, mtp))
         shape = ClusterShape(
             pods=args.expert_pods,
             gpus_per_pod=args.gpus_per_pod,
@@ -100,13 +119,16 @@ def run(args) -> int:
             skewed, skew_name = read_loads(args.loads), "given loads"
         else:
             skewed, skew_name = zipf_loads(cfg, s=args.zipf_s, seed=args.seed), f"zipf s={args.zipf_s:g}"
+            if mtp:  # the MTP layers' rows skewed as the others'
+                extra = zipf_loads(cfg, s=args.zipf_s, seed=args.seed + 1)[: n_placed - cfg.n_moe_layers]
+                skewed = np.vstack([skewed, extra])
         previous = None
         if args.previous is not None:
             try:
                 previous = PlacementPlan.from_json(args.previous.read_text())
             except OSError as e:
                 raise ValueError(f"--previous {args.previous}: cannot read it ({e})") from None
-        uniform = np.ones((cfg.n_moe_layers, cfg.moe.n_routed_experts))
+        uniform = np.ones((n_placed, cfg.moe.n_routed_experts))
         R = args.redundant_experts
         columns = [("uniform", None, 0), (skew_name, skewed, 0)]
         if R > 0:
@@ -115,7 +137,7 @@ def run(args) -> int:
         for name, loads, r in columns:
             t0 = time.perf_counter()
             plan = plan_placement(
-                cfg, shape, redundant_slots=r, loads=loads, previous=previous, group_aware=args.group_aware
+                cfg, shape, redundant_slots=r, loads=loads, previous=previous, group_aware=args.group_aware, mtp=mtp
             )
             seconds = time.perf_counter() - t0
             results.append((f"{name}, r={r}", plan, seconds, imbalance(plan, uniform), imbalance(plan, skewed)))
@@ -129,7 +151,8 @@ def run(args) -> int:
     main = results[-1 if args.loads is not None else (1 if R > 0 else 0)]
     B = cfg.expert_bytes_mxfp4
     print(
-        f"expertmesh plan: {cfg.name} ({cfg.n_moe_layers} MoE layers x {cfg.moe.n_routed_experts} experts, "
+        f"expertmesh plan: {cfg.name} ({n_placed} MoE layers{' with MTP' if mtp else ''} x "
+        f"{cfg.moe.n_routed_experts} experts, "
         f"{B / _unit(B)[1]:,.1f} {_unit(B)[0]} each in MXFP4) on {shape.pods} pods x {shape.gpus_per_pod} GPUs x "
         f"{args.gpu_memory_gib:g} GiB (reserve {args.reserve_gib:g} GiB/GPU: {main[1].figures.slots_per_gpu:,} "
         f"expert slots/GPU)"

@@ -117,6 +117,7 @@ class Engine(StepCalls, HandOffs):
             wake=self.cv,
             transport=config.transport,
             probe_interval=config.health_interval,
+            mtp=config.speculative_method == "mtp" and config.speculative_tokens > 0,
         )
         # sequence ids are this router instance's own, prefix keys its own or its replicas' (a shared salt): a
         # client's request id never reaches a worker, and no other party can compute (to replace or drop) the
@@ -255,7 +256,7 @@ class Engine(StepCalls, HandOffs):
 
     def load_stats(self) -> dict[int, list[int]]:
         """Tokens routed per (MoE layer, expert), summed over the live attention workers (each counts its own)."""
-        total: dict[int, list[int]] = {l: [0] * self.cfg.moe.n_routed_experts for l in self.cfg.moe_layers}
+        total: dict[int, list[int]] = {l: [0] * self.cfg.moe.n_routed_experts for l in self.plan.layers}
         for i, a in enumerate(self.attention):
             if i in self.attention_down:
                 continue

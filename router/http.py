@@ -198,7 +198,7 @@ async def load(s: Served = Depends(served)):
     engine = s.engine
     return {
         "model": s.name,
-        "moe_layers": engine.cfg.moe_layers,
+        "moe_layers": engine.plan.layers,  # the MTP layers too where speculation places them
         "tokens": engine.load_stats(),
         "plan_hash": getattr(engine, "plan_hash", None),
     }

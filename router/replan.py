@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from expertmesh.model.config import ModelConfig
+from expertmesh.placement.planner import placed_layers
 from expertmesh.placement.replica_table import ReplicaTable
 
 log = logging.getLogger("expertmesh.router")
@@ -35,12 +36,15 @@ class LivePlan:
         wake: threading.Condition,
         transport: str,
         probe_interval: float,
+        mtp: bool = False,
     ):
         """`experts`: the clients the router calls (set_shards); `expert_clients`: what the attention workers are
-        given to dispatch to; `wake`: the scheduler's condition, notified when a switch waits for it."""
+        given to dispatch to; `wake`: the scheduler's condition, notified when a switch waits for it; `mtp`: the
+        attention workers draft with the MTP layer, whose experts every plan must place too."""
         self.cfg = cfg
+        self.layers = placed_layers(cfg, mtp)
         self.placement = placement
-        self.table = ReplicaTable.from_placement(placement, cfg.moe_layers, cfg.moe.n_routed_experts)
+        self.table = self._table(placement)
         self.attention, self.experts, self.expert_clients = attention, experts, expert_clients
         self.pool = pool
         self.wake = wake
@@ -48,6 +52,22 @@ class LivePlan:
         self.probe_interval = probe_interval
         self.lock = threading.Lock()  # one re-plan at a time
         self._switch: tuple | None = None  # (placement, table, done event): taken between steps
+
+    def _table(self, placement) -> ReplicaTable:
+        """The replica table of `placement` over the placed layers; ValueError naming what is missing."""
+        theirs = getattr(placement, "moe_layers", None)
+        if theirs is not None and list(theirs) != self.layers:
+            mtp = [layer for layer in self.layers if layer >= self.cfg.n_layers]
+            raise ValueError(
+                f"plan: places the experts of layers {list(theirs)}, this deployment needs {self.layers}"
+                + (
+                    f" (--speculative-method mtp: the MTP layer {mtp[0]}'s experts too; make the plan with "
+                    f"`expertmesh plan --mtp` or spec.speculative)"
+                    if mtp and mtp[0] not in theirs
+                    else ""
+                )
+            )
+        return ReplicaTable.from_placement(placement, self.layers, self.cfg.moe.n_routed_experts)
 
     @property
     def plan_hash(self) -> str | None:
@@ -71,7 +91,7 @@ class LivePlan:
         is gone for every router). An expert worker that cannot be reached is skipped (down: its replicas serve;
         restarted, it reads the plan). → {"loaded": shards loaded, "dropped": shards dropped, "unreachable":
         ordinals skipped}."""
-        table = ReplicaTable.from_placement(placement, self.cfg.moe_layers, self.cfg.moe.n_routed_experts)
+        table = self._table(placement)
         if table.table.size and int(table.table.max()) >= len(self.experts):
             raise ValueError(
                 f"plan: places experts on worker {int(table.table.max())}, this router has "

@@ -29,6 +29,7 @@ from expertmesh.model.sampling import Sampler
 from expertmesh.model.transformer import Transformer, materialize_
 from expertmesh.model.vision import SequenceImages
 from expertmesh.placement import sizing
+from expertmesh.placement.planner import placed_layers
 from expertmesh.runtime import telemetry
 from expertmesh.wire.kv_snapshot import CorruptFile, PrefixSnapshot, SnapshotLayout, layout_identity
 from expertmesh.wire.sampling_params import SamplingParams
@@ -169,10 +170,10 @@ class AttentionWorker(HandOffs, WorkerBase):
                     f"--speculative-method mtp: the checkpoint {self.ckpt.path} has no MTP layer "
                     f"(num_nextn_predict_layers); use --speculative-method ngram or leave speculation off"
                 )
-            self.ckpt.hf.load_mtp(self.model, experts=True)  # its routed experts run here (worker/speculation.py)
+            self.ckpt.hf.load_mtp(self.model, experts=False)  # its routed experts: on the expert workers
         elif method == "mtp":
             raise WorkerError("--speculative-method mtp: needs a checkpoint (its MTP layer)")
-        return Speculation(self.model, method, k)
+        return Speculation(self.model, method, k, experts=lambda: ExchangeExperts(self.exchange, self.threads))
 
     def memory(self):
         """Resident bytes (sizing.WorkerMemory) measured from the built tensors; workspace from placement/sizing.py."""
@@ -475,10 +476,10 @@ class AttentionWorker(HandOffs, WorkerBase):
     def connect_experts(self, clients: list, table, *, probe_interval: float = 1.0) -> None:
         """Dispatch to these expert workers (plan ordinal order; in process: ExpertWorker objects, remote:
         RemoteExpert clients) by `table` (worker/exchange.ReplicaTable). Replaces any earlier connection."""
-        moe = self.cfg.moe
-        if list(table.moe_layers) != list(self.cfg.moe_layers) or table.table.shape[1] != moe.n_routed_experts:
+        moe, layers = self.cfg.moe, placed_layers(self.cfg, mtp=self.spec is not None and self.spec.method == "mtp")
+        if list(table.moe_layers) != layers or table.table.shape[1] != moe.n_routed_experts:
             raise WorkerError(
-                f"replicas: expected a table for MoE layers {self.cfg.moe_layers} x "
+                f"replicas: expected a table for MoE layers {layers} x "
                 f"{moe.n_routed_experts} experts, found {list(table.moe_layers)} x {table.table.shape[1]}"
             )
         if table.table.size and int(table.table.max()) >= len(clients):
@@ -626,24 +627,14 @@ class AttentionWorker(HandOffs, WorkerBase):
             seq.kv.length = seg.cache.length
             if seq.spec is not None:
                 spec_items.append((seq, fed, seg.start, out.get(seg_in.seq_id)))
-        if spec_items:
-            self._advance_drafters(spec_items, x)
+        if spec_items:  # feed the drafters what was kept; draft unless the router verifies none in this batch
+            decoding = [s for s in segments if len(s.token_ids) == 1]
+            self.spec.advance(spec_items, x, draft=len(decoding) <= 1 or any(s.max_new > 1 for s in decoding))
         for seq_id, (key, length) in snapshots.items():
             if seq_id in self.sequences and seq_id not in failed:
                 self._save_prefix(self.sequences[seq_id], key, length or None)
         drafted = {segments[i].seq_id: segs[i].length - 1 for i in keep if segs[i].verify}
         return StepDone(step_id, out, self.pool.free_blocks, logprobs, failed, more_tokens=more, drafted=drafted)
-
-    def _advance_drafters(self, items: list, x: torch.Tensor) -> None:
-        """Feed the speculating sequences' drafters what they kept this step and draft their next tokens: items
-        (seq, kept tokens, their first row in `x`, the newest emitted token or None)."""
-        normed = self.spec.layer is not None
-        self.spec.advance(
-            [
-                (seq, kept, self.model.norm(x[row : row + len(kept)]) if normed else None, last)
-                for seq, kept, row, last in items
-            ]
-        )
 
     def _check_snapshot_length(self, seq_id: str, after: int, length: int) -> None:
         """WorkerError naming the field unless a snapshot of `length` tokens fits the sequence, `after` tokens long

@@ -23,6 +23,7 @@ from expertmesh.model import memory
 from expertmesh.model.config import ModelConfig
 from expertmesh.model.moe import RoutedExperts
 from expertmesh.placement import sizing
+from expertmesh.placement.planner import placed_layers
 from expertmesh.wire.worker_api import ExpertRequestError, UnknownExpert
 from expertmesh.worker.base import WorkerBase
 
@@ -80,7 +81,8 @@ class ExpertWorker(WorkerBase):
         """Hold `assignment` ((layer, expert) pairs; `gpu_of` the plan's GPU of each): load what is not held;
         `keep` leaves every held shard too, else a held entry with shards outside `assignment` is replaced by one
         without them. The new table is swapped in whole. → (shards loaded, shards dropped)."""
-        n_experts, layers = self.cfg.moe.n_routed_experts, set(self.cfg.moe_layers)
+        # the MoE layers, and the MTP layers' where a plan places them (--speculative-method mtp)
+        n_experts, layers = self.cfg.moe.n_routed_experts, set(placed_layers(self.cfg, bool(self.cfg.n_mtp_layers)))
         by_shard: dict[tuple[int, int], set[int]] = defaultdict(set)  # (layer, gpu) → experts
         for layer, expert in assignment:
             layer, expert = int(layer), int(expert)

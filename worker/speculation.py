@@ -16,8 +16,9 @@ rows are past every later context length, so no selection sees them) and restore
 that position (SequenceCache.roll_back) — before any snapshot, so prefixes, tiers and hand-offs never hold a rejected
 position. A sequence that saves a prefix in a step verifies no drafts in it.
 
-The MTP drafter (`mtp`): the checkpoint's MTP layer on this worker (HFLayout.load_mtp, its routed experts held here
-and run locally — the placement plan covers the main layers only). Each sequence has its own MTP cache, fed the
+The MTP drafter (`mtp`): the checkpoint's MTP layer on this worker (HFLayout.load_mtp without its routed experts);
+its MoE goes through the expert exchange like any layer's (`experts`: layer n_layers + j, placed by a plan made with
+`mtp` — planner.placed_layers). Each sequence has its own MTP cache, fed the
 target's normed final state at every kept position with the token after it (prefill chunks included; the state of a
 chunk's last position waits for the next token), batched over the step's sequences; drafts are chained as
 model/drafters.MTPDrafter chains them and the chain's cache entries dropped. A sequence opened from a cached prefix
@@ -36,6 +37,7 @@ import torch
 
 from expertmesh.model.cache import Segment, SequenceCache
 from expertmesh.model.drafters import NgramDrafter, filtered_probs
+from expertmesh.model.moe import LOCAL_EXPERTS
 from expertmesh.model.speculative import METHODS, accept_sampled
 from expertmesh.wire.sampling_params import TINY_TEMPERATURE
 from expertmesh.wire.worker_api import TokenLogprobs, WorkerError
@@ -59,12 +61,13 @@ class SpecState:
 class Speculation:
     """A worker's speculation: its drafter, the figures its metrics report."""
 
-    def __init__(self, model, method: str, k: int):
+    def __init__(self, model, method: str, k: int, experts=None):
         if method not in METHODS:
             raise WorkerError(f"--speculative-method: expected one of {', '.join(METHODS)}, found {method!r}")
         if not isinstance(k, int) or k <= 0:
             raise WorkerError(f"--speculative-tokens: expected an integer >= 1 with a method, found {k!r}")
         self.model, self.method, self.k = model, method, k
+        self.experts = experts or (lambda: LOCAL_EXPERTS)  # → the MTP layer's routed-experts backend for a forward
         self.layer = model.mtp[0] if method == "mtp" else None
         self.ngram = NgramDrafter() if method == "ngram" else None
         self.drafted = 0
@@ -136,14 +139,16 @@ class Speculation:
 
     # ------------------------------------------------------------------ after a step: feed, then draft
     @torch.no_grad()
-    def advance(self, items: list[tuple[object, list[int], torch.Tensor | None, int | None]]) -> None:
-        """After a step: per speculating sequence (seq, the tokens it kept in its cache, the target's normed final
-        states at them [r, H] (mtp), the newest emitted token or None) — feed the drafter, then draft the next K
-        after each sequence that emitted a token."""
+    def advance(self, items: list[tuple[object, list[int], int, int | None]], x: torch.Tensor, draft=True) -> None:
+        """After a step: per speculating sequence (seq, the tokens it kept in its cache, their first row in the
+        step's final hidden states `x` [T, H], the newest emitted token or None) — feed the drafter, then (`draft`:
+        unless the router verifies none for a batch this large, --speculative-max-batch) draft the next K after
+        each sequence that emitted a token."""
         if self.layer is not None:
             groups = []
-            for seq, kept, normed, last in items:
+            for seq, kept, row, last in items:
                 st = seq.spec
+                normed = self.model.norm(x[row : row + len(kept)])  # what the LM head reads
                 # pairs (state at p, token p+1): the pending state with the first kept token (none pending: that
                 # pair was fed, or cannot be — a fresh start), each kept state with the token after it
                 if st.h_pending is None:
@@ -164,7 +169,7 @@ class Speculation:
             st.last, st.drafts, st.qs = last, [], []
             if last is not None:
                 drafting.append((seq, st))
-        if not drafting:
+        if not drafting or not draft:
             return
         if self.ngram is not None:
             for _, st in drafting:
@@ -182,7 +187,7 @@ class Speculation:
         for st, nxt, _ in groups:
             segs.append(Segment(start, len(nxt), st.mtp_cache))
             start += len(nxt)
-        out = self.layer(self.model.embed(tokens), torch.cat([h for _, _, h in groups]), segs)
+        out = self.layer(self.model.embed(tokens), torch.cat([h for _, _, h in groups]), segs, self.experts())
         for st, nxt, _ in groups:
             st.mtp_cache.length += len(nxt)
         return list(out.split([len(nxt) for _, nxt, _ in groups]))
@@ -196,10 +201,10 @@ class Speculation:
         h = torch.cat([st.mtp_hidden for _, st in drafting])
         for i in range(self.k):
             logits = self.layer.logits(h)
-            tokens = []
+            tokens, best = [], logits.argmax(dim=-1).tolist()  # one device → host copy for the greedy rows
             for row, (seq, st) in enumerate(drafting):
                 if st.greedy:
-                    token, q = int(torch.argmax(logits[row])), None
+                    token, q = best[row], None
                 else:
                     q = filtered_probs(seq.params, logits[row])
                     token = int(torch.multinomial(q, 1, generator=seq.sampler.generator))

@@ -405,6 +405,8 @@ class HFLayout:
     def expert_weights(self, layer: int, expert_ids: list[int]) -> dict[str, torch.Tensor]:
         """The MXFP4 buffers of `expert_ids` of `layer` (gate_up/down blocks + scales), quantizing float experts
         one expert at a time (memory: one expert's float weights at once)."""
+        if layer not in self.experts:  # an MTP layer's, read by an expert worker without load_mtp
+            self.experts[layer] = self._expert_layout(layer)[0]
         lay = self.experts[layer]
         h, i = self.cfg.expert_hidden_size, self.cfg.moe.expert_intermediate_size
         if lay.form == "ct_mxfp4":  # the packed bytes as stored: no re-quantization

@@ -343,7 +343,8 @@ class Checkpoint:
 
     def load_experts(self, layer: int, expert_ids: list[int]):
         """A `RoutedExperts` module holding only `expert_ids` of `layer` (an expert worker's shard)."""
-        if not self.cfg.is_moe_layer(layer):
+        mtp = self.hf is not None and 0 <= layer - self.cfg.n_layers < self.cfg.n_mtp_layers  # an MTP layer's MoE
+        if not (self.cfg.is_moe_layer(layer) or mtp):
             raise CheckpointError(f"layer {layer} has no routed experts (MoE layers: {self.cfg.moe_layers})")
         ids = sorted(expert_ids)
         with torch.device("meta"):  # no zero buffers first: the packed tensors are the storage

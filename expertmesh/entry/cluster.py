@@ -20,7 +20,7 @@ from pathlib import Path
 
 from expertmesh.checkpoint.config import checkpoint_config
 from expertmesh.model.config import ModelConfig
-from expertmesh.placement.planner import ClusterShape, plan_placement
+from expertmesh.placement.planner import ClusterShape, placed_layers, plan_placement
 from expertmesh.runtime.shutdown import PARENT_ENV
 
 
@@ -46,15 +46,24 @@ def make_placement(
     loads=None,
     group_aware: bool = True,
     min_replicas: int = 1,
+    mtp: bool = False,
 ):
     """A placement plan for `expert_workers` single-GPU workers (the planner; one GPU per local process), by
-    default group-aware (each combine group's experts on one worker: one answer row per (token, group))."""
-    copies = cfg.n_logical_experts * max(1, min_replicas) + redundant_experts * cfg.n_moe_layers
+    default group-aware (each combine group's experts on one worker: one answer row per (token, group)); `mtp`:
+    the MTP layers' experts too (speculative decoding with the MTP drafter)."""
+    layers = len(placed_layers(cfg, mtp))
+    copies = layers * cfg.moe.n_routed_experts * max(1, min_replicas) + redundant_experts * layers
     per_worker = -(-copies // expert_workers)
     memory = (per_worker + 1) * cfg.expert_bytes_mxfp4
     shape = ClusterShape(pods=expert_workers, gpus_per_pod=1, gpu_memory_bytes=memory, reserve_bytes=0)
     return plan_placement(
-        cfg, shape, redundant_slots=redundant_experts, loads=loads, group_aware=group_aware, min_replicas=min_replicas
+        cfg,
+        shape,
+        redundant_slots=redundant_experts,
+        loads=loads,
+        group_aware=group_aware,
+        min_replicas=min_replicas,
+        mtp=mtp,
     )
 
 
@@ -333,7 +342,8 @@ class LocalCluster:
 
     def start(self, timeout: float = 120.0) -> LocalCluster:
         cfg = checkpoint_config(self.checkpoint)
-        plan = make_placement(cfg, self.n_expert, self.redundant, min_replicas=self.expert_replicas)
+        mtp = "mtp" in self.speculative  # its experts on the expert workers
+        plan = make_placement(cfg, self.n_expert, self.redundant, min_replicas=self.expert_replicas, mtp=mtp)
         self.plan_path.write_text(plan.to_json())
         common = ["--checkpoint", self.checkpoint, "--host", self.host]
         worker_tls, router_tls, exchange_tls = [], [], []

@@ -44,7 +44,8 @@ def build_local_engine(
     config = config or EngineConfig(**engine_kw)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
-    placement = placement or make_placement(cfg, expert_workers, redundant_experts)
+    mtp = config.speculative_method == "mtp" and config.speculative_tokens > 0  # the MTP layer's experts placed too
+    placement = placement or make_placement(cfg, expert_workers, redundant_experts, mtp=mtp)
 
     def attention(name: str, pool: str) -> AttentionWorker:
         return AttentionWorker(

@@ -41,6 +41,7 @@ __all__ = [
     "moved_shards",
     "pods_needed",
     "check_loads",
+    "placed_layers",
 ]
 
 GIB = 2**30
@@ -66,9 +67,18 @@ class LayerImbalance:
 
 
 # ----------------------------------------------------------------------------------------------- inputs
-def check_loads(cfg: ModelConfig, loads) -> np.ndarray:
-    """`loads` as float64 [n_moe_layers, E] (finite, ≥ 0); None → uniform ones."""
-    L, E = cfg.n_moe_layers, cfg.moe.n_routed_experts
+def placed_layers(cfg: ModelConfig, mtp: bool = False) -> list[int]:
+    """The layers whose routed experts a plan places: the MoE layers, and with `mtp` also the MTP layers'
+    (n_layers + j, the MTP drafter of `--speculative-method mtp`, whose MoE runs on the expert workers like any
+    layer's). A deployment without MTP speculation places exactly the MoE layers."""
+    if mtp and not cfg.n_mtp_layers:
+        raise ValueError(f"mtp: the model {cfg.name!r} has no MTP layers (n_mtp_layers = 0)")
+    return cfg.moe_layers + ([cfg.n_layers + j for j in range(cfg.n_mtp_layers)] if mtp else [])
+
+
+def check_loads(cfg: ModelConfig, loads, mtp: bool = False) -> np.ndarray:
+    """`loads` as float64 [placed layers, E] (finite, ≥ 0; `placed_layers`); None → uniform ones."""
+    L, E = len(placed_layers(cfg, mtp)), cfg.moe.n_routed_experts
     if loads is None:
         return np.ones((L, E))
     arr = np.asarray(loads, dtype=np.float64)
@@ -93,15 +103,17 @@ def zipf_loads(cfg: ModelConfig, s: float = 1.1, seed: int = 0) -> np.ndarray:
     return rng.permuted(np.tile(w, (cfg.n_moe_layers, 1)), axis=1)
 
 
-def pods_needed(cfg: ModelConfig, shape: ClusterShape) -> int | None:
-    """Fewest pods of this shape that hold every expert once; None if one GPU holds no expert at all."""
+def pods_needed(cfg: ModelConfig, shape: ClusterShape, mtp: bool = False) -> int | None:
+    """Fewest pods of this shape that hold every expert once (`mtp`: the MTP layers' too); None if one GPU holds
+    no expert at all."""
     slots = shape.slots_per_gpu(cfg.expert_bytes_mxfp4) * shape.gpus_per_pod
-    return None if slots == 0 else -(-cfg.n_logical_experts // slots)
+    n = len(placed_layers(cfg, mtp)) * cfg.moe.n_routed_experts
+    return None if slots == 0 else -(-n // slots)
 
 
-def _check_fits(cfg: ModelConfig, shape: ClusterShape) -> int:
+def _check_fits(cfg: ModelConfig, shape: ClusterShape, mtp: bool) -> int:
     """Slots per GPU; PlanError when the cluster cannot hold one copy of every expert."""
-    B, n = cfg.expert_bytes_mxfp4, cfg.n_logical_experts
+    B, n = cfg.expert_bytes_mxfp4, len(placed_layers(cfg, mtp)) * cfg.moe.n_routed_experts
     slots = shape.slots_per_gpu(B)
     if slots * shape.n_gpus >= n:
         return slots
@@ -112,7 +124,7 @@ def _check_fits(cfg: ModelConfig, shape: ClusterShape) -> int:
         f"(reserve {shape.reserve_bytes / GIB:g} GiB per GPU) hold {have / GIB:,.1f} GiB of experts: "
         f"{(need - have) / GIB:,.1f} GiB missing"
     )
-    pods = pods_needed(cfg, shape)
+    pods = pods_needed(cfg, shape, mtp)
     if pods is None:
         raise PlanError(
             f"{head}; one GPU's usable memory ({shape.usable_bytes / GIB:g} GiB) holds no expert "
@@ -143,21 +155,21 @@ def replica_counts(loads: np.ndarray, redundant: int, max_replicas: int) -> np.n
 
 # ----------------------------------------------------------------------------------------------- step 2
 def _previous_shards(
-    previous: PlacementPlan, cfg: ModelConfig, shape: ClusterShape, counts: np.ndarray, capacity: int
+    previous: PlacementPlan, cfg: ModelConfig, layers: list[int], shape: ClusterShape, counts: np.ndarray, capacity: int
 ) -> tuple[np.ndarray, int, int]:
     """The previous plan's shards that stay: rows (gpu id, layer position, expert), how many were dropped
     because their pod or GPU is gone, and how many because their GPU has less room now. Per (layer, expert) at most counts[l, e] stay (lowest worker first); per GPU
     at most `capacity` (lowest (layer, expert) first)."""
     if (previous.model_name, list(previous.moe_layers), previous.n_experts, previous.expert_bytes) != (
         cfg.name,
-        cfg.moe_layers,
+        layers,
         cfg.moe.n_routed_experts,
         cfg.expert_bytes_mxfp4,
     ):
         raise ValueError(
             f"previous: plan is for model {previous.model_name!r} with {previous.n_experts} experts "
             f"x {len(previous.moe_layers)} MoE layers of {previous.expert_bytes} bytes, not "
-            f"{cfg.name!r} ({cfg.moe.n_routed_experts} x {cfg.n_moe_layers}, "
+            f"{cfg.name!r} ({cfg.moe.n_routed_experts} x {len(layers)}, "
             f"{cfg.expert_bytes_mxfp4} bytes)"
         )
     s = previous.shard_array()
@@ -352,6 +364,7 @@ def plan_placement(
     previous: PlacementPlan | None = None,
     group_aware: bool = False,
     min_replicas: int = 1,
+    mtp: bool = False,
 ) -> PlacementPlan:
     """Place every routed expert of `cfg` on `shape`'s GPUs.
 
@@ -359,7 +372,8 @@ def plan_placement(
     shape: expert pods × GPUs per pod, memory per GPU and the per-GPU reserve (not for experts).
     redundant_slots: extra physical slots per layer (all pods together), given to the hottest experts. Reduced,
         with a note in `plan.notes`, to at most E·(pods-1) (one replica per pod) and to what memory holds.
-    loads: tokens per (MoE layer position, expert), [n_moe_layers, E]; None = uniform.
+    loads: tokens per (MoE layer position, expert), [placed layers, E]; None = uniform.
+    mtp: place the MTP layers' experts too (`placed_layers`: speculative decoding with the MTP drafter).
     previous: the plan in force; its still-valid shards stay put (see the module docstring) and
         `figures.moved_shards` counts the shards placed anywhere new.
     min_replicas: every expert on at least this many pods (fault tolerance: losing a pod fails no request);
@@ -377,10 +391,11 @@ def plan_placement(
         raise ValueError(f"redundant_slots: expected an integer >= 0, found {redundant_slots!r}")
     if previous is not None and not isinstance(previous, PlacementPlan):
         raise ValueError(f"previous: expected a PlacementPlan, found {type(previous).__name__}")
-    arr = check_loads(cfg, loads)
-    L, E, B = cfg.n_moe_layers, cfg.moe.n_routed_experts, expert_slot_bytes(cfg)  # what a worker allocates
+    arr = check_loads(cfg, loads, mtp)
+    layers = placed_layers(cfg, mtp)
+    L, E, B = len(layers), cfg.moe.n_routed_experts, expert_slot_bytes(cfg)  # what a worker allocates
     P, G, N = shape.pods, shape.gpus_per_pod, shape.n_gpus
-    capacity = _check_fits(cfg, shape)
+    capacity = _check_fits(cfg, shape, mtp)
     notes: list[str] = []
 
     r = int(redundant_slots)
@@ -421,7 +436,7 @@ def plan_placement(
 
     kept = np.zeros((0, 3), dtype=np.int64)
     if previous is not None:
-        kept, gone, evicted = _previous_shards(previous, cfg, shape, counts, capacity)
+        kept, gone, evicted = _previous_shards(previous, cfg, layers, shape, counts, capacity)
         if gone:
             notes.append(f"{gone} shards of the previous plan were on pods or GPUs that no longer exist")
         if evicted:
@@ -441,10 +456,10 @@ def plan_placement(
     # ---- the plan: per GPU, shards sorted by (layer, expert)
     rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
     bounds = np.searchsorted(rows[:, 0], np.arange(N + 1))
-    layer_ids = np.asarray(cfg.moe_layers, dtype=np.int64)
+    layer_ids = np.asarray(layers, dtype=np.int64)
     pairs = list(zip(layer_ids[rows[:, 1]].tolist(), rows[:, 2].tolist()))
     per_gpu = np.diff(bounds)
-    workspace = expert_workspace_bytes(cfg, "cuda")  # the same figure the workers' --dry-run reports
+    workspace = expert_workspace_bytes(cfg, "cuda", layers=L)  # the same figure the workers' --dry-run reports
     if int(per_gpu.max()) * B + workspace > shape.gpu_memory_bytes:
         notes.append(
             f"the fullest GPU's {int(per_gpu.max())} experts ({int(per_gpu.max()) * B / GIB:.3g} GiB) plus an "
@@ -487,7 +502,7 @@ def plan_placement(
     )
     return PlacementPlan(
         model_name=cfg.name,
-        moe_layers=tuple(cfg.moe_layers),
+        moe_layers=tuple(layers),
         n_experts=E,
         top_k=cfg.moe.top_k,
         expert_bytes=B,

@@ -10,7 +10,7 @@ import asyncio
 import jsonschema
 import pytest
 from support.kopf_cluster import NS, eventually, operator, tiny_spec
-from support.tiny_deployment import by_kind_and_name, tiny
+from support.tiny_deployment import TINY_EXPERT_BYTES, by_kind_and_name, tiny
 
 from expertmesh.model.config import preset
 from expertmesh.operator import crd
@@ -18,7 +18,7 @@ from expertmesh.operator.children import build_children
 from expertmesh.operator.naming import attention_name, expert_name, prefill_name, router_name
 from expertmesh.operator.placement_policy import plan_for
 from expertmesh.operator.pools import DECODE, MIXED, PREFILL, pool_kv
-from expertmesh.operator.spec import API_VERSION, KIND, NoMTPLayers, SpecError, parse_spec, resolve_model
+from expertmesh.operator.spec import API_VERSION, GIB, KIND, NoMTPLayers, SpecError, parse_spec, resolve_model
 
 SPECULATIVE_FLAGS = ("--speculative-method", "--speculative-tokens")
 
@@ -26,7 +26,13 @@ SPECULATIVE_FLAGS = ("--speculative-method", "--speculative-tokens")
 def _with_mtp_config(spec: dict, layers: int = 1) -> dict:
     """`spec` serving the tiny model named by an inline config with `layers` MTP layers."""
     cfg = preset("tiny").model_dump(mode="json") | {"n_mtp_layers": layers}
-    return {**spec, "model": {"config": cfg, "checkpoint": {"uri": "/opt/expertmesh/checkpoints/tiny-mtp"}}}
+    # the plan places the MTP layer's experts too: room for them on the expert pods
+    experts = {**spec.get("expertWorkers", {}), "gpuMemoryGiB": (40 * TINY_EXPERT_BYTES + 10) / GIB}
+    return {
+        **spec,
+        "expertWorkers": experts,
+        "model": {"config": cfg, "checkpoint": {"uri": "/opt/expertmesh/checkpoints/tiny-mtp"}},
+    }
 
 
 def _kimi_k3(mtp_layers: int) -> dict:
