@@ -21,6 +21,7 @@ On the embedded default (`models/k3-tiny`, its trained MTP layer loaded), greedy
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -133,41 +134,48 @@ def serve_round(engine, prompts: list[list[int]], params) -> tuple[list[list[int
 
 
 def serving(checkpoint: str, prompts: list[list[int]], params, method: str, ks, concurrency, rounds: int) -> list:
-    """Per K (0: off) one deployment; per concurrency c, `rounds` rounds of c requests (prompts cycled)."""
+    """One deployment per K (0: off), all up at once; per concurrency c, `rounds` rounds, each running c requests
+    (prompts cycled) on every deployment in turn — interleaved, the order reversed every other round, so a noisy
+    machine's slow spells fall on every K alike. Reported: the median over rounds of each K's tok/s and of its
+    speedup over K = 0 in the same round."""
+    engines = {
+        k: build_local_engine(checkpoint, speculative_tokens=k, speculative_method=method if k else "", max_waiting=256)
+        for k in ks
+    }
     rows = []
-    for k in ks:
-        engine = build_local_engine(
-            checkpoint, speculative_tokens=k, speculative_method=method if k else "", max_waiting=256
-        )
-        try:
+    try:
+        for engine in engines.values():
             serve_round(engine, prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm
-            for c in concurrency:
-                before = (engine.stats.accepted, engine.stats.verify_steps)
-                tokens = seconds = 0.0
-                texts = []
-                for r in range(rounds):
-                    batch = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
+        for c in concurrency:
+            per = {k: {"tok_s": [], "texts": [], "accepted": 0, "steps": 0} for k in ks}
+            for r in range(rounds):
+                batch = [prompts[(r * c + i) % len(prompts)] for i in range(c)]
+                for k in ks if r % 2 == 0 else list(reversed(ks)):
+                    engine, acc = engines[k], per[k]
+                    before = (engine.stats.accepted, engine.stats.verify_steps)
                     outs, n, dt = serve_round(engine, batch, params)
-                    tokens, seconds = tokens + n, seconds + dt
-                    texts += outs
-                steps = engine.stats.verify_steps - before[1]
-                accepted = engine.stats.accepted - before[0]
+                    acc["tok_s"].append(n / dt if dt else 0.0)
+                    acc["texts"] += outs
+                    acc["accepted"] += engine.stats.accepted - before[0]
+                    acc["steps"] += engine.stats.verify_steps - before[1]
+            for k in ks:
+                acc, base = per[k], per[ks[0]]
+                ratios = [a / b for a, b in zip(acc["tok_s"], base["tok_s"]) if b]
                 rows.append(
                     {
                         "method": method if k else "off",
                         "k": k,
                         "concurrency": c,
-                        "decode_tok_s": tokens / seconds if seconds else 0.0,
-                        "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
-                        "texts": texts,
+                        "decode_tok_s": statistics.median(acc["tok_s"]),
+                        "decode_tok_s_rounds": acc["tok_s"],
+                        "speedup": statistics.median(ratios) if ratios else 0.0,
+                        "mean_accepted_length": 1 + acc["accepted"] / acc["steps"] if acc["steps"] else 1.0,
+                        "identical": acc["texts"] == base["texts"],
                     }
                 )
-        finally:
+    finally:
+        for engine in engines.values():
             engine.close()
-    for r in rows:
-        base = next(b for b in rows if b["k"] == 0 and b["concurrency"] == r["concurrency"])
-        r["identical"] = r["texts"] == base["texts"]
-        r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else 0.0
     return rows
 
 
@@ -181,6 +189,11 @@ def print_serving(title: str, rows: list) -> None:
         )
 
 
+def _load() -> str:
+    """The machine's 1-minute load average (a shared machine's noise, printed beside the figures)."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=str(REPO / "models" / "k3-tiny"))
@@ -188,7 +201,7 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=20, help="rollback measurements (the median is reported)")
     ap.add_argument("--json", default="")
-    ap.add_argument("--rounds", type=int, default=2, help="serving: rounds per (K, concurrency)")
+    ap.add_argument("--rounds", type=int, default=3, help="serving: interleaved rounds per (K, concurrency)")
     ap.add_argument("--serving-only", action="store_true", help="only the serving-path tables")
     return ap.parse_args(argv)
 
@@ -202,10 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     generate(model, prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm the kernels once
+    load_before = _load()
     served = serving(args.checkpoint, prompts, params, "mtp", (0, 1, 2, 3), (1, 4, 16), args.rounds)
     print_serving(
-        f"serving path (in-process deployment: router engine + 1 attention + 1 expert worker), MTP, greedy, "
-        f"{args.max_tokens} tokens a request, {args.rounds} rounds",
+        f"serving path (in-process deployments: router engine + 1 attention + 1 expert worker each), MTP, greedy, "
+        f"{args.max_tokens} tokens a request; median of {args.rounds} interleaved rounds (load average before: "
+        f"{load_before}, after: {_load()})",
         served,
     )
     agent = [tok.encode(CODE * 2 + f"def f{i}(a, b):\n") for i in range(4)]
@@ -213,8 +228,6 @@ def main(argv: list[str] | None = None) -> dict:
     print_serving(
         "serving path, n-gram drafter on an agent-style workload (code re-emitted from context)", served_ngram
     )
-    for r in served + served_ngram:
-        del r["texts"]
     if args.serving_only:
         write_json(args.json, args, serving=served, serving_ngram=served_ngram)
         return {"serving": served, "serving_ngram": served_ngram}
