@@ -32,10 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' own helpers (PYTHONSAFEPATH omits it)
 from _report import write_json  # noqa: E402
 
+from expertmesh.train.copy_task import FILLERS, MARKER, NOUNS, copy_batch  # noqa: E402, F401
 from expertmesh.train.export import model_config  # noqa: E402
 from expertmesh.train.model import TrainModel  # noqa: E402
-
-FILLERS, NOUNS, MARKER = range(0, 200), range(1000, 2000), 500
 
 
 class PlainBlock(nn.Module):
@@ -70,21 +69,9 @@ class PlainTransformer(nn.Module):
 
 def k3_model(checkpoint: Path, tie: bool, seed: int) -> tuple[nn.Module, dict]:
     cfg = model_config(json.loads((checkpoint / "config.json").read_text()), checkpoint.name)
-    model = TrainModel(cfg, mtp=False, seed=seed)
-    if tie:
-        nn.init.normal_(model.embed.weight, std=cfg.hidden_size**-0.5)
-        model.lm_head.weight = model.embed.weight
+    model = TrainModel(cfg, mtp=False, seed=seed, tie_embeddings=tie)
     shape = {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.n_layers, "heads": cfg.kda.n_heads}
     return model, shape
-
-
-def copy_batch(batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
-    """[batch, seq + 2]: fillers with one noun at a random place (not the last 4), the marker, the noun."""
-    x = torch.randint(FILLERS.start, FILLERS.stop, (batch, seq + 2), generator=g)
-    noun = torch.randint(NOUNS.start, NOUNS.stop, (batch,), generator=g)
-    x[torch.arange(batch), torch.randint(0, seq - 4, (batch,), generator=g)] = noun
-    x[:, -2], x[:, -1] = MARKER, noun
-    return x
 
 
 def train_rows(model: nn.Module, logits_of, args) -> list[dict]:

@@ -15,7 +15,11 @@ them), at fixed seeded windows of `--context` tokens:
    and answer tokens, how often an answer comes), and the perplexity of the reference answer (the corpus's own
    reasoning and answer at that effort) over the assistant's tokens only;
 4. MTP: how often the MTP head's guess for token t+2 equals the main model's greedy t+2 (teacher-forced on t+1),
-   its accuracy against the text, and the main model's own next-token accuracy.
+   its accuracy against the text, and the main model's own next-token accuracy;
+5. copying: teacher-forced, after "Tell me about the <word>." and the reasoning's opening "The user asks about
+   the", is the model's top token the word's first token? For held-out common nouns, apart for the words the
+   tokenizer keeps in one token and those it splits (the recipe's copy task, train/copy_task.py, uses one-token
+   words only).
 
     python bench/quality.py [--checkpoint models/k3-tiny] [--json out.json] [--windows 16] [--prompts 12]
                             [--topk 16,64,256] [--context 512] [--max-tokens 160] [--threads 1]
@@ -143,6 +147,30 @@ def set_index_topk(model: Transformer, k: int) -> None:
 def ppl_row(nll: torch.Tensor) -> dict:
     half = nll.shape[1] // 2
     return {"nll": nll.double().mean().item(), "ppl": ppl(nll), "ppl_last_half": ppl(nll[:, half:])}
+
+
+# ----------------------------------------------------------------------------------------------- copying
+@torch.no_grad()
+def copy_rows(model, chat: K3Chat, synsets, seed: int, count: int = 40) -> list[dict]:
+    """Per word kind (one token / several): held-out common nouns, and how often the top token after the prompt +
+    "The user asks about the" is the word's first token (and its mean probability)."""
+    tokenizer = chat.tokenizer
+    lead = tokenizer.encode_plain("The user asks about the")
+    nouns = [s for s in synsets if corpus.held_out(s) and loop.is_core(s)]
+    rows = []
+    for kind, several in (("one token", False), ("several tokens", True)):
+        pool = [s for s in nouns if (len(tokenizer.encode_plain(" " + s.words[0])) > 1) == several]
+        pool = random.Random(seed).sample(pool, min(count, len(pool)))
+        top1, prob = 0, 0.0
+        for s in pool:
+            prompt = chat.render_ids([Message("user", f"Tell me about the {s.words[0]}.")], thinking=True)
+            p = torch.softmax(model.step(prompt + lead, model.new_cache())[-1], -1)
+            first = tokenizer.encode_plain(" " + s.words[0])[0]
+            top1 += int(p.argmax()) == first
+            prob += p[first].item()
+        n = max(len(pool), 1)
+        rows.append({"words": kind, "count": len(pool), "top1_fraction": top1 / n, "mean_probability": prob / n})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------- thinking
@@ -385,10 +413,19 @@ def main(argv: list[str] | None = None) -> dict:
         ],
     )
 
+    # 5. copying the asked word, serving model
+    copies = copy_rows(served, chat, synsets, args.seed)
+    table(
+        'copying (held-out common nouns; top token after the prompt + "The user asks about the")',
+        ["words", "count", "top-1 = the word", "mean p"],
+        [[r["words"], r["count"], f"{r['top1_fraction']:.2f}", f"{r['mean_probability']:.3f}"] for r in copies],
+    )
+
     dsa_pct = pct(experts["serving_mxfp4"]["ppl"], dense["ppl"])  # the served model is at the trained top-k
     summary = (
         f"mxfp4 vs bf16: {signed(experts['mxfp4_vs_bf16_pct'])} ppl; DSA top-{trained_topk} vs dense: "
-        f"{signed(dsa_pct)}; MTP agreement: {mtp['mtp_agreement']:.2f}"
+        f"{signed(dsa_pct)}; MTP agreement: {mtp['mtp_agreement']:.2f}; copies the asked word: "
+        + ", ".join(f"{r['top1_fraction']:.2f} ({r['words']})" for r in copies)
     )
     print("\n" + summary)
     result = {
@@ -402,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
         "thinking": thinking,
         "thinking_samples": samples,
         "mtp": mtp,
+        "copying": copies,
         "summary": summary,
         "seconds": {**{k: round(v, 1) for k, v in seconds.items()}, "total": round(time.time() - t0, 1)},
     }

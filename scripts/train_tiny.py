@@ -30,6 +30,9 @@ FLAGS = (
     "bpe_ranks",
     "eval_every",
     "threads",
+    "copy_warmup",
+    "copy_batch",
+    "copy_mix",
 )
 
 

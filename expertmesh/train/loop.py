@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from expertmesh.chat.k3 import K3Chat
 from expertmesh.chat.tiktoken_tokenizer import TikTokenTokenizer
 from expertmesh.train import bpe, corpus
+from expertmesh.train.copy_task import ChatCopy
 from expertmesh.train.export import Shape, load_train_model, model_config, text_config, wrapper_config, write_checkpoint
 from expertmesh.train.model import TrainModel
 
@@ -35,7 +36,7 @@ class TrainConfig:
     out: Path
     shape: Shape = field(default_factory=Shape)
     seed: int = 0
-    steps: int = 3600  # the shipped run: 3,600 × 4 × 256 tokens, 38 minutes on 2 cores
+    steps: int = 3000  # the shipped run: 3,000 × 4 × 256 corpus tokens (+ the copy task), ~50 minutes on 2 cores
     batch: int = 4
     seq_len: int = 256
     lr: float = 3e-3
@@ -53,6 +54,11 @@ class TrainConfig:
     threads: int = 2
     work: Path | None = None  # tokenizer and token streams (default: out's parent / .train-work)
     window_seed: int | None = None  # the order of the training windows (default: seed); a continued run takes a new one
+    tie_embeddings: bool = True  # the LM head is the embedding while training (train/model.py: copying learns faster)
+    copy_warmup: int = 400  # at most this many copy-task steps before the corpus (train/copy_task.ChatCopy) ...
+    copy_target: float = 0.95  # ... stopping once a batch's copies are this right
+    copy_batch: int = 64  # conversations of a warm-up step
+    copy_mix: int = 8  # copy conversations added to every corpus step, so the ability stays in use
     init: Path | None = None  # continue from a written checkpoint (its bf16 masters and tokenizer) instead of random
 
 
@@ -194,6 +200,31 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def copy_warmup(model: TrainModel, opt, cfg: TrainConfig, copies: ChatCopy, log) -> list[dict]:
+    """Train on the copy task alone (constant `cfg.lr`) until a batch is copied `cfg.copy_target` well or
+    `cfg.copy_warmup` steps have run; the history. The corpus's own schedule (its warm-up included) follows."""
+    history: list[dict] = []
+    t0 = time.time()
+    for step in range(cfg.copy_warmup):
+        loss, accuracy = copies.loss(lambda x: model(x).logits, *copies.batch(cfg.copy_batch))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        row = {
+            "copy_step": step,
+            "loss": round(loss.item(), 4),
+            "accuracy": accuracy,
+            "seconds": round(time.time() - t0, 1),
+        }
+        history.append(row)
+        if step % 10 == 0 or accuracy >= cfg.copy_target:
+            log(json.dumps(row))
+        if accuracy >= cfg.copy_target:
+            break
+    return history
+
+
 def train(cfg: TrainConfig, log=print) -> dict:
     """Run the whole recipe; returns the report (also written as `train-report.json` beside the checkpoint)."""
     torch.set_num_threads(cfg.threads)
@@ -207,7 +238,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     log(json.dumps({"data": data.stats}))
     raw = wrapper_config(text_config(cfg.shape, data.vocab_size, data.special), data.special, cfg.shape)
     mcfg = model_config(raw, Path(cfg.out).name)
-    model = TrainModel(mcfg, mtp=True, seed=cfg.seed)
+    model = TrainModel(mcfg, mtp=True, seed=cfg.seed, tie_embeddings=cfg.tie_embeddings)
     if cfg.init is not None:
         start = load_train_model(Path(cfg.init), "bf16")
         if start.cfg != mcfg:
@@ -223,17 +254,23 @@ def train(cfg: TrainConfig, log=print) -> dict:
         betas=(0.9, 0.95),
     )
     window_seed = cfg.seed if cfg.window_seed is None else cfg.window_seed
+    copies = ChatCopy(K3Chat(TikTokenTokenizer(data.tokenizer_dir)), window_seed)
     topk = cfg.shape.index_topk
     dense_steps = int(cfg.steps * cfg.dense_fraction)
-    history = []
     t0 = time.time()
+    warmup = copy_warmup(model, opt, cfg, copies, log) if cfg.init is None else []
+    history = []
     for step, window in zip(range(cfg.steps), batches(data.train, cfg.batch, cfg.seq_len, window_seed)):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         sparse = step >= dense_steps
         loss = losses(model, window, topk if sparse else None)
+        total = loss.total(cfg.mtp_weight)
+        if cfg.copy_mix:
+            copied, _ = copies.loss(lambda x: model(x).logits, *copies.batch(cfg.copy_mix))
+            total = total + copied
         opt.zero_grad(set_to_none=True)
-        loss.total(cfg.mtp_weight).backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         for moe in model.moe_layers():
@@ -243,6 +280,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
             "lm": round(loss.lm.item(), 4),
             "mtp": round(loss.mtp.item(), 4),
             "indexer_kl": round(loss.indexer.item(), 4),
+            "copy": round(copied.item(), 4) if cfg.copy_mix else None,
             "sparse": sparse,
             "seconds": round(time.time() - t0, 1),
         }
@@ -261,6 +299,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_seconds": round(train_seconds, 1),
         "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
+        "copy_warmup": {"steps": len(warmup), "last": warmup[-1] if warmup else None},
         "held_out": final,
         "first_loss": history[0]["lm"],
         "last_loss": sum(r["lm"] for r in history[-10:]) / min(10, len(history)),

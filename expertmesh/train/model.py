@@ -369,18 +369,23 @@ class Output:
 class TrainModel(nn.Module):
     """The trainable K3+DSA model: the serving Transformer's state-dict names, float expert masters, MTP."""
 
-    def __init__(self, cfg: ModelConfig, mtp: bool = True, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, mtp: bool = True, seed: int = 0, tie_embeddings: bool = False):
+        """`tie_embeddings`: the LM head is the embedding (one tensor while training, initialised at std h^-½ so
+        its logits start small): copying a token from the context is then moving its embedding to the output —
+        the copy task learns it several times faster. Exported as two equal tensors (K3 does not tie)."""
         super().__init__()
         torch.manual_seed(seed)
         self.cfg = cfg
         h = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, h)
-        nn.init.normal_(self.embed.weight, std=1.0)
+        nn.init.normal_(self.embed.weight, std=h**-0.5 if tie_embeddings else 1.0)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
         if cfg.attn_res_block_size is not None:
             self.out_res = ResidualMix(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, cfg.vocab_size)
+        if tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.mtp = MTPLayer(cfg) if mtp else None
 
     def moe_layers(self) -> list[MoE]:

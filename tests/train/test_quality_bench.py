@@ -37,6 +37,9 @@ def report(tmp_path_factory) -> dict:
         batch=2,
         eval_every=0,
         bpe_ranks=400,
+        copy_warmup=2,
+        copy_batch=4,
+        copy_mix=2,
         threads=1,  # a second thread waits on a shared machine's busy core: seconds per step instead of 0.05
     )
     train(cfg, log=lambda line: None)

@@ -15,12 +15,13 @@ HIDDEN = 64
 
 
 SLICE = ("--batch", "4", "--seq-len", "48", "--max-synsets", "800", "--bpe-ranks", "300", "--eval-every", "0")
+COPY = ("--copy-warmup", "2", "--copy-batch", "4", "--copy-mix", "2")  # the copy task, briefly
 
 
 def train_tiny(*args: str) -> None:
     """scripts/train_tiny.py as its command line runs it."""
     argv = sys.argv
-    sys.argv = ["train_tiny.py", *args, *SLICE, "--hidden", str(HIDDEN)]
+    sys.argv = ["train_tiny.py", *args, *SLICE, *COPY, "--hidden", str(HIDDEN)]
     try:
         with pytest.raises(SystemExit) as done:
             runpy.run_path("scripts/train_tiny.py", run_name="__main__")
