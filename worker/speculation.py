@@ -143,8 +143,12 @@ class Speculation:
         """After a step: per speculating sequence (seq, the tokens it kept in its cache, their first row in the
         step's final hidden states `x` [T, H], the newest emitted token or None) — feed the drafter, then (`draft`:
         unless the router verifies none for a batch this large, --speculative-max-batch) draft the next K after
-        each sequence that emitted a token."""
-        if self.layer is not None:
+        each sequence that emitted a token. Without `draft` the MTP layer is not fed either (a large batch pays
+        nothing for speculation): its cache skips those positions, so drafts after them are poorer, never wrong."""
+        if self.layer is not None and not draft:
+            for seq, _, _, _ in items:
+                seq.spec.h_pending = seq.spec.mtp_hidden = None  # fed afresh from the next kept states
+        if self.layer is not None and draft:
             groups = []
             for seq, kept, row, last in items:
                 st = seq.spec

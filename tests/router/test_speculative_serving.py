@@ -111,12 +111,14 @@ def test_greedy_output_is_identical_with_mtp_speculation(engines, name):
 
 
 def test_sixteen_concurrent_streams_match_plain(engines):
-    plain, spec = engines("k3"), engines("k3", 2)
+    plain, spec = engines("k3"), engines("k3", 2, speculative_max_batch=16)  # all 16 speculate
+    before = spec.stats.verify_steps
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 7)] for i in range(16)]
     alone = [run(plain, p, SamplingParams(max_tokens=20)) for p in prompts]
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: run(spec, p, SamplingParams(max_tokens=20)), prompts))
     assert together == alone
+    assert spec.stats.verify_steps > before
 
 
 def test_ngram_drafter_is_exact_and_accepts_on_repetition(engines):
