@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh.model.cache import Segment, SequenceCache
-from expertmesh.model.drafters import NgramDrafter, filtered_probs
+from expertmesh.model.drafters import NgramDrafter
 from expertmesh.model.moe import LOCAL_EXPERTS
+from expertmesh.model.sampling import filtered_probs
 from expertmesh.model.speculative import METHODS, accept_sampled
 from expertmesh.wire.sampling_params import TINY_TEMPERATURE
 from expertmesh.wire.worker_api import TokenLogprobs, WorkerError

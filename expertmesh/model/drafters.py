@@ -21,29 +21,8 @@ from __future__ import annotations
 import torch
 
 from expertmesh.model.cache import Segment
+from expertmesh.model.sampling import filtered_probs
 from expertmesh.wire.sampling_params import TINY_TEMPERATURE
-
-
-def filtered_probs(params, logits: torch.Tensor) -> torch.Tensor:
-    """logits [V] (already adjusted: bias, penalties) → the sampling distribution fp32 [V] that Sampler draws from:
-    temperature, top-k, min-p, top-p, in Sampler._draw's order and arithmetic (temperature > 0)."""
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    min_p = getattr(params, "min_p", 0.0)
-    if min_p > 0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        before = sorted_probs.double().cumsum(-1) - sorted_probs.double()
-        drop = before >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
 
 
 class MTPDrafter:

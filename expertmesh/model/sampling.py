@@ -132,20 +132,27 @@ class Sampler:
             logits = logits.masked_fill(~mask, float("-inf"))
         if p.temperature < TINY_TEMPERATURE:  # 0, or so small that logits / T overflows fp32: the argmax
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        min_p = getattr(p, "min_p", 0.0)
-        if min_p > 0:
-            probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-            probs = probs / probs.sum()
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            before = sorted_probs.double().cumsum(-1) - sorted_probs.double()  # mass strictly above each token
-            drop = before >= p.top_p
-            drop[0] = False  # the most likely token always survives
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(filtered_probs(p, logits), 1, generator=self.generator))
+
+
+def filtered_probs(params, logits: torch.Tensor) -> torch.Tensor:
+    """logits [V] (already adjusted: bias, penalties, masks) → the distribution fp32 [V] a Sampler draws from at
+    temperature > 0: temperature, top-k, min-p, top-p, in that order (speculative decoding's rejection sampling
+    needs the same p and q)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    min_p = getattr(params, "min_p", 0.0)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        before = sorted_probs.double().cumsum(-1) - sorted_probs.double()  # mass strictly above each token
+        drop = before >= params.top_p
+        drop[0] = False  # the most likely token always survives
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from expertmesh.model.cache import Segment, SequenceCache
-from expertmesh.model.drafters import MTPDrafter, NgramDrafter, filtered_probs
-from expertmesh.model.sampling import Sampler
+from expertmesh.model.drafters import MTPDrafter, NgramDrafter
+from expertmesh.model.sampling import Sampler, filtered_probs
 from expertmesh.model.transformer import Generation, Transformer
 from expertmesh.wire.sampling_params import TINY_TEMPERATURE, SamplingParams
 
