@@ -31,10 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertmesh.model.config import VisionConfig
-from expertmesh.model.vision_k3 import K3Projector, K3VisionTower
+from expertmesh.model.vision_k3 import K3Projector, K3VisionTower, embed_patches
 from expertmesh.wire.worker_api import ImageEncode, ImageSpan
-
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # kimi_k25's image processor: IMAGENET_STANDARD_MEAN / _STD (all channels)
 
 
 class PositionEmbedding(nn.Module):
@@ -129,12 +127,7 @@ class K25VisionTower(nn.Module):
         """uint8 [H, W, 3] → merged patch states [H/28 · W/28, 4, D] (each 2×2 block's patches in raster order)."""
         v = self.cfg
         p, (kh, kw) = v.patch_size, v.merge_kernel_size
-        h, w = pixels.shape[0] // p, pixels.shape[1] // p
-        weight = self.patch_embed.proj.weight
-        x = (pixels.to(weight.device, torch.float32) / 255.0 - PIXEL_MEAN) / PIXEL_STD
-        patches = x.permute(2, 0, 1).reshape(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p)
-        x = self.patch_embed.proj(patches.to(weight.dtype)).view(h * w, -1)
-        x = x + self.patch_embed.pos_emb(h, w).to(x.dtype)
+        x, h, w = embed_patches(self.patch_embed, pixels, p)
         cos, sin = axial_rope(h, w, v.hidden_size // v.num_attention_heads, v.rope_theta, device=x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)

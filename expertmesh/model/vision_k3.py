@@ -39,7 +39,7 @@ from torch import nn
 
 from expertmesh.model.config import VisionConfig
 
-PIXEL_MEAN, PIXEL_STD = 0.5, 0.5
+PIXEL_MEAN, PIXEL_STD = 0.5, 0.5  # kimi_k25's and K3's image processors: IMAGENET_STANDARD_MEAN / _STD
 RMS_NORM_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7: nn.RMSNorm(dim)'s eps on the published bf16 weights
 LAYER_NORM_EPS = 1e-5
 TIME_THETA = 10_000.0
@@ -95,6 +95,18 @@ class PatchEmbed(nn.Module):
         p = v.patch_size
         self.proj = nn.Conv2d(3, v.hidden_size, kernel_size=p, stride=p, bias=v.patch_embed_proj_bias)
         self.pos_emb = DividedPositionEmbedding(v)
+
+
+def embed_patches(patch_embed: nn.Module, pixels: torch.Tensor, p: int) -> tuple[torch.Tensor, int, int]:
+    """uint8 pixels [H, W, 3] → (patch embeddings plus their position embeddings [h · w, D] in raster order, h, w):
+    normalised as the image processors do, cut into p×p patches, through `patch_embed.proj` (the conv) and
+    `patch_embed.pos_emb(h, w)`. Both towers' first step (vision.py's K2.5 one too)."""
+    h, w = pixels.shape[0] // p, pixels.shape[1] // p
+    weight = patch_embed.proj.weight
+    x = (pixels.to(weight.device, torch.float32) / 255.0 - PIXEL_MEAN) / PIXEL_STD
+    patches = x.permute(2, 0, 1).reshape(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p)
+    x = patch_embed.proj(patches.to(weight.dtype)).view(h * w, -1)
+    return x + patch_embed.pos_emb(h, w).to(x.dtype), h, w
 
 
 def rope_angles(grid_h: int, grid_w: int, head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -169,12 +181,7 @@ class K3VisionTower(nn.Module):
         """uint8 [H, W, 3] → merged patch states [H/28 · W/28, 4, D] (each 2×2 block's patches in raster order)."""
         v = self.cfg
         p, (kh, kw) = v.patch_size, v.merge_kernel_size
-        h, w = pixels.shape[0] // p, pixels.shape[1] // p
-        weight = self.patch_embed.proj.weight
-        x = (pixels.to(weight.device, torch.float32) / 255.0 - PIXEL_MEAN) / PIXEL_STD
-        patches = x.permute(2, 0, 1).reshape(3, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, 3, p, p)
-        x = self.patch_embed.proj(patches.to(weight.dtype)).view(h * w, -1)
-        x = x + self.patch_embed.pos_emb(h, w).to(x.dtype)
+        x, h, w = embed_patches(self.patch_embed, pixels, p)
         angles = rope_angles(h, w, v.qkv_width // v.num_attention_heads, v.rope_theta, device=x.device)
         cos, sin = angles.cos(), angles.sin()
         for block in self.encoder.blocks:
