@@ -42,6 +42,13 @@ from expertmesh.operator.spec_model import (
     SecretKeyRef,
     config_size_error,
 )
+from expertmesh.operator.spec_platform import (
+    DevicesSpec,
+    DNSLabel,
+    GatewaySpec,
+    LeaderWorkerSetSpec,
+    platform_errors,
+)
 from expertmesh.operator.validation import (
     IMAGE_REPOSITORY,
     IMAGE_REPOSITORY_MAX,
@@ -405,6 +412,28 @@ class MoEDeploymentSpec(SpecModel):
         "collective (point-to-point pairs: NCCL on GPUs, TCP on CPU; gRPC stays for "
         "control, health and fallback)",
     )
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, json_schema_extra=DEFAULT_EMPTY)
+    workload: Literal["statefulset", "leaderworkerset"] = Field(
+        "statefulset",
+        description="the workers' workload kind: statefulset, or leaderworkerset (LeaderWorkerSet groups, "
+        "leaderworkerset.x-k8s.io/v1: the LWS controller must be installed)",
+    )
+    leader_worker_set: LeaderWorkerSetSpec | None = Field(
+        None, alias="leaderWorkerSet", description="the LeaderWorkerSets' startup and restart policies"
+    )
+    queue_name: DNSLabel | None = Field(
+        None, description="a Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every workload"
+    )
+    devices: DevicesSpec | None = Field(
+        None, description="GPUs through DRA ResourceClaimTemplates (and a ComputeDomain) instead of nvidia.com/gpu"
+    )
+
+    @model_validator(mode="after")
+    def _platform(self) -> MoEDeploymentSpec:
+        problems = platform_errors(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def to_yaml_dict(self) -> dict:
         """The spec as it reads in YAML: camelCase, unset optionals left out."""
@@ -515,7 +544,7 @@ def format_validation_error(err: ValidationError, root: str = "spec", limit: int
             if e["type"] not in ("missing", "value_error") and not isinstance(e.get("input"), dict)
             else ""
         )
-        lines.append(f"{loc}: {msg}{got}")
+        lines.append(msg if not e["loc"] and msg.startswith(f"{root}.") else f"{loc}: {msg}{got}")
     if len(errors) > limit:
         lines.append(f"and {len(errors) - limit} more")
     return "; ".join(lines)
