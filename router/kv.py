@@ -81,6 +81,9 @@ class KVManager:
         self.prefix_len: dict[str, int] = {}
         self.lower: set[str] = set()  # keys held below their worker's device pool (host / disk)
         self.parent: dict[str, str] = {}  # key → the cached shorter prefix of the same conversation it extends
+        # keys at a turn's prompt end (the last chunk boundary before it): what a resent prompt — a retry, a
+        # regenerate, a second sample — hits; a longer prefix cannot serve it (KDA state is never cut back)
+        self.prompt_ends: set[str] = set()
         self.user: dict[str, object] = {}  # key → the request that last saved or hit it (its session state)
         for w in workers or ():
             self.add_worker(w)
@@ -166,9 +169,13 @@ class KVManager:
         parent: str | None = None,
         user: object | None = None,
         tier: str = "device",
+        prompt_end: bool = False,
     ) -> list[str]:
-        """Note a saved prefix (extending cached prefix `parent`, saved by request `user`); returns the keys to
-        take off the device to stay within the per-worker cap of device prefixes, victims first."""
+        """Note a saved prefix (extending cached prefix `parent`, saved by request `user`; `prompt_end`: at its
+        turn's prompt end, kept for a resent prompt); returns the keys to take off the device to stay within the
+        per-worker cap of device prefixes, victims first."""
+        if prompt_end:
+            self.prompt_ends.add(key)
         self.prefixes[key] = worker
         self.prefix_len[key] = length
         self.prefixes.move_to_end(key)
@@ -197,16 +204,25 @@ class KVManager:
     def restored(self, key: str) -> None:
         self.lower.discard(key)
 
+    def mark_prompt_end(self, key: str) -> None:
+        """A cached prefix is (also) a turn's prompt end: kept for a resent prompt, never dropped as superseded."""
+        if key in self.prefixes:
+            self.prompt_ends.add(key)
+
     def superseded(self, key: str) -> bool:
-        """A longer cached prefix of the same conversation exists (it holds all of this one)."""
-        return key in set(self.parent.values())
+        """A longer cached prefix of the same conversation exists (it holds all of this one) and this one is no
+        turn's prompt end: only the granules between a prompt end and the next are."""
+        return key in self._superseded()
+
+    def _superseded(self) -> set[str]:
+        return set(self.parent.values()) - self.prompt_ends
 
     def victims(self, worker: int, last: tuple[str, ...] | list[str] = ()) -> list[str]:
         """`worker`'s device prefixes in eviction order (router/eviction.py), the keys of `last` (used by the
         plan being made) after all others, in that order."""
         # copies first (list() of a dict runs without a thread switch): the health thread records the prefixes of
         # a worker it takes back while the scheduler plans
-        supers = set(self.parent.values())
+        supers = self._superseded()
         order = {k: i for i, k in enumerate(list(self.prefixes))}
         infos = [
             PrefixInfo(k, self.prefix_len.get(k, 0), order.get(k, len(order)), k in supers, self._session(k))
@@ -233,6 +249,7 @@ class KVManager:
         self.prefix_len.pop(key, None)
         self.lower.discard(key)
         self.user.pop(key, None)
+        self.prompt_ends.discard(key)
         up = self.parent.pop(key, None)
         for k, p in list(self.parent.items()):  # its longer prefixes now extend its own parent
             if p == key:

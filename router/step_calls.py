@@ -125,10 +125,16 @@ class StepCalls:
         for p in batch:
             if p.chain_key is None or p.req.seq_id in done.failed:
                 continue
+            prompt_end = p.prefix_end == (len(p.req.prompt) - 1) // self.kv.chunk * self.kv.chunk  # a resend's hit
             if p.snapshot is not None:  # it extends the last prefix its request reached: one conversation
-                for victim in self.kv.record_prefix(w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req):
+                saved = self.kv.record_prefix(
+                    w, p.snapshot, p.prefix_end, parent=p.req.last_key, user=p.req, prompt_end=prompt_end
+                )
+                for victim in saved:
                     if self.kv.has(victim) and not self.kv.is_lower(victim):
                         self._evict(w, victim)
+            elif prompt_end:
+                self.kv.mark_prompt_end(p.chain_key)
             p.req.last_key = p.chain_key
         if done.image_encodes:
             record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)

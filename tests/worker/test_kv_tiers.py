@@ -220,8 +220,8 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
     """`up`-style processes, a 16-block pool and a disk tier only, the worker given the launcher's key
     (--kv-disk-key-file): sessions A, B, C (160-token prompts) push each other's prefixes to disk; B's file is
     corrupted; the attention worker is killed and started again. A's next turn is served from its file (cached
-    tokens, the reference's tokens); B's file is refused at start (counted in the log), so B's next turn is
-    recomputed — the same tokens."""
+    tokens, the reference's tokens); B's newest file is refused at start (counted in the log), so B's next turn
+    starts from its prompt-end snapshot (144 tokens) — the same tokens."""
     from support.router_client import EOS, grpc_generate
 
     from expertmesh.entry.cluster import LocalCluster, free_port
@@ -244,19 +244,19 @@ def test_a_disk_tier_outlives_its_worker_and_a_corrupted_file_is_refused(ckpt, m
         address = f"127.0.0.1:{cluster.grpc_port}"
         outputs = [grpc_generate(address, p, 8)[0] for p in prompts]
         files = sorted((disk / "attention-0").glob("*.kv"), key=lambda f: f.stat().st_mtime)
-        assert len(files) == 2  # A's and B's newest prefixes; C's still on the device
-        data = bytearray(files[1].read_bytes())
-        data[-7] ^= 0x01  # one bit of B's payload
-        files[1].write_bytes(bytes(data))
+        assert len(files) == 4  # A's and B's prompt-end (144) and newest (160) prefixes; C's still on the device
+        data = bytearray(files[3].read_bytes())
+        data[-7] ^= 0x01  # one bit of B's newest payload
+        files[3].write_bytes(bytes(data))
         cluster.restart("attention-0")
-        for i, expect_cached in ((0, True), (1, False)):
+        for i, expect_cached in ((0, 160), (1, 144)):  # B: only its prompt-end snapshot is left
             turn2 = prompts[i] + outputs[i] + [rng.randrange(256) for _ in range(16)]
             tokens, finish = grpc_generate(address, turn2, 8)
             reference = generate(
                 model, turn2, SamplingParams(max_tokens=8, stop_token_ids=(EOS,)), prefill_chunk=CHUNK
             ).tokens
             assert tokens == reference
-            assert (finish.usage.cached_tokens == 160) if expect_cached else finish.usage.cached_tokens == 0
+            assert finish.usage.cached_tokens == expect_cached
         log = "\n".join(cluster.child("attention-0").lines)
         assert log.count("not served: checksum mismatch: its HMAC-SHA256 tag fails") == 1, log[-3000:]
 
