@@ -164,11 +164,14 @@ async def health(s: Served = Depends(served)):
     engine = s.engine
     down_experts, down_attention = engine.experts_down, sorted(engine.attention_down)
     status = "ok" if not down_experts and not down_attention else "degraded"
+    waiting = engine.num_waiting()
     return {
         "status": status,
         "model": s.name,
+        "replica": s.store.replica,  # the name in this replica's response ids (the endpoint picker routes by it)
         "running": engine.num_running(),
-        "waiting": engine.num_waiting(),
+        "waiting": waiting,
+        "shedding": waiting >= engine.config.max_waiting,  # a new request would be refused (429)
         "expert_workers_down": down_experts,
         "attention_workers_down": down_attention,
     }

@@ -12,6 +12,7 @@ from expertmesh.chat.load import load_chat
 from expertmesh.chat.thinking import ThinkingBudgets
 from expertmesh.checkpoint.config import checkpoint_config
 from expertmesh.router.prefix_scope import SCOPES
+from expertmesh.router.replica_set import parse_replicas
 from expertmesh.router.response_store import ResponseStore, default_replica
 from expertmesh.runtime import telemetry
 from expertmesh.runtime.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -403,6 +404,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "latency never tell one key what another sent; with no API key configured everyone is one tenant), "
         "shared — every key (default key; a request's cache_salt / prompt_cache_key scope it further either way)",
     )
+    p.add_argument(
+        "--epp-port",
+        type=nonnegative_int,
+        default=0,
+        metavar="PORT",
+        help="also serve the Gateway API Inference Extension's Endpoint Picker (Envoy ext_proc, gRPC, plaintext) on "
+        "this port: the gateway asks it which router replica serves each request (0: off; 9002 by convention)",
+    )
+    p.add_argument(
+        "--epp-replicas",
+        default="",
+        metavar="HOST:PORT,...",
+        help="the endpoint picker's router replicas (their HTTP addresses; a name that resolves to several "
+        "addresses, a headless Service's, stands for all of them); default: this router alone, and the "
+        "endpoints in the gateway's subset hint",
+    )
     p.add_argument("--worker-tls-ca", help="connect to workers over TLS, verifying them with this CA (PEM)")
     p.add_argument("--worker-tls-cert", help="client certificate for mutual TLS with the workers")
     p.add_argument("--worker-tls-key", help="private key of --worker-tls-cert")
@@ -484,6 +501,11 @@ def run(args) -> int:
     except ValueError as e:
         print(f"expertmesh router: {e}", file=sys.stderr)
         return 2
+    try:
+        epp_seeds = parse_replicas(args.epp_replicas)
+    except ValueError as e:
+        print(f"expertmesh router: {e}", file=sys.stderr)
+        return 2
     chat = load_chat(args.checkpoint, model_vocab_size=ckpt_cfg.vocab_size)
     plan = load_plan(args.plan)
     worker_tls = (
@@ -550,6 +572,16 @@ def run(args) -> int:
         write_timeout=args.client_write_timeout,
         thinking_budgets=budgets,
     )
+    epp_server = None
+    if args.epp_port:
+        from expertmesh.router.endpoint_picker import serve_endpoint_picker
+        from expertmesh.router.replica_set import ReplicaSet, own_address, split_host_port
+
+        seeds = epp_seeds or [split_host_port(own_address(args.host, args.http_port))]
+        epp_server = serve_endpoint_picker(ReplicaSet(seeds, tls=public_tls is not None), args.host, args.epp_port)
+        log.info(
+            "endpoint picker (ext_proc) on %s:%d over %d replica address(es)", args.host, epp_server.port, len(seeds)
+        )
     stop = stop_on_signals()
     if args.plan_poll_seconds > 0:
         threading.Thread(
@@ -562,6 +594,9 @@ def run(args) -> int:
     stop.wait()
     log.info("shutting down: no new requests, finishing in-flight ones")
     exit_after(args.shutdown_timeout, "expertmesh router")
+    if epp_server is not None:
+        epp_server.stop(grace=2)
+        epp_server.replicas.close()
     if grpc_server is not None:
         grpc_server.stop(grace=5)
         if grpc_server.health_server is not None:

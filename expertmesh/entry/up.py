@@ -32,6 +32,7 @@ UP_OWNED_ROUTER_OPTIONS = (
     "--host",
     "--http-port",
     "--grpc-port",
+    "--epp-port",
     "--prefill-chunk",
     "--prefill-tokens",
     "--transport",
@@ -82,6 +83,8 @@ def router_engine_config(args, options: list[str]):
 
 def run_up(args) -> int:
     passed_to_router = router_options(args.router_options)
+    if args.epp_port:
+        passed_to_router = [*passed_to_router, "--epp-port", str(args.epp_port)]
     if args.expert_workers is None:
         args.expert_workers = default_expert_workers(replicas=args.expert_replicas)
     try:
@@ -135,7 +138,8 @@ def run_up(args) -> int:
     print(
         f"expertmesh up: HTTP {cluster.http_url}  (OpenAI-compatible: {cluster.http_url}/v1)\n"
         f"               gRPC {args.host}:{args.grpc_port}\n"
-        f"               plan {cluster.plan_path}\n"
+        + (f"               endpoint picker (Envoy ext_proc) {args.host}:{args.epp_port}\n" if args.epp_port else "")
+        + f"               plan {cluster.plan_path}\n"
         f"Ctrl-C to stop.",
         flush=True,
     )
@@ -211,6 +215,14 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument(
+        "--epp-port",
+        type=nonnegative_int,
+        default=0,
+        metavar="PORT",
+        help="the router also serves the Gateway API Inference Extension's Endpoint Picker (Envoy ext_proc) on this "
+        "port (0: off)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--threads",
