@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (`/metrics`), names prefixed `expertmesh_`.
+"""The router's Prometheus metrics (`/metrics`), names prefixed `expertmesh_` (and vLLM's four, router/vllm_metrics.py).
 
 The engine's counts live in one store, its EngineStats, rendered here at scrape time (never counted twice);
 histograms and the counters of the layers around the engine (worker calls, prefix hits, hand-offs, reasoning tokens)
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from expertmesh.router.disagg import pool_load
+from expertmesh.router.vllm_metrics import vllm_metrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -181,6 +182,7 @@ class _StateCollector:
         yield hit
         yield from counted(s)
         if not eng.started:  # no worker known or asked yet (Engine.start): nothing more to read
+            yield from vllm_metrics(eng)
             return
         blocks = GaugeMetricFamily("expertmesh_kv_blocks", "KV blocks per attention worker", labels=["worker", "state"])
         for w in eng.kv.workers:
@@ -227,6 +229,7 @@ class _StateCollector:
         steps.add_metric([], s.steps)
         yield steps
         yield from pool_metrics(eng)
+        yield from vllm_metrics(eng)
 
 
 def counted(s: EngineStats):
