@@ -1,7 +1,7 @@
 """The child objects of a MoEDeployment (named in naming.py), built from the spec, the model config and the plan: the
 plan and load ConfigMaps, the worker StatefulSets with their headless Services (one per attention pool: pools.py),
 the autoscaled pools' HorizontalPodAutoscalers, the expert PodDisruptionBudget, the router Deployment and Service, the
-workers' NetworkPolicies, and the pods (their parts in pod_parts.py, their command lines in pod_commands.py). Pure: plain dicts
+gateway's InferencePool and picker Service (gateway.py), the workers' NetworkPolicies, and the pods (their parts in pod_parts.py, their command lines in pod_commands.py). Pure: plain dicts
 in the shape of Kubernetes objects; owner references are left to the handlers (`kopf.adopt`).
 
 A new plan changes the plan ConfigMap only, never a pod template (placement_policy.changed_ordinals).
@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from expertmesh.operator.gateway import absent_gateway_children, gateway_children, router_epp_ports
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
     COMPONENT_EXPERT,
@@ -276,7 +277,11 @@ def router_deployment(
         "name": "router",
         "command": ["expertmesh"],
         "args": router_args(name, namespace, spec, pools),
-        "ports": [{"name": "http", "containerPort": r.http_port}, {"name": "grpc", "containerPort": r.grpc_port}],
+        "ports": [
+            {"name": "http", "containerPort": r.http_port},
+            {"name": "grpc", "containerPort": r.grpc_port},
+            *router_epp_ports(spec),  # the InferencePool's endpoint picker (gateway.py)
+        ],
         "env": env,
         "resources": container_resources(r.resources, 0),
         "readinessProbe": {"httpGet": {"path": "/health", "port": r.http_port}, "periodSeconds": 5},
@@ -387,6 +392,7 @@ def build_children(
         expert_pdb(name, namespace, spec),
         router_deployment(name, namespace, spec, plan, pools),
         router_service(name, namespace, spec),
+        *gateway_children(name, namespace, spec),
         *(worker_network_policy(name, namespace, spec, p.component, pools) for p in pools),
         worker_network_policy(name, namespace, spec, COMPONENT_EXPERT, pools),
     ]
@@ -407,4 +413,4 @@ def absent_children(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, 
             ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name)),
         ]
     out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
-    return out
+    return out + absent_gateway_children(name, spec)

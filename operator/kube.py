@@ -2,7 +2,8 @@
 
 lightkube does the work: configuration as kubectl (service account, KUBECONFIG, exec plugins), typed models for the
 builtin kinds (`codecs.from_dict` loads a child dict into one by its apiVersion and kind), server-side apply,
-pods/log, and a generic resource for MoEDeployment (registered below, so it is found by kind like the others). This
+pods/log, and generic resources for MoEDeployment and the other projects' kinds it renders (InferencePool,
+LeaderWorkerSet, ComputeDomain: registered below, so they are found by kind like the others). This
 module adds only:
   - plain dicts in and out (the currency of the pure modules);
   - a (connect, read) deadline on every call, and one client per event loop (a connection pool belongs to its loop);
@@ -28,6 +29,10 @@ from expertmesh.operator.spec import GROUP, KIND, PLURAL, VERSION
 FIELD_MANAGER = "expertmesh-operator"
 API_TIMEOUT = (5.0, 30.0)  # (connect, read) seconds for every Kubernetes call
 MoEDeployment = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+# the other projects' kinds a MoEDeployment may have as children (issue #56): found by kind like the builtin ones
+InferencePool = create_namespaced_resource("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools")
+LeaderWorkerSet = create_namespaced_resource("leaderworkerset.x-k8s.io", "v1", "LeaderWorkerSet", "leaderworkersets")
+ComputeDomain = create_namespaced_resource("resource.nvidia.com", "v1beta1", "ComputeDomain", "computedomains")
 
 
 class KubeError(Exception):

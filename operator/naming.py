@@ -10,6 +10,7 @@ Children of a `MoEDeployment` named N in namespace NS (built by children.py):
   StatefulSet  N-expert      expert workers, ordinal i holds plan.experts_of(i) (+ headless Service N-expert,
                              PodDisruptionBudget N-expert)
   Deployment   N-router      the router (+ Service N-router: http and grpc)
+  InferencePool N            spec.gateway.inferencePool: the router pods, their picker Service N-epp (gateway.py)
   Secret       N-worker-tls  the deployment's CA + worker server / client certificates (spec.security.workerTLS):
                              created once by the handler (worker_tls.py), never rebuilt from the spec
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 
+from expertmesh.operator.gateway import router_epp_args
 from expertmesh.operator.naming import (
     HEALTH_PORT,
     KV_DISK_MOUNT,
@@ -141,6 +142,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[
         str(spec.router.http_port),
         "--grpc-port",
         str(spec.router.grpc_port),
+        *router_epp_args(spec),
         *(["--transport", spec.transport] if spec.transport != "grpc" else []),
         *router_serving_args(spec),
         *speculative_args(spec),

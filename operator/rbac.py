@@ -42,6 +42,12 @@ RULES: tuple[Rule, ...] = (
     Rule("networking.k8s.io", "networkpolicies", _CHILD_DELETED),
     # an autoscaled pool's HorizontalPodAutoscaler (spec.*Workers.autoscale)
     Rule("autoscaling", "horizontalpodautoscalers", _CHILD_DELETED),
+    # spec.gateway.inferencePool: the Gateway API Inference Extension's InferencePool naming the router's picker
+    Rule("inference.networking.k8s.io", "inferencepools", _CHILD_DELETED),
+    # spec.workload leaderworkerset: the pools' LeaderWorkerSets (watched: an autoscaled pool's size, as StatefulSets)
+    Rule("leaderworkerset.x-k8s.io", "leaderworkersets", ("get", "list", "watch", "create", "patch", "delete")),
+    # spec.devices.computeDomain: the NVIDIA DRA driver's ComputeDomain (multi-node NVLink)
+    Rule("resource.nvidia.com", "computedomains", _CHILD_DELETED),
     # N-worker-tls (spec.security.workerTLS): read to keep it across re-plans and restarts, created when absent
     Rule("", "secrets", ("get", "create")),
     # worker pods: watched for readiness and loss (never deleted: a new plan is adopted live)

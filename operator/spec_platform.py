@@ -42,7 +42,9 @@ class GatewaySpec(SpecModel):
     (an Envoy ext_proc gRPC service on eppPort, Service <name>-epp) as its endpointPickerRef."""
 
     inference_pool: bool = Field(
-        False, description="render an InferencePool selecting the router pods, the router as its endpoint picker"
+        False,
+        strict=True,  # a boolean, as the CRD's schema says: not "yes"
+        description="render an InferencePool selecting the router pods, the router as its endpoint picker",
     )
     epp_port: int = Field(
         DEFAULT_EPP_PORT, ge=1, le=65535, description="the router's endpoint-picker (ext_proc) port: --epp-port"

@@ -140,6 +140,7 @@ def test_rbac_covers_every_kind_the_operator_writes(tiny_plan):
         "policy/v1": "policy",
         "networking.k8s.io/v1": "networking.k8s.io",
         "autoscaling/v2": "autoscaling",
+        "inference.networking.k8s.io/v1": "inference.networking.k8s.io",
     }
     pools = parse_spec(tiny(prefillWorkers={"autoscale": {"maxReplicas": 2, "target": 100}}))
     for child in build_children("kimi", "ns", spec, cfg, plan) + build_children("kimi", "ns", pools, cfg, plan):
