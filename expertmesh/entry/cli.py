@@ -219,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     operator_main.add_arguments(o)
     o.set_defaults(func=operator_main.run)
 
+    pr = sub.add_parser("predict", help="forecast a deployment's tokens/s, TTFT and TPOT before renting it")
+    from expertmesh.entry import predict_cli
+
+    predict_cli.add_arguments(pr)
+    pr.set_defaults(func=predict_cli.run)
+
     try:
         from expertmesh.operator import plan_cli
     except ImportError:
