@@ -50,7 +50,7 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVICE = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
-MAX_BODY_BYTES = 4 * 2**20  # the router's own request-body limit (router/http.py): past it, picked without the body
+MAX_BODY_BYTES = 4 * 2**20  # the router's request-body limit (router/http.py): a longer body is not held or read
 PROMPT_OPENING_CHARS = 256  # a text completion's session: its prompt's first characters (a resent history's start)
 Mode = pb.ProcessingMode
 
@@ -261,8 +261,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             elif s.body_mode == Mode.FULL_DUPLEX_STREAMED:
                 s.chunks.append(chunk.body)
                 s.size += len(chunk.body)
-                if chunk.end_of_stream:
-                    yield from self._streamed_answer(s, end_of_stream=True)
+                if chunk.end_of_stream or s.size > MAX_BODY_BYTES:  # past the limit: chosen by load, held no longer
+                    yield from self._streamed_answer(s, end_of_stream=chunk.end_of_stream)
             else:  # BUFFERED (or BUFFERED_PARTIAL): the whole body at once
                 choice, common, metadata = self.pick(s, chunk.body)
                 if common is None:

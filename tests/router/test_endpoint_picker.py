@@ -283,3 +283,72 @@ def test_rendezvous_moves_only_the_leaving_replicas_sessions():
     keyed = [choose({"prompt_cache_key": "tenant-7", **b}, states).address for b in bodies[:20]]
     assert len(set(keyed)) == 1
     assert keyed[0] == rendezvous_order(session_key({"prompt_cache_key": "tenant-7"}), states)[0].address
+
+
+# Field numbers as envoyproxy/envoy declares them (api/envoy/service/ext_proc/v3/external_processor.proto,
+# config/core/v3/base.proto, type/v3/http_status.proto, extensions/filters/http/ext_proc/v3/processing_mode.proto):
+# the trimmed protos/ext_proc.proto must keep every one, or Envoy's bytes would not parse.
+UPSTREAM_FIELDS = {
+    "ProcessingRequest": dict(
+        request_headers=2, response_headers=3, request_body=4, response_body=5, request_trailers=6,
+        response_trailers=7, metadata_context=8, attributes=9, observability_mode=10, protocol_config=11,
+    ),
+    "ProcessingResponse": dict(
+        request_headers=1, response_headers=2, request_body=3, response_body=4, request_trailers=5,
+        response_trailers=6, immediate_response=7, dynamic_metadata=8, mode_override=9,
+    ),
+    "ProtocolConfiguration": dict(
+        request_body_mode=1, response_body_mode=2, send_body_without_waiting_for_header_response=3
+    ),
+    "HttpHeaders": dict(headers=1, end_of_stream=3),
+    "HttpBody": dict(body=1, end_of_stream=2),
+    "HttpTrailers": dict(trailers=1),
+    "HeadersResponse": dict(response=1),
+    "BodyResponse": dict(response=1),
+    "TrailersResponse": dict(header_mutation=1),
+    "CommonResponse": dict(status=1, header_mutation=2, body_mutation=3, trailers=4, clear_route_cache=5),
+    "ImmediateResponse": dict(status=1, headers=2, body=3, grpc_status=4, details=5),
+    "GrpcStatus": dict(status=1),
+    "HeaderMutation": dict(set_headers=1, remove_headers=2),
+    "StreamedBodyResponse": dict(body=1, end_of_stream=2),
+    "BodyMutation": dict(body=1, clear_body=2, streamed_response=3),
+    "Metadata": dict(filter_metadata=1),
+    "HeaderValue": dict(key=1, value=2, raw_value=3),
+    "HeaderValueOption": dict(header=1, append_action=3, keep_empty_value=4),
+    "HeaderMap": dict(headers=1),
+    "HttpStatus": dict(code=1),
+    "ProcessingMode": dict(
+        request_header_mode=1, response_header_mode=2, request_body_mode=3, response_body_mode=4,
+        request_trailer_mode=5, response_trailer_mode=6,
+    ),
+}  # fmt: skip
+
+
+def test_the_trimmed_proto_keeps_envoys_names_and_numbers():
+    assert SERVICE == "envoy.service.ext_proc.v3.ExternalProcessor"
+    method = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].methods_by_name["Process"]
+    assert method.client_streaming and method.server_streaming
+    for message, fields in UPSTREAM_FIELDS.items():
+        have = {f.name: f.number for f in pb.DESCRIPTOR.message_types_by_name[message].fields}
+        assert have == fields, message
+    modes = {v.name: v.number for v in Mode.DESCRIPTOR.enum_types_by_name["BodySendMode"].values}
+    assert modes == dict(NONE=0, STREAMED=1, BUFFERED=2, BUFFERED_PARTIAL=3, FULL_DUPLEX_STREAMED=4)
+    assert pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD == 2
+    assert (pb.ServiceUnavailable, pb.TooManyRequests) == (503, 429)
+
+
+def test_a_body_past_the_routers_limit_is_not_held(picker):
+    """Past 4 MiB the picker answers (by load: the router refuses such a body itself) and streams the rest."""
+    piece = b"x" * 2**20
+    envoy = Envoy(picker.stub)
+    envoy.send(request_headers=headers(), protocol_config=protocol(Mode.FULL_DUPLEX_STREAMED))
+    for _ in range(5):
+        envoy.send(request_body=pb.HttpBody(body=piece))
+    first = envoy.recv()
+    assert destination_of(first.request_headers.response, first) in picker.ready
+    echoed = [envoy.recv().request_body.response.body_mutation.streamed_response for _ in range(5)]
+    assert all(e.body == piece and not e.end_of_stream for e in echoed)
+    envoy.send(request_body=pb.HttpBody(body=b"end", end_of_stream=True))
+    last = envoy.recv().request_body.response.body_mutation.streamed_response
+    assert (last.body, last.end_of_stream) == (b"end", True)
+    assert envoy.close() == []
