@@ -495,8 +495,8 @@ class Engine(StepCalls, HandOffs):
                 continue
             if key is not None:
                 req.last_key = key
-                tier = "lower" if lower else "device"
-                self.kv.restored(key)
+                tier = "lower" if lower or self.kv.prefixes.get(key) != worker else "device"
+                self.kv.restored(key, worker)
                 self.metrics.prefix_hits.labels(tier).inc()
                 self.metrics.prefix_hit_tokens.labels(tier).inc(cached)
             self._unqueue(req)
@@ -534,6 +534,8 @@ class Engine(StepCalls, HandOffs):
         free, dropped = self.attention[worker].demote_prefix(key)
         self.kv.report(worker, free)
         self.kv.demoted(key)
+        if self.config.kv_store and key not in dropped:  # the workers put what they demote in the cluster store
+            self.kv.stored(key)
         if key not in dropped:
             self.metrics.prefix_evictions.labels("demoted").inc()
         for k in dropped:

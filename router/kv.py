@@ -84,6 +84,9 @@ class KVManager:
         # keys at a turn's prompt end (the last chunk boundary before it): what a resent prompt — a retry, a
         # regenerate, a second sample — hits; a longer prefix cannot serve it (KDA state is never cut back)
         self.prompt_ends: set[str] = set()
+        # keys held in the deployment's cluster store (worker/kv_store.py): any attention worker restores them, so
+        # they outlive their worker and a turn placed elsewhere still hits
+        self.cluster: set[str] = set()
         self.user: dict[str, object] = {}  # key → the request that last saved or hit it (its session state)
         for w in workers or ():
             self.add_worker(w)
@@ -121,9 +124,13 @@ class KVManager:
         self.workers[worker].free_blocks += blocks
 
     def lost(self, worker: int) -> None:
-        """`worker` is down: its prefixes are forgotten and no block of it is offered until it reports again."""
+        """`worker` is down: its prefixes are forgotten — but those in the cluster store, which another worker
+        restores — and no block of it is offered until it reports again."""
         for key in self.eviction_candidates(worker):
-            self.forget(key)
+            if key in self.cluster:
+                self.lower.add(key)
+            else:
+                self.forget(key)
         self.workers[worker].free_blocks = 0
 
     def prefixes_of(self, worker: int) -> set[str]:
@@ -201,8 +208,20 @@ class KVManager:
         if key in self.prefixes:
             self.lower.add(key)
 
-    def restored(self, key: str) -> None:
+    def restored(self, key: str, worker: int | None = None) -> None:
+        """A hit on `key` opened on `worker`: on that worker's device now (a cluster key restored by another
+        worker than the one that saved it moves there)."""
         self.lower.discard(key)
+        if worker is not None and key in self.prefixes:
+            self.prefixes[key] = worker
+
+    def stored(self, key: str) -> None:
+        """`key` reached the cluster store (demoted by a worker that has one)."""
+        if key in self.prefixes:
+            self.cluster.add(key)
+
+    def in_cluster(self, key: str) -> bool:
+        return key in self.cluster
 
     def mark_prompt_end(self, key: str) -> None:
         """A cached prefix is (also) a turn's prompt end: kept for a resent prompt, never dropped as superseded."""
@@ -250,6 +269,7 @@ class KVManager:
         self.lower.discard(key)
         self.user.pop(key, None)
         self.prompt_ends.discard(key)
+        self.cluster.discard(key)
         up = self.parent.pop(key, None)
         for k, p in list(self.parent.items()):  # its longer prefixes now extend its own parent
             if p == key:
@@ -262,19 +282,22 @@ class KVManager:
         """Merge what `worker` says it holds (its ListPrefixes: (key, length, tier)) into the index: keys new here
         are recorded (saved by another router replica sharing this one's salt, or before this router was there),
         keys of this worker change tier as it says, and those of `known` — this worker's keys in the index when the
-        listing was asked for — that it no longer lists are forgotten (another replica dropped them)."""
+        listing was asked for — that it no longer lists are forgotten (another replica dropped them), but for keys
+        in the cluster store (a restarted worker no longer lists what it put there; the store still holds it)."""
         listed = set()
-        for key, length, tier in listing:
+        for key, length, tier in listing:  # a key in the cluster store is listed twice: its local tier, "store"
             listed.add(key)
             if key not in self.prefixes:
                 self.record_prefix(worker, key, length, tier=tier)
-            elif self.prefixes[key] == worker:
+            elif self.prefixes[key] == worker and tier != "store":
                 if tier == "device":
                     self.lower.discard(key)
                 else:
                     self.lower.add(key)
+            if tier == "store":
+                self.cluster.add(key)
         for key in (known or set()) - listed:
-            if self.prefixes.get(key) == worker:
+            if self.prefixes.get(key) == worker and key not in self.cluster:
                 self.forget(key)
 
     def has(self, key: str) -> bool:

@@ -255,6 +255,20 @@ class _View:
         w = affinity_worker(key, live)
         return w if self.free[w] >= need and not self.overloaded(w, limits) else None
 
+    def elsewhere(self, req: Request, hit: tuple[int, str, int], reserve: int, limits: Limits):
+        """A hit its worker cannot serve now, on another worker when the cluster store holds it (restored there
+        whole: the reservation's blocks, none shared) — its session's worker, else the one with the most room;
+        None otherwise."""
+        worker, key, length = hit
+        if not self.kv.in_cluster(key):
+            return None
+        fresh = self.kv.blocks_for(0, reserve)
+        w = self.session_worker(req, fresh, limits)
+        if w is None or w == worker:
+            fits = [x for x, free in self.free.items() if free >= fresh and x not in self.down and x != worker]
+            w = max(fits, key=lambda x: (self.free[x], -self.sequences[x], -x)) if fits else None
+        return None if w is None else (w, key, length)
+
     def take(self, worker: int, reserve: int, cached: int) -> None:
         self.free[worker] -= self.kv.blocks_for(worker, reserve, cached)
         self.sequences[worker] += 1
@@ -272,11 +286,11 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
         # a prefix below the device comes back whole: the reservation's blocks, none shared
         need = view.kv.blocks_for(worker, reserve, 0 if view.kv.is_lower(key) else hit[2])
         if worker in view.down or view.overloaded(worker, limits):
-            hit = None
+            hit = view.elsewhere(req, hit, reserve, limits)
         elif view.free[worker] < need:
             adm.evict, adm.need = view.evictable(worker), need  # the hit itself last (demoted: then restored)
             if not adm.evict:
-                hit = None
+                hit = view.elsewhere(req, hit, reserve, limits)
         if hit is not None:
             adm.candidates.append(hit)
     fresh = view.kv.blocks_for(0, reserve)
@@ -345,7 +359,8 @@ def schedule(
         seqs.append(Seq(req, worker, cached, adm.reserve))
         if adm.evict:
             break  # what the evictions free only the worker can say: the rest wait for the next plan
-        view.take(worker, adm.reserve, 0 if key is not None and kv.is_lower(key) else cached)
+        moved = key is not None and kv.prefixes.get(key) != worker  # a cluster key restored elsewhere
+        view.take(worker, adm.reserve, 0 if key is not None and (kv.is_lower(key) or moved) else cached)
     plan.growth = plan_growth(seqs, view, limits)
     grown = {id(g.req): g.target for g in plan.growth}
     seqs = [Seq(s.req, s.worker, s.computed, grown.get(id(s.req), s.reserved)) for s in seqs]

@@ -22,6 +22,7 @@ from expertmesh.worker.attention import POOLS
 from expertmesh.worker.collective import (
     BACKENDS,
 )
+from expertmesh.worker.kv_store import attach_cluster_store
 from expertmesh.worker.kv_tiers import secure_folder
 from expertmesh.worker.metrics import serve_metrics
 from expertmesh.worker.options import ROLES, WorkerOptions
@@ -89,7 +90,28 @@ def kv_tier_options(args) -> dict:
     }
 
 
-def read_disk_key(path: str | None) -> bytes | None:
+def kv_store_options(args) -> dict:
+    """--kv-store-* → attach_cluster_store's arguments (ValueError naming the flag)."""
+    if args.role == "expert":
+        raise ValueError("--kv-store-master: only for --role attention or both")
+    host, sep, port = args.kv_store_master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--kv-store-master {args.kv_store_master!r}: expected HOST:PORT")
+    if args.kv_store_key_file is None:
+        raise ValueError("--kv-store-master: needs --kv-store-key-file (the deployment's store secret)")
+    if args.kv_store_gib <= 0:
+        raise ValueError(f"--kv-store-gib {args.kv_store_gib}: expected > 0")
+    secret = read_disk_key(args.kv_store_key_file, flag="--kv-store-key-file")
+    return {
+        "master": args.kv_store_master,
+        "metadata": args.kv_store_metadata or f"http://{host}:8080/metadata",
+        "deployment": args.kv_store_deployment,
+        "secret": secret,
+        "capacity_bytes": int(args.kv_store_gib * 2**30),
+    }
+
+
+def read_disk_key(path: str | None, flag: str = "--kv-disk-key-file") -> bytes | None:
     """The bytes of --kv-disk-key-file (None without one: a random key per process, so files an earlier process
     wrote are refused). ValueError naming the flag when the file cannot be read or holds too few bytes."""
     if path is None:
@@ -98,10 +120,10 @@ def read_disk_key(path: str | None) -> bytes | None:
         with open(path, "rb") as f:
             key = f.read(MAX_DISK_KEY_BYTES + 1)
     except OSError as e:
-        raise ValueError(f"--kv-disk-key-file {path}: cannot read it ({e.strerror or e})") from None
+        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
     if not MIN_DISK_KEY_BYTES <= len(key) <= MAX_DISK_KEY_BYTES:
         raise ValueError(
-            f"--kv-disk-key-file {path}: expected at least {MIN_DISK_KEY_BYTES} secret bytes (at most "
+            f"{flag} {path}: expected at least {MIN_DISK_KEY_BYTES} secret bytes (at most "
             f"{MAX_DISK_KEY_BYTES}), found {len(key)}"
         )
     return key
@@ -184,6 +206,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention role: a file of secret bytes (≥ 16) the disk tier's files are authenticated with "
         "(HMAC-SHA256), held by the deployment, not the folder; without it a random key per process — files "
         "an earlier process wrote are refused (cache lost, never wrong tokens)",
+    )
+    p.add_argument(
+        "--kv-store-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="attention role: the cluster KV tier below disk — Mooncake's store, whose master listens here "
+        "(worker/kv_store.py): demoted prefixes are put there too and any attention worker of the deployment "
+        "restores them; needs --kv-store-key-file",
+    )
+    p.add_argument(
+        "--kv-store-metadata",
+        default=None,
+        metavar="URL",
+        help="the Mooncake metadata server (default: http://<the master's host>:8080/metadata, the master's own)",
+    )
+    p.add_argument(
+        "--kv-store-key-file",
+        default=None,
+        metavar="PATH",
+        help="a file of secret bytes (≥ 16) shared by the deployment's attention workers: store objects are "
+        "authenticated with it (HMAC-SHA256); one that fails is refused, counted, never served",
+    )
+    p.add_argument(
+        "--kv-store-gib",
+        type=float,
+        default=1.0,
+        metavar="GIB",
+        help="at most this many GiB of this worker's puts held in the store (its oldest removed first)",
+    )
+    p.add_argument(
+        "--kv-store-deployment",
+        default="expertmesh",
+        metavar="NAME",
+        help="the deployment's name, hashed into every store key: deployments sharing a store never meet",
     )
     p.add_argument(
         "--pool",
@@ -315,6 +371,8 @@ def parse_options(args) -> tuple[object, WorkerOptions]:
     if args.kv_blocks <= 0 or args.block_size <= 0:
         raise ValueError(f"--kv-blocks {args.kv_blocks} / --block-size {args.block_size}: expected positive")
     kv_tiers = kv_tier_options(args)
+    if args.kv_store_master is not None:
+        kv_store_options(args)  # checked before anything starts
     if args.speculative_tokens < 0:
         raise ValueError(f"--speculative-tokens {args.speculative_tokens}: expected an integer >= 0")
     if args.speculative_tokens and args.speculative_method is None:
@@ -388,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.metrics_port is not None:
         serve_metrics(server, args.host, args.metrics_port)
+    if args.kv_store_master is not None and server.attention is not None:
+        store = kv_store_options(args)
+        attach_cluster_store(
+            server.attention, local_hostname=args.host if args.host != "0.0.0.0" else "127.0.0.1", **store
+        )
     print(f"READY {args.role} {args.host}:{server.port}", flush=True)
     while not stop.wait(0.5):
         pass

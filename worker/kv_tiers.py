@@ -35,6 +35,7 @@ import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +54,9 @@ from expertmesh.wire.kv_snapshot import (
     new_mac,
     read_header,
 )
+
+if TYPE_CHECKING:
+    from expertmesh.worker.kv_store import ClusterStore
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -185,7 +189,8 @@ class KVTiers:
     layout: SnapshotLayout | None = None
     host: OrderedDict = field(default_factory=OrderedDict)  # key → PrefixSnapshot (host tensors), oldest first
     disk: OrderedDict = field(default_factory=OrderedDict)  # key → _DiskEntry, oldest first
-    stats: dict = field(default_factory=dict)  # "host" / "disk" → TierStats
+    stats: dict = field(default_factory=dict)  # "host" / "disk" → TierStats ("store": the cluster tier's StoreStats)
+    store: ClusterStore | None = None  # the cluster tier below disk (worker/kv_store.py), set by `attach_store`
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes < 0:
@@ -196,29 +201,54 @@ class KVTiers:
             self.disk_dir = secure_folder(self.disk_dir)
             self._scan()
 
+    def attach_store(self, store: ClusterStore) -> None:
+        """Add the cluster tier below disk: every demoted prefix is also put there (worker/kv_store.py), and a
+        prefix no local tier holds is looked for there — whichever worker put it."""
+        self.store = store
+        self.stats["store"] = store.stats
+
     @property
     def enabled(self) -> bool:
-        return self.host_bytes > 0 or self.disk_bytes > 0
+        return self.host_bytes > 0 or self.disk_bytes > 0 or self.store is not None
 
     def tier_of(self, key: str) -> str | None:
-        return "host" if key in self.host else "disk" if key in self.disk else None
+        if key in self.host or key in self.disk:
+            return "host" if key in self.host else "disk"
+        return "store" if self.store is not None and self.store.length_of(key) is not None else None
 
     def length_of(self, key: str) -> int | None:
-        """Tokens of prefix `key` (None: not held below the device)."""
+        """Tokens of prefix `key` (None: not held below the device). A key only the store may hold — another
+        worker's — is read from it now (and kept for the `load` that follows)."""
         held = self.host.get(key) or self.disk.get(key)
-        return None if held is None else held.length
+        if held is not None:
+            return held.length
+        if self.store is None:
+            return None
+        return self.store.length_of(key) or self.store.stage(key)
 
     def keys(self) -> list[tuple[str, int, str]]:
-        """(key, length, tier) of every prefix held below the device."""
-        return [(k, s.length, "host") for k, s in self.host.items()] + [
-            (k, e.length, "disk") for k, e in self.disk.items()
-        ]
+        """(key, length, tier) of every prefix held below the device; a prefix this worker put in the cluster
+        store is listed there too (any worker can restore it)."""
+        stored = [(k, n, "store") for k, n in self.store.keys()] if self.store is not None else []
+        return (
+            [(k, s.length, "host") for k, s in self.host.items()]
+            + [(k, e.length, "disk") for k, e in self.disk.items()]
+            + stored
+        )
 
     # ------------------------------------------------------------------ demotion
     def put(self, key: str, snap: PrefixSnapshot) -> list[str]:
         """Keep a demoted prefix (host tensors) in the highest tier it fits, pushing older entries down; returns
-        the keys dropped for good (possibly `key` itself, when no tier can hold it)."""
-        self.discard(key)
+        the keys dropped for good (possibly `key` itself, when no tier can hold it). With the cluster tier the
+        prefix is put there first (write-through: it outlives this worker); a key the store holds is never
+        reported dropped."""
+        self.discard(key, keep_stored=True)
+        if self.store is not None:
+            self.store.put(key, snap)
+        dropped = self._put_local(key, snap)
+        return [k for k in dropped if self.store is None or self.store.length_of(k) is None]
+
+    def _put_local(self, key: str, snap: PrefixSnapshot) -> list[str]:
         dropped: list[str] = []
         if 0 < snap.nbytes <= self.host_bytes:
             self.host[key] = snap
@@ -275,8 +305,11 @@ class KVTiers:
         _unlink(entry.path)
         self._held("disk", -entry.nbytes, -1)
 
-    def discard(self, key: str) -> bool:
-        """Forget `key` in every lower tier (its disk file deleted); True when it was held."""
+    def discard(self, key: str, keep_stored: bool = False) -> bool:
+        """Forget `key` in every lower tier (its disk file deleted; its store object removed unless
+        `keep_stored`); True when a local tier held it."""
+        if self.store is not None and not keep_stored:
+            self.store.discard(key)
         if key in self.host:
             snap = self.host.pop(key)
             self._held("host", -snap.nbytes, -1)
@@ -292,6 +325,11 @@ class KVTiers:
         KeyError when not held; CorruptFile when its disk file fails a check (then deleted and counted)."""
         if key in self.host:
             return self.host[key], "host"
+        if key not in self.disk and self.store is not None:
+            snap = self.store.get(key)  # CorruptFile: refused, counted and removed there
+            if snap is None:
+                raise CorruptFile("no longer in the cluster store (evicted, or the store is unavailable)")
+            return snap, "store"
         entry = self.disk[key]
         try:
             _, data = self._read(entry.path, key, whole=True)
@@ -335,7 +373,7 @@ class KVTiers:
         s.restores += 1
         s.restore_bytes += nbytes
         s.restore_seconds += seconds
-        self.discard(key)
+        self.discard(key, keep_stored=True)  # the store's copy stays: other workers may need it
 
     # ------------------------------------------------------------------ start
     def _scan(self) -> None:
@@ -387,4 +425,4 @@ class KVTiers:
         log.warning("KV disk tier: %s %s, not served: %s", "deleted" if deleted else "left", path.name, why)
 
     def snapshot_stats(self) -> dict[str, TierStats]:
-        return {k: TierStats(**vars(v)) for k, v in self.stats.items()}
+        return {k: type(v)(**vars(v)) for k, v in self.stats.items()}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.checkpoint.config import checkpoint_config
+from expertmesh.entry.kv_store_service import KV_STORES, KVStoreService
 from expertmesh.model.config import ModelConfig
 from expertmesh.placement.planner import ClusterShape, placed_layers, plan_placement
 from expertmesh.runtime.shutdown import PARENT_ENV
@@ -155,6 +156,8 @@ class LocalCluster:
         prefill_workers: int = 0,
         speculative_method: str | None = None,
         speculative_tokens: int = 0,
+        kv_store: str | None = None,
+        kv_store_gib: float = 0.25,
     ):
         """`tls_dir`: mutual TLS between router and workers and TLS on the router's public endpoints;
         `worker_tls_dir`: mutual TLS between the processes only (the public endpoints stay plain on loopback);
@@ -166,7 +169,9 @@ class LocalCluster:
         then the prefill pool's); `prefill_workers`: a prefill pool of that many attention workers (prefill-<i>,
         `--pool prefill`) beside the `attention_workers` (then `--pool decode`; router/disagg.py);
         `speculative_method` / `speculative_tokens`: speculative decoding, given to the attention workers and the
-        router alike (worker/speculation.py; 0 tokens: off)."""
+        router alike (worker/speculation.py; 0 tokens: off). `kv_store` "mooncake": the cluster KV tier — its master
+        and store process (`kv_store_gib` of memory) as children `kv-store-master` / `kv-store`
+        (entry/kv_store_service.py), every attention worker its client (worker/kv_store.py)."""
         if prefill_workers < 0:
             raise ValueError(f"prefill_workers={prefill_workers}: expected ≥ 0")
         if transport not in ("grpc", "collective"):
@@ -208,6 +213,9 @@ class LocalCluster:
         )
         self.children: list[Child] = []
         self.router: Child | None = None
+        if kv_store not in (None, *KV_STORES):
+            raise ValueError(f"kv_store: expected one of {', '.join(KV_STORES)}, found {kv_store!r}")
+        self.kv_store = KVStoreService(int(kv_store_gib * 2**30), host=host) if kv_store else None
         self.plan_path = self.run_dir / "plan.json"
 
     # ------------------------------------------------------------------ processes
@@ -256,7 +264,8 @@ class LocalCluster:
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
-        cmd = [sys.executable, "-m", "expertmesh.entry.cli", *args]
+        module = "expertmesh.entry.kv_store_service" if name.startswith("kv-store") else "expertmesh.entry.cli"
+        cmd = [sys.executable, "-m", module, *args]
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -281,10 +290,30 @@ class LocalCluster:
         if self.kv_disk_dir is not None:
             args += ["--kv-disk-dir", str(self.kv_disk_dir / name), "--kv-disk-gib", str(self.kv_disk_gib)]
             args += ["--kv-disk-key-file", str(self._disk_key_file())]
+        if self.kv_store is not None:
+            args += ["--kv-store-master", self.kv_store.master_address]
+            args += ["--kv-store-metadata", self.kv_store.metadata_url, "--kv-store-key-file", str(self._store_key())]
         if self.metrics_ports:
             args += ["--metrics-port", str(self.metrics_ports[i])]
             self.metrics_urls.append(f"http://{self.host}:{self.metrics_ports[i]}")
         return args
+
+    def _start_kv_store(self, timeout: float) -> None:
+        """The cluster KV tier's master, then its store process, as supervised children."""
+        s = self.kv_store
+        ports = ",".join(str(p) for p in (s.rpc_port, s.metadata_port, s.metrics_port, s.store_port))
+        common = ["--ports", ports, "--store-bytes", str(s.store_bytes), "--host", self.host]
+        self._wait_ready([self._spawn("kv-store-master", ["master", *common])], timeout)
+        self._wait_ready([self._spawn("kv-store", ["store", *common])], timeout)
+
+    def _store_key(self) -> Path:
+        """The attention workers' shared store secret (0600, in the run folder)."""
+        path = self.run_dir / "kv-store-key"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+        return path
 
     def _disk_key_file(self) -> Path:
         """The secret the attention workers' tier files are authenticated with (worker/kv_tiers.py), kept beside
@@ -378,6 +407,12 @@ class LocalCluster:
             d = self.tls_dir
             router_tls += ["--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key")]
         common_w = common + worker_tls + self.device_args
+        if self.kv_store is not None:
+            try:
+                self._start_kv_store(timeout)
+            except BaseException:
+                self.stop()
+                raise
 
         def attention_worker(i: int, name: str, pool: str) -> Child:
             return self._spawn(

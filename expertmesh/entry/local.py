@@ -10,6 +10,7 @@ from expertmesh.router.engine import Engine
 from expertmesh.router.engine_config import EngineConfig
 from expertmesh.worker.attention import AttentionWorker
 from expertmesh.worker.expert import ExpertWorker
+from expertmesh.worker.kv_store import attach_cluster_store
 
 
 def build_local_engine(
@@ -28,6 +29,7 @@ def build_local_engine(
     prefill_workers: int = 0,
     config: EngineConfig | None = None,
     drafter=None,
+    kv_store: dict | None = None,
     **engine_kw,
 ) -> Engine:
     """`serving_cfg`: the checkpoint's config with a deployment's serving limits (router.server.serving_config:
@@ -38,10 +40,12 @@ def build_local_engine(
     pool (router/disagg.py; 0: one colocated pool). `config`: the engine's settings, or `engine_kw` its fields
     (EngineConfig(**engine_kw)); its speculative_method / speculative_tokens go to the attention workers too.
     `drafter`: a test hook — called with each attention worker's Speculation to replace its drafter's proposals.
+    `kv_store`: the cluster KV tier every attention worker gets (worker/kv_store.attach_cluster_store's keyword
+    arguments: master, metadata, deployment, secret, capacity_bytes); the engine is told (EngineConfig.kv_store).
     Returns the engine started."""
     if config is not None and engine_kw:
         raise TypeError(f"build_local_engine: config= or EngineConfig fields, not both ({', '.join(engine_kw)})")
-    config = config or EngineConfig(**engine_kw)
+    config = config or EngineConfig(**({"kv_store": True} if kv_store else {}) | engine_kw)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     cfg = ckpt.cfg
     mtp = config.speculative_method == "mtp" and config.speculative_tokens > 0  # the MTP layer's experts placed too
@@ -66,5 +70,7 @@ def build_local_engine(
     if drafter is not None:
         for worker in decode + prefill:
             drafter(worker.spec)
+    for worker in decode + prefill if kv_store else ():
+        attach_cluster_store(worker, **kv_store)
     experts = [ExpertWorker(ckpt, placement.experts_of(i), name=f"expert-{i}") for i in range(expert_workers)]
     return Engine(serving_cfg or cfg, decode, experts, placement, config, prefill=prefill or None).start()
