@@ -352,3 +352,16 @@ def test_a_body_past_the_routers_limit_is_not_held(picker):
     last = envoy.recv().request_body.response.body_mutation.streamed_response
     assert (last.body, last.end_of_stream) == (b"end", True)
     assert envoy.close() == []
+
+
+def test_epp_replicas_flag_is_checked_naming_it():
+    from expertmesh.router.replica_set import parse_replicas
+
+    assert parse_replicas("10.0.0.1:8000, router-pods.ns.svc:8000,[::1]:9") == [
+        ("10.0.0.1", 8000),
+        ("router-pods.ns.svc", 8000),
+        ("::1", 9),
+    ]
+    for bad in ("10.0.0.1", "host:http", "host:0", ":8000"):
+        with pytest.raises(ValueError, match=r"--epp-replicas: .*expected HOST:PORT"):
+            parse_replicas(bad)
