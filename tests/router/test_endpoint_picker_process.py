@@ -13,12 +13,14 @@ import time
 
 import grpc
 import httpx
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.entry.cluster import free_port
 from expertmesh.protos import ext_proc_pb2 as pb
 from expertmesh.protos import ext_proc_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # a whole `up` (router + workers as processes): ~20 s
 DEST = "x-gateway-destination-endpoint"
 
 
