@@ -37,7 +37,7 @@ GIB = 2**30
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="full-2.8t", help="model preset (default full-2.8t)")
-    p.add_argument("--expert-pods", type=positive_int, required=True, metavar="N", help="expert worker pods")
+    p.add_argument("--expert-pods", type=positive_int, metavar="N", help="expert worker pods (required without --slo)")
     p.add_argument("--gpus-per-pod", type=positive_int, default=8, metavar="G", help="GPUs per expert pod (default 8)")
     p.add_argument(
         "--gpu-memory-gib", type=positive_float, default=141.0, metavar="GIB", help="memory per GPU (default 141)"
@@ -77,6 +77,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mtp; Kimi K3 ships 1); default 0",
     )
 
+    slo = p.add_argument_group("sizing for an SLO (--slo): the smallest layout the forecast says meets it")
+    slo.add_argument("--slo", metavar="ttft=S,tpot=MS", help="TTFT in seconds and TPOT in milliseconds to meet")
+    slo.add_argument("--gpu", default="h200", help="GPU type for --slo (expertmesh predict's; default h200)")
+    slo.add_argument("--input-len", type=positive_int, default=8192, metavar="N", help="prompt tokens (default 8192)")
+    slo.add_argument("--output-len", type=positive_int, default=1024, metavar="N", help="output tokens (default 1024)")
+    slo.add_argument("--weights", default="mxfp4", help="routed experts' dtype for --slo (default mxfp4)")
+    slo.add_argument("--write-deployment", type=Path, metavar="FILE", help="write the proposal as a MoEDeployment")
+    slo.add_argument("--name", default="kimi", help="the written MoEDeployment's name (default kimi)")
+
+
+def run_slo(args) -> int:
+    """`plan --slo`: the smallest layout meeting the SLO, printed, and optionally written as a MoEDeployment."""
+    from expertmesh.forecast.predict import Workload
+    from expertmesh.operator.forecast import deployment_manifest, forecast_summary, parse_slo, propose
+
+    try:
+        proposal = propose(
+            args.preset, args.gpu, parse_slo(args.slo), Workload(args.input_len, args.output_len), args.weights
+        )
+    except ValueError as e:
+        print(f"expertmesh plan: {e}", file=sys.stderr)
+        return 2
+    lay = proposal.layout
+    attention = "DP attention" if lay.dp_attention else f"TP {lay.tp} attention"
+    pools = f", prefill pool {lay.prefill_gpus} + decode pool {lay.decode_gpus} GPUs" if lay.prefill_gpus else ""
+    print(
+        f"expertmesh plan --slo {args.slo}: {args.preset} on {proposal.nodes} {args.gpu} node(s), {lay.gpus} GPUs, "
+        f"{attention}, experts wide over each pool{pools}"
+    )
+    for key, value in forecast_summary(proposal).items():
+        print(f"  {key}: {value}")
+    if args.write_deployment is not None:
+        import yaml
+
+        manifest = deployment_manifest(args.name, args.preset, proposal, weights=args.weights)
+        args.write_deployment.parent.mkdir(parents=True, exist_ok=True)
+        args.write_deployment.write_text(yaml.safe_dump(manifest, sort_keys=False))
+        print(f"wrote MoEDeployment {args.name} to {args.write_deployment}")
+    return 0
+
 
 def read_loads(path: Path) -> np.ndarray:
     """A loads file: .npy (any numeric array) or .json (nested lists [layers][experts])."""
@@ -103,6 +143,11 @@ def _unit(n_bytes: float) -> tuple[str, int]:
 
 
 def run(args) -> int:
+    if args.slo:
+        return run_slo(args)
+    if args.expert_pods is None:
+        print("expertmesh plan: --expert-pods N is required (or --slo to size for an SLO)", file=sys.stderr)
+        return 2
     try:
         cfg = preset(args.preset)
         mtp = args.mtp_layers > 0

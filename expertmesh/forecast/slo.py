@@ -61,26 +61,21 @@ def smallest_layout(
     attention: str = "bf16",
     max_nodes: int = 64,
 ) -> Proposal:
-    """The fewest whole nodes whose best layout meets the SLO: decode on DP attention with wide EP, prefill on its
-    own pool (a quarter of the nodes, at least one), the batch per decode GPU the largest within the TPOT; among
-    layouts with equal nodes, the most decode throughput. Raises ValueError when nothing up to `max_nodes` does."""
+    """The fewest whole nodes whose best layout meets the SLO: attention TP over each node or DP attention, experts
+    wide over the pool, prefill on the same GPUs or its own pool (a quarter of the nodes), the batch per decode
+    GPU the largest within the TPOT; among layouts with equal nodes, the most decode throughput per GPU. Raises
+    ValueError when nothing up to `max_nodes` does."""
     g = gpu_named(gpu)
     last_reason = "no layout fits the weights"
     for nodes in range(1, max_nodes + 1):
         gpus = nodes * g.gpus_per_node
-        candidates = []
-        if nodes == 1:
-            candidates.append(Layout(gpus=gpus, tp=gpus))
-        else:
-            prefill_nodes = max(1, nodes // 4)
-            candidates.append(
-                Layout(
-                    gpus=gpus,
-                    dp_attention=True,
-                    prefill_gpus=prefill_nodes * g.gpus_per_node,
-                    decode_gpus=(nodes - prefill_nodes) * g.gpus_per_node,
+        candidates = [Layout(gpus=gpus, tp=g.gpus_per_node)]  # TP attention per node, experts wide over all
+        if nodes > 1:
+            prefill = max(1, nodes // 4) * g.gpus_per_node
+            for tp, dp in ((g.gpus_per_node, False), (1, True)):
+                candidates.append(
+                    Layout(gpus=gpus, tp=tp, dp_attention=dp, prefill_gpus=prefill, decode_gpus=gpus - prefill)
                 )
-            )
             candidates.append(Layout(gpus=gpus, dp_attention=True))
         best: Proposal | None = None
         for layout in candidates:
