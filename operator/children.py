@@ -15,6 +15,15 @@ import json
 import numpy as np
 
 from expertmesh.operator.gateway import absent_gateway_children, gateway_children, router_epp_ports
+from expertmesh.operator.lws import (
+    LWS_API,
+    LWS_KIND,
+    as_leader_worker_set,
+    pod_template,
+    role_labels,
+    uses_lws,
+    workload_kind,
+)
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
     COMPONENT_EXPERT,
@@ -66,11 +75,9 @@ def _stamped(workload: dict) -> dict:
 def template_hashes(children: list[dict]) -> dict[str, str]:
     """component → the pod-template hash of its workload among `children`."""
     return {
-        c["metadata"]["labels"][LABEL_COMPONENT]: c["spec"]["template"]["metadata"]["annotations"][
-            TEMPLATE_HASH_ANNOTATION
-        ]
+        c["metadata"]["labels"][LABEL_COMPONENT]: pod_template(c)["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
         for c in children
-        if c["kind"] in ("StatefulSet", "Deployment")
+        if c["kind"] in ("StatefulSet", "Deployment", LWS_KIND)
     }
 
 
@@ -152,7 +159,10 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
         "replicas": pool.replicas,
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector_labels(name, pool.component)},
-        "template": {"metadata": {"labels": labels(name, pool.component, spec)}, "spec": pod},
+        "template": {
+            "metadata": {"labels": {**labels(name, pool.component, spec), **role_labels(pool.role)}},
+            "spec": pod,
+        },
     }
     if claims:
         sts["volumeClaimTemplates"] = claims
@@ -189,7 +199,7 @@ def pool_hpa(name: str, namespace: str, spec: MoEDeploymentSpec, pool: Pool) -> 
         "kind": "HorizontalPodAutoscaler",
         "metadata": object_meta(pool.statefulset, namespace, pool.component, spec, instance=name),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": pool.statefulset},
+            "scaleTargetRef": dict(zip(("apiVersion", "kind"), workload_kind(spec)), name=pool.statefulset),
             "minReplicas": a.min_replicas,
             "maxReplicas": a.max_replicas,
             "metrics": [
@@ -375,6 +385,13 @@ def worker_network_policy(
     }
 
 
+def workloads(spec: MoEDeploymentSpec, statefulsets: list[dict], group_size: int) -> list[dict]:
+    """The StatefulSets as they are, or (spec.workload leaderworkerset) as LeaderWorkerSets (lws.py)."""
+    if not uses_lws(spec):
+        return statefulsets
+    return [as_leader_worker_set(s, spec, group_size=group_size) for s in statefulsets]
+
+
 def build_children(
     name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan, observed: dict[str, int] | None = None
 ) -> list[dict]:
@@ -386,8 +403,8 @@ def build_children(
         plan_configmap(name, namespace, spec, cfg, plan),
         *(headless_service(name, namespace, spec, p.statefulset, p.component) for p in pools),
         headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
-        *(attention_statefulset(name, namespace, spec, cfg, p) for p in pools),
-        expert_statefulset(name, namespace, spec, plan),
+        *workloads(spec, [attention_statefulset(name, namespace, spec, cfg, p) for p in pools], group_size=1),
+        *workloads(spec, [expert_statefulset(name, namespace, spec, plan)], group_size=spec.expert_workers.replicas),
         *(pool_hpa(name, namespace, spec, p) for p in pools if p.autoscale is not None),
         expert_pdb(name, namespace, spec),
         router_deployment(name, namespace, spec, plan, pools),
@@ -398,11 +415,12 @@ def build_children(
     ]
 
 
-def absent_children(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, str]]:
+def absent_children(name: str, spec: MoEDeploymentSpec, *, other_kinds: bool = False) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of the children this spec does not have but an earlier one may have made: the
     prefill pool's objects once it is gone (replicas 0, no autoscale), a pool's HorizontalPodAutoscaler once the pool
-    is no longer autoscaled (left alone it would keep resizing the StatefulSet the operator now sizes). The handler
-    deletes those the MoEDeployment owns."""
+    is no longer autoscaled (left alone it would keep resizing the StatefulSet the operator now sizes); with
+    `other_kinds` also those of the kinds this spec does not use (absent_kinds). The handler deletes those the
+    MoEDeployment owns."""
     pools = attention_pools(name, spec)
     out = []
     if not any(p.component == COMPONENT_PREFILL for p in pools):
@@ -413,4 +431,17 @@ def absent_children(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, 
             ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name)),
         ]
     out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
+    return out + (absent_kinds(name, spec) if other_kinds else [])
+
+
+def absent_kinds(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, str]]:
+    """The children of the kinds this spec does not use, which an earlier one may have: the workers' other workload
+    kind after spec.workload changed (the LWS controller's own StatefulSets are its LeaderWorkerSets', never the
+    MoEDeployment's: the handler deletes only what the MoEDeployment owns), a prefill LeaderWorkerSet once the pool is
+    gone, the gateway's InferencePool and picker Service once spec.gateway drops them."""
+    other = ("apps/v1", "StatefulSet") if uses_lws(spec) else (LWS_API, LWS_KIND)
+    pools = attention_pools(name, spec)
+    out = [(*other, n) for n in [p.statefulset for p in pools] + [expert_name(name)]]
+    if uses_lws(spec) and not any(p.component == COMPONENT_PREFILL for p in pools):
+        out.append((LWS_API, LWS_KIND, prefill_name(name)))
     return out + absent_gateway_children(name, spec)

@@ -52,6 +52,7 @@ from expertmesh.operator.budget import (
 )
 from expertmesh.operator.children import absent_children, build_children, load_configmap, revision, template_hashes
 from expertmesh.operator.kube import Kube, KubeError
+from expertmesh.operator.lws import LWS_RESOURCE, workload_kind
 from expertmesh.operator.model_license import license_verdict
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
@@ -247,7 +248,7 @@ async def _observed_replicas(deps: Deps, namespace: str, name: str, spec, retry:
     for pool in attention_pools(name, spec):
         if pool.autoscale is None:
             continue
-        sts = await _api(deps.kube.get("apps/v1", "StatefulSet", namespace, pool.statefulset), retry)
+        sts = await _api(deps.kube.get(*workload_kind(spec), namespace, pool.statefulset), retry)  # or its LWS
         replicas = ((sts or {}).get("spec") or {}).get("replicas")
         if isinstance(replicas, int) and not isinstance(replicas, bool):
             out[pool.component] = replicas
@@ -259,10 +260,10 @@ def _pool_sizes(name: str, spec, observed: dict[str, int]) -> dict[str, int]:
 
 
 async def _delete_absent(deps: Deps, owner: dict, name: str, namespace: str, spec, retry: int = 0) -> None:
-    """Delete the children this spec no longer has (children.absent_children) — only those this MoEDeployment
-    owns."""
+    """Delete the children this spec no longer has, of every kind (children.absent_children) — only those this
+    MoEDeployment owns."""
     uid = (owner.get("metadata") or {}).get("uid")
-    for api_version, kind, child in absent_children(name, spec):
+    for api_version, kind, child in absent_children(name, spec, other_kinds=True):
         obj = await _api(deps.kube.get(api_version, kind, namespace, child), retry)
         owners = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
         if obj is not None and uid and any(r.get("uid") == uid for r in owners):
@@ -671,12 +672,13 @@ def build_registry(
             except kopf.TemporaryError as e:  # event handlers are not retried: the next pod event will be
                 logger.warning(f"observing pods of {instance}: {e}")
 
+    @kopf.on.event(*LWS_RESOURCE, id="lws_scale", labels={LABEL_MANAGED_BY: OPERATOR_NAME}, registry=reg)
     @kopf.on.event(
         "apps", "v1", "statefulsets", id="pool_scale", labels={LABEL_MANAGED_BY: OPERATOR_NAME}, registry=reg
     )
     async def pool_scale(namespace: str, body, memo, logger, expertmesh_pods, **_: Any) -> None:
-        """An attention pool's StatefulSet changed size (its HorizontalPodAutoscaler): re-assess its deployment,
-        which re-renders the router's worker lists. Other changes of the StatefulSet (its status) are skipped."""
+        """An attention pool's StatefulSet or LeaderWorkerSet changed size (its HorizontalPodAutoscaler): re-assess its
+        deployment, which re-renders the router's worker lists. Other changes (its status) are skipped."""
         meta = body.get("metadata") or {}
         lab = meta.get("labels") or {}
         instance, replicas = lab.get(LABEL_INSTANCE), (body.get("spec") or {}).get("replicas")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 
 from expertmesh.operator.gateway import router_epp_args
+from expertmesh.operator.lws import expert_addresses, uses_lws
 from expertmesh.operator.naming import (
     HEALTH_PORT,
     KV_DISK_MOUNT,
@@ -118,7 +119,9 @@ def router_pool_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: 
     def addresses(pool: Pool) -> str:
         return ",".join(statefulset_addresses(name, namespace, pool.statefulset, pool.replicas))
 
-    exp = statefulset_addresses(name, namespace, expert_name(name), spec.expert_workers.replicas)
+    exp = (expert_addresses if uses_lws(spec) else statefulset_addresses)(
+        name, namespace, expert_name(name), spec.expert_workers.replicas
+    )
     out = ["--attention", addresses(pools[0]), "--experts", ",".join(exp)]
     for pool in pools[1:]:
         out += ["--prefill", addresses(pool)]

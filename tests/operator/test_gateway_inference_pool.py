@@ -93,10 +93,10 @@ def test_off_by_default_and_listed_for_deletion(tiny_plan):
     assert not any(k[0] == "InferencePool" or k[1] == "kimi-epp" for k in children)
     container = _router_container(children)
     assert "--epp-port" not in container["args"] and "epp" not in {p["name"] for p in container["ports"]}
-    gone = absent_children("kimi", parse_spec(tiny()))
+    gone = absent_children("kimi", parse_spec(tiny()), other_kinds=True)
     assert (INFERENCE_POOL_API, "InferencePool", "kimi") in gone and ("v1", "Service", "kimi-epp") in gone
     assert not {k for k in gone if k[1] == "InferencePool"} & set(
-        absent_children("kimi", parse_spec(tiny(gateway={"inferencePool": True})))
+        absent_children("kimi", parse_spec(tiny(gateway={"inferencePool": True})), other_kinds=True)
     )
 
 
