@@ -398,6 +398,8 @@ class Engine(StepCalls, HandOffs):
         for i, (known, listing) in listings.items():
             if i not in self.attention_down:
                 self.kv.learn(i, listing, known)
+            else:  # gone since it listed them: what it put in the cluster store another worker still restores
+                self.kv.learn(i, [entry for entry in listing if entry[2] == "store"])
 
     def _refresh_all(self, interval: float = 0.5) -> bool:
         """Re-read every live worker's free blocks (at most every `interval` s): the router's counts go stale when

@@ -255,18 +255,23 @@ class _View:
         w = affinity_worker(key, live)
         return w if self.free[w] >= need and not self.overloaded(w, limits) else None
 
-    def elsewhere(self, req: Request, hit: tuple[int, str, int], reserve: int, limits: Limits):
+    def elsewhere(self, req: Request, hit: tuple[int, str, int], reserve: int, limits: Limits, adm: Admission):
         """A hit its worker cannot serve now, on another worker when the cluster store holds it (restored there
-        whole: the reservation's blocks, none shared) — its session's worker, else the one with the most room;
-        None otherwise."""
+        whole: the reservation's blocks, none shared) — its session's worker, else the one with the most room, else
+        the live one with the most free blocks after evictions (set on `adm`); None otherwise."""
         worker, key, length = hit
         if not self.kv.in_cluster(key):
             return None
         fresh = self.kv.blocks_for(0, reserve)
         w = self.session_worker(req, fresh, limits)
         if w is None or w == worker:
-            fits = [x for x, free in self.free.items() if free >= fresh and x not in self.down and x != worker]
+            others = [x for x in self.free if x not in self.down and x != worker]
+            fits = [x for x in others if self.free[x] >= fresh]
             w = max(fits, key=lambda x: (self.free[x], -self.sequences[x], -x)) if fits else None
+            if w is None and others:  # make room there: its prefixes demoted (into the store too) or dropped
+                target = max(others, key=lambda x: (self.free[x], -x))
+                adm.evict, adm.need = self.evictable(target), fresh
+                w = target if adm.evict else None
         return None if w is None else (w, key, length)
 
     def take(self, worker: int, reserve: int, cached: int) -> None:
@@ -286,11 +291,11 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
         # a prefix below the device comes back whole: the reservation's blocks, none shared
         need = view.kv.blocks_for(worker, reserve, 0 if view.kv.is_lower(key) else hit[2])
         if worker in view.down or view.overloaded(worker, limits):
-            hit = view.elsewhere(req, hit, reserve, limits)
+            hit = view.elsewhere(req, hit, reserve, limits, adm)
         elif view.free[worker] < need:
             adm.evict, adm.need = view.evictable(worker), need  # the hit itself last (demoted: then restored)
             if not adm.evict:
-                hit = view.elsewhere(req, hit, reserve, limits)
+                hit = view.elsewhere(req, hit, reserve, limits, adm)
         if hit is not None:
             adm.candidates.append(hit)
     fresh = view.kv.blocks_for(0, reserve)

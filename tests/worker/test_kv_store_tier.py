@@ -13,6 +13,7 @@ pytest.importorskip("mooncake.store", reason="the Mooncake wheel (mooncake-trans
 
 from expertmesh.entry.kv_store_service import KVStoreService  # noqa: E402
 from expertmesh.entry.local import build_local_engine  # noqa: E402
+from expertmesh.wire.kv_snapshot import CorruptFile, encode  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 from expertmesh.worker.kv_store import ClusterStore, connect_mooncake, object_key  # noqa: E402
 
@@ -44,9 +45,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def device_copy(worker, key):
     p = worker.prefixes[key]
     pages = {layer: p.kv.read(layer, p.length) for layer in worker.cfg.latent_kv_layers}
-    return {
-        layer: tuple(None if t is None else bits(t).clone() for t in pair) for layer, pair in pages.items()
-    }, {i: (bits(s).clone(), bits(c).clone()) for i, (s, c) in p.kda_states.items()}
+    return {layer: tuple(None if t is None else bits(t).clone() for t in pair) for layer, pair in pages.items()}, {
+        i: (bits(s).clone(), bits(c).clone()) for i, (s, c) in p.kda_states.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_keys_are_the_deployments_own_and_corrupt_or_foreign_objects_are_refused
     assert other.put(key, snap)
     assert raw.upsert(object_key("dep-a", key), raw.get(object_key("dep-b", key))) == 0
     rejected = mine.stats.rejected
-    with pytest.raises(Exception, match="tag|MAC|checksum"):
+    with pytest.raises(CorruptFile, match="tag|MAC|checksum"):
         mine.get(key)
     assert mine.stats.rejected == rejected + 1
     # a torn / corrupted object
@@ -122,7 +123,7 @@ def test_keys_are_the_deployments_own_and_corrupt_or_foreign_objects_are_refused
     data = bytearray(raw.get(object_key("dep-a", key)))
     data[-40] ^= 1
     assert raw.upsert(object_key("dep-a", key), bytes(data)) == 0
-    with pytest.raises(Exception):
+    with pytest.raises(CorruptFile):
         mine.get(key)
     assert mine.stats.rejected == rejected + 2
     other.close()
@@ -130,7 +131,7 @@ def test_keys_are_the_deployments_own_and_corrupt_or_foreign_objects_are_refused
 
 def test_the_bound_holds_oldest_puts_removed_first(engine):
     w, key, snap = snapshot_of(engine)
-    nbytes = len(__import__("expertmesh.wire.kv_snapshot", fromlist=["encode"]).encode(key, "x", snap))
+    nbytes = len(encode(key, "x", snap))
     small = ClusterStore(
         deployment="dep-bound",
         secret=SECRET,
