@@ -31,6 +31,7 @@ lint: install
 
 test: install lint
 	scripts/install-tools.sh
+	scripts/install-libibverbs.sh
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -q
 
 bench: install

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from expertmesh.checkpoint.embedded import default_checkpoint_dir
 from expertmesh.entry.cluster import LocalCluster, default_expert_workers, supervise
+from expertmesh.entry.kv_store_service import KV_STORES
 from expertmesh.router.server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS
 from expertmesh.router.server import add_arguments as router_arguments
 from expertmesh.runtime.argtypes import check_kv_tiers, nonnegative_int, positive_int
@@ -89,6 +90,8 @@ def run_up(args) -> int:
         args.expert_workers = default_expert_workers(replicas=args.expert_replicas)
     try:
         check_kv_tiers(args.kv_host_gib, args.kv_disk_dir, args.kv_disk_gib)
+        if args.kv_store_gib <= 0:
+            raise ValueError(f"--kv-store-gib {args.kv_store_gib}: expected > 0")
         engine = router_engine_config(args, passed_to_router)
     except ValueError as e:
         print(f"expertmesh up: error: {e}", file=sys.stderr)
@@ -126,6 +129,8 @@ def run_up(args) -> int:
         prefill_workers=args.prefill_workers,
         speculative_method=args.speculative_method,
         speculative_tokens=args.speculative_tokens,
+        kv_store=args.kv_store,
+        kv_store_gib=args.kv_store_gib,
     )
     stop = stop_on_signals()
     pools = (
@@ -267,6 +272,17 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--kv-disk-gib", type=float, default=0.0, metavar="GIB", help="each attention worker's bound in --kv-disk-dir"
+    )
+    p.add_argument(
+        "--kv-store",
+        choices=KV_STORES,
+        default=None,
+        help="a cluster KV tier below host and disk that every attention worker shares: mooncake — Mooncake's "
+        "master and store process run as supervised children, demoted prefixes are put there and any attention "
+        "worker restores them (needs the mooncake-transfer-engine-non-cuda wheel and libibverbs1)",
+    )
+    p.add_argument(
+        "--kv-store-gib", type=float, default=1.0, metavar="GIB", help="the cluster KV store's memory (--kv-store)"
     )
     p.add_argument("--verbose", action="store_true", help="echo every process's output")
     p.add_argument(

@@ -67,3 +67,13 @@ def test_a_killed_workers_prefix_is_restored_from_the_store_on_the_other_worker(
         for p in prompts[3:5]:
             more = p + [rng.randrange(256) for _ in range(20)]
             assert grpc_generate(address, more, 8)[0] == reference(model, more)
+
+
+def test_up_refuses_a_bad_kv_store_flag_naming_it(capsys):
+    from expertmesh.entry.cli import main
+
+    assert main(["up", "--kv-store-gib", "0"]) == 2
+    assert "--kv-store-gib 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["up", "--kv-store", "redis"])
+    assert "--kv-store" in capsys.readouterr().err
