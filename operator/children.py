@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 
+from expertmesh.operator.devices import compute_domain, queued
 from expertmesh.operator.gateway import absent_gateway_children, gateway_children, router_epp_ports
 from expertmesh.operator.lws import (
     LWS_API,
@@ -387,9 +388,9 @@ def worker_network_policy(
 
 def workloads(spec: MoEDeploymentSpec, statefulsets: list[dict], group_size: int) -> list[dict]:
     """The StatefulSets as they are, or (spec.workload leaderworkerset) as LeaderWorkerSets (lws.py)."""
-    if not uses_lws(spec):
-        return statefulsets
-    return [as_leader_worker_set(s, spec, group_size=group_size) for s in statefulsets]
+    if uses_lws(spec):
+        statefulsets = [as_leader_worker_set(s, spec, group_size=group_size) for s in statefulsets]
+    return [queued(s, spec) for s in statefulsets]  # spec.queueName: Kueue's label (devices.py)
 
 
 def build_children(
@@ -401,13 +402,14 @@ def build_children(
     pools = attention_pools(name, spec, observed)
     return [
         plan_configmap(name, namespace, spec, cfg, plan),
+        *compute_domain(name, namespace, spec),  # before the pods that claim its channel
         *(headless_service(name, namespace, spec, p.statefulset, p.component) for p in pools),
         headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
         *workloads(spec, [attention_statefulset(name, namespace, spec, cfg, p) for p in pools], group_size=1),
         *workloads(spec, [expert_statefulset(name, namespace, spec, plan)], group_size=spec.expert_workers.replicas),
         *(pool_hpa(name, namespace, spec, p) for p in pools if p.autoscale is not None),
         expert_pdb(name, namespace, spec),
-        router_deployment(name, namespace, spec, plan, pools),
+        queued(router_deployment(name, namespace, spec, plan, pools), spec),
         router_service(name, namespace, spec),
         *gateway_children(name, namespace, spec),
         *(worker_network_policy(name, namespace, spec, p.component, pools) for p in pools),

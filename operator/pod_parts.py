@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from expertmesh.operator.devices import with_devices
 from expertmesh.operator.naming import (
     CACHE_MOUNT,
     CHECKPOINT_MOUNT,
@@ -168,7 +169,7 @@ def pod_spec(name: str, component: str, spec: MoEDeploymentSpec, container: dict
                 "labelSelector": {"matchLabels": selector_labels(name, component)},
             }
         ]
-    return pod
+    return with_devices(pod, spec)  # spec.devices: GPUs through DRA claims (devices.py)
 
 
 KV_DISK_VOLUME = "kv-disk"
