@@ -17,7 +17,6 @@ from expertmesh.operator.validation import DNS1123_LABEL, DNS1123_LABEL_MAX
 # the Gateway API Inference Extension's conventional endpoint-picker port (an InferencePool's endpointPickerRef
 # defaults to it for a Service); the router serves its ext_proc picker there (`expertmesh router --epp-port`)
 DEFAULT_EPP_PORT = 9002
-MAX_GROUP_RESTARTS = 1000
 WORKLOADS = ("statefulset", "leaderworkerset")
 CHANNEL_SUFFIX = "-channel"  # a ComputeDomain's IMEX-channel ResourceClaimTemplate: <computeDomain>-channel
 
@@ -68,14 +67,6 @@ class LeaderWorkerSetSpec(SpecModel):
         "RecreateGroupOnPodRestart",
         description="RecreateGroupOnPodRestart: a pod's restart recreates its whole group; None: pods restart alone "
         "(the operator re-plans around a lost expert pod)",
-    )
-    max_group_restarts: int = Field(
-        5,
-        ge=0,
-        le=MAX_GROUP_RESTARTS,
-        strict=True,
-        description="group recreations the operator lets a LeaderWorkerSet have; past them it sets the set's "
-        "restartPolicy to None (pods restart alone) and reports Degraded, reason GroupRestartLimit; 0: no limit",
     )
 
 

@@ -136,8 +136,7 @@ def test_the_other_workload_kind_is_listed_for_deletion():
         ({"leaderWorkerSet": {}}, "spec.leaderWorkerSet is set but spec.workload is 'statefulset'"),
         ({**LWS, "leaderWorkerSet": {"restartPolicy": "Default"}}, "spec.leaderWorkerSet.restartPolicy"),
         ({**LWS, "leaderWorkerSet": {"startupPolicy": "Eager"}}, "spec.leaderWorkerSet.startupPolicy"),
-        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": "3"}}, "spec.leaderWorkerSet.maxGroupRestarts"),
-        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": -1}}, "spec.leaderWorkerSet.maxGroupRestarts"),
+        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": 3}}, "spec.leaderWorkerSet.maxGroupRestarts"),  # not one
         ({"workload": "deployment"}, "spec.workload"),
     ],
 )
