@@ -7,6 +7,10 @@ dense; B300 (Blackwell Ultra): 288 GB, 8 TB/s, the same BF16 / FP8 and 1.5x the 
 1.8 TB/s); GB200 — the GB200 NVL72 datasheet per GPU (186 GB HBM3e at 8 TB/s, 2.5 PFLOP/s BF16, 5 FP8, 10 FP4 dense,
 72 GPUs in one NVLink domain). NVLink figures are bidirectional; a transfer moves at half. Scale-out: one
 ConnectX-7 400 Gb/s NIC per GPU (50 GB/s) on Hopper and HGX B200, ConnectX-8 800 Gb/s (100 GB/s) on B300 and GB200.
+The datasheets themselves were not re-read here (assumed as recalled); what could be read agrees: DeepEP's README
+puts H800's NVLink at ~160 GB/s achievable (docs/legacy.md), a 400 Gb/s CX7 at ~50 GB/s; third-party summaries of
+the HGX B300 sheet (glennklockwood.com/garden/processors/B300; fibermall's HGX B300 / B200 table) give B300 288 GB,
+8 TB/s, 2.25 PFLOP/s BF16 dense, ~13 PFLOP/s FP4 dense (13.5 taken) against B200's 9.
 """
 
 from __future__ import annotations

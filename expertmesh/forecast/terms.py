@@ -14,37 +14,48 @@ from dataclasses import dataclass, field
 from expertmesh.forecast.gpus import GPU
 
 # ---------------------------------------------------------------------------------------------- efficiencies
-# memory-bound attention: FlashMLA (deepseek-ai/FlashMLA README) reaches 3,000 GB/s of H800 SXM5's 3.35 TB/s
+# Each figure below was read from the source its comment names (the repositories' README tables at the commits
+# given); where no source could be read here the comment says "assumed".
+# memory-bound attention: FlashMLA (deepseek-ai/FlashMLA README.md, first release 414a2f3, 2025-02-21) reaches
+# 3,000 GB/s of H800 SXM5's 3.35 TB/s
 ATTENTION_BANDWIDTH = 3000 / 3350
-# compute-bound attention: FlashMLA 580 TFLOP/s of H800's 989 BF16 (its first release; the same README's later
-# kernels reach 660)
+# compute-bound attention: the same README, 580 TFLOP/s BF16 of H800's 989 (CUDA 12.6; its 2025-04-22 release
+# reaches 660, its DSA sparse decoding kernel 410) — the first release's figure, what the Feb–May 2025 runs had
 ATTENTION_COMPUTE = 580 / 989
-# weight-streaming GEMMs (decode, small M): DeepGEMM's README tables show its small-M FP8 GEMMs streaming weights at
-# roughly 2.6–2.7 TB/s of H800's 3.35 (below FlashMLA's 0.9: scale loads, per-expert tails) — 0.8 taken
+# weight-streaming GEMMs (decode, small M): DeepGEMM's README (deepseek-ai/DeepGEMM 989c9e3, 2025-04-09, H800,
+# NVCC 12.8), "Normal GEMMs for dense models", M 64 and 128: 1,509–2,668 GB/s; its best (M 64, N 7168, K 16384:
+# 2,668 GB/s) is 0.80 of 3.35 TB/s — taken, as the largest weights (the experts') stream at it
 WEIGHT_BANDWIDTH = 0.80
-# compute-bound GEMMs: DeepGEMM (deepseek-ai/DeepGEMM README) reaches up to 1,550 TFLOP/s FP8 on H800 (1,979 peak)
-# at its best shapes; its grouped (MoE) GEMMs on serving shapes about 1,200–1,300 — 0.62 taken for every GEMM
+# compute-bound GEMMs: the same README's "Grouped GEMMs for MoE models (contiguous layout)" (prefill): 1,214–1,346
+# TFLOP/s FP8 of H800's 1,979 (0.61–0.68); its dense M 4096 rows 775–1,520; "up to 1,550" after 2025-04-18 —
+# 0.62 (1,227) taken for every GEMM
 GEMM_COMPUTE = 0.62
-# NVLink all-to-all: DeepEP's intranode normal kernels move 153 GB/s (dispatch) / 158 (combine) over H800's
-# 200 GB/s one-way NVLink
+# NVLink all-to-all: DeepEP's intranode normal kernels move 153 GB/s (dispatch) / 158 (combine) on H800, whose
+# NVLink the README puts at "~160 GB/s maximum" (deepseek-ai/DeepEP docs/legacy.md, "Normal kernels with NVLink
+# and RDMA forwarding"; README.md until 567632d): 155 of the 200 GB/s one-way nominal
 NVLINK_EFFICIENCY = 155 / 200
-# DeepEP low-latency kernels (decode): achieved RDMA GB/s by EP size on H800 with one CX7 400 Gb/s NIC per GPU,
-# 128 tokens, hidden 7168, top-8, FP8 dispatch / BF16 combine (DeepEP README); scaled by the NIC's speed
+# DeepEP low-latency kernels (decode): RDMA GB/s by EP size on H800 with one CX7 400 Gb/s NIC (~50 GB/s) per GPU,
+# 128 tokens a batch, hidden 7168, top-8, FP8 dispatch / BF16 combine (DeepEP docs/legacy.md, "Low-latency kernels
+# with pure RDMA"; the figures since de8cfca, 2025-06-05); scaled by the NIC's speed
 DEEPEP_LL_DISPATCH = {8: 98, 16: 63, 32: 48, 64: 43, 128: 39, 256: 39}
-DEEPEP_LL_COMBINE = {8: 127, 16: 80, 32: 57, 64: 49, 128: 42, 256: 43}
-# DeepEP normal kernels (prefill), internode RDMA GB/s by EP size (DeepEP README; 4,096 tokens a batch)
+DEEPEP_LL_COMBINE = {8: 127, 16: 74, 32: 53, 64: 46, 128: 39, 256: 40}
+# DeepEP normal kernels (prefill), internode RDMA GB/s by EP size (the same section as NVLINK_EFFICIENCY; 4,096
+# tokens a batch, top-4 groups, top-8 experts)
 DEEPEP_NORMAL_DISPATCH = {16: 43, 32: 58, 64: 51}
 DEEPEP_NORMAL_COMBINE = {16: 43, 32: 57, 64: 50}
 DEEPEP_NIC_BYTES_PER_S = 50e9  # the CX7 400 Gb/s the tables were measured with
-# DeepEP's normal kernels take 24 of H800's 132 SMs (its tests' Buffer.set_num_sms(24)): while a prefill's
-# all-to-all overlaps compute, the GEMMs run on the rest
+# DeepEP's normal kernels take 24 of H800's 132 SMs: DeepSeek's prefill profile (deepseek-ai/profile-data,
+# assets/prefill.jpg: "Computation 108 SMs / Communication 24 SMs"); while a prefill's all-to-all overlaps compute,
+# the GEMMs run on the rest. Decode's low-latency kernels take none ("Communication 0 SMs", assets/decode.jpg)
 DEEPEP_NORMAL_SM_SHARE = 24 / 132
 # two-batch overlap hides only part of the all-to-all: LMSYS measured it raising DeepSeek's prefill throughput by
-# 27–35% on 96 H100s ("Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism", 2025-05-05):
-# an overlapped layer takes (compute + communication) / 1.31, never less than the longer of the two
+# "27% to 35%" on 96 H100s at the same tokens per device (lm-sys.github.io blog/2025-05-05-large-scale-ep.md,
+# "Ablation Study: Two-batch Overlap"): an overlapped layer takes (compute + communication) / 1.31, never less than
+# the longer of the two
 TWO_BATCH_OVERLAP_SPEEDUP = 1.31
-# the smallest cost of one kernel in a CUDA-graph-replayed step: 3.4 µs a kernel (NVIDIA, "Getting Started with
-# CUDA Graphs": a short kernel replayed from a graph, launch and execution together)
+# the smallest cost of one kernel in a CUDA-graph-replayed step: 3.4 µs — NVIDIA's "Getting Started with CUDA
+# Graphs" (developer.nvidia.com/blog/cuda-graphs) as recalled (a short kernel replayed from a graph, launch and
+# execution together); the page could not be read here, so assumed
 KERNEL_FLOOR_S = 3.4e-6
 # a TP all-reduce's fixed cost beyond its bytes: one custom one-shot kernel plus an NVLink round trip — assumed two
 # kernel floors (no published figure for decode-sized messages was found here)
