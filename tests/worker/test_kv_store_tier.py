@@ -162,3 +162,19 @@ def test_the_master_killed_means_local_tiers_only_and_its_restart_resumes_the_st
         time.sleep(0.5)
         store._down_until = 0.0
     assert store.get(key).length == snap.length
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--kv-store-master", "nowhere"], "--kv-store-master 'nowhere': expected HOST:PORT"),
+        (["--kv-store-master", "127.0.0.1:1"], "needs --kv-store-key-file"),
+        (["--kv-store-master", "127.0.0.1:1", "--kv-store-key-file", "/nonexistent"], "--kv-store-key-file"),
+    ],
+)
+def test_bad_store_flags_fail_fast_naming_the_flag(argv, words, capsys, tiny_checkpoint):
+    from expertmesh.worker.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--role", "attention", "--port", "0", "--checkpoint", str(tiny_checkpoint.path), *argv])
+    assert words in capsys.readouterr().err
