@@ -51,6 +51,28 @@ def test_the_example_behind_a_gateway_gets_its_inference_pool():
     assert args[args.index("--epp-port") + 1] == "9010"
 
 
+def test_the_example_as_queued_leader_worker_sets_with_dra_claims():
+    values = {
+        "example": {
+            "enabled": True,
+            "gpusPerPod": 1,
+            "workload": "leaderworkerset",
+            "queueName": "team-a",
+            "devices": {"resourceClaimTemplate": "one-gpu", "computeDomain": "rack-1"},
+        }
+    }
+    ex = one(render(values), KIND)
+    assert ex["spec"]["workload"] == "leaderworkerset" and ex["spec"]["queueName"] == "team-a"
+    assert ex["spec"]["devices"] == {"resourceClaimTemplate": "one-gpu", "computeDomain": "rack-1"}
+    children = _children(ex)
+    sets = [c for (kind, _), c in children.items() if kind == "LeaderWorkerSet"]
+    assert len(sets) == 2 and not [k for k in children if k[0] == "StatefulSet"]
+    assert all(s["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" for s in sets)
+    claims = sets[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["resourceClaims"]
+    assert [c["resourceClaimTemplateName"] for c in claims] == ["one-gpu", "rack-1-channel"]
+    assert ("ComputeDomain", "rack-1") in children
+
+
 def test_the_cluster_role_covers_the_new_kinds():
     rules = one(render({}), "ClusterRole")["rules"]
     for group, resource, verbs in (
