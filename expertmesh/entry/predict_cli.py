@@ -3,7 +3,7 @@
     expertmesh predict --model NAME|CONFIG --gpu TYPE --gpus N [--tp N] [--ep N] [--dp-attention]
         [--prefill-gpus N --decode-gpus N] --input-len N --output-len N [--concurrency N | --batch-per-gpu N]
         [--weights bf16|fp8|int4|mxfp4|nvfp4] [--attention-dtype bf16|fp8] [--cache-hit F]
-        [--accepted-tokens F] [--phase prefill|decode|both] [--json]
+        [--accepted-tokens F] [--expert-imbalance F] [--phase prefill|decode|both] [--json]
 
 A table for people, `--json` for machines (the prediction with the inputs it assumed echoed). Bad input exits 2
 naming the flag.
@@ -18,6 +18,7 @@ import sys
 from expertmesh.forecast.gpus import GPU_NAMES
 from expertmesh.forecast.models import MODEL_NAMES
 from expertmesh.forecast.predict import ATTENTION_DTYPES, WEIGHT_DTYPES, Layout, Workload, predict
+from expertmesh.forecast.terms import EP_IMBALANCE
 from expertmesh.runtime.argtypes import positive_int
 
 
@@ -59,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="tokens per decode step per sequence with speculation (default 1)",
     )
+    p.add_argument(
+        "--expert-imbalance",
+        type=_fraction,
+        default=EP_IMBALANCE,
+        metavar="F",
+        help=f"busiest EP rank's expert load over the mean (default {EP_IMBALANCE:.2f}, LMSYS's measured EPLB; "
+        "1 for routing simulated balanced)",
+    )
     p.add_argument("--phase", choices=("prefill", "decode", "both"), default="both", help="what to report")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -76,6 +85,7 @@ def run(args) -> int:
                 args.batch_per_gpu,
                 args.cache_hit,
                 args.accepted_tokens,
+                expert_imbalance=args.expert_imbalance,
             ),
             weights=args.weights,
             attention=args.attention_dtype,

@@ -55,6 +55,9 @@ class Workload:
     accepted_tokens: float = 1.0
     context_len: float | None = None  # decode's mean KV length; None: input + output / 2
     prefill_tokens_per_gpu: int = PREFILL_TOKENS_PER_GPU
+    # the busiest EP rank's expert load over the mean (terms.EP_IMBALANCE); 1.0 for a run with routing simulated
+    # balanced, as DeepSeek's published profile and LMSYS's "perfect EPLB" runs are
+    expert_imbalance: float = terms.EP_IMBALANCE
 
 
 @dataclass
@@ -66,6 +69,7 @@ class PoolShape:
     ep: int
     moe_group: int
     overlap: bool
+    imbalance: float = 1.0  # the busiest rank's routed-expert load over the mean (EP > 1)
 
     @property
     def instances(self) -> int:
@@ -201,13 +205,14 @@ def _ffn(cost, cfg, g, shape, *, rows, weights, moe, compute_share):
         compute_share=compute_share,
     )
     # routed experts: the group's tokens spread over every expert; a GPU streams the ones it holds that got any
-    group_tokens = rows * shape.moe_group / attn_tp
+    # (the step waits for the busiest rank: its experts get `imbalance` times the mean's tokens)
+    group_tokens = rows * shape.moe_group / attn_tp * shape.imbalance
     touched = math.ceil(e.n_routed_experts / shape.ep) * (1 - (1 - e.top_k / e.n_routed_experts) ** group_tokens)
     block(
         cost,
         g,
         weight_bytes=touched * expert_bytes(cfg, weights) / (shape.moe_group // shape.ep),
-        flops=2 * cfg.expert_params * rows * e.top_k / attn_tp,
+        flops=2 * cfg.expert_params * rows * e.top_k / attn_tp * shape.imbalance,
         dtype=_EXPERT_COMPUTE[weights],
         kernels=4,
         compute_share=compute_share,
@@ -235,7 +240,8 @@ def _all_to_all(cost, cfg, g, shape, *, phase, rows) -> None:
             seconds = sent / (terms.interpolate(terms.DEEPEP_NORMAL_DISPATCH, ep) * 1e9 * nic) + 2 * sent / (
                 terms.interpolate(terms.DEEPEP_NORMAL_COMBINE, ep) * 1e9 * nic
             )
-    seconds = max(seconds, 2 * terms.KERNEL_FLOOR_S)
+    # the busiest rank receives `imbalance` times the mean, and every rank waits for it at the combine
+    seconds = max(seconds * shape.imbalance, 2 * terms.KERNEL_FLOOR_S)
     cost.add("expert all-to-all", seconds)
 
 
@@ -277,7 +283,8 @@ def _layer(cfg, g, shape, kind, moe, *, phase, rows, seqs, ctx, weights, attenti
     both = compute.merged(comm)
     if halves == 2:  # credited to the terms in proportion, at the overlapped time
         longer = max(compute.total, comm.total)
-        return both.scaled(max(longer, both.total / terms.TWO_BATCH_OVERLAP_SPEEDUP) / both.total)
+        speedup = terms.TWO_BATCH_OVERLAP_SPEEDUP if phase == "prefill" else terms.TWO_BATCH_OVERLAP_SPEEDUP_DECODE
+        return both.scaled(max(longer, both.total / speedup) / both.total)
     return both
 
 
@@ -361,6 +368,8 @@ def _check(w: Workload, weights: str, attention: str) -> None:
             raise ValueError(f"{flag} {value}: expected a positive number of tokens")
     if not 0 <= w.cache_hit < 1:
         raise ValueError(f"--cache-hit {w.cache_hit}: expected a fraction in [0, 1)")
+    if w.expert_imbalance < 1:
+        raise ValueError(f"--expert-imbalance {w.expert_imbalance}: expected >= 1 (busiest rank over the mean)")
     if w.accepted_tokens < 1:
         raise ValueError(f"--accepted-tokens {w.accepted_tokens}: expected >= 1 (tokens per decode step)")
     if w.concurrency is not None and w.batch_per_gpu is not None:
@@ -398,6 +407,8 @@ def predict(
         cfg, g, layout.prefill_gpus if disaggregated else layout.gpus, layout, "prefill" if disaggregated else "single"
     )
     dc = pool_shape(cfg, g, layout.decode_gpus, layout, "decode") if disaggregated else pf
+    for shape in (pf, dc):
+        shape.imbalance = w.expert_imbalance if shape.ep > 1 else 1.0
     context = w.context_len if w.context_len is not None else w.input_len + w.output_len / 2
     usable = MEMORY_FRACTION * g.hbm_bytes
     for shape, name in ((pf, "prefill"), (dc, "decode")):
@@ -477,6 +488,7 @@ def predict(
         "mtp_drafts_per_step": drafts,
         "decode_context_len": context,
         "prefill_tokens_per_gpu": w.prefill_tokens_per_gpu if disaggregated else None,
+        "expert_imbalance": {"prefill": pf.imbalance, "decode": dc.imbalance},
         "memory_fraction": MEMORY_FRACTION,
     }
     return Prediction(

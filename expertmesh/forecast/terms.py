@@ -53,6 +53,14 @@ DEEPEP_NORMAL_SM_SHARE = 24 / 132
 # "Ablation Study: Two-batch Overlap"): an overlapped layer takes (compute + communication) / 1.31, never less than
 # the longer of the two
 TWO_BATCH_OVERLAP_SPEEDUP = 1.31
+# ... and in decode "25.5% at 256 tokens" a device (the same ablation; "minimal or negative" below 64–128 tokens)
+TWO_BATCH_OVERLAP_SPEEDUP_DECODE = 1.255
+# expert load imbalance after EPLB: the step waits for its busiest rank. LMSYS measured DeepSeek-V3's prefill on
+# 4x8 H100 (EP32, 4,096-token prompts, 16,384 tokens a GPU) at 50,302 tok/s per node with EPLB on the workload's own
+# expert distribution and 59,337 with routing simulated perfectly balanced (blog/2025-05-05-large-scale-ep.md,
+# "Overall Throughput"): 1.18x. Taken as the busiest rank's routed-expert load (GEMMs and all-to-all) over the mean
+# at every EP size > 1 — a lower bound there, since that ratio is over the whole step
+EP_IMBALANCE = 59_337 / 50_302
 # the smallest cost of one kernel in a CUDA-graph-replayed step: 3.4 µs — NVIDIA's "Getting Started with CUDA
 # Graphs" (developer.nvidia.com/blog/cuda-graphs) as recalled (a short kernel replayed from a graph, launch and
 # execution together); the page could not be read here, so assumed

@@ -37,8 +37,18 @@ DEEPSEEK_SOURCE = "DeepSeek, 'Day 6: DeepSeek-V3/R1 Inference System Overview' (
 DEEPSEEK_SETTINGS = (
     "H800; prefill EP32 / DP32 attention over 4 nodes, decode EP144 / DP144 over 18 nodes; FP8 GEMMs and dispatch, "
     "BF16 MLA and combine; 56.3% of input tokens hit the KV cache; decode at average KV length 4,989 and 20–22 "
-    "output tok/s per user; MTP second-token acceptance 85–90% (V3 report: 1.875 tokens a step taken). Assumed: "
-    "prompt length 4,989 (not stated), decode batch the largest whose TPOT is 1/21 s"
+    "output tok/s per user; a day's average over a fleet scaled with load (deepseek-ai/open-infra-index, "
+    "202502OpenSourceWeek/day_6_...). MTP second-token acceptance 85–90% (V3 report: 1.875 tokens a step taken). "
+    "Derived: 608B input / 168B output tokens a day and the 4,989 mean KV give 4,384-token prompts and 1,211-token "
+    "answers (I = 3.62 O, I + O/2 = 4,989). Assumed: decode batch the largest whose TPOT is 1/21 s"
+)
+DEEPSEEK_PROFILE_SOURCE = (
+    "DeepSeek's published prefill profile (deepseek-ai/profile-data README), its throughput as LMSYS derived it "
+    "(blog/2025-05-05-large-scale-ep.md, 'Overall Throughput': 62,713 tok/s per node)"
+)
+DEEPSEEK_PROFILE_SETTINGS = (
+    "H800; EP32, TP1 (DP attention), 4,096-token prompts, 16,384 tokens a GPU, two micro-batches; 'we simulate an "
+    "absolutely balanced MoE routing strategy' (expert imbalance 1.0); no cache hits"
 )
 SGLANG_SOURCE = "LMSYS, 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs'"
 SGLANG_SETTINGS = (
@@ -59,11 +69,21 @@ def _deepseek() -> Prediction:
             "deepseek-v3",
             "h800",
             Layout(gpus=176, dp_attention=True, prefill_gpus=32, decode_gpus=144),
-            Workload(4989, 1, batch_per_gpu=batch, cache_hit=0.563, accepted_tokens=1.875, context_len=4989),
+            Workload(4384, 1211, batch_per_gpu=batch, cache_hit=0.563, accepted_tokens=1.875, context_len=4989),
             weights="fp8",
         )
 
     return largest_batch_within_tpot(at, tpot_ms=1000 / 21)
+
+
+def _deepseek_profile() -> Prediction:
+    return predict(
+        "deepseek-v3",
+        "h800",
+        Layout(gpus=64, dp_attention=True, prefill_gpus=32, decode_gpus=32),
+        Workload(4096, 1, batch_per_gpu=1, prefill_tokens_per_gpu=16_384, expert_imbalance=1.0),
+        weights="fp8",
+    )
 
 
 def _sglang() -> Prediction:
@@ -122,6 +142,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         _deepseek,
         _decode_node,
         tuned=True,
+    ),
+    Scenario(
+        "deepseek-profile-h800-prefill",
+        DEEPSEEK_PROFILE_SOURCE,
+        DEEPSEEK_PROFILE_SETTINGS,
+        "input tok/s per node",
+        62_713,
+        _deepseek_profile,
+        _prefill_node,
+        tuned=False,
     ),
     Scenario(
         "sglang-96xh100-prefill",

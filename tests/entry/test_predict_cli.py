@@ -74,6 +74,7 @@ def test_table_for_people(capsys):
         (["--ep", "3"], "--ep"),
         (["--weights", "fp6"], "--weights"),
         (["--prefill-gpus", "4"], "--decode-gpus"),
+        (["--expert-imbalance", "0.5"], "--expert-imbalance"),
     ],
 )
 def test_refusals_name_the_flag(capsys, change, flag):
