@@ -121,18 +121,11 @@ class KDAttention(nn.Module):
 
     @staticmethod
     def _verify_recurrent(q, k, v, g, beta, cache: KDACache) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A verify segment's KDA: one recurrent step per token, each the call a decode step makes (so the same
-        bits), keeping the state after each for a rollback without replay. → (o [T, nH, D], T states)"""
-        outs, states = [], []
-        for j in range(q.shape[1]):
-            t = slice(j, j + 1)
-            out, state = kda_ops.fused_recurrent_kda(
-                q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], initial_state=cache.state[None], output_final_state=True
-            )
-            cache.state = state[0]
-            outs.append(out[0, 0])
-            states.append(cache.state)
-        return torch.stack(outs), states
+        """A verify segment's KDA: every row as the one-token decode call computes it (so the same bits), keeping
+        the state after each for a rollback without replay. → (o [T, nH, D], T states)"""
+        out, states = kda_ops.verify_recurrent_kda(q, k, v, g, beta, cache.state)
+        cache.state = states[-1]
+        return out[0], states
 
 
 class LatentAttention(nn.Module):

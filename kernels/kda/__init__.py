@@ -13,11 +13,14 @@ import torch
 from expertmesh.kernels.backend import resolve
 from expertmesh.kernels.kda.chunk import chunk_kda as chunk_kda_torch
 from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda as fused_recurrent_kda_torch
+from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda_states
 from expertmesh.kernels.kda.naive import check_kda_inputs, kda_recurrent_reference
 
 __all__ = [
     "chunk_kda",
     "fused_recurrent_kda",
+    "verify_recurrent_kda",
+    "verify_recurrent_kda_rows",
     "kda_recurrent_reference",
     "chunk_kda_torch",
     "fused_recurrent_kda_torch",
@@ -70,3 +73,27 @@ def fused_recurrent_kda(
 
         return fused_recurrent_kda_triton(*args)
     return fused_recurrent_kda_torch(*args)
+
+
+def verify_recurrent_kda(q, k, v, g, beta, initial_state) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A speculative verify's KDA rows of one sequence, keeping the state after each (q, k, g [1, T, H, K], v
+    [1, T, H, V], beta [1, T, H], initial_state [H, K, V] → o [1, T, H, V], T fp32 states [H, K, V]): what T
+    one-token decode calls give, bit for bit. PyTorch: one call (`fused_recurrent_kda_states`); Triton: the
+    one-token kernel per row (`verify_recurrent_kda_rows`)."""
+    if resolve(q) == "triton":
+        return verify_recurrent_kda_rows(q, k, v, g, beta, initial_state)
+    return fused_recurrent_kda_states(q, k, v, g, beta, initial_state)
+
+
+def verify_recurrent_kda_rows(q, k, v, g, beta, initial_state) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`verify_recurrent_kda` as T one-token `fused_recurrent_kda` calls, each the call a decode step makes."""
+    outs, states, state = [], [], initial_state
+    for j in range(q.shape[1]):
+        t = slice(j, j + 1)
+        out, final = fused_recurrent_kda(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], initial_state=state[None], output_final_state=True
+        )
+        state = final[0]
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs, dim=1), states
