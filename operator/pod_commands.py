@@ -145,7 +145,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[
         str(spec.router.http_port),
         "--grpc-port",
         str(spec.router.grpc_port),
-        *router_epp_args(spec),
+        *router_epp_args(name, namespace, spec),
         *(["--transport", spec.transport] if spec.transport != "grpc" else []),
         *router_serving_args(spec),
         *speculative_args(spec),

@@ -12,10 +12,10 @@ from support.tiny_deployment import by_kind_and_name, tiny
 
 from expertmesh.operator import rbac
 from expertmesh.operator.children import absent_children, build_children
-from expertmesh.operator.gateway import INFERENCE_POOL_API, epp_service_name
+from expertmesh.operator.gateway import INFERENCE_POOL_API, epp_service_name, router_headless_name
 from expertmesh.operator.handlers import Deps
 from expertmesh.operator.kube import Kube
-from expertmesh.operator.naming import router_name
+from expertmesh.operator.naming import MAX_NAME_LENGTH, router_name
 from expertmesh.operator.spec import SpecError, parse_spec
 
 POOL_CRD = "inferencepools.inference.networking.k8s.io.yaml"
@@ -61,6 +61,35 @@ def test_the_pool_selects_the_router_pods_and_names_their_picker(tiny_plan):
     assert args[args.index("--epp-port") + 1] == "9002"
 
 
+def test_every_picker_knows_every_router_replica(tiny_plan):
+    """With several router replicas and no subset hint from Envoy, each picker must still choose among all of them:
+    the router gets `--epp-replicas` naming a headless Service over the router pods on their HTTP port, and the
+    router's own parser accepts the rendered command."""
+    import argparse
+
+    from expertmesh.router.replica_set import parse_replicas
+    from expertmesh.router.server import add_arguments as router_arguments
+
+    children = _children(tiny_plan, gateway={"inferencePool": True}, router={"replicas": 3, "httpPort": 8080})
+    container = _router_container(children)
+    router = children[("Deployment", router_name("kimi"))]
+    headless = children[("Service", router_headless_name("kimi"))]
+
+    p = argparse.ArgumentParser()
+    router_arguments(p)
+    args = p.parse_args(container["args"][1:])
+    assert (args.epp_port, args.epp_replicas) == (9002, "kimi-router-headless.serving.svc:8080")
+    assert parse_replicas(args.epp_replicas) == [("kimi-router-headless.serving.svc", 8080)]
+    # the Service: headless (its name resolves to every pod), selecting exactly the router pods, on their HTTP port
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert headless["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    assert headless["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": 8080, "protocol": "TCP"}]
+    assert {p["containerPort"] for p in container["ports"] if p["name"] == "http"} == {8080}
+    # the longest MoEDeployment name still gives a valid Service name (a DNS-1035 label)
+    assert len(router_headless_name("x" * MAX_NAME_LENGTH)) <= 63
+
+
 def test_the_rendered_pool_is_valid_against_the_crd(tiny_plan):
     children = _children(tiny_plan, gateway={"inferencePool": True, "eppPort": 9100, "failureMode": "FailOpen"})
     pool = children[("InferencePool", "kimi")]
@@ -93,8 +122,10 @@ def test_off_by_default_and_listed_for_deletion(tiny_plan):
     assert not any(k[0] == "InferencePool" or k[1] == "kimi-epp" for k in children)
     container = _router_container(children)
     assert "--epp-port" not in container["args"] and "epp" not in {p["name"] for p in container["ports"]}
+    assert "--epp-replicas" not in container["args"] and ("Service", router_headless_name("kimi")) not in children
     gone = absent_children("kimi", parse_spec(tiny()), other_kinds=True)
     assert (INFERENCE_POOL_API, "InferencePool", "kimi") in gone and ("v1", "Service", "kimi-epp") in gone
+    assert ("v1", "Service", "kimi-router-headless") in gone
     assert not {k for k in gone if k[1] == "InferencePool"} & set(
         absent_children("kimi", parse_spec(tiny(gateway={"inferencePool": True})), other_kinds=True)
     )
@@ -103,7 +134,7 @@ def test_off_by_default_and_listed_for_deletion(tiny_plan):
 def test_children_validate_against_kubernetes_schemas(tiny_plan):
     kv = pytest.importorskip("kubernetes_validate")
     children = _children(tiny_plan, gateway={"inferencePool": True})
-    for key in (("Service", "kimi-epp"), ("Deployment", router_name("kimi"))):
+    for key in (("Service", "kimi-epp"), ("Service", "kimi-router-headless"), ("Deployment", router_name("kimi"))):
         kv.validate(children[key], "1.30", strict=True)
 
 
@@ -149,9 +180,14 @@ async def test_the_operator_applies_the_pool_and_deletes_it_when_dropped():
             assert pool["metadata"]["namespace"] == NS
             assert svc["spec"]["ports"][0]["port"] == 9002
             assert c.router_arg("kimi", "--epp-port") == "9002"
+            assert c.router_arg("kimi", "--epp-replicas") == f"kimi-router-headless.{NS}.svc:8000"
+            assert (await eventually(lambda: c.get("v1/services", "kimi-router-headless")))["spec"][
+                "clusterIP"
+            ] == "None"
             await eventually(lambda: c.status("kimi").get("phase") == "Deploying", what="phase Deploying")
 
             await c.patch_moe("kimi", {"spec": {"gateway": {"inferencePool": False}}})
             await eventually(lambda: c.get(POOLS, "kimi") is None, what="the InferencePool deleted")
             await eventually(lambda: c.get("v1/services", "kimi-epp") is None, what="the picker Service deleted")
-            assert c.router_arg("kimi", "--epp-port") is None
+            await eventually(lambda: c.get("v1/services", "kimi-router-headless") is None, what="headless deleted")
+            assert c.router_arg("kimi", "--epp-port") is None and c.router_arg("kimi", "--epp-replicas") is None
