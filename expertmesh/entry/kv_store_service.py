@@ -155,6 +155,14 @@ class KVStoreService:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    """In the binary's process before exec: SIGKILL it when this wrapper dies (a SIGKILLed wrapper — a fault test,
+    `up` killed — leaves no master serving behind the launcher's back)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m expertmesh.entry.kv_store_service master|store --ports R,M,X,S [--store-bytes N]`: one of the
     store's processes as a child of `expertmesh up` (expertmesh/entry/cluster.py): started, READY printed once it
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ports = tuple(int(x) for x in args.ports.split(","))
     service = KVStoreService(args.store_bytes, host=args.host, ports=ports)  # type: ignore[arg-type]
     argv_ = service.master_command() if args.role == "master" else service.store_command()
-    proc = subprocess.Popen(argv_, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv_, stdout=sys.stdout, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
         listen = (service.rpc_port, service.metadata_port) if args.role == "master" else (service.store_port,)
