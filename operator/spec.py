@@ -23,6 +23,7 @@ from pydantic.alias_generators import to_camel
 
 from expertmesh.checkpoint.hf_config import HFCheckpointError, config_from_hf
 from expertmesh.model.config import ModelConfig, preset
+from expertmesh.operator.forecast import fill_autoscale_targets
 from expertmesh.operator.spec_fields import (
     DEFAULT_EMPTY,
     AbsolutePath,
@@ -49,6 +50,7 @@ from expertmesh.operator.spec_platform import (
     LeaderWorkerSetSpec,
     platform_errors,
 )
+from expertmesh.operator.spec_slo import PredictedStatus, SLOSpec
 from expertmesh.operator.validation import (
     IMAGE_REPOSITORY,
     IMAGE_REPOSITORY_MAX,
@@ -67,6 +69,7 @@ GIB = 2**30
 PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("LicenseAccepted", "PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
+CONDITION_TYPES += ("SLOAttainable",)  # issue #55: spec.slo against the forecast (operator/forecast.py)
 
 # ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
 # server refuses a spec past them; the operator checks them again for resources created before)
@@ -126,11 +129,12 @@ class AutoscaleSpec(SpecModel):
     metric: Literal["prefill_tokens_waiting", "requests_waiting", "kv_utilization"] = Field(
         "requests_waiting", description="the router's per-pool series: expertmesh_pool_<metric>{pool=...}"
     )
-    target: float = Field(
+    target: float | None = Field(
+        None,
         gt=0,
         le=MAX_AUTOSCALE_TARGET,
         description="per pod for prefill_tokens_waiting / requests_waiting; the pool's fraction "
-        "(0..1] for kv_utilization",
+        "(0..1] for kv_utilization; absent: derived from spec.slo's forecast (operator/forecast.py)",
     )
 
     @field_validator("max_replicas")
@@ -143,8 +147,8 @@ class AutoscaleSpec(SpecModel):
 
     @field_validator("target")
     @classmethod
-    def _fraction(cls, v: float, info) -> float:
-        if info.data.get("metric") == "kv_utilization" and v > 1:
+    def _fraction(cls, v: float | None, info) -> float | None:
+        if v is not None and info.data.get("metric") == "kv_utilization" and v > 1:
             raise ValueError(f"target={v:g}: kv_utilization is a fraction, at most 1")
         return v
 
@@ -428,9 +432,13 @@ class MoEDeploymentSpec(SpecModel):
         None, description="GPUs through DRA ResourceClaimTemplates (and a ComputeDomain) instead of nvidia.com/gpu"
     )
 
+    slo: SLOSpec | None = Field(
+        None, description="latency to meet on a GPU type: status.predicted, condition SLOAttainable, HPA targets"
+    )
+
     @model_validator(mode="after")
     def _platform(self) -> MoEDeploymentSpec:
-        problems = platform_errors(self)
+        problems = platform_errors(self) + slo_target_errors(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -452,7 +460,7 @@ Hash = Annotated[str, Field(max_length=64)]
 
 
 class Condition(_Status):
-    type: Literal["LicenseAccepted", "PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded"]
+    type: Literal[CONDITION_TYPES]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(
         max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase, machine-readable"
@@ -516,6 +524,7 @@ class MoEDeploymentStatus(_Status):
     lost_since: list[LostWorker] = Field(default_factory=list, max_length=MAX_EXPERT_REPLICAS)
     last_rebalance_time: Time | None = None
     message: str | None = Field(None, max_length=MESSAGE_MAX, description="why the phase is what it is, when not Ready")
+    predicted: PredictedStatus | None = Field(None, description="the forecast of spec.slo's layout (absent without)")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -596,6 +605,20 @@ def resolve_model(spec: MoEDeploymentSpec):
         )
     check_speculation(spec, cfg)
     return cfg  # spec.thinking is serving policy: the router's --thinking-budgets (children.py)
+
+
+def slo_target_errors(spec: MoEDeploymentSpec) -> list[str]:
+    """Autoscaled pools without a target get spec.slo's forecast's (operator/forecast.py); without an SLO (or when
+    the forecast refuses the layout) each is named as missing. A model that does not resolve is left to
+    resolve_model's error."""
+    pools = (spec.attention_workers.autoscale, spec.prefill_workers.autoscale)
+    if all(a is None or a.target is not None for a in pools):
+        return []
+    try:
+        cfg = resolve_model(spec)
+    except SpecError:
+        return []
+    return fill_autoscale_targets(spec, cfg)
 
 
 def check_speculation(spec: MoEDeploymentSpec, cfg) -> None:

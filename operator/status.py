@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from expertmesh.operator.forecast import predicted_status
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
     COMPONENT_EXPERT,
@@ -19,7 +20,7 @@ from expertmesh.operator.naming import (
     selector_string,
 )
 from expertmesh.operator.pods import Assessment, PodInfo
-from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec
+from expertmesh.operator.spec import GIB, MESSAGE_MAX, MoEDeploymentSpec, resolve_model
 from expertmesh.placement.plan import PlacementPlan
 
 
@@ -199,7 +200,8 @@ def with_weights(
     generation: int | None,
 ) -> dict:
     """`update` (a status patch) with the WeightsReady condition, and while pods fetch or a fetch failed, its
-    message (`Downloading 37% …`) as the status message."""
+    message (`Downloading 37% …`) as the status message; with spec.slo, also status.predicted and SLOAttainable."""
+    update = with_forecast(update, status, spec, generation)
     cond = weights_condition(spec, pods, progress)
     if cond is None:
         return update
@@ -208,6 +210,18 @@ def with_weights(
     if cond[0] == "False" and (update.get("phase") or status.get("phase")) in ("Deploying", "Degraded"):
         out["message"] = clip(cond[2])
     return out
+
+
+def with_forecast(update: dict, status: dict, spec: MoEDeploymentSpec, generation: int | None) -> dict:
+    """spec.slo's forecast (operator/forecast.py) as status.predicted and the SLOAttainable condition; both gone
+    once the spec has no SLO."""
+    conds = update.get("conditions", status.get("conditions")) or []
+    if spec.slo is None:
+        if status.get("predicted") is None and condition({"conditions": conds}, "SLOAttainable") is None:
+            return update
+        return {**update, "predicted": None, "conditions": without_condition(conds, "SLOAttainable")}
+    predicted, cond = predicted_status(spec, resolve_model(spec))
+    return {**update, "predicted": predicted, "conditions": set_condition(conds, "SLOAttainable", *cond, generation)}
 
 
 @dataclass
