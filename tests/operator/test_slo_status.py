@@ -5,7 +5,11 @@ naming the field — by the spec parser and, for real, by Kopf against kmock."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 from support.kopf_cluster import eventually, operator, tiny_spec
 from support.tiny_deployment import tiny
 
@@ -88,3 +92,33 @@ async def test_the_operator_writes_the_forecast_and_warns_when_the_slo_cannot_be
         await c.create_moe("slow", {**tiny_spec(), "slo": {**SLO, "gpu": "v100"}})
         await eventually(lambda: c.status("slow").get("phase") == "Failed", what="refused")
         assert "spec.slo.gpu" in c.condition("slow", "PlacementReady")["message"]
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples").glob("*.yaml"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_the_examples_are_deployed_by_the_operator_with_their_forecast():
+    """docs/examples (Kimi K3 and K3+DSA on H200 and B300): each accepted by Kopf against kmock — planned and
+    deploying, weights fetched by an init container, the SLO met by the forecast its annotation records."""
+    assert {p.stem for p in EXAMPLES} >= {"kimi-k3-h200", "kimi-k3-b300", "k3-dsa-h200", "k3-dsa-b300"}
+    manifests = [yaml.safe_load(p.read_text()) for p in EXAMPLES]
+    async with operator() as c:
+        for m in manifests:
+            await c.create_moe(m["metadata"]["name"], m["spec"])
+        for m in manifests:
+            name = m["metadata"]["name"]
+            await eventually(
+                lambda n=name: c.status(n).get("phase") == "Deploying", what=f"{name} Deploying", timeout=60
+            )
+            annotated = json.loads(m["metadata"]["annotations"]["expertmesh.dev/forecast"])
+            predicted = c.status(name)["predicted"]
+            assert c.condition(name, "SLOAttainable")["status"] == "True" and predicted["meetsSlo"]
+            assert predicted["tpotMilliseconds"] == annotated["tpotMilliseconds"]
+            pod = c.get("apps/v1/statefulsets", f"{name}-attention")["spec"]["template"]["spec"]
+            assert [x["name"] for x in pod["initContainers"]] == ["fetch"]
+            hpa = c.get("autoscaling/v2/horizontalpodautoscalers", f"{name}-attention")
+            value = hpa["spec"]["metrics"][0]["external"]["target"]["value"]  # a quantity: "516m"
+            assert 0 < (float(value[:-1]) / 1000 if value.endswith("m") else float(value)) <= 1
