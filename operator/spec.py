@@ -47,6 +47,7 @@ from expertmesh.operator.spec_platform import (
     DevicesSpec,
     DNSLabel,
     GatewaySpec,
+    GroupRestarts,
     LeaderWorkerSetSpec,
     platform_errors,
 )
@@ -70,6 +71,7 @@ PRESETS = ("tiny", "small", "full-2.8t")
 PHASES = ("Pending", "Planning", "Deploying", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("LicenseAccepted", "PlacementReady", "WeightsReady", "WorkersReady", "RouterReady", "Degraded")
 CONDITION_TYPES += ("SLOAttainable",)  # issue #55: spec.slo against the forecast (operator/forecast.py)
+CONDITION_TYPES += ("GroupRestartsBounded",)  # issue #56: a LeaderWorkerSet's restart loop bounded (lws_restarts.py)
 
 # ---- bounds: every number, string, list and map of the spec has one (the CRD's schema carries them, so the API
 # server refuses a spec past them; the operator checks them again for resources created before)
@@ -525,6 +527,9 @@ class MoEDeploymentStatus(_Status):
     last_rebalance_time: Time | None = None
     message: str | None = Field(None, max_length=MESSAGE_MAX, description="why the phase is what it is, when not Ready")
     predicted: PredictedStatus | None = Field(None, description="the forecast of spec.slo's layout (absent without)")
+    group_restarts: list[GroupRestarts] = Field(
+        default_factory=list, max_length=1024, description="LeaderWorkerSet groups' recreations (lws_restarts.py)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from expertmesh.operator.spec_fields import SpecModel, checked_string
 from expertmesh.operator.validation import DNS1123_LABEL, DNS1123_LABEL_MAX
@@ -17,6 +18,8 @@ from expertmesh.operator.validation import DNS1123_LABEL, DNS1123_LABEL_MAX
 # the Gateway API Inference Extension's conventional endpoint-picker port (an InferencePool's endpointPickerRef
 # defaults to it for a Service); the router serves its ext_proc picker there (`expertmesh router --epp-port`)
 DEFAULT_EPP_PORT = 9002
+MAX_GROUP_RESTARTS = 1000
+MAX_RESTART_WINDOW = 7 * 24 * 3600
 WORKLOADS = ("statefulset", "leaderworkerset")
 CHANNEL_SUFFIX = "-channel"  # a ComputeDomain's IMEX-channel ResourceClaimTemplate: <computeDomain>-channel
 
@@ -68,6 +71,22 @@ class LeaderWorkerSetSpec(SpecModel):
         description="RecreateGroupOnPodRestart: a pod's restart recreates its whole group; None: pods restart alone "
         "(the operator re-plans around a lost expert pod)",
     )
+    max_group_restarts: int = Field(
+        5,
+        ge=0,
+        le=MAX_GROUP_RESTARTS,
+        strict=True,
+        description="recreations of one group (RecreateGroupOnPodRestart) within groupRestartWindowSeconds the "
+        "operator lets happen; at this many it sets that LeaderWorkerSet's restartPolicy to None (pods restart "
+        "alone) until the spec changes, condition GroupRestartsBounded naming the group; 0: no bound",
+    )
+    group_restart_window_seconds: int = Field(
+        600,
+        ge=1,
+        le=MAX_RESTART_WINDOW,
+        strict=True,
+        description="a group's restart count starts again after this many seconds without a recreation",
+    )
 
 
 class DevicesSpec(SpecModel):
@@ -85,6 +104,25 @@ class DevicesSpec(SpecModel):
     )
 
 
+class GroupRestarts(BaseModel):
+    """`status.groupRestarts[]`: one LeaderWorkerSet group as the operator last saw it (lws_restarts.py) — its leader
+    pod's uid and template revision; a new uid on the same revision is a recreation of the group."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    set: str = Field(max_length=DNS1123_LABEL_MAX, description="the LeaderWorkerSet")
+    group: int = Field(ge=0, le=1_000_000, description="its group index")
+    leader_uid: str = Field(max_length=64)
+    revision: str = Field(max_length=64, description="the leader's leaderworkerset.sigs.k8s.io/template-revision-hash")
+    restarts: int = Field(ge=0, le=1_000_000, description="recreations within groupRestartWindowSeconds")
+    last_restart_time: str | None = Field(None, max_length=64, description="RFC 3339")
+    bound_at_generation: int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="the spec generation at which this group set its set's restartPolicy to None",
+    )
+
+
 def platform_errors(spec) -> list[str]:
     """What a MoEDeploymentSpec asks of these fields that cannot be rendered, each naming the field."""
     out = []
@@ -94,8 +132,16 @@ def platform_errors(spec) -> list[str]:
             f"spec.gateway.eppPort={g.epp_port} must differ from router.httpPort={r.http_port} and "
             f"router.grpcPort={r.grpc_port} (the picker has a port of its own)"
         )
-    if spec.leader_worker_set is not None and spec.workload != "leaderworkerset":
+    lw = spec.leader_worker_set
+    if lw is not None and spec.workload != "leaderworkerset":
         out.append(f"spec.leaderWorkerSet is set but spec.workload is {spec.workload!r}: it needs leaderworkerset")
+    bound = {"max_group_restarts", "group_restart_window_seconds"} & (lw.model_fields_set if lw else set())
+    if bound and lw.restart_policy == "None":
+        out.append(
+            f"spec.leaderWorkerSet.{'maxGroupRestarts' if 'max_group_restarts' in bound else 'groupRestartWindowSeconds'}"
+            " bounds group recreations, which restartPolicy None never makes: set restartPolicy "
+            "RecreateGroupOnPodRestart or leave it out"
+        )
     d = spec.devices
     if d is not None:
         if d.resource_claim_template is None and d.compute_domain is None:

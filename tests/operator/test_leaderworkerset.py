@@ -136,7 +136,17 @@ def test_the_other_workload_kind_is_listed_for_deletion():
         ({"leaderWorkerSet": {}}, "spec.leaderWorkerSet is set but spec.workload is 'statefulset'"),
         ({**LWS, "leaderWorkerSet": {"restartPolicy": "Default"}}, "spec.leaderWorkerSet.restartPolicy"),
         ({**LWS, "leaderWorkerSet": {"startupPolicy": "Eager"}}, "spec.leaderWorkerSet.startupPolicy"),
-        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": 3}}, "spec.leaderWorkerSet.maxGroupRestarts"),  # not one
+        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": -1}}, "spec.leaderWorkerSet.maxGroupRestarts"),
+        ({**LWS, "leaderWorkerSet": {"maxGroupRestarts": "5"}}, "spec.leaderWorkerSet.maxGroupRestarts"),
+        (
+            {**LWS, "leaderWorkerSet": {"groupRestartWindowSeconds": 0}},
+            "spec.leaderWorkerSet.groupRestartWindowSeconds",
+        ),
+        # None never recreates a group: a bound on recreations would be accepted and never apply
+        (
+            {**LWS, "leaderWorkerSet": {"restartPolicy": "None", "maxGroupRestarts": 3}},
+            "spec.leaderWorkerSet.maxGroupRestarts bounds group recreations",
+        ),
         ({"workload": "deployment"}, "spec.workload"),
     ],
 )
