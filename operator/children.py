@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 
 import numpy as np
 
@@ -386,27 +387,43 @@ def worker_network_policy(
     }
 
 
-def workloads(spec: MoEDeploymentSpec, statefulsets: list[dict], group_size: int) -> list[dict]:
-    """The StatefulSets as they are, or (spec.workload leaderworkerset) as LeaderWorkerSets (lws.py)."""
+def workloads(
+    spec: MoEDeploymentSpec, statefulsets: list[dict], group_size: int, restart_bounded: Collection[str] = ()
+) -> list[dict]:
+    """The StatefulSets as they are, or (spec.workload leaderworkerset) as LeaderWorkerSets (lws.py), those named in
+    `restart_bounded` with restartPolicy None (lws_restarts.py)."""
     if uses_lws(spec):
-        statefulsets = [as_leader_worker_set(s, spec, group_size=group_size) for s in statefulsets]
+        statefulsets = [
+            as_leader_worker_set(
+                s, spec, group_size=group_size, restart_bounded=s["metadata"]["name"] in restart_bounded
+            )
+            for s in statefulsets
+        ]
     return [queued(s, spec) for s in statefulsets]  # spec.queueName: Kueue's label (devices.py)
 
 
 def build_children(
-    name: str, namespace: str, spec: MoEDeploymentSpec, cfg, plan, observed: dict[str, int] | None = None
+    name: str,
+    namespace: str,
+    spec: MoEDeploymentSpec,
+    cfg,
+    plan,
+    observed: dict[str, int] | None = None,
+    restart_bounded: Collection[str] = (),
 ) -> list[dict]:
     """Every child object, in apply order (the ConfigMap before the pods that mount it, a StatefulSet before its
     autoscaler). `observed`: component → the replicas of an autoscaled pool's StatefulSet now (pools.py: kept, not
-    reset; the router lists that many)."""
+    reset; the router lists that many). `restart_bounded`: the LeaderWorkerSets whose group restarts reached the
+    bound (lws_restarts.bounded_sets)."""
     pools = attention_pools(name, spec, observed)
+    bounded = restart_bounded
     return [
         plan_configmap(name, namespace, spec, cfg, plan),
         *compute_domain(name, namespace, spec),  # before the pods that claim its channel
         *(headless_service(name, namespace, spec, p.statefulset, p.component) for p in pools),
         headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
-        *workloads(spec, [attention_statefulset(name, namespace, spec, cfg, p) for p in pools], group_size=1),
-        *workloads(spec, [expert_statefulset(name, namespace, spec, plan)], group_size=spec.expert_workers.replicas),
+        *workloads(spec, [attention_statefulset(name, namespace, spec, cfg, p) for p in pools], 1, bounded),
+        *workloads(spec, [expert_statefulset(name, namespace, spec, plan)], spec.expert_workers.replicas, bounded),
         *(pool_hpa(name, namespace, spec, p) for p in pools if p.autoscale is not None),
         expert_pdb(name, namespace, spec),
         queued(router_deployment(name, namespace, spec, plan, pools), spec),

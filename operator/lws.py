@@ -28,6 +28,11 @@ LWS_KIND = "LeaderWorkerSet"
 LWS_RESOURCE = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")  # (group, version, plural): Kopf's watch
 ROLE_LABEL = "llm-d.ai/role"  # the llm-d convention gateways, pickers and dashboards select attention pods by
 ROLES = {MIXED: "prefill-decode", PREFILL: "prefill", DECODE: "decode"}
+# what the LWS controller labels its pods with (api/leaderworkerset/v1/leaderworkerset_types.go)
+LWS_SET_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0": the group's leader
+LWS_REVISION_LABEL = "leaderworkerset.sigs.k8s.io/template-revision-hash"
 
 
 def uses_lws(spec: MoEDeploymentSpec) -> bool:
@@ -48,15 +53,18 @@ def lws_settings(spec: MoEDeploymentSpec) -> LeaderWorkerSetSpec:
     return spec.leader_worker_set or LeaderWorkerSetSpec()
 
 
-def as_leader_worker_set(statefulset: dict, spec: MoEDeploymentSpec, *, group_size: int = 1) -> dict:
+def as_leader_worker_set(
+    statefulset: dict, spec: MoEDeploymentSpec, *, group_size: int = 1, restart_bounded: bool = False
+) -> dict:
     """The LeaderWorkerSet serving what `statefulset` would: its name, labels, annotations, pod template and claim
     templates; `group_size` 1: `replicas` groups of one pod; else one group of `group_size` pods (the leader is the
-    group's pod 0, the rest its workers: one template for all)."""
+    group's pod 0, the rest its workers: one template for all). `restart_bounded`: a group of it was recreated
+    maxGroupRestarts times (lws_restarts.py): restartPolicy None, its pods restart alone."""
     sts = copy.deepcopy(statefulset)
     s, lw = sts["spec"], lws_settings(spec)
     template = {
         "size": group_size,
-        "restartPolicy": lw.restart_policy,
+        "restartPolicy": "None" if restart_bounded else lw.restart_policy,
         "workerTemplate": s["template"],
     }
     if s.get("volumeClaimTemplates"):
@@ -77,6 +85,15 @@ def as_leader_worker_set(statefulset: dict, spec: MoEDeploymentSpec, *, group_si
             "networkConfig": {"subdomainPolicy": "Shared"},  # pods resolve as <pod>.<set name>: the router's lists
         },
     }
+
+
+def lws_leader(labels: dict) -> tuple[str, int, str] | None:
+    """(LeaderWorkerSet, group index, template revision) of a group's leader pod from its labels; None for any other
+    pod."""
+    group = labels.get(LWS_GROUP_LABEL, "")
+    if labels.get(LWS_WORKER_LABEL) != "0" or not labels.get(LWS_SET_LABEL) or not group.isdigit():
+        return None
+    return labels[LWS_SET_LABEL], int(group), labels.get(LWS_REVISION_LABEL, "")
 
 
 def pod_template(workload: dict) -> dict:

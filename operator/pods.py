@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from expertmesh.operator.lws import lws_leader
 from expertmesh.operator.naming import (
     COMPONENT_ATTENTION,
     COMPONENT_EXPERT,
@@ -36,6 +37,7 @@ class PodInfo:
     fetch: str | None = None  # the checkpoint fetch (init container): None (none), running, done, failed
     fetch_error: str = ""  # a failed fetch's termination message (its last log line names the file)
     node: str = ""  # the node it runs on (pods of one node share the checkpoint cache)
+    lws_leader: tuple[str, int, str] | None = None  # a LeaderWorkerSet group's leader: (set, group, revision)
 
     @property
     def live(self) -> bool:
@@ -73,6 +75,7 @@ def pod_info(body: dict) -> PodInfo | None:
         fetch=fetch,
         fetch_error=fetch_error,
         node=(body.get("spec") or {}).get("nodeName") or "",
+        lws_leader=lws_leader(lab),
     )
 
 
