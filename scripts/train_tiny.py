@@ -6,6 +6,9 @@ other jobs share, 1 is faster); deterministic for a seed and thread count.
 
     python scripts/train_tiny.py --out models/k3-tiny --work /tmp/k3-work   # the shipped checkpoint (~38 min, 2 cores)
     python scripts/train_tiny.py --out /tmp/t --steps 8 --max-synsets 2000 --hidden 64   # a smoke run
+    # only the last stage (the MTP layer chained and distilled, train/mtp_chain.py) on a trained model, whose other
+    # tensors are kept bit for bit:
+    python scripts/train_tiny.py --init models/k3-tiny --out /tmp/k3-tiny --steps 0 --work /tmp/k3-work
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ FLAGS = (
     "copy_warmup",
     "copy_batch",
     "copy_mix",
+    "mtp_chain_steps",
+    "mtp_chain_depth",
+    "mtp_chain_lr",
 )
 
 

@@ -311,3 +311,38 @@ def load_train_model(directory: Path, experts: str = "mxfp4") -> TrainModel:
     model.load_state_dict(state)
     model.set_qat(False)  # the weights are already what they are: MXFP4 values or the bf16 masters
     return model.eval()
+
+
+def keep_main_model(out: Path, source: Path, n_layers: int) -> None:
+    """Rewrite the checkpoint written to `out` with every tensor outside its MTP layers (model.layers.<i>.,
+    i >= n_layers) — and those experts' bf16 masters — taken from `source` bit for bit. A run that trained only the
+    MTP layer (loop.TrainConfig.init, steps 0) would otherwise re-quantize the main experts from their bf16 masters,
+    which moves a few MXFP4 codes: the main model it drafts for must stay the one it was distilled from."""
+    out, source = Path(out), Path(source)
+
+    def is_mtp(name: str) -> bool:
+        head, _, rest = name.partition(f"{ROOT}model.layers.")
+        return not head and bool(rest) and int(rest.split(".", 1)[0]) >= n_layers
+
+    def read_all(directory: Path, files) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for file in files:
+            with safe_open(str(directory / file), framework="pt") as f:
+                tensors |= {name: f.get_tensor(name) for name in f.keys()}
+        return tensors
+
+    def shard_files(directory: Path) -> list[str]:
+        return sorted(set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values()))
+
+    for files, write in (
+        (shard_files(out), lambda tensors: _write_shards(tensors, out)),
+        ([MASTERS_FILE], lambda tensors: save_file(tensors, str(out / MASTERS_FILE), metadata={"format": "pt"})),
+    ):
+        mine, theirs = read_all(out, files), read_all(source, shard_files(source) if files != [MASTERS_FILE] else files)
+        if set(mine) != set(theirs):
+            raise ValueError(
+                f"{source}: its tensors are not this model's ({len(set(mine) ^ set(theirs))} names differ)"
+            )
+        for file in files:
+            (out / file).unlink()
+        write({name: (t if is_mtp(name) else theirs[name]) for name, t in mine.items()})

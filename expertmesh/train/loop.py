@@ -27,8 +27,17 @@ from expertmesh.chat.k3 import K3Chat
 from expertmesh.chat.tiktoken_tokenizer import TikTokenTokenizer
 from expertmesh.train import bpe, corpus
 from expertmesh.train.copy_task import ChatCopy
-from expertmesh.train.export import Shape, load_train_model, model_config, text_config, wrapper_config, write_checkpoint
+from expertmesh.train.export import (
+    Shape,
+    keep_main_model,
+    load_train_model,
+    model_config,
+    text_config,
+    wrapper_config,
+    write_checkpoint,
+)
 from expertmesh.train.model import TrainModel
+from expertmesh.train.mtp_chain import train_mtp_chain
 
 
 @dataclass
@@ -60,6 +69,9 @@ class TrainConfig:
     copy_batch: int = 64  # conversations of a warm-up step
     copy_mix: int = 8  # copy conversations added to every corpus step, so the ability stays in use
     init: Path | None = None  # continue from a written checkpoint (its bf16 masters and tokenizer) instead of random
+    mtp_chain_steps: int = 800  # then the MTP layer alone, chained and distilled from the main model (mtp_chain.py)
+    mtp_chain_depth: int = 3  # chain applications trained (the drafts a step serves: --speculative-tokens)
+    mtp_chain_lr: float = 1e-3
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -239,7 +251,12 @@ def train(cfg: TrainConfig, log=print) -> dict:
     raw = wrapper_config(text_config(cfg.shape, data.vocab_size, data.special), data.special, cfg.shape)
     mcfg = model_config(raw, Path(cfg.out).name)
     model = TrainModel(mcfg, mtp=True, seed=cfg.seed, tie_embeddings=cfg.tie_embeddings)
+    init_report = None
     if cfg.init is not None:
+        if Path(cfg.init).resolve() == Path(cfg.out).resolve():
+            raise ValueError(f"--init {cfg.init}: the same directory as --out (it is read again after training)")
+        if (Path(cfg.init) / "training.json").exists():
+            init_report = json.loads((Path(cfg.init) / "training.json").read_text())
         start = load_train_model(Path(cfg.init), "bf16")
         if start.cfg != mcfg:
             raise ValueError(f"--init {cfg.init}: its config.json is not this run's model (shape or tokenizer differ)")
@@ -290,9 +307,15 @@ def train(cfg: TrainConfig, log=print) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             log(json.dumps({"step": step, "held_out": evaluate(model, data.held_out, cfg.seq_len, topk)}))
             write_checkpoint(model, raw, data.tokenizer_dir, Path(cfg.out))  # usable if the run stops here
+    chain = {}
+    if cfg.mtp_chain_steps:
+        windows = batches(data.train, cfg.batch, cfg.seq_len, window_seed + 7919)  # apart from the corpus's
+        chain = train_mtp_chain(model, windows, data.held_out, cfg, log)
     train_seconds = time.time() - t0
     final = evaluate(model, data.held_out, cfg.seq_len, topk)
     out = write_checkpoint(model, raw, data.tokenizer_dir, Path(cfg.out))
+    if cfg.init is not None and cfg.steps == 0:  # only the MTP layer trained: the main model stays the init's bits
+        keep_main_model(out, Path(cfg.init), mcfg.n_layers)
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "data": data.stats,
@@ -300,10 +323,13 @@ def train(cfg: TrainConfig, log=print) -> dict:
         "train_seconds": round(train_seconds, 1),
         "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
         "copy_warmup": {"steps": len(warmup), "last": warmup[-1] if warmup else None},
+        "mtp_chain": chain,
         "held_out": final,
-        "first_loss": history[0]["lm"],
-        "last_loss": sum(r["lm"] for r in history[-10:]) / min(10, len(history)),
+        "first_loss": history[0]["lm"] if history else None,
+        "last_loss": sum(r["lm"] for r in history[-10:]) / len(history[-10:]) if history else None,
     }
+    if init_report is not None:  # how the model it continued was made
+        report["init_report"] = init_report
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")  # how it was made, beside it
     log(json.dumps({"done": report["held_out"], "seconds": report["train_seconds"], "out": str(out)}))
     return report

@@ -40,6 +40,7 @@ def report(tmp_path_factory) -> dict:
         copy_warmup=2,
         copy_batch=4,
         copy_mix=2,
+        mtp_chain_steps=2,
         threads=1,  # a second thread waits on a shared machine's busy core: seconds per step instead of 0.05
     )
     train(cfg, log=lambda line: None)

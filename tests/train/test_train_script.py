@@ -8,6 +8,8 @@ import runpy
 import sys
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from expertmesh.checkpoint.loader import Checkpoint
 
@@ -16,12 +18,13 @@ HIDDEN = 64
 
 SLICE = ("--batch", "4", "--seq-len", "48", "--max-synsets", "800", "--bpe-ranks", "300", "--eval-every", "0")
 COPY = ("--copy-warmup", "2", "--copy-batch", "4", "--copy-mix", "2")  # the copy task, briefly
+CHAIN = ("--mtp-chain-steps", "2")  # the MTP chain stage, briefly
 
 
 def train_tiny(*args: str) -> None:
     """scripts/train_tiny.py as its command line runs it."""
     argv = sys.argv
-    sys.argv = ["train_tiny.py", *args, *SLICE, *COPY, "--hidden", str(HIDDEN)]
+    sys.argv = ["train_tiny.py", *args, *SLICE, *COPY, *CHAIN, "--hidden", str(HIDDEN)]
     try:
         with pytest.raises(SystemExit) as done:
             runpy.run_path("scripts/train_tiny.py", run_name="__main__")
@@ -62,3 +65,28 @@ def test_a_run_continues_from_a_written_checkpoint(run, tmp_path):
     train_tiny("--out", str(out), "--work", str(tmp_path / "work"), "--init", str(run), "--steps", "2")
     before, after = (json.loads((d / "training.json").read_text()) for d in (run, out))
     assert after["first_loss"] < before["first_loss"] - 0.5, (before, after)
+
+
+def test_the_mtp_stage_alone_keeps_the_main_model_bit_for_bit(run, tmp_path):
+    """--init with --steps 0: only the MTP chain stage trains; every tensor outside the MTP layer (main experts'
+    MXFP4 codes and bf16 masters included) is the init's, the MTP layer's differ; the report says how both were
+    made."""
+    out = tmp_path / run.name
+    train_tiny("--out", str(out), "--work", str(tmp_path / "work"), "--init", str(run), "--steps", "0")
+    n_layers = json.loads((run / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    mtp_prefix = f"language_model.model.layers.{n_layers}."
+    before, after = tensors(run), tensors(out)
+    assert set(before) == set(after)
+    main = [n for n in before if not n.startswith(mtp_prefix)]
+    assert main and all(torch.equal(before[n], after[n]) for n in main)
+    assert any(not torch.equal(before[n], after[n]) for n in before if n.startswith(mtp_prefix))
+    report = json.loads((out / "training.json").read_text())
+    assert report["mtp_chain"]["steps"] == 2 and report["init_report"]["config"]["steps"] == 16
+
+
+def tensors(directory) -> dict:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out |= {n: f.get_tensor(n) for n in f.keys()}  # the bf16 masters' names are their own
+    return out
