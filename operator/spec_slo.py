@@ -56,9 +56,10 @@ class PredictedStatus(_Status):
     gpus: int = Field(ge=0, le=1_000_000, description="the attention and prefill GPUs the forecast lays out")
     sequences: int = Field(ge=0, le=10**9, description="sequences decoding at once within the TPOT")
     kv_capacity_sequences: int = Field(ge=0, le=10**9, description="sequences of input + output tokens the KV holds")
-    ttft_seconds: float = Field(ge=0)
-    tpot_milliseconds: float = Field(ge=0)
-    prefill_tokens_per_second: float = Field(ge=0, description="the deployment's, all prefilling GPUs")
-    decode_tokens_per_second: float = Field(ge=0, description="the deployment's, all decoding GPUs")
+    # bounded like every CRD number (test_operator_hardening): far beyond any forecast a layout can give
+    ttft_seconds: float = Field(ge=0, le=1e9)
+    tpot_milliseconds: float = Field(ge=0, le=1e9)
+    prefill_tokens_per_second: float = Field(ge=0, le=1e15, description="the deployment's, all prefilling GPUs")
+    decode_tokens_per_second: float = Field(ge=0, le=1e15, description="the deployment's, all decoding GPUs")
     bound: PredictedBound = Field(description="the term that bounds each phase")
     meets_slo: bool
