@@ -240,11 +240,11 @@ class KVTiers:
     def put(self, key: str, snap: PrefixSnapshot) -> list[str]:
         """Keep a demoted prefix (host tensors) in the highest tier it fits, pushing older entries down; returns
         the keys dropped for good (possibly `key` itself, when no tier can hold it). With the cluster tier the
-        prefix is put there first (write-through: it outlives this worker); a key the store holds is never
-        reported dropped."""
+        prefix is put there too unless its save put it already (queued: the caller does not wait; it outlives this
+        worker); a key the store holds, or will once its put is made, is never reported dropped."""
         self.discard(key, keep_stored=True)
         if self.store is not None:
-            self.store.put(key, snap)
+            self.store.put_later(key, snap)
         dropped = self._put_local(key, snap)
         return [k for k in dropped if self.store is None or self.store.length_of(k) is None]
 

@@ -4,6 +4,7 @@ another; keys differ per deployment; a corrupt or foreign object is refused and 
 holds; the master killed → local tiers only, restarted → puts and gets resume."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("mooncake.store", reason="the Mooncake wheel (mooncake-trans
 
 from expertmesh.entry.kv_store_service import KVStoreService  # noqa: E402
 from expertmesh.entry.local import build_local_engine  # noqa: E402
+from expertmesh.model.transformer import generate  # noqa: E402
 from expertmesh.wire.kv_snapshot import CorruptFile, encode  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 from expertmesh.worker.kv_store import ClusterStore, connect_mooncake, object_key  # noqa: E402
@@ -59,23 +61,56 @@ def engine(tiny_checkpoint, service):
     eng.close()
 
 
-def test_a_prefix_one_worker_demoted_is_restored_bit_identical_by_the_other(engine):
+def test_a_prefix_is_written_through_on_save_and_restored_bit_identical_by_the_other_worker(engine):
     prompt = [random.Random(1).randrange(256) for _ in range(70)]
     engine.generate(prompt, SamplingParams(max_tokens=2))
     a, b = (engine.attention[i]._client for i in range(2))
     if not a.prefixes:
         a, b = b, a
+    assert a.tiers.store.flush()
     key = max(a.prefixes, key=lambda k: a.prefixes[k].length)
     length, saved = a.prefixes[key].length, device_copy(a, key)
+    # saved → put already, with no demotion (a worker killed now loses nothing): every prefix it saved is listed
+    assert {(k, p.length, "store") for k, p in a.prefixes.items()} <= set(a.list_prefixes())
+    puts = a.tiers.store.stats.demotions
     free, dropped = a.demote_prefix(key)
     assert dropped == [] and key not in a.prefixes and a.tiers.tier_of(key) == "store"  # no host / disk tier
-    assert (key, length, "store") in a.list_prefixes()
+    assert a.tiers.store.flush() and a.tiers.store.stats.demotions == puts  # no second put of the same prefix
     cached = b.open_sequence("s-b", SamplingParams(max_tokens=1), reserve_tokens=length + 1, prefix_key=key)
     assert cached == length
     assert_same(saved, device_copy(b, key))
     stats = b.tiers.snapshot_stats()["store"]
-    assert stats.restores == 1 and stats.restore_bytes > 0 and a.tiers.store.stats.put_bytes > 0
+    assert stats.restores == 1 and stats.restore_bytes > 0 and stats.gets >= 1 and a.tiers.store.stats.put_bytes > 0
     b.close_sequence("s-b")
+
+
+def test_write_through_puts_wait_on_their_own_thread_and_are_left_out_counted_when_the_queue_is_full(engine):
+    w, key, snap = snapshot_of(engine)
+    store = ClusterStore(
+        deployment="dep-queue",
+        secret=SECRET,
+        identity=w.tiers.identity,
+        layout=w.tiers.layout,
+        capacity_bytes=32 * MIB,
+        client=w.tiers.store.client,
+        max_queued=1,
+    )
+    started, release = threading.Event(), threading.Event()
+
+    def slow_put():
+        started.set()
+        release.wait()
+
+    assert store.calls.later(slow_put) and started.wait(5)  # the calls thread busy: nothing queued runs
+    start = time.monotonic()
+    assert store.put_later("q0", snap) and store.length_of("q0") == snap.length  # queued, counted as held
+    assert not store.accepts_put() and not store.put_later("q1", snap)  # full: left out, counted, never waited on
+    assert time.monotonic() - start < 0.1 and store.stats.puts_not_made == 1
+    assert store.get("q0") is None  # a lookup behind a busy thread: a miss within its deadline, not a wait
+    release.set()
+    store._down_until = 0.0
+    assert store.flush() and [k for k, _ in store.keys()] == ["q0"] and store.get("q0").length == snap.length
+    store.calls.close(1.0)  # the client is the worker's
 
 
 def assert_same(x, y):
@@ -147,14 +182,29 @@ def test_the_bound_holds_oldest_puts_removed_first(engine):
     assert small.get("k0") is None and small.get("k3").length == snap.length
 
 
-def test_the_master_killed_means_local_tiers_only_and_its_restart_resumes_the_store(engine, service):
+def test_the_master_killed_means_misses_within_their_deadline_and_its_restart_resumes_the_store(
+    engine, service, tiny_checkpoint
+):
     w, key, snap = snapshot_of(engine)
     store = w.tiers.store
+    assert store.put(key, snap)
     service.kill_master()
+    # with the master down a Mooncake call blocks for seconds: each lookup here is a miss within its deadline
+    for _ in range(3):
+        store._down_until = 0.0  # past the back-off: the store is tried again
+        start = time.monotonic()
+        assert store.get(key) is None and store.stage("never-put") is None
+        store.put_later("during", snap)
+        assert time.monotonic() - start < 4 * store.call_timeout_s + 0.3
+    assert not store.available() and store.stats.failures >= 3
+    # requests are answered from the local tiers meanwhile, the same tokens as without a store
+    prompt = [random.Random(5).randrange(256) for _ in range(40)]
     start = time.monotonic()
-    assert not store.put(key, snap)  # fails fast and marks the store unavailable
-    assert store.get("never-put") is None and time.monotonic() - start < 10
-    assert not store.available() and store.stats.failures >= 1
+    out = engine.generate(prompt, SamplingParams(max_tokens=3)).output
+    assert time.monotonic() - start < 20
+    assert (
+        out == generate(tiny_checkpoint.load_model(), prompt, SamplingParams(max_tokens=3), prefill_chunk=CHUNK).tokens
+    )
     service.start_master()
     deadline = time.monotonic() + 30
     while not store.put(key, snap):  # the client reconnects by itself, the store process remounts its memory
