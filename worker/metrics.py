@@ -51,6 +51,7 @@ class _State:
             seqs.add_metric([info["name"]], info["sequences"])
             yield seqs
             yield from tier_metrics(att)
+            yield from store_metrics(att)
             yield from handoff_metrics(att)
             yield from speculation_metrics(att)
         collective = getattr(server, "collective", None)
@@ -177,6 +178,30 @@ def tier_metrics(att):
             counters[field].add_metric([name, tier], value)
     yield from gauges.values()
     yield from counters.values()
+
+
+def store_metrics(att):
+    """The cluster KV tier's own calls (worker/kv_store.py), when the worker has one: puts made, their bytes and
+    seconds, gets, bytes and seconds, misses, calls that failed or passed their deadline, write-through puts left
+    out; its hits are expertmesh_kv_tier_hits{tier="store"}."""
+    store = att.tiers.store
+    if store is None:
+        return
+    s = store.stats
+    for metric, doc, value in (
+        ("puts", "Prefixes put in the cluster store", s.demotions),
+        ("put_bytes", "Bytes put in the cluster store", s.put_bytes),
+        ("put_seconds", "Time spent in the store's puts (on its own thread, never a step's)", s.put_seconds),
+        ("gets", "Objects read from the cluster store", s.gets),
+        ("get_bytes", "Bytes read from the cluster store", s.get_bytes),
+        ("get_seconds", "Time spent reading objects from the cluster store", s.get_seconds),
+        ("misses", "Lookups the cluster store did not answer with an object (absent, down, or late)", s.misses),
+        ("failures", "Cluster store calls that failed or passed their deadline", s.failures),
+        ("puts_not_made", "Write-through puts left out (queue full, store unavailable or refusing)", s.puts_not_made),
+    ):
+        family = CounterMetricFamily(f"expertmesh_kv_store_{metric}", doc, labels=["worker"])
+        family.add_metric([att.name], value)
+        yield family
 
 
 METRICS = WorkerMetrics()

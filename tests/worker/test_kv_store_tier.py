@@ -18,6 +18,7 @@ from expertmesh.model.transformer import generate  # noqa: E402
 from expertmesh.wire.kv_snapshot import CorruptFile, encode  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 from expertmesh.worker.kv_store import ClusterStore, connect_mooncake, object_key  # noqa: E402
+from expertmesh.worker.metrics import store_metrics  # noqa: E402
 
 CHUNK = 16
 MIB = 2**20
@@ -82,6 +83,12 @@ def test_a_prefix_is_written_through_on_save_and_restored_bit_identical_by_the_o
     stats = b.tiers.snapshot_stats()["store"]
     assert stats.restores == 1 and stats.restore_bytes > 0 and stats.gets >= 1 and a.tiers.store.stats.put_bytes > 0
     b.close_sequence("s-b")
+    # the worker's /metrics: puts (bytes, seconds) where it was put, gets (bytes) where it was restored
+    put = {f.name: f.samples[0].value for f in store_metrics(a)}
+    got = {f.name: f.samples[0].value for f in store_metrics(b)}
+    assert put["expertmesh_kv_store_puts"] >= 1 and put["expertmesh_kv_store_put_bytes"] > 0
+    assert put["expertmesh_kv_store_put_seconds"] > 0
+    assert got["expertmesh_kv_store_gets"] >= 1 and got["expertmesh_kv_store_get_bytes"] >= stats.restore_bytes
 
 
 def test_write_through_puts_wait_on_their_own_thread_and_are_left_out_counted_when_the_queue_is_full(engine):
