@@ -239,16 +239,18 @@ class FreeBlocks(_message.Message):
     def __init__(self, free_blocks: _Optional[int] = ...) -> None: ...
 
 class StepSegment(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample", "max_new")
+    __slots__ = ("seq_id", "token_ids", "sample", "max_new", "hold_at")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_FIELD_NUMBER: _ClassVar[int]
+    HOLD_AT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     max_new: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., max_new: _Optional[int] = ...) -> None: ...
+    hold_at: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., max_new: _Optional[int] = ..., hold_at: _Optional[int] = ...) -> None: ...
 
 class SnapshotKey(_message.Message):
     __slots__ = ("seq_id", "key", "length")

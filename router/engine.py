@@ -597,7 +597,7 @@ class Engine(StepCalls, HandOffs):
         """Back at the head of the queue: placed again (on a live worker), it replays prompt + output on the same
         schedule, so the same tokens."""
         self.kv.released(req.worker)
-        req.worker, req.seq_id, req.computed, req.reserved = -1, "", 0, 0
+        req.worker, req.seq_id, req.computed, req.reserved, req.held_mark = -1, "", 0, 0, 0
         req.last_key = None
         req.queued_at = time.monotonic()
         if req in self.running:

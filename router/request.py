@@ -91,6 +91,7 @@ class Request:
     hasher: PrefixHasher | None = None  # hash chain of tokens fed so far (prefix-cache keys)
     cache_scope: bytes = b""  # whom its prefixes are shared with (router/prefix_scope.py; b"": everyone)
     last_key: str | None = None  # the prefix key of the last chunk boundary it reached (or hit)
+    held_mark: int = 0  # speculation: a chunk boundary a verified run crossed, its state held by the worker to save
     # what session-aware eviction reads (router/eviction.py), set by the API layer
     tools_offered: bool = False  # the request carried tool definitions (an agent's turn)
     awaiting_tool: bool = False  # it ended with tool calls: the client will be back with results

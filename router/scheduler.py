@@ -127,6 +127,8 @@ class Planned:
     hasher: PrefixHasher | None = None  # its hash chain advanced to `prefix_end` (what the request keeps once sent)
     chain_key: str | None = None  # the prefix key of the tokens up to `prefix_end`
     max_new: int = 1  # tokens the worker may emit after `tokens` (speculation: up to speculative_tokens + 1)
+    hold_at: int = 0  # speculation: the chunk boundary whose state the worker keeps if the kept tokens reach it
+    saves_held: bool = False  # its snapshot is the one its request's last step held (Request.held_mark)
 
     @property
     def end(self) -> int:
@@ -405,8 +407,10 @@ def plan_batches(
         per_worker[s.worker] = per_worker.get(s.worker, 0) + 1
     for s in decoding:  # a large batch speculates not at all (compute-bound: the drafts cost more than they save)
         new = max_new(s, limits) if per_worker[s.worker] <= limits.speculative_max_batch else 1
+        boundary = (s.computed // limits.prefill_chunk + 1) * limits.prefill_chunk  # the next one it may reach
+        hold = boundary if new > 1 and boundary <= s.computed + new and boundary < limits.max_context else 0
         batches.setdefault(s.worker, []).append(
-            Planned(s.req, s.computed, [s.req.tokens[s.computed]], True, max_new=new)
+            Planned(s.req, s.computed, [s.req.tokens[s.computed]], True, max_new=new, hold_at=hold)
         )
         budget -= new
     for s in prefilling:
@@ -428,19 +432,18 @@ def plan_batches(
 
 def max_new(s: Seq, limits: Limits) -> int:
     """Tokens a decoding sequence may emit this step: 1 without speculation, else up to K + 1 within what is left
-    of max_tokens and the context, the KV it reserved, and short of its next chunk boundary (its prefix is saved
-    there by a step of one token, never inside a verified run); 1 while it replays or has a token filter."""
+    of max_tokens and the context, the KV it reserved, and one chunk (a verified run crosses at most one chunk
+    boundary: the worker holds the state there — Planned.hold_at — and the next step saves that prefix); 1 while it
+    replays or has a token filter."""
     req, k = s.req, limits.speculative_tokens
     if not k or req.token_filter is not None or s.computed + 1 < len(req.tokens):
         return 1
-    chunk = limits.prefill_chunk
-    boundary = (s.computed // chunk + 1) * chunk - 1 - s.computed  # tokens before the cache reaches a boundary
     left = min(
         k + 1,
         req.params.max_tokens - len(req.output),
         limits.max_context - len(req.tokens),
         s.reserved - s.computed,
-        boundary,
+        limits.prefill_chunk,
     )
     return max(1, left)
 
@@ -464,7 +467,11 @@ def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
     the prefix under its key unless it is cached."""
     chunk = limits.prefill_chunk
     mark = p.end // chunk * chunk
-    if mark <= p.start or mark >= limits.max_context or (mark != p.end and not limits.snapshot_within_step):
+    if p.req.held_mark:  # a boundary its last (verified) step crossed: saved from the state the worker held there
+        mark, p.saves_held = p.req.held_mark, True
+    elif p.max_new > 1:  # a verified run ends where acceptance says: its boundary is held (hold_at), saved next step
+        return
+    elif mark <= p.start or mark >= limits.max_context or (mark != p.end and not limits.snapshot_within_step):
         return
     own = p.req.hasher
     p.hasher = own.copy() if own is not None and own.length <= mark else kv.hasher(p.req.cache_scope)

@@ -48,7 +48,7 @@ class StepCalls:
                     w: self.pool.submit(
                         self.attention[w].run_step,
                         step_id,
-                        [StepSegment(p.req.seq_id, p.tokens, p.sample, p.max_new) for p in batches[w]],
+                        [StepSegment(p.req.seq_id, p.tokens, p.sample, p.max_new, p.hold_at) for p in batches[w]],
                         {
                             p.req.seq_id: p.snapshot if p.snapshot_at is None else (p.snapshot, p.snapshot_at)
                             for p in batches[w]
@@ -136,6 +136,13 @@ class StepCalls:
             elif prompt_end:
                 self.kv.mark_prompt_end(p.chain_key)
             p.req.last_key = p.chain_key
+        for p in batch:  # speculation: the boundary state the worker now holds (saved by the request's next step)
+            if p.req.seq_id not in done.failed:
+                kept = len(done.emitted(p.req.seq_id))
+                if p.saves_held:
+                    p.req.held_mark = 0
+                if p.hold_at and p.start + max(kept, 1) >= p.hold_at:
+                    p.req.held_mark = p.hold_at
         if done.image_encodes:
             record_image_encodes(self.metrics, done.image_encodes, {p.req.seq_id: p.req for p in batch}, w)
         for u in update.seqs:

@@ -342,18 +342,16 @@ class AttentionWorker(HandOffs, WorkerBase):
             self._save_prefix(seq, key)
             return self.pool.free_blocks
 
-    def _save_prefix(self, seq: SequenceState, key: str, length: int | None = None) -> None:
-        """The sequence's cache (or its first `length` tokens: its pages alone, a model without KDA layers) as
-        prefix `key`."""
+    def _save_prefix(self, seq: SequenceState, key: str, length: int | None = None, kda=None) -> None:
+        """The sequence's cache (or its first `length` tokens: its pages, and `kda` — the KDA states at that length
+        a step held — or none, a model without KDA layers) as prefix `key`."""
         if key in self.prefixes:
             return
         length = seq.cache.length if length is None else length
         kv = seq.kv.fork(length)
-        states = {
-            i: (c.state.clone(), c.conv.clone())
-            for i, c in enumerate(seq.cache.layers)
-            if self.cfg.layer_types[i] == "kda"
-        }
+        if kda is None:
+            kda = {i: (c.state, c.conv) for i, c in enumerate(seq.cache.layers) if self.cfg.layer_types[i] == "kda"}
+        states = {i: (state.clone(), conv.clone()) for i, (state, conv) in kda.items()}
         self.prefixes[key] = CachedPrefix(kv=kv, kda_states=states, length=length)
         store = self.tiers.store
         if store is not None and store.accepts_put():  # write-through: put off this thread (worker/kv_store.py)
@@ -518,6 +516,18 @@ class AttentionWorker(HandOffs, WorkerBase):
                 raise WorkerError("segments: expected at least one")
             tokens, segs, start = [], [], 0
             seen, with_images = set(), []
+            snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
+            held = {  # snapshots at the length a sequence's last step held (hold_at): its state kept then
+                seq_id: (key, length, self.sequences[seq_id].held[1])
+                for seq_id, (key, length) in snapshots.items()
+                if length
+                and seq_id in self.sequences
+                and self.sequences[seq_id].held is not None
+                and self.sequences[seq_id].held[0] == length <= self.sequences[seq_id].cache.length
+            }
+            for seq_id in held:
+                del snapshots[seq_id]
+                self.sequences[seq_id].held = None
             for s in segments:
                 if s.seq_id in seen:
                     raise WorkerError(f"segments: seq_id {s.seq_id!r} appears twice in one step")
@@ -534,7 +544,7 @@ class AttentionWorker(HandOffs, WorkerBase):
                         f"segments[{s.seq_id}]: {len(s.token_ids)} more tokens exceed the "
                         f"{len(seq.kv.blocks) * self.pool.block_size} reserved for the sequence"
                     )
-                saving = s.seq_id in (snapshot_keys or {})
+                saving = s.seq_id in snapshots
                 drafts = self.spec.drafts_for(seq, s.token_ids, s.max_new, room, saving) if self.spec else []
                 tokens += s.token_ids + drafts
                 segs.append(Segment(start, len(s.token_ids) + len(drafts), seq.cache, verify=bool(drafts)))
@@ -542,7 +552,6 @@ class AttentionWorker(HandOffs, WorkerBase):
                     with_images.append((seq, s, start))
                 start += segs[-1].length
             fed = {s.seq_id: seg.length for s, seg in zip(segments, segs)}
-            snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
             for seq_id, (_, length) in snapshots.items():
                 if length and seq_id in self.sequences:
                     self._check_snapshot_length(
@@ -565,6 +574,9 @@ class AttentionWorker(HandOffs, WorkerBase):
                 if why is not None:
                     failed[s.seq_id] = why
             done = self._finish_step(step_id, segs, segments, tokens, x, failed, snapshots)
+            for seq_id, (key, length, states) in held.items():
+                if seq_id not in failed:
+                    self._save_prefix(self.sequences[seq_id], key, length, states)
             done.image_encodes = image_encodes
             if any(seg.verify for seg in segs):
                 self.spec.timed(time.perf_counter() - began)
@@ -612,6 +624,7 @@ class AttentionWorker(HandOffs, WorkerBase):
                     out[seg_in.seq_id], more[seg_in.seq_id] = emitted[0], emitted[1:]
                     logprobs += entries
                     seg.cache.length += seg.length
+                    seq.hold(seg_in.hold_at, seg.cache.length - seg.length + len(emitted))  # before the rollback
                     seg.cache.roll_back(seg.cache.length - seg.length + len(emitted))
                     seq.kv.length = seg.cache.length
                     spec_items.append((seq, fed[: len(emitted)], seg.start, emitted[-1]))
@@ -628,6 +641,7 @@ class AttentionWorker(HandOffs, WorkerBase):
                 continue
             seg.cache.length += seg.length
             seq.kv.length = seg.cache.length
+            seq.hold(seg_in.hold_at, seg.cache.length)
             if seq.spec is not None:
                 spec_items.append((seq, fed, seg.start, out.get(seg_in.seq_id)))
         if spec_items:  # feed the drafters what was kept; draft unless the router verifies none in this batch

@@ -47,6 +47,17 @@ class SequenceState:
     images: object = None  # vision.SequenceImages: the prompt's images, spliced in as the prefill reaches them
     observed: list[int] = field(default_factory=list)  # output tokens fed (what a hand-off replays into a sampler)
     spec: object = None  # worker/speculation.SpecState: its drafter state and pending drafts (None: no speculation)
+    # speculation: (length, KDA states) kept at a chunk boundary a verified run reached (StepSegment.hold_at), for
+    # the snapshot of that length the next step asks for
+    held: tuple[int, dict] | None = None
+
+    def hold(self, hold_at: int, kept: int) -> None:
+        """After a step that keeps `kept` tokens in the cache (the verify's per-position states not yet rolled
+        back): keep the state at cache length `hold_at` if the kept tokens reach it."""
+        if 0 < hold_at <= kept:
+            states = self.cache.kda_states_at(hold_at)
+            if states is not None:
+                self.held = (hold_at, states)
 
 
 @dataclass

@@ -217,7 +217,9 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def RunStep(self, request, context):
-        segments = [StepSegment(s.seq_id, list(s.token_ids), s.sample, s.max_new or 1) for s in request.segments]
+        segments = [
+            StepSegment(s.seq_id, list(s.token_ids), s.sample, s.max_new or 1, s.hold_at) for s in request.segments
+        ]
         snapshots = {s.seq_id: (s.key, s.length) if s.length else s.key for s in request.snapshot_keys} or None
         return done_to_proto(self.worker.run_step(request.step_id, segments, snapshots))
 

@@ -98,6 +98,22 @@ class SequenceCache:
                 entry.truncate(length)
         self.length = length
 
+    def kda_states_at(self, length: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each KDA layer's (state, conv) after the first `length` tokens — those the last verify kept for that
+        position, or the current ones at the cache's length — keyed by layer; None where neither holds it."""
+        out = {}
+        for i, entry in enumerate(self.layers):
+            if not isinstance(entry, KDACache):
+                continue
+            j = length - entry.verified_start - 1
+            if entry.verified and 0 <= j < len(entry.verified):
+                out[i] = entry.verified[j]
+            elif length == self.length:
+                out[i] = (entry.state, entry.conv)
+            else:
+                return None
+        return out
+
 
 @dataclass
 class Segment:

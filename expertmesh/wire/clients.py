@@ -234,7 +234,9 @@ class RemoteAttention(_Client):
         req = worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[
-                worker_pb2.StepSegment(seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample, max_new=s.max_new)
+                worker_pb2.StepSegment(
+                    seq_id=s.seq_id, token_ids=s.token_ids, sample=s.sample, max_new=s.max_new, hold_at=s.hold_at
+                )
                 for s in segments
             ],
             snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k, length=n) for s, k, n in snaps],

@@ -73,6 +73,9 @@ class StepSegment:
     # tokens the worker may emit (speculation: the newest token's pending drafts verified in this step, each accepted
     # one emitted after the sampled token); 1 = one sampled token
     max_new: int = 1
+    # speculation: keep the state at this cache length if the kept tokens reach it (a chunk boundary a verified run
+    # may cross) — the next step may then save a prefix of that length (snapshot (key, hold_at)); 0 = none
+    hold_at: int = 0
 
 
 def snapshot_parts(snapshot: str | tuple[str, int]) -> tuple[str, int]:

@@ -1,7 +1,8 @@
 """The scheduler's side of speculative decoding (router/scheduler.py, pure): how many tokens a decoding sequence may
-emit a step (`max_new`: K + 1 within max_tokens, the context, the KV it reserved and its next chunk boundary; one
-while it replays or has a token filter), the optional growth for K + 1, and a step result of several tokens cut at
-a stop token or max_tokens with each token's own log-prob entry."""
+emit a step (`max_new`: K + 1 within max_tokens, the context, the KV it reserved and one chunk; one while it
+replays or has a token filter), the chunk boundary a verified run may cross held by the worker (`hold_at`) and
+saved by the request's next step, the optional growth for K + 1, and a step result of several tokens cut at a stop
+token or max_tokens with each token's own log-prob entry."""
 
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ def test_max_new_is_k_plus_one_within_what_is_left():
     assert max_new(seq(decoding(20, 40, 1)), dataclasses.replace(LIMITS, speculative_tokens=0)) == 1
     assert max_new(seq(decoding(20, 40, 1, max_tokens=3)), LIMITS) == 2  # 2 of max_tokens left
     assert max_new(seq(decoding(20, 22, 1)), LIMITS) == 2  # KV reserved for 2 more
-    assert max_new(seq(decoding(29, 60, 10)), LIMITS) == 2  # stops short of the chunk boundary at 32
-    assert max_new(seq(decoding(31, 60, 12)), LIMITS) == 1  # the step that reaches it (and saves the prefix)
+    # a verified run may cross the chunk boundary at 32 (the worker holds the state there, Planned.hold_at)
+    assert max_new(seq(decoding(29, 60, 10)), LIMITS) == 4
+    assert max_new(seq(decoding(31, 60, 12)), LIMITS) == 4
+    wide = dataclasses.replace(LIMITS, speculative_tokens=40)
+    assert max_new(seq(decoding(20, 100, 1, max_tokens=90)), wide) == 16  # at most one chunk: one boundary a step
     replay = decoding(21, 60, 5)  # fed 21, has 25 tokens: it replays its own output one token a step
     assert max_new(seq(replay), LIMITS) == 1
     filtered = decoding(20, 40, 1)
@@ -120,3 +124,24 @@ def test_speculative_max_batch_is_checked_and_has_a_router_flag():
     base = ["--checkpoint", "-", "--plan", "-", "--attention", "-", "--experts", "-"]
     assert EngineConfig.from_args(p.parse_args(base)).speculative_max_batch == 8
     assert EngineConfig.from_args(p.parse_args([*base, "--speculative-max-batch", "3"])).speculative_max_batch == 3
+
+
+def test_a_boundary_a_verified_run_may_cross_is_held_then_saved_next_step():
+    """hold_at names the next chunk boundary when the step's K + 1 tokens may reach it; a speculating step saves no
+    prefix at its own end (where it ends is acceptance's); the request's next step saves the held boundary's
+    prefix — (key, length) below the step's start, keyed by the tokens up to it."""
+    kv = KVManager([WorkerKV(0, 16, 64, 40)], chunk=16, salt=b"s")
+    far, near = decoding(20, 40, 1), decoding(29, 60, 10)
+    near.seq_id = "s2"
+    plan = schedule([], [far, near], kv, limits=LIMITS)
+    by_id = {p.req.seq_id: p for p in plan.batches[0]}
+    assert by_id["s1"].hold_at == 0 and by_id["s2"].hold_at == 32  # 20 + 4 < 32 <= 29 + 4
+    assert by_id["s2"].snapshot is None and by_id["s1"].snapshot is None
+    near.held_mark, near.computed = 32, 33  # the step kept 4: the worker holds the state at 32
+    near.output += [7] * 4
+    (p,) = [q for q in schedule([], [near], kv, limits=LIMITS).batches[0]]
+    assert p.saves_held and p.snapshot_at == 32 and p.prefix_end == 32 and p.snapshot is not None
+    assert p.snapshot == kv.hasher(near.cache_scope).advance(near.hash_tokens, 32)
+    plain = dataclasses.replace(LIMITS, speculative_tokens=0)  # without speculation: the step ending at 32 saves
+    (q,) = schedule([], [decoding(31, 60, 12)], kv, limits=plain).batches[0]
+    assert q.hold_at == 0 and q.snapshot is not None and q.snapshot_at is None

@@ -151,6 +151,30 @@ def test_a_rejection_at_every_draft_position_keeps_the_output(engines, oracle, w
         assert spec.stats.accepted_by_position.get(str(wrong_at), 0) == before[1].get(str(wrong_at), 0)
 
 
+def test_boundaries_inside_accepted_runs_are_saved_and_hit(engines, oracle):
+    """Accepted runs cross chunk boundaries mid-step (a 7-token prompt, 4 tokens a step: 15 -> 19 crosses 16, 31 ->
+    35 crosses 32): the worker holds the state at the boundary (the verify's per-position KDA states,
+    SequenceCache.kda_states_at) and the request's next step saves that prefix. A second turn — the first one's
+    prompt and answer, then more — hits the deepest (32: KDA state and pages there) and answers as plain decoding
+    does."""
+    o, spec = oracle
+    plain = engines("k3")
+    params = SamplingParams(max_tokens=40, logprobs=2)
+    prompt = PROMPTS[1]
+    first = run(plain, prompt, params)
+    o.known, o.wrong_at = [prompt + first[0]], None
+    before = spec.stats.accepted
+    assert run(spec, prompt, params) == first
+    assert spec.stats.accepted - before >= 24  # all drafts accepted: every step keeps 4
+    follow = prompt + first[0] + [11, 12, 13]
+    o.known.append(follow + run(plain, follow, params)[0])
+    r = spec.generate(follow, params, timeout=300)
+    assert r.cached_tokens == 32
+    assert (r.output, [(lp.token, lp.logprob, lp.top) for lp in r.logprobs], r.finish_reason) == run(
+        plain, follow, params
+    )
+
+
 def test_stop_token_and_max_tokens_inside_an_accepted_run(engines, oracle):
     o, spec = oracle
     plain = engines("k3")
