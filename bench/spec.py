@@ -1,13 +1,14 @@
 """Speculative decoding on the shipped model, in one process (expertmesh/model/speculative.py).
 
-On the embedded default (`models/k3-tiny`, its trained MTP layer loaded), greedy, concurrency 1:
+On the embedded default (`models/k3-tiny`, its trained MTP layer loaded), greedy, chat questions in K3's template
+(the n-gram drafter apart):
 
 1. MTP: K = 0 (plain `generate`) and K = 1, 2, 3 side by side over the same prompts — mean accepted length (tokens
    emitted per target forward), acceptance by draft position, decode tokens/s (prefill timed apart and left out),
    and whether every text equals plain decoding's;
 2. n-gram (prompt lookup) on a prompt that repeats code, K = 0 vs K = 3;
 3. the serving path (in-process deployment, expertmesh/entry/local.py: the router's engine over an attention and an
-   expert worker as objects, the same data path as `expertmesh up` without gRPC): K = 0..3 (`--speculative-tokens`)
+   expert worker as objects, the same data path as `expertmesh up` without gRPC): K = 0..4 (`--speculative-tokens`)
    at concurrency 1, 4, 16 — decode tokens/s (from each round's first token to its last) and mean accepted length —
    and the n-gram drafter on an agent-style workload (turns re-emitting code from their context);
 4. rollback: what undoing a partially accepted verify of K+1 = 4 rows costs — the per-position states the verify
@@ -32,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_json  # noqa: E402
 
+from expertmesh.chat.format import Message  # noqa: E402
+from expertmesh.chat.k3 import K3Chat  # noqa: E402
 from expertmesh.chat.tokenizer import load_tokenizer  # noqa: E402
 from expertmesh.checkpoint.loader import Checkpoint  # noqa: E402
 from expertmesh.entry.local import build_local_engine  # noqa: E402
@@ -41,11 +44,13 @@ from expertmesh.model.transformer import generate  # noqa: E402
 from expertmesh.wire.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = (
-    "A dog is a domesticated carnivore. A cat is",
-    "The oak is a tree of the genus Quercus. The maple is",
+# the MTP workload: chat questions as `expertmesh chat` sends them (K3's template, thinking on) — what the embedded
+# default serves; its reasoning and answer are what the drafts have to guess
+QUESTIONS = (
     "Tell me about the river.",
-    "A hammer is a hand tool with a heavy head. A saw is",
+    "Tell me about the hammer.",
+    "What is a cloud?",
+    "Tell me about the king.",
 )
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
 
@@ -212,11 +217,12 @@ def main(argv: list[str] | None = None) -> dict:
     ck = Checkpoint(args.checkpoint)
     model = ck.hf.load_mtp(ck.load_model(dtype=torch.bfloat16))
     tok = load_tokenizer(args.checkpoint)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    chat = K3Chat(tok)
+    prompts = [chat.render_ids([Message("user", q)], thinking=True) for q in QUESTIONS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     generate(model, prompts[0], SamplingParams(max_tokens=2, temperature=0.0))  # warm the kernels once
     load_before = _load()
-    served = serving(args.checkpoint, prompts, params, "mtp", (0, 1, 2, 3), (1, 4, 16), args.rounds)
+    served = serving(args.checkpoint, prompts, params, "mtp", (0, 1, 2, 3, 4), (1, 4, 16), args.rounds)
     print_serving(
         f"serving path (in-process deployments: router engine + 1 attention + 1 expert worker each), MTP, greedy, "
         f"{args.max_tokens} tokens a request; median of {args.rounds} interleaved rounds (load average before: "
