@@ -1,4 +1,4 @@
-"""Agent sessions that outlive device memory: the prefix cache with and without its lower tiers (issue #35).
+"""Agent sessions that outlive device memory: the prefix cache with and without its lower tiers (issues #35, #53).
 
 An agent-fleet workload through the official openai client against `expertmesh up` (the embedded tiny model, real
 processes on loopback): each session sends a ~200-char system prompt and a ~400-char task, then per turn appends the
@@ -8,7 +8,9 @@ host + disk (a small host tier so the disk sees traffic) — and each fleet size
 run: the cached ratio (cached / prompt tokens over turns 2..N), the prompt tokens recomputed over those turns,
 per-turn latency p50 / p90 and the tier traffic the router counts (hits by tier, demotions, drops). Then the
 full-2.8t arithmetic: KV + KDA state per 128K-token session, sessions per node of host memory, restore time at
-PCIe / NVMe bandwidth against the prefill it replaces.
+PCIe / NVMe bandwidth against the prefill it replaces. The cluster tier (#53): `--deployments pair,store` runs two
+attention workers without and with Mooncake's store, `pair-kill,store-kill` the same with the worker holding most
+prefixes SIGKILLed once the first fleet's first sessions have had a turn (its sessions' next turns: recomputed, or restored from the store).
 
     python bench/sessions.py [--sessions 2,16] [--turns 5] [--kv-blocks 512] [--kv-host-gib 1]
                              [--json bench/results/sessions.json]
@@ -23,6 +25,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -80,8 +83,9 @@ def text(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int) -> list[dict]:
-    """One agent session; per turn: prompt / cached tokens, seconds and the reply (content, reasoning, tool calls)."""
+def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int, on_turn=None) -> list[dict]:
+    """One agent session; per turn: prompt / cached tokens, seconds and the reply (content, reasoning, tool calls).
+    `on_turn()`: called after each turn (the kill runs count them)."""
     rng = random.Random(seed)
     messages = [
         {"role": "system", "content": f"Agent {seed}. " + text(rng, 190)},
@@ -118,6 +122,8 @@ def session(client, seed: int, turns: int, tool_chars: int, max_tokens: int) -> 
             messages += [reply] + [{"role": "tool", "tool_call_id": c.id, "content": result} for c in m.tool_calls]
         else:
             messages += [reply, {"role": "user", "content": result}]
+        if on_turn is not None:
+            on_turn()
     return out
 
 
@@ -131,31 +137,64 @@ def router_counters(url: str) -> dict[str, float]:
     return out
 
 
-def worker_counters(urls: list[str]) -> dict[str, float]:
-    """The attention workers' tier counters (/metrics), summed: per tier hits, demotions, restore bytes and
-    seconds, drops, rejected files."""
-    out: dict[str, float] = {}
+def worker_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    """Each attention worker's tier counters (/metrics) by its URL: per tier hits, demotions, restore bytes and
+    seconds, drops, rejected files; the cluster store's own (store.puts, store.gets, ...). A worker that does not
+    answer (killed) is left out."""
+    out: dict[str, dict[str, float]] = {}
     for url in urls:
-        body = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        try:
+            body = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        except OSError:
+            continue
+        mine = out[url] = {}
         for m in re.finditer(
             r'^expertmesh_kv_tier_(\w+)_total{tier="(\w+)",worker="[^"]*"} ([0-9.e+]+)$', body, re.MULTILINE
         ):
-            key = f"{m.group(2)}.{m.group(1)}"
-            out[key] = out.get(key, 0.0) + float(m.group(3))
+            mine[f"{m.group(2)}.{m.group(1)}"] = float(m.group(3))
+        for m in re.finditer(r'^expertmesh_kv_store_(\w+)_total{worker="[^"]*"} ([0-9.e+]+)$', body, re.MULTILINE):
+            mine[f"store.{m.group(1)}"] = float(m.group(2))
+        for m in re.finditer(
+            r'^expertmesh_kv_tier_prefixes{tier="device",worker="[^"]*"} ([0-9.e+]+)$', body, re.MULTILINE
+        ):
+            mine["device.prefixes"] = float(m.group(1))
     return out
 
 
-def run_fleet(cluster, sessions: int, args, seed0: int) -> dict:
+def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The workers' counters gained between two reads, summed over the workers that answered both times."""
+    out: dict[str, float] = {}
+    for url in before.keys() & after.keys():
+        for k, v in after[url].items():
+            out[k] = out.get(k, 0.0) + v - before[url].get(k, 0.0)
+    return out
+
+
+def run_fleet(cluster, sessions: int, args, seed0: int, kill_after: int | None = None) -> dict:
+    """One fleet of `sessions` sessions; `kill_after`: once that many turns are done (mid-run), SIGKILL the attention
+    worker holding the most prefixes on its device (placement may have put every session on one)."""
     url = cluster.http_url
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
     before = router_counters(url)
     before_w = worker_counters(cluster.metrics_urls)
+    done, lock = [0], threading.Lock()
+
+    def on_turn():
+        with lock:
+            done[0] += 1
+            if done[0] == kill_after:
+                held = [worker_counters([u]).get(u, {}).get("device.prefixes", 0) for u in cluster.metrics_urls]
+                victim = max(range(len(held)), key=lambda i: held[i])
+                print(f"killing attention-{victim} after {done[0]} turns (device prefixes: {held})", flush=True)
+                cluster.kill(f"attention-{victim}")
+
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
         turns = [
             t
             for s in pool.map(
-                lambda i: session(client, seed0 + i, args.turns, args.tool_chars, args.max_tokens), range(sessions)
+                lambda i: session(client, seed0 + i, args.turns, args.tool_chars, args.max_tokens, on_turn),
+                range(sessions),
             )
             for t in s
         ]
@@ -176,7 +215,7 @@ def run_fleet(cluster, sessions: int, args, seed0: int) -> dict:
         "wall_s": wall,
         "tiers": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(after)},
         "worker_tiers": {
-            k: after_w.get(k, 0.0) - before_w.get(k, 0.0) for k in sorted(after_w) if not k.startswith("device.")
+            k: v for k, v in sorted(counter_deltas(before_w, after_w).items()) if not k.startswith("device.")
         },
     }
 
@@ -224,7 +263,13 @@ def main(argv=None) -> int:
         help="the host tier of the +disk deployment (small, so that the disk tier sees traffic)",
     )
     p.add_argument("--kv-disk-gib", type=float, default=1.0)
-    p.add_argument("--deployments", default="device,host,disk", help="which of device,host,disk to run")
+    p.add_argument("--kv-store-gib", type=float, default=0.25, help="the cluster tier's memory (pair runs)")
+    p.add_argument(
+        "--deployments",
+        default="device,host,disk",
+        help="which of device,host,disk,pair,store,pair-kill,store-kill to run (pair: two attention workers, no "
+        "lower tier; store: two with the Mooncake cluster tier; -kill: one SIGKILLed mid-run)",
+    )
     p.add_argument("--json", default="bench/results/sessions.json")
     args = p.parse_args(argv)
     fleets = [int(s) for s in args.sessions.split(",")]
@@ -238,12 +283,24 @@ def main(argv=None) -> int:
             {"kv_host_gib": args.disk_host_gib, "kv_disk_dir": disk_dir, "kv_disk_gib": args.kv_disk_gib},
         ),
     }
+    # the router learns which keys reached the store from the workers' listings: read every 0.5 s (default 5 s),
+    # so that a worker killed seconds after its saves has its store keys known
+    pair = {"attention_workers": 2, "router_args": ["--prefix-index-refresh-s", "0.5"]}
+    store = pair | {"kv_store": "mooncake", "kv_store_gib": args.kv_store_gib}
+    deployments |= {
+        "pair": ("2 workers", pair),
+        "store": ("2 workers + cluster tier", store),
+        "pair-kill": ("2 workers, one killed", pair),
+        "store-kill": ("2 + cluster tier, one killed", store),
+    }
     results = {}
     for name in args.deployments.split(","):
         label, tiers = deployments[name]
+        # killed once the first sessions running have each had a turn: their next turns need what it held
+        kill_after = (lambda n: min(n, args.concurrency)) if name.endswith("-kill") else (lambda n: None)
         with LocalCluster(
             checkpoint,
-            attention_workers=1,
+            **({"attention_workers": 1} | tiers),
             expert_workers=2,
             http_port=free_port(),
             grpc_port=free_port(),
@@ -252,9 +309,11 @@ def main(argv=None) -> int:
             prefill_chunk=64,
             prefill_tokens=256,
             attention_metrics=True,
-            **tiers,
         ) as cluster:
-            results[label] = [run_fleet(cluster, n, args, seed0=1000 * (k + 1)) for k, n in enumerate(fleets)]
+            results[label] = [
+                run_fleet(cluster, n, args, seed0=1000 * (k + 1), kill_after=kill_after(n) if k == 0 else None)
+                for k, n in enumerate(fleets)
+            ]
         print(f"{label}: done", flush=True)
 
     print(f"\n{args.turns} turns, --kv-blocks {args.kv_blocks}, cached ratio over turns 2..{args.turns}")
@@ -272,7 +331,10 @@ def main(argv=None) -> int:
                 f"{r['recomputed_tokens']:>7,} of {r['prompt_tokens']:>6,} {r['p50_s']:>6.2f} {r['p90_s']:>6.2f}"
                 f"  {traffic}"
             )
-    print("\nworker tier traffic (host / disk): demotions in, hits (restores), MiB and seconds restored, drops")
+    print(
+        "\nworker tier traffic (host / disk / store): demotions in (store: puts), hits (restores), MiB and seconds "
+        "restored, drops (workers still up at the end)"
+    )
     for label, rows in results.items():
         for r in rows:
             w = r["worker_tiers"]
@@ -280,9 +342,10 @@ def main(argv=None) -> int:
                 f"{t}: {w.get(f'{t}.demotions', 0):g} in, {w.get(f'{t}.hits', 0):g} hits, "
                 f"{w.get(f'{t}.restore_bytes', 0) / 2**20:.1f} MiB / {w.get(f'{t}.restore_seconds', 0):.3f} s, "
                 f"{w.get(f'{t}.dropped', 0):g} dropped"
-                for t in ("host", "disk")
+                for t in ("host", "disk", "store")
+                if any(k.startswith(f"{t}.") and v for k, v in w.items())
             ]
-            print(f"{label:<28} {r['sessions']:>8}  " + " | ".join(cells))
+            print(f"{label:<28} {r['sessions']:>8}  " + (" | ".join(cells) or "-"))
 
     # greedy: every deployment must give every session the same replies, whatever tier its prefixes came from
     for k, n in enumerate(fleets):
