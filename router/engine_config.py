@@ -35,9 +35,9 @@ class EngineConfig:
     # attention worker must run with the same (--speculative-tokens / --speculative-method; checked at start)
     speculative_tokens: int = 0
     speculative_method: str = ""
-    # an attention worker decoding more sequences than this in a step verifies no drafts in it (vLLM's
+    # an attention worker running more sequences than this drafts and verifies nothing (vLLM's
     # speculative_disable_by_batch_size): a large batch is compute-bound, where drafts cost more than they save
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 16
     # ---- pools (router/disagg.py): prompts shorter than this skip the prefill pool
     prefill_min_tokens: int = 0
     # ---- transport and timeouts

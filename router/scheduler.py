@@ -76,7 +76,7 @@ class Limits:
     # pages), so a prompt's chunks need not stop at its last multiple of prefill_chunk to save it
     snapshot_within_step: bool = False
     speculative_tokens: int = 0  # drafts per decode step the attention workers verify (0: no speculation)
-    speculative_max_batch: int = 8  # a worker's step decoding more sequences than this verifies no drafts
+    speculative_max_batch: int = 16  # a worker running more sequences than this drafts and verifies nothing
 
 
 @dataclass(frozen=True)
@@ -403,10 +403,13 @@ def plan_batches(
     decoding = [s for s in seqs if s.computed >= len(s.req.prompt)]
     prefilling = [s for s in seqs if s.computed < len(s.req.prompt)]
     per_worker: dict[int, int] = {}
-    for s in decoding:
+    for s in seqs:  # every sequence a worker runs, decoding or prefilling
         per_worker[s.worker] = per_worker.get(s.worker, 0) + 1
-    for s in decoding:  # a large batch speculates not at all (compute-bound: the drafts cost more than they save)
-        new = max_new(s, limits) if per_worker[s.worker] <= limits.speculative_max_batch else 1
+    # a large batch speculates not at all (compute-bound: the drafts cost more than they save); where a worker does,
+    # its prompt chunks say so too (max_new K + 1: the worker feeds their rows to its drafter, which it skips else)
+    speculating = {w for w, n in per_worker.items() if limits.speculative_tokens and n <= limits.speculative_max_batch}
+    for s in decoding:
+        new = max_new(s, limits) if s.worker in speculating else 1
         boundary = (s.computed // limits.prefill_chunk + 1) * limits.prefill_chunk  # the next one it may reach
         hold = boundary if new > 1 and boundary <= s.computed + new and boundary < limits.max_context else 0
         batches.setdefault(s.worker, []).append(
@@ -420,7 +423,9 @@ def plan_batches(
         if end - s.computed > budget:
             break
         sample = end == len(s.req.prompt) and s.req.params.max_tokens > 0
-        batches.setdefault(s.worker, []).append(Planned(s.req, s.computed, s.req.prompt[s.computed : end], sample))
+        chunk = Planned(s.req, s.computed, s.req.prompt[s.computed : end], sample)
+        chunk.max_new = limits.speculative_tokens + 1 if s.worker in speculating else 1
+        batches.setdefault(s.worker, []).append(chunk)
         budget -= end - s.computed
     for worker, items in batches.items():
         for p in items:
@@ -469,7 +474,7 @@ def _snapshot(p: Planned, kv: KVManager, limits: Limits) -> None:
     mark = p.end // chunk * chunk
     if p.req.held_mark:  # a boundary its last (verified) step crossed: saved from the state the worker held there
         mark, p.saves_held = p.req.held_mark, True
-    elif p.max_new > 1:  # a verified run ends where acceptance says: its boundary is held (hold_at), saved next step
+    elif p.hold_at:  # a verified run ends where acceptance says: its boundary is held, saved by the next step
         return
     elif mark <= p.start or mark >= limits.max_context or (mark != p.end and not limits.snapshot_within_step):
         return

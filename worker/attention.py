@@ -644,9 +644,8 @@ class AttentionWorker(HandOffs, WorkerBase):
             seq.hold(seg_in.hold_at, seg.cache.length)
             if seq.spec is not None:
                 spec_items.append((seq, fed, seg.start, out.get(seg_in.seq_id)))
-        if spec_items:  # feed the drafters what was kept; draft unless the router verifies none in this batch
-            decoding = [s for s in segments if len(s.token_ids) == 1]
-            self.spec.advance(spec_items, x, draft=len(decoding) <= 1 or any(s.max_new > 1 for s in decoding))
+        if spec_items:  # feed the drafters what was kept and draft, unless the router speculates for none of the batch
+            self.spec.advance(spec_items, x, draft=any(s.max_new > 1 for s in segments))
         for seq_id, (key, length) in snapshots.items():
             if seq_id in self.sequences and seq_id not in failed:
                 self._save_prefix(self.sequences[seq_id], key, length or None)

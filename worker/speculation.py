@@ -143,7 +143,7 @@ class Speculation:
     def advance(self, items: list[tuple[object, list[int], int, int | None]], x: torch.Tensor, draft=True) -> None:
         """After a step: per speculating sequence (seq, the tokens it kept in its cache, their first row in the
         step's final hidden states `x` [T, H], the newest emitted token or None) — feed the drafter, then (`draft`:
-        unless the router verifies none for a batch this large, --speculative-max-batch) draft the next K after
+        unless the router speculates for no segment of the step — a batch over --speculative-max-batch) draft the next K after
         each sequence that emitted a token. Without `draft` the MTP layer is not fed either (a large batch pays
         nothing for speculation): its cache skips those positions, so drafts after them are poorer, never wrong."""
         if self.layer is not None and not draft:

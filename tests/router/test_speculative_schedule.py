@@ -122,7 +122,7 @@ def test_speculative_max_batch_is_checked_and_has_a_router_flag():
     p = argparse.ArgumentParser()
     add_arguments(p)
     base = ["--checkpoint", "-", "--plan", "-", "--attention", "-", "--experts", "-"]
-    assert EngineConfig.from_args(p.parse_args(base)).speculative_max_batch == 8
+    assert EngineConfig.from_args(p.parse_args(base)).speculative_max_batch == 16
     assert EngineConfig.from_args(p.parse_args([*base, "--speculative-max-batch", "3"])).speculative_max_batch == 3
 
 
@@ -145,3 +145,30 @@ def test_a_boundary_a_verified_run_may_cross_is_held_then_saved_next_step():
     plain = dataclasses.replace(LIMITS, speculative_tokens=0)  # without speculation: the step ending at 32 saves
     (q,) = schedule([], [decoding(31, 60, 12)], kv, limits=plain).batches[0]
     assert q.hold_at == 0 and q.snapshot is not None and q.snapshot_at is None
+
+
+def test_a_worker_over_the_batch_limit_counts_its_prompts_and_feeds_no_drafter():
+    """Sequences still prefilling count toward --speculative-max-batch (they join the decode batch next): 4 decoding
+    + 5 prefilling on one worker with a limit of 8 → every segment max_new 1 (the worker drafts and feeds its
+    drafter nothing); 4 + 4 → the decodes speculate and the prompt chunks carry K + 1 (their rows feed the MTP)."""
+    kv = KVManager([WorkerKV(0, 16, 64, 60)], chunk=16, salt=b"s")
+
+    def plan(prefilling: int) -> tuple[list[int], list[int]]:
+        reqs = []
+        for i in range(4):
+            r = decoding(20, 40, 1)
+            r.seq_id = f"d{i}"
+            reqs.append(r)
+        for i in range(prefilling):
+            r = Request(prompt=list(range(1, 21)), params=SamplingParams(max_tokens=8))
+            r.worker, r.seq_id, r.computed, r.reserved = 0, f"p{i}", 0, 32
+            reqs.append(r)
+        limits = dataclasses.replace(LIMITS, speculative_max_batch=8, max_running=16, max_batch_tokens=256)
+        batch = schedule([], reqs, kv, limits=limits).batches[0]
+        return [p.max_new for p in batch if p.req.seq_id[0] == "d"], [
+            p.max_new for p in batch if p.req.seq_id[0] == "p"
+        ]
+
+    assert plan(5) == ([1] * 4, [1] * 5)
+    assert plan(4) == ([4] * 4, [4] * 4)
+    assert plan(0)[0] == [4] * 4
