@@ -125,7 +125,8 @@ class Engine(StepCalls, HandOffs):
         self.instance = os.urandom(6).hex()
         self.seq_ids = itertools.count()
         salt = config.prefix_salt if config.prefix_salt is not None else os.urandom(16)
-        self.kv = KVManager(None, chunk=config.prefill_chunk, salt=salt)  # the workers join at start()
+        # the workers join at start(); with a cluster store every saved prefix is in it (written through)
+        self.kv = KVManager(None, chunk=config.prefill_chunk, salt=salt, store=config.kv_store)
         self._listings: dict[int, tuple[set[str], list]] = {}  # worker → (keys known, its ListPrefixes) to merge
         self.health = AttentionHealth(
             self.attention, self.kv, owner=self.instance, interval=config.health_interval, connect=self.plan.connect

@@ -49,8 +49,8 @@ class EngineConfig:
     prefix_salt: bytes | None = None  # the replicas' shared secret prefix keys are salted with (None: a random one)
     prefix_index_refresh: float = 5.0  # seconds between reads of every worker's prefixes (0: only on take-back)
     prefix_cache_scope: str = "key"  # cached prefixes are each API key's own, or "shared" (prefix_scope.py)
-    kv_store: bool = False  # the attention workers share a cluster KV store (worker/kv_store.py): demoted prefixes
-    # are restorable on any of them
+    kv_store: bool = False  # the attention workers share a cluster KV store (worker/kv_store.py, --kv-store): every
+    # prefix they save is written through to it, restorable on any of them
     # ---- what the APIs accept
     model_name: str | None = None  # None: the model config's name
     image_limits: ImageLimits = field(default_factory=ImageLimits)
@@ -129,6 +129,7 @@ class EngineConfig:
             prefix_salt=prefix_salt,
             prefix_index_refresh=args.prefix_index_refresh_s,
             prefix_cache_scope=args.prefix_cache_scope,
+            kv_store=args.kv_store is not None,
             image_limits=ImageLimits(
                 max_bytes=args.max_image_bytes,
                 max_source_pixels=args.max_image_source_pixels,

@@ -69,9 +69,18 @@ class KVManager:
     write."""
 
     def __init__(
-        self, workers: list[WorkerKV] | None, chunk: int, max_prefixes_per_worker: int = 256, salt: bytes = b""
+        self,
+        workers: list[WorkerKV] | None,
+        chunk: int,
+        max_prefixes_per_worker: int = 256,
+        salt: bytes = b"",
+        *,
+        store: bool = False,
     ):
-        """`workers`: known now, or none until each is added (`add_worker`, once it answered: Engine.start)."""
+        """`workers`: known now, or none until each is added (`add_worker`, once it answered: Engine.start).
+        `store`: the attention workers share a cluster store and write every prefix they save through to it
+        (worker/kv_store.py), so a saved prefix is in the store from the start — no listing needed to learn it,
+        and a worker that dies right after saving loses it from nobody's view."""
         self.workers: list[WorkerKV] = []
         self.chunk = chunk
         self.salt = salt
@@ -87,6 +96,7 @@ class KVManager:
         # keys held in the deployment's cluster store (worker/kv_store.py): any attention worker restores them, so
         # they outlive their worker and a turn placed elsewhere still hits
         self.cluster: set[str] = set()
+        self.store = store
         self.user: dict[str, object] = {}  # key → the request that last saved or hit it (its session state)
         for w in workers or ():
             self.add_worker(w)
@@ -194,6 +204,8 @@ class KVManager:
             self.lower.discard(key)
         else:
             self.lower.add(key)
+        if self.store:  # written through when saved; a put that was not made is a miss there, then a recompute
+            self.cluster.add(key)
         over = len(self.on_device(worker)) - self.max_prefixes
         return self.victims(worker)[: max(0, over)]
 

@@ -398,6 +398,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "other replicas saved or dropped there); 0: only when a worker is taken back (default 5)",
     )
     p.add_argument(
+        "--kv-store",
+        choices=("mooncake",),
+        default=None,
+        help="the attention workers share this cluster KV store (their --kv-store-master) and write every prefix "
+        "they save through to it: the index counts a saved prefix as in the store at once, so a turn after its "
+        "worker died restores it on another worker (default: none)",
+    )
+    p.add_argument(
         "--prefix-cache-scope",
         choices=SCOPES,
         default="key",

@@ -494,6 +494,7 @@ class LocalCluster:
                     self.transport,
                     *router_tls,
                     *self.speculative,
+                    *(["--kv-store", "mooncake"] if self.kv_store is not None else []),
                     *self.router_args,
                 ],
             )

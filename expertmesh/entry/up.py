@@ -46,6 +46,7 @@ UP_OWNED_ROUTER_OPTIONS = (
     "--tls-cert",
     "--tls-key",
     "--tls-client-ca",
+    "--kv-store",
 )
 
 
@@ -74,6 +75,7 @@ def router_engine_config(args, options: list[str]):
     experts = ",".join(f"expert-{i}" for i in range(args.expert_workers))  # their addresses: not known yet
     own = ["--prefill-chunk", str(args.prefill_chunk), "--prefill-tokens", str(args.prefill_tokens)]
     own += ["--transport", args.transport, "--experts", experts]
+    own += ["--kv-store", args.kv_store] if args.kv_store else []
     if args.speculative_tokens:
         if args.speculative_method is None:
             raise ValueError(f"--speculative-tokens {args.speculative_tokens}: needs --speculative-method mtp|ngram")
