@@ -55,12 +55,24 @@ class ImportSequenceRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., thinking: _Optional[_Union[ThinkingControl, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., owner: _Optional[str] = ..., cache_bytes: _Optional[int] = ..., sampler_state: _Optional[bytes] = ..., observed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImportSequencePart(_message.Message):
-    __slots__ = ("header", "cache")
+    __slots__ = ("header", "cache", "engine")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     header: ImportSequenceRequest
     cache: bytes
-    def __init__(self, header: _Optional[_Union[ImportSequenceRequest, _Mapping]] = ..., cache: _Optional[bytes] = ...) -> None: ...
+    engine: EngineTransfer
+    def __init__(self, header: _Optional[_Union[ImportSequenceRequest, _Mapping]] = ..., cache: _Optional[bytes] = ..., engine: _Optional[_Union[EngineTransfer, _Mapping]] = ...) -> None: ...
+
+class EngineTransfer(_message.Message):
+    __slots__ = ("session", "address", "length")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    address: int
+    length: int
+    def __init__(self, session: _Optional[str] = ..., address: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ConnectExpertsRequest(_message.Message):
     __slots__ = ("addresses", "moe_layers", "replicas", "call_timeout_s", "transport")

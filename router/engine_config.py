@@ -12,6 +12,7 @@ from expertmesh.router.prepared_image import ImageLimits
 from expertmesh.router.scheduler import Limits
 
 TRANSPORTS = ("grpc", "collective")
+HANDOFF_TRANSPORTS = ("grpc", "collective", "mooncake")
 SPECULATIVE_METHODS = ("mtp", "ngram")  # model/speculative.METHODS (the router loads no torch)
 
 
@@ -42,6 +43,9 @@ class EngineConfig:
     prefill_min_tokens: int = 0
     # ---- transport and timeouts
     transport: str = "grpc"  # attention ↔ expert exchange per MoE layer: grpc | collective (worker/collective.py)
+    # prefill → decode hand-offs: "" (as `transport`), grpc, collective or mooncake (the receiver reads the cache
+    # with Mooncake's transfer engine, worker/transfer_engine.py; gRPC when an engine is unavailable)
+    handoff_transport: str = ""
     call_timeout: float = 60.0  # seconds one step's results may take (remote: step_deadline)
     health_interval: float = 1.0  # seconds between heartbeats (and expert probes of the attention workers)
     startup_timeout: float = 120.0  # Engine.start waits this long for a worker still starting
@@ -58,6 +62,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected grpc or collective, found {self.transport!r}")
+        if self.handoff_transport not in ("", *HANDOFF_TRANSPORTS):
+            raise ValueError(
+                f"handoff_transport: expected one of {', '.join(HANDOFF_TRANSPORTS)}, found {self.handoff_transport!r}"
+            )
         if self.prefill_tokens and self.prefill_tokens % self.prefill_chunk:
             raise ValueError(
                 f"prefill_tokens: {self.prefill_tokens} is not a multiple of prefill_chunk {self.prefill_chunk}"
@@ -77,6 +85,11 @@ class EngineConfig:
             raise ValueError(
                 f"prefix_cache_scope: expected one of {', '.join(SCOPES)}, found {self.prefix_cache_scope!r}"
             )
+
+    @property
+    def hand_off_over(self) -> str:
+        """The transport hand-offs take (`handoff_transport`, else the exchange's)."""
+        return self.handoff_transport or self.transport
 
     @property
     def step_prefill_tokens(self) -> int:
@@ -125,6 +138,7 @@ class EngineConfig:
             speculative_max_batch=args.speculative_max_batch,
             prefill_min_tokens=args.prefill_min_tokens,
             transport=args.transport,
+            handoff_transport=args.handoff_transport or "",
             call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),
             prefix_salt=prefix_salt,
             prefix_index_refresh=args.prefix_index_refresh_s,

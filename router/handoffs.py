@@ -73,7 +73,7 @@ class HandOffs:
                 to_seq,
                 reserve_tokens=req.reserved,
                 owner=self.instance,
-                transport=self.config.transport,
+                transport=self.config.hand_off_over,
             )
 
         if req.trace_ctx is None:

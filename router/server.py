@@ -237,6 +237,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "gRPC stays for health and fallback)",
     )
     p.add_argument(
+        "--handoff-transport",
+        choices=("grpc", "collective", "mooncake"),
+        default=None,
+        help="how a prefill worker hands a sequence to a decode worker: grpc, collective (the --transport pairs) "
+        "or mooncake (the decode worker reads the cache with Mooncake's transfer engine, TCP or RDMA; gRPC when "
+        "either worker's engine is unavailable) (default: as --transport)",
+    )
+    p.add_argument(
         "--call-timeout",
         type=float,
         default=30.0,

@@ -6,6 +6,7 @@ AttentionWorker (worker/attention.py) that does it; it reads the worker's pool, 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import torch
@@ -23,9 +24,21 @@ from expertmesh.wire.worker_api import (
 from expertmesh.worker.kv import PagedDSACache, PagedSequenceKV
 from expertmesh.worker.kv_tiers import synchronize, to_device
 from expertmesh.worker.sequences import CachedPrefix, SequenceState
+from expertmesh.worker.transfer_engine import TransferLink
+
+_LINK_LOCK = threading.Lock()
 
 
 class HandOffs:
+    def transfer_link(self) -> TransferLink:
+        """This worker's Mooncake transfer engine for hand-offs (worker/transfer_engine.py), made on first use: it
+        starts only when a hand-off names the "mooncake" transport."""
+        with _LINK_LOCK:
+            link = getattr(self, "_transfer_link", None)
+            if link is None:
+                link = self._transfer_link = TransferLink()
+            return link
+
     def export_sequence(self, seq_id: str) -> tuple[SamplingParams, PrefixSnapshot, bytes, list[int]]:
         """A host copy of a sequence past its prompt: (params, its cache as a snapshot — KV [0, length), indexer
         keys, KDA recurrent + conv state —, its sampler's generator state, the output tokens fed so far). The

@@ -129,6 +129,22 @@ def handoff_metrics(att):
     )
     seconds.add_metric([att.name], att.handoff_seconds)
     yield seconds
+    link = getattr(att, "_transfer_link", None)  # hand-offs on Mooncake's transfer engine (worker/transfer_engine.py)
+    engine = CounterMetricFamily(
+        "expertmesh_kv_handoff_engine_bytes",
+        "Hand-off cache bytes moved by the transfer engine: read by a peer from here (sent) or from a peer (received)",
+        labels=["worker", "direction"],
+    )
+    fallbacks = CounterMetricFamily(
+        "expertmesh_kv_handoff_engine_fallbacks",
+        "Hand-offs asked of the transfer engine that went over gRPC instead (an engine unavailable, a read failed)",
+        labels=["worker"],
+    )
+    engine.add_metric([att.name, "sent"], link.sent_bytes if link else 0)
+    engine.add_metric([att.name, "received"], link.received_bytes if link else 0)
+    fallbacks.add_metric([att.name], link.fallbacks if link else 0)
+    yield engine
+    yield fallbacks
 
 
 def tier_metrics(att):

@@ -36,6 +36,8 @@ from expertmesh.worker.collective import (
     CollectiveExpert,
 )
 from expertmesh.worker.metrics import METRICS
+from expertmesh.worker.transfer_engine import TRANSPORT as ENGINE_TRANSPORT
+from expertmesh.worker.transfer_engine import EngineAttention
 
 log = logging.getLogger("expertmesh.worker")
 
@@ -227,8 +229,8 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     def HandOff(self, request, context):
         if not request.to_address:
             raise ValueError("to_address: required (host:port of the receiving attention worker)")
-        if request.transport not in ("", "grpc", "collective"):
-            raise ValueError(f"transport: expected grpc or collective, found {request.transport!r}")
+        if request.transport not in ("", "grpc", "collective", ENGINE_TRANSPORT):
+            raise ValueError(f"transport: expected grpc, collective or mooncake, found {request.transport!r}")
         transport = request.transport or "grpc"
         with self._peers_lock:
             peer = self._peers.get((request.to_address, transport))
@@ -236,6 +238,8 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
                 peer = RemoteAttention(request.to_address, timeout=self.handoff_timeout, tls=self.expert_tls)
                 if transport == "collective":
                     peer = CollectiveAttention(peer)
+                elif transport == ENGINE_TRANSPORT:
+                    peer = EngineAttention(peer, self.worker.transfer_link())
                 self._peers[request.to_address, transport] = peer
         done = self.worker.hand_off(
             request.seq_id, peer, request.to_seq_id, reserve_tokens=request.reserve_tokens, owner=request.owner
@@ -251,6 +255,11 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         self._check_size(request.cache_bytes)
         cache = bytearray()
         for n, part in enumerate(parts, 1):
+            if n == 1 and part.WhichOneof("part") == "engine":  # the cache waits in the sender's transfer engine
+                if part.engine.length != request.cache_bytes or next(parts, None) is not None:
+                    raise ValueError("parts[1]: expected the only part after the header, of cache_bytes bytes")
+                cache = self.worker.transfer_link().fetch(part.engine.session, part.engine.address, part.engine.length)
+                break
             if part.WhichOneof("part") != "cache" or len(cache) + len(part.cache) > request.cache_bytes:
                 raise ValueError(f"parts[{n}]: expected a piece of the cache within cache_bytes={request.cache_bytes}")
             cache += part.cache
