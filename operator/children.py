@@ -17,6 +17,12 @@ import numpy as np
 
 from expertmesh.operator.devices import compute_domain, queued
 from expertmesh.operator.gateway import absent_gateway_children, gateway_children, router_epp_ports
+from expertmesh.operator.kv_store import (
+    absent_kv_store,
+    kv_store_children,
+    kv_store_key_volume,
+    kv_store_worker_args,
+)
 from expertmesh.operator.lws import (
     LWS_API,
     LWS_KIND,
@@ -145,7 +151,7 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     container = {
         "name": "prefill" if pool.role == PREFILL else "attention",
         "command": ["expertmesh"],
-        "args": attention_worker_args(spec, cfg, pool.role),
+        "args": attention_worker_args(spec, cfg, pool.role) + kv_store_worker_args(name, namespace, spec),
         "ports": ports,
         "env": env,
         "resources": attention_resources(pool.workers, kv.host_gib),
@@ -154,6 +160,8 @@ def attention_statefulset(name: str, namespace: str, spec: MoEDeploymentSpec, cf
     pod = pod_spec(name, pool.component, spec, container, spread=True)
     volumes, mounts, claims = kv_disk_volume(kv.disk)
     key_volumes, key_mounts = kv_disk_key_volume(name, kv.disk)  # what the disk tier's files are keyed with
+    store_volumes, store_mounts = kv_store_key_volume(name, spec)  # what the cluster store's objects are keyed with
+    key_volumes, key_mounts = key_volumes + store_volumes, key_mounts + store_mounts
     pod["volumes"] += volumes + key_volumes
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"] + mounts + key_mounts
     sts = {
@@ -422,6 +430,7 @@ def build_children(
         *compute_domain(name, namespace, spec),  # before the pods that claim its channel
         *(headless_service(name, namespace, spec, p.statefulset, p.component) for p in pools),
         headless_service(name, namespace, spec, expert_name(name), COMPONENT_EXPERT),
+        *kv_store_children(name, namespace, spec, [p.component for p in pools]),  # spec.kv.store
         *workloads(spec, [attention_statefulset(name, namespace, spec, cfg, p) for p in pools], 1, bounded),
         *workloads(spec, [expert_statefulset(name, namespace, spec, plan)], spec.expert_workers.replicas, bounded),
         *(pool_hpa(name, namespace, spec, p) for p in pools if p.autoscale is not None),
@@ -450,6 +459,7 @@ def absent_children(name: str, spec: MoEDeploymentSpec, *, other_kinds: bool = F
             ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name)),
         ]
     out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
+    out += absent_kv_store(name, spec)
     return out + (absent_kinds(name, spec) if other_kinds else [])
 
 

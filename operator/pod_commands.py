@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 
 from expertmesh.operator.gateway import router_epp_args
+from expertmesh.operator.kv_store import kv_store_router_args
 from expertmesh.operator.lws import expert_addresses, uses_lws
 from expertmesh.operator.naming import (
     HEALTH_PORT,
@@ -148,6 +149,7 @@ def router_args(name: str, namespace: str, spec: MoEDeploymentSpec, pools: list[
         *router_epp_args(name, namespace, spec),
         *(["--transport", spec.transport] if spec.transport != "grpc" else []),
         *router_serving_args(spec),
+        *kv_store_router_args(spec),
         *speculative_args(spec),
         *worker_tls_args(spec, "router"),
         *router_salt_volume(name, spec)[2],

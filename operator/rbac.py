@@ -37,7 +37,7 @@ RULES: tuple[Rule, ...] = (
     Rule("", "services", _CHILD_DELETED),
     # StatefulSets also watched: an autoscaled pool's replicas (the HorizontalPodAutoscaler's) re-render the router
     Rule("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
-    Rule("apps", "deployments", _CHILD),
+    Rule("apps", "deployments", _CHILD_DELETED),  # the router's; spec.kv.store's (deleted once the store is gone)
     Rule("policy", "poddisruptionbudgets", _CHILD),
     Rule("networking.k8s.io", "networkpolicies", _CHILD_DELETED),
     # an autoscaled pool's HorizontalPodAutoscaler (spec.*Workers.autoscale)

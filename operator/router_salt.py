@@ -28,8 +28,9 @@ KV_DISK_KEY_VOLUME = "kv-disk-key"
 
 def shares_salt(spec: MoEDeploymentSpec) -> bool:
     """Whether the deployment has the salt Secret: its router replicas share it (more than one of them), or its
-    attention workers key their disk tier's files with it (spec.kv.disk)."""
-    return routers_share_salt(spec) or spec.kv.disk is not None
+    attention workers key their disk tier's files (spec.kv.disk) or the cluster store's objects (spec.kv.store) with
+    it."""
+    return routers_share_salt(spec) or spec.kv.disk is not None or spec.kv.store is not None
 
 
 def routers_share_salt(spec: MoEDeploymentSpec) -> bool:

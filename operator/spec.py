@@ -287,6 +287,15 @@ class KVSpec(SpecModel):
         "device, GiB (added to its memory request and limit); 0: none",
     )
     disk: KVDiskSpec | None = Field(None, description="each attention worker's disk tier below the host tier")
+    store: Literal["mooncake"] | None = Field(
+        None,
+        description="a cluster KV tier below disk that every attention worker shares: Mooncake's store (its master "
+        "and store process as a Deployment + Service of their own, operator/kv_store.py); any worker restores a "
+        "prefix another saved; absent: none",
+    )
+    store_gib: float = Field(
+        4.0, gt=0, le=MAX_KV_TIER_GIB, alias="storeGiB", description="the cluster store's memory, GiB (with store)"
+    )
 
 
 class ThinkingSpec(SpecModel):

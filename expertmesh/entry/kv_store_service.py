@@ -46,10 +46,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _listening(port: int) -> bool:
+def _listening(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host if host != "0.0.0.0" else "127.0.0.1", port)) == 0
 
 
 class KVStoreService:
@@ -125,7 +125,7 @@ class KVStoreService:
 
     def _wait(self, proc: subprocess.Popen, ports: tuple[int, ...], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not all(_listening(p) for p in ports):
+        while not all(_listening(p, self.host) for p in ports):  # on a pod: its IP, which the master binds
             if proc.poll() is not None:
                 raise RuntimeError(f"--kv-store mooncake: {what} exited with code {proc.returncode}")
             if time.monotonic() > deadline:
