@@ -30,7 +30,10 @@ COPY operator/ operator/
 COPY router/ router/
 COPY worker/ worker/
 COPY protos/ protos/
-RUN pip install --no-cache-dir '.[gpu]' \
+# libibverbs1: what Mooncake's transfer engine loads (the cluster KV tier, `spec.kv.store: mooncake`; TCP without
+# RDMA hardware, RDMA where the node has it)
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir '.[gpu,kvstore]' \
     && cd / && rm -rf /src \
     && expertmesh --help >/dev/null
 
