@@ -63,7 +63,9 @@ def test_closing_the_pool_and_waiting_leaves_no_process():
     deadline = time.monotonic() + 30
     while len(ex._processes) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    # a second decoder starts only if the first is busy when warm()'s second task arrives (ProcessPoolExecutor
+    # reuses an idle one): on a loaded machine one may be all there is — what close() must end either way
     pids = [*ex._processes, fs._forkserver._forkserver_pid, rt._resource_tracker._pid]
-    assert len(pids) == 4 and all(_alive(p) for p in pids)
+    assert len(ex._processes) >= 1 and all(_alive(p) for p in pids)
     pool.close(wait=True)
     assert [p for p in pids if _alive(p)] == []
