@@ -459,7 +459,6 @@ def absent_children(name: str, spec: MoEDeploymentSpec, *, other_kinds: bool = F
             ("autoscaling/v2", "HorizontalPodAutoscaler", prefill_name(name)),
         ]
     out += [("autoscaling/v2", "HorizontalPodAutoscaler", p.statefulset) for p in pools if p.autoscale is None]
-    out += absent_kv_store(name, spec)
     return out + (absent_kinds(name, spec) if other_kinds else [])
 
 
@@ -467,10 +466,11 @@ def absent_kinds(name: str, spec: MoEDeploymentSpec) -> list[tuple[str, str, str
     """The children of the kinds this spec does not use, which an earlier one may have: the workers' other workload
     kind after spec.workload changed (the LWS controller's own StatefulSets are its LeaderWorkerSets', never the
     MoEDeployment's: the handler deletes only what the MoEDeployment owns), a prefill LeaderWorkerSet once the pool is
-    gone, the gateway's InferencePool and picker Service once spec.gateway drops them."""
+    gone, the gateway's InferencePool and picker Service once spec.gateway drops them, the KV store's Deployment,
+    Service and NetworkPolicy once spec.kv.store does."""
     other = ("apps/v1", "StatefulSet") if uses_lws(spec) else (LWS_API, LWS_KIND)
     pools = attention_pools(name, spec)
     out = [(*other, n) for n in [p.statefulset for p in pools] + [expert_name(name)]]
     if uses_lws(spec) and not any(p.component == COMPONENT_PREFILL for p in pools):
         out.append((LWS_API, LWS_KIND, prefill_name(name)))
-    return out + absent_gateway_children(name, spec)
+    return out + absent_gateway_children(name, spec) + absent_kv_store(name, spec)

@@ -83,7 +83,7 @@ def test_without_the_store_nothing_is_rendered_and_an_earlier_one_is_deleted():
     assert not [k for k in children if "kv-store" in k[1]]
     args = children[("StatefulSet", attention_name("kimi"))]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--kv-store-master" not in args
-    assert ("apps/v1", "Deployment", kv_store_name("kimi")) in absent_children("kimi", spec)
+    assert ("apps/v1", "Deployment", kv_store_name("kimi")) in absent_children("kimi", spec, other_kinds=True)
     with pytest.raises(SpecError, match="storeGiB|store_gib"):
         parse_spec(tiny(kv={"store": "mooncake", "storeGiB": 0}))
     with pytest.raises(SpecError, match="store"):
