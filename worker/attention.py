@@ -517,17 +517,13 @@ class AttentionWorker(HandOffs, WorkerBase):
             tokens, segs, start = [], [], 0
             seen, with_images = set(), []
             snapshots = {seq_id: snapshot_parts(v) for seq_id, v in (snapshot_keys or {}).items()}
-            held = {  # snapshots at the length a sequence's last step held (hold_at): its state kept then
-                seq_id: (key, length, self.sequences[seq_id].held[1])
-                for seq_id, (key, length) in snapshots.items()
-                if length
-                and seq_id in self.sequences
-                and self.sequences[seq_id].held is not None
-                and self.sequences[seq_id].held[0] == length <= self.sequences[seq_id].cache.length
-            }
-            for seq_id in held:
-                del snapshots[seq_id]
-                self.sequences[seq_id].held = None
+            held = {}  # snapshots at the length a sequence's last step held (hold_at): its state kept then
+            for seq_id, (key, length) in list(snapshots.items()):
+                seq = self.sequences.get(seq_id)
+                states = seq.take_held(length) if seq is not None and length else None
+                if states is not None:
+                    held[seq_id] = (key, length, states)
+                    del snapshots[seq_id]
             for s in segments:
                 if s.seq_id in seen:
                     raise WorkerError(f"segments: seq_id {s.seq_id!r} appears twice in one step")

@@ -59,6 +59,13 @@ class SequenceState:
             if states is not None:
                 self.held = (hold_at, states)
 
+    def take_held(self, length: int) -> dict | None:
+        """The KDA states held at cache length `length` (forgotten here), or None when the last hold was not there."""
+        if self.held is None or self.held[0] != length or length > self.cache.length:
+            return None
+        states, self.held = self.held[1], None
+        return states
+
 
 @dataclass
 class CachedPrefix:
