@@ -25,6 +25,13 @@ on every call, which cost half the time of a 16-row linear (bf16 and fp32 alike:
 copy is an extra resident copy of every projection weight the kernel does not take on CPU (not of the MXFP4
 experts); EXPERTMESH_CPU_PACKED_LINEAR=0 turns it off.
 
+A dtype oneDNN refuses to prepack here (`kernels.cpu_features.onednn_prepacks`: bf16 on CPUs without
+AVX512-BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only EPYCs, where the row-invariant kernel has no fast path either; every
+dtype under EXPERTMESH_CPU_ISA=portable) runs the portable path: F.linear on exactly ROW_TILE rows a call, as plain
+tensor weights do. Batch-invariant as every one-shape call is, but not the prepacked path's bits (another fp32
+summation order of the same exact bf16 products): within bf16 rounding of it, so greedy tokens match the fast
+path's only where no logit is that close. `linear_path(dtype)` names the path a dtype takes (kernels/cpu_isa.py).
+
 Which path a projection takes depends on the weight and dtypes, never on the number of rows, so a weight's rows
 always come from one path within a process.
 """
@@ -39,6 +46,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from expertmesh.kernels import cpu_features
 from expertmesh.kernels.linear import cpu_kernel as linear_kernel
 
 ROW_TILE = 16
@@ -94,10 +102,24 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a CPU parameter [N, K] (fp32 / bf16), made on first use and kept while the
     parameter lives; made again when it is written in place or re-pointed (version / storage). None where the
     plain path runs: a temporary tensor (packing per call gains nothing), other dtypes or devices, a weight that
-    needs its gradient, packing off. (`linear` does not ask for it where the kernel takes the weight.)"""
-    if not PACKING or not _cacheable(weight, _PACKED_DTYPES):
+    needs its gradient, packing off, a dtype oneDNN does not prepack on this CPU. (`linear` does not ask for it
+    where the kernel takes the weight.)"""
+    if not PACKING or not _cacheable(weight, _PACKED_DTYPES) or not cpu_features.onednn_prepacks(weight.dtype):
         return None
     return _cached(_packed, (weight,), lambda w: torch.ops.mkldnn._reorder_linear_weight(w, ROW_TILE))
+
+
+def linear_path(dtype: torch.dtype) -> str:
+    """The path `linear` takes for a CPU parameter of `dtype` (fp32 / bf16) and activations of the same dtype."""
+    if linear_kernel.available():
+        return (
+            f"row-invariant kernel {linear_kernel.default_isa()}"
+            if dtype == torch.bfloat16
+            else "row-invariant kernel fp32"
+        )
+    if PACKING and cpu_features.onednn_prepacks(dtype):
+        return "onednn-prepacked"
+    return f"portable ({ROW_TILE}-row F.linear)"
 
 
 def kernel_weight(weight: torch.Tensor) -> torch.Tensor | None:

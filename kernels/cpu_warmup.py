@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from expertmesh.kernels.cpu_isa import cpu_isa
 from expertmesh.kernels.dsa import cpu_kernel as dsa_kernel
 from expertmesh.kernels.linear import cpu_kernel as linear_kernel
 from expertmesh.kernels.moe import cpu_kernel as moe_kernel
@@ -33,4 +34,5 @@ def load(kernels: dict) -> dict[str, bool]:
         time.perf_counter() - t0,
         ", ".join(f"{n} {'yes' if ok else 'no (PyTorch path)'}" for n, ok in ready.items()),
     )
+    log.info("CPU paths: %s", cpu_isa().describe())  # which instruction sets, and the path of bf16 / fp32 projections
     return ready

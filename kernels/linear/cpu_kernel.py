@@ -16,8 +16,9 @@ would pack its weight per call, run that same order on the vector units (two FMA
 subnormals flushed as the tile unit does): the same bits either way, so rows stay batch-invariant, and one-row
 calls cost what VDPBF16PS costs. `isa="auto"` resolves once per process, so every call of a process runs the same
 arithmetic: `EXPERTMESH_CPU_LINEAR_ISA` (amx | avx512bf16 | portable) when set, else amx where the CPU has AMX-BF16
-and Linux grants the tile state, else avx512bf16 where it has AVX512-BF16, else portable. On this project's CPU
-AMX computes a 256-row call of the benchmark model's projections 5-6x faster than VDPBF16PS.
+and Linux grants the tile state, else avx512bf16 where it has AVX512-BF16, else portable — "has" as
+`kernels.cpu_features` sees it (EXPERTMESH_CPU_ISA, ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY cap it). On this
+project's CPU AMX computes a 256-row call of the benchmark model's projections 5-6x faster than VDPBF16PS.
 
 `available()` is true only where a fast path runs: elsewhere the kernel would be slower than oneDNN and callers
 keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0` turns it off. Built on first use (kernels/cpu_extension.py); a
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels import cpu_features
 from expertmesh.kernels.cpu_extension import LazyExtension
 from expertmesh.kernels.linear.naive import GROUP, check_bmm_inputs, check_linear_inputs, pack_bmm_weight, pack_weight
 
@@ -123,7 +125,8 @@ _default: str | None = None
 
 def default_isa() -> str:
     """The path `isa="auto"` runs in this process: EXPERTMESH_CPU_LINEAR_ISA when set (amx, avx512bf16, portable;
-    refused with the variable named when this CPU has no such path), else the kernel's own choice."""
+    refused with the variable named when this CPU has no such path), else the kernel's own choice within what
+    `kernels.cpu_features` allows (portable where it allows no AVX512-BF16: `available()` is then False)."""
     global _default
     if _default is None:
         want = os.environ.get("EXPERTMESH_CPU_LINEAR_ISA", "").strip().lower()
@@ -136,8 +139,19 @@ def default_isa() -> str:
                 )
             _default = want
         else:
-            _default = best_isa()
+            _default = _capped(best_isa())
     return _default
+
+
+def _capped(isa: str) -> str:
+    """`isa` lowered to what `cpu_features.features()` allows (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY or
+    EXPERTMESH_CPU_ISA capping this CPU: the kernel then runs what it would on the CPU they describe)."""
+    f = cpu_features.features()
+    if isa == "amx" and not f.amx:
+        isa = "avx512bf16"
+    if isa == "avx512bf16" and not (f.avx512 and f.avx512_bf16):
+        isa = "portable"
+    return isa
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
