@@ -4,11 +4,13 @@ cache, as Hugging Face directories both systems read.
 `dsv32` — DeepSeek-V3.2's shape scaled to a CPU: hidden 1024, 8 layers (the first dense, width 2816), MLA with 16
 heads (q LoRA 512, KV LoRA 512, nope/rope/v head dims 128/64/128), 64 routed experts top-4 of width 512 in 8 groups
 (top-4 groups), one shared expert, routed scaling 2.5, the lightning indexer with 16 heads × 128 on every layer,
-vocabulary 32,000, plain RoPE (θ 10,000), 4,096 positions: 854.9M parameters, stored bf16 (1.7 GB). `index_topk`
-is 4,096 — every context the benchmark makes is shorter, so DSA selects every past token and the model computes
-exactly what dense MLA computes. That is what lets vLLM's CPU build serve the same weights as `deepseek_v3`: its
-DeepSeek-V3.2 path needs the sparse-MLA / indexer kernels of the GPU builds, while the V3 path runs dense MLA (the
-CPU_MLA / AMX_MLA backends); vLLM's DeepSeek loader drops the indexer tensors of layers built without an indexer.
+vocabulary 32,000, plain RoPE (θ 10,000), 40,960 positions (a 32K prompt and its new tokens: bench/peer.py --long):
+854.9M parameters, stored bf16 (1.7 GB). `index_topk` is 4,096 — in the default scenarios every context is shorter,
+so DSA selects every past token and the model computes exactly what dense MLA computes. That is what lets vLLM's CPU
+build serve the same weights as `deepseek_v3`: its DeepSeek-V3.2 path needs the sparse-MLA / indexer kernels of the
+GPU builds, while the V3 path runs dense MLA (the CPU_MLA / AMX_MLA backends); vLLM's DeepSeek loader drops the
+indexer tensors of layers built without an indexer. Past 4,096 tokens (the 8K / 32K prompts) the two differ by
+design: expertmesh attends to the 4,096 tokens the indexer picks, vLLM to all of them.
 
 Two directories share the weight files (hard links where the filesystem allows, copies otherwise):
   <cache>/models/dsv32/expertmesh/  config.json model_type deepseek_v32 (as `save_pretrained` wrote it)
@@ -69,7 +71,7 @@ DSV32 = dict(
     index_topk=4096,
     index_head_dim=128,
     index_n_heads=16,
-    max_position_embeddings=4096,
+    max_position_embeddings=40960,  # a 32K prompt + new tokens (--long); RoPE is position-free in the weights
     bos_token_id=0,
     eos_token_id=1,
     tie_word_embeddings=False,
@@ -163,14 +165,14 @@ def model_dirs(cache: Path, name: str = "dsv32", seed: int = 0, log=print) -> tu
     partial = root.with_name(name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     t0 = time.perf_counter()
-    log(f"peer: building the {name} model into {root} (once)")
+    log(f"building the {name} model into {root} (once)")
     facts = _build(name, seed, partial)
     facts["build_s"] = time.perf_counter() - t0
     facts["spec"] = spec
     (partial / "peer-model.json").write_text(json.dumps(facts, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
-    log(f"peer: built {name} ({facts['parameters'] / 1e6:.1f}M parameters) in {facts['build_s']:.0f} s")
+    log(f"built {name} ({facts['parameters'] / 1e6:.1f}M parameters) in {facts['build_s']:.0f} s")
     return root / "expertmesh", root / "vllm", facts
 
 

@@ -1,5 +1,6 @@
 """bench/peer.py's statistics and tables: per-system summaries of its rounds (tokens/s, TTFT and inter-token latency
-quantiles), output agreement between systems, and the printed comparison."""
+quantiles), output agreement between systems, and the printed comparison: the scenarios, the long prompts side by
+side, one-request decode against the physical limit, start-up and memory."""
 
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ def tables(result: dict) -> str:
                 for sc in result["scenarios"]
             ),
         ]
+    lines += long_prompts(result, names)
+    lines += limit_table(result, names)
     lines += ["", "start-up and memory (RSS summed over each system's processes; PSS counts shared pages once)"]
     hdr = (
         f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} "
@@ -125,6 +128,77 @@ def tables(result: dict) -> str:
     if "inprocess" in names:
         lines.append("(inprocess: this whole benchmark process — the engine plus the harness and its clients)")
     return "\n".join(lines)
+
+
+def long_prompts(result: dict, names: list[str]) -> list[str]:
+    """TTFT and decode ITL side by side for the scenarios past index_topk (one request each)."""
+    long = [sc for sc in result["scenarios"] if sc.get("dsa_selects") and sc["concurrency"] == 1]
+    if not long:
+        return []
+    topk = result["meta"].get("index_topk")
+    lines = [
+        "",
+        f"long prompts, one request: expertmesh's DSA attends to the {topk} tokens its indexer picks, vLLM's MLA "
+        "to every token (greedy outputs may differ: agreement informative only)",
+    ]
+    hdr = (
+        f"{'prompt':>6} "
+        + " ".join(f"{'TTFT ' + SHORT[n] + ' s':>13}" for n in names)
+        + " "
+        + " ".join(f"{'ITL ' + SHORT[n] + ' ms':>13}" for n in names)
+        + f" {'ITL em/vLLM':>11} {'TTFT em/vLLM':>12}  agreement"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for sc in long:
+        sy = sc["systems"]
+        lines.append(
+            f"{sc['prompt_len']:>6} "
+            + " ".join(f"{fmt(safe_div(sy[n]['ttft_p50_ms'], 1000), '.2f'):>13}" for n in names)
+            + " "
+            + " ".join(f"{fmt(sy[n]['itl_p50_ms'], '.1f'):>13}" for n in names)
+            + f" {fmt(sc['ratios'].get('expertmesh_over_vllm_itl_p50'), '.2f'):>11}"
+            + f" {fmt(sc['ratios'].get('expertmesh_over_vllm_ttft_p50'), '.2f'):>12}  "
+            + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in sc["agreement"].items())
+        )
+    return lines
+
+
+def limit_table(result: dict, names: list[str]) -> list[str]:
+    """One request's decode rate (1 / ITL p50) against bandwidth ÷ the weight bytes a token reads."""
+    limit = result.get("limit") or {}
+    best = limit.get("best_bytes_per_s") or {}
+    rows = [sc for sc in result["scenarios"] if sc.get("limit")]
+    if not best or not rows:
+        return []
+    threads = sorted(best, key=int)
+    lines = [
+        "",
+        "physical limit: copy bandwidth "
+        + ", ".join(f"{best[t] / 1e9:.1f} GB/s on {t} thread{'s' if t != '1' else ''}" for t in threads)
+        + " (read + written, best of the run); weight bytes per decoded token: "
+        + ", ".join(
+            f"{SHORT[n]} {limit['bytes_per_token'][n]['total'] / 1e6:.0f} MB"
+            for n in names
+            if n in limit["bytes_per_token"]
+        ),
+        "decode at one request as a fraction of bandwidth ÷ bytes per token (the KV cache read is not counted)",
+    ]
+    hdr = f"{'prompt':>6} {'system':>10} {'ITL p50 ms':>10} {'decode tok/s':>12} " + " ".join(
+        f"{'limit ' + t + 'T tok/s':>15} {'of ' + t + 'T':>7}" for t in threads
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for sc in rows:
+        for n in names:
+            lim, s = sc["limit"].get(n) or {}, sc["systems"][n]
+            per_token = limit["bytes_per_token"][n]["total"]
+            lines.append(
+                f"{sc['prompt_len']:>6} {n:>10} {fmt(s['itl_p50_ms'], '.1f'):>10} "
+                f"{fmt(lim.get('decode_tok_s'), '.1f'):>12} "
+                + " ".join(
+                    f"{best[t] / per_token:>15.1f} {fmt(lim.get(f'fraction_{t}_threads'), '.2f'):>7}" for t in threads
+                )
+            )
+    return lines
 
 
 def safe_div(a, b):

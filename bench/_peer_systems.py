@@ -282,8 +282,17 @@ def expertmesh_server(model_dir: Path, dtype: str, logdir: Path, up_args: tuple[
 
 
 def vllm_server(
-    python: Path, model_dir: Path, dtype: str, kv_gib: int, cache: Path, logdir: Path, preload: bool = True
+    python: Path,
+    model_dir: Path,
+    dtype: str,
+    kv_gib: int,
+    cache: Path,
+    logdir: Path,
+    preload: bool = True,
+    max_model_len: int = 4096,
 ) -> tuple[Server, dict]:
+    """vLLM's OpenAI server on `model_dir`. `max_model_len`: its --max-model-len (prompt + new tokens of the
+    longest request; on CPU, where MLA models get no chunked prefill, also the tokens of one prefill step)."""
     port = free_port()
     venv = python.parent.parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
@@ -328,7 +337,7 @@ def vllm_server(
         "--port",
         str(port),
         "--max-model-len",
-        "4096",
+        str(max_model_len),
         "--dtype",
         dtype,
         "--seed",

