@@ -3,13 +3,22 @@
 `auto` (the default) picks Triton for CUDA tensors and PyTorch otherwise. The environment variable
 `EXPERTMESH_KERNEL_BACKEND` (auto|torch|triton) or `set_backend()` forces one; forcing `triton` on CPU
 tensors only works under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI tests the kernels.
+
+`triton_kernels()` names every Triton kernel the project launches and `record_triton_launches()` counts the ones a
+block of code launched: how CI (tests/kernels/test_k3_triton_forward.py) and scripts/gpu_smoke.py show that a
+model's forward ran each of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import pkgutil
+import re
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -69,3 +78,55 @@ def resolve(*tensors: torch.Tensor) -> Literal["torch", "triton"]:
     if choice == "triton" and not triton_available():
         raise RuntimeError("EXPERTMESH_KERNEL_BACKEND=triton but the triton package is not importable")
     return choice
+
+
+def _kernel_name(module: str, kernel: str) -> str:
+    """'expertmesh.kernels.kda.triton_kda', '_chunk_state_kernel' → 'kda.triton_kda._chunk_state_kernel'."""
+    return f"{module.removeprefix('expertmesh.kernels.')}.{kernel}"
+
+
+def triton_kernels() -> list[str]:
+    """Every Triton kernel this project launches (`kernel[grid](...)` in a `kernels/<op>/triton_*.py` module), as
+    'op.module.kernel', sorted. Imports those modules (and triton): set TRITON_INTERPRET before calling."""
+    from triton.runtime.jit import KernelInterface
+
+    names = []
+    for op in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if not op.ispkg:
+            continue
+        for mod in pkgutil.iter_modules([str(Path(__file__).parent / op.name)]):
+            if not mod.name.startswith("triton_"):
+                continue
+            module = importlib.import_module(f"expertmesh.kernels.{op.name}.{mod.name}")
+            source = Path(module.__file__).read_text()
+            for attr, value in vars(module).items():
+                # launched here, not a helper only other kernels call
+                if isinstance(value, KernelInterface) and re.search(rf"\b{re.escape(attr)}\[", source):
+                    names.append(_kernel_name(module.__name__, attr))
+    return sorted(names)
+
+
+@contextlib.contextmanager
+def record_triton_launches() -> Iterator[Counter]:
+    """Count the Triton kernels launched inside the block, compiled or interpreted: {'op.module.kernel': launches}.
+    Wraps triton's launch (`KernelInterface.__getitem__`) for the whole process while the block runs."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    overriding = [c.__name__ for c in (JITFunction, InterpretedFunction) if "__getitem__" in c.__dict__]
+    if overriding:  # launches would bypass the wrapper: say so rather than count nothing
+        raise RuntimeError(f"triton {triton.__version__}: {overriding} launch without KernelInterface.__getitem__")
+    launches: Counter = Counter()
+    launch = KernelInterface.__getitem__
+
+    def counted(kernel, grid):
+        fn = getattr(kernel, "fn", kernel)
+        launches[_kernel_name(fn.__module__, fn.__name__)] += 1
+        return launch(kernel, grid)
+
+    KernelInterface.__getitem__ = counted
+    try:
+        yield launches
+    finally:
+        KernelInterface.__getitem__ = launch
