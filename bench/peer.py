@@ -81,7 +81,8 @@ memory and refuses to start on a shared machine), LD_PRELOAD of the venv's libio
 when one exists), as vLLM's CPU installation guide asks for performance; thread binding is vLLM's default
 (VLLM_CPU_OMP_THREADS_BIND=auto: on 2 cores it computes on 1 and reserves the other for its front end).
 
-Kimi K3 (`--model k3`): not offered — vLLM's CPU build cannot serve `kimi_k3` (checked with vllm-cpu 0.32.0 on
+Kimi K3 (`--model k3`) is compared with llama.cpp instead (bench/_peer_k3.py): vLLM's CPU build cannot serve
+`kimi_k3` (checked with vllm-cpu 0.32.0 on
 the tiny K3 checkpoint tests/k3_checkpoint.py writes). It registers KimiK3ForConditionalGeneration, but:
   * the config does not validate on CPU: the CPU platform turns prefix caching off for every MLA model ("MLA is
     enabled on a non-GPU platform; forcing chunked prefill and prefix caching to be disabled"), and K3's KDA layers
@@ -361,9 +362,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-inprocess", action="store_true", help="no in-process expertmesh engine")
     p.add_argument(
         "--model",
-        choices=("dsv32",),
+        choices=("dsv32", "k3"),
         default="dsv32",
-        help="dsv32 (DeepSeek-V3.2 shape); no k3: vLLM's CPU build cannot run Kimi K3 (see the docstring)",
+        help="dsv32 (DeepSeek-V3.2 shape, against vLLM); k3 (Kimi K3 shape, against llama.cpp: bench/_peer_k3.py)",
     )
     p.add_argument("--cache", type=Path, default=CACHE, help=f"models, vLLM's virtualenv, logs (default {CACHE})")
     p.add_argument("--vllm-version", default=peer_systems.VLLM_VERSION)
@@ -390,6 +391,8 @@ def main(argv=None) -> int:
     p.add_argument("--install-only", action="store_true", help="build the model and install vLLM, then stop")
     p.add_argument("--out", type=Path, default=HERE / "results" / "peer.json")
     args = p.parse_args(argv)
+    if args.model == "k3":  # llama.cpp is the peer there: its own run (bench/_peer_k3.py)
+        return _sibling("_peer_k3").run(args, sys.modules[__name__])
     rounds = args.rounds or (1 if args.quick else 3)
     prompt_lens = [int(x) for x in (args.prompt_lens or ("50,200" if args.quick else "200,1000")).split(",") if x]
     concurrency = [int(x) for x in (args.concurrency or "1,8").split(",") if x]
