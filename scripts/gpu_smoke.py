@@ -6,13 +6,13 @@ tiny vision tower, one MTP layer; `k3` (full-attention layers dense MLA) and `k3
 them). The reference is the same checkpoint on CPU in fp32 under the torch backend (the PyTorch paths).
 
 Steps (in this order; `--steps` picks some, e.g. `--steps forward,serve:k3`, a bare kind meaning all its steps):
-  forward:<ck>  in process on the device: a prompt, then 2 decode steps (the reference's greedy tokens fed to both):
-                log-probs vs the reference; every Triton kernel for the model's layers launched (listed: on CUDA the
-                backend's own choice, on CPU forced under TRITON_INTERPRET=1); the experts' MXFP4 weights decoded on
-                the device equal to the torch path's, bit for bit.
-  vision:k3     an image through the tower + projector on the device vs the reference (relative L2 error).
-  mtp:<ck>      the MTP layer's log-probs vs the reference, and speculative decoding with it (k = 2) on the device
-                giving plain greedy decoding's tokens (the exactness contract of model/speculative.py).
+  forward:<ck>  in process on the device, fp32 and the serving dtype: a prompt, then 2 decode steps (the
+                reference's greedy tokens fed to each): log-probs vs the reference; every Triton kernel for the
+                model's layers launched (listed: on CUDA the backend's own choice, on CPU forced under
+                TRITON_INTERPRET=1); the experts' MXFP4 weights decoded on the device equal to the torch path's.
+  vision:k3     an image through the tower + projector on the device in fp32 vs the reference (relative L2 error).
+  mtp:<ck>      the MTP layer's log-probs (fp32) vs the reference, and speculative decoding with it (k = 2) on the
+                device giving plain greedy decoding's tokens (the exactness contract of model/speculative.py).
   pinned        the hand-off's host copies (worker/kv_tiers.py to_host / to_device): pinned on CUDA, exact round trip.
   serve:<ck>    `expertmesh up --device D --dtype T` (router, attention and expert worker processes, gRPC exchange):
                 prompt log-probs (/v1/completions echo) vs the reference; greedy tokens (gRPC Generate) reported.
@@ -22,10 +22,14 @@ Steps (in this order; `--steps` picks some, e.g. `--steps forward,serve:k3`, a b
                 with the expected backend, every expert call over them, every request handed off.
   preset:tiny   the pre-K3 `tiny` preset served as serve:<ck> (`--steps preset:small` adds `small`).
 
-Tolerances: bf16 (the GPU's dtype) log-probs within 0.15 nats mean and 0.6 max of fp32 — bf16 moves near-ties of
-MoE routing and DSA top-k, so single positions move more than the average; greedy tokens are reported, not required
-equal to fp32's (random tiny models have near-uniform next-token distributions). fp32 (`--device cpu`): 1e-3 mean
-and 5e-3 max, greedy tokens equal.
+Tolerances. fp32 (every in-process step; served on `--device cpu`): |Δ log-prob| within 1e-3 mean and 1e-2 max of
+the reference (TF32 off; the Triton kernels multiply in IEEE fp32), greedy tokens equal. bf16 (served on CUDA): the
+tiny random K3 is chaotic in bf16 — a rounding moves a near-tie of MoE routing or DSA top-k and the positions after
+it — so bf16 is bounded loosely, from what the CPU's own bf16 path gives on these checkpoints (in process: KL
+0.05-0.34 nats mean over a prompt, argmax agreement 0.70-0.90; served: mean |Δ| of the prompt tokens' log-probs
+0.27): the in-process bf16 forward within 0.5 nats of KL mean and 0.5 argmax agreement, served prompt log-probs
+within 0.6 mean (the max reported); greedy tokens reported, not required equal to fp32's. A broken kernel is off
+by nats everywhere (the models' entropy is ~4.5 nats).
 
 The first FAIL stops the run (the steps after it are NOT RUN) unless `--keep-going`; so does `--budget-s` running
 out. The JSON (`--out`) is rewritten after every step, so a killed run keeps what it finished.
@@ -42,7 +46,7 @@ from __future__ import annotations
 import os
 import sys
 
-if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]:
+if "--device=cpu" in sys.argv or "--device cpu" in " ".join(sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
 
 import argparse  # noqa: E402
@@ -60,8 +64,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the checkpoint writer the tests use: tests/support/k3_checkpoint.py
 
-TOLERANCE = {"bfloat16": (0.15, 0.6), "float32": (1e-3, 5e-3)}  # (mean, max) |Δ log-prob| vs fp32
-VISION_REL_TOL = {"bfloat16": 2e-2, "float32": 1e-4}
+# |Δ log-prob| vs the fp32 reference: fp32 (mean, max); bf16 (mean, None — the max is reported, not bounded)
+TOLERANCE = {"float32": (1e-3, 1e-2), "bfloat16": (0.6, None)}
+BF16_FORWARD = {"kl_mean": 0.5, "argmax_agreement": 0.5}  # the in-process bf16 forward vs fp32
+VISION_REL_TOL = 1e-4  # fp32
 INDEXER_KERNEL = "dsa.triton_dsa._paged_indexer_kernel"
 PROMPTS, NEW_TOKENS, SPEC_TOKENS, PREFILL_CHUNK = 3, 8, 4, 16
 CHECKPOINTS = ("k3", "k3dsa")
@@ -95,7 +101,6 @@ class Smoke:
 
     def __init__(self, root: Path, device: str, dtype: str):
         self.root, self.device, self.dtype = root, device, dtype
-        self.torch_dtype = getattr(torch, dtype)
         self.paths: dict[str, Path] = {}
         self.refs: dict = {}
         self.models: dict = {}
@@ -129,17 +134,17 @@ class Smoke:
             self.refs[name] = model
         return self.refs[name]
 
-    def on_device(self, name: str):
-        """The checkpoint's model on the device in the run's dtype (its MTP layer too)."""
-        if name not in self.models:
+    def on_device(self, name: str, dtype: str = "float32"):
+        """The checkpoint's model on the device in `dtype` (its MTP layer too)."""
+        if (name, dtype) not in self.models:
             from expertmesh.checkpoint.loader import Checkpoint
 
             ck = Checkpoint(self.path(name))
-            model = ck.load_model(device=self.device, dtype=self.torch_dtype)
+            model = ck.load_model(device=self.device, dtype=getattr(torch, dtype))
             if ck.cfg.n_mtp_layers:
                 ck.hf.load_mtp(model)
-            self.models[name] = model
-        return self.models[name]
+            self.models[name, dtype] = model
+        return self.models[name, dtype]
 
     def forcing(self):
         """On CPU every Triton kernel forced (interpreted); on CUDA the backend's own choice (Triton), as served."""
@@ -152,9 +157,9 @@ class Smoke:
         rng = random.Random(0)
         return [[rng.randrange(vocab - 64) for _ in range(20 + 12 * i)] for i in range(n)]  # past a chunk, topk
 
-    def tolerance_ok(self, mean: float, worst: float) -> bool:
-        tol_mean, tol_max = TOLERANCE[self.dtype]
-        return mean <= tol_mean and worst <= tol_max
+    def tolerance_ok(self, mean: float, worst: float, dtype: str | None = None) -> bool:
+        tol_mean, tol_max = TOLERANCE[dtype or self.dtype]
+        return mean <= tol_mean and (tol_max is None or worst <= tol_max)
 
     # ------------------------------------------------------------------ in process
     def forward(self, name: str) -> dict:
@@ -170,21 +175,30 @@ class Smoke:
             got, _ = prefill_then_decode(model, prompt, fed=fed)
             got_weights = [dequantize_mxfp4(b, s, torch.float32) for b, s in expert_weights(model)]
             synchronize(self.device)
+            if self.dtype != "float32":  # the serving dtype too
+                low, _ = prefill_then_decode(self.on_device(name, self.dtype), prompt, fed=fed)
         mean, worst = logprob_deltas(got, want)
         dsa = "dsa" in ref.cfg.layer_types
         expected = set(triton_kernels()) - (set() if dsa else {INDEXER_KERNEL})
         missing = sorted(expected - set(launched))
         weights_equal = all(torch.equal(g.cpu(), w) for g, w in zip(got_weights, want_weights, strict=True))
-        ok = self.tolerance_ok(mean, worst) and not missing and weights_equal
-        return {
-            "ran": f"{len(prompt)}-token prompt + {len(fed)} decode steps on {self.device} {self.dtype}",
+        row = {
+            "ran": f"{len(prompt)}-token prompt + {len(fed)} decode steps on {self.device}, fp32"
+            + ("" if self.dtype == "float32" else f" and {self.dtype}"),
             "triton_launches": dict(sorted(launched.items())),
             "triton_kernels_not_run": missing,
             "logprob_mean_abs_delta": mean,
             "logprob_max_abs_delta": worst,
             "mxfp4_weights_equal": weights_equal,
-            "ok": ok,
         }
+        ok = self.tolerance_ok(mean, worst, "float32") and not missing and weights_equal
+        if self.dtype != "float32":
+            kl = (want.exp() * (want - low)).sum(-1).mean().item()
+            agree = (low.argmax(-1) == want.argmax(-1)).float().mean().item()
+            row |= {f"{self.dtype}_kl_mean": kl, f"{self.dtype}_argmax_agreement": agree}
+            ok &= kl <= BF16_FORWARD["kl_mean"] and agree >= BF16_FORWARD["argmax_agreement"]
+        row["ok"] = ok
+        return row
 
     def vision(self, name: str) -> dict:
         from expertmesh.model.vision import encode_image
@@ -194,9 +208,9 @@ class Smoke:
         got = encode_image(self.on_device(name), pixels).float().cpu()
         err = float((got - want).norm() / want.norm().clamp_min(1e-30))
         return {
-            "ran": f"one {pixels.shape[0]}×{pixels.shape[1]} image, {want.shape[0]} rows of {want.shape[1]}",
+            "ran": f"one {pixels.shape[0]}×{pixels.shape[1]} image, {want.shape[0]} rows of {want.shape[1]}, fp32",
             "relative_l2_error": err,
-            "ok": err <= VISION_REL_TOL[self.dtype] and got.shape == want.shape,
+            "ok": err <= VISION_REL_TOL and got.shape == want.shape,
         }
 
     def mtp(self, name: str) -> dict:
@@ -216,19 +230,20 @@ class Smoke:
             spec = generate_speculative(model, prompt, params, "mtp", k=2, prefill_chunk=PREFILL_CHUNK)
         mean, worst = logprob_deltas(got, want)
         return {
-            "ran": f"MTP layer over a {len(prompt)}-token prompt; speculative (k=2) vs plain greedy, {SPEC_TOKENS} tokens",
+            "ran": f"MTP layer over a {len(prompt)}-token prompt, fp32; speculative (k=2) vs plain greedy, "
+            f"{SPEC_TOKENS} tokens",
             "logprob_mean_abs_delta": mean,
             "logprob_max_abs_delta": worst,
             "speculative_tokens_equal_plain": spec.tokens == plain,
             "mean_accepted_length": spec.mean_accepted_length,
-            "ok": self.tolerance_ok(mean, worst) and spec.tokens == plain,
+            "ok": self.tolerance_ok(mean, worst, "float32") and spec.tokens == plain,
         }
 
     def pinned(self) -> dict:
         from expertmesh.worker.kv_tiers import synchronize as tier_sync
         from expertmesh.worker.kv_tiers import to_device, to_host
 
-        t = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).to(self.device, self.torch_dtype)
+        t = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)).to(self.device, getattr(torch, self.dtype))
         host = to_host(t)
         tier_sync(self.device)
         back = to_device(host, self.device)
@@ -285,6 +300,10 @@ class Smoke:
                 before = expert.transport_counts()
                 deltas, served = served_logprobs_and_tokens(http_port, grpc_port, prompts, want)
                 after = expert.transport_counts()
+            except Exception:  # what each process said last: the run on a lent GPU is the only one
+                for child in cluster.children:
+                    print(f"   --- {child.name}, last lines:\n" + "\n".join("   " + ln for ln in child.lines[-12:]))
+                raise
             finally:
                 expert.close()
             if pairs:
@@ -492,6 +511,7 @@ def main() -> int:
         print(f"gpu_smoke.py: FAILED: triton is not importable ({e}): pip install -e '.[gpu]'", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (Triton interpreted in process)"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 here
     print(f"gpu_smoke: {len(steps)} steps on {where}, {dtype}, torch {torch.__version__}", flush=True)
     start = time.monotonic()
     results: dict[str, dict] = {}
