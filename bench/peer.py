@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     ]
     longest = max(x[0] for x in plan) + max_tokens
     cache = args.cache.expanduser().resolve()
-    logdir = cache / "logs"
+    logdir = cache / "logs" / args.model  # --model k3 runs keep theirs apart (the same server log names)
     load_start = os.getloadavg()
 
     models = _models()
