@@ -12,11 +12,16 @@ GPU builds, while the V3 path runs dense MLA (the CPU_MLA / AMX_MLA backends); v
 indexer tensors of layers built without an indexer. Past 4,096 tokens (the 8K / 32K prompts) the two differ by
 design: expertmesh attends to the 4,096 tokens the indexer picks, vLLM to all of them.
 
-Two directories share the weight files (hard links where the filesystem allows, copies otherwise):
-  <cache>/models/dsv32/expertmesh/  config.json model_type deepseek_v32 (as `save_pretrained` wrote it)
-  <cache>/models/dsv32/vllm/        the same config relabelled: model_type deepseek_v3, DeepseekV3ForCausalLM,
-                                    the indexer fields and the v3.2-only `layer_types` / `mlp_layer_types` dropped,
-                                    DeepSeek-V3's routing fields added (topk_method noaux_tc, scoring_func sigmoid)
+Two directories (hard links where the filesystem allows, copies otherwise):
+  <cache>/models/dsv32/expertmesh/  config.json model_type deepseek_v32 (as `save_pretrained` wrote it); the
+                                    routed experts packed in MXFP4 (write_mxfp4_experts: gpt-oss's layout, as a
+                                    published MXFP4 checkpoint ships them; the same bytes expertmesh's loader
+                                    would quantize the bf16 experts to on every start), the rest in
+                                    model-dense.safetensors;
+  <cache>/models/dsv32/vllm/        model.safetensors as built (bf16 experts), the config relabelled: model_type
+                                    deepseek_v3, DeepseekV3ForCausalLM, the indexer fields and the v3.2-only
+                                    `layer_types` / `mlp_layer_types` dropped, DeepSeek-V3's routing fields added
+                                    (topk_method noaux_tc, scoring_func sigmoid)
 
 Weights: transformers' own initialisation from a fixed seed, then
   * every routed-expert weight rounded onto the MXFP4 grid (expertmesh quantizes bf16 experts to MXFP4 at load;
@@ -161,6 +166,7 @@ def model_dirs(cache: Path, name: str = "dsv32", seed: int = 0, log=print) -> tu
     if record.exists() and json.loads(record.read_text()).get("spec") == spec:
         facts = json.loads(record.read_text())
         write_vllm_config(root / "expertmesh", root / "vllm")
+        facts["expertmesh_experts"] = write_mxfp4_experts(root / "expertmesh", log)
         return root / "expertmesh", root / "vllm", facts
     partial = root.with_name(name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -173,7 +179,63 @@ def model_dirs(cache: Path, name: str = "dsv32", seed: int = 0, log=print) -> tu
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
     log(f"built {name} ({facts['parameters'] / 1e6:.1f}M parameters) in {facts['build_s']:.0f} s")
+    facts["expertmesh_experts"] = write_mxfp4_experts(root / "expertmesh", log)
     return root / "expertmesh", root / "vllm", facts
+
+
+def write_mxfp4_experts(em: Path, log=print) -> dict:
+    """Give expertmesh's directory its routed experts packed in MXFP4, as a published MXFP4 checkpoint ships them
+    (gpt-oss's layout, which expertmesh's loader reads as stored: `experts.gate_up_proj_blocks` [E, 2I, H/2] and
+    `_scales` [E, 2I, H/32] uint8, `down_proj_*` likewise): model-dense.safetensors (every other tensor, bf16),
+    model-experts-mxfp4.safetensors and an index naming the two. The bytes are quantize_mxfp4 of the stored bf16
+    experts — what expertmesh's loader computes from them otherwise (gate rows, then up rows), on every start: ~45 s
+    of one core, past `up`'s 120 s readiness limit on a loaded 2-core machine. Once; → what was written."""
+    marker = em / "peer-mxfp4.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from expertmesh.kernels.mxfp4 import quantize_mxfp4
+
+    t0 = time.perf_counter()
+    log(f"packing the routed experts of {em} in MXFP4 (once)")
+    source = em / "model.safetensors"
+    dense, experts, pattern = {}, {}, re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight")
+    by_layer: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    with safe_open(str(source), framework="pt") as f:
+        for name in f.keys():
+            m = pattern.fullmatch(name)
+            if m:
+                by_layer.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = f.get_tensor(name)
+            else:
+                dense[name] = f.get_tensor(name)
+    for base, per_expert in by_layer.items():
+        ids = sorted(per_expert)
+        for ours, rows in (("gate_up", lambda w: torch.cat([w["gate"], w["up"]])), ("down", lambda w: w["down"])):
+            packed = [quantize_mxfp4(rows(per_expert[e]).float()) for e in ids]
+            experts[f"{base}.{ours}_proj_blocks"] = torch.stack([b for b, _ in packed]).contiguous()
+            experts[f"{base}.{ours}_proj_scales"] = torch.stack([sc for _, sc in packed]).contiguous()
+    files = {"model-dense.safetensors": dense, "model-experts-mxfp4.safetensors": experts}
+    for fname, tensors in files.items():
+        save_file(tensors, str(em / (fname + ".partial")), metadata={"format": "pt"})
+    for fname in files:
+        (em / (fname + ".partial")).rename(em / fname)
+    index = {"metadata": {}, "weight_map": {n: fname for fname, ts in files.items() for n in ts}}
+    (em / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    source.unlink()  # a hard link of vllm/model.safetensors (that copy stays): expertmesh reads the index's files
+    facts = {
+        "form": "mxfp4 (gpt-oss layout), packed at build",
+        "layers": len(by_layer),
+        "bytes": sum((em / f).stat().st_size for f in files),
+        "pack_s": time.perf_counter() - t0,
+    }
+    marker.write_text(json.dumps(facts, indent=1))
+    log(f"packed {len(by_layer)} layers of experts in MXFP4 in {facts['pack_s']:.0f} s")
+    return facts
 
 
 def _build(name: str, seed: int, out: Path) -> dict:

