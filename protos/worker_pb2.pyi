@@ -358,6 +358,22 @@ class OpenCollectiveRequest(_message.Message):
     timeout_s: float
     def __init__(self, group_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class OpenStepChannelRequest(_message.Message):
+    __slots__ = ("channel_id", "timeout_s")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    timeout_s: float
+    def __init__(self, channel_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenStepChannelResponse(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
 class OpenCollectiveResponse(_message.Message):
     __slots__ = ("store_port", "backend")
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]

@@ -105,6 +105,11 @@ class AttentionWorkerStub:
                 request_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
                 _registered_method=True)
+        self.OpenStepChannel = channel.unary_unary(
+                '/expertmesh.v1.AttentionWorker/OpenStepChannel',
+                request_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionWorkerServicer:
@@ -217,6 +222,16 @@ class AttentionWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenStepChannel(self, request, context):
+        """The router's step channel (expertmesh/wire/step_channel.py, worker/step_channel.py): RunStep and its answer over
+        one plain TCP connection. The worker listens once, on an ephemeral port of the address that routes to the
+        caller, for one connection whose first bytes are channel_id (the secret, sent here over the mutual-TLS call).
+        Errors: INVALID_ARGUMENT (bad channel_id / timeout_s).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -289,6 +304,11 @@ def add_AttentionWorkerServicer_to_server(servicer, server):
                     servicer.OpenCollective,
                     request_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.SerializeToString,
+            ),
+            'OpenStepChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenStepChannel,
+                    request_deserializer=expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -670,6 +690,33 @@ class AttentionWorker:
             '/expertmesh.v1.AttentionWorker/OpenCollective',
             expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveRequest.SerializeToString,
             expertmesh_dot_protos_dot_worker__pb2.OpenCollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenStepChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.AttentionWorker/OpenStepChannel',
+            expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelRequest.SerializeToString,
+            expertmesh_dot_protos_dot_worker__pb2.OpenStepChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from expertmesh.router.prepared_image import ImageLimits
 from expertmesh.router.scheduler import Limits
 
 TRANSPORTS = ("grpc", "collective")
+STEP_TRANSPORTS = ("tcp", "grpc")  # expertmesh/wire/step_channel.TRANSPORTS
 HANDOFF_TRANSPORTS = ("grpc", "collective", "mooncake")
 SPECULATIVE_METHODS = ("mtp", "ngram")  # model/speculative.METHODS (the router loads no torch)
 
@@ -46,6 +47,9 @@ class EngineConfig:
     # prefill → decode hand-offs: "" (as `transport`), grpc, collective or mooncake (the receiver reads the cache
     # with Mooncake's transfer engine, worker/transfer_engine.py; gRPC when an engine is unavailable)
     handoff_transport: str = ""
+    # router → attention worker steps: "tcp" (RunStep over a plain TCP connection per worker, gRPC when it cannot
+    # form: expertmesh/wire/step_channel.py) or "grpc"
+    step_transport: str = "tcp"
     call_timeout: float = 60.0  # seconds one step's results may take (remote: step_deadline)
     health_interval: float = 1.0  # seconds between heartbeats (and expert probes of the attention workers)
     startup_timeout: float = 120.0  # Engine.start waits this long for a worker still starting
@@ -65,6 +69,10 @@ class EngineConfig:
         if self.handoff_transport not in ("", *HANDOFF_TRANSPORTS):
             raise ValueError(
                 f"handoff_transport: expected one of {', '.join(HANDOFF_TRANSPORTS)}, found {self.handoff_transport!r}"
+            )
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise ValueError(
+                f"step_transport: expected one of {', '.join(STEP_TRANSPORTS)}, found {self.step_transport!r}"
             )
         if self.prefill_tokens and self.prefill_tokens % self.prefill_chunk:
             raise ValueError(
@@ -139,6 +147,7 @@ class EngineConfig:
             prefill_min_tokens=args.prefill_min_tokens,
             transport=args.transport,
             handoff_transport=args.handoff_transport or "",
+            step_transport=args.step_transport,
             call_timeout=step_deadline(args.call_timeout, len([e for e in args.experts.split(",") if e])),
             prefix_salt=prefix_salt,
             prefix_index_refresh=args.prefix_index_refresh_s,

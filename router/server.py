@@ -77,6 +77,7 @@ def build_remote_engine(
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine  # the engine and the workers' clients: see run
     from expertmesh.router.engine_config import EngineConfig, step_deadline
+    from expertmesh.router.step_transport import StepTransportCollector
     from expertmesh.wire.clients import RemoteAttention, RemoteExpert
 
     config = config or EngineConfig(call_timeout=step_deadline(timeout, len(experts)))
@@ -85,8 +86,14 @@ def build_remote_engine(
         [RemoteAttention(a, timeout=control, tls=tls, step_timeout=config.call_timeout) for a in addresses]
         for addresses in (attention, prefill or ())
     )
+    if config.step_transport == "tcp":
+        from expertmesh.wire.step_channel import StepChannelAttention
+
+        att, pre = [StepChannelAttention(a) for a in att], [StepChannelAttention(a) for a in pre]
     exp = [RemoteExpert(e, timeout=timeout, tls=tls) for e in experts]
-    return Engine(cfg, att, exp, plan, config, prefill=pre or None)
+    engine = Engine(cfg, att, exp, plan, config, prefill=pre or None)
+    engine.metrics.registry.register(StepTransportCollector(att + pre))
+    return engine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -235,6 +242,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how attention workers exchange each MoE layer with the expert workers: grpc, or collective "
         "(point-to-point pairs, tcp on cpu / nccl on cuda; expert workers need --collective-port; "
         "gRPC stays for health and fallback)",
+    )
+    p.add_argument(
+        "--step-transport",
+        choices=("tcp", "grpc"),
+        default="tcp",
+        help="how the router sends each attention worker its steps: tcp (default: RunStep over one plain TCP "
+        "connection per worker, formed over gRPC, not encrypted; gRPC while it cannot form) or grpc",
     )
     p.add_argument(
         "--handoff-transport",

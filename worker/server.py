@@ -122,7 +122,9 @@ def start(checkpoint, o: WorkerOptions) -> grpc.Server:
     (worker/collective.py: expert calls, hand-offs; 0: any free port) and grpc.health.v1 alone, plaintext, on
     `o.health_port` (what Kubernetes gRPC probes reach when the real port requires mutual TLS).
     Returns the started server, with `.port` (the bound port), `.health`, `.health_server` / `.health_port`,
-    `.attention` / `.expert` (the local workers, or None), `.collective` (CollectiveServer or None) and `.role`."""
+    `.attention` / `.expert` (the local workers, or None), `.collective` (CollectiveServer or None),
+    `.step_channels` (the routers' step channels, worker/step_channel.py; None without an attention worker) and
+    `.role`."""
     attention, expert = build_workers(checkpoint, o)
     if expert is not None and expert.device_kind == "cpu":
         # build (or load) the fused CPU MXFP4 kernel before serving: a first build takes ~12 s, which inside the
@@ -183,6 +185,7 @@ def start(checkpoint, o: WorkerOptions) -> grpc.Server:
     if o.health_port is not None:
         server.health_server, server.health_port = serve_health_only(health_servicer, o.host, o.health_port)
     server.attention, server.expert, server.collective = attention, expert, collective
+    server.step_channels = attention_servicer.step_channels if attention_servicer is not None else None
     log.info("%s worker serving %s on %s:%d", o.role, ", ".join(services), o.host, bound)
     return server
 

@@ -36,6 +36,7 @@ from expertmesh.worker.collective import (
     CollectiveExpert,
 )
 from expertmesh.worker.metrics import METRICS
+from expertmesh.worker.step_channel import StepChannelServer
 from expertmesh.worker.transfer_engine import TRANSPORT as ENGINE_TRANSPORT
 from expertmesh.worker.transfer_engine import EngineAttention
 
@@ -61,47 +62,60 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def served(name: str, metadata, call):
+    """Run `call()` as the served method `name`: timed and counted (Prometheus) and, when the caller sent a W3C
+    traceparent (in `metadata`: gRPC's, or the step channel's), recorded as a server span joined to the router's
+    trace. Raises what `call` raises."""
+    start = time.perf_counter()
+    parent = telemetry.extract_context(metadata)
+    span = None
+    if parent is not None:
+        from opentelemetry.trace import SpanKind
+
+        span = telemetry.tracer().start_span(
+            f"worker.{name}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": name},
+        )
+    code = "OK"
+    try:
+        if span is None:
+            return call()
+        from opentelemetry import trace
+
+        with trace.use_span(span, end_on_exit=False):  # calls made from here (the expert exchange) join it
+            return call()
+    except Exception as e:
+        code = _status_of(e).name
+        if span is not None:
+            span.record_exception(e)
+        raise
+    finally:
+        METRICS.calls.labels(name, code).inc()
+        METRICS.call_seconds.labels(name).observe(time.perf_counter() - start)
+        if span is not None:
+            span.end()
+
+
+def failure(name: str, e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call answers (an INTERNAL one logged with its traceback)."""
+    status = _status_of(e)
+    if status == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", name)
+        return status, f"{type(e).__name__}: {e}"
+    return status, str(e)
+
+
 def _rpc(method):
-    """Run a servicer method; a raised exception becomes the matching status code with its message.
-    Each call is timed and counted (Prometheus) and, when the caller sent a W3C traceparent, recorded as a
-    server span joined to the router's trace."""
+    """A servicer method (`served`); a raised exception becomes the matching status code with its message."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
-        start = time.perf_counter()
-        parent = telemetry.extract_context(context.invocation_metadata())
-        span = None
-        if parent is not None:
-            from opentelemetry.trace import SpanKind
-
-            span = telemetry.tracer().start_span(
-                f"worker.{method.__name__}",
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": method.__name__},
-            )
-        code = "OK"
         try:
-            if span is None:
-                return method(self, request, context)
-            from opentelemetry import trace
-
-            with trace.use_span(span, end_on_exit=False):  # calls made from here (the expert exchange) join it
-                return method(self, request, context)
+            return served(method.__name__, context.invocation_metadata(), lambda: method(self, request, context))
         except Exception as e:
-            status = _status_of(e)
-            code = status.name
-            if span is not None:
-                span.record_exception(e)
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__name__)
-                context.abort(status, f"{type(e).__name__}: {e}")
-            context.abort(status, str(e))
-        finally:
-            METRICS.calls.labels(method.__name__, code).inc()
-            METRICS.call_seconds.labels(method.__name__).observe(time.perf_counter() - start)
-            if span is not None:
-                span.end()
+            context.abort(*failure(method.__name__, e))
 
     return wrapper
 
@@ -126,6 +140,7 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
         self.handoff_timeout = handoff_timeout
         self._peers: dict[tuple[str, str], object] = {}  # (address, transport) → client of a worker handed off to
         self._peers_lock = threading.Lock()
+        self.step_channels = StepChannelServer(self.step_frame)  # the routers' step channels (OpenStepChannel)
 
     @_rpc
     def Info(self, request, context):
@@ -219,6 +234,24 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
 
     @_rpc
     def RunStep(self, request, context):
+        return self._run_step(request)
+
+    def step_frame(self, raw: bytes, metadata) -> tuple[int, bytes]:
+        """RunStep over the step channel (worker/step_channel.py): a RunStepRequest's bytes and the caller's trace
+        metadata → (0, the StepDone's bytes), or on a failure (the status gRPC would answer, its message)."""
+        from google.protobuf.message import DecodeError
+
+        try:
+            request = worker_pb2.RunStepRequest.FromString(raw)
+        except DecodeError:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], b"RunStep: the request is not a valid RunStepRequest"
+        try:
+            return 0, served("RunStep", metadata, lambda: self._run_step(request)).SerializeToString()
+        except Exception as e:
+            status, message = failure("RunStep", e)
+            return status.value[0], message.encode()
+
+    def _run_step(self, request) -> worker_pb2.StepDone:
         segments = [
             StepSegment(s.seq_id, list(s.token_ids), s.sample, s.max_new or 1, s.hold_at) for s in request.segments
         ]
@@ -301,6 +334,11 @@ class AttentionServicer(worker_pb2_grpc.AttentionWorkerServicer):
     @_rpc
     def OpenCollective(self, request, context):
         return open_collective(self.collective, self.worker.name, request, context)
+
+    @_rpc
+    def OpenStepChannel(self, request, context):
+        host, port = self.step_channels.open(request.channel_id, peer_host(context), request.timeout_s)
+        return worker_pb2.OpenStepChannelResponse(host=host, port=port)
 
     @_rpc
     def ExpertLoad(self, request, context):
@@ -409,10 +447,14 @@ def open_collective(collective, name: str, request, context) -> worker_pb2.OpenC
         raise NotConnected(f"{name}: no collective transport (started without --collective-port)")
     if not 0 < request.timeout_s <= 600:
         raise ValueError(f"timeout_s: expected seconds in (0, 600], found {request.timeout_s}")
-    peer = context.peer()  # "ipv4:10.0.0.5:41234" / "ipv6:[::1]:41234": where the pair goes
-    host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "127.0.0.1"
-    collective.open(request.group_id, host, request.timeout_s)
+    collective.open(request.group_id, peer_host(context), request.timeout_s)
     return worker_pb2.OpenCollectiveResponse(store_port=collective.port, backend=collective.backend)
+
+
+def peer_host(context) -> str:
+    """The calling host's address: where a pair or a step channel goes."""
+    peer = context.peer()  # "ipv4:10.0.0.5:41234" / "ipv6:[::1]:41234"
+    return peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]") if ":" in peer else "127.0.0.1"
 
 
 def add_servicer(server: grpc.Server, service: str, servicer) -> None:

@@ -82,7 +82,10 @@ class _Client:
         return response
 
     def _error(self, e: grpc.RpcError) -> Exception:
-        code, details = e.code(), e.details() or ""
+        return self.status_error(e.code(), e.details() or "")
+
+    def status_error(self, code: grpc.StatusCode, details: str) -> Exception:
+        """The exception a call that ended with `code` raises (the step channel's answers carry the same codes)."""
         if code in _UNAVAILABLE:
             return WorkerUnavailable(f"{self.name} ({self.address}): {code.name}: {details}")
         cls = self._errors.get(code)
@@ -230,8 +233,17 @@ class RemoteAttention(_Client):
         self, step_id: int, segments: list[StepSegment], snapshot_keys: dict[str, str | tuple[str, int]] | None = None
     ) -> StepDone:
         """AttentionWorker.run_step (a snapshot: a key, or (key, length))."""
+        return self.step_done(
+            self._call(self.stub.RunStep, self.step_request(step_id, segments, snapshot_keys), self.step_timeout)
+        )
+
+    @staticmethod
+    def step_request(
+        step_id: int, segments: list[StepSegment], snapshot_keys: dict[str, str | tuple[str, int]] | None = None
+    ) -> worker_pb2.RunStepRequest:
+        """run_step's arguments as the RunStepRequest message (gRPC, or the step channel: wire/step_channel.py)."""
         snaps = [(s, *snapshot_parts(k)) for s, k in (snapshot_keys or {}).items()]
-        req = worker_pb2.RunStepRequest(
+        return worker_pb2.RunStepRequest(
             step_id=step_id,
             segments=[
                 worker_pb2.StepSegment(
@@ -241,7 +253,10 @@ class RemoteAttention(_Client):
             ],
             snapshot_keys=[worker_pb2.SnapshotKey(seq_id=s, key=k, length=n) for s, k, n in snaps],
         )
-        d = self._call(self.stub.RunStep, req, self.step_timeout)
+
+    @staticmethod
+    def step_done(d: worker_pb2.StepDone) -> StepDone:
+        """A StepDone message as run_step's result."""
         logprobs = [
             TokenLogprobs(
                 lp.seq_id,
@@ -344,6 +359,13 @@ class RemoteAttention(_Client):
         """Ask the worker to start its rank of the torch.distributed pair `group_id` (hand-offs sent to it)."""
         r = self._call(self.stub.OpenCollective, worker_pb2.OpenCollectiveRequest(group_id=group_id, timeout_s=timeout))
         return r.store_port, r.backend
+
+    def open_step_channel(self, channel_id: str, timeout: float) -> tuple[str, int]:
+        """Ask the worker to listen for the step channel `channel_id` (wire/step_channel.py) → (host, port)."""
+        r = self._call(
+            self.stub.OpenStepChannel, worker_pb2.OpenStepChannelRequest(channel_id=channel_id, timeout_s=timeout)
+        )
+        return r.host, r.port
 
     def expert_load(self) -> dict[int, list[int]]:
         r = self._call(self.stub.ExpertLoad, worker_pb2.InfoRequest())

@@ -467,6 +467,7 @@ def test_reflection_lists_services(servers, clients):
         "HandOff",
         "ImportSequence",
         "OpenCollective",
+        "OpenStepChannel",
     ]
     assert (
         set(ProtoReflectionDescriptorDatabase(clients["shard"].channel).get_services())
