@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertmesh.kernels.moe.combine import fold_rows, present_groups, sort_slots
+from expertmesh.kernels.moe.combine import fold_rows
 from expertmesh.placement.replica_table import ReplicaTable
 from expertmesh.runtime import telemetry
 
@@ -48,6 +48,7 @@ class _Call:
     out_token: np.ndarray  # [R] token of each answer row
     out_group: np.ndarray  # [R] group of each answer row
     out_k: np.ndarray  # [R] slot column of a fragment (one slot of a split group), −1 for a whole group
+    whole: bool = False  # every answer row is a whole group's P_g (out_k all −1)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Layer:
     hidden: torch.Tensor  # [N, H] as given (its dtype goes on the wire)
     host: torch.Tensor  # the same on the host
     ids: np.ndarray  # [N, K] ascending per row
-    w_t: torch.Tensor  # [N, K] fp32, in the ids' order
+    w_np: np.ndarray  # [N, K] fp32 gate weights, in the ids' order
     present: np.ndarray  # [N, G] groups each token has slots in
     todo: np.ndarray  # [N, G] (token, group) pairs not computed yet
     span: object = None  # the exchange's span, while tracing
@@ -92,6 +93,7 @@ class ExpertExchange:
         self.bytes_sent = self.bytes_received = 0
         self._holds = {l: table.holds(l, len(clients)) for l in table.moe_layers}
         self._whole = {l: self._whole_holders(h) for l, h in self._holds.items()}
+        self._live_holders: dict[tuple[int, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
         self.pool = ThreadPoolExecutor(max_workers=max(2, len(clients)), thread_name_prefix="exchange")
         self.probe_interval = probe_interval
         self.closed = False
@@ -147,36 +149,48 @@ class ExpertExchange:
         one (the common case: a group-aware plan, nothing down): each (token, group) goes whole to the same
         worker `_assign` picks — the ((token + group) mod holders)-th live holder in worker order — in a few array
         operations instead of its general ones (inside `up`'s decode steps 0.29 -> 0.17 ms a layer; 97 -> 34 us
-        warm). None where it does not apply."""
-        whole = self._whole.get(layer)
-        if whole is None:
+        warm), the live holders of each (layer, workers down) computed once. None where it does not apply."""
+        if self._whole.get(layer) is None:
             return None
-        live = whole.copy()  # [G, W]
-        live[:, sorted(down)] = False
-        n_live = live.sum(1)  # [G]
+        holders, n_live = self._live_holders_of(layer, down)
         tok, grp = np.nonzero(todo)  # (token, group) pairs, row-major
-        if (n_live[grp] == 0).any():
+        live_n = n_live[grp]
+        if not live_n.all():
             return None
-        holders = np.argsort(~live, axis=1, kind="stable")  # [G, W] live holders first, in order
-        worker = holders[grp, (tok + grp) % n_live[grp]]  # [P]
+        worker = holders[grp, (tok + grp) % live_n]  # [P]
         assigned = np.full(todo.shape, -1, dtype=np.int64)
         assigned[tok, grp] = worker
         slot_worker = np.take_along_axis(assigned, ids // self.group_size, 1)  # [N, K]
         calls = []
         for w in np.unique(worker).tolist():
             mine = worker == w
-            rows = np.unique(tok[mine])
+            t = tok[mine]  # ascending (row-major)
+            rows = t[np.concatenate(([True], t[1:] != t[:-1]))]
             calls.append(
                 _Call(
                     w,
                     rows,
                     np.where(slot_worker[rows] == w, ids[rows], -1),
-                    tok[mine],
+                    t,
                     grp[mine],
-                    np.full(int(mine.sum()), -1, dtype=np.int64),
+                    np.full(len(t), -1, dtype=np.int64),
+                    whole=True,
                 )
             )
         return calls
+
+    def _live_holders_of(self, layer: int, down: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """→ ([G, W] each group's live whole holders first, in worker order; [G] how many), per (layer, down)."""
+        key = (layer, tuple(sorted(down)))
+        found = self._live_holders.get(key)
+        if found is None:
+            live = self._whole[layer].copy()  # [G, W]
+            live[:, list(key[1])] = False
+            found = (np.argsort(~live, axis=1, kind="stable"), live.sum(1))
+            if len(self._live_holders) > 256:  # bounded: down sets come and go
+                self._live_holders.clear()
+            self._live_holders[key] = found
+        return found
 
     def _assign(
         self, layer: int, ids: np.ndarray, todo: np.ndarray, down: set[int]
@@ -251,9 +265,16 @@ class ExpertExchange:
 
             span = telemetry.tracer().start_span("expert_exchange", attributes={"expertmesh.layer": layer})
             trace_ctx = trace.set_span_in_context(span, context.get_current())
-        ids_t, w_t = sort_slots(topk_ids.cpu(), topk_weights.cpu().float())
-        present = present_groups(ids_t, self.group_size, self.n_groups).numpy()  # [N, G]
-        job = _Layer(layer, hidden, hidden.cpu(), ids_t.numpy(), w_t, present, present.copy(), span, trace_ctx)
+        # kernels/moe/combine.py's sort_slots and present_groups, in numpy: a decode step's few rows cost torch's
+        # per-op overhead many times over (the same stable order, so the same rows)
+        ids = topk_ids.cpu().numpy()
+        order = np.argsort(ids, axis=1, kind="stable")
+        ids = np.take_along_axis(ids, order, 1)
+        w_np = np.take_along_axis(topk_weights.cpu().float().numpy(), order, 1)
+        present = np.zeros((ids.shape[0], self.n_groups), dtype=bool)  # [N, G]
+        valid = ids >= 0
+        present[np.nonzero(valid)[0], ids[valid] // self.group_size] = True
+        job = _Layer(layer, hidden, hidden.cpu(), ids, w_np, present, present.copy(), span, trace_ctx)
         self._send(job, 0)
         return job
 
@@ -271,7 +292,8 @@ class ExpertExchange:
         thread now and received by `finish`'s thread — no thread hop either way; otherwise on the pool."""
         client = self.clients[c.worker]
         if attempt == 0 and hasattr(client, "post"):
-            sent, ids, w, out_dtype = self._request(c, job.host, job.w_t, job.hidden.dtype)
+            # sent from this thread now: the rows may be the hidden states themselves, not a copy
+            sent, ids, w, out_dtype = self._request(c, job.host, job.w_np, job.hidden.dtype, copy=False)
             try:
                 posted = client.post(job.layer, sent, ids, w, out_dtype, len(c.out_token))
             except Exception as e:  # as a pool call that failed (finish redoes a ConnectionError)
@@ -280,7 +302,7 @@ class ExpertExchange:
                 return failed
             if posted is not None:
                 return _Answer(self, c, posted, sent, ids, w)
-        return self.pool.submit(self._run, job.layer, c, job.host, job.w_t, job.hidden.dtype, job.trace_ctx, attempt)
+        return self.pool.submit(self._run, job.layer, c, job.host, job.w_np, job.hidden.dtype, job.trace_ctx, attempt)
 
     def finish(self, job: _Layer) -> tuple[torch.Tensor, dict[int, str]]:
         try:
@@ -307,6 +329,12 @@ class ExpertExchange:
                     lost.update(zip(c.out_token.tolist(), c.out_group.tolist()))
             fragments = []
             for c, out in results:
+                if c.whole and not lost:  # the common case: every row a whole group's P_g, all kept
+                    got_tokens.append(c.out_token)
+                    got_groups.append(c.out_group)
+                    got_rows.append(out)
+                    todo[c.out_token, c.out_group] = False
+                    continue
                 keep = (
                     np.ones(len(c.out_token), dtype=bool)
                     if not lost
@@ -332,8 +360,11 @@ class ExpertExchange:
                 f"expert workers failed for layer {layer}: "
                 + "; ".join(self.last_error.get(w, "") for w in sorted(self.down)),
             )
+        routed = job.ids[job.ids >= 0]
+        counts = np.bincount(routed, minlength=self.n_experts) if routed.size else None
         with self.lock:
-            np.add.at(self.load[layer], job.ids.ravel(), 1)
+            if counts is not None:
+                self.load[layer] += counts
         if summed:
             got_tokens.append(np.array([t for t, _ in summed], dtype=np.int64))
             got_groups.append(np.array([g for _, g in summed], dtype=np.int64))
@@ -365,15 +396,18 @@ class ExpertExchange:
         return self._call(layer, c, hidden, weights, dtype, attempt)
 
     @staticmethod
-    def _request(c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype):
-        """A call's tensors → (hidden rows, ids, gate weights, answer dtype)."""
-        rows = torch.from_numpy(c.rows)
+    def _request(c: _Call, hidden: torch.Tensor, weights: np.ndarray, dtype: torch.dtype, *, copy: bool = True):
+        """A call's tensors → (hidden rows, ids, gate weights, answer dtype). `weights`: [N, K] fp32 numpy (the
+        selection in numpy: torch's per-op overhead dominates at decode sizes). `copy` False: every row of
+        `hidden` in order is `hidden` itself."""
+        n = hidden.shape[0]
+        every_row = not copy and len(c.rows) == n and bool((c.rows == np.arange(n)).all())
         ids = torch.from_numpy(c.ids)
-        w = torch.where(ids >= 0, weights[rows], torch.zeros(()))
+        w = torch.from_numpy(np.where(c.ids >= 0, weights[c.rows], np.float32(0)))
         # fragments are folded here in fp32; whole-group rows may travel in the activation dtype (the fold
         # rounds every P_g through it anyway)
-        out_dtype = torch.float32 if (c.out_k >= 0).any() else dtype
-        return hidden[rows], ids, w, out_dtype
+        out_dtype = dtype if c.whole or not (c.out_k >= 0).any() else torch.float32
+        return (hidden if every_row else hidden[torch.from_numpy(c.rows)]), ids, w, out_dtype
 
     def _call(
         self, layer: int, c: _Call, hidden: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, attempt: int = 0
