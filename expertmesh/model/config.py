@@ -579,13 +579,18 @@ class ModelConfig(_Strict):
         return sum(self.kv_bytes_per_token(t, dtype_bytes) for t in self.layer_types)
 
     @property
-    def recurrent_state_bytes_per_sequence(self) -> int:
-        """KDA state (fp32 [H, K, V]) plus the short-conv tails (bf16, kernel-1 steps of q, k, v) over all KDA layers."""
+    def recurrent_state_bytes_per_layer(self) -> int:
+        """One KDA layer's state (fp32 [H, K, V]) plus its short-conv tails (bf16, kernel-1 steps of q, k, v)."""
         a = self.kda
         inner = a.n_heads * a.head_dim
         state = 4 * a.n_heads * a.head_dim * a.head_dim
         conv = 2 * 3 * inner * (a.conv_kernel_size - 1)
-        return self.n_kda_layers * (state + conv)
+        return state + conv
+
+    @property
+    def recurrent_state_bytes_per_sequence(self) -> int:
+        """The KDA state and short-conv tails over all KDA layers."""
+        return self.n_kda_layers * self.recurrent_state_bytes_per_layer
 
     def describe(self) -> list[tuple[str, str]]:
         """(figure, value) rows for `expertmesh model describe`."""
