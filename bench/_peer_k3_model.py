@@ -8,7 +8,7 @@ structure: Kimi Delta Attention on layers 1-3 and 5-7, NoPE MLA with q-LoRA and 
 4 and 8 (K3's 3:1), 16 heads for both (llama.cpp's kimi-k3 needs the MLA and KDA head counts equal; KDA head dim
 128, short conv 4, full-rank gate), layer 1 a dense SiTU MLP of width 2816, the others K3's latent MoE (routed
 experts at hidden 512, width 1024, sigmoid routing with the noaux_tc bias, scaling 2.5, two shared experts),
-attention residuals in blocks of 2: 0.90B parameters, 6.3M routed-expert weights active per MoE layer and token
+attention residuals in blocks of 2: 0.91B parameters, 6.3M routed-expert weights active per MoE layer and token
 (the dsv32 peer's 4 × 3 × 1024 × 512). Routed experts are stored as K3 ships them: compressed-tensors
 `mxfp4-pack-quantized` (E2M1 nibbles + E8M0 scales per 32); everything else bf16.
 
