@@ -47,9 +47,9 @@ class EngineConfig:
     # prefill → decode hand-offs: "" (as `transport`), grpc, collective or mooncake (the receiver reads the cache
     # with Mooncake's transfer engine, worker/transfer_engine.py; gRPC when an engine is unavailable)
     handoff_transport: str = ""
-    # router → attention worker steps: "tcp" (RunStep over a plain TCP connection per worker, gRPC when it cannot
-    # form: expertmesh/wire/step_channel.py) or "grpc"
-    step_transport: str = "tcp"
+    # router → attention worker steps: "grpc", or "tcp" (RunStep over a plain TCP connection per worker, gRPC when it
+    # cannot form: expertmesh/wire/step_channel.py; not the default: slower end to end in `up` as measured so far)
+    step_transport: str = "grpc"
     call_timeout: float = 60.0  # seconds one step's results may take (remote: step_deadline)
     health_interval: float = 1.0  # seconds between heartbeats (and expert probes of the attention workers)
     startup_timeout: float = 120.0  # Engine.start waits this long for a worker still starting

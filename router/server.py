@@ -245,10 +245,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--step-transport",
-        choices=("tcp", "grpc"),
-        default="tcp",
-        help="how the router sends each attention worker its steps: tcp (default: RunStep over one plain TCP "
-        "connection per worker, formed over gRPC, not encrypted; gRPC while it cannot form) or grpc",
+        choices=("grpc", "tcp"),
+        default="grpc",
+        help="how the router sends each attention worker its steps: grpc (default) or tcp (RunStep over one plain "
+        "TCP connection per worker, formed over gRPC, not encrypted; gRPC while it cannot form)",
     )
     p.add_argument(
         "--handoff-transport",
