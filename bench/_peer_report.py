@@ -20,7 +20,7 @@ def quantile(values: list[float], q: float) -> float | None:
 def summarize(rounds: list[dict]) -> dict:
     ttft = [t for r in rounds for t in r["ttft_s"]]
     itl = [t for r in rounds for t in r["itl_s"]]
-    rates = [r["tok_s"] for r in rounds]
+    rates = [r["tok_s"] for r in rounds if r["tokens"]]  # a round whose every request failed has no rate
     ms = lambda v: None if v is None else 1000 * v  # noqa: E731
     return {
         "tok_s": statistics.median(rates) if rates else None,

@@ -98,6 +98,9 @@ the tiny K3 checkpoint tests/k3_checkpoint.py writes). It registers KimiK3ForCon
 The same CPU-platform rule means vLLM serves this benchmark's MLA model without chunked prefill and without prefix
 caching (CPU_MLA backend; AMX_MLA on CPUs with AMX): every prompt is prefilled whole in one step.
 
+Ctrl-C or SIGTERM during the scenarios ends the run early: the servers are stopped and the scenarios done so far
+are still printed and written (a note says how many were not run).
+
 Numbers are only as quiet as the machine: interleaving spreads another tenant's load over both systems, it does not
 remove it. The JSON records the load average at the start and the end.
 """
@@ -111,6 +114,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -324,9 +328,14 @@ def physical_limit(config: dict, dtype: str, bandwidth: dict, scenarios: list[di
     }
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_round(submit, prompts: list[list[int]], max_tokens: int, timeout: float) -> dict:
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    pool = ThreadPoolExecutor(len(prompts))
+    try:
         futures = [pool.submit(submit, p, max_tokens) for p in prompts]
         results, errors = [], []
         for f in futures:
@@ -334,6 +343,8 @@ def run_round(submit, prompts: list[list[int]], max_tokens: int, timeout: float)
                 results.append(f.result(timeout=timeout))
             except Exception as e:  # noqa: BLE001 - reported, not fatal for the other systems
                 errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+    finally:  # not waiting on requests in flight when interrupted: they end with their server, stopped next
+        pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     return {
@@ -466,6 +477,8 @@ def main(argv=None) -> int:
     }
     servers: dict[str, peer_systems.Server] = {}
     submits, engine, systems = {}, None, {}
+    scenarios: list[dict] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM ends the run as Ctrl-C does: tables of what was done
     try:
         # start-ups one at a time, each alone on the machine (as far as this benchmark goes)
         em = servers["expertmesh"] = peer_systems.expertmesh_server(em_dir, args.dtype, logdir, up_args)
@@ -539,60 +552,63 @@ def main(argv=None) -> int:
                 t.join()
                 sample_memory(name)
 
-        scenarios = []
-        for plen, conc, n_rounds in plan:
-            per = {n: [] for n in order}
-            for r in range(n_rounds):
-                prompts = make_prompts(conc, plen, vocab, (args.seed, plen, conc, r))
-                rot = order[r % len(order) :] + order[: r % len(order)]
-                for name in rot:
-                    res = measured_round(name, prompts)
-                    per[name].append(res)
-                    peer_systems.log(
-                        f"{plen:>5}-token prompts x{conc} round {r + 1}/{n_rounds} {name:>10}: "
-                        f"{res['tok_s']:7.2f} tok/s, TTFT p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
-                        + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
+        try:
+            for plen, conc, n_rounds in plan:
+                per = {n: [] for n in order}
+                for r in range(n_rounds):
+                    prompts = make_prompts(conc, plen, vocab, (args.seed, plen, conc, r))
+                    rot = order[r % len(order) :] + order[: r % len(order)]
+                    for name in rot:
+                        res = measured_round(name, prompts)
+                        per[name].append(res)
+                        peer_systems.log(
+                            f"{plen:>5}-token prompts x{conc} round {r + 1}/{n_rounds} {name:>10}: "
+                            f"{res['tok_s']:7.2f} tok/s, TTFT p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
+                            + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
+                        )
+                summ = {n: peer_report.summarize(per[n]) for n in order}
+                ratios = {}
+                if "vllm" in summ and "expertmesh" in summ:
+                    ratios["expertmesh_over_vllm_tok_s"] = peer_report.ratio_of(
+                        summ["expertmesh"]["tok_s"], summ["vllm"]["tok_s"]
                     )
-            summ = {n: peer_report.summarize(per[n]) for n in order}
-            ratios = {}
-            if "vllm" in summ and "expertmesh" in summ:
-                ratios["expertmesh_over_vllm_tok_s"] = peer_report.ratio_of(
-                    summ["expertmesh"]["tok_s"], summ["vllm"]["tok_s"]
+                    ratios["expertmesh_over_vllm_ttft_p50"] = peer_report.ratio_of(
+                        summ["expertmesh"]["ttft_p50_ms"], summ["vllm"]["ttft_p50_ms"]
+                    )
+                if "inprocess" in summ and "expertmesh" in summ:
+                    ratios["expertmesh_over_inprocess_tok_s"] = peer_report.ratio_of(
+                        summ["expertmesh"]["tok_s"], summ["inprocess"]["tok_s"]
+                    )
+                    ratios["expertmesh_over_inprocess_ttft_p50"] = peer_report.ratio_of(
+                        summ["expertmesh"]["ttft_p50_ms"], summ["inprocess"]["ttft_p50_ms"]
+                    )
+                if "inprocess" in summ and "vllm" in summ:
+                    ratios["inprocess_over_vllm_tok_s"] = peer_report.ratio_of(
+                        summ["inprocess"]["tok_s"], summ["vllm"]["tok_s"]
+                    )
+                agree = {}
+                for a, b in (("expertmesh", "vllm"), ("expertmesh", "inprocess")):
+                    if a in per and b in per:
+                        agree[f"{a}={b}"] = peer_report.agreement(per[a], per[b])
+                if "vllm" in summ and "expertmesh" in summ:
+                    ratios["expertmesh_over_vllm_itl_p50"] = peer_report.ratio_of(
+                        summ["expertmesh"]["itl_p50_ms"], summ["vllm"]["itl_p50_ms"]
+                    )
+                scenarios.append(
+                    {
+                        "prompt_len": plen,
+                        "concurrency": conc,
+                        "rounds": n_rounds,
+                        # past index_topk expertmesh's DSA attends to the top-k tokens, vLLM's MLA to all of them
+                        "dsa_selects": plen + max_tokens > shape["index_topk"],
+                        "systems": summ,
+                        "ratios": ratios,
+                        "agreement": agree,
+                    }
                 )
-                ratios["expertmesh_over_vllm_ttft_p50"] = peer_report.ratio_of(
-                    summ["expertmesh"]["ttft_p50_ms"], summ["vllm"]["ttft_p50_ms"]
-                )
-            if "inprocess" in summ and "expertmesh" in summ:
-                ratios["expertmesh_over_inprocess_tok_s"] = peer_report.ratio_of(
-                    summ["expertmesh"]["tok_s"], summ["inprocess"]["tok_s"]
-                )
-                ratios["expertmesh_over_inprocess_ttft_p50"] = peer_report.ratio_of(
-                    summ["expertmesh"]["ttft_p50_ms"], summ["inprocess"]["ttft_p50_ms"]
-                )
-            if "inprocess" in summ and "vllm" in summ:
-                ratios["inprocess_over_vllm_tok_s"] = peer_report.ratio_of(
-                    summ["inprocess"]["tok_s"], summ["vllm"]["tok_s"]
-                )
-            agree = {}
-            for a, b in (("expertmesh", "vllm"), ("expertmesh", "inprocess")):
-                if a in per and b in per:
-                    agree[f"{a}={b}"] = peer_report.agreement(per[a], per[b])
-            if "vllm" in summ and "expertmesh" in summ:
-                ratios["expertmesh_over_vllm_itl_p50"] = peer_report.ratio_of(
-                    summ["expertmesh"]["itl_p50_ms"], summ["vllm"]["itl_p50_ms"]
-                )
-            scenarios.append(
-                {
-                    "prompt_len": plen,
-                    "concurrency": conc,
-                    "rounds": n_rounds,
-                    # past index_topk expertmesh's DSA attends to the top-k tokens, vLLM's MLA to all of them
-                    "dsa_selects": plen + max_tokens > shape["index_topk"],
-                    "systems": summ,
-                    "ratios": ratios,
-                    "agreement": agree,
-                }
-            )
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the scenarios done so far are still reported
+            notes.append(f"interrupted after {len(scenarios)} of {len(plan)} scenarios: the rest were not run")
+            peer_systems.log(notes[-1])
     finally:
         for s in servers.values():
             s.stop()
