@@ -53,8 +53,20 @@ class ResidualMix(nn.Module):
         sources = torch.stack([*blocks, current]).float()  # [J, N, H]
         w = self.norm.weight.float() * self.proj.weight[0].float()  # [H]
         score = (sources * w).sum(-1) * pointwise(torch.rsqrt, sources.pow(2).mean(-1) + self.norm.eps)  # [J, N]
-        p = torch.softmax(score, dim=0)
-        return (p[..., None] * sources).sum(0).to(current.dtype)
+        # softmax over the sources and the weighted sum as elementwise ops in source order: ATen's softmax over dim
+        # 0 and its sum over dim 0 round a row differently by where it sits in the batch (and by thread count)
+        top = score[0]
+        for s in score[1:]:
+            top = torch.maximum(top, s)
+        e = pointwise(torch.exp, score - top)  # [J, N]
+        total = e[0]
+        for j in range(1, e.shape[0]):
+            total = total + e[j]
+        p = e / total
+        out = p[0, :, None] * sources[0]
+        for j in range(1, sources.shape[0]):
+            out = out + p[j, :, None] * sources[j]
+        return out.to(current.dtype)
 
 
 @dataclass
