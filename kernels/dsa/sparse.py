@@ -2,15 +2,17 @@
 
 Same results as `naive.py` (module docstring there: the math, tie-breaking, index order). Both paths score
 with `naive.indexer_scores`, whose per-element bits do not depend on the call's shape, so they select exactly
-the reference's top-k; the attention itself is computed differently (a gather of the chosen entries instead of
-a masked dense pass) and agrees to rounding.
+the reference's top-k; the attention itself may be computed differently (a gather of the chosen entries instead
+of a masked dense pass) and agrees to rounding.
 
 - `dsa_prefill`: queries in blocks sized so one block's working set (indexer logits [bq, Hi, n], gathered
-  entries [bq, k, D]) stays under PREFILL_BLOCK_BYTES: memory O(block * Tk), never O(Tq * Tk * H). A causal
-  block only scores the positions its last query can see. When topk covers everything a block can see, the
-  indexer is skipped (it would select all visible positions) and attention runs densely over them — on CPUs with
-  AMX-BF16, for all such queries at once in the dense-attention kernel (cpu_kernel.dense_attention: bf16 products,
-  fp32 logits and softmax; a query's bits do not depend on the other queries of the call).
+  entries [bq, k, D] or masked logits [bq, H, n]) stays under PREFILL_BLOCK_BYTES: memory O(block * Tk), never
+  O(Tq * Tk * H). A causal block only scores the positions its last query can see. It gathers its chosen
+  entries only when they are under 1/GATHER_BELOW_SHARE of what it sees; else one masked dense pass (GEMMs over
+  the shared rows) is cheaper than a gather copy and products per query. When topk covers everything a block
+  can see, the indexer is skipped (it would select all visible positions) and attention runs densely over them —
+  on CPUs with AMX-BF16, for all such queries at once in the dense-attention kernel (cpu_kernel.dense_attention:
+  bf16 products, fp32 logits and softmax; a query's bits do not depend on the other queries of the call).
 - `dsa_decode_paged`: one query per sequence over a paged cache. The indexer walks the pages in chunks of
   DECODE_CHUNK_TOKENS (the chunk's keys gathered into a reused buffer, one batched GEMM, ReLU, weighted
   head sum); top-k; then attention over at most topk gathered entries. Cost per token: the indexer pass over
@@ -47,6 +49,9 @@ from expertmesh.kernels.dsa.naive import (
 PREFILL_BLOCK_BYTES = 64 << 20  # working-set budget of one query block in dsa_prefill
 DECODE_CHUNK_TOKENS = 8192  # context positions scored per GEMM in the paged indexer (keys ~4 MiB fp32)
 _NEG_INF = float("-inf")
+# a prefill block gathers its chosen entries only when top-k is under 1/GATHER_BELOW_SHARE of what it sees; else
+# one masked dense pass over the visible rows (GEMMs, no gather) is the cheaper way to the same attention
+GATHER_BELOW_SHARE = 4
 
 
 # ----------------------------------------------------------------------------------------------- top-k
@@ -93,6 +98,18 @@ def _attend_gathered(
     return torch.matmul(torch.softmax(logits, dim=-1), sel[..., :v_dim])
 
 
+def _attend_selected(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, v_dim: int):
+    """q [B,T,H,D] over the entries idx [B,T,k] (-1 = unused) of kv [B,n,D] as one masked dense pass (the
+    reference's own form) → [B,T,H,v_dim] fp32: two GEMMs over the block's n shared rows instead of a [T, k, D]
+    gather copy and per-query products, which at k ~ n cost minutes a step (an 8K prompt with index_topk 4096)."""
+    kept = torch.zeros(*idx.shape[:2], kv.shape[1] + 1, dtype=torch.bool, device=idx.device)
+    kept = kept.scatter_(-1, torch.where(idx < 0, kv.shape[1], idx), True)[..., :-1]  # [B,T,n]
+    kvf = kv.float()
+    logits = torch.matmul(q.float(), kvf.transpose(1, 2)[:, None]).mul_(scale)  # [B,T,H,n]
+    logits.masked_fill_(~kept[:, :, None, :], _NEG_INF)
+    return torch.matmul(torch.softmax(logits, dim=-1), kvf[:, None, :, :v_dim])
+
+
 def _attend_dense(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor | None, scale: float, v_dim: int):
     """q [B,T,H,D] over all of kv [B,n,D] (causally masked by q_pos [T] if given) → [B,T,H,v_dim] fp32."""
     kvf = kv.float()
@@ -137,7 +154,8 @@ def _dense_attention_prefix(
 
 def _block_rows(shp: DSAShapes) -> int:
     k = min(shp.topk, shp.Tk)
-    per_query = 4 * (shp.Hi * shp.Tk + k * (shp.D + shp.H) + shp.H * shp.Tk)
+    gathered = k * (shp.D + shp.H) if k * GATHER_BELOW_SHARE < shp.Tk else shp.H * shp.Tk  # else masked logits
+    per_query = 4 * (shp.Hi * shp.Tk + gathered + shp.H * shp.Tk)
     return max(1, min(shp.Tq, PREFILL_BLOCK_BYTES // per_query))
 
 
@@ -206,7 +224,10 @@ def dsa_prefill(
             if causal:
                 s.masked_fill_(torch.arange(n, device=q.device)[None, :] > q_pos[:, None], _NEG_INF)
             idx = select_topk(s, shp.topk)  # [B,bq,topk]
-            o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv_rows, Tk, idx, shp.scale, shp.v_dim)
+            if shp.topk * GATHER_BELOW_SHARE < n:  # few of the visible positions: gather just those
+                o[:, i0:i1] = _attend_gathered(q[:, i0:i1], kv_rows, Tk, idx, shp.scale, shp.v_dim)
+            else:
+                o[:, i0:i1] = _attend_selected(q[:, i0:i1], kv[:, :n], idx, shp.scale, shp.v_dim)
         if indices is not None:
             _put_indices(indices, i0, idx)
     return (o, indices) if return_indices else o

@@ -177,6 +177,21 @@ def test_prefill_matches_reference(case, dtype, monkeypatch):
         assert torch.equal(lightning_indexer(iq, ik, w, causal), lightning_indexer_reference(iq, ik, w, causal))
 
 
+def test_a_block_whose_topk_is_most_of_what_it_sees_attends_without_a_gather(monkeypatch):
+    """Top-k over a quarter or more of what a block sees (index_topk 4096 in an 8K prompt): one masked dense pass,
+    not a [rows, k, D] gather with products per query (that took minutes a step); fewer: the gather. Either way
+    the reference's selection and output."""
+    gathered, real = [], sparse._attend_gathered
+    monkeypatch.setattr(sparse, "_attend_gathered", lambda *a: gathered.append(a[3].shape) or real(*a))
+    q, kv, iq, ik, w = _prefill_inputs(1, 32, 64, 2, 24, 2, 8, seed=3)  # one block: its last query sees 64
+    for topk, gathers in [(32, False), (16, False), (15, True)]:
+        gathered.clear()
+        o, idx = dsa_prefill(q, kv, iq, ik, w, topk, return_indices=True)
+        o_ref, i_ref = dsa_attention_reference(q, kv, iq, ik, w, topk, return_indices=True)
+        assert torch.equal(idx, i_ref) and _rel(o, o_ref) < TOL[torch.float32]
+        assert bool(gathered) == gathers, (topk, gathered)
+
+
 def test_prefill_in_pieces_equals_one_pass():
     """A prompt prefilled in two calls (the second continuing the cache) selects and outputs the same."""
     q, kv, iq, ik, w = _prefill_inputs(1, 30, 30, 2, 24, 2, 8, seed=5)
