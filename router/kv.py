@@ -155,11 +155,18 @@ class KVManager:
         """A new hash chain of this router's keys within `scope` (PrefixHasher)."""
         return PrefixHasher(self.chunk, self.salt, scope)
 
-    def find_prefix(self, tokens: list[int], scope: bytes = b"") -> tuple[int, str, int] | None:
+    def prefix_keys(self, tokens: list[int], scope: bytes = b"") -> list[tuple[int, str]]:
+        """(length, key) of every chunk-multiple prefix of `tokens` within `scope`, as this router keys them."""
+        return prefix_hashes(tokens, self.chunk, self.salt, scope)
+
+    def find_prefix(
+        self, tokens: list[int], scope: bytes = b"", keys: list[tuple[int, str]] | None = None
+    ) -> tuple[int, str, int] | None:
         """The longest saved prefix of `tokens` within `scope` that leaves at least one token to compute:
-        (worker, key, length), or None. Reads only: `touch` marks it used."""
+        (worker, key, length), or None. Reads only: `touch` marks it used. `keys`: prefix_keys(tokens, scope)
+        when the caller kept them (hashing an 8K prompt costs milliseconds; a waiting one is placed every pass)."""
         best = None
-        for length, key in prefix_hashes(tokens, self.chunk, self.salt, scope):
+        for length, key in keys if keys is not None else self.prefix_keys(tokens, scope):
             if length >= len(tokens):
                 break
             if key in self.prefixes:

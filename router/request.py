@@ -101,6 +101,9 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     images: list = field(default_factory=list)  # (position, router.images.PreparedImage) of the prompt's images
     hash_prompt: list[int] | None = None  # the prompt as the prefix cache hashes it (images by their pixels)
+    # its prefix-cache keys (KVManager.prefix_keys of hash_prompt in cache_scope), hashed once: the scheduler
+    # looks a waiting prompt up on every pass
+    prompt_keys: list[tuple[int, str]] | None = field(default=None, repr=False)
     # speculation (router/step_calls.py): drafts its worker verified, how many were accepted, in how many steps
     drafted: int = 0
     accepted: int = 0

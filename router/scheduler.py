@@ -285,7 +285,11 @@ def place(req: Request, view: _View, limits: Limits) -> Admission | None:
     """Where a waiting request would go (None: nowhere now)."""
     reserve = reserve_tokens(len(req.tokens), len(req.prompt), req.params.max_tokens, limits)
     # scoring the prompt needs every prompt position computed: no cached prefix
-    hit = view.kv.find_prefix(req.hash_prompt, req.cache_scope) if req.params.prompt_logprobs is None else None
+    hit = None
+    if req.params.prompt_logprobs is None:
+        if req.prompt_keys is None:
+            req.prompt_keys = view.kv.prefix_keys(req.hash_prompt, req.cache_scope)
+        hit = view.kv.find_prefix(req.hash_prompt, req.cache_scope, keys=req.prompt_keys)
     adm = Admission(req, reserve, [], hit=hit[1] if hit is not None else None)
     if hit is not None:
         view.touch(hit[1])

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from expertmesh.router import kv as kv_module
 from expertmesh.router.kv import KVManager, PrefixHasher, WorkerKV, prefix_hashes
 from expertmesh.router.request import ContextLengthExceeded, ExpertsUnavailable, Request, RequestError
 from expertmesh.router.scheduler import (
@@ -151,6 +152,20 @@ def test_a_prefix_on_a_worker_that_is_down_is_not_used():
     key = cache_prefix(kv, req.prompt, 0, 32)
     adm = schedule([req], [], kv, limits=LIMITS, down=frozenset({0})).admissions[0]
     assert adm.hit == key and adm.candidates == [(1, None, 0)]
+
+
+def test_a_waiting_prompt_is_hashed_once_however_often_it_is_placed(monkeypatch):
+    """The engine places a waiting request again on every pass (every ~2 ms while its worker is down): its prompt's
+    prefix keys are hashed on the first only (an 8K-token prompt cost ~2-3 ms of the router's CPU a pass)."""
+    req = waiting(1, length=40)[0]
+    kv = kv_of(64)
+    key = cache_prefix(kv, req.prompt, 0, 32)
+    hashed, real = [], kv_module.prefix_hashes
+    monkeypatch.setattr(kv_module, "prefix_hashes", lambda tokens, *a: hashed.append(len(tokens)) or real(tokens, *a))
+    for _ in range(5):
+        assert schedule([req], [], kv, limits=LIMITS, down=frozenset({0})).blocked
+    assert schedule([req], [], kv, limits=LIMITS).admissions[0].hit == key
+    assert hashed == [40]
 
 
 def test_when_nothing_fits_cached_prefixes_are_dropped_least_recently_used_first():
