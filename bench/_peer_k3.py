@@ -136,20 +136,7 @@ def tables(result: dict) -> str:
     hdr = " ".join(f"{title:>{width}}" for title, width, _ in columns)
     lines += [hdr, "-" * len(hdr)]
     lines += [" ".join(f"{fn(sc):>{width}}" for _, width, fn in columns) for sc in result["scenarios"]]
-    lines += ["", "latency p50 / p99, ms (TTFT: request sent → first token; ITL: gap between streamed tokens)"]
-    hdr = (
-        f"{'prompt':>6} {'conc':>4} {'system':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-        f"{'short':>5} {'errors':>6}"
-    )
-    lines += [hdr, "-" * len(hdr)]
-    for sc in result["scenarios"]:
-        for n in names:
-            s = sc["systems"][n]
-            lines.append(
-                f"{sc['prompt_len']:>6} {sc['concurrency']:>4} {n:>10} {fmt(s['ttft_p50_ms'], '.0f'):>9} "
-                f"{fmt(s['ttft_p99_ms'], '.0f'):>9} {fmt(s['itl_p50_ms'], '.1f'):>8} "
-                f"{fmt(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}"
-            )
+    lines += peer_report.latency_lines(result, names)
     if any(sc["agreement"] for sc in result["scenarios"]):
         lines += ["", "greedy outputs: identical requests / compared (mean common prefix, tokens)"]
         for sc in result["scenarios"]:

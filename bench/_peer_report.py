@@ -85,20 +85,7 @@ def tables(result: dict) -> str:
     hdr = " ".join(f"{title:>{width}}" for title, width, _ in columns)
     lines += [hdr, "-" * len(hdr)]
     lines += [" ".join(f"{fn(sc):>{width}}" for _, width, fn in columns) for sc in result["scenarios"]]
-    lines += ["", "latency p50 / p99, ms (TTFT: request sent → first token; ITL: gap between streamed tokens)"]
-    hdr = (
-        f"{'prompt':>6} {'conc':>4} {'system':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-        f"{'short':>5} {'errors':>6}"
-    )
-    lines += [hdr, "-" * len(hdr)]
-    for sc in result["scenarios"]:
-        for n in names:
-            s = sc["systems"][n]
-            lines.append(
-                f"{sc['prompt_len']:>6} {sc['concurrency']:>4} {n:>10} {fmt(s['ttft_p50_ms'], '.0f'):>9} "
-                f"{fmt(s['ttft_p99_ms'], '.0f'):>9} {fmt(s['itl_p50_ms'], '.1f'):>8} "
-                f"{fmt(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}"
-            )
+    lines += latency_lines(result, names)
     if any(sc["agreement"] for sc in result["scenarios"]):
         lines += [
             "",
@@ -203,3 +190,22 @@ def limit_table(result: dict, names: list[str]) -> list[str]:
 
 def safe_div(a, b):
     return None if a is None else a / b
+
+
+def latency_lines(result: dict, names: list[str]) -> list[str]:
+    """The latency table (TTFT and ITL p50 / p99 per scenario and system), with a blank line and its title first."""
+    lines = ["", "latency p50 / p99, ms (TTFT: request sent → first token; ITL: gap between streamed tokens)"]
+    hdr = (
+        f"{'prompt':>6} {'conc':>4} {'system':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'short':>5} {'errors':>6}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for sc in result["scenarios"]:
+        for n in names:
+            s = sc["systems"][n]
+            lines.append(
+                f"{sc['prompt_len']:>6} {sc['concurrency']:>4} {n:>10} {fmt(s['ttft_p50_ms'], '.0f'):>9} "
+                f"{fmt(s['ttft_p99_ms'], '.0f'):>9} {fmt(s['itl_p50_ms'], '.1f'):>8} "
+                f"{fmt(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}"
+            )
+    return lines
