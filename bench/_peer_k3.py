@@ -36,7 +36,6 @@ import platform
 import random
 import shlex
 import sys
-import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -283,20 +282,9 @@ def run(args, peer) -> int:
                 peak[k] = max(peak.get(k, 0), m[k])
 
         def measured_round(name, prompts):
-            done = threading.Event()
-
-            def sampler():
-                while not done.wait(0.5):
-                    sample_memory(name)
-
-            t = threading.Thread(target=sampler, daemon=True)
-            t.start()
-            try:
-                return peer.run_round(submits[name], prompts, max_tokens, args.request_timeout)
-            finally:
-                done.set()
-                t.join()
-                sample_memory(name)
+            return peer.sampled_round(
+                submits[name], prompts, max_tokens, args.request_timeout, lambda: sample_memory(name)
+            )
 
         for plen in prompt_lens:
             for conc in concurrency:

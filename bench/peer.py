@@ -360,6 +360,24 @@ def run_round(submit, prompts: list[list[int]], max_tokens: int, timeout: float)
     }
 
 
+def sampled_round(submit, prompts, max_tokens: int, timeout: float, sample) -> dict:
+    """`run_round` with `sample()` called every 0.5 s while it runs and once after (a memory peak is mid-round)."""
+    done = threading.Event()
+
+    def sampler():
+        while not done.wait(0.5):
+            sample()
+
+    t = threading.Thread(target=sampler, daemon=True)
+    t.start()
+    try:
+        return run_round(submit, prompts, max_tokens, timeout)
+    finally:
+        done.set()
+        t.join()
+        sample()
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: tuple) -> list[list[int]]:
     rng = random.Random(repr(seed))
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
@@ -536,21 +554,7 @@ def main(argv=None) -> int:
             peak["processes"] = max(peak.get("processes", 0), m["processes"])
 
         def measured_round(name, prompts):
-            """One round of `name`, its memory sampled every 0.5 s while it runs (the peak is mid-round)."""
-            done = threading.Event()
-
-            def sampler():
-                while not done.wait(0.5):
-                    sample_memory(name)
-
-            t = threading.Thread(target=sampler, daemon=True)
-            t.start()
-            try:
-                return run_round(submits[name], prompts, max_tokens, args.request_timeout)
-            finally:
-                done.set()
-                t.join()
-                sample_memory(name)
+            return sampled_round(submits[name], prompts, max_tokens, args.request_timeout, lambda: sample_memory(name))
 
         try:
             for plen, conc, n_rounds in plan:
