@@ -144,20 +144,7 @@ def tables(result: dict) -> str:
                 for k, v in sc["agreement"].items()
             ]
             lines.append(f"  {sc['prompt_len']}x{sc['concurrency']}: " + "; ".join(parts))
-    lines += ["", "start-up and memory (RSS summed over each system's processes; PSS counts shared pages once)"]
-    hdr = (
-        f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} "
-        f"{'PSS idle GB':>11} {'PSS peak GB':>11}"
-    )
-    lines += [hdr, "-" * len(hdr)]
-    for n in names:
-        s = result["systems"][n]
-        m0, m1 = s.get("memory_idle") or {}, s.get("memory_peak") or {}
-        gb = lambda v: fmt(peer_report.safe_div(v, 1e9), ".2f")  # noqa: E731
-        lines.append(
-            f"{n:>10} {fmt(s.get('startup_s'), '.1f'):>10} {m1.get('processes', '-'):>5} {gb(m0.get('rss')):>11} "
-            f"{gb(m1.get('rss')):>11} {gb(m0.get('pss')):>11} {gb(m1.get('pss')):>11}"
-        )
+    lines += peer_report.memory_lines(result, names)
     if "inprocess" in names:
         lines.append("(inprocess: this whole benchmark process — the engine plus the harness and its clients)")
     return "\n".join(lines)

@@ -98,20 +98,7 @@ def tables(result: dict) -> str:
         ]
     lines += long_prompts(result, names)
     lines += limit_table(result, names)
-    lines += ["", "start-up and memory (RSS summed over each system's processes; PSS counts shared pages once)"]
-    hdr = (
-        f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} "
-        f"{'PSS idle GB':>11} {'PSS peak GB':>11}"
-    )
-    lines += [hdr, "-" * len(hdr)]
-    for n in names:
-        s = result["systems"][n]
-        m0, m1 = s.get("memory_idle") or {}, s.get("memory_peak") or {}
-        lines.append(
-            f"{n:>10} {fmt(s.get('startup_s'), '.1f'):>10} {m1.get('processes', '-'):>5} "
-            f"{fmt(safe_div(m0.get('rss'), 1e9), '.2f'):>11} {fmt(safe_div(m1.get('rss'), 1e9), '.2f'):>11} "
-            f"{fmt(safe_div(m0.get('pss'), 1e9), '.2f'):>11} {fmt(safe_div(m1.get('pss'), 1e9), '.2f'):>11}"
-        )
+    lines += memory_lines(result, names)
     if "inprocess" in names:
         lines.append("(inprocess: this whole benchmark process — the engine plus the harness and its clients)")
     return "\n".join(lines)
@@ -208,4 +195,23 @@ def latency_lines(result: dict, names: list[str]) -> list[str]:
                 f"{fmt(s['ttft_p99_ms'], '.0f'):>9} {fmt(s['itl_p50_ms'], '.1f'):>8} "
                 f"{fmt(s['itl_p99_ms'], '.1f'):>8} {s['short_requests']:>5} {len(s['errors']):>6}"
             )
+    return lines
+
+
+def memory_lines(result: dict, names: list[str]) -> list[str]:
+    """The start-up and memory table (RSS and PSS idle / peak per system), with a blank line and its title first."""
+    lines = ["", "start-up and memory (RSS summed over each system's processes; PSS counts shared pages once)"]
+    hdr = (
+        f"{'system':>10} {'start-up s':>10} {'procs':>5} {'RSS idle GB':>11} {'RSS peak GB':>11} "
+        f"{'PSS idle GB':>11} {'PSS peak GB':>11}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for n in names:
+        s = result["systems"][n]
+        m0, m1 = s.get("memory_idle") or {}, s.get("memory_peak") or {}
+        lines.append(
+            f"{n:>10} {fmt(s.get('startup_s'), '.1f'):>10} {m1.get('processes', '-'):>5} "
+            f"{fmt(safe_div(m0.get('rss'), 1e9), '.2f'):>11} {fmt(safe_div(m1.get('rss'), 1e9), '.2f'):>11} "
+            f"{fmt(safe_div(m0.get('pss'), 1e9), '.2f'):>11} {fmt(safe_div(m1.get('pss'), 1e9), '.2f'):>11}"
+        )
     return lines
