@@ -56,6 +56,7 @@ from expertmesh.router.request import (  # noqa: F401  (the API layers import th
 )
 from expertmesh.router.scheduler import Admission, Growth, Limits, StepPlan, check_request, schedule
 from expertmesh.router.step_calls import StepCalls
+from expertmesh.router.work_deadline import WorkRates
 from expertmesh.runtime import telemetry
 from expertmesh.wire.sampling_params import SamplingParams
 from expertmesh.wire.worker_api import ImageSpan, OutOfBlocks, WorkerError
@@ -135,6 +136,7 @@ class Engine(StepCalls, HandOffs):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = EngineStats()
+        self.step_rates = WorkRates(config.call_timeout)  # seconds per unit of step work, per attention worker
         self.step_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)  # unique per router
         self.closed = False
         self.thread: threading.Thread | None = None  # the scheduler, once started

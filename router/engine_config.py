@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from expertmesh.router.prefix_scope import SCOPES
 from expertmesh.router.prepared_image import ImageLimits
 from expertmesh.router.scheduler import Limits
+from expertmesh.router.work_deadline import DEADLINE_CAP
 
 TRANSPORTS = ("grpc", "collective")
 STEP_TRANSPORTS = ("tcp", "grpc")  # expertmesh/wire/step_channel.TRANSPORTS
@@ -28,6 +29,9 @@ class EngineConfig:
     # ---- scheduling limits (router/scheduler.py's Limits, with the model's context)
     prefill_chunk: int = 16  # the prefix cache's granularity: prompt chunks end (and prefixes are saved) at multiples
     prefill_tokens: int = 0  # prompt chunks end at its multiples (0: at prefill_chunk's)
+    # the attention work one prompt chunk may do, in row·context units (scheduler.chunk_work): None derives it from
+    # prefill_tokens (step_prefill_work: unchanged chunks through the prompt's first 2 × prefill_tokens); 0: unbounded
+    prefill_work: int | None = None
     max_batch_tokens: int | None = None  # tokens per step (None: 256, or prefill_tokens + max_running if more)
     max_running: int = 64
     max_waiting: int = 256
@@ -78,6 +82,8 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_tokens: {self.prefill_tokens} is not a multiple of prefill_chunk {self.prefill_chunk}"
             )
+        if self.prefill_work is not None and (not isinstance(self.prefill_work, int) or self.prefill_work < 0):
+            raise ValueError(f"prefill_work: expected an integer >= 0 (0: unbounded), found {self.prefill_work!r}")
         if self.prefix_salt is not None and not self.prefix_salt:
             raise ValueError("prefix_salt: empty; expected the router replicas' shared secret")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
@@ -105,6 +111,21 @@ class EngineConfig:
         return max(self.prefill_tokens, self.prefill_chunk)
 
     @property
+    def step_prefill_work(self) -> int:
+        """The attention work a prompt chunk may do (0: unbounded): `prefill_work`, or by default what a full chunk
+        of step_prefill_tokens rows does from 1.5 chunks in (2 × step_prefill_tokens²) — a prompt's first two
+        chunks keep their rows, the later ones have fewer the further in they start."""
+        if self.prefill_work is not None:
+            return self.prefill_work
+        return 2 * self.step_prefill_tokens**2
+
+    @property
+    def step_timeout_cap(self) -> float:
+        """The longest a step may take (router/work_deadline.py: a long step's deadline grows with its work up to
+        this): the deadline of a remote worker's RunStep call."""
+        return DEADLINE_CAP * self.call_timeout
+
+    @property
     def batch_tokens(self) -> int:
         """Tokens per step: a prompt chunk always fits beside every decoding sequence."""
         return max(
@@ -116,6 +137,7 @@ class EngineConfig:
         return Limits(
             prefill_chunk=self.prefill_chunk,
             prefill_tokens=self.step_prefill_tokens,
+            prefill_work=self.step_prefill_work,
             max_batch_tokens=self.batch_tokens,
             max_running=self.max_running,
             kv_growth=max(1, self.kv_growth),
@@ -137,6 +159,7 @@ class EngineConfig:
         return cls(
             prefill_chunk=args.prefill_chunk,
             prefill_tokens=args.prefill_tokens,
+            prefill_work=args.prefill_work,
             max_batch_tokens=args.max_batch_tokens,
             max_waiting=args.max_waiting,
             max_queue_wait=args.max_queue_wait,

@@ -24,10 +24,11 @@ worker, the prefix-cache index, the workers marked down) into one step's plan:
     its reservation grows while it does not hold K + 1 more (without evicting or preempting for it);
   * the batches: every decoding sequence feeds its next token and samples; prefilling ones feed their next chunk
     (`prefill_end`), which ends at the next multiple of `prefill_tokens` (one granule, `prefill_chunk`, when unset),
-    or earlier at the prompt's last multiple of `prefill_chunk` — the prefix cache's granularity, so the prefix a
+    sooner deep in a long prompt (fewer rows, a multiple of the granule, within `prefill_work`'s attention work), or
+    earlier at the prompt's last multiple of `prefill_chunk` — the prefix cache's granularity, so the prefix a
     follow-up turn starts with is saved; not where the workers save a prefix inside a step (a model without
-    recurrent layers: `snapshot_within_step`) — or at its end: fixed by the prompt alone, so a sequence computes the same
-    chunks whatever runs beside it (a long prompt never stalls decoding for more than a chunk), within
+    recurrent layers: `snapshot_within_step`) — or at its end: fixed by the prompt and the limits alone, so a sequence
+    computes the same chunks whatever runs beside it (a long prompt never stalls decoding for more than a chunk), within
     `max_batch_tokens`, in arrival order (a chunk that does not fit waits); the last chunk samples unless the
     request only scores its prompt;
   * snapshots: a sequence reaching or passing a multiple of the chunk in a step saves its cache up to the step's
@@ -49,6 +50,7 @@ of blocks; when a worker did answer otherwise, the engine plans the rest of the 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -70,6 +72,9 @@ class Limits:
     max_context: int
     max_queue_wait: float = float("inf")  # seconds a request may wait for KV room before it is refused
     prefill_tokens: int = 0  # prompt chunks end at its multiples (0: at prefill_chunk's)
+    # the attention work one prompt chunk may do, in row·context units (chunk_work; 0: unbounded): deep in a long
+    # prompt a chunk has fewer rows, so a step's time stays bounded and the sequences decoding beside it stall less
+    prefill_work: int = 0
     affinity_slack: int = 4  # a prefix hit is recomputed elsewhere on a worker this many sequences busier
     session_affinity: bool = True  # no prefix known: place by the session-affinity key (else by load alone)
     # the workers save a prefix inside a step (a model without recurrent layers: its cache at any position is its
@@ -457,15 +462,35 @@ def max_new(s: Seq, limits: Limits) -> int:
     return max(1, left)
 
 
+def chunk_work(start: int, rows: int) -> int:
+    """The attention work of feeding `rows` tokens from position `start`, in row·context units: each row attends to
+    the context before it, start + i + 1 tokens for the i-th (rows · (start + rows/2), rounded up)."""
+    return rows * (2 * start + rows + 1) // 2
+
+
+def work_rows(computed: int, work: int, g: int) -> int:
+    """The most rows from `computed` whose attention work (chunk_work) stays within `work`, rounded down to a
+    multiple of `g` and at least `g` (a chunk always advances)."""
+    # rows·(2c + rows + 1) ≤ 2·work  ⇔  rows ≤ (√((2c+1)² + 8·work) − (2c+1)) / 2, exact in integers
+    b = 2 * computed + 1
+    rows = (math.isqrt(b * b + 8 * work) - b) // 2
+    return max(g, rows // g * g)
+
+
 def prefill_end(computed: int, prompt_len: int, limits: Limits) -> int:
     """Where a prompt's next chunk ends, from `computed` tokens: at the next multiple of `prefill_tokens` (of the
-    granularity g = `prefill_chunk` when unset), or earlier at the prompt's last multiple of g (a stop of its own:
-    that prefix is snapshotted, and a chat's next turn starts with it — unless the workers save it inside the step:
-    `snapshot_within_step`), or at the prompt's end. The ends depend on the prompt alone — never on the batch — so a
-    sequence's numbers do not either."""
+    granularity g = `prefill_chunk` when unset) — or, where a chunk of `prefill_tokens` rows would do more attention
+    work than `prefill_work` (chunk_work: a row attends to the context before it, so the same rows cost more the
+    further into the prompt), after the most multiples of g within that work (at least one g) —, or earlier at the
+    prompt's last multiple of g (a stop of its own: that prefix is snapshotted, and a chat's next turn starts with
+    it — unless the workers save it inside the step: `snapshot_within_step`), or at the prompt's end. The ends
+    depend on the prompt and the limits alone — never on the batch — so a sequence's numbers do not either."""
     g = limits.prefill_chunk
     step = max(limits.prefill_tokens, g)
-    end = min(prompt_len, (computed // step + 1) * step)
+    end = (computed // step + 1) * step
+    if limits.prefill_work and chunk_work(computed, step) > limits.prefill_work:
+        end = (computed + work_rows(computed, limits.prefill_work, g)) // g * g
+    end = min(prompt_len, end)
     last_mark = prompt_len // g * g
     return last_mark if computed < last_mark < end and not limits.snapshot_within_step else end
 

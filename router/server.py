@@ -72,7 +72,8 @@ def build_remote_engine(
 ):
     """The engine over remote workers, not started (Engine.start waits for them). `config`: its EngineConfig (None:
     the defaults with the step deadline of `timeout`); `timeout`: each expert call's deadline (a step's,
-    config.call_timeout, adds one per expert worker: engine_config.step_deadline); `control_timeout` (default and
+    config.call_timeout, adds one per expert worker: engine_config.step_deadline; a long step's grows with its work,
+    up to config.step_timeout_cap: router/work_deadline.py); `control_timeout` (default and
     at most `timeout`): the attention workers' calls outside a step — a hung worker costs one of these, then it is
     down until it answers its health check; `prefill`: the prefill pool's attention workers (router/disagg.py)."""
     from expertmesh.router.engine import Engine  # the engine and the workers' clients: see run
@@ -83,7 +84,7 @@ def build_remote_engine(
     config = config or EngineConfig(call_timeout=step_deadline(timeout, len(experts)))
     control = min(control_timeout or timeout, timeout)
     att, pre = (
-        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=config.call_timeout) for a in addresses]
+        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=config.step_timeout_cap) for a in addresses]
         for addresses in (attention, prefill or ())
     )
     if config.step_transport == "tcp":
@@ -171,6 +172,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"prompt chunks end at its multiples (and at the prompt's last multiple of --prefill-chunk): "
         f"the prompt tokens a sequence prefills per step, a multiple of --prefill-chunk (default "
         f"{DEFAULT_PREFILL_TOKENS})",
+    )
+    p.add_argument(
+        "--prefill-work",
+        type=nonnegative_int,
+        default=None,
+        metavar="ROW_TOKENS",
+        help="the attention work one prompt chunk may do, in rows x the context they see: deep in a long prompt "
+        "a chunk gets fewer rows (a multiple of --prefill-chunk, at least one), so a step's time stays bounded "
+        "(default: 2 x --prefill-tokens squared, which leaves a prompt's first two chunks whole; 0: unbounded)",
     )
     p.add_argument(
         "--max-batch-tokens",

@@ -17,6 +17,7 @@ from expertmesh.router.health import serving
 from expertmesh.router.request import EngineClosed, ExpertsUnavailable, Request, RequestError, TokenLogprob
 from expertmesh.router.scheduler import Planned, update_from_output
 from expertmesh.router.tracing import StepTrace, record_image_encodes
+from expertmesh.router.work_deadline import step_work
 from expertmesh.wire.worker_api import NotConnected, StepDone, StepSegment
 
 log = logging.getLogger("expertmesh.router")
@@ -58,7 +59,7 @@ class StepCalls:
                     )
                     for w in workers
                 }
-                results = self._gather(futures)
+                results = self._gather(futures, {w: step_work(batches[w]) for w in workers})
         except ConnectionError as e:
             # every attention worker of the step is unreachable (a blip, a restart): the requests wait for one
             # to come back (replaying what they had) instead of failing — bounded by max_queue_wait
@@ -86,17 +87,21 @@ class StepCalls:
                 continue
             self._apply(w, results[w], batches[w])
 
-    def _gather(self, futures: dict, probe_every: float = 2.0) -> dict:
+    def _gather(self, futures: dict, work: dict[int, int] | None = None, probe_every: float = 2.0) -> dict:
         """Results of one call per attention worker; a worker that is unreachable, past its deadline, has lost
         its expert table (restarted), or stops answering its health check while its step runs (hung, e.g.
         SIGSTOP: noticed within ~2 probes, not at the step deadline) is marked down and left out — the step goes
-        on for the others, its sequences are rebuilt elsewhere."""
+        on for the others, its sequences are rebuilt elsewhere. Each worker's deadline is its step's `work` at the
+        rate its recent steps took (router/work_deadline.py; `call_timeout` at least), and the time its step took
+        teaches that rate."""
         results, pending = {}, dict(futures)
-        deadline = time.monotonic() + self.config.call_timeout
+        work = work or {}
+        start = time.monotonic()
+        deadline = {w: start + self.step_rates.deadline(w, work.get(w, 0)) for w in futures}
         while pending:
             wait(
                 list(pending.values()),
-                timeout=min(probe_every, max(0.0, deadline - time.monotonic())),
+                timeout=min(probe_every, max(0.0, min(deadline[w] for w in pending) - time.monotonic())),
                 return_when=FIRST_COMPLETED,
             )
             for w, f in list(pending.items()):
@@ -106,9 +111,12 @@ class StepCalls:
                         results[w] = f.result()
                     except (ConnectionError, NotConnected, TimeoutError) as e:
                         self.health.mark_down(w, e)
-                elif time.monotonic() >= deadline:
+                    else:
+                        self.step_rates.observe(w, work.get(w, 0), time.monotonic() - start)
+                elif time.monotonic() >= deadline[w]:
                     del pending[w]
-                    self.health.mark_down(w, TimeoutError(f"no step result within {self.config.call_timeout:g} s"))
+                    self.step_rates.observe(w, work.get(w, 0), deadline[w] - start)  # it took longer, at least
+                    self.health.mark_down(w, TimeoutError(f"no step result within {deadline[w] - start:.3g} s"))
                 elif not serving(self.attention[w], timeout=probe_every):
                     del pending[w]
                     self.health.mark_down(w, TimeoutError("its health check does not answer during the step"))
