@@ -137,6 +137,7 @@ class Engine(StepCalls, HandOffs):
         self.running: list[Request] = []
         self.stats = EngineStats()
         self.step_rates = WorkRates(config.call_timeout)  # seconds per unit of step work, per attention worker
+        self.metrics.registry.register(self.step_rates)
         self.step_ids = itertools.count(int.from_bytes(os.urandom(6), "little") << 8)  # unique per router
         self.closed = False
         self.thread: threading.Thread | None = None  # the scheduler, once started

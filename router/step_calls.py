@@ -115,7 +115,7 @@ class StepCalls:
                         self.step_rates.observe(w, work.get(w, 0), time.monotonic() - start)
                 elif time.monotonic() >= deadline[w]:
                     del pending[w]
-                    self.step_rates.observe(w, work.get(w, 0), deadline[w] - start)  # it took longer, at least
+                    self.step_rates.past_deadline(w, work.get(w, 0), deadline[w] - start)  # it took that, at least
                     self.health.mark_down(w, TimeoutError(f"no step result within {deadline[w] - start:.3g} s"))
                 elif not serving(self.attention[w], timeout=probe_every):
                     del pending[w]

@@ -8,7 +8,9 @@ the largest seconds/work of its last steps that took long enough to measure work
 cost), and a step's deadline is that rate × its work × a safety factor, never below `call_timeout` (the floor)
 and never above `DEADLINE_CAP` floors — a worker that hangs is still noticed (and sooner by the health probe the
 router runs during a step, router/step_calls.py). Work is in the scheduler's units (scheduler.chunk_work: row ·
-context of attention, plus one a row for its projections and experts).
+context of attention, plus one a row for its projections and experts). On /metrics per attention worker: the rate
+(`expertmesh_step_seconds_per_work`), the steps given longer than the floor (`expertmesh_step_deadline_extended`)
+and those past their deadline (`expertmesh_step_deadline_missed`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from expertmesh.router.scheduler import Planned, chunk_work
 
@@ -53,6 +57,8 @@ class WorkRates:
         self.significant = SIGNIFICANT * floor if significant is None else significant
         self.window = window
         self._rates: dict[int, deque[float]] = {}
+        self.extended: dict[int, int] = {}  # worker → steps given longer than the floor
+        self.missed: dict[int, int] = {}  # worker → steps past their deadline
         self._lock = threading.Lock()  # read by the metrics, written by the scheduler thread
 
     def observe(self, worker: int, work: int, seconds: float) -> None:
@@ -71,4 +77,44 @@ class WorkRates:
 
     def deadline(self, worker: int, work: int) -> float:
         """The seconds a step of `work` may take on `worker` (work_deadline)."""
-        return work_deadline(work, self.rate(worker), floor=self.floor)
+        seconds = work_deadline(work, self.rate(worker), floor=self.floor)
+        if seconds > self.floor:
+            with self._lock:
+                self.extended[worker] = self.extended.get(worker, 0) + 1
+        return seconds
+
+    def past_deadline(self, worker: int, work: int, deadline: float) -> None:
+        """A step of `work` on `worker` had no result within its `deadline`: observed at it (see observe)."""
+        self.observe(worker, work, deadline)
+        with self._lock:
+            self.missed[worker] = self.missed.get(worker, 0) + 1
+
+    def collect(self):
+        """/metrics (a prometheus_client collector): per attention worker (by index), the rate learned, the steps
+        given longer than the floor and those past their deadline."""
+        rate = GaugeMetricFamily(
+            "expertmesh_step_seconds_per_work",
+            "Seconds per unit of step work (rows x context) an attention worker's recent steps took: a step's "
+            "deadline is 3x this x its work, at least --call-timeout",
+            labels=["worker"],
+        )
+        extended = CounterMetricFamily(
+            "expertmesh_step_deadline_extended",
+            "Steps whose deadline, from their work, was longer than --call-timeout",
+            labels=["worker"],
+        )
+        missed = CounterMetricFamily(
+            "expertmesh_step_deadline_missed", "Steps with no result within their deadline", labels=["worker"]
+        )
+        with self._lock:
+            rates = {w: max(r) for w, r in self._rates.items() if r}
+            ext, miss = dict(self.extended), dict(self.missed)
+        for w, r in sorted(rates.items()):
+            rate.add_metric([str(w)], r)
+        for w, n in sorted(ext.items()):
+            extended.add_metric([str(w)], n)
+        for w, n in sorted(miss.items()):
+            missed.add_metric([str(w)], n)
+        yield rate
+        yield extended
+        yield missed

@@ -28,6 +28,12 @@ def reference(tiny_checkpoint):
         e.close()
 
 
+def metric(text: str, name: str) -> float:
+    """Attention worker 0's sample of `name` on /metrics (0 when absent)."""
+    prefix = f'{name}{{worker="0"}} '
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
 def engine(ckpt, **kw):
     return build_local_engine(
         ckpt, prefill_chunk=CHUNK, prefill_tokens=CHUNK, prefill_work=0, call_timeout=FLOOR, health_interval=0.2, **kw
@@ -63,6 +69,10 @@ def test_a_long_step_past_call_timeout_completes_under_a_deadline_from_its_work(
         assert req.wait(30).output == reference
         assert e.stats.recovered == 0 and not e.attention_down  # never marked down: no replay
         assert e.step_rates.rate(0) >= SECONDS_PER_WORK  # learned from the steps that took long enough
+        metrics = e.metrics.render().decode()
+        assert metric(metrics, "expertmesh_step_deadline_extended_total") >= 1  # the long chunks got longer
+        assert metric(metrics, "expertmesh_step_deadline_missed_total") == 0
+        assert metric(metrics, "expertmesh_step_seconds_per_work") == pytest.approx(e.step_rates.rate(0))
     finally:
         e.close()
 
@@ -78,6 +88,7 @@ def test_a_fixed_deadline_would_have_missed_the_same_long_step(tiny_checkpoint, 
         with pytest.raises(queue.Empty):  # no token in 6 s
             req.wait(6)
         assert e.stats.recovered >= 2  # replayed, and missed again
+        assert metric(e.metrics.render().decode(), "expertmesh_step_deadline_missed_total") >= 2
         e.cancel(req)
     finally:
         e.close()
@@ -105,5 +116,6 @@ def test_a_step_past_its_deadline_is_replayed_from_the_longest_saved_prefix(tiny
         # prefix) before the worker listed its prefixes to the router taking it back
         assert req.cached_tokens in (3 * CHUNK, 4 * CHUNK)
         assert e.step_rates.rate(0) > 0  # the missed step taught a rate: its replay gets a longer deadline
+        assert metric(e.metrics.render().decode(), "expertmesh_step_deadline_missed_total") == 1
     finally:
         e.close()

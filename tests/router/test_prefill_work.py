@@ -182,5 +182,15 @@ def test_up_passes_prefill_work_to_the_router():
 
 
 def test_a_remote_steps_call_deadline_is_the_longest_a_step_may_take():
+    """The RunStep call's own deadline must not end a long step the router's work deadline still waits for."""
+    from expertmesh.entry.cluster import make_placement
+    from expertmesh.model.config import preset
+    from expertmesh.router.server import build_remote_engine
+
+    cfg = preset("tiny")
     config = EngineConfig(call_timeout=120.0)
-    assert config.step_timeout_cap == DEADLINE_CAP * 120.0
+    engine = build_remote_engine(cfg, ["127.0.0.1:9"], ["127.0.0.1:9"], make_placement(cfg, 1), config)
+    try:
+        assert [a._client.step_timeout for a in engine.attention] == [DEADLINE_CAP * 120.0]
+    finally:
+        engine.close()
