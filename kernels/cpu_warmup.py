@@ -10,6 +10,7 @@ import time
 
 from expertmesh.kernels.cpu_isa import cpu_isa
 from expertmesh.kernels.dsa import cpu_kernel as dsa_kernel
+from expertmesh.kernels.kda import cpu_kernel as kda_kernel
 from expertmesh.kernels.linear import cpu_kernel as linear_kernel
 from expertmesh.kernels.moe import cpu_kernel as moe_kernel
 from expertmesh.kernels.norm import cpu_kernel as norm_kernel
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 ATTENTION = {
     "linear": linear_kernel.available,
     "norm": norm_kernel.available,
+    "kda step": kda_kernel.available,
     "paged attention": dsa_kernel.available,
     "dense attention (AMX)": dsa_kernel.dense_available,
 }

@@ -14,6 +14,7 @@ from torch import nn
 from expertmesh.kernels import dsa as dsa_ops
 from expertmesh.kernels import kda as kda_ops
 from expertmesh.kernels.batch_invariant import bmm, pointwise
+from expertmesh.kernels.kda import cpu_kernel as kda_cpu
 from expertmesh.model.cache import DSACache, KDACache, Segment
 from expertmesh.model.config import ModelConfig
 from expertmesh.model.layers import LayerNorm, Linear, RMSNorm, RotaryTable, ShortConv, l2_normalize, project, rotary
@@ -103,6 +104,12 @@ class KDAttention(nn.Module):
                 o[rows], states = self._verify_recurrent(q, k, v, g[rows].view(1, -1, nh, d), beta[rows][None], cache)
                 cache.verified_start = seg.cache.length
                 cache.verified = [(s, conv_window[j + 1 : j + self.kernel]) for j, s in enumerate(states)]
+                continue
+            if seg.length == 1 and not cache.verified and kda_cpu.takes(q) and cache.state.is_contiguous():
+                # decode on CPU: the state updated in place (a verify's kept states alias it: they take the copy)
+                o[rows] = kda_cpu.recurrent_step_(
+                    q[0, 0], k[0, 0], v[0, 0], g[rows].view(nh, d), beta[rows][0], cache.state
+                )
                 continue
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
             out, state = kda(

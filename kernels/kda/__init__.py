@@ -1,7 +1,7 @@
 """Kimi Delta Attention ops: chunked form (prefill), recurrent form (decode), and the reference.
 
 `chunk_kda` and `fused_recurrent_kda` pick the Triton kernels for CUDA tensors and the PyTorch paths
-otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is
+otherwise — on CPU a one-token recurrent call runs the C++ step (`cpu_kernel.py`) where it is built (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is
 imported only when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set
 before the kernels are decorated.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from expertmesh.kernels.backend import resolve
+from expertmesh.kernels.kda import cpu_kernel as kda_cpu
 from expertmesh.kernels.kda.chunk import chunk_kda as chunk_kda_torch
 from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda as fused_recurrent_kda_torch
 from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda_states
@@ -72,15 +73,17 @@ def fused_recurrent_kda(
         from expertmesh.kernels.kda.triton_kda import fused_recurrent_kda_triton
 
         return fused_recurrent_kda_triton(*args)
+    if kda_cpu.takes(q, cu_seqlens):
+        return kda_cpu.fused_recurrent_step(q, k, v, g, beta, scale, initial_state, output_final_state)
     return fused_recurrent_kda_torch(*args)
 
 
 def verify_recurrent_kda(q, k, v, g, beta, initial_state) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A speculative verify's KDA rows of one sequence, keeping the state after each (q, k, g [1, T, H, K], v
     [1, T, H, V], beta [1, T, H], initial_state [H, K, V] → o [1, T, H, V], T fp32 states [H, K, V]): what T
-    one-token decode calls give, bit for bit. PyTorch: one call (`fused_recurrent_kda_states`); Triton: the
-    one-token kernel per row (`verify_recurrent_kda_rows`)."""
-    if resolve(q) == "triton":
+    one-token decode calls give, bit for bit. PyTorch: one call (`fused_recurrent_kda_states`); Triton and the
+    CPU step: the one-token kernel per row (`verify_recurrent_kda_rows`)."""
+    if resolve(q) == "triton" or kda_cpu.takes(q[:, :1]):
         return verify_recurrent_kda_rows(q, k, v, g, beta, initial_state)
     return fused_recurrent_kda_states(q, k, v, g, beta, initial_state)
 

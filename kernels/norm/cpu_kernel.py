@@ -36,6 +36,7 @@ __all__ = [
     "layer_norm",
     "l2_normalize",
     "rotary",
+    "residual_mix",
     "EXTENSION",
 ]
 
@@ -118,3 +119,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     """x [T, ..., D] (D even), cos / sin [T, D/2] fp32 → [T, ..., D] in x's dtype: the pairs (x[j], x[j + D/2]),
     or (x[2j], x[2j+1]) when `interleaved`, rotated, the rotated firsts then the rotated seconds."""
     return _ops().rotary(x, cos, sin, bool(interleaved))
+
+
+def residual_mix(
+    sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """sources: J ≥ 1 tensors [N, D] of one dtype (fp32 / bf16), the banked blocks then the current stream;
+    norm_weight / proj_weight [D] → Σ_j softmax_j((S_j · norm · proj) · rsqrt(mean(S_j²) + eps)) S_j, [N, D] in
+    the sources' dtype (naive.residual_mix; the softmax and the sum over sources in source order)."""
+    return _ops().residual_mix(list(sources), norm_weight, proj_weight, float(eps))

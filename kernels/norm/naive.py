@@ -8,6 +8,9 @@ bodies `expertmesh/model/transformer.py` had before the kernel, moved as they we
     rotary(x, cos, sin, interleaved)   x [T, ..., D], cos / sin [T, D/2] fp32: the pairs (x[i], x[i + D/2]), or
                                        (x[2i], x[2i+1]) when interleaved, rotated; output [rotated firsts ‖ rotated
                                        seconds] in x's dtype
+    residual_mix(sources, norm_weight,  Kimi K3's attention-residual mix: sources S_j [N, D] (the banked blocks, then
+                 proj_weight, eps)     the current stream), w = norm · proj, score_j = (S_j · w) · rsqrt(mean(S_j²)
+                                       + eps), p = softmax_j(score) → Σ_j p_j S_j in the last source's dtype
 
 Each over the last dim, row by row; `pointwise` keeps ATen's rsqrt on the same code path for every row.
 """
@@ -47,3 +50,25 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     else:
         x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def residual_mix(
+    sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    stacked = torch.stack(sources).float()  # [J, N, D]
+    w = norm_weight.float() * proj_weight.float()  # [D]
+    score = (stacked * w).sum(-1) * pointwise(torch.rsqrt, stacked.pow(2).mean(-1) + eps)  # [J, N]
+    # the softmax over the sources and the weighted sum as elementwise ops in source order: ATen's softmax over dim 0
+    # and its sum over dim 0 round a row differently by where it sits in the batch (and by thread count)
+    top = score[0]
+    for s in score[1:]:
+        top = torch.maximum(top, s)
+    e = pointwise(torch.exp, score - top)  # [J, N]
+    total = e[0]
+    for j in range(1, e.shape[0]):
+        total = total + e[j]
+    p = e / total
+    out = p[0, :, None] * stacked[0]
+    for j in range(1, stacked.shape[0]):
+        out = out + p[j, :, None] * stacked[j]
+    return out.to(sources[-1].dtype)

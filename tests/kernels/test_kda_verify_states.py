@@ -7,8 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from expertmesh.kernels.kda import cpu_kernel as kda_cpu
 from expertmesh.kernels.kda import fused_recurrent_kda_torch, verify_recurrent_kda, verify_recurrent_kda_rows
 from expertmesh.kernels.kda.fused_recurrent import fused_recurrent_kda_states
+
+
+@pytest.fixture(autouse=True)
+def _pytorch_recurrence(monkeypatch):
+    monkeypatch.setenv("EXPERTMESH_CPU_KDA_KERNEL", "0")
+    kda_cpu.refresh()
+    yield
+    monkeypatch.delenv("EXPERTMESH_CPU_KDA_KERNEL")
+    kda_cpu.refresh()
 
 
 def inputs(T: int, H: int, K: int, V: int, seed: int, dtype=torch.bfloat16):

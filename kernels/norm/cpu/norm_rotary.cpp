@@ -12,6 +12,10 @@
 //   l2_normalize:  ss = Σ x²;  r = 1 / sqrt(ss + eps);  y = x · r
 //   rotary:        pairs (x1, x2) = (x[j], x[j + D/2]) ("half") or (x[2j], x[2j + 1]) ("interleaved"), with
 //                  c = cos[t, j], s = sin[t, j] of the row's token t:  y[j] = x1·c − x2·s,  y[j + D/2] = x2·c + x1·s
+//   residual_mix:  Kimi K3's attention-residual mix of one row over its J sources S_j (the banked blocks, then the
+//                  current stream): w = norm · proj;  score_j = (Σ S_j·w) · 1 / sqrt(Σ S_j² / D + eps);
+//                  p = softmax_j(score) (max, exp, Σ and division in source order);  y = Σ_j p_j · S_j in source
+//                  order, y in the last source's dtype
 //
 // Numerics. Every multiply, add, subtract, divide and sqrt is one IEEE fp32 operation, rounded; -ffp-contract=off
 // keeps a multiply and an add apart (no FMA) on every instruction set the hot loops are cloned for (AVX-512, AVX2,
@@ -299,6 +303,88 @@ at::Tensor rotary(const at::Tensor& x_in, const at::Tensor& cos, const at::Tenso
   return out;
 }
 
+// Σ x[i]·w[i] in the lane order of row_sum (the products rounded, then summed: no FMA).
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float row_dot(const T* x, const float* w, int64_t D) {
+  float acc[kLanes] = {0.0f};
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + ld(x, i + l) * w[i + l];
+  for (int l = 0; i + l < D; ++l) acc[l] = acc[l] + ld(x, i + l) * w[i + l];
+  return lane_tree(acc);
+}
+
+// y[i] (+)= p · x[i] in fp32 (first: y = p · x).
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void row_axpy(const T* x, int64_t D, float p, float* y, bool first) {
+  if (first)
+    for (int64_t i = 0; i < D; ++i) y[i] = p * ld(x, i);
+  else
+    for (int64_t i = 0; i < D; ++i) y[i] = y[i] + p * ld(x, i);
+}
+
+template <typename T, typename TO>
+void residual_mix_rows(const std::vector<at::Tensor>& src, const float* w, double eps, at::Tensor& out) {
+  const int64_t J = int64_t(src.size()), N = src[0].size(0), D = src[0].size(1);
+  std::vector<const T*> s(J);
+  std::vector<int64_t> ld_(J);
+  for (int64_t j = 0; j < J; ++j) {
+    s[j] = static_cast<const T*>(src[j].data_ptr());
+    ld_[j] = src[j].stride(0);
+  }
+  TO* ys = static_cast<TO*>(out.data_ptr());
+  const float feps = static_cast<float>(eps), fD = static_cast<float>(D);
+  at::parallel_for(0, N, grain_rows(D * J), [&](int64_t r0, int64_t r1) {
+    std::vector<float> score(J), acc(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < J; ++j) {
+        const T* x = s[j] + r * ld_[j];
+        const float ms = row_sum<T, true>(x, D, 0.0f) / fD;
+        score[j] = row_dot<T>(x, w, D) * (1.0f / std::sqrt(ms + feps));
+      }
+      float top = score[0];
+      for (int64_t j = 1; j < J; ++j) top = std::max(top, score[j]);
+      float total = 0.0f;
+      for (int64_t j = 0; j < J; ++j) {
+        score[j] = std::exp(score[j] - top);
+        total = j == 0 ? score[j] : total + score[j];
+      }
+      for (int64_t j = 0; j < J; ++j) row_axpy<T>(s[j] + r * ld_[j], D, score[j] / total, acc.data(), j == 0);
+      TO* y = ys + r * D;
+      for (int64_t i = 0; i < D; ++i) st(y, i, acc[i]);
+    }
+  });
+}
+
+// sources: J >= 1 tensors [N, D] of one dtype (fp32 / bf16), unit stride along D; norm_weight, proj_weight [D].
+at::Tensor residual_mix(const std::vector<at::Tensor>& sources_in, const at::Tensor& norm_weight,
+                        const at::Tensor& proj_weight, double eps) {
+  TORCH_CHECK_VALUE(!sources_in.empty(), "sources: expected at least one tensor");
+  std::vector<at::Tensor> src;
+  for (const auto& t : sources_in) src.push_back(check_x(t, "sources", 2));
+  const at::Tensor& last = src.back();
+  TORCH_CHECK_VALUE(last.dim() == 2, "sources: expected [N, D] tensors, found ", last.sizes());
+  for (const auto& t : src) {
+    TORCH_CHECK_VALUE(t.sizes() == last.sizes(), "sources: expected every source of shape ", last.sizes(),
+                      ", found ", t.sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == last.scalar_type(), "sources: expected one dtype (", dtype_name(last),
+                     "), found ", dtype_name(t));
+  }
+  const int64_t D = last.size(1);
+  // w = norm · proj in fp32, each product one rounding (the PyTorch form's `norm.float() * proj.float()`)
+  const at::Tensor nw = check_param(norm_weight, "norm_weight", D).to(at::kFloat);
+  const at::Tensor pw = check_param(proj_weight, "proj_weight", D).to(at::kFloat);
+  std::vector<float> w(D);
+  for (int64_t i = 0; i < D; ++i) w[i] = nw.data_ptr<float>()[i] * pw.data_ptr<float>()[i];
+  at::Tensor out = at::empty(last.sizes(), last.options().memory_format(at::MemoryFormat::Contiguous));
+  if (last.numel() == 0) return out;
+  if (last.scalar_type() == at::kBFloat16) residual_mix_rows<uint16_t, uint16_t>(src, w.data(), eps, out);
+  else residual_mix_rows<float, float>(src, w.data(), eps, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(expertmesh_norm_cpu, m) {
@@ -306,4 +392,5 @@ TORCH_LIBRARY(expertmesh_norm_cpu, m) {
   m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor", &layer_norm);
   m.def("l2_normalize(Tensor x, float eps) -> Tensor", &l2_normalize);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor", &rotary);
+  m.def("residual_mix(Tensor[] sources, Tensor norm_weight, Tensor proj_weight, float eps) -> Tensor", &residual_mix);
 }
