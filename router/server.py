@@ -84,7 +84,12 @@ def build_remote_engine(
     config = config or EngineConfig(call_timeout=step_deadline(timeout, len(experts)))
     control = min(control_timeout or timeout, timeout)
     att, pre = (
-        [RemoteAttention(a, timeout=control, tls=tls, step_timeout=config.step_timeout_cap) for a in addresses]
+        [
+            RemoteAttention(
+                a, timeout=control, tls=tls, step_timeout=config.step_timeout_cap, handoff_timeout=config.call_timeout
+            )
+            for a in addresses
+        ]
         for addresses in (attention, prefill or ())
     )
     if config.step_transport == "tcp":

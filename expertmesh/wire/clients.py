@@ -140,11 +140,15 @@ class RemoteAttention(_Client):
         wait_for_ready: bool = False,
         tls=None,
         step_timeout: float | None = None,
+        handoff_timeout: float | None = None,
     ):
         """`step_timeout`: the deadline of RunStep (default `timeout`), which includes the step's expert calls —
-        each with deadline `timeout`, and a hung expert worker costs one before it is failed over."""
+        each with deadline `timeout`, and a hung expert worker costs one before it is failed over. `handoff_timeout`:
+        the deadline of HandOff (default `step_timeout`; the router gives it the step floor, not the cap a long
+        prefill step may need: a hand-off's work does not grow with the prompt's attention)."""
         super().__init__(address, timeout=timeout, name=name, wait_for_ready=wait_for_ready, tls=tls)
         self.step_timeout = step_timeout or timeout
+        self.handoff_timeout = handoff_timeout or self.step_timeout
         self.stub = worker_pb2_grpc.AttentionWorkerStub(self.channel)
 
     def info(self, owner: str = "") -> dict:
@@ -296,7 +300,7 @@ class RemoteAttention(_Client):
                 owner=owner,
                 transport=transport,
             ),
-            self.step_timeout,
+            self.handoff_timeout,
         )
         return HandOffResult(r.free_blocks, r.bytes, r.seconds)
 

@@ -182,7 +182,8 @@ def test_up_passes_prefill_work_to_the_router():
 
 
 def test_a_remote_steps_call_deadline_is_the_longest_a_step_may_take():
-    """The RunStep call's own deadline must not end a long step the router's work deadline still waits for."""
+    """The RunStep call's own deadline must not end a long step the router's work deadline still waits for; a
+    hand-off keeps the floor (its work does not grow with a prompt's attention: a hung one is noticed as before)."""
     from expertmesh.entry.cluster import make_placement
     from expertmesh.model.config import preset
     from expertmesh.router.server import build_remote_engine
@@ -192,5 +193,6 @@ def test_a_remote_steps_call_deadline_is_the_longest_a_step_may_take():
     engine = build_remote_engine(cfg, ["127.0.0.1:9"], ["127.0.0.1:9"], make_placement(cfg, 1), config)
     try:
         assert [a._client.step_timeout for a in engine.attention] == [DEADLINE_CAP * 120.0]
+        assert [a._client.handoff_timeout for a in engine.attention] == [120.0]
     finally:
         engine.close()
