@@ -19,6 +19,7 @@ from expertmesh.router.kv import KVManager
 from expertmesh.wire.worker_api import NotFound
 
 log = logging.getLogger("expertmesh.router")
+LISTING_TRIES = 5  # take-backs a worker stays down for while its prefix listing fails (then back without it)
 
 
 def serving(client, timeout: float | None = None) -> bool:
@@ -44,6 +45,7 @@ class AttentionHealth:
         self.down: set[int] = set()
         self.experts_down_by: dict[int, set[int]] = {}  # attention worker → expert workers it sees down
         self.pending_closes: dict[int, list[str]] = {}  # attention worker → sequences to close once it answers
+        self.listing_failures: dict[int, int] = {}  # attention worker → take-backs its prefix listing failed in a row
 
     @property
     def experts_down(self) -> list[int]:
@@ -99,8 +101,17 @@ class AttentionHealth:
             return
         try:  # what it still holds, known before a request is placed (its disk tier survives a restart)
             self.kv.learn(worker, self.clients[worker].list_prefixes())
+            self.listing_failures.pop(worker, None)
         except Exception as e:
-            log.warning("list_prefixes on attention worker %d failed: %s", worker, e)
+            # a worker still busy with the step it missed answers its listing late: stay down and ask again at the
+            # next heartbeat, or a replay placed now would recompute what it holds; back anyway after a few tries
+            failures = self.listing_failures[worker] = self.listing_failures.get(worker, 0) + 1
+            log.warning(
+                "list_prefixes on attention worker %d failed (%d of %d): %s", worker, failures, LISTING_TRIES, e
+            )
+            if failures < LISTING_TRIES:
+                return
+            self.listing_failures.pop(worker, None)
         try:
             self.down.discard(worker)
             self.retry_closes(worker)
