@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,14 @@ import torch
 CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 INCLUDE_DIR = Path(__file__).parent / "cpu"  # headers shared by the kernels' sources, on every build's include path
+
+
+OFF = ("0", "off", "false", "no", "torch")  # values of a kernel's switch that turn it off (its PyTorch path runs)
+
+
+def switched_on(variable: str) -> bool:
+    """A kernel's environment switch (e.g. EXPERTMESH_CPU_NORM_KERNEL): on unless set to one of OFF."""
+    return os.environ.get(variable, "1").strip().lower() not in OFF
 
 
 def shared_headers(source: Path) -> list[Path]:

@@ -15,12 +15,11 @@ after one warning and the PyTorch form runs. `EXPERTMESH_CPU_KDA_KERNEL=0` turns
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from expertmesh.kernels.cpu_extension import LazyExtension
+from expertmesh.kernels.cpu_extension import LazyExtension, switched_on
 from expertmesh.kernels.kda.naive import check_kda_inputs
 
 __all__ = [
@@ -45,7 +44,7 @@ EXTENSION = LazyExtension(
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_KDA_KERNEL` is 0/off/false/no/torch."""
-    return os.environ.get("EXPERTMESH_CPU_KDA_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
+    return switched_on("EXPERTMESH_CPU_KDA_KERNEL")
 
 
 def built() -> bool:

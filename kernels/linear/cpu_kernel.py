@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from expertmesh.kernels import cpu_features
-from expertmesh.kernels.cpu_extension import LazyExtension
+from expertmesh.kernels.cpu_extension import LazyExtension, switched_on
 from expertmesh.kernels.linear.naive import GROUP, check_bmm_inputs, check_linear_inputs, pack_bmm_weight, pack_weight
 
 __all__ = [
@@ -70,13 +70,7 @@ ISAS = {"auto": 0, "portable": 1, "avx512bf16": 3, "amx": 4}
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_LINEAR_KERNEL` is 0/off/false/no/torch."""
-    return os.environ.get("EXPERTMESH_CPU_LINEAR_KERNEL", "1").strip().lower() not in (
-        "0",
-        "off",
-        "false",
-        "no",
-        "torch",
-    )
+    return switched_on("EXPERTMESH_CPU_LINEAR_KERNEL")
 
 
 def built() -> bool:

@@ -70,7 +70,7 @@ build_error: str | None = None
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_KERNEL` is 0/off/false/torch."""
-    return os.environ.get("EXPERTMESH_CPU_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
+    return cpu_extension.switched_on("EXPERTMESH_CPU_KERNEL")
 
 
 def build_name() -> str:

@@ -19,12 +19,11 @@ after one warning and the model keeps the PyTorch forms. `EXPERTMESH_CPU_NORM_KE
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from expertmesh.kernels.cpu_extension import LazyExtension
+from expertmesh.kernels.cpu_extension import LazyExtension, switched_on
 
 __all__ = [
     "available",
@@ -52,7 +51,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def enabled() -> bool:
     """False when `EXPERTMESH_CPU_NORM_KERNEL` is 0/off/false/no/torch."""
-    return os.environ.get("EXPERTMESH_CPU_NORM_KERNEL", "1").strip().lower() not in ("0", "off", "false", "no", "torch")
+    return switched_on("EXPERTMESH_CPU_NORM_KERNEL")
 
 
 def built() -> bool:
