@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from expertmesh.kernels.backend import resolve
 from expertmesh.kernels.cpu_extension import LazyExtension, switched_on
 from expertmesh.kernels.kda.naive import check_kda_inputs
 
@@ -68,7 +69,8 @@ def refresh() -> None:
 
 def takes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> bool:
     """Whether a recurrent call on q [B, T, H, K] runs this kernel: a CPU tensor, one token per sequence (T = 1,
-    no packed sequences), no gradient to track, the kernel available."""
+    no packed sequences), no gradient to track, the kernel available, and no Triton backend forced for it
+    (`backend.resolve`: EXPERTMESH_KERNEL_BACKEND=triton runs the Triton kernels on CPU under TRITON_INTERPRET)."""
     global _use
     if _use is None:
         _use = available()
@@ -79,6 +81,7 @@ def takes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> bool:
         and q.shape[1] == 1
         and cu_seqlens is None
         and not (torch.is_grad_enabled() and q.requires_grad)
+        and resolve(q) != "triton"
     )
 
 
