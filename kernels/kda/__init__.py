@@ -1,8 +1,8 @@
 """Kimi Delta Attention ops: chunked form (prefill), recurrent form (decode), and the reference.
 
 `chunk_kda` and `fused_recurrent_kda` pick the Triton kernels for CUDA tensors and the PyTorch paths
-otherwise — on CPU a one-token recurrent call runs the C++ step (`cpu_kernel.py`) where it is built (`expertmesh.kernels.backend.resolve`; `use_backend` forces one). The Triton module is
-imported only when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set
+otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one); on CPU a one-token recurrent call
+runs the C++ step (`cpu_kernel.py`) where it is built. The Triton module is imported only when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set
 before the kernels are decorated.
 """
 
