@@ -2,8 +2,8 @@
 
 `chunk_kda` and `fused_recurrent_kda` pick the Triton kernels for CUDA tensors and the PyTorch paths
 otherwise (`expertmesh.kernels.backend.resolve`; `use_backend` forces one); on CPU a one-token recurrent call
-runs the C++ step (`cpu_kernel.py`) where it is built. The Triton module is imported only when first chosen, so the PyTorch paths need no triton and TRITON_INTERPRET can be set
-before the kernels are decorated.
+runs the C++ step (`cpu_kernel.py`) where it is built. The Triton module is imported only when first chosen,
+so the PyTorch paths need no triton and TRITON_INTERPRET can be set before the kernels are decorated.
 """
 
 from __future__ import annotations
