@@ -2,8 +2,9 @@
 
   current  kernels.batch_invariant.linear_padded: rows padded to 16, oneDNN's prepacked weight
            (`mkldnn::_linear_pointwise`); bmm_padded: 16-row tiles through ATen's bf16 bmm
-  kernel   kernels.linear.cpu_kernel (isa auto: AMX-BF16 tiles where the CPU has them, else fixed-order VDPBF16PS;
-           weight prepacked once for linear, read in place for bmm)
+  kernel   kernels.linear.cpu_kernel (isa auto: AMX-BF16 tiles where the CPU has them, else fixed-order VDPBF16PS,
+           else the same steps on fp32 FMAs with AVX-512 or AVX2; EXPERTMESH_CPU_LINEAR_ISA picks one; weight
+           prepacked once for linear, read in place for bmm)
 
 Shapes (K → N) are the peer benchmark model's bf16 projections (hidden 1024), rows M = 1, 4, 16, 64, 256, 1024;
 bmm: MLA's absorbed per-head projections, x [16, M, 128] @ [16, 128, 512] and [16, M, 512] @ [16, 512, 128],

@@ -4,7 +4,7 @@ CPU BLAS picks its kernel by the number of rows: one row goes through a matrix-v
 through differently blocked GEMMs, so row i of `x @ w.T` changes in the last bits with the batch it sits in.
 
 bf16 projections on CPU (`linear` with a bf16 parameter, `bmm` with bf16 operands) run the row-invariant C++
-kernel (`kernels/linear/cpu_kernel.py`) where it is available (built, enabled, a CPU with AVX512-BF16): every
+kernel (`kernels/linear/cpu_kernel.py`) where it is available (built, enabled, a CPU with AVX2 + FMA or more): every
 output element is reduced in one fixed order that depends only on K, so rows need no padding. `linear` runs it on
 the kernel's packed copy of each weight (`kernel_weight`, the same size as the weight: an extra resident copy of
 every bf16 projection weight, in place of oneDNN's copy below). Projections that share their input
@@ -13,7 +13,7 @@ run as one call on a packed copy of their concatenation, kept in place of their 
 stream of weights. EXPERTMESH_CPU_LINEAR_KERNEL=0 turns it off.
 
 fp32 projections (the routing and indexer-head weights under bf16 activations; every projection of an fp32
-model) run the kernel's fp32 linear where it is available: one fixed summation order per K (16 lanes, folded by
+model) run the kernel's fp32 linear where its AVX-512 path runs (`fp32_available`): one fixed summation order per K (16 lanes, folded by
 halves), no padding, one thread for a decode step's small calls (oneDNN's padded 16-row call cost ~0.15 ms each
 inside a decode step, two per layer).
 
@@ -26,8 +26,8 @@ copy is an extra resident copy of every projection weight the kernel does not ta
 experts); EXPERTMESH_CPU_PACKED_LINEAR=0 turns it off.
 
 A dtype oneDNN refuses to prepack here (`kernels.cpu_features.onednn_prepacks`: bf16 on CPUs without
-AVX512-BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only EPYCs, where the row-invariant kernel has no fast path either; every
-dtype under EXPERTMESH_CPU_ISA=portable) runs the portable path: F.linear on exactly ROW_TILE rows a call, as plain
+AVX512-BW/VL/DQ or AVX-NE-CONVERT, e.g. AVX2-only EPYCs, where the row-invariant kernel takes bf16 unless it is off
+or unbuilt; every dtype under EXPERTMESH_CPU_ISA=portable) runs the portable path: F.linear on exactly ROW_TILE rows a call, as plain
 tensor weights do. Batch-invariant as every one-shape call is, but not the prepacked path's bits (another fp32
 summation order of the same exact bf16 products): within bf16 rounding of it, so greedy tokens match the fast
 path's only where no logit is that close. `linear_path(dtype)` names the path a dtype takes (kernels/cpu_isa.py).
@@ -111,12 +111,10 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear_path(dtype: torch.dtype) -> str:
     """The path `linear` takes for a CPU parameter of `dtype` (fp32 / bf16) and activations of the same dtype."""
-    if linear_kernel.available():
-        return (
-            f"row-invariant kernel {linear_kernel.default_isa()}"
-            if dtype == torch.bfloat16
-            else "row-invariant kernel fp32"
-        )
+    if linear_kernel.available() and dtype == torch.bfloat16:
+        return f"row-invariant kernel {linear_kernel.default_isa()}"
+    if linear_kernel.fp32_available() and dtype == torch.float32:
+        return "row-invariant kernel fp32"
     if PACKING and cpu_features.onednn_prepacks(dtype):
         return "onednn-prepacked"
     return f"portable ({ROW_TILE}-row F.linear)"
@@ -188,7 +186,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return out if bias is None else out + bias.to(out.dtype)  # elementwise: row-invariant
         if (
             x.dtype == torch.float32
-            and linear_kernel.available()
+            and linear_kernel.fp32_available()
             and not (weight.requires_grad and torch.is_grad_enabled())
         ):
             out = linear_kernel.linear_fp32(x, weight.detach())

@@ -8,17 +8,23 @@ row's result is bitwise the same in any batch: no row padding is needed. The por
 steps one element at a time and gives the same bits except where a product or partial sum is an fp32 subnormal
 (VDPBF16PS flushes those); `isa="auto"` picks one path per process, from the CPU.
 
-Two fast paths: `avx512bf16` (the steps above, VDPBF16PS) and `amx` (AMX-BF16). The tile unit sums in its own
-order, found bitwise on this project's CPU and spelled out in `naive.matmul_in_tile_order`: K in blocks of 16
-pairs, in each block the even and the odd products summed apart in fp32, then c = c + (S_even + S_odd). Calls
-of 3+ rows run TDPBF16PS tiles; calls of 1-2 rows (decode), where a 16-row tile would be mostly empty and a bmm
-would pack its weight per call, run that same order on the vector units (two FMA chains per column vector,
-subnormals flushed as the tile unit does): the same bits either way, so rows stay batch-invariant, and one-row
-calls cost what VDPBF16PS costs. `isa="auto"` resolves once per process, so every call of a process runs the same
-arithmetic: `EXPERTMESH_CPU_LINEAR_ISA` (amx | avx512bf16 | portable) when set, else amx where the CPU has AMX-BF16
-and Linux grants the tile state, else avx512bf16 where it has AVX512-BF16, else portable — "has" as
+Four fast paths. `avx512bf16` runs the steps above with VDPBF16PS. `avx512` (AVX-512 F/BW/VL without BF16:
+Skylake to Ice Lake servers) and `avx2` (AVX2 + FMA: AVX2-only EPYCs) run the same steps on fp32 FMAs: a packed
+(even, odd) pair splits into two fp32 vectors by a mask and a shift, and since a bf16 product is exact in fp32,
+fma(x_odd, w_odd, acc) then fma(x_even, w_even, acc) rounds where the portable loop does — its bits exactly (they
+keep IEEE subnormals; they differ from it only where a product is itself an fp32 subnormal). `amx` (AMX-BF16) sums
+in the tile unit's own order, found bitwise on this project's CPU and spelled out in `naive.matmul_in_tile_order`:
+K in blocks of 16 pairs, in each block the even and the odd products summed apart in fp32, then c = c + (S_even +
+S_odd). Calls of 3+ rows run TDPBF16PS tiles; calls of 1-2 rows (decode), where a 16-row tile would be mostly empty
+and a bmm would pack its weight per call, run that same order on the vector units (two FMA chains per column
+vector, subnormals flushed as the tile unit does): the same bits either way, so rows stay batch-invariant, and
+one-row calls cost what VDPBF16PS costs. `isa="auto"` resolves once per process, so every call of a process runs
+the same arithmetic: `EXPERTMESH_CPU_LINEAR_ISA` (a key of ISAS) when set, else the first of amx (AMX-BF16 and the
+tile state granted by Linux), avx512bf16, avx512, avx2 that the CPU has, else portable — "has" as
 `kernels.cpu_features` sees it (EXPERTMESH_CPU_ISA, ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY cap it). On this
-project's CPU AMX computes a 256-row call of the benchmark model's projections 5-6x faster than VDPBF16PS.
+project's AMX CPU AMX computes a 256-row call of the benchmark model's projections 5-6x faster than VDPBF16PS; on a
+CPU without AVX512-BF16 the `avx512` path replaces oneDNN's bf16 (emulated there, and padded to 16 rows a call):
+bench/linear_cpu.py.
 
 `available()` is true only where a fast path runs: elsewhere the kernel would be slower than oneDNN and callers
 keep their path. `EXPERTMESH_CPU_LINEAR_KERNEL=0` turns it off. Built on first use (kernels/cpu_extension.py); a
@@ -65,7 +71,8 @@ EXTENSION = LazyExtension(
     what="CPU row-invariant linear kernel",
     probe="linear",
 )
-ISAS = {"auto": 0, "portable": 1, "avx512bf16": 3, "amx": 4}
+ISAS = {"auto": 0, "portable": 1, "avx512": 2, "avx512bf16": 3, "amx": 4, "avx2": 5}
+FAST_ISAS = ("amx", "avx512bf16", "avx512", "avx2")  # fastest first; `portable` is the reference
 
 
 def enabled() -> bool:
@@ -82,13 +89,19 @@ _fast: bool | None = None
 
 
 def available() -> bool:
-    """Enabled, built, and a fast path (AVX512-BF16 or AMX-BF16) runs on this CPU."""
+    """Enabled, built, and a fast path (AMX-BF16, AVX512-BF16, AVX-512 or AVX2 FMA) runs on this CPU."""
     global _fast
     if not enabled():
         return False
     if _fast is None:
-        _fast = built() and default_isa() in ("avx512bf16", "amx")
+        _fast = built() and default_isa() in FAST_ISAS
     return _fast
+
+
+def fp32_available() -> bool:
+    """The fp32 linear's vector path runs here (AVX-512, as `kernels.cpu_features` allows it): only then does it beat
+    oneDNN; its portable loop is the reference, not a path for a whole fp32 model."""
+    return available() and cpu_features.features().avx512 and bool(_require().f32_vector())
 
 
 def _require():
@@ -99,7 +112,7 @@ def _require():
 
 
 def best_isa() -> str:
-    """The kernel's own choice on this CPU: amx, avx512bf16 or portable."""
+    """The kernel's own choice on this CPU: amx, avx512bf16, avx512, avx2 or portable."""
     return {v: k for k, v in ISAS.items()}[int(_require().best_isa())]
 
 
@@ -118,9 +131,9 @@ _default: str | None = None
 
 
 def default_isa() -> str:
-    """The path `isa="auto"` runs in this process: EXPERTMESH_CPU_LINEAR_ISA when set (amx, avx512bf16, portable;
-    refused with the variable named when this CPU has no such path), else the kernel's own choice within what
-    `kernels.cpu_features` allows (portable where it allows no AVX512-BF16: `available()` is then False)."""
+    """The path `isa="auto"` runs in this process: EXPERTMESH_CPU_LINEAR_ISA when set (a key of ISAS; refused with
+    the variable named when this CPU has no such path), else the kernel's own choice within what
+    `kernels.cpu_features` allows (portable where it allows not even AVX2: `available()` is then False)."""
     global _default
     if _default is None:
         want = os.environ.get("EXPERTMESH_CPU_LINEAR_ISA", "").strip().lower()
@@ -144,6 +157,10 @@ def _capped(isa: str) -> str:
     if isa == "amx" and not f.amx:
         isa = "avx512bf16"
     if isa == "avx512bf16" and not (f.avx512 and f.avx512_bf16):
+        isa = "avx512"
+    if isa == "avx512" and not f.avx512:
+        isa = "avx2"
+    if isa == "avx2" and not f.avx2:
         isa = "portable"
     return isa
 

@@ -84,9 +84,13 @@ def test_a_forced_level_caps_the_flags_and_an_unknown_one_is_refused(level):
     )
     assert "EXPERTMESH_CPU_ISA=avx2" in f.caps
     assert not cpu_features.onednn_prepacks(torch.bfloat16) and cpu_features.onednn_prepacks(torch.float32)
-    assert not ck.available() and ck.default_isa() == "portable"
+    kernel = ck.built() and "avx2" in hardware  # the linear kernel's AVX2 path; fp32 stays with oneDNN (no AVX-512)
+    assert ck.available() == kernel and ck.default_isa() == ("avx2" if kernel else "portable")
     isa = cpu_isa.cpu_isa()
-    assert (isa.linear_bf16, isa.linear_fp32) == (PORTABLE, "onednn-prepacked")
+    assert (isa.linear_bf16, isa.linear_fp32) == (
+        "row-invariant kernel avx2" if kernel else PORTABLE,
+        "onednn-prepacked",
+    )
     assert "[EXPERTMESH_CPU_ISA=avx2]" in isa.describe()
     level("portable")
     assert not cpu_features.onednn_prepacks(torch.float32)
@@ -96,11 +100,11 @@ def test_a_forced_level_caps_the_flags_and_an_unknown_one_is_refused(level):
         cpu_features.features()
 
 
-@pytest.mark.parametrize("name", ["avx2", "portable"])
-def test_the_forced_portable_linear_matches_the_reference_and_rows_are_batch_invariant(level, name):
-    """What an AVX2-only CPU runs for bf16 projections (no kernel fast path, no oneDNN bf16): F.linear on 16-row
+def test_the_forced_portable_linear_matches_the_reference_and_rows_are_batch_invariant(level):
+    """What a CPU without AVX2 runs for bf16 projections (no kernel fast path, no oneDNN bf16): F.linear on 16-row
     tiles. Within bf16 rounding of the fp32 reference and of this CPU's fast path (not its bits: another order),
     and each row's bits the same in any batch, at any position."""
+    name = "portable"
     gen = torch.Generator().manual_seed(54)
     cases = [(64, 288), (1024, 96), (48, 40)]
     weights = {(k, n): _param(_bf16(gen, n, k)) for k, n in cases}
@@ -130,6 +134,30 @@ def test_the_forced_portable_linear_matches_the_reference_and_rows_are_batch_inv
     assert torch.equal(bi.bmm(others, wb)[:, 10], alone[:, 0])
 
 
+@pytest.mark.skipif(not (ck.built() and "avx2" in cpu_features._cpu_flags()), reason="no AVX2 or no kernel build")
+def test_an_avx2_only_cpu_runs_the_kernel_s_avx2_path_with_the_portable_loop_s_bits(level):
+    """Capped at AVX2 (an AVX2-only EPYC, where oneDNN refuses bf16), bf16 projections run the row-invariant kernel's
+    AVX2 FMA path: the portable loop's bits for every projection, fused or not, and the bmm of MLA's absorbed
+    attention, rows batch-invariant. (Checked here against the kernel's own portable loop, and that against the
+    fp32 reference in tests/kernels/test_linear_cpu_kernel.py.)"""
+    gen = torch.Generator().manual_seed(2054)
+    level("avx2")
+    assert ck.default_isa() == "avx2" and cpu_isa.cpu_isa().linear_bf16 == "row-invariant kernel avx2"
+    for k, n in [(64, 288), (1024, 96), (47, 70)]:
+        w, x = _param(_bf16(gen, n, k)), _bf16(gen, 9, k)
+        got = bi.linear(x, w)
+        assert bi.kernel_weight(w) is not None and bi.packed_weight(w) is None
+        assert torch.equal(got, ck.linear(x, ck.pack_weight(w.detach()), n, k, isa="portable")), (k, n)
+        torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=1 / 128, atol=1e-5 * k)
+        others = _bf16(gen, 21, k)
+        others[13] = x[4]
+        assert torch.equal(bi.linear(others, w)[13], got[4])
+        a, b = bi.linear_fused(x, [w, _param(w.detach()[: n // 2].clone())])
+        assert torch.equal(a, got) and torch.equal(b, got[:, : n // 2])
+    wb, xb = _bf16(gen, 4, 48, 80), _bf16(gen, 4, 3, 48)
+    assert torch.equal(bi.bmm(xb, wb), ck.bmm(xb, wb, isa="portable"))
+
+
 GENERATE = textwrap.dedent(
     """
     import json, sys
@@ -155,8 +183,8 @@ GENERATE = textwrap.dedent(
 
 def test_a_tiny_bf16_model_runs_as_an_avx2_only_cpu_runs_it(tiny_checkpoint_dir, tmp_path):
     """oneDNN capped at AVX2 and ATen at avx2 (what an AVX2-only EPYC offers): oneDNN refuses to prepack bf16
-    there, and before the portable path every projection raised. Now the probe says so, the linear kernel stands
-    aside (no AVX512-BF16), and the model generates; its logits agree with this CPU's fast path within bf16
+    there, and before the portable path every projection raised. Now the probe says so, the linear kernel runs its
+    AVX2 path (the portable loop's steps), and the model generates; its logits agree with this CPU's fast path within bf16
     rounding (another summation order: the contract does not promise the same bits, so tokens are compared only
     where the fast path's top two logits are apart by more than that)."""
     prompt, n = [5, 17, 42, 9, 33, 61, 2], 6
@@ -174,7 +202,9 @@ def test_a_tiny_bf16_model_runs_as_an_avx2_only_cpu_runs_it(tiny_checkpoint_dir,
     isa = got["isa"]
     assert not isa["avx512"] and not isa["avx512_bf16"] and not isa["amx"] and isa["aten"] == "AVX2"
     assert not isa["onednn_bf16_prepack"] and isa["onednn_fp32_prepack"]
-    assert isa["linear_bf16"] == PORTABLE and got["bf16_packed"] == 0 and got["kernel_packed"] == 0
+    kernel = ck.built() and isa["avx2"]  # the row-invariant kernel's AVX2 path takes the bf16 projections
+    assert isa["linear_bf16"] == ("row-invariant kernel avx2" if kernel else PORTABLE) and got["bf16_packed"] == 0
+    assert (got["kernel_packed"] > 0) == kernel
     assert len(got["tokens"]) == n
 
     from expertmesh.checkpoint.loader import Checkpoint

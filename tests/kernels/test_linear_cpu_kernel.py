@@ -1,6 +1,6 @@
 """The row-invariant bf16 linear / bmm CPU kernel (kernels/linear): against the fp32 reference, bitwise row
 invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads) on every path this CPU runs,
-the AVX512-BF16 path vs the portable loop (same bits), the AMX path (tiles and its 1-2 row vector path) against the
+the AVX512-BF16 and the FMA (AVX-512, AVX2) paths vs the portable loop (same bits), the AMX path (tiles and its 1-2 row vector path) against the
 tile-order reference bit for bit, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
 
 import pytest
@@ -12,9 +12,10 @@ from expertmesh.kernels.linear import naive
 pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.EXTENSION.build_error})")
 
 
-FAST = [isa for isa in ("avx512bf16", "amx") if ck.built() and ck.runs(isa)]
+FAST = [isa for isa in ck.FAST_ISAS if ck.built() and ck.runs(isa)]
 ISAS = ["auto", "portable"] + FAST
-VDPBF16 = ["avx512bf16"] if "avx512bf16" in FAST else []  # the path the portable loop reproduces bit for bit
+# the paths that take the portable loop's steps (VDPBF16PS, or fp32 FMAs on AVX-512 / AVX2): its bits exactly
+VDPBF16 = [isa for isa in ("avx512bf16", "avx512", "avx2") if isa in FAST]
 
 
 def _bf16(gen, *shape, scale=1.0):

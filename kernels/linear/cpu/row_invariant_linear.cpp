@@ -47,7 +47,7 @@
 
 namespace {
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx512Bf16 = 3, kAmx = 4 };
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4, kAvx2 = 5 };
 
 constexpr int64_t kCols = 64;  // output columns per group: 4 vectors of 16 fp32 lanes
 constexpr int kMR = 6;         // rows per register tile (6 x 4 accumulators + 4 weight vectors + 1 broadcast)
@@ -109,11 +109,13 @@ void tile_portable(const Tile& t, int mr, int64_t K) {
 
 #ifdef EM_X86
 #define EM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// The helpers below need no AVX512-BF16: the FMA path (isa avx512) inlines them too.
+#define EM_TARGET_BW __attribute__((target("avx512f,avx512bw,avx512vl")))
 // Software prefetch on the packed weight stream, K pairs ahead, in the first row tile of a work item only (the one
 // that streams the column group from memory; the later tiles find it in L2, where extra prefetches only cost).
 constexpr int64_t kPrefetchPairs = 8;
 
-EM_TARGET inline __m256i round_to_bf16(__m512 a) {
+EM_TARGET_BW inline __m256i round_to_bf16(__m512 a) {
   const __m512i u = _mm512_castps_si512(a);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -121,11 +123,11 @@ EM_TARGET inline __m256i round_to_bf16(__m512 a) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-EM_TARGET inline __mmask32 mask32(int64_t n) {  // the first n (clamped to 0..32) of 32 lanes
+EM_TARGET_BW inline __mmask32 mask32(int64_t n) {  // the first n (clamped to 0..32) of 32 lanes
   return n >= 32 ? __mmask32(0xFFFFFFFFu) : (n <= 0 ? __mmask32(0) : __mmask32((1u << n) - 1u));
 }
 
-EM_TARGET inline __m512i bcast_pair(const uint16_t* x) {
+EM_TARGET_BW inline __m512i bcast_pair(const uint16_t* x) {
   uint32_t v;
   std::memcpy(&v, x, sizeof v);
   return _mm512_set1_epi32(int(v));
@@ -133,7 +135,7 @@ EM_TARGET inline __m512i bcast_pair(const uint16_t* x) {
 
 // The weight operand of K pair p for the 64 columns: four vectors of (even, odd) bf16 pairs.
 template <bool PACKED, bool PREFETCH>
-EM_TARGET inline void load_pair(__m512i* v, const uint16_t* w, int64_t ldw, __mmask32 m0, __mmask32 m1,
+EM_TARGET_BW inline void load_pair(__m512i* v, const uint16_t* w, int64_t ldw, __mmask32 m0, __mmask32 m1,
                                 int64_t p) {
   if (PACKED) {
     const uint16_t* wp = w + p * (2 * kCols);
@@ -157,7 +159,7 @@ EM_TARGET inline void load_pair(__m512i* v, const uint16_t* w, int64_t ldw, __mm
 // ([Kp/2, 64, 2], columns in order, zero outside w): the same pairs the kn tile would build, stored once so that
 // several row tiles can share them.
 // The last row of an odd K as pairs (w[K-1], 0) in the layout load_pair gives: r0 = that row, 64 columns masked.
-EM_TARGET inline void load_last_row(__m512i* v, const uint16_t* r0, __mmask32 m0, __mmask32 m1) {
+EM_TARGET_BW inline void load_last_row(__m512i* v, const uint16_t* r0, __mmask32 m0, __mmask32 m1) {
   const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0), a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
   const __m512i z = _mm512_setzero_si512();
   v[0] = _mm512_unpacklo_epi16(a0, z);
@@ -166,7 +168,7 @@ EM_TARGET inline void load_last_row(__m512i* v, const uint16_t* r0, __mmask32 m0
   v[3] = _mm512_unpackhi_epi16(a1, z);
 }
 
-EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
+EM_TARGET_BW void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
   const __mmask32 m0 = mask32(ncols), m1 = mask32(ncols - 32);
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -191,7 +193,7 @@ EM_TARGET void pack_group_avx512(const uint16_t* w, int64_t ldw, int64_t ncols, 
 // kn: vector 2h holds columns 32h + {0-3, 8-11, 16-19, 24-27} and vector 2h+1 columns 32h + {4-7, 12-15, 20-23,
 // 28-31} (unpack works inside 128-bit lanes): put them back in order.
 template <int MR, bool PACKED>
-EM_TARGET inline void store_rows(const Tile& t, const __m512 (&acc)[MR][4]) {
+EM_TARGET_BW inline void store_rows(const Tile& t, const __m512 (&acc)[MR][4]) {
   const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < MR; ++r) {
@@ -242,6 +244,107 @@ EM_TARGET void tile_avx512(const Tile& t, int64_t K) {
     }
   }
   store_rows<MR, PACKED>(t, acc);
+}
+
+// ------------------------------------------------------------------------------- FMA paths (no AVX512-BF16)
+// The VDPBF16PS steps on plain fp32 FMA units, for CPUs without AVX512-BF16 (Skylake to Ice Lake servers, AVX2-only
+// EPYCs). A 32-bit lane of a packed weight vector holds one (even, odd) pair: masking off its low half leaves the
+// odd element as an fp32 value, shifting it up 16 bits gives the even one; the input pair splits the same way. A
+// bf16 product is exact in fp32, so fma(x_odd, w_odd, acc) and then fma(x_even, w_even, acc) round exactly where
+// the portable loop's two additions do: the portable path's bits (IEEE subnormals, no flushing). The one place they
+// can differ is a product that is itself an fp32 subnormal (below 2^-126), which the portable loop rounds before
+// adding and the FMA does not. Subnormals aside, these are also VDPBF16PS's bits.
+constexpr int kFmaRows = 4;  // avx512: 4 x 4 accumulators + 8 split weight vectors + 2 split inputs
+
+// One K pair for MR rows: xb[r] the rows' input pairs broadcast, v the four weight pair vectors.
+template <int MR>
+EM_TARGET_BW inline void fma_pair(__m512 (&acc)[MR][4], const __m512i (&xb)[MR], const __m512i* v) {
+  const __m512i odd = _mm512_set1_epi32(int(0xFFFF0000u));
+  __m512 we[4], wo[4];
+  for (int c = 0; c < 4; ++c) {
+    wo[c] = _mm512_castsi512_ps(_mm512_and_si512(v[c], odd));
+    we[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v[c], 16));
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xb[r], odd));
+    const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xb[r], 16));
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xe, we[c], _mm512_fmadd_ps(xo, wo[c], acc[r][c]));
+  }
+}
+
+template <int MR, bool PACKED, bool STREAM>
+EM_TARGET_BW void tile_avx512_fma(const Tile& t, int64_t K) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t P = K / 2;
+  const __mmask32 m0 = mask32(t.ncols), m1 = mask32(t.ncols - 32);
+  __m512i v[4], xb[MR];
+  for (int64_t p = 0; p < P; ++p) {
+    load_pair<PACKED, STREAM>(v, t.w, t.ldw, m0, m1, p);
+    for (int r = 0; r < MR; ++r) xb[r] = bcast_pair(t.x[r] + 2 * p);
+    fma_pair<MR>(acc, xb, v);
+  }
+  if (K & 1) {  // the last pair: (x[K-1], 0) . (w[K-1], 0)
+    if (PACKED) {
+      for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_si512(t.w + P * (2 * kCols) + 32 * c);  // zero-padded
+    } else {
+      load_last_row(v, t.w + (K - 1) * t.ldw, m0, m1);
+    }
+    for (int r = 0; r < MR; ++r) xb[r] = _mm512_set1_epi32(int(t.x[r][K - 1]));
+    fma_pair<MR>(acc, xb, v);
+  }
+  store_rows<MR, PACKED>(t, acc);
+}
+
+// AVX2 + FMA: 8 lanes and 16 registers, so a tile runs its 64 columns as two halves of 32 (four vectors each) over
+// packed weights only (run_gemm packs a kn weight first). The same steps per element as above.
+#define EM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+constexpr int kAvx2Rows = 2;  // 2 x 4 accumulators + 4 split inputs + a weight vector split in two
+
+template <int MR>
+EM_TARGET_AVX2 inline void fma_pair_avx2(__m256 (&acc)[MR][4], const uint32_t (&pair)[MR], const uint16_t* w) {
+  const __m256i odd = _mm256_set1_epi32(int(0xFFFF0000u));
+  __m256 xo[MR], xe[MR];
+  for (int r = 0; r < MR; ++r) {
+    const __m256i xb = _mm256_set1_epi32(int(pair[r]));
+    xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xb, odd));
+    xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * c));
+    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
+    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    for (int r = 0; r < MR; ++r) acc[r][c] = _mm256_fmadd_ps(xe[r], we, _mm256_fmadd_ps(xo[r], wo, acc[r][c]));
+  }
+}
+
+template <int MR>
+EM_TARGET_AVX2 void tile_avx2(const Tile& t, int64_t K) {
+  const int64_t P = K / 2;
+  for (int h = 0; h < 2 && 32 * h < t.ncols; ++h) {
+    __m256 acc[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    const uint16_t* w = t.w + 64 * h;  // pair p's 32 columns of this half: w + p * 128, 64 bf16
+    uint32_t pair[MR];
+    for (int64_t p = 0; p < P; ++p) {
+      for (int r = 0; r < MR; ++r) std::memcpy(&pair[r], t.x[r] + 2 * p, sizeof(uint32_t));
+      fma_pair_avx2<MR>(acc, pair, w + p * (2 * kCols));
+    }
+    if (K & 1) {  // (x[K-1], 0) . (w[K-1], 0): the packed weight's last pair is zero-padded
+      for (int r = 0; r < MR; ++r) pair[r] = t.x[r][K - 1];
+      fma_pair_avx2<MR>(acc, pair, w + P * (2 * kCols));
+    }
+    alignas(32) float out[8];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < 4; ++c) {
+        const int64_t col = 32 * h + 8 * c, left = std::min<int64_t>(8, t.ncols - col);
+        if (left <= 0) break;
+        _mm256_store_ps(out, acc[r][c]);
+        for (int64_t i = 0; i < left; ++i) t.y[r][col + i] = float_to_bf16(out[i]);
+      }
+  }
 }
 #endif
 
@@ -387,14 +490,21 @@ EM_TARGET void tile_amx_vec(const Tile& t, int64_t K) {
 int64_t resolve_isa(int64_t isa) {
 #ifdef EM_X86
   const em_cpu::Features& f = em_cpu::features();
-  const bool has = f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16;
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl;
+  const bool has = avx512 && f.avx512bf16;
+  const bool avx2 = f.avx2 && f.fma;
+  // auto: the fastest path this CPU runs; every path below AMX computes the same steps (AMX its own order)
+  const int64_t vector = has ? kAvx512Bf16 : avx512 ? kAvx512 : avx2 ? kAvx2 : kPortable;
 #ifdef EM_AMX
-  if (isa == kAuto) return has ? (amx_usable() ? kAmx : kAvx512Bf16) : kPortable;
+  if (isa == kAuto) return has && amx_usable() ? kAmx : vector;
 #else
-  if (isa == kAuto) return has ? kAvx512Bf16 : kPortable;
+  if (isa == kAuto) return vector;
 #endif
-  TORCH_CHECK(isa == kPortable || isa == kAvx512Bf16 || isa == kAmx, "row-invariant linear: unknown isa code ", isa);
+  TORCH_CHECK(isa == kPortable || isa == kAvx512 || isa == kAvx512Bf16 || isa == kAmx || isa == kAvx2,
+              "row-invariant linear: unknown isa code ", isa);
   TORCH_CHECK(isa != kAvx512Bf16 || has, "row-invariant linear: this CPU has no AVX512-BF16");
+  TORCH_CHECK(isa != kAvx512 || avx512, "row-invariant linear: this CPU has no AVX-512 (F, BW, VL)");
+  TORCH_CHECK(isa != kAvx2 || avx2, "row-invariant linear: this CPU has no AVX2 + FMA");
 #ifdef EM_AMX
   // asked for the tile state only when AMX is asked for
   TORCH_CHECK(isa != kAmx || (has && amx_usable()), "row-invariant linear: this CPU (or its operating system) offers "
@@ -435,6 +545,19 @@ void run_tile(int64_t isa, const Tile& t, int mr, int64_t K, bool stream) {
   }
 #endif
 #ifdef EM_X86
+  if (isa == kAvx512) {
+    static_assert(kFmaRows == 4, "run_tile dispatches 1 to 4 rows to tile_avx512_fma");
+    switch (mr) {
+      case 1: return stream ? tile_avx512_fma<1, PACKED, true>(t, K) : tile_avx512_fma<1, PACKED, false>(t, K);
+      case 2: return stream ? tile_avx512_fma<2, PACKED, true>(t, K) : tile_avx512_fma<2, PACKED, false>(t, K);
+      case 3: return stream ? tile_avx512_fma<3, PACKED, true>(t, K) : tile_avx512_fma<3, PACKED, false>(t, K);
+      default: return stream ? tile_avx512_fma<4, PACKED, true>(t, K) : tile_avx512_fma<4, PACKED, false>(t, K);
+    }
+  }
+  if constexpr (PACKED) {  // run_gemm packs a kn weight before an avx2 tile sees it
+    static_assert(kAvx2Rows == 2, "run_tile dispatches 1 or 2 rows to tile_avx2");
+    if (isa == kAvx2) return mr == 1 ? tile_avx2<1>(t, K) : tile_avx2<2>(t, K);
+  }
   if (isa == kAvx512Bf16) {
     switch (mr) {
       case 1: return run_tile_mr<1, PACKED>(t, K, stream);
@@ -458,7 +581,7 @@ void pack_group_portable(const uint16_t* w, int64_t ldw, int64_t ncols, int64_t 
 
 void pack_group(int64_t isa, const uint16_t* w, int64_t ldw, int64_t ncols, int64_t K, uint16_t* buf) {
 #ifdef EM_X86
-  if (isa == kAvx512Bf16 || isa == kAmx) return pack_group_avx512(w, ldw, ncols, K, buf);
+  if (isa == kAvx512 || isa == kAvx512Bf16 || isa == kAmx) return pack_group_avx512(w, ldw, ncols, K, buf);
 #endif
   pack_group_portable(w, ldw, ncols, K, buf);
 }
@@ -543,7 +666,11 @@ void run_gemm(int64_t isa, const Gemm& g) {
 #ifdef EM_AMX
   if (isa == kAmx && g.M >= kAmxMinRows) return run_gemm_amx<PACKED>(g);
 #endif
-  const int64_t mr_max = isa == kAmx ? kAmxVecRows : kMR;
+#ifdef EM_X86
+  const int64_t mr_max = isa == kAmx ? kAmxVecRows : isa == kAvx512 ? kFmaRows : isa == kAvx2 ? kAvx2Rows : kMR;
+#else
+  const int64_t mr_max = kMR;
+#endif
   const int64_t G = (g.N + kCols - 1) / kCols;
   const int64_t Kp = g.K + (g.K & 1);
   // rows per work item: all of them for decode-sized M (one pass over the weight), else chunks of 16 tiles so
@@ -553,7 +680,8 @@ void run_gemm(int64_t isa, const Gemm& g) {
   const int64_t items = g.B * G * MCn;
   // kn weights and more than one row tile per item: the item packs its column group once (into a per-thread
   // buffer, K x 128 bytes) and runs the packed tiles on it — the same pairs in the same order, so the same bits.
-  const bool repack = !PACKED && MC > mr_max;
+  // (avx2 tiles read packed weights only: there every kn item packs)
+  const bool repack = !PACKED && (MC > mr_max || isa == kAvx2);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
 #ifdef EM_X86
     std::optional<FlushSubnormals> flush;
