@@ -568,6 +568,7 @@ def main(argv=None) -> int:
                         peer_systems.log(
                             f"{plen:>5}-token prompts x{conc} round {r + 1}/{n_rounds} {name:>10}: "
                             f"{res['tok_s']:7.2f} tok/s, TTFT p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['ttft_s'], 0.5), 1), '.2f')} s"
+                            f", ITL p50 {peer_report.fmt(peer_report.safe_div(peer_report.quantile(res['itl_s'], 0.5), 1e-3), '.1f')} ms"
                             + (f", {len(res['errors'])} errors: {res['errors'][0]}" if res["errors"] else "")
                         )
                 summ = {n: peer_report.summarize(per[n]) for n in order}
