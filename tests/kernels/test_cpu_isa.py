@@ -184,9 +184,11 @@ GENERATE = textwrap.dedent(
 def test_a_tiny_bf16_model_runs_as_an_avx2_only_cpu_runs_it(tiny_checkpoint_dir, tmp_path):
     """oneDNN capped at AVX2 and ATen at avx2 (what an AVX2-only EPYC offers): oneDNN refuses to prepack bf16
     there, and before the portable path every projection raised. Now the probe says so, the linear kernel runs its
-    AVX2 path (the portable loop's steps), and the model generates; its logits agree with this CPU's fast path within bf16
-    rounding (another summation order: the contract does not promise the same bits, so tokens are compared only
-    where the fast path's top two logits are apart by more than that)."""
+    AVX2 path (the portable loop's steps), and the model generates. Its logits agree with this CPU's fast path within
+    bf16 rounding, and tokens are compared where the fast path's top two logits are apart by more than that: AMX and
+    AVX512-BF16 sum in other orders or flush subnormals, and the contract does not promise their bits. Where this
+    CPU's own path is the FMA one (AVX-512 without BF16), both sides take the same steps: logits and tokens must be
+    bitwise the same."""
     prompt, n = [5, 17, 42, 9, 33, 61, 2], 6
     env = {k: v for k, v in os.environ.items() if k not in CAP_VARS} | AVX2_BOX | {"PYTHONSAFEPATH": "1"}
     done = subprocess.run(
@@ -221,3 +223,5 @@ def test_a_tiny_bf16_model_runs_as_an_avx2_only_cpu_runs_it(tiny_checkpoint_dir,
     assert got["tokens"][:first_close] == fast_tokens[:first_close]
     same = torch.equal(logits, fast_logits)
     print(f"greedy tokens: AVX2 box {got['tokens']}, fast path {fast_tokens}; logits bitwise the same: {same}")
+    if kernel and ck.default_isa() in ("avx512", "avx2"):  # both sides take the portable loop's steps on FMAs
+        assert same and got["tokens"] == fast_tokens
