@@ -42,6 +42,9 @@ Past `index_topk` the systems compute different things on purpose: expertmesh's 
 its lightning indexer picks for each query, vLLM (serving the weights as deepseek_v3) runs dense MLA over all of
 them. So greedy outputs may differ there: the table reports agreement and does not require it. It prints TTFT and
 decode ITL p50 side by side for those prompts (DSA's point: a 32K decode should cost about what a 4K one does).
+On a 24 GiB machine vLLM's CPU build cannot prefill 16,384 tokens of this model: it prefills an MLA prompt whole
+(no chunked prefill on CPU), and the kernel's OOM killer ended its worker at 20.1 GB anonymous RSS (seen on
+2026-12-07; expertmesh served the same prompt at a 3.6 GB peak). 8,192 tokens is the longest both systems serve there.
 
 The physical limit (issue #54): before any system starts and again at the end, the run measures this machine's copy
 bandwidth (bench/_peer_limit.py, in child processes: the best of 5 copies of a 512 MiB buffer with torch, on 1
