@@ -38,6 +38,7 @@ more than 6 rows packs each 64-column slice once into a per-thread buffer (K × 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -100,8 +101,15 @@ def available() -> bool:
 
 def fp32_available() -> bool:
     """The fp32 linear's vector path runs here (AVX-512, as `kernels.cpu_features` allows it): only then does it beat
-    oneDNN; its portable loop is the reference, not a path for a whole fp32 model."""
-    return available() and cpu_features.features().avx512 and bool(_require().f32_vector())
+    oneDNN; its portable loop is the reference, not a path for a whole fp32 model. (Asked per fp32 projection:
+    every part is cached.)"""
+    return available() and cpu_features.features().avx512 and _f32_vector()
+
+
+@functools.cache
+def _f32_vector() -> bool:
+    """The CPU itself has the fp32 linear's AVX-512 path (a fact of the hardware: asked of the kernel once)."""
+    return bool(_require().f32_vector())
 
 
 def _require():
@@ -200,7 +208,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, *, vector: bool | None = None)
     ops = _require()
     flat = _rows(x.reshape(-1, x.shape[-1]))
     out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
-    ops.linear_f32(flat, w.contiguous(), out, bool(ops.f32_vector()) if vector is None else vector)
+    ops.linear_f32(flat, w.contiguous(), out, _f32_vector() if vector is None else vector)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
