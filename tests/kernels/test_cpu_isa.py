@@ -104,13 +104,12 @@ def test_the_forced_portable_linear_matches_the_reference_and_rows_are_batch_inv
     """What a CPU without AVX2 runs for bf16 projections (no kernel fast path, no oneDNN bf16): F.linear on 16-row
     tiles. Within bf16 rounding of the fp32 reference and of this CPU's fast path (not its bits: another order),
     and each row's bits the same in any batch, at any position."""
-    name = "portable"
     gen = torch.Generator().manual_seed(54)
     cases = [(64, 288), (1024, 96), (48, 40)]
     weights = {(k, n): _param(_bf16(gen, n, k)) for k, n in cases}
     inputs = {k: _bf16(gen, 40, k) for k, _ in cases}
     fast = {key: bi.linear(inputs[key[0]], w) for key, w in weights.items()}  # this CPU's own path
-    level(name)
+    level("portable")
     for (k, n), w in weights.items():
         w = _param(w.detach().clone())  # a fresh parameter: no copy cached under the fast path
         x = inputs[k]

@@ -1,7 +1,7 @@
 """The row-invariant bf16 linear / bmm CPU kernel (kernels/linear): against the fp32 reference, bitwise row
 invariance (rows alone vs inside larger calls, at other positions, 1 vs 2 threads) on every path this CPU runs,
-the AVX512-BF16 and the FMA (AVX-512, AVX2) paths vs the portable loop (same bits), the AMX path (tiles and its 1-2 row vector path) against the
-tile-order reference bit for bit, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
+the AVX512-BF16 and the FMA (AVX-512, AVX2) paths vs the portable loop (same bits), the AMX path (tiles and its
+1-2 row vector path) against the tile-order reference bit for bit, odd shapes, strided inputs, bad inputs, and its use by kernels.batch_invariant."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not ck.built(), reason=f"kernel not built ({ck.E
 FAST = [isa for isa in ck.FAST_ISAS if ck.built() and ck.runs(isa)]
 ISAS = ["auto", "portable"] + FAST
 # the paths that take the portable loop's steps (VDPBF16PS, or fp32 FMAs on AVX-512 / AVX2): its bits exactly
-VDPBF16 = [isa for isa in ("avx512bf16", "avx512", "avx2") if isa in FAST]
+SAME_STEPS = [isa for isa in ("avx512bf16", "avx512", "avx2") if isa in FAST]
 
 
 def _bf16(gen, *shape, scale=1.0):
@@ -42,7 +42,7 @@ def test_linear_matches_reference(n, k):
     _close(got, x, w)
     ref = naive.linear(x, wp, n, k)
     assert (got.float() - ref.float()).abs().max() <= (ref.float().abs() * 2**-7).max()
-    for isa in VDPBF16:  # same bits on both paths (AMX: its own, checked against the reference)
+    for isa in SAME_STEPS:  # same bits on both paths (AMX: its own, checked against the reference)
         assert torch.equal(ck.linear(x, wp, n, k, isa="portable"), ck.linear(x, wp, n, k, isa=isa))
     for isa in FAST:
         _close(ck.linear(x, wp, n, k, isa=isa), x, w)
@@ -124,7 +124,7 @@ def test_bmm_paths_agree_and_accept_strided_weights():
         x = _bf16(gen, b, m, k)
         w = _bf16(gen, b, k, n)
         got = ck.bmm(x, w)
-        for isa in VDPBF16:
+        for isa in SAME_STEPS:
             assert torch.equal(ck.bmm(x, w, isa="portable"), ck.bmm(x, w, isa=isa))
         for isa in FAST:
             torch.testing.assert_close(
