@@ -1,7 +1,9 @@
-"""KDA kernels on CPU: chunked prefill vs the step-by-step reference, and recurrent decode vs the reference.
+"""KDA kernels on CPU: chunked prefill vs the step-by-step reference, recurrent decode vs the reference, and the
+C++ prefill (`recurrent_steps_`, token by token: what the model runs on CPU) vs the chunked form it replaced.
 
 Shapes follow the `small` preset's KDA layers (H=8 heads, K=V=128). Each row times the fast path and
-the reference side by side in one run (interleaved, median of repeats) and checks they agree.
+the reference side by side in one run (interleaved, median of repeats) and checks they agree; the C++ prefill's
+row has the chunked form in the `ref` column and its error against the reference recurrence.
 
     python bench/kernels_kda.py [--quick] [--out bench/results/kernels_kda.json]
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.kda import chunk_kda, fused_recurrent_kda, kda_recurrent_reference
+from expertmesh.kernels.kda import cpu_kernel as kda_cpu
 
 H, K, V = 8, 128, 128
 
@@ -76,6 +79,24 @@ def run(quick: bool) -> list[dict]:
                     rel_err=_rel(fast()[0], ref()[0]),
                 )
             )
+            if kda_cpu.available():
+                steps = lambda: kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[0], beta[0], h0[0].clone())  # noqa: E731
+                tf, tc = _time_pair(steps, fast, repeats)
+                rows.append(
+                    dict(
+                        op="recurrent_steps_ vs chunk",
+                        B=1,
+                        T=T,
+                        H=H,
+                        K=K,
+                        V=V,
+                        fast_ms=tf * 1e3,
+                        ref_ms=tc * 1e3,
+                        speedup=tc / tf,
+                        tokens_per_s=T / tf,
+                        rel_err=_rel(steps()[None], ref()[0]),
+                    )
+                )
         for B in [1, 8] if quick else [1, 4, 8, 16, 32]:
             q, k, v, g, beta, h0 = _inputs(B, 1, seed=B)
             fast = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731

@@ -28,9 +28,11 @@ __all__ = [
     "built",
     "enabled",
     "takes",
+    "takes_prompt",
     "refresh",
     "fused_recurrent_step",
     "recurrent_step_",
+    "recurrent_steps_",
     "EXTENSION",
 ]
 
@@ -67,10 +69,10 @@ def refresh() -> None:
     _use = None
 
 
-def takes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> bool:
-    """Whether a recurrent call on q [B, T, H, K] runs this kernel: a CPU tensor, one token per sequence (T = 1,
-    no packed sequences), no gradient to track, the kernel available, and no Triton backend forced for it
-    (`backend.resolve`: EXPERTMESH_KERNEL_BACKEND=triton runs the Triton kernels on CPU under TRITON_INTERPRET)."""
+def _usable(q: torch.Tensor) -> bool:
+    """q [B, T, H, K] is a CPU tensor with no gradient to track, the kernel is available, and no Triton backend is
+    forced for it (`backend.resolve`: EXPERTMESH_KERNEL_BACKEND=triton runs the Triton kernels on CPU under
+    TRITON_INTERPRET)."""
     global _use
     if _use is None:
         _use = available()
@@ -78,11 +80,20 @@ def takes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> bool:
         _use
         and q.device.type == "cpu"
         and q.dim() == 4
-        and q.shape[1] == 1
-        and cu_seqlens is None
         and not (torch.is_grad_enabled() and q.requires_grad)
         and resolve(q) != "triton"
     )
+
+
+def takes(q: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> bool:
+    """Whether a recurrent call on q [B, T, H, K] runs this kernel: one token per sequence (T = 1, no packed
+    sequences) and `_usable`."""
+    return _usable(q) and q.shape[1] == 1 and cu_seqlens is None
+
+
+def takes_prompt(q: torch.Tensor) -> bool:
+    """Whether one sequence's run of tokens q [1, T, H, K] runs `recurrent_steps_` (the model's CPU prefill)."""
+    return _usable(q) and q.shape[0] == 1
 
 
 def fused_recurrent_step(
@@ -139,6 +150,38 @@ def recurrent_step_(
         q[None, None], k[None, None], v[None, None], g[None, None], beta[None, None], scale, state[None], None
     )
     o = EXTENSION.load().recurrent_step_(
+        q.float().contiguous(),
+        k.float().contiguous(),
+        v.float().contiguous(),
+        g.float().contiguous(),
+        beta.float().contiguous(),
+        state,
+        info.scale,
+    )
+    return o.to(v.dtype)
+
+
+def recurrent_steps_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """T tokens of one sequence in order, the state updated in place (the model's CPU prefill): q, k, g [T, H, K];
+    v [T, H, V]; beta [T, H]; state [H, K, V] fp32 contiguous, modified → o [T, H, V] in v's dtype. Token t is the
+    one-token step on the state after t tokens — the bits of T `recurrent_step_` calls — so a prompt's KDA rows
+    and final state do not depend on how it was cut into steps, and equal decoding it token by token."""
+    if state.dtype != torch.float32 or state.dim() != 3 or not state.is_contiguous():
+        raise ValueError(
+            f"state: expected a contiguous float32 [H, K, V] tensor, found {state.dtype} {list(state.shape)}"
+        )
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, H, K], found {list(q.shape)}")
+    info = check_kda_inputs(q[None], k[None], v[None], g[None], beta[None], scale, state[None], None)
+    o = EXTENSION.load().recurrent_steps_(
         q.float().contiguous(),
         k.float().contiguous(),
         v.float().contiguous(),

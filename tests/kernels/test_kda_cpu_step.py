@@ -101,3 +101,67 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="initial_state"):
         kda_cpu.fused_recurrent_step(q, k, v, g, beta, initial_state=state[:, :1])
     assert torch.isfinite(kda_cpu.fused_recurrent_step(q, k, v, g, beta, initial_state=state)[0]).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompt_is_its_decode_steps_bit_for_bit_and_matches_the_reference(threads):
+    """recurrent_steps_ (the CPU prefill): T tokens in one call give the bits of T one-token calls, whatever the
+    thread count, and agree with the reference recurrence."""
+    T, H, K, V = 37, 3, 32, 24
+    q, k, v, g, beta, state = inputs(1, H, K, V, seed=11, dtype=torch.bfloat16, T=T)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s_all = state[0].clone()
+        o_all = kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[0], beta[0], s_all)
+        s_one, outs = state[0].clone(), []
+        for t in range(T):
+            outs.append(kda_cpu.recurrent_step_(q[0, t], k[0, t], v[0, t], g[0, t], beta[0, t], s_one))
+    finally:
+        torch.set_num_threads(before)
+    assert o_all.dtype == torch.bfloat16 and o_all.shape == (T, H, V)
+    assert torch.equal(o_all, torch.stack(outs)) and torch.equal(s_all, s_one)
+    o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(s_all, s_ref[0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o_all.float(), o_ref[0].float(), rtol=2**-7, atol=2**-7)
+    assert not torch.equal(s_all, state[0])
+
+
+def test_the_model_prefill_of_a_prompt_is_its_decode_steps_bit_for_bit():
+    """A KDA layer fed a prompt in one step, in two uneven steps, or token by token: the same output rows and
+    final state, bit for bit (the CPU prefill runs the decode step's recurrence)."""
+    from expertmesh.model.attention import KDAttention
+    from expertmesh.model.cache import Segment, SequenceCache
+    from expertmesh.model.config import preset
+
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    attn = KDAttention(cfg)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(13, cfg.hidden_size)
+
+    @torch.no_grad()
+    def run(cuts):
+        cache = SequenceCache(layers=[attn.new_cache()])
+        outs, start = [], 0
+        for n in cuts:
+            outs.append(attn(x[start : start + n], [Segment(0, n, cache)], 0))
+            cache.length += n
+            start += n
+        return torch.cat(outs), cache.layers[0].state
+
+    o1, s1 = run([13])
+    for cuts in ([5, 8], [1] * 13):
+        o2, s2 = run(cuts)
+        assert torch.equal(o1, o2) and torch.equal(s1, s2), cuts
+
+
+def test_bad_prompt_inputs_are_named():
+    q, k, v, g, beta, state = inputs(1, 2, 16, 16, seed=9, T=4)
+    with pytest.raises(ValueError, match="q: expected"):
+        kda_cpu.recurrent_steps_(q[0, 0], k[0], v[0], g[0], beta[0], state[0].clone())
+    with pytest.raises(ValueError, match="beta"):
+        kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[0], beta[0, :2], state[0].clone())
+    with pytest.raises(ValueError, match="state"):
+        kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[0], beta[0], state[0].double())

@@ -61,6 +61,21 @@ void check_f32(const at::Tensor& t, const char* name, std::vector<int64_t> shape
   TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
+// One token of row r: qr, kr, gr [K], vr [V], b its beta; S the row's state [K, V], the new one written to `out`
+// (which may be S: each element is read before it is written); o [V]. decay, bk, qk [K] and err [V] are scratch.
+inline void step_one(const float* qr, const float* kr, const float* vr, const float* gr, float b, const float* S,
+                     float fscale, int64_t K, int64_t V, float* out, float* o, float* decay, float* bk, float* qk,
+                     float* err) {
+  for (int64_t i = 0; i < K; ++i) {
+    decay[i] = std::exp(gr[i]);
+    bk[i] = b * kr[i];
+    qk[i] = qr[i] * fscale;
+  }
+  decay_and_project(S, decay, kr, K, V, out, err);
+  for (int64_t j = 0; j < V; ++j) err[j] = vr[j] - err[j];
+  update_and_read(out, bk, err, qk, K, V, o);
+}
+
 // q, k, g [R, K]; v [R, V]; beta [R]; state [R, K, V]; all fp32, contiguous. Writes o [R, V] and the new state
 // into `out` (which may be `state` itself: each element is read before it is written, by the same thread).
 void step_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -81,18 +96,44 @@ void step_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   float *os = o.data_ptr<float>(), *outs = out.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> decay(K), bk(K), qk(K), err(V);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *qr = qs + r * K, *kr = ks + r * K, *gr = gs + r * K;
-      for (int64_t i = 0; i < K; ++i) {
-        decay[i] = std::exp(gr[i]);
-        bk[i] = bs[r] * kr[i];
-        qk[i] = qr[i] * fscale;
-      }
-      decay_and_project(S + r * K * V, decay.data(), kr, K, V, outs + r * K * V, err.data());
-      for (int64_t j = 0; j < V; ++j) err[j] = vs[r * V + j] - err[j];
-      update_and_read(outs + r * K * V, bk.data(), err.data(), qk.data(), K, V, os + r * V);
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      step_one(qs + r * K, ks + r * K, vs + r * V, gs + r * K, bs[r], S + r * K * V, fscale, K, V, outs + r * K * V,
+               os + r * V, decay.data(), bk.data(), qk.data(), err.data());
   });
+}
+
+// T tokens of each row in order, the state updated in place: q, k, g [T, R, K]; v [T, R, V]; beta [T, R];
+// state [R, K, V] → o [T, R, V]. Token t of row r is exactly the one-token step on the state after t tokens, so
+// the result is the bits of T `recurrent_step_` calls. A thread takes whole rows (heads) and walks all T tokens
+// of each, so a row's state stays in that core's cache for the whole prompt (prefill).
+at::Tensor recurrent_steps_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& state, double scale) {
+  TORCH_CHECK_VALUE(state.defined() && state.dim() == 3, "state: expected [rows, K, V], found ",
+                    state.defined() ? state.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_VALUE(q.defined() && q.dim() == 3, "q: expected [T, rows, K], found ",
+                    q.defined() ? q.sizes() : at::IntArrayRef{});
+  const int64_t T = q.size(0), R = state.size(0), K = state.size(1), V = state.size(2);
+  check_f32(state, "state", {R, K, V});
+  check_f32(q, "q", {T, R, K});
+  check_f32(k, "k", {T, R, K});
+  check_f32(g, "g", {T, R, K});
+  check_f32(v, "v", {T, R, V});
+  check_f32(beta, "beta", {T, R});
+  at::Tensor o = at::empty({T, R, V}, state.options());
+  const float fscale = static_cast<float>(scale);
+  const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  const float *gs = g.data_ptr<float>(), *bs = beta.data_ptr<float>();
+  float *S = state.data_ptr<float>(), *os = o.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> decay(K), bk(K), qk(K), err(V);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t tr = t * R + r;
+        step_one(qs + tr * K, ks + tr * K, vs + tr * V, gs + tr * K, bs[tr], S + r * K * V, fscale, K, V,
+                 S + r * K * V, os + tr * V, decay.data(), bk.data(), qk.data(), err.data());
+      }
+  });
+  return o;
 }
 
 std::tuple<at::Tensor, at::Tensor> recurrent_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -124,4 +165,7 @@ TORCH_LIBRARY(expertmesh_kda_cpu, m) {
   m.def("recurrent_step_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, float scale) -> "
         "Tensor",
         &recurrent_step_);
+  m.def("recurrent_steps_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, float scale) -> "
+        "Tensor",
+        &recurrent_steps_);
 }
