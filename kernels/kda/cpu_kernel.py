@@ -1,7 +1,10 @@
-"""One decode token of KDA's recurrence as one C++ op (`kernels/kda/cpu/recurrent_step.cpp`) in place of the
-PyTorch recurrent form's dozen ATen ops per call (fused_recurrent.py): the state of each head is read once and
-written once, the gates and scaled keys computed inside. At decode those ops' dispatch and the state's clone, not
-the arithmetic, were the cost (~0.6 ms a layer on the K3 peer model at one sequence).
+"""KDA's recurrence on CPU as C++ ops (`kernels/kda/cpu/recurrent_step.cpp`) in place of the PyTorch recurrent
+form's dozen ATen ops per call (fused_recurrent.py): one decode token (`recurrent_step_`, `fused_recurrent_step`),
+the state of each head read once and written once, the gates and scaled keys computed inside — at decode those ops'
+dispatch and the state's clone, not the arithmetic, were the cost (~0.6 ms a layer on the K3 peer model at one
+sequence); and a prompt (`recurrent_steps_`): the same step token by token, a thread per head walking every token,
+so the head's state stays in that core's cache — 4.2x the chunked form at 2,048 tokens on 2 cores
+(bench/kernels_kda.py), and the bits of decoding the prompt token by token.
 
 Numerics (see the C++ header): the same steps as the PyTorch form, each one fp32 rounding; the two sums over K run
 in row order, the PyTorch form's bmm in its own, so the two agree to fp32 rounding, not bitwise. Threads split

@@ -1,6 +1,7 @@
 // One token of Kimi Delta Attention's recurrence for CPUs (decode): the dozen ATen ops of the PyTorch recurrent
-// form (kernels/kda/fused_recurrent.py) as one op that reads each head's state once and writes it once. One
-// translation unit, built on first use by expertmesh/kernels/kda/cpu_kernel.py with torch.utils.cpp_extension.load.
+// form (kernels/kda/fused_recurrent.py) as one op that reads each head's state once and writes it once; and a
+// prompt's tokens through the same step in one op (recurrent_steps_, prefill). One translation unit, built on first
+// use by expertmesh/kernels/kda/cpu_kernel.py with torch.utils.cpp_extension.load.
 //
 // Per (sequence, head) row h, with S = state[h] [K, V] fp32, q, k, g [K] and v [V] fp32, beta a scalar:
 //   S ← S · exp(g)[:, None];   err = v − kᵀS;   S ← S + (beta · k) ⊗ err;   o = (q · scale)ᵀ S
