@@ -55,6 +55,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def _row(op: str, B: int, T: int, fast_s: float, ref_s: float, rel_err: float, tokens: int) -> dict:
+    return dict(
+        op=op,
+        B=B,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        fast_ms=fast_s * 1e3,
+        ref_ms=ref_s * 1e3,
+        speedup=ref_s / fast_s,
+        tokens_per_s=tokens / fast_s,
+        rel_err=rel_err,
+    )
+
+
 def run(quick: bool) -> list[dict]:
     rows: list[dict] = []
     repeats = 2 if quick else 3
@@ -64,59 +80,17 @@ def run(quick: bool) -> list[dict]:
             fast = lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             ref = lambda: kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             tf, tr = _time_pair(fast, ref, repeats)
-            rows.append(
-                dict(
-                    op="chunk_kda (prefill)",
-                    B=1,
-                    T=T,
-                    H=H,
-                    K=K,
-                    V=V,
-                    fast_ms=tf * 1e3,
-                    ref_ms=tr * 1e3,
-                    speedup=tr / tf,
-                    tokens_per_s=T / tf,
-                    rel_err=_rel(fast()[0], ref()[0]),
-                )
-            )
+            rows.append(_row("chunk_kda (prefill)", 1, T, tf, tr, _rel(fast()[0], ref()[0]), T))
             if kda_cpu.available():
                 steps = lambda: kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[0], beta[0], h0[0].clone())  # noqa: E731
                 tf, tc = _time_pair(steps, fast, repeats)
-                rows.append(
-                    dict(
-                        op="recurrent_steps_ vs chunk",
-                        B=1,
-                        T=T,
-                        H=H,
-                        K=K,
-                        V=V,
-                        fast_ms=tf * 1e3,
-                        ref_ms=tc * 1e3,
-                        speedup=tc / tf,
-                        tokens_per_s=T / tf,
-                        rel_err=_rel(steps()[None], ref()[0]),
-                    )
-                )
+                rows.append(_row("recurrent_steps_ vs chunk", 1, T, tf, tc, _rel(steps()[None], ref()[0]), T))
         for B in [1, 8] if quick else [1, 4, 8, 16, 32]:
             q, k, v, g, beta, h0 = _inputs(B, 1, seed=B)
             fast = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             ref = lambda: kda_recurrent_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
             tf, tr = _time_pair(fast, ref, repeats * 5)
-            rows.append(
-                dict(
-                    op="fused_recurrent_kda (decode)",
-                    B=B,
-                    T=1,
-                    H=H,
-                    K=K,
-                    V=V,
-                    fast_ms=tf * 1e3,
-                    ref_ms=tr * 1e3,
-                    speedup=tr / tf,
-                    tokens_per_s=B / tf,
-                    rel_err=_rel(fast()[0], ref()[0]),
-                )
-            )
+            rows.append(_row("fused_recurrent_kda (decode)", B, 1, tf, tr, _rel(fast()[0], ref()[0]), B))
     return rows
 
 

@@ -144,24 +144,11 @@ def recurrent_step_(
     """One token of one sequence with its state updated in place (the model's decode: a new 1 MB state per layer
     and token cost more in fresh pages than the step's arithmetic): q, k, g [H, K]; v [H, V]; beta [H]; state
     [H, K, V] fp32 contiguous, modified → o [H, V] in v's dtype; the same bits as `fused_recurrent_step`."""
-    if state.dtype != torch.float32 or state.dim() != 3 or not state.is_contiguous():
-        raise ValueError(
-            f"state: expected a contiguous float32 [H, K, V] tensor, found {state.dtype} {list(state.shape)}"
-        )
-    H, K, V = state.shape
+    _check_state(state)
     info = check_kda_inputs(
         q[None, None], k[None, None], v[None, None], g[None, None], beta[None, None], scale, state[None], None
     )
-    o = EXTENSION.load().recurrent_step_(
-        q.float().contiguous(),
-        k.float().contiguous(),
-        v.float().contiguous(),
-        g.float().contiguous(),
-        beta.float().contiguous(),
-        state,
-        info.scale,
-    )
-    return o.to(v.dtype)
+    return _in_place(EXTENSION.load().recurrent_step_, q, k, v, g, beta, state, info.scale)
 
 
 def recurrent_steps_(
@@ -177,20 +164,21 @@ def recurrent_steps_(
     v [T, H, V]; beta [T, H]; state [H, K, V] fp32 contiguous, modified → o [T, H, V] in v's dtype. Token t is the
     one-token step on the state after t tokens — the bits of T `recurrent_step_` calls — so a prompt's KDA rows
     and final state do not depend on how it was cut into steps, and equal decoding it token by token."""
+    _check_state(state)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, H, K], found {list(q.shape)}")
+    info = check_kda_inputs(q[None], k[None], v[None], g[None], beta[None], scale, state[None], None)
+    return _in_place(EXTENSION.load().recurrent_steps_, q, k, v, g, beta, state, info.scale)
+
+
+def _check_state(state: torch.Tensor) -> None:
     if state.dtype != torch.float32 or state.dim() != 3 or not state.is_contiguous():
         raise ValueError(
             f"state: expected a contiguous float32 [H, K, V] tensor, found {state.dtype} {list(state.shape)}"
         )
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [T, H, K], found {list(q.shape)}")
-    info = check_kda_inputs(q[None], k[None], v[None], g[None], beta[None], scale, state[None], None)
-    o = EXTENSION.load().recurrent_steps_(
-        q.float().contiguous(),
-        k.float().contiguous(),
-        v.float().contiguous(),
-        g.float().contiguous(),
-        beta.float().contiguous(),
-        state,
-        info.scale,
-    )
-    return o.to(v.dtype)
+
+
+def _in_place(op, q, k, v, g, beta, state: torch.Tensor, scale: float) -> torch.Tensor:
+    """`op` (an in-place op of the extension) on the inputs as contiguous fp32 → o in v's dtype."""
+    args = (t.float().contiguous() for t in (q, k, v, g, beta))
+    return op(*args, state, scale).to(v.dtype)
