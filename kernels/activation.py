@@ -8,7 +8,9 @@
 and β_lin = `activation_situ_linear_beta` = 25.0.) Every MoE expert kernel takes one `GatedActivation`
 (keyword `activation`, default `SWIGLU`) and evaluates it in fp32 in this order: a = β·tanh(g/β), a = a·σ(g),
 u' = β_lin·tanh(u/β_lin), h = a·u'. The reference below runs each transcendental through
-`kernels.batch_invariant.pointwise`, so a row's result never depends on the other rows of the batch.
+`kernels.batch_invariant.pointwise`, so a row's result never depends on the other rows of the batch. On CPU the
+MoE kernel's own vector exp / tanh (`kernels.moe.cpu_kernel.gated_activation`, a few ulp from this) also serves
+the dense MLPs and shared experts (`expertmesh.model.layers.GatedMLP`).
 """
 
 from __future__ import annotations

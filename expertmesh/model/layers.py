@@ -14,6 +14,8 @@ from torch import nn
 
 from expertmesh.kernels.activation import GatedActivation, gated_act
 from expertmesh.kernels.batch_invariant import linear, linear_fused
+from expertmesh.kernels.moe import cpu_activation_runs
+from expertmesh.kernels.moe import cpu_kernel as moe_kernel
 from expertmesh.kernels.norm import cpu_kernel as norm_kernel
 from expertmesh.kernels.norm import naive as norm_naive
 from expertmesh.model.config import ActivationConfig, RopeConfig
@@ -157,6 +159,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate, self.up)
+        if cpu_activation_runs(gate):  # CPU: the routed experts' vector activation (kernels/moe), one C++ op
+            h = moe_kernel.gated_activation(
+                gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), self.activation
+            )
+            return self.down(h.reshape(gate.shape).to(x.dtype))
         return self.down(gated_act(gate, up, self.activation).to(x.dtype))
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "SWIGLU",
     "moe_expert_outputs",
     "cpu_kernel_runs",
+    "cpu_activation_runs",
     "moe_combine",
     "moe_forward",
     "moe_reference",
@@ -60,6 +61,19 @@ def cpu_kernel_runs(x: torch.Tensor, experts: MXFP4Experts) -> bool:
     forced, the kernel built."""
     return (
         x.device.type == "cpu" and experts.device.type == "cpu" and _configured() == "auto" and cpu_kernel.available()
+    )
+
+
+def cpu_activation_runs(gate: torch.Tensor) -> bool:
+    """Whether a dense MLP's or shared experts' activation on `gate` runs the CPU kernel's vector activation
+    (`cpu_kernel.gated_activation`: the routed experts' own, within a few ulp of `kernels.activation.gated_act`,
+    elementwise so batch-invariant; at decode one call instead of a dozen pointwise ops): a CPU tensor, no gradient
+    to track, the backend not forced, the kernel built."""
+    return (
+        gate.device.type == "cpu"
+        and not (torch.is_grad_enabled() and gate.requires_grad)
+        and _configured() == "auto"
+        and cpu_kernel.available()
     )
 
 
