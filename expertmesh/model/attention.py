@@ -82,7 +82,7 @@ class KDAttention(nn.Module):
         gate_in = self.g_proj if self.full_rank_gate else self.g_a
         q, k, v, f_a, b, g_in = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a, self.b_proj, gate_in)
         qkv = torch.cat([q, k, v], dim=-1)  # [N, 3·inner]
-        a = self.A_log.float().exp().repeat_interleave(d)  # [inner]
+        a, conv_weight, conv_bias = self._per_weights()
         f = self.f_b(f_a).float() + self.dt_bias.float()  # [N, inner]
         if self.gate_lower_bound is None:
             g = -a * pointwise(F.softplus, f)
@@ -90,9 +90,6 @@ class KDAttention(nn.Module):
             g = self.gate_lower_bound * pointwise(torch.sigmoid, a * f)
         beta = pointwise(torch.sigmoid, b)  # [N, nH]
         out_gate = pointwise(torch.sigmoid, g_in if self.full_rank_gate else self.g_b(g_in))
-        convs = (self.q_conv, self.k_conv, self.v_conv)
-        conv_weight = torch.cat([c.weight[:, 0] for c in convs])  # [3·inner, kernel]
-        conv_bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
         o = x.new_empty(n, nh, d)
         for seg in segments:
             rows = slice(seg.start, seg.start + seg.length)
@@ -133,6 +130,23 @@ class KDAttention(nn.Module):
             o[rows] = out[0]
         o = self.o_norm(o).reshape(n, self.inner) * out_gate
         return self.o_proj(o)
+
+    def _per_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(a = exp(A_log) per channel [inner], the q/k/v conv weights [3·inner, kernel], their biases or None): what
+        every call derives from the parameters alone, kept while those are the same tensors at the same versions
+        (a load or an in-place write derives them again); at decode the few ops it takes cost as much as the maths."""
+        convs = (self.q_conv, self.k_conv, self.v_conv)
+        params = [self.A_log] + [c.weight for c in convs] + [c.bias for c in convs if c.bias is not None]
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        tracked = torch.is_grad_enabled() and any(p.requires_grad for p in params)  # a graph is never kept
+        if tracked or getattr(self, "_per_weights_key", None) != key:
+            a = self.A_log.float().exp().repeat_interleave(self.head_dim)
+            weight = torch.cat([c.weight[:, 0] for c in convs])
+            bias = torch.cat([c.bias for c in convs]) if convs[0].bias is not None else None
+            if tracked:
+                return a, weight, bias
+            self._per_weights_value, self._per_weights_key = (a, weight, bias), key
+        return self._per_weights_value
 
     @staticmethod
     def _verify_recurrent(q, k, v, g, beta, cache: KDACache) -> tuple[torch.Tensor, list[torch.Tensor]]:
