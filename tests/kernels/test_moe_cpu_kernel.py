@@ -21,6 +21,7 @@ from expertmesh.kernels.activation import SWIGLU, GatedActivation
 from expertmesh.kernels.backend import use_backend
 from expertmesh.kernels.moe import (
     MXFP4Experts,
+    cpu_activation_runs,
     cpu_kernel,
     moe_expert_outputs,
     moe_expert_outputs_cpu,
@@ -358,3 +359,29 @@ def test_vector_activation_has_the_same_bits_on_every_path_and_a_few_ulp_error(a
     assert ((outs[0].double() - want).abs()[~big] <= 1e-30).all()
     with pytest.raises(ValueError, match="up: expected the shape of gate"):
         cpu_kernel.gated_activation(gate, up[:, :-1], activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_mlp_on_cpu_runs_the_vector_activation_row_by_row(dtype):
+    """A dense MLP / shared experts on CPU (model/layers.GatedMLP): the kernel's activation, a row's bits the same
+    alone or in a batch, and within fp32 rounding of the PyTorch activation (the backend forced to torch)."""
+    from expertmesh.model.config import ActivationConfig
+    from expertmesh.model.layers import GatedMLP
+
+    gen = torch.Generator().manual_seed(43)
+    mlp = GatedMLP(64, 96, ActivationConfig(kind="situ", beta=4.0, linear_beta=25.0)).to(dtype)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        x = (torch.randn(9, 64, generator=gen) * 2).to(dtype)
+        gate, _ = mlp.gate(x), mlp.up(x)
+        assert cpu_activation_runs(gate)
+        got = mlp(x)
+        for i in (0, 4, 8):
+            assert torch.equal(mlp(x[i : i + 1])[0], got[i])
+        with use_backend("torch"):
+            assert not cpu_activation_runs(gate)
+            ref = mlp(x)
+    assert not torch.equal(got.float(), ref.float()) or dtype == torch.bfloat16  # two functions, fp32 apart
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(got.float(), ref.float()) < tol
