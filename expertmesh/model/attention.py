@@ -111,10 +111,9 @@ class KDAttention(nn.Module):
                 )
                 continue
             if kda_cpu.takes_prompt(q):  # prefill on CPU: token by token in C++, each the decode step's bits
-                cache.state = cache.state.contiguous().clone()  # a new state, as the chunked form gives: held
-                o[rows] = kda_cpu.recurrent_steps_(  # states (worker/sequences.py) may alias the old one
-                    q[0], k[0], v[0], g[rows].view(-1, nh, d), beta[rows], cache.state
-                )
+                # a new state, as the chunked form gives: held states (worker/sequences.py) may alias the old one
+                cache.state = cache.state.clone(memory_format=torch.contiguous_format)
+                o[rows] = kda_cpu.recurrent_steps_(q[0], k[0], v[0], g[rows].view(-1, nh, d), beta[rows], cache.state)
                 continue
             kda = kda_ops.chunk_kda if seg.length >= KDA_CHUNKED_MIN_TOKENS else kda_ops.fused_recurrent_kda
             out, state = kda(

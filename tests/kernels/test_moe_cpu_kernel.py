@@ -374,7 +374,7 @@ def test_gated_mlp_on_cpu_runs_the_vector_activation_row_by_row(dtype):
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         x = (torch.randn(9, 64, generator=gen) * 2).to(dtype)
-        gate, _ = mlp.gate(x), mlp.up(x)
+        gate = mlp.gate(x)
         assert cpu_activation_runs(gate)
         got = mlp(x)
         for i in (0, 4, 8):
@@ -382,6 +382,7 @@ def test_gated_mlp_on_cpu_runs_the_vector_activation_row_by_row(dtype):
         with use_backend("torch"):
             assert not cpu_activation_runs(gate)
             ref = mlp(x)
-    assert not torch.equal(got.float(), ref.float()) or dtype == torch.bfloat16  # two functions, fp32 apart
+    if dtype == torch.float32:
+        assert not torch.equal(got, ref)  # two functions, a few ulp apart: the kernel's was taken
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert _rel(got.float(), ref.float()) < tol
